@@ -1,0 +1,57 @@
+# mcp-tasks-proxy — every target installs what it needs (a virtual environment in .venv, the pinned
+# conformance suite and Node 22 from the npm registry in conformance/node_modules).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+SUITE := conformance/node_modules/@modelcontextprotocol/conformance/dist/index.js
+UPSTREAM_PORT ?= 9000
+PORT ?= 8080
+
+.PHONY: install run test unit conformance check lint typecheck format clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+$(SUITE): conformance/package.json conformance/package-lock.json
+	cd conformance && npm ci --no-audit --no-fund --loglevel=error
+	touch $(SUITE)
+
+## run: the proxy on :$(PORT) in front of the bundled example legacy server on :$(UPSTREAM_PORT)
+run: $(STAMP)
+	@$(BIN)/python -m tests.upstream --host 127.0.0.1 --port $(UPSTREAM_PORT) > /dev/null & \
+	  upstream=$$!; trap 'kill $$upstream 2>/dev/null' EXIT INT TERM; \
+	  $(BIN)/python -m proxy serve --config config/proxy.example.yaml \
+	    --upstream http://127.0.0.1:$(UPSTREAM_PORT)/mcp --port $(PORT)
+
+## test: unit + flow tests, then the conformance gates
+test: unit conformance
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+conformance: $(STAMP) $(SUITE)
+	$(BIN)/python conformance/run.py
+
+## check: lint, format check, types, tests
+check: lint typecheck test
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) conformance/node_modules conformance/out .mypy_cache .ruff_cache .pytest_cache

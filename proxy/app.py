@@ -1,0 +1,266 @@
+"""The aiohttp application: routes, middlewares, THE error edge, lifecycle.
+
+One endpoint serves both eras: each POST is classified (architecture.md), legacy traffic goes to the
+pass-through, modern requests to `Front`. Every ProxyError raised anywhere below becomes a JSON-RPC error
+body and HTTP status here, in `error_edge`, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Final
+
+import aiohttp
+import structlog
+from aiohttp import web
+from yarl import URL
+
+from proxy.config import Config
+from proxy.errors import (
+    ForbiddenError,
+    InvalidRequestError,
+    MethodNotAllowedError,
+    ParseError,
+    PayloadTooLargeError,
+    ProxyError,
+)
+from proxy.front import Front
+from proxy.upstream.passthrough import PassThrough
+from proxy.upstream.session import UpstreamClient
+from proxy.upstream.sse import frame
+from proxy.wire import jsonrpc
+from proxy.wire.envelope import PROTOCOL_VERSION_HEADER, is_modern, validate_modern
+from proxy.wire.jsonrpc import JSON, Notification, Response
+
+log = structlog.get_logger(__name__)
+
+CONFIG: Final = web.AppKey("config", Config)
+FRONT: Final = web.AppKey("front", Front)
+PASSTHROUGH: Final = web.AppKey("passthrough", PassThrough)
+UPSTREAM: Final = web.AppKey("upstream", UpstreamClient)
+ERA: Final = web.RequestKey("era", str)
+MCP_METHOD: Final = web.RequestKey("mcp_method", str)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+# --- the error edge ------------------------------------------------------------------------------------
+
+
+def error_response(error: ProxyError) -> web.Response:
+    return web.json_response(
+        jsonrpc.error_message(error.request_id, error.error_object()),
+        status=error.status,
+        headers=error.headers,
+        dumps=lambda obj: jsonrpc.dumps(obj).decode(),
+    )
+
+
+@web.middleware
+async def error_edge(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The one place where failures become HTTP responses; also the one request log line."""
+    request_id = uuid.uuid4().hex[:16]
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    started = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except ProxyError as error:
+        status = error.status
+        log.info("request_rejected", code=error.code, reason=error.message)
+        return error_response(error)
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    except Exception:
+        log.exception("request_failed")
+        status = 500
+        return error_response(ProxyError("Internal error"))
+    finally:
+        log.info(
+            "request",
+            http_method=request.method,
+            path=request.path,
+            era=request.get(ERA, "-"),
+            mcp_method=request.get(MCP_METHOD, "-"),
+            status=status,
+            duration_ms=round((time.perf_counter() - started) * 1000, 2),
+        )
+        structlog.contextvars.unbind_contextvars("request_id")
+
+
+# --- admission: Host / Origin (DNS-rebinding protection, C-28) ----------------------------------------
+
+
+def _host_name(host: str) -> str:
+    host = host.strip().lower()
+    if host.startswith("["):
+        end = host.find("]")
+        return host[: end + 1] if end > 0 else host
+    name, _, _ = host.partition(":")
+    return name
+
+
+def host_allowed(host: str | None, allowed_hosts: list[str]) -> bool:
+    return host is not None and _host_name(host) in {name.lower() for name in allowed_hosts}
+
+
+def origin_allowed(origin: str, allowed_hosts: list[str], allowed_origins: list[str]) -> bool:
+    if origin in allowed_origins:
+        return True
+    url = URL(origin)
+    if url.scheme not in ("http", "https") or url.raw_host is None:
+        return False
+    host = url.raw_host.lower()
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    return host in {name.lower() for name in allowed_hosts}
+
+
+@web.middleware
+async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
+    security = request.app[CONFIG].security
+    if not host_allowed(request.headers.get("Host"), security.allowed_hosts):
+        raise ForbiddenError("Forbidden: Host header not allowed")
+    origin = request.headers.get("Origin")
+    if origin is not None and not origin_allowed(origin, security.allowed_hosts, security.allowed_origins):
+        raise ForbiddenError("Forbidden: Origin not allowed")
+    return await handler(request)
+
+
+# --- the MCP endpoint ---------------------------------------------------------------------------------
+
+
+class HttpChannel:
+    """Notifications before the final message: the response turns into an SSE stream at the first one."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.sse_allowed = "text/event-stream" in request.headers.get("Accept", "")
+        self.stream: web.StreamResponse | None = None
+
+    async def notify(self, message: JSON) -> None:
+        if not self.sse_allowed:
+            return
+        if self.stream is None:
+            self.stream = web.StreamResponse(
+                status=200,
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "X-Accel-Buffering": "no",  # C-21
+                },
+            )
+            await self.stream.prepare(self.request)
+        await self.stream.write(frame(jsonrpc.dumps(message).decode()))
+
+    async def finish(self, message: JSON) -> web.StreamResponse:
+        if self.stream is None:
+            return web.json_response(message, dumps=lambda obj: jsonrpc.dumps(obj).decode())
+        await self.stream.write(frame(jsonrpc.dumps(message).decode()))
+        await self.stream.write_eof()
+        return self.stream
+
+
+async def _read_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLargeError(
+            f"Request body too large (limit {request.app[CONFIG].security.max_body_bytes} bytes)"
+        ) from None
+
+
+async def handle_mcp(request: web.Request) -> web.StreamResponse:
+    modern_header = request.headers.get(PROTOCOL_VERSION_HEADER)
+    if request.method != "POST":
+        if request.method in ("GET", "DELETE") and is_modern(request.headers, None):
+            # C-22: a modern client has no GET stream and no session to delete.
+            request[ERA] = "modern"
+            raise MethodNotAllowedError()
+        request[ERA] = "legacy"
+        return await request.app[PASSTHROUGH].relay(request, None)
+    body = await _read_body(request)
+    try:
+        decoded = jsonrpc.loads(body)
+    except ParseError:
+        if modern_header is not None and is_modern(request.headers, None):
+            request[ERA] = "modern"
+            raise
+        request[ERA] = "legacy"
+        return await request.app[PASSTHROUGH].relay(request, body)
+    if not is_modern(request.headers, decoded):
+        request[ERA] = "legacy"
+        return await request.app[PASSTHROUGH].relay(request, body)
+    request[ERA] = "modern"
+    return await serve_modern(request, decoded)
+
+
+async def serve_modern(request: web.Request, decoded: object) -> web.StreamResponse:
+    message = jsonrpc.classify(decoded)
+    if isinstance(message, Notification):
+        request[MCP_METHOD] = message.method
+        return web.Response(status=202)  # C-20: accepted, no body.
+    if isinstance(message, Response):
+        raise InvalidRequestError(
+            "Invalid Request: a 2026-07-28 server sends no requests, so it takes no responses",
+            request_id=message.id,
+        )
+    request[MCP_METHOD] = message.method
+    modern = validate_modern(request.headers, message.id, message.method, message.params)
+    config = request.app[CONFIG]
+    principal = request.headers.get(config.security.principal_header)
+    channel = HttpChannel(request)
+    try:
+        reply = await request.app[FRONT].dispatch(modern, principal, channel)
+    except ProxyError as error:
+        if error.request_id is None:
+            error.request_id = modern.id  # every error echoes the request id
+        if channel.stream is None:
+            raise
+        # The stream is already open (notifications went out): the error is its last event.
+        reply = jsonrpc.error_message(error.request_id, error.error_object())
+    return await channel.finish(reply)
+
+
+# --- lifecycle ---------------------------------------------------------------------------------------
+
+
+async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
+    http = aiohttp.ClientSession(connector=connector, auto_decompress=True)
+    relay_http = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), auto_decompress=False, skip_auto_headers=("User-Agent",)
+    )
+    upstream = UpstreamClient(config.upstream, http, config.security.principal_header)
+    app[UPSTREAM] = upstream
+    app[FRONT] = Front(config, upstream)
+    app[PASSTHROUGH] = PassThrough(
+        config.upstream.url,
+        relay_http,
+        config.upstream.headers,
+        config.upstream.connect_timeout_seconds,
+        config.upstream.call_timeout_seconds,
+    )
+    try:
+        yield
+    finally:
+        await upstream.close()
+        await http.close()
+        await relay_http.close()
+
+
+def create_app(config: Config) -> web.Application:
+    app = web.Application(
+        client_max_size=config.security.max_body_bytes,
+        middlewares=[error_edge, admission],
+    )
+    app[CONFIG] = config
+    app.cleanup_ctx.append(upstream_ctx)
+    app.router.add_route("*", config.listen.path, handle_mcp)
+    return app

@@ -1,0 +1,216 @@
+"""Configuration: frozen pydantic models, loaded from one YAML file plus environment overrides.
+
+Owns the shape of the config file and its validation; every field has a default and a description
+(the README's configuration reference is checked against these descriptions by a test).
+Imports nothing from the rest of the proxy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "MCP_TASKS_PROXY_"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ListenConfig(_Frozen):
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the proxy binds to. Loopback by default: a sidecar is reached through its pod.",
+    )
+    port: int = Field(8080, ge=0, le=65535, description="TCP port the proxy listens on (0 picks a free port).")
+    path: str = Field(
+        "/mcp",
+        description="The one MCP endpoint, served to modern and legacy clients alike.",
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _path_is_absolute(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must start with '/'")
+        return value
+
+
+class UpstreamConfig(_Frozen):
+    url: str = Field(
+        "http://127.0.0.1:9000/mcp",
+        description="Streamable HTTP endpoint of the legacy MCP server (2025-06-18 or 2025-11-25).",
+    )
+    headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra headers sent on every upstream request (e.g. a static API key the upstream needs).",
+    )
+    connect_timeout_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="Time allowed to open a TCP connection to the upstream before it counts as down.",
+    )
+    call_timeout_seconds: float = Field(
+        3600.0,
+        gt=0,
+        description="Longest time one upstream request may run; bounds a hung upstream call.",
+    )
+    protocol_version: Literal["2025-11-25", "2025-06-18", "2025-03-26"] = Field(
+        "2025-11-25",
+        description="Protocol version the proxy offers in its own upstream `initialize` (the upstream may answer "
+        "with an older one, which is then used).",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url_is_http(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return value
+
+
+class SecurityConfig(_Frozen):
+    allowed_hosts: list[str] = Field(
+        default_factory=lambda: ["localhost", "127.0.0.1", "[::1]"],
+        description="Host header values accepted (port ignored); anything else gets 403 (DNS-rebinding "
+        "protection). Add the Service name when the proxy is reached through Kubernetes.",
+    )
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="Origin header values accepted besides http(s)://<allowed host>[:port]; a request with "
+        "any other Origin gets 403. Requests without Origin (non-browser clients) are accepted.",
+    )
+    principal_header: str = Field(
+        "authorization",
+        description="Request header that identifies the caller; it travels upstream with the requests it "
+        "causes, upstream sessions are kept per distinct value, and (later) tasks are bound to its hash.",
+    )
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, gt=0, description="Largest request body accepted; a larger one gets 413."
+    )
+
+
+class DiscoveryConfig(_Frozen):
+    cache_ttl_ms: int = Field(
+        60_000,
+        ge=0,
+        description="`ttlMs` put on server/discover and list results: how long a client may reuse them. The "
+        "upstream cannot say, so this is the operator's promise of how stable its lists are.",
+    )
+    cache_scope: Literal["public", "private"] = Field(
+        "private",
+        description="`cacheScope` on cacheable results. `private` is safe when the upstream's answers depend on "
+        "the caller's credentials; `public` lets shared caches reuse them.",
+    )
+
+
+class StoreConfig(_Frozen):
+    path: str = Field(
+        "mcp-tasks-proxy.db",
+        description="SQLite file that holds durable tasks (used by the Tasks extension); put it on a volume.",
+    )
+
+
+class LoggingConfig(_Frozen):
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Lowest log level written to stderr."
+    )
+    format: Literal["json", "console"] = Field(
+        "json", description="`json`: one JSON object per line, for log pipelines; `console`: for humans."
+    )
+
+
+class Config(_Frozen):
+    listen: ListenConfig = Field(default_factory=ListenConfig, description="Where the proxy listens.")
+    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig, description="The legacy MCP server.")
+    security: SecurityConfig = Field(default_factory=SecurityConfig, description="Request admission.")
+    discovery: DiscoveryConfig = Field(
+        default_factory=DiscoveryConfig, description="Caching hints on discover and list results."
+    )
+    store: StoreConfig = Field(default_factory=StoreConfig, description="The task database.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Log output.")
+
+
+class ConfigError(Exception):
+    """The configuration is unusable; `problems` lists every error with its field path."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__(f"{source}: " + "; ".join(problems))
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """MCP_TASKS_PROXY_<SECTION>__<FIELD>=value → {section: {field: parsed value}}.
+
+    Values are parsed as YAML scalars/flow collections, so `8081`, `true`, `[a, b]` and `{k: v}` work.
+    """
+    overrides: dict[str, dict[str, Any]] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        section, sep, field = key[len(ENV_PREFIX) :].lower().partition("__")
+        if not sep or not section or not field:
+            raise ConfigError(key, [f"{key}: expected {ENV_PREFIX}<SECTION>__<FIELD>"])
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(key, [f"{key}: not a YAML value: {exc}"]) from None
+        overrides.setdefault(section, {})[field] = value
+    return overrides
+
+
+def _merge(base: dict[str, Any], overrides: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    merged = dict(base)
+    for section, fields in overrides.items():
+        current = merged.get(section)
+        merged[section] = {**(current if isinstance(current, dict) else {}), **fields}
+    return merged
+
+
+def _format_errors(exc: ValidationError) -> list[str]:
+    problems = []
+    for error in exc.errors():
+        path = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        problems.append(f"{path}: {error['msg']}")
+    return problems
+
+
+def load_config(
+    path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Config:
+    """Read the YAML file (optional), apply env overrides, then explicit overrides (CLI flags).
+
+    Raises ConfigError with every problem found, each prefixed by its field path.
+    """
+    environ = os.environ if environ is None else environ
+    source = str(path) if path is not None else "<defaults>"
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(source, [f"cannot read: {exc.strerror}"]) from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(source, [f"not valid YAML: {exc}"]) from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(source, ["(top level): expected a mapping of sections"])
+        data = loaded
+    data = _merge(data, _env_overrides(environ))
+    if overrides:
+        data = _merge(data, overrides)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(source, _format_errors(exc)) from None

@@ -1,0 +1,133 @@
+"""The ProxyError tree: every error the proxy itself raises towards a client.
+
+Each class carries its JSON-RPC code and HTTP status; `app.py` turns any ProxyError into a response in one
+place. Upstream JSON-RPC errors are data and never become ProxyErrors. Imports nothing from the proxy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from mcp_types import jsonrpc
+
+RequestId = int | str
+
+
+class ProxyError(Exception):
+    code: ClassVar[int] = jsonrpc.INTERNAL_ERROR
+    http_status: ClassVar[int] = 500
+    default_message: ClassVar[str] = "Internal error"
+    headers: ClassVar[Mapping[str, str]] = {}
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        data: Any = None,
+        request_id: RequestId | None = None,
+        http_status: int | None = None,
+    ) -> None:
+        self.message = message or self.default_message
+        self.data = data
+        self.request_id = request_id
+        self.status = http_status if http_status is not None else self.http_status
+        super().__init__(self.message)
+
+    def error_object(self) -> dict[str, Any]:
+        error: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.data is not None:
+            error["data"] = self.data
+        return error
+
+
+class ParseError(ProxyError):
+    code = jsonrpc.PARSE_ERROR
+    http_status = 400
+    default_message = "Parse error: the body is not valid JSON"
+
+
+class InvalidRequestError(ProxyError):
+    code = jsonrpc.INVALID_REQUEST
+    http_status = 400
+    default_message = "Invalid Request"
+
+
+class MethodNotFoundError(ProxyError):
+    code = jsonrpc.METHOD_NOT_FOUND
+    http_status = 404  # C-27: unknown and removed methods are HTTP 404 + -32601 on the modern path.
+    default_message = "Method not found"
+
+
+class InvalidParamsError(ProxyError):
+    code = jsonrpc.INVALID_PARAMS
+    http_status = 400  # C-2: a malformed request (e.g. missing required _meta) is HTTP 400.
+    default_message = "Invalid params"
+
+
+class HeaderMismatchError(ProxyError):
+    code = jsonrpc.HEADER_MISMATCH
+    http_status = 400  # C-25
+    default_message = "Header mismatch"
+
+
+class MissingCapabilityError(ProxyError):
+    """C-4 / T-3: `data.requiredCapabilities` is a ClientCapabilities object."""
+
+    code = jsonrpc.MISSING_REQUIRED_CLIENT_CAPABILITY
+    http_status = 400
+    default_message = "Missing required client capability"
+
+    def __init__(
+        self, required: dict[str, Any], message: str | None = None, *, request_id: RequestId | None = None
+    ) -> None:
+        super().__init__(message, data={"requiredCapabilities": required}, request_id=request_id)
+
+
+class UnsupportedVersionError(ProxyError):
+    code = jsonrpc.UNSUPPORTED_PROTOCOL_VERSION
+    http_status = 400  # C-6
+    default_message = "Unsupported protocol version"
+
+    def __init__(self, requested: Any, supported: list[str], *, request_id: RequestId | None = None) -> None:
+        super().__init__(
+            f"Unsupported protocol version: {requested!r}; supported: {', '.join(supported)}",
+            data={"supported": supported, "requested": requested},
+            request_id=request_id,
+        )
+
+
+class ForbiddenError(ProxyError):
+    """Host or Origin not allowed (DNS-rebinding protection, C-28)."""
+
+    code = jsonrpc.INVALID_REQUEST
+    http_status = 403
+    default_message = "Forbidden"
+
+
+class MethodNotAllowedError(ProxyError):
+    """C-22: GET and DELETE have no meaning for a 2026-07-28 client."""
+
+    code = jsonrpc.INVALID_REQUEST
+    http_status = 405
+    default_message = "Method Not Allowed: 2026-07-28 clients use POST only"
+    headers: ClassVar[Mapping[str, str]] = {"Allow": "POST"}
+
+
+class PayloadTooLargeError(ProxyError):
+    code = jsonrpc.INVALID_REQUEST
+    http_status = 413
+    default_message = "Request body too large"
+
+
+class UpstreamError(ProxyError):
+    """The upstream could not be reached or broke the protocol: the proxy answers as a gateway."""
+
+    code = jsonrpc.INTERNAL_ERROR
+    http_status = 502
+    default_message = "Upstream MCP server unavailable"
+
+
+class UpstreamTimeoutError(UpstreamError):
+    http_status = 504
+    default_message = "Upstream MCP server timed out"

@@ -1,0 +1,193 @@
+"""The 2026-07-28 dispatcher: a validated modern request → the handler for its method → one final message.
+
+Owns the method table, forwarding through the proxy's upstream sessions and the translation of what comes
+back. It talks to the client only through `Channel` (notifications before the final message) and never
+imports aiohttp: the HTTP shapes are `app.py`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final, Protocol
+
+import structlog
+from mcp_types import (
+    CLIENT_CAPABILITIES_META_KEY,
+    CLIENT_INFO_META_KEY,
+    LOG_LEVEL_META_KEY,
+    PROTOCOL_VERSION_META_KEY,
+)
+from mcp_types import jsonrpc as codes
+
+from proxy.config import Config
+from proxy.errors import MethodNotFoundError, MissingCapabilityError, UpstreamError
+from proxy.upstream.call import (
+    UpstreamCall,
+    UpstreamErrorResponse,
+    UpstreamNotification,
+    UpstreamResult,
+    UpstreamServerRequest,
+)
+from proxy.upstream.session import UpstreamClient, UpstreamSession
+from proxy.wire import translate
+from proxy.wire.envelope import ModernRequest, known_core_method, validate_params
+from proxy.wire.jsonrpc import JSON, error_message, result_message
+
+log = structlog.get_logger(__name__)
+
+# Per-request `_meta` keys of the modern envelope; they describe the client to the proxy, not to the upstream.
+MODERN_META_KEYS: Final = frozenset(
+    {PROTOCOL_VERSION_META_KEY, CLIENT_CAPABILITIES_META_KEY, CLIENT_INFO_META_KEY, LOG_LEVEL_META_KEY}
+)
+# Server→client requests a legacy server may send mid-call (L-4); until input bridging lands they are
+# refused upstream and the modern client is told which capability the call needs (C-21, C-14).
+INPUT_METHODS: Final = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
+# Trace context travels upstream as headers (W3C), as the client sent it in `_meta`.
+TRACE_META_KEYS: Final = ("traceparent", "tracestate", "baggage")
+
+
+class Channel(Protocol):
+    """Where request-scoped notifications go before the final message (an SSE stream, or nowhere)."""
+
+    async def notify(self, message: JSON) -> None: ...
+
+
+Handler = Callable[["Front", ModernRequest, str | None, Channel], Awaitable[JSON]]
+
+
+def upstream_params(params: Mapping[str, Any]) -> JSON:
+    """The params the legacy server sees: no modern envelope keys, no legacy `task` opt-in (K-4, T-11)."""
+    forwarded = {key: value for key, value in params.items() if key not in ("_meta", "task")}
+    meta = params.get("_meta")
+    if isinstance(meta, dict):
+        kept = {key: value for key, value in meta.items() if key not in MODERN_META_KEYS}
+        if kept:
+            forwarded["_meta"] = kept
+    return forwarded
+
+
+def trace_headers(meta: Mapping[str, Any]) -> dict[str, str]:
+    return {key: value for key in TRACE_META_KEYS if isinstance(value := meta.get(key), str)}
+
+
+class Front:
+    def __init__(self, config: Config, upstream: UpstreamClient) -> None:
+        self.config = config
+        self.upstream = upstream
+        self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
+
+    async def dispatch(self, request: ModernRequest, principal: str | None, channel: Channel) -> JSON:
+        """Serve one modern request; returns the JSON-RPC response message (result or error)."""
+        handler = METHODS.get(request.method)
+        if handler is None:
+            # C-27 / T-40 / K-26: unknown and removed methods (initialize, ping, tasks/list, …) → 404 + -32601.
+            raise MethodNotFoundError(f"Method not found: {request.method}", request_id=request.id)
+        if known_core_method(request.method, request.protocol_version):
+            validate_params(request)
+        return await handler(self, request, principal, channel)
+
+    async def discover(self, request: ModernRequest, principal: str | None, channel: Channel) -> JSON:
+        initialize_result = await self.upstream.session(principal).ensure_initialized()
+        return result_message(request.id, translate.discover_result(initialize_result, self.cache))
+
+    async def forward(self, request: ModernRequest, principal: str | None, channel: Channel) -> JSON:
+        """Relay one request through the principal's upstream session and translate the outcome."""
+        session = self.upstream.session(principal)
+        initialize_result = await session.ensure_initialized()
+        server_info = translate.implementation(initialize_result)
+        async with session.call(request.method, upstream_params(request.params), trace_headers(request.meta)) as call:
+            try:
+                return await self._drive(request, session, call, channel, server_info)
+            except asyncio.CancelledError:
+                # C-19 / L-5: the client closed its stream; a legacy server needs an explicit cancel.
+                await asyncio.shield(self._cancel(call, "client disconnected"))
+                raise
+
+    async def _drive(
+        self,
+        request: ModernRequest,
+        session: UpstreamSession,
+        call: UpstreamCall,
+        channel: Channel,
+        server_info: JSON | None,
+    ) -> JSON:
+        async for event in call.events():
+            if isinstance(event, UpstreamNotification):
+                relayed = translate.relay_notification(event.message, request.progress_token, request.log_level)
+                if relayed is not None:
+                    await channel.notify(relayed)
+            elif isinstance(event, UpstreamServerRequest):
+                refusal = await self._refuse_server_request(request, call, event)
+                if refusal is not None:
+                    return refusal
+            elif isinstance(event, UpstreamResult):
+                return result_message(
+                    request.id,
+                    translate.complete_result(request.method, event.result, server_info, self.cache),
+                )
+            elif isinstance(event, UpstreamErrorResponse):
+                # Upstream JSON-RPC errors are data: passed through (translated), never re-wrapped.
+                return error_message(request.id, translate.error_object(event.error))
+        raise AssertionError("UpstreamCall.events() ends with a final event or raises")  # pragma: no cover
+
+    async def _refuse_server_request(
+        self, request: ModernRequest, call: UpstreamCall, server_request: UpstreamServerRequest
+    ) -> JSON | None:
+        """C-21 / K-30: no server→client request reaches a modern stream.
+
+        The upstream gets an answer at once (it never hangs) and finishes the call by itself. A client that
+        did not declare the capability gets -32021 naming it (C-4); one that did gets -32603 saying the proxy
+        cannot relay the question yet (input bridging is a later milestone). Returns None to read on.
+        """
+        if server_request.method not in INPUT_METHODS:
+            await call.answer(
+                server_request.id,
+                error={"code": codes.METHOD_NOT_FOUND, "message": f"Method not found: {server_request.method}"},
+            )
+            return None
+        if server_request.method == "elicitation/create":
+            await call.answer(server_request.id, result={"action": "decline"})
+        else:
+            await call.answer(
+                server_request.id,
+                error={"code": codes.INVALID_REQUEST, "message": "The client cannot answer this request"},
+            )
+        # No notifications/cancelled here: the upstream was answered and ends the call by itself, and a cancel
+        # racing that ending kills the whole session in the mcp 1.x SDK (seen with its stateful servers).
+        log.info("upstream_input_request_refused", method=request.method, input_method=server_request.method)
+        required = translate.required_capability(server_request.method, server_request.params)
+        if not all(request.declares(capability) for capability in required):
+            raise MissingCapabilityError(
+                required,
+                f"Missing required client capability: the upstream asked for {server_request.method} during "
+                f"{request.method}",
+                request_id=request.id,
+            )
+        return error_message(
+            request.id,
+            {
+                "code": codes.INTERNAL_ERROR,
+                "message": f"The upstream asked for {server_request.method} during {request.method}; relaying "
+                "server requests to 2026-07-28 clients is not supported yet",
+            },
+        )
+
+    async def _cancel(self, call: UpstreamCall, reason: str) -> None:
+        try:
+            await call.cancel(reason)
+        except UpstreamError as exc:  # best effort: the call is being abandoned either way
+            log.warning("upstream_cancel_failed", error=str(exc))
+
+
+METHODS: Final[Mapping[str, Handler]] = {
+    "server/discover": Front.discover,
+    "tools/list": Front.forward,
+    "tools/call": Front.forward,
+    "prompts/list": Front.forward,
+    "prompts/get": Front.forward,
+    "resources/list": Front.forward,
+    "resources/templates/list": Front.forward,
+    "resources/read": Front.forward,
+    "completion/complete": Front.forward,
+}

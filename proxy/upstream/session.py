@@ -1,0 +1,259 @@
+"""The proxy as a legacy MCP client: upstream sessions, one POST per request, re-initialize on 404.
+
+Owns `initialize` + `notifications/initialized` (L-1), the `Mcp-Session-Id` and negotiated
+`MCP-Protocol-Version` headers, one session per principal (a legacy server may bind a session to a token),
+and translating aiohttp failures into UpstreamError. Imports aiohttp; never the store or the front.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Final
+
+import aiohttp
+import structlog
+
+from proxy.config import UpstreamConfig
+from proxy.errors import UpstreamError, UpstreamTimeoutError
+from proxy.upstream.call import UpstreamCall, UpstreamErrorResponse, UpstreamResult
+from proxy.wire.jsonrpc import JSON, dumps, notification_message, request_message, result_message
+
+log = structlog.get_logger(__name__)
+
+# K-20: one upstream session serves clients with different capabilities, so it declares the superset and
+# the proxy refuses, per request, what the current client cannot take.
+CLIENT_CAPABILITIES: Final[JSON] = {"elicitation": {"form": {}, "url": {}}, "sampling": {}, "roots": {}}
+MAX_SESSIONS: Final = 256  # distinct principals kept at once; the least recently used session is closed.
+
+try:
+    PROXY_VERSION = version("mcp-tasks-proxy")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
+    PROXY_VERSION = "0.0.0"
+
+CLIENT_INFO: Final[JSON] = {"name": "mcp-tasks-proxy", "version": PROXY_VERSION}
+
+
+def principal_key(principal: str | None) -> str:
+    """Sessions are keyed by a hash of the principal header so tokens are not kept as dict keys in clear."""
+    if not principal:
+        return ""
+    return hashlib.sha256(principal.encode()).hexdigest()
+
+
+class UpstreamSession:
+    def __init__(self, client: UpstreamClient, principal: str | None) -> None:
+        self.client = client
+        self.principal = principal
+        self.session_id: str | None = None
+        self.protocol_version: str = client.config.protocol_version
+        self.initialize_result: JSON | None = None
+        self._lock = asyncio.Lock()
+
+    # --- headers and plumbing -------------------------------------------------------------------------
+
+    def _headers(self, extra: Mapping[str, str] | None = None, *, initialized: bool = True) -> dict[str, str]:
+        headers = {
+            **self.client.config.headers,
+            "Accept": "application/json, text/event-stream",
+            "Content-Type": "application/json",
+        }
+        if self.principal:
+            headers[self.client.principal_header] = self.principal
+        if initialized:
+            headers["MCP-Protocol-Version"] = self.protocol_version
+            if self.session_id is not None:
+                headers["Mcp-Session-Id"] = self.session_id
+        if extra:
+            headers.update(extra)
+        return headers
+
+    async def _post(self, message: JSON, headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+        try:
+            return await self.client.http.post(
+                self.client.config.url, data=dumps(message), headers=headers, timeout=self.client.timeout
+            )
+        except TimeoutError:
+            raise UpstreamTimeoutError("Upstream MCP server did not answer in time") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"Upstream MCP server unavailable: {exc}") from None
+
+    # --- lifecycle --------------------------------------------------------------------------------------
+
+    async def ensure_initialized(self) -> JSON:
+        if self.initialize_result is not None:
+            return self.initialize_result
+        async with self._lock:
+            if self.initialize_result is None:
+                await self._initialize()
+            assert self.initialize_result is not None
+            return self.initialize_result
+
+    async def _initialize(self) -> None:
+        self.session_id = None
+        request_id = self.client.next_id()
+        params = {
+            "protocolVersion": self.client.config.protocol_version,
+            "capabilities": CLIENT_CAPABILITIES,
+            "clientInfo": CLIENT_INFO,
+        }
+        response = await self._post(request_message(request_id, "initialize", params), self._headers(initialized=False))
+        session_id = response.headers.get("Mcp-Session-Id")
+        if response.status >= 400:
+            body = await response.text()
+            response.release()
+            raise UpstreamError(f"Upstream refused initialize: HTTP {response.status}: {body[:200]}")
+        call = UpstreamCall(self, request_id, "initialize", response, self._reopen_for(request_id))
+        result: JSON | None = None
+        async for event in call.events():
+            if isinstance(event, UpstreamResult):
+                result = event.result
+            elif isinstance(event, UpstreamErrorResponse):
+                raise UpstreamError(f"Upstream refused initialize: {event.error.get('message')}")
+        if result is None or not isinstance(result.get("protocolVersion"), str):
+            raise UpstreamError("Upstream sent an invalid InitializeResult")
+        self.session_id = session_id
+        self.protocol_version = result["protocolVersion"]
+        await self.notify("notifications/initialized", None)
+        self.initialize_result = result
+        log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
+
+    async def _reinitialize(self, stale_session_id: str | None) -> None:
+        """L-1: a 404 for a request that carried the session id means the session is gone."""
+        async with self._lock:
+            if self.session_id == stale_session_id:
+                log.info("upstream_session_expired")
+                self.initialize_result = None
+                await self._initialize()
+
+    def _forget(self, stale_session_id: str) -> None:
+        if self.session_id == stale_session_id:
+            self.session_id = None
+            self.initialize_result = None
+
+    async def close(self) -> None:
+        """End the upstream session with DELETE (the server may answer 405; that is fine)."""
+        if self.session_id is None:
+            return
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with self.client.http.delete(
+                self.client.config.url, headers=self._headers(), timeout=aiohttp.ClientTimeout(total=2)
+            ):
+                pass
+        self.session_id = None
+        self.initialize_result = None
+
+    # --- requests ------------------------------------------------------------------------------------------
+
+    def _reopen_for(self, request_id: int) -> Any:
+        async def reopen(last_event_id: str) -> aiohttp.ClientResponse:
+            headers = self._headers({"Last-Event-ID": last_event_id, "Accept": "text/event-stream"})
+            headers.pop("Content-Type", None)
+            sent_with = self.session_id
+            try:
+                response = await self.client.http.get(
+                    self.client.config.url, headers=headers, timeout=self.client.timeout
+                )
+            except aiohttp.ClientError as exc:
+                raise UpstreamError(f"Upstream stream could not be resumed: {exc}") from None
+            content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+            if response.status == 200 and content_type == "text/event-stream":
+                return response
+            response.release()
+            if response.status == 404 and sent_with is not None:
+                self._forget(sent_with)  # the session is gone: the next request initializes a new one
+            raise UpstreamError(f"Upstream lost the call: resuming its stream answered HTTP {response.status}")
+
+        return reopen
+
+    @contextlib.asynccontextmanager
+    async def call(
+        self, method: str, params: JSON | None, extra_headers: Mapping[str, str] | None = None
+    ) -> AsyncIterator[UpstreamCall]:
+        """Send one request upstream; the UpstreamCall streams what comes back. Leaving the context closes it."""
+        await self.ensure_initialized()
+        request_id = self.client.next_id()
+        message = request_message(request_id, method, params)
+        for attempt in range(2):
+            sent_with = self.session_id
+            response = await self._post(message, self._headers(extra_headers))
+            if response.status == 404 and sent_with is not None and attempt == 0:
+                response.release()
+                await self._reinitialize(sent_with)
+                continue
+            break
+        if response.status >= 400 and not _is_jsonrpc_body(response):
+            body = await response.text()
+            response.release()
+            raise UpstreamError(f"Upstream answered {method} with HTTP {response.status}: {body[:200]}")
+        upstream_call = UpstreamCall(self, request_id, method, response, self._reopen_for(request_id))
+        try:
+            yield upstream_call
+        finally:
+            response.close()
+
+    async def notify(self, method: str, params: JSON | None) -> None:
+        response = await self._post(notification_message(method, params), self._headers())
+        response.release()
+
+    async def respond(self, request_id: int | str, *, result: JSON | None = None, error: JSON | None = None) -> None:
+        message = (
+            result_message(request_id, result or {})
+            if error is None
+            else {
+                "jsonrpc": "2.0",
+                "id": request_id,
+                "error": error,
+            }
+        )
+        response = await self._post(message, self._headers())
+        response.release()
+
+
+def _is_jsonrpc_body(response: aiohttp.ClientResponse) -> bool:
+    content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    return content_type in ("application/json", "text/event-stream")
+
+
+class UpstreamClient:
+    """All of the proxy's own upstream sessions (not the pass-through of legacy clients)."""
+
+    def __init__(self, config: UpstreamConfig, http: aiohttp.ClientSession, principal_header: str) -> None:
+        self.config = config
+        self.http = http
+        self.principal_header = principal_header
+        self.timeout = aiohttp.ClientTimeout(
+            total=config.call_timeout_seconds,
+            connect=config.connect_timeout_seconds,
+            sock_connect=config.connect_timeout_seconds,
+        )
+        self._ids = itertools.count(1)
+        self._sessions: OrderedDict[str, UpstreamSession] = OrderedDict()
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def session(self, principal: str | None) -> UpstreamSession:
+        key = principal_key(principal)
+        session = self._sessions.get(key)
+        if session is None:
+            session = self._sessions[key] = UpstreamSession(self, principal)
+            while len(self._sessions) > MAX_SESSIONS:
+                _, evicted = self._sessions.popitem(last=False)
+                task = asyncio.get_running_loop().create_task(evicted.close(), name="upstream-session-close")
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+        else:
+            self._sessions.move_to_end(key)
+        return session
+
+    async def close(self) -> None:
+        sessions = list(self._sessions.values())
+        self._sessions.clear()
+        await asyncio.gather(*(session.close() for session in sessions), *self._closing, return_exceptions=True)

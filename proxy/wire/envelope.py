@@ -1,0 +1,223 @@
+"""The 2026-07-28 request envelope: era classification, `_meta` and routing-header validation.
+
+SANS-IO: takes header mappings and decoded JSON, returns a `ModernRequest` or raises a ProxyError with the
+code the spec names (C-2, C-6, C-23…C-25, K-24…K-27). Param shapes are checked with the `mcp_types`
+surface validators. Must not import aiohttp, asyncio or the store.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import pydantic
+from mcp_types import (
+    CLIENT_CAPABILITIES_META_KEY,
+    LOG_LEVEL_META_KEY,
+    PROTOCOL_VERSION_META_KEY,
+)
+from mcp_types.methods import CLIENT_REQUESTS, validate_client_request
+from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, MODERN_PROTOCOL_VERSIONS
+
+from proxy.errors import (
+    HeaderMismatchError,
+    InvalidParamsError,
+    RequestId,
+    UnsupportedVersionError,
+)
+from proxy.wire.jsonrpc import JSON
+
+TASKS_EXTENSION: Final = "io.modelcontextprotocol/tasks"
+SUPPORTED_VERSIONS: Final[list[str]] = list(MODERN_PROTOCOL_VERSIONS)
+
+PROTOCOL_VERSION_HEADER: Final = "mcp-protocol-version"
+METHOD_HEADER: Final = "mcp-method"
+NAME_HEADER: Final = "mcp-name"
+
+# C-23 + the Tasks extension (T-45): which params field `Mcp-Name` mirrors, and whether it must be present.
+NAME_FIELDS: Final[Mapping[str, tuple[str, bool]]] = {
+    "tools/call": ("name", True),
+    "prompts/get": ("name", True),
+    "resources/read": ("uri", True),
+    # Architecture decision: validated when present, tolerated when absent (real clients omit it; Q3).
+    "tasks/get": ("taskId", False),
+    "tasks/update": ("taskId", False),
+    "tasks/cancel": ("taskId", False),
+}
+
+_SENTINEL_PREFIX: Final = "=?base64?"
+_SENTINEL_SUFFIX: Final = "?="
+
+
+@dataclass(frozen=True, slots=True)
+class ModernRequest:
+    """A validated 2026-07-28 request. `params` still carries `_meta` (it is forwarded in part)."""
+
+    id: RequestId
+    method: str
+    params: JSON
+    meta: JSON
+    protocol_version: str
+    client_capabilities: JSON
+
+    @property
+    def declares_tasks(self) -> bool:
+        """T-2/K-1: the declaration is read from this request's own `_meta` only (T-10: legacy shape ignored)."""
+        extensions = self.client_capabilities.get("extensions")
+        return isinstance(extensions, dict) and isinstance(extensions.get(TASKS_EXTENSION), dict)
+
+    @property
+    def progress_token(self) -> str | int | None:
+        token = self.meta.get("progressToken")
+        if isinstance(token, str) or (isinstance(token, int) and not isinstance(token, bool)):
+            return token
+        return None
+
+    @property
+    def log_level(self) -> str | None:
+        level = self.meta.get(LOG_LEVEL_META_KEY)
+        return level if isinstance(level, str) else None
+
+    def declares(self, capability: str) -> bool:
+        return isinstance(self.client_capabilities.get(capability), dict)
+
+
+def _lower_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    return {key.lower(): value for key, value in headers.items()}
+
+
+def is_modern(headers: Mapping[str, str], message: Any) -> bool:
+    """Era classification (architecture.md): modern when the body carries the 2026 `_meta` version key, or the
+    `MCP-Protocol-Version` header names a version no `initialize` handshake could have negotiated.
+
+    Everything else (initialize, Mcp-Session-Id traffic, old header values, no header) is legacy.
+    """
+    if isinstance(message, dict):
+        params = message.get("params")
+        if isinstance(params, dict):
+            meta = params.get("_meta")
+            if isinstance(meta, dict) and PROTOCOL_VERSION_META_KEY in meta:
+                return True
+    for key, value in headers.items():
+        if key.lower() == PROTOCOL_VERSION_HEADER:
+            return value.strip() not in HANDSHAKE_PROTOCOL_VERSIONS
+    return False
+
+
+def decode_header_value(value: str) -> str:
+    """C-24: values are plain visible ASCII, or `=?base64?<base64 of UTF-8>?=`. Raises ValueError if invalid."""
+    value = value.strip(" \t")
+    if value.startswith(_SENTINEL_PREFIX) and value.endswith(_SENTINEL_SUFFIX):
+        encoded = value[len(_SENTINEL_PREFIX) : -len(_SENTINEL_SUFFIX)]
+        try:
+            return base64.b64decode(encoded, validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            raise ValueError("undecodable base64 header value") from None
+    if any(not (0x20 <= ord(char) < 0x7F) for char in value):
+        raise ValueError("header value has characters outside visible ASCII")
+    return value
+
+
+def _header(headers: Mapping[str, str], name: str, request_id: RequestId) -> str | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        return decode_header_value(raw)
+    except ValueError as exc:
+        raise HeaderMismatchError(f"Header mismatch: {name}: {exc}", request_id=request_id) from None
+
+
+def _required_meta(request_id: RequestId, params: JSON | None) -> tuple[JSON, str, JSON]:
+    """C-2: `_meta` with protocolVersion and clientCapabilities, else -32602 (HTTP 400)."""
+    meta = params.get("_meta") if params is not None else None
+    if not isinstance(meta, dict):
+        raise InvalidParamsError(
+            "Invalid params: missing params._meta (2026-07-28 requests carry "
+            f"{PROTOCOL_VERSION_META_KEY} and {CLIENT_CAPABILITIES_META_KEY})",
+            request_id=request_id,
+        )
+    version = meta.get(PROTOCOL_VERSION_META_KEY)
+    if not isinstance(version, str):
+        raise InvalidParamsError(
+            f"Invalid params: _meta[{PROTOCOL_VERSION_META_KEY!r}] is required and must be a string",
+            request_id=request_id,
+        )
+    capabilities = meta.get(CLIENT_CAPABILITIES_META_KEY)
+    if not isinstance(capabilities, dict):
+        raise InvalidParamsError(
+            f"Invalid params: _meta[{CLIENT_CAPABILITIES_META_KEY!r}] is required and must be an object",
+            request_id=request_id,
+        )
+    return meta, version, capabilities
+
+
+def _check_headers(headers: Mapping[str, str], request_id: RequestId, method: str, params: JSON, version: str) -> None:
+    """C-23/C-25/T-45: routing headers present and equal to the body, else -32020 (HTTP 400)."""
+    header_version = _header(headers, PROTOCOL_VERSION_HEADER, request_id)
+    if header_version is None:
+        raise HeaderMismatchError("Header mismatch: MCP-Protocol-Version header is required", request_id=request_id)
+    if header_version != version:
+        raise HeaderMismatchError(
+            f"Header mismatch: MCP-Protocol-Version {header_version!r} != _meta protocolVersion {version!r}",
+            request_id=request_id,
+        )
+    header_method = _header(headers, METHOD_HEADER, request_id)
+    if header_method is None:
+        raise HeaderMismatchError("Header mismatch: Mcp-Method header is required", request_id=request_id)
+    if header_method != method:
+        raise HeaderMismatchError(
+            f"Header mismatch: Mcp-Method {header_method!r} != method {method!r}", request_id=request_id
+        )
+    name_rule = NAME_FIELDS.get(method)
+    if name_rule is None:
+        return
+    field, required = name_rule
+    header_name = _header(headers, NAME_HEADER, request_id)
+    if header_name is None:
+        if required:
+            raise HeaderMismatchError(
+                f"Header mismatch: Mcp-Name header is required for {method}", request_id=request_id
+            )
+        return
+    body_value = params.get(field)
+    if header_name != body_value:
+        raise HeaderMismatchError(
+            f"Header mismatch: Mcp-Name {header_name!r} != params.{field} {body_value!r}",
+            request_id=request_id,
+        )
+
+
+def validate_modern(
+    headers: Mapping[str, str], request_id: RequestId, method: str, params: JSON | None
+) -> ModernRequest:
+    """Validate a modern request's envelope in the order of protocol.md §8 (steps 3-5).
+
+    Raises InvalidParamsError (-32602), HeaderMismatchError (-32020) or UnsupportedVersionError (-32022).
+    """
+    lowered = _lower_headers(headers)
+    meta, version, capabilities = _required_meta(request_id, params)
+    body = params if params is not None else {}
+    _check_headers(lowered, request_id, method, body, version)
+    if version not in SUPPORTED_VERSIONS:
+        raise UnsupportedVersionError(version, SUPPORTED_VERSIONS, request_id=request_id)
+    return ModernRequest(request_id, method, body, meta, version, capabilities)
+
+
+def known_core_method(method: str, version: str) -> bool:
+    return (method, version) in CLIENT_REQUESTS
+
+
+def validate_params(request: ModernRequest) -> None:
+    """Shape of the params for a core method, via the `mcp_types` 2026-07-28 surface models (→ -32602)."""
+    try:
+        validate_client_request(request.method, request.protocol_version, request.params)
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in error['loc'][1:]) or 'params'}: {error['msg']}"
+            for error in exc.errors()[:5]
+        )
+        raise InvalidParamsError(f"Invalid params: {problems}", request_id=request.id) from None

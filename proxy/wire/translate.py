@@ -1,0 +1,183 @@
+"""Legacy (2025-06-18 / 2025-11-25) → 2026-07-28 translation of results, errors and notifications.
+
+SANS-IO and pure: every function takes decoded JSON and returns new JSON (inputs are not mutated).
+Rules: K-33, K-34, K-41 (resultType), C-29 (ttlMs/cacheScope), L-7 (error codes), C-18 (request-scoped
+notifications). Must not import aiohttp, asyncio or the store.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Final
+
+from mcp_types import SERVER_INFO_META_KEY
+from mcp_types import jsonrpc as codes
+from mcp_types.methods import CACHEABLE_METHODS
+
+from proxy.wire.envelope import SUPPORTED_VERSIONS, TASKS_EXTENSION
+from proxy.wire.jsonrpc import JSON
+
+# Legacy-only `_meta` keys that must not reach a modern client (3.9, K-8).
+LEGACY_META_KEYS: Final = frozenset(
+    {
+        "io.modelcontextprotocol/related-task",
+        "io.modelcontextprotocol/model-immediate-response",
+    }
+)
+
+# L-7 / §3.7: codes in the spec-reserved band that 2026-07-28 defines; any other code in -32020…-32099 (e.g.
+# the retired -32042) must not be re-emitted.
+_RESERVED_BAND: Final = range(-32099, -32019)
+_DEFINED_IN_BAND: Final = frozenset(
+    {codes.HEADER_MISMATCH, codes.MISSING_REQUIRED_CLIENT_CAPABILITY, codes.UNSUPPORTED_PROTOCOL_VERSION}
+)
+_RESOURCE_NOT_FOUND_LEGACY: Final = -32002
+
+LOG_LEVELS: Final = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
+
+
+def _strip_legacy_meta(value: JSON) -> None:
+    meta = value.get("_meta")
+    if isinstance(meta, dict):
+        for key in LEGACY_META_KEYS & meta.keys():
+            del meta[key]
+        if not meta:
+            del value["_meta"]
+
+
+def complete_result(method: str, legacy: JSON, server_info: JSON | None, cache: tuple[int, str] | None) -> JSON:
+    """Decorate a legacy result for a modern client: resultType "complete" (K-41), serverInfo (C-3),
+    ttlMs + cacheScope on cacheable methods (C-29), legacy `_meta` stripped (K-8)."""
+    result = copy.deepcopy(legacy)
+    _strip_legacy_meta(result)
+    result.pop("resultType", None)
+    if method == "tools/list":
+        _strip_task_support(result)
+    result["resultType"] = "complete"
+    if cache is not None and method in CACHEABLE_METHODS:
+        result["ttlMs"], result["cacheScope"] = cache
+    if server_info is not None:
+        meta = result.setdefault("_meta", {})
+        if isinstance(meta, dict):
+            meta[SERVER_INFO_META_KEY] = server_info
+    return result
+
+
+def _strip_task_support(result: JSON) -> None:
+    """Q7: legacy `execution.taskSupport` means nothing on the 2026 wire (task policy is the proxy's)."""
+    tools = result.get("tools")
+    if not isinstance(tools, list):
+        return
+    for tool in tools:
+        if not isinstance(tool, dict):
+            continue
+        execution = tool.get("execution")
+        if isinstance(execution, dict):
+            execution.pop("taskSupport", None)
+            if not execution:
+                del tool["execution"]
+
+
+def error_object(legacy: JSON) -> JSON:
+    """Translate an upstream JSON-RPC error object (L-7): -32002 → -32602; undefined reserved codes → -32603."""
+    error = copy.deepcopy(legacy)
+    code = error.get("code")
+    if not isinstance(code, int) or isinstance(code, bool):
+        return {"code": codes.INTERNAL_ERROR, "message": "Upstream sent a malformed error", "data": error}
+    if code == _RESOURCE_NOT_FOUND_LEGACY:
+        error["code"] = codes.INVALID_PARAMS
+    elif code in _RESERVED_BAND and code not in _DEFINED_IN_BAND:
+        error = {
+            "code": codes.INTERNAL_ERROR,
+            "message": f"Upstream error {code}: {error.get('message', '')}".strip(),
+        }
+    if not isinstance(error.get("message"), str):
+        error["message"] = str(error.get("message", "Upstream error"))
+    return error
+
+
+def server_capabilities(legacy: JSON) -> JSON:
+    """K-34: upstream capabilities as the proxy can serve them to a modern client.
+
+    The legacy `tasks` block goes (T-12); `listChanged`/`subscribe` go too, because the proxy does not
+    deliver those notifications through `subscriptions/listen`; the Tasks extension is advertised (T-9).
+    """
+    capabilities: JSON = {}
+    for key in ("logging", "completions", "experimental"):
+        if isinstance(legacy.get(key), dict):
+            capabilities[key] = copy.deepcopy(legacy[key])
+    for key in ("prompts", "resources", "tools"):
+        if isinstance(legacy.get(key), dict):
+            capabilities[key] = {}
+    extensions = legacy.get("extensions")
+    capabilities["extensions"] = copy.deepcopy(extensions) if isinstance(extensions, dict) else {}
+    capabilities["extensions"][TASKS_EXTENSION] = {}
+    return capabilities
+
+
+def discover_result(initialize_result: JSON, cache: tuple[int, str]) -> JSON:
+    """C-7 / K-34: `server/discover`, synthesized from the upstream's InitializeResult."""
+    legacy_capabilities = initialize_result.get("capabilities")
+    result: JSON = {
+        "resultType": "complete",
+        "supportedVersions": list(SUPPORTED_VERSIONS),
+        "capabilities": server_capabilities(legacy_capabilities if isinstance(legacy_capabilities, dict) else {}),
+        "ttlMs": cache[0],
+        "cacheScope": cache[1],
+    }
+    instructions = initialize_result.get("instructions")
+    if isinstance(instructions, str):
+        result["instructions"] = instructions
+    server_info = implementation(initialize_result)
+    if server_info is not None:
+        result["_meta"] = {SERVER_INFO_META_KEY: server_info}
+    return result
+
+
+def implementation(initialize_result: JSON) -> JSON | None:
+    """The upstream's serverInfo, if it is a valid Implementation (name and version strings)."""
+    info = initialize_result.get("serverInfo")
+    if isinstance(info, dict) and isinstance(info.get("name"), str) and isinstance(info.get("version"), str):
+        return copy.deepcopy(info)
+    return None
+
+
+def relay_notification(message: JSON, progress_token: str | int | None, log_level: str | None) -> JSON | None:
+    """C-18 / K-31: which upstream notifications on a call's stream reach the modern client, and how.
+
+    Progress only when the client sent a progressToken (re-tagged with it); log messages only when it set a
+    logLevel and the message is at or above it. Everything else stays behind.
+    """
+    method = message.get("method")
+    params = message.get("params")
+    if not isinstance(params, dict):
+        return None
+    if method == "notifications/progress":
+        if progress_token is None:
+            return None
+        relayed = copy.deepcopy(message)
+        relayed["params"]["progressToken"] = progress_token
+        _strip_legacy_meta(relayed["params"])
+        return relayed
+    if method == "notifications/message":
+        if log_level is None or log_level not in LOG_LEVELS:
+            return None
+        level = params.get("level")
+        if level not in LOG_LEVELS or LOG_LEVELS.index(level) < LOG_LEVELS.index(log_level):
+            return None
+        relayed = copy.deepcopy(message)
+        _strip_legacy_meta(relayed["params"])
+        return relayed
+    return None
+
+
+def required_capability(server_request_method: str, params: Any) -> JSON:
+    """The ClientCapabilities a modern client needs to receive an upstream server→client request (C-14)."""
+    if server_request_method == "sampling/createMessage":
+        return {"sampling": {}}
+    if server_request_method == "roots/list":
+        return {"roots": {}}
+    if server_request_method == "elicitation/create":
+        mode = params.get("mode") if isinstance(params, dict) else None
+        return {"elicitation": {"url": {}}} if mode == "url" else {"elicitation": {}}
+    return {}

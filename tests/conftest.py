@@ -1,0 +1,218 @@
+"""Shared fixtures: real legacy upstream servers in child processes, the proxy on loopback, schema checks.
+
+Nothing is mocked: the upstream is the project's mcp 1.x fixture server (tests/upstream), started with
+`python -m tests.upstream --port 0`; the proxy is the real aiohttp app served by pytest-aiohttp.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from proxy.app import create_app
+from proxy.config import Config, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA_DIR = ROOT.parent / "shared" / "schema"
+MODERN = "2026-07-28"
+TASKS = "io.modelcontextprotocol/tasks"
+
+
+class Upstream:
+    """A legacy fixture server running in its own process."""
+
+    def __init__(self, *flags: str) -> None:
+        self.flags = flags
+        self.process: subprocess.Popen[str] | None = None
+        self.url = ""
+
+    def start(self, port: int = 0) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.upstream", "--host", "127.0.0.1", "--port", str(port), *self.flags],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline().strip()
+        if not line.startswith("ready "):
+            self.stop()
+            raise RuntimeError(f"upstream did not start: {line!r}")
+        self.url = line.split(" ", 1)[1]
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1].split("/", 1)[0])
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.fixture(scope="session")
+def upstream() -> Iterator[Upstream]:
+    server = Upstream()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def stateless_upstream() -> Iterator[Upstream]:
+    server = Upstream("--stateless")
+    server.start()
+    yield server
+    server.stop()
+
+
+def proxy_config(upstream_url: str, tmp_path: Path, **sections: dict[str, Any]) -> Config:
+    overrides: dict[str, dict[str, Any]] = {
+        "upstream": {"url": upstream_url, "call_timeout_seconds": 30},
+        "store": {"path": str(tmp_path / "tasks.db")},
+        "logging": {"level": "warning"},
+    }
+    for name, values in sections.items():
+        overrides.setdefault(name, {}).update(values)
+    return load_config(None, environ={}, overrides=overrides)
+
+
+ProxyFactory = Callable[..., "AsyncIterator[TestClient[web.Request, web.Application]]"]
+
+
+@pytest.fixture
+async def make_proxy(
+    tmp_path: Path,
+) -> AsyncIterator[Callable[..., Any]]:
+    """Start a proxy in front of `url`; returns an aiohttp TestClient (real HTTP on loopback)."""
+    clients: list[TestClient[web.Request, web.Application]] = []
+
+    async def start(url: str, **sections: dict[str, Any]) -> TestClient[web.Request, web.Application]:
+        app = create_app(proxy_config(url, tmp_path, **sections))
+        client = TestClient(TestServer(app, host="127.0.0.1", handler_cancellation=True))
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    yield start
+    for client in clients:
+        await client.close()
+
+
+@pytest.fixture
+async def proxy(make_proxy: Callable[..., Any], upstream: Upstream) -> TestClient[web.Request, web.Application]:
+    client: TestClient[web.Request, web.Application] = await make_proxy(upstream.url)
+    return client
+
+
+# --- modern request helpers -----------------------------------------------------------------------------
+
+
+def modern_meta(capabilities: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    return {
+        "io.modelcontextprotocol/protocolVersion": MODERN,
+        "io.modelcontextprotocol/clientCapabilities": capabilities if capabilities is not None else {},
+        "io.modelcontextprotocol/clientInfo": {"name": "tests", "version": "1"},
+        **extra,
+    }
+
+
+def modern_headers(method: str, name: str | None = None, **extra: str) -> dict[str, str]:
+    headers = {
+        "Content-Type": "application/json",
+        "Accept": "application/json, text/event-stream",
+        "MCP-Protocol-Version": MODERN,
+        "Mcp-Method": method,
+    }
+    if name is not None:
+        headers["Mcp-Name"] = name
+    headers.update(extra)
+    return headers
+
+
+def modern_body(
+    method: str, params: dict[str, Any] | None = None, *, request_id: int | str = 1, **meta: Any
+) -> dict[str, Any]:
+    capabilities = meta.pop("capabilities", None)
+    body_params = dict(params or {})
+    body_params["_meta"] = modern_meta(capabilities, **meta)
+    return {"jsonrpc": "2.0", "id": request_id, "method": method, "params": body_params}
+
+
+def parse_sse(text: str) -> list[dict[str, Any]]:
+    messages = []
+    for block in text.replace("\r\n", "\n").split("\n\n"):
+        data = [line[5:].lstrip(" ") for line in block.split("\n") if line.startswith("data:")]
+        if data and "".join(data).strip():
+            messages.append(json.loads("\n".join(data)))
+    return messages
+
+
+async def read_messages(response: Any) -> list[dict[str, Any]]:
+    """Every JSON-RPC message of a response, whether it came as JSON or as an SSE stream."""
+    text = await response.text()
+    if response.headers.get("Content-Type", "").startswith("text/event-stream"):
+        return parse_sse(text)
+    return [json.loads(text)]
+
+
+# --- schema validation ---------------------------------------------------------------------------------
+
+
+class SchemaValidator:
+    def __init__(self, path: Path) -> None:
+        self.document = json.loads(path.read_text())
+        self.defs = self.document["$defs"]
+
+    def validate(self, instance: Any, definition: str) -> None:
+        schema = {"$schema": self.document["$schema"], "$defs": self.defs, "$ref": f"#/$defs/{definition}"}
+        jsonschema.Draft202012Validator(schema).validate(instance)
+
+
+RESPONSE_DEFS = {
+    "server/discover": "DiscoverResultResponse",
+    "tools/list": "ListToolsResultResponse",
+    "tools/call": "CallToolResultResponse",
+    "prompts/list": "ListPromptsResultResponse",
+    "prompts/get": "GetPromptResultResponse",
+    "resources/list": "ListResourcesResultResponse",
+    "resources/templates/list": "ListResourceTemplatesResultResponse",
+    "resources/read": "ReadResourceResultResponse",
+    "completion/complete": "CompleteResultResponse",
+}
+
+
+class ModernSchema(SchemaValidator):
+    def check(self, message: dict[str, Any], method: str) -> None:
+        """Validate one message the proxy sent for a request of `method` against the 2026-07-28 schema."""
+        if "error" in message:
+            self.validate(message, "JSONRPCErrorResponse")
+        elif "result" in message:
+            self.validate(message, RESPONSE_DEFS[method])
+        else:
+            self.validate(message, "ServerNotification")
+
+    def check_all(self, messages: list[dict[str, Any]], method: str) -> None:
+        for message in messages:
+            self.check(message, method)
+
+
+@pytest.fixture(scope="session")
+def modern_schema() -> ModernSchema:
+    return ModernSchema(SCHEMA_DIR / "mcp-2026-07-28.schema.json")

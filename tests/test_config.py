@@ -1,0 +1,112 @@
+"""config.py + cli.py: YAML + environment + flags, every error at once with its path, exit code 2, docs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from proxy.cli import main
+from proxy.config import Config, ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "config" / "proxy.example.yaml"
+
+
+def test_the_example_shows_every_field_and_loads() -> None:
+    config = load_config(EXAMPLE, environ={})
+    assert config == Config()  # the example documents the defaults
+    text = EXAMPLE.read_text()
+    for section, model in _sections():
+        assert f"\n{section}:" in text, section
+        for field in model.model_fields:
+            assert re.search(rf"^\s+{field}:", text, re.MULTILINE), f"{section}.{field} missing from the example"
+
+
+def _sections() -> list[tuple[str, type[BaseModel]]]:
+    sections = []
+    for name, field in Config.model_fields.items():
+        annotation = field.annotation
+        assert isinstance(annotation, type)
+        assert issubclass(annotation, BaseModel)
+        sections.append((name, annotation))
+    return sections
+
+
+def test_every_field_has_a_description_and_is_in_the_readme() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for section, model in _sections():
+        for name, field in model.model_fields.items():
+            assert field.description, f"{section}.{name} has no description"
+            assert f"`{section}.{name}`" in readme, f"{section}.{name} is not in the README's configuration reference"
+
+
+def test_env_overrides_and_flags(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("listen: {port: 9999}\nupstream: {url: http://a:1/mcp}\n")
+    environ = {
+        "MCP_TASKS_PROXY_UPSTREAM__URL": "http://b:2/mcp",
+        "MCP_TASKS_PROXY_SECURITY__ALLOWED_HOSTS": "[a, b]",
+        "MCP_TASKS_PROXY_LISTEN__HOST": "0.0.0.0",
+        "OTHER": "ignored",
+    }
+    config = load_config(path, environ=environ, overrides={"listen": {"host": "::1"}})
+    assert config.listen.port == 9999
+    assert config.upstream.url == "http://b:2/mcp"
+    assert config.security.allowed_hosts == ["a", "b"]
+    assert config.listen.host == "::1"  # flags beat the environment
+
+
+def test_all_errors_are_reported_at_once_with_their_path(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("listen: {port: 70000, extra: 1}\nupstream: {url: ftp://x}\nlogging: {level: loud}\nnope: {}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, environ={})
+    problems = "\n".join(caught.value.problems)
+    for expected in ("listen.port", "listen.extra", "upstream.url", "logging.level", "nope"):
+        assert expected in problems
+    assert len(caught.value.problems) == 5
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("listen: [1, 2", "not valid YAML"), ("- a\n- b\n", "expected a mapping")],
+)
+def test_unreadable_files(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, environ={})
+
+
+def test_bad_env_names_are_errors() -> None:
+    with pytest.raises(ConfigError, match="SECTION"):
+        load_config(None, environ={"MCP_TASKS_PROXY_PORT": "1"})
+
+
+def test_config_is_frozen() -> None:
+    config = Config()
+    with pytest.raises(ValueError, match="frozen"):
+        config.listen.port = 1  # type: ignore[misc]
+
+
+def test_check_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-config", str(EXAMPLE)]) == 0
+    assert "ok" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("listen: {port: -1}\nstore: {path: 3, x: 1}\n")
+    assert main(["check-config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "listen.port" in err
+    assert "store.x" in err
+    assert main(["check-config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--version"], ["--help"], ["serve", "--help"], ["check-config", "--help"]):
+        with pytest.raises(SystemExit) as caught:
+            main(argv)
+        assert caught.value.code == 0
+    assert "mcp-tasks-proxy" in capsys.readouterr().out

@@ -1,0 +1,187 @@
+"""wire/envelope.py: era classification and the 2026-07-28 validation order (protocol.md §8, C-2…C-25)."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+
+from proxy.errors import HeaderMismatchError, InvalidParamsError, ProxyError, UnsupportedVersionError
+from proxy.wire.envelope import decode_header_value, is_modern, validate_modern, validate_params
+
+META = {
+    "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+    "io.modelcontextprotocol/clientCapabilities": {},
+}
+
+
+def headers(method: str, name: str | None = None, version: str = "2026-07-28") -> dict[str, str]:
+    result = {"MCP-Protocol-Version": version, "Mcp-Method": method}
+    if name is not None:
+        result["Mcp-Name"] = name
+    return result
+
+
+def call(params: dict[str, Any] | None, hdrs: dict[str, str], method: str = "tools/call") -> Any:
+    return validate_modern(hdrs, 1, method, params)
+
+
+# --- classification -----------------------------------------------------------------------------------
+
+
+def test_meta_version_makes_a_request_modern() -> None:
+    assert is_modern({}, {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": META}})
+
+
+def test_modern_header_makes_a_request_modern_even_without_meta() -> None:
+    assert is_modern({"mcp-protocol-version": "2026-07-28"}, {"jsonrpc": "2.0", "id": 1, "method": "x"})
+    assert is_modern({"MCP-Protocol-Version": "2099-01-01"}, None)  # unknown versions are not legacy
+
+
+@pytest.mark.parametrize("version", ["2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"])
+def test_handshake_versions_are_legacy(version: str) -> None:
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    assert not is_modern({"MCP-Protocol-Version": version, "Mcp-Session-Id": "abc"}, body)
+
+
+def test_initialize_without_headers_is_legacy() -> None:
+    body = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": "2025-11-25"}}
+    assert not is_modern({}, body)
+    assert not is_modern({}, [body])
+
+
+# --- validation order and codes -------------------------------------------------------------------------
+
+
+def test_a_valid_request_yields_its_parts() -> None:
+    meta = {**META, "progressToken": "p1", "io.modelcontextprotocol/logLevel": "info"}
+    caps: dict[str, Any] = {"extensions": {"io.modelcontextprotocol/tasks": {}}, "sampling": {}}
+    meta["io.modelcontextprotocol/clientCapabilities"] = caps
+    request = call({"name": "greet", "_meta": meta}, headers("tools/call", "greet"))
+    assert request.method == "tools/call"
+    assert request.protocol_version == "2026-07-28"
+    assert request.declares_tasks
+    assert request.declares("sampling")
+    assert not request.declares("elicitation")
+    assert request.progress_token == "p1"
+    assert request.log_level == "info"
+
+
+def test_tasks_declaration_is_read_only_from_extensions() -> None:
+    """T-10: the legacy `tasks` capability shape is not a declaration of the extension."""
+    meta = {**META, "io.modelcontextprotocol/clientCapabilities": {"tasks": {"requests": {"tools": {"call": {}}}}}}
+    assert not call({"name": "x", "_meta": meta}, headers("tools/call", "x")).declares_tasks
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        None,
+        {},
+        {"_meta": "x"},
+        {"_meta": {"io.modelcontextprotocol/clientCapabilities": {}}},
+        {"_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28"}},
+        {
+            "_meta": {
+                "io.modelcontextprotocol/protocolVersion": 20260728,
+                "io.modelcontextprotocol/clientCapabilities": {},
+            }
+        },
+        {
+            "_meta": {
+                "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                "io.modelcontextprotocol/clientCapabilities": [],
+            }
+        },
+    ],
+)
+def test_missing_meta_fields_are_invalid_params_400(params: dict[str, Any] | None) -> None:
+    """C-2: checked first, even before the headers are compared."""
+    with pytest.raises(InvalidParamsError) as caught:
+        validate_modern({}, 5, "server/discover", params)
+    assert (caught.value.code, caught.value.status, caught.value.request_id) == (-32602, 400, 5)
+
+
+@pytest.mark.parametrize(
+    "hdrs",
+    [
+        {"Mcp-Method": "tools/call", "Mcp-Name": "greet"},  # no MCP-Protocol-Version
+        headers("tools/call", "greet", version="2025-11-25"),  # header != _meta
+        {"MCP-Protocol-Version": "2026-07-28", "Mcp-Name": "greet"},  # no Mcp-Method
+        headers("tools/list", "greet"),  # Mcp-Method != method
+        headers("tools/call"),  # no Mcp-Name on a name-bearing method
+        headers("tools/call", "other"),  # Mcp-Name != params.name
+        headers("tools/call", "=?base64?!!!?="),  # undecodable sentinel
+        headers("tools/call", "gr\x7feet"),  # invalid characters
+    ],
+)
+def test_routing_header_faults_are_header_mismatch_400(hdrs: dict[str, str]) -> None:
+    with pytest.raises(HeaderMismatchError) as caught:
+        call({"name": "greet", "_meta": META}, hdrs)
+    assert (caught.value.code, caught.value.status, caught.value.request_id) == (-32020, 400, 1)
+
+
+def test_header_names_are_case_insensitive_and_values_trimmed() -> None:
+    hdrs = {"mcp-protocol-version": "2026-07-28", "MCP-METHOD": "tools/call", "mcp-name": "  greet "}
+    assert call({"name": "greet", "_meta": META}, hdrs).method == "tools/call"
+
+
+def test_base64_sentinel_is_decoded_before_comparing() -> None:
+    """C-24: non-ASCII names travel base64-encoded."""
+    name = "grüße"
+    encoded = "=?base64?" + base64.b64encode(name.encode()).decode() + "?="
+    assert call({"name": name, "_meta": META}, headers("tools/call", encoded)).params["name"] == name
+
+
+@pytest.mark.parametrize(("method", "field"), [("prompts/get", "name"), ("resources/read", "uri")])
+def test_mcp_name_mirrors_the_right_field(method: str, field: str) -> None:
+    call({field: "test://x", "_meta": META}, headers(method, "test://x"), method)
+    with pytest.raises(HeaderMismatchError):
+        call({field: "test://x", "_meta": META}, headers(method, "test://y"), method)
+
+
+def test_mcp_name_on_tasks_methods_is_checked_when_present_and_tolerated_when_absent() -> None:
+    """Architecture decision on Q3; K-24, K-42."""
+    params = {"taskId": "t1", "_meta": META}
+    assert call(params, headers("tasks/get"), "tasks/get").params["taskId"] == "t1"
+    assert call(params, headers("tasks/get", "t1"), "tasks/get").params["taskId"] == "t1"
+    with pytest.raises(HeaderMismatchError):
+        call(params, headers("tasks/get", "t2"), "tasks/get")
+
+
+def test_unsupported_version_names_supported_and_requested() -> None:
+    """C-6: header and _meta agree on a version the proxy does not serve → -32022 + data."""
+    meta = {**META, "io.modelcontextprotocol/protocolVersion": "v999.0.0"}
+    with pytest.raises(UnsupportedVersionError) as caught:
+        validate_modern(headers("server/discover", version="v999.0.0"), 3, "server/discover", {"_meta": meta})
+    error = caught.value
+    assert (error.code, error.status, error.request_id) == (-32022, 400, 3)
+    assert error.data == {"supported": ["2026-07-28"], "requested": "v999.0.0"}
+
+
+def test_header_mismatch_wins_over_unsupported_version() -> None:
+    meta = {**META, "io.modelcontextprotocol/protocolVersion": "v999.0.0"}
+    with pytest.raises(HeaderMismatchError):
+        validate_modern(headers("server/discover"), 3, "server/discover", {"_meta": meta})
+
+
+def test_params_shape_is_checked_with_the_2026_models() -> None:
+    request = call({"name": "greet", "arguments": "not-an-object", "_meta": META}, headers("tools/call", "greet"))
+    with pytest.raises(InvalidParamsError) as caught:
+        validate_params(request)
+    assert "arguments" in caught.value.message
+
+
+def test_decode_header_value() -> None:
+    assert decode_header_value(" plain ") == "plain"
+    assert decode_header_value("=?base64?aGk=?=") == "hi"
+    with pytest.raises(ValueError, match="base64"):
+        decode_header_value("=?base64?***?=")
+    with pytest.raises(ValueError, match="ASCII"):
+        decode_header_value("naïve")
+
+
+def test_every_rejection_is_a_proxy_error() -> None:
+    with pytest.raises(ProxyError):
+        validate_modern({}, 1, "x", None)

@@ -1,0 +1,297 @@
+"""End to end: a 2026-07-28 client → the proxy (real HTTP) → a real legacy upstream (mcp 1.x, own process).
+
+Every message the proxy sends is validated against shared/schema/mcp-2026-07-28.schema.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+
+from proxy.app import UPSTREAM
+from tests.conftest import (
+    ModernSchema,
+    Upstream,
+    modern_body,
+    modern_headers,
+    read_messages,
+)
+
+Client = TestClient[web.Request, web.Application]
+
+NAME_PARAM = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}
+
+
+async def rpc(
+    client: Client,
+    schema: ModernSchema,
+    method: str,
+    params: dict[str, Any] | None = None,
+    *,
+    request_id: int | str = 1,
+    headers: dict[str, str] | None = None,
+    **meta: Any,
+) -> tuple[int, str, list[dict[str, Any]]]:
+    """POST one modern request; returns (HTTP status, content type, every message), all schema-checked."""
+    field = NAME_PARAM.get(method)
+    name = (params or {}).get(field) if field else None
+    response = await client.post(
+        "/mcp",
+        json=modern_body(method, params, request_id=request_id, **meta),
+        headers={**modern_headers(method, name), **(headers or {})},
+    )
+    messages = await read_messages(response)
+    schema.check_all(messages, method)
+    return response.status, response.headers.get("Content-Type", ""), messages
+
+
+async def call_tool(
+    client: Client, schema: ModernSchema, tool: str, arguments: dict[str, Any] | None = None, **meta: Any
+) -> tuple[int, str, list[dict[str, Any]]]:
+    return await rpc(client, schema, "tools/call", {"name": tool, "arguments": arguments or {}}, **meta)
+
+
+def text_of(message: dict[str, Any]) -> str:
+    return "".join(block.get("text", "") for block in message["result"]["content"])
+
+
+# --- discovery and forwarding -------------------------------------------------------------------------
+
+
+async def test_discover_is_synthesized_from_the_upstream(proxy: Client, modern_schema: ModernSchema) -> None:
+    """C-7, K-34, T-9."""
+    status, _, [message] = await rpc(proxy, modern_schema, "server/discover")
+    assert status == 200
+    result = message["result"]
+    assert result["supportedVersions"] == ["2026-07-28"]
+    assert result["capabilities"]["extensions"] == {"io.modelcontextprotocol/tasks": {}}
+    assert "tasks" not in result["capabilities"]
+    assert result["capabilities"]["resources"] == {}  # subscribe/listChanged are not delivered by the proxy
+    assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "legacy-fixture-upstream"
+    assert result["ttlMs"] == 60_000
+    assert result["cacheScope"] == "private"
+
+
+async def test_tools_list_is_translated_and_stable(proxy: Client, modern_schema: ModernSchema) -> None:
+    """K-33, K-35, C-29."""
+    _, _, [first] = await rpc(proxy, modern_schema, "tools/list")
+    _, _, [second] = await rpc(proxy, modern_schema, "tools/list", request_id=2)
+    names = [tool["name"] for tool in first["result"]["tools"]]
+    assert {"greet", "sleep", "ask_name", "test_simple_text"} <= set(names)
+    assert names == [tool["name"] for tool in second["result"]["tools"]]
+    assert first["result"]["resultType"] == "complete"
+    assert first["result"]["cacheScope"] == "private"
+
+
+async def test_sync_tool_call(proxy: Client, modern_schema: ModernSchema) -> None:
+    status, content_type, [message] = await call_tool(proxy, modern_schema, "greet", {"name": "Ada"}, request_id=7)
+    assert status == 200
+    assert content_type.startswith("application/json")
+    assert message["id"] == 7
+    assert text_of(message) == "Hello, Ada!"
+    assert message["result"]["resultType"] == "complete"
+
+
+async def test_string_request_ids_are_echoed(proxy: Client, modern_schema: ModernSchema) -> None:
+    _, _, [message] = await rpc(
+        proxy, modern_schema, "tools/call", {"name": "echo", "arguments": {"text": "x"}}, request_id="req-9"
+    )
+    assert message["id"] == "req-9"
+
+
+async def test_tool_error_result_is_data(proxy: Client, modern_schema: ModernSchema) -> None:
+    _, _, [message] = await call_tool(proxy, modern_schema, "tool_error", {"message": "boom"})
+    assert message["result"]["isError"] is True
+    assert text_of(message) == "boom"
+
+
+async def test_upstream_jsonrpc_error_passes_through(proxy: Client, modern_schema: ModernSchema) -> None:
+    """Upstream JSON-RPC errors are data: same code and message, HTTP 200 (Q8)."""
+    status, _, [message] = await call_tool(proxy, modern_schema, "raise_error", {"message": "nope", "code": -32000})
+    assert status == 200
+    assert message["error"]["code"] == -32000
+    assert message["error"]["message"] == "nope"
+
+
+async def test_retired_upstream_codes_are_not_re_emitted(proxy: Client, modern_schema: ModernSchema) -> None:
+    """L-7: -32042 (URL elicitation required) does not exist in 2026-07-28."""
+    _, _, [message] = await call_tool(proxy, modern_schema, "raise_error", {"message": "url", "code": -32042})
+    assert message["error"]["code"] == -32603
+
+
+async def test_legacy_resource_not_found_becomes_invalid_params(proxy: Client, modern_schema: ModernSchema) -> None:
+    """L-7: -32002 → -32602."""
+    _, _, [message] = await rpc(proxy, modern_schema, "resources/read", {"uri": "test://does-not-exist"})
+    assert message["error"]["code"] == -32602
+
+
+async def test_resources_prompts_and_completion(proxy: Client, modern_schema: ModernSchema) -> None:
+    _, _, [resources] = await rpc(proxy, modern_schema, "resources/list")
+    assert any(item["uri"] == "test://static-text" for item in resources["result"]["resources"])
+    _, _, [read] = await rpc(proxy, modern_schema, "resources/read", {"uri": "test://static-text"})
+    assert read["result"]["contents"][0]["uri"] == "test://static-text"
+    assert "ttlMs" in read["result"]
+    _, _, [templates] = await rpc(proxy, modern_schema, "resources/templates/list")
+    assert templates["result"]["resourceTemplates"]
+    _, _, [prompts] = await rpc(proxy, modern_schema, "prompts/list")
+    assert any(item["name"] == "test_simple_prompt" for item in prompts["result"]["prompts"])
+    _, _, [prompt] = await rpc(proxy, modern_schema, "prompts/get", {"name": "test_simple_prompt"})
+    assert prompt["result"]["messages"]
+    _, _, [completion] = await rpc(
+        proxy,
+        modern_schema,
+        "completion/complete",
+        {
+            "ref": {"type": "ref/prompt", "name": "test_prompt_with_arguments"},
+            "argument": {"name": "arg1", "value": ""},
+        },
+    )
+    assert "values" in completion["result"]["completion"]
+
+
+# --- notifications -------------------------------------------------------------------------------------
+
+
+async def test_progress_streams_only_when_the_client_asked(proxy: Client, modern_schema: ModernSchema) -> None:
+    """C-18: with a progressToken the answer is an SSE stream of progress, then the result; without, JSON."""
+    _, content_type, messages = await call_tool(proxy, modern_schema, "sleep", {"seconds": 0.35}, progressToken="tok")
+    assert content_type.startswith("text/event-stream")
+    progress = [m for m in messages if m.get("method") == "notifications/progress"]
+    assert progress
+    assert all(m["params"]["progressToken"] == "tok" for m in progress)
+    assert text_of(messages[-1]) == "slept 0.35"
+    _, content_type, messages = await call_tool(proxy, modern_schema, "sleep", {"seconds": 0.35})
+    assert content_type.startswith("application/json")
+    assert len(messages) == 1
+
+
+async def test_log_messages_need_a_log_level(proxy: Client, modern_schema: ModernSchema) -> None:
+    """C-18: no notifications/message without io.modelcontextprotocol/logLevel; filtered by level with it."""
+    _, _, messages = await call_tool(proxy, modern_schema, "log", {"level": "warning", "message": "w"})
+    assert [m for m in messages if "method" in m] == []
+    kwargs = {"io.modelcontextprotocol/logLevel": "error"}
+    _, _, messages = await call_tool(proxy, modern_schema, "log", {"level": "warning", "message": "w"}, **kwargs)
+    assert [m for m in messages if "method" in m] == []
+    kwargs = {"io.modelcontextprotocol/logLevel": "info"}
+    _, _, messages = await call_tool(proxy, modern_schema, "log", {"level": "warning", "message": "w"}, **kwargs)
+    logs = [m for m in messages if m.get("method") == "notifications/message"]
+    assert [m["params"]["data"] for m in logs] == ["w"]
+
+
+# --- server→client requests (C-21) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tool", "capability"),
+    [("sample", "sampling"), ("list_roots", "roots"), ("ask_name", "elicitation")],
+)
+async def test_undeclared_input_capability_is_minus_32021(
+    proxy: Client, modern_schema: ModernSchema, tool: str, capability: str
+) -> None:
+    """C-4/C-21: no server→client request reaches the client; it is told what it would need (HTTP 400)."""
+    status, content_type, messages = await call_tool(
+        proxy, modern_schema, tool, {"prompt": "hi"} if tool == "sample" else {}
+    )
+    assert status == 400
+    assert content_type.startswith("application/json")
+    [message] = messages
+    assert message["error"]["code"] == -32021
+    assert message["error"]["data"]["requiredCapabilities"] == {capability: {}}
+    # The upstream was answered and the call cancelled: the proxy still serves the next request at once.
+    _, _, [again] = await call_tool(proxy, modern_schema, "greet", {"name": "x"})
+    assert text_of(again) == "Hello, x!"
+
+
+async def test_declared_input_capability_is_not_blamed_on_the_client(
+    proxy: Client, modern_schema: ModernSchema
+) -> None:
+    """Until input bridging exists the proxy cannot relay the upstream's question; a client that declared the
+    capability must not be told it lacks it."""
+    status, _, [message] = await call_tool(proxy, modern_schema, "ask_name", capabilities={"elicitation": {}})
+    assert message["error"]["code"] == -32603
+    assert "elicitation/create" in message["error"]["message"]
+    assert status == 200
+
+
+# --- cancellation (C-19, L-5) -------------------------------------------------------------------------
+
+
+async def cancelled_upstream_ids(proxy: Client, schema: ModernSchema) -> list[Any]:
+    _, _, [message] = await call_tool(proxy, schema, "cancelled_requests")
+    ids: list[Any] = json.loads(text_of(message))
+    return ids
+
+
+async def test_client_disconnect_cancels_the_upstream_call(proxy: Client, modern_schema: ModernSchema) -> None:
+    before = await cancelled_upstream_ids(proxy, modern_schema)
+    request = proxy.post(
+        "/mcp",
+        json=modern_body("tools/call", {"name": "sleep", "arguments": {"seconds": 30}}),
+        headers=modern_headers("tools/call", "sleep"),
+    )
+    task = asyncio.get_running_loop().create_task(request.__aenter__())
+    await asyncio.sleep(0.5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        after = await cancelled_upstream_ids(proxy, modern_schema)
+        if len(after) > len(before):
+            break
+        assert asyncio.get_running_loop().time() < deadline, "the upstream never saw notifications/cancelled"
+        await asyncio.sleep(0.1)
+
+
+# --- upstream sessions --------------------------------------------------------------------------------
+
+
+async def test_expired_upstream_session_is_reinitialized(
+    proxy: Client, modern_schema: ModernSchema, upstream: Upstream
+) -> None:
+    """L-1: a 404 for the session means re-initialize and retry, invisibly to the client."""
+    await call_tool(proxy, modern_schema, "greet", {"name": "a"})
+    session = proxy.app[UPSTREAM].session(None)
+    old_id = session.session_id
+    assert old_id is not None
+    response = await proxy.session.delete(
+        upstream.url, headers={"Mcp-Session-Id": old_id, "MCP-Protocol-Version": session.protocol_version}
+    )
+    assert response.status in (200, 204)
+    _, _, [message] = await call_tool(proxy, modern_schema, "greet", {"name": "b"})
+    assert text_of(message) == "Hello, b!"
+    assert session.session_id not in (None, old_id)
+
+
+async def test_sessions_are_kept_per_principal(proxy: Client, modern_schema: ModernSchema) -> None:
+    await rpc(proxy, modern_schema, "tools/list", headers={"Authorization": "Bearer one"})
+    await rpc(proxy, modern_schema, "tools/list", headers={"Authorization": "Bearer two"})
+    client = proxy.app[UPSTREAM]
+    one, two = client.session("Bearer one"), client.session("Bearer two")
+    assert one is not two
+    assert one.session_id is not None
+    assert two.session_id is not None
+    assert one.session_id != two.session_id
+
+
+async def test_stateless_upstream(
+    make_proxy: Callable[..., Any], stateless_upstream: Upstream, modern_schema: ModernSchema
+) -> None:
+    client: Client = await make_proxy(stateless_upstream.url)
+    _, _, [message] = await call_tool(client, modern_schema, "greet", {"name": "s"})
+    assert text_of(message) == "Hello, s!"
+    assert client.app[UPSTREAM].session(None).session_id is None
+
+
+async def test_upstream_down_is_a_gateway_error(make_proxy: Callable[..., Any], modern_schema: ModernSchema) -> None:
+    client: Client = await make_proxy("http://127.0.0.1:9/mcp")
+    status, _, [message] = await call_tool(client, modern_schema, "greet", {"name": "x"})
+    assert status == 502
+    assert message["error"]["code"] == -32603
+    assert message["id"] == 1

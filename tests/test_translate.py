@@ -1,0 +1,132 @@
+"""wire/translate.py: legacy results, errors and notifications as a modern client must see them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.wire.translate import (
+    complete_result,
+    discover_result,
+    error_object,
+    relay_notification,
+    required_capability,
+    server_capabilities,
+)
+
+SERVER_INFO = {"name": "up", "version": "1.0"}
+CACHE = (60_000, "private")
+
+
+def test_every_result_gets_result_type_complete_and_server_info() -> None:
+    """K-41, C-3, C-10."""
+    result = complete_result("tools/call", {"content": [], "isError": False}, SERVER_INFO, CACHE)
+    assert result["resultType"] == "complete"
+    assert result["_meta"]["io.modelcontextprotocol/serverInfo"] == SERVER_INFO
+    assert "ttlMs" not in result  # tools/call results are not cacheable (C-29)
+
+
+def test_cacheable_results_carry_ttl_and_scope() -> None:
+    """C-29."""
+    for method in ("tools/list", "prompts/list", "resources/list", "resources/templates/list", "resources/read"):
+        result = complete_result(method, {}, None, CACHE)
+        assert (result["ttlMs"], result["cacheScope"]) == CACHE, method
+
+
+def test_legacy_meta_and_task_support_are_stripped_and_input_is_not_mutated() -> None:
+    legacy: dict[str, Any] = {
+        "tools": [{"name": "a", "inputSchema": {"type": "object"}, "execution": {"taskSupport": "optional"}}],
+        "_meta": {"io.modelcontextprotocol/related-task": {"taskId": "x"}, "keep/me": 1},
+    }
+    result = complete_result("tools/list", legacy, None, CACHE)
+    assert "execution" not in result["tools"][0]
+    assert result["_meta"] == {"keep/me": 1}
+    assert legacy["tools"][0]["execution"] == {"taskSupport": "optional"}
+
+
+def test_resource_not_found_becomes_invalid_params() -> None:
+    """L-7: -32002 must not be emitted by a 2026-07-28 server."""
+    error = error_object({"code": -32002, "message": "Resource not found", "data": {"uri": "test://x"}})
+    assert error == {"code": -32602, "message": "Resource not found", "data": {"uri": "test://x"}}
+
+
+def test_undefined_reserved_codes_are_not_re_emitted() -> None:
+    error = error_object({"code": -32042, "message": "URL elicitation required", "data": {"elicitations": []}})
+    assert error["code"] == -32603
+    assert "-32042" in error["message"]
+
+
+def test_ordinary_codes_pass_through() -> None:
+    for code in (-32602, -32603, -32000, -32601, 42):
+        assert error_object({"code": code, "message": "m"}) == {"code": code, "message": "m"}
+
+
+def test_malformed_error_objects_become_internal_errors() -> None:
+    assert error_object({"message": "no code"})["code"] == -32603
+    assert error_object({"code": -32602})["message"] == "Upstream error"
+
+
+def test_server_capabilities_drop_what_the_proxy_does_not_deliver() -> None:
+    """K-34, T-9, T-12."""
+    legacy = {
+        "tools": {"listChanged": True},
+        "resources": {"subscribe": True, "listChanged": True},
+        "logging": {},
+        "tasks": {"requests": {"tools": {"call": {}}}},
+    }
+    assert server_capabilities(legacy) == {
+        "logging": {},
+        "resources": {},
+        "tools": {},
+        "extensions": {"io.modelcontextprotocol/tasks": {}},
+    }
+
+
+def test_discover_result_is_synthesized_from_initialize() -> None:
+    """C-7."""
+    result = discover_result(
+        {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {"prompts": {}},
+            "serverInfo": SERVER_INFO,
+            "instructions": "hi",
+        },
+        CACHE,
+    )
+    assert result["resultType"] == "complete"
+    assert result["supportedVersions"] == ["2026-07-28"]
+    assert result["instructions"] == "hi"
+    assert result["_meta"] == {"io.modelcontextprotocol/serverInfo": SERVER_INFO}
+    assert (result["ttlMs"], result["cacheScope"]) == CACHE
+    assert "serverInfo" not in result
+
+
+def test_progress_is_relayed_only_with_a_progress_token() -> None:
+    """C-18, K-31."""
+    note = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": 3, "progress": 1}}
+    assert relay_notification(note, None, None) is None
+    relayed = relay_notification(note, "client-token", None)
+    assert relayed is not None
+    assert relayed["params"]["progressToken"] == "client-token"
+
+
+def test_log_messages_are_relayed_only_at_or_above_the_requested_level() -> None:
+    def note(level: str) -> dict[str, Any]:
+        return {"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": level, "data": "x"}}
+
+    assert relay_notification(note("error"), None, None) is None
+    assert relay_notification(note("info"), None, "warning") is None
+    assert relay_notification(note("warning"), None, "warning") is not None
+    assert relay_notification(note("emergency"), None, "debug") is not None
+    assert relay_notification(note("bogus"), None, "debug") is None
+
+
+def test_other_notifications_stay_behind() -> None:
+    for method in ("notifications/tools/list_changed", "notifications/resources/updated", "notifications/tasks/status"):
+        assert relay_notification({"jsonrpc": "2.0", "method": method, "params": {}}, "t", "debug") is None
+
+
+def test_required_capability_per_input_method() -> None:
+    assert required_capability("sampling/createMessage", {}) == {"sampling": {}}
+    assert required_capability("roots/list", None) == {"roots": {}}
+    assert required_capability("elicitation/create", {"message": "x"}) == {"elicitation": {}}
+    assert required_capability("elicitation/create", {"mode": "url"}) == {"elicitation": {"url": {}}}

@@ -1,0 +1,106 @@
+"""Fixtures for the project's own tests: ``sleep`` (progress every 0.1 s), ``echo``, ``raise_error``
+(JSON-RPC error), ``tool_error`` (isError), ``ask_name`` / ``sample`` / ``list_roots`` (one
+server->client request each), ``log``, ``update_resource`` (resources/updated to subscribers) and
+``cancelled_requests`` (which tools/call ids the upstream saw cancelled via notifications/cancelled).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import anyio
+from mcp import types
+from mcp.server.fastmcp import FastMCP
+from mcp.shared.exceptions import McpError
+from pydantic import AnyUrl, Field
+
+from tests.upstream import support
+from tests.upstream.support import Ctx, content_str, elicit, text_result
+
+PROGRESS_INTERVAL_S = 0.1
+
+
+def register(mcp: FastMCP[Any]) -> None:
+    """Register the project-test fixtures on ``mcp``."""
+
+    @mcp.tool(
+        name="sleep",
+        description="Sleeps `seconds` (cancellable), reporting progress every 0.1 s; returns 'slept {seconds}'",
+    )
+    async def sleep(
+        ctx: Ctx, seconds: Annotated[float, Field(description="How long to sleep, in seconds", ge=0)]
+    ) -> types.CallToolResult:
+        start = anyio.current_time()
+        while (remaining := seconds - (anyio.current_time() - start)) > 0:
+            await anyio.sleep(min(PROGRESS_INTERVAL_S, remaining))
+            done = min(seconds, anyio.current_time() - start)
+            await ctx.report_progress(round(done, 3), seconds, f"slept {done:.1f}/{seconds:g} s")
+        return text_result(f"slept {seconds:g}")
+
+    @mcp.tool(name="echo", description="Returns `text` unchanged")
+    async def echo(text: Annotated[str, Field(description="Text to return")]) -> types.CallToolResult:
+        return text_result(text)
+
+    @mcp.tool(
+        name="raise_error",
+        description="Fails with a JSON-RPC error carrying `message` and `code` (default -32602)",
+    )
+    async def raise_error(
+        message: Annotated[str, Field(description="Error message")],
+        code: Annotated[int, Field(description="JSON-RPC error code")] = types.INVALID_PARAMS,
+    ) -> types.CallToolResult:
+        raise McpError(types.ErrorData(code=code, message=message))
+
+    @mcp.tool(name="tool_error", description="Returns an isError result whose text is `message`")
+    async def tool_error(message: Annotated[str, Field(description="Error text")]) -> types.CallToolResult:
+        return text_result(message, is_error=True)
+
+    @mcp.tool(name="ask_name", description="Elicits a name once; returns 'Hello, <name>'")
+    async def ask_name(ctx: Ctx) -> types.CallToolResult:
+        result = await elicit(
+            ctx,
+            "What is your name?",
+            {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+        )
+        if result.action != "accept":
+            return text_result(f"No name given (action={result.action})")
+        return text_result(f"Hello, {content_str(result, 'name')}")
+
+    @mcp.tool(name="sample", description="Sends `prompt` via sampling/createMessage; returns the model's text")
+    async def sample(
+        ctx: Ctx, prompt: Annotated[str, Field(description="Prompt for the client's model")]
+    ) -> types.CallToolResult:
+        return text_result(await support.sample(ctx, prompt))
+
+    @mcp.tool(name="list_roots", description="Requests roots/list; returns the root URIs joined by ', '")
+    async def list_roots(ctx: Ctx) -> types.CallToolResult:
+        return text_result(", ".join(str(root.uri) for root in await support.list_roots(ctx)))
+
+    @mcp.tool(name="log", description="Emits notifications/message at `level` with `message`; returns 'logged'")
+    async def log(
+        ctx: Ctx,
+        level: Annotated[types.LoggingLevel, Field(description="Log level")],
+        message: Annotated[str, Field(description="Log message")],
+    ) -> types.CallToolResult:
+        await support.log(ctx, level, message, logger="fixture")
+        return text_result("logged")
+
+    @mcp.tool(
+        name="update_resource",
+        description="Sends notifications/resources/updated for `uri` to every session subscribed to it",
+    )
+    async def update_resource(
+        uri: Annotated[str, Field(description="Resource URI")] = "test://watched-resource",
+    ) -> types.CallToolResult:
+        sessions = support.subscribers(uri)
+        for session in sessions:
+            await session.send_resource_updated(AnyUrl(uri))
+        return text_result(f"notified {len(sessions)} subscriber(s)")
+
+    @mcp.tool(
+        name="cancelled_requests",
+        description="JSON list of tools/call request ids this server saw cancelled by notifications/cancelled",
+    )
+    async def cancelled_requests() -> types.CallToolResult:
+        return text_result(json.dumps(support.CANCELLED_REQUEST_IDS))
