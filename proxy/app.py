@@ -26,7 +26,7 @@ from proxy.errors import (
     PayloadTooLargeError,
     ProxyError,
 )
-from proxy.front import Front
+from proxy.front import TRACE_META_KEYS, Caller, Front
 from proxy.upstream.passthrough import PassThrough
 from proxy.upstream.session import UpstreamClient
 from proxy.upstream.sse import frame
@@ -213,10 +213,13 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     request[MCP_METHOD] = message.method
     modern = validate_modern(request.headers, message.id, message.method, message.params)
     config = request.app[CONFIG]
-    principal = request.headers.get(config.security.principal_header)
+    caller = Caller(
+        principal=request.headers.get(config.security.principal_header),
+        trace={key: value for key in TRACE_META_KEYS if (value := request.headers.get(key)) is not None},
+    )
     channel = HttpChannel(request)
     try:
-        reply = await request.app[FRONT].dispatch(modern, principal, channel)
+        reply = await request.app[FRONT].dispatch(modern, caller, channel)
     except ProxyError as error:
         if error.request_id is None:
             error.request_id = modern.id  # every error echoes the request id

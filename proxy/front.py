@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 import structlog
@@ -47,13 +48,22 @@ INPUT_METHODS: Final = frozenset({"elicitation/create", "sampling/createMessage"
 TRACE_META_KEYS: Final = ("traceparent", "tracestate", "baggage")
 
 
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a request, as far as the upstream needs to know: the principal header's value (it travels
+    upstream and selects the upstream session) and W3C trace context (HTTP headers, or `_meta` keys)."""
+
+    principal: str | None = None
+    trace: Mapping[str, str] = field(default_factory=dict)
+
+
 class Channel(Protocol):
     """Where request-scoped notifications go before the final message (an SSE stream, or nowhere)."""
 
     async def notify(self, message: JSON) -> None: ...
 
 
-Handler = Callable[["Front", ModernRequest, str | None, Channel], Awaitable[JSON]]
+Handler = Callable[["Front", ModernRequest, Caller, Channel], Awaitable[JSON]]
 
 
 def upstream_params(params: Mapping[str, Any]) -> JSON:
@@ -67,8 +77,16 @@ def upstream_params(params: Mapping[str, Any]) -> JSON:
     return forwarded
 
 
-def trace_headers(meta: Mapping[str, Any]) -> dict[str, str]:
-    return {key: value for key in TRACE_META_KEYS if isinstance(value := meta.get(key), str)}
+def trace_headers(meta: Mapping[str, Any], http_headers: Mapping[str, str]) -> dict[str, str]:
+    """Trace context for the upstream request: the request's HTTP headers, else its `_meta` keys."""
+    found: dict[str, str] = {}
+    for key in TRACE_META_KEYS:
+        value = http_headers.get(key)
+        if value is None and isinstance(meta.get(key), str):
+            value = meta[key]
+        if value is not None:
+            found[key] = value
+    return found
 
 
 class Front:
@@ -77,7 +95,7 @@ class Front:
         self.upstream = upstream
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
 
-    async def dispatch(self, request: ModernRequest, principal: str | None, channel: Channel) -> JSON:
+    async def dispatch(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Serve one modern request; returns the JSON-RPC response message (result or error)."""
         handler = METHODS.get(request.method)
         if handler is None:
@@ -85,18 +103,19 @@ class Front:
             raise MethodNotFoundError(f"Method not found: {request.method}", request_id=request.id)
         if known_core_method(request.method, request.protocol_version):
             validate_params(request)
-        return await handler(self, request, principal, channel)
+        return await handler(self, request, caller, channel)
 
-    async def discover(self, request: ModernRequest, principal: str | None, channel: Channel) -> JSON:
-        initialize_result = await self.upstream.session(principal).ensure_initialized()
+    async def discover(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        initialize_result = await self.upstream.session(caller.principal).ensure_initialized()
         return result_message(request.id, translate.discover_result(initialize_result, self.cache))
 
-    async def forward(self, request: ModernRequest, principal: str | None, channel: Channel) -> JSON:
+    async def forward(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Relay one request through the principal's upstream session and translate the outcome."""
-        session = self.upstream.session(principal)
+        session = self.upstream.session(caller.principal)
         initialize_result = await session.ensure_initialized()
         server_info = translate.implementation(initialize_result)
-        async with session.call(request.method, upstream_params(request.params), trace_headers(request.meta)) as call:
+        headers = trace_headers(request.meta, caller.trace)
+        async with session.call(request.method, upstream_params(request.params), headers) as call:
             try:
                 return await self._drive(request, session, call, channel, server_info)
             except asyncio.CancelledError:

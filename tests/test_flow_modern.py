@@ -295,3 +295,43 @@ async def test_upstream_down_is_a_gateway_error(make_proxy: Callable[..., Any], 
     assert status == 502
     assert message["error"]["code"] == -32603
     assert message["id"] == 1
+
+
+async def test_upstream_ping_is_answered_by_the_proxy(proxy: Client, modern_schema: ModernSchema) -> None:
+    """L-4: the upstream's ping never reaches the modern client; the proxy answers it and the call goes on."""
+    _, _, messages = await call_tool(proxy, modern_schema, "ping_client", progressToken="p")
+    assert [m for m in messages if "method" in m] == []
+    assert text_of(messages[-1]) == "pong answered"
+
+
+async def test_principal_and_trace_context_travel_upstream(proxy: Client, modern_schema: ModernSchema) -> None:
+    trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    _, _, [message] = await rpc(
+        proxy,
+        modern_schema,
+        "tools/call",
+        {"name": "whoami", "arguments": {}},
+        headers={"Authorization": "Bearer abc", "traceparent": trace},
+    )
+    assert json.loads(text_of(message)) == {"authorization": "Bearer abc", "traceparent": trace}
+    _, _, [message] = await call_tool(proxy, modern_schema, "whoami", traceparent=trace)
+    assert json.loads(text_of(message)) == {"authorization": None, "traceparent": trace}
+
+
+@pytest.fixture(scope="module")
+def json_upstream() -> Any:
+    server = Upstream("--json-response")
+    server.start()
+    yield server
+    server.stop()
+
+
+async def test_json_response_upstream(
+    make_proxy: Callable[..., Any], json_upstream: Upstream, modern_schema: ModernSchema
+) -> None:
+    """The upstream may answer with application/json instead of SSE."""
+    client: Client = await make_proxy(json_upstream.url)
+    _, _, [message] = await call_tool(client, modern_schema, "greet", {"name": "j"})
+    assert text_of(message) == "Hello, j!"
+    _, _, [listed] = await rpc(client, modern_schema, "tools/list")
+    assert listed["result"]["tools"]

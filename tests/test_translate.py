@@ -41,6 +41,7 @@ def test_legacy_meta_and_task_support_are_stripped_and_input_is_not_mutated() ->
     assert "execution" not in result["tools"][0]
     assert result["_meta"] == {"keep/me": 1}
     assert legacy["tools"][0]["execution"] == {"taskSupport": "optional"}
+    assert "io.modelcontextprotocol/related-task" in legacy["_meta"]
 
 
 def test_resource_not_found_becomes_invalid_params() -> None:
@@ -107,6 +108,7 @@ def test_progress_is_relayed_only_with_a_progress_token() -> None:
     relayed = relay_notification(note, "client-token", None)
     assert relayed is not None
     assert relayed["params"]["progressToken"] == "client-token"
+    assert note["params"]["progressToken"] == 3  # the upstream's message is not changed in place
 
 
 def test_log_messages_are_relayed_only_at_or_above_the_requested_level() -> None:

@@ -36,20 +36,27 @@ _RESOURCE_NOT_FOUND_LEGACY: Final = -32002
 LOG_LEVELS: Final = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
 
 
-def _strip_legacy_meta(value: JSON) -> None:
-    meta = value.get("_meta")
-    if isinstance(meta, dict):
-        for key in LEGACY_META_KEYS & meta.keys():
-            del meta[key]
-        if not meta:
-            del value["_meta"]
+def _without_legacy_meta(value: JSON) -> JSON:
+    """A shallow copy of `value` whose `_meta` lacks the legacy-only keys (copying only what changes)."""
+    copied = dict(value)
+    meta = copied.get("_meta")
+    if isinstance(meta, dict) and LEGACY_META_KEYS & meta.keys():
+        kept = {key: item for key, item in meta.items() if key not in LEGACY_META_KEYS}
+        if kept:
+            copied["_meta"] = kept
+        else:
+            del copied["_meta"]
+    return copied
 
 
 def complete_result(method: str, legacy: JSON, server_info: JSON | None, cache: tuple[int, str] | None) -> JSON:
     """Decorate a legacy result for a modern client: resultType "complete" (K-41), serverInfo (C-3),
-    ttlMs + cacheScope on cacheable methods (C-29), legacy `_meta` stripped (K-8)."""
-    result = copy.deepcopy(legacy)
-    _strip_legacy_meta(result)
+    ttlMs + cacheScope on cacheable methods (C-29), legacy `_meta` stripped (K-8).
+
+    Containers that change are copied, the rest is shared with `legacy`: results can be large and are relayed
+    on the hot path, so there is no deep copy.
+    """
+    result = _without_legacy_meta(legacy)
     result.pop("resultType", None)
     if method == "tools/list":
         _strip_task_support(result)
@@ -57,9 +64,8 @@ def complete_result(method: str, legacy: JSON, server_info: JSON | None, cache: 
     if cache is not None and method in CACHEABLE_METHODS:
         result["ttlMs"], result["cacheScope"] = cache
     if server_info is not None:
-        meta = result.setdefault("_meta", {})
-        if isinstance(meta, dict):
-            meta[SERVER_INFO_META_KEY] = server_info
+        meta = result.get("_meta")
+        result["_meta"] = {**(meta if isinstance(meta, dict) else {}), SERVER_INFO_META_KEY: server_info}
     return result
 
 
@@ -68,14 +74,18 @@ def _strip_task_support(result: JSON) -> None:
     tools = result.get("tools")
     if not isinstance(tools, list):
         return
+    stripped = []
     for tool in tools:
-        if not isinstance(tool, dict):
-            continue
-        execution = tool.get("execution")
-        if isinstance(execution, dict):
-            execution.pop("taskSupport", None)
-            if not execution:
+        execution = tool.get("execution") if isinstance(tool, dict) else None
+        if isinstance(execution, dict) and "taskSupport" in execution:
+            tool = dict(tool)
+            remaining = {key: item for key, item in execution.items() if key != "taskSupport"}
+            if remaining:
+                tool["execution"] = remaining
+            else:
                 del tool["execution"]
+        stripped.append(tool)
+    result["tools"] = stripped
 
 
 def error_object(legacy: JSON) -> JSON:
@@ -155,19 +165,14 @@ def relay_notification(message: JSON, progress_token: str | int | None, log_leve
     if method == "notifications/progress":
         if progress_token is None:
             return None
-        relayed = copy.deepcopy(message)
-        relayed["params"]["progressToken"] = progress_token
-        _strip_legacy_meta(relayed["params"])
-        return relayed
+        return {**message, "params": {**_without_legacy_meta(params), "progressToken": progress_token}}
     if method == "notifications/message":
         if log_level is None or log_level not in LOG_LEVELS:
             return None
         level = params.get("level")
         if level not in LOG_LEVELS or LOG_LEVELS.index(level) < LOG_LEVELS.index(log_level):
             return None
-        relayed = copy.deepcopy(message)
-        _strip_legacy_meta(relayed["params"])
-        return relayed
+        return {**message, "params": _without_legacy_meta(params)}
     return None
 
 

@@ -1,6 +1,7 @@
 """Fixtures for the project's own tests: ``sleep`` (progress every 0.1 s), ``echo``, ``raise_error``
 (JSON-RPC error), ``tool_error`` (isError), ``ask_name`` / ``sample`` / ``list_roots`` (one
 server->client request each), ``log``, ``update_resource`` (resources/updated to subscribers) and
+``ping_client`` (a ping on the call's stream), ``whoami`` (headers the call arrived with) and
 ``cancelled_requests`` (which tools/call ids the upstream saw cancelled via notifications/cancelled).
 """
 
@@ -13,6 +14,7 @@ import anyio
 from mcp import types
 from mcp.server.fastmcp import FastMCP
 from mcp.shared.exceptions import McpError
+from mcp.shared.message import ServerMessageMetadata
 from pydantic import AnyUrl, Field
 
 from tests.upstream import support
@@ -97,6 +99,28 @@ def register(mcp: FastMCP[Any]) -> None:
         for session in sessions:
             await session.send_resource_updated(AnyUrl(uri))
         return text_result(f"notified {len(sessions)} subscriber(s)")
+
+    @mcp.tool(
+        name="ping_client",
+        description="Sends a ping to the client on this call's stream, then returns 'pong answered'",
+    )
+    async def ping_client(ctx: Ctx) -> types.CallToolResult:
+        await ctx.request_context.session.send_request(
+            types.ServerRequest(types.PingRequest(method="ping")),
+            types.EmptyResult,
+            metadata=ServerMessageMetadata(related_request_id=ctx.request_context.request_id),
+        )
+        return text_result("pong answered")
+
+    @mcp.tool(
+        name="whoami",
+        description="Returns the Authorization and traceparent headers this server received with the call",
+    )
+    async def whoami(ctx: Ctx) -> types.CallToolResult:
+        request = ctx.request_context.request
+        headers = getattr(request, "headers", {})
+        seen = {name: headers.get(name) for name in ("authorization", "traceparent")}
+        return text_result(json.dumps(seen))
 
     @mcp.tool(
         name="cancelled_requests",
