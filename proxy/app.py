@@ -29,7 +29,7 @@ from proxy.errors import (
 from proxy.front import TRACE_META_KEYS, Caller, Front
 from proxy.upstream.passthrough import PassThrough
 from proxy.upstream.session import UpstreamClient
-from proxy.upstream.sse import frame
+from proxy.upstream.sse import KEEPALIVE, frame
 from proxy.wire import jsonrpc
 from proxy.wire.envelope import PROTOCOL_VERSION_HEADER, is_modern, validate_modern
 from proxy.wire.jsonrpc import JSON, Notification, Response
@@ -143,9 +143,17 @@ class HttpChannel:
         self.sse_allowed = "text/event-stream" in request.headers.get("Accept", "")
         self.stream: web.StreamResponse | None = None
 
-    async def notify(self, message: JSON) -> None:
-        if not self.sse_allowed:
+    async def notify(self, message: JSON, *, required: bool = False) -> None:
+        if not (self.sse_allowed or required):
             return
+        stream = await self._open()
+        await stream.write(frame(jsonrpc.dumps(message).decode()))
+
+    async def keepalive(self) -> None:
+        if self.stream is not None:
+            await self.stream.write(KEEPALIVE)
+
+    async def _open(self) -> web.StreamResponse:
         if self.stream is None:
             self.stream = web.StreamResponse(
                 status=200,
@@ -156,7 +164,7 @@ class HttpChannel:
                 },
             )
             await self.stream.prepare(self.request)
-        await self.stream.write(frame(jsonrpc.dumps(message).decode()))
+        return self.stream
 
     async def finish(self, message: JSON) -> web.StreamResponse:
         if self.stream is None:
@@ -258,6 +266,12 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         await relay_http.close()
 
 
+async def end_listen_streams(app: web.Application) -> None:
+    """on_shutdown runs before aiohttp waits for handlers: listen streams end with their graceful result."""
+    if UPSTREAM in app:
+        app[UPSTREAM].end_subscriptions()
+
+
 def create_app(config: Config) -> web.Application:
     app = web.Application(
         client_max_size=config.security.max_body_bytes,
@@ -265,5 +279,6 @@ def create_app(config: Config) -> web.Application:
     )
     app[CONFIG] = config
     app.cleanup_ctx.append(upstream_ctx)
+    app.on_shutdown.append(end_listen_streams)
     app.router.add_route("*", config.listen.path, handle_mcp)
     return app

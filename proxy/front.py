@@ -18,6 +18,7 @@ from mcp_types import (
     CLIENT_INFO_META_KEY,
     LOG_LEVEL_META_KEY,
     PROTOCOL_VERSION_META_KEY,
+    SERVER_INFO_META_KEY,
 )
 from mcp_types import jsonrpc as codes
 
@@ -33,7 +34,7 @@ from proxy.upstream.call import (
 from proxy.upstream.session import UpstreamClient, UpstreamSession
 from proxy.wire import translate
 from proxy.wire.envelope import ModernRequest, known_core_method, validate_params
-from proxy.wire.jsonrpc import JSON, error_message, result_message
+from proxy.wire.jsonrpc import JSON, error_message, notification_message, result_message
 
 log = structlog.get_logger(__name__)
 
@@ -44,6 +45,7 @@ MODERN_META_KEYS: Final = frozenset(
 # Server→client requests a legacy server may send mid-call (L-4); until input bridging lands they are
 # refused upstream and the modern client is told which capability the call needs (C-21, C-14).
 INPUT_METHODS: Final = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
+LISTEN_KEEPALIVE_SECONDS: Final = 15.0  # SSE comment on idle listen streams, so intermediaries keep them open
 # Trace context travels upstream as headers (W3C), as the client sent it in `_meta`.
 TRACE_META_KEYS: Final = ("traceparent", "tracestate", "baggage")
 
@@ -58,9 +60,14 @@ class Caller:
 
 
 class Channel(Protocol):
-    """Where request-scoped notifications go before the final message (an SSE stream, or nowhere)."""
+    """Where request-scoped notifications go before the final message (an SSE stream, or nowhere).
 
-    async def notify(self, message: JSON) -> None: ...
+    `required=True` opens the stream even for a client whose Accept did not list SSE (listen streams).
+    """
+
+    async def notify(self, message: JSON, *, required: bool = False) -> None: ...
+
+    async def keepalive(self) -> None: ...
 
 
 Handler = Callable[["Front", ModernRequest, Caller, Channel], Awaitable[JSON]]
@@ -108,6 +115,55 @@ class Front:
     async def discover(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         initialize_result = await self.upstream.session(caller.principal).ensure_initialized()
         return result_message(request.id, translate.discover_result(initialize_result, self.cache))
+
+    async def listen(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        """C-17 `subscriptions/listen`: the ack first, then the list-changed and resource-updated notifications
+        the client asked for, from the principal's upstream session; the graceful result at shutdown."""
+        session = self.upstream.session(caller.principal)
+        initialize_result = await session.ensure_initialized()
+        capabilities = initialize_result.get("capabilities")
+        wanted = request.params.get("notifications")
+        honoured = translate.honoured_filter(
+            wanted if isinstance(wanted, dict) else {}, capabilities if isinstance(capabilities, dict) else {}
+        )
+        tag = {translate.SUBSCRIPTION_ID_META_KEY: request.id}
+        subscription = session.listener.subscribe()
+        subscribed: list[str] = []
+        try:
+            for uri in honoured.get("resourceSubscriptions", []):
+                try:
+                    await session.subscribe_resource(uri)
+                    subscribed.append(uri)
+                except UpstreamError as exc:
+                    log.info("upstream_resource_subscribe_refused", error=exc.message)
+            if "resourceSubscriptions" in honoured:
+                honoured["resourceSubscriptions"] = subscribed
+            ack = {"_meta": tag, "notifications": honoured}
+            await channel.notify(notification_message("notifications/subscriptions/acknowledged", ack), required=True)
+            while True:
+                try:
+                    message = await asyncio.wait_for(subscription.queue.get(), LISTEN_KEEPALIVE_SECONDS)
+                except TimeoutError:
+                    await channel.keepalive()
+                    continue
+                if message is None:
+                    break
+                relayed = translate.listen_notification(message, honoured, request.id)
+                if relayed is not None:
+                    await channel.notify(relayed, required=True)
+        finally:
+            session.listener.unsubscribe(subscription)
+            for uri in subscribed:
+                await asyncio.shield(self._unsubscribe(session, uri))
+        server_info = translate.implementation(initialize_result)
+        meta: JSON = {**tag, **({SERVER_INFO_META_KEY: server_info} if server_info else {})}
+        return result_message(request.id, {"resultType": "complete", "_meta": meta})
+
+    async def _unsubscribe(self, session: UpstreamSession, uri: str) -> None:
+        try:
+            await session.unsubscribe_resource(uri)
+        except UpstreamError as exc:  # best effort: the subscription ends either way
+            log.info("upstream_resource_unsubscribe_failed", error=exc.message)
 
     async def forward(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Relay one request through the principal's upstream session and translate the outcome."""
@@ -209,4 +265,5 @@ METHODS: Final[Mapping[str, Handler]] = {
     "resources/templates/list": Front.forward,
     "resources/read": Front.forward,
     "completion/complete": Front.forward,
+    "subscriptions/listen": Front.listen,
 }

@@ -72,7 +72,9 @@ async def test_discover_is_synthesized_from_the_upstream(proxy: Client, modern_s
     assert result["supportedVersions"] == ["2026-07-28"]
     assert result["capabilities"]["extensions"] == {"io.modelcontextprotocol/tasks": {}}
     assert "tasks" not in result["capabilities"]
-    assert result["capabilities"]["resources"] == {}  # subscribe/listChanged are not delivered by the proxy
+    # listChanged/subscribe are kept: the proxy delivers them on subscriptions/listen streams.
+    assert result["capabilities"]["resources"] == {"subscribe": True, "listChanged": True}
+    assert result["capabilities"]["tools"] == {"listChanged": True}
     assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "legacy-fixture-upstream"
     assert result["ttlMs"] == 60_000
     assert result["cacheScope"] == "private"

@@ -8,6 +8,8 @@ from proxy.wire.translate import (
     complete_result,
     discover_result,
     error_object,
+    honoured_filter,
+    listen_notification,
     relay_notification,
     required_capability,
     server_capabilities,
@@ -66,20 +68,54 @@ def test_malformed_error_objects_become_internal_errors() -> None:
     assert error_object({"code": -32602})["message"] == "Upstream error"
 
 
-def test_server_capabilities_drop_what_the_proxy_does_not_deliver() -> None:
-    """K-34, T-9, T-12."""
+def test_server_capabilities_translate_the_legacy_shape() -> None:
+    """K-34, T-9, T-12: the legacy tasks block goes, the extension is advertised, flags stay booleans."""
     legacy = {
         "tools": {"listChanged": True},
-        "resources": {"subscribe": True, "listChanged": True},
+        "prompts": {"listChanged": False},
+        "resources": {"subscribe": True, "listChanged": "yes"},
         "logging": {},
         "tasks": {"requests": {"tools": {"call": {}}}},
     }
     assert server_capabilities(legacy) == {
         "logging": {},
-        "resources": {},
-        "tools": {},
+        "prompts": {},
+        "resources": {"subscribe": True},
+        "tools": {"listChanged": True},
         "extensions": {"io.modelcontextprotocol/tasks": {}},
     }
+
+
+def test_honoured_filter_keeps_only_what_the_upstream_can_deliver() -> None:
+    capabilities = {"tools": {"listChanged": True}, "prompts": {}, "resources": {"subscribe": True}}
+    wanted = {
+        "toolsListChanged": True,
+        "promptsListChanged": True,
+        "resourcesListChanged": True,
+        "resourceSubscriptions": ["a", "b", "a"],
+    }
+    assert honoured_filter(wanted, capabilities) == {"toolsListChanged": True, "resourceSubscriptions": ["a", "b"]}
+    assert honoured_filter({"toolsListChanged": False}, capabilities) == {}
+    assert honoured_filter({"resourceSubscriptions": ["a"]}, {"resources": {}}) == {}
+
+
+def test_listen_notifications_are_filtered_and_tagged() -> None:
+    honoured = {"toolsListChanged": True, "resourceSubscriptions": ["test://a"]}
+    tools = {"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}
+    assert listen_notification(tools, honoured, 7) == {
+        "jsonrpc": "2.0",
+        "method": "notifications/tools/list_changed",
+        "params": {"_meta": {"io.modelcontextprotocol/subscriptionId": 7}},
+    }
+    prompts = {"jsonrpc": "2.0", "method": "notifications/prompts/list_changed"}
+    assert listen_notification(prompts, honoured, 7) is None
+    updated = {"jsonrpc": "2.0", "method": "notifications/resources/updated", "params": {"uri": "test://a"}}
+    relayed = listen_notification(updated, honoured, "s")
+    assert relayed is not None
+    assert relayed["params"] == {"uri": "test://a", "_meta": {"io.modelcontextprotocol/subscriptionId": "s"}}
+    other = {"jsonrpc": "2.0", "method": "notifications/resources/updated", "params": {"uri": "test://b"}}
+    assert listen_notification(other, honoured, 7) is None
+    assert listen_notification({"jsonrpc": "2.0", "method": "notifications/message"}, honoured, 7) is None
 
 
 def test_discover_result_is_synthesized_from_initialize() -> None:
@@ -103,7 +139,7 @@ def test_discover_result_is_synthesized_from_initialize() -> None:
 
 def test_progress_is_relayed_only_with_a_progress_token() -> None:
     """C-18, K-31."""
-    note = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": 3, "progress": 1}}
+    note: dict[str, Any] = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": 3, "progress": 1}}
     assert relay_notification(note, None, None) is None
     relayed = relay_notification(note, "client-token", None)
     assert relayed is not None

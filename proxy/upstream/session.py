@@ -11,8 +11,8 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Final
 
@@ -22,7 +22,8 @@ import structlog
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamError, UpstreamTimeoutError
 from proxy.upstream.call import UpstreamCall, UpstreamErrorResponse, UpstreamResult
-from proxy.wire.jsonrpc import JSON, dumps, notification_message, request_message, result_message
+from proxy.upstream.listener import UpstreamListener
+from proxy.wire.jsonrpc import JSON, dumps, error_message, notification_message, request_message, result_message
 
 log = structlog.get_logger(__name__)
 
@@ -53,11 +54,13 @@ class UpstreamSession:
         self.session_id: str | None = None
         self.protocol_version: str = client.config.protocol_version
         self.initialize_result: JSON | None = None
+        self.listener = UpstreamListener(self)
         self._lock = asyncio.Lock()
+        self._resource_subscriptions: Counter[str] = Counter()
 
     # --- headers and plumbing -------------------------------------------------------------------------
 
-    def _headers(self, extra: Mapping[str, str] | None = None, *, initialized: bool = True) -> dict[str, str]:
+    def headers(self, extra: Mapping[str, str] | None = None, *, initialized: bool = True) -> dict[str, str]:
         headers = {
             **self.client.config.headers,
             "Accept": "application/json, text/event-stream",
@@ -102,7 +105,7 @@ class UpstreamSession:
             "capabilities": CLIENT_CAPABILITIES,
             "clientInfo": CLIENT_INFO,
         }
-        response = await self._post(request_message(request_id, "initialize", params), self._headers(initialized=False))
+        response = await self._post(request_message(request_id, "initialize", params), self.headers(initialized=False))
         session_id = response.headers.get("Mcp-Session-Id")
         if response.status >= 400:
             body = await response.text()
@@ -121,6 +124,8 @@ class UpstreamSession:
         self.protocol_version = result["protocolVersion"]
         await self.notify("notifications/initialized", None)
         self.initialize_result = result
+        self._resource_subscriptions.clear()
+        await self.listener.start()
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
 
     async def _reinitialize(self, stale_session_id: str | None) -> None:
@@ -131,18 +136,22 @@ class UpstreamSession:
                 self.initialize_result = None
                 await self._initialize()
 
-    def _forget(self, stale_session_id: str) -> None:
+    def forget(self, stale_session_id: str) -> None:
+        """The upstream no longer knows this session id: the next request initializes a new session."""
         if self.session_id == stale_session_id:
+            self.listener.stop()
             self.session_id = None
             self.initialize_result = None
+            self._resource_subscriptions.clear()
 
     async def close(self) -> None:
         """End the upstream session with DELETE (the server may answer 405; that is fine)."""
+        self.listener.stop()
         if self.session_id is None:
             return
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
             async with self.client.http.delete(
-                self.client.config.url, headers=self._headers(), timeout=aiohttp.ClientTimeout(total=2)
+                self.client.config.url, headers=self.headers(), timeout=aiohttp.ClientTimeout(total=2)
             ):
                 pass
         self.session_id = None
@@ -152,7 +161,7 @@ class UpstreamSession:
 
     def _reopen_for(self, request_id: int) -> Any:
         async def reopen(last_event_id: str) -> aiohttp.ClientResponse:
-            headers = self._headers({"Last-Event-ID": last_event_id, "Accept": "text/event-stream"})
+            headers = self.headers({"Last-Event-ID": last_event_id, "Accept": "text/event-stream"})
             headers.pop("Content-Type", None)
             sent_with = self.session_id
             try:
@@ -166,7 +175,7 @@ class UpstreamSession:
                 return response
             response.release()
             if response.status == 404 and sent_with is not None:
-                self._forget(sent_with)  # the session is gone: the next request initializes a new one
+                self.forget(sent_with)  # the session is gone: the next request initializes a new one
             raise UpstreamError(f"Upstream lost the call: resuming its stream answered HTTP {response.status}")
 
         return reopen
@@ -181,7 +190,7 @@ class UpstreamSession:
         message = request_message(request_id, method, params)
         for attempt in range(2):
             sent_with = self.session_id
-            response = await self._post(message, self._headers(extra_headers))
+            response = await self._post(message, self.headers(extra_headers))
             if response.status == 404 and sent_with is not None and attempt == 0:
                 response.release()
                 await self._reinitialize(sent_with)
@@ -198,21 +207,38 @@ class UpstreamSession:
             response.close()
 
     async def notify(self, method: str, params: JSON | None) -> None:
-        response = await self._post(notification_message(method, params), self._headers())
+        response = await self._post(notification_message(method, params), self.headers())
         response.release()
 
     async def respond(self, request_id: int | str, *, result: JSON | None = None, error: JSON | None = None) -> None:
-        message = (
-            result_message(request_id, result or {})
-            if error is None
-            else {
-                "jsonrpc": "2.0",
-                "id": request_id,
-                "error": error,
-            }
-        )
-        response = await self._post(message, self._headers())
+        """Answer a server→client request (a JSON-RPC response POSTed with the session id)."""
+        message = result_message(request_id, result or {}) if error is None else error_message(request_id, error)
+        response = await self._post(message, self.headers())
         response.release()
+
+    async def request(self, method: str, params: JSON | None) -> JSON:
+        """A plain request whose stream carries nothing the caller needs: its result, or UpstreamError."""
+        async with self.call(method, params) as call:
+            async for event in call.events():
+                if isinstance(event, UpstreamResult):
+                    return event.result
+                if isinstance(event, UpstreamErrorResponse):
+                    raise UpstreamError(f"Upstream refused {method}: {event.error.get('message')}")
+        raise UpstreamError(f"Upstream did not answer {method}")  # pragma: no cover - events() raises first
+
+    async def subscribe_resource(self, uri: str) -> None:
+        """Reference-counted upstream `resources/subscribe` on behalf of listen streams (C-17)."""
+        if self._resource_subscriptions[uri] == 0:
+            await self.request("resources/subscribe", {"uri": uri})
+        self._resource_subscriptions[uri] += 1
+
+    async def unsubscribe_resource(self, uri: str) -> None:
+        if self._resource_subscriptions[uri] <= 0:
+            return
+        self._resource_subscriptions[uri] -= 1
+        if self._resource_subscriptions[uri] == 0:
+            del self._resource_subscriptions[uri]
+            await self.request("resources/unsubscribe", {"uri": uri})
 
 
 def _is_jsonrpc_body(response: aiohttp.ClientResponse) -> bool:
@@ -234,7 +260,7 @@ class UpstreamClient:
         )
         self._ids = itertools.count(1)
         self._sessions: OrderedDict[str, UpstreamSession] = OrderedDict()
-        self._closing: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -246,14 +272,32 @@ class UpstreamClient:
             session = self._sessions[key] = UpstreamSession(self, principal)
             while len(self._sessions) > MAX_SESSIONS:
                 _, evicted = self._sessions.popitem(last=False)
-                task = asyncio.get_running_loop().create_task(evicted.close(), name="upstream-session-close")
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
+                self.spawn(evicted.close(), "upstream-session-close")
         else:
             self._sessions.move_to_end(key)
         return session
 
+    def spawn(self, coroutine: Coroutine[object, object, None], name: str) -> asyncio.Task[None]:
+        """The one place `upstream/` starts background work: named, referenced until done, cancelled on close."""
+        task = asyncio.get_running_loop().create_task(coroutine, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._reap)
+        return task
+
+    def _reap(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("upstream_background_task_failed", task=task.get_name(), error=repr(task.exception()))
+
+    def end_subscriptions(self) -> None:
+        """Shutdown: every listen stream ends with its graceful result (C-17)."""
+        for session in self._sessions.values():
+            session.listener.end_subscriptions()
+
     async def close(self) -> None:
         sessions = list(self._sessions.values())
         self._sessions.clear()
-        await asyncio.gather(*(session.close() for session in sessions), *self._closing, return_exceptions=True)
+        await asyncio.gather(*(session.close() for session in sessions), return_exceptions=True)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

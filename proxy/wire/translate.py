@@ -107,22 +107,69 @@ def error_object(legacy: JSON) -> JSON:
 
 
 def server_capabilities(legacy: JSON) -> JSON:
-    """K-34: upstream capabilities as the proxy can serve them to a modern client.
+    """K-34: upstream capabilities as the proxy serves them to a modern client.
 
-    The legacy `tasks` block goes (T-12); `listChanged`/`subscribe` go too, because the proxy does not
-    deliver those notifications through `subscriptions/listen`; the Tasks extension is advertised (T-9).
+    The legacy `tasks` block goes (T-12) and the Tasks extension is advertised (T-9). `listChanged` and
+    `subscribe` stay as the upstream declared them: the proxy delivers those notifications on
+    `subscriptions/listen` streams from its upstream session's GET stream.
     """
     capabilities: JSON = {}
     for key in ("logging", "completions", "experimental"):
         if isinstance(legacy.get(key), dict):
             capabilities[key] = copy.deepcopy(legacy[key])
-    for key in ("prompts", "resources", "tools"):
-        if isinstance(legacy.get(key), dict):
-            capabilities[key] = {}
+    for key, flags in (
+        ("prompts", ("listChanged",)),
+        ("resources", ("subscribe", "listChanged")),
+        ("tools", ("listChanged",)),
+    ):
+        declared = legacy.get(key)
+        if isinstance(declared, dict):
+            capabilities[key] = {flag: True for flag in flags if declared.get(flag) is True}
     extensions = legacy.get("extensions")
     capabilities["extensions"] = copy.deepcopy(extensions) if isinstance(extensions, dict) else {}
     capabilities["extensions"][TASKS_EXTENSION] = {}
     return capabilities
+
+
+# C-17: SubscriptionFilter field → (capability, flag) the upstream must have declared, and the notification.
+LIST_CHANGED: Final = {
+    "toolsListChanged": ("tools", "notifications/tools/list_changed"),
+    "promptsListChanged": ("prompts", "notifications/prompts/list_changed"),
+    "resourcesListChanged": ("resources", "notifications/resources/list_changed"),
+}
+SUBSCRIPTION_ID_META_KEY: Final = "io.modelcontextprotocol/subscriptionId"
+
+
+def honoured_filter(wanted: JSON, legacy_capabilities: JSON) -> JSON:
+    """The subset of a listen request's filter the proxy can deliver (the ack's `notifications`)."""
+    honoured: JSON = {}
+    for field, (capability, _) in LIST_CHANGED.items():
+        declared = legacy_capabilities.get(capability)
+        if wanted.get(field) is True and isinstance(declared, dict) and declared.get("listChanged") is True:
+            honoured[field] = True
+    uris = wanted.get("resourceSubscriptions")
+    resources = legacy_capabilities.get("resources")
+    if isinstance(uris, list) and uris and isinstance(resources, dict) and resources.get("subscribe") is True:
+        honoured["resourceSubscriptions"] = [uri for uri in dict.fromkeys(uris) if isinstance(uri, str)]
+    return honoured
+
+
+def listen_notification(message: JSON, honoured: JSON, subscription_id: int | str) -> JSON | None:
+    """An upstream GET-stream notification as a listen-stream notification, if this subscription asked for it
+    (the server MUST NOT send types the client did not request), tagged with the subscription id (C-3)."""
+    method = message.get("method")
+    params = message.get("params")
+    params = dict(params) if isinstance(params, dict) else {}
+    if method == "notifications/resources/updated":
+        if params.get("uri") not in honoured.get("resourceSubscriptions", ()):
+            return None
+    elif not any(honoured.get(field) and method == name for field, (_, name) in LIST_CHANGED.items()):
+        return None
+    meta = params.get("_meta")
+    params["_meta"] = {**(meta if isinstance(meta, dict) else {}), SUBSCRIPTION_ID_META_KEY: subscription_id}
+    for key in LEGACY_META_KEYS:
+        params["_meta"].pop(key, None)
+    return {"jsonrpc": "2.0", "method": method, "params": params}
 
 
 def discover_result(initialize_result: JSON, cache: tuple[int, str]) -> JSON:

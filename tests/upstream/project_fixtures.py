@@ -113,6 +113,17 @@ def register(mcp: FastMCP[Any]) -> None:
         return text_result("pong answered")
 
     @mcp.tool(
+        name="list_roots_standalone",
+        description="Calls the SDK's list_roots(), which goes out on the session's GET stream (not this call's)",
+    )
+    async def list_roots_standalone(ctx: Ctx) -> types.CallToolResult:
+        try:
+            result = await ctx.request_context.session.list_roots()
+        except McpError as exc:
+            return text_result(f"roots refused: {exc.error.message}")
+        return text_result(", ".join(str(root.uri) for root in result.roots))
+
+    @mcp.tool(
         name="whoami",
         description="Returns the Authorization and traceparent headers this server received with the call",
     )

@@ -1,0 +1,111 @@
+"""End to end: `subscriptions/listen` (C-17) fed by the proxy's upstream GET stream, and standalone upstream
+requests on that stream answered instead of left hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from aiohttp import ClientResponse, web
+from aiohttp.test_utils import TestClient
+
+from proxy.upstream.sse import SSEParser
+from tests.conftest import ModernSchema, Upstream, modern_body, modern_headers, read_messages
+
+Client = TestClient[web.Request, web.Application]
+SUBSCRIPTION_ID = "io.modelcontextprotocol/subscriptionId"
+DEADLINE_SECONDS = 10.0
+
+
+async def sse_messages(response: ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    parser = SSEParser()
+    async for chunk in response.content.iter_any():
+        for event in parser.feed(chunk):
+            if event.data.strip():
+                yield json.loads(event.data)
+
+
+async def next_message(stream: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
+    return await asyncio.wait_for(anext(stream), DEADLINE_SECONDS)
+
+
+async def open_listen(client: Client, notifications: dict[str, Any], request_id: int | str = "L1") -> ClientResponse:
+    body = modern_body("subscriptions/listen", {"notifications": notifications}, request_id=request_id)
+    response = await client.post("/mcp", json=body, headers=modern_headers("subscriptions/listen"))
+    assert response.status == 200
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    return response
+
+
+async def call(client: Client, tool: str, arguments: dict[str, Any] | None = None) -> dict[str, Any]:
+    body = modern_body("tools/call", {"name": tool, "arguments": arguments or {}})
+    response = await client.post("/mcp", json=body, headers=modern_headers("tools/call", tool))
+    [message] = await read_messages(response)
+    return message
+
+
+async def test_list_changed_reaches_the_listen_stream(proxy: Client, modern_schema: ModernSchema) -> None:
+    response = await open_listen(proxy, {"toolsListChanged": True, "promptsListChanged": True})
+    stream = sse_messages(response)
+    ack = await next_message(stream)
+    modern_schema.validate(ack, "SubscriptionsAcknowledgedNotification")
+    assert ack["params"]["notifications"] == {"toolsListChanged": True, "promptsListChanged": True}
+    assert ack["params"]["_meta"][SUBSCRIPTION_ID] == "L1"
+    await call(proxy, "test_trigger_tool_change")
+    changed = await next_message(stream)
+    modern_schema.validate(changed, "ToolListChangedNotification")
+    assert changed["method"] == "notifications/tools/list_changed"
+    assert changed["params"]["_meta"][SUBSCRIPTION_ID] == "L1"
+    response.close()
+
+
+async def test_the_filter_is_honoured(proxy: Client) -> None:
+    """The server MUST NOT send types the client did not request: a tools change, then a prompts change,
+    and only the prompts one arrives (the upstream stream keeps their order)."""
+    response = await open_listen(proxy, {"promptsListChanged": True})
+    stream = sse_messages(response)
+    assert (await next_message(stream))["method"] == "notifications/subscriptions/acknowledged"
+    await call(proxy, "test_trigger_tool_change")
+    await call(proxy, "test_trigger_prompt_change")
+    assert (await next_message(stream))["method"] == "notifications/prompts/list_changed"
+    response.close()
+
+
+async def test_resource_subscriptions(proxy: Client, modern_schema: ModernSchema) -> None:
+    uri = "test://watched-resource"
+    response = await open_listen(proxy, {"resourceSubscriptions": [uri, "test://not-subscribed"]})
+    stream = sse_messages(response)
+    ack = await next_message(stream)
+    assert ack["params"]["notifications"]["resourceSubscriptions"][0] == uri
+    result = await call(proxy, "update_resource", {"uri": uri})
+    assert result["result"]["content"][0]["text"] == "notified 1 subscriber(s)"
+    updated = await next_message(stream)
+    modern_schema.validate(updated, "ResourceUpdatedNotification")
+    assert updated["params"]["uri"] == uri
+    assert updated["params"]["_meta"][SUBSCRIPTION_ID] == "L1"
+    response.close()
+
+
+async def test_listen_ends_gracefully_at_shutdown(
+    make_proxy: Callable[..., Any], upstream: Upstream, modern_schema: ModernSchema
+) -> None:
+    client: Client = await make_proxy(upstream.url)
+    response = await open_listen(client, {"toolsListChanged": True}, request_id=42)
+    stream = sse_messages(response)
+    assert (await next_message(stream))["method"] == "notifications/subscriptions/acknowledged"
+    closing = asyncio.get_running_loop().create_task(client.server.close())
+    final = await next_message(stream)
+    await closing
+    modern_schema.validate(final, "SubscriptionsListenResultResponse")
+    assert final["id"] == 42
+    assert final["result"]["_meta"][SUBSCRIPTION_ID] == 42
+
+
+async def test_standalone_upstream_requests_are_answered_not_left_hanging(proxy: Client) -> None:
+    """The SDK sends list_roots() without a related request on the GET stream: the proxy's listener refuses
+    it at once, so the tool returns instead of waiting for its timeout."""
+    await call(proxy, "greet", {"name": "warm-up"})  # the session (and its GET stream) exists
+    message = await asyncio.wait_for(call(proxy, "list_roots_standalone"), DEADLINE_SECONDS)
+    assert message["result"]["content"][0]["text"].startswith("roots refused:")
