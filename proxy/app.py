@@ -26,7 +26,7 @@ from proxy.errors import (
     PayloadTooLargeError,
     ProxyError,
 )
-from proxy.front import TRACE_META_KEYS, Caller, Front
+from proxy.front import Caller, Front
 from proxy.upstream.passthrough import PassThrough
 from proxy.upstream.session import UpstreamClient
 from proxy.upstream.sse import KEEPALIVE, frame
@@ -223,7 +223,7 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     config = request.app[CONFIG]
     caller = Caller(
         principal=request.headers.get(config.security.principal_header),
-        trace={key: value for key in TRACE_META_KEYS if (value := request.headers.get(key)) is not None},
+        headers=request.headers,
     )
     channel = HttpChannel(request)
     try:

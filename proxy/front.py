@@ -33,7 +33,7 @@ from proxy.upstream.call import (
 )
 from proxy.upstream.session import UpstreamClient, UpstreamSession
 from proxy.wire import translate
-from proxy.wire.envelope import ModernRequest, known_core_method, validate_params
+from proxy.wire.envelope import ModernRequest, check_param_headers, known_core_method, validate_params
 from proxy.wire.jsonrpc import JSON, error_message, notification_message, result_message
 
 log = structlog.get_logger(__name__)
@@ -52,11 +52,11 @@ TRACE_META_KEYS: Final = ("traceparent", "tracestate", "baggage")
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who sent a request, as far as the upstream needs to know: the principal header's value (it travels
-    upstream and selects the upstream session) and W3C trace context (HTTP headers, or `_meta` keys)."""
+    """Who sent a request, as far as the front needs to know: the principal header's value (it travels
+    upstream and selects the upstream session) and the HTTP headers (W3C trace context, Mcp-Param-*)."""
 
     principal: str | None = None
-    trace: Mapping[str, str] = field(default_factory=dict)
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 class Channel(Protocol):
@@ -170,7 +170,10 @@ class Front:
         session = self.upstream.session(caller.principal)
         initialize_result = await session.ensure_initialized()
         server_info = translate.implementation(initialize_result)
-        headers = trace_headers(request.meta, caller.trace)
+        if request.method == "tools/call":
+            specs = await session.param_headers(str(request.params["name"]))
+            check_param_headers(caller.headers, request.params.get("arguments"), specs, request.id)
+        headers = trace_headers(request.meta, caller.headers)
         async with session.call(request.method, upstream_params(request.params), headers) as call:
             try:
                 return await self._drive(request, session, call, channel, server_info)

@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 
 from proxy.errors import HeaderMismatchError, InvalidParamsError, ProxyError, UnsupportedVersionError
-from proxy.wire.envelope import decode_header_value, is_modern, validate_modern, validate_params
+from proxy.wire.envelope import (
+    check_param_headers,
+    decode_header_value,
+    is_modern,
+    param_headers,
+    validate_modern,
+    validate_params,
+)
 
 META = {
     "io.modelcontextprotocol/protocolVersion": "2026-07-28",
@@ -185,3 +192,72 @@ def test_decode_header_value() -> None:
 def test_every_rejection_is_a_proxy_error() -> None:
     with pytest.raises(ProxyError):
         validate_modern({}, 1, "x", None)
+
+
+# --- x-mcp-header (C-26) --------------------------------------------------------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "region": {"type": "string", "x-mcp-header": "Region"},
+        "count": {"type": "integer", "x-mcp-header": "Count"},
+        "verbose": {"type": "boolean", "x-mcp-header": "Verbose"},
+        "ratio": {"type": "number", "x-mcp-header": "Ratio"},  # number is not allowed
+        "bad": {"type": "string", "x-mcp-header": "Bad Name"},  # not a token
+        "target": {"type": "object", "properties": {"zone": {"type": "string", "x-mcp-header": "Zone"}}},
+        "list": {"type": "array", "items": {"type": "string", "x-mcp-header": "Item"}},  # through items
+        "dup1": {"type": "string", "x-mcp-header": "Dup"},
+        "dup2": {"type": "string", "x-mcp-header": "dup"},  # not unique case-insensitively
+    },
+}
+
+
+def test_param_headers_keeps_only_valid_annotations() -> None:
+    specs = param_headers(SCHEMA)
+    assert {(spec.name, spec.path, spec.type) for spec in specs} == {
+        ("Region", ("region",), "string"),
+        ("Count", ("count",), "integer"),
+        ("Verbose", ("verbose",), "boolean"),
+        ("Zone", ("target", "zone"), "string"),
+    }
+    assert param_headers(None) == ()
+    assert param_headers({"type": "object"}) == ()
+
+
+def test_matching_param_headers_pass() -> None:
+    specs = param_headers(SCHEMA)
+    arguments = {"region": "Hello", "count": 42, "verbose": True, "target": {"zone": "é"}}
+    headers = {
+        "Mcp-Param-Region": "=?base64?SGVsbG8=?=",
+        "mcp-param-count": "42.0",  # integers compare numerically
+        "MCP-PARAM-VERBOSE": "true",
+        "Mcp-Param-Zone": "=?base64?" + base64.b64encode("é".encode()).decode() + "?=",
+    }
+    check_param_headers(headers, arguments, specs, 1)
+    check_param_headers({}, {}, specs, 1)  # absent arguments: no headers expected
+    check_param_headers({}, {"region": None}, specs, 1)  # null: the client omits the header
+
+
+@pytest.mark.parametrize(
+    ("headers", "arguments"),
+    [
+        ({}, {"region": "a"}),  # value in body, header missing
+        ({"Mcp-Param-Region": "b"}, {"region": "a"}),  # differs
+        ({"Mcp-Param-Region": "=?base64?SGVsbG8?="}, {"region": "Hello"}),  # bad padding
+        ({"Mcp-Param-Region": "=?base64?SGVs!!!bG8=?="}, {"region": "Hello"}),  # bad characters
+        ({"Mcp-Param-Count": "41"}, {"count": 42}),
+        ({"Mcp-Param-Count": "forty-two"}, {"count": 42}),
+        ({"Mcp-Param-Verbose": "True"}, {"verbose": True}),  # lowercase only
+        ({"Mcp-Param-Region": "a"}, {}),  # header without a body value
+    ],
+)
+def test_mismatched_param_headers_are_rejected(headers: dict[str, str], arguments: dict[str, Any]) -> None:
+    with pytest.raises(HeaderMismatchError) as caught:
+        check_param_headers(headers, arguments, param_headers(SCHEMA), 9)
+    assert (caught.value.code, caught.value.status, caught.value.request_id) == (-32020, 400, 9)
+
+
+def test_literal_values_that_only_look_encoded_compare_as_text() -> None:
+    specs = param_headers(SCHEMA)
+    check_param_headers({"Mcp-Param-Region": "SGVsbG8="}, {"region": "SGVsbG8="}, specs, 1)
+    check_param_headers({"Mcp-Param-Region": "=?base64?SGVsbG8="}, {"region": "=?base64?SGVsbG8="}, specs, 1)

@@ -337,3 +337,19 @@ async def test_json_response_upstream(
     assert text_of(message) == "Hello, j!"
     _, _, [listed] = await rpc(client, modern_schema, "tools/list")
     assert listed["result"]["tools"]
+
+
+async def test_x_mcp_header_params_are_validated(proxy: Client, modern_schema: ModernSchema) -> None:
+    """C-26: the proxy processes the body, so it checks Mcp-Param-* against the upstream tool's annotations."""
+    arguments = {"region": "eu-west", "count": 3}
+    ok_headers = {"Mcp-Param-Region": "eu-west", "Mcp-Param-Count": "3"}
+    status, _, [message] = await rpc(
+        proxy, modern_schema, "tools/call", {"name": "header_params", "arguments": arguments}, headers=ok_headers
+    )
+    assert status == 200
+    assert json.loads(text_of(message)) == {"region": "eu-west", "count": 3, "verbose": False}
+    for headers in ({"Mcp-Param-Region": "eu-west"}, {**ok_headers, "Mcp-Param-Region": "us-east"}):
+        status, _, [message] = await rpc(
+            proxy, modern_schema, "tools/call", {"name": "header_params", "arguments": arguments}, headers=headers
+        )
+        assert (status, message["error"]["code"]) == (400, -32020)

@@ -139,7 +139,11 @@ def test_discover_result_is_synthesized_from_initialize() -> None:
 
 def test_progress_is_relayed_only_with_a_progress_token() -> None:
     """C-18, K-31."""
-    note: dict[str, Any] = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": 3, "progress": 1}}
+    note: dict[str, Any] = {
+        "jsonrpc": "2.0",
+        "method": "notifications/progress",
+        "params": {"progressToken": 3, "progress": 1},
+    }
     assert relay_notification(note, None, None) is None
     relayed = relay_notification(note, "client-token", None)
     assert relayed is not None

@@ -142,5 +142,7 @@ class UpstreamListener:
                 )
             return
         if isinstance(message, Notification):
+            if message.method == "notifications/tools/list_changed":
+                self.session.tools_changed()
             for subscription in self.subscriptions:
                 subscription.offer(message.raw)

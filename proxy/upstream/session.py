@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
+import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from importlib.metadata import PackageNotFoundError, version
@@ -23,6 +24,7 @@ from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamError, UpstreamTimeoutError
 from proxy.upstream.call import UpstreamCall, UpstreamErrorResponse, UpstreamResult
 from proxy.upstream.listener import UpstreamListener
+from proxy.wire.envelope import ParamHeader, param_headers
 from proxy.wire.jsonrpc import JSON, dumps, error_message, notification_message, request_message, result_message
 
 log = structlog.get_logger(__name__)
@@ -36,6 +38,9 @@ try:
     PROXY_VERSION = version("mcp-tasks-proxy")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
     PROXY_VERSION = "0.0.0"
+
+PARAM_HEADERS_REFRESH_SECONDS: Final = 5.0  # an unknown tool re-reads tools/list at most this often
+MAX_TOOL_PAGES: Final = 100  # bounds the pagination of tools/list when reading x-mcp-header annotations
 
 CLIENT_INFO: Final[JSON] = {"name": "mcp-tasks-proxy", "version": PROXY_VERSION}
 
@@ -57,6 +62,8 @@ class UpstreamSession:
         self.listener = UpstreamListener(self)
         self._lock = asyncio.Lock()
         self._resource_subscriptions: Counter[str] = Counter()
+        self._param_headers: dict[str, tuple[ParamHeader, ...]] | None = None
+        self._param_headers_loaded_at = 0.0
 
     # --- headers and plumbing -------------------------------------------------------------------------
 
@@ -125,6 +132,7 @@ class UpstreamSession:
         await self.notify("notifications/initialized", None)
         self.initialize_result = result
         self._resource_subscriptions.clear()
+        self.tools_changed()
         await self.listener.start()
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
 
@@ -143,6 +151,7 @@ class UpstreamSession:
             self.session_id = None
             self.initialize_result = None
             self._resource_subscriptions.clear()
+            self._param_headers = None
 
     async def close(self) -> None:
         """End the upstream session with DELETE (the server may answer 405; that is fine)."""
@@ -225,6 +234,29 @@ class UpstreamSession:
                 if isinstance(event, UpstreamErrorResponse):
                     raise UpstreamError(f"Upstream refused {method}: {event.error.get('message')}")
         raise UpstreamError(f"Upstream did not answer {method}")  # pragma: no cover - events() raises first
+
+    def tools_changed(self) -> None:
+        """The upstream's tool list changed (or the session is new): re-read x-mcp-header annotations."""
+        self._param_headers = None
+
+    async def param_headers(self, tool: str) -> tuple[ParamHeader, ...]:
+        """C-26: the `x-mcp-header` annotations of `tool`, from the upstream's tools/list (cached; read again
+        after a list_changed notification, or when an unknown tool is called and the cache is not fresh)."""
+        stale = time.monotonic() - self._param_headers_loaded_at > PARAM_HEADERS_REFRESH_SECONDS
+        if self._param_headers is None or (tool not in self._param_headers and stale):
+            catalog: dict[str, tuple[ParamHeader, ...]] = {}
+            cursor: str | None = None
+            for _ in range(MAX_TOOL_PAGES):
+                page = await self.request("tools/list", {"cursor": cursor} if cursor else None)
+                for listed in page.get("tools") or []:
+                    if isinstance(listed, dict) and isinstance(listed.get("name"), str):
+                        catalog[listed["name"]] = param_headers(listed.get("inputSchema"))
+                cursor = page.get("nextCursor") if isinstance(page.get("nextCursor"), str) else None
+                if cursor is None:
+                    break
+            self._param_headers = catalog
+            self._param_headers_loaded_at = time.monotonic()
+        return self._param_headers.get(tool, ())
 
     async def subscribe_resource(self, uri: str) -> None:
         """Reference-counted upstream `resources/subscribe` on behalf of listen streams (C-17)."""

@@ -221,3 +221,97 @@ def validate_params(request: ModernRequest) -> None:
             for error in exc.errors()[:5]
         )
         raise InvalidParamsError(f"Invalid params: {problems}", request_id=request.id) from None
+
+
+# --- x-mcp-header: tool parameters mirrored into Mcp-Param-{Name} headers (C-26) ---------------------------
+
+PARAM_HEADER_PREFIX: Final = "mcp-param-"
+_TCHAR: Final = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_PARAM_TYPES: Final = ("string", "integer", "boolean")
+
+
+@dataclass(frozen=True, slots=True)
+class ParamHeader:
+    """One valid `x-mcp-header` annotation: the header name part, the property path, the JSON type."""
+
+    name: str
+    path: tuple[str, ...]
+    type: str
+
+
+def param_headers(input_schema: Any) -> tuple[ParamHeader, ...]:
+    """The valid `x-mcp-header` annotations of a tool's inputSchema.
+
+    Only properties statically reachable through `properties` keys count, with a primitive type (string,
+    integer, boolean) and a token-syntax name unique (case-insensitively) in the schema; annotations that
+    break these rules are not enforced (a modern client drops such a tool from its list anyway).
+    """
+    found: list[ParamHeader] = []
+
+    def walk(schema: Any, path: tuple[str, ...]) -> None:
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        if not isinstance(properties, dict):
+            return
+        for key, prop in properties.items():
+            if not isinstance(prop, dict):
+                continue
+            name = prop.get("x-mcp-header")
+            if isinstance(name, str) and name and set(name) <= _TCHAR and prop.get("type") in _PARAM_TYPES:
+                found.append(ParamHeader(name, (*path, key), prop["type"]))
+            walk(prop, (*path, key))
+
+    walk(input_schema, ())
+    lowered = [spec.name.lower() for spec in found]
+    return tuple(spec for spec in found if lowered.count(spec.name.lower()) == 1)
+
+
+def _argument_at(arguments: Any, path: tuple[str, ...]) -> Any:
+    value = arguments
+    for key in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+def _same_value(header_value: str, body_value: Any, declared_type: str) -> bool:
+    """Value Encoding: strings as-is, integers in decimal (compared numerically), booleans lowercase."""
+    if isinstance(body_value, bool):
+        return header_value == ("true" if body_value else "false")
+    if declared_type == "integer" and isinstance(body_value, int | float):
+        try:
+            return float(header_value) == float(body_value)
+        except ValueError:
+            return False
+    if isinstance(body_value, str):
+        return header_value == body_value
+    return header_value == str(body_value)
+
+
+def check_param_headers(
+    headers: Mapping[str, str], arguments: Any, specs: tuple[ParamHeader, ...], request_id: RequestId
+) -> None:
+    """C-26 server validation: every annotated argument present in the body has its header, equal after
+    decoding; a header without a body value, or with invalid characters, is rejected too (-32020, HTTP 400)."""
+    lowered = _lower_headers(headers)
+    for spec in specs:
+        header_name = f"Mcp-Param-{spec.name}"
+        value = _argument_at(arguments, spec.path)
+        header = _header(lowered, PARAM_HEADER_PREFIX + spec.name.lower(), request_id)
+        if value is None:
+            if header is not None:
+                raise HeaderMismatchError(
+                    f"Header mismatch: {header_name} is set but the argument {'.'.join(spec.path)} is absent",
+                    request_id=request_id,
+                )
+            continue
+        if header is None:
+            raise HeaderMismatchError(
+                f"Header mismatch: {header_name} header is required when {'.'.join(spec.path)} is given",
+                request_id=request_id,
+            )
+        if not _same_value(header, value, spec.type):
+            raise HeaderMismatchError(
+                f"Header mismatch: {header_name} {header!r} != argument {'.'.join(spec.path)} {value!r}",
+                request_id=request_id,
+            )

@@ -124,6 +124,19 @@ def register(mcp: FastMCP[Any]) -> None:
         return text_result(", ".join(str(root.uri) for root in result.roots))
 
     @mcp.tool(
+        name="header_params",
+        description="Echoes its arguments; `region`, `count` and `verbose` carry x-mcp-header annotations",
+    )
+    async def header_params(
+        region: Annotated[str, Field(description="Region to run in", json_schema_extra={"x-mcp-header": "Region"})],
+        count: Annotated[int, Field(description="How many", json_schema_extra={"x-mcp-header": "Count"})] = 1,
+        verbose: Annotated[
+            bool, Field(description="Chatty output", json_schema_extra={"x-mcp-header": "Verbose"})
+        ] = False,
+    ) -> types.CallToolResult:
+        return text_result(json.dumps({"region": region, "count": count, "verbose": verbose}))
+
+    @mcp.tool(
         name="whoami",
         description="Returns the Authorization and traceparent headers this server received with the call",
     )
