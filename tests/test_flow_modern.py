@@ -353,3 +353,20 @@ async def test_x_mcp_header_params_are_validated(proxy: Client, modern_schema: M
             proxy, modern_schema, "tools/call", {"name": "header_params", "arguments": arguments}, headers=headers
         )
         assert (status, message["error"]["code"]) == (400, -32020)
+
+
+async def test_upstream_stream_closed_early_is_resumed(proxy: Client, modern_schema: ModernSchema) -> None:
+    """K-29 / L-3: the upstream closes the call's SSE stream (SEP-1699 polling); the proxy resumes it with
+    GET + Last-Event-ID and the modern client just gets the result."""
+    _, _, [message] = await call_tool(proxy, modern_schema, "test_reconnection")
+    assert "Reconnection test completed successfully" in text_of(message)
+
+
+async def test_concurrent_calls_share_one_upstream_session(proxy: Client, modern_schema: ModernSchema) -> None:
+    await call_tool(proxy, modern_schema, "echo", {"text": "first"})
+    session_id = proxy.app[UPSTREAM].session(None).session_id
+    results = await asyncio.gather(
+        *(call_tool(proxy, modern_schema, "echo", {"text": f"n{index}"}) for index in range(40))
+    )
+    assert sorted(text_of(message) for _, _, [message] in results) == sorted(f"n{index}" for index in range(40))
+    assert proxy.app[UPSTREAM].session(None).session_id == session_id

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,13 +58,11 @@ class UpstreamCall:
         request_id: int,
         method: str,
         response: aiohttp.ClientResponse,
-        reopen: Callable[[str], Awaitable[aiohttp.ClientResponse]],
     ) -> None:
         self.session = session
         self.request_id = request_id
         self.method = method
         self._response = response
-        self._reopen = reopen
         self.finished = False
 
     async def events(self) -> AsyncIterator[UpstreamEvent]:
@@ -122,7 +120,7 @@ class UpstreamCall:
             resumptions += 1
             response.release()
             await asyncio.sleep(min(retry_ms, 10_000) / 1000)
-            response = self._response = await self._reopen(last_event_id)
+            response = self._response = await self.session.resume(last_event_id)
 
     def _message(self, data: str) -> UpstreamEvent | None:
         try:

@@ -97,10 +97,7 @@ class UpstreamListener:
             await asyncio.sleep(delay)
 
     async def _read(self, last_event_id: str | None) -> tuple[int, str | None]:
-        headers = self.session.headers({"Accept": "text/event-stream"})
-        headers.pop("Content-Type", None)
-        if last_event_id is not None:
-            headers["Last-Event-ID"] = last_event_id
+        headers = self.session.stream_headers(last_event_id)
         timeout = aiohttp.ClientTimeout(total=None, connect=self.session.client.config.connect_timeout_seconds)
         async with self.session.client.http.get(
             self.session.client.config.url, headers=headers, timeout=timeout

@@ -11,11 +11,12 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
+import json
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Final
+from typing import Final
 
 import aiohttp
 import structlog
@@ -83,6 +84,14 @@ class UpstreamSession:
             headers.update(extra)
         return headers
 
+    def stream_headers(self, last_event_id: str | None) -> dict[str, str]:
+        """Headers of a GET that opens (or resumes) an SSE stream of this session."""
+        headers = self.headers({"Accept": "text/event-stream"})
+        headers.pop("Content-Type", None)
+        if last_event_id is not None:
+            headers["Last-Event-ID"] = last_event_id
+        return headers
+
     async def _post(self, message: JSON, headers: Mapping[str, str]) -> aiohttp.ClientResponse:
         try:
             return await self.client.http.post(
@@ -118,7 +127,7 @@ class UpstreamSession:
             body = await response.text()
             response.release()
             raise UpstreamError(f"Upstream refused initialize: HTTP {response.status}: {body[:200]}")
-        call = UpstreamCall(self, request_id, "initialize", response, self._reopen_for(request_id))
+        call = UpstreamCall(self, request_id, "initialize", response)
         result: JSON | None = None
         async for event in call.events():
             if isinstance(event, UpstreamResult):
@@ -139,7 +148,8 @@ class UpstreamSession:
     async def _reinitialize(self, stale_session_id: str | None) -> None:
         """L-1: a 404 for a request that carried the session id means the session is gone."""
         async with self._lock:
-            if self.session_id == stale_session_id:
+            # Someone else may have re-initialized already (keep theirs), or forgotten the session (start one).
+            if self.session_id == stale_session_id or self.initialize_result is None:
                 log.info("upstream_session_expired")
                 self.initialize_result = None
                 await self._initialize()
@@ -168,26 +178,21 @@ class UpstreamSession:
 
     # --- requests ------------------------------------------------------------------------------------------
 
-    def _reopen_for(self, request_id: int) -> Any:
-        async def reopen(last_event_id: str) -> aiohttp.ClientResponse:
-            headers = self.headers({"Last-Event-ID": last_event_id, "Accept": "text/event-stream"})
-            headers.pop("Content-Type", None)
-            sent_with = self.session_id
-            try:
-                response = await self.client.http.get(
-                    self.client.config.url, headers=headers, timeout=self.client.timeout
-                )
-            except aiohttp.ClientError as exc:
-                raise UpstreamError(f"Upstream stream could not be resumed: {exc}") from None
-            content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
-            if response.status == 200 and content_type == "text/event-stream":
-                return response
-            response.release()
-            if response.status == 404 and sent_with is not None:
-                self.forget(sent_with)  # the session is gone: the next request initializes a new one
-            raise UpstreamError(f"Upstream lost the call: resuming its stream answered HTTP {response.status}")
-
-        return reopen
+    async def resume(self, last_event_id: str) -> aiohttp.ClientResponse:
+        """K-29 / L-3: continue a request's SSE stream the upstream closed early (GET + Last-Event-ID)."""
+        headers = self.stream_headers(last_event_id)
+        sent_with = self.session_id
+        try:
+            response = await self.client.http.get(self.client.config.url, headers=headers, timeout=self.client.timeout)
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"Upstream stream could not be resumed: {exc}") from None
+        content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if response.status == 200 and content_type == "text/event-stream":
+            return response
+        response.release()
+        if response.status == 404 and sent_with is not None:
+            self.forget(sent_with)  # the session is gone: the next request initializes a new one
+        raise UpstreamError(f"Upstream lost the call: resuming its stream answered HTTP {response.status}")
 
     @contextlib.asynccontextmanager
     async def call(
@@ -205,11 +210,9 @@ class UpstreamSession:
                 await self._reinitialize(sent_with)
                 continue
             break
-        if response.status >= 400 and not _is_jsonrpc_body(response):
-            body = await response.text()
-            response.release()
-            raise UpstreamError(f"Upstream answered {method} with HTTP {response.status}: {body[:200]}")
-        upstream_call = UpstreamCall(self, request_id, method, response, self._reopen_for(request_id))
+        if response.status >= 400:
+            await _raise_unless_answer(response, request_id, method)
+        upstream_call = UpstreamCall(self, request_id, method, response)
         try:
             yield upstream_call
         finally:
@@ -273,9 +276,27 @@ class UpstreamSession:
             await self.request("resources/unsubscribe", {"uri": uri})
 
 
-def _is_jsonrpc_body(response: aiohttp.ClientResponse) -> bool:
+async def _raise_unless_answer(response: aiohttp.ClientResponse, request_id: int, method: str) -> None:
+    """An HTTP error status is fine when its body is the JSON-RPC answer to this request (some servers send
+    errors that way); anything else (a transport-level refusal) is an UpstreamError naming what it said."""
     content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
-    return content_type in ("application/json", "text/event-stream")
+    if content_type == "text/event-stream":
+        return
+    body = await response.read()
+    detail = body.decode("utf-8", errors="replace")[:200]
+    if content_type == "application/json":
+        try:
+            message = json.loads(body)
+        except ValueError:
+            message = None
+        if isinstance(message, dict):
+            if message.get("id") == request_id:
+                return  # the body was read, aiohttp keeps it for UpstreamCall
+            error = message.get("error")
+            if isinstance(error, dict) and isinstance(error.get("message"), str):
+                detail = error["message"]
+    response.release()
+    raise UpstreamError(f"Upstream answered {method} with HTTP {response.status}: {detail}")
 
 
 class UpstreamClient:
