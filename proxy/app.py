@@ -76,6 +76,10 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
     except web.HTTPException as exc:
         status = exc.status
         raise
+    except ConnectionResetError:
+        status = 499  # the client closed the connection before its answer was written (nginx's convention)
+        log.info("client_disconnected")
+        return web.Response(status=status)
     except Exception:
         log.exception("request_failed")
         status = 500

@@ -177,8 +177,9 @@ class Front:
         async with session.call(request.method, upstream_params(request.params), headers) as call:
             try:
                 return await self._drive(request, session, call, channel, server_info)
-            except asyncio.CancelledError:
-                # C-19 / L-5: the client closed its stream; a legacy server needs an explicit cancel.
+            except (asyncio.CancelledError, ConnectionResetError):
+                # C-19 / L-5: the client closed its stream (seen as the handler's cancellation, or as a failed
+                # write of a notification); a legacy server needs an explicit cancel.
                 await asyncio.shield(self._cancel(call, "client disconnected"))
                 raise
 

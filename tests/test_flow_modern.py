@@ -242,11 +242,27 @@ async def test_client_disconnect_cancels_the_upstream_call(proxy: Client, modern
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    await wait_for_new_cancellation(proxy, modern_schema, before)
+
+
+async def test_closing_a_progress_stream_cancels_the_upstream_call(proxy: Client, modern_schema: ModernSchema) -> None:
+    """C-19 on the SSE path: the client reads the first progress event, then closes the stream."""
+    before = await cancelled_upstream_ids(proxy, modern_schema)
+    response = await proxy.post(
+        "/mcp",
+        json=modern_body("tools/call", {"name": "sleep", "arguments": {"seconds": 30}}, progressToken="p"),
+        headers=modern_headers("tools/call", "sleep"),
+    )
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    first = await asyncio.wait_for(response.content.readuntil(b"\n\n"), 10)
+    assert b"notifications/progress" in first
+    response.close()
+    await wait_for_new_cancellation(proxy, modern_schema, before)
+
+
+async def wait_for_new_cancellation(proxy: Client, schema: ModernSchema, before: list[Any]) -> None:
     deadline = asyncio.get_running_loop().time() + 10
-    while True:
-        after = await cancelled_upstream_ids(proxy, modern_schema)
-        if len(after) > len(before):
-            break
+    while len(await cancelled_upstream_ids(proxy, schema)) <= len(before):
         assert asyncio.get_running_loop().time() < deadline, "the upstream never saw notifications/cancelled"
         await asyncio.sleep(0.1)
 

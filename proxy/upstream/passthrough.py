@@ -80,23 +80,27 @@ class PassThrough:
             raise UpstreamTimeoutError() from None
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"Upstream MCP server unavailable: {exc}") from None
+        complete = False
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         try:
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in _end_to_end(upstream.headers).items():
                 response.headers.add(name, value)
             length = upstream.headers.get("Content-Length")
             if length is not None and length.isdigit():
                 response.content_length = int(length)
             await response.prepare(request)
-            try:
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-            except (aiohttp.ClientError, TimeoutError):
-                # The upstream dropped mid-body: the headers are out, so the client sees a cut stream, as it
-                # would directly.
-                upstream.close()
-                return response
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
             await response.write_eof()
-            return response
+            complete = True
+        except (aiohttp.ClientError, TimeoutError):
+            pass  # the upstream dropped mid-body: headers are out, the client sees a cut stream, as it would directly
+        except ConnectionResetError:
+            pass  # the client went away mid-body
         finally:
-            upstream.release()
+            # A finished body leaves a reusable connection; anything else must not be reused.
+            if complete:
+                upstream.release()
+            else:
+                upstream.close()
+        return response
