@@ -48,7 +48,8 @@ class UpstreamConfig(_Frozen):
     )
     headers: dict[str, str] = Field(
         default_factory=dict,
-        description="Extra headers sent on every upstream request (e.g. a static API key the upstream needs).",
+        description="Extra headers sent on every upstream request (e.g. a static API key the upstream needs); "
+        "they replace a client's header of the same name.",
     )
     connect_timeout_seconds: float = Field(
         5.0,

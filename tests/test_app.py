@@ -14,9 +14,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app import host_allowed, origin_allowed
-from tests.conftest import ModernSchema, Upstream, modern_body, modern_headers
+from tests.conftest import SCHEMA_DIR, ModernSchema, Upstream, modern_body, modern_headers
 
 Client = TestClient[web.Request, web.Application]
+SCHEMA = ModernSchema(SCHEMA_DIR / "mcp-2026-07-28.schema.json")
 ALLOWED = ["localhost", "127.0.0.1", "[::1]"]
 
 
@@ -56,9 +57,13 @@ def test_origin_allowed(origin: str, allowed: bool) -> None:
 
 
 async def post(client: Client, body: Any, headers: dict[str, str], raw: bytes | None = None) -> tuple[int, Any]:
+    """POST and decode; every error body the proxy sends must be a valid 2026-07-28 JSON-RPC error."""
     response = await client.post("/mcp", data=raw if raw is not None else json.dumps(body), headers=headers)
     text = await response.text()
-    return response.status, json.loads(text) if text else None
+    message = json.loads(text) if text else None
+    if isinstance(message, dict) and "error" in message:
+        SCHEMA.validate(message, "JSONRPCErrorResponse")
+    return response.status, message
 
 
 async def test_foreign_host_is_refused_for_both_eras(proxy: Client, modern_schema: ModernSchema) -> None:
@@ -120,7 +125,9 @@ async def test_get_and_delete_with_a_modern_header_are_405(proxy: Client) -> Non
         response = await proxy.request(method, "/mcp", headers={"MCP-Protocol-Version": "2026-07-28"})
         assert response.status == 405
         assert response.headers["Allow"] == "POST"
-        assert (await response.json())["error"]["code"] == -32600
+        message = await response.json()
+        SCHEMA.validate(message, "JSONRPCErrorResponse")
+        assert message["error"]["code"] == -32600
 
 
 @pytest.mark.parametrize(

@@ -386,3 +386,17 @@ async def test_concurrent_calls_share_one_upstream_session(proxy: Client, modern
     )
     assert sorted(text_of(message) for _, _, [message] in results) == sorted(f"n{index}" for index in range(40))
     assert proxy.app[UPSTREAM].session(None).session_id == session_id
+
+
+async def test_configured_upstream_headers_win(
+    make_proxy: Callable[..., Any], upstream: Upstream, modern_schema: ModernSchema
+) -> None:
+    client: Client = await make_proxy(upstream.url, upstream={"headers": {"Authorization": "Bearer static"}})
+    _, _, [message] = await rpc(
+        client,
+        modern_schema,
+        "tools/call",
+        {"name": "whoami", "arguments": {}},
+        headers={"Authorization": "Bearer client"},
+    )
+    assert json.loads(text_of(message))["authorization"] == "Bearer static"

@@ -69,13 +69,12 @@ class UpstreamSession:
     # --- headers and plumbing -------------------------------------------------------------------------
 
     def headers(self, extra: Mapping[str, str] | None = None, *, initialized: bool = True) -> dict[str, str]:
-        headers = {
-            **self.client.config.headers,
-            "Accept": "application/json, text/event-stream",
-            "Content-Type": "application/json",
-        }
+        """Headers of a request on this session. The operator's `upstream.headers` come after the caller's
+        principal header, so a configured credential wins (as it does on the pass-through)."""
+        headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
         if self.principal:
             headers[self.client.principal_header] = self.principal
+        headers.update(self.client.config.headers)
         if initialized:
             headers["MCP-Protocol-Version"] = self.protocol_version
             if self.session_id is not None:
