@@ -22,6 +22,7 @@ from proxy.errors import (
     ForbiddenError,
     InvalidRequestError,
     MethodNotAllowedError,
+    MethodNotFoundError,
     ParseError,
     PayloadTooLargeError,
     ProxyError,
@@ -172,10 +173,19 @@ class HttpChannel:
 
     async def finish(self, message: JSON) -> web.StreamResponse:
         if self.stream is None:
-            return web.json_response(message, dumps=lambda obj: jsonrpc.dumps(obj).decode())
+            return web.json_response(message, status=_status_of(message), dumps=lambda obj: jsonrpc.dumps(obj).decode())
         await self.stream.write(frame(jsonrpc.dumps(message).decode()))
         await self.stream.write_eof()
         return self.stream
+
+
+def _status_of(message: JSON) -> int:
+    """HTTP status of a final message the front built: results and relayed upstream errors are 200 (Q8),
+    except -32601, which is 404 (C-27): a method the upstream does not implement, the proxy does not either."""
+    error = message.get("error")
+    if isinstance(error, dict) and error.get("code") == MethodNotFoundError.code:
+        return MethodNotFoundError.http_status
+    return 200
 
 
 async def _read_body(request: web.Request) -> bytes:

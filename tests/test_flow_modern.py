@@ -121,6 +121,12 @@ async def test_upstream_jsonrpc_error_passes_through(proxy: Client, modern_schem
     assert message["error"]["message"] == "nope"
 
 
+async def test_upstream_method_not_found_is_http_404(proxy: Client, modern_schema: ModernSchema) -> None:
+    """C-27: what the upstream does not implement, the proxy does not either: -32601 goes with HTTP 404."""
+    status, _, [message] = await call_tool(proxy, modern_schema, "raise_error", {"message": "no such", "code": -32601})
+    assert (status, message["error"]["code"]) == (404, -32601)
+
+
 async def test_retired_upstream_codes_are_not_re_emitted(proxy: Client, modern_schema: ModernSchema) -> None:
     """L-7: -32042 (URL elicitation required) does not exist in 2026-07-28."""
     _, _, [message] = await call_tool(proxy, modern_schema, "raise_error", {"message": "url", "code": -32042})
