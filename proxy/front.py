@@ -176,7 +176,7 @@ class Front:
         headers = trace_headers(request.meta, caller.headers)
         async with session.call(request.method, upstream_params(request.params), headers) as call:
             try:
-                return await self._drive(request, session, call, channel, server_info)
+                return await self._drive(request, call, channel, server_info)
             except (asyncio.CancelledError, ConnectionResetError):
                 # C-19 / L-5: the client closed its stream (seen as the handler's cancellation, or as a failed
                 # write of a notification); a legacy server needs an explicit cancel.
@@ -184,12 +184,7 @@ class Front:
                 raise
 
     async def _drive(
-        self,
-        request: ModernRequest,
-        session: UpstreamSession,
-        call: UpstreamCall,
-        channel: Channel,
-        server_info: JSON | None,
+        self, request: ModernRequest, call: UpstreamCall, channel: Channel, server_info: JSON | None
     ) -> JSON:
         async for event in call.events():
             if isinstance(event, UpstreamNotification):
