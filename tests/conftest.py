@@ -74,6 +74,15 @@ def upstream() -> Iterator[Upstream]:
     server.stop()
 
 
+@pytest.fixture
+def own_upstream() -> Iterator[Upstream]:
+    """An upstream for one test alone (it may stop and restart it)."""
+    server = Upstream()
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def stateless_upstream() -> Iterator[Upstream]:
     server = Upstream("--stateless")

@@ -109,3 +109,26 @@ async def test_standalone_upstream_requests_are_answered_not_left_hanging(proxy:
     await call(proxy, "greet", {"name": "warm-up"})  # the session (and its GET stream) exists
     message = await asyncio.wait_for(call(proxy, "list_roots_standalone"), DEADLINE_SECONDS)
     assert message["result"]["content"][0]["text"].startswith("roots refused:")
+
+
+async def test_listen_survives_an_upstream_restart(make_proxy: Callable[..., Any], own_upstream: Upstream) -> None:
+    """The upstream process is replaced: the proxy notices on its GET stream, starts a new session at once,
+    renews the resource subscription there, and the open listen stream keeps receiving."""
+    client: Client = await make_proxy(own_upstream.url)
+    uri = "test://watched-resource"
+    response = await open_listen(client, {"resourceSubscriptions": [uri]})
+    stream = sse_messages(response)
+    assert (await next_message(stream))["method"] == "notifications/subscriptions/acknowledged"
+    port = own_upstream.port
+    own_upstream.stop()
+    own_upstream.start(port)
+    deadline = asyncio.get_running_loop().time() + DEADLINE_SECONDS
+    while True:  # until the new upstream process holds the renewed subscription
+        result = await call(client, "update_resource", {"uri": uri})
+        if "result" in result and result["result"]["content"][0]["text"] == "notified 1 subscriber(s)":
+            break
+        assert asyncio.get_running_loop().time() < deadline, f"subscription not renewed: {result}"
+        await asyncio.sleep(0.2)
+    updated = await next_message(stream)
+    assert (updated["method"], updated["params"]["uri"]) == ("notifications/resources/updated", uri)
+    response.close()

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from tests.conftest import Upstream, modern_body, modern_headers, read_messages
 
 Client = TestClient[web.Request, web.Application]
-
-
-@pytest.fixture
-def own_upstream() -> Iterator[Upstream]:
-    server = Upstream()
-    server.start()
-    yield server
-    server.stop()
 
 
 async def greet(client: Client, name: str) -> tuple[int, dict[str, Any]]:

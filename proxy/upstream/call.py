@@ -93,10 +93,10 @@ class UpstreamCall:
         if content_type != "text/event-stream":
             raise UpstreamError(f"Upstream answered {self.method} with unexpected content type {content_type!r}")
         resumptions = 0
+        last_event_id: str | None = None  # kept across resumptions: a resumed stream may carry no new id
+        retry_ms = 0
         while True:
             parser = SSEParser()
-            last_event_id: str | None = None
-            retry_ms = 0
             async for chunk in response.content.iter_any():
                 for sse in parser.feed(chunk):
                     if sse.id is not None:

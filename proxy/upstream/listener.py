@@ -88,7 +88,11 @@ class UpstreamListener:
             finally:
                 self._settled.set()
             if status == 404:
-                self.session.forget(session_id)  # the session is gone; the next request initializes anew
+                # The session is gone. With listen streams waiting, start a new one now; otherwise the next
+                # request does. (Not from this task: initializing restarts the listener, i.e. cancels us.)
+                self.session.forget(session_id)
+                if self.subscriptions:
+                    self.session.client.spawn(self.session.revive(), "upstream-session-revive")
                 return
             if status in (405, 409):
                 return  # no standalone stream on this server (or someone else holds it): nothing to read

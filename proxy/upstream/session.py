@@ -139,10 +139,20 @@ class UpstreamSession:
         self.protocol_version = result["protocolVersion"]
         await self.notify("notifications/initialized", None)
         self.initialize_result = result
-        self._resource_subscriptions.clear()
         self.tools_changed()
         await self.listener.start()
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
+        if self._resource_subscriptions:
+            # Not awaited here: initialize runs under the session lock, and these requests may need it.
+            self.client.spawn(self._resubscribe(), "upstream-resubscribe")
+
+    async def _resubscribe(self) -> None:
+        """A new session knows none of the resource subscriptions listen streams still hold: renew them."""
+        for uri in list(self._resource_subscriptions):
+            try:
+                await self.request("resources/subscribe", {"uri": uri})
+            except UpstreamError as exc:
+                log.warning("upstream_resource_resubscribe_failed", error=exc.message)
 
     async def _reinitialize(self, stale_session_id: str | None) -> None:
         """L-1: a 404 for a request that carried the session id means the session is gone."""
@@ -153,13 +163,19 @@ class UpstreamSession:
                 self.initialize_result = None
                 await self._initialize()
 
+    async def revive(self) -> None:
+        """Start a new session now (not at the next request), so listen streams keep receiving."""
+        try:
+            await self.ensure_initialized()
+        except UpstreamError as exc:
+            log.warning("upstream_session_revive_failed", error=exc.message)
+
     def forget(self, stale_session_id: str) -> None:
         """The upstream no longer knows this session id: the next request initializes a new session."""
         if self.session_id == stale_session_id:
             self.listener.stop()
             self.session_id = None
             self.initialize_result = None
-            self._resource_subscriptions.clear()
             self._param_headers = None
 
     async def close(self) -> None:
