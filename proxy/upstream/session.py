@@ -61,6 +61,7 @@ class UpstreamSession:
         self.protocol_version: str = client.config.protocol_version
         self.initialize_result: JSON | None = None
         self.listener = UpstreamListener(self)
+        self.in_flight = 0  # calls open on this session right now
         self._lock = asyncio.Lock()
         self._resource_subscriptions: Counter[str] = Counter()
         self._param_headers: dict[str, tuple[ParamHeader, ...]] | None = None
@@ -228,9 +229,11 @@ class UpstreamSession:
         if response.status >= 400:
             await _raise_unless_answer(response, request_id, method)
         upstream_call = UpstreamCall(self, request_id, method, response)
+        self.in_flight += 1
         try:
             yield upstream_call
         finally:
+            self.in_flight -= 1
             response.close()
 
     async def notify(self, method: str, params: JSON | None) -> None:
@@ -317,8 +320,15 @@ async def _raise_unless_answer(response: aiohttp.ClientResponse, request_id: int
 class UpstreamClient:
     """All of the proxy's own upstream sessions (not the pass-through of legacy clients)."""
 
-    def __init__(self, config: UpstreamConfig, http: aiohttp.ClientSession, principal_header: str) -> None:
+    def __init__(
+        self,
+        config: UpstreamConfig,
+        http: aiohttp.ClientSession,
+        principal_header: str,
+        max_sessions: int = MAX_SESSIONS,
+    ) -> None:
         self.config = config
+        self.max_sessions = max_sessions
         self.http = http
         self.principal_header = principal_header
         self.timeout = aiohttp.ClientTimeout(
@@ -338,12 +348,20 @@ class UpstreamClient:
         session = self._sessions.get(key)
         if session is None:
             session = self._sessions[key] = UpstreamSession(self, principal)
-            while len(self._sessions) > MAX_SESSIONS:
-                _, evicted = self._sessions.popitem(last=False)
-                self.spawn(evicted.close(), "upstream-session-close")
+            if len(self._sessions) > self.max_sessions:
+                self._evict_idle(keep=key)
         else:
             self._sessions.move_to_end(key)
         return session
+
+    def _evict_idle(self, keep: str) -> None:
+        """Close the least recently used session that has no call in flight and no listen stream; if every
+        session is busy, keep them all (the limit bounds idle sessions, it never breaks running work)."""
+        for key, candidate in self._sessions.items():
+            if key != keep and candidate.in_flight == 0 and not candidate.listener.subscriptions:
+                del self._sessions[key]
+                self.spawn(candidate.close(), "upstream-session-close")
+                return
 
     def spawn(self, coroutine: Coroutine[object, object, None], name: str) -> asyncio.Task[None]:
         """The one place `upstream/` starts background work: named, referenced until done, cancelled on close."""

@@ -1,0 +1,68 @@
+"""upstream/session.py: the proxy's own upstream sessions, against a real legacy server (no mocks)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from proxy.config import UpstreamConfig
+from proxy.errors import UpstreamError
+from proxy.upstream.session import UpstreamClient, principal_key
+from tests.conftest import Upstream
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def make_client(upstream: Upstream, http: aiohttp.ClientSession, max_sessions: int = 8) -> UpstreamClient:
+    return UpstreamClient(UpstreamConfig(url=upstream.url), http, "authorization", max_sessions=max_sessions)
+
+
+async def test_initialize_once_and_reuse(upstream: Upstream, http: aiohttp.ClientSession) -> None:
+    client = make_client(upstream, http)
+    session = client.session(None)
+    results = await asyncio.gather(*(session.ensure_initialized() for _ in range(10)))
+    assert all(result is results[0] for result in results)  # one initialize for ten concurrent callers
+    assert results[0]["serverInfo"]["name"] == "legacy-fixture-upstream"
+    assert session.session_id is not None
+    assert (await session.request("tools/list", None))["tools"]
+    await client.close()
+    assert session.session_id is None  # closed with DELETE
+
+
+async def test_idle_sessions_are_evicted_busy_ones_kept(upstream: Upstream, http: aiohttp.ClientSession) -> None:
+    client = make_client(upstream, http, max_sessions=2)
+    first = client.session("Bearer a")
+    await first.ensure_initialized()
+    async with first.call("tools/call", {"name": "sleep", "arguments": {"seconds": 0.2}}) as running:
+        second = client.session("Bearer b")
+        await second.ensure_initialized()
+        client.session("Bearer c")  # over the limit: "a" is busy, so "b" (idle) goes
+        assert client.session("Bearer a") is first
+        assert client.session("Bearer b") is not second
+        async for _ in running.events():
+            pass
+    await client.close()
+
+
+async def test_unreachable_upstream_is_an_upstream_error(http: aiohttp.ClientSession) -> None:
+    client = UpstreamClient(
+        UpstreamConfig(url="http://127.0.0.1:9/mcp", connect_timeout_seconds=1), http, "authorization"
+    )
+    with pytest.raises(UpstreamError, match="unavailable"):
+        await client.session(None).ensure_initialized()
+    await client.close()
+
+
+def test_principal_keys_are_hashes() -> None:
+    assert principal_key(None) == principal_key("") == ""
+    key = principal_key("Bearer secret")
+    assert "secret" not in key
+    assert len(key) == 64
+    assert key != principal_key("Bearer other")
