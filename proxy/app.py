@@ -32,7 +32,7 @@ from proxy.upstream.passthrough import PassThrough
 from proxy.upstream.session import UpstreamClient
 from proxy.upstream.sse import KEEPALIVE, frame
 from proxy.wire import jsonrpc
-from proxy.wire.envelope import PROTOCOL_VERSION_HEADER, is_modern, validate_modern
+from proxy.wire.envelope import is_modern, validate_modern
 from proxy.wire.jsonrpc import JSON, Notification, Response
 
 log = structlog.get_logger(__name__)
@@ -198,7 +198,6 @@ async def _read_body(request: web.Request) -> bytes:
 
 
 async def handle_mcp(request: web.Request) -> web.StreamResponse:
-    modern_header = request.headers.get(PROTOCOL_VERSION_HEADER)
     if request.method != "POST":
         if request.method in ("GET", "DELETE") and is_modern(request.headers, None):
             # C-22: a modern client has no GET stream and no session to delete.
@@ -210,7 +209,7 @@ async def handle_mcp(request: web.Request) -> web.StreamResponse:
     try:
         decoded = jsonrpc.loads(body)
     except ParseError:
-        if modern_header is not None and is_modern(request.headers, None):
+        if is_modern(request.headers, None):
             request[ERA] = "modern"
             raise
         request[ERA] = "legacy"
@@ -257,7 +256,7 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
 
 async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
+    connector = aiohttp.TCPConnector(limit=0)
     http = aiohttp.ClientSession(connector=connector, auto_decompress=True)
     relay_http = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), auto_decompress=False, skip_auto_headers=("User-Agent",)
