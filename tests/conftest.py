@@ -83,14 +83,6 @@ def own_upstream() -> Iterator[Upstream]:
     server.stop()
 
 
-@pytest.fixture(scope="session")
-def stateless_upstream() -> Iterator[Upstream]:
-    server = Upstream("--stateless")
-    server.start()
-    yield server
-    server.stop()
-
-
 def proxy_config(upstream_url: str, tmp_path: Path, **sections: dict[str, Any]) -> Config:
     overrides: dict[str, dict[str, Any]] = {
         "upstream": {"url": upstream_url, "call_timeout_seconds": 30},

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -304,15 +304,6 @@ async def test_sessions_are_kept_per_principal(proxy: Client, modern_schema: Mod
     assert one.session_id != two.session_id
 
 
-async def test_stateless_upstream(
-    make_proxy: Callable[..., Any], stateless_upstream: Upstream, modern_schema: ModernSchema
-) -> None:
-    client: Client = await make_proxy(stateless_upstream.url)
-    _, _, [message] = await call_tool(client, modern_schema, "greet", {"name": "s"})
-    assert text_of(message) == "Hello, s!"
-    assert client.app[UPSTREAM].session(None).session_id is None
-
-
 async def test_upstream_down_is_a_gateway_error(make_proxy: Callable[..., Any], modern_schema: ModernSchema) -> None:
     client: Client = await make_proxy("http://127.0.0.1:9/mcp")
     status, _, [message] = await call_tool(client, modern_schema, "greet", {"name": "x"})
@@ -342,23 +333,25 @@ async def test_principal_and_trace_context_travel_upstream(proxy: Client, modern
     assert json.loads(text_of(message)) == {"authorization": None, "traceparent": trace}
 
 
-@pytest.fixture(scope="module")
-def json_upstream() -> Any:
-    server = Upstream("--json-response")
+@pytest.fixture(scope="module", params=["--stateless", "--json-response"])
+def variant_upstream(request: pytest.FixtureRequest) -> Iterator[Upstream]:
+    server = Upstream(request.param)
     server.start()
     yield server
     server.stop()
 
 
-async def test_json_response_upstream(
-    make_proxy: Callable[..., Any], json_upstream: Upstream, modern_schema: ModernSchema
+async def test_upstream_variants(
+    make_proxy: Callable[..., Any], variant_upstream: Upstream, modern_schema: ModernSchema
 ) -> None:
-    """The upstream may answer with application/json instead of SSE."""
-    client: Client = await make_proxy(json_upstream.url)
-    _, _, [message] = await call_tool(client, modern_schema, "greet", {"name": "j"})
-    assert text_of(message) == "Hello, j!"
+    """A stateless upstream (no Mcp-Session-Id) and one that answers application/json instead of SSE."""
+    client: Client = await make_proxy(variant_upstream.url)
+    _, _, [message] = await call_tool(client, modern_schema, "greet", {"name": "v"})
+    assert text_of(message) == "Hello, v!"
     _, _, [listed] = await rpc(client, modern_schema, "tools/list")
     assert listed["result"]["tools"]
+    stateless = "--stateless" in variant_upstream.flags
+    assert (client.app[UPSTREAM].session(None).session_id is None) == stateless
 
 
 async def test_x_mcp_header_params_are_validated(proxy: Client, modern_schema: ModernSchema) -> None:
