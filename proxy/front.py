@@ -220,13 +220,11 @@ class Front:
                 error={"code": codes.METHOD_NOT_FOUND, "message": f"Method not found: {server_request.method}"},
             )
             return None
-        if server_request.method == "elicitation/create":
-            await call.answer(server_request.id, result={"action": "decline"})
-        else:
-            await call.answer(
-                server_request.id,
-                error={"code": codes.INVALID_REQUEST, "message": "The client cannot answer this request"},
-            )
+        await call.session.refuse(
+            server_request.id,
+            server_request.method,
+            {"code": codes.INVALID_REQUEST, "message": "The client cannot answer this request"},
+        )
         # No notifications/cancelled here: the upstream was answered and ends the call by itself, and a cancel
         # racing that ending kills the whole session in the mcp 1.x SDK (seen with its stateful servers).
         log.info("upstream_input_request_refused", method=request.method, input_method=server_request.method)

@@ -83,7 +83,7 @@ class UpstreamCall:
 
     async def _events(self) -> AsyncIterator[UpstreamEvent]:
         response = self._response
-        content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        content_type = response.content_type
         if content_type == "application/json":
             body = await response.read()
             event = self._message(body.decode("utf-8", errors="replace"))

@@ -106,7 +106,7 @@ class UpstreamListener:
         async with self.session.client.http.get(
             self.session.client.config.url, headers=headers, timeout=timeout
         ) as response:
-            content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+            content_type = response.content_type
             if response.status != 200 or content_type != "text/event-stream":
                 return response.status, last_event_id
             self._settled.set()
@@ -131,16 +131,14 @@ class UpstreamListener:
                 return
             # K-20 / C-21: a standalone server→client request has no modern client to go to.
             log.info("upstream_standalone_request_refused", input_method=message.method)
-            if message.method == "elicitation/create":
-                await self.session.respond(message.id, result={"action": "decline"})
-            else:
-                await self.session.respond(
-                    message.id,
-                    error={
-                        "code": codes.METHOD_NOT_FOUND,
-                        "message": f"{message.method} outside a request cannot be relayed to 2026-07-28 clients",
-                    },
-                )
+            await self.session.refuse(
+                message.id,
+                message.method,
+                {
+                    "code": codes.METHOD_NOT_FOUND,
+                    "message": f"{message.method} outside a request cannot be relayed to 2026-07-28 clients",
+                },
+            )
             return
         if isinstance(message, Notification):
             if message.method == "notifications/tools/list_changed":

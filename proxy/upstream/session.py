@@ -202,7 +202,7 @@ class UpstreamSession:
             response = await self.client.http.get(self.client.config.url, headers=headers, timeout=self.client.timeout)
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"Upstream stream could not be resumed: {exc}") from None
-        content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        content_type = response.content_type
         if response.status == 200 and content_type == "text/event-stream":
             return response
         response.release()
@@ -245,6 +245,14 @@ class UpstreamSession:
         message = result_message(request_id, result or {}) if error is None else error_message(request_id, error)
         response = await self._post(message, self.headers())
         response.release()
+
+    async def refuse(self, request_id: int | str, method: str, error: JSON) -> None:
+        """Answer a server→client request the proxy cannot relay, so the upstream never waits on it: an
+        elicitation is declined (a normal answer the tool can act on); anything else gets `error`."""
+        if method == "elicitation/create":
+            await self.respond(request_id, result={"action": "decline"})
+        else:
+            await self.respond(request_id, error=error)
 
     async def request(self, method: str, params: JSON | None) -> JSON:
         """A plain request whose stream carries nothing the caller needs: its result, or UpstreamError."""
@@ -297,7 +305,7 @@ class UpstreamSession:
 async def _raise_unless_answer(response: aiohttp.ClientResponse, request_id: int, method: str) -> None:
     """An HTTP error status is fine when its body is the JSON-RPC answer to this request (some servers send
     errors that way); anything else (a transport-level refusal) is an UpstreamError naming what it said."""
-    content_type = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    content_type = response.content_type
     if content_type == "text/event-stream":
         return
     body = await response.read()
