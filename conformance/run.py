@@ -2,7 +2,8 @@
 
 1. Starts the legacy fixture upstream (`python -m tests.upstream`) and the proxy (`python -m proxy serve`).
 2. Runs `--requirements 2026-07-28` against the proxy, and `--requirements 2025-11-25` both directly against
-   the upstream and through the proxy.
+   the upstream and through the proxy. The Tasks extension scenarios are not scored inside a requirement
+   set, so each `tasks-*` scenario also runs on its own (`--scenario`), and those results are the ones gated.
 3. Fails when a gated scenario has a failing check not listed in `baseline.yaml`, when a baseline entry no
    longer fails (stale), or when a legacy check scores differently through the proxy than directly.
 
@@ -112,11 +113,34 @@ def start_proxy(upstream_url: str, db: Path, log: Path) -> tuple[subprocess.Pope
 
 
 def run_suite(url: str, requirements: str, out: Path) -> None:
+    run_node(["server", "--url", url, "--requirements", requirements, "-o", str(out)], out)
+
+
+def run_scenarios(url: str, scenarios: list[str], out: Path) -> None:
+    """Each scenario on its own, with no --spec-version: tasks scenarios pick the 2026-07-28 wire themselves."""
+    for scenario in scenarios:
+        run_node(["server", "--url", url, "--scenario", scenario, "-o", str(out)], out, log_name=f"{scenario}.log")
+
+
+def run_node(arguments: list[str], out: Path, log_name: str = "suite.log") -> None:
     out.mkdir(parents=True, exist_ok=True)
-    command = [str(NODE), str(SUITE), "server", "--url", url, "--requirements", requirements, "-o", str(out)]
-    with (out / "suite.log").open("w") as log:
+    with (out / log_name).open("w") as log:
         # The suite's exit code reflects its own scoring; this script gates on checks.json below.
-        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_SECONDS, check=False)
+        subprocess.run(
+            [str(NODE), str(SUITE), *arguments],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=RUN_TIMEOUT_SECONDS,
+            check=False,
+        )
+
+
+def tasks_scenarios() -> list[str]:
+    """Every Tasks extension scenario the pinned suite knows (`list --server`)."""
+    listing = subprocess.run(
+        [str(NODE), str(SUITE), "list", "--server"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    return sorted(set(re.findall(r"\b(tasks-[a-z0-9-]+)", listing)))
 
 
 def read_results(out: Path) -> Results:
@@ -214,6 +238,7 @@ def main() -> int:
             run_suite(proxy_url, "2026-07-28", out / "modern")
             run_suite(upstream_url, "2025-11-25", out / "legacy-direct")
             run_suite(proxy_url, "2025-11-25", out / "legacy-proxy")
+            run_scenarios(proxy_url, tasks_scenarios(), out / "tasks")
             elapsed = time.monotonic() - started
     finally:
         for process in reversed(processes):
@@ -223,6 +248,7 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 process.kill()
     modern = read_results(out / "modern")
+    modern.update(read_results(out / "tasks"))  # a scenario run on its own replaces its unscored run
     direct = read_results(out / "legacy-direct")
     proxied = read_results(out / "legacy-proxy")
     print_table("2026-07-28 requirements through the proxy", modern, patterns)

@@ -27,12 +27,14 @@ from proxy.errors import (
     PayloadTooLargeError,
     ProxyError,
 )
-from proxy.front import Caller, Front
+from proxy.front import Front
+from proxy.tasks.runner import TaskRunner
+from proxy.tasks.store import SqliteTaskStore
 from proxy.upstream.passthrough import PassThrough
 from proxy.upstream.session import UpstreamClient
 from proxy.upstream.sse import KEEPALIVE, frame
 from proxy.wire import jsonrpc
-from proxy.wire.envelope import is_modern, validate_modern
+from proxy.wire.envelope import Caller, is_modern, validate_modern
 from proxy.wire.jsonrpc import JSON, Notification, Response
 
 log = structlog.get_logger(__name__)
@@ -41,6 +43,8 @@ CONFIG: Final = web.AppKey("config", Config)
 FRONT: Final = web.AppKey("front", Front)
 PASSTHROUGH: Final = web.AppKey("passthrough", PassThrough)
 UPSTREAM: Final = web.AppKey("upstream", UpstreamClient)
+STORE: Final = web.AppKey("store", SqliteTaskStore)
+RUNNER: Final = web.AppKey("runner", TaskRunner)
 ERA: Final = web.RequestKey("era", str)
 MCP_METHOD: Final = web.RequestKey("mcp_method", str)
 
@@ -154,7 +158,9 @@ class HttpChannel:
         stream = await self._open()
         await stream.write(frame(jsonrpc.dumps(message).decode()))
 
-    async def keepalive(self) -> None:
+    async def keepalive(self, *, open_stream: bool = False) -> None:
+        if self.stream is None and open_stream and self.sse_allowed:
+            await self._open()
         if self.stream is not None:
             await self.stream.write(KEEPALIVE)
 
@@ -256,6 +262,11 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
 
 async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
+    # The store first: a database in use by another process stops the start before anything else is opened.
+    store = await SqliteTaskStore.open(
+        config.store.path, max_records=config.tasks.max_records, synchronous=config.store.synchronous
+    )
+    app[STORE] = store
     connector = aiohttp.TCPConnector(limit=0)
     http = aiohttp.ClientSession(connector=connector, auto_decompress=True)
     relay_http = aiohttp.ClientSession(
@@ -263,7 +274,9 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     upstream = UpstreamClient(config.upstream, http, config.security.principal_header)
     app[UPSTREAM] = upstream
-    app[FRONT] = Front(config, upstream)
+    runner = TaskRunner(config.tasks, store, upstream)
+    app[RUNNER] = runner
+    app[FRONT] = Front(config, upstream, runner)
     app[PASSTHROUGH] = PassThrough(
         config.upstream.url,
         relay_http,
@@ -272,8 +285,11 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         config.upstream.call_timeout_seconds,
     )
     try:
+        await runner.start()  # restart recovery happens before the first request is served
         yield
     finally:
+        await runner.close()
+        await store.close()
         await upstream.close()
         await http.close()
         await relay_http.close()

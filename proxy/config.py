@@ -89,7 +89,8 @@ class SecurityConfig(_Frozen):
     principal_header: str = Field(
         "authorization",
         description="Request header that identifies the caller; it travels upstream with the requests it "
-        "causes, upstream sessions are kept per distinct value, and (later) tasks are bound to its hash.",
+        "causes, upstream sessions are kept per distinct value, and each task is bound to its hash (another caller "
+        "cannot see it).",
     )
     max_body_bytes: int = Field(
         4 * 1024 * 1024, gt=0, description="Largest request body accepted; a larger one gets 413."
@@ -113,7 +114,82 @@ class DiscoveryConfig(_Frozen):
 class StoreConfig(_Frozen):
     path: str = Field(
         "mcp-tasks-proxy.db",
-        description="SQLite file that holds durable tasks (used by the Tasks extension); put it on a volume.",
+        description="SQLite file that holds durable tasks; put it on a volume. One proxy process per file "
+        "(a second one refuses to start on a file in use).",
+    )
+    synchronous: Literal["normal", "full"] = Field(
+        "full",
+        description="SQLite `synchronous` mode. `full`: a task is on disk before its handle is returned, so it "
+        "survives a power loss; `normal`: it survives a crash of the proxy process, not of the machine, and "
+        "creation is faster.",
+    )
+
+
+TaskMode = Literal["forbidden", "optional", "required"]
+RestartAction = Literal["fail", "rerun"]
+
+
+class TaskPolicyConfig(_Frozen):
+    mode: TaskMode = Field(
+        "optional",
+        description="`forbidden`: always synchronous. `optional`: a task when the client declared the extension "
+        "and the call is still running after `sync_window_ms`. `required`: always a task for a declaring client.",
+    )
+    sync_window_ms: int = Field(
+        1000,
+        ge=0,
+        description="How long an `optional` call may run before it becomes a task (0: a task at once). Fast calls "
+        "stay plain synchronous results.",
+    )
+    ttl_ms: int | None = Field(
+        300_000,
+        gt=0,
+        description="Lifetime of a task from its creation: a task not settled by then fails, and a settled one "
+        "stays readable until then. `null`: unlimited.",
+    )
+    poll_interval_ms: int = Field(1000, gt=0, description="`pollIntervalMs` suggested to clients polling `tasks/get`.")
+    on_restart: RestartAction = Field(
+        "fail",
+        description="What a task still running when the proxy stopped becomes at the next start: `fail` (-32603 "
+        "with a message saying so) or `rerun` (the same tools/call is sent again; only for idempotent tools).",
+    )
+
+
+class ToolPolicyConfig(_Frozen):
+    """One tool's (or one glob's) policy: every field optional; what is left out comes from `tasks.default`."""
+
+    mode: TaskMode | None = Field(None, description="As `tasks.default.mode`, for this tool.")
+    sync_window_ms: int | None = Field(None, ge=0, description="As `tasks.default.sync_window_ms`, for this tool.")
+    ttl_ms: int | None = Field(None, gt=0, description="As `tasks.default.ttl_ms` (`null`: unlimited), for this tool.")
+    poll_interval_ms: int | None = Field(None, gt=0, description="As `tasks.default.poll_interval_ms`, for this tool.")
+    on_restart: RestartAction | None = Field(None, description="As `tasks.default.on_restart`, for this tool.")
+
+
+class TasksConfig(_Frozen):
+    default: TaskPolicyConfig = Field(
+        default_factory=TaskPolicyConfig, description="The policy of every tool not named in `tasks.tools`."
+    )
+    tools: dict[str, ToolPolicyConfig] = Field(
+        default_factory=dict,
+        description="Per-tool policies, keyed by exact tool name or by glob (`batch_*`): an exact name wins, "
+        "then the first matching glob in file order. A partial entry inherits the rest from `tasks.default`.",
+    )
+    undeclared_required: Literal["reject", "wait"] = Field(
+        "reject",
+        description="A `required` tool called by a client that did not declare the extension: `reject` answers "
+        "-32021 naming it; `wait` runs the task internally and answers synchronously when it settles.",
+    )
+    max_running: int = Field(
+        1024,
+        gt=0,
+        description="Tasks whose upstream call runs at once; one more is refused with -32603 (`data.limit`) "
+        "before anything is stored. Tasks waiting for client input do not count.",
+    )
+    max_records: int = Field(
+        10_000,
+        gt=0,
+        description="Task records kept; at the limit the oldest settled records are evicted first, and a new "
+        "task is refused only when every record is still live.",
     )
 
 
@@ -134,6 +210,7 @@ class Config(_Frozen):
         default_factory=DiscoveryConfig, description="Caching hints on discover and list results."
     )
     store: StoreConfig = Field(default_factory=StoreConfig, description="The task database.")
+    tasks: TasksConfig = Field(default_factory=TasksConfig, description="Tool policies and task limits.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Log output.")
 
 

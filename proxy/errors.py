@@ -131,3 +131,20 @@ class UpstreamError(ProxyError):
 class UpstreamTimeoutError(UpstreamError):
     http_status = 504
     default_message = "Upstream MCP server timed out"
+
+
+class TaskLimitError(ProxyError):
+    """A task limit (`tasks.max_running`, `tasks.max_records`) is reached: refused before anything is stored.
+
+    -32603 with `data.limit` naming the limit; HTTP 503 because the condition is temporary."""
+
+    code = jsonrpc.INTERNAL_ERROR
+    http_status = 503
+    default_message = "Task limit reached"
+
+    def __init__(self, limit: str, maximum: int, *, request_id: RequestId | None = None) -> None:
+        super().__init__(
+            f"Task limit reached: {limit} = {maximum}; try again later",
+            data={"limit": limit, "max": maximum},
+            request_id=request_id,
+        )

@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Final
 
 import structlog
-from mcp_types import (
-    CLIENT_CAPABILITIES_META_KEY,
-    CLIENT_INFO_META_KEY,
-    LOG_LEVEL_META_KEY,
-    PROTOCOL_VERSION_META_KEY,
-    SERVER_INFO_META_KEY,
-)
+from mcp_types import SERVER_INFO_META_KEY
 from mcp_types import jsonrpc as codes
 
 from proxy.config import Config
-from proxy.errors import MethodNotFoundError, MissingCapabilityError, UpstreamError
+from proxy.errors import InvalidParamsError, MethodNotFoundError, MissingCapabilityError, UpstreamError
+from proxy.policy import Outcome, decide
+from proxy.tasks.runner import TaskRunner
 from proxy.upstream.call import (
     UpstreamCall,
     UpstreamErrorResponse,
@@ -32,74 +27,33 @@ from proxy.upstream.call import (
     UpstreamServerRequest,
 )
 from proxy.upstream.session import UpstreamClient, UpstreamSession
+from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
-from proxy.wire.envelope import ModernRequest, check_param_headers, known_core_method, validate_params
+from proxy.wire.envelope import (
+    Caller,
+    Channel,
+    ModernRequest,
+    check_param_headers,
+    known_core_method,
+    validate_params,
+)
 from proxy.wire.jsonrpc import JSON, error_message, notification_message, result_message
 
 log = structlog.get_logger(__name__)
 
-# Per-request `_meta` keys of the modern envelope; they describe the client to the proxy, not to the upstream.
-MODERN_META_KEYS: Final = frozenset(
-    {PROTOCOL_VERSION_META_KEY, CLIENT_CAPABILITIES_META_KEY, CLIENT_INFO_META_KEY, LOG_LEVEL_META_KEY}
-)
 # Server→client requests a legacy server may send mid-call (L-4); until input bridging lands they are
 # refused upstream and the modern client is told which capability the call needs (C-21, C-14).
 INPUT_METHODS: Final = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
 LISTEN_KEEPALIVE_SECONDS: Final = 15.0  # SSE comment on idle listen streams, so intermediaries keep them open
-# Trace context travels upstream as headers (W3C), as the client sent it in `_meta`.
-TRACE_META_KEYS: Final = ("traceparent", "tracestate", "baggage")
-
-
-@dataclass(frozen=True, slots=True)
-class Caller:
-    """Who sent a request, as far as the front needs to know: the principal header's value (it travels
-    upstream and selects the upstream session) and the HTTP headers (W3C trace context, Mcp-Param-*)."""
-
-    principal: str | None = None
-    headers: Mapping[str, str] = field(default_factory=dict)
-
-
-class Channel(Protocol):
-    """Where request-scoped notifications go before the final message (an SSE stream, or nowhere).
-
-    `required=True` opens the stream even for a client whose Accept did not list SSE (listen streams).
-    """
-
-    async def notify(self, message: JSON, *, required: bool = False) -> None: ...
-
-    async def keepalive(self) -> None: ...
-
 
 Handler = Callable[["Front", ModernRequest, Caller, Channel], Awaitable[JSON]]
 
 
-def upstream_params(params: Mapping[str, Any]) -> JSON:
-    """The params the legacy server sees: no modern envelope keys, no legacy `task` opt-in (K-4, T-11)."""
-    forwarded = {key: value for key, value in params.items() if key not in ("_meta", "task")}
-    meta = params.get("_meta")
-    if isinstance(meta, dict):
-        kept = {key: value for key, value in meta.items() if key not in MODERN_META_KEYS}
-        if kept:
-            forwarded["_meta"] = kept
-    return forwarded
-
-
-def trace_headers(meta: Mapping[str, Any], http_headers: Mapping[str, str]) -> dict[str, str]:
-    """Trace context for the upstream request: the request's HTTP headers, else its `_meta` keys."""
-    found: dict[str, str] = {}
-    for key in TRACE_META_KEYS:
-        value = http_headers.get(key)
-        if value is None and isinstance(meta.get(key), str):
-            value = meta[key]
-        if value is not None:
-            found[key] = value
-    return found
-
-
 class Front:
-    def __init__(self, config: Config, upstream: UpstreamClient) -> None:
+    def __init__(self, config: Config, upstream: UpstreamClient, runner: TaskRunner) -> None:
         self.config = config
         self.upstream = upstream
+        self.runner = runner
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
 
     async def dispatch(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
@@ -123,6 +77,13 @@ class Front:
         initialize_result = await session.ensure_initialized()
         capabilities = initialize_result.get("capabilities")
         wanted = request.params.get("notifications")
+        if isinstance(wanted, dict) and "taskIds" in wanted and not request.declares_tasks:
+            # T-5: task notifications are the extension's; a non-declaring client cannot ask for them.
+            raise MissingCapabilityError(
+                wire_tasks.REQUIRED_CAPABILITY,
+                "Missing required client capability: taskIds need the io.modelcontextprotocol/tasks extension",
+                request_id=request.id,
+            )
         honoured = translate.honoured_filter(
             wanted if isinstance(wanted, dict) else {}, capabilities if isinstance(capabilities, dict) else {}
         )
@@ -165,6 +126,49 @@ class Front:
         except UpstreamError as exc:  # best effort: the subscription ends either way
             log.info("upstream_resource_unsubscribe_failed", error=exc.message)
 
+    async def call_tool(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        """T-1…T-3: the tool's policy and this request's own declaration decide sync, task, window or -32021."""
+        decision = decide(self.config.tasks, str(request.params["name"]), declares_tasks=request.declares_tasks)
+        if decision.outcome is Outcome.SYNC:
+            return await self.forward(request, caller, channel)
+        session = self.upstream.session(caller.principal)
+        initialize_result = await session.ensure_initialized()
+        specs = await session.param_headers(str(request.params["name"]))
+        check_param_headers(caller.headers, request.params.get("arguments"), specs, request.id)
+        return await self.runner.call_tool(
+            request, caller, channel, decision, translate.implementation(initialize_result)
+        )
+
+    def _task_id(self, request: ModernRequest) -> str:
+        """T-4 / K-3: the capability gate comes first (even for unknown ids), then the params."""
+        if not request.declares_tasks:
+            raise MissingCapabilityError(
+                wire_tasks.REQUIRED_CAPABILITY,
+                f"Missing required client capability: {request.method} needs the io.modelcontextprotocol/tasks "
+                "extension",
+                request_id=request.id,
+            )
+        task_id = request.params.get("taskId")
+        if not isinstance(task_id, str):
+            raise InvalidParamsError("Invalid params: taskId must be a string", request_id=request.id)
+        return task_id
+
+    async def task_get(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        record = await self.runner.observe(self._task_id(request), caller)
+        return result_message(request.id, wire_tasks.get_task_result(record, self.upstream.server_info))
+
+    async def task_update(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        """T-26 / T-28: an ack; keys that are not outstanding are ignored."""
+        task_id = self._task_id(request)
+        if not isinstance(request.params.get("inputResponses"), dict):
+            raise InvalidParamsError("Invalid params: inputResponses must be an object", request_id=request.id)
+        await self.runner.observe(task_id, caller)
+        return result_message(request.id, wire_tasks.ack_result(self.upstream.server_info))
+
+    async def task_cancel(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        await self.runner.cancel(self._task_id(request), caller)
+        return result_message(request.id, wire_tasks.ack_result(self.upstream.server_info))
+
     async def forward(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Relay one request through the principal's upstream session and translate the outcome."""
         session = self.upstream.session(caller.principal)
@@ -173,8 +177,8 @@ class Front:
         if request.method == "tools/call":
             specs = await session.param_headers(str(request.params["name"]))
             check_param_headers(caller.headers, request.params.get("arguments"), specs, request.id)
-        headers = trace_headers(request.meta, caller.headers)
-        async with session.call(request.method, upstream_params(request.params), headers) as call:
+        headers = translate.trace_headers(request.meta, caller.headers)
+        async with session.call(request.method, translate.upstream_params(request.params), headers) as call:
             try:
                 return await self._drive(request, call, channel, server_info)
             except (asyncio.CancelledError, ConnectionResetError):
@@ -255,7 +259,7 @@ class Front:
 METHODS: Final[Mapping[str, Handler]] = {
     "server/discover": Front.discover,
     "tools/list": Front.forward,
-    "tools/call": Front.forward,
+    "tools/call": Front.call_tool,
     "prompts/list": Front.forward,
     "prompts/get": Front.forward,
     "resources/list": Front.forward,
@@ -263,4 +267,8 @@ METHODS: Final[Mapping[str, Handler]] = {
     "resources/read": Front.forward,
     "completion/complete": Front.forward,
     "subscriptions/listen": Front.listen,
+    # The Tasks extension (SEP-2663); tasks/result and tasks/list do not exist (T-40): 404 + -32601.
+    "tasks/get": Front.task_get,
+    "tasks/update": Front.task_update,
+    "tasks/cancel": Front.task_cancel,
 }

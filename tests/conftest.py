@@ -84,9 +84,15 @@ def own_upstream() -> Iterator[Upstream]:
 
 
 def proxy_config(upstream_url: str, tmp_path: Path, **sections: dict[str, Any]) -> Config:
+    # Each proxy gets its own database unless the test names one (a file serves one proxy at a time).
+    database = tmp_path / "tasks.db"
+    number = 1
+    while database.exists():
+        number += 1
+        database = tmp_path / f"tasks-{number}.db"
     overrides: dict[str, dict[str, Any]] = {
         "upstream": {"url": upstream_url, "call_timeout_seconds": 30},
-        "store": {"path": str(tmp_path / "tasks.db")},
+        "store": {"path": str(database), "synchronous": "normal"},
         "logging": {"level": "warning"},
     }
     for name, values in sections.items():

@@ -19,10 +19,11 @@ def test_the_example_shows_every_field_and_loads() -> None:
     config = load_config(EXAMPLE, environ={})
     assert config == Config()  # the example documents the defaults
     text = EXAMPLE.read_text()
-    for section, model in _sections():
+    for section, _ in _sections():
         assert f"\n{section}:" in text, section
-        for field in model.model_fields:
-            assert re.search(rf"^\s+{field}:", text, re.MULTILINE), f"{section}.{field} missing from the example"
+    for path, _ in _fields(Config):
+        field = path.rsplit(".", 1)[-1]
+        assert re.search(rf"^\s+{field}:", text, re.MULTILINE), f"{path} missing from the example"
 
 
 def _sections() -> list[tuple[str, type[BaseModel]]]:
@@ -35,12 +36,41 @@ def _sections() -> list[tuple[str, type[BaseModel]]]:
     return sections
 
 
+def _fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str | None]]:
+    """Every leaf field as (dotted path, description); nested sections (e.g. `tasks.default`) are walked."""
+    found: list[tuple[str, str | None]] = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            assert field.description, f"{path} has no description"
+            found.extend(_fields(annotation, f"{path}."))
+        else:
+            found.append((path, field.description))
+    return found
+
+
 def test_every_field_has_a_description_and_is_in_the_readme() -> None:
     readme = (ROOT / "README.md").read_text()
-    for section, model in _sections():
-        for name, field in model.model_fields.items():
-            assert field.description, f"{section}.{name} has no description"
-            assert f"`{section}.{name}`" in readme, f"{section}.{name} is not in the README's configuration reference"
+    paths = _fields(Config)
+    assert "tasks.default.sync_window_ms" in dict(paths)  # nested sections are walked
+    for path, description in paths:
+        assert description, f"{path} has no description"
+        assert f"`{path}`" in readme, f"{path} is not in the README's configuration reference"
+
+
+def test_tool_policies_resolve_and_report_errors(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "tasks:\n  tools:\n    slow: {mode: sometimes, sync_window_ms: -1}\n    fine: {ttl_ms: null}\n"
+        "  undeclared_required: maybe\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, environ={})
+    problems = "\n".join(caught.value.problems)
+    for expected in ("tasks.tools.slow.mode", "tasks.tools.slow.sync_window_ms", "tasks.undeclared_required"):
+        assert expected in problems
+    assert "fine" not in problems
 
 
 def test_env_overrides_and_flags(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from proxy.upstream.call import UpstreamCall, UpstreamErrorResponse, UpstreamRes
 from proxy.upstream.listener import UpstreamListener
 from proxy.wire.envelope import ParamHeader, param_headers
 from proxy.wire.jsonrpc import JSON, dumps, error_message, notification_message, request_message, result_message
+from proxy.wire.translate import implementation
 
 log = structlog.get_logger(__name__)
 
@@ -140,6 +141,7 @@ class UpstreamSession:
         self.protocol_version = result["protocolVersion"]
         await self.notify("notifications/initialized", None)
         self.initialize_result = result
+        self.client.server_info = implementation(result)
         self.tools_changed()
         await self.listener.start()
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
@@ -345,6 +347,7 @@ class UpstreamClient:
             sock_connect=config.connect_timeout_seconds,
         )
         self._ids = itertools.count(1)
+        self.server_info: JSON | None = None  # the upstream's serverInfo from the latest initialize (C-3)
         self._sessions: OrderedDict[str, UpstreamSession] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Final
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
 
 import pydantic
 from mcp_types import (
@@ -315,3 +315,24 @@ def check_param_headers(
                 f"Header mismatch: {header_name} {header!r} != argument {'.'.join(spec.path)} {value!r}",
                 request_id=request_id,
             )
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a request, as far as the front needs to know: the principal header's value (it travels
+    upstream, selects the upstream session and owns tasks) and the HTTP headers (trace context, Mcp-Param-*)."""
+
+    principal: str | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+class Channel(Protocol):
+    """Where request-scoped notifications go before the final message (an SSE stream, or nowhere).
+
+    `required=True` opens the stream even for a client whose Accept did not list SSE (listen streams).
+    `keepalive(open_stream=True)` opens an SSE stream (when the client accepts one) to hold a slow answer.
+    """
+
+    async def notify(self, message: JSON, *, required: bool = False) -> None: ...
+
+    async def keepalive(self, *, open_stream: bool = False) -> None: ...

@@ -8,9 +8,16 @@ notifications). Must not import aiohttp, asyncio or the store.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any, Final
 
-from mcp_types import SERVER_INFO_META_KEY
+from mcp_types import (
+    CLIENT_CAPABILITIES_META_KEY,
+    CLIENT_INFO_META_KEY,
+    LOG_LEVEL_META_KEY,
+    PROTOCOL_VERSION_META_KEY,
+    SERVER_INFO_META_KEY,
+)
 from mcp_types import jsonrpc as codes
 from mcp_types.methods import CACHEABLE_METHODS
 
@@ -233,3 +240,34 @@ def required_capability(server_request_method: str, params: Any) -> JSON:
         mode = params.get("mode") if isinstance(params, dict) else None
         return {"elicitation": {"url": {}}} if mode == "url" else {"elicitation": {}}
     return {}
+
+
+# Per-request `_meta` keys of the modern envelope; they describe the client to the proxy, not to the upstream.
+MODERN_META_KEYS: Final = frozenset(
+    {PROTOCOL_VERSION_META_KEY, CLIENT_CAPABILITIES_META_KEY, CLIENT_INFO_META_KEY, LOG_LEVEL_META_KEY}
+)
+# Trace context travels upstream as headers (W3C), as the client sent it in `_meta`.
+TRACE_META_KEYS: Final = ("traceparent", "tracestate", "baggage")
+
+
+def upstream_params(params: Mapping[str, Any]) -> JSON:
+    """The params the legacy server sees: no modern envelope keys, no legacy `task` opt-in (K-4, T-11)."""
+    forwarded = {key: value for key, value in params.items() if key not in ("_meta", "task")}
+    meta = params.get("_meta")
+    if isinstance(meta, dict):
+        kept = {key: value for key, value in meta.items() if key not in MODERN_META_KEYS}
+        if kept:
+            forwarded["_meta"] = kept
+    return forwarded
+
+
+def trace_headers(meta: Mapping[str, Any], http_headers: Mapping[str, str]) -> dict[str, str]:
+    """Trace context for the upstream request: the request's HTTP headers, else its `_meta` keys."""
+    found: dict[str, str] = {}
+    for key in TRACE_META_KEYS:
+        value = http_headers.get(key)
+        if value is None and isinstance(meta.get(key), str):
+            value = meta[key]
+        if value is not None:
+            found[key] = value
+    return found

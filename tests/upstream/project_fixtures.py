@@ -2,7 +2,8 @@
 (JSON-RPC error), ``tool_error`` (isError), ``ask_name`` / ``sample`` / ``list_roots`` (one
 server->client request each), ``log``, ``update_resource`` (resources/updated to subscribers) and
 ``ping_client`` (a ping on the call's stream), ``whoami`` (headers the call arrived with) and
-``cancelled_requests`` (which tools/call ids the upstream saw cancelled via notifications/cancelled).
+``cancelled_requests`` (which tools/call ids the upstream saw cancelled via notifications/cancelled),
+``counted`` / ``call_count`` (how often a call really reached the upstream).
 """
 
 from __future__ import annotations
@@ -152,3 +153,20 @@ def register(mcp: FastMCP[Any]) -> None:
     )
     async def cancelled_requests() -> types.CallToolResult:
         return text_result(json.dumps(support.CANCELLED_REQUEST_IDS))
+
+    @mcp.tool(
+        name="counted",
+        description="Counts its calls per `key`, sleeps `seconds` (cancellable), returns the count so far",
+    )
+    async def counted(
+        key: Annotated[str, Field(description="Counter name")],
+        seconds: Annotated[float, Field(description="How long to work, in seconds", ge=0)] = 0,
+    ) -> types.CallToolResult:
+        support.CALL_COUNTS[key] = support.CALL_COUNTS.get(key, 0) + 1
+        count = support.CALL_COUNTS[key]
+        await anyio.sleep(seconds)
+        return text_result(str(count))
+
+    @mcp.tool(name="call_count", description="How many times `counted` was called with `key`")
+    async def call_count(key: Annotated[str, Field(description="Counter name")]) -> types.CallToolResult:
+        return text_result(str(support.CALL_COUNTS.get(key, 0)))

@@ -34,6 +34,9 @@ _LEVEL_ORDER: tuple[types.LoggingLevel, ...] = (
 CANCELLED_REQUEST_IDS: list[types.RequestId] = []
 """Request ids whose tools/call was cancelled by a client ``notifications/cancelled``."""
 
+CALL_COUNTS: dict[str, int] = {}
+"""How many times the ``counted`` tool ran, per key."""
+
 _log_levels: weakref.WeakKeyDictionary[ServerSession, types.LoggingLevel] = weakref.WeakKeyDictionary()
 _subscriptions: weakref.WeakKeyDictionary[ServerSession, set[str]] = weakref.WeakKeyDictionary()
 

@@ -1,0 +1,77 @@
+"""Per-tool task policy: which policy applies to a tool, and what one modern `tools/call` becomes.
+
+SANS-IO and pure: `policy_for()` resolves the config (exact name, then the first matching glob in file order,
+then `default`), `decide()` maps (policy, this request's declaration) to an Outcome. Imports only the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from fnmatch import fnmatchcase
+
+from proxy.config import RestartAction, TaskMode, TasksConfig, ToolPolicyConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    mode: TaskMode
+    sync_window_ms: int
+    ttl_ms: int | None
+    poll_interval_ms: int
+    on_restart: RestartAction
+
+
+class Outcome(StrEnum):
+    SYNC = "sync"  # plain synchronous call
+    TASK = "task"  # a task at once
+    WINDOW = "window"  # synchronous if it settles within the window, else a task continuing the same call
+    REJECT = "reject"  # -32021: the tool needs a task and the client did not declare the extension
+    WAIT = "wait"  # an internal task; the client's response is held until it settles (poll-to-sync)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    outcome: Outcome
+    policy: Policy
+
+
+def policy_for(tasks: TasksConfig, tool: str) -> Policy:
+    entry = tasks.tools.get(tool)
+    if entry is None:
+        globs = ((pattern, glob_entry) for pattern, glob_entry in tasks.tools.items() if _is_glob(pattern))
+        entry = next((glob_entry for pattern, glob_entry in globs if fnmatchcase(tool, pattern)), None)
+    if entry is None:
+        entry = ToolPolicyConfig()
+    return _merged(entry, tasks)
+
+
+def _is_glob(pattern: str) -> bool:
+    return any(char in pattern for char in "*?[")
+
+
+def _merged(entry: ToolPolicyConfig, tasks: TasksConfig) -> Policy:
+    default = tasks.default
+    given = entry.model_fields_set  # `ttl_ms: null` given explicitly means unlimited, not "inherit"
+    return Policy(
+        mode=entry.mode if entry.mode is not None else default.mode,
+        sync_window_ms=entry.sync_window_ms if entry.sync_window_ms is not None else default.sync_window_ms,
+        ttl_ms=entry.ttl_ms if "ttl_ms" in given else default.ttl_ms,
+        poll_interval_ms=entry.poll_interval_ms if entry.poll_interval_ms is not None else default.poll_interval_ms,
+        on_restart=entry.on_restart if entry.on_restart is not None else default.on_restart,
+    )
+
+
+def decide(tasks: TasksConfig, tool: str, *, declares_tasks: bool) -> Decision:
+    """T-1…T-3, T-17: `declares_tasks` comes from this request's `_meta` only (never an earlier request, never
+    the legacy `task` param); a non-declaring request never gets a task."""
+    policy = policy_for(tasks, tool)
+    if policy.mode == "forbidden":
+        return Decision(Outcome.SYNC, policy)
+    if policy.mode == "required":
+        if declares_tasks:
+            return Decision(Outcome.TASK, policy)
+        return Decision(Outcome.WAIT if tasks.undeclared_required == "wait" else Outcome.REJECT, policy)
+    if not declares_tasks:
+        return Decision(Outcome.SYNC, policy)
+    return Decision(Outcome.TASK if policy.sync_window_ms == 0 else Outcome.WINDOW, policy)

@@ -1,0 +1,1 @@
+"""Durable tasks: the SQLite store and the runner that owns every background coroutine."""

@@ -1,0 +1,177 @@
+"""The Tasks extension on the wire (SEP-2663): statuses, the task record, CreateTaskResult and DetailedTask.
+
+SANS-IO: plain data and pure functions. The store persists `TaskRecord`s, the runner changes them, the front
+turns them into messages with the builders here. Imports only `wire.jsonrpc` and `mcp_types` constants.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Final
+
+from mcp_types import SERVER_INFO_META_KEY
+from mcp_types import jsonrpc as codes
+
+from proxy.wire.envelope import TASKS_EXTENSION
+from proxy.wire.jsonrpc import JSON
+
+
+class TaskStatus(StrEnum):
+    WORKING = "working"
+    INPUT_REQUIRED = "input_required"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL: Final = frozenset({TaskStatus.COMPLETED, TaskStatus.FAILED, TaskStatus.CANCELLED})
+LIVE: Final = frozenset({TaskStatus.WORKING, TaskStatus.INPUT_REQUIRED})
+
+# T-3 / T-4: what a non-declaring client lacks, as `data.requiredCapabilities`.
+REQUIRED_CAPABILITY: Final[JSON] = {"extensions": {TASKS_EXTENSION: {}}}
+
+# T-25 / K-18: unknown, expired and foreign ids get the same answer, so ids cannot be probed.
+NOT_FOUND_MESSAGE: Final = "Failed to retrieve task: Task not found"
+
+RESTART_MESSAGE: Final = "interrupted: the proxy restarted while the upstream call was running"
+EXPIRED_MESSAGE: Final = "expired: the task did not settle within its ttlMs"
+RERUN_MESSAGE: Final = "re-running: the proxy restarted while the upstream call was running"
+
+
+def new_task_id() -> str:
+    """T-46 / K-17: 192 bits from the OS CSPRNG, URL- and header-safe ASCII, never a `=?base64?` look-alike."""
+    return "task_" + secrets.token_urlsafe(24)
+
+
+def iso_timestamp(epoch_ms: int) -> str:
+    """ISO 8601 in UTC with milliseconds, e.g. `2026-08-01T10:00:00.000Z`."""
+    return datetime.fromtimestamp(epoch_ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def internal_error(message: str) -> JSON:
+    """A JSON-RPC error object for failures the proxy itself observed (lost upstream, restart, expiry)."""
+    return {"code": codes.INTERNAL_ERROR, "message": message}
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRecord:
+    """One durable task, as stored. Times are epoch milliseconds (UTC).
+
+    `principal` is the hash of the caller's principal header; `request` is the upstream `tools/call` params
+    needed to run the call again; `owner` names the proxy process that runs the upstream call;
+    `input_requests` holds the outstanding server→client requests by key and `inputs_issued` counts every
+    key ever minted for this task (keys are never reused, T-30). `rerun_principal` keeps the principal
+    header's value only for `on_restart: rerun` tasks until they settle, because a re-run must present it
+    upstream again.
+    """
+
+    task_id: str
+    principal: str
+    tool: str
+    status: TaskStatus
+    created_at_ms: int
+    updated_at_ms: int
+    ttl_ms: int | None
+    poll_interval_ms: int | None
+    owner: str
+    on_restart: str
+    request: JSON
+    status_message: str | None = None
+    result: JSON | None = None
+    error: JSON | None = None
+    input_requests: JSON = field(default_factory=dict)
+    inputs_issued: int = 0
+    rerun_principal: str | None = None
+
+    @property
+    def expires_at_ms(self) -> int | None:
+        return None if self.ttl_ms is None else self.created_at_ms + self.ttl_ms
+
+    def expired(self, now_ms: int) -> bool:
+        """T-37 / K-16: past `createdAt + ttlMs` (never before, terminal or not)."""
+        expires = self.expires_at_ms
+        return expires is not None and now_ms >= expires
+
+
+def _task_fields(record: TaskRecord) -> JSON:
+    task: JSON = {
+        "taskId": record.task_id,
+        "status": record.status.value,
+        "createdAt": iso_timestamp(record.created_at_ms),
+        "lastUpdatedAt": iso_timestamp(record.updated_at_ms),
+        "ttlMs": record.ttl_ms,  # K-7: the key is always present, null = unlimited
+    }
+    if record.status_message is not None:
+        task["statusMessage"] = record.status_message
+    if record.poll_interval_ms is not None:
+        task["pollIntervalMs"] = record.poll_interval_ms
+    return task
+
+
+def _with_server_info(result: JSON, server_info: JSON | None) -> JSON:
+    if server_info:
+        result["_meta"] = {SERVER_INFO_META_KEY: server_info}
+    return result
+
+
+def create_task_result(record: TaskRecord, server_info: JSON | None = None) -> JSON:
+    """T-7 / K-5: flat Task fields with `resultType:"task"`; no result, error, inputRequests or requestState."""
+    return _with_server_info({"resultType": "task", **_task_fields(record)}, server_info)
+
+
+def detailed_task(record: TaskRecord) -> JSON:
+    """T-22: the DetailedTask variant for the current status (without `resultType`)."""
+    task = _task_fields(record)
+    if record.status is TaskStatus.INPUT_REQUIRED:
+        task["inputRequests"] = record.input_requests
+    elif record.status is TaskStatus.COMPLETED:
+        task["result"] = record.result if record.result is not None else {"content": [], "resultType": "complete"}
+    elif record.status is TaskStatus.FAILED:
+        task["error"] = record.error if record.error is not None else internal_error("Task failed")
+    return task
+
+
+def get_task_result(record: TaskRecord, server_info: JSON | None = None) -> JSON:
+    """T-8: `tasks/get` answers with the DetailedTask and `resultType:"complete"`."""
+    return _with_server_info({"resultType": "complete", **detailed_task(record)}, server_info)
+
+
+def ack_result(server_info: JSON | None = None) -> JSON:
+    """T-26 / T-33 / K-9: the empty ack of `tasks/update` and `tasks/cancel`."""
+    return _with_server_info({"resultType": "complete"}, server_info)
+
+
+def progress_status_message(params: Any) -> str | None:
+    """Upstream `notifications/progress` params → a `statusMessage` such as `50/100 — indexing`."""
+    if not isinstance(params, dict):
+        return None
+    progress = params.get("progress")
+    if not isinstance(progress, int | float) or isinstance(progress, bool):
+        return None
+    text = _number(progress)
+    total = params.get("total")
+    if isinstance(total, int | float) and not isinstance(total, bool):
+        text = f"{text}/{_number(total)}"
+    message = params.get("message")
+    if isinstance(message, str) and message:
+        text = f"{text} — {message}"
+    return text
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def failure_status_message(error: JSON) -> str:
+    """T-20: a diagnostic `statusMessage` for a failed task, from its JSON-RPC error."""
+    message = error.get("message")
+    code = error.get("code")
+    text = message if isinstance(message, str) and message else "the upstream call failed"
+    return f"{text} (JSON-RPC error {code})" if isinstance(code, int) else text

@@ -1,0 +1,526 @@
+"""End to end: durable tasks (SEP-2663) for a 2026-07-28 client in front of a real legacy upstream.
+
+Every task message the proxy sends is validated against shared/schema/tasks-extension-2026-07-28.schema.json
+(T-n / K-n ids from shared/docs/protocol.md). Waiting is by polling with a deadline, never by a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+
+from proxy.app import STORE
+from tests.conftest import (
+    SCHEMA_DIR,
+    TASKS,
+    ModernSchema,
+    SchemaValidator,
+    Upstream,
+    modern_body,
+    modern_headers,
+    read_messages,
+)
+
+Client = TestClient[web.Request, web.Application]
+DECLARING: dict[str, Any] = {"extensions": {TASKS: {}}}
+TASK_RESULT_DEFS = {
+    "tasks/get": "GetTaskResult",
+    "tasks/update": "UpdateTaskResult",
+    "tasks/cancel": "CancelTaskResult",
+}
+ACK_FORBIDDEN_KEYS = {"taskId", "status", "result", "error", "inputRequests"}
+
+
+@pytest.fixture(scope="module")
+def tasks_schema() -> SchemaValidator:
+    return SchemaValidator(SCHEMA_DIR / "tasks-extension-2026-07-28.schema.json")
+
+
+class Tasks:
+    """A modern client of one proxy, checking every message against both schemas."""
+
+    def __init__(self, client: Client, core: ModernSchema, tasks: SchemaValidator) -> None:
+        self.client = client
+        self.core = core
+        self.tasks = tasks
+        self.ids = 0
+
+    async def post(
+        self,
+        method: str,
+        params: dict[str, Any],
+        *,
+        capabilities: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        **meta: Any,
+    ) -> tuple[int, dict[str, Any]]:
+        self.ids += 1
+        name = params.get("name") if method == "tools/call" else params.get("taskId")
+        response = await self.client.post(
+            "/mcp",
+            json=modern_body(
+                method,
+                params,
+                request_id=self.ids,
+                capabilities=DECLARING if capabilities is None else capabilities,
+                **meta,
+            ),
+            headers={**modern_headers(method, name if isinstance(name, str) else None), **(headers or {})},
+        )
+        messages = await read_messages(response)
+        final = messages[-1]
+        assert final["id"] == self.ids
+        self.check(final, method)
+        return response.status, final
+
+    def check(self, message: dict[str, Any], method: str) -> None:
+        if "error" in message:
+            self.core.validate(message, "JSONRPCErrorResponse")
+            return
+        result = message["result"]
+        if result.get("resultType") == "task":
+            assert method == "tools/call"  # T-6 / T-7
+            self.tasks.validate(result, "CreateTaskResult")
+            assert not {"result", "error", "inputRequests", "requestState", "task"} & result.keys()  # K-5
+        elif method in TASK_RESULT_DEFS:
+            self.tasks.validate(result, TASK_RESULT_DEFS[method])
+            assert result["resultType"] == "complete"  # T-8
+            if method != "tasks/get":
+                assert not ACK_FORBIDDEN_KEYS & result.keys()  # K-9
+        else:
+            self.core.check(message, method)
+
+    async def call(
+        self, tool: str, arguments: dict[str, Any] | None = None, **kwargs: Any
+    ) -> tuple[int, dict[str, Any]]:
+        return await self.post("tools/call", {"name": tool, "arguments": arguments or {}}, **kwargs)
+
+    async def create(self, tool: str, arguments: dict[str, Any] | None = None, **kwargs: Any) -> str:
+        status, message = await self.call(tool, arguments, **kwargs)
+        assert status == 200, message
+        assert message["result"]["resultType"] == "task", message
+        task_id: str = message["result"]["taskId"]
+        return task_id
+
+    async def get(self, task_id: str, **kwargs: Any) -> tuple[int, dict[str, Any]]:
+        return await self.post("tasks/get", {"taskId": task_id}, **kwargs)
+
+    async def task(self, task_id: str, **kwargs: Any) -> dict[str, Any]:
+        status, message = await self.get(task_id, **kwargs)
+        assert status == 200, message
+        result: dict[str, Any] = message["result"]
+        return result
+
+    async def until(
+        self, task_id: str, done: Callable[[dict[str, Any]], bool], timeout_seconds: float = 15
+    ) -> dict[str, Any]:
+        deadline = asyncio.get_running_loop().time() + timeout_seconds
+        while True:
+            task = await self.task(task_id)
+            if done(task):
+                return task
+            assert asyncio.get_running_loop().time() < deadline, f"task never reached the state: {task}"
+            await asyncio.sleep(0.05)
+
+    async def settled(self, task_id: str, timeout_seconds: float = 15) -> dict[str, Any]:
+        terminal = {"completed", "failed", "cancelled"}
+        return await self.until(task_id, lambda task: task["status"] in terminal, timeout_seconds)
+
+    async def text(self, tool: str, arguments: dict[str, Any]) -> str:
+        status, message = await self.call(tool, arguments, capabilities={})
+        assert status == 200, message
+        return "".join(block.get("text", "") for block in message["result"]["content"])
+
+
+ClientFactory = Callable[..., Awaitable[Tasks]]
+
+
+@pytest.fixture
+def tasks_client(
+    make_proxy: Callable[..., Any], upstream: Upstream, modern_schema: ModernSchema, tasks_schema: SchemaValidator
+) -> ClientFactory:
+    async def start(url: str | None = None, **sections: dict[str, Any]) -> Tasks:
+        client = await make_proxy(url or upstream.url, **sections)
+        return Tasks(client, modern_schema, tasks_schema)
+
+    return start
+
+
+def policies(**tools: dict[str, Any]) -> dict[str, Any]:
+    return {"tools": tools}
+
+
+def result_text(task: dict[str, Any]) -> str:
+    return "".join(block.get("text", "") for block in task["result"]["content"])
+
+
+# --- the decision (T-1…T-3, T-11, T-17) ---------------------------------------------------------------
+
+
+async def test_window_returns_a_fast_call_synchronously(tasks_client: ClientFactory) -> None:
+    client = await tasks_client(tasks=policies(echo={"mode": "optional", "sync_window_ms": 5000}))
+    status, message = await client.call("echo", {"text": "quick"})
+    assert status == 200
+    assert message["result"]["resultType"] == "complete"  # T-17: the immediate-result shortcut
+    assert message["result"]["content"][0]["text"] == "quick"
+
+
+async def test_window_turns_a_slow_call_into_a_task_without_a_second_upstream_call(tasks_client: ClientFactory) -> None:
+    client = await tasks_client(tasks=policies(counted={"mode": "optional", "sync_window_ms": 200}))
+    task_id = await client.create("counted", {"key": "window-task", "seconds": 1.0})
+    task = await client.task(task_id)  # T-14: readable at once
+    assert task["status"] == "working"
+    done = await client.settled(task_id)
+    assert done["status"] == "completed"
+    assert result_text(done) == "1"
+    assert done["result"]["resultType"] == "complete"
+    assert await client.text("call_count", {"key": "window-task"}) == "1"  # the same call continued
+
+
+async def test_a_non_declaring_client_never_gets_a_task(tasks_client: ClientFactory) -> None:
+    """T-2: the declaration is read from this request alone, even after the same client declared it."""
+    client = await tasks_client(tasks=policies(counted={"mode": "optional", "sync_window_ms": 0}))
+    await client.create("counted", {"key": "declared-first"})
+    status, message = await client.call("counted", {"key": "declared-first", "seconds": 0.3}, capabilities={})
+    assert status == 200
+    assert message["result"]["resultType"] == "complete"
+    assert "taskId" not in message["result"]
+
+
+async def test_legacy_task_param_is_ignored(tasks_client: ClientFactory) -> None:
+    """T-11 / K-4: the legacy `task` opt-in neither creates a task nor reaches the upstream."""
+    client = await tasks_client(tasks=policies(echo={"mode": "forbidden"}))
+    status, message = await client.post(
+        "tools/call", {"name": "echo", "arguments": {"text": "x"}, "task": {"ttl": 1000, "pollInterval": 10}}
+    )
+    assert status == 200
+    assert message["result"]["resultType"] == "complete"
+
+
+async def test_required_tool_and_a_non_declaring_client_is_rejected(tasks_client: ClientFactory) -> None:
+    client = await tasks_client(tasks=policies(counted={"mode": "required"}))
+    status, message = await client.call("counted", {"key": "rejected"}, capabilities={})
+    assert status == 400  # T-3
+    assert message["error"]["code"] == -32021
+    assert message["error"]["data"]["requiredCapabilities"] == {"extensions": {TASKS: {}}}
+    assert await client.text("call_count", {"key": "rejected"}) == "0"
+
+
+async def test_required_tool_with_undeclared_wait_answers_synchronously(tasks_client: ClientFactory) -> None:
+    client = await tasks_client(tasks={**policies(counted={"mode": "required"}), "undeclared_required": "wait"})
+    status, message = await client.call("counted", {"key": "waited", "seconds": 0.5}, capabilities={})
+    assert status == 200
+    assert message["result"]["resultType"] == "complete"
+    assert message["result"]["content"][0]["text"] == "1"
+    status, failing = await client.call("raise_error", {"message": "boom", "code": -32000}, capabilities={})
+    assert status == 200  # raise_error follows the default policy (optional): a plain sync call
+    assert failing["error"]["code"] == -32000
+
+
+async def test_wait_client_disconnect_cancels_the_upstream_call(
+    tasks_client: ClientFactory, own_upstream: Upstream
+) -> None:
+    client = await tasks_client(
+        own_upstream.url, tasks={**policies(sleep={"mode": "required"}), "undeclared_required": "wait"}
+    )
+    request = client.client.post(
+        "/mcp",
+        json=modern_body("tools/call", {"name": "sleep", "arguments": {"seconds": 30}}),
+        headers=modern_headers("tools/call", "sleep"),
+    )
+    pending = asyncio.get_running_loop().create_task(request.__aenter__())
+    await asyncio.sleep(0.5)
+    pending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pending
+    await wait_for_upstream_cancellation(client)
+    stats = await client.client.app[STORE].stats()
+    assert stats["cancelled"] == 1
+
+
+async def wait_for_upstream_cancellation(client: Tasks, count: int = 1) -> None:
+    deadline = asyncio.get_running_loop().time() + 10
+    while len(json.loads(await client.text("cancelled_requests", {}))) < count:
+        assert asyncio.get_running_loop().time() < deadline, "the upstream never saw notifications/cancelled"
+        await asyncio.sleep(0.05)
+
+
+# --- outcomes (T-18…T-21) -------------------------------------------------------------------------------
+
+
+async def test_outcomes_settle_the_task(tasks_client: ClientFactory) -> None:
+    client = await tasks_client(tasks={"default": {"mode": "required"}})
+    ok, tool_error, rpc_error = (
+        await client.create("echo", {"text": "done"}),
+        await client.create("tool_error", {"message": "bad input"}),
+        await client.create("raise_error", {"message": "no such thing", "code": -32000}),
+    )
+    completed = await client.settled(ok)
+    assert completed["status"] == "completed"
+    assert result_text(completed) == "done"
+    errored = await client.settled(tool_error)
+    assert errored["status"] == "completed"  # T-18: isError is a result, not a failure
+    assert errored["result"]["isError"] is True
+    failed = await client.settled(rpc_error)
+    assert failed["status"] == "failed"  # T-19
+    assert failed["error"] == {"code": -32000, "message": "no such thing"}
+    assert "no such thing" in failed["statusMessage"]  # T-20
+    assert "result" not in failed
+
+
+async def test_progress_becomes_the_status_message(tasks_client: ClientFactory) -> None:
+    client = await tasks_client(tasks=policies(sleep={"mode": "required"}))
+    task_id = await client.create("sleep", {"seconds": 1.5})
+    task = await client.until(task_id, lambda task: "statusMessage" in task)
+    assert task["status"] == "working"
+    assert "/1.5 — slept" in task["statusMessage"]
+    assert (await client.settled(task_id))["status"] == "completed"
+
+
+async def test_lost_upstream_fails_the_task(tasks_client: ClientFactory, own_upstream: Upstream) -> None:
+    client = await tasks_client(own_upstream.url, tasks=policies(sleep={"mode": "required"}))
+    task_id = await client.create("sleep", {"seconds": 30})
+    await client.until(task_id, lambda task: "statusMessage" in task)
+    own_upstream.stop()
+    failed = await client.settled(task_id)
+    assert failed["status"] == "failed"  # K-13
+    assert failed["error"]["code"] == -32603
+    assert "Upstream" in failed["error"]["message"]
+
+
+# --- tasks/get, tasks/update, tasks/cancel (T-4, T-22…T-40) -------------------------------------------
+
+
+async def test_cancel_reaches_the_upstream_and_is_final(tasks_client: ClientFactory, own_upstream: Upstream) -> None:
+    client = await tasks_client(own_upstream.url, tasks=policies(sleep={"mode": "required"}))
+    task_id = await client.create("sleep", {"seconds": 30})
+    status, ack = await client.post("tasks/cancel", {"taskId": task_id})
+    assert status == 200
+    assert ack["result"] == {"resultType": "complete", "_meta": ack["result"]["_meta"]}
+    cancelled = await client.task(task_id)
+    assert cancelled["status"] == "cancelled"
+    await wait_for_upstream_cancellation(client)
+    status, again = await client.post("tasks/cancel", {"taskId": task_id})  # T-34: terminal → acked
+    assert status == 200
+    assert again["result"]["resultType"] == "complete"
+    assert (await client.task(task_id))["status"] == "cancelled"  # T-21
+
+
+async def test_task_methods_gate_capability_before_lookup(tasks_client: ClientFactory) -> None:
+    client = await tasks_client()
+    for method, params in (
+        ("tasks/get", {"taskId": "nope"}),
+        ("tasks/update", {"taskId": "nope", "inputResponses": {}}),
+        ("tasks/cancel", {"taskId": "nope"}),
+    ):
+        status, message = await client.post(method, params, capabilities={})
+        assert status == 400, method  # T-4 / K-3
+        assert message["error"]["code"] == -32021
+        assert message["error"]["data"]["requiredCapabilities"] == {"extensions": {TASKS: {}}}
+        status, message = await client.post(method, params)
+        assert message["error"]["code"] == -32602, method  # T-25 / T-27 / T-34
+        assert message["error"]["message"] == "Failed to retrieve task: Task not found"
+
+
+async def test_removed_task_methods_are_not_found(tasks_client: ClientFactory) -> None:
+    client = await tasks_client()
+    for method in ("tasks/result", "tasks/list"):
+        status, message = await client.post(method, {"taskId": "x"} if method == "tasks/result" else {})
+        assert status == 404  # T-40
+        assert message["error"]["code"] == -32601
+
+
+async def test_mcp_name_must_match_the_task_id(tasks_client: ClientFactory) -> None:
+    client = await tasks_client(tasks=policies(echo={"mode": "required"}))
+    task_id = await client.create("echo", {"text": "x"})
+    status, message = await client.get(task_id, headers={"Mcp-Name": "someone-else"})
+    assert status == 400  # T-45 / K-24
+    assert message["error"]["code"] == -32020
+    response = await client.client.post(
+        "/mcp",
+        json=modern_body("tasks/get", {"taskId": task_id}, capabilities=DECLARING),
+        headers=modern_headers("tasks/get"),  # no Mcp-Name: tolerated (architecture decision, Q3)
+    )
+    assert response.status == 200
+
+
+async def test_update_acks_and_ignores_unknown_keys(tasks_client: ClientFactory) -> None:
+    client = await tasks_client(tasks=policies(echo={"mode": "required"}))
+    task_id = await client.create("echo", {"text": "x"})
+    status, ack = await client.post(
+        "tasks/update", {"taskId": task_id, "inputResponses": {"never-issued": {"action": "accept"}}}
+    )
+    assert status == 200  # T-28
+    assert ack["result"]["resultType"] == "complete"
+    status, bad = await client.post("tasks/update", {"taskId": task_id})
+    assert status == 400
+    assert bad["error"]["code"] == -32602
+    assert (await client.settled(task_id))["status"] == "completed"
+
+
+async def test_a_foreign_principal_sees_what_an_unknown_id_gets(tasks_client: ClientFactory) -> None:
+    """T-47 / K-18: no existence oracle; tasks are bound to the principal's hash."""
+    client = await tasks_client(tasks=policies(echo={"mode": "required"}))
+    task_id = await client.create("echo", {"text": "mine"}, headers={"Authorization": "Bearer alice"})
+    status, own = await client.get(task_id, headers={"Authorization": "Bearer alice"})
+    assert status == 200
+    assert own["result"]["taskId"] == task_id
+    _, foreign = await client.get(task_id, headers={"Authorization": "Bearer mallory"})
+    _, anonymous = await client.get(task_id)
+    _, unknown = await client.get("task_doesnotexist", headers={"Authorization": "Bearer mallory"})
+    assert foreign["error"] == unknown["error"] == anonymous["error"]
+    _, cancel = await client.post("tasks/cancel", {"taskId": task_id}, headers={"Authorization": "Bearer mallory"})
+    assert cancel["error"] == unknown["error"]
+    database = sqlite3.connect(client.client.app[STORE].path)
+    principals = [row[0] for row in database.execute("SELECT principal FROM tasks")]
+    database.close()
+    assert principals
+    assert all("alice" not in principal for principal in principals)  # stored hashed
+
+
+async def test_task_ids_are_unguessable(tasks_client: ClientFactory) -> None:
+    client = await tasks_client(tasks=policies(echo={"mode": "required"}))
+    ids = {await client.create("echo", {"text": str(n)}) for n in range(5)}
+    assert len(ids) == 5
+    for task_id in ids:
+        assert len(task_id.removeprefix("task_")) >= 32  # 192 bits, base64url (T-46)
+        assert task_id.isascii()
+
+
+# --- TTL, limits, retention -----------------------------------------------------------------------------
+
+
+async def test_ttl_expiry_fails_a_live_task_then_forgets_it(
+    tasks_client: ClientFactory, own_upstream: Upstream
+) -> None:
+    client = await tasks_client(own_upstream.url, tasks=policies(sleep={"mode": "required", "ttl_ms": 1500}))
+    task_id = await client.create("sleep", {"seconds": 30})
+    early = await client.task(task_id)
+    assert early["status"] == "working"  # K-16: never before its TTL
+    assert early["ttlMs"] == 1500
+    expired = await client.until(task_id, lambda task: task["status"] != "working", timeout_seconds=10)
+    assert expired["status"] == "failed"
+    assert "expired" in expired["error"]["message"]
+    await wait_for_upstream_cancellation(client)  # the call was stopped
+    _, gone = await client.get(task_id)
+    assert gone["error"]["code"] == -32602  # past its TTL a settled task is gone (T-25)
+
+
+async def test_settled_task_stays_readable_for_its_ttl_then_goes(tasks_client: ClientFactory) -> None:
+    client = await tasks_client(tasks=policies(echo={"mode": "required", "ttl_ms": 2000}))
+    task_id = await client.create("echo", {"text": "x"})
+    assert (await client.settled(task_id))["status"] == "completed"
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        _, message = await client.get(task_id)
+        if "error" in message:
+            break
+        assert message["result"]["status"] == "completed"
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.1)
+    assert message["error"]["code"] == -32602
+    assert await client.client.app[STORE].get(task_id) is None  # purged from the file too
+
+
+async def test_null_ttl_means_unlimited(tasks_client: ClientFactory) -> None:
+    client = await tasks_client(tasks=policies(echo={"mode": "required", "ttl_ms": None}))
+    task_id = await client.create("echo", {"text": "x"})
+    assert (await client.task(task_id))["ttlMs"] is None  # K-7: the key is present
+
+
+async def test_max_running_refuses_before_writing(tasks_client: ClientFactory, own_upstream: Upstream) -> None:
+    client = await tasks_client(own_upstream.url, tasks={**policies(sleep={"mode": "required"}), "max_running": 1})
+    first = await client.create("sleep", {"seconds": 30})
+    status, refused = await client.call("sleep", {"seconds": 30})
+    assert status == 503
+    assert refused["error"]["code"] == -32603
+    assert refused["error"]["data"] == {"limit": "max_running", "max": 1}
+    assert (await client.client.app[STORE].stats())["records"] == 1
+    await client.post("tasks/cancel", {"taskId": first})
+    second = await client.create("sleep", {"seconds": 0.1})  # the slot is free again
+    assert (await client.settled(second))["status"] == "completed"
+
+
+async def test_max_records_evicts_settled_records_first(tasks_client: ClientFactory, own_upstream: Upstream) -> None:
+    client = await tasks_client(
+        own_upstream.url, tasks={**policies(echo={"mode": "required"}, sleep={"mode": "required"}), "max_records": 2}
+    )
+    oldest = await client.create("echo", {"text": "1"})
+    await client.settled(oldest)
+    live = await client.create("sleep", {"seconds": 30})
+    newest = await client.create("echo", {"text": "2"})  # evicts `oldest`, the only settled record
+    _, gone = await client.get(oldest)
+    assert gone["error"]["code"] == -32602
+    assert (await client.task(live))["status"] == "working"
+    await client.settled(newest)
+    other_live = await client.create("sleep", {"seconds": 30})  # evicts `newest`
+    status, refused = await client.call("sleep", {"seconds": 30})  # every record is live now
+    assert status == 503
+    assert refused["error"]["data"] == {"limit": "max_records", "max": 2}
+    for task_id in (live, other_live):
+        await client.post("tasks/cancel", {"taskId": task_id})
+
+
+# --- restart recovery -----------------------------------------------------------------------------------
+
+
+async def test_restart_fails_or_reruns_interrupted_tasks(
+    make_proxy: Callable[..., Any],
+    own_upstream: Upstream,
+    modern_schema: ModernSchema,
+    tasks_schema: SchemaValidator,
+    tmp_path: Path,
+) -> None:
+    sections = {
+        "store": {"path": str(tmp_path / "restart.db")},
+        "tasks": policies(
+            sleep={"mode": "required"},
+            counted={"mode": "required", "on_restart": "rerun"},
+            echo={"mode": "required", "ttl_ms": None},
+        ),
+    }
+    first = Tasks(await make_proxy(own_upstream.url, **sections), modern_schema, tasks_schema)
+    done = await first.create("echo", {"text": "kept"})
+    await first.settled(done)
+    interrupted = await first.create("sleep", {"seconds": 30}, headers={"Authorization": "Bearer a"})
+    rerun = await first.create("counted", {"key": "rerun", "seconds": 1.0}, headers={"Authorization": "Bearer a"})
+    await first.client.close()  # the process goes away with both calls still running
+
+    second = Tasks(await make_proxy(own_upstream.url, **sections), modern_schema, tasks_schema)
+    failed = await second.task(interrupted, headers={"Authorization": "Bearer a"})
+    assert failed["status"] == "failed"
+    assert failed["error"]["code"] == -32603
+    assert "restarted" in failed["error"]["message"]
+    assert "restarted" in failed["statusMessage"]
+    status, message = await second.get(rerun, headers={"Authorization": "Bearer a"})
+    assert status == 200
+    deadline = asyncio.get_running_loop().time() + 15
+    while message["result"]["status"] != "completed":
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.1)
+        _, message = await second.get(rerun, headers={"Authorization": "Bearer a"})
+    assert result_text(message["result"]) == "2"  # the call was sent again
+    kept = await second.task(done)
+    assert kept["status"] == "completed"  # nothing committed is lost
+    assert result_text(kept) == "kept"
+    database = sqlite3.connect(tmp_path / "restart.db")
+    assert database.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    assert database.execute("SELECT rerun_principal FROM tasks WHERE task_id = ?", (rerun,)).fetchone() == (None,)
+    database.close()
+
+
+async def test_a_second_proxy_cannot_open_a_database_in_use(
+    make_proxy: Callable[..., Any], upstream: Upstream, tmp_path: Path
+) -> None:
+    sections = {"store": {"path": str(tmp_path / "shared.db")}}
+    await make_proxy(upstream.url, **sections)
+    with pytest.raises(Exception, match="in use"):
+        await make_proxy(upstream.url, **sections)
