@@ -18,6 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app import STORE
+from proxy.tasks import runner as runner_module
 from tests.conftest import (
     SCHEMA_DIR,
     TASKS,
@@ -26,6 +27,7 @@ from tests.conftest import (
     Upstream,
     modern_body,
     modern_headers,
+    parse_sse,
     read_messages,
 )
 
@@ -223,6 +225,24 @@ async def test_required_tool_with_undeclared_wait_answers_synchronously(tasks_cl
     status, failing = await client.call("raise_error", {"message": "boom", "code": -32000}, capabilities={})
     assert status == 200  # raise_error follows the default policy (optional): a plain sync call
     assert failing["error"]["code"] == -32000
+
+
+async def test_wait_holds_the_response_with_keepalive_comments(
+    tasks_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runner_module, "WAIT_KEEPALIVE_SECONDS", 0.2)
+    client = await tasks_client(tasks={**policies(counted={"mode": "required"}), "undeclared_required": "wait"})
+    response = await client.client.post(
+        "/mcp",
+        json=modern_body("tools/call", {"name": "counted", "arguments": {"key": "keepalive", "seconds": 1.0}}),
+        headers=modern_headers("tools/call", "counted"),
+    )
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    text = await response.text()
+    assert text.startswith(":")  # SSE comments kept the stream alive before the answer
+    [message] = parse_sse(text)
+    client.core.check(message, "tools/call")
+    assert message["result"]["content"][0]["text"] == "1"
 
 
 async def test_wait_client_disconnect_cancels_the_upstream_call(

@@ -1,0 +1,255 @@
+"""policy.py: which tool policy applies (exact name, first matching glob, default) and what a tools/call becomes.
+
+Pure unit tests: configs are built with `TasksConfig.model_validate` from dicts, as the YAML loader would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from proxy.config import TaskMode, TaskPolicyConfig, TasksConfig, ToolPolicyConfig
+from proxy.policy import Decision, Outcome, Policy, decide, policy_for
+
+DEFAULT = {"mode": "optional", "sync_window_ms": 1500, "ttl_ms": 600_000, "poll_interval_ms": 2500, "on_restart": "fail"}
+DEFAULT_POLICY = Policy(mode="optional", sync_window_ms=1500, ttl_ms=600_000, poll_interval_ms=2500, on_restart="fail")
+
+
+def tasks_config(tools: dict[str, Any] | None = None, **extra: Any) -> TasksConfig:
+    return TasksConfig.model_validate({"default": DEFAULT, "tools": tools or {}, **extra})
+
+
+# --- lookup order ----------------------------------------------------------------------------------------
+
+
+def test_unmatched_tool_gets_the_default() -> None:
+    config = tasks_config({"batch_*": {"mode": "required"}, "export": {"mode": "forbidden"}})
+    assert policy_for(config, "search") == DEFAULT_POLICY
+
+
+def test_no_tools_section_gives_the_default_to_everyone() -> None:
+    assert policy_for(tasks_config(), "anything") == DEFAULT_POLICY
+
+
+def test_built_in_defaults_apply_when_nothing_is_configured() -> None:
+    policy = policy_for(TasksConfig.model_validate({}), "anything")
+    assert policy == Policy(mode="optional", sync_window_ms=1000, ttl_ms=300_000, poll_interval_ms=1000, on_restart="fail")
+
+
+def test_exact_name_beats_a_glob_that_also_matches() -> None:
+    # The glob comes first in file order; the exact entry still wins.
+    config = tasks_config({"batch_*": {"mode": "required"}, "batch_export": {"mode": "forbidden"}})
+    assert policy_for(config, "batch_export").mode == "forbidden"
+    assert policy_for(config, "batch_import").mode == "required"
+
+
+def test_exact_name_beats_a_glob_listed_after_it() -> None:
+    config = tasks_config({"batch_export": {"mode": "forbidden"}, "batch_*": {"mode": "required"}})
+    assert policy_for(config, "batch_export").mode == "forbidden"
+
+
+def test_first_matching_glob_in_file_order_wins() -> None:
+    config = tasks_config(
+        {
+            "report_*": {"mode": "required", "poll_interval_ms": 111},
+            "*_monthly": {"mode": "forbidden", "poll_interval_ms": 222},
+            "*": {"poll_interval_ms": 333},
+        }
+    )
+    assert policy_for(config, "report_monthly").poll_interval_ms == 111
+    assert policy_for(config, "sales_monthly").poll_interval_ms == 222
+    assert policy_for(config, "anything_else").poll_interval_ms == 333
+
+
+def test_first_matching_glob_wins_in_the_other_order_too() -> None:
+    # Same globs, reversed file order: the result follows the order, not some specificity ranking.
+    config = tasks_config(
+        {
+            "*_monthly": {"mode": "forbidden", "poll_interval_ms": 222},
+            "report_*": {"mode": "required", "poll_interval_ms": 111},
+        }
+    )
+    assert policy_for(config, "report_monthly").poll_interval_ms == 222
+
+
+def test_non_matching_globs_are_skipped() -> None:
+    config = tasks_config({"a?c": {"poll_interval_ms": 7}, "[xy]*": {"poll_interval_ms": 8}})
+    assert policy_for(config, "abc").poll_interval_ms == 7
+    assert policy_for(config, "abbc").poll_interval_ms == 2500  # `?` is exactly one character
+    assert policy_for(config, "yak").poll_interval_ms == 8
+    assert policy_for(config, "zak").poll_interval_ms == 2500
+
+
+def test_a_tool_named_like_a_glob_is_matched_exactly() -> None:
+    config = tasks_config({"weird[1]": {"mode": "required"}, "*": {"mode": "forbidden"}})
+    # As a glob "weird[1]" matches only "weird1" (the tool "weird[1]" would fall through to "*"); as an exact
+    # key it also matches the tool literally so named.
+    assert policy_for(config, "weird[1]").mode == "required"
+    assert policy_for(config, "weird1").mode == "required"
+    assert policy_for(config, "weird2").mode == "forbidden"
+
+
+def test_a_literal_star_entry_matches_the_tool_named_star_before_earlier_globs() -> None:
+    config = tasks_config({"?": {"mode": "required"}, "*": {"mode": "forbidden"}})
+    assert policy_for(config, "*").mode == "forbidden"  # exact, although the earlier glob "?" matches "*"
+    assert policy_for(config, "x").mode == "required"  # "?" is first in file order
+    assert policy_for(config, "xy").mode == "forbidden"
+
+
+def test_globs_are_case_sensitive() -> None:
+    config = tasks_config({"Batch_*": {"mode": "required"}, "export": {"mode": "forbidden"}})
+    assert policy_for(config, "Batch_run").mode == "required"
+    assert policy_for(config, "batch_run").mode == "optional"
+    assert policy_for(config, "BATCH_RUN").mode == "optional"
+    assert policy_for(config, "Export").mode == "optional"  # exact names too
+
+
+# --- inheritance from `default` --------------------------------------------------------------------------
+
+
+def test_an_empty_entry_inherits_everything() -> None:
+    config = tasks_config({"slow": {}})
+    assert policy_for(config, "slow") == DEFAULT_POLICY
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        ({"mode": "required"}, {"mode": "required"}),
+        ({"sync_window_ms": 0}, {"sync_window_ms": 0}),
+        ({"ttl_ms": 5000}, {"ttl_ms": 5000}),
+        ({"poll_interval_ms": 50}, {"poll_interval_ms": 50}),
+        ({"on_restart": "rerun"}, {"on_restart": "rerun"}),
+        ({"mode": "forbidden", "on_restart": "rerun"}, {"mode": "forbidden", "on_restart": "rerun"}),
+    ],
+)
+def test_a_partial_entry_inherits_every_missing_field(entry: dict[str, Any], expected: dict[str, Any]) -> None:
+    config = tasks_config({"tool": entry})
+    want = {
+        "mode": "optional",
+        "sync_window_ms": 1500,
+        "ttl_ms": 600_000,
+        "poll_interval_ms": 2500,
+        "on_restart": "fail",
+        **expected,
+    }
+    assert policy_for(config, "tool") == Policy(**want)
+
+
+def test_a_glob_entry_inherits_too() -> None:
+    config = tasks_config({"batch_*": {"mode": "required"}})
+    assert policy_for(config, "batch_x") == Policy(
+        mode="required", sync_window_ms=1500, ttl_ms=600_000, poll_interval_ms=2500, on_restart="fail"
+    )
+
+
+def test_explicit_null_ttl_means_unlimited() -> None:
+    config = tasks_config({"forever": {"ttl_ms": None}, "inherits": {"mode": "required"}})
+    assert policy_for(config, "forever").ttl_ms is None
+    assert policy_for(config, "forever").mode == "optional"  # the rest still inherited
+    assert policy_for(config, "inherits").ttl_ms == 600_000
+
+
+def test_explicit_null_ttl_on_a_glob_means_unlimited() -> None:
+    config = tasks_config({"long_*": {"ttl_ms": None}})
+    assert policy_for(config, "long_job").ttl_ms is None
+    assert policy_for(config, "short_job").ttl_ms == 600_000
+
+
+def test_omitted_ttl_inherits_an_unlimited_default() -> None:
+    config = TasksConfig.model_validate({"default": {"ttl_ms": None}, "tools": {"t": {"ttl_ms": 10}, "u": {}}})
+    assert policy_for(config, "t").ttl_ms == 10
+    assert policy_for(config, "u").ttl_ms is None
+    assert policy_for(config, "other").ttl_ms is None
+
+
+def test_a_programmatic_entry_without_ttl_inherits() -> None:
+    # Built without the field at all (not from YAML): still "omitted", so the default's ttl applies.
+    config = TasksConfig(default=TaskPolicyConfig.model_validate(DEFAULT), tools={"t": ToolPolicyConfig()})
+    assert policy_for(config, "t").ttl_ms == 600_000
+
+
+# --- decide() ----------------------------------------------------------------------------------------------
+#
+# T-1: the server MAY answer a tools/call with a task — only to a request that declared the extension.
+# T-2: never a task to a request that did not declare it (read from this request's own `_meta`).
+# T-3: a tool that cannot be served without a task answers -32021 to a non-declaring request (REJECT), unless
+#      the operator chose `undeclared_required: wait` (an internal task, answered synchronously: WAIT).
+# T-17: the immediate-result shortcut — an `optional` tool with a window answers synchronously when the call
+#       settles within `sync_window_ms` (WINDOW); with a window of 0 the task is created at once (TASK).
+
+CASES = [
+    # (mode, sync_window_ms, declares_tasks, undeclared_required, expected)
+    ("forbidden", 1000, True, "reject", Outcome.SYNC),
+    ("forbidden", 1000, True, "wait", Outcome.SYNC),
+    ("forbidden", 1000, False, "reject", Outcome.SYNC),
+    ("forbidden", 1000, False, "wait", Outcome.SYNC),
+    ("forbidden", 0, True, "reject", Outcome.SYNC),
+    ("forbidden", 0, False, "wait", Outcome.SYNC),
+    ("optional", 1000, False, "reject", Outcome.SYNC),  # T-2
+    ("optional", 1000, False, "wait", Outcome.SYNC),  # T-2
+    ("optional", 0, False, "reject", Outcome.SYNC),  # T-2: even with no window
+    ("optional", 0, False, "wait", Outcome.SYNC),
+    ("optional", 0, True, "reject", Outcome.TASK),  # T-1
+    ("optional", 0, True, "wait", Outcome.TASK),
+    ("optional", 1000, True, "reject", Outcome.WINDOW),  # T-17
+    ("optional", 1000, True, "wait", Outcome.WINDOW),
+    ("optional", 1, True, "reject", Outcome.WINDOW),
+    ("required", 1000, True, "reject", Outcome.TASK),  # T-1
+    ("required", 1000, True, "wait", Outcome.TASK),
+    ("required", 0, True, "reject", Outcome.TASK),
+    ("required", 1000, False, "reject", Outcome.REJECT),  # T-3
+    ("required", 0, False, "reject", Outcome.REJECT),
+    ("required", 1000, False, "wait", Outcome.WAIT),  # T-2 still holds: no task goes to the client
+    ("required", 0, False, "wait", Outcome.WAIT),
+]
+
+
+@pytest.mark.parametrize(("mode", "window", "declares", "undeclared", "expected"), CASES)
+def test_decide(mode: TaskMode, window: int, declares: bool, undeclared: str, expected: Outcome) -> None:
+    config = tasks_config({"tool": {"mode": mode, "sync_window_ms": window}}, undeclared_required=undeclared)
+    decision = decide(config, "tool", declares_tasks=declares)
+    assert isinstance(decision, Decision)
+    assert decision.outcome is expected
+    assert decision.policy == Policy(
+        mode=mode, sync_window_ms=window, ttl_ms=600_000, poll_interval_ms=2500, on_restart="fail"
+    )
+
+
+def test_every_outcome_is_reachable() -> None:
+    reached = {case[-1] for case in CASES}
+    assert reached == set(Outcome)
+
+
+def test_decide_uses_the_default_policy_for_unknown_tools() -> None:
+    config = tasks_config({"other": {"mode": "forbidden"}})
+    decision = decide(config, "unknown", declares_tasks=True)
+    assert decision == Decision(Outcome.WINDOW, DEFAULT_POLICY)
+
+
+def test_decide_uses_the_resolved_policy_of_a_glob() -> None:
+    config = tasks_config({"batch_*": {"mode": "required", "poll_interval_ms": 42}}, undeclared_required="wait")
+    assert decide(config, "batch_1", declares_tasks=True) == Decision(
+        Outcome.TASK,
+        Policy(mode="required", sync_window_ms=1500, ttl_ms=600_000, poll_interval_ms=42, on_restart="fail"),
+    )
+    assert decide(config, "batch_1", declares_tasks=False).outcome is Outcome.WAIT
+    assert decide(config, "other", declares_tasks=False).outcome is Outcome.SYNC
+
+
+def test_a_tool_window_of_zero_overrides_a_non_zero_default() -> None:
+    # 0 is a value, not "missing": the tool must not fall back to the default's 1500 ms window.
+    config = tasks_config({"now": {"sync_window_ms": 0}})
+    assert decide(config, "now", declares_tasks=True).outcome is Outcome.TASK
+    assert decide(config, "later", declares_tasks=True).outcome is Outcome.WINDOW
+
+
+def test_undeclared_required_defaults_to_reject() -> None:
+    config = TasksConfig.model_validate({"default": {"mode": "required"}})
+    assert decide(config, "x", declares_tasks=False).outcome is Outcome.REJECT
+
+
+def test_outcome_values_are_stable() -> None:
+    # Logged and compared as strings elsewhere.
+    assert {outcome.value for outcome in Outcome} == {"sync", "task", "window", "reject", "wait"}
