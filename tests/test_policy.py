@@ -12,7 +12,13 @@ import pytest
 from proxy.config import TaskMode, TaskPolicyConfig, TasksConfig, ToolPolicyConfig
 from proxy.policy import Decision, Outcome, Policy, decide, policy_for
 
-DEFAULT = {"mode": "optional", "sync_window_ms": 1500, "ttl_ms": 600_000, "poll_interval_ms": 2500, "on_restart": "fail"}
+DEFAULT = {
+    "mode": "optional",
+    "sync_window_ms": 1500,
+    "ttl_ms": 600_000,
+    "poll_interval_ms": 2500,
+    "on_restart": "fail",
+}
 DEFAULT_POLICY = Policy(mode="optional", sync_window_ms=1500, ttl_ms=600_000, poll_interval_ms=2500, on_restart="fail")
 
 
@@ -34,7 +40,9 @@ def test_no_tools_section_gives_the_default_to_everyone() -> None:
 
 def test_built_in_defaults_apply_when_nothing_is_configured() -> None:
     policy = policy_for(TasksConfig.model_validate({}), "anything")
-    assert policy == Policy(mode="optional", sync_window_ms=1000, ttl_ms=300_000, poll_interval_ms=1000, on_restart="fail")
+    assert policy == Policy(
+        mode="optional", sync_window_ms=1000, ttl_ms=300_000, poll_interval_ms=1000, on_restart="fail"
+    )
 
 
 def test_exact_name_beats_a_glob_that_also_matches() -> None:

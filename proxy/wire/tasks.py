@@ -166,7 +166,9 @@ def progress_status_message(params: Any) -> str | None:
 
 
 def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{value:.3f}".rstrip("0").rstrip(".")  # 0.5, 12.125, 1234567.5: never an exponent
 
 
 def failure_status_message(error: JSON) -> str:
@@ -174,4 +176,5 @@ def failure_status_message(error: JSON) -> str:
     message = error.get("message")
     code = error.get("code")
     text = message if isinstance(message, str) and message else "the upstream call failed"
-    return f"{text} (JSON-RPC error {code})" if isinstance(code, int) else text
+    has_code = isinstance(code, int) and not isinstance(code, bool)
+    return f"{text} (JSON-RPC error {code})" if has_code else text
