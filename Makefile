@@ -9,7 +9,7 @@ SUITE := conformance/node_modules/@modelcontextprotocol/conformance/dist/index.j
 UPSTREAM_PORT ?= 9000
 PORT ?= 8080
 
-.PHONY: install run test unit conformance check lint typecheck format clean
+.PHONY: install run test unit conformance check lint typecheck format clean docker
 
 install: $(STAMP)
 
@@ -55,3 +55,11 @@ format: $(STAMP)
 
 clean:
 	rm -rf $(VENV) conformance/node_modules conformance/out .mypy_cache .ruff_cache .pytest_cache
+
+## docker: the container image, tagged mcp-tasks-proxy:<version from pyproject.toml> and :latest
+VERSION = $(shell sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml)
+
+docker:
+	@command -v docker >/dev/null 2>&1 || { echo "make docker: the docker CLI is not installed (see https://docs.docker.com/get-docker/)" >&2; exit 1; }
+	@test -n "$(VERSION)" || { echo "make docker: no version = \"...\" line found in pyproject.toml" >&2; exit 1; }
+	docker build -t mcp-tasks-proxy:$(VERSION) -t mcp-tasks-proxy:latest .

@@ -15,6 +15,7 @@ from typing import Final
 import aiohttp
 import structlog
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 from yarl import URL
 
 from proxy.config import Config
@@ -26,10 +27,12 @@ from proxy.errors import (
     ParseError,
     PayloadTooLargeError,
     ProxyError,
+    UpstreamError,
 )
 from proxy.front import Front
+from proxy.observability import Metrics, method_label
 from proxy.tasks.runner import TaskRunner
-from proxy.tasks.store import SqliteTaskStore
+from proxy.tasks.store import SqliteTaskStore, StoreError
 from proxy.upstream.passthrough import PassThrough
 from proxy.upstream.session import UpstreamClient
 from proxy.upstream.sse import KEEPALIVE, frame
@@ -45,8 +48,18 @@ PASSTHROUGH: Final = web.AppKey("passthrough", PassThrough)
 UPSTREAM: Final = web.AppKey("upstream", UpstreamClient)
 STORE: Final = web.AppKey("store", SqliteTaskStore)
 RUNNER: Final = web.AppKey("runner", TaskRunner)
+METRICS: Final = web.AppKey("metrics", Metrics)
+STOPPING: Final = web.AppKey("stopping", list[bool])
 ERA: Final = web.RequestKey("era", str)
 MCP_METHOD: Final = web.RequestKey("mcp_method", str)
+JSONRPC_ERROR: Final = web.RequestKey("jsonrpc_error", bool)
+
+# Probes and scrapes come from kubelet and Prometheus with the pod IP as Host: these GETs skip the Host/Origin
+# allow-list (they carry no MCP traffic and reveal no tokens or arguments). Everything else is checked.
+HEALTHZ: Final = "/healthz"
+READYZ: Final = "/readyz"
+METRICS_PATH: Final = "/metrics"
+OPS_PATHS: Final = frozenset({HEALTHZ, READYZ, METRICS_PATH})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -90,16 +103,41 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
         status = 500
         return error_response(ProxyError("Internal error"))
     finally:
-        log.info(
-            "request",
-            http_method=request.method,
-            path=request.path,
-            era=request.get(ERA, "-"),
-            mcp_method=request.get(MCP_METHOD, "-"),
-            status=status,
-            duration_ms=round((time.perf_counter() - started) * 1000, 2),
-        )
+        duration = time.perf_counter() - started
+        fields = {
+            "http_method": request.method,
+            "path": request.path,
+            "era": request.get(ERA, "-"),
+            "mcp_method": request.get(MCP_METHOD, "-"),
+            "status": status,
+            "duration_ms": round(duration * 1000, 2),
+        }
+        if request.path in OPS_PATHS:
+            log.debug("request", **fields)  # a probe every few seconds would drown the useful lines
+        else:
+            log.info("request", **fields)
+            _count(request, status, duration)
         structlog.contextvars.unbind_contextvars("request_id")
+
+
+def _count(request: web.Request, status: int, duration_seconds: float) -> None:
+    metrics = request.app.get(METRICS)
+    if metrics is None:
+        return
+    era = request.get(ERA, "-")
+    method = method_label(request.get(MCP_METHOD))
+    if status == 499:
+        outcome = "disconnected"
+    elif status >= 500:
+        outcome = "server_error"
+    elif status >= 400:
+        outcome = "client_error"
+    elif request.get(JSONRPC_ERROR, False):
+        outcome = "jsonrpc_error"
+    else:
+        outcome = "ok"
+    metrics.requests.labels(era, method, outcome).inc()
+    metrics.request_seconds.labels(era, method).observe(duration_seconds)
 
 
 # --- admission: Host / Origin (DNS-rebinding protection, C-28) ----------------------------------------
@@ -132,6 +170,8 @@ def origin_allowed(origin: str, allowed_hosts: list[str], allowed_origins: list[
 
 @web.middleware
 async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.method == "GET" and request.path in OPS_PATHS:
+        return await handler(request)
     security = request.app[CONFIG].security
     if not host_allowed(request.headers.get("Host"), security.allowed_hosts):
         raise ForbiddenError("Forbidden: Host header not allowed")
@@ -222,6 +262,8 @@ async def handle_mcp(request: web.Request) -> web.StreamResponse:
         return await request.app[PASSTHROUGH].relay(request, body)
     if not is_modern(request.headers, decoded):
         request[ERA] = "legacy"
+        if isinstance(decoded, dict) and isinstance(decoded.get("method"), str):
+            request[MCP_METHOD] = decoded["method"]
         return await request.app[PASSTHROUGH].relay(request, body)
     request[ERA] = "modern"
     return await serve_modern(request, decoded)
@@ -254,6 +296,7 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
             raise
         # The stream is already open (notifications went out): the error is its last event.
         reply = jsonrpc.error_message(error.request_id, error.error_object())
+    request[JSONRPC_ERROR] = "error" in reply
     return await channel.finish(reply)
 
 
@@ -272,10 +315,13 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     relay_http = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), auto_decompress=False, skip_auto_headers=("User-Agent",)
     )
-    upstream = UpstreamClient(config.upstream, http, config.security.principal_header)
+    metrics = app.get(METRICS)
+    upstream = UpstreamClient(config.upstream, http, config.security.principal_header, metrics=metrics)
     app[UPSTREAM] = upstream
-    runner = TaskRunner(config.tasks, store, upstream)
+    runner = TaskRunner(config.tasks, store, upstream, metrics=metrics)
     app[RUNNER] = runner
+    if metrics is not None:
+        metrics.tasks_running.set_function(lambda: runner.running)
     app[FRONT] = Front(config, upstream, runner)
     app[PASSTHROUGH] = PassThrough(
         config.upstream.url,
@@ -296,9 +342,56 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def end_listen_streams(app: web.Application) -> None:
-    """on_shutdown runs before aiohttp waits for handlers: listen streams end with their graceful result."""
+    """on_shutdown runs before aiohttp waits for handlers: listen streams end with their graceful result, and
+    readiness turns 503 so no new traffic is routed here while synchronous calls finish."""
+    app[STOPPING].append(True)
     if UPSTREAM in app:
         app[UPSTREAM].end_subscriptions()
+
+
+# --- health and metrics --------------------------------------------------------------------------------
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness: the process serves HTTP."""
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness: the task store takes a committed write and the upstream answered recently (else a fresh
+    `initialize` must succeed). 503 with the reasons otherwise."""
+    app = request.app
+    reasons: list[str] = []
+    if app[STOPPING]:
+        reasons.append("shutting down")
+    else:
+        try:
+            await app[STORE].check_writable(time.time_ns() // 1_000_000)
+        except StoreError as exc:
+            reasons.append(f"store: {exc}")
+        try:
+            await app[UPSTREAM].probe(app[CONFIG].observability.readiness_max_age_seconds)
+        except UpstreamError as exc:
+            reasons.append(f"upstream: {exc.message}")
+    if reasons:
+        log.warning("not_ready", reasons=reasons)
+        return web.json_response({"status": "unavailable", "reasons": reasons}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    metrics = request.app[METRICS]
+    store = request.app[STORE]
+    try:
+        counts = await store.stats()
+    except StoreError as exc:
+        log.warning("metrics_store_unreadable", error=str(exc))
+    else:
+        for status, count in counts.items():
+            if status != "records":
+                metrics.tasks_by_status.labels(status).set(count)
+    metrics.store_bytes.set(store.size_bytes())
+    return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def create_app(config: Config) -> web.Application:
@@ -307,7 +400,13 @@ def create_app(config: Config) -> web.Application:
         middlewares=[error_edge, admission],
     )
     app[CONFIG] = config
+    app[STOPPING] = []
     app.cleanup_ctx.append(upstream_ctx)
     app.on_shutdown.append(end_listen_streams)
     app.router.add_route("*", config.listen.path, handle_mcp)
+    app.router.add_get(HEALTHZ, healthz)
+    app.router.add_get(READYZ, readyz)
+    if config.observability.metrics:
+        app[METRICS] = Metrics(name for name in config.tasks.tools if not any(char in name for char in "*?["))
+        app.router.add_get(METRICS_PATH, metrics_endpoint)
     return app

@@ -1,13 +1,18 @@
-"""Command line: argv → config → logging → serve | check-config.
+"""Command line: argv → config → logging → serve | check-config | tasks show | tasks stats | probe.
 
-`mcp-tasks-proxy serve [--config FILE] [--upstream URL] [--host H] [--port P] [--db PATH]` and
-`mcp-tasks-proxy check-config FILE`. Configuration errors are printed all at once, exit code 2.
+`serve` runs the proxy; `check-config FILE` validates (errors all at once, exit code 2); `tasks show ID` and
+`tasks stats` read the task database read-only (safe while the proxy runs); `probe [URL]` is the container
+HEALTHCHECK (exit 0 on HTTP 200). Every command has `--help`; `--version` prints the version.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +22,8 @@ from proxy.config import Config, ConfigError, load_config
 from proxy.upstream.session import PROXY_VERSION
 
 EXIT_CONFIG_ERROR = 2
+EXIT_NOT_FOUND = 1
+DEFAULT_PROBE_URL = "http://127.0.0.1:8080/healthz"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,6 +45,32 @@ def _parser() -> argparse.ArgumentParser:
         "check-config", help="validate a config file", description="Validate a config file and exit."
     )
     check.add_argument("file", metavar="FILE")
+
+    tasks = commands.add_parser(
+        "tasks",
+        help="look at the task database",
+        description="Read the task database (read-only; safe while the proxy runs).",
+    )
+    tasks_commands = tasks.add_subparsers(dest="tasks_command", required=True, metavar="COMMAND")
+    show = tasks_commands.add_parser(
+        "show", help="one task as JSON", description="Print one task record as JSON (exit 1 if there is none)."
+    )
+    show.add_argument("task_id", metavar="ID")
+    stats = tasks_commands.add_parser(
+        "stats", help="counts by status", description="Print the number of task records by status as JSON."
+    )
+    for command in (show, stats):
+        source = command.add_mutually_exclusive_group(required=True)
+        source.add_argument("--db", metavar="PATH", help="the SQLite task database")
+        source.add_argument("--config", metavar="FILE", help="a proxy config file (its store.path is read)")
+
+    probe = commands.add_parser(
+        "probe",
+        help="health check for containers",
+        description="GET URL; exit 0 on HTTP 200, 1 otherwise (the image's HEALTHCHECK).",
+    )
+    probe.add_argument("url", metavar="URL", nargs="?", default=DEFAULT_PROBE_URL)
+    probe.add_argument("--timeout", type=float, default=3.0, help="seconds to wait (default 3)")
     return parser
 
 
@@ -73,7 +106,79 @@ def serve(config: Config) -> None:
         print=lambda message: print(message, file=sys.stderr, flush=True),
         access_log=None,
         handler_cancellation=True,  # C-19: a client that closes its stream cancels its request.
+        # SIGTERM: stop accepting, give running handlers this long, then cancel them; cleanup closes the store.
+        shutdown_timeout=config.listen.shutdown_grace_seconds,
     )
+
+
+def _database(args: argparse.Namespace) -> str:
+    if args.db is not None:
+        return str(args.db)
+    return load_config(args.config).store.path
+
+
+async def _show(path: str, task_id: str) -> dict[str, Any] | None:
+    from proxy.tasks.store import SqliteTaskStore
+    from proxy.wire.tasks import detailed_task
+
+    store = await SqliteTaskStore.open(path, max_records=1, read_only=True)
+    try:
+        record = await store.get(task_id)
+    finally:
+        await store.close()
+    if record is None:
+        return None
+    return {
+        **detailed_task(record),
+        "tool": record.tool,
+        "owner": record.owner,
+        "onRestart": record.on_restart,
+        "principalHash": record.principal,
+        "inputsIssued": record.inputs_issued,
+    }
+
+
+async def _stats(path: str) -> dict[str, Any]:
+    from proxy.tasks.store import SqliteTaskStore
+
+    store = await SqliteTaskStore.open(path, max_records=1, read_only=True)
+    try:
+        counts = await store.stats()
+        size = store.size_bytes()
+    finally:
+        await store.close()
+    return {"database": path, "sizeBytes": size, **counts}
+
+
+def tasks_command(args: argparse.Namespace) -> int:
+    from proxy.tasks.store import StoreError
+
+    try:
+        path = _database(args)
+        if args.tasks_command == "show":
+            shown = asyncio.run(_show(path, args.task_id))
+            if shown is None:
+                print(f"mcp-tasks-proxy: no task {args.task_id!r} in {path}", file=sys.stderr)
+                return EXIT_NOT_FOUND
+            print(json.dumps(shown, indent=2, ensure_ascii=False))
+        else:
+            print(json.dumps(asyncio.run(_stats(path)), indent=2))
+    except ConfigError as error:
+        return _report(error)
+    except StoreError as error:
+        print(f"mcp-tasks-proxy: {error}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    return 0
+
+
+def probe_command(url: str, timeout_seconds: float) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_seconds) as response:
+            ok = response.status == 200
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"mcp-tasks-proxy: probe {url} failed: {exc}", file=sys.stderr)
+        return 1
+    return 0 if ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,6 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _report(error)
         print(f"{args.file}: ok")
         return 0
+    if args.command == "tasks":
+        return tasks_command(args)
+    if args.command == "probe":
+        return probe_command(args.url, args.timeout)
     try:
         config = load_config(args.config, overrides=_flag_overrides(args))
     except ConfigError as error:

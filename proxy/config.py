@@ -33,11 +33,20 @@ class ListenConfig(_Frozen):
         description="The one MCP endpoint, served to modern and legacy clients alike.",
     )
 
+    shutdown_grace_seconds: float = Field(
+        20.0,
+        ge=0,
+        description="On SIGTERM: stop accepting, let synchronous calls finish for this long, then cancel them. "
+        "Keep it below the pod's terminationGracePeriodSeconds.",
+    )
+
     @field_validator("path")
     @classmethod
     def _path_is_absolute(cls, value: str) -> str:
         if not value.startswith("/"):
             raise ValueError("must start with '/'")
+        if value in ("/healthz", "/readyz", "/metrics"):
+            raise ValueError(f"{value} is the proxy's own probe/metrics path")
         return value
 
 
@@ -193,6 +202,18 @@ class TasksConfig(_Frozen):
     )
 
 
+class ObservabilityConfig(_Frozen):
+    metrics: bool = Field(
+        True, description="Serve Prometheus metrics at `/metrics` on the listen port (no tokens, no arguments)."
+    )
+    readiness_max_age_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="`/readyz` is ready when the upstream answered within this many seconds; when it has been "
+        "quiet longer, the probe sends a fresh `initialize` to find out.",
+    )
+
+
 class LoggingConfig(_Frozen):
     level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Lowest log level written to stderr."
@@ -211,6 +232,9 @@ class Config(_Frozen):
     )
     store: StoreConfig = Field(default_factory=StoreConfig, description="The task database.")
     tasks: TasksConfig = Field(default_factory=TasksConfig, description="Tool policies and task limits.")
+    observability: ObservabilityConfig = Field(
+        default_factory=ObservabilityConfig, description="Health probes and metrics."
+    )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Log output.")
 
 

@@ -1,15 +1,18 @@
-"""Logging setup: structlog, JSON lines by default, console format for humans.
+"""Logging and metrics: structlog (JSON lines by default, console format for humans) and Prometheus.
 
 Log events are snake_case facts with key/value context; tokens and argument values are never logged.
-Imports only the config.
+Metric labels are bounded (known methods, tools named in the policy, else `other`). Imports only the config.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterable
+from typing import Final
 
 import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from proxy.config import LoggingConfig
 
@@ -35,3 +38,119 @@ def configure_logging(config: LoggingConfig) -> None:
     )
     # aiohttp's own access log repeats what the request log line says.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+# --- Prometheus metrics ----------------------------------------------------------------------------------
+
+OTHER: Final = "other"
+# Label values are bounded: methods outside this set (and every tool not named in the policy) are `other`.
+KNOWN_METHODS: Final = frozenset(
+    {
+        "initialize",
+        "ping",
+        "server/discover",
+        "tools/list",
+        "tools/call",
+        "prompts/list",
+        "prompts/get",
+        "resources/list",
+        "resources/templates/list",
+        "resources/read",
+        "resources/subscribe",
+        "resources/unsubscribe",
+        "completion/complete",
+        "logging/setLevel",
+        "subscriptions/listen",
+        "tasks/get",
+        "tasks/update",
+        "tasks/cancel",
+        "tasks/result",
+        "tasks/list",
+        "notifications/initialized",
+        "notifications/cancelled",
+        "notifications/progress",
+        "notifications/roots/list_changed",
+    }
+)
+LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+TASK_BUCKETS: Final = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 14400, 86400)
+
+
+def method_label(method: str | None) -> str:
+    if method is None:
+        return "-"
+    return method if method in KNOWN_METHODS else OTHER
+
+
+class Metrics:
+    """Every metric of one proxy, in its own registry (so several apps in one process do not collide)."""
+
+    def __init__(self, tool_names: Iterable[str] = ()) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._tools = frozenset(tool_names)
+        prefix = "mcp_tasks_proxy"
+        self.requests = Counter(
+            f"{prefix}_requests_total",
+            "HTTP requests by era, MCP method and outcome (ok, jsonrpc_error, client_error, server_error, "
+            "disconnected)",
+            ["era", "method", "outcome"],
+            registry=self.registry,
+        )
+        self.request_seconds = Histogram(
+            f"{prefix}_request_duration_seconds",
+            "Time to answer a request (until its last byte for streams)",
+            ["era", "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tasks_created = Counter(f"{prefix}_tasks_created_total", "Tasks created", ["tool"], registry=self.registry)
+        self.tasks_settled = Counter(
+            f"{prefix}_tasks_settled_total",
+            "Tasks settled, by final status",
+            ["tool", "status"],
+            registry=self.registry,
+        )
+        self.task_seconds = Histogram(
+            f"{prefix}_task_duration_seconds",
+            "Task lifetime from creation to settlement",
+            ["tool", "status"],
+            buckets=TASK_BUCKETS,
+            registry=self.registry,
+        )
+        self.create_seconds = Histogram(
+            f"{prefix}_task_create_seconds",
+            "Time from the tools/call reaching the proxy to its CreateTaskResult (path: task = at once, window = "
+            "after the sync window)",
+            ["path"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tasks_running = Gauge(
+            f"{prefix}_tasks_running", "Tasks whose upstream call runs in this process", registry=self.registry
+        )
+        self.tasks_by_status = Gauge(
+            f"{prefix}_tasks", "Task records in the store, by status", ["status"], registry=self.registry
+        )
+        self.store_bytes = Gauge(
+            f"{prefix}_store_size_bytes", "Size of the task database and its WAL on disk", registry=self.registry
+        )
+        self.upstream_seconds = Histogram(
+            f"{prefix}_upstream_request_duration_seconds",
+            "Upstream requests, from sending to the end of their answer",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.upstream_errors = Counter(
+            f"{prefix}_upstream_errors_total",
+            "Upstream requests that failed (unreachable, timeout, broken stream)",
+            ["method", "kind"],
+            registry=self.registry,
+        )
+
+    def tool_label(self, tool: str) -> str:
+        """Tool names only when the operator listed them in `tasks.tools`; anything else is `other`."""
+        return tool if tool in self._tools else OTHER
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

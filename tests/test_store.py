@@ -446,7 +446,10 @@ async def test_durable_across_reopen(db_path: Path) -> None:
     assert not await asyncio.to_thread(Path(f"{db_path}-wal").exists)  # checkpointed and removed on close
 
     migrations = raw_rows(db_path, "SELECT migration_set, name, applied_at FROM _sqlite_migrations")
-    assert [row[:2] for row in migrations] == [("mcp-tasks-proxy", "0001_create_tasks")]
+    assert [row[:2] for row in migrations] == [
+        ("mcp-tasks-proxy", "0001_create_tasks"),
+        ("mcp-tasks-proxy", "0002_create_health"),
+    ]
     assert raw_rows(db_path, "PRAGMA journal_mode") == [("wal",)]
     indexes = {row[0] for row in raw_rows(db_path, "SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert {"idx_tasks_status", "idx_tasks_expires_at_ms", "idx_tasks_status_updated_at_ms"} <= indexes

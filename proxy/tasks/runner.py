@@ -21,6 +21,7 @@ from mcp_types import jsonrpc as codes
 
 from proxy.config import TasksConfig
 from proxy.errors import InvalidParamsError, MissingCapabilityError, ProxyError, TaskLimitError, UpstreamError
+from proxy.observability import Metrics
 from proxy.policy import Decision, Outcome, Policy
 from proxy.tasks.store import SqliteTaskStore, StoreError, StoreFullError
 from proxy.upstream.call import (
@@ -79,8 +80,10 @@ class TaskRunner:
         store: SqliteTaskStore,
         upstream: UpstreamClient,
         clock: Callable[[], int] = wall_clock_ms,
+        metrics: Metrics | None = None,
     ) -> None:
         self.config = config
+        self.metrics = metrics
         self.store = store
         self.upstream = upstream
         self.clock = clock
@@ -185,8 +188,10 @@ class TaskRunner:
             )
         job = self._job(request, caller, decision.policy)
         if decision.outcome is Outcome.TASK:
+            started = time.perf_counter()
             record = await self._create(job, caller, request)
             self._start(job)
+            self._observe_create("task", started)
             return result_message(request.id, wire_tasks.create_task_result(record, server_info))
         job.channel = channel
         if decision.outcome is Outcome.WAIT:
@@ -244,8 +249,14 @@ class TaskRunner:
         self._jobs[record.task_id] = job
         if not job.finished.is_set():
             self._running.add(job)
-        log.info("task_created", task_id=record.task_id, tool=job.tool, latency_ms=self.clock() - now)
+        log.info("task_created", task_id=record.task_id, tool=job.tool, ttl_ms=record.ttl_ms)
+        if self.metrics is not None:
+            self.metrics.tasks_created.labels(self.metrics.tool_label(job.tool)).inc()
         return record
+
+    def _observe_create(self, path: str, started: float) -> None:
+        if self.metrics is not None:
+            self.metrics.create_seconds.labels(path).observe(time.perf_counter() - started)
 
     async def _window(self, job: Job, caller: Caller, request: ModernRequest, server_info: JSON | None) -> JSON:
         """`optional` + declaring client: synchronous if the call settles within the window, else a task that
@@ -257,7 +268,9 @@ class TaskRunner:
             if job.finished.is_set():
                 return self._sync_reply(request, job, server_info)
             job.channel = None  # T-43 / K-31: no request-scoped notifications once the call is a task
+            started = time.perf_counter()
             record = await self._create(job, caller, request)
+            self._observe_create("window", started)
         except BaseException:
             # The client left during the window (C-19), or the task could not be created: stop the call.
             if job.task_id is None:
@@ -404,8 +417,18 @@ class TaskRunner:
                 status_message=wire_tasks.failure_status_message(error),
             )
         self._jobs.pop(job.task_id, None)
-        if settled is not None:
-            log.info("task_settled", task_id=job.task_id, tool=job.tool, status=settled.status.value)
+        self._settled(settled)
+
+    def _settled(self, record: TaskRecord | None, **context: Any) -> None:
+        """Every settlement that won (T-21) is logged and counted here, whoever settled it."""
+        if record is None:
+            return
+        log.info("task_settled", task_id=record.task_id, tool=record.tool, status=record.status.value, **context)
+        if self.metrics is not None:
+            tool = self.metrics.tool_label(record.tool)
+            self.metrics.tasks_settled.labels(tool, record.status.value).inc()
+            lifetime_seconds = max(0, record.updated_at_ms - record.created_at_ms) / 1000
+            self.metrics.task_seconds.labels(tool, record.status.value).observe(lifetime_seconds)
 
     # --- cancel, expiry ----------------------------------------------------------------------------------
 
@@ -420,17 +443,18 @@ class TaskRunner:
         job = self._jobs.pop(task_id, None)
         if job is not None:
             self._cancel_job(job, reason)
-        if settled is not None:
-            log.info("task_settled", task_id=task_id, status="cancelled", reason=reason)
+        self._settled(settled, reason=reason)
 
     async def _fail(self, task_id: str, message: str) -> TaskRecord | None:
-        return await self.store.settle(
+        settled = await self.store.settle(
             task_id,
             TaskStatus.FAILED,
             now_ms=self.clock(),
             error=wire_tasks.internal_error(message),
             status_message=message,
         )
+        self._settled(settled, reason=message)
+        return settled
 
     async def _expire(self, record: TaskRecord) -> TaskRecord | None:
         settled = await self._fail(record.task_id, wire_tasks.EXPIRED_MESSAGE)

@@ -85,6 +85,12 @@ def _create_tasks(db: Database) -> None:
     tasks.create_index(["status", "updated_at_ms"], index_name="idx_tasks_status_updated_at_ms")
 
 
+@MIGRATIONS(name="0002_create_health")
+def _create_health(db: Database) -> None:
+    """One row the readiness probe rewrites: proof that the file still takes a committed write."""
+    db.table("health").create({"id": int, "checked_at_ms": int}, pk="id")
+
+
 _COLUMNS: Final = (
     "task_id",
     "principal",
@@ -137,6 +143,7 @@ _EXPIRED_LIVE_SQL: Final = (
     f"SELECT * FROM tasks WHERE expires_at_ms <= ? AND +status IN ({_LIVE_SQL}) ORDER BY expires_at_ms, task_id"
 )
 _PURGE_SQL: Final = f"DELETE FROM tasks WHERE expires_at_ms <= ? AND +status IN ({_TERMINAL_SQL})"
+_HEALTH_SQL: Final = "INSERT OR REPLACE INTO health (id, checked_at_ms) VALUES (1, ?)"
 _MIN_SQLITE_VERSION: Final = (3, 35, 0)  # UPDATE ... RETURNING
 
 
@@ -355,6 +362,24 @@ class SqliteTaskStore:
             return counts
 
         return await self._read("stats", run)
+
+    async def check_writable(self, now_ms: int) -> None:
+        """Commit one tiny write (readiness): raises StoreError when the file no longer takes writes."""
+
+        def run() -> None:
+            db = self._writer_conn()
+            with db.atomic():
+                db.execute(_HEALTH_SQL, [now_ms])
+
+        await self._write("health check", run)
+
+    def size_bytes(self) -> int:
+        """The database file and its WAL on disk (metrics); 0 for a file that is not there."""
+        total = 0
+        for path in (self.path, self.path.with_name(self.path.name + "-wal")):
+            with contextlib.suppress(OSError):
+                total += path.stat().st_size
+        return total
 
     async def close(self) -> None:
         """Finish the queued work, checkpoint the WAL, close both connections and release the file lock."""

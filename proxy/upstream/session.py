@@ -23,6 +23,7 @@ import structlog
 
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamError, UpstreamTimeoutError
+from proxy.observability import Metrics, method_label
 from proxy.upstream.call import UpstreamCall, UpstreamErrorResponse, UpstreamResult
 from proxy.upstream.listener import UpstreamListener
 from proxy.wire.envelope import ParamHeader, param_headers
@@ -41,6 +42,7 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
     PROXY_VERSION = "0.0.0"
 
+PROBE_TIMEOUT_SECONDS: Final = 2.0  # a readiness probe's initialize; kubelet's own timeout is short too
 PARAM_HEADERS_REFRESH_SECONDS: Final = 5.0  # an unknown tool re-reads tools/list at most this often
 MAX_TOOL_PAGES: Final = 100  # bounds the pagination of tools/list when reading x-mcp-header annotations
 
@@ -95,13 +97,16 @@ class UpstreamSession:
 
     async def _post(self, message: JSON, headers: Mapping[str, str]) -> aiohttp.ClientResponse:
         try:
-            return await self.client.http.post(
+            response = await self.client.http.post(
                 self.client.config.url, data=dumps(message), headers=headers, timeout=self.client.timeout
             )
         except TimeoutError:
             raise UpstreamTimeoutError("Upstream MCP server did not answer in time") from None
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"Upstream MCP server unavailable: {exc}") from None
+        if response.status < 500:
+            self.client.last_answer_at = time.monotonic()  # the upstream is there and speaks HTTP (readiness)
+        return response
 
     # --- lifecycle --------------------------------------------------------------------------------------
 
@@ -114,7 +119,7 @@ class UpstreamSession:
             assert self.initialize_result is not None
             return self.initialize_result
 
-    async def _initialize(self) -> None:
+    async def _initialize(self, *, listen: bool = True) -> None:
         self.session_id = None
         request_id = self.client.next_id()
         params = {
@@ -143,7 +148,8 @@ class UpstreamSession:
         self.initialize_result = result
         self.client.server_info = implementation(result)
         self.tools_changed()
-        await self.listener.start()
+        if listen:
+            await self.listener.start()
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
         if self._resource_subscriptions:
             # Not awaited here: initialize runs under the session lock, and these requests may need it.
@@ -218,25 +224,47 @@ class UpstreamSession:
     ) -> AsyncIterator[UpstreamCall]:
         """Send one request upstream; the UpstreamCall streams what comes back. Leaving the context closes it."""
         await self.ensure_initialized()
-        request_id = self.client.next_id()
-        message = request_message(request_id, method, params)
-        for attempt in range(2):
-            sent_with = self.session_id
-            response = await self._post(message, self.headers(extra_headers))
-            if response.status == 404 and sent_with is not None and attempt == 0:
-                response.release()
-                await self._reinitialize(sent_with)
-                continue
-            break
-        if response.status >= 400:
-            await _raise_unless_answer(response, request_id, method)
-        upstream_call = UpstreamCall(self, request_id, method, response)
-        self.in_flight += 1
+        metrics = self.client.metrics
+        started = time.perf_counter()
         try:
-            yield upstream_call
+            request_id = self.client.next_id()
+            message = request_message(request_id, method, params)
+            for attempt in range(2):
+                sent_with = self.session_id
+                try:
+                    response = await self._post(message, self.headers(extra_headers))
+                except asyncio.CancelledError:
+                    # Abandoned while the POST was on its way: the upstream may already run it (L-5).
+                    await asyncio.shield(self._cancel_unanswered(request_id))
+                    raise
+                if response.status == 404 and sent_with is not None and attempt == 0:
+                    response.release()
+                    await self._reinitialize(sent_with)
+                    continue
+                break
+            if response.status >= 400:
+                await _raise_unless_answer(response, request_id, method)
+            upstream_call = UpstreamCall(self, request_id, method, response)
+            self.in_flight += 1
+            try:
+                yield upstream_call
+            finally:
+                self.in_flight -= 1
+                response.close()
+        except UpstreamError as exc:
+            if metrics is not None:
+                kind = "timeout" if isinstance(exc, UpstreamTimeoutError) else "unavailable"
+                metrics.upstream_errors.labels(method_label(method), kind).inc()
+            raise
         finally:
-            self.in_flight -= 1
-            response.close()
+            if metrics is not None:
+                metrics.upstream_seconds.labels(method_label(method)).observe(time.perf_counter() - started)
+
+    async def _cancel_unanswered(self, request_id: int) -> None:
+        try:
+            await self.notify("notifications/cancelled", {"requestId": request_id, "reason": "request abandoned"})
+        except UpstreamError as exc:
+            log.info("upstream_cancel_failed", error=exc.message)
 
     async def notify(self, method: str, params: JSON | None) -> None:
         response = await self._post(notification_message(method, params), self.headers())
@@ -336,8 +364,10 @@ class UpstreamClient:
         http: aiohttp.ClientSession,
         principal_header: str,
         max_sessions: int = MAX_SESSIONS,
+        metrics: Metrics | None = None,
     ) -> None:
         self.config = config
+        self.metrics = metrics
         self.max_sessions = max_sessions
         self.http = http
         self.principal_header = principal_header
@@ -348,6 +378,8 @@ class UpstreamClient:
         )
         self._ids = itertools.count(1)
         self.server_info: JSON | None = None  # the upstream's serverInfo from the latest initialize (C-3)
+        self.last_answer_at: float | None = None  # monotonic time of the upstream's latest HTTP answer
+        self._probe_lock = asyncio.Lock()
         self._sessions: OrderedDict[str, UpstreamSession] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -385,6 +417,23 @@ class UpstreamClient:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("upstream_background_task_failed", task=task.get_name(), error=repr(task.exception()))
+
+    async def probe(self, max_age_seconds: float) -> None:
+        """Readiness: fine when the upstream answered within `max_age_seconds`; otherwise a fresh `initialize`
+        on a throwaway session (ended with DELETE) must succeed within PROBE_TIMEOUT_SECONDS. Raises
+        UpstreamError saying what failed. Concurrent probes share one attempt."""
+        async with self._probe_lock:
+            if self.last_answer_at is not None and time.monotonic() - self.last_answer_at <= max_age_seconds:
+                return
+            session = UpstreamSession(self, None)
+            try:
+                await asyncio.wait_for(session._initialize(listen=False), PROBE_TIMEOUT_SECONDS)
+            except TimeoutError:
+                raise UpstreamTimeoutError(
+                    f"Upstream did not answer initialize within {PROBE_TIMEOUT_SECONDS:g} s"
+                ) from None
+            finally:
+                await session.close()
 
     def end_subscriptions(self) -> None:
         """Shutdown: every listen stream ends with its graceful result (C-17)."""

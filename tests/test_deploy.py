@@ -1,0 +1,536 @@
+"""Deployment artifacts: the Dockerfile, config/docker.yaml and the Kubernetes sidecar example in config/kubernetes.
+
+Manifests are validated against the Kubernetes schemas; the image's ENTRYPOINT/CMD and HEALTHCHECK run for real.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from proxy.cli import main
+from proxy.config import Config, load_config
+from tests.conftest import ROOT, Upstream
+
+KUBERNETES_VERSION = "1.30"  # the oldest minor the example supports (its preStop `sleep` action is beta there)
+KUBE_DIR = ROOT / "config" / "kubernetes"
+DOCKER_CONFIG = ROOT / "config" / "docker.yaml"
+LOOPBACK_HOSTS = {"localhost", "127.0.0.1"}
+
+
+# --- Dockerfile --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Instruction:
+    keyword: str
+    args: str
+    stage: int  # 0 for the first FROM's stage, 1 for the next, ...
+
+
+def _dockerfile() -> list[Instruction]:
+    """Instructions in order: comments and blank lines dropped, `\\` continuations joined."""
+    instructions: list[Instruction] = []
+    stage = -1
+    pending = ""
+    for raw in (ROOT / "Dockerfile").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue  # also inside a continuation, as Docker does
+        if line.endswith("\\"):
+            pending += line[:-1].strip() + " "
+            continue
+        keyword, _, args = (pending + line).partition(" ")
+        pending = ""
+        if keyword.upper() == "FROM":
+            stage += 1
+        instructions.append(Instruction(keyword.upper(), args.strip(), stage))
+    assert not pending, "the Dockerfile ends inside a line continuation"
+    return instructions
+
+
+def _final(keyword: str) -> list[Instruction]:
+    instructions = _dockerfile()
+    last_stage = instructions[-1].stage
+    return [i for i in instructions if i.keyword == keyword and i.stage == last_stage]
+
+
+def _exec_form(args: str) -> list[str]:
+    value = json.loads(args)
+    assert isinstance(value, list), f"not exec form: {args}"
+    assert all(isinstance(item, str) for item in value), args
+    return value
+
+
+def _one(keyword: str) -> str:
+    found = _final(keyword)
+    assert len(found) == 1, f"expected one {keyword} in the final stage, got {found}"
+    return found[0].args
+
+
+def _healthcheck() -> list[str]:
+    match = re.fullmatch(r"((?:--\S+\s+)*)CMD\s+(.*)", _one("HEALTHCHECK"))
+    assert match, "HEALTHCHECK must be `HEALTHCHECK [OPTIONS] CMD [...]`"
+    return _exec_form(match.group(2))
+
+
+def _copies() -> list[tuple[int, list[str], list[str], str]]:
+    """(stage, flags, sources, destination) of every COPY."""
+    copies = []
+    for instruction in _dockerfile():
+        if instruction.keyword != "COPY":
+            continue
+        tokens = shlex.split(instruction.args)
+        flags = [token for token in tokens if token.startswith("--")]
+        rest = [token for token in tokens if not token.startswith("--")]
+        if rest and rest[0].startswith("["):
+            rest = _exec_form(" ".join(rest))
+        assert len(rest) >= 2, instruction
+        copies.append((instruction.stage, flags, rest[:-1], rest[-1]))
+    return copies
+
+
+def _image_user() -> int:
+    user = _one("USER")
+    assert user.isdigit(), f"USER {user}: use a numeric UID so runAsNonRoot can verify it"
+    return int(user)
+
+
+def _dockerignore() -> list[tuple[bool, re.Pattern[str]]]:
+    rules = []
+    for raw in (ROOT / ".dockerignore").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = str(PurePosixPath(line.lstrip("!").strip("/")))
+        regex, i = "", 0
+        while i < len(pattern):
+            if pattern.startswith("**/", i):
+                regex, i = regex + "(?:.*/)?", i + 3
+            elif pattern.startswith("**", i):
+                regex, i = regex + ".*", i + 2
+            elif pattern[i] == "*":
+                regex, i = regex + "[^/]*", i + 1
+            elif pattern[i] == "?":
+                regex, i = regex + "[^/]", i + 1
+            elif pattern[i] == "[":
+                end = pattern.index("]", i)
+                regex, i = regex + pattern[i : end + 1], end + 1
+            else:
+                regex, i = regex + re.escape(pattern[i]), i + 1
+        rules.append((negate, re.compile(regex)))
+    return rules
+
+
+def _ignored(path: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
+    """Whether the build context leaves `path` out (a path is out when it or a parent matches; last rule wins)."""
+    parts = PurePosixPath(path).parts
+    prefixes = ["/".join(parts[: n + 1]) for n in range(len(parts))]
+    ignored = False
+    for negate, regex in rules:
+        if any(regex.fullmatch(prefix) for prefix in prefixes):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerfile_builds_a_venv_in_one_stage_and_runs_it_on_the_same_slim_python() -> None:
+    froms = [i.args.split() for i in _dockerfile() if i.keyword == "FROM"]
+    assert len(froms) == 2, froms
+    assert froms[0][1:] == ["AS", "build"] or froms[0][1:] == ["as", "build"], froms[0]
+    assert re.fullmatch(r"python:3\.\d+-slim", froms[1][0]), froms[1]
+    assert froms[0][0] == froms[1][0], "the venv's interpreter links need the same base image in both stages"
+    build_runs = [i.args for i in _dockerfile() if i.keyword == "RUN" and i.stage == 0]
+    assert any(re.search(r"pip install --no-cache-dir \.$", run) for run in build_runs), build_runs
+    build_copies = {source for stage, _, sources, _ in _copies() if stage == 0 for source in sources}
+    assert {"pyproject.toml", "README.md", "proxy/"} <= build_copies
+    assert [(flags, sources, dest) for stage, flags, sources, dest in _copies() if stage == 1 and flags] == [
+        (["--from=build"], ["/opt/venv"], "/opt/venv")
+    ]
+
+
+def test_dockerfile_runtime_settings() -> None:
+    env = dict(item.split("=", 1) for i in _final("ENV") for item in shlex.split(i.args))
+    assert env["PATH"].startswith("/opt/venv/bin:"), env
+    assert env["PYTHONUNBUFFERED"] == "1"
+    assert env["PYTHONDONTWRITEBYTECODE"] == "1"
+    assert _one("STOPSIGNAL") == "SIGTERM"
+    labels = dict(item.split("=", 1) for i in _final("LABEL") for item in shlex.split(i.args))
+    for key in ("title", "description", "source", "licenses"):
+        assert labels.get(f"org.opencontainers.image.{key}"), f"OCI label {key} missing"
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert labels["org.opencontainers.image.licenses"] == pyproject["project"]["license"]
+
+
+def test_dockerfile_runs_as_a_non_root_system_user_owning_the_volume() -> None:
+    uid = _image_user()
+    assert uid != 0
+    volume = _one("VOLUME")
+    volumes = _exec_form(volume) if volume.startswith("[") else volume.split()
+    assert volumes == ["/var/lib/mcp-tasks-proxy"]
+    before_volume = _dockerfile()[: _dockerfile().index(_final("VOLUME")[0])]
+    runs = [i.args for i in before_volume if i.keyword == "RUN" and i.stage == 1]
+    assert any(f"--uid {uid}" in run and "--no-create-home" in run and "nologin" in run for run in runs), runs
+    assert any(str(uid) in run and volumes[0] in run for run in runs), "the volume directory must belong to USER"
+    assert load_config(DOCKER_CONFIG, environ={}).store.path.startswith(volumes[0] + "/")
+
+
+def test_dockerfile_serves_the_baked_config_with_an_exec_form_healthcheck() -> None:
+    assert _exec_form(_one("ENTRYPOINT")) == ["mcp-tasks-proxy"]
+    assert _exec_form(_one("CMD")) == ["serve", "--config", "/etc/mcp-tasks-proxy/proxy.yaml"]
+    final_copies = {dest: sources for stage, flags, sources, dest in _copies() if stage == 1 and not flags}
+    assert final_copies["/etc/mcp-tasks-proxy/proxy.yaml"] == ["config/docker.yaml"]
+    config = load_config(DOCKER_CONFIG, environ={})
+    assert _one("EXPOSE") == str(config.listen.port) == "8080"
+    command = _healthcheck()
+    assert command[:2] == ["mcp-tasks-proxy", "probe"], command
+    url = urlsplit(command[2])
+    assert (url.hostname, url.port, url.path) == ("127.0.0.1", config.listen.port, "/healthz"), command
+
+
+def test_every_copy_source_exists_and_is_in_the_build_context() -> None:
+    rules = _dockerignore()
+    for _, flags, sources, _ in _copies():
+        if any(flag.startswith("--from=") for flag in flags):
+            continue
+        for source in sources:
+            path = ROOT / source
+            assert path.exists(), f"COPY {source}: not in the repository"
+            files = [path] if path.is_file() else [p for p in path.rglob("*.py") if "__pycache__" not in p.parts]
+            assert files, source
+            for file in files:
+                relative = file.relative_to(ROOT).as_posix()
+                assert not _ignored(relative, rules), f"COPY {source}: .dockerignore leaves {relative} out"
+
+
+def test_dockerignore_keeps_environments_caches_databases_and_tests_out() -> None:
+    rules = _dockerignore()
+    for path in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        ".mypy_cache/x.json",
+        "proxy/__pycache__/cli.cpython-312.pyc",
+        "conformance/node_modules/x/index.js",
+        "conformance/out/report.json",
+        "tasks.db",
+        "data/tasks.db-wal",
+        "tasks.db-shm",
+        "tasks.db.lock",
+        "tests/test_app.py",
+    ):
+        assert _ignored(path, rules), f"{path} would be sent to the Docker daemon"
+    for path in ("pyproject.toml", "README.md", "proxy/cli.py", "config/docker.yaml"):
+        assert not _ignored(path, rules), path
+
+
+def test_docker_config_is_valid_and_fits_a_sidecar(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-config", str(DOCKER_CONFIG)]) == 0
+    assert "ok" in capsys.readouterr().out
+    config = load_config(DOCKER_CONFIG, environ={})
+    assert (config.listen.host, config.listen.port, config.listen.path) == ("0.0.0.0", 8080, "/mcp")
+    assert config.upstream.url == "http://127.0.0.1:9000/mcp"
+    assert config.store.path == "/var/lib/mcp-tasks-proxy/tasks.db"
+    assert config.logging.format == "json"
+
+
+# --- the image's commands, run from the installed console script ------------------------------------------
+
+
+def _script() -> Path:
+    script = Path(sys.executable).parent / "mcp-tasks-proxy"
+    assert script.exists(), f"{script} missing: install the project (pip install -e .)"
+    return script
+
+
+def _in_repo(argv: list[str]) -> list[str]:
+    """The image's command with the console script and the files the Dockerfile COPYs mapped to the repo."""
+    copied = {dest: ROOT / sources[0] for stage, flags, sources, dest in _copies() if stage == 1 and not flags}
+    assert argv[0] == "mcp-tasks-proxy", argv
+    return [str(_script()), *(str(copied.get(arg, arg)) for arg in argv[1:])]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with _DIRECT.open(url, timeout=2) as response:
+            return int(response.status), response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def _probe_available() -> bool:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            main(["probe", "--help"])
+        except SystemExit as stop:
+            return stop.code == 0
+    return False
+
+
+@dataclass
+class Served:
+    process: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+
+@pytest.fixture
+def served(upstream: Upstream, tmp_path: Path) -> Iterator[Served]:
+    """The image's ENTRYPOINT + CMD on the repo's config/docker.yaml, with what a container provides overridden."""
+    port = _free_port()
+    environ = {key: value for key, value in os.environ.items() if not key.startswith("MCP_TASKS_PROXY_")}
+    environ.update(
+        MCP_TASKS_PROXY_LISTEN__HOST="127.0.0.1",
+        MCP_TASKS_PROXY_LISTEN__PORT=str(port),
+        MCP_TASKS_PROXY_STORE__PATH=str(tmp_path / "tasks.db"),
+        MCP_TASKS_PROXY_UPSTREAM__URL=upstream.url,
+    )
+    argv = _in_repo(_exec_form(_one("ENTRYPOINT")) + _exec_form(_one("CMD")))
+    log = tmp_path / "proxy.log"
+    with log.open("wb") as sink:
+        process = subprocess.Popen(argv, cwd=tmp_path, env=environ, stdout=sink, stderr=subprocess.STDOUT)
+    server = Served(process, port, log)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            assert process.poll() is None, f"the proxy exited with {process.returncode}:\n{server.output()}"
+            try:
+                _get(server.url("/healthz"))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"the proxy did not answer within 15 s:\n{server.output()}"
+                time.sleep(0.05)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_image_command_serves_readyz_and_stops_cleanly_on_sigterm(served: Served) -> None:
+    assert _get(served.url("/healthz"))[0] == 200, served.output()
+    deadline = time.monotonic() + 10
+    status, body = _get(served.url("/readyz"))
+    while status != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        status, body = _get(served.url("/readyz"))
+    assert status == 200, f"/readyz: {status} {body}\n{served.output()}"
+    served.process.send_signal(signal.SIGTERM)
+    try:
+        code = served.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the proxy did not exit within 30 s of SIGTERM:\n{served.output()}")
+    assert code == 0, served.output()
+
+
+def test_healthcheck_command_passes_on_a_serving_proxy_and_fails_on_a_stopped_one(served: Served) -> None:
+    if not _probe_available():
+        pytest.skip("`mcp-tasks-proxy probe` does not exist yet: the Dockerfile's HEALTHCHECK cannot be run")
+    command = _healthcheck()
+    url = urlsplit(command[2])
+    argv = _in_repo([*command[:2], urlunsplit(url._replace(netloc=f"{url.hostname}:{served.port}")), *command[3:]])
+    healthy = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    assert healthy.returncode == 0, f"{healthy.stdout}{healthy.stderr}\n{served.output()}"
+    served.process.terminate()
+    served.process.wait(timeout=30)
+    stopped = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    assert stopped.returncode == 1, f"{stopped.stdout}{stopped.stderr}"
+
+
+# --- Kubernetes --------------------------------------------------------------------------------------------
+
+MANIFESTS = sorted(path.name for path in KUBE_DIR.glob("*.yaml") if path.name != "kustomization.yaml")
+
+
+def _load(name: str) -> dict[str, Any]:
+    documents = [doc for doc in yaml.safe_load_all((KUBE_DIR / name).read_text()) if doc is not None]
+    assert len(documents) == 1, f"{name}: one object per file, found {len(documents)}"
+    document = documents[0]
+    assert isinstance(document, dict), name
+    return document
+
+
+def _by_kind(kind: str) -> dict[str, Any]:
+    found = [document for document in map(_load, MANIFESTS) if document["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def _proxy_container() -> dict[str, Any]:
+    containers = _by_kind("Deployment")["spec"]["template"]["spec"]["containers"]
+    found = [c for c in containers if c["image"].rsplit("/", 1)[-1].startswith("mcp-tasks-proxy:")]
+    assert len(found) == 1, containers
+    container: dict[str, Any] = found[0]
+    return container
+
+
+def _config_arg() -> PurePosixPath:
+    args = _proxy_container()["args"]
+    assert args[:2] == ["serve", "--config"], args
+    return PurePosixPath(args[2])
+
+
+def _configmap_file(tmp_path: Path) -> Path:
+    """The ConfigMap's entry the proxy reads (the key named by the --config file), written out as a file."""
+    path = tmp_path / _config_arg().name
+    path.write_text(_by_kind("ConfigMap")["data"][_config_arg().name])
+    return path
+
+
+def _proxy_config(tmp_path: Path) -> Config:
+    return load_config(_configmap_file(tmp_path), environ={})
+
+
+def _mounts() -> dict[str, dict[str, Any]]:
+    """mountPath → the pod volume mounted there."""
+    volumes = {v["name"]: v for v in _by_kind("Deployment")["spec"]["template"]["spec"]["volumes"]}
+    return {
+        m["mountPath"]: {**volumes[m["name"]], "readOnly": m.get("readOnly", False)}
+        for m in _proxy_container()["volumeMounts"]
+    }
+
+
+def test_the_example_has_each_object_once() -> None:
+    kinds = sorted(_load(name)["kind"] for name in MANIFESTS)
+    assert kinds == ["ConfigMap", "Deployment", "PersistentVolumeClaim", "Service"]
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_manifest_is_a_valid_kubernetes_object(name: str) -> None:
+    document = _load(name)
+    assert kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True) == KUBERNETES_VERSION
+
+
+def test_kustomization_lists_exactly_the_manifests() -> None:
+    kustomization = yaml.safe_load((KUBE_DIR / "kustomization.yaml").read_text())
+    assert kustomization["kind"] == "Kustomization"
+    resources = kustomization["resources"]
+    assert sorted(resources) == MANIFESTS
+    assert len(set(resources)) == len(resources)
+
+
+def test_deployment_is_a_single_writer_with_its_config_and_claim(tmp_path: Path) -> None:
+    deployment = _by_kind("Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    mounts = _mounts()
+    config_dir = str(_config_arg().parent)
+    assert mounts[config_dir]["configMap"]["name"] == _by_kind("ConfigMap")["metadata"]["name"]
+    assert mounts[config_dir]["readOnly"] is True
+    pvc = _by_kind("PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"]
+    data_dir = PurePosixPath(_proxy_config(tmp_path).store.path).parent
+    assert data_dir.is_absolute()
+    assert mounts[str(data_dir)]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    assert mounts[str(data_dir)]["readOnly"] is False
+    assert data_dir != _config_arg().parent
+
+
+def test_service_reaches_the_proxy_port_only() -> None:
+    deployment = _by_kind("Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    selector = _by_kind("Service")["spec"]["selector"]
+    assert selector
+    assert selector.items() <= pod_labels.items()
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    (port,) = _proxy_container()["ports"]
+    (service_port,) = _by_kind("Service")["spec"]["ports"]
+    assert service_port["targetPort"] == port["name"]
+    assert service_port["port"] == 80
+    proxy_name = _proxy_container()["name"]
+    others = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] != proxy_name]
+    assert others, "the legacy server runs in the same pod"
+    assert all(p.get("name") != port["name"] for c in others for p in c.get("ports", [])), others
+
+
+def test_probes_hit_health_paths_on_the_proxy_port() -> None:
+    container = _proxy_container()
+    (port,) = container["ports"]
+    expected = {"livenessProbe": "/healthz", "readinessProbe": "/readyz", "startupProbe": "/healthz"}
+    for probe, path in expected.items():
+        if probe == "startupProbe" and probe not in container:
+            continue
+        assert container[probe]["httpGet"]["path"] == path, probe
+        assert container[probe]["httpGet"]["port"] in (port["name"], port["containerPort"]), probe
+
+
+def test_configmap_config_is_valid_and_matches_the_pod(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-config", str(_configmap_file(tmp_path))]) == 0
+    assert "ok" in capsys.readouterr().out
+    config = _proxy_config(tmp_path)
+    (port,) = _proxy_container()["ports"]
+    assert (config.listen.host, config.listen.port) == ("0.0.0.0", port["containerPort"])
+    assert urlsplit(config.upstream.url).hostname in LOOPBACK_HOSTS, "a sidecar reaches its server on loopback"
+    service = _by_kind("Service")["metadata"]["name"]
+    names = {service, f"{service}.default.svc", f"{service}.default.svc.cluster.local", *LOOPBACK_HOSTS}
+    assert names <= set(config.security.allowed_hosts)
+    assert config.tasks.tools, "the example shows tool policies"
+    assert any("*" in name and policy.on_restart == "rerun" for name, policy in config.tasks.tools.items())
+    assert any(not re.search(r"[*?\[]", name) for name in config.tasks.tools)
+    assert config.observability.metrics, "the pod is annotated for scraping /metrics"
+    annotations = _by_kind("Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port["containerPort"]),
+        "prometheus.io/path": "/metrics",
+    }
+
+
+def test_pod_stops_after_the_proxy_shutdown_grace(tmp_path: Path) -> None:
+    grace = _proxy_config(tmp_path).listen.shutdown_grace_seconds
+    assert _by_kind("Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace
+
+
+def test_proxy_container_runs_the_image_locked_down() -> None:
+    container = _proxy_container()
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert container["image"].endswith(f"/mcp-tasks-proxy:{pyproject['project']['version']}")
+    assert "command" not in container, "keep the image's ENTRYPOINT"
+    assert container["args"] == _exec_form(_one("CMD"))
+    uid = _image_user()
+    context = container["securityContext"]
+    assert context["runAsNonRoot"] is True
+    assert context["runAsUser"] == uid
+    assert context["readOnlyRootFilesystem"] is True
+    assert context["allowPrivilegeEscalation"] is False
+    assert context["capabilities"] == {"drop": ["ALL"]}
+    assert _by_kind("Deployment")["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == uid
+    resources = container["resources"]
+    assert resources["requests"]
+    assert resources["limits"]
