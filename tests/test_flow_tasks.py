@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -332,6 +332,30 @@ async def test_cancel_reaches_the_upstream_and_is_final(tasks_client: ClientFact
     assert status == 200
     assert again["result"]["resultType"] == "complete"
     assert (await client.task(task_id))["status"] == "cancelled"  # T-21
+
+
+@pytest.fixture
+def json_upstream() -> Iterator[Upstream]:
+    """An upstream that answers tools/call with one JSON body when the tool ends (no SSE): the proxy's POST
+    is still in flight for the whole call."""
+    server = Upstream("--json-response")
+    server.start()
+    yield server
+    server.stop()
+
+
+async def test_cancel_while_the_upstream_post_is_in_flight_still_reaches_it(
+    tasks_client: ClientFactory, json_upstream: Upstream
+) -> None:
+    """Regression: a call abandoned before the upstream's response headers arrived was never cancelled."""
+    client = await tasks_client(json_upstream.url, tasks=policies(counted={"mode": "required"}))
+    task_id = await client.create("counted", {"key": "in-flight", "seconds": 30})
+    deadline = asyncio.get_running_loop().time() + 10
+    while await client.text("call_count", {"key": "in-flight"}) != "1":  # the upstream is running it
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.05)
+    await client.post("tasks/cancel", {"taskId": task_id})
+    await wait_for_upstream_cancellation(client)
 
 
 async def test_task_methods_gate_capability_before_lookup(tasks_client: ClientFactory) -> None:

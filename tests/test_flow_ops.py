@@ -1,0 +1,365 @@
+"""Operating the sidecar: /healthz, /readyz, /metrics, the `tasks` and `probe` commands, JSON logs, and a
+graceful SIGTERM, against real processes (the proxy as `python -m proxy serve`, the legacy fixture upstream)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.cli import main
+from tests.conftest import ROOT, TASKS, Upstream, modern_body, modern_headers, parse_sse
+
+Client = TestClient[web.Request, web.Application]
+DECLARING: dict[str, Any] = {"extensions": {TASKS: {}}}
+
+
+async def call(
+    http: Any, url: str, tool: str, arguments: dict[str, Any], *, capabilities: dict[str, Any] | None = None, **kw: Any
+) -> dict[str, Any]:
+    async with http.post(
+        url,
+        json=modern_body("tools/call", {"name": tool, "arguments": arguments}, capabilities=capabilities),
+        headers={**modern_headers("tools/call", tool), **kw.pop("headers", {})},
+    ) as response:
+        text = await response.text()
+        messages = parse_sse(text) if response.content_type == "text/event-stream" else [json.loads(text)]
+        final: dict[str, Any] = messages[-1]
+        return final
+
+
+async def task_get(http: Any, url: str, task_id: str, **headers: str) -> dict[str, Any]:
+    async with http.post(
+        url,
+        json=modern_body("tasks/get", {"taskId": task_id}, capabilities=DECLARING),
+        headers={**modern_headers("tasks/get", task_id), **headers},
+    ) as response:
+        message: dict[str, Any] = await response.json()
+        return message
+
+
+# --- health and readiness -----------------------------------------------------------------------------
+
+
+async def test_health_endpoints_skip_the_host_check_and_nothing_else(
+    make_proxy: Callable[..., Any], upstream: Upstream
+) -> None:
+    client: Client = await make_proxy(upstream.url)
+    pod_ip = {"Host": "10.1.2.3:8080"}  # what kubelet and Prometheus send
+    for path in ("/healthz", "/readyz", "/metrics"):
+        response = await client.get(path, headers=pod_ip)
+        assert response.status == 200, path
+    assert (await client.get("/healthz")).headers["Content-Type"].startswith("application/json")
+    response = await client.post(
+        "/mcp", json=modern_body("server/discover"), headers={**modern_headers("server/discover"), **pod_ip}
+    )
+    assert response.status == 403  # the MCP endpoint still checks Host
+    response = await client.post("/healthz", headers=pod_ip)
+    assert response.status in (403, 405)  # only GET probes are exempt
+
+
+async def test_readiness_follows_the_upstream(make_proxy: Callable[..., Any], own_upstream: Upstream) -> None:
+    client: Client = await make_proxy(own_upstream.url, observability={"readiness_max_age_seconds": 0.2})
+    ready = await client.get("/readyz")
+    assert ready.status == 200
+    assert (await ready.json())["status"] == "ready"
+    port = own_upstream.port
+    own_upstream.stop()
+    await asyncio.sleep(0.3)  # past readiness_max_age_seconds: the probe must ask the upstream again
+    down = await client.get("/readyz")
+    assert down.status == 503
+    body = await down.json()
+    assert body["status"] == "unavailable"
+    assert any(reason.startswith("upstream:") for reason in body["reasons"])
+    assert (await client.get("/healthz")).status == 200  # alive all the same: no restart loop
+    own_upstream.start(port)
+    deadline = asyncio.get_running_loop().time() + 10
+    while (await client.get("/readyz")).status != 200:
+        assert asyncio.get_running_loop().time() < deadline, "readiness never came back"
+        await asyncio.sleep(0.1)
+
+
+# --- metrics ----------------------------------------------------------------------------------------------
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+def value(found: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    return found.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def test_metrics_count_requests_tasks_upstream_and_store(
+    make_proxy: Callable[..., Any], upstream: Upstream
+) -> None:
+    client: Client = await make_proxy(
+        upstream.url, tasks={"tools": {"echo": {"mode": "required"}, "greet": {"mode": "forbidden"}}}
+    )
+    url = "/mcp"
+    await call(client, url, "greet", {"name": "m"})
+    created = await call(client, url, "echo", {"text": "t"}, capabilities=DECLARING)
+    task_id = created["result"]["taskId"]
+    await call(client, url, "sleep", {"seconds": 0}, capabilities={"extensions": {TASKS: {}}})
+    await call(client, url, "raise_error", {"message": "x", "code": -32000})
+    await client.post("/mcp", data=b"{not json", headers=modern_headers("tools/call"))
+    deadline = asyncio.get_running_loop().time() + 10
+    while (await task_get(client, url, task_id))["result"]["status"] != "completed":
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.05)
+    response = await client.get("/metrics")
+    assert response.headers["Content-Type"].startswith("text/plain")
+    found = samples(await response.text())
+    prefix = "mcp_tasks_proxy_"
+    assert value(found, f"{prefix}requests_total", era="modern", method="tools/call", outcome="ok") >= 2
+    assert value(found, f"{prefix}requests_total", era="modern", method="tools/call", outcome="jsonrpc_error") >= 1
+    assert value(found, f"{prefix}requests_total", era="modern", method="tasks/get", outcome="ok") >= 1
+    assert value(found, f"{prefix}requests_total", era="modern", method="-", outcome="client_error") >= 1
+    assert value(found, f"{prefix}tasks_created_total", tool="echo") == 1
+    assert value(found, f"{prefix}tasks_settled_total", tool="echo", status="completed") == 1
+    assert value(found, f"{prefix}task_duration_seconds_count", tool="echo", status="completed") == 1
+    assert value(found, f"{prefix}task_create_seconds_count", path="task") == 1
+    assert value(found, f"{prefix}tasks", status="completed") >= 1
+    assert value(found, f"{prefix}tasks_running") == 0
+    assert value(found, f"{prefix}store_size_bytes") > 0
+    assert value(found, f"{prefix}upstream_request_duration_seconds_count", method="tools/call") >= 3
+    tools = {labels for (name, labels) in found if name == f"{prefix}tasks_created_total"}
+    assert tools <= {(("tool", "echo"),), (("tool", "other"),)}  # unlisted tools are `other` (bounded labels)
+
+
+async def test_metrics_can_be_turned_off(make_proxy: Callable[..., Any], upstream: Upstream) -> None:
+    client: Client = await make_proxy(upstream.url, observability={"metrics": False})
+    assert (await client.get("/metrics")).status == 404
+
+
+# --- a real process: logs, CLI, SIGTERM -----------------------------------------------------------------
+
+
+class ProxyProcess:
+    """`python -m proxy serve` with a config file; stderr (the JSON log) goes to a file."""
+
+    def __init__(self, tmp_path: Path, upstream_url: str, **sections: Any) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.log = tmp_path / f"proxy-{self.port}.log"
+        self.config = tmp_path / f"proxy-{self.port}.yaml"
+        config: dict[str, Any] = {
+            "listen": {"host": "127.0.0.1", "port": self.port},
+            "upstream": {"url": upstream_url},
+            "store": {"path": str(tmp_path / "ops.db"), "synchronous": "normal"},
+            "logging": {"level": "info", "format": "json"},
+        }
+        for name, values in sections.items():
+            config.setdefault(name, {}).update(values)
+        self.config.write_text(yaml.safe_dump(config))
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--config", str(self.config)],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log.open("wb"),
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    async def start(self) -> None:
+        self.process = await asyncio.to_thread(self._spawn)
+        deadline = asyncio.get_running_loop().time() + 20
+        async with aiohttp.ClientSession() as http:
+            while True:
+                assert self.process.poll() is None, self.log.read_text()
+                try:
+                    async with http.get(f"http://127.0.0.1:{self.port}/healthz") as response:
+                        if response.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                assert asyncio.get_running_loop().time() < deadline, "the proxy did not start"
+                await asyncio.sleep(0.05)
+
+    async def terminate(self) -> int:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        return await asyncio.to_thread(self.process.wait, 60)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def processes() -> Iterator[list[ProxyProcess]]:
+    started: list[ProxyProcess] = []
+    yield started
+    for process in started:
+        process.stop()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def test_sigterm_lets_a_sync_call_finish_and_keeps_tasks_for_the_next_start(
+    tmp_path: Path,
+    own_upstream: Upstream,
+    processes: list[ProxyProcess],
+    http: aiohttp.ClientSession,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    sections = {"listen": {"shutdown_grace_seconds": 10}, "tasks": {"tools": {"counted": {"mode": "required"}}}}
+    first = ProxyProcess(tmp_path, own_upstream.url, **sections)
+    processes.append(first)
+    await first.start()
+    created = await call(
+        http,
+        first.url,
+        "counted",
+        {"key": "sigterm", "seconds": 30},
+        capabilities=DECLARING,
+        headers={"Authorization": "Bearer ops-secret-token"},
+    )
+    task_id = created["result"]["taskId"]
+    sync_call = asyncio.get_running_loop().create_task(call(http, first.url, "sleep", {"seconds": 1.5}))
+    await asyncio.sleep(0.5)  # the sync call is running upstream
+    exit_code = await first.terminate()
+    finished = await sync_call
+    assert finished["result"]["content"][0]["text"] == "slept 1.5"  # completed within the grace period
+    assert exit_code == 0
+    events = first.events()
+    assert any(
+        event["event"] == "task_created" and event["task_id"] == task_id and event["tool"] == "counted"
+        for event in events
+    )
+    request_lines = [event for event in events if event["event"] == "request"]
+    assert request_lines
+    assert {"request_id", "mcp_method", "era", "status", "duration_ms"} <= request_lines[0].keys()
+    assert "ops-secret-token" not in first.log.read_text()  # tokens never reach the log
+    assert "sigterm" not in first.log.read_text()  # nor argument values
+
+    # The record survived the stop: the CLI reads it (read-only), still `working`.
+    database = str(tmp_path / "ops.db")
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, ["tasks", "show", task_id, "--db", database]) == 0
+    stored = json.loads(capsys.readouterr().out)
+    assert stored["status"] == "working"  # left for the next start to fail or re-run (on_restart)
+
+    second = ProxyProcess(tmp_path, own_upstream.url, **sections)
+    processes.append(second)
+    await second.start()
+    message = await task_get(http, second.url, task_id, Authorization="Bearer ops-secret-token")
+    assert message["result"]["status"] == "failed"
+    assert "restarted" in message["result"]["error"]["message"]
+    assert any(event["event"] == "task_interrupted" and event["task_id"] == task_id for event in second.events())
+    assert await second.terminate() == 0
+
+
+async def test_sigterm_cancels_a_sync_call_that_outlives_the_grace(
+    tmp_path: Path,
+    own_upstream: Upstream,
+    processes: list[ProxyProcess],
+    http: aiohttp.ClientSession,
+    make_proxy: Callable[..., Any],
+) -> None:
+    proxy = ProxyProcess(tmp_path, own_upstream.url, listen={"shutdown_grace_seconds": 0.5})
+    processes.append(proxy)
+    await proxy.start()
+    sync_call = asyncio.get_running_loop().create_task(call(http, proxy.url, "sleep", {"seconds": 30}))
+    await asyncio.sleep(0.5)
+    started = asyncio.get_running_loop().time()
+    assert await proxy.terminate() == 0
+    assert asyncio.get_running_loop().time() - started < 15  # not the 30 s of the call
+    with pytest.raises((aiohttp.ClientError, json.JSONDecodeError, IndexError)):
+        await sync_call
+    # The upstream was told (notifications/cancelled), so it does not run the abandoned call to its end.
+    observer: Client = await make_proxy(own_upstream.url)
+    cancelled = await call(observer, "/mcp", "cancelled_requests", {})
+    assert json.loads(cancelled["result"]["content"][0]["text"])
+
+
+# --- CLI ------------------------------------------------------------------------------------------------
+
+
+async def test_tasks_cli_reads_a_live_database(
+    make_proxy: Callable[..., Any],
+    upstream: Upstream,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    database = tmp_path / "cli.db"
+    client: Client = await make_proxy(
+        upstream.url, store={"path": str(database)}, tasks={"default": {"mode": "required"}}
+    )
+    created = await call(client, "/mcp", "echo", {"text": "cli"}, capabilities=DECLARING)
+    task_id = created["result"]["taskId"]
+    deadline = asyncio.get_running_loop().time() + 10
+    while (await task_get(client, "/mcp", task_id))["result"]["status"] != "completed":
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.05)
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, ["tasks", "show", task_id, "--db", str(database)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["taskId"] == task_id
+    assert shown["status"] == "completed"
+    assert shown["tool"] == "echo"
+    assert shown["result"]["content"][0]["text"] == "cli"
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"store": {"path": str(database)}}))
+    assert await asyncio.to_thread(main, ["tasks", "stats", "--config", str(config)]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["completed"] == 1
+    assert stats["records"] == 1
+    assert await asyncio.to_thread(main, ["tasks", "show", "task_missing", "--db", str(database)]) == 1
+    assert "no task" in capsys.readouterr().err
+    assert await asyncio.to_thread(main, ["tasks", "stats", "--db", str(tmp_path / "absent.db")]) == 1
+
+
+async def test_probe_command(make_proxy: Callable[..., Any], upstream: Upstream) -> None:
+    client: Client = await make_proxy(upstream.url)
+    url = str(client.make_url("/healthz"))
+    assert await asyncio.to_thread(main, ["probe", url]) == 0
+    assert await asyncio.to_thread(main, ["probe", str(client.make_url("/nope"))]) == 1
+    assert await asyncio.to_thread(main, ["probe", f"http://127.0.0.1:{_free_port()}/healthz", "--timeout", "1"]) == 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["tasks", "--help"], ["tasks", "show", "--help"], ["tasks", "stats", "--help"], ["probe", "--help"]],
+)
+def test_every_command_has_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    assert caught.value.code == 0
+    assert "usage: mcp-tasks-proxy" in capsys.readouterr().out
