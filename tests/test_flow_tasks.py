@@ -305,6 +305,21 @@ async def test_progress_becomes_the_status_message(tasks_client: ClientFactory) 
     assert (await client.settled(task_id))["status"] == "completed"
 
 
+async def test_trace_context_and_principal_reach_the_upstream_from_a_task(tasks_client: ClientFactory) -> None:
+    client = await tasks_client(tasks=policies(whoami={"mode": "required"}))
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    task_id = await client.create("whoami", headers={"traceparent": traceparent, "Authorization": "Bearer traced"})
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        _, message = await client.get(task_id, headers={"Authorization": "Bearer traced"})
+        if message["result"]["status"] == "completed":
+            break
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.05)
+    seen = json.loads(result_text(message["result"]))
+    assert seen == {"authorization": "Bearer traced", "traceparent": traceparent}
+
+
 async def test_lost_upstream_fails_the_task(tasks_client: ClientFactory, own_upstream: Upstream) -> None:
     client = await tasks_client(own_upstream.url, tasks=policies(sleep={"mode": "required"}))
     task_id = await client.create("sleep", {"seconds": 30})

@@ -42,7 +42,8 @@ log = structlog.get_logger(__name__)
 
 SWEEP_INTERVAL_SECONDS: Final = 1.0  # how often expired tasks are failed and settled ones past their TTL purged
 WAIT_KEEPALIVE_SECONDS: Final = 15.0  # SSE comment while a poll-to-sync client waits for its internal task
-SHUTDOWN_GRACE_SECONDS: Final = 5.0  # how long close() waits for cancelled calls to tell the upstream
+SHUTDOWN_GRACE_SECONDS: Final = 5.0
+PROGRESS_WRITE_INTERVAL_SECONDS: Final = 0.2  # at most this often is a task's statusMessage rewritten  # how long close() waits for cancelled calls to tell the upstream
 INPUT_METHODS: Final = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
 CANCELLED_BY_CLIENT: Final = "cancelled by the client"
 
@@ -71,6 +72,7 @@ class Job:
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     coroutine: asyncio.Task[None] | None = None
     cancel_reason: str = "cancelled"
+    progress_written_at: float = float("-inf")  # monotonic time of the last statusMessage write
 
 
 class TaskRunner:
@@ -366,8 +368,14 @@ class TaskRunner:
         if job.task_id is None or message.get("method") != "notifications/progress":
             return
         status_message = wire_tasks.progress_status_message(message.get("params"))
-        if status_message is not None:
+        now = time.monotonic()
+        if status_message is None or now - job.progress_written_at < PROGRESS_WRITE_INTERVAL_SECONDS:
+            return  # a chatty upstream does not turn into a write per notification; the next one catches up
+        job.progress_written_at = now
+        try:
             await self.store.update(job.task_id, {"status_message": status_message}, now_ms=self.clock())
+        except StoreError as exc:  # a lost progress line is not worth failing the task for
+            log.warning("task_progress_not_stored", task_id=job.task_id, error=str(exc))
 
     async def _refuse(self, job: Job, call: UpstreamCall, server_request: UpstreamServerRequest) -> None:
         """Input bridging is not built yet: an upstream question is answered at once (an elicitation is
