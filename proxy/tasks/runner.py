@@ -42,8 +42,8 @@ log = structlog.get_logger(__name__)
 
 SWEEP_INTERVAL_SECONDS: Final = 1.0  # how often expired tasks are failed and settled ones past their TTL purged
 WAIT_KEEPALIVE_SECONDS: Final = 15.0  # SSE comment while a poll-to-sync client waits for its internal task
-SHUTDOWN_GRACE_SECONDS: Final = 5.0
-PROGRESS_WRITE_INTERVAL_SECONDS: Final = 0.2  # at most this often is a task's statusMessage rewritten  # how long close() waits for cancelled calls to tell the upstream
+SHUTDOWN_GRACE_SECONDS: Final = 5.0  # how long close() waits for cancelled calls to tell the upstream
+PROGRESS_WRITE_INTERVAL_SECONDS: Final = 0.2  # at most this often is a task's statusMessage rewritten
 INPUT_METHODS: Final = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
 CANCELLED_BY_CLIENT: Final = "cancelled by the client"
 
