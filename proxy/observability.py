@@ -119,8 +119,8 @@ class Metrics:
         )
         self.create_seconds = Histogram(
             f"{prefix}_task_create_seconds",
-            "Time from the tools/call reaching the proxy to its CreateTaskResult (path: task = at once, window = "
-            "after the sync window)",
+            "Time the proxy spends creating a task, limits check and commit included, until its CreateTaskResult "
+            "is ready (path: task = at once, window = when the sync window ran out)",
             ["path"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
