@@ -380,17 +380,19 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
+    """Prometheus text; the store-derived gauges are read at scrape time."""
     metrics = request.app[METRICS]
     store = request.app[STORE]
     try:
         counts = await store.stats()
+        size = await store.size_bytes()
     except StoreError as exc:
         log.warning("metrics_store_unreadable", error=str(exc))
     else:
         for status, count in counts.items():
             if status != "records":
                 metrics.tasks_by_status.labels(status).set(count)
-    metrics.store_bytes.set(store.size_bytes())
+        metrics.store_bytes.set(size)
     return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

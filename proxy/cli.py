@@ -144,7 +144,7 @@ async def _stats(path: str) -> dict[str, Any]:
     store = await SqliteTaskStore.open(path, max_records=1, read_only=True)
     try:
         counts = await store.stats()
-        size = store.size_bytes()
+        size = await store.size_bytes()
     finally:
         await store.close()
     return {"database": path, "sizeBytes": size, **counts}

@@ -23,7 +23,7 @@ from proxy.config import TasksConfig
 from proxy.errors import InvalidParamsError, MissingCapabilityError, ProxyError, TaskLimitError, UpstreamError
 from proxy.observability import Metrics
 from proxy.policy import Decision, Outcome, Policy
-from proxy.tasks.store import SqliteTaskStore, StoreError, StoreFullError
+from proxy.tasks.store import StoreError, StoreFullError, TaskStore
 from proxy.upstream.call import (
     UpstreamCall,
     UpstreamErrorResponse,
@@ -79,7 +79,7 @@ class TaskRunner:
     def __init__(
         self,
         config: TasksConfig,
-        store: SqliteTaskStore,
+        store: TaskStore,
         upstream: UpstreamClient,
         clock: Callable[[], int] = wall_clock_ms,
         metrics: Metrics | None = None,

@@ -16,7 +16,7 @@ import sqlite3
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, Literal, Protocol, TypeVar
 from urllib.parse import quote
 
 from sqlite_utils import Database, Migrations
@@ -224,6 +224,43 @@ def _connect(path: Path, *, read_only: bool) -> Database:
     return db
 
 
+class TaskStore(Protocol):
+    """What the runner and the app need from a task store (SqliteTaskStore is the one implementation)."""
+
+    async def create(self, record: TaskRecord) -> None: ...
+
+    async def get(self, task_id: str) -> TaskRecord | None: ...
+
+    async def update(self, task_id: str, changes: Mapping[str, Any], *, now_ms: int) -> TaskRecord | None: ...
+
+    async def settle(
+        self,
+        task_id: str,
+        status: TaskStatus,
+        *,
+        now_ms: int,
+        result: JSON | None = None,
+        error: JSON | None = None,
+        status_message: str | None = None,
+    ) -> TaskRecord | None: ...
+
+    async def live(self) -> list[TaskRecord]: ...
+
+    async def expired_live(self, now_ms: int) -> list[TaskRecord]: ...
+
+    async def purge_expired(self, now_ms: int) -> int: ...
+
+    async def delete(self, task_id: str) -> bool: ...
+
+    async def stats(self) -> dict[str, int]: ...
+
+    async def check_writable(self, now_ms: int) -> None: ...
+
+    async def size_bytes(self) -> int: ...
+
+    async def close(self) -> None: ...
+
+
 class SqliteTaskStore:
     """Task records in one SQLite file. Methods are coroutines; the SQLite work runs in the store's two threads.
 
@@ -373,13 +410,17 @@ class SqliteTaskStore:
 
         await self._write("health check", run)
 
-    def size_bytes(self) -> int:
+    async def size_bytes(self) -> int:
         """The database file and its WAL on disk (metrics); 0 for a file that is not there."""
-        total = 0
-        for path in (self.path, self.path.with_name(self.path.name + "-wal")):
-            with contextlib.suppress(OSError):
-                total += path.stat().st_size
-        return total
+
+        def run() -> int:
+            total = 0
+            for path in (self.path, self.path.with_name(self.path.name + "-wal")):
+                with contextlib.suppress(OSError):
+                    total += path.stat().st_size
+            return total
+
+        return await self._read("size", run)
 
     async def close(self) -> None:
         """Finish the queued work, checkpoint the WAL, close both connections and release the file lock."""
