@@ -17,8 +17,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy.app import STORE
+from proxy.app import CONFIG, RUNNER, STORE
+from proxy.policy import decide
 from proxy.tasks import runner as runner_module
+from proxy.wire.envelope import Caller, validate_modern
 from tests.conftest import (
     SCHEMA_DIR,
     TASKS,
@@ -264,6 +266,61 @@ async def test_wait_client_disconnect_cancels_the_upstream_call(
     await wait_for_upstream_cancellation(client)
     stats = await client.client.app[STORE].stats()
     assert stats["cancelled"] == 1
+
+
+async def test_leaving_during_the_window_cancels_the_call_and_stores_nothing(
+    tasks_client: ClientFactory, own_upstream: Upstream
+) -> None:
+    """C-19 inside the sync window: the call is still synchronous, so a disconnect cancels it upstream."""
+    client = await tasks_client(own_upstream.url, tasks=policies(sleep={"mode": "optional", "sync_window_ms": 5000}))
+    request = client.client.post(
+        "/mcp",
+        json=modern_body("tools/call", {"name": "sleep", "arguments": {"seconds": 30}}, capabilities=DECLARING),
+        headers=modern_headers("tools/call", "sleep"),
+    )
+    pending = asyncio.get_running_loop().create_task(request.__aenter__())
+    await asyncio.sleep(0.5)
+    pending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pending
+    await wait_for_upstream_cancellation(client)
+    assert (await client.client.app[STORE].stats())["records"] == 0
+
+
+class Silent:
+    """A Channel for a caller with no stream (what a client without SSE gets)."""
+
+    async def notify(self, message: dict[str, Any], *, required: bool = False) -> None:
+        return None
+
+    async def keepalive(self, *, open_stream: bool = False) -> None:
+        return None
+
+
+async def test_a_client_leaving_during_creation_leaves_no_orphan_record(tasks_client: ClientFactory) -> None:
+    """The commit and the start of the call are one step: a record is never left `working` without a call."""
+    client = await tasks_client(tasks=policies(counted={"mode": "required"}))
+    app = client.client.app
+    params = {
+        "name": "counted",
+        "arguments": {"key": "orphan"},
+        "_meta": modern_body("x", capabilities=DECLARING)["params"]["_meta"],
+    }
+    request = validate_modern(modern_headers("tools/call", "counted"), 1, "tools/call", params)
+    decision = decide(app[CONFIG].tasks, "counted", declares_tasks=True)
+    await client.text("echo", {"text": "warm"})  # the upstream session exists
+    creating = asyncio.get_running_loop().create_task(
+        app[RUNNER].call_tool(request, Caller(), Silent(), decision, None)
+    )
+    await asyncio.sleep(0)  # creation has begun
+    creating.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await creating
+    deadline = asyncio.get_running_loop().time() + 10
+    while (await app[STORE].stats())["completed"] != 1:
+        assert asyncio.get_running_loop().time() < deadline, await app[STORE].stats()
+        await asyncio.sleep(0.05)
+    assert await client.text("call_count", {"key": "orphan"}) == "1"
 
 
 async def wait_for_upstream_cancellation(client: Tasks, count: int = 1) -> None:

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import structlog
 from mcp_types import jsonrpc as codes
@@ -46,6 +46,8 @@ SHUTDOWN_GRACE_SECONDS: Final = 5.0  # how long close() waits for cancelled call
 PROGRESS_WRITE_INTERVAL_SECONDS: Final = 0.2  # at most this often is a task's statusMessage rewritten
 INPUT_METHODS: Final = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
 CANCELLED_BY_CLIENT: Final = "cancelled by the client"
+
+_T = TypeVar("_T")
 
 CallOutcome = UpstreamResult | UpstreamErrorResponse | ProxyError
 
@@ -94,17 +96,23 @@ class TaskRunner:
         self._running: set[Job] = set()  # jobs that hold a `max_running` slot
         self._background: set[asyncio.Task[Any]] = set()
         self._progress_tokens = 0
+        self._closing = False  # set by close(): cancelled calls then leave their records live
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
-    def _spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+    def _spawn(self, coroutine: Coroutine[Any, Any, _T], name: str) -> asyncio.Task[_T]:
         """The one place tasks/ starts background work: named, referenced until done."""
         task = asyncio.get_running_loop().create_task(coroutine, name=name)
         self._background.add(task)
         task.add_done_callback(self._reap)
         return task
 
-    def _reap(self, task: asyncio.Task[None]) -> None:
+    async def _shielded(self, coroutine: Coroutine[Any, Any, _T], name: str) -> _T:
+        """Run `coroutine` to its end even if the caller is cancelled meanwhile (the caller still sees the
+        cancellation); the work is a referenced background task, not an orphan."""
+        return await asyncio.shield(self._spawn(coroutine, name))
+
+    def _reap(self, task: asyncio.Task[Any]) -> None:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("task_background_failed", coroutine=task.get_name(), error=repr(task.exception()))
@@ -117,6 +125,7 @@ class TaskRunner:
     async def close(self) -> None:
         """Shutdown: running calls are cancelled upstream; their records stay live and are failed or re-run
         per `on_restart` at the next start (nothing committed is lost or rewritten here)."""
+        self._closing = True
         for job in list(self._jobs.values()):
             job.cancel_reason = "the proxy is shutting down"
         for task in list(self._background):
@@ -191,8 +200,7 @@ class TaskRunner:
         job = self._job(request, caller, decision.policy)
         if decision.outcome is Outcome.TASK:
             started = time.perf_counter()
-            record = await self._create(job, caller, request)
-            self._start(job)
+            record = await self._shielded(self._open(job, caller, request), "task-create")
             self._observe_create("task", started)
             return result_message(request.id, wire_tasks.create_task_result(record, server_info))
         job.channel = channel
@@ -220,6 +228,13 @@ class TaskRunner:
 
     def _start(self, job: Job) -> None:
         job.coroutine = self._spawn(self._run(job), f"task-{job.task_id or 'window'}")
+
+    async def _open(self, job: Job, caller: Caller, request: ModernRequest) -> TaskRecord:
+        """Commit the record, then start its call: run shielded, so a client that leaves meanwhile cannot
+        leave a committed record without a call behind (the task runs; its id was just not delivered)."""
+        record = await self._create(job, caller, request)
+        self._start(job)
+        return record
 
     async def _create(self, job: Job, caller: Caller, request: ModernRequest) -> TaskRecord:
         """Limits first (nothing is written when refused), then the committed record (T-14)."""
@@ -254,6 +269,8 @@ class TaskRunner:
         log.info("task_created", task_id=record.task_id, tool=job.tool, ttl_ms=record.ttl_ms)
         if self.metrics is not None:
             self.metrics.tasks_created.labels(self.metrics.tool_label(job.tool)).inc()
+        if job.finished.is_set():
+            await self._settle(job)  # a window call that ended (or was stopped) while the record was committed
         return record
 
     def _observe_create(self, path: str, started: float) -> None:
@@ -271,15 +288,14 @@ class TaskRunner:
                 return self._sync_reply(request, job, server_info)
             job.channel = None  # T-43 / K-31: no request-scoped notifications once the call is a task
             started = time.perf_counter()
-            record = await self._create(job, caller, request)
+            record = await self._shielded(self._create(job, caller, request), "task-create")
             self._observe_create("window", started)
         except BaseException:
-            # The client left during the window (C-19), or the task could not be created: stop the call.
+            # The client left during the window (C-19), or the task could not be created: stop the call. A
+            # record committed meanwhile is settled `cancelled` by the stopped call (or by _create).
             if job.task_id is None:
                 self._cancel_job(job, "client disconnected")
             raise
-        if job.finished.is_set():
-            await self._settle(job)  # it ended while the record was being committed
         return result_message(request.id, wire_tasks.create_task_result(record, server_info))
 
     async def _wait(
@@ -287,8 +303,7 @@ class TaskRunner:
     ) -> JSON:
         """Poll-to-sync (§4 option A): a `required` tool for a non-declaring client with
         `undeclared_required: wait` runs as an internal task; the client's response waits for it."""
-        record = await self._create(job, caller, request)
-        self._start(job)
+        record = await self._shielded(self._open(job, caller, request), "task-create")
         try:
             while not job.finished.is_set():
                 try:
@@ -296,7 +311,7 @@ class TaskRunner:
                 except TimeoutError:
                     await channel.keepalive(open_stream=True)
         except BaseException:
-            await asyncio.shield(self._cancel_task(record.task_id, "client disconnected"))
+            await self._shielded(self._cancel_task(record.task_id, "client disconnected"), "task-cancel")
             raise
         settled = await self.store.get(record.task_id)
         if settled is None or settled.status is TaskStatus.CANCELLED:
@@ -330,7 +345,11 @@ class TaskRunner:
             job.outcome = await self._drive(job)
         except asyncio.CancelledError:
             job.finished.set()
-            await asyncio.shield(self._abandon(job))
+            self._running.discard(job)
+            await self._shielded(self._abandon(job), "task-abandon")
+            if job.task_id is not None and not self._closing:
+                # `cancelled`, unless tasks/cancel or the TTL settled it first (T-21).
+                await self._shielded(self._settle(job), "task-settle")
             raise
         except ProxyError as exc:  # UpstreamError and friends: a lost upstream
             job.outcome = exc
@@ -407,16 +426,18 @@ class TaskRunner:
         assert job.task_id is not None
         outcome = job.outcome
         now = self.clock()
-        if isinstance(outcome, UpstreamResult):
+        if outcome is None:  # the call was stopped before it ended
+            settled = await self.store.settle(
+                job.task_id, TaskStatus.CANCELLED, now_ms=now, status_message=job.cancel_reason
+            )
+        elif isinstance(outcome, UpstreamResult):
             result = translate.complete_result("tools/call", outcome.result, None, None)
             settled = await self.store.settle(job.task_id, TaskStatus.COMPLETED, now_ms=now, result=result)
         else:
             if isinstance(outcome, UpstreamErrorResponse):
                 error = translate.error_object(outcome.error)
-            elif isinstance(outcome, ProxyError):
-                error = wire_tasks.internal_error(outcome.message)
             else:
-                error = wire_tasks.internal_error("The upstream call ended without an outcome")
+                error = wire_tasks.internal_error(outcome.message)
             settled = await self.store.settle(
                 job.task_id,
                 TaskStatus.FAILED,
