@@ -6,6 +6,7 @@ Nothing is mocked: the upstream is the project's mcp 1.x fixture server (tests/u
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -169,6 +170,18 @@ def parse_sse(text: str) -> list[dict[str, Any]]:
         if data and "".join(data).strip():
             messages.append(json.loads("\n".join(data)))
     return messages
+
+
+async def post_and_leave(
+    client: Any, body: dict[str, Any], headers: dict[str, str], after_seconds: float = 0.5
+) -> None:
+    """POST a request, then close the connection after `after_seconds` without reading the answer (C-19)."""
+    request = client.post("/mcp", json=body, headers=headers)
+    pending = asyncio.get_running_loop().create_task(request.__aenter__())
+    await asyncio.sleep(after_seconds)
+    pending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pending
 
 
 async def read_messages(response: Any) -> list[dict[str, Any]]:
