@@ -41,9 +41,6 @@ from proxy.wire.jsonrpc import JSON, error_message, notification_message, result
 
 log = structlog.get_logger(__name__)
 
-# Server→client requests a legacy server may send mid-call (L-4); until input bridging lands they are
-# refused upstream and the modern client is told which capability the call needs (C-21, C-14).
-INPUT_METHODS: Final = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
 LISTEN_KEEPALIVE_SECONDS: Final = 15.0  # SSE comment on idle listen streams, so intermediaries keep them open
 
 Handler = Callable[["Front", ModernRequest, Caller, Channel], Awaitable[JSON]]
@@ -218,17 +215,8 @@ class Front:
         did not declare the capability gets -32021 naming it (C-4); one that did gets -32603 saying the proxy
         cannot relay the question yet (input bridging is a later milestone). Returns None to read on.
         """
-        if server_request.method not in INPUT_METHODS:
-            await call.answer(
-                server_request.id,
-                error={"code": codes.METHOD_NOT_FOUND, "message": f"Method not found: {server_request.method}"},
-            )
+        if not await call.refuse(server_request):
             return None
-        await call.session.refuse(
-            server_request.id,
-            server_request.method,
-            {"code": codes.INVALID_REQUEST, "message": "The client cannot answer this request"},
-        )
         # No notifications/cancelled here: the upstream was answered and ends the call by itself, and a cancel
         # racing that ending kills the whole session in the mcp 1.x SDK (seen with its stateful servers).
         log.info("upstream_input_request_refused", method=request.method, input_method=server_request.method)

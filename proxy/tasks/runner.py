@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
 import structlog
-from mcp_types import jsonrpc as codes
 
 from proxy.config import TasksConfig
 from proxy.errors import InvalidParamsError, MissingCapabilityError, ProxyError, TaskLimitError, UpstreamError
@@ -44,7 +43,6 @@ SWEEP_INTERVAL_SECONDS: Final = 1.0  # how often expired tasks are failed and se
 WAIT_KEEPALIVE_SECONDS: Final = 15.0  # SSE comment while a poll-to-sync client waits for its internal task
 SHUTDOWN_GRACE_SECONDS: Final = 5.0  # how long close() waits for cancelled calls to tell the upstream
 PROGRESS_WRITE_INTERVAL_SECONDS: Final = 0.2  # at most this often is a task's statusMessage rewritten
-INPUT_METHODS: Final = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
 CANCELLED_BY_CLIENT: Final = "cancelled by the client"
 
 _T = TypeVar("_T")
@@ -399,17 +397,7 @@ class TaskRunner:
     async def _refuse(self, job: Job, call: UpstreamCall, server_request: UpstreamServerRequest) -> None:
         """Input bridging is not built yet: an upstream question is answered at once (an elicitation is
         declined), so the upstream never hangs and ends the call by itself."""
-        if server_request.method in INPUT_METHODS:
-            await call.session.refuse(
-                server_request.id,
-                server_request.method,
-                {"code": codes.INVALID_REQUEST, "message": "The client cannot answer this request"},
-            )
-        else:
-            await call.answer(
-                server_request.id,
-                error={"code": codes.METHOD_NOT_FOUND, "message": f"Method not found: {server_request.method}"},
-            )
+        await call.refuse(server_request)
         log.info("task_input_request_refused", task_id=job.task_id, tool=job.tool, input_method=server_request.method)
 
     async def _abandon(self, job: Job) -> None:

@@ -11,9 +11,10 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import aiohttp
+from mcp_types import jsonrpc as codes
 
 from proxy.errors import InvalidRequestError, UpstreamError, UpstreamTimeoutError
 from proxy.upstream.sse import SSEParser
@@ -22,6 +23,8 @@ from proxy.wire.jsonrpc import JSON, Notification, Request, Response, classify
 if TYPE_CHECKING:
     from proxy.upstream.session import UpstreamSession
 
+# Server→client requests a legacy server may send mid-call to ask the user or the model something (L-4).
+INPUT_METHODS: Final = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
 # How often a closed upstream SSE stream is resumed with GET + Last-Event-ID before the call counts as lost.
 MAX_RESUMPTIONS = 5
 
@@ -146,6 +149,23 @@ class UpstreamCall:
     ) -> None:
         """Answer a server→client request the upstream sent on this call's stream."""
         await self.session.respond(server_request_id, result=result, error=error)
+
+    async def refuse(self, server_request: UpstreamServerRequest) -> bool:
+        """Answer a server→client request no client will see, so the upstream never waits on it: an input
+        request (elicitation, sampling, roots) is refused (an elicitation declined); anything else is not
+        found. Returns whether it was an input request."""
+        if server_request.method in INPUT_METHODS:
+            await self.session.refuse(
+                server_request.id,
+                server_request.method,
+                {"code": codes.INVALID_REQUEST, "message": "The client cannot answer this request"},
+            )
+            return True
+        await self.answer(
+            server_request.id,
+            error={"code": codes.METHOD_NOT_FOUND, "message": f"Method not found: {server_request.method}"},
+        )
+        return False
 
     async def cancel(self, reason: str) -> None:
         """L-5: disconnect is not cancellation for a legacy server; tell it with notifications/cancelled."""
