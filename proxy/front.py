@@ -70,9 +70,6 @@ class Front:
     async def listen(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """C-17 `subscriptions/listen`: the ack first, then the list-changed and resource-updated notifications
         the client asked for, from the principal's upstream session; the graceful result at shutdown."""
-        session = self.upstream.session(caller.principal)
-        initialize_result = await session.ensure_initialized()
-        capabilities = initialize_result.get("capabilities")
         wanted = request.params.get("notifications")
         if isinstance(wanted, dict) and "taskIds" in wanted and not request.declares_tasks:
             # T-5: task notifications are the extension's; a non-declaring client cannot ask for them.
@@ -81,6 +78,9 @@ class Front:
                 "Missing required client capability: taskIds need the io.modelcontextprotocol/tasks extension",
                 request_id=request.id,
             )
+        session = self.upstream.session(caller.principal)
+        initialize_result = await session.ensure_initialized()
+        capabilities = initialize_result.get("capabilities")
         honoured = translate.honoured_filter(
             wanted if isinstance(wanted, dict) else {}, capabilities if isinstance(capabilities, dict) else {}
         )

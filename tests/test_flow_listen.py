@@ -12,7 +12,7 @@ from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient
 
 from proxy.upstream.sse import SSEParser
-from tests.conftest import ModernSchema, Upstream, modern_body, modern_headers, read_messages
+from tests.conftest import TASKS, ModernSchema, Upstream, modern_body, modern_headers, read_messages
 
 Client = TestClient[web.Request, web.Application]
 SUBSCRIPTION_ID = "io.modelcontextprotocol/subscriptionId"
@@ -131,4 +131,24 @@ async def test_listen_survives_an_upstream_restart(make_proxy: Callable[..., Any
         await asyncio.sleep(0.2)
     updated = await next_message(stream)
     assert (updated["method"], updated["params"]["uri"]) == ("notifications/resources/updated", uri)
+    response.close()
+
+
+async def test_task_ids_need_the_extension(proxy: Client, modern_schema: ModernSchema) -> None:
+    """T-5: `taskIds` from a non-declaring client is -32021; a declaring one is acknowledged with the subset
+    the proxy honours (T-44: none, since it sends no notifications/tasks; clients poll tasks/get)."""
+    wanted = {"taskIds": ["task_x"], "toolsListChanged": True}
+    body = modern_body("subscriptions/listen", {"notifications": wanted}, request_id="T5")
+    refused = await proxy.post("/mcp", json=body, headers=modern_headers("subscriptions/listen"))
+    assert refused.status == 400
+    [error] = await read_messages(refused)
+    modern_schema.validate(error, "MissingRequiredClientCapabilityError")
+    assert error["error"]["data"]["requiredCapabilities"] == {"extensions": {TASKS: {}}}
+    declaring = modern_body(
+        "subscriptions/listen", {"notifications": wanted}, request_id="T5b", capabilities={"extensions": {TASKS: {}}}
+    )
+    response = await proxy.post("/mcp", json=declaring, headers=modern_headers("subscriptions/listen"))
+    assert response.status == 200
+    ack = await next_message(sse_messages(response))
+    assert ack["params"]["notifications"] == {"toolsListChanged": True}
     response.close()
