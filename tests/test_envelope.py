@@ -257,6 +257,14 @@ def test_mismatched_param_headers_are_rejected(headers: dict[str, str], argument
     assert (caught.value.code, caught.value.status, caught.value.request_id) == (-32020, 400, 9)
 
 
+def test_param_mismatch_messages_carry_no_argument_values() -> None:
+    """The error edge logs the message, and argument values are never logged."""
+    with pytest.raises(HeaderMismatchError) as caught:
+        check_param_headers({"Mcp-Param-Region": "secret-b"}, {"region": "secret-a"}, param_headers(SCHEMA), 9)
+    assert "secret" not in caught.value.message
+    assert "Mcp-Param-Region" in caught.value.message
+
+
 def test_literal_values_that_only_look_encoded_compare_as_text() -> None:
     specs = param_headers(SCHEMA)
     check_param_headers({"Mcp-Param-Region": "SGVsbG8="}, {"region": "SGVsbG8="}, specs, 1)
