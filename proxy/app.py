@@ -31,6 +31,7 @@ from proxy.errors import (
 )
 from proxy.front import Front
 from proxy.observability import Metrics, method_label
+from proxy.policy import named_tools
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import SqliteTaskStore, StoreError
 from proxy.upstream.passthrough import PassThrough
@@ -366,7 +367,7 @@ async def readyz(request: web.Request) -> web.Response:
         reasons.append("shutting down")
     else:
         try:
-            await app[STORE].check_writable(time.time_ns() // 1_000_000)
+            await app[STORE].check_writable(app[RUNNER].clock())
         except StoreError as exc:
             reasons.append(f"store: {exc}")
         try:
@@ -409,6 +410,6 @@ def create_app(config: Config) -> web.Application:
     app.router.add_get(HEALTHZ, healthz)
     app.router.add_get(READYZ, readyz)
     if config.observability.metrics:
-        app[METRICS] = Metrics(name for name in config.tasks.tools if not any(char in name for char in "*?["))
+        app[METRICS] = Metrics(named_tools(config.tasks))
         app.router.add_get(METRICS_PATH, metrics_endpoint)
     return app

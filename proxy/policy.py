@@ -50,6 +50,11 @@ def _is_glob(pattern: str) -> bool:
     return any(char in pattern for char in "*?[")
 
 
+def named_tools(tasks: TasksConfig) -> frozenset[str]:
+    """The tools the policy names exactly (not through a glob): the bounded set of `tool` metric labels."""
+    return frozenset(name for name in tasks.tools if not _is_glob(name))
+
+
 def _merged(entry: ToolPolicyConfig, tasks: TasksConfig) -> Policy:
     default = tasks.default
     given = entry.model_fields_set  # `ttl_ms: null` given explicitly means unlimited, not "inherit"

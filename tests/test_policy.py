@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from proxy.config import TaskMode, TaskPolicyConfig, TasksConfig, ToolPolicyConfig
-from proxy.policy import Decision, Outcome, Policy, decide, policy_for
+from proxy.policy import Decision, Outcome, Policy, decide, named_tools, policy_for
 
 DEFAULT = {
     "mode": "optional",
@@ -261,3 +261,9 @@ def test_undeclared_required_defaults_to_reject() -> None:
 def test_outcome_values_are_stable() -> None:
     # Logged and compared as strings elsewhere.
     assert {outcome.value for outcome in Outcome} == {"sync", "task", "window", "reject", "wait"}
+
+
+def test_named_tools_are_the_exact_names_only() -> None:
+    """Metric labels: tools named exactly in the policy; glob patterns are not tool names."""
+    config = TasksConfig.model_validate({"tools": {"a": {}, "batch_*": {}, "b?": {}, "c[12]": {}, "d.e": {}}})
+    assert named_tools(config) == frozenset({"a", "d.e"})
