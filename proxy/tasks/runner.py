@@ -455,11 +455,15 @@ class TaskRunner:
         if job.coroutine is not None and not job.coroutine.done():
             job.coroutine.cancel()
 
-    async def _cancel_task(self, task_id: str, reason: str) -> None:
-        settled = await self.store.settle(task_id, TaskStatus.CANCELLED, now_ms=self.clock(), status_message=reason)
+    def _stop(self, task_id: str, reason: str) -> None:
+        """The task's record was settled from outside its call (cancel, expiry): stop the call if it runs here."""
         job = self._jobs.pop(task_id, None)
         if job is not None:
             self._cancel_job(job, reason)
+
+    async def _cancel_task(self, task_id: str, reason: str) -> None:
+        settled = await self.store.settle(task_id, TaskStatus.CANCELLED, now_ms=self.clock(), status_message=reason)
+        self._stop(task_id, reason)
         self._settled(settled, reason=reason)
 
     async def _fail(self, task_id: str, message: str) -> TaskRecord | None:
@@ -475,9 +479,7 @@ class TaskRunner:
 
     async def _expire(self, record: TaskRecord) -> TaskRecord | None:
         settled = await self._fail(record.task_id, wire_tasks.EXPIRED_MESSAGE)
-        job = self._jobs.pop(record.task_id, None)
-        if job is not None:
-            self._cancel_job(job, wire_tasks.EXPIRED_MESSAGE)
+        self._stop(record.task_id, wire_tasks.EXPIRED_MESSAGE)
         if settled is not None:
             log.info("task_expired", task_id=record.task_id, tool=record.tool)
         return settled
