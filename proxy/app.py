@@ -319,10 +319,11 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     metrics = app.get(METRICS)
     upstream = UpstreamClient(config.upstream, http, config.security.principal_header, metrics=metrics)
     app[UPSTREAM] = upstream
-    runner = TaskRunner(config.tasks, store, upstream, metrics=metrics)
+    runner = TaskRunner(config, store, upstream, metrics=metrics)
     app[RUNNER] = runner
     if metrics is not None:
         metrics.tasks_running.set_function(lambda: runner.running)
+        metrics.calls_parked.set_function(lambda: runner.parked)
     app[FRONT] = Front(config, upstream, runner)
     app[PASSTHROUGH] = PassThrough(
         config.upstream.url,

@@ -162,6 +162,12 @@ class TaskPolicyConfig(_Frozen):
         description="What a task still running when the proxy stopped becomes at the next start: `fail` (-32603 "
         "with a message saying so) or `rerun` (the same tools/call is sent again; only for idempotent tools).",
     )
+    resolve_input_first: bool = Field(
+        False,
+        description="For a declaring client: questions the upstream asks within `sync_window_ms` are answered "
+        "in synchronous MRTR rounds first, and only a call still running after a window becomes a task (T-15). "
+        "Needs `sync_window_ms` > 0.",
+    )
 
 
 class ToolPolicyConfig(_Frozen):
@@ -172,6 +178,7 @@ class ToolPolicyConfig(_Frozen):
     ttl_ms: int | None = Field(None, gt=0, description="As `tasks.default.ttl_ms` (`null`: unlimited), for this tool.")
     poll_interval_ms: int | None = Field(None, gt=0, description="As `tasks.default.poll_interval_ms`, for this tool.")
     on_restart: RestartAction | None = Field(None, description="As `tasks.default.on_restart`, for this tool.")
+    resolve_input_first: bool | None = Field(None, description="As `tasks.default.resolve_input_first`, for this tool.")
 
 
 class TasksConfig(_Frozen):
@@ -199,6 +206,35 @@ class TasksConfig(_Frozen):
         gt=0,
         description="Task records kept; at the limit the oldest settled records are evicted first, and a new "
         "task is refused only when every record is still live.",
+    )
+
+
+class InputsConfig(_Frozen):
+    """Input bridging: the upstream's mid-call elicitation, sampling and roots requests."""
+
+    gather_ms: int = Field(
+        100,
+        ge=0,
+        le=10_000,
+        description="After an upstream question, how long to wait for more questions asked at the same time, so "
+        "that one `inputRequests` map (of a task or an MRTR round) carries them all.",
+    )
+    request_state_ttl_ms: int = Field(
+        600_000,
+        gt=0,
+        description="How long a synchronous call parked by an MRTR `InputRequiredResult` waits for the client's "
+        "retry; then its `requestState` is refused and the upstream call is cancelled.",
+    )
+    max_parked: int = Field(
+        1024,
+        gt=0,
+        description="Synchronous calls parked for a client's retry at once; beyond it the upstream question is "
+        "declined and the client gets -32603 (`data.limit`) with HTTP 503.",
+    )
+    secret_file: str | None = Field(
+        None,
+        description="File holding the key that signs `requestState` (at least 32 bytes, e.g. a mounted Secret). "
+        "Unset: a random key per process, so a state is only valid on the process that issued it.",
     )
 
 
@@ -232,6 +268,9 @@ class Config(_Frozen):
     )
     store: StoreConfig = Field(default_factory=StoreConfig, description="The task database.")
     tasks: TasksConfig = Field(default_factory=TasksConfig, description="Tool policies and task limits.")
+    inputs: InputsConfig = Field(
+        default_factory=InputsConfig, description="Upstream questions relayed as inputRequests (tasks and MRTR)."
+    )
     observability: ObservabilityConfig = Field(
         default_factory=ObservabilityConfig, description="Health probes and metrics."
     )

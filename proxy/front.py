@@ -16,9 +16,10 @@ from mcp_types import SERVER_INFO_META_KEY
 from mcp_types import jsonrpc as codes
 
 from proxy.config import Config
-from proxy.errors import InvalidParamsError, MethodNotFoundError, MissingCapabilityError, UpstreamError
-from proxy.policy import Outcome, decide
+from proxy.errors import InvalidParamsError, MethodNotFoundError, MissingCapabilityError, ProxyError, UpstreamError
+from proxy.policy import decide
 from proxy.tasks.runner import TaskRunner
+from proxy.tasks.waiting import WaitingCalls
 from proxy.upstream.call import (
     UpstreamCall,
     UpstreamErrorResponse,
@@ -51,6 +52,7 @@ class Front:
         self.config = config
         self.upstream = upstream
         self.runner = runner
+        self.calls = WaitingCalls(runner)
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
 
     async def dispatch(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
@@ -124,17 +126,26 @@ class Front:
             log.info("upstream_resource_unsubscribe_failed", error=exc.message)
 
     async def call_tool(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        """T-1…T-3: the tool's policy and this request's own declaration decide sync, task, window or -32021."""
-        decision = decide(self.config.tasks, str(request.params["name"]), declares_tasks=request.declares_tasks)
-        if decision.outcome is Outcome.SYNC:
-            return await self.forward(request, caller, channel)
+        """T-1…T-3: the tool's policy and this request's own declaration decide sync, task, window or -32021.
+        Every tools/call runs as a runner call, so an upstream question can become an MRTR round or a task's
+        inputRequests (C-11)."""
         session = self.upstream.session(caller.principal)
         initialize_result = await session.ensure_initialized()
         specs = await session.param_headers(str(request.params["name"]))
         check_param_headers(caller.headers, request.params.get("arguments"), specs, request.id)
-        return await self.runner.call_tool(
-            request, caller, channel, decision, translate.implementation(initialize_result)
-        )
+        server_info = translate.implementation(initialize_result)
+        if "requestState" in request.params:
+            return await self.calls.resume(request, caller, channel, server_info)
+        decision = decide(self.config.tasks, str(request.params["name"]), declares_tasks=request.declares_tasks)
+        return await self.calls.call(request, caller, channel, decision, server_info)
+
+    async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        """`prompts/get` and `resources/read`: synchronous, but an upstream question is an MRTR round (C-11)."""
+        initialize_result = await self.upstream.session(caller.principal).ensure_initialized()
+        server_info = translate.implementation(initialize_result)
+        if "requestState" in request.params:
+            return await self.calls.resume(request, caller, channel, server_info)
+        return await self.calls.call(request, caller, channel, None, server_info)
 
     def _task_id(self, request: ModernRequest) -> str:
         """T-4 / K-3: the capability gate comes first (even for unknown ids), then the params."""
@@ -155,11 +166,16 @@ class Front:
         return result_message(request.id, wire_tasks.get_task_result(record, self.upstream.server_info))
 
     async def task_update(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        """T-26 / T-28: an ack; keys that are not outstanding are ignored."""
+        """T-26…T-31: answers go upstream; an ack; keys that are not outstanding are ignored."""
         task_id = self._task_id(request)
-        if not isinstance(request.params.get("inputResponses"), dict):
+        responses = request.params.get("inputResponses")
+        if not isinstance(responses, dict):
             raise InvalidParamsError("Invalid params: inputResponses must be an object", request_id=request.id)
-        await self.runner.observe(task_id, caller)
+        try:
+            await self.runner.update(task_id, caller, responses)
+        except ProxyError as exc:
+            exc.request_id = request.id
+            raise
         return result_message(request.id, wire_tasks.ack_result(self.upstream.server_info))
 
     async def task_cancel(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
@@ -171,9 +187,6 @@ class Front:
         session = self.upstream.session(caller.principal)
         initialize_result = await session.ensure_initialized()
         server_info = translate.implementation(initialize_result)
-        if request.method == "tools/call":
-            specs = await session.param_headers(str(request.params["name"]))
-            check_param_headers(caller.headers, request.params.get("arguments"), specs, request.id)
         headers = translate.trace_headers(request.meta, caller.headers)
         async with session.call(request.method, translate.upstream_params(request.params), headers) as call:
             try:
@@ -209,11 +222,11 @@ class Front:
     async def _refuse_server_request(
         self, request: ModernRequest, call: UpstreamCall, server_request: UpstreamServerRequest
     ) -> JSON | None:
-        """C-21 / K-30: no server→client request reaches a modern stream.
-
-        The upstream gets an answer at once (it never hangs) and finishes the call by itself. A client that
-        did not declare the capability gets -32021 naming it (C-4); one that did gets -32603 saying the proxy
-        cannot relay the question yet (input bridging is a later milestone). Returns None to read on.
+        """C-21 / K-23: no server→client request reaches a modern stream, and only tools/call, prompts/get and
+        resources/read may ask for input (C-11); those run as runner calls. Here (any other method) the upstream
+        gets an answer at once (it never hangs) and finishes the call by itself. A client that did not declare
+        the capability gets -32021 naming it (C-4); one that did gets -32603 saying the method cannot ask.
+        Returns None to read on.
         """
         if not await call.refuse(server_request):
             return None
@@ -232,8 +245,8 @@ class Front:
             request.id,
             {
                 "code": codes.INTERNAL_ERROR,
-                "message": f"The upstream asked for {server_request.method} during {request.method}; relaying "
-                "server requests to 2026-07-28 clients is not supported yet",
+                "message": f"The upstream asked for {server_request.method} during {request.method}, which cannot "
+                "ask the client for input in protocol 2026-07-28",
             },
         )
 
@@ -249,10 +262,10 @@ METHODS: Final[Mapping[str, Handler]] = {
     "tools/list": Front.forward,
     "tools/call": Front.call_tool,
     "prompts/list": Front.forward,
-    "prompts/get": Front.forward,
+    "prompts/get": Front.input_capable,
     "resources/list": Front.forward,
     "resources/templates/list": Front.forward,
-    "resources/read": Front.forward,
+    "resources/read": Front.input_capable,
     "completion/complete": Front.forward,
     "subscriptions/listen": Front.listen,
     # The Tasks extension (SEP-2663); tasks/result and tasks/list do not exist (T-40): 404 + -32601.

@@ -128,6 +128,18 @@ class Metrics:
         self.tasks_running = Gauge(
             f"{prefix}_tasks_running", "Tasks whose upstream call runs in this process", registry=self.registry
         )
+        self.calls_parked = Gauge(
+            f"{prefix}_calls_parked",
+            "Synchronous calls parked by an MRTR InputRequiredResult, waiting for the client's retry",
+            registry=self.registry,
+        )
+        self.input_requests = Counter(
+            f"{prefix}_input_requests_total",
+            "Upstream questions (elicitation, sampling, roots) by how they went: relayed as an inputRequest, or "
+            "refused because the client did not declare the capability (or nobody waits for the call any more)",
+            ["method", "outcome"],
+            registry=self.registry,
+        )
         self.tasks_by_status = Gauge(
             f"{prefix}_tasks", "Task records in the store, by status", ["status"], registry=self.registry
         )

@@ -20,6 +20,7 @@ class Policy:
     ttl_ms: int | None
     poll_interval_ms: int
     on_restart: RestartAction
+    resolve_input_first: bool = False
 
 
 class Outcome(StrEnum):
@@ -28,6 +29,7 @@ class Outcome(StrEnum):
     WINDOW = "window"  # synchronous if it settles within the window, else a task continuing the same call
     REJECT = "reject"  # -32021: the tool needs a task and the client did not declare the extension
     WAIT = "wait"  # an internal task; the client's response is held until it settles (poll-to-sync)
+    INPUT_FIRST = "input_first"  # T-15: MRTR rounds while the call answers within the window, then a task
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,15 +66,21 @@ def _merged(entry: ToolPolicyConfig, tasks: TasksConfig) -> Policy:
         ttl_ms=entry.ttl_ms if "ttl_ms" in given else default.ttl_ms,
         poll_interval_ms=entry.poll_interval_ms if entry.poll_interval_ms is not None else default.poll_interval_ms,
         on_restart=entry.on_restart if entry.on_restart is not None else default.on_restart,
+        resolve_input_first=(
+            entry.resolve_input_first if entry.resolve_input_first is not None else default.resolve_input_first
+        ),
     )
 
 
 def decide(tasks: TasksConfig, tool: str, *, declares_tasks: bool) -> Decision:
     """T-1…T-3, T-17: `declares_tasks` comes from this request's `_meta` only (never an earlier request, never
-    the legacy `task` param); a non-declaring request never gets a task."""
+    the legacy `task` param); a non-declaring request never gets a task. `resolve_input_first` (T-15) only
+    changes what a declaring client gets for a tool that may become a task."""
     policy = policy_for(tasks, tool)
     if policy.mode == "forbidden":
         return Decision(Outcome.SYNC, policy)
+    if declares_tasks and policy.resolve_input_first and policy.sync_window_ms > 0:
+        return Decision(Outcome.INPUT_FIRST, policy)
     if policy.mode == "required":
         if declares_tasks:
             return Decision(Outcome.TASK, policy)

@@ -217,17 +217,6 @@ async def test_undeclared_input_capability_is_minus_32021(
     assert text_of(again) == "Hello, x!"
 
 
-async def test_declared_input_capability_is_not_blamed_on_the_client(
-    proxy: Client, modern_schema: ModernSchema
-) -> None:
-    """Until input bridging exists the proxy cannot relay the upstream's question; a client that declared the
-    capability must not be told it lacks it."""
-    status, _, [message] = await call_tool(proxy, modern_schema, "ask_name", capabilities={"elicitation": {}})
-    assert message["error"]["code"] == -32603
-    assert "elicitation/create" in message["error"]["message"]
-    assert status == 200
-
-
 # --- cancellation (C-19, L-5) -------------------------------------------------------------------------
 
 

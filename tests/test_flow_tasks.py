@@ -17,9 +17,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy.app import CONFIG, RUNNER, STORE
+from proxy.app import CONFIG, FRONT, STORE
 from proxy.policy import decide
-from proxy.tasks import runner as runner_module
+from proxy.tasks import waiting as waiting_module
 from proxy.wire.envelope import Caller, validate_modern
 from tests.conftest import (
     SCHEMA_DIR,
@@ -233,7 +233,7 @@ async def test_required_tool_with_undeclared_wait_answers_synchronously(tasks_cl
 async def test_wait_holds_the_response_with_keepalive_comments(
     tasks_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(runner_module, "WAIT_KEEPALIVE_SECONDS", 0.2)
+    monkeypatch.setattr(waiting_module, "KEEPALIVE_SECONDS", 0.2)
     client = await tasks_client(tasks={**policies(counted={"mode": "required"}), "undeclared_required": "wait"})
     response = await client.client.post(
         "/mcp",
@@ -301,7 +301,7 @@ async def test_a_client_leaving_during_creation_leaves_no_orphan_record(tasks_cl
     decision = decide(app[CONFIG].tasks, "counted", declares_tasks=True)
     await client.text("echo", {"text": "warm"})  # the upstream session exists
     creating = asyncio.get_running_loop().create_task(
-        app[RUNNER].call_tool(request, Caller(), Silent(), decision, None)
+        app[FRONT].calls.call(request, Caller(), Silent(), decision, None)
     )
     await asyncio.sleep(0)  # creation has begun
     creating.cancel()

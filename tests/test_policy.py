@@ -212,6 +212,20 @@ CASES = [
     ("required", 1000, False, "wait", Outcome.WAIT),  # T-2 still holds: no task goes to the client
     ("required", 0, False, "wait", Outcome.WAIT),
 ]
+# T-15: `resolve_input_first` changes only what a declaring client gets for a tool that may become a task,
+# and needs a window to resolve input in.
+INPUT_FIRST_CASES = [
+    # (mode, sync_window_ms, declares_tasks, undeclared_required, expected)
+    ("optional", 1000, True, "reject", Outcome.INPUT_FIRST),
+    ("required", 1000, True, "reject", Outcome.INPUT_FIRST),
+    ("required", 1, True, "wait", Outcome.INPUT_FIRST),
+    ("optional", 0, True, "reject", Outcome.TASK),  # no window: nothing to resolve synchronously in
+    ("required", 0, True, "reject", Outcome.TASK),
+    ("forbidden", 1000, True, "reject", Outcome.SYNC),
+    ("optional", 1000, False, "reject", Outcome.SYNC),
+    ("required", 1000, False, "reject", Outcome.REJECT),
+    ("required", 1000, False, "wait", Outcome.WAIT),
+]
 
 
 @pytest.mark.parametrize(("mode", "window", "declares", "undeclared", "expected"), CASES)
@@ -225,8 +239,31 @@ def test_decide(mode: TaskMode, window: int, declares: bool, undeclared: str, ex
     )
 
 
+@pytest.mark.parametrize(("mode", "window", "declares", "undeclared", "expected"), INPUT_FIRST_CASES)
+def test_decide_with_resolve_input_first(
+    mode: TaskMode, window: int, declares: bool, undeclared: str, expected: Outcome
+) -> None:
+    config = tasks_config(
+        {"tool": {"mode": mode, "sync_window_ms": window, "resolve_input_first": True}},
+        undeclared_required=undeclared,
+    )
+    decision = decide(config, "tool", declares_tasks=declares)
+    assert decision.outcome is expected
+    assert decision.policy.resolve_input_first is True
+
+
+def test_resolve_input_first_is_inherited_and_overridable() -> None:
+    config = TasksConfig.model_validate(
+        {"default": {"resolve_input_first": True}, "tools": {"plain": {"resolve_input_first": False}, "other": {}}}
+    )
+    assert policy_for(config, "other").resolve_input_first is True
+    assert policy_for(config, "plain").resolve_input_first is False
+    assert decide(config, "other", declares_tasks=True).outcome is Outcome.INPUT_FIRST
+    assert decide(config, "plain", declares_tasks=True).outcome is Outcome.WINDOW
+
+
 def test_every_outcome_is_reachable() -> None:
-    reached = {case[-1] for case in CASES}
+    reached = {case[-1] for case in CASES + INPUT_FIRST_CASES}
     assert reached == set(Outcome)
 
 
@@ -260,7 +297,7 @@ def test_undeclared_required_defaults_to_reject() -> None:
 
 def test_outcome_values_are_stable() -> None:
     # Logged and compared as strings elsewhere.
-    assert {outcome.value for outcome in Outcome} == {"sync", "task", "window", "reject", "wait"}
+    assert {outcome.value for outcome in Outcome} == {"sync", "task", "window", "reject", "wait", "input_first"}
 
 
 def test_named_tools_are_the_exact_names_only() -> None:

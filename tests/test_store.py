@@ -173,8 +173,10 @@ def test_record_from_row_decodes_json_and_status() -> None:
         "input_requests": "{}",
         "inputs_issued": 4,
         "rerun_principal": None,
+        "client_capabilities": '{"elicitation":{}}',
     }
     record = record_from_row(row)
+    assert record.client_capabilities == {"elicitation": {}}
     assert record.status is TaskStatus.FAILED
     assert record.request == {"a": 1}
     assert record.error == {"code": 1}
@@ -449,6 +451,7 @@ async def test_durable_across_reopen(db_path: Path) -> None:
     assert [row[:2] for row in migrations] == [
         ("mcp-tasks-proxy", "0001_create_tasks"),
         ("mcp-tasks-proxy", "0002_create_health"),
+        ("mcp-tasks-proxy", "0003_add_client_capabilities"),
     ]
     assert raw_rows(db_path, "PRAGMA journal_mode") == [("wal",)]
     indexes = {row[0] for row in raw_rows(db_path, "SELECT name FROM sqlite_master WHERE type = 'index'")}

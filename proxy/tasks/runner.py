@@ -1,9 +1,11 @@
-"""The task runner: every background coroutine of a `tools/call` that may outlive its HTTP request.
+"""The task runner: every background coroutine of a call that may outlive its HTTP request.
 
-Owns the sync window, task creation (commit before the handle is returned, T-14), the upstream call's events
-(progress → statusMessage, final → settled record), cancel, limits, TTL/retention sweeps and restart
-recovery. The only creator of background tasks outside `upstream/`. Imports the store, the upstream client,
-policy and wire; never aiohttp's web side or the front.
+Owns the upstream calls of `tools/call` (all of them), `prompts/get` and `resources/read`: the sync window,
+task creation (commit before the handle is returned, T-14), the call's events (progress → statusMessage or the
+client's stream; upstream questions → a task's `inputRequests` or an MRTR round; final → settled record or
+response), cancel, limits, TTL/retention sweeps and restart recovery. The only creator of background tasks
+outside `upstream/`. Imports the store, the upstream client, policy and wire; never aiohttp's web side or the
+front. The requests that wait for a call (and MRTR) are in `waiting.py`.
 """
 
 from __future__ import annotations
@@ -12,16 +14,17 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Final, TypeVar
 
 import structlog
 
-from proxy.config import TasksConfig
-from proxy.errors import InvalidParamsError, MissingCapabilityError, ProxyError, TaskLimitError, UpstreamError
+from proxy.config import Config
+from proxy.errors import InvalidParamsError, ProxyError, TaskLimitError, UpstreamError
 from proxy.observability import Metrics
-from proxy.policy import Decision, Outcome, Policy
+from proxy.policy import Outcome, Policy
+from proxy.tasks import inputs
+from proxy.tasks.job import Job, JobMode
 from proxy.tasks.store import StoreError, StoreFullError, TaskStore
 from proxy.upstream.call import (
     UpstreamCall,
@@ -33,65 +36,49 @@ from proxy.upstream.call import (
 from proxy.upstream.session import UpstreamClient, principal_key
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
-from proxy.wire.envelope import TASKS_EXTENSION, Caller, Channel, ModernRequest
-from proxy.wire.jsonrpc import JSON, error_message, result_message
+from proxy.wire.envelope import Caller, ModernRequest
+from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
 
 log = structlog.get_logger(__name__)
 
-SWEEP_INTERVAL_SECONDS: Final = 1.0  # how often expired tasks are failed and settled ones past their TTL purged
-WAIT_KEEPALIVE_SECONDS: Final = 15.0  # SSE comment while a poll-to-sync client waits for its internal task
+SWEEP_INTERVAL_SECONDS: Final = 1.0  # how often expired tasks and parked calls are ended, old records purged
 SHUTDOWN_GRACE_SECONDS: Final = 5.0  # how long close() waits for cancelled calls to tell the upstream
 PROGRESS_WRITE_INTERVAL_SECONDS: Final = 0.2  # at most this often is a task's statusMessage rewritten
 CANCELLED_BY_CLIENT: Final = "cancelled by the client"
+PARKED_EXPIRED: Final = "the client did not retry within inputs.request_state_ttl_ms"
+# Outcomes whose call may become a task: the proxy asks the upstream for progress (statusMessage) even when
+# the client did not.
+_TASK_CAPABLE: Final = frozenset({Outcome.TASK, Outcome.WINDOW, Outcome.WAIT, Outcome.INPUT_FIRST})
 
 _T = TypeVar("_T")
-
-CallOutcome = UpstreamResult | UpstreamErrorResponse | ProxyError
 
 
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-@dataclass(eq=False)
-class Job:
-    """One upstream `tools/call` run by the runner: first (maybe) inside a sync window, then as a task."""
-
-    tool: str
-    policy: Policy
-    principal: str | None
-    params: JSON
-    headers: dict[str, str]
-    progress_token: str | int | None = None
-    log_level: str | None = None
-    channel: Channel | None = None  # the waiting client's stream while the call is still synchronous
-    task_id: str | None = None
-    call: UpstreamCall | None = None
-    outcome: CallOutcome | None = None
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-    coroutine: asyncio.Task[None] | None = None
-    cancel_reason: str = "cancelled"
-    progress_written_at: float = float("-inf")  # monotonic time of the last statusMessage write
-
-
 class TaskRunner:
     def __init__(
         self,
-        config: TasksConfig,
+        config: Config,
         store: TaskStore,
         upstream: UpstreamClient,
         clock: Callable[[], int] = wall_clock_ms,
         metrics: Metrics | None = None,
     ) -> None:
-        self.config = config
+        self.config = config.tasks
+        self.inputs = config.inputs
+        self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
         self.metrics = metrics
         self.store = store
         self.upstream = upstream
         self.clock = clock
+        self.signer = inputs.RequestStateSigner(inputs.load_secret(config.inputs.secret_file))
         self.process_id = uuid.uuid4().hex  # the `owner` of every task this process runs
         self._jobs: dict[str, Job] = {}  # task id → its job, for tasks whose upstream call runs here
         self._running: set[Job] = set()  # jobs that hold a `max_running` slot
+        self._parked: dict[str, Job] = {}  # call id → a synchronous call waiting for an MRTR retry
         self._background: set[asyncio.Task[Any]] = set()
         self._progress_tokens = 0
         self._closing = False  # set by close(): cancelled calls then leave their records live
@@ -105,7 +92,7 @@ class TaskRunner:
         task.add_done_callback(self._reap)
         return task
 
-    async def _shielded(self, coroutine: Coroutine[Any, Any, _T], name: str) -> _T:
+    async def shielded(self, coroutine: Coroutine[Any, Any, _T], name: str) -> _T:
         """Run `coroutine` to its end even if the caller is cancelled meanwhile (the caller still sees the
         cancellation); the work is a referenced background task, not an orphan."""
         return await asyncio.shield(self._spawn(coroutine, name))
@@ -158,11 +145,22 @@ class TaskRunner:
 
     def _rerun(self, record: TaskRecord) -> None:
         policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, "rerun")
-        job = Job(record.tool, policy, record.rerun_principal, dict(record.request), {})
-        job.task_id = record.task_id
+        job = Job(
+            method="tools/call",
+            tool=record.tool,
+            outcome_kind=Outcome.TASK,
+            policy=policy,
+            principal=record.rerun_principal,
+            params=dict(record.request),
+            headers={},
+            capabilities=record.client_capabilities,
+            mode=JobMode.TASK,
+            task_id=record.task_id,
+            issued=record.inputs_issued,  # K-39: keys stay unique across the re-run too
+        )
         self._jobs[record.task_id] = job
         self._running.add(job)
-        job.coroutine = self._spawn(self._run(job), f"task-{record.task_id}")
+        self.start_call(job)
         log.info("task_rerun", task_id=record.task_id, tool=record.tool)
 
     async def _sweep_forever(self) -> None:
@@ -174,166 +172,113 @@ class TaskRunner:
                 log.error("task_sweep_failed", error=str(exc))
 
     async def sweep(self) -> None:
-        """T-38: fail live tasks past their TTL (and stop their calls); drop settled records past their TTL."""
+        """T-38: fail live tasks past their TTL (and stop their calls); drop settled records past their TTL;
+        cancel parked MRTR calls nobody resumed in time (C-13)."""
         now = self.clock()
+        for job in [job for job in self._parked.values() if job.parked_until_ms <= now]:
+            await self.end_parked(job)
         for record in await self.store.expired_live(now):
             await self._expire(record)
         purged = await self.store.purge_expired(now)
         if purged:
             log.info("tasks_purged", count=purged)
 
-    # --- tools/call -------------------------------------------------------------------------------------
+    async def end_parked(self, job: Job) -> None:
+        self._parked.pop(job.call_id, None)
+        log.info("mrtr_call_expired", method=job.method, name=job.tool, round=job.round)
+        if job.task_id is not None:
+            await self._cancel_task(job.task_id, PARKED_EXPIRED)
+        else:
+            self.cancel_job(job, PARKED_EXPIRED)
 
-    async def call_tool(
-        self, request: ModernRequest, caller: Caller, channel: Channel, decision: Decision, server_info: JSON | None
-    ) -> JSON:
-        """Serve a `tools/call` the policy did not leave plain synchronous; returns the response message."""
-        if decision.outcome is Outcome.REJECT:
-            raise MissingCapabilityError(
-                wire_tasks.REQUIRED_CAPABILITY,
-                f"Missing required client capability: tool {request.params.get('name')!r} runs only as a task; "
-                f"declare the {TASKS_EXTENSION} extension",
-                request_id=request.id,
-            )
-        job = self._job(request, caller, decision.policy)
-        if decision.outcome is Outcome.TASK:
-            started = time.perf_counter()
-            record = await self._shielded(self._open(job, caller, request), "task-create")
-            self._observe_create("task", started)
-            return result_message(request.id, wire_tasks.create_task_result(record, server_info))
-        job.channel = channel
-        if decision.outcome is Outcome.WAIT:
-            return await self._wait(job, caller, request, channel, server_info)
-        return await self._window(job, caller, request, server_info)
+    # --- jobs and their records --------------------------------------------------------------------------
 
-    def _job(self, request: ModernRequest, caller: Caller, policy: Policy) -> Job:
+    def new_job(self, request: ModernRequest, caller: Caller, outcome: Outcome, policy: Policy | None) -> Job:
         params = translate.upstream_params(request.params)
-        meta = dict(params.get("_meta") or {})
-        if "progressToken" not in meta:
-            # Ask the upstream for progress even when the client did not: it becomes the task's statusMessage.
-            self._progress_tokens += 1
-            meta["progressToken"] = f"mcp-tasks-proxy-{self._progress_tokens}"
-        params["_meta"] = meta
+        if outcome in _TASK_CAPABLE:
+            meta = dict(params.get("_meta") or {})
+            if "progressToken" not in meta:
+                # Ask the upstream for progress even when the client did not: it becomes the statusMessage.
+                self._progress_tokens += 1
+                meta["progressToken"] = f"mcp-tasks-proxy-{self._progress_tokens}"
+            params["_meta"] = meta
+        name = request.params.get("uri") if request.method == "resources/read" else request.params.get("name")
         return Job(
-            tool=str(request.params.get("name")),
+            method=request.method,
+            tool=str(name),
+            outcome_kind=outcome,
             policy=policy,
             principal=caller.principal,
             params=params,
             headers=translate.trace_headers(request.meta, caller.headers),
+            capabilities=request.client_capabilities,
             progress_token=request.progress_token,
             log_level=request.log_level,
         )
 
-    def _start(self, job: Job) -> None:
-        job.coroutine = self._spawn(self._run(job), f"task-{job.task_id or 'window'}")
+    def start_call(self, job: Job) -> None:
+        job.coroutine = self._spawn(self._run(job), f"call-{job.task_id or job.call_id}")
 
-    async def _open(self, job: Job, caller: Caller, request: ModernRequest) -> TaskRecord:
+    async def open_task(self, job: Job, caller: Caller, request: ModernRequest) -> TaskRecord:
         """Commit the record, then start its call: run shielded, so a client that leaves meanwhile cannot
         leave a committed record without a call behind (the task runs; its id was just not delivered)."""
-        record = await self._create(job, caller, request)
-        self._start(job)
+        record = await self.create_task(job, caller, request)
+        self.start_call(job)
         return record
 
-    async def _create(self, job: Job, caller: Caller, request: ModernRequest) -> TaskRecord:
-        """Limits first (nothing is written when refused), then the committed record (T-14)."""
+    async def create_task(self, job: Job, caller: Caller, request: ModernRequest) -> TaskRecord:
+        """Limits first (nothing is written when refused), then the committed record (T-14), with the questions
+        already asked (a window call that asked, T-22). Publishing waits for the record (the job's lock)."""
         if len(self._running) >= self.config.max_running:
             raise TaskLimitError("max_running", self.config.max_running, request_id=request.id)
-        now = self.clock()
-        policy = job.policy
-        record = TaskRecord(
-            task_id=wire_tasks.new_task_id(),
-            principal=principal_key(caller.principal),
-            tool=job.tool,
-            status=TaskStatus.WORKING,
-            created_at_ms=now,
-            updated_at_ms=now,
-            ttl_ms=policy.ttl_ms,
-            poll_interval_ms=policy.poll_interval_ms,
-            owner=self.process_id,
-            on_restart=policy.on_restart,
-            request=job.params,
-            rerun_principal=caller.principal if policy.on_restart == "rerun" else None,
-        )
-        try:
-            await self.store.create(record)
-        except StoreFullError:
-            raise TaskLimitError("max_records", self.config.max_records, request_id=request.id) from None
-        except StoreError as exc:
-            raise ProxyError(f"Internal error: the task could not be stored: {exc}", request_id=request.id) from None
-        job.task_id = record.task_id
-        self._jobs[record.task_id] = job
-        if not job.finished.is_set():
-            self._running.add(job)
+        async with job.lock:
+            now = self.clock()
+            policy = job.policy
+            assert policy is not None
+            record = TaskRecord(
+                task_id=wire_tasks.new_task_id(),
+                principal=principal_key(caller.principal),
+                tool=job.tool,
+                status=TaskStatus.INPUT_REQUIRED if job.inputs else TaskStatus.WORKING,
+                created_at_ms=now,
+                updated_at_ms=now,
+                ttl_ms=policy.ttl_ms,
+                poll_interval_ms=policy.poll_interval_ms,
+                owner=self.process_id,
+                on_restart=policy.on_restart,
+                request=job.params,
+                input_requests=job.input_requests(),
+                inputs_issued=job.issued,
+                rerun_principal=caller.principal if policy.on_restart == "rerun" else None,
+                client_capabilities=job.capabilities,
+            )
+            try:
+                await self.store.create(record)
+            except StoreFullError:
+                raise TaskLimitError("max_records", self.config.max_records, request_id=request.id) from None
+            except StoreError as exc:
+                raise ProxyError(
+                    f"Internal error: the task could not be stored: {exc}", request_id=request.id
+                ) from None
+            job.task_id = record.task_id
+            if job.mode is not JobMode.DETACHED and job.outcome_kind is not Outcome.WAIT:
+                job.mode = JobMode.TASK
+                job.channel = None  # T-43 / K-31: no request-scoped notifications once the call is a task
+            self._jobs[record.task_id] = job
+            if not job.finished.is_set() and not job.inputs:
+                self._running.add(job)
         log.info("task_created", task_id=record.task_id, tool=job.tool, ttl_ms=record.ttl_ms)
+        if job.inputs:
+            self._log_input_required(job)
         if self.metrics is not None:
             self.metrics.tasks_created.labels(self.metrics.tool_label(job.tool)).inc()
         if job.finished.is_set():
             await self._settle(job)  # a window call that ended (or was stopped) while the record was committed
         return record
 
-    def _observe_create(self, path: str, started: float) -> None:
+    def observe_create(self, path: str, started: float) -> None:
         if self.metrics is not None:
             self.metrics.create_seconds.labels(path).observe(time.perf_counter() - started)
-
-    async def _window(self, job: Job, caller: Caller, request: ModernRequest, server_info: JSON | None) -> JSON:
-        """`optional` + declaring client: synchronous if the call settles within the window, else a task that
-        continues the same upstream call (no second call)."""
-        self._start(job)
-        try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(job.finished.wait(), job.policy.sync_window_ms / 1000)
-            if job.finished.is_set():
-                return self._sync_reply(request, job, server_info)
-            job.channel = None  # T-43 / K-31: no request-scoped notifications once the call is a task
-            started = time.perf_counter()
-            record = await self._shielded(self._create(job, caller, request), "task-create")
-            self._observe_create("window", started)
-        except BaseException:
-            # The client left during the window (C-19), or the task could not be created: stop the call. A
-            # record committed meanwhile is settled `cancelled` by the stopped call (or by _create).
-            if job.task_id is None:
-                self._cancel_job(job, "client disconnected")
-            raise
-        return result_message(request.id, wire_tasks.create_task_result(record, server_info))
-
-    async def _wait(
-        self, job: Job, caller: Caller, request: ModernRequest, channel: Channel, server_info: JSON | None
-    ) -> JSON:
-        """Poll-to-sync (§4 option A): a `required` tool for a non-declaring client with
-        `undeclared_required: wait` runs as an internal task; the client's response waits for it."""
-        record = await self._shielded(self._open(job, caller, request), "task-create")
-        try:
-            while not job.finished.is_set():
-                try:
-                    await asyncio.wait_for(job.finished.wait(), WAIT_KEEPALIVE_SECONDS)
-                except TimeoutError:
-                    await channel.keepalive(open_stream=True)
-        except BaseException:
-            await self._shielded(self._cancel_task(record.task_id, "client disconnected"), "task-cancel")
-            raise
-        settled = await self.store.get(record.task_id)
-        if settled is None or settled.status is TaskStatus.CANCELLED:
-            return error_message(request.id, wire_tasks.internal_error("The task was cancelled"))
-        if settled.status is TaskStatus.FAILED:
-            return error_message(request.id, settled.error or wire_tasks.internal_error("Task failed"))
-        if settled.status is TaskStatus.COMPLETED and settled.result is not None:
-            return result_message(
-                request.id, translate.complete_result(request.method, settled.result, server_info, None)
-            )
-        return self._sync_reply(request, job, server_info)
-
-    def _sync_reply(self, request: ModernRequest, job: Job, server_info: JSON | None) -> JSON:
-        outcome = job.outcome
-        if isinstance(outcome, UpstreamResult):
-            return result_message(
-                request.id, translate.complete_result(request.method, outcome.result, server_info, None)
-            )
-        if isinstance(outcome, UpstreamErrorResponse):
-            return error_message(request.id, translate.error_object(outcome.error))
-        if isinstance(outcome, ProxyError):
-            outcome.request_id = request.id
-            raise outcome
-        raise ProxyError("Internal error: the call ended without an outcome", request_id=request.id)
 
     # --- the background coroutine ---------------------------------------------------------------------
 
@@ -342,12 +287,11 @@ class TaskRunner:
         try:
             job.outcome = await self._drive(job)
         except asyncio.CancelledError:
-            job.finished.set()
-            self._running.discard(job)
-            await self._shielded(self._abandon(job), "task-abandon")
+            self._finish(job)
+            await self.shielded(self._abandon(job), "call-abandon")
             if job.task_id is not None and not self._closing:
                 # `cancelled`, unless tasks/cancel or the TTL settled it first (T-21).
-                await self._shielded(self._settle(job), "task-settle")
+                await self.shielded(self._settle(job), "task-settle")
             raise
         except ProxyError as exc:  # UpstreamError and friends: a lost upstream
             job.outcome = exc
@@ -355,23 +299,29 @@ class TaskRunner:
             log.exception("task_call_crashed", task_id=job.task_id, tool=job.tool)
             job.outcome = ProxyError(f"Internal error: {exc!r}")
         finally:
-            job.finished.set()
-            self._running.discard(job)
+            self._finish(job)
         if job.task_id is not None:
             await self._settle(job)
 
+    def _finish(self, job: Job) -> None:
+        job.finished.set()
+        job.attention.set()
+        self._running.discard(job)
+        if job.publish_timer is not None:
+            job.publish_timer.cancel()
+
     async def _drive(self, job: Job) -> UpstreamResult | UpstreamErrorResponse:
         session = self.upstream.session(job.principal)
-        async with session.call("tools/call", job.params, job.headers) as call:
+        async with session.call(job.method, job.params, job.headers) as call:
             job.call = call
             async for event in call.events():
                 if isinstance(event, UpstreamNotification):
                     await self._on_notification(job, event.message)
                 elif isinstance(event, UpstreamServerRequest):
-                    await self._refuse(job, call, event)
+                    await self._on_question(job, call, event)
                 else:
                     return event
-        raise UpstreamError("Upstream closed the stream of tools/call without answering")  # pragma: no cover
+        raise UpstreamError(f"Upstream closed the stream of {job.method} without answering")  # pragma: no cover
 
     async def _on_notification(self, job: Job, message: JSON) -> None:
         if job.channel is not None:
@@ -382,8 +332,9 @@ class TaskRunner:
                 except ConnectionResetError:
                     job.channel = None  # the client left; its handler's cancellation stops the call
             return
-        if job.task_id is None or message.get("method") != "notifications/progress":
+        if job.mode is not JobMode.TASK or message.get("method") != "notifications/progress":
             return
+        assert job.task_id is not None
         status_message = wire_tasks.progress_status_message(message.get("params"))
         now = time.monotonic()
         if status_message is None or now - job.progress_written_at < PROGRESS_WRITE_INTERVAL_SECONDS:
@@ -394,11 +345,155 @@ class TaskRunner:
         except StoreError as exc:  # a lost progress line is not worth failing the task for
             log.warning("task_progress_not_stored", task_id=job.task_id, error=str(exc))
 
-    async def _refuse(self, job: Job, call: UpstreamCall, server_request: UpstreamServerRequest) -> None:
-        """Input bridging is not built yet: an upstream question is answered at once (an elicitation is
-        declined), so the upstream never hangs and ends the call by itself."""
-        await call.refuse(server_request)
-        log.info("task_input_request_refused", task_id=job.task_id, tool=job.tool, input_method=server_request.method)
+    # --- input bridging ----------------------------------------------------------------------------------
+
+    async def _on_question(self, job: Job, call: UpstreamCall, question: UpstreamServerRequest) -> None:
+        """An upstream server→client request mid-call (the upstream's ping never gets here). A question the
+        client declared (C-14, K-19) gets a fresh key (T-30, K-39) and waits in the batch being gathered;
+        anything else is answered at once, so the upstream never hangs (an elicitation is declined)."""
+        if question.method not in translate.INPUT_METHODS:
+            await call.refuse(question)
+            return
+        relayed = job.mode is not JobMode.DETACHED and inputs.declared(
+            job.capabilities, question.method, question.params
+        )
+        if self.metrics is not None:
+            self.metrics.input_requests.labels(question.method, "relayed" if relayed else "refused").inc()
+        if not relayed:
+            await call.refuse(question)
+            log.info("input_request_refused", task_id=job.task_id, name=job.tool, input_method=question.method)
+            if job.mode is JobMode.FOREGROUND and job.mrtr:
+                # C-4: the waiting client gets -32021 naming what it lacks (unless it can answer something else).
+                job.missing.append(translate.required_capability(question.method, question.params))
+                self._gather(job)
+            return
+        job.issued += 1
+        key = inputs.mint_key(question.method, job.issued)
+        job.inputs[key] = inputs.PendingInput(
+            question.id, question.method, inputs.input_request(question.method, question.params)
+        )
+        self._gather(job)
+
+    def _gather(self, job: Job) -> None:
+        """Questions asked together (within `inputs.gather_ms` of the first) reach the client together."""
+        if job.publish_timer is None or job.publish_timer.done():
+            job.publish_timer = self._spawn(self._publish_later(job), f"gather-{job.call_id}")
+
+    async def _publish_later(self, job: Job) -> None:
+        await asyncio.sleep(self.inputs.gather_ms / 1000)
+        await self._publish(job)
+
+    async def _publish(self, job: Job) -> None:
+        async with job.lock:
+            if job.task_id is not None:
+                await self._write_inputs(job)
+            if job.mode is JobMode.FOREGROUND:
+                job.needs_client = True
+                job.attention.set()
+
+    async def _write_inputs(self, job: Job) -> None:
+        """The task's record shows every outstanding question (T-22); a task with questions open holds no
+        running slot. Called with the job's lock held."""
+        assert job.task_id is not None
+        asking = bool(job.inputs)
+        changes = {
+            "status": TaskStatus.INPUT_REQUIRED if asking else TaskStatus.WORKING,
+            "input_requests": job.input_requests(),
+            "inputs_issued": job.issued,
+        }
+        try:
+            updated = await self.store.update(job.task_id, changes, now_ms=self.clock())
+        except StoreError as exc:
+            log.error("task_inputs_not_stored", task_id=job.task_id, error=str(exc))
+            return
+        if asking:
+            self._running.discard(job)
+        elif not job.finished.is_set() and job.mode is not JobMode.DETACHED:
+            self._running.add(job)
+        if updated is not None and asking:
+            self._log_input_required(job)
+
+    def _log_input_required(self, job: Job) -> None:
+        log.info(
+            "task_input_required",
+            task_id=job.task_id,
+            tool=job.tool,
+            keys=sorted(job.inputs),
+            methods=sorted({pending.method for pending in job.inputs.values()}),
+        )
+
+    def answers(self, job: Job, responses: Mapping[str, Any]) -> dict[str, JSON]:
+        """The answers to outstanding questions, validated before any is delivered (-32602 names the key); keys
+        not outstanding (never issued, already answered) are ignored (T-28, C-14)."""
+        answers: dict[str, JSON] = {}
+        for key, response in responses.items():
+            pending = job.inputs.get(key)
+            if pending is not None:
+                answers[key] = inputs.upstream_answer(key, pending.method, response)
+        return answers
+
+    async def deliver(self, job: Job, answers: Mapping[str, JSON]) -> None:
+        """Each answer goes upstream as the JSON-RPC response to its question (T-29: a subset is fine); the
+        same call then continues (T-31)."""
+        async with job.lock:
+            for key, answer in answers.items():
+                pending = job.inputs.pop(key, None)
+                if pending is None or job.call is None or job.finished.is_set():
+                    continue
+                try:
+                    await job.call.answer(pending.upstream_id, result=answer)
+                except UpstreamError as exc:  # the call is lost; its stream ends it with that error
+                    log.warning("input_response_not_delivered", task_id=job.task_id, key=key, error=exc.message)
+            if job.task_id is not None and not job.finished.is_set():
+                await self._write_inputs(job)
+
+    async def detach(self, job: Job) -> None:
+        """Nobody will answer or read this call any more: its open questions are refused (the upstream ends
+        the call by itself; a cancel racing that end would break an mcp 1.x session)."""
+        async with job.lock:
+            job.mode = JobMode.DETACHED
+            job.channel = None
+            pending_inputs = list(job.inputs.values())
+            job.inputs.clear()
+            for pending in pending_inputs:
+                if job.call is not None and not job.finished.is_set():
+                    question = UpstreamServerRequest(pending.upstream_id, pending.method, None)
+                    try:
+                        await job.call.refuse(question)
+                    except UpstreamError as exc:
+                        log.info("input_request_refusal_failed", error=exc.message)
+
+    def park(self, job: Job, claims: inputs.StateClaims) -> str:
+        """MRTR: the call waits for the client's retry; returns the signed `requestState` for that retry."""
+        self._parked[job.call_id] = job
+        return self.signer.sign(claims)
+
+    def claim_parked(self, claims: inputs.StateClaims) -> Job:
+        """The parked call a verified `requestState` names, taken for exactly one retry (single use, C-13)."""
+        job = self._parked.get(claims.call_id)
+        if job is None or job.round != claims.round:
+            if claims.owner != self.process_id:
+                raise InvalidParamsError(
+                    "Invalid params: requestState belongs to a call held by another proxy process; send the "
+                    "request again without it"
+                )
+            raise InvalidParamsError(
+                "Invalid params: requestState was already used or its call has ended; send the request again without it"
+            )
+        return job
+
+    def unpark(self, job: Job) -> None:
+        self._parked.pop(job.call_id, None)
+
+    @property
+    def parked(self) -> int:
+        return len(self._parked)
+
+    @property
+    def parked_limit(self) -> int:
+        return self.inputs.max_parked
+
+    # --- settling ------------------------------------------------------------------------------------------
 
     async def _abandon(self, job: Job) -> None:
         """L-5: the call is being abandoned; a legacy server needs an explicit notifications/cancelled."""
@@ -449,7 +544,15 @@ class TaskRunner:
 
     # --- cancel, expiry ----------------------------------------------------------------------------------
 
-    def _cancel_job(self, job: Job, reason: str) -> None:
+    async def stop_call(self, job: Job, reason: str) -> None:
+        """Cancel the call and wait until the upstream was told (run shielded by a handler that is itself being
+        cancelled, so shutdown does not cut the notifications/cancelled short)."""
+        self.cancel_job(job, reason)
+        if job.coroutine is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await job.coroutine
+
+    def cancel_job(self, job: Job, reason: str) -> None:
         job.cancel_reason = reason
         self._running.discard(job)  # the slot is free at once; telling the upstream may take a moment
         if job.coroutine is not None and not job.coroutine.done():
@@ -459,7 +562,11 @@ class TaskRunner:
         """The task's record was settled from outside its call (cancel, expiry): stop the call if it runs here."""
         job = self._jobs.pop(task_id, None)
         if job is not None:
-            self._cancel_job(job, reason)
+            self.unpark(job)
+            self.cancel_job(job, reason)
+
+    async def cancel_task(self, task_id: str, reason: str) -> None:
+        await self._cancel_task(task_id, reason)
 
     async def _cancel_task(self, task_id: str, reason: str) -> None:
         settled = await self.store.settle(task_id, TaskStatus.CANCELLED, now_ms=self.clock(), status_message=reason)
@@ -503,6 +610,17 @@ class TaskRunner:
                 raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
             return expired
         return record
+
+    async def update(self, task_id: str, caller: Caller, responses: Mapping[str, Any]) -> None:
+        """T-26…T-31: answers for the task's outstanding questions go upstream; the ack does not wait for the
+        state change (eventually consistent). A task whose call does not run here has nothing to deliver."""
+        record = await self.observe(task_id, caller)
+        job = self._jobs.get(task_id)
+        if job is None or record.status.terminal or job.mode is not JobMode.TASK:
+            return
+        answers = self.answers(job, responses)
+        if answers:
+            await self.deliver(job, answers)
 
     async def cancel(self, task_id: str, caller: Caller) -> None:
         """T-33 / T-34: ack even on terminal tasks; settle `cancelled` unless already settled, stop the call

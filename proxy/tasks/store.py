@@ -91,6 +91,13 @@ def _create_health(db: Database) -> None:
     db.table("health").create({"id": int, "checked_at_ms": int}, pk="id")
 
 
+@MIGRATIONS(name="0003_add_client_capabilities")
+def _add_client_capabilities(db: Database) -> None:
+    """The creating request's ClientCapabilities: which upstream questions may become `inputRequests` (K-19),
+    also for a task re-run after a restart."""
+    db.table("tasks").add_column("client_capabilities", str, not_null_default="{}")
+
+
 _COLUMNS: Final = (
     "task_id",
     "principal",
@@ -110,8 +117,9 @@ _COLUMNS: Final = (
     "input_requests",
     "inputs_issued",
     "rerun_principal",
+    "client_capabilities",
 )
-_JSON_FIELDS: Final = frozenset({"request", "result", "error", "input_requests"})
+_JSON_FIELDS: Final = frozenset({"request", "result", "error", "input_requests", "client_capabilities"})
 UPDATABLE_FIELDS: Final = frozenset(
     {"status", "status_message", "input_requests", "inputs_issued", "owner", "poll_interval_ms", "rerun_principal"}
 )
@@ -175,6 +183,7 @@ def record_from_row(row: Mapping[str, Any]) -> TaskRecord:
         input_requests=_decode(row["input_requests"]),
         inputs_issued=row["inputs_issued"],
         rerun_principal=row["rerun_principal"],
+        client_capabilities=_decode(row["client_capabilities"]),
     )
 
 
@@ -198,6 +207,7 @@ def _row_from_record(record: TaskRecord) -> dict[str, Any]:
         "input_requests": _encode(record.input_requests),
         "inputs_issued": record.inputs_issued,
         "rerun_principal": record.rerun_principal,
+        "client_capabilities": _encode(record.client_capabilities),
     }
 
 

@@ -11,7 +11,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
 import aiohttp
 from mcp_types import jsonrpc as codes
@@ -19,12 +19,11 @@ from mcp_types import jsonrpc as codes
 from proxy.errors import InvalidRequestError, UpstreamError, UpstreamTimeoutError
 from proxy.upstream.sse import SSEParser
 from proxy.wire.jsonrpc import JSON, Notification, Request, Response, classify
+from proxy.wire.translate import INPUT_METHODS
 
 if TYPE_CHECKING:
     from proxy.upstream.session import UpstreamSession
 
-# Server→client requests a legacy server may send mid-call to ask the user or the model something (L-4).
-INPUT_METHODS: Final = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
 # How often a closed upstream SSE stream is resumed with GET + Last-Event-ID before the call counts as lost.
 MAX_RESUMPTIONS = 5
 

@@ -69,7 +69,8 @@ class TaskRecord:
     `input_requests` holds the outstanding server→client requests by key and `inputs_issued` counts every
     key ever minted for this task (keys are never reused, T-30). `rerun_principal` keeps the principal
     header's value only for `on_restart: rerun` tasks until they settle, because a re-run must present it
-    upstream again.
+    upstream again. `client_capabilities` are the creating request's: only questions they cover become
+    `inputRequests` (K-19).
     """
 
     task_id: str
@@ -89,6 +90,7 @@ class TaskRecord:
     input_requests: JSON = field(default_factory=dict)
     inputs_issued: int = 0
     rerun_principal: str | None = None
+    client_capabilities: JSON = field(default_factory=dict)
 
     @property
     def expires_at_ms(self) -> int | None:

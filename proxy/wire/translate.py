@@ -230,6 +230,11 @@ def relay_notification(message: JSON, progress_token: str | int | None, log_leve
     return None
 
 
+# Server→client requests a legacy server may send mid-call to ask the user or the model something (L-4); on
+# the modern wire they travel only as `inputRequests` (C-11).
+INPUT_METHODS: Final = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
+
+
 def required_capability(server_request_method: str, params: Any) -> JSON:
     """The ClientCapabilities a modern client needs to receive an upstream server→client request (C-14)."""
     if server_request_method == "sampling/createMessage":
@@ -250,9 +255,15 @@ MODERN_META_KEYS: Final = frozenset(
 TRACE_META_KEYS: Final = ("traceparent", "tracestate", "baggage")
 
 
+# Params the legacy server never sees: the envelope (filtered below), the legacy `task` opt-in (T-11) and the
+# MRTR retry fields, which the proxy answers itself (C-12).
+_NOT_FORWARDED: Final = frozenset({"_meta", "task", "inputResponses", "requestState"})
+
+
 def upstream_params(params: Mapping[str, Any]) -> JSON:
-    """The params the legacy server sees: no modern envelope keys, no legacy `task` opt-in (K-4, T-11)."""
-    forwarded = {key: value for key, value in params.items() if key not in ("_meta", "task")}
+    """The params the legacy server sees: no modern envelope keys, no legacy `task` opt-in (K-4, T-11), no MRTR
+    retry fields (C-12)."""
+    forwarded = {key: value for key, value in params.items() if key not in _NOT_FORWARDED}
     meta = params.get("_meta")
     if isinstance(meta, dict):
         kept = {key: value for key, value in meta.items() if key not in MODERN_META_KEYS}
