@@ -9,163 +9,31 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestClient
 
 from proxy.app import CONFIG, FRONT, STORE
 from proxy.policy import decide
 from proxy.tasks import waiting as waiting_module
 from proxy.wire.envelope import Caller, validate_modern
 from tests.conftest import (
-    SCHEMA_DIR,
+    DECLARING,
     TASKS,
+    ClientFactory,
     ModernSchema,
     SchemaValidator,
+    Tasks,
     Upstream,
     modern_body,
     modern_headers,
     parse_sse,
+    policies,
     post_and_leave,
-    read_messages,
+    result_text,
 )
-
-Client = TestClient[web.Request, web.Application]
-DECLARING: dict[str, Any] = {"extensions": {TASKS: {}}}
-TASK_RESULT_DEFS = {
-    "tasks/get": "GetTaskResult",
-    "tasks/update": "UpdateTaskResult",
-    "tasks/cancel": "CancelTaskResult",
-}
-ACK_FORBIDDEN_KEYS = {"taskId", "status", "result", "error", "inputRequests"}
-
-
-@pytest.fixture(scope="module")
-def tasks_schema() -> SchemaValidator:
-    return SchemaValidator(SCHEMA_DIR / "tasks-extension-2026-07-28.schema.json")
-
-
-class Tasks:
-    """A modern client of one proxy, checking every message against both schemas."""
-
-    def __init__(self, client: Client, core: ModernSchema, tasks: SchemaValidator) -> None:
-        self.client = client
-        self.core = core
-        self.tasks = tasks
-        self.ids = 0
-
-    async def post(
-        self,
-        method: str,
-        params: dict[str, Any],
-        *,
-        capabilities: dict[str, Any] | None = None,
-        headers: dict[str, str] | None = None,
-        **meta: Any,
-    ) -> tuple[int, dict[str, Any]]:
-        self.ids += 1
-        name = params.get("name") if method == "tools/call" else params.get("taskId")
-        response = await self.client.post(
-            "/mcp",
-            json=modern_body(
-                method,
-                params,
-                request_id=self.ids,
-                capabilities=DECLARING if capabilities is None else capabilities,
-                **meta,
-            ),
-            headers={**modern_headers(method, name if isinstance(name, str) else None), **(headers or {})},
-        )
-        messages = await read_messages(response)
-        final = messages[-1]
-        assert final["id"] == self.ids
-        self.check(final, method)
-        return response.status, final
-
-    def check(self, message: dict[str, Any], method: str) -> None:
-        if "error" in message:
-            self.core.validate(message, "JSONRPCErrorResponse")
-            return
-        result = message["result"]
-        if result.get("resultType") == "task":
-            assert method == "tools/call"  # T-6 / T-7
-            self.tasks.validate(result, "CreateTaskResult")
-            assert not {"result", "error", "inputRequests", "requestState", "task"} & result.keys()  # K-5
-        elif method in TASK_RESULT_DEFS:
-            self.tasks.validate(result, TASK_RESULT_DEFS[method])
-            assert result["resultType"] == "complete"  # T-8
-            if method != "tasks/get":
-                assert not ACK_FORBIDDEN_KEYS & result.keys()  # K-9
-        else:
-            self.core.check(message, method)
-
-    async def call(
-        self, tool: str, arguments: dict[str, Any] | None = None, **kwargs: Any
-    ) -> tuple[int, dict[str, Any]]:
-        return await self.post("tools/call", {"name": tool, "arguments": arguments or {}}, **kwargs)
-
-    async def create(self, tool: str, arguments: dict[str, Any] | None = None, **kwargs: Any) -> str:
-        status, message = await self.call(tool, arguments, **kwargs)
-        assert status == 200, message
-        assert message["result"]["resultType"] == "task", message
-        task_id: str = message["result"]["taskId"]
-        return task_id
-
-    async def get(self, task_id: str, **kwargs: Any) -> tuple[int, dict[str, Any]]:
-        return await self.post("tasks/get", {"taskId": task_id}, **kwargs)
-
-    async def task(self, task_id: str, **kwargs: Any) -> dict[str, Any]:
-        status, message = await self.get(task_id, **kwargs)
-        assert status == 200, message
-        result: dict[str, Any] = message["result"]
-        return result
-
-    async def until(
-        self, task_id: str, done: Callable[[dict[str, Any]], bool], timeout_seconds: float = 15
-    ) -> dict[str, Any]:
-        deadline = asyncio.get_running_loop().time() + timeout_seconds
-        while True:
-            task = await self.task(task_id)
-            if done(task):
-                return task
-            assert asyncio.get_running_loop().time() < deadline, f"task never reached the state: {task}"
-            await asyncio.sleep(0.05)
-
-    async def settled(self, task_id: str, timeout_seconds: float = 15) -> dict[str, Any]:
-        terminal = {"completed", "failed", "cancelled"}
-        return await self.until(task_id, lambda task: task["status"] in terminal, timeout_seconds)
-
-    async def text(self, tool: str, arguments: dict[str, Any]) -> str:
-        status, message = await self.call(tool, arguments, capabilities={})
-        assert status == 200, message
-        return "".join(block.get("text", "") for block in message["result"]["content"])
-
-
-ClientFactory = Callable[..., Awaitable[Tasks]]
-
-
-@pytest.fixture
-def tasks_client(
-    make_proxy: Callable[..., Any], upstream: Upstream, modern_schema: ModernSchema, tasks_schema: SchemaValidator
-) -> ClientFactory:
-    async def start(url: str | None = None, **sections: dict[str, Any]) -> Tasks:
-        client = await make_proxy(url or upstream.url, **sections)
-        return Tasks(client, modern_schema, tasks_schema)
-
-    return start
-
-
-def policies(**tools: dict[str, Any]) -> dict[str, Any]:
-    return {"tools": tools}
-
-
-def result_text(task: dict[str, Any]) -> str:
-    return "".join(block.get("text", "") for block in task["result"]["content"])
-
 
 # --- the decision (T-1…T-3, T-11, T-17) ---------------------------------------------------------------
 

@@ -70,6 +70,31 @@ def register(mcp: FastMCP[Any]) -> None:
             return text_result(f"No name given (action={result.action})")
         return text_result(f"Hello, {content_str(result, 'name')}")
 
+    @mcp.tool(name="ask_url", description="URL-mode elicitation (elicitationId 'consent-1'); returns the action")
+    async def ask_url(ctx: Ctx) -> types.CallToolResult:
+        result = await ctx.request_context.session.elicit_url(
+            "Open the page to give consent",
+            "https://consent.example/flow",
+            "consent-1",
+            related_request_id=ctx.request_context.request_id,
+        )
+        return text_result(f"url elicitation: action={result.action}")
+
+    @mcp.resource(
+        "test://elicited-resource",
+        name="elicited-resource",
+        description="Elicits the word it holds while being read (resources/read asks the client)",
+        mime_type="text/plain",
+    )
+    async def elicited_resource() -> str:
+        # FastMCP resource functions take no Context parameter; the request's context is still current.
+        result = await elicit(
+            mcp.get_context(),
+            "Which word should the resource hold?",
+            {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+        )
+        return f"word={content_str(result, 'word')}"
+
     @mcp.tool(name="sample", description="Sends `prompt` via sampling/createMessage; returns the model's text")
     async def sample(
         ctx: Ctx, prompt: Annotated[str, Field(description="Prompt for the client's model")]
