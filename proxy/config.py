@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 ENV_PREFIX = "MCP_TASKS_PROXY_"
+MIN_SECRET_BYTES = 32  # the key that signs MRTR requestState (inputs.secret_file)
 
 
 class _Frozen(BaseModel):
@@ -236,6 +237,20 @@ class InputsConfig(_Frozen):
         description="File holding the key that signs `requestState` (at least 32 bytes, e.g. a mounted Secret). "
         "Unset: a random key per process, so a state is only valid on the process that issued it.",
     )
+
+    @field_validator("secret_file")
+    @classmethod
+    def _secret_is_usable(cls, value: str | None) -> str | None:
+        """Checked when the config is loaded (also by `check-config`), so a missing mount fails at start."""
+        if value is None:
+            return value
+        try:
+            size = len(Path(value).read_bytes().strip())
+        except OSError as exc:
+            raise ValueError(f"cannot read {value}: {exc.strerror}") from None
+        if size < MIN_SECRET_BYTES:
+            raise ValueError(f"{value} holds {size} bytes; at least {MIN_SECRET_BYTES} needed")
+        return value
 
 
 class ObservabilityConfig(_Frozen):

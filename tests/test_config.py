@@ -140,3 +140,18 @@ def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
             main(argv)
         assert caught.value.code == 0
     assert "mcp-tasks-proxy" in capsys.readouterr().out
+
+
+def test_the_request_state_secret_file_is_checked_on_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing or short key file (e.g. an unmounted Secret) fails `check-config` and start-up, not a retry."""
+    secret = tmp_path / "state.key"
+    secret.write_bytes(b"x" * 40 + b"\n")
+    config = load_config(None, environ={"MCP_TASKS_PROXY_INPUTS__SECRET_FILE": str(secret)})
+    assert config.inputs.secret_file == str(secret)
+    secret.write_bytes(b"short\n")
+    file = tmp_path / "proxy.yaml"
+    file.write_text(f"inputs: {{secret_file: {secret}}}\n")
+    assert main(["check-config", str(file)]) == 2
+    assert "inputs.secret_file" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(None, environ={}, overrides={"inputs": {"secret_file": str(tmp_path / "absent")}})

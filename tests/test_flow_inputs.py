@@ -482,3 +482,25 @@ async def test_a_sync_question_the_client_cannot_answer_is_minus_32021(tasks_cli
     assert status == 400
     assert message["error"]["code"] == -32021
     assert message["error"]["data"]["requiredCapabilities"] == {"sampling": {}}
+
+
+async def test_replicas_sharing_the_key_say_where_the_call_is_parked(
+    tasks_client: ClientFactory, tmp_path: Any
+) -> None:
+    """K-21: with `inputs.secret_file` shared, another replica verifies the state and names the problem; without
+    the key, the state is just invalid."""
+    secret = tmp_path / "state.key"
+    secret.write_bytes(b"0123456789abcdef" * 4)
+    first = await tasks_client(inputs={"secret_file": str(secret)})
+    second = await tasks_client(inputs={"secret_file": str(secret)})
+    stranger = await tasks_client()
+    params: dict[str, Any] = {"name": "ask_name", "arguments": {}}
+    _, message = await mrtr(first, "tools/call", params)
+    _, state = round_one(message)
+    retry = {**params, "inputResponses": {"elicitation-1": accept(name="Ada")}, "requestState": state}
+    _, refused = await mrtr(second, "tools/call", retry)
+    assert "another proxy process" in refused["error"]["message"]
+    _, refused = await mrtr(stranger, "tools/call", retry)
+    assert "failed verification" in refused["error"]["message"]
+    _, message = await mrtr(first, "tools/call", retry)
+    assert content_text(message["result"]) == "Hello, Ada"

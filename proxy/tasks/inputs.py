@@ -22,6 +22,7 @@ from itsdangerous import BadSignature, URLSafeSerializer
 from mcp_types import CreateMessageResult, ElicitResult, ListRootsResult
 from mcp_types._types import CreateMessageResultWithTools
 
+from proxy.config import MIN_SECRET_BYTES
 from proxy.errors import InvalidParamsError
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.translate import INPUT_METHODS, LEGACY_META_KEYS, required_capability
@@ -31,7 +32,6 @@ KEY_PREFIXES: Final = {"elicitation/create": "elicitation", "sampling/createMess
 # carries per-request envelope data, and `task` is the legacy opt-in the proxy ignores (T-11).
 _NOT_SALIENT: Final = frozenset({"_meta", "inputResponses", "requestState", "task"})
 _SALT: Final = "mcp-tasks-proxy/request-state/v1"
-MIN_SECRET_BYTES: Final = 32
 
 _RESPONSE_ADAPTERS: Final[Mapping[str, pydantic.TypeAdapter[Any]]] = {
     "elicitation/create": pydantic.TypeAdapter(ElicitResult),
