@@ -156,6 +156,14 @@ async def test_an_undeclared_capability_is_refused_upstream_and_nothing_hangs(ta
     assert counts[("sampling/createMessage", "refused")] == 1
 
 
+async def test_the_upstreams_ping_is_answered_inside_a_task(tasks_client: ClientFactory) -> None:
+    """A ping is not a question: the proxy answers it and the task never shows it."""
+    client = await tasks_client(tasks=policies(ping_client={"mode": "required"}))
+    task_id = await client.create("ping_client", capabilities=TASKING)
+    done = await client.settled(task_id)
+    assert result_text(done) == "pong answered"
+
+
 async def test_url_elicitation_drops_the_legacy_id_and_needs_the_url_capability(tasks_client: ClientFactory) -> None:
     """C-16 / K-12: `elicitationId` does not exist any more; URL mode needs `elicitation.url` (C-14)."""
     client = await tasks_client(tasks=policies(ask_url={"mode": "required"}))
