@@ -401,8 +401,13 @@ async def test_only_declared_questions_are_asked_the_rest_declined(tasks_client:
     client = await tasks_client(inputs={"gather_ms": 300})
     params: dict[str, Any] = {"name": "test_input_required_result_capabilities", "arguments": {}}
     _, message = await mrtr(client, "tools/call", params, capabilities={"sampling": {}})
-    requests, _ = round_one(message)
+    requests, state = round_one(message)
     assert [request["method"] for request in requests.values()] == ["sampling/createMessage"]
+    # The declined elicitation is not held against the client once it answered what it was asked.
+    retry = {**params, "inputResponses": dict.fromkeys(requests, SAMPLED), "requestState": state}
+    status, message = await mrtr(client, "tools/call", retry, capabilities={"sampling": {}})
+    assert status == 200, message
+    assert content_text(message["result"]) == "capabilities-ok: received elicit_input,sample_input"
 
 
 async def test_prompts_get_and_resources_read_ask_through_mrtr(tasks_client: ClientFactory) -> None:

@@ -229,7 +229,7 @@ class TaskRunner:
     async def create_task(self, job: Job, caller: Caller, request: ModernRequest) -> TaskRecord:
         """Limits first (nothing is written when refused), then the committed record (T-14), with the questions
         already asked (a window call that asked, T-22). Publishing waits for the record (the job's lock)."""
-        if len(self._running) >= self.config.max_running:
+        if not job.inputs and len(self._running) >= self.config.max_running:  # one waiting for input takes none
             raise TaskLimitError("max_running", self.config.max_running, request_id=request.id)
         async with job.lock:
             now = self.clock()

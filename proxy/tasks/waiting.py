@@ -101,7 +101,11 @@ class WaitingCalls:
         job.progress_token = request.progress_token
         job.log_level = request.log_level
         log.info("mrtr_resumed", method=job.method, name=job.tool, round=job.round, answered=sorted(answers))
-        await runner.deliver(job, answers)
+        try:
+            await runner.deliver(job, answers)
+        except BaseException:  # the client left while its answers went upstream: nobody waits for the call
+            await runner.shielded(runner.stop_call(job, CLIENT_LEFT), "call-stop")
+            raise
         return await self._wait(job, request, caller, channel, server_info)
 
     async def _wait(
@@ -174,6 +178,7 @@ class WaitingCalls:
         job.round += 1
         job.mode = JobMode.PARKED
         job.channel = None
+        job.missing.clear()  # declined upstream and answered for: the client was asked what it can answer
         job.parked_until_ms = runner.clock() + runner.inputs.request_state_ttl_ms
         claims = inputs.StateClaims(
             call_id=job.call_id,
