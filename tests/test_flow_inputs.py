@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import structlog.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import (
@@ -67,10 +68,15 @@ async def wait_for_cancellations(client: Tasks, count: int) -> None:
 
 async def test_one_elicitation_in_a_task(tasks_client: ClientFactory) -> None:
     client = await tasks_client(tasks=policies(ask_name={"mode": "required"}))
-    task_id = await client.create("ask_name", capabilities=TASKING)
-    task = await input_required(client, task_id)
+    with structlog.testing.capture_logs() as events:
+        task_id = await client.create("ask_name", capabilities=TASKING)
+        task = await input_required(client, task_id)
     [(key, request)] = task["inputRequests"].items()
     assert key == "elicitation-1"  # T-30 / K-39: minted by the proxy, never the upstream's JSON-RPC id
+    [logged] = [event for event in events if event["event"] == "task_input_required"]
+    assert logged["task_id"] == task_id
+    assert logged["keys"] == ["elicitation-1"]
+    assert logged["methods"] == ["elicitation/create"]
     assert request["method"] == "elicitation/create"
     assert request["params"]["message"] == "What is your name?"
     assert request["params"]["mode"] == "form"
