@@ -170,6 +170,43 @@ async def test_the_upstreams_ping_is_answered_inside_a_task(tasks_client: Client
     assert result_text(done) == "pong answered"
 
 
+async def test_a_question_on_the_get_stream_belongs_to_the_one_open_call(tasks_client: ClientFactory) -> None:
+    """K-12: the mcp 1.x SDK's `list_roots()` names no request and goes out on the session's GET stream. With
+    one call open on the session it is that call's question, in a task and in a synchronous request alike."""
+    client = await tasks_client(tasks=policies(list_roots_standalone={"mode": "required"}))
+    task_id = await client.create("list_roots_standalone", capabilities=TASKING)
+    task = await input_required(client, task_id)
+    assert task["inputRequests"] == {"roots-1": {"method": "roots/list"}}
+    await update(client, task_id, {"roots-1": {"roots": [{"uri": "file:///work"}]}})
+    assert result_text(await client.settled(task_id)) == "file:///work"
+
+    client = await tasks_client()
+    params: dict[str, Any] = {"name": "list_roots_standalone", "arguments": {}}
+    _, message = await mrtr(client, "tools/call", params, capabilities=EVERY_INPUT)
+    requests, state = round_one(message)
+    retry = {**params, "inputResponses": {key: {"roots": []} for key in requests}, "requestState": state}
+    _, message = await mrtr(client, "tools/call", retry, capabilities=EVERY_INPUT)
+    assert content_text(message["result"]) == ""
+
+
+async def test_a_question_on_the_get_stream_is_refused_when_several_calls_are_open(
+    tasks_client: ClientFactory,
+) -> None:
+    """With two calls open on the session nobody can tell whose question it is: refused, never misrouted."""
+    client = await tasks_client()
+    other = Tasks(client.client, client.core, client.tasks)  # the same principal, so the same upstream session
+    busy = asyncio.get_running_loop().create_task(
+        mrtr(other, "tools/call", {"name": "sleep", "arguments": {"seconds": 2}}, capabilities=EVERY_INPUT)
+    )
+    await asyncio.sleep(0.3)  # the sleep call is open on the session
+    _, message = await mrtr(
+        client, "tools/call", {"name": "list_roots_standalone", "arguments": {}}, capabilities=EVERY_INPUT
+    )
+    assert content_text(message["result"]).startswith("roots refused:")
+    _, slept = await busy
+    assert content_text(slept["result"]) == "slept 2"
+
+
 async def test_url_elicitation_drops_the_legacy_id_and_needs_the_url_capability(tasks_client: ClientFactory) -> None:
     """C-16 / K-12: `elicitationId` does not exist any more; URL mode needs `elicitation.url` (C-14)."""
     client = await tasks_client(tasks=policies(ask_url={"mode": "required"}))

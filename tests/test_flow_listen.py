@@ -104,11 +104,13 @@ async def test_listen_ends_gracefully_at_shutdown(
 
 
 async def test_standalone_upstream_requests_are_answered_not_left_hanging(proxy: Client) -> None:
-    """The SDK sends list_roots() without a related request on the GET stream: the proxy's listener refuses
-    it at once, so the tool returns instead of waiting for its timeout."""
+    """The SDK sends list_roots() without a related request on the GET stream. The one call open on the session
+    takes it (K-12); this client did not declare `roots`, so the upstream is refused at once and the client
+    is told what it lacks, instead of the tool waiting for its timeout."""
     await call(proxy, "greet", {"name": "warm-up"})  # the session (and its GET stream) exists
     message = await asyncio.wait_for(call(proxy, "list_roots_standalone"), DEADLINE_SECONDS)
-    assert message["result"]["content"][0]["text"].startswith("roots refused:")
+    assert message["error"]["code"] == -32021
+    assert message["error"]["data"]["requiredCapabilities"] == {"roots": {}}
 
 
 async def test_listen_survives_an_upstream_restart(make_proxy: Callable[..., Any], own_upstream: Upstream) -> None:

@@ -314,13 +314,21 @@ class TaskRunner:
         session = self.upstream.session(job.principal)
         async with session.call(job.method, job.params, job.headers) as call:
             job.call = call
-            async for event in call.events():
-                if isinstance(event, UpstreamNotification):
-                    await self._on_notification(job, event.message)
-                elif isinstance(event, UpstreamServerRequest):
-                    await self._on_question(job, call, event)
-                else:
-                    return event
+
+            async def ask(question: UpstreamServerRequest) -> None:  # a question on the GET stream (K-12)
+                await self._on_question(job, call, question)
+
+            session.askers[call.request_id] = ask
+            try:
+                async for event in call.events():
+                    if isinstance(event, UpstreamNotification):
+                        await self._on_notification(job, event.message)
+                    elif isinstance(event, UpstreamServerRequest):
+                        await self._on_question(job, call, event)
+                    else:
+                        return event
+            finally:
+                session.askers.pop(call.request_id, None)
         raise UpstreamError(f"Upstream closed the stream of {job.method} without answering")  # pragma: no cover
 
     async def _on_notification(self, job: Job, message: JSON) -> None:

@@ -1,9 +1,10 @@
-"""The standalone GET stream of one upstream session: notifications for listen subscribers, requests refused.
+"""The standalone GET stream of one upstream session: notifications for listen subscribers; requests relayed
+to the one open call that can take them, else refused.
 
 A legacy server sends what is not tied to a request (`notifications/*/list_changed`, resource updates, and
 server→client requests made without a related request, e.g. the mcp 1.x SDK's `list_roots()`) on the GET
-stream. The proxy keeps it open for each stateful upstream session so such requests are answered at once
-(never left hanging) and list/resource notifications reach `subscriptions/listen` streams.
+stream. The proxy keeps it open for each stateful upstream session so such requests are never left hanging
+and list/resource notifications reach `subscriptions/listen` streams.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import structlog
 from mcp_types import jsonrpc as codes
 
 from proxy.errors import InvalidRequestError, UpstreamError
+from proxy.upstream.call import UpstreamServerRequest
 from proxy.upstream.sse import SSEParser
 from proxy.wire.jsonrpc import JSON, Notification, Request, classify
+from proxy.wire.translate import INPUT_METHODS
 
 if TYPE_CHECKING:
     from proxy.upstream.session import UpstreamSession
@@ -128,6 +131,10 @@ class UpstreamListener:
         if isinstance(message, Request):
             if message.method == "ping":
                 await self.session.respond(message.id, result={})
+                return
+            asker = self.session.sole_asker() if message.method in INPUT_METHODS else None
+            if asker is not None:
+                await asker(UpstreamServerRequest(message.id, message.method, message.params))
                 return
             # K-20 / C-21: a standalone server→client request has no modern client to go to.
             log.info("upstream_standalone_request_refused", input_method=message.method)

@@ -14,7 +14,7 @@ import itertools
 import json
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from importlib.metadata import PackageNotFoundError, version
 from typing import Final
 
@@ -24,7 +24,7 @@ import structlog
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamError, UpstreamTimeoutError
 from proxy.observability import Metrics, method_label
-from proxy.upstream.call import UpstreamCall, UpstreamErrorResponse, UpstreamResult
+from proxy.upstream.call import UpstreamCall, UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
 from proxy.upstream.listener import UpstreamListener
 from proxy.wire.envelope import ParamHeader, param_headers
 from proxy.wire.jsonrpc import JSON, dumps, error_message, notification_message, request_message, result_message
@@ -65,6 +65,8 @@ class UpstreamSession:
         self.initialize_result: JSON | None = None
         self.listener = UpstreamListener(self)
         self.in_flight = 0  # calls open on this session right now
+        # Calls that can relay the upstream's questions, by upstream request id (see `sole_asker`).
+        self.askers: dict[int, Callable[[UpstreamServerRequest], Awaitable[None]]] = {}
         self._lock = asyncio.Lock()
         self._resource_subscriptions: Counter[str] = Counter()
         self._param_headers: dict[str, tuple[ParamHeader, ...]] | None = None
@@ -199,6 +201,14 @@ class UpstreamSession:
                 pass
         self.session_id = None
         self.initialize_result = None
+
+    def sole_asker(self) -> Callable[[UpstreamServerRequest], Awaitable[None]] | None:
+        """K-12: a question on the GET stream names no request (e.g. the mcp 1.x SDK's `list_roots()`, or
+        `create_message()` without a related request id). While exactly one call is open on this session, and
+        it can relay questions, it is that call's; with several, nobody can tell, and it is refused."""
+        if self.in_flight == 1 and len(self.askers) == 1:
+            return next(iter(self.askers.values()))
+        return None
 
     # --- requests ------------------------------------------------------------------------------------------
 
