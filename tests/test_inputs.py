@@ -5,6 +5,7 @@ Pure functions, tested without I/O; the flows are in tests/test_flow_inputs.py.
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +182,9 @@ def test_state_round_trip() -> None:
 @pytest.mark.parametrize(
     "mutate",
     [
-        lambda token: token[:-1] + ("A" if token[-1] != "A" else "B"),  # signature changed
+        lambda token: token[:-1] + ("A" if token[-1] != "A" else "B"),  # last char: maybe only padding bits
+        lambda token: token[:-1] + ("B" if token[-1] != "B" else "C"),
+        lambda token: token[:-5] + ("x" if token[-5] != "x" else "y") + token[-4:],  # signature changed
         lambda token: ("A" if token[0] != "A" else "B") + token[1:],  # payload changed
         lambda token: token + "-TAMPERED",
         lambda token: "",
@@ -227,3 +230,16 @@ def test_secret_from_file_or_random(tmp_path: Path) -> None:
         inputs.load_secret(str(path))
     with pytest.raises(ValueError, match="cannot read"):
         inputs.load_secret(str(tmp_path / "missing"))
+
+
+def test_a_token_differing_only_in_base64_padding_bits_is_refused() -> None:
+    """The last base64 character of the signature carries 2 unused bits: flipping one decodes to the same
+    bytes, yet it is not the token the proxy issued, so it is refused like any other change."""
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+    signer = RequestStateSigner(SECRET)
+    token = signer.sign(CLAIMS)
+    twin = token[:-1] + alphabet[alphabet.index(token[-1]) ^ 1]
+    signature, twin_signature = token.rsplit(".", 1)[1], twin.rsplit(".", 1)[1]
+    assert base64.urlsafe_b64decode(signature + "=") == base64.urlsafe_b64decode(twin_signature + "=")
+    with pytest.raises(InvalidParamsError, match="failed verification"):
+        signer.verify(twin, now_ms=0)

@@ -10,6 +10,7 @@ JSON-RPC response. Imports the wire layer, errors and itsdangerous; no I/O.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import secrets
 from collections.abc import Mapping
@@ -156,7 +157,8 @@ class RequestStateSigner:
         except BadSignature:
             raise InvalidParamsError("Invalid params: requestState failed verification") from None
         claims = _claims(payload)
-        if claims is None:
+        # Only the exact token the proxy issued: base64 leaves slack in its last character's padding bits.
+        if claims is None or not hmac.compare_digest(self.sign(claims), token):
             raise InvalidParamsError("Invalid params: requestState failed verification")
         if now_ms >= claims.expires_at_ms:
             raise InvalidParamsError("Invalid params: requestState has expired; send the request again without it")
