@@ -560,3 +560,25 @@ async def test_replicas_sharing_the_key_say_where_the_call_is_parked(
     assert "failed verification" in refused["error"]["message"]
     _, message = await mrtr(first, "tools/call", retry)
     assert content_text(message["result"]) == "Hello, Ada"
+
+
+async def test_an_upstream_lost_while_waiting_for_input_fails_the_task_and_the_retry(
+    tasks_client: ClientFactory, own_upstream: Upstream
+) -> None:
+    """Nothing hangs on a dead upstream: a task waiting for input fails with the upstream's error, and the
+    retry of a parked synchronous call gets it too (a gateway error, not a stale question)."""
+    client = await tasks_client(own_upstream.url, tasks=policies(ask_name={"mode": "required"}))
+    task_id = await client.create("ask_name", capabilities=TASKING)
+    await input_required(client, task_id)
+    params: dict[str, Any] = {"name": "test_input_required_result_multi_round", "arguments": {}}
+    _, message = await mrtr(client, "tools/call", params)
+    _, state = round_one(message)
+    own_upstream.stop()
+    failed = await client.settled(task_id)
+    assert failed["status"] == "failed"
+    assert failed["error"]["code"] == -32603
+    assert "Upstream" in failed["error"]["message"]
+    retry = {**params, "inputResponses": {"elicitation-1": accept(name="Ada")}, "requestState": state}
+    status, message = await mrtr(client, "tools/call", retry)
+    assert status in (502, 504), message
+    assert message["error"]["code"] == -32603
