@@ -15,6 +15,7 @@ from typing import Any
 import structlog.testing
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.app import UPSTREAM
 from tests.conftest import (
     DECLARING,
     ClientFactory,
@@ -198,7 +199,11 @@ async def test_a_question_on_the_get_stream_is_refused_when_several_calls_are_op
     busy = asyncio.get_running_loop().create_task(
         mrtr(other, "tools/call", {"name": "sleep", "arguments": {"seconds": 2}}, capabilities=EVERY_INPUT)
     )
-    await asyncio.sleep(0.3)  # the sleep call is open on the session
+    session = client.client.app[UPSTREAM].session(None)
+    deadline = asyncio.get_running_loop().time() + 10
+    while session.in_flight < 1:  # until the sleep call is open on the session
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.02)
     _, message = await mrtr(
         client, "tools/call", {"name": "list_roots_standalone", "arguments": {}}, capabilities=EVERY_INPUT
     )
