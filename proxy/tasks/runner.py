@@ -46,6 +46,7 @@ SWEEP_INTERVAL_SECONDS: Final = 1.0  # how often expired tasks and parked calls 
 SHUTDOWN_GRACE_SECONDS: Final = 5.0  # how long close() waits for cancelled calls to tell the upstream
 PROGRESS_WRITE_INTERVAL_SECONDS: Final = 0.2  # at most this often is a task's statusMessage rewritten
 CANCELLED_BY_CLIENT: Final = "cancelled by the client"
+MAX_OUTSTANDING_INPUTS: Final = 64  # open questions per call; an upstream asking more at once is refused
 PARKED_EXPIRED: Final = "the client did not retry within inputs.request_state_ttl_ms"
 # Outcomes whose call may become a task: the proxy asks the upstream for progress (statusMessage) even when
 # the client did not.
@@ -362,15 +363,21 @@ class TaskRunner:
         if question.method not in translate.INPUT_METHODS:
             await call.refuse(question)
             return
-        relayed = job.mode is not JobMode.DETACHED and inputs.declared(
-            job.capabilities, question.method, question.params
-        )
+        declared = inputs.declared(job.capabilities, question.method, question.params)
+        relayed = declared and job.mode is not JobMode.DETACHED and len(job.inputs) < MAX_OUTSTANDING_INPUTS
         if self.metrics is not None:
             self.metrics.input_requests.labels(question.method, "relayed" if relayed else "refused").inc()
         if not relayed:
             await call.refuse(question)
-            log.info("input_request_refused", task_id=job.task_id, name=job.tool, input_method=question.method)
-            if job.mode is JobMode.FOREGROUND and job.mrtr:
+            reason = "undeclared" if not declared else "detached" if job.mode is JobMode.DETACHED else "too_many"
+            log.info(
+                "input_request_refused",
+                task_id=job.task_id,
+                name=job.tool,
+                input_method=question.method,
+                reason=reason,
+            )
+            if not declared and job.mode is JobMode.FOREGROUND and job.mrtr:
                 # C-4: the waiting client gets -32021 naming what it lacks (unless it can answer something else).
                 job.missing.append(translate.required_capability(question.method, question.params))
                 self._gather(job)
