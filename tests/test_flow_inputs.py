@@ -16,6 +16,7 @@ import structlog.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.app import UPSTREAM
+from proxy.tasks.runner import MAX_OUTSTANDING_INPUTS
 from tests.conftest import (
     DECLARING,
     ClientFactory,
@@ -256,6 +257,17 @@ async def test_cancel_while_input_required(tasks_client: ClientFactory, own_upst
     await wait_for_cancellations(client, 1)  # the parked upstream call was told (L-5)
     status, _ = await client.post("tasks/update", {"taskId": task_id, "inputResponses": {"elicitation-1": {}}})
     assert status == 200  # T-26: still an ack; nothing to deliver
+
+
+async def test_an_upstream_asking_too_much_at_once_is_refused_beyond_the_limit(tasks_client: ClientFactory) -> None:
+    """At most MAX_OUTSTANDING_INPUTS open questions per call: the rest are declined upstream at once."""
+    client = await tasks_client(tasks=policies(ask_many={"mode": "required"}), inputs={"gather_ms": 1000})
+    task_id = await client.create("ask_many", {"count": MAX_OUTSTANDING_INPUTS + 2}, capabilities=TASKING)
+    task = await input_required(client, task_id, keys=MAX_OUTSTANDING_INPUTS)
+    assert len(task["inputRequests"]) == MAX_OUTSTANDING_INPUTS
+    await update(client, task_id, {key: accept(ok=True) for key in task["inputRequests"]})
+    done = await client.settled(task_id)
+    assert result_text(done) == f"accepted={MAX_OUTSTANDING_INPUTS} declined=2"
 
 
 async def test_a_task_waiting_for_input_holds_no_running_slot(tasks_client: ClientFactory) -> None:

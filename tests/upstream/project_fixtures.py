@@ -70,6 +70,21 @@ def register(mcp: FastMCP[Any]) -> None:
             return text_result(f"No name given (action={result.action})")
         return text_result(f"Hello, {content_str(result, 'name')}")
 
+    @mcp.tool(name="ask_many", description="Asks `count` yes/no elicitations at once; returns how many were accepted")
+    async def ask_many(
+        ctx: Ctx, count: Annotated[int, Field(description="How many questions to ask at once", ge=1, le=500)]
+    ) -> types.CallToolResult:
+        actions: list[str] = []
+
+        async def ask(number: int) -> None:
+            schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+            actions.append((await elicit(ctx, f"Question {number}?", schema)).action)
+
+        async with anyio.create_task_group() as tg:
+            for number in range(count):
+                tg.start_soon(ask, number)
+        return text_result(f"accepted={actions.count('accept')} declined={actions.count('decline')}")
+
     @mcp.tool(name="ask_url", description="URL-mode elicitation (elicitationId 'consent-1'); returns the action")
     async def ask_url(ctx: Ctx) -> types.CallToolResult:
         result = await ctx.request_context.session.elicit_url(
