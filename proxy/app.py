@@ -323,7 +323,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     app[RUNNER] = runner
     if metrics is not None:
         metrics.tasks_running.set_function(lambda: runner.running)
-        metrics.calls_parked.set_function(lambda: runner.parked)
+        metrics.calls_parked.set_function(lambda: runner.bridge.parked)
     app[FRONT] = Front(config, upstream, runner)
     app[PASSTHROUGH] = PassThrough(
         config.upstream.url,

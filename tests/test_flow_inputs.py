@@ -16,7 +16,7 @@ import structlog.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.app import UPSTREAM
-from proxy.tasks.runner import MAX_OUTSTANDING_INPUTS
+from proxy.tasks.bridge import MAX_OUTSTANDING_INPUTS
 from tests.conftest import (
     DECLARING,
     ClientFactory,

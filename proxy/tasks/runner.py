@@ -5,7 +5,8 @@ task creation (commit before the handle is returned, T-14), the call's events (p
 client's stream; upstream questions → a task's `inputRequests` or an MRTR round; final → settled record or
 response), cancel, limits, TTL/retention sweeps and restart recovery. The only creator of background tasks
 outside `upstream/`. Imports the store, the upstream client, policy and wire; never aiohttp's web side or the
-front. The requests that wait for a call (and MRTR) are in `waiting.py`.
+front. Questions and answers are handled by its `InputBridge` (`bridge.py`); the requests that wait for a
+call (and MRTR) are in `waiting.py`.
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ from proxy.config import Config
 from proxy.errors import InvalidParamsError, ProxyError, TaskLimitError, UpstreamError
 from proxy.observability import Metrics
 from proxy.policy import Outcome, Policy
-from proxy.tasks import inputs
+from proxy.tasks.bridge import InputBridge
 from proxy.tasks.job import Job, JobMode
 from proxy.tasks.store import StoreError, StoreFullError, TaskStore
 from proxy.upstream.call import (
-    UpstreamCall,
     UpstreamErrorResponse,
     UpstreamNotification,
     UpstreamResult,
@@ -46,7 +46,6 @@ SWEEP_INTERVAL_SECONDS: Final = 1.0  # how often expired tasks and parked calls 
 SHUTDOWN_GRACE_SECONDS: Final = 5.0  # how long close() waits for cancelled calls to tell the upstream
 PROGRESS_WRITE_INTERVAL_SECONDS: Final = 0.2  # at most this often is a task's statusMessage rewritten
 CANCELLED_BY_CLIENT: Final = "cancelled by the client"
-MAX_OUTSTANDING_INPUTS: Final = 64  # open questions per call; an upstream asking more at once is refused
 PARKED_EXPIRED: Final = "the client did not retry within inputs.request_state_ttl_ms"
 # Outcomes whose call may become a task: the proxy asks the upstream for progress (statusMessage) even when
 # the client did not.
@@ -69,20 +68,18 @@ class TaskRunner:
         metrics: Metrics | None = None,
     ) -> None:
         self.config = config.tasks
-        self.inputs = config.inputs
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
         self.metrics = metrics
         self.store = store
         self.upstream = upstream
         self.clock = clock
-        self.signer = inputs.RequestStateSigner(inputs.load_secret(config.inputs.secret_file))
         self.process_id = uuid.uuid4().hex  # the `owner` of every task this process runs
         self._jobs: dict[str, Job] = {}  # task id → its job, for tasks whose upstream call runs here
         self._running: set[Job] = set()  # jobs that hold a `max_running` slot
-        self._parked: dict[str, Job] = {}  # call id → a synchronous call waiting for an MRTR retry
         self._background: set[asyncio.Task[Any]] = set()
         self._progress_tokens = 0
         self._closing = False  # set by close(): cancelled calls then leave their records live
+        self.bridge = InputBridge(config.inputs, store, clock, metrics, self._spawn, self._running, self.process_id)
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -176,7 +173,7 @@ class TaskRunner:
         """T-38: fail live tasks past their TTL (and stop their calls); drop settled records past their TTL;
         cancel parked MRTR calls nobody resumed in time (C-13)."""
         now = self.clock()
-        for job in [job for job in self._parked.values() if job.parked_until_ms <= now]:
+        for job in self.bridge.expired(now):
             await self.end_parked(job)
         for record in await self.store.expired_live(now):
             await self._expire(record)
@@ -185,7 +182,7 @@ class TaskRunner:
             log.info("tasks_purged", count=purged)
 
     async def end_parked(self, job: Job) -> None:
-        self._parked.pop(job.call_id, None)
+        self.bridge.unpark(job)
         log.info("mrtr_call_expired", method=job.method, name=job.tool, round=job.round)
         if job.task_id is not None:
             await self._cancel_task(job.task_id, PARKED_EXPIRED)
@@ -270,7 +267,7 @@ class TaskRunner:
                 self._running.add(job)
         log.info("task_created", task_id=record.task_id, tool=job.tool, ttl_ms=record.ttl_ms)
         if job.inputs:
-            self._log_input_required(job)
+            self.bridge.log_input_required(job)
         if self.metrics is not None:
             self.metrics.tasks_created.labels(self.metrics.tool_label(job.tool)).inc()
         if job.finished.is_set():
@@ -317,7 +314,7 @@ class TaskRunner:
             job.call = call
 
             async def ask(question: UpstreamServerRequest) -> None:  # a question on the GET stream (K-12)
-                await self._on_question(job, call, question)
+                await self.bridge.on_question(job, call, question)
 
             session.askers[call.request_id] = ask
             try:
@@ -325,7 +322,7 @@ class TaskRunner:
                     if isinstance(event, UpstreamNotification):
                         await self._on_notification(job, event.message)
                     elif isinstance(event, UpstreamServerRequest):
-                        await self._on_question(job, call, event)
+                        await self.bridge.on_question(job, call, event)
                     else:
                         return event
             finally:
@@ -353,160 +350,6 @@ class TaskRunner:
             await self.store.update(job.task_id, {"status_message": status_message}, now_ms=self.clock())
         except StoreError as exc:  # a lost progress line is not worth failing the task for
             log.warning("task_progress_not_stored", task_id=job.task_id, error=str(exc))
-
-    # --- input bridging ----------------------------------------------------------------------------------
-
-    async def _on_question(self, job: Job, call: UpstreamCall, question: UpstreamServerRequest) -> None:
-        """An upstream server→client request mid-call (the upstream's ping never gets here). A question the
-        client declared (C-14, K-19) gets a fresh key (T-30, K-39) and waits in the batch being gathered;
-        anything else is answered at once, so the upstream never hangs (an elicitation is declined)."""
-        if question.method not in translate.INPUT_METHODS:
-            await call.refuse(question)
-            return
-        declared = inputs.declared(job.capabilities, question.method, question.params)
-        relayed = declared and job.mode is not JobMode.DETACHED and len(job.inputs) < MAX_OUTSTANDING_INPUTS
-        if self.metrics is not None:
-            self.metrics.input_requests.labels(question.method, "relayed" if relayed else "refused").inc()
-        if not relayed:
-            await call.refuse(question)
-            reason = "undeclared" if not declared else "detached" if job.mode is JobMode.DETACHED else "too_many"
-            log.info(
-                "input_request_refused",
-                task_id=job.task_id,
-                name=job.tool,
-                input_method=question.method,
-                reason=reason,
-            )
-            if not declared and job.mode is JobMode.FOREGROUND and job.mrtr:
-                # C-4: the waiting client gets -32021 naming what it lacks (unless it can answer something else).
-                job.missing.append(translate.required_capability(question.method, question.params))
-                self._gather(job)
-            return
-        job.issued += 1
-        key = inputs.mint_key(question.method, job.issued)
-        job.inputs[key] = inputs.PendingInput(
-            question.id, question.method, inputs.input_request(question.method, question.params)
-        )
-        self._gather(job)
-
-    def _gather(self, job: Job) -> None:
-        """Questions asked together (within `inputs.gather_ms` of the first) reach the client together."""
-        if job.publish_timer is None or job.publish_timer.done():
-            job.publish_timer = self._spawn(self._publish_later(job), f"gather-{job.call_id}")
-
-    async def _publish_later(self, job: Job) -> None:
-        await asyncio.sleep(self.inputs.gather_ms / 1000)
-        await self._publish(job)
-
-    async def _publish(self, job: Job) -> None:
-        async with job.lock:
-            if job.task_id is not None:
-                await self._write_inputs(job)
-            if job.mode is JobMode.FOREGROUND:
-                job.needs_client = True
-                job.attention.set()
-
-    async def _write_inputs(self, job: Job) -> None:
-        """The task's record shows every outstanding question (T-22); a task with questions open holds no
-        running slot. Called with the job's lock held."""
-        assert job.task_id is not None
-        asking = bool(job.inputs)
-        changes = {
-            "status": TaskStatus.INPUT_REQUIRED if asking else TaskStatus.WORKING,
-            "input_requests": job.input_requests(),
-            "inputs_issued": job.issued,
-        }
-        try:
-            updated = await self.store.update(job.task_id, changes, now_ms=self.clock())
-        except StoreError as exc:
-            log.error("task_inputs_not_stored", task_id=job.task_id, error=str(exc))
-            return
-        if asking:
-            self._running.discard(job)
-        elif not job.finished.is_set() and job.mode is not JobMode.DETACHED:
-            self._running.add(job)
-        if updated is not None and asking:
-            self._log_input_required(job)
-
-    def _log_input_required(self, job: Job) -> None:
-        log.info(
-            "task_input_required",
-            task_id=job.task_id,
-            tool=job.tool,
-            keys=sorted(job.inputs),
-            methods=sorted({pending.method for pending in job.inputs.values()}),
-        )
-
-    def answers(self, job: Job, responses: Mapping[str, Any]) -> dict[str, JSON]:
-        """The answers to outstanding questions, validated before any is delivered (-32602 names the key); keys
-        not outstanding (never issued, already answered) are ignored (T-28, C-14)."""
-        answers: dict[str, JSON] = {}
-        for key, response in responses.items():
-            pending = job.inputs.get(key)
-            if pending is not None:
-                answers[key] = inputs.upstream_answer(key, pending.method, response)
-        return answers
-
-    async def deliver(self, job: Job, answers: Mapping[str, JSON]) -> None:
-        """Each answer goes upstream as the JSON-RPC response to its question (T-29: a subset is fine); the
-        same call then continues (T-31)."""
-        async with job.lock:
-            for key, answer in answers.items():
-                pending = job.inputs.pop(key, None)
-                if pending is None or job.call is None or job.finished.is_set():
-                    continue
-                try:
-                    await job.call.answer(pending.upstream_id, result=answer)
-                except UpstreamError as exc:  # the call is lost; its stream ends it with that error
-                    log.warning("input_response_not_delivered", task_id=job.task_id, key=key, error=exc.message)
-            if job.task_id is not None and not job.finished.is_set():
-                await self._write_inputs(job)
-
-    async def detach(self, job: Job) -> None:
-        """Nobody will answer or read this call any more: its open questions are refused (the upstream ends
-        the call by itself; a cancel racing that end would break an mcp 1.x session)."""
-        async with job.lock:
-            job.mode = JobMode.DETACHED
-            job.channel = None
-            pending_inputs = list(job.inputs.values())
-            job.inputs.clear()
-            for pending in pending_inputs:
-                if job.call is not None and not job.finished.is_set():
-                    question = UpstreamServerRequest(pending.upstream_id, pending.method, None)
-                    try:
-                        await job.call.refuse(question)
-                    except UpstreamError as exc:
-                        log.info("input_request_refusal_failed", error=exc.message)
-
-    def park(self, job: Job, claims: inputs.StateClaims) -> str:
-        """MRTR: the call waits for the client's retry; returns the signed `requestState` for that retry."""
-        self._parked[job.call_id] = job
-        return self.signer.sign(claims)
-
-    def claim_parked(self, claims: inputs.StateClaims) -> Job:
-        """The parked call a verified `requestState` names, taken for exactly one retry (single use, C-13)."""
-        job = self._parked.get(claims.call_id)
-        if job is None or job.round != claims.round:
-            if claims.owner != self.process_id:
-                raise InvalidParamsError(
-                    "Invalid params: requestState belongs to a call held by another proxy process; send the "
-                    "request again without it"
-                )
-            raise InvalidParamsError(
-                "Invalid params: requestState was already used or its call has ended; send the request again without it"
-            )
-        return job
-
-    def unpark(self, job: Job) -> None:
-        self._parked.pop(job.call_id, None)
-
-    @property
-    def parked(self) -> int:
-        return len(self._parked)
-
-    @property
-    def parked_limit(self) -> int:
-        return self.inputs.max_parked
 
     # --- settling ------------------------------------------------------------------------------------------
 
@@ -577,7 +420,7 @@ class TaskRunner:
         """The task's record was settled from outside its call (cancel, expiry): stop the call if it runs here."""
         job = self._jobs.pop(task_id, None)
         if job is not None:
-            self.unpark(job)
+            self.bridge.unpark(job)
             self.cancel_job(job, reason)
 
     async def cancel_task(self, task_id: str, reason: str) -> None:
@@ -633,9 +476,9 @@ class TaskRunner:
         job = self._jobs.get(task_id)
         if job is None or record.status.terminal or job.mode is not JobMode.TASK:
             return
-        answers = self.answers(job, responses)
+        answers = self.bridge.answers(job, responses)
         if answers:
-            await self.deliver(job, answers)
+            await self.bridge.deliver(job, answers)
 
     async def cancel(self, task_id: str, caller: Caller) -> None:
         """T-33 / T-34: ack even on terminal tasks; settle `cancelled` unless already settled, stop the call

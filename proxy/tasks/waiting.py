@@ -83,26 +83,26 @@ class WaitingCalls:
         if not isinstance(responses, dict):
             raise InvalidParamsError("Invalid params: inputResponses must be an object", request_id=request.id)
         try:
-            claims = runner.signer.verify(state, runner.clock())
+            claims = runner.bridge.signer.verify(state, runner.clock())
             if (
                 claims.principal != principal_key(caller.principal)
                 or claims.method != request.method
                 or claims.digest != inputs.params_digest(request.params)
             ):
                 raise InvalidParamsError("Invalid params: requestState was issued for another request")
-            job = runner.claim_parked(claims)
-            answers = runner.answers(job, responses)  # a bad answer leaves the call parked for a corrected retry
+            job = runner.bridge.claim_parked(claims)
+            answers = runner.bridge.answers(job, responses)  # a bad answer leaves the call parked for a corrected retry
         except ProxyError as exc:
             exc.request_id = request.id
             raise
-        runner.unpark(job)
+        runner.bridge.unpark(job)
         job.mode = JobMode.FOREGROUND
         job.channel = channel
         job.progress_token = request.progress_token
         job.log_level = request.log_level
         log.info("mrtr_resumed", method=job.method, name=job.tool, round=job.round, answered=sorted(answers))
         try:
-            await runner.deliver(job, answers)
+            await runner.bridge.deliver(job, answers)
         except BaseException:  # the client left while its answers went upstream: nobody waits for the call
             await runner.shielded(runner.stop_call(job, CLIENT_LEFT), "call-stop")
             raise
@@ -135,7 +135,7 @@ class WaitingCalls:
                     return await self._to_task(job, request, caller, server_info)
                 if job.inputs:
                     return self._park(job, request, caller, server_info)
-                await runner.detach(job)
+                await runner.bridge.detach(job)
                 raise self._missing(job, request)
             return await self._to_task(job, request, caller, server_info)
         except BaseException:
@@ -172,14 +172,14 @@ class WaitingCalls:
     def _park(self, job: Job, request: ModernRequest, caller: Caller, server_info: JSON | None) -> JSON:
         """C-11: InputRequiredResult with every outstanding question and a requestState for one retry."""
         runner = self.runner
-        if runner.parked >= runner.parked_limit:
+        if runner.bridge.parked >= runner.bridge.parked_limit:
             runner.cancel_job(job, "too many calls parked for a retry")
-            raise TaskLimitError("max_parked", runner.parked_limit, request_id=request.id)
+            raise TaskLimitError("max_parked", runner.bridge.parked_limit, request_id=request.id)
         job.round += 1
         job.mode = JobMode.PARKED
         job.channel = None
         job.missing.clear()  # declined upstream and answered for: the client was asked what it can answer
-        job.parked_until_ms = runner.clock() + runner.inputs.request_state_ttl_ms
+        job.parked_until_ms = runner.clock() + runner.bridge.config.request_state_ttl_ms
         claims = inputs.StateClaims(
             call_id=job.call_id,
             round=job.round,
@@ -189,7 +189,7 @@ class WaitingCalls:
             expires_at_ms=job.parked_until_ms,
             owner=runner.process_id,
         )
-        state = runner.park(job, claims)
+        state = runner.bridge.park(job, claims)
         log.info("mrtr_input_required", method=job.method, name=job.tool, round=job.round, keys=sorted(job.inputs))
         result = inputs.input_required_result(job.input_requests(), state)
         if server_info:
