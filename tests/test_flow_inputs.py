@@ -499,7 +499,10 @@ async def test_too_many_parked_calls_are_refused(tasks_client: ClientFactory) ->
     client = await tasks_client(inputs={"max_parked": 1})
     _, message = await mrtr(client, "tools/call", {"name": "ask_name", "arguments": {}})
     round_one(message)
-    status, refused = await mrtr(client, "tools/call", {"name": "ask_name", "arguments": {}})
+    with structlog.testing.capture_logs() as events:
+        status, refused = await mrtr(client, "tools/call", {"name": "ask_name", "arguments": {}})
+    # The question of the call that could not be parked was declined upstream (it ends by itself).
+    assert [event["count"] for event in events if event["event"] == "input_requests_declined"] == [1]
     assert status == 503
     assert refused["error"]["code"] == -32603
     assert refused["error"]["data"] == {"limit": "max_parked", "max": 1}

@@ -167,6 +167,8 @@ class InputBridge:
             job.channel = None
             pending_inputs = list(job.inputs.values())
             job.inputs.clear()
+            if pending_inputs:
+                log.info("input_requests_declined", task_id=job.task_id, name=job.tool, count=len(pending_inputs))
             for pending in pending_inputs:
                 if job.call is not None and not job.finished.is_set():
                     question = UpstreamServerRequest(pending.upstream_id, pending.method, None)

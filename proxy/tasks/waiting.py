@@ -115,7 +115,7 @@ class WaitingCalls:
         runner = self.runner
         try:
             if job.inputs and not job.finished.is_set():  # C-14: questions a retry left unanswered are asked again
-                return self._park(job, request, caller, server_info)
+                return await self._park(job, request, caller, server_info)
             kind = job.outcome_kind
             window = None
             if kind in (Outcome.WINDOW, Outcome.INPUT_FIRST):
@@ -134,7 +134,7 @@ class WaitingCalls:
                 if kind is Outcome.WINDOW:  # a declaring client: the question goes to the task (T-22)
                     return await self._to_task(job, request, caller, server_info)
                 if job.inputs:
-                    return self._park(job, request, caller, server_info)
+                    return await self._park(job, request, caller, server_info)
                 await runner.bridge.detach(job)
                 raise self._missing(job, request)
             return await self._to_task(job, request, caller, server_info)
@@ -169,11 +169,13 @@ class WaitingCalls:
                 if keepalive is not None:
                     await keepalive.keepalive(open_stream=True)
 
-    def _park(self, job: Job, request: ModernRequest, caller: Caller, server_info: JSON | None) -> JSON:
-        """C-11: InputRequiredResult with every outstanding question and a requestState for one retry."""
+    async def _park(self, job: Job, request: ModernRequest, caller: Caller, server_info: JSON | None) -> JSON:
+        """C-11: InputRequiredResult with every outstanding question and a requestState for one retry. Beyond
+        `inputs.max_parked` the questions are declined upstream (the call ends by itself) and the client gets
+        a limit error."""
         runner = self.runner
         if runner.bridge.parked >= runner.bridge.parked_limit:
-            runner.cancel_job(job, "too many calls parked for a retry")
+            await runner.bridge.detach(job)
             raise TaskLimitError("max_parked", runner.bridge.parked_limit, request_id=request.id)
         job.round += 1
         job.mode = JobMode.PARKED
