@@ -185,7 +185,7 @@ class TaskRunner:
         self.bridge.unpark(job)
         log.info("mrtr_call_expired", method=job.method, name=job.tool, round=job.round)
         if job.task_id is not None:
-            await self._cancel_task(job.task_id, PARKED_EXPIRED)
+            await self.cancel_task(job.task_id, PARKED_EXPIRED)
         else:
             self.cancel_job(job, PARKED_EXPIRED)
 
@@ -424,9 +424,6 @@ class TaskRunner:
             self.cancel_job(job, reason)
 
     async def cancel_task(self, task_id: str, reason: str) -> None:
-        await self._cancel_task(task_id, reason)
-
-    async def _cancel_task(self, task_id: str, reason: str) -> None:
         settled = await self.store.settle(task_id, TaskStatus.CANCELLED, now_ms=self.clock(), status_message=reason)
         self._stop(task_id, reason)
         self._settled(settled, reason=reason)
@@ -485,7 +482,7 @@ class TaskRunner:
         (notifications/cancelled upstream)."""
         record = await self.observe(task_id, caller)
         if not record.status.terminal:
-            await self._cancel_task(task_id, CANCELLED_BY_CLIENT)
+            await self.cancel_task(task_id, CANCELLED_BY_CLIENT)
 
     @property
     def running(self) -> int:
