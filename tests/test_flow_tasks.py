@@ -499,3 +499,20 @@ async def test_a_second_proxy_cannot_open_a_database_in_use(
     await make_proxy(upstream.url, **sections)
     with pytest.raises(Exception, match="in use"):
         await make_proxy(upstream.url, **sections)
+
+
+async def test_poll_interval_follows_how_long_the_tool_usually_takes(tasks_client: ClientFactory) -> None:
+    """Once a tool has completed, its next task suggests polling just after its expected end instead of the
+    policy's slower pace; the stored policy value is unchanged."""
+    client = await tasks_client(tasks=policies(sleep={"mode": "required", "poll_interval_ms": 3000}))
+    _, message = await client.call("sleep", {"seconds": 0.3})
+    first = message["result"]
+    assert first["pollIntervalMs"] == 3000  # nothing known yet
+    await client.settled(first["taskId"])
+    _, message = await client.call("sleep", {"seconds": 0.3})
+    second = message["result"]
+    assert 300 <= second["pollIntervalMs"] < 1000, second
+    task = await client.task(second["taskId"])
+    assert task["status"] != "working" or task["pollIntervalMs"] <= second["pollIntervalMs"]
+    done = await client.settled(second["taskId"])
+    assert "pollIntervalMs" not in done or done["pollIntervalMs"] == 3000  # settled: the policy's value

@@ -16,6 +16,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import replace
 from typing import Any, Final, TypeVar
 
 import structlog
@@ -24,6 +25,7 @@ from proxy.config import Config
 from proxy.errors import InvalidParamsError, ProxyError, TaskLimitError, UpstreamError
 from proxy.observability import Metrics
 from proxy.policy import Outcome, Policy
+from proxy.tasks import pacing
 from proxy.tasks.bridge import InputBridge
 from proxy.tasks.job import Job, JobMode
 from proxy.tasks.store import StoreError, StoreFullError, TaskStore
@@ -78,6 +80,7 @@ class TaskRunner:
         self._running: set[Job] = set()  # jobs that hold a `max_running` slot
         self._background: set[asyncio.Task[Any]] = set()
         self._progress_tokens = 0
+        self.durations = pacing.DurationEstimates()  # how long each tool's tasks usually take
         self._closing = False  # set by close(): cancelled calls then leave their records live
         self.bridge = InputBridge(config.inputs, store, clock, metrics, self._spawn, self._running, self.process_id)
 
@@ -272,7 +275,20 @@ class TaskRunner:
             self.metrics.tasks_created.labels(self.metrics.tool_label(job.tool)).inc()
         if job.finished.is_set():
             await self._settle(job)  # a window call that ended (or was stopped) while the record was committed
-        return record
+        return self.paced(record)
+
+    def paced(self, record: TaskRecord) -> TaskRecord:
+        """The record as the client sees it: a working task's `pollIntervalMs` follows its tool's usual
+        duration (`pacing.py`); the stored value is the policy's."""
+        if record.status is not TaskStatus.WORKING or record.poll_interval_ms is None:
+            return record
+        interval = pacing.poll_interval_ms(
+            record.poll_interval_ms,
+            created_at_ms=record.created_at_ms,
+            now_ms=self.clock(),
+            expected_ms=self.durations.expected_ms(record.tool),
+        )
+        return record if interval == record.poll_interval_ms else replace(record, poll_interval_ms=interval)
 
     def observe_create(self, path: str, started: float) -> None:
         if self.metrics is not None:
@@ -394,6 +410,8 @@ class TaskRunner:
         if record is None:
             return
         log.info("task_settled", task_id=record.task_id, tool=record.tool, status=record.status.value, **context)
+        if record.status is TaskStatus.COMPLETED:
+            self.durations.observe(record.tool, record.updated_at_ms - record.created_at_ms)
         if self.metrics is not None:
             tool = self.metrics.tool_label(record.tool)
             self.metrics.tasks_settled.labels(tool, record.status.value).inc()
@@ -464,7 +482,7 @@ class TaskRunner:
             if expired is None:
                 raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
             return expired
-        return record
+        return self.paced(record)
 
     async def update(self, task_id: str, caller: Caller, responses: Mapping[str, Any]) -> None:
         """T-26…T-31: answers for the task's outstanding questions go upstream; the ack does not wait for the
