@@ -9,7 +9,7 @@ SUITE := conformance/node_modules/@modelcontextprotocol/conformance/dist/index.j
 UPSTREAM_PORT ?= 9000
 PORT ?= 8080
 
-.PHONY: install run test unit conformance check lint typecheck format clean docker
+.PHONY: install run test unit conformance bench check lint typecheck format clean docker
 
 install: $(STAMP)
 
@@ -38,6 +38,10 @@ unit: $(STAMP)
 
 conformance: $(STAMP) $(SUITE)
 	$(BIN)/python conformance/run.py
+
+## bench: the benchmark table (ratios against baselines measured in the same run), also benchmarks/results/latest.json
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run
 
 ## check: lint, format check, types, tests
 check: lint typecheck test

@@ -1,0 +1,1 @@
+"""Benchmarks of the proxy against a lean legacy upstream, each figure measured beside its baseline."""

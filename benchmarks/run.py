@@ -1,0 +1,546 @@
+"""`make bench`: the proxy's cost, each figure beside a baseline measured in the same run on the same machine.
+
+Starts a lean legacy upstream (`benchmarks.upstream`) and proxy processes on loopback, runs every row, prints
+a table and writes `benchmarks/results/latest.json`. Machines here are shared and noisy (2 cores): rows report
+medians, percentiles and ratios against their baseline, and direct/proxied batches are interleaved.
+
+    python -m benchmarks.run [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "latest.json"
+TASKS = "io.modelcontextprotocol/tasks"
+LEGACY_VERSION = "2025-11-25"
+MODERN_VERSION = "2026-07-28"
+
+
+# --- processes --------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def wait_for_port(port: int, process: subprocess.Popen[Any], timeout_seconds: float = 30) -> None:
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"process exited with {process.returncode} before listening on {port}")
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+@dataclass
+class Process:
+    process: subprocess.Popen[Any]
+    url: str
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def spawn(arguments: list[str]) -> subprocess.Popen[Any]:
+    return subprocess.Popen(
+        [sys.executable, *arguments], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+async def start_upstream() -> Process:
+    port = free_port()
+    process = spawn(["-m", "benchmarks.upstream", "--port", str(port)])
+    await wait_for_port(port, process)
+    return Process(process, f"http://127.0.0.1:{port}/mcp")
+
+
+def proxy_config(upstream: str, workdir: Path, name: str, database: Path | None, port: int) -> Path:
+    """The proxy under test: default settings, except limits high enough for the scale rows."""
+    config = workdir / f"{name}.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "listen": {"host": "127.0.0.1", "port": port, "shutdown_grace_seconds": 1},
+                "upstream": {"url": upstream},
+                "store": {"path": str(database or workdir / f"{name}.db")},
+                "logging": {"level": "warning"},
+                "observability": {"metrics": False},
+                "tasks": {
+                    "default": {"mode": "optional", "sync_window_ms": 1000, "ttl_ms": 3_600_000},
+                    "tools": {"sleep": {"mode": "required"}},
+                    "max_running": 20_000,
+                    "max_records": 2_000_000,
+                },
+            }
+        )
+    )
+    return config
+
+
+async def start_proxy(upstream: str, workdir: Path, name: str, database: Path | None = None) -> Process:
+    port = free_port()
+    process = spawn(["-m", "proxy", "serve", "--config", str(proxy_config(upstream, workdir, name, database, port))])
+    await wait_for_port(port, process)
+    return Process(process, f"http://127.0.0.1:{port}/mcp")
+
+
+# --- clients ---------------------------------------------------------------------------------------------------
+
+
+class LegacyClient:
+    """A 2025-11-25 client: initialize, then calls on its session."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str) -> None:
+        self.http = http
+        self.url = url
+        self.headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+        self.ids = 0
+
+    async def start(self) -> None:
+        params = {"protocolVersion": LEGACY_VERSION, "capabilities": {}, "clientInfo": {"name": "b", "version": "1"}}
+        async with self.http.post(self.url, json=self._request("initialize", params), headers=self.headers) as r:
+            session = r.headers["Mcp-Session-Id"]
+            await r.read()
+        self.headers = {**self.headers, "Mcp-Session-Id": session, "MCP-Protocol-Version": LEGACY_VERSION}
+        body = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+        async with self.http.post(self.url, json=body, headers=self.headers) as r:
+            await r.read()
+
+    def _request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        self.ids += 1
+        return {"jsonrpc": "2.0", "id": self.ids, "method": method, "params": params}
+
+    async def echo(self) -> None:
+        body = self._request("tools/call", {"name": "echo", "arguments": {"text": "x"}})
+        async with self.http.post(self.url, json=body, headers=self.headers) as r:
+            payload = await r.read()
+        assert b'"text":"x"' in payload.replace(b" ", b""), payload[:200]
+
+
+class ModernClient:
+    def __init__(self, http: aiohttp.ClientSession, url: str, *, declares_tasks: bool = False) -> None:
+        self.http = http
+        self.url = url
+        self.capabilities: dict[str, Any] = {"extensions": {TASKS: {}}} if declares_tasks else {}
+        self.ids = 0
+
+    async def post(self, method: str, params: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+        self.ids += 1
+        meta = {
+            "io.modelcontextprotocol/protocolVersion": MODERN_VERSION,
+            "io.modelcontextprotocol/clientCapabilities": self.capabilities,
+        }
+        body = {"jsonrpc": "2.0", "id": self.ids, "method": method, "params": {**params, "_meta": meta}}
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json, text/event-stream",
+            "MCP-Protocol-Version": MODERN_VERSION,
+            "Mcp-Method": method,
+        }
+        if name is not None:
+            headers["Mcp-Name"] = name
+        async with self.http.post(self.url, json=body, headers=headers) as r:
+            message: dict[str, Any] = await r.json(content_type=None)
+        if "error" in message:
+            raise RuntimeError(f"{method}: {message['error']}")
+        return message
+
+    async def echo(self) -> None:
+        message = await self.post("tools/call", {"name": "echo", "arguments": {"text": "x"}}, "echo")
+        assert message["result"]["content"][0]["text"] == "x", message
+
+    async def create(self, seconds: float) -> dict[str, Any]:
+        message = await self.post("tools/call", {"name": "sleep", "arguments": {"seconds": seconds}}, "sleep")
+        result: dict[str, Any] = message["result"]
+        assert result["resultType"] == "task", message
+        return result
+
+    async def get(self, task_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = (await self.post("tasks/get", {"taskId": task_id}, task_id))["result"]
+        return result
+
+
+# --- measuring -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    latencies_ms: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    count: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.count / self.seconds if self.seconds else 0.0
+
+    def percentile(self, fraction: float) -> float:
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))]
+
+    def merge(self, other: Sample) -> None:
+        self.latencies_ms += other.latencies_ms
+        self.seconds += other.seconds
+        self.count += other.count
+
+
+async def measure(operation: Callable[[], Awaitable[Any]], count: int, concurrency: int) -> Sample:
+    sample = Sample()
+    remaining = count
+
+    async def worker() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            started = time.perf_counter()
+            await operation()
+            sample.latencies_ms.append((time.perf_counter() - started) * 1000)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    sample.seconds = time.perf_counter() - started
+    sample.count = count
+    return sample
+
+
+async def interleaved(
+    first: Callable[[], Awaitable[Any]],
+    second: Callable[[], Awaitable[Any]],
+    *,
+    count: int,
+    concurrency: int,
+    rounds: int = 6,
+) -> tuple[Sample, Sample]:
+    """Alternate batches of the two operations, so that noise on the machine hits both alike."""
+    totals = (Sample(), Sample())
+    for round_number in range(rounds):
+        order = (0, 1) if round_number % 2 == 0 else (1, 0)
+        for index in order:
+            operation = (first, second)[index]
+            totals[index].merge(await measure(operation, count // rounds, concurrency))
+    return totals
+
+
+# --- rows ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    name: str
+    figure: str
+    target: str
+    met: bool | None
+    data: dict[str, Any]
+
+
+async def passthrough_rows(http: aiohttp.ClientSession, upstream: Process, proxy: Process, quick: bool) -> list[Row]:
+    rows = []
+    for concurrency in (1, 16):
+        direct, proxied = LegacyClient(http, upstream.url), LegacyClient(http, proxy.url)
+        await direct.start()
+        await proxied.start()
+        await measure(direct.echo, 50, concurrency)  # warm-up
+        await measure(proxied.echo, 50, concurrency)
+        count = (600 if quick else 3000) if concurrency == 16 else (300 if quick else 1200)
+        base, via = await interleaved(direct.echo, proxied.echo, count=count, concurrency=concurrency)
+        ratio = via.rate / base.rate
+        added_p50 = via.percentile(0.5) - base.percentile(0.5)
+        added_p99 = via.percentile(0.99) - base.percentile(0.99)
+        rows.append(
+            Row(
+                f"pass-through tools/call, concurrency {concurrency}",
+                f"throughput {ratio:.2f}x direct; added p50 {added_p50:+.2f} ms, p99 {added_p99:+.2f} ms",
+                ">= 0.85x, added p50 <= 1 ms",
+                ratio >= 0.85 and added_p50 <= 1.0,
+                {
+                    "throughput_ratio": ratio,
+                    "added_p50_ms": added_p50,
+                    "added_p99_ms": added_p99,
+                    "direct_rps": base.rate,
+                    "proxied_rps": via.rate,
+                    "direct_p50_ms": base.percentile(0.5),
+                    "proxied_p50_ms": via.percentile(0.5),
+                },
+            )
+        )
+    return rows
+
+
+async def modern_sync_row(http: aiohttp.ClientSession, upstream: Process, proxy: Process, quick: bool) -> Row:
+    direct, modern = LegacyClient(http, upstream.url), ModernClient(http, proxy.url)
+    await direct.start()
+    await measure(modern.echo, 50, 16)
+    base, via = await interleaved(direct.echo, modern.echo, count=600 if quick else 3000, concurrency=16)
+    ratio = via.rate / base.rate
+    return Row(
+        "modern sync tools/call vs legacy direct, concurrency 16",
+        f"throughput {ratio:.2f}x direct (p50 {via.percentile(0.5):.2f} vs {base.percentile(0.5):.2f} ms)",
+        ">= 0.75x",
+        ratio >= 0.75,
+        {"throughput_ratio": ratio, "direct_rps": base.rate, "modern_rps": via.rate},
+    )
+
+
+async def creation_rows(http: aiohttp.ClientSession, proxy: Process, quick: bool) -> list[Row]:
+    client = ModernClient(http, proxy.url, declares_tasks=True)
+
+    async def create() -> None:
+        await client.create(600)  # the upstream sleeps; the proxy's cost is the creation itself
+
+    await measure(create, 20, 1)
+    sequential = await measure(create, 100 if quick else 300, 1)
+    concurrent = await measure(create, 300 if quick else 800, 32)
+    p50, p99 = sequential.percentile(0.5), sequential.percentile(0.99)
+    return [
+        Row(
+            "task creation (tools/call -> CreateTaskResult, commit included)",
+            f"p50 {p50:.2f} ms, p99 {p99:.2f} ms (sequential)",
+            "p50 <= 3 ms",
+            p50 <= 3.0,
+            {"p50_ms": p50, "p99_ms": p99},
+        ),
+        Row(
+            "task creations per second, concurrency 32",
+            f"{concurrent.rate:.0f}/s (p50 {concurrent.percentile(0.5):.1f} ms)",
+            ">= 500/s",
+            concurrent.rate >= 500,
+            {"per_second": concurrent.rate, "p50_ms": concurrent.percentile(0.5)},
+        ),
+    ]
+
+
+async def end_to_end_row(http: aiohttp.ClientSession, proxy: Process, quick: bool) -> Row:
+    """A 1.0 s tool as a task, polled exactly as each answer's pollIntervalMs advises."""
+    client = ModernClient(http, proxy.url, declares_tasks=True)
+    ratios = []
+    polls = []
+    for _ in range(4 if quick else 8):
+        started = time.perf_counter()
+        created = await client.create(1.0)
+        interval, count = created.get("pollIntervalMs", 1000), 0
+        while True:
+            await asyncio.sleep(interval / 1000)
+            task = await client.get(created["taskId"])
+            count += 1
+            if task["status"] == "completed":
+                break
+            interval = task.get("pollIntervalMs", interval)
+        ratios.append(time.perf_counter() - started)
+        polls.append(count)
+    ratio = statistics.median(ratios) / 1.0
+    return Row(
+        "end to end: 1.0 s tool as a task, polled per pollIntervalMs",
+        f"{ratio:.2f}x the tool's time (median of {len(ratios)}, first {ratios[0]:.2f}x; polls {polls})",
+        "<= 1.15x",
+        ratio <= 1.15,
+        {"ratio": ratio, "runs_seconds": ratios, "polls": polls},
+    )
+
+
+async def scale_row(http: aiohttp.ClientSession, upstream: Process, workdir: Path, quick: bool) -> Row:
+    """Thousands of tasks in flight at once (the upstream sleeps): the proxy's memory and tasks/get meanwhile."""
+    proxy = await start_proxy(upstream.url, workdir, "scale")
+    try:
+        client = ModernClient(http, proxy.url, declares_tasks=True)
+        idle_rss = proxy.rss_bytes()
+        total = 2000 if quick else 10_000
+        ids: list[str] = []
+
+        async def create() -> None:
+            ids.append((await client.create(600))["taskId"])
+
+        created = await measure(create, total, 64)
+        rss = proxy.rss_bytes()
+        cursor = 0
+
+        async def get() -> None:
+            nonlocal cursor
+            cursor += 7919
+            await client.get(ids[cursor % len(ids)])
+
+        gets = await measure(get, 1000, 8)
+        p50, p99 = gets.percentile(0.5), gets.percentile(0.99)
+        return Row(
+            f"scale: {total:,} tasks in flight",
+            f"RSS {rss / 2**20:.0f} MB (idle {idle_rss / 2**20:.0f} MB); tasks/get p50 {p50:.2f} ms, p99 {p99:.2f} ms",
+            "10,000 tasks in <= 400 MB, tasks/get p99 <= 20 ms",
+            rss <= 400 * 2**20 and p99 <= 20.0 and total == 10_000,
+            {
+                "tasks": total,
+                "rss_bytes": rss,
+                "idle_rss_bytes": idle_rss,
+                "get_p50_ms": p50,
+                "get_p99_ms": p99,
+                "creations_per_second": created.rate,
+            },
+        )
+    finally:
+        proxy.stop()
+
+
+def seed_settled_records(database: Path, count: int) -> None:
+    """Write `count` settled task records straight into a database the proxy created (its schema)."""
+    connection = sqlite3.connect(database)
+    now = int(time.time() * 1000)
+    rows = (
+        (
+            f"task_seed{number:012d}",
+            "p",
+            "echo",
+            "completed",
+            now - 1000,
+            now - 500,
+            3_600_000,
+            now + 3_600_000,
+            "seed",
+            "fail",
+            "{}",
+            '{"content":[{"type":"text","text":"x"}],"isError":false,"resultType":"complete"}',
+            "{}",
+            0,
+            "{}",
+        )
+        for number in range(count)
+    )
+    with connection:
+        connection.executemany(
+            "INSERT INTO tasks (task_id, principal, tool, status, created_at_ms, updated_at_ms, ttl_ms,"
+            " expires_at_ms, owner, on_restart, request, result, input_requests, inputs_issued,"
+            " client_capabilities) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            rows,
+        )
+    connection.close()
+
+
+async def store_row(http: aiohttp.ClientSession, upstream: Process, workdir: Path, quick: bool) -> Row:
+    """tasks/get on a store with many settled records vs an almost empty one."""
+    count = 200_000 if quick else 1_000_000
+    results: dict[str, Sample] = {}
+    for name, seeded in (("empty", 0), ("full", count)):
+        database = workdir / f"store-{name}.db"
+        proxy = await start_proxy(upstream.url, workdir, f"store-{name}", database)
+        proxy.stop()  # the schema (migrations) is the proxy's own
+        if seeded:
+            seed_settled_records(database, seeded)
+        proxy = await start_proxy(upstream.url, workdir, f"store-{name}", database)
+        try:
+            client = ModernClient(http, proxy.url, declares_tasks=True)
+            task_id = (await client.create(600))["taskId"]
+            await measure(lambda: client.get(task_id), 50, 1)  # noqa: B023 - used within this iteration
+            results[name] = await measure(lambda: client.get(task_id), 600, 1)  # noqa: B023
+        finally:
+            proxy.stop()
+    ratio = results["full"].percentile(0.5) / results["empty"].percentile(0.5)
+    return Row(
+        f"store: tasks/get with {count:,} settled records vs empty",
+        f"p50 {results['full'].percentile(0.5):.2f} vs {results['empty'].percentile(0.5):.2f} ms ({ratio:.2f}x)",
+        "1M records within 1.2x of empty",
+        ratio <= 1.2 and count == 1_000_000,
+        {
+            "records": count,
+            "ratio": ratio,
+            "full_p50_ms": results["full"].percentile(0.5),
+            "empty_p50_ms": results["empty"].percentile(0.5),
+        },
+    )
+
+
+# --- main ------------------------------------------------------------------------------------------------------
+
+
+def print_table(rows: list[Row]) -> None:
+    width = max(len(row.name) for row in rows)
+    print(f"\n{'benchmark'.ljust(width)}  {'met':<4} figure   [target]")
+    for row in rows:
+        met = "-" if row.met is None else ("yes" if row.met else "NO")
+        print(f"{row.name.ljust(width)}  {met:<4} {row.figure}   [{row.target}]")
+
+
+async def run(quick: bool) -> list[Row]:
+    workdir = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-bench-"))
+    upstream = await start_upstream()
+    rows: list[Row] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    try:
+        async with aiohttp.ClientSession(connector=connector) as http:
+            proxy = await start_proxy(upstream.url, workdir, "main")
+            try:
+                rows += await passthrough_rows(http, upstream, proxy, quick)
+                rows.append(await modern_sync_row(http, upstream, proxy, quick))
+                rows += await creation_rows(http, proxy, quick)
+                rows.append(await end_to_end_row(http, proxy, quick))
+            finally:
+                proxy.stop()
+            rows.append(await scale_row(http, upstream, workdir, quick))
+            rows.append(await store_row(http, upstream, workdir, quick))
+    finally:
+        upstream.stop()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller counts (a smoke run, not for figures)")
+    args = parser.parse_args()
+    started = time.monotonic()
+    rows = asyncio.run(run(args.quick))
+    print_table(rows)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "quick": args.quick,
+                "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "system": platform.system()},
+                "seconds": round(time.monotonic() - started, 1),
+                "rows": [row.__dict__ for row in rows],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"\nwritten to {RESULTS.relative_to(ROOT)} in {time.monotonic() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
