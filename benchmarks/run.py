@@ -34,6 +34,8 @@ RESULTS = ROOT / "benchmarks" / "results" / "latest.json"
 TASKS = "io.modelcontextprotocol/tasks"
 LEGACY_VERSION = "2025-11-25"
 MODERN_VERSION = "2026-07-28"
+SDK_LABEL = "mcp 1.x SDK upstream"  # what legacy servers run: the baseline the targets are about
+LEAN_LABEL = "lean upstream"  # a minimal aiohttp server: the worst case, the proxy's own cost laid bare
 
 
 # --- processes --------------------------------------------------------------------------------------------
@@ -87,9 +89,11 @@ def spawn(arguments: list[str]) -> subprocess.Popen[Any]:
     )
 
 
-async def start_upstream() -> Process:
+async def start_upstream(sdk: bool = False) -> Process:
+    """The lean upstream, or (`sdk`) the mcp 1.x SDK fixture server the tests use: what legacy servers run."""
     port = free_port()
-    process = spawn(["-m", "benchmarks.upstream", "--port", str(port)])
+    module = "tests.upstream" if sdk else "benchmarks.upstream"
+    process = spawn(["-m", module, "--port", str(port)])
     await wait_for_port(port, process)
     return Process(process, f"http://127.0.0.1:{port}/mcp")
 
@@ -272,7 +276,9 @@ class Row:
     data: dict[str, Any]
 
 
-async def passthrough_rows(http: aiohttp.ClientSession, upstream: Process, proxy: Process, quick: bool) -> list[Row]:
+async def passthrough_rows(
+    http: aiohttp.ClientSession, upstream: Process, proxy: Process, quick: bool, label: str
+) -> list[Row]:
     rows = []
     for concurrency in (1, 16):
         direct, proxied = LegacyClient(http, upstream.url), LegacyClient(http, proxy.url)
@@ -287,7 +293,7 @@ async def passthrough_rows(http: aiohttp.ClientSession, upstream: Process, proxy
         added_p99 = via.percentile(0.99) - base.percentile(0.99)
         rows.append(
             Row(
-                f"pass-through tools/call, concurrency {concurrency}",
+                f"pass-through tools/call, {label}, concurrency {concurrency}",
                 f"throughput {ratio:.2f}x direct; added p50 {added_p50:+.2f} ms, p99 {added_p99:+.2f} ms",
                 ">= 0.85x, added p50 <= 1 ms",
                 ratio >= 0.85 and added_p50 <= 1.0,
@@ -305,14 +311,16 @@ async def passthrough_rows(http: aiohttp.ClientSession, upstream: Process, proxy
     return rows
 
 
-async def modern_sync_row(http: aiohttp.ClientSession, upstream: Process, proxy: Process, quick: bool) -> Row:
+async def modern_sync_row(
+    http: aiohttp.ClientSession, upstream: Process, proxy: Process, quick: bool, label: str
+) -> Row:
     direct, modern = LegacyClient(http, upstream.url), ModernClient(http, proxy.url)
     await direct.start()
     await measure(modern.echo, 50, 16)
     base, via = await interleaved(direct.echo, modern.echo, count=600 if quick else 3000, concurrency=16)
     ratio = via.rate / base.rate
     return Row(
-        "modern sync tools/call vs legacy direct, concurrency 16",
+        f"modern sync tools/call vs legacy direct, {label}, concurrency 16",
         f"throughput {ratio:.2f}x direct (p50 {via.percentile(0.5):.2f} vs {base.percentile(0.5):.2f} ms)",
         ">= 0.75x",
         ratio >= 0.75,
@@ -452,34 +460,44 @@ def seed_settled_records(database: Path, count: int) -> None:
 
 
 async def store_row(http: aiohttp.ClientSession, upstream: Process, workdir: Path, quick: bool) -> Row:
-    """tasks/get on a store with many settled records vs an almost empty one."""
+    """tasks/get on a store with many settled records vs an almost empty one, both proxies up at once and
+    their gets interleaved."""
     count = 200_000 if quick else 1_000_000
-    results: dict[str, Sample] = {}
-    for name, seeded in (("empty", 0), ("full", count)):
-        database = workdir / f"store-{name}.db"
-        proxy = await start_proxy(upstream.url, workdir, f"store-{name}", database)
-        proxy.stop()  # the schema (migrations) is the proxy's own
-        if seeded:
-            seed_settled_records(database, seeded)
-        proxy = await start_proxy(upstream.url, workdir, f"store-{name}", database)
-        try:
-            client = ModernClient(http, proxy.url, declares_tasks=True)
-            task_id = (await client.create(600))["taskId"]
-            await measure(lambda: client.get(task_id), 50, 1)  # noqa: B023 - used within this iteration
-            results[name] = await measure(lambda: client.get(task_id), 600, 1)  # noqa: B023
-        finally:
+    proxies: dict[str, Process] = {}
+    try:
+        for name, seeded in (("empty", 0), ("full", count)):
+            database = workdir / f"store-{name}.db"
+            (await start_proxy(upstream.url, workdir, f"store-{name}", database)).stop()  # its own schema
+            if seeded:
+                seed_settled_records(database, seeded)
+            proxies[name] = await start_proxy(upstream.url, workdir, f"store-{name}", database)
+        clients = {name: ModernClient(http, proxy.url, declares_tasks=True) for name, proxy in proxies.items()}
+        task_ids = {name: (await client.create(600))["taskId"] for name, client in clients.items()}
+
+        async def get_empty() -> None:
+            await clients["empty"].get(task_ids["empty"])
+
+        async def get_full() -> None:
+            await clients["full"].get(task_ids["full"])
+
+        await interleaved(get_empty, get_full, count=120, concurrency=1)  # warm-up
+        empty, full = await interleaved(get_empty, get_full, count=1200, concurrency=1)
+    finally:
+        for proxy in proxies.values():
             proxy.stop()
-    ratio = results["full"].percentile(0.5) / results["empty"].percentile(0.5)
+    ratio = full.percentile(0.5) / empty.percentile(0.5)
     return Row(
         f"store: tasks/get with {count:,} settled records vs empty",
-        f"p50 {results['full'].percentile(0.5):.2f} vs {results['empty'].percentile(0.5):.2f} ms ({ratio:.2f}x)",
+        f"p50 {full.percentile(0.5):.2f} vs {empty.percentile(0.5):.2f} ms ({ratio:.2f}x)",
         "1M records within 1.2x of empty",
         ratio <= 1.2 and count == 1_000_000,
         {
             "records": count,
             "ratio": ratio,
-            "full_p50_ms": results["full"].percentile(0.5),
-            "empty_p50_ms": results["empty"].percentile(0.5),
+            "full_p50_ms": full.percentile(0.5),
+            "empty_p50_ms": empty.percentile(0.5),
+            "full_p99_ms": full.percentile(0.99),
+            "empty_p99_ms": empty.percentile(0.99),
         },
     )
 
@@ -502,10 +520,18 @@ async def run(quick: bool) -> list[Row]:
     connector = aiohttp.TCPConnector(limit=0)
     try:
         async with aiohttp.ClientSession(connector=connector) as http:
+            sdk_upstream = await start_upstream(sdk=True)
+            sdk_proxy = await start_proxy(sdk_upstream.url, workdir, "sdk")
+            try:
+                rows += await passthrough_rows(http, sdk_upstream, sdk_proxy, quick, SDK_LABEL)
+                rows.append(await modern_sync_row(http, sdk_upstream, sdk_proxy, quick, SDK_LABEL))
+            finally:
+                sdk_proxy.stop()
+                sdk_upstream.stop()
             proxy = await start_proxy(upstream.url, workdir, "main")
             try:
-                rows += await passthrough_rows(http, upstream, proxy, quick)
-                rows.append(await modern_sync_row(http, upstream, proxy, quick))
+                rows += await passthrough_rows(http, upstream, proxy, quick, LEAN_LABEL)
+                rows.append(await modern_sync_row(http, upstream, proxy, quick, LEAN_LABEL))
                 rows += await creation_rows(http, proxy, quick)
                 rows.append(await end_to_end_row(http, proxy, quick))
             finally:

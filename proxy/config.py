@@ -157,7 +157,12 @@ class TaskPolicyConfig(_Frozen):
         description="Lifetime of a task from its creation: a task not settled by then fails, and a settled one "
         "stays readable until then. `null`: unlimited.",
     )
-    poll_interval_ms: int = Field(1000, gt=0, description="`pollIntervalMs` suggested to clients polling `tasks/get`.")
+    poll_interval_ms: int = Field(
+        1000,
+        gt=0,
+        description="`pollIntervalMs` suggested to clients polling `tasks/get`. Once a tool has completed tasks, "
+        "a working task of it suggests polling just after its expected end instead (up to 1.25x this value).",
+    )
     on_restart: RestartAction = Field(
         "fail",
         description="What a task still running when the proxy stopped becomes at the next start: `fail` (-32603 "
