@@ -536,6 +536,8 @@ async def run(quick: bool) -> list[Row]:
                 rows.append(await end_to_end_row(http, proxy, quick))
             finally:
                 proxy.stop()
+            upstream.stop()  # the scale row gets an upstream of its own, without the earlier rows' leftovers
+            upstream = await start_upstream()
             rows.append(await scale_row(http, upstream, workdir, quick))
             rows.append(await store_row(http, upstream, workdir, quick))
     finally:
