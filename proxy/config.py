@@ -247,15 +247,20 @@ class InputsConfig(_Frozen):
     @classmethod
     def _secret_is_usable(cls, value: str | None) -> str | None:
         """Checked when the config is loaded (also by `check-config`), so a missing mount fails at start."""
-        if value is None:
-            return value
-        try:
-            size = len(Path(value).read_bytes().strip())
-        except OSError as exc:
-            raise ValueError(f"cannot read {value}: {exc.strerror}") from None
-        if size < MIN_SECRET_BYTES:
-            raise ValueError(f"{value} holds {size} bytes; at least {MIN_SECRET_BYTES} needed")
+        if value is not None:
+            read_secret(value)
         return value
+
+
+def read_secret(path: str) -> bytes:
+    """The bytes of a key file, surrounding whitespace removed; ValueError if unreadable or too short."""
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{path} holds {len(secret)} bytes; at least {MIN_SECRET_BYTES} needed")
+    return secret
 
 
 class ObservabilityConfig(_Frozen):

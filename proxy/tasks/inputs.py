@@ -15,7 +15,6 @@ import json
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final
 
 import pydantic
@@ -23,7 +22,7 @@ from itsdangerous import BadSignature, URLSafeSerializer
 from mcp_types import CreateMessageResult, ElicitResult, ListRootsResult
 from mcp_types._types import CreateMessageResultWithTools
 
-from proxy.config import MIN_SECRET_BYTES
+from proxy.config import MIN_SECRET_BYTES, read_secret
 from proxy.errors import InvalidParamsError
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.translate import INPUT_METHODS, LEGACY_META_KEYS, required_capability
@@ -183,9 +182,6 @@ def load_secret(path: str | None) -> bytes:
     if path is None:
         return secrets.token_bytes(MIN_SECRET_BYTES)
     try:
-        secret = Path(path).read_bytes().strip()
-    except OSError as exc:
-        raise ValueError(f"inputs.secret_file: cannot read {path}: {exc.strerror}") from None
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"inputs.secret_file: {path} holds {len(secret)} bytes; at least {MIN_SECRET_BYTES} needed")
-    return secret
+        return read_secret(path)
+    except ValueError as exc:
+        raise ValueError(f"inputs.secret_file: {exc}") from None
