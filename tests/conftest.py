@@ -9,14 +9,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import jsonschema
 import pytest
+import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -379,3 +383,78 @@ def policies(**tools: dict[str, Any]) -> dict[str, Any]:
 
 def result_text(task: dict[str, Any]) -> str:
     return "".join(block.get("text", "") for block in task["result"]["content"])
+
+
+# --- the proxy as a child process ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class ProxyProcess:
+    """`python -m proxy serve` with a config file; stderr (the JSON log) goes to a file."""
+
+    def __init__(self, tmp_path: Path, upstream_url: str, **sections: Any) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.log = tmp_path / f"proxy-{self.port}.log"
+        self.config = tmp_path / f"proxy-{self.port}.yaml"
+        config: dict[str, Any] = {
+            "listen": {"host": "127.0.0.1", "port": self.port},
+            "upstream": {"url": upstream_url},
+            "store": {"path": str(tmp_path / "ops.db"), "synchronous": "normal"},
+            "logging": {"level": "info", "format": "json"},
+        }
+        for name, values in sections.items():
+            config.setdefault(name, {}).update(values)
+        self.config.write_text(yaml.safe_dump(config))
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--config", str(self.config)],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log.open("wb"),
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    async def start(self) -> None:
+        self.process = await asyncio.to_thread(self._spawn)
+        deadline = asyncio.get_running_loop().time() + 20
+        async with aiohttp.ClientSession() as http:
+            while True:
+                assert self.process.poll() is None, self.log.read_text()
+                try:
+                    async with http.get(f"http://127.0.0.1:{self.port}/healthz") as response:
+                        if response.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                assert asyncio.get_running_loop().time() < deadline, "the proxy did not start"
+                await asyncio.sleep(0.05)
+
+    async def terminate(self) -> int:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        return await asyncio.to_thread(self.process.wait, 60)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
+
+
+@pytest.fixture
+def processes() -> Iterator[list[ProxyProcess]]:
+    started: list[ProxyProcess] = []
+    yield started
+    for process in started:
+        process.stop()

@@ -12,7 +12,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ import yaml
 
 from proxy.cli import main
 from proxy.config import Config, load_config
-from tests.conftest import ROOT, Upstream
+from tests.conftest import ROOT, Upstream, free_port
 
 KUBERNETES_VERSION = "1.30"  # the oldest minor the example supports (its preStop `sleep` action is beta there)
 KUBE_DIR = ROOT / "config" / "kubernetes"
@@ -270,13 +269,6 @@ def _in_repo(argv: list[str]) -> list[str]:
     return [str(_script()), *(str(copied.get(arg, arg)) for arg in argv[1:])]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
@@ -313,7 +305,7 @@ class Served:
 @pytest.fixture
 def served(upstream: Upstream, tmp_path: Path) -> Iterator[Served]:
     """The image's ENTRYPOINT + CMD on the repo's config/docker.yaml, with what a container provides overridden."""
-    port = _free_port()
+    port = free_port()
     environ = {key: value for key, value in os.environ.items() if not key.startswith("MCP_TASKS_PROXY_")}
     environ.update(
         MCP_TASKS_PROXY_LISTEN__HOST="127.0.0.1",

@@ -10,88 +10,22 @@ import asyncio
 import http.client
 import json
 import random
-import signal
 import sqlite3
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.app import UPSTREAM
-from tests.conftest import DECLARING, ROOT, TASKS, ClientFactory, Tasks, Upstream, policies, result_text
+from tests.conftest import DECLARING, TASKS, ClientFactory, ProxyProcess, Tasks, Upstream, policies, result_text
 
 pytestmark = pytest.mark.faults
 
 ELICIT_TASKS: dict[str, Any] = {**DECLARING, "elicitation": {}}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-class Proxy:
-    """`python -m proxy serve` as a child process, started and stopped synchronously."""
-
-    def __init__(self, tmp_path: Path, upstream_url: str, database: Path, **sections: Any) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/mcp"
-        config: dict[str, Any] = {
-            "listen": {"host": "127.0.0.1", "port": self.port},
-            "upstream": {"url": upstream_url, "call_timeout_seconds": 60},
-            "store": {"path": str(database)},
-            "logging": {"level": "warning"},
-        }
-        for name, values in sections.items():
-            config.setdefault(name, {}).update(values)
-        self.config = tmp_path / f"proxy-{self.port}.yaml"
-        self.config.write_text(yaml.safe_dump(config))
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "serve", "--config", str(self.config)],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            assert self.process.poll() is None, "the proxy exited at start"
-            try:
-                connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                connection.request("GET", "/healthz")
-                if connection.getresponse().status == 200:
-                    return
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the proxy did not start"
-            time.sleep(0.05)
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait()
-
-
-@pytest.fixture
-def proxies() -> Iterator[list[Proxy]]:
-    started: list[Proxy] = []
-    yield started
-    for proxy in started:
-        proxy.kill()
 
 
 def meta(capabilities: dict[str, Any]) -> dict[str, Any]:
@@ -142,21 +76,24 @@ async def until(session: aiohttp.ClientSession, url: str, task_id: str, done: Ca
 # --- a killed proxy --------------------------------------------------------------------------------------------
 
 
-async def test_kill_9_loses_nothing_committed(tmp_path: Path, own_upstream: Upstream, proxies: list[Proxy]) -> None:
+async def test_kill_9_loses_nothing_committed(
+    tmp_path: Path, own_upstream: Upstream, processes: list[ProxyProcess]
+) -> None:
     """kill -9 with tasks working and waiting for input: at the next start every task resolves (failed with the
     restart message, or re-run per policy), the completed result is intact, the database is sound."""
     database = tmp_path / "faults.db"
-    sections = {
+    sections: dict[str, Any] = {
+        "store": {"path": str(database)},
         "tasks": policies(
             echo={"mode": "required"},
             sleep={"mode": "required"},
             ask_name={"mode": "required"},
             counted={"mode": "required", "on_restart": "rerun"},
-        )
+        ),
     }
-    first = Proxy(tmp_path, own_upstream.url, database, **sections)
-    proxies.append(first)
-    await asyncio.to_thread(first.start)
+    first = ProxyProcess(tmp_path, own_upstream.url, **sections)
+    processes.append(first)
+    await first.start()
     async with aiohttp.ClientSession() as session:
 
         async def create(tool: str, arguments: dict[str, Any]) -> str:
@@ -172,11 +109,11 @@ async def test_kill_9_loses_nothing_committed(tmp_path: Path, own_upstream: Upst
         waiting = await create("ask_name", {})
         await until(session, first.url, waiting, lambda task: task["status"] == "input_required")
         rerun = await create("counted", {"key": "kill-9", "seconds": 0.5})
-        await asyncio.to_thread(first.kill)
+        await asyncio.to_thread(first.stop)  # SIGKILL
 
-        second = Proxy(tmp_path, own_upstream.url, database, **sections)
-        proxies.append(second)
-        await asyncio.to_thread(second.start)
+        second = ProxyProcess(tmp_path, own_upstream.url, **sections)
+        processes.append(second)
+        await second.start()
         for task_id in (working, waiting):
             failed = await task_state(session, second.url, task_id)
             assert failed["status"] == "failed"
@@ -336,24 +273,20 @@ ALLOWED_CODES = {
 
 
 @pytest.fixture(scope="module")
-def hostile_proxy(tmp_path_factory: pytest.TempPathFactory, upstream: Upstream) -> Iterator[Proxy]:
+def hostile_proxy(tmp_path_factory: pytest.TempPathFactory, upstream: Upstream) -> Iterator[ProxyProcess]:
     tmp_path = tmp_path_factory.mktemp("hostile")
-    proxy = Proxy(
-        tmp_path,
-        upstream.url,
-        tmp_path / "hostile.db",
-        security={"max_body_bytes": 65536},
-        tasks=policies(sleep={"mode": "required"}),
+    proxy = ProxyProcess(
+        tmp_path, upstream.url, security={"max_body_bytes": 65536}, tasks=policies(sleep={"mode": "required"})
     )
-    proxy.start()
+    asyncio.run(proxy.start())
     yield proxy
-    proxy.kill()
+    proxy.stop()
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(REQUESTS)
 def test_hostile_requests_never_get_a_5xx(
-    hostile_proxy: Proxy, upstream: Upstream, request_data: dict[str, Any]
+    hostile_proxy: ProxyProcess, upstream: Upstream, request_data: dict[str, Any]
 ) -> None:
     """Malformed, oversized, wrongly typed and wrongly headed requests: never a 5xx from the proxy, never a
     crash, and every error of its own is a JSON-RPC error whose code fits its HTTP status. A request classified

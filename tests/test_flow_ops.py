@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +17,7 @@ from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.cli import main
-from tests.conftest import ROOT, TASKS, Upstream, modern_body, modern_headers, parse_sse
+from tests.conftest import TASKS, ProxyProcess, Upstream, free_port, modern_body, modern_headers, parse_sse
 
 Client = TestClient[web.Request, web.Application]
 DECLARING: dict[str, Any] = {"extensions": {TASKS: {}}}
@@ -152,80 +148,6 @@ async def test_metrics_can_be_turned_off(make_proxy: Callable[..., Any], upstrea
 # --- a real process: logs, CLI, SIGTERM -----------------------------------------------------------------
 
 
-class ProxyProcess:
-    """`python -m proxy serve` with a config file; stderr (the JSON log) goes to a file."""
-
-    def __init__(self, tmp_path: Path, upstream_url: str, **sections: Any) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}/mcp"
-        self.log = tmp_path / f"proxy-{self.port}.log"
-        self.config = tmp_path / f"proxy-{self.port}.yaml"
-        config: dict[str, Any] = {
-            "listen": {"host": "127.0.0.1", "port": self.port},
-            "upstream": {"url": upstream_url},
-            "store": {"path": str(tmp_path / "ops.db"), "synchronous": "normal"},
-            "logging": {"level": "info", "format": "json"},
-        }
-        for name, values in sections.items():
-            config.setdefault(name, {}).update(values)
-        self.config.write_text(yaml.safe_dump(config))
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def _spawn(self) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            [sys.executable, "-m", "proxy", "serve", "--config", str(self.config)],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=self.log.open("wb"),
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-
-    async def start(self) -> None:
-        self.process = await asyncio.to_thread(self._spawn)
-        deadline = asyncio.get_running_loop().time() + 20
-        async with aiohttp.ClientSession() as http:
-            while True:
-                assert self.process.poll() is None, self.log.read_text()
-                try:
-                    async with http.get(f"http://127.0.0.1:{self.port}/healthz") as response:
-                        if response.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-                assert asyncio.get_running_loop().time() < deadline, "the proxy did not start"
-                await asyncio.sleep(0.05)
-
-    async def terminate(self) -> int:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGTERM)
-        return await asyncio.to_thread(self.process.wait, 60)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def events(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@pytest.fixture
-def processes() -> Iterator[list[ProxyProcess]]:
-    started: list[ProxyProcess] = []
-    yield started
-    for process in started:
-        process.stop()
-
-
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
@@ -351,7 +273,7 @@ async def test_probe_command(make_proxy: Callable[..., Any], upstream: Upstream)
     url = str(client.make_url("/healthz"))
     assert await asyncio.to_thread(main, ["probe", url]) == 0
     assert await asyncio.to_thread(main, ["probe", str(client.make_url("/nope"))]) == 1
-    assert await asyncio.to_thread(main, ["probe", f"http://127.0.0.1:{_free_port()}/healthz", "--timeout", "1"]) == 1
+    assert await asyncio.to_thread(main, ["probe", f"http://127.0.0.1:{free_port()}/healthz", "--timeout", "1"]) == 1
 
 
 @pytest.mark.parametrize(
