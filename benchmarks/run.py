@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+from benchmarks.loadgen import HttpClient
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "latest.json"
@@ -134,37 +134,39 @@ async def start_proxy(upstream: str, workdir: Path, name: str, database: Path | 
 class LegacyClient:
     """A 2025-11-25 client: initialize, then calls on its session."""
 
-    def __init__(self, http: aiohttp.ClientSession, url: str) -> None:
-        self.http = http
-        self.url = url
+    def __init__(self, url: str) -> None:
+        self.http = HttpClient(url)
         self.headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
         self.ids = 0
 
     async def start(self) -> None:
         params = {"protocolVersion": LEGACY_VERSION, "capabilities": {}, "clientInfo": {"name": "b", "version": "1"}}
-        async with self.http.post(self.url, json=self._request("initialize", params), headers=self.headers) as r:
-            session = r.headers["Mcp-Session-Id"]
-            await r.read()
+        response = await self.http.post(self._request("initialize", params), self.headers)
+        session = response.headers["mcp-session-id"]
         self.headers = {**self.headers, "Mcp-Session-Id": session, "MCP-Protocol-Version": LEGACY_VERSION}
-        body = {"jsonrpc": "2.0", "method": "notifications/initialized"}
-        async with self.http.post(self.url, json=body, headers=self.headers) as r:
-            await r.read()
+        await self.http.post(
+            json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}).encode(), self.headers
+        )
 
-    def _request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+    def _request(self, method: str, params: dict[str, Any]) -> bytes:
         self.ids += 1
-        return {"jsonrpc": "2.0", "id": self.ids, "method": method, "params": params}
+        return json.dumps({"jsonrpc": "2.0", "id": self.ids, "method": method, "params": params}).encode()
 
     async def echo(self) -> None:
-        body = self._request("tools/call", {"name": "echo", "arguments": {"text": "x"}})
-        async with self.http.post(self.url, json=body, headers=self.headers) as r:
-            payload = await r.read()
-        assert b'"text":"x"' in payload.replace(b" ", b""), payload[:200]
+        response = await self.http.post(self._request("tools/call", ECHO), self.headers)
+        assert response.status == 200, response
+        assert b'"text":"x"' in response.body.replace(b" ", b""), response
+
+    def close(self) -> None:
+        self.http.close()
+
+
+ECHO = {"name": "echo", "arguments": {"text": "x"}}
 
 
 class ModernClient:
-    def __init__(self, http: aiohttp.ClientSession, url: str, *, declares_tasks: bool = False) -> None:
-        self.http = http
-        self.url = url
+    def __init__(self, url: str, *, declares_tasks: bool = False) -> None:
+        self.http = HttpClient(url)
         self.capabilities: dict[str, Any] = {"extensions": {TASKS: {}}} if declares_tasks else {}
         self.ids = 0
 
@@ -183,14 +185,13 @@ class ModernClient:
         }
         if name is not None:
             headers["Mcp-Name"] = name
-        async with self.http.post(self.url, json=body, headers=headers) as r:
-            message: dict[str, Any] = await r.json(content_type=None)
+        message: dict[str, Any] = (await self.http.post(json.dumps(body).encode(), headers)).json()
         if "error" in message:
             raise RuntimeError(f"{method}: {message['error']}")
         return message
 
     async def echo(self) -> None:
-        message = await self.post("tools/call", {"name": "echo", "arguments": {"text": "x"}}, "echo")
+        message = await self.post("tools/call", ECHO, "echo")
         assert message["result"]["content"][0]["text"] == "x", message
 
     async def create(self, seconds: float) -> dict[str, Any]:
@@ -202,6 +203,9 @@ class ModernClient:
     async def get(self, task_id: str) -> dict[str, Any]:
         result: dict[str, Any] = (await self.post("tasks/get", {"taskId": task_id}, task_id))["result"]
         return result
+
+    def close(self) -> None:
+        self.http.close()
 
 
 # --- measuring -------------------------------------------------------------------------------------------------
@@ -276,12 +280,10 @@ class Row:
     data: dict[str, Any]
 
 
-async def passthrough_rows(
-    http: aiohttp.ClientSession, upstream: Process, proxy: Process, quick: bool, label: str
-) -> list[Row]:
+async def passthrough_rows(upstream: Process, proxy: Process, quick: bool, label: str) -> list[Row]:
     rows = []
     for concurrency in (1, 16):
-        direct, proxied = LegacyClient(http, upstream.url), LegacyClient(http, proxy.url)
+        direct, proxied = LegacyClient(upstream.url), LegacyClient(proxy.url)
         await direct.start()
         await proxied.start()
         await measure(direct.echo, 50, concurrency)  # warm-up
@@ -311,10 +313,8 @@ async def passthrough_rows(
     return rows
 
 
-async def modern_sync_row(
-    http: aiohttp.ClientSession, upstream: Process, proxy: Process, quick: bool, label: str
-) -> Row:
-    direct, modern = LegacyClient(http, upstream.url), ModernClient(http, proxy.url)
+async def modern_sync_row(upstream: Process, proxy: Process, quick: bool, label: str) -> Row:
+    direct, modern = LegacyClient(upstream.url), ModernClient(proxy.url)
     await direct.start()
     await measure(modern.echo, 50, 16)
     base, via = await interleaved(direct.echo, modern.echo, count=600 if quick else 3000, concurrency=16)
@@ -328,8 +328,8 @@ async def modern_sync_row(
     )
 
 
-async def creation_rows(http: aiohttp.ClientSession, proxy: Process, quick: bool) -> list[Row]:
-    client = ModernClient(http, proxy.url, declares_tasks=True)
+async def creation_rows(proxy: Process, quick: bool) -> list[Row]:
+    client = ModernClient(proxy.url, declares_tasks=True)
 
     async def create() -> None:
         await client.create(600)  # the upstream sleeps; the proxy's cost is the creation itself
@@ -356,9 +356,9 @@ async def creation_rows(http: aiohttp.ClientSession, proxy: Process, quick: bool
     ]
 
 
-async def end_to_end_row(http: aiohttp.ClientSession, proxy: Process, quick: bool) -> Row:
+async def end_to_end_row(proxy: Process, quick: bool) -> Row:
     """A 1.0 s tool as a task, polled exactly as each answer's pollIntervalMs advises."""
-    client = ModernClient(http, proxy.url, declares_tasks=True)
+    client = ModernClient(proxy.url, declares_tasks=True)
     ratios = []
     polls = []
     for _ in range(4 if quick else 8):
@@ -384,11 +384,11 @@ async def end_to_end_row(http: aiohttp.ClientSession, proxy: Process, quick: boo
     )
 
 
-async def scale_row(http: aiohttp.ClientSession, upstream: Process, workdir: Path, quick: bool) -> Row:
+async def scale_row(upstream: Process, workdir: Path, quick: bool) -> Row:
     """Thousands of tasks in flight at once (the upstream sleeps): the proxy's memory and tasks/get meanwhile."""
     proxy = await start_proxy(upstream.url, workdir, "scale")
     try:
-        client = ModernClient(http, proxy.url, declares_tasks=True)
+        client = ModernClient(proxy.url, declares_tasks=True)
         idle_rss = proxy.rss_bytes()
         total = 2000 if quick else 10_000
         ids: list[str] = []
@@ -459,7 +459,7 @@ def seed_settled_records(database: Path, count: int) -> None:
     connection.close()
 
 
-async def store_row(http: aiohttp.ClientSession, upstream: Process, workdir: Path, quick: bool) -> Row:
+async def store_row(upstream: Process, workdir: Path, quick: bool) -> Row:
     """tasks/get on a store with many settled records vs an almost empty one, both proxies up at once and
     their gets interleaved."""
     count = 200_000 if quick else 1_000_000
@@ -471,7 +471,7 @@ async def store_row(http: aiohttp.ClientSession, upstream: Process, workdir: Pat
             if seeded:
                 seed_settled_records(database, seeded)
             proxies[name] = await start_proxy(upstream.url, workdir, f"store-{name}", database)
-        clients = {name: ModernClient(http, proxy.url, declares_tasks=True) for name, proxy in proxies.items()}
+        clients = {name: ModernClient(proxy.url, declares_tasks=True) for name, proxy in proxies.items()}
         task_ids = {name: (await client.create(600))["taskId"] for name, client in clients.items()}
 
         async def get_empty() -> None:
@@ -513,45 +513,62 @@ def print_table(rows: list[Row]) -> None:
         print(f"{row.name.ljust(width)}  {met:<4} {row.figure}   [{row.target}]")
 
 
-async def run(quick: bool) -> list[Row]:
+GROUPS = ("sdk", "lean", "scale", "store")
+
+
+async def run(quick: bool, groups: tuple[str, ...] = GROUPS) -> list[Row]:
     workdir = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-bench-"))
-    upstream = await start_upstream()
     rows: list[Row] = []
-    connector = aiohttp.TCPConnector(limit=0)
-    try:
-        async with aiohttp.ClientSession(connector=connector) as http:
-            sdk_upstream = await start_upstream(sdk=True)
-            sdk_proxy = await start_proxy(sdk_upstream.url, workdir, "sdk")
-            try:
-                rows += await passthrough_rows(http, sdk_upstream, sdk_proxy, quick, SDK_LABEL)
-                rows.append(await modern_sync_row(http, sdk_upstream, sdk_proxy, quick, SDK_LABEL))
-            finally:
-                sdk_proxy.stop()
-                sdk_upstream.stop()
-            proxy = await start_proxy(upstream.url, workdir, "main")
-            try:
-                rows += await passthrough_rows(http, upstream, proxy, quick, LEAN_LABEL)
-                rows.append(await modern_sync_row(http, upstream, proxy, quick, LEAN_LABEL))
-                rows += await creation_rows(http, proxy, quick)
-                rows.append(await end_to_end_row(http, proxy, quick))
-            finally:
-                proxy.stop()
-            upstream.stop()  # the scale row gets an upstream of its own, without the earlier rows' leftovers
-            upstream = await start_upstream()
-            rows.append(await scale_row(http, upstream, workdir, quick))
-            rows.append(await store_row(http, upstream, workdir, quick))
-    finally:
-        upstream.stop()
+    if "sdk" in groups:
+        sdk_upstream = await start_upstream(sdk=True)
+        sdk_proxy = await start_proxy(sdk_upstream.url, workdir, "sdk")
+        try:
+            rows += await passthrough_rows(sdk_upstream, sdk_proxy, quick, SDK_LABEL)
+            rows.append(await modern_sync_row(sdk_upstream, sdk_proxy, quick, SDK_LABEL))
+        finally:
+            sdk_proxy.stop()
+            sdk_upstream.stop()
+    if "lean" in groups:
+        upstream = await start_upstream()
+        proxy = await start_proxy(upstream.url, workdir, "main")
+        try:
+            rows += await passthrough_rows(upstream, proxy, quick, LEAN_LABEL)
+            rows.append(await modern_sync_row(upstream, proxy, quick, LEAN_LABEL))
+            rows += await creation_rows(proxy, quick)
+            rows.append(await end_to_end_row(proxy, quick))
+        finally:
+            proxy.stop()
+            upstream.stop()
+    if "scale" in groups or "store" in groups:
+        upstream = await start_upstream()  # an upstream of its own, without the earlier rows' leftovers
+        try:
+            if "scale" in groups:
+                rows.append(await scale_row(upstream, workdir, quick))
+            if "store" in groups:
+                rows.append(await store_row(upstream, workdir, quick))
+        finally:
+            upstream.stop()
     return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller counts (a smoke run, not for figures)")
+    parser.add_argument(
+        "--only",
+        default=",".join(GROUPS),
+        help=f"comma-separated row groups to run, of {', '.join(GROUPS)} (a partial run is not written to the JSON)",
+    )
     args = parser.parse_args()
+    groups = tuple(group.strip() for group in args.only.split(","))
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        parser.error(f"unknown row groups: {', '.join(sorted(unknown))}")
     started = time.monotonic()
-    rows = asyncio.run(run(args.quick))
+    rows = asyncio.run(run(args.quick, groups))
     print_table(rows)
+    if set(groups) != set(GROUPS):
+        return 0
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(
         json.dumps(

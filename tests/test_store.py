@@ -346,6 +346,82 @@ async def test_full_of_live_tasks_raises_and_writes_nothing(db_path: Path) -> No
         await store.close()
 
 
+async def hold_writer(store: SqliteTaskStore) -> tuple[threading.Event, asyncio.Future[None]]:
+    """Occupy the writer thread until the returned event is set (creations queue up meanwhile)."""
+    release, started = threading.Event(), threading.Event()
+
+    def block() -> None:
+        started.set()
+        release.wait(10)
+
+    held = asyncio.ensure_future(store._write("hold", block))  # noqa: TID251 (a test's own handle)
+    await asyncio.to_thread(started.wait, 10)
+    return release, held
+
+
+async def test_creations_queued_while_the_writer_is_busy_share_one_commit(store: SqliteTaskStore) -> None:
+    statements: list[str] = []
+    await store.set_trace_callback(statements.append)
+    release, held = await hold_writer(store)
+    creations = [asyncio.ensure_future(store.create(make_record(f"task_{n}"))) for n in range(40)]  # noqa: TID251
+    await asyncio.sleep(0.05)
+    assert not any(creation.done() for creation in creations)  # nobody is answered before the commit
+    release.set()
+    await held
+    await asyncio.gather(*creations)
+    await store.set_trace_callback(None)
+
+    assert len([sql for sql in statements if sql.startswith("INSERT")]) == 40
+    assert [sql for sql in statements if sql == "COMMIT"] == ["COMMIT"]  # one transaction, one fsync
+    assert (await store.stats())["records"] == 40
+    assert await store.get("task_39") is not None
+
+
+async def test_a_record_that_fails_in_a_group_takes_back_only_itself(db_path: Path) -> None:
+    store = await SqliteTaskStore.open(db_path, max_records=3)
+    try:
+        await store.create(make_record("task_a"))
+        release, held = await hold_writer(store)
+        names = ["task_b", "task_a", "task_c", "task_d"]  # a duplicate id, then one more than fits
+        creations = [asyncio.ensure_future(store.create(make_record(name, owner="x"))) for name in names]  # noqa: TID251
+        await asyncio.sleep(0.05)
+        release.set()
+        await held
+        outcomes = await asyncio.gather(*creations, return_exceptions=True)
+
+        assert outcomes[0] is None
+        assert isinstance(outcomes[1], StoreError)
+        assert isinstance(outcomes[1].__cause__, sqlite3.IntegrityError)
+        assert outcomes[2] is None
+        assert isinstance(outcomes[3], StoreFullError)
+        first = await store.get("task_a")
+        assert first is not None
+        assert first.owner == "proxy-1"  # the duplicate changed nothing
+        assert await store.get("task_d") is None
+        assert (await store.stats())["records"] == 3  # the in-memory count followed the group's outcomes
+        await store.settle("task_b", TaskStatus.COMPLETED, now_ms=2_000)
+        await store.create(make_record("task_d"))  # room again: task_b is evicted
+        assert await store.get("task_b") is None
+    finally:
+        await store.close()
+
+
+async def test_a_creator_that_leaves_does_not_disturb_its_group(store: SqliteTaskStore) -> None:
+    release, held = await hold_writer(store)
+    leaving = asyncio.ensure_future(store.create(make_record("task_gone")))  # noqa: TID251
+    staying = asyncio.ensure_future(store.create(make_record("task_kept")))  # noqa: TID251
+    await asyncio.sleep(0.05)
+    leaving.cancel()
+    release.set()
+    await held
+    await staying
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    # The record of a creator that left is committed all the same (its caller decides what to do with it).
+    assert await store.get("task_kept") is not None
+    assert await store.get("task_gone") is not None
+
+
 async def test_record_count_is_loaded_at_open(db_path: Path) -> None:
     store = await SqliteTaskStore.open(db_path, max_records=10)
     for index in range(5):

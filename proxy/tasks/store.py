@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import sqlite3
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -271,6 +272,22 @@ class TaskStore(Protocol):
     async def close(self) -> None: ...
 
 
+def _caused(error: StoreError, cause: BaseException) -> StoreError:
+    error.__cause__ = cause
+    return error
+
+
+def _answer_creations(commit: asyncio.Future[list[tuple[asyncio.Future[None], StoreError | None]]]) -> None:
+    """On the loop: each creation of a group commit gets its own outcome (unless its caller left)."""
+    for committed, error in commit.result():
+        if committed.cancelled():
+            continue
+        if error is None:
+            committed.set_result(None)
+        else:
+            committed.set_exception(error)
+
+
 class SqliteTaskStore:
     """Task records in one SQLite file. Methods are coroutines; the SQLite work runs in the store's two threads.
 
@@ -297,6 +314,9 @@ class SqliteTaskStore:
             None if read_only else ThreadPoolExecutor(max_workers=1, thread_name_prefix="task-store-writer")
         )
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="task-store-reader")
+        # Creations waiting for the writer (group commit): appended on the loop, taken by the writer thread.
+        self._creating: list[tuple[TaskRecord, asyncio.Future[None]]] = []
+        self._creating_lock = threading.Lock()
         # Owned by the writer thread:
         self._writer_db: Database | None = None
         self._lock_fd: int | None = None
@@ -327,7 +347,25 @@ class SqliteTaskStore:
     # -- the public API ------------------------------------------------------------------------------------
 
     async def create(self, record: TaskRecord) -> None:
-        await self._write(f"create {record.task_id}", lambda: self._create(record))
+        """Returns once the record is committed (T-14).
+
+        Group commit: creations that arrive while the writer thread is busy are committed together, in one
+        transaction and one fsync, when it gets to them. Each record still fails on its own (its own
+        savepoint): a full store refuses the records that do not fit, not the whole group.
+        """
+        what = f"create {record.task_id}"
+        if self._closed:
+            raise StoreError(f"{what}: the task store {self.path} is closed")
+        if self._writer is None:
+            raise StoreError(f"{what}: the task store {self.path} is open read-only")
+        loop = asyncio.get_running_loop()
+        committed: asyncio.Future[None] = loop.create_future()
+        with self._creating_lock:
+            self._creating.append((record, committed))
+            first = len(self._creating) == 1
+        if first:  # the writer takes every creation queued by the time it starts, this one included
+            loop.run_in_executor(self._writer, self._create_queued).add_done_callback(_answer_creations)
+        await committed
 
     async def get(self, task_id: str) -> TaskRecord | None:
         records = await self._read(
@@ -515,18 +553,41 @@ class SqliteTaskStore:
         MIGRATIONS.apply(db)
         (self._record_count,) = db.execute("SELECT COUNT(*) FROM tasks").fetchone()
 
-    def _create(self, record: TaskRecord) -> None:
+    def _create_queued(self) -> list[tuple[asyncio.Future[None], StoreError | None]]:
+        """One group commit: every creation queued so far, each answered (never raises: nobody may wait forever)."""
+        with self._creating_lock:
+            queued, self._creating = self._creating, []
+        try:
+            errors = self._create_all([record for record, _ in queued])
+        except (sqlite3.Error, StoreError) as exc:  # the whole group is rolled back: each caller gets its error
+            errors = [_caused(StoreError(f"task store {self.path}: create failed: {exc}"), exc) for _ in queued]
+        return [(committed, error) for (_, committed), error in zip(queued, errors, strict=True)]
+
+    def _create_all(self, records: list[TaskRecord]) -> list[StoreError | None]:
         db = self._writer_conn()
-        row = _row_from_record(record)
-        evicted = 0
+        errors: list[StoreError | None] = []
+        count = self._record_count
         with db.atomic():
-            if self._record_count >= self._max_records:
-                needed = self._record_count - self._max_records + 1
-                evicted = db.execute(_EVICT_SQL, {"count": needed}).rowcount
-                if evicted < needed:
-                    raise StoreFullError(f"task store full: {self._max_records} live tasks")
-            db.execute(_INSERT_SQL, row)
-        self._record_count += 1 - evicted
+            for record in records:
+                try:
+                    with db.atomic():  # a savepoint: a record that fails takes back only itself
+                        evicted = 0
+                        if count >= self._max_records:
+                            needed = count - self._max_records + 1
+                            evicted = db.execute(_EVICT_SQL, {"count": needed}).rowcount
+                            if evicted < needed:
+                                raise StoreFullError(f"task store full: {self._max_records} live tasks")
+                        db.execute(_INSERT_SQL, _row_from_record(record))
+                except StoreFullError as exc:
+                    errors.append(exc)
+                except sqlite3.IntegrityError as exc:
+                    message = f"task store {self.path}: create {record.task_id} failed: {exc}"
+                    errors.append(_caused(StoreError(message), exc))
+                else:
+                    count += 1 - evicted
+                    errors.append(None)
+        self._record_count = count  # COMMIT succeeded
+        return errors
 
     def _change(self, sql: str, params: dict[str, Any]) -> TaskRecord | None:
         db = self._writer_conn()
