@@ -7,8 +7,9 @@ body and HTTP status here, in `error_edge`, and nowhere else.
 
 from __future__ import annotations
 
+import itertools
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final
 
@@ -64,6 +65,10 @@ OPS_PATHS: Final = frozenset({HEALTHZ, READYZ, METRICS_PATH})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+# The `request_id` of log lines: unique per process (counter) and across processes (random prefix).
+REQUEST_ID_PREFIX: Final = secrets.token_hex(4) + "-"
+_request_numbers = itertools.count(1)
+
 
 # --- the error edge ------------------------------------------------------------------------------------
 
@@ -80,7 +85,7 @@ def error_response(error: ProxyError) -> web.Response:
 @web.middleware
 async def error_edge(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The one place where failures become HTTP responses; also the one request log line."""
-    request_id = uuid.uuid4().hex[:16]
+    request_id = f"{REQUEST_ID_PREFIX}{next(_request_numbers):x}"
     structlog.contextvars.bind_contextvars(request_id=request_id)
     started = time.perf_counter()
     status = 500

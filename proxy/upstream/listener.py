@@ -106,9 +106,7 @@ class UpstreamListener:
     async def _read(self, last_event_id: str | None) -> tuple[int, str | None]:
         headers = self.session.stream_headers(last_event_id)
         timeout = aiohttp.ClientTimeout(total=None, connect=self.session.client.config.connect_timeout_seconds)
-        async with self.session.client.http.get(
-            self.session.client.config.url, headers=headers, timeout=timeout
-        ) as response:
+        async with self.session.client.http.get(self.session.client.url, headers=headers, timeout=timeout) as response:
             content_type = response.content_type
             if response.status != 200 or content_type != "text/event-stream":
                 return response.status, last_event_id

@@ -13,8 +13,12 @@ from typing import Final
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 from proxy.errors import UpstreamError, UpstreamTimeoutError
+
+# Plain answers up to this size are read whole and sent in one write; larger ones and SSE are streamed.
+BUFFERED_BODY_MAX_BYTES: Final = 1 << 20
 
 # RFC 9110 §7.6.1 hop-by-hop headers, plus those the proxy must set itself for its own connection.
 HOP_BY_HOP: Final = frozenset(
@@ -55,7 +59,7 @@ class PassThrough:
         connect_timeout_seconds: float,
         call_timeout_seconds: float,
     ) -> None:
-        self.url = url
+        self.url = URL(url)  # parsed once, not per request
         self.http = http
         self.extra_headers = dict(extra_headers)
         self.timeout = aiohttp.ClientTimeout(
@@ -69,8 +73,7 @@ class PassThrough:
         try:
             upstream = await self.http.request(
                 request.method,
-                self.url,
-                params=request.query,
+                self.url.with_query(request.query) if request.query else self.url,
                 headers=headers,
                 data=body if body else None,
                 timeout=self.timeout,
@@ -80,27 +83,75 @@ class PassThrough:
             raise UpstreamTimeoutError() from None
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"Upstream MCP server unavailable: {exc}") from None
-        complete = False
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        try:
-            for name, value in _end_to_end(upstream.headers).items():
-                response.headers.add(name, value)
-            length = upstream.headers.get("Content-Length")
-            if length is not None and length.isdigit():
-                response.content_length = int(length)
-            await response.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
-            complete = True
-        except (aiohttp.ClientError, TimeoutError):
-            pass  # the upstream dropped mid-body: headers are out, the client sees a cut stream, as it would directly
-        except ConnectionResetError:
-            pass  # the client went away mid-body
-        finally:
-            # A finished body leaves a reusable connection; anything else must not be reused.
-            if complete:
-                upstream.release()
-            else:
-                upstream.close()
-        return response
+        headers = _end_to_end(upstream.headers)
+        length = upstream.headers.get("Content-Length")
+        size = int(length) if length is not None and length.isdigit() else None
+        if size is not None and size <= BUFFERED_BODY_MAX_BYTES and not _is_event_stream(upstream):
+            return await _buffered(upstream, headers)
+        return await _streamed(request, upstream, headers, size)
+
+
+async def _buffered(upstream: aiohttp.ClientResponse, headers: CIMultiDict[str]) -> web.Response:
+    """A plain (JSON) answer of known, bounded size: read whole, then sent with its headers in one write."""
+    try:
+        body = await upstream.read()  # releases the connection for reuse once the body is in
+    except (aiohttp.ClientError, TimeoutError):
+        upstream.close()
+        raise UpstreamError("Upstream MCP server closed the connection in the middle of its answer") from None
+    return web.Response(status=upstream.status, reason=upstream.reason, headers=headers, body=body)
+
+
+async def _streamed(
+    request: web.Request, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str], size: int | None
+) -> web.StreamResponse:
+    """SSE or a large body: each chunk goes out as it arrives, never buffered. Headers leave with the first
+    chunk when it came in with them, and the last chunk with the end of the body when that is known."""
+    complete = False
+    try:
+        first = upstream.content.read_nowait()  # what arrived with the headers, if anything
+    except aiohttp.ClientError:
+        upstream.close()
+        raise UpstreamError("Upstream MCP server closed the connection in the middle of its answer") from None
+    response = (_HeadersWithFirstChunk if first else web.StreamResponse)(status=upstream.status, reason=upstream.reason)
+    response.headers.extend(headers)
+    if size is not None:
+        response.content_length = size
+    try:
+        await response.prepare(request)
+        chunk = first
+        while True:
+            if not chunk:
+                chunk = await upstream.content.readany()
+                if not chunk:
+                    break
+            if upstream.content.at_eof():
+                break
+            await response.write(chunk)
+            chunk = b""
+        await response.write_eof(chunk)  # the last chunk, if any, and the end in one write
+        complete = True
+    except (aiohttp.ClientError, TimeoutError):
+        # The upstream dropped mid-body and the headers are out: the client's connection is closed without the
+        # body's end, so it sees a cut stream, as it would directly (not a well-ended, shorter one).
+        if request.transport is not None:
+            request.transport.close()
+    except ConnectionResetError:
+        pass  # the client went away mid-body
+    finally:
+        # A finished body leaves a reusable connection; anything else must not be reused.
+        if complete:
+            upstream.release()
+        else:
+            upstream.close()
+    return response
+
+
+def _is_event_stream(upstream: aiohttp.ClientResponse) -> bool:
+    return upstream.headers.get("Content-Type", "").lower().startswith("text/event-stream")
+
+
+class _HeadersWithFirstChunk(web.StreamResponse):
+    """A streamed response whose headers wait for its first body write (one packet instead of two). Used only
+    when that first chunk is already in hand, so an SSE stream's headers are never held back."""
+
+    _send_headers_immediately = False

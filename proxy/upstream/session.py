@@ -20,6 +20,7 @@ from typing import Final
 
 import aiohttp
 import structlog
+from yarl import URL
 
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamError, UpstreamTimeoutError
@@ -100,7 +101,7 @@ class UpstreamSession:
     async def _post(self, message: JSON, headers: Mapping[str, str]) -> aiohttp.ClientResponse:
         try:
             response = await self.client.http.post(
-                self.client.config.url, data=dumps(message), headers=headers, timeout=self.client.timeout
+                self.client.url, data=dumps(message), headers=headers, timeout=self.client.timeout
             )
         except TimeoutError:
             raise UpstreamTimeoutError("Upstream MCP server did not answer in time") from None
@@ -196,7 +197,7 @@ class UpstreamSession:
             return
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
             async with self.client.http.delete(
-                self.client.config.url, headers=self.headers(), timeout=aiohttp.ClientTimeout(total=2)
+                self.client.url, headers=self.headers(), timeout=aiohttp.ClientTimeout(total=2)
             ):
                 pass
         self.session_id = None
@@ -217,7 +218,7 @@ class UpstreamSession:
         headers = self.stream_headers(last_event_id)
         sent_with = self.session_id
         try:
-            response = await self.client.http.get(self.client.config.url, headers=headers, timeout=self.client.timeout)
+            response = await self.client.http.get(self.client.url, headers=headers, timeout=self.client.timeout)
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"Upstream stream could not be resumed: {exc}") from None
         content_type = response.content_type
@@ -381,6 +382,7 @@ class UpstreamClient:
         self.max_sessions = max_sessions
         self.http = http
         self.principal_header = principal_header
+        self.url = URL(config.url)  # parsed once, not per request
         self.timeout = aiohttp.ClientTimeout(
             total=config.call_timeout_seconds,
             connect=config.connect_timeout_seconds,
