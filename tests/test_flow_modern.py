@@ -261,6 +261,7 @@ async def wait_for_new_cancellation(proxy: Client, schema: ModernSchema, before:
 # --- upstream sessions --------------------------------------------------------------------------------
 
 
+@pytest.mark.faults  # the upstream forgets the session: one of the fault cases (test_faults.py has the others)
 async def test_expired_upstream_session_is_reinitialized(
     proxy: Client, modern_schema: ModernSchema, upstream: Upstream
 ) -> None:
