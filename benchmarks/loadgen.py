@@ -81,14 +81,14 @@ class HttpClient:
         if parts.hostname is None or parts.port is None:
             raise ValueError(f"the load generator needs a host and a port: {url}")
         self.host, self.port = parts.hostname, parts.port
-        self.path = parts.path or "/"
+        self.target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self._idle: list[_Connection] = []
 
     async def post(self, body: bytes, headers: dict[str, str]) -> Response:
         connection = (
             self._idle.pop() if self._idle else _Connection(*await asyncio.open_connection(self.host, self.port))
         )
-        lines = [f"POST {self.path} HTTP/1.1", f"Host: {self.host}:{self.port}", f"Content-Length: {len(body)}"]
+        lines = [f"POST {self.target} HTTP/1.1", f"Host: {self.host}:{self.port}", f"Content-Length: {len(body)}"]
         lines += [f"{name}: {value}" for name, value in headers.items()]
         request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
         try:
