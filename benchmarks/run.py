@@ -571,6 +571,18 @@ async def run(quick: bool, groups: tuple[str, ...] = GROUPS) -> list[Row]:
     return rows
 
 
+def _commit() -> str | None:
+    """The commit measured (with `+` when the tree has changes), so results can be compared over time."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--", "proxy"], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None  # not a git checkout
+    return head.stdout.strip() + ("+" if status.stdout.strip() else "")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller counts (a smoke run, not for figures)")
@@ -595,6 +607,7 @@ def main() -> int:
             {
                 "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "quick": args.quick,
+                "commit": _commit(),
                 "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "system": platform.system()},
                 "seconds": round(time.monotonic() - started, 1),
                 "rows": [row.__dict__ for row in rows],
