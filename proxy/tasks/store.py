@@ -353,18 +353,14 @@ class SqliteTaskStore:
         transaction and one fsync, when it gets to them. Each record still fails on its own (its own
         savepoint): a full store refuses the records that do not fit, not the whole group.
         """
-        what = f"create {record.task_id}"
-        if self._closed:
-            raise StoreError(f"{what}: the task store {self.path} is closed")
-        if self._writer is None:
-            raise StoreError(f"{what}: the task store {self.path} is open read-only")
+        writer = self._open_writer_thread(f"create {record.task_id}")
         loop = asyncio.get_running_loop()
         committed: asyncio.Future[None] = loop.create_future()
         with self._creating_lock:
             self._creating.append((record, committed))
             first = len(self._creating) == 1
         if first:  # the writer takes every creation queued by the time it starts, this one included
-            loop.run_in_executor(self._writer, self._create_queued).add_done_callback(_answer_creations)
+            loop.run_in_executor(writer, self._create_queued).add_done_callback(_answer_creations)
         await committed
 
     async def get(self, task_id: str) -> TaskRecord | None:
@@ -485,12 +481,17 @@ class SqliteTaskStore:
 
     # -- thread dispatch -----------------------------------------------------------------------------------
 
-    async def _write(self, what: str, work: Callable[[], _T]) -> _T:
+    def _open_writer_thread(self, what: str) -> ThreadPoolExecutor:
+        """The writer thread, for `what`, unless the store is closed or read-only."""
         if self._closed:
             raise StoreError(f"{what}: the task store {self.path} is closed")
         if self._writer is None:
             raise StoreError(f"{what}: the task store {self.path} is open read-only")
-        return await asyncio.get_running_loop().run_in_executor(self._writer, self._guarded, what, work)
+        return self._writer
+
+    async def _write(self, what: str, work: Callable[[], _T]) -> _T:
+        writer = self._open_writer_thread(what)
+        return await asyncio.get_running_loop().run_in_executor(writer, self._guarded, what, work)
 
     async def _read(self, what: str, work: Callable[[], _T]) -> _T:
         if self._closed:
