@@ -406,6 +406,27 @@ async def test_a_record_that_fails_in_a_group_takes_back_only_itself(db_path: Pa
         await store.close()
 
 
+async def test_an_unexpected_failure_in_a_group_answers_every_creator(store: SqliteTaskStore) -> None:
+    """Whatever breaks a group commit, nobody waits forever: the group is rolled back and each creator hears."""
+    release, held = await hold_writer(store)
+    good = asyncio.ensure_future(store.create(make_record("task_good")))  # noqa: TID251
+    unstorable = make_record("task_bad", request={"not json": {1, 2}})  # a set: the row cannot be encoded
+    bad = asyncio.ensure_future(store.create(unstorable))  # noqa: TID251
+    await asyncio.sleep(0.05)
+    release.set()
+    await held
+    outcomes = await asyncio.wait_for(asyncio.gather(good, bad, return_exceptions=True), 5)
+
+    assert all(isinstance(outcome, StoreError) for outcome in outcomes)
+    assert "create failed" in str(outcomes[0])
+    assert isinstance(outcomes[1], StoreError)
+    assert isinstance(outcomes[1].__cause__, TypeError)
+    assert await store.get("task_good") is None  # rolled back with its group
+    assert (await store.stats())["records"] == 0
+    await store.create(make_record("task_good"))  # the store goes on working
+    assert await store.get("task_good") is not None
+
+
 async def test_a_creator_that_leaves_does_not_disturb_its_group(store: SqliteTaskStore) -> None:
     release, held = await hold_writer(store)
     leaving = asyncio.ensure_future(store.create(make_record("task_gone")))  # noqa: TID251

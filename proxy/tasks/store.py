@@ -560,7 +560,9 @@ class SqliteTaskStore:
             queued, self._creating = self._creating, []
         try:
             errors = self._create_all([record for record, _ in queued])
-        except (sqlite3.Error, StoreError) as exc:  # the whole group is rolled back: each caller gets its error
+        # The whole group is rolled back and each caller gets its error. Anything at all, not only SQLite's
+        # errors: the callers wait on this answer and nothing else would ever give them one.
+        except Exception as exc:  # noqa: BLE001
             errors = [_caused(StoreError(f"task store {self.path}: create failed: {exc}"), exc) for _ in queued]
         return [(committed, error) for (_, committed), error in zip(queued, errors, strict=True)]
 
