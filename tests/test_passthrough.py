@@ -127,3 +127,21 @@ async def test_an_upstream_that_drops_an_sse_answer_cuts_the_clients_stream(
     assert await response.content.readuntil(b"\n\n") == _event(1)
     with pytest.raises(aiohttp.ClientPayloadError):
         await response.read()
+
+
+async def test_a_head_answer_keeps_its_content_length(make_proxy: Callable[..., Any]) -> None:
+    async def head(request: web.Request) -> web.Response:
+        return web.Response(body=b"x" * 321, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/mcp", head)  # aiohttp answers HEAD from the GET route
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        proxy = await make_proxy(str(server.make_url("/mcp")))
+        response = await proxy.head("/mcp")
+        assert response.status == 200
+        assert response.headers["Content-Length"] == "321"
+        assert await response.read() == b""
+    finally:
+        await server.close()

@@ -86,7 +86,8 @@ class PassThrough:
         headers = _end_to_end(upstream.headers)
         length = upstream.headers.get("Content-Length")
         size = int(length) if length is not None and length.isdigit() else None
-        if size is not None and size <= BUFFERED_BODY_MAX_BYTES and not _is_event_stream(upstream):
+        buffered = size is not None and size <= BUFFERED_BODY_MAX_BYTES and not _is_event_stream(upstream)
+        if buffered and request.method != "HEAD":  # a HEAD answer's Content-Length describes a body it lacks
             return await _buffered(upstream, headers)
         return await _streamed(request, upstream, headers, size)
 
