@@ -17,6 +17,8 @@ from yarl import URL
 
 from proxy.errors import UpstreamError, UpstreamTimeoutError
 
+CUT_SHORT: Final = "Upstream MCP server closed the connection in the middle of its answer"
+
 # Plain answers up to this size are read whole and sent in one write; larger ones and SSE are streamed.
 BUFFERED_BODY_MAX_BYTES: Final = 1 << 20
 
@@ -98,7 +100,7 @@ async def _buffered(upstream: aiohttp.ClientResponse, headers: CIMultiDict[str])
         body = await upstream.read()  # releases the connection for reuse once the body is in
     except (aiohttp.ClientError, TimeoutError):
         upstream.close()
-        raise UpstreamError("Upstream MCP server closed the connection in the middle of its answer") from None
+        raise UpstreamError(CUT_SHORT) from None
     return web.Response(status=upstream.status, reason=upstream.reason, headers=headers, body=body)
 
 
@@ -112,7 +114,7 @@ async def _streamed(
         first = upstream.content.read_nowait()  # what arrived with the headers, if anything
     except aiohttp.ClientError:
         upstream.close()
-        raise UpstreamError("Upstream MCP server closed the connection in the middle of its answer") from None
+        raise UpstreamError(CUT_SHORT) from None
     response = (_HeadersWithFirstChunk if first else web.StreamResponse)(status=upstream.status, reason=upstream.reason)
     response.headers.extend(headers)
     if size is not None:
