@@ -184,65 +184,59 @@ def test_record_from_row_decodes_json_and_status() -> None:
     assert record.inputs_issued == 4
 
 
-async def test_update_changes_live_tasks_and_bumps_updated_at(store: SqliteTaskStore) -> None:
+async def test_set_inputs_changes_live_tasks_and_bumps_updated_at(store: SqliteTaskStore) -> None:
     original = make_record("task_a", created_at_ms=1_000)
     await store.create(original)
-    changes = {
-        "status": TaskStatus.INPUT_REQUIRED,
-        "status_message": "need input",
-        "input_requests": {"k1": {"method": "sampling/createMessage"}},
-        "inputs_issued": 1,
-        "owner": "proxy-2",
-        "poll_interval_ms": 2_000,
-        "rerun_principal": "Bearer x",
-    }
-    updated = await store.update("task_a", changes, now_ms=5_000)
-    assert updated is not None
-    assert updated == await store.get("task_a")
-    assert updated.updated_at_ms == 5_000
-    assert updated.created_at_ms == 1_000
-    assert updated.status is TaskStatus.INPUT_REQUIRED
-    assert updated.input_requests == {"k1": {"method": "sampling/createMessage"}}
-    assert (updated.inputs_issued, updated.owner, updated.poll_interval_ms) == (1, "proxy-2", 2_000)
-    assert (updated.status_message, updated.rerun_principal) == ("need input", "Bearer x")
-    assert (updated.request, updated.tool, updated.ttl_ms) == (original.request, original.tool, original.ttl_ms)
+    asking = await store.set_inputs("task_a", {"k1": {"method": "sampling/createMessage"}}, 1, now_ms=5_000)
+    assert asking is not None
+    assert asking == await store.get("task_a")
+    assert asking.updated_at_ms == 5_000
+    assert asking.created_at_ms == 1_000
+    assert asking.status is TaskStatus.INPUT_REQUIRED
+    assert asking.input_requests == {"k1": {"method": "sampling/createMessage"}}
+    assert asking.inputs_issued == 1
+    assert (asking.request, asking.tool, asking.ttl_ms, asking.owner) == (
+        original.request,
+        original.tool,
+        original.ttl_ms,
+        original.owner,
+    )
 
-    back = await store.update("task_a", {"status": "working", "input_requests": {}}, now_ms=6_000)
+    back = await store.set_inputs("task_a", {}, 1, now_ms=6_000)
     assert back is not None
     assert back.status is TaskStatus.WORKING
     assert back.input_requests == {}
     assert back.inputs_issued == 1
 
+    progressed = await store.set_status_message("task_a", "3/10", now_ms=7_000)
+    assert progressed is not None
+    assert (progressed.status_message, progressed.updated_at_ms, progressed.status) == (
+        "3/10",
+        7_000,
+        TaskStatus.WORKING,
+    )
 
-async def test_update_leaves_terminal_and_missing_tasks_alone(store: SqliteTaskStore) -> None:
+
+async def test_claim_takes_a_live_task_back_to_working_for_a_new_owner(store: SqliteTaskStore) -> None:
+    await store.create(make_record("task_a", created_at_ms=1_000))
+    await store.set_inputs("task_a", {"k1": {"method": "roots/list"}}, 3, now_ms=2_000)
+    claimed = await store.claim("task_a", "proxy-2", "re-running", now_ms=3_000)
+    assert claimed is not None
+    assert (claimed.owner, claimed.status, claimed.status_message) == ("proxy-2", TaskStatus.WORKING, "re-running")
+    assert claimed.input_requests == {}
+    assert claimed.inputs_issued == 3  # keys already issued stay issued: a re-run never reuses one
+
+
+async def test_typed_writes_leave_terminal_and_missing_tasks_alone(store: SqliteTaskStore) -> None:
     await store.create(make_record("task_done", created_at_ms=1_000))
     settled = await store.settle("task_done", TaskStatus.COMPLETED, now_ms=2_000, result={"content": []})
     assert settled is not None
-    assert await store.update("task_done", {"status_message": "late", "owner": "other"}, now_ms=3_000) is None
+    assert await store.set_status_message("task_done", "late", now_ms=3_000) is None
+    assert await store.set_inputs("task_done", {"k": {"method": "roots/list"}}, 1, now_ms=3_000) is None
+    assert await store.claim("task_done", "other", "again", now_ms=3_000) is None
     assert await store.get("task_done") == settled
-    assert await store.update("task_missing", {"status_message": "x"}, now_ms=3_000) is None
+    assert await store.set_status_message("task_missing", "x", now_ms=3_000) is None
     assert (await store.stats())["records"] == 1
-
-
-@pytest.mark.parametrize(
-    "changes",
-    [
-        {"result": {"content": []}},
-        {"task_id": "other"},
-        {"updated_at_ms": 5},
-        {"status": TaskStatus.COMPLETED},
-        {"status": "cancelled"},
-        {"status": "bogus"},
-        {"input_requests": ["not", "an", "object"]},
-    ],
-)
-async def test_update_rejects_bad_changes(store: SqliteTaskStore, changes: dict[str, Any]) -> None:
-    await store.create(make_record("task_a"))
-    with pytest.raises(ValueError):  # noqa: PT011 - every case has its own message
-        await store.update("task_a", changes, now_ms=2_000)
-    got = await store.get("task_a")
-    assert got is not None
-    assert got.updated_at_ms == 1_000
 
 
 async def test_first_settle_wins(store: SqliteTaskStore) -> None:
@@ -649,7 +643,7 @@ async def test_read_only_sees_commits_and_refuses_writes(store: SqliteTaskStore,
         with pytest.raises(StoreError, match="read-only"):
             await reader.create(make_record("task_c"))
         with pytest.raises(StoreError, match="read-only"):
-            await reader.update("task_a", {"status_message": "x"}, now_ms=2_000)
+            await reader.set_status_message("task_a", "x", now_ms=2_000)
         with pytest.raises(StoreError, match="read-only"):
             await reader.settle("task_a", TaskStatus.CANCELLED, now_ms=2_000)
         with pytest.raises(StoreError, match="read-only"):
@@ -682,7 +676,7 @@ async def test_sqlite_work_never_runs_on_the_event_loop_thread(store: SqliteTask
     await store.create(make_record("task_a", ttl_ms=10))
     await store.create(make_record("task_b"))
     await store.get("task_a")
-    await store.update("task_a", {"status_message": "x"}, now_ms=2_000)
+    await store.set_status_message("task_a", "x", now_ms=2_000)
     await store.live()
     await store.expired_live(5_000)
     await store.settle("task_a", TaskStatus.COMPLETED, now_ms=3_000)

@@ -121,9 +121,6 @@ _COLUMNS: Final = (
     "client_capabilities",
 )
 _JSON_FIELDS: Final = frozenset({"request", "result", "error", "input_requests", "client_capabilities"})
-UPDATABLE_FIELDS: Final = frozenset(
-    {"status", "status_message", "input_requests", "inputs_issued", "owner", "poll_interval_ms", "rerun_principal"}
-)
 STATUS_KEYS: Final = tuple(status.value for status in TaskStatus)
 
 _LIVE_SQL: Final = ", ".join(f"'{status.value}'" for status in sorted(LIVE))
@@ -242,7 +239,13 @@ class TaskStore(Protocol):
 
     async def get(self, task_id: str) -> TaskRecord | None: ...
 
-    async def update(self, task_id: str, changes: Mapping[str, Any], *, now_ms: int) -> TaskRecord | None: ...
+    async def set_inputs(
+        self, task_id: str, input_requests: JSON, inputs_issued: int, *, now_ms: int
+    ) -> TaskRecord | None: ...
+
+    async def set_status_message(self, task_id: str, status_message: str, *, now_ms: int) -> TaskRecord | None: ...
+
+    async def claim(self, task_id: str, owner: str, status_message: str, *, now_ms: int) -> TaskRecord | None: ...
 
     async def settle(
         self,
@@ -369,23 +372,29 @@ class SqliteTaskStore:
         )
         return records[0] if records else None
 
-    async def update(self, task_id: str, changes: Mapping[str, Any], *, now_ms: int) -> TaskRecord | None:
-        unknown = set(changes) - UPDATABLE_FIELDS
-        if unknown:
-            raise ValueError(f"cannot update task fields {sorted(unknown)}; allowed: {sorted(UPDATABLE_FIELDS)}")
-        values: dict[str, Any] = {}
-        for name, value in changes.items():
-            if name == "status":
-                status = TaskStatus(value)
-                if status not in LIVE:
-                    raise ValueError(f"update() only sets a live status, not {status.value!r}; use settle()")
-                values[name] = status.value
-            elif name == "input_requests":
-                if not isinstance(value, dict):
-                    raise ValueError("input_requests must be a JSON object")
-                values[name] = _encode(value)
-            else:
-                values[name] = value
+    async def set_inputs(
+        self, task_id: str, input_requests: JSON, inputs_issued: int, *, now_ms: int
+    ) -> TaskRecord | None:
+        """The live task's outstanding questions: `input_required` with them, `working` without any."""
+        status = TaskStatus.INPUT_REQUIRED if input_requests else TaskStatus.WORKING
+        values = {"status": status.value, "input_requests": _encode(input_requests), "inputs_issued": inputs_issued}
+        return await self._update(task_id, values, now_ms)
+
+    async def set_status_message(self, task_id: str, status_message: str, *, now_ms: int) -> TaskRecord | None:
+        return await self._update(task_id, {"status_message": status_message}, now_ms)
+
+    async def claim(self, task_id: str, owner: str, status_message: str, *, now_ms: int) -> TaskRecord | None:
+        """A live task taken over by `owner` to be run again from the start: `working`, no questions."""
+        values = {
+            "owner": owner,
+            "status": TaskStatus.WORKING.value,
+            "status_message": status_message,
+            "input_requests": "{}",
+        }
+        return await self._update(task_id, values, now_ms)
+
+    async def _update(self, task_id: str, values: Mapping[str, Any], now_ms: int) -> TaskRecord | None:
+        """Change a live task (a settled one never changes); the record as it is now, or None."""
         assignments = ", ".join([*(f"{name} = :{name}" for name in values), "updated_at_ms = :now_ms"])
         sql = f"UPDATE tasks SET {assignments} WHERE task_id = :task_id AND status IN ({_LIVE_SQL}) RETURNING *"
         params = {**values, "now_ms": now_ms, "task_id": task_id}
