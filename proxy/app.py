@@ -36,7 +36,7 @@ from proxy.policy import named_tools
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import SqliteTaskStore, StoreError
 from proxy.upstream.passthrough import PassThrough
-from proxy.upstream.session import UpstreamClient
+from proxy.upstream.pool import UpstreamClient
 from proxy.upstream.sse import KEEPALIVE, frame
 from proxy.wire import jsonrpc
 from proxy.wire.envelope import Caller, is_modern, validate_modern
@@ -328,7 +328,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     app[RUNNER] = runner
     if metrics is not None:
         metrics.tasks_running.set_function(lambda: runner.running)
-        metrics.calls_parked.set_function(lambda: runner.bridge.parked)
+        metrics.calls_parked.set_function(lambda: runner.parked)
     app[FRONT] = Front(config, upstream, runner)
     app[PASSTHROUGH] = PassThrough(
         config.upstream.url,

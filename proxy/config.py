@@ -71,6 +71,13 @@ class UpstreamConfig(_Frozen):
         gt=0,
         description="Longest time one upstream request may run; bounds a hung upstream call.",
     )
+    max_sessions: int = Field(
+        64,
+        gt=0,
+        description="Idle upstream sessions kept for reuse: each caller's shared session, and the sessions lent to "
+        "calls whose clients can answer questions. Beyond this the least recently used idle session is ended "
+        "with DELETE. Sessions in use are bounded by the call limits instead.",
+    )
     protocol_version: Literal["2025-11-25", "2025-06-18", "2025-03-26"] = Field(
         "2025-11-25",
         description="Protocol version the proxy offers in its own upstream `initialize` (the upstream may answer "

@@ -20,14 +20,16 @@ from proxy.errors import InvalidParamsError, MethodNotFoundError, MissingCapabil
 from proxy.policy import decide
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.waiting import WaitingCalls
-from proxy.upstream.call import (
-    UpstreamCall,
+from proxy.upstream.call import UpstreamCall
+from proxy.upstream.events import (
     UpstreamErrorResponse,
     UpstreamNotification,
     UpstreamResult,
     UpstreamServerRequest,
+    refusal,
 )
-from proxy.upstream.session import UpstreamClient, UpstreamSession
+from proxy.upstream.pool import UpstreamClient
+from proxy.upstream.session import UpstreamSession
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
 from proxy.wire.envelope import (
@@ -52,8 +54,8 @@ class Front:
         self.config = config
         self.upstream = upstream
         self.runner = runner
-        self.calls = WaitingCalls(runner)
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
+        self.calls = WaitingCalls(runner, self.cache)
 
     async def dispatch(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Serve one modern request; returns the JSON-RPC response message (result or error)."""
@@ -66,7 +68,8 @@ class Front:
         return await handler(self, request, caller, channel)
 
     async def discover(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        initialize_result = await self.upstream.session(caller.principal).ensure_initialized()
+        async with self.upstream.use(caller.principal) as session:
+            initialize_result = await session.ensure_initialized()
         return result_message(request.id, translate.discover_result(initialize_result, self.cache))
 
     async def listen(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
@@ -80,14 +83,17 @@ class Front:
                 "Missing required client capability: taskIds need the io.modelcontextprotocol/tasks extension",
                 request_id=request.id,
             )
-        session = self.upstream.session(caller.principal)
+        async with self.upstream.use(caller.principal) as session:
+            return await self._listen(request, channel, session, wanted)
+
+    async def _listen(self, request: ModernRequest, channel: Channel, session: UpstreamSession, wanted: object) -> JSON:
         initialize_result = await session.ensure_initialized()
         capabilities = initialize_result.get("capabilities")
         honoured = translate.honoured_filter(
             wanted if isinstance(wanted, dict) else {}, capabilities if isinstance(capabilities, dict) else {}
         )
         tag = {translate.SUBSCRIPTION_ID_META_KEY: request.id}
-        subscription = session.listener.subscribe()
+        subscription = session.subscribe()
         subscribed: list[str] = []
         try:
             for uri in honoured.get("resourceSubscriptions", []):
@@ -112,7 +118,7 @@ class Front:
                 if relayed is not None:
                     await channel.notify(relayed, required=True)
         finally:
-            session.listener.unsubscribe(subscription)
+            session.unsubscribe(subscription)
             for uri in subscribed:
                 await asyncio.shield(self._unsubscribe(session, uri))
         server_info = translate.implementation(initialize_result)
@@ -129,9 +135,9 @@ class Front:
         """T-1…T-3: the tool's policy and this request's own declaration decide sync, task, window or -32021.
         Every tools/call runs as a runner call, so an upstream question can become an MRTR round or a task's
         inputRequests (C-11)."""
-        session = self.upstream.session(caller.principal)
-        initialize_result = await session.ensure_initialized()
-        specs = await session.param_headers(str(request.params["name"]))
+        async with self.upstream.use(caller.principal) as session:
+            initialize_result = await session.ensure_initialized()
+            specs = await session.param_headers(str(request.params["name"]))
         check_param_headers(caller.headers, request.params.get("arguments"), specs, request.id)
         server_info = translate.implementation(initialize_result)
         if "requestState" in request.params:
@@ -141,7 +147,8 @@ class Front:
 
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """`prompts/get` and `resources/read`: synchronous, but an upstream question is an MRTR round (C-11)."""
-        initialize_result = await self.upstream.session(caller.principal).ensure_initialized()
+        async with self.upstream.use(caller.principal) as session:
+            initialize_result = await session.ensure_initialized()
         server_info = translate.implementation(initialize_result)
         if "requestState" in request.params:
             return await self.calls.resume(request, caller, channel, server_info)
@@ -183,72 +190,65 @@ class Front:
         return result_message(request.id, wire_tasks.ack_result(self.upstream.server_info))
 
     async def forward(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        """Relay one request through the principal's upstream session and translate the outcome."""
-        session = self.upstream.session(caller.principal)
-        initialize_result = await session.ensure_initialized()
-        server_info = translate.implementation(initialize_result)
+        """Relay one request through the principal's shared upstream session and translate the outcome."""
         headers = translate.trace_headers(request.meta, caller.headers)
-        async with session.call(request.method, translate.upstream_params(request.params), headers) as call:
+        params = translate.upstream_params(request.params)
+        async with (
+            self.upstream.use(caller.principal) as session,
+            session.call(request.method, params, headers) as call,
+        ):
             try:
-                return await self._drive(request, call, channel, server_info)
+                return await self._drive(request, session, call, channel)
             except (asyncio.CancelledError, ConnectionResetError):
-                # C-19 / L-5: the client closed its stream (seen as the handler's cancellation, or as a failed
-                # write of a notification); a legacy server needs an explicit cancel.
+                # The client closed its stream (seen as the handler's cancellation, or as a failed write of a
+                # notification); a legacy server needs an explicit cancel.
                 await asyncio.shield(self._cancel(call, "client disconnected"))
                 raise
 
     async def _drive(
-        self, request: ModernRequest, call: UpstreamCall, channel: Channel, server_info: JSON | None
+        self, request: ModernRequest, session: UpstreamSession, call: UpstreamCall, channel: Channel
     ) -> JSON:
+        server_info = self.upstream.server_info
         async for event in call.events():
             if isinstance(event, UpstreamNotification):
                 relayed = translate.relay_notification(event.message, request.progress_token, request.log_level)
                 if relayed is not None:
                     await channel.notify(relayed)
             elif isinstance(event, UpstreamServerRequest):
-                refusal = await self._refuse_server_request(request, call, event)
-                if refusal is not None:
-                    return refusal
-            elif isinstance(event, UpstreamResult):
-                return result_message(
-                    request.id,
-                    translate.complete_result(request.method, event.result, server_info, self.cache),
-                )
-            elif isinstance(event, UpstreamErrorResponse):
-                # Upstream JSON-RPC errors are data: passed through (translated), never re-wrapped.
-                return error_message(request.id, translate.error_object(event.error))
+                refused = await self._refuse(request, session, event)
+                if refused is not None:
+                    return refused
+            else:
+                result = event.result if isinstance(event, UpstreamResult) else None
+                error = event.error if isinstance(event, UpstreamErrorResponse) else None
+                return translate.final_message(request.id, request.method, result, error, server_info, self.cache)
         raise AssertionError("UpstreamCall.events() ends with a final event or raises")  # pragma: no cover
 
-    async def _refuse_server_request(
-        self, request: ModernRequest, call: UpstreamCall, server_request: UpstreamServerRequest
+    async def _refuse(
+        self, request: ModernRequest, session: UpstreamSession, question: UpstreamServerRequest
     ) -> JSON | None:
-        """C-21 / K-23: no server→client request reaches a modern stream, and only tools/call, prompts/get and
-        resources/read may ask for input (C-11); those run as runner calls. Here (any other method) the upstream
-        gets an answer at once (it never hangs) and finishes the call by itself. A client that did not declare
-        the capability gets -32021 naming it (C-4); one that did gets -32603 saying the method cannot ask.
-        Returns None to read on.
-        """
-        if not await call.refuse(server_request):
+        """Only tools/call, prompts/get and resources/read may ask a 2026-07-28 client for input (as MRTR or a
+        task); those run as calls of the runner. Here (any other method) the upstream gets an answer at once,
+        so it never hangs, and finishes the request by itself: a client that did not declare the capability
+        gets -32021 naming it; one that did gets -32603 saying the method cannot ask. No
+        notifications/cancelled: a cancel racing that ending kills the whole session in the mcp 1.x SDK.
+        Returns the request's answer, or None to read on (the upstream's request was not a question)."""
+        result, error = refusal(question.method)
+        await session.respond(question.id, result=result, error=error)
+        if question.method not in translate.INPUT_METHODS:
             return None
-        # No notifications/cancelled here: the upstream was answered and ends the call by itself, and a cancel
-        # racing that ending kills the whole session in the mcp 1.x SDK (seen with its stateful servers).
-        log.info("upstream_input_request_refused", method=request.method, input_method=server_request.method)
-        required = translate.required_capability(server_request.method, server_request.params)
+        log.info("upstream_input_request_refused", method=request.method, input_method=question.method)
+        required = translate.required_capability(question.method, question.params)
         if not all(request.declares(capability) for capability in required):
             raise MissingCapabilityError(
                 required,
-                f"Missing required client capability: the upstream asked for {server_request.method} during "
-                f"{request.method}",
-                request_id=request.id,
+                f"Missing required client capability: the upstream asked for {question.method} during {request.method}",
             )
-        return error_message(
-            request.id,
-            {
-                "code": codes.INTERNAL_ERROR,
-                "message": f"The upstream asked for {server_request.method} during {request.method}, which cannot "
-                "ask the client for input in protocol 2026-07-28",
-            },
+        message = (
+            f"The upstream asked for {question.method} during {request.method}, which cannot ask the client for "
+            "input in protocol 2026-07-28"
         )
+        return error_message(request.id, {"code": codes.INTERNAL_ERROR, "message": message})
 
     async def _cancel(self, call: UpstreamCall, reason: str) -> None:
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 from fnmatch import fnmatchcase
+from typing import Final
 
 from proxy.config import RestartAction, TaskMode, TasksConfig, ToolPolicyConfig
 
@@ -29,13 +30,58 @@ class Outcome(StrEnum):
     WINDOW = "window"  # synchronous if it settles within the window, else a task continuing the same call
     REJECT = "reject"  # -32021: the tool needs a task and the client did not declare the extension
     WAIT = "wait"  # an internal task; the client's response is held until it settles (poll-to-sync)
-    INPUT_FIRST = "input_first"  # T-15: MRTR rounds while the call answers within the window, then a task
+    INPUT_FIRST = "input_first"  # MRTR rounds while the call answers within the window, then a task
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """What one request's call becomes, and how it behaves while a client waits for it.
+
+    The call's lifecycle (`tasks/machine.py`) reads every policy choice from here: whether a task record comes
+    first, how long a window lasts, how a question reaches a waiting client, and whether even a call that ends
+    within its window answers with a task."""
+
     outcome: Outcome
-    policy: Policy
+    policy: Policy | None  # None for prompts/get and resources/read, which have no tool policy
+
+    @property
+    def task_first(self) -> bool:
+        """The task record is committed before the upstream call starts (a task at once, or poll-to-sync)."""
+        return self.outcome in (Outcome.TASK, Outcome.WAIT)
+
+    @property
+    def holds_client(self) -> bool:
+        """Poll-to-sync: the client's request is held until the internal task settles, then answered with its
+        outcome."""
+        return self.outcome is Outcome.WAIT
+
+    @property
+    def window_ms(self) -> int | None:
+        """How long a waiting client waits before a call still running becomes a task (None: no window)."""
+        if self.outcome in (Outcome.WINDOW, Outcome.INPUT_FIRST) and self.policy is not None:
+            return self.policy.sync_window_ms
+        return None
+
+    @property
+    def asks_by_mrtr(self) -> bool:
+        """A question asked while the client waits goes to it as an MRTR round (`InputRequiredResult`); for a
+        window call it is carried by the task the call becomes instead."""
+        return self.outcome in (Outcome.SYNC, Outcome.WAIT, Outcome.INPUT_FIRST)
+
+    @property
+    def task_when_done(self) -> bool:
+        """A `required` tool with `resolve_input_first`: once its questions are resolved, the answer is a task,
+        even when the call ends within the window."""
+        return self.outcome is Outcome.INPUT_FIRST and self.policy is not None and self.policy.mode == "required"
+
+    @property
+    def may_become_task(self) -> bool:
+        """The call may end up as a task, so the proxy asks the upstream for progress (its statusMessage) even
+        when the client did not."""
+        return self.outcome in (Outcome.TASK, Outcome.WINDOW, Outcome.WAIT, Outcome.INPUT_FIRST)
+
+
+SYNC_CALL: Final = Decision(Outcome.SYNC, None)  # prompts/get and resources/read: synchronous, may ask (MRTR)
 
 
 def policy_for(tasks: TasksConfig, tool: str) -> Policy:
@@ -73,8 +119,9 @@ def _merged(entry: ToolPolicyConfig, tasks: TasksConfig) -> Policy:
 
 
 def decide(tasks: TasksConfig, tool: str, *, declares_tasks: bool) -> Decision:
-    """T-1…T-3, T-17: `declares_tasks` comes from this request's `_meta` only (never an earlier request, never
-    the legacy `task` param); a non-declaring request never gets a task. `resolve_input_first` (T-15) only
+    """`declares_tasks` comes from this request's `_meta` only (never an earlier request, never the legacy
+    `task` param): a client that did not declare the Tasks extension on this request never gets a task (the
+    extension's "Capability Negotiation"). `resolve_input_first` only
     changes what a declaring client gets for a tool that may become a task."""
     policy = policy_for(tasks, tool)
     if policy.mode == "forbidden":

@@ -24,7 +24,7 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy.app import create_app
+from proxy.app import UPSTREAM, create_app
 from proxy.config import Config, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -375,6 +375,16 @@ def tasks_client(
         return Tasks(client, modern_schema, tasks_schema)
 
     return start
+
+
+async def upstream_calls_open(client: Client, count: int, timeout_seconds: float = 10) -> None:
+    """Wait until `count` upstream requests of the proxy's own sessions are open (the upstream answered their
+    POSTs): the calls run upstream, not just in the proxy."""
+    pool = client.app[UPSTREAM]
+    deadline = asyncio.get_running_loop().time() + timeout_seconds
+    while pool.calls_in_flight < count:
+        assert asyncio.get_running_loop().time() < deadline, f"{pool.calls_in_flight} upstream calls open, not {count}"
+        await asyncio.sleep(0.01)
 
 
 def policies(**tools: dict[str, Any]) -> dict[str, Any]:

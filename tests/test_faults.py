@@ -141,9 +141,9 @@ async def test_an_upstream_killed_mid_call_fails_clearly_and_the_proxy_recovers(
     sync_call = asyncio.get_running_loop().create_task(
         sync_client.call("slow_compute", {"seconds": 30, "label": "cut"}, capabilities={})
     )
-    session = client.client.app[UPSTREAM].session(None)
+    pool = client.client.app[UPSTREAM]
     deadline = asyncio.get_running_loop().time() + 10
-    while session.in_flight < 2:  # both calls are open upstream
+    while pool.calls_in_flight < 2:  # both calls are open upstream
         assert asyncio.get_running_loop().time() < deadline
         await asyncio.sleep(0.02)
     assert own_upstream.process is not None

@@ -15,8 +15,7 @@ from typing import Any
 import structlog.testing
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import UPSTREAM
-from proxy.tasks.bridge import MAX_OUTSTANDING_INPUTS
+from proxy.tasks.machine import MAX_OUTSTANDING_INPUTS
 from tests.conftest import (
     DECLARING,
     ClientFactory,
@@ -189,28 +188,6 @@ async def test_a_question_on_the_get_stream_belongs_to_the_one_open_call(tasks_c
     retry = {**params, "inputResponses": {key: {"roots": []} for key in requests}, "requestState": state}
     _, message = await mrtr(client, "tools/call", retry, capabilities=EVERY_INPUT)
     assert content_text(message["result"]) == ""
-
-
-async def test_a_question_on_the_get_stream_is_refused_when_several_calls_are_open(
-    tasks_client: ClientFactory,
-) -> None:
-    """With two calls open on the session nobody can tell whose question it is: refused, never misrouted."""
-    client = await tasks_client()
-    other = Tasks(client.client, client.core, client.tasks)  # the same principal, so the same upstream session
-    busy = asyncio.get_running_loop().create_task(
-        mrtr(other, "tools/call", {"name": "sleep", "arguments": {"seconds": 2}}, capabilities=EVERY_INPUT)
-    )
-    session = client.client.app[UPSTREAM].session(None)
-    deadline = asyncio.get_running_loop().time() + 10
-    while session.in_flight < 1:  # until the sleep call is open on the session
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.02)
-    _, message = await mrtr(
-        client, "tools/call", {"name": "list_roots_standalone", "arguments": {}}, capabilities=EVERY_INPUT
-    )
-    assert content_text(message["result"]).startswith("roots refused:")
-    _, slept = await busy
-    assert content_text(slept["result"]) == "slept 2"
 
 
 async def test_url_elicitation_drops_the_legacy_id_and_needs_the_url_capability(tasks_client: ClientFactory) -> None:
@@ -502,7 +479,8 @@ async def test_too_many_parked_calls_are_refused(tasks_client: ClientFactory) ->
     with structlog.testing.capture_logs() as events:
         status, refused = await mrtr(client, "tools/call", {"name": "ask_name", "arguments": {}})
     # The question of the call that could not be parked was declined upstream (it ends by itself).
-    assert [event["count"] for event in events if event["event"] == "input_requests_declined"] == [1]
+    declined = [event for event in events if event["event"] == "input_request_refused"]
+    assert [(event["input_method"], event["reason"]) for event in declined] == [("elicitation/create", "detached")]
     assert status == 503
     assert refused["error"]["code"] == -32603
     assert refused["error"]["data"] == {"limit": "max_parked", "max": 1}

@@ -265,18 +265,28 @@ async def wait_for_new_cancellation(proxy: Client, schema: ModernSchema, before:
 async def test_expired_upstream_session_is_reinitialized(
     proxy: Client, modern_schema: ModernSchema, upstream: Upstream
 ) -> None:
-    """L-1: a 404 for the session means re-initialize and retry, invisibly to the client."""
+    """A 404 for the session means re-initialize and retry, invisibly to the client: for the shared session
+    (lists) and for a session lent to calls."""
     await call_tool(proxy, modern_schema, "greet", {"name": "a"})
-    session = proxy.app[UPSTREAM].session(None)
-    old_id = session.session_id
-    assert old_id is not None
-    response = await proxy.session.delete(
-        upstream.url, headers={"Mcp-Session-Id": old_id, "MCP-Protocol-Version": session.protocol_version}
-    )
-    assert response.status in (200, 204)
+    pool = proxy.app[UPSTREAM]
+    [lent] = pool.spare_sessions(None)
+    shared = pool.session(None)
+    forgotten = {}
+    for session in (shared, lent):
+        assert session.session_id is not None
+        forgotten[session] = session.session_id
+        response = await proxy.session.delete(
+            upstream.url,
+            headers={"Mcp-Session-Id": session.session_id, "MCP-Protocol-Version": session.protocol_version},
+        )
+        assert response.status in (200, 204)
+    _, _, [listed] = await rpc(proxy, modern_schema, "tools/list")
+    assert listed["result"]["tools"]
     _, _, [message] = await call_tool(proxy, modern_schema, "greet", {"name": "b"})
     assert text_of(message) == "Hello, b!"
-    assert session.session_id not in (None, old_id)
+    assert pool.spare_sessions(None) == [lent]  # the same session object, re-initialized
+    for session, old_id in forgotten.items():
+        assert session.session_id not in (None, old_id)
 
 
 async def test_sessions_are_kept_per_principal(proxy: Client, modern_schema: ModernSchema) -> None:
@@ -363,14 +373,23 @@ async def test_upstream_stream_closed_early_is_resumed(proxy: Client, modern_sch
     assert "Reconnection test completed successfully" in text_of(message)
 
 
-async def test_concurrent_calls_share_one_upstream_session(proxy: Client, modern_schema: ModernSchema) -> None:
-    await call_tool(proxy, modern_schema, "echo", {"text": "first"})
-    session_id = proxy.app[UPSTREAM].session(None).session_id
-    results = await asyncio.gather(
-        *(call_tool(proxy, modern_schema, "echo", {"text": f"n{index}"}) for index in range(40))
-    )
-    assert sorted(text_of(message) for _, _, [message] in results) == sorted(f"n{index}" for index in range(40))
-    assert proxy.app[UPSTREAM].session(None).session_id == session_id
+async def test_concurrent_calls_reuse_the_sessions_lent_to_earlier_calls(
+    proxy: Client, modern_schema: ModernSchema
+) -> None:
+    """Each running call has an upstream session of its own; once calls end, their sessions are lent again
+    instead of new ones being initialized."""
+
+    async def round_of(count: int) -> set[str | None]:
+        results = await asyncio.gather(
+            *(call_tool(proxy, modern_schema, "echo", {"text": f"n{index}"}) for index in range(count))
+        )
+        assert sorted(text_of(message) for _, _, [message] in results) == sorted(f"n{index}" for index in range(count))
+        return {session.session_id for session in proxy.app[UPSTREAM].spare_sessions(None)}
+
+    first = await round_of(20)
+    assert 1 <= len(first) <= 20
+    second = await round_of(len(first))
+    assert second == first  # no session was initialized for the second round
 
 
 async def test_configured_upstream_headers_win(

@@ -33,6 +33,7 @@ from tests.conftest import (
     policies,
     post_and_leave,
     result_text,
+    upstream_calls_open,
 )
 
 # --- the decision (T-1…T-3, T-11, T-17) ---------------------------------------------------------------
@@ -253,6 +254,7 @@ async def test_lost_upstream_fails_the_task(tasks_client: ClientFactory, own_ups
 async def test_cancel_reaches_the_upstream_and_is_final(tasks_client: ClientFactory, own_upstream: Upstream) -> None:
     client = await tasks_client(own_upstream.url, tasks=policies(sleep={"mode": "required"}))
     task_id = await client.create("sleep", {"seconds": 30})
+    await upstream_calls_open(client.client, 1)
     status, ack = await client.post("tasks/cancel", {"taskId": task_id})
     assert status == 200
     assert ack["result"] == {"resultType": "complete", "_meta": ack["result"]["_meta"]}
@@ -467,6 +469,7 @@ async def test_restart_fails_or_reruns_interrupted_tasks(
     await first.settled(done)
     interrupted = await first.create("sleep", {"seconds": 30}, headers={"Authorization": "Bearer a"})
     rerun = await first.create("counted", {"key": "rerun", "seconds": 1.0}, headers={"Authorization": "Bearer a"})
+    await upstream_calls_open(first.client, 2)
     await first.client.close()  # the process goes away with both calls still running
 
     second = Tasks(await make_proxy(own_upstream.url, **sections), modern_schema, tasks_schema)

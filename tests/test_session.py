@@ -10,7 +10,8 @@ import pytest
 
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamError
-from proxy.upstream.session import UpstreamClient, principal_key
+from proxy.upstream.pool import UpstreamClient
+from proxy.upstream.session import principal_key
 from tests.conftest import Upstream
 
 
@@ -21,7 +22,7 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 def make_client(upstream: Upstream, http: aiohttp.ClientSession, max_sessions: int = 8) -> UpstreamClient:
-    return UpstreamClient(UpstreamConfig(url=upstream.url), http, "authorization", max_sessions=max_sessions)
+    return UpstreamClient(UpstreamConfig(url=upstream.url, max_sessions=max_sessions), http, "authorization")
 
 
 async def test_initialize_once_and_reuse(upstream: Upstream, http: aiohttp.ClientSession) -> None:
@@ -37,17 +38,23 @@ async def test_initialize_once_and_reuse(upstream: Upstream, http: aiohttp.Clien
 
 
 async def test_idle_sessions_are_evicted_busy_ones_kept(upstream: Upstream, http: aiohttp.ClientSession) -> None:
-    client = make_client(upstream, http, max_sessions=2)
-    first = client.session("Bearer a")
-    await first.ensure_initialized()
-    async with first.call("tools/call", {"name": "sleep", "arguments": {"seconds": 0.2}}) as running:
-        second = client.session("Bearer b")
-        await second.ensure_initialized()
-        client.session("Bearer c")  # over the limit: "a" is busy, so "b" (idle) goes
-        assert client.session("Bearer a") is first
+    client = make_client(upstream, http, max_sessions=1)
+    async with (
+        client.use("Bearer a") as first,
+        first.call("tools/call", {"name": "sleep", "arguments": {"seconds": 0.2}}) as running,
+    ):
+        async with client.use("Bearer b") as second:
+            await second.ensure_initialized()
+        client.session("Bearer c")  # two idle sessions over a limit of one: "b" (the older) goes
+        assert client.session("Bearer a") is first  # in use: never evicted
         assert client.session("Bearer b") is not second
+        assert client.idle_sessions == 1
         async for _ in running.events():
             pass
+    deadline = asyncio.get_running_loop().time() + 5
+    while second.session_id is not None:  # ended with DELETE
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.02)
     await client.close()
 
 

@@ -1,63 +1,120 @@
-"""The task runner: every background coroutine of a call that may outlive its HTTP request.
+"""The task runner: carries out what each call's machine (`machine.py`) decides, and owns every background
+coroutine of a call that may outlive its HTTP request.
 
-Owns the upstream calls of `tools/call` (all of them), `prompts/get` and `resources/read`: the sync window,
-task creation (commit before the handle is returned, T-14), the call's events (progress → statusMessage or the
-client's stream; upstream questions → a task's `inputRequests` or an MRTR round; final → settled record or
-response), cancel, limits, TTL/retention sweeps and restart recovery. The only creator of background tasks
-outside `upstream/`. Imports the store, the upstream client, policy and wire; never aiohttp's web side or the
-front. Questions and answers are handled by its `InputBridge` (`bridge.py`); the requests that wait for a
-call (and MRTR) are in `waiting.py`.
+For each call it keeps the machine's state beside what carrying it out needs (the upstream session and
+request, timers, the waiting client's reply and stream), feeds it events one at a time (under the call's lock)
+and executes the commands that come out: store writes, upstream answers and cancels, replies, timers, the
+`max_running` slots and the parked MRTR calls. It decides nothing itself. It also runs the task-level
+operations that need no call (`tasks/get`, `tasks/cancel` of a task whose call is gone, TTL sweeps, restart
+recovery). Imports the store, the upstream client, the machine, policy and wire; never aiohttp's web side or
+the front.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import replace
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, TypeVar
 
 import structlog
 
 from proxy.config import Config
-from proxy.errors import InvalidParamsError, ProxyError, TaskLimitError, UpstreamError
+from proxy.errors import InvalidParamsError, ProxyError, TaskLimitError
 from proxy.observability import Metrics
-from proxy.policy import Outcome, Policy
-from proxy.tasks import pacing
-from proxy.tasks.bridge import InputBridge
-from proxy.tasks.job import Job, JobMode
-from proxy.tasks.store import StoreError, StoreFullError, TaskStore
-from proxy.upstream.call import (
-    UpstreamErrorResponse,
-    UpstreamNotification,
-    UpstreamResult,
-    UpstreamServerRequest,
+from proxy.policy import Decision, Outcome, Policy
+from proxy.tasks import inputs, machine, pacing
+from proxy.tasks.commands import (
+    Answer,
+    Answered,
+    Asked,
+    CancelCall,
+    ClearTimer,
+    ClientLeft,
+    Command,
+    CommitRefused,
+    Committed,
+    CreateRecord,
+    Ended,
+    Event,
+    HoldSlot,
+    Notified,
+    Park,
+    Parked,
+    ParkRefused,
+    Refuse,
+    Relay,
+    Reply,
+    ReplyKind,
+    Resumed,
+    SetTimer,
+    Settle,
+    Start,
+    StartCall,
+    Stop,
+    Timer,
+    TimerFired,
+    Unpark,
+    WriteInputs,
+    WriteProgress,
 )
-from proxy.upstream.session import UpstreamClient, principal_key
+from proxy.tasks.machine import CallState
+from proxy.tasks.store import StoreError, StoreFullError, TaskStore
+from proxy.upstream.call import UpstreamCall
+from proxy.upstream.events import (
+    UpstreamEvent,
+    UpstreamNotification,
+    UpstreamServerRequest,
+    refusal,
+)
+from proxy.upstream.pool import UpstreamClient
+from proxy.upstream.session import UpstreamSession, principal_key
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
-from proxy.wire.envelope import Caller, ModernRequest
+from proxy.wire.envelope import Caller, Channel, ModernRequest
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
 
 log = structlog.get_logger(__name__)
 
-SWEEP_INTERVAL_SECONDS: Final = 1.0  # how often expired tasks and parked calls are ended, old records purged
+SWEEP_INTERVAL_SECONDS: Final = 1.0  # how often expired tasks are ended and old records purged
 SHUTDOWN_GRACE_SECONDS: Final = 5.0  # how long close() waits for cancelled calls to tell the upstream
-PROGRESS_WRITE_INTERVAL_SECONDS: Final = 0.2  # at most this often is a task's statusMessage rewritten
 CANCELLED_BY_CLIENT: Final = "cancelled by the client"
-PARKED_EXPIRED: Final = "the client did not retry within inputs.request_state_ttl_ms"
-# Outcomes whose call may become a task: the proxy asks the upstream for progress (statusMessage) even when
-# the client did not.
-_TASK_CAPABLE: Final = frozenset({Outcome.TASK, Outcome.WINDOW, Outcome.WAIT, Outcome.INPUT_FIRST})
+SHUTTING_DOWN: Final = "the proxy is shutting down"
 
 _T = TypeVar("_T")
 
 
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+@dataclass(eq=False)
+class Call:
+    """One call: the machine's state, and what carrying out its commands needs (asyncio objects live here)."""
+
+    state: CallState
+    method: str  # tools/call, prompts/get or resources/read
+    name: str  # the tool or prompt name, or the resource URI
+    principal: str | None
+    params: JSON  # the upstream params
+    headers: dict[str, str]  # trace context for the upstream request
+    digest: str  # of the client's params: an MRTR retry must repeat the same request
+    call_id: str = field(default_factory=lambda: secrets.token_urlsafe(16))  # names the parked call in state
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one event at a time
+    reply: asyncio.Future[ReplyKind] | None = None  # the waiting request's answer
+    channel: Channel | None = None  # the waiting request's stream (notifications before the answer)
+    request_state: str = ""  # the signed requestState of the current MRTR round
+    record: TaskRecord | None = None  # as committed
+    timers: dict[Timer, asyncio.TimerHandle] = field(default_factory=dict)
+    pump: asyncio.Task[None] | None = None  # reads the upstream call
+    session: UpstreamSession | None = None
+    upstream: UpstreamCall | None = None
+    created_at: float = field(default_factory=time.perf_counter)
 
 
 class TaskRunner:
@@ -70,33 +127,29 @@ class TaskRunner:
         metrics: Metrics | None = None,
     ) -> None:
         self.config = config.tasks
-        self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
+        self.inputs = config.inputs
         self.metrics = metrics
         self.store = store
         self.upstream = upstream
         self.clock = clock
         self.process_id = uuid.uuid4().hex  # the `owner` of every task this process runs
-        self._jobs: dict[str, Job] = {}  # task id → its job, for tasks whose upstream call runs here
-        self._running: set[Job] = set()  # jobs that hold a `max_running` slot
+        self.signer = inputs.RequestStateSigner(inputs.load_secret(config.inputs.secret_file))
+        self.durations = pacing.DurationEstimates()  # how long each tool's tasks usually take
+        self._calls: set[Call] = set()  # every call not finished yet
+        self._tasks: dict[str, Call] = {}  # task id → its call, for tasks whose upstream call runs here
+        self._running: set[Call] = set()  # calls that hold a `max_running` slot
+        self._parked: dict[str, Call] = {}  # call id → a call parked for an MRTR retry
         self._background: set[asyncio.Task[Any]] = set()
         self._progress_tokens = 0
-        self.durations = pacing.DurationEstimates()  # how long each tool's tasks usually take
-        self._closing = False  # set by close(): cancelled calls then leave their records live
-        self.bridge = InputBridge(config.inputs, store, clock, metrics, self._spawn, self._running, self.process_id)
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
-    def _spawn(self, coroutine: Coroutine[Any, Any, _T], name: str) -> asyncio.Task[_T]:
+    def spawn(self, coroutine: Coroutine[Any, Any, _T], name: str) -> asyncio.Task[_T]:
         """The one place tasks/ starts background work: named, referenced until done."""
         task = asyncio.get_running_loop().create_task(coroutine, name=name)
         self._background.add(task)
         task.add_done_callback(self._reap)
         return task
-
-    async def shielded(self, coroutine: Coroutine[Any, Any, _T], name: str) -> _T:
-        """Run `coroutine` to its end even if the caller is cancelled meanwhile (the caller still sees the
-        cancellation); the work is a referenced background task, not an orphan."""
-        return await asyncio.shield(self._spawn(coroutine, name))
 
     def _reap(self, task: asyncio.Task[Any]) -> None:
         self._background.discard(task)
@@ -106,14 +159,13 @@ class TaskRunner:
     async def start(self) -> None:
         """Restart recovery (before the first request is served), then the periodic sweep."""
         await self._recover()
-        self._spawn(self._sweep_forever(), "task-sweeper")
+        self.spawn(self._sweep_forever(), "task-sweeper")
 
     async def close(self) -> None:
         """Shutdown: running calls are cancelled upstream; their records stay live and are failed or re-run
         per `on_restart` at the next start (nothing committed is lost or rewritten here)."""
-        self._closing = True
-        for job in list(self._jobs.values()):
-            job.cancel_reason = "the proxy is shutting down"
+        calls = list(self._calls)
+        await asyncio.gather(*(self.dispatch(call, Stop(SHUTTING_DOWN)) for call in calls), return_exceptions=True)
         for task in list(self._background):
             task.cancel()
         if self._background:
@@ -121,47 +173,30 @@ class TaskRunner:
 
     async def _recover(self) -> None:
         """Tasks a previous process left working / input_required: failed with a clear message, or re-run
-        when their policy says `on_restart: rerun` (and the call can be sent again)."""
+        when their policy says `on_restart: rerun`."""
         now = self.clock()
         for record in await self.store.live():
             if record.expired(now):
                 await self._fail(record.task_id, wire_tasks.EXPIRED_MESSAGE)
                 continue
             if record.on_restart == "rerun":
-                updated = await self.store.update(
-                    record.task_id,
-                    {
-                        "status": TaskStatus.WORKING,
-                        "status_message": wire_tasks.RERUN_MESSAGE,
-                        "input_requests": {},
-                        "owner": self.process_id,
-                    },
-                    now_ms=now,
-                )
-                if updated is not None:
-                    self._rerun(updated)
+                claimed = await self.store.claim(record.task_id, self.process_id, wire_tasks.RERUN_MESSAGE, now_ms=now)
+                if claimed is not None:
+                    await self._rerun(claimed)
                     continue
             await self._fail(record.task_id, wire_tasks.RESTART_MESSAGE)
             log.info("task_interrupted", task_id=record.task_id, tool=record.tool)
 
-    def _rerun(self, record: TaskRecord) -> None:
+    async def _rerun(self, record: TaskRecord) -> None:
         policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, "rerun")
-        job = Job(
-            method="tools/call",
-            tool=record.tool,
-            outcome_kind=Outcome.TASK,
-            policy=policy,
-            principal=record.rerun_principal,
-            params=dict(record.request),
-            headers={},
-            capabilities=record.client_capabilities,
-            mode=JobMode.TASK,
-            task_id=record.task_id,
-            issued=record.inputs_issued,  # K-39: keys stay unique across the re-run too
-        )
-        self._jobs[record.task_id] = job
-        self._running.add(job)
-        self.start_call(job)
+        state = self._state(Decision(Outcome.TASK, policy), record.client_capabilities, None, None)
+        state.task_id = record.task_id
+        state.issued = record.inputs_issued  # keys stay unique across the re-run too
+        call = Call(state, "tools/call", record.tool, record.rerun_principal, dict(record.request), {}, "")
+        call.record = record
+        self._calls.add(call)
+        self._tasks[record.task_id] = call
+        await self.dispatch(call, Start())
         log.info("task_rerun", task_id=record.task_id, tool=record.tool)
 
     async def _sweep_forever(self) -> None:
@@ -173,30 +208,32 @@ class TaskRunner:
                 log.error("task_sweep_failed", error=str(exc))
 
     async def sweep(self) -> None:
-        """T-38: fail live tasks past their TTL (and stop their calls); drop settled records past their TTL;
-        cancel parked MRTR calls nobody resumed in time (C-13)."""
+        """Live tasks past their TTL fail (and their calls stop); settled records past their TTL are dropped."""
         now = self.clock()
-        for job in self.bridge.expired(now):
-            await self.end_parked(job)
         for record in await self.store.expired_live(now):
             await self._expire(record)
         purged = await self.store.purge_expired(now)
         if purged:
             log.info("tasks_purged", count=purged)
 
-    async def end_parked(self, job: Job) -> None:
-        self.bridge.unpark(job)
-        log.info("mrtr_call_expired", method=job.method, name=job.tool, round=job.round)
-        if job.task_id is not None:
-            await self.cancel_task(job.task_id, PARKED_EXPIRED)
-        else:
-            self.cancel_job(job, PARKED_EXPIRED)
+    # --- starting and resuming calls (the waiting client's side calls these) ---------------------------
 
-    # --- jobs and their records --------------------------------------------------------------------------
+    def _state(
+        self, decision: Decision, capabilities: JSON, progress_token: str | int | None, log_level: str | None
+    ) -> CallState:
+        return CallState(
+            decision=decision,
+            capabilities=capabilities,
+            gather_ms=self.inputs.gather_ms,
+            park_ttl_ms=self.inputs.request_state_ttl_ms,
+            progress_token=progress_token,
+            log_level=log_level,
+        )
 
-    def new_job(self, request: ModernRequest, caller: Caller, outcome: Outcome, policy: Policy | None) -> Job:
+    async def begin(self, request: ModernRequest, caller: Caller, decision: Decision, channel: Channel) -> Call:
+        """A new call for a waiting request; its reply arrives on `call.reply`."""
         params = translate.upstream_params(request.params)
-        if outcome in _TASK_CAPABLE:
+        if decision.may_become_task:
             meta = dict(params.get("_meta") or {})
             if "progressToken" not in meta:
                 # Ask the upstream for progress even when the client did not: it becomes the statusMessage.
@@ -204,78 +241,342 @@ class TaskRunner:
                 meta["progressToken"] = f"mcp-tasks-proxy-{self._progress_tokens}"
             params["_meta"] = meta
         name = request.params.get("uri") if request.method == "resources/read" else request.params.get("name")
-        return Job(
+        state = self._state(decision, request.client_capabilities, request.progress_token, request.log_level)
+        call = Call(
+            state=state,
             method=request.method,
-            tool=str(name),
-            outcome_kind=outcome,
-            policy=policy,
+            name=str(name),
             principal=caller.principal,
             params=params,
             headers=translate.trace_headers(request.meta, caller.headers),
-            capabilities=request.client_capabilities,
-            progress_token=request.progress_token,
-            log_level=request.log_level,
+            digest=inputs.params_digest(request.params),
+            channel=channel,
         )
+        call.reply = asyncio.get_running_loop().create_future()
+        self._calls.add(call)
+        await self.submit(call, Start())
+        return call
 
-    def start_call(self, job: Job) -> None:
-        job.coroutine = self._spawn(self._run(job), f"call-{job.task_id or job.call_id}")
-
-    async def open_task(self, job: Job, caller: Caller, request: ModernRequest) -> TaskRecord:
-        """Commit the record, then start its call: run shielded, so a client that leaves meanwhile cannot
-        leave a committed record without a call behind (the task runs; its id was just not delivered)."""
-        record = await self.create_task(job, caller, request)
-        self.start_call(job)
-        return record
-
-    async def create_task(self, job: Job, caller: Caller, request: ModernRequest) -> TaskRecord:
-        """Limits first (nothing is written when refused), then the committed record (T-14), with the questions
-        already asked (a window call that asked, T-22). Publishing waits for the record (the job's lock)."""
-        if not job.inputs and len(self._running) >= self.config.max_running:  # one waiting for input takes none
-            raise TaskLimitError("max_running", self.config.max_running, request_id=request.id)
-        async with job.lock:
-            now = self.clock()
-            policy = job.policy
-            assert policy is not None
-            record = TaskRecord(
-                task_id=wire_tasks.new_task_id(),
-                principal=principal_key(caller.principal),
-                tool=job.tool,
-                status=TaskStatus.INPUT_REQUIRED if job.inputs else TaskStatus.WORKING,
-                created_at_ms=now,
-                updated_at_ms=now,
-                ttl_ms=policy.ttl_ms,
-                poll_interval_ms=policy.poll_interval_ms,
-                owner=self.process_id,
-                on_restart=policy.on_restart,
-                request=job.params,
-                input_requests=job.input_requests(),
-                inputs_issued=job.issued,
-                rerun_principal=caller.principal if policy.on_restart == "rerun" else None,
-                client_capabilities=job.capabilities,
+    async def resume(
+        self, request: ModernRequest, caller: Caller, responses: Mapping[str, Any], channel: Channel
+    ) -> Call:
+        """An MRTR retry: the `requestState` must be genuine, unexpired, the caller's, for this method and
+        these params, and name a call parked here for this round; its answers must fit the questions. Else
+        -32602, and the call stays parked for a corrected retry."""
+        state = request.params.get("requestState")
+        if not isinstance(state, str):
+            raise InvalidParamsError("Invalid params: requestState must be a string")
+        claims = self.signer.verify(state, self.clock())
+        if (
+            claims.principal != principal_key(caller.principal)
+            or claims.method != request.method
+            or claims.digest != inputs.params_digest(request.params)
+        ):
+            raise InvalidParamsError("Invalid params: requestState was issued for another request")
+        call = self._parked.get(claims.call_id)
+        if call is None or not machine.resumable(call.state, claims.round):
+            if claims.owner != self.process_id:
+                raise InvalidParamsError(
+                    "Invalid params: requestState belongs to a call held by another proxy process; send the "
+                    "request again without it"
+                )
+            raise InvalidParamsError(
+                "Invalid params: requestState was already used or its call has ended; send the request again without it"
             )
+        answers = machine.answers(call.state, responses)  # a bad answer leaves the call parked for a corrected retry
+        del self._parked[claims.call_id]  # taken: exactly one retry resumes a round
+        call.reply = asyncio.get_running_loop().create_future()
+        call.channel = channel
+        log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, answered=sorted(answers))
+        await self.submit(call, Resumed(answers, request.progress_token, request.log_level))
+        return call
+
+    def client_left(self, call: Call) -> None:
+        """The waiting request went away (its handler is being cancelled): tell the call, in the background."""
+        call.channel = None
+        self.spawn(self.dispatch(call, ClientLeft()), f"client-left-{call.call_id}")
+
+    async def submit(self, call: Call, event: Event) -> None:
+        """Feed an event on behalf of a request handler: it runs to its end even if the handler is cancelled
+        meanwhile (a half-carried-out command would leave the call stuck)."""
+        await asyncio.shield(self.spawn(self.dispatch(call, event), f"call-{call.call_id}"))
+
+    # --- feeding events, carrying out commands ------------------------------------------------------------
+
+    async def dispatch(self, call: Call, event: Event) -> None:
+        """Feed `event` to the call's machine and carry out its commands in order; an event a command brings
+        back (`Committed`, `Parked`, ...) is fed next, before anything else reaches the call."""
+        async with call.lock:
+            pending: list[Event] = [event]
+            while pending:
+                current = pending.pop(0)
+                commands = machine.handle(call.state, current)
+                if isinstance(current, Asked):
+                    self._count_question(current.question, commands)
+                for command in commands:
+                    follow_up = await self._execute(call, command)
+                    if follow_up is not None:
+                        pending.append(follow_up)
+            if machine.finished(call.state):
+                self._forget(call)
+
+    async def _execute(self, call: Call, command: Command) -> Event | None:
+        if isinstance(command, StartCall):
+            call.pump = self.spawn(self._pump(call), f"upstream-{call.call_id}")
+        elif isinstance(command, CreateRecord):
+            return await self._create_record(call, command)
+        elif isinstance(command, WriteInputs):
+            await self._write_inputs(call, command)
+        elif isinstance(command, WriteProgress):
+            assert call.state.task_id is not None
             try:
-                await self.store.create(record)
-            except StoreFullError:
-                raise TaskLimitError("max_records", self.config.max_records, request_id=request.id) from None
-            except StoreError as exc:
-                raise ProxyError(
-                    f"Internal error: the task could not be stored: {exc}", request_id=request.id
-                ) from None
-            job.task_id = record.task_id
-            if job.mode is not JobMode.DETACHED and job.outcome_kind is not Outcome.WAIT:
-                job.mode = JobMode.TASK
-                job.channel = None  # T-43 / K-31: no request-scoped notifications once the call is a task
-            self._jobs[record.task_id] = job
-            if not job.finished.is_set() and not job.inputs:
-                self._running.add(job)
-        log.info("task_created", task_id=record.task_id, tool=job.tool, ttl_ms=record.ttl_ms)
-        if job.inputs:
-            self.bridge.log_input_required(job)
+                await self.store.set_status_message(call.state.task_id, command.status_message, now_ms=self.clock())
+            except StoreError as exc:  # a lost progress line is not worth failing the task for
+                log.warning("task_progress_not_stored", task_id=call.state.task_id, error=str(exc))
+        elif isinstance(command, Settle):
+            await self._settle(call, command)
+        elif isinstance(command, Answer):
+            await self._respond(call, command.upstream_id, result=command.result)
+        elif isinstance(command, Refuse):
+            log.info(
+                "input_request_refused",
+                task_id=call.state.task_id,
+                name=call.name,
+                input_method=command.method,
+                reason=command.reason,
+            )
+            result, error = refusal(command.method)
+            await self._respond(call, command.upstream_id, result=result, error=error)
+        elif isinstance(command, CancelCall):
+            await self._cancel_upstream(call, command.reason)
+        elif isinstance(command, Relay):
+            return await self._relay(call, command.message)
+        elif isinstance(command, SetTimer):
+            self._clear_timer(call, command.timer)
+            loop = asyncio.get_running_loop()
+            call.timers[command.timer] = loop.call_later(command.delay_ms / 1000, self._fire, call, command.timer)
+        elif isinstance(command, ClearTimer):
+            self._clear_timer(call, command.timer)
+        elif isinstance(command, Park):
+            return self._park(call, command.round)
+        elif isinstance(command, Unpark):
+            self._parked.pop(call.call_id, None)
+        elif isinstance(command, HoldSlot):
+            if command.hold:
+                self._running.add(call)
+            else:
+                self._running.discard(call)
+        elif isinstance(command, Reply):
+            if call.reply is not None and not call.reply.done():
+                call.reply.set_result(command.reply)
+            call.channel = None
+        return None
+
+    def _forget(self, call: Call) -> None:
+        self._calls.discard(call)
+        for timer in list(call.timers):
+            self._clear_timer(call, timer)
+        self._running.discard(call)
+        self._parked.pop(call.call_id, None)
+        if call.state.task_id is not None and self._tasks.get(call.state.task_id) is call:
+            del self._tasks[call.state.task_id]
+
+    def _count_question(self, question: UpstreamServerRequest, commands: list[Command]) -> None:
+        if self.metrics is None or question.method not in translate.INPUT_METHODS:
+            return
+        refused = any(isinstance(command, Refuse) and command.upstream_id == question.id for command in commands)
+        self.metrics.input_requests.labels(question.method, "refused" if refused else "relayed").inc()
+
+    # --- the upstream call -----------------------------------------------------------------------------------
+
+    async def _pump(self, call: Call) -> None:
+        """Send the upstream request and feed what comes back to the machine, until its final event (or until
+        the call is abandoned)."""
+        try:
+            async with self._session(call) as session:
+                call.session = session
+                async with session.call(call.method, call.params, call.headers) as upstream:
+                    call.upstream = upstream
+                    async for event in upstream.events():
+                        await self.dispatch(call, self._event(event))
+                        if not call.state.running:
+                            return
+        except ProxyError as exc:  # UpstreamError and friends: a lost upstream
+            await self.dispatch(call, Ended(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the coroutine wrapper: a crash is the call's outcome, never silence
+            log.exception("call_crashed", task_id=call.state.task_id, name=call.name)
+            await self.dispatch(call, Ended(ProxyError(f"Internal error: {exc!r}")))
+
+    @contextlib.asynccontextmanager
+    async def _session(self, call: Call) -> AsyncIterator[UpstreamSession]:
+        """Every call gets an upstream session of its own while it runs: whatever the upstream sends on that
+        session's GET stream (a question naming no request) is this call's, never a guess. Even a client that
+        declared no capability could be asked, and then it is the one to be told what it lacks (-32021)."""
+
+        async def on_stream(event: UpstreamEvent) -> None:
+            await self.dispatch(call, self._event(event))
+
+        async with self.upstream.lease(call.principal, on_stream) as session:
+            yield session
+
+    def _event(self, event: UpstreamEvent) -> Event:
+        if isinstance(event, UpstreamServerRequest):
+            return Asked(event)
+        if isinstance(event, UpstreamNotification):
+            return Notified(event.message, time.monotonic() * 1000)
+        return Ended(event)
+
+    async def _respond(
+        self, call: Call, upstream_id: int | str, *, result: JSON | None, error: JSON | None = None
+    ) -> None:
+        if call.session is None:
+            return
+        try:
+            await call.session.respond(upstream_id, result=result, error=error)
+        except ProxyError as exc:  # the call is lost; its stream ends it with that error
+            log.warning("upstream_answer_not_delivered", task_id=call.state.task_id, error=exc.message)
+
+    async def _cancel_upstream(self, call: Call, reason: str) -> None:
+        """The upstream is told (`notifications/cancelled`: for a legacy server a disconnect is not a cancel),
+        then the pump stops. A call whose request is still on its way is cancelled by the session itself."""
+        if call.upstream is not None:
+            try:
+                await call.upstream.cancel(reason)
+            except ProxyError as exc:
+                log.warning("upstream_cancel_failed", task_id=call.state.task_id, error=exc.message)
+        if call.pump is not None and call.pump is not asyncio.current_task():
+            call.pump.cancel()
+
+    async def _relay(self, call: Call, message: JSON) -> Event | None:
+        if call.channel is None:
+            return None
+        try:
+            await call.channel.notify(message)
+        except ConnectionResetError:
+            call.channel = None
+            return ClientLeft()
+        return None
+
+    # --- timers and parking ----------------------------------------------------------------------------------
+
+    def _fire(self, call: Call, timer: Timer) -> None:
+        call.timers.pop(timer, None)
+        self.spawn(self.dispatch(call, TimerFired(timer)), f"timer-{timer.value}-{call.call_id}")
+
+    def _clear_timer(self, call: Call, timer: Timer) -> None:
+        handle = call.timers.pop(timer, None)
+        if handle is not None:
+            handle.cancel()
+
+    def _park(self, call: Call, round_: int) -> Event:
+        """The call waits for the client's retry; beyond `inputs.max_parked` it is refused."""
+        if len(self._parked) >= self.inputs.max_parked:
+            return ParkRefused(TaskLimitError("max_parked", self.inputs.max_parked))
+        claims = inputs.StateClaims(
+            call_id=call.call_id,
+            round=round_,
+            principal=principal_key(call.principal),
+            method=call.method,
+            digest=call.digest,
+            expires_at_ms=self.clock() + self.inputs.request_state_ttl_ms,
+            owner=self.process_id,
+        )
+        call.request_state = self.signer.sign(claims)
+        self._parked[call.call_id] = call
+        log.info(
+            "mrtr_input_required", method=call.method, name=call.name, round=round_, keys=sorted(call.state.inputs)
+        )
+        return Parked()
+
+    # --- task records -----------------------------------------------------------------------------------------
+
+    async def _create_record(self, call: Call, command: CreateRecord) -> Event:
+        """Limits first (nothing is written when refused), then the committed record."""
+        decision = call.state.decision
+        if command.status is TaskStatus.WORKING and len(self._running) >= self.config.max_running:
+            return CommitRefused(TaskLimitError("max_running", self.config.max_running))
+        policy = decision.policy
+        assert policy is not None
+        now = self.clock()
+        record = TaskRecord(
+            task_id=wire_tasks.new_task_id(),
+            principal=principal_key(call.principal),
+            tool=call.name,
+            status=command.status,
+            created_at_ms=now,
+            updated_at_ms=now,
+            ttl_ms=policy.ttl_ms,
+            poll_interval_ms=policy.poll_interval_ms,
+            owner=self.process_id,
+            on_restart=policy.on_restart,
+            request=call.params,
+            input_requests=command.input_requests,
+            inputs_issued=command.issued,
+            rerun_principal=call.principal if policy.on_restart == "rerun" else None,
+            client_capabilities=call.state.capabilities,
+        )
+        started = time.perf_counter()
+        try:
+            await self.store.create(record)
+        except StoreFullError:
+            return CommitRefused(TaskLimitError("max_records", self.config.max_records))
+        except StoreError as exc:
+            return CommitRefused(ProxyError(f"Internal error: the task could not be stored: {exc}"))
+        call.record = record
+        self._tasks[record.task_id] = call
+        log.info("task_created", task_id=record.task_id, tool=call.name, ttl_ms=record.ttl_ms)
+        if command.input_requests:
+            self._log_input_required(record.task_id, call.name, command.input_requests)
         if self.metrics is not None:
-            self.metrics.tasks_created.labels(self.metrics.tool_label(job.tool)).inc()
-        if job.finished.is_set():
-            await self._settle(job)  # a window call that ended (or was stopped) while the record was committed
-        return self.paced(record)
+            self.metrics.tasks_created.labels(self.metrics.tool_label(call.name)).inc()
+            path = "task" if decision.task_first else "window"
+            self.metrics.create_seconds.labels(path).observe(time.perf_counter() - started)
+        return Committed(record.task_id)
+
+    async def _write_inputs(self, call: Call, command: WriteInputs) -> None:
+        task_id = call.state.task_id
+        assert task_id is not None
+        try:
+            updated = await self.store.set_inputs(task_id, command.input_requests, command.issued, now_ms=self.clock())
+        except StoreError as exc:
+            log.error("task_inputs_not_stored", task_id=task_id, error=str(exc))
+            return
+        if updated is not None and command.input_requests:
+            self._log_input_required(task_id, call.name, command.input_requests)
+
+    def _log_input_required(self, task_id: str, tool: str, input_requests: JSON) -> None:
+        methods = sorted(
+            {str(request.get("method")) for request in input_requests.values() if isinstance(request, dict)}
+        )
+        log.info("task_input_required", task_id=task_id, tool=tool, keys=sorted(input_requests), methods=methods)
+
+    async def _settle(self, call: Call, command: Settle) -> None:
+        task_id = call.state.task_id
+        assert task_id is not None
+        settled = await self.store.settle(
+            task_id,
+            command.status,
+            now_ms=self.clock(),
+            result=command.result,
+            error=command.error,
+            status_message=command.status_message,
+        )
+        self._settled(settled)
+
+    def _settled(self, record: TaskRecord | None, **context: Any) -> None:
+        """Every settlement that won (the first) is logged and counted here, whoever settled it."""
+        if record is None:
+            return
+        log.info("task_settled", task_id=record.task_id, tool=record.tool, status=record.status.value, **context)
+        if record.status is TaskStatus.COMPLETED:
+            self.durations.observe(record.tool, record.updated_at_ms - record.created_at_ms)
+        if self.metrics is not None:
+            tool = self.metrics.tool_label(record.tool)
+            self.metrics.tasks_settled.labels(tool, record.status.value).inc()
+            lifetime_seconds = max(0, record.updated_at_ms - record.created_at_ms) / 1000
+            self.metrics.task_seconds.labels(tool, record.status.value).observe(lifetime_seconds)
 
     def paced(self, record: TaskRecord) -> TaskRecord:
         """The record as the client sees it: a working task's `pollIntervalMs` follows its tool's usual
@@ -290,161 +591,48 @@ class TaskRunner:
         )
         return record if interval == record.poll_interval_ms else replace(record, poll_interval_ms=interval)
 
-    def observe_create(self, path: str, started: float) -> None:
-        if self.metrics is not None:
-            self.metrics.create_seconds.labels(path).observe(time.perf_counter() - started)
+    # --- tasks/get, tasks/update, tasks/cancel, expiry -----------------------------------------------------
 
-    # --- the background coroutine ---------------------------------------------------------------------
+    async def observe(self, task_id: str, caller: Caller) -> TaskRecord:
+        """The caller's own, unexpired task, or -32602 (the same for an unknown, foreign or expired id, so
+        ids cannot be probed). A live task seen past its TTL is failed now (and its call stopped)."""
+        record = await self.store.get(task_id)
+        if record is None or record.principal != principal_key(caller.principal):
+            raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
+        if record.expired(self.clock()):
+            if record.status.terminal:
+                await self.store.delete(task_id)  # past its TTL a settled record goes (the sweep would drop it too)
+                raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
+            expired = await self._expire(record) or await self.store.get(task_id)
+            if expired is None:
+                raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
+            return expired
+        return self.paced(record)
 
-    async def _run(self, job: Job) -> None:
-        """The coroutine wrapper (one of the two `except Exception` edges): the call's outcome is data."""
-        try:
-            job.outcome = await self._drive(job)
-        except asyncio.CancelledError:
-            self._finish(job)
-            await self.shielded(self._abandon(job), "call-abandon")
-            if job.task_id is not None and not self._closing:
-                # `cancelled`, unless tasks/cancel or the TTL settled it first (T-21).
-                await self.shielded(self._settle(job), "task-settle")
-            raise
-        except ProxyError as exc:  # UpstreamError and friends: a lost upstream
-            job.outcome = exc
-        except Exception as exc:
-            log.exception("task_call_crashed", task_id=job.task_id, tool=job.tool)
-            job.outcome = ProxyError(f"Internal error: {exc!r}")
-        finally:
-            self._finish(job)
-        if job.task_id is not None:
-            await self._settle(job)
-
-    def _finish(self, job: Job) -> None:
-        job.finished.set()
-        job.attention.set()
-        self._running.discard(job)
-        if job.publish_timer is not None:
-            job.publish_timer.cancel()
-
-    async def _drive(self, job: Job) -> UpstreamResult | UpstreamErrorResponse:
-        session = self.upstream.session(job.principal)
-        async with session.call(job.method, job.params, job.headers) as call:
-            job.call = call
-
-            async def ask(question: UpstreamServerRequest) -> None:  # a question on the GET stream (K-12)
-                await self.bridge.on_question(job, call, question)
-
-            session.askers[call.request_id] = ask
-            try:
-                async for event in call.events():
-                    if isinstance(event, UpstreamNotification):
-                        await self._on_notification(job, event.message)
-                    elif isinstance(event, UpstreamServerRequest):
-                        await self.bridge.on_question(job, call, event)
-                    else:
-                        return event
-            finally:
-                session.askers.pop(call.request_id, None)
-        raise UpstreamError(f"Upstream closed the stream of {job.method} without answering")  # pragma: no cover
-
-    async def _on_notification(self, job: Job, message: JSON) -> None:
-        if job.channel is not None:
-            relayed = translate.relay_notification(message, job.progress_token, job.log_level)
-            if relayed is not None:
-                try:
-                    await job.channel.notify(relayed)
-                except ConnectionResetError:
-                    job.channel = None  # the client left; its handler's cancellation stops the call
+    async def update(self, task_id: str, caller: Caller, responses: Mapping[str, Any]) -> None:
+        """Answers for the task's outstanding questions go upstream; the ack does not wait for the state change.
+        A task whose call does not run here has nothing to deliver."""
+        record = await self.observe(task_id, caller)
+        call = self._tasks.get(task_id)
+        if call is None or record.status.terminal:
             return
-        if job.mode is not JobMode.TASK or message.get("method") != "notifications/progress":
+        answers = machine.answers(call.state, responses)
+        if answers:
+            await self.submit(call, Answered(answers))
+
+    async def cancel(self, task_id: str, caller: Caller) -> None:
+        """Ack even on a settled task; a live one is settled `cancelled` (unless it settles first) and its
+        call stopped (`notifications/cancelled` upstream)."""
+        record = await self.observe(task_id, caller)
+        if record.status.terminal:
             return
-        assert job.task_id is not None
-        status_message = wire_tasks.progress_status_message(message.get("params"))
-        now = time.monotonic()
-        if status_message is None or now - job.progress_written_at < PROGRESS_WRITE_INTERVAL_SECONDS:
-            return  # a chatty upstream does not turn into a write per notification; the next one catches up
-        job.progress_written_at = now
-        try:
-            await self.store.update(job.task_id, {"status_message": status_message}, now_ms=self.clock())
-        except StoreError as exc:  # a lost progress line is not worth failing the task for
-            log.warning("task_progress_not_stored", task_id=job.task_id, error=str(exc))
-
-    # --- settling ------------------------------------------------------------------------------------------
-
-    async def _abandon(self, job: Job) -> None:
-        """L-5: the call is being abandoned; a legacy server needs an explicit notifications/cancelled."""
-        if job.call is None:
-            return
-        try:
-            await job.call.cancel(job.cancel_reason)
-        except UpstreamError as exc:
-            log.warning("upstream_cancel_failed", task_id=job.task_id, error=exc.message)
-
-    async def _settle(self, job: Job) -> None:
-        """The call's outcome settles the record (T-18, T-19); a record settled first (cancel) stays (T-21)."""
-        assert job.task_id is not None
-        outcome = job.outcome
-        now = self.clock()
-        if outcome is None:  # the call was stopped before it ended
-            settled = await self.store.settle(
-                job.task_id, TaskStatus.CANCELLED, now_ms=now, status_message=job.cancel_reason
-            )
-        elif isinstance(outcome, UpstreamResult):
-            result = translate.complete_result("tools/call", outcome.result, None, None)
-            settled = await self.store.settle(job.task_id, TaskStatus.COMPLETED, now_ms=now, result=result)
-        else:
-            if isinstance(outcome, UpstreamErrorResponse):
-                error = translate.error_object(outcome.error)
-            else:
-                error = wire_tasks.internal_error(outcome.message)
-            settled = await self.store.settle(
-                job.task_id,
-                TaskStatus.FAILED,
-                now_ms=now,
-                error=error,
-                status_message=wire_tasks.failure_status_message(error),
-            )
-        self._jobs.pop(job.task_id, None)
-        self._settled(settled)
-
-    def _settled(self, record: TaskRecord | None, **context: Any) -> None:
-        """Every settlement that won (T-21) is logged and counted here, whoever settled it."""
-        if record is None:
-            return
-        log.info("task_settled", task_id=record.task_id, tool=record.tool, status=record.status.value, **context)
-        if record.status is TaskStatus.COMPLETED:
-            self.durations.observe(record.tool, record.updated_at_ms - record.created_at_ms)
-        if self.metrics is not None:
-            tool = self.metrics.tool_label(record.tool)
-            self.metrics.tasks_settled.labels(tool, record.status.value).inc()
-            lifetime_seconds = max(0, record.updated_at_ms - record.created_at_ms) / 1000
-            self.metrics.task_seconds.labels(tool, record.status.value).observe(lifetime_seconds)
-
-    # --- cancel, expiry ----------------------------------------------------------------------------------
-
-    async def stop_call(self, job: Job, reason: str) -> None:
-        """Cancel the call and wait until the upstream was told (run shielded by a handler that is itself being
-        cancelled, so shutdown does not cut the notifications/cancelled short)."""
-        self.cancel_job(job, reason)
-        if job.coroutine is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await job.coroutine
-
-    def cancel_job(self, job: Job, reason: str) -> None:
-        job.cancel_reason = reason
-        self._running.discard(job)  # the slot is free at once; telling the upstream may take a moment
-        if job.coroutine is not None and not job.coroutine.done():
-            job.coroutine.cancel()
-
-    def _stop(self, task_id: str, reason: str) -> None:
-        """The task's record was settled from outside its call (cancel, expiry): stop the call if it runs here."""
-        job = self._jobs.pop(task_id, None)
-        if job is not None:
-            self.bridge.unpark(job)
-            self.cancel_job(job, reason)
-
-    async def cancel_task(self, task_id: str, reason: str) -> None:
-        settled = await self.store.settle(task_id, TaskStatus.CANCELLED, now_ms=self.clock(), status_message=reason)
-        self._stop(task_id, reason)
-        self._settled(settled, reason=reason)
+        settled = await self.store.settle(
+            task_id, TaskStatus.CANCELLED, now_ms=self.clock(), status_message=CANCELLED_BY_CLIENT
+        )
+        self._settled(settled, reason=CANCELLED_BY_CLIENT)
+        call = self._tasks.get(task_id)
+        if call is not None:
+            await self.submit(call, Stop(CANCELLED_BY_CLIENT))
 
     async def _fail(self, task_id: str, message: str) -> TaskRecord | None:
         settled = await self.store.settle(
@@ -459,49 +647,18 @@ class TaskRunner:
 
     async def _expire(self, record: TaskRecord) -> TaskRecord | None:
         settled = await self._fail(record.task_id, wire_tasks.EXPIRED_MESSAGE)
-        self._stop(record.task_id, wire_tasks.EXPIRED_MESSAGE)
+        call = self._tasks.get(record.task_id)
+        if call is not None:
+            error = wire_tasks.internal_error(wire_tasks.EXPIRED_MESSAGE)
+            await self.submit(call, Stop(wire_tasks.EXPIRED_MESSAGE, error))
         if settled is not None:
             log.info("task_expired", task_id=record.task_id, tool=record.tool)
         return settled
 
-    # --- tasks/get, tasks/update, tasks/cancel ---------------------------------------------------------
-
-    async def observe(self, task_id: str, caller: Caller) -> TaskRecord:
-        """T-25 / T-47 / K-18: the caller's own, unexpired task, or -32602 (the same for all three misses).
-        A live task seen past its TTL is failed now (and its call stopped)."""
-        record = await self.store.get(task_id)
-        if record is None or record.principal != principal_key(caller.principal):
-            raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
-        if record.expired(self.clock()):
-            if record.status.terminal:
-                await self.store.delete(task_id)  # past its TTL a settled record goes (the sweep would drop it too)
-                raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
-            expired = await self._expire(record)
-            if expired is None:
-                expired = await self.store.get(task_id)
-            if expired is None:
-                raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
-            return expired
-        return self.paced(record)
-
-    async def update(self, task_id: str, caller: Caller, responses: Mapping[str, Any]) -> None:
-        """T-26…T-31: answers for the task's outstanding questions go upstream; the ack does not wait for the
-        state change (eventually consistent). A task whose call does not run here has nothing to deliver."""
-        record = await self.observe(task_id, caller)
-        job = self._jobs.get(task_id)
-        if job is None or record.status.terminal or job.mode is not JobMode.TASK:
-            return
-        answers = self.bridge.answers(job, responses)
-        if answers:
-            await self.bridge.deliver(job, answers)
-
-    async def cancel(self, task_id: str, caller: Caller) -> None:
-        """T-33 / T-34: ack even on terminal tasks; settle `cancelled` unless already settled, stop the call
-        (notifications/cancelled upstream)."""
-        record = await self.observe(task_id, caller)
-        if not record.status.terminal:
-            await self.cancel_task(task_id, CANCELLED_BY_CLIENT)
-
     @property
     def running(self) -> int:
         return len(self._running)
+
+    @property
+    def parked(self) -> int:
+        return len(self._parked)

@@ -1,67 +1,46 @@
 """One in-flight upstream request as an async stream of events.
 
-`UpstreamCall.events()` yields what the legacy server sends on the request's stream: notifications,
-server→client requests (which the consumer must answer with `answer()` before reading on) and, last, the
-final result or JSON-RPC error. The upstream's `ping` is answered here. aiohttp errors become UpstreamError.
+`UpstreamCall.events()` yields what the legacy server sends on the request's stream (`events.py`):
+notifications, server→client requests and, last, the final result or JSON-RPC error. The upstream's `ping` is
+answered here; a stream the upstream closes early is resumed (GET + Last-Event-ID, as 2025-11-25 servers
+expect). The call depends on `CallTransport`, a small protocol its session provides, never on the session
+itself. aiohttp errors become UpstreamError.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Final, Protocol
 
 import aiohttp
-from mcp_types import jsonrpc as codes
 
-from proxy.errors import InvalidRequestError, UpstreamError, UpstreamTimeoutError
+from proxy.errors import RequestId, UpstreamError, UpstreamTimeoutError
+from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult, UpstreamServerRequest, decode
 from proxy.upstream.sse import SSEParser
-from proxy.wire.jsonrpc import JSON, Notification, Request, Response, classify
-from proxy.wire.translate import INPUT_METHODS
-
-if TYPE_CHECKING:
-    from proxy.upstream.session import UpstreamSession
+from proxy.wire.jsonrpc import JSON
 
 # How often a closed upstream SSE stream is resumed with GET + Last-Event-ID before the call counts as lost.
-MAX_RESUMPTIONS = 5
+MAX_RESUMPTIONS: Final = 5
 
 
-@dataclass(frozen=True, slots=True)
-class UpstreamNotification:
-    message: JSON
+class CallTransport(Protocol):
+    """What a call needs from the session it runs on."""
 
+    async def respond(
+        self, request_id: RequestId, *, result: JSON | None = None, error: JSON | None = None
+    ) -> None: ...
 
-@dataclass(frozen=True, slots=True)
-class UpstreamServerRequest:
-    id: int | str
-    method: str
-    params: JSON | None
+    async def notify(self, method: str, params: JSON | None) -> None: ...
 
-
-@dataclass(frozen=True, slots=True)
-class UpstreamResult:
-    result: JSON
-
-
-@dataclass(frozen=True, slots=True)
-class UpstreamErrorResponse:
-    error: JSON
-
-
-UpstreamEvent = UpstreamNotification | UpstreamServerRequest | UpstreamResult | UpstreamErrorResponse
+    async def resume(self, last_event_id: str) -> aiohttp.ClientResponse: ...
 
 
 class UpstreamCall:
     def __init__(
-        self,
-        session: UpstreamSession,
-        request_id: int,
-        method: str,
-        response: aiohttp.ClientResponse,
+        self, transport: CallTransport, request_id: int, method: str, response: aiohttp.ClientResponse
     ) -> None:
-        self.session = session
+        self.transport = transport
         self.request_id = request_id
         self.method = method
         self._response = response
@@ -88,7 +67,7 @@ class UpstreamCall:
         content_type = response.content_type
         if content_type == "application/json":
             body = await response.read()
-            event = self._message(body.decode("utf-8", errors="replace"))
+            event = decode(body.decode("utf-8", errors="replace"), self.request_id, self.method)
             if event is not None:
                 yield event
             return
@@ -107,71 +86,29 @@ class UpstreamCall:
                         retry_ms = sse.retry_ms
                     if not sse.data.strip():
                         continue
-                    event = self._message(sse.data)
+                    event = decode(sse.data, self.request_id, self.method)
                     if event is None:
                         continue
                     if isinstance(event, UpstreamServerRequest) and event.method == "ping":
-                        await self.session.respond(event.id, result={})
+                        await self.transport.respond(event.id, result={})
                         continue
                     yield event
                     if isinstance(event, UpstreamResult | UpstreamErrorResponse):
                         return
-            # K-29 / L-3: a 2025-11-25 server may close the stream early and expect GET + Last-Event-ID.
+            # A 2025-11-25 server may close the stream early and expect GET + Last-Event-ID.
             if last_event_id is None or resumptions >= MAX_RESUMPTIONS:
                 return
             resumptions += 1
             response.release()
             await asyncio.sleep(min(retry_ms, 10_000) / 1000)
-            response = self._response = await self.session.resume(last_event_id)
-
-    def _message(self, data: str) -> UpstreamEvent | None:
-        try:
-            message = classify(json.loads(data))
-        except ValueError:
-            raise UpstreamError(f"Upstream sent a malformed message during {self.method}") from None
-        except InvalidRequestError as exc:
-            raise UpstreamError(f"Upstream sent an invalid JSON-RPC message during {self.method}: {exc}") from None
-        if isinstance(message, Response):
-            if message.id != self.request_id:
-                return None
-            if message.error is not None:
-                return UpstreamErrorResponse(message.error)
-            return UpstreamResult(message.result or {})
-        if isinstance(message, Request):
-            return UpstreamServerRequest(message.id, message.method, message.params)
-        if isinstance(message, Notification):
-            return UpstreamNotification(message.raw)
-        return None
-
-    async def answer(
-        self, server_request_id: int | str, *, result: JSON | None = None, error: JSON | None = None
-    ) -> None:
-        """Answer a server→client request the upstream sent on this call's stream."""
-        await self.session.respond(server_request_id, result=result, error=error)
-
-    async def refuse(self, server_request: UpstreamServerRequest) -> bool:
-        """Answer a server→client request no client will see, so the upstream never waits on it: an input
-        request (elicitation, sampling, roots) is refused (an elicitation declined); anything else is not
-        found. Returns whether it was an input request."""
-        if server_request.method in INPUT_METHODS:
-            await self.session.refuse(
-                server_request.id,
-                server_request.method,
-                {"code": codes.INVALID_REQUEST, "message": "The client cannot answer this request"},
-            )
-            return True
-        await self.answer(
-            server_request.id,
-            error={"code": codes.METHOD_NOT_FOUND, "message": f"Method not found: {server_request.method}"},
-        )
-        return False
+            response = self._response = await self.transport.resume(last_event_id)
 
     async def cancel(self, reason: str) -> None:
-        """L-5: disconnect is not cancellation for a legacy server; tell it with notifications/cancelled."""
+        """For a legacy server a disconnect is not a cancellation: tell it with `notifications/cancelled`."""
         if self.finished:
             return
         self.finished = True
         try:
-            await self.session.notify("notifications/cancelled", {"requestId": self.request_id, "reason": reason})
+            await self.transport.notify("notifications/cancelled", {"requestId": self.request_id, "reason": reason})
         finally:
             self._response.close()

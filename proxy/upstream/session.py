@@ -1,8 +1,11 @@
 """The proxy as a legacy MCP client: upstream sessions, one POST per request, re-initialize on 404.
 
-Owns `initialize` + `notifications/initialized` (L-1), the `Mcp-Session-Id` and negotiated
-`MCP-Protocol-Version` headers, one session per principal (a legacy server may bind a session to a token),
-and translating aiohttp failures into UpstreamError. Imports aiohttp; never the store or the front.
+A session owns `initialize` + `notifications/initialized`, the `Mcp-Session-Id` and negotiated
+`MCP-Protocol-Version` headers, its GET stream (`listener.py`) and where what arrives there goes: to the call
+that leased the session, to `subscriptions/listen` inboxes, or refused. What every session shares (the HTTP
+client, the URL, timeouts, request ids, the upstream's latest serverInfo) is the `UpstreamLink`; the pool that
+hands sessions out is `pool.py`. aiohttp failures become UpstreamError. Imports aiohttp; never the store or
+the front.
 """
 
 from __future__ import annotations
@@ -13,41 +16,51 @@ import hashlib
 import itertools
 import json
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from importlib.metadata import PackageNotFoundError, version
-from typing import Final
+from typing import Any, Final
 
 import aiohttp
 import structlog
 from yarl import URL
 
 from proxy.config import UpstreamConfig
-from proxy.errors import UpstreamError, UpstreamTimeoutError
+from proxy.errors import RequestId, UpstreamError, UpstreamTimeoutError
 from proxy.observability import Metrics, method_label
-from proxy.upstream.call import UpstreamCall, UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
-from proxy.upstream.listener import UpstreamListener
+from proxy.upstream.call import UpstreamCall
+from proxy.upstream.events import (
+    UpstreamErrorResponse,
+    UpstreamEvent,
+    UpstreamNotification,
+    UpstreamResult,
+    UpstreamServerRequest,
+    refusal,
+)
+from proxy.upstream.listener import SessionGone, StreamEvent, UpstreamListener
 from proxy.wire.envelope import ParamHeader, param_headers
 from proxy.wire.jsonrpc import JSON, dumps, error_message, notification_message, request_message, result_message
 from proxy.wire.translate import implementation
 
 log = structlog.get_logger(__name__)
 
-# K-20: one upstream session serves clients with different capabilities, so it declares the superset and
-# the proxy refuses, per request, what the current client cannot take.
+# One upstream session may serve clients with different capabilities, so it declares the superset and the
+# proxy refuses, per request, what the current client cannot take.
 CLIENT_CAPABILITIES: Final[JSON] = {"elicitation": {"form": {}, "url": {}}, "sampling": {}, "roots": {}}
-MAX_SESSIONS: Final = 256  # distinct principals kept at once; the least recently used session is closed.
 
 try:
     PROXY_VERSION = version("mcp-tasks-proxy")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
     PROXY_VERSION = "0.0.0"
 
-PROBE_TIMEOUT_SECONDS: Final = 2.0  # a readiness probe's initialize; kubelet's own timeout is short too
 PARAM_HEADERS_REFRESH_SECONDS: Final = 5.0  # an unknown tool re-reads tools/list at most this often
 MAX_TOOL_PAGES: Final = 100  # bounds the pagination of tools/list when reading x-mcp-header annotations
+SUBSCRIBER_QUEUE_SIZE: Final = 256  # list/resource notifications are idempotent; a slow reader loses extras
+STANDALONE_REFUSED: Final = "cannot be relayed to 2026-07-28 clients: no call of theirs holds this upstream session"
 
 CLIENT_INFO: Final[JSON] = {"name": "mcp-tasks-proxy", "version": PROXY_VERSION}
+
+Sink = Callable[[UpstreamEvent], Awaitable[None]]  # where a leased session's GET-stream traffic goes
 
 
 def principal_key(principal: str | None) -> str:
@@ -57,17 +70,74 @@ def principal_key(principal: str | None) -> str:
     return hashlib.sha256(principal.encode()).hexdigest()
 
 
+class UpstreamLink:
+    """What every session of one upstream shares: the HTTP client and URL, timeouts, request ids, background
+    work, and what the upstream said most recently (serverInfo; when it last answered, for readiness)."""
+
+    def __init__(
+        self, config: UpstreamConfig, http: aiohttp.ClientSession, principal_header: str, metrics: Metrics | None
+    ) -> None:
+        self.config = config
+        self.http = http
+        self.principal_header = principal_header
+        self.metrics = metrics
+        self.url = URL(config.url)  # parsed once, not per request
+        self.timeout = aiohttp.ClientTimeout(
+            total=config.call_timeout_seconds,
+            connect=config.connect_timeout_seconds,
+            sock_connect=config.connect_timeout_seconds,
+        )
+        self.server_info: JSON | None = None  # the upstream's serverInfo from the latest initialize
+        self.last_answer_at: float | None = None  # monotonic time of the upstream's latest HTTP answer
+        self._ids = itertools.count(1)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """The one place `upstream/` starts background work: named, referenced until done, cancelled on close."""
+        task = asyncio.get_running_loop().create_task(coroutine, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._reap)
+        return task
+
+    def _reap(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("upstream_background_task_failed", task=task.get_name(), error=repr(task.exception()))
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class Subscription:
+    """One listen stream's inbox. `None` means: the proxy is shutting down, end the stream gracefully."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[JSON | None] = asyncio.Queue(SUBSCRIBER_QUEUE_SIZE)
+
+    def offer(self, message: JSON | None) -> None:
+        with contextlib.suppress(asyncio.QueueFull):
+            self.queue.put_nowait(message)
+
+
 class UpstreamSession:
-    def __init__(self, client: UpstreamClient, principal: str | None) -> None:
-        self.client = client
+    def __init__(self, link: UpstreamLink, principal: str | None) -> None:
+        self.link = link
         self.principal = principal
         self.session_id: str | None = None
-        self.protocol_version: str = client.config.protocol_version
+        self.protocol_version: str = link.config.protocol_version
         self.initialize_result: JSON | None = None
-        self.listener = UpstreamListener(self)
         self.in_flight = 0  # calls open on this session right now
-        # Calls that can relay the upstream's questions, by upstream request id (see `sole_asker`).
-        self.askers: dict[int, Callable[[UpstreamServerRequest], Awaitable[None]]] = {}
+        self.lessee: Sink | None = None  # the call that leased the session: its GET-stream traffic goes there
+        self.subscriptions: set[Subscription] = set()
+        # Where notifications from the GET stream go besides the lessee: this session's own listen subscribers,
+        # unless the pool sends them to the principal's shared session (which the listen streams read).
+        self.on_notification: Callable[[UpstreamNotification], None] = self.deliver
+        self._listener: UpstreamListener | None = None
         self._lock = asyncio.Lock()
         self._resource_subscriptions: Counter[str] = Counter()
         self._param_headers: dict[str, tuple[ParamHeader, ...]] | None = None
@@ -80,8 +150,8 @@ class UpstreamSession:
         principal header, so a configured credential wins (as it does on the pass-through)."""
         headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
         if self.principal:
-            headers[self.client.principal_header] = self.principal
-        headers.update(self.client.config.headers)
+            headers[self.link.principal_header] = self.principal
+        headers.update(self.link.config.headers)
         if initialized:
             headers["MCP-Protocol-Version"] = self.protocol_version
             if self.session_id is not None:
@@ -99,16 +169,15 @@ class UpstreamSession:
         return headers
 
     async def _post(self, message: JSON, headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+        link = self.link
         try:
-            response = await self.client.http.post(
-                self.client.url, data=dumps(message), headers=headers, timeout=self.client.timeout
-            )
+            response = await link.http.post(link.url, data=dumps(message), headers=headers, timeout=link.timeout)
         except TimeoutError:
             raise UpstreamTimeoutError("Upstream MCP server did not answer in time") from None
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"Upstream MCP server unavailable: {exc}") from None
         if response.status < 500:
-            self.client.last_answer_at = time.monotonic()  # the upstream is there and speaks HTTP (readiness)
+            link.last_answer_at = time.monotonic()  # the upstream is there and speaks HTTP (readiness)
         return response
 
     # --- lifecycle --------------------------------------------------------------------------------------
@@ -118,15 +187,15 @@ class UpstreamSession:
             return self.initialize_result
         async with self._lock:
             if self.initialize_result is None:
-                await self._initialize()
+                await self.initialize()
             assert self.initialize_result is not None
             return self.initialize_result
 
-    async def _initialize(self, *, listen: bool = True) -> None:
+    async def initialize(self, *, listen: bool = True) -> None:
         self.session_id = None
-        request_id = self.client.next_id()
+        request_id = self.link.next_id()
         params = {
-            "protocolVersion": self.client.config.protocol_version,
+            "protocolVersion": self.link.config.protocol_version,
             "capabilities": CLIENT_CAPABILITIES,
             "clientInfo": CLIENT_INFO,
         }
@@ -149,14 +218,25 @@ class UpstreamSession:
         self.protocol_version = result["protocolVersion"]
         await self.notify("notifications/initialized", None)
         self.initialize_result = result
-        self.client.server_info = implementation(result)
+        self.link.server_info = implementation(result)
         self.tools_changed()
-        if listen:
-            await self.listener.start()
+        if listen and session_id is not None:  # a stateless upstream has no standalone stream
+            self._stop_listening()
+            self._listener = UpstreamListener(session_id, self._open_stream, self._on_stream)
+            await self._listener.start(self.link.spawn, self.link.config.connect_timeout_seconds)
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
         if self._resource_subscriptions:
             # Not awaited here: initialize runs under the session lock, and these requests may need it.
-            self.client.spawn(self._resubscribe(), "upstream-resubscribe")
+            self.link.spawn(self._resubscribe(), "upstream-resubscribe")
+
+    async def _open_stream(self, last_event_id: str | None) -> aiohttp.ClientResponse:
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.link.config.connect_timeout_seconds)
+        return await self.link.http.get(self.link.url, headers=self.stream_headers(last_event_id), timeout=timeout)
+
+    def _stop_listening(self) -> None:
+        if self._listener is not None:
+            self._listener.stop()
+            self._listener = None
 
     async def _resubscribe(self) -> None:
         """A new session knows none of the resource subscriptions listen streams still hold: renew them."""
@@ -167,13 +247,13 @@ class UpstreamSession:
                 log.warning("upstream_resource_resubscribe_failed", error=exc.message)
 
     async def _reinitialize(self, stale_session_id: str | None) -> None:
-        """L-1: a 404 for a request that carried the session id means the session is gone."""
+        """A 404 for a request that carried the session id means the upstream forgot the session."""
         async with self._lock:
             # Someone else may have re-initialized already (keep theirs), or forgotten the session (start one).
             if self.session_id == stale_session_id or self.initialize_result is None:
                 log.info("upstream_session_expired")
                 self.initialize_result = None
-                await self._initialize()
+                await self.initialize()
 
     async def revive(self) -> None:
         """Start a new session now (not at the next request), so listen streams keep receiving."""
@@ -185,40 +265,77 @@ class UpstreamSession:
     def forget(self, stale_session_id: str) -> None:
         """The upstream no longer knows this session id: the next request initializes a new session."""
         if self.session_id == stale_session_id:
-            self.listener.stop()
+            self._stop_listening()
             self.session_id = None
             self.initialize_result = None
             self._param_headers = None
 
     async def close(self) -> None:
         """End the upstream session with DELETE (the server may answer 405; that is fine)."""
-        self.listener.stop()
+        self._stop_listening()
         if self.session_id is None:
             return
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with self.client.http.delete(
-                self.client.url, headers=self.headers(), timeout=aiohttp.ClientTimeout(total=2)
+            async with self.link.http.delete(
+                self.link.url, headers=self.headers(), timeout=aiohttp.ClientTimeout(total=2)
             ):
                 pass
         self.session_id = None
         self.initialize_result = None
 
-    def sole_asker(self) -> Callable[[UpstreamServerRequest], Awaitable[None]] | None:
-        """K-12: a question on the GET stream names no request (e.g. the mcp 1.x SDK's `list_roots()`, or
-        `create_message()` without a related request id). While exactly one call is open on this session, and
-        it can relay questions, it is that call's; with several, nobody can tell, and it is refused."""
-        if self.in_flight == 1 and len(self.askers) == 1:
-            return next(iter(self.askers.values()))
-        return None
+    # --- the GET stream ---------------------------------------------------------------------------------------
+
+    async def _on_stream(self, event: StreamEvent) -> None:
+        """Everything on the GET stream of a leased session is its lessee's; on a shared session nobody can tell
+        whose a question is, so it is refused (an elicitation is declined). Notifications also reach listen
+        subscribers (`on_notification`)."""
+        if isinstance(event, SessionGone):
+            # With listen streams waiting, start a new session now; otherwise the next request does. (Not from
+            # the listener's task: initializing stops the old listener, i.e. cancels it.)
+            self.forget(event.session_id)
+            if self.subscriptions:
+                self.link.spawn(self.revive(), "upstream-session-revive")
+            return
+        if isinstance(event, UpstreamServerRequest) and event.method == "ping":
+            await self.respond(event.id, result={})
+            return
+        if self.lessee is not None:
+            await self.lessee(event)
+        elif isinstance(event, UpstreamServerRequest):
+            log.info("upstream_standalone_request_refused", input_method=event.method)
+            result, error = refusal(event.method, f"{event.method} outside a request {STANDALONE_REFUSED}")
+            await self.respond(event.id, result=result, error=error)
+        if isinstance(event, UpstreamNotification):
+            self.on_notification(event)
+
+    def deliver(self, notification: UpstreamNotification) -> None:
+        """A notification for this session's listen subscribers; a tool list change also drops the cached
+        x-mcp-header annotations."""
+        if notification.method == "notifications/tools/list_changed":
+            self.tools_changed()
+        for subscription in self.subscriptions:
+            subscription.offer(notification.message)
+
+    def subscribe(self) -> Subscription:
+        subscription = Subscription()
+        self.subscriptions.add(subscription)
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        self.subscriptions.discard(subscription)
+
+    def end_subscriptions(self) -> None:
+        for subscription in self.subscriptions:
+            subscription.offer(None)
 
     # --- requests ------------------------------------------------------------------------------------------
 
     async def resume(self, last_event_id: str) -> aiohttp.ClientResponse:
-        """K-29 / L-3: continue a request's SSE stream the upstream closed early (GET + Last-Event-ID)."""
+        """Continue a request's SSE stream the upstream closed early (GET + Last-Event-ID)."""
         headers = self.stream_headers(last_event_id)
         sent_with = self.session_id
         try:
-            response = await self.client.http.get(self.client.url, headers=headers, timeout=self.client.timeout)
+            response = await self.link.http.get(self.link.url, headers=headers, timeout=self.link.timeout)
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"Upstream stream could not be resumed: {exc}") from None
         content_type = response.content_type
@@ -235,17 +352,17 @@ class UpstreamSession:
     ) -> AsyncIterator[UpstreamCall]:
         """Send one request upstream; the UpstreamCall streams what comes back. Leaving the context closes it."""
         await self.ensure_initialized()
-        metrics = self.client.metrics
+        metrics = self.link.metrics
         started = time.perf_counter()
         try:
-            request_id = self.client.next_id()
+            request_id = self.link.next_id()
             message = request_message(request_id, method, params)
             for attempt in range(2):
                 sent_with = self.session_id
                 try:
                     response = await self._post(message, self.headers(extra_headers))
                 except asyncio.CancelledError:
-                    # Abandoned while the POST was on its way: the upstream may already run it (L-5).
+                    # Abandoned while the POST was on its way: the upstream may already run it.
                     await asyncio.shield(self._cancel_unanswered(request_id))
                     raise
                 if response.status == 404 and sent_with is not None and attempt == 0:
@@ -281,19 +398,11 @@ class UpstreamSession:
         response = await self._post(notification_message(method, params), self.headers())
         response.release()
 
-    async def respond(self, request_id: int | str, *, result: JSON | None = None, error: JSON | None = None) -> None:
+    async def respond(self, request_id: RequestId, *, result: JSON | None = None, error: JSON | None = None) -> None:
         """Answer a server→client request (a JSON-RPC response POSTed with the session id)."""
         message = result_message(request_id, result or {}) if error is None else error_message(request_id, error)
         response = await self._post(message, self.headers())
         response.release()
-
-    async def refuse(self, request_id: int | str, method: str, error: JSON) -> None:
-        """Answer a server→client request the proxy cannot relay, so the upstream never waits on it: an
-        elicitation is declined (a normal answer the tool can act on); anything else gets `error`."""
-        if method == "elicitation/create":
-            await self.respond(request_id, result={"action": "decline"})
-        else:
-            await self.respond(request_id, error=error)
 
     async def request(self, method: str, params: JSON | None) -> JSON:
         """A plain request whose stream carries nothing the caller needs: its result, or UpstreamError."""
@@ -310,8 +419,8 @@ class UpstreamSession:
         self._param_headers = None
 
     async def param_headers(self, tool: str) -> tuple[ParamHeader, ...]:
-        """C-26: the `x-mcp-header` annotations of `tool`, from the upstream's tools/list (cached; read again
-        after a list_changed notification, or when an unknown tool is called and the cache is not fresh)."""
+        """The `x-mcp-header` annotations of `tool`, from the upstream's tools/list (cached; read again after a
+        list_changed notification, or when an unknown tool is called and the cache is not fresh)."""
         stale = time.monotonic() - self._param_headers_loaded_at > PARAM_HEADERS_REFRESH_SECONDS
         if self._param_headers is None or (tool not in self._param_headers and stale):
             catalog: dict[str, tuple[ParamHeader, ...]] = {}
@@ -329,7 +438,7 @@ class UpstreamSession:
         return self._param_headers.get(tool, ())
 
     async def subscribe_resource(self, uri: str) -> None:
-        """Reference-counted upstream `resources/subscribe` on behalf of listen streams (C-17)."""
+        """Reference-counted upstream `resources/subscribe` on behalf of listen streams."""
         if self._resource_subscriptions[uri] == 0:
             await self.request("resources/subscribe", {"uri": uri})
         self._resource_subscriptions[uri] += 1
@@ -364,98 +473,3 @@ async def _raise_unless_answer(response: aiohttp.ClientResponse, request_id: int
                 detail = error["message"]
     response.release()
     raise UpstreamError(f"Upstream answered {method} with HTTP {response.status}: {detail}")
-
-
-class UpstreamClient:
-    """All of the proxy's own upstream sessions (not the pass-through of legacy clients)."""
-
-    def __init__(
-        self,
-        config: UpstreamConfig,
-        http: aiohttp.ClientSession,
-        principal_header: str,
-        max_sessions: int = MAX_SESSIONS,
-        metrics: Metrics | None = None,
-    ) -> None:
-        self.config = config
-        self.metrics = metrics
-        self.max_sessions = max_sessions
-        self.http = http
-        self.principal_header = principal_header
-        self.url = URL(config.url)  # parsed once, not per request
-        self.timeout = aiohttp.ClientTimeout(
-            total=config.call_timeout_seconds,
-            connect=config.connect_timeout_seconds,
-            sock_connect=config.connect_timeout_seconds,
-        )
-        self._ids = itertools.count(1)
-        self.server_info: JSON | None = None  # the upstream's serverInfo from the latest initialize (C-3)
-        self.last_answer_at: float | None = None  # monotonic time of the upstream's latest HTTP answer
-        self._probe_lock = asyncio.Lock()
-        self._sessions: OrderedDict[str, UpstreamSession] = OrderedDict()
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def next_id(self) -> int:
-        return next(self._ids)
-
-    def session(self, principal: str | None) -> UpstreamSession:
-        key = principal_key(principal)
-        session = self._sessions.get(key)
-        if session is None:
-            session = self._sessions[key] = UpstreamSession(self, principal)
-            if len(self._sessions) > self.max_sessions:
-                self._evict_idle(keep=key)
-        else:
-            self._sessions.move_to_end(key)
-        return session
-
-    def _evict_idle(self, keep: str) -> None:
-        """Close the least recently used session that has no call in flight and no listen stream; if every
-        session is busy, keep them all (the limit bounds idle sessions, it never breaks running work)."""
-        for key, candidate in self._sessions.items():
-            if key != keep and candidate.in_flight == 0 and not candidate.listener.subscriptions:
-                del self._sessions[key]
-                self.spawn(candidate.close(), "upstream-session-close")
-                return
-
-    def spawn(self, coroutine: Coroutine[object, object, None], name: str) -> asyncio.Task[None]:
-        """The one place `upstream/` starts background work: named, referenced until done, cancelled on close."""
-        task = asyncio.get_running_loop().create_task(coroutine, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._reap)
-        return task
-
-    def _reap(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("upstream_background_task_failed", task=task.get_name(), error=repr(task.exception()))
-
-    async def probe(self, max_age_seconds: float) -> None:
-        """Readiness: fine when the upstream answered within `max_age_seconds`; otherwise a fresh `initialize`
-        on a throwaway session (ended with DELETE) must succeed within PROBE_TIMEOUT_SECONDS. Raises
-        UpstreamError saying what failed. Concurrent probes share one attempt."""
-        async with self._probe_lock:
-            if self.last_answer_at is not None and time.monotonic() - self.last_answer_at <= max_age_seconds:
-                return
-            session = UpstreamSession(self, None)
-            try:
-                await asyncio.wait_for(session._initialize(listen=False), PROBE_TIMEOUT_SECONDS)
-            except TimeoutError:
-                raise UpstreamTimeoutError(
-                    f"Upstream did not answer initialize within {PROBE_TIMEOUT_SECONDS:g} s"
-                ) from None
-            finally:
-                await session.close()
-
-    def end_subscriptions(self) -> None:
-        """Shutdown: every listen stream ends with its graceful result (C-17)."""
-        for session in self._sessions.values():
-            session.listener.end_subscriptions()
-
-    async def close(self) -> None:
-        sessions = list(self._sessions.values())
-        self._sessions.clear()
-        await asyncio.gather(*(session.close() for session in sessions), return_exceptions=True)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -21,8 +21,9 @@ from mcp_types import (
 from mcp_types import jsonrpc as codes
 from mcp_types.methods import CACHEABLE_METHODS
 
+from proxy.errors import RequestId
 from proxy.wire.envelope import SUPPORTED_VERSIONS, TASKS_EXTENSION
-from proxy.wire.jsonrpc import JSON
+from proxy.wire.jsonrpc import JSON, error_message, result_message
 
 # Legacy-only `_meta` keys that must not reach a modern client (3.9, K-8).
 LEGACY_META_KEYS: Final = frozenset(
@@ -74,6 +75,21 @@ def complete_result(method: str, legacy: JSON, server_info: JSON | None, cache: 
         meta = result.get("_meta")
         result["_meta"] = {**(meta if isinstance(meta, dict) else {}), SERVER_INFO_META_KEY: server_info}
     return result
+
+
+def final_message(
+    request_id: RequestId,
+    method: str,
+    result: JSON | None,
+    error: JSON | None,
+    server_info: JSON | None,
+    cache: tuple[int, str] | None,
+) -> JSON:
+    """The modern answer to a request, from the upstream's final result or JSON-RPC error: the one place
+    where a final answer is translated. Upstream errors are data: translated, never re-wrapped."""
+    if error is not None:
+        return error_message(request_id, error_object(error))
+    return result_message(request_id, complete_result(method, result or {}, server_info, cache))
 
 
 def _strip_task_support(result: JSON) -> None:

@@ -1,0 +1,285 @@
+"""What the call machine (`machine.py`) and the runner that carries it out (`runner.py`) say to each other.
+
+Events go into `machine.handle`; commands come out, and the runner executes them in order. Some commands are
+answered by an event the runner feeds back (`CreateRecord` → `Committed` / `CommitRefused`, `Park` → `Parked`
+/ `ParkRefused`). `Reply` answers the request a client is waiting on. Plain frozen data; imports only the
+upstream event types, errors and the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from proxy.errors import ProxyError
+from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
+from proxy.wire.jsonrpc import JSON
+from proxy.wire.tasks import TaskStatus
+
+# How the upstream call ended: its result, its JSON-RPC error, or lost (the ProxyError says how).
+CallOutcome = UpstreamResult | UpstreamErrorResponse | ProxyError
+
+
+class Mode(StrEnum):
+    WAITING = "waiting"  # a client's request waits for the call (sync, window, poll-to-sync, an MRTR round)
+    PARKED = "parked"  # an InputRequiredResult went out; the call waits for the client's retry
+    TASK = "task"  # a task the client polls; questions go to its record as `inputRequests`
+    DETACHED = "detached"  # nobody reads the outcome any more; further questions are refused
+
+
+class Timer(StrEnum):
+    GATHER = "gather"  # questions asked together (within `inputs.gather_ms`) reach the client together
+    WINDOW = "window"  # the sync window: a call still running then becomes a task
+    PARK = "park"  # a parked call nobody resumes in time is cancelled
+
+
+# --- events ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """The call begins (a new request, or a task re-run after a restart when `task_id` is set)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Asked:
+    question: UpstreamServerRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Notified:
+    message: JSON
+    at_ms: float  # monotonic
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    outcome: CallOutcome
+
+
+@dataclass(frozen=True, slots=True)
+class TimerFired:
+    timer: Timer
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    task_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRefused:
+    error: ProxyError
+
+
+@dataclass(frozen=True, slots=True)
+class Parked:
+    """The parked call was registered; its requestState can go out."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParkRefused:
+    error: ProxyError
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """An MRTR retry took the parked call, with answers already checked by `answers()`."""
+
+    answers: Mapping[str, JSON]
+    progress_token: str | int | None = None
+    log_level: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """`tasks/update`: answers already checked by `answers()`."""
+
+    answers: Mapping[str, JSON]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLeft:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Stop the call: its task was settled elsewhere (cancel, expiry), or the proxy shuts down."""
+
+    reason: str
+    error: JSON | None = None  # what a client still waiting for the task is told
+
+
+Event = (
+    Start
+    | Asked
+    | Notified
+    | Ended
+    | TimerFired
+    | Committed
+    | CommitRefused
+    | Parked
+    | ParkRefused
+    | Resumed
+    | Answered
+    | ClientLeft
+    | Stop
+)
+
+# --- commands ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StartCall:
+    """Send the upstream request (on a leased session when the client can answer questions)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CreateRecord:
+    """Commit the task record (limits first); answered with `Committed` or `CommitRefused`."""
+
+    status: TaskStatus
+    input_requests: JSON
+    issued: int
+
+
+@dataclass(frozen=True, slots=True)
+class WriteInputs:
+    """The record shows these outstanding questions (`input_required`), or none (`working`)."""
+
+    input_requests: JSON
+    issued: int
+
+
+@dataclass(frozen=True, slots=True)
+class WriteProgress:
+    status_message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Settle the task record; the first settlement wins."""
+
+    status: TaskStatus
+    result: JSON | None = None
+    error: JSON | None = None
+    status_message: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """Send an answer upstream as the JSON-RPC response to its question."""
+
+    upstream_id: int | str
+    result: JSON
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Answer a question no client will see (`upstream.events.refusal`), so the upstream never waits."""
+
+    upstream_id: int | str
+    method: str
+    reason: str  # for the log: undeclared, detached, too_many, not_input, ended
+
+
+@dataclass(frozen=True, slots=True)
+class CancelCall:
+    """Abandon the upstream call: `notifications/cancelled` upstream. Nothing is fed back."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Relay:
+    """A notification for the waiting client's stream (already filtered and re-tagged)."""
+
+    message: JSON
+
+
+@dataclass(frozen=True, slots=True)
+class SetTimer:
+    timer: Timer
+    delay_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClearTimer:
+    timer: Timer
+
+
+@dataclass(frozen=True, slots=True)
+class Park:
+    """Register the call as parked for round `round` (limits first); answered with `Parked` or `ParkRefused`."""
+
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
+class Unpark:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class HoldSlot:
+    hold: bool
+
+
+# What the waiting client's request is answered with:
+@dataclass(frozen=True, slots=True)
+class ReplyOutcome:
+    outcome: CallOutcome
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyTask:
+    """The `CreateTaskResult` of the record just committed."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyInputRequired:
+    """An MRTR `InputRequiredResult` with these questions and the requestState of round `round`."""
+
+    input_requests: JSON
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyMissing:
+    """-32021: the upstream asked what the client did not declare, and nothing the client could answer."""
+
+    required: JSON
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyError:
+    error: ProxyError
+
+
+ReplyKind = ReplyOutcome | ReplyTask | ReplyInputRequired | ReplyMissing | ReplyError
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    reply: ReplyKind
+
+
+Command = (
+    StartCall
+    | CreateRecord
+    | WriteInputs
+    | WriteProgress
+    | Settle
+    | Answer
+    | Refuse
+    | CancelCall
+    | Relay
+    | SetTimer
+    | ClearTimer
+    | Park
+    | Unpark
+    | HoldSlot
+    | Reply
+)

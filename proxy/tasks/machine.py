@@ -1,0 +1,457 @@
+"""The lifecycle of one call, as a sans-IO state machine: `handle(state, event) -> [command]`.
+
+A call is a `tools/call`, `prompts/get` or `resources/read` whose upstream request runs in the background,
+so that it can outlive the HTTP request that started it: a synchronous call, a sync window that turns into a
+task, a task, a poll-to-sync call, or a synchronous call parked between MRTR rounds. Every change of mode
+happens here, from the policy's `Decision`; the runner (`runner.py`) carries out the commands and feeds back
+what came of them (`Committed`, `Parked`, ...). No asyncio, no I/O, no clock: times arrive with the events.
+
+Imports the policy, the input-bridging rules (`inputs.py`), the upstream event types and the wire; nothing
+that does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from proxy.policy import Decision
+from proxy.tasks import inputs
+from proxy.tasks.commands import (
+    Answer,
+    Answered,
+    Asked,
+    CallOutcome,
+    CancelCall,
+    ClearTimer,
+    ClientLeft,
+    Command,
+    CommitRefused,
+    Committed,
+    CreateRecord,
+    Ended,
+    Event,
+    HoldSlot,
+    Mode,
+    Notified,
+    Park,
+    Parked,
+    ParkRefused,
+    Refuse,
+    Relay,
+    Reply,
+    ReplyError,
+    ReplyInputRequired,
+    ReplyKind,
+    ReplyMissing,
+    ReplyOutcome,
+    ReplyTask,
+    Resumed,
+    SetTimer,
+    Settle,
+    Start,
+    StartCall,
+    Stop,
+    Timer,
+    TimerFired,
+    Unpark,
+    WriteInputs,
+    WriteProgress,
+)
+from proxy.tasks.inputs import PendingInput
+from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
+from proxy.wire import tasks as wire_tasks
+from proxy.wire import translate
+from proxy.wire.jsonrpc import JSON
+from proxy.wire.tasks import TaskStatus
+
+MAX_OUTSTANDING_INPUTS: Final = 64  # open questions per call; an upstream asking more at once is refused
+PROGRESS_WRITE_INTERVAL_MS: Final = 200  # at most this often is a task's statusMessage rewritten
+CLIENT_LEFT: Final = "client disconnected"
+PARKED_EXPIRED: Final = "the client did not retry within inputs.request_state_ttl_ms"
+TASK_REFUSED: Final = "the task could not be created"
+
+
+@dataclass(slots=True)
+class CallState:
+    decision: Decision
+    capabilities: JSON  # the starting request's ClientCapabilities: which questions may reach the client
+    gather_ms: int
+    park_ttl_ms: int
+    progress_token: str | int | None = None  # the waiting request's, for relayed progress
+    log_level: str | None = None  # the waiting request's, for relayed log messages
+    mode: Mode = Mode.WAITING
+    client_waiting: bool = True  # a request waits for a reply (it leaves with the reply or when it goes away)
+    task_id: str | None = None
+    committing: bool = False  # a task record is being written
+    started: bool = False  # the upstream call was sent
+    running: bool = False  # ... and has not ended or been abandoned
+    outcome: CallOutcome | None = None
+    inputs: dict[str, PendingInput] = field(default_factory=dict)  # outstanding questions by minted key
+    issued: int = 0  # keys minted over the call's (or task's) whole life: keys are never reused
+    inputs_written: bool = True  # the task record shows the current questions
+    missing: list[JSON] = field(default_factory=list)  # capabilities of questions refused while a client waited
+    gathering: bool = False
+    round: int = 0  # MRTR rounds so far; a requestState is good for exactly one round
+    holds_slot: bool = False  # counts against `tasks.max_running`
+    progress_written_at_ms: float = float("-inf")
+
+    def input_requests(self) -> JSON:
+        return {key: pending.request for key, pending in self.inputs.items()}
+
+
+def handle(state: CallState, event: Event) -> list[Command]:
+    """Feed one event to the call; returns what the runner must do, in order."""
+    commands = _HANDLERS[type(event)](state, event)
+    holds = state.task_id is not None and state.running and not state.inputs and state.mode is not Mode.DETACHED
+    if holds != state.holds_slot:  # a task holds a `max_running` slot while its call runs and asks nothing
+        state.holds_slot = holds
+        commands.append(HoldSlot(holds))
+    return commands
+
+
+def answers(state: CallState, responses: Mapping[str, Any]) -> dict[str, JSON]:
+    """The client's answers to outstanding questions, checked before any is delivered (-32602 names the key).
+    Keys that are not outstanding (never issued, already answered) are ignored."""
+    checked: dict[str, JSON] = {}
+    for key, response in responses.items():
+        pending = state.inputs.get(key)
+        if pending is not None:
+            checked[key] = inputs.upstream_answer(key, pending.method, response)
+    return checked
+
+
+def resumable(state: CallState, round_: int) -> bool:
+    """May an MRTR retry carrying the requestState of round `round_` take this call? (Exactly once.)"""
+    return state.mode is Mode.PARKED and state.round == round_
+
+
+def finished(state: CallState) -> bool:
+    """Nothing more can happen to the call: the runner may forget it."""
+    return not state.running and not state.committing and state.mode is not Mode.PARKED and not state.client_waiting
+
+
+def settlement(outcome: CallOutcome | None, reason: str = CLIENT_LEFT) -> Settle:
+    """How a task settles from its call's outcome: a result (`isError` included) is `completed`; a JSON-RPC
+    error, or a lost upstream, is `failed` with that error; no outcome (the call was stopped) is `cancelled`."""
+    if outcome is None:
+        return Settle(TaskStatus.CANCELLED, status_message=reason)
+    if isinstance(outcome, UpstreamResult):
+        return Settle(TaskStatus.COMPLETED, result=translate.complete_result("tools/call", outcome.result, None, None))
+    if isinstance(outcome, UpstreamErrorResponse):
+        error = translate.error_object(outcome.error)
+    else:
+        error = wire_tasks.internal_error(outcome.message)
+    return Settle(TaskStatus.FAILED, error=error, status_message=wire_tasks.failure_status_message(error))
+
+
+# --- the handlers, one per event ---------------------------------------------------------------------------
+
+
+def _start(state: CallState, event: Start) -> list[Command]:
+    if state.task_id is not None:  # a task re-run after a restart
+        state.mode = Mode.TASK
+        state.client_waiting = False
+        return _start_call(state)
+    if state.decision.task_first:
+        return _create_record(state)
+    commands = _start_call(state)
+    window_ms = state.decision.window_ms
+    if window_ms is not None:
+        commands.append(SetTimer(Timer.WINDOW, window_ms))
+    return commands
+
+
+def _asked(state: CallState, event: Asked) -> list[Command]:
+    """An upstream question mid-call. One the client declared gets a fresh key and waits in the batch being
+    gathered; anything else is answered at once, so the upstream never hangs (an elicitation is declined)."""
+    question = event.question
+    if question.method not in translate.INPUT_METHODS:
+        return [Refuse(question.id, question.method, "not_input")]
+    if not state.running:
+        return [Refuse(question.id, question.method, "ended")]
+    if state.mode is Mode.DETACHED:
+        return [Refuse(question.id, question.method, "detached")]
+    if not inputs.declared(state.capabilities, question.method, question.params):
+        commands: list[Command] = [Refuse(question.id, question.method, "undeclared")]
+        if state.mode is Mode.WAITING and state.client_waiting and state.decision.asks_by_mrtr:
+            # The waiting client gets -32021 naming what it lacks, unless it can answer something else.
+            state.missing.append(translate.required_capability(question.method, question.params))
+            commands += _gather(state)
+        return commands
+    if len(state.inputs) >= MAX_OUTSTANDING_INPUTS:
+        return [Refuse(question.id, question.method, "too_many")]
+    state.issued += 1
+    key = inputs.mint_key(question.method, state.issued)
+    state.inputs[key] = PendingInput(
+        question.id, question.method, inputs.input_request(question.method, question.params)
+    )
+    state.inputs_written = False
+    return _gather(state)
+
+
+def _notified(state: CallState, event: Notified) -> list[Command]:
+    """Progress and log messages reach a waiting client that asked for them; a task's progress becomes its
+    statusMessage (at most every PROGRESS_WRITE_INTERVAL_MS: the next one catches up)."""
+    if state.mode is Mode.WAITING and state.client_waiting:
+        relayed = translate.relay_notification(event.message, state.progress_token, state.log_level)
+        return [Relay(relayed)] if relayed is not None else []
+    if state.mode is not Mode.TASK or state.task_id is None or event.message.get("method") != "notifications/progress":
+        return []
+    text = wire_tasks.progress_status_message(event.message.get("params"))
+    if text is None or event.at_ms - state.progress_written_at_ms < PROGRESS_WRITE_INTERVAL_MS:
+        return []
+    state.progress_written_at_ms = event.at_ms
+    return [WriteProgress(text)]
+
+
+def _ended(state: CallState, event: Ended) -> list[Command]:
+    if not state.running:
+        return []  # the call was abandoned already: how its stream ended changes nothing
+    state.running = False
+    state.outcome = event.outcome
+    state.inputs.clear()  # questions of an ended call can no longer be answered
+    commands: list[Command] = [ClearTimer(Timer.WINDOW)]
+    if state.committing:
+        return commands  # settled once the record is there (`Committed`)
+    if state.task_id is not None:
+        commands.append(settlement(event.outcome))
+    if state.mode is Mode.WAITING and state.client_waiting:
+        decision = state.decision
+        if decision.asks_by_mrtr and state.missing:
+            commands += _release(state, ReplyMissing(_merged(state.missing)))
+        elif decision.task_when_done and state.task_id is None:
+            commands += _create_record(state)
+        else:
+            commands += _release(state, ReplyOutcome(event.outcome))
+    return commands
+
+
+def _timer_fired(state: CallState, event: TimerFired) -> list[Command]:
+    if event.timer is Timer.GATHER:
+        return _publish(state)
+    if event.timer is Timer.WINDOW:
+        if state.mode is Mode.WAITING and state.client_waiting and state.running and not state.committing:
+            return _create_record(state)  # still running after the window: the same call continues as a task
+        return []
+    if state.mode is not Mode.PARKED:
+        return []
+    state.mode = Mode.DETACHED  # nobody resumed the parked call in time
+    commands: list[Command] = [Unpark()]
+    if state.task_id is not None and state.running:
+        commands.append(settlement(None, PARKED_EXPIRED))
+    return [*commands, *_cancel(state, PARKED_EXPIRED)]
+
+
+def _committed(state: CallState, event: Committed) -> list[Command]:
+    state.committing = False
+    state.task_id = event.task_id
+    if state.decision.holds_client and not state.client_waiting:
+        # The poll-to-sync client left while its internal task was stored: nobody can read the task.
+        state.mode = Mode.DETACHED
+        return [settlement(None, CLIENT_LEFT), *_cancel(state, CLIENT_LEFT)]
+    commands: list[Command] = []
+    if not state.started:
+        commands += _start_call(state)
+    if state.mode is Mode.WAITING and not state.decision.holds_client:
+        state.mode = Mode.TASK  # no request-scoped notifications once the call is a task
+        if state.client_waiting:
+            commands += _release(state, ReplyTask())
+    if not state.inputs_written and state.running:
+        commands += _write_inputs(state)
+    if state.started and not state.running and state.mode is not Mode.DETACHED:
+        commands.append(settlement(state.outcome))  # the call ended (or was stopped) while the record was written
+    return commands
+
+
+def _commit_refused(state: CallState, event: CommitRefused) -> list[Command]:
+    state.committing = False
+    commands: list[Command] = []
+    if state.client_waiting:
+        commands += _release(state, ReplyError(event.error))
+    return [*commands, *_detach(state, TASK_REFUSED, cancel=True)]
+
+
+def _parked(state: CallState, event: Parked) -> list[Command]:
+    commands = _release(state, ReplyInputRequired(state.input_requests(), state.round))
+    state.mode = Mode.PARKED  # after the release: parking is not leaving
+    return [*commands, SetTimer(Timer.PARK, state.park_ttl_ms)]
+
+
+def _park_refused(state: CallState, event: ParkRefused) -> list[Command]:
+    return [*_release(state, ReplyError(event.error)), *_detach(state, CLIENT_LEFT)]
+
+
+def _resumed(state: CallState, event: Resumed) -> list[Command]:
+    state.mode = Mode.WAITING
+    state.client_waiting = True
+    state.progress_token = event.progress_token
+    state.log_level = event.log_level
+    commands: list[Command] = [Unpark(), ClearTimer(Timer.PARK), *_deliver(state, event.answers)]
+    if not state.running:
+        commands += _release(state, _final_reply(state))
+    elif state.inputs:  # questions a retry left unanswered are asked again
+        commands += _ask_client(state)
+    elif state.decision.window_ms is not None:
+        commands.append(SetTimer(Timer.WINDOW, state.decision.window_ms))
+    return commands
+
+
+def _answered(state: CallState, event: Answered) -> list[Command]:
+    if state.mode is not Mode.TASK or not state.running:
+        return []
+    return _deliver(state, event.answers)
+
+
+def _client_left(state: CallState, event: ClientLeft) -> list[Command]:
+    was_waiting = state.client_waiting
+    state.client_waiting = False
+    if not was_waiting or state.mode is not Mode.WAITING or state.committing or not state.running:
+        return []  # a task being stored runs on (its id was just not delivered); an ended call has nothing to stop
+    commands: list[Command] = []
+    if state.task_id is not None:
+        commands.append(settlement(None, CLIENT_LEFT))
+    return [*commands, *_detach(state, CLIENT_LEFT, cancel=True)]
+
+
+def _stop(state: CallState, event: Stop) -> list[Command]:
+    commands: list[Command] = []
+    if state.mode is Mode.PARKED:
+        commands += [Unpark(), ClearTimer(Timer.PARK)]
+    if state.client_waiting:
+        error = event.error if event.error is not None else wire_tasks.internal_error(event.reason)
+        commands += _release(state, ReplyOutcome(UpstreamErrorResponse(error)))
+    state.mode = Mode.DETACHED
+    state.inputs.clear()
+    return [*commands, *_cancel(state, event.reason)]
+
+
+_HANDLERS: Final[dict[type[Any], Callable[[CallState, Any], list[Command]]]] = {
+    Start: _start,
+    Asked: _asked,
+    Notified: _notified,
+    Ended: _ended,
+    TimerFired: _timer_fired,
+    Committed: _committed,
+    CommitRefused: _commit_refused,
+    Parked: _parked,
+    ParkRefused: _park_refused,
+    Resumed: _resumed,
+    Answered: _answered,
+    ClientLeft: _client_left,
+    Stop: _stop,
+}
+
+# --- shared steps ------------------------------------------------------------------------------------------
+
+
+def _start_call(state: CallState) -> list[Command]:
+    state.started = True
+    state.running = True
+    return [StartCall()]
+
+
+def _create_record(state: CallState) -> list[Command]:
+    """The call becomes a task: the record (with the questions already asked) is committed first."""
+    state.committing = True
+    state.inputs_written = True
+    status = TaskStatus.INPUT_REQUIRED if state.inputs else TaskStatus.WORKING
+    return [ClearTimer(Timer.WINDOW), CreateRecord(status, state.input_requests(), state.issued)]
+
+
+def _gather(state: CallState) -> list[Command]:
+    if state.gathering:
+        return []
+    state.gathering = True
+    return [SetTimer(Timer.GATHER, state.gather_ms)]
+
+
+def _publish(state: CallState) -> list[Command]:
+    """A gathered batch of questions: the task's record shows them, and a waiting client is asked."""
+    state.gathering = False
+    commands: list[Command] = []
+    if state.task_id is not None and not state.inputs_written and state.running:
+        commands += _write_inputs(state)
+    if state.mode is not Mode.WAITING or not state.client_waiting or not state.running or state.committing:
+        return commands
+    if state.inputs and not state.decision.asks_by_mrtr:
+        return [*commands, *_create_record(state)]  # a window call: its questions go to the task it becomes
+    if state.inputs:
+        return [*commands, *_ask_client(state)]
+    if state.missing:
+        return [*commands, *_release(state, ReplyMissing(_merged(state.missing))), *_detach(state, CLIENT_LEFT)]
+    return commands
+
+
+def _write_inputs(state: CallState) -> list[Command]:
+    state.inputs_written = True
+    return [WriteInputs(state.input_requests(), state.issued)]
+
+
+def _ask_client(state: CallState) -> list[Command]:
+    """An MRTR round: the call is parked (limits first) and the client gets every outstanding question."""
+    state.round += 1
+    state.missing.clear()  # refused upstream; the client is asked what it can answer
+    return [ClearTimer(Timer.WINDOW), Park(state.round)]
+
+
+def _deliver(state: CallState, answers: Mapping[str, JSON]) -> list[Command]:
+    """Each answer goes upstream as the response to its question (a subset is fine); the call continues."""
+    commands: list[Command] = []
+    for key, answer in answers.items():
+        pending = state.inputs.pop(key, None)
+        if pending is not None and state.running:
+            commands.append(Answer(pending.upstream_id, answer))
+            state.inputs_written = False
+    if state.task_id is not None and not state.inputs_written and state.running:
+        commands += _write_inputs(state)
+    return commands
+
+
+def _release(state: CallState, reply: ReplyKind) -> list[Command]:
+    """Answer the waiting client. A poll-to-sync task nobody else can read is cancelled when its client is
+    answered with anything but its outcome."""
+    state.client_waiting = False
+    commands: list[Command] = [ClearTimer(Timer.WINDOW), Reply(reply)]
+    answered = isinstance(reply, ReplyInputRequired | ReplyOutcome)
+    if state.decision.holds_client and state.task_id is not None and state.running and not answered:
+        commands.append(settlement(None, CLIENT_LEFT))
+        commands += _detach(state, CLIENT_LEFT, cancel=True)
+    return commands
+
+
+def _detach(state: CallState, reason: str, *, cancel: bool = False) -> list[Command]:
+    """Nobody will answer or read this call any more: its open questions are refused, and with `cancel` the
+    upstream call is abandoned (otherwise the upstream ends it by itself: a cancel racing that end would break
+    an mcp 1.x session)."""
+    state.mode = Mode.DETACHED
+    commands: list[Command] = [
+        Refuse(pending.upstream_id, pending.method, "detached") for pending in state.inputs.values()
+    ]
+    state.inputs.clear()
+    if cancel:
+        commands += _cancel(state, reason)
+    return commands
+
+
+def _cancel(state: CallState, reason: str) -> list[Command]:
+    if not state.running:
+        return []
+    state.running = False
+    return [CancelCall(reason)]
+
+
+def _final_reply(state: CallState) -> ReplyKind:
+    if state.decision.asks_by_mrtr and state.missing:
+        return ReplyMissing(_merged(state.missing))
+    assert state.outcome is not None
+    return ReplyOutcome(state.outcome)
+
+
+def _merged(capabilities: list[JSON]) -> JSON:
+    required: JSON = {}
+    for capability in capabilities:
+        for name, sub in capability.items():
+            required[name] = {**required.get(name, {}), **sub}
+    return required
