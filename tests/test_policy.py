@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from proxy.config import TaskMode, TaskPolicyConfig, TasksConfig, ToolPolicyConfig
-from proxy.policy import Decision, Outcome, Policy, decide, named_tools, policy_for
+from proxy.policy import SYNC_CALL, Decision, Outcome, Policy, decide, named_tools, policy_for
 
 DEFAULT = {
     "mode": "optional",
@@ -249,7 +249,50 @@ def test_decide_with_resolve_input_first(
     )
     decision = decide(config, "tool", declares_tasks=declares)
     assert decision.outcome is expected
+    assert decision.policy is not None
     assert decision.policy.resolve_input_first is True
+
+
+# What each outcome means for the call's lifecycle: task record first, the client held until the task settles,
+# the window, how a question reaches a waiting client, a task even when done in time, progress asked upstream.
+PLAN_CASES = [
+    # outcome, mode, task_first, holds_client, window_ms, asks_by_mrtr, task_when_done, may_become_task
+    (Outcome.SYNC, "optional", False, False, None, True, False, False),
+    (Outcome.TASK, "required", True, False, None, False, False, True),
+    (Outcome.WINDOW, "optional", False, False, 700, False, False, True),
+    (Outcome.WAIT, "required", True, True, None, True, False, True),
+    (Outcome.INPUT_FIRST, "optional", False, False, 700, True, False, True),
+    (Outcome.INPUT_FIRST, "required", False, False, 700, True, True, True),
+]
+
+
+@pytest.mark.parametrize(
+    ("outcome", "mode", "task_first", "holds_client", "window_ms", "asks_by_mrtr", "task_when_done", "progress"),
+    PLAN_CASES,
+)
+def test_a_decision_says_how_the_call_behaves(
+    outcome: Outcome,
+    mode: TaskMode,
+    task_first: bool,
+    holds_client: bool,
+    window_ms: int | None,
+    asks_by_mrtr: bool,
+    task_when_done: bool,
+    progress: bool,
+) -> None:
+    policy = Policy(mode, 700, 60_000, 1000, "fail", resolve_input_first=outcome is Outcome.INPUT_FIRST)
+    decision = Decision(outcome, policy)
+    assert decision.task_first is task_first
+    assert decision.holds_client is holds_client
+    assert decision.window_ms == window_ms
+    assert decision.asks_by_mrtr is asks_by_mrtr
+    assert decision.task_when_done is task_when_done
+    assert decision.may_become_task is progress
+
+
+def test_prompts_and_resources_are_plain_synchronous_calls() -> None:
+    assert SYNC_CALL.policy is None
+    assert (SYNC_CALL.task_first, SYNC_CALL.window_ms, SYNC_CALL.asks_by_mrtr) == (False, None, True)
 
 
 def test_resolve_input_first_is_inherited_and_overridable() -> None:
