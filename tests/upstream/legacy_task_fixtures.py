@@ -6,9 +6,9 @@ unchanged. Registered on the low-level server, because FastMCP cannot declare ``
 Two departures from the SDK's defaults, each with an ``sdk_default`` switch that restores the SDK's own
 behaviour, follow the 2025-11-25 Tasks page (modelcontextprotocol.io/specification/2025-11-25/basic/utilities/tasks):
 an ``isError`` result ends the task ``failed`` (the SDK would say ``completed``), and a raising tool makes
-``tasks/result`` answer with a JSON-RPC error (the SDK answers an empty result). Session task groups are
-kept per session (the SDK shares one slot between all sessions, see ``_PerSessionTaskSupport``).
-Must not import proxy/.
+``tasks/result`` answer with a JSON-RPC error (the SDK answers an empty result). Two SDK defects that would
+break a live session are worked around: task groups are kept per session (``_PerSessionTaskSupport``), and
+tasks/cancel stops the work (``_stopped_by_cancel``). Must not import proxy/.
 """
 
 from __future__ import annotations
