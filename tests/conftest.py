@@ -26,6 +26,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.app import UPSTREAM, create_app
 from proxy.config import Config, load_config
+from tests.reference_server import EverythingServer, stdio_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_DIR = ROOT.parent / "shared" / "schema"
@@ -468,3 +469,35 @@ def processes() -> Iterator[list[ProxyProcess]]:
     yield started
     for process in started:
         process.stop()
+
+
+# --- upstreams that run their own 2025-11-25 tasks ------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def legacy_task_upstream() -> Iterator[Upstream]:
+    """The fixture upstream with the SDK's experimental Tasks and the legacy_task_* tools (--legacy-tasks)."""
+    server = Upstream("--legacy-tasks")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def everything() -> Iterator[EverythingServer]:
+    """The reference server @modelcontextprotocol/server-everything over Streamable HTTP (`.url`).
+
+    `make test` installs it; when Node or the package is missing this fails with how to install them.
+    """
+    server = EverythingServer()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def everything_stdio_argv() -> list[str]:
+    """The argv of server-everything in stdio mode (fails, not skips, when it is not installed)."""
+    return stdio_argv()

@@ -1,4 +1,5 @@
-"""Command line entry point: ``python -m tests.upstream --host H --port P [--stateless] [--json-response]``.
+"""Command line entry point: ``python -m tests.upstream --host H --port P [--stateless] [--json-response]
+[--legacy-tasks]``.
 
 Binds the listening socket itself (so ``--port 0`` works), serves the fixture with uvicorn at
 ``/mcp``, prints ``ready http://HOST:PORT/mcp`` once listening, and exits 0 on SIGTERM/SIGINT.
@@ -57,6 +58,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="SSE retry hint sent in priming events (default %(default)s)",
     )
     parser.add_argument("--no-resumability", action="store_true", help="no event store: no priming events")
+    parser.add_argument(
+        "--legacy-tasks",
+        action="store_true",
+        help="enable the SDK's experimental 2025-11-25 Tasks and the legacy_task_* tools",
+    )
     return parser.parse_args(argv)
 
 
@@ -97,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         json_response=args.json_response,
         retry_interval_ms=args.retry_ms,
         resumable=not args.no_resumability,
+        legacy_tasks=args.legacy_tasks,
     )
     config = uvicorn.Config(
         app,

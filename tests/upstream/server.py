@@ -28,7 +28,14 @@ from starlette.applications import Starlette
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tests.upstream import conformance_fixtures, core_fixtures, project_fixtures, support, task_fixtures
+from tests.upstream import (
+    conformance_fixtures,
+    core_fixtures,
+    legacy_task_fixtures,
+    project_fixtures,
+    support,
+    task_fixtures,
+)
 
 SERVER_NAME = "legacy-fixture-upstream"
 RESOURCE_NOT_FOUND = -32002
@@ -243,8 +250,10 @@ def build_server(
     json_response: bool = False,
     retry_interval_ms: int | None = DEFAULT_RETRY_INTERVAL_MS,
     resumable: bool = True,
+    legacy_tasks: bool = False,
 ) -> FixtureMCP:
-    """The fully registered fixture server (not yet bound to any transport)."""
+    """The fully registered fixture server (not yet bound to any transport); ``legacy_tasks`` adds the
+    tools the server runs as its own 2025-11-25 tasks (see legacy_task_fixtures.py)."""
     mcp = FixtureMCP(
         SERVER_NAME,
         instructions="Legacy (2025-11-25) fixture upstream for mcp-tasks-proxy tests and conformance runs.",
@@ -263,6 +272,8 @@ def build_server(
     task_fixtures.register(mcp)
     project_fixtures.register(mcp)
     _install_protocol_handlers(mcp._mcp_server)
+    if legacy_tasks:
+        legacy_task_fixtures.enable(mcp)
     return mcp
 
 
@@ -273,6 +284,7 @@ def build_app(
     json_response: bool = False,
     retry_interval_ms: int | None = DEFAULT_RETRY_INTERVAL_MS,
     resumable: bool = True,
+    legacy_tasks: bool = False,
 ) -> Starlette:
     """ASGI app serving the fixture at ``/mcp`` (its lifespan runs the SDK session manager)."""
     return build_server(
@@ -281,4 +293,5 @@ def build_app(
         json_response=json_response,
         retry_interval_ms=retry_interval_ms,
         resumable=resumable,
+        legacy_tasks=legacy_tasks,
     ).streamable_http_app()
