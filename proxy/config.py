@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 ENV_PREFIX = "MCP_TASKS_PROXY_"
 MIN_SECRET_BYTES = 32  # the key that signs MRTR requestState (inputs.secret_file)
@@ -52,9 +53,50 @@ class ListenConfig(_Frozen):
 
 
 class UpstreamConfig(_Frozen):
+    """The legacy server: over Streamable HTTP (`url`) or as a stdio program the proxy runs (`command`).
+
+    Exactly one of the two is set; an empty value (or null) means not set."""
+
     url: str = Field(
-        "http://127.0.0.1:9000/mcp",
-        description="Streamable HTTP endpoint of the legacy MCP server (2025-06-18 or 2025-11-25).",
+        "",
+        description="Streamable HTTP endpoint of the legacy MCP server (2025-06-18 or 2025-11-25). Exactly one of "
+        "`url` and `command` is set; empty: not set.",
+    )
+    command: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        description="Instead of `url`: the argv of a legacy MCP server that speaks stdio (e.g. `[uvx, "
+        "mcp-server-fetch]`), started and supervised by the proxy. Empty: not set.",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="With `command`: environment variables for the server, set over the few it inherits from the "
+        "proxy (HOME, LOGNAME, PATH, SHELL, TERM, USER, LANG, LC_ALL, LC_CTYPE, TZ, TMPDIR); nothing else of the "
+        "proxy's environment reaches it.",
+    )
+    cwd: str | None = Field(None, description="With `command`: the server's working directory; null: the proxy's own.")
+    max_processes: int = Field(
+        8,
+        gt=0,
+        description="With `command`: server processes running at once. A stdio server has exactly one client, "
+        "so one process is one upstream session, and this bounds them.",
+    )
+    process_idle_seconds: float = Field(
+        300.0,
+        gt=0,
+        description="With `command`: a server process with no call in flight for this long is stopped, except "
+        "the last one, which stays ready for the next request.",
+    )
+    max_line_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=1024,
+        description="With `command`: the longest line (one JSON-RPC message) a server may write on stdout; a "
+        "longer one kills that process, so one runaway message cannot exhaust the proxy's memory.",
+    )
+    stop_grace_seconds: float = Field(
+        5.0,
+        ge=0,
+        description="With `command`: stopping a server closes its stdin and waits this long, then sends SIGTERM "
+        "(to its whole process group) and waits as long again, then sends SIGKILL.",
     )
     headers: dict[str, str] = Field(
         default_factory=dict,
@@ -84,12 +126,31 @@ class UpstreamConfig(_Frozen):
         "with an older one, which is then used).",
     )
 
+    @field_validator("url", "command", mode="before")
+    @classmethod
+    def _null_is_unset(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            return "" if info.field_name == "url" else []
+        return value
+
     @field_validator("url")
     @classmethod
     def _url_is_http(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")):
+        if value and not value.startswith(("http://", "https://")):
             raise ValueError("must be an http:// or https:// URL")
         return value
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> UpstreamConfig:
+        if bool(self.url) == bool(self.command):
+            which = "both are set" if self.url else "neither is set"
+            raise PydanticCustomError(
+                "upstream_kind",
+                "set exactly one of upstream.url (a Streamable HTTP server) and upstream.command (a stdio "
+                "server); {which}",
+                {"which": which},
+            )
+        return self
 
 
 class SecurityConfig(_Frozen):
@@ -293,7 +354,10 @@ class LoggingConfig(_Frozen):
 
 class Config(_Frozen):
     listen: ListenConfig = Field(default_factory=ListenConfig, description="Where the proxy listens.")
-    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig, description="The legacy MCP server.")
+    # Validated even when the section is missing, so that "neither url nor command" is reported with its path.
+    upstream: UpstreamConfig = Field(
+        default_factory=lambda: {}, validate_default=True, description="The legacy MCP server."
+    )
     security: SecurityConfig = Field(default_factory=SecurityConfig, description="Request admission.")
     discovery: DiscoveryConfig = Field(
         default_factory=DiscoveryConfig, description="Caching hints on discover and list results."

@@ -9,15 +9,17 @@ import pytest
 from pydantic import BaseModel
 
 from proxy.cli import main
-from proxy.config import Config, ConfigError, load_config
+from proxy.config import Config, ConfigError, UpstreamConfig, load_config
+from proxy.upstream.stdio import INHERITED_ENV_VARS
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "config" / "proxy.example.yaml"
+SIDECAR_URL = "http://127.0.0.1:9000/mcp"
 
 
 def test_the_example_shows_every_field_and_loads() -> None:
     config = load_config(EXAMPLE, environ={})
-    assert config == Config()  # the example documents the defaults
+    assert config == Config.model_validate({"upstream": {"url": SIDECAR_URL}})  # the defaults, plus a url
     text = EXAMPLE.read_text()
     for section, _ in _sections():
         assert f"\n{section}:" in text, section
@@ -117,7 +119,7 @@ def test_bad_env_names_are_errors() -> None:
 
 
 def test_config_is_frozen() -> None:
-    config = Config()
+    config = Config.model_validate({"upstream": {"url": SIDECAR_URL}})
     with pytest.raises(ValueError, match="frozen"):
         config.listen.port = 1  # type: ignore[misc]
 
@@ -146,12 +148,98 @@ def test_the_request_state_secret_file_is_checked_on_load(tmp_path: Path, capsys
     """A missing or short key file (e.g. an unmounted Secret) fails `check-config` and start-up, not a retry."""
     secret = tmp_path / "state.key"
     secret.write_bytes(b"x" * 40 + b"\n")
-    config = load_config(None, environ={"MCP_TASKS_PROXY_INPUTS__SECRET_FILE": str(secret)})
+    environ = {"MCP_TASKS_PROXY_INPUTS__SECRET_FILE": str(secret), "MCP_TASKS_PROXY_UPSTREAM__URL": SIDECAR_URL}
+    config = load_config(None, environ=environ)
     assert config.inputs.secret_file == str(secret)
     secret.write_bytes(b"short\n")
     file = tmp_path / "proxy.yaml"
-    file.write_text(f"inputs: {{secret_file: {secret}}}\n")
+    file.write_text(f"inputs: {{secret_file: {secret}}}\nupstream: {{url: {SIDECAR_URL}}}\n")
     assert main(["check-config", str(file)]) == 2
     assert "inputs.secret_file" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(None, environ={}, overrides={"inputs": {"secret_file": str(tmp_path / "absent")}})
+
+
+# --- the upstream: a URL or a command, exactly one ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("upstream", "which"),
+    [
+        ({}, "neither is set"),
+        ({"url": "", "command": []}, "neither is set"),
+        ({"url": None, "command": None}, "neither is set"),
+        ({"url": SIDECAR_URL, "command": ["uvx", "mcp-server-fetch"]}, "both are set"),
+    ],
+)
+def test_exactly_one_of_url_and_command_is_set(upstream: dict[str, object], which: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, environ={}, overrides={"upstream": upstream})
+    [problem] = caught.value.problems
+    assert problem.startswith("upstream: ")
+    assert "upstream.url" in problem
+    assert "upstream.command" in problem
+    assert which in problem
+
+
+def test_no_config_at_all_names_the_missing_upstream() -> None:
+    with pytest.raises(ConfigError, match=r"upstream\.url .* upstream\.command .*neither is set"):
+        load_config(None, environ={})
+
+
+def test_a_stdio_upstream_loads_with_its_settings_and_null_clears_the_url(tmp_path: Path) -> None:
+    path = tmp_path / "stdio.yaml"
+    path.write_text(
+        "upstream:\n  url: http://127.0.0.1:9000/mcp\n  command: [npx, -y, '@modelcontextprotocol/server-everything']\n"
+        "  env: {API_KEY: abc}\n  cwd: /srv\n  max_processes: 2\n  max_line_bytes: 65536\n"
+    )
+    with pytest.raises(ConfigError, match="both are set"):
+        load_config(path, environ={})
+    upstream = load_config(path, environ={"MCP_TASKS_PROXY_UPSTREAM__URL": "null"}).upstream
+    assert upstream.url == ""
+    assert upstream.command == ["npx", "-y", "@modelcontextprotocol/server-everything"]
+    assert (upstream.env, upstream.cwd, upstream.max_processes, upstream.max_line_bytes) == (
+        {"API_KEY": "abc"},
+        "/srv",
+        2,
+        65536,
+    )
+    assert (upstream.process_idle_seconds, upstream.stop_grace_seconds) == (300.0, 5.0)
+    environ = {"MCP_TASKS_PROXY_UPSTREAM__URL": "", "MCP_TASKS_PROXY_UPSTREAM__COMMAND": "[uvx, mcp-server-fetch]"}
+    assert load_config(path, environ=environ).upstream.command == ["uvx", "mcp-server-fetch"]
+
+
+def test_stdio_settings_are_checked(tmp_path: Path) -> None:
+    overrides = {
+        "upstream": {"command": ["ok", ""], "max_processes": 0, "max_line_bytes": 10, "env": {"N": 1}},
+    }
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, environ={}, overrides=overrides)
+    problems = "\n".join(caught.value.problems)
+    for expected in ("upstream.command.1", "upstream.max_processes", "upstream.max_line_bytes", "upstream.env.N"):
+        assert expected in problems
+
+
+def test_the_env_description_names_every_inherited_variable() -> None:
+    description = UpstreamConfig.model_fields["env"].description
+    assert description is not None
+    for name in INHERITED_ENV_VARS:
+        assert name in description, name
+
+
+def test_check_config_reports_both_and_neither_and_accepts_a_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file = tmp_path / "proxy.yaml"
+    file.write_text("upstream: {command: [uvx, mcp-server-fetch]}\n")
+    assert main(["check-config", str(file)]) == 0
+    assert "ok" in capsys.readouterr().out
+    file.write_text("upstream: {command: [uvx, mcp-server-fetch], url: http://127.0.0.1:9000/mcp}\n")
+    assert main(["check-config", str(file)]) == 2
+    assert "both are set" in capsys.readouterr().err
+    file.write_text("listen: {port: 8081}\n")
+    assert main(["check-config", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert "upstream.url" in err
+    assert "upstream.command" in err
+    assert "neither is set" in err

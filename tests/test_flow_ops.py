@@ -258,7 +258,7 @@ async def test_tasks_cli_reads_a_live_database(
     assert shown["tool"] == "echo"
     assert shown["result"]["content"][0]["text"] == "cli"
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"store": {"path": str(database)}}))
+    config.write_text(yaml.safe_dump({"upstream": {"url": upstream.url}, "store": {"path": str(database)}}))
     assert await asyncio.to_thread(main, ["tasks", "stats", "--config", str(config)]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["completed"] == 1

@@ -3,6 +3,8 @@
 
 Binds the listening socket itself (so ``--port 0`` works), serves the fixture with uvicorn at
 ``/mcp``, prints ``ready http://HOST:PORT/mcp`` once listening, and exits 0 on SIGTERM/SIGINT.
+``--stdio`` serves the same fixture over the stdio transport instead (stdout carries only protocol
+messages; it exits 0 when stdin closes).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Iterator, Sequence
 import anyio
 import uvicorn
 
-from tests.upstream.server import DEFAULT_RETRY_INTERVAL_MS, build_app
+from tests.upstream.server import DEFAULT_RETRY_INTERVAL_MS, build_app, build_server
 
 _GRACEFUL_SHUTDOWN_S = 1
 
@@ -63,6 +65,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="enable the SDK's experimental 2025-11-25 Tasks and the legacy_task_* tools",
     )
+    parser.add_argument("--stdio", action="store_true", help="serve over stdin/stdout instead of HTTP")
     return parser.parse_args(argv)
 
 
@@ -93,6 +96,9 @@ async def _serve(server: _Server, sock: socket.socket, url: str) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
+    if args.stdio:
+        anyio.run(build_server(legacy_tasks=args.legacy_tasks).run_stdio_async)
+        return 0
     host: str = args.host.strip("[]")
     sock = _bind(host, args.port)
     port = sock.getsockname()[1]
