@@ -85,6 +85,13 @@ def declared(capabilities: Any, method: str, params: Any) -> bool:
     return True
 
 
+def could_answer(capabilities: Any) -> bool:
+    """Could a client with these ClientCapabilities be asked anything at all (elicitation, sampling, roots)?"""
+    return isinstance(capabilities, dict) and any(
+        isinstance(capabilities.get(name), dict) for name in ("elicitation", "sampling", "roots")
+    )
+
+
 def upstream_answer(key: str, method: str, response: Any) -> JSON:
     """The client's `inputResponses[key]` as the JSON-RPC result the upstream waits for; -32602 naming the key
     when it is not a valid answer to that kind of question."""

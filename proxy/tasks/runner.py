@@ -418,7 +418,8 @@ class TaskRunner:
         async def on_stream(event: UpstreamEvent) -> None:
             await self.dispatch(call, self._event(event))
 
-        async with self.upstream.lease(call.principal, on_stream) as session:
+        asks = inputs.could_answer(call.state.capabilities)
+        async with self.upstream.lease(call.principal, on_stream, asks=asks) as session:
             yield session
 
     def _event(self, event: UpstreamEvent) -> Event:

@@ -82,9 +82,11 @@ class UpstreamClient:
             self._release(session, principal_key(principal))
 
     @asynccontextmanager
-    async def lease(self, principal: str | None, sink: Sink) -> AsyncIterator[UpstreamSession]:
+    async def lease(self, principal: str | None, sink: Sink, *, asks: bool = True) -> AsyncIterator[UpstreamSession]:
         """A session of the principal for one call alone, initialized (its GET stream open) before it is
-        handed out; its GET-stream traffic goes to `sink` until the lease ends."""
+        handed out; its GET-stream traffic goes to `sink` until the lease ends. `asks`: the call's client could
+        answer a question. HTTP sessions are cheap, so every call gets one of its own regardless (then even a
+        client that declared nothing is the one told what it lacks)."""
         key = principal_key(principal)
         spare = self._spare.get(key)
         session = spare.pop() if spare else UpstreamSession(self.link, principal)
