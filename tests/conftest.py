@@ -26,6 +26,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.app import create_app
 from proxy.config import Config, load_config
+from tests import pg
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_DIR = ROOT.parent / "shared" / "schema"
@@ -458,3 +459,20 @@ def processes() -> Iterator[list[ProxyProcess]]:
     yield started
     for process in started:
         process.stop()
+
+
+# --- PostgreSQL for the store tests (tests/pg.py): a server per session, a database per test ----------------
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[pg.PgServer]:
+    """MCP_TASKS_PROXY_TEST_PG's server, else a throwaway one; a server that cannot start fails the tests."""
+    with pg.server() as server:
+        yield server
+
+
+@pytest.fixture
+def pg_dsn(pg_server: pg.PgServer) -> Iterator[str]:
+    """A fresh, empty database of its own for one test (dropped afterwards)."""
+    with pg_server.database() as dsn:
+        yield dsn
