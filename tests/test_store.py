@@ -104,7 +104,7 @@ def creation_thread(store: TaskStore) -> Executor:
         assert store._writer is not None
         return store._writer
     assert isinstance(store, PostgresTaskStore)
-    return store._creator
+    return store._creator.executor
 
 
 async def hold_creations(store: TaskStore) -> tuple[threading.Event, asyncio.Future[None]]:

@@ -145,7 +145,7 @@ async def test_connection_pragmas(db_path: Path, synchronous: Any, expected: int
         assert writer is not None
 
         def pragmas() -> tuple[Any, ...]:
-            conn = store._writer_conn().conn
+            conn = store._writer_state.db().conn
             return tuple(
                 conn.execute(f"PRAGMA {name}").fetchone()[0] for name in ("synchronous", "journal_mode", "busy_timeout")
             )

@@ -9,19 +9,16 @@ PostgreSQL project's maintained adapter, on libpq, so every libpq setting (`PGPA
 options in the URL) works as operators expect. asyncpg is faster on raw row decoding, which this store
 barely does (a few rows per call), and needs a separate stub package and its own LISTEN callbacks.
 
-Creations go through one thread with its own connection (group commit, as in the SQLite store: the batch is
-never run in a caller's coroutine, so a caller that leaves cannot cut it short); everything else runs on
-the loop through the pool, mostly one statement (one implicit transaction) per call, with its change
-notification in the same statement. Depends on psycopg, psycopg_pool and the store's `base`, `batching`,
-`pg_schema`, `pg_feed`; it must not import aiohttp, the runner or the front.
+Creations go through one thread with its own connection (`pg_create.py`); everything else runs on the loop
+through the pool, mostly one statement (one implicit transaction) per call, with its change notification in
+the same statement. Depends on psycopg, psycopg_pool and the store's `base`, `pg_create`, `pg_schema`,
+`pg_feed`; it must not import aiohttp, the runner or the front.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
 import psycopg
@@ -40,17 +37,15 @@ from proxy.tasks.store.base import (
     FencedError,
     Message,
     StoreError,
-    StoreFullError,
     check_kind,
     claim_values,
     decode,
     encode,
     inputs_values,
     records_from_rows,
-    row_from_record,
     settle_values,
 )
-from proxy.tasks.store.batching import CreationBatcher
+from proxy.tasks.store.pg_create import PgCreator
 from proxy.tasks.store.pg_feed import PgFeed
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import LIVE, TaskRecord, TaskStatus
@@ -99,9 +94,7 @@ class PostgresTaskStore:
             timeout=POOL_WAIT_SECONDS,
             name="mcp-tasks-proxy",
         )
-        self._creator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="task-store-creator")
-        self._creator_conn: psycopg.Connection[Any] | None = None  # owned by the creator thread
-        self._batcher = CreationBatcher(self._create_all, url)
+        self._creator = PgCreator(url, lambda: self.connect_kwargs(application="mcp-tasks-proxy-creator"), max_records)
         self._feed = PgFeed(self)
 
     @classmethod
@@ -202,7 +195,7 @@ class PostgresTaskStore:
     async def create(self, record: TaskRecord) -> None:
         """Returns once the record is committed, so any replica's `get` finds it. Group commit, as in SQLite."""
         self._check_open(f"create {record.task_id}", write=True)
-        await self._batcher.create(self._creator, record)
+        await self._creator.create(record)
 
     async def get(self, task_id: str) -> TaskRecord | None:
         rows = await self._rows(f"get {task_id}", "SELECT * FROM tasks WHERE task_id = %s", [task_id], write=False)
@@ -337,74 +330,7 @@ class PostgresTaskStore:
         self._closed = True
         await self._feed.close()
         await self._pool.close()
-        await asyncio.get_running_loop().run_in_executor(self._creator, self._close_creator)
-        self._creator.shutdown(wait=False)
-
-    # -- creations: the creator thread -----------------------------------------------------------------------
-
-    def _creator_connection(self) -> psycopg.Connection[Any]:
-        conn = self._creator_conn
-        if conn is None or conn.closed:
-            conn = self._creator_conn = psycopg.Connection.connect(
-                self.url, **self.connect_kwargs(application="mcp-tasks-proxy-creator")
-            )
-        return conn
-
-    def _close_creator(self) -> None:
-        conn, self._creator_conn = self._creator_conn, None
-        if conn is not None:
-            conn.close()
-
-    def _create_all(self, records: list[TaskRecord]) -> list[StoreError | None]:
-        """One transaction, two round trips: lock the count, find duplicates and evictable records; then evict,
-        insert and commit. Each record fails on its own (a duplicate id, no room), as in SQLite."""
-        if self._closed:
-            raise StoreError("the store is closed")
-        conn = self._creator_connection()
-        try:
-            with conn.pipeline(), conn.transaction():
-                counted = conn.execute(schema.LOCK_COUNT_SQL)
-                existing = conn.execute(schema.EXISTING_SQL, [[record.task_id for record in records]])
-                evictable = conn.execute(
-                    schema.EVICTABLE_SQL, {"batch": len(records), "max_records": self._max_records}
-                )
-                count = int(counted.fetchone()["records"])  # type: ignore[index]
-                taken = {row["task_id"] for row in existing.fetchall()}
-                can_evict = int(evictable.fetchone()["count"])  # type: ignore[index]
-                errors, accepted, evict = self._admit(records, count, taken, can_evict)
-                if evict:
-                    conn.execute(schema.EVICT_SQL, [evict])
-                if accepted:
-                    rows = [row_from_record(record) for record in accepted]
-                    columns = {name: [row[name] for row in rows] for name in rows[0]}
-                    conn.execute(schema.INSERT_SQL, columns)
-        except psycopg.Error:
-            if conn.broken:
-                self._creator_conn = None
-            raise
-        return errors
-
-    def _admit(
-        self, records: list[TaskRecord], count: int, taken: set[str], can_evict: int
-    ) -> tuple[list[StoreError | None], list[TaskRecord], int]:
-        """Which records go in, in order: each one at capacity evicts the oldest settled record, or is refused."""
-        errors: list[StoreError | None] = []
-        accepted: list[TaskRecord] = []
-        evict = 0
-        for record in records:
-            if record.task_id in taken:
-                errors.append(StoreError(f"task store {self.url}: create {record.task_id} failed: duplicate task id"))
-                continue
-            needed = max(0, count - self._max_records + 1)
-            if needed > can_evict - evict:
-                errors.append(StoreFullError(f"task store full: {self._max_records} live tasks"))
-                continue
-            taken.add(record.task_id)
-            accepted.append(record)
-            evict += needed
-            count += 1 - needed
-            errors.append(None)
-        return errors, accepted, evict
+        await self._creator.close()
 
     # -- replicas: leases and take-over ----------------------------------------------------------------------
 

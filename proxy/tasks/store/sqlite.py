@@ -2,79 +2,48 @@
 
 Every SQLite call runs off the event loop: one writer thread owns the write connection, one reader thread owns
 a read-only connection. One process is the only replica: its lease never lapses, a fence checks the owner
-only, and the change feed is in-process. Depends on sqlite-utils and the store's `base`, `batching`, `feed`
-and `sqlite_schema`; it must not import aiohttp, the runner or the front.
+only, and the change feed is in-process. Depends on sqlite-utils and the store's `base`, `batching`, `feed`,
+`sqlite_schema` and `sqlite_writer` (the writer thread's work); it must not import aiohttp, the runner or
+the front.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
-import os
 import sqlite3
-import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
-from urllib.parse import quote
 
 from sqlite_utils import Database
 
-from proxy.tasks import pacing
 from proxy.tasks.store import sqlite_schema as schema
 from proxy.tasks.store.base import (
     LIVE_SQL,
-    MESSAGE_RETENTION_MS,
     STATUS,
     STATUS_KEYS,
     Change,
     Fence,
-    FencedError,
     Message,
     StoreError,
-    StoreFullError,
-    StoreLockedError,
     check_kind,
     claim_values,
-    decode,
     encode,
     inputs_values,
     records_from_rows,
-    row_from_record,
     settle_values,
 )
-from proxy.tasks.store.batching import CreationBatcher, caused
+from proxy.tasks.store.batching import CreationBatcher
 from proxy.tasks.store.feed import LocalFeed
+from proxy.tasks.store.sqlite_writer import SqliteWriter, connect, rows, wall_ms
 from proxy.wire.jsonrpc import JSON
-from proxy.wire.tasks import LIVE, TaskRecord, TaskStatus
+from proxy.wire.tasks import TaskRecord, TaskStatus
 
 _T = TypeVar("_T")
 _MIN_SQLITE_VERSION: Final = (3, 35, 0)  # UPDATE ... RETURNING
 _EPOCH: Final = 1  # the one process holds the file lock: its lease never lapses
-
-
-def _rows(cursor: sqlite3.Cursor) -> list[dict[str, Any]]:
-    names = [column[0] for column in cursor.description]
-    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
-
-
-def _messages(cursor: sqlite3.Cursor) -> list[Message]:
-    rows = sorted(cursor.fetchall())
-    return [Message(row[0], row[1], row[2], row[3], decode(row[4])) for row in rows]
-
-
-def _connect(path: Path, *, read_only: bool) -> Database:
-    # A URI, so that `?` or `#` in a path cannot be read as URI syntax; mode=ro makes the reader read-only.
-    conn = sqlite3.connect(f"file:{quote(str(path))}{'?mode=ro' if read_only else ''}", uri=True)
-    db = Database(conn, execute_plugins=False)
-    db.execute("PRAGMA busy_timeout=5000")
-    return db
-
-
-def _wall_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class SqliteTaskStore:
@@ -95,20 +64,15 @@ class SqliteTaskStore:
             raise ValueError(f"synchronous must be 'normal' or 'full', got {synchronous!r}")
         self.path = path
         self.read_only = read_only
-        self._max_records = max_records
-        self._synchronous = synchronous
         self._closed = False
         self._close_done = asyncio.Event()
         self._writer: ThreadPoolExecutor | None = (
             None if read_only else ThreadPoolExecutor(max_workers=1, thread_name_prefix="task-store-writer")
         )
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="task-store-reader")
-        self._batcher = CreationBatcher(self._create_all, str(path))
+        self._writer_state = SqliteWriter(path, max_records=max_records, synchronous=synchronous)  # writer thread
+        self._batcher = CreationBatcher(self._writer_state.create_all, str(path))
         self._feed = LocalFeed()
-        # Owned by the writer thread:
-        self._writer_db: Database | None = None
-        self._lock_fd: int | None = None
-        self._record_count = 0
         # Owned by the reader thread:
         self._reader_db: Database | None = None
 
@@ -124,7 +88,7 @@ class SqliteTaskStore:
         store = cls(Path(path), max_records=max_records, synchronous=synchronous, read_only=read_only)
         try:
             if not read_only:
-                await store._write("open", store._open_writer)
+                await store._write("open", store._writer_state.open)
             await store._read("open", store._open_reader)
         except BaseException:
             with contextlib.suppress(StoreError):  # the open failure is the error to report
@@ -189,21 +153,10 @@ class SqliteTaskStore:
         sql = f"UPDATE tasks SET {assignments} WHERE task_id = :task_id AND status IN ({LIVE_SQL}){fenced} RETURNING *"
         params = {**values, "now_ms": now_ms, "task_id": task_id, "fence_owner": fence and fence.owner}
 
-        def run() -> TaskRecord | None:
-            changed = self._change(sql, params)
-            if changed is None and fence is not None:
-                self._check_fence(task_id, fence)
-            return changed
-
-        record = await self._write(f"update {task_id}", run)
+        record = await self._write(f"update {task_id}", lambda: self._writer_state.change(sql, params, task_id, fence))
         if record is not None:
             self._feed.publish(Change(STATUS, record.task_id, record.owner, record.status))
         return record
-
-    def _check_fence(self, task_id: str, fence: Fence) -> None:
-        row = self._writer_conn().execute("SELECT owner, status FROM tasks WHERE task_id = ?", [task_id]).fetchone()
-        if row is not None and TaskStatus(row[1]) in LIVE:
-            raise FencedError(f"task {task_id} is owned by {row[0]}, not {fence.owner}")
 
     async def live(self, owner: str | None = None) -> list[TaskRecord]:
         mine = "" if owner is None else " AND owner = ?"
@@ -226,20 +179,11 @@ class SqliteTaskStore:
 
     async def purge_expired(self, now_ms: int) -> int:
         """Settled records past their TTL; also messages nobody took within an hour, and forgotten tools."""
-
-        def run() -> int:
-            purged = self._delete(schema.PURGE_SQL, [now_ms])
-            db = self._writer_conn()
-            with db.atomic():
-                db.execute(schema.PURGE_MESSAGES_SQL, [_wall_ms() - MESSAGE_RETENTION_MS])
-                db.execute(schema.TRIM_DURATIONS_SQL, [pacing.MAX_TOOLS])
-            return purged
-
-        return await self._write("purge_expired", run)
+        return await self._write("purge_expired", lambda: self._writer_state.purge(now_ms))
 
     async def delete(self, task_id: str) -> bool:
         deleted = await self._write(
-            f"delete {task_id}", lambda: self._delete("DELETE FROM tasks WHERE task_id = ?", [task_id])
+            f"delete {task_id}", lambda: self._writer_state.delete("DELETE FROM tasks WHERE task_id = ?", [task_id])
         )
         return deleted > 0
 
@@ -255,13 +199,7 @@ class SqliteTaskStore:
 
     async def check_writable(self, now_ms: int) -> None:
         """Commit one tiny write (readiness): raises StoreError when the file no longer takes writes."""
-
-        def run() -> None:
-            db = self._writer_conn()
-            with db.atomic():
-                db.execute(schema.HEALTH_SQL, [now_ms])
-
-        await self._write("health check", run)
+        await self._write("health check", lambda: self._writer_state.health(now_ms))
 
     async def size_bytes(self) -> int:
         """The database file and its WAL on disk (metrics); 0 for a file that is not there."""
@@ -285,7 +223,7 @@ class SqliteTaskStore:
     async def set_trace_callback(self, callback: Callable[[str], object] | None) -> None:
         """Debugging and tests: `callback(sql)` runs for every statement, in the thread that executes it."""
         if self._writer is not None:
-            await self._write("trace", lambda: self._writer_conn().conn.set_trace_callback(callback))
+            await self._write("trace", lambda: self._writer_state.trace(callback))
         await self._read("trace", lambda: self._reader_conn().conn.set_trace_callback(callback))
 
     # -- one process, one replica: the lease is the file lock ----------------------------------------------------
@@ -308,23 +246,18 @@ class SqliteTaskStore:
     async def notify_owner(self, task_id: str, kind: str, payload: JSON) -> Message | None:
         """A durable message for the owner of a live task (None when it is settled or unknown)."""
         check_kind(kind)
-        params = {"kind": kind, "key": task_id, "payload": encode(payload), "now_ms": _wall_ms()}
+        params = {"kind": kind, "key": task_id, "payload": encode(payload), "now_ms": wall_ms()}
         return await self._post(task_id, schema.NOTIFY_OWNER_SQL, params)
 
     async def notify_replica(self, replica_id: str, kind: str, key: str, payload: JSON) -> Message:
         check_kind(kind)
-        params = {"recipient": replica_id, "kind": kind, "key": key, "payload": encode(payload), "now_ms": _wall_ms()}
+        params = {"recipient": replica_id, "kind": kind, "key": key, "payload": encode(payload), "now_ms": wall_ms()}
         message = await self._post(key, schema.NOTIFY_REPLICA_SQL, params)
         assert message is not None  # an INSERT ... VALUES always returns its row
         return message
 
     async def _post(self, key: str, sql: str, params: dict[str, Any]) -> Message | None:
-        def run() -> list[Message]:
-            db = self._writer_conn()
-            with db.atomic():
-                return _messages(db.execute(sql, params))
-
-        messages = await self._write(f"message {key}", run)
+        messages = await self._write(f"message {key}", lambda: self._writer_state.messages(sql, params))
         for message in messages:
             self._feed.publish(Change(message.kind, message.key, message.recipient))
         return messages[0] if messages else None
@@ -332,12 +265,9 @@ class SqliteTaskStore:
     async def take_messages(self, replica_id: str) -> list[Message]:
         """Every message addressed to `replica_id`, oldest first, removed from the store."""
 
-        def run() -> list[Message]:
-            db = self._writer_conn()
-            with db.atomic():
-                return _messages(db.execute(schema.TAKE_MESSAGES_SQL, [replica_id]))
-
-        return await self._write("take_messages", run)
+        return await self._write(
+            "take_messages", lambda: self._writer_state.messages(schema.TAKE_MESSAGES_SQL, [replica_id])
+        )
 
     def changes(self, for_replica: str | None = None) -> contextlib.AbstractAsyncContextManager[AsyncIterator[Change]]:
         """This process's changes, from now on (a RESYNC first); see `LocalFeed.subscribe`."""
@@ -347,15 +277,7 @@ class SqliteTaskStore:
 
     async def observe_duration(self, tool: str, duration_ms: float) -> float:
         """Fold one completed task's duration into its tool's running estimate; the new estimate."""
-        params = {"tool": tool, "ms": float(duration_ms), "now_ms": _wall_ms(), "smoothing": pacing.SMOOTHING}
-
-        def run() -> float:
-            db = self._writer_conn()
-            with db.atomic():
-                (estimate,) = db.execute(schema.OBSERVE_SQL, params).fetchone()
-            return float(estimate)
-
-        return await self._write(f"observe {tool}", run)
+        return await self._write(f"observe {tool}", lambda: self._writer_state.observe(tool, float(duration_ms)))
 
     async def duration_estimates(self) -> dict[str, float]:
         def run() -> dict[str, float]:
@@ -397,7 +319,7 @@ class SqliteTaskStore:
         # Reader first, so the writer's connection is the last one and SQLite can remove the -wal/-shm files.
         for executor, work in (
             (self._reader, self._close_reader),
-            (self._writer, lambda: self._close_writer(checkpoint)),
+            (self._writer, lambda: self._writer_state.close(checkpoint)),
         ):
             if executor is None:
                 continue
@@ -411,90 +333,6 @@ class SqliteTaskStore:
         if errors:
             raise errors[0]
 
-    # -- writer thread ---------------------------------------------------------------------------------------
-
-    def _writer_conn(self) -> Database:
-        if self._writer_db is None:
-            raise StoreError(f"the task store {self.path} is not open")
-        return self._writer_db
-
-    def _open_writer(self) -> None:
-        if sqlite3.sqlite_version_info < _MIN_SQLITE_VERSION:
-            raise StoreError(
-                f"the task store needs SQLite >= 3.35 (RETURNING), this Python has {sqlite3.sqlite_version}"
-            )
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            lock_fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise StoreError(f"cannot open the task store {self.path}: {exc}") from exc
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(lock_fd)
-            raise StoreLockedError(f"{self.path} is in use by another mcp-tasks-proxy process") from exc
-        self._lock_fd = lock_fd
-        db = self._writer_db = _connect(self.path, read_only=False)
-        db.enable_wal()
-        db.execute(f"PRAGMA synchronous={self._synchronous.upper()}")
-        schema.MIGRATIONS.apply(db)
-        (self._record_count,) = db.execute("SELECT COUNT(*) FROM tasks").fetchone()
-
-    def _create_all(self, records: list[TaskRecord]) -> list[StoreError | None]:
-        db = self._writer_conn()
-        errors: list[StoreError | None] = []
-        count = self._record_count
-        with db.atomic():
-            for record in records:
-                try:
-                    with db.atomic():  # a savepoint: a record that fails takes back only itself
-                        evicted = 0
-                        if count >= self._max_records:
-                            needed = count - self._max_records + 1
-                            evicted = db.execute(schema.EVICT_SQL, {"count": needed}).rowcount
-                            if evicted < needed:
-                                raise StoreFullError(f"task store full: {self._max_records} live tasks")
-                        db.execute(schema.INSERT_SQL, row_from_record(record))
-                except StoreFullError as exc:
-                    errors.append(exc)
-                except sqlite3.IntegrityError as exc:
-                    message = f"task store {self.path}: create {record.task_id} failed: {exc}"
-                    errors.append(caused(StoreError(message), exc))
-                else:
-                    count += 1 - evicted
-                    errors.append(None)
-        self._record_count = count  # COMMIT succeeded
-        return errors
-
-    def _change(self, sql: str, params: dict[str, Any]) -> TaskRecord | None:
-        db = self._writer_conn()
-        with db.atomic():
-            # All rows are fetched before COMMIT: a RETURNING statement still stepping would block it.
-            records = records_from_rows(_rows(db.execute(sql, params)))
-        return records[0] if records else None
-
-    def _delete(self, sql: str, params: list[Any]) -> int:
-        db = self._writer_conn()
-        with db.atomic():
-            deleted = db.execute(sql, params).rowcount
-        self._record_count -= deleted
-        return deleted
-
-    def _close_writer(self, checkpoint: bool) -> None:
-        db, self._writer_db = self._writer_db, None
-        try:
-            if db is not None:
-                try:
-                    if checkpoint:
-                        db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-                finally:
-                    db.close()
-        finally:
-            if self._lock_fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(self._lock_fd)  # closing the descriptor releases the flock
-                self._lock_fd = None
-
     # -- reader thread ---------------------------------------------------------------------------------------
 
     def _reader_conn(self) -> Database:
@@ -503,12 +341,12 @@ class SqliteTaskStore:
         return self._reader_db
 
     def _open_reader(self) -> None:
-        db = self._reader_db = _connect(self.path, read_only=True)
+        db = self._reader_db = connect(self.path, read_only=True)
         if not db.table("tasks").exists():
             raise StoreError(f"{self.path} is not a task database (it has no tasks table)")
 
     def _select(self, sql: str, params: list[Any]) -> list[TaskRecord]:
-        return records_from_rows(_rows(self._reader_conn().execute(sql, params)))
+        return records_from_rows(rows(self._reader_conn().execute(sql, params)))
 
     def _close_reader(self) -> None:
         db, self._reader_db = self._reader_db, None
