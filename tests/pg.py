@@ -33,6 +33,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 ENV = "MCP_TASKS_PROXY_TEST_PG"
+PREFIX = "mcp-tasks-proxy-pg-"  # the throwaway servers' directories, under the temporary directory
 START_TIMEOUT_SECONDS = 30.0
 STOP_TIMEOUT_SECONDS = 10.0
 INITDB_OPTIONS = ("--encoding=UTF8", "--locale=C", "--no-sync", "--no-instructions")
@@ -124,8 +125,36 @@ class PgServer:
 def _run_as() -> tuple[int, int] | None:
     if os.geteuid() != 0:
         return None
-    nobody = pwd.getpwnam("nobody")
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        raise PgServerError(
+            f"PostgreSQL refuses to run as root and this machine has no `nobody` user to run it as: set {ENV}"
+        ) from None
     return nobody.pw_uid, nobody.pw_gid
+
+
+def _remove_leftovers() -> None:
+    """Directories of throwaway servers whose test run was killed: no live postmaster, older than 10 minutes."""
+    for base in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
+        try:
+            pid_file = base / "data" / "postmaster.pid"
+            if pid_file.exists() and _alive(int(pid_file.read_text().split()[0])):
+                continue
+            if time.time() - base.stat().st_mtime > 600:
+                shutil.rmtree(base, ignore_errors=True)
+        except (OSError, ValueError, IndexError):
+            continue
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def start_throwaway(*, durable: bool = False) -> PgServer:
@@ -135,7 +164,8 @@ def start_throwaway(*, durable: bool = False) -> PgServer:
     user; stop() removes it."""
     bin_dir = _bin_dir()
     owner = _run_as()
-    base = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-pg-"))
+    _remove_leftovers()
+    base = Path(tempfile.mkdtemp(prefix=PREFIX))
     if owner is not None:
         os.chown(base, *owner)
     data, log = base / "data", base / "postgres.log"
@@ -161,7 +191,8 @@ def _init_and_start(
         extra_groups=None if owner is None else [],
     )
     if initdb.returncode != 0:
-        raise PgServerError(f"initdb failed ({initdb.returncode}): {initdb.stderr.strip()}")
+        hint = "" if owner is None else f" (it runs as `nobody`: {base} must be reachable by that user)"
+        raise PgServerError(f"initdb failed ({initdb.returncode}){hint}: {initdb.stderr.strip()}")
     # The admin role needs no password; every other role must give its own (tests of password files).
     (data / "pg_hba.conf").write_text(
         "host all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n", encoding="utf-8"
