@@ -34,7 +34,7 @@ from proxy.front import Front
 from proxy.observability import Metrics, method_label
 from proxy.policy import named_tools
 from proxy.tasks.runner import TaskRunner
-from proxy.tasks.store import SqliteTaskStore, StoreError
+from proxy.tasks.store import StoreError, TaskStore, open_store
 from proxy.upstream.passthrough import PassThrough
 from proxy.upstream.pool import UpstreamClient
 from proxy.upstream.sse import KEEPALIVE, frame
@@ -48,7 +48,7 @@ CONFIG: Final = web.AppKey("config", Config)
 FRONT: Final = web.AppKey("front", Front)
 PASSTHROUGH: Final = web.AppKey("passthrough", PassThrough)
 UPSTREAM: Final = web.AppKey("upstream", UpstreamClient)
-STORE: Final = web.AppKey("store", SqliteTaskStore)
+STORE: Final = web.AppKey("store", TaskStore)
 RUNNER: Final = web.AppKey("runner", TaskRunner)
 METRICS: Final = web.AppKey("metrics", Metrics)
 STOPPING: Final = web.AppKey("stopping", list[bool])
@@ -312,9 +312,7 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
 async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     # The store first: a database in use by another process stops the start before anything else is opened.
-    store = await SqliteTaskStore.open(
-        config.store.path, max_records=config.tasks.max_records, synchronous=config.store.synchronous
-    )
+    store = await open_store(config.store, max_records=config.tasks.max_records)
     app[STORE] = store
     connector = aiohttp.TCPConnector(limit=0)
     http = aiohttp.ClientSession(connector=connector, auto_decompress=True)

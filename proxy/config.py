@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import parse_qs, urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -193,7 +194,7 @@ class StoreConfig(_Frozen):
     path: str = Field(
         "mcp-tasks-proxy.db",
         description="SQLite file that holds durable tasks; put it on a volume. One proxy process per file "
-        "(a second one refuses to start on a file in use).",
+        "(a second one refuses to start on a file in use). Unused when `store.url` is set.",
     )
     synchronous: Literal["normal", "full"] = Field(
         "full",
@@ -201,6 +202,77 @@ class StoreConfig(_Frozen):
         "survives a power loss; `normal`: it survives a crash of the proxy process, not of the machine, and "
         "creation is faster.",
     )
+    url: str | None = Field(
+        None,
+        description="PostgreSQL URL, e.g. `postgresql://proxy@db:5432/tasks`. When set, tasks live in PostgreSQL "
+        "instead of `store.path`, and several replicas may share it. Never a password here: it comes from "
+        "`store.password_file` or the `PGPASSWORD` environment variable. Give the proxy a database (or a schema, "
+        "`?options=-csearch_path%3Dname`) of its own.",
+    )
+    password_file: str | None = Field(
+        None,
+        description="File holding the PostgreSQL password (e.g. a mounted Secret), read for each new connection "
+        "so a rotated password is picked up. Unset: libpq's own sources (`PGPASSWORD`, `~/.pgpass`).",
+    )
+    pool_size: int = Field(
+        10,
+        ge=1,
+        le=1000,
+        description="PostgreSQL connections a replica keeps at most for its reads and writes (one more commits "
+        "task creations in batches, one more listens to the change feed).",
+    )
+    connect_timeout_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="Time allowed to connect to PostgreSQL: at start (the proxy refuses to start without its "
+        "store) and for each new connection later.",
+    )
+    lease_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="With PostgreSQL: how long a replica's lease lasts unless renewed. A replica that stops "
+        "renewing it (killed, paused, cut off) loses its running tasks to a survivor after this long.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url_is_postgresql_without_password(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must be a postgresql:// URL")
+        parts = urlsplit(value)
+        if parts.password is not None or "password" in parse_qs(parts.query):
+            raise ValueError(
+                "must not contain a password: put it in the file named by store.password_file, "
+                "or in the PGPASSWORD environment variable"
+            )
+        return value
+
+    @field_validator("password_file")
+    @classmethod
+    def _password_is_readable(cls, value: str | None) -> str | None:
+        """Checked when the config is loaded (also by `check-config`), so a missing mount fails at start."""
+        if value is not None:
+            read_password(value)
+        return value
+
+    @model_validator(mode="after")
+    def _password_needs_url(self) -> StoreConfig:
+        if self.password_file is not None and self.url is None:
+            raise ValueError("store.password_file is only used with store.url (PostgreSQL)")
+        return self
+
+
+def read_password(path: str) -> str:
+    """The password in a file, without its line ending; ValueError if unreadable or empty."""
+    try:
+        password = Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not password:
+        raise ValueError(f"{path} is empty")
+    return password
 
 
 TaskMode = Literal["forbidden", "optional", "required"]

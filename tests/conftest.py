@@ -26,6 +26,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.app import UPSTREAM, create_app
 from proxy.config import Config, load_config
+from tests import pg
 from tests.reference_server import EverythingServer, stdio_argv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -501,3 +502,20 @@ def everything() -> Iterator[EverythingServer]:
 def everything_stdio_argv() -> list[str]:
     """The argv of server-everything in stdio mode (fails, not skips, when it is not installed)."""
     return stdio_argv()
+
+
+# --- PostgreSQL for the store tests (tests/pg.py): a server per session, a database per test ----------------
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[pg.PgServer]:
+    """MCP_TASKS_PROXY_TEST_PG's server, else a throwaway one; a server that cannot start fails the tests."""
+    with pg.server() as server:
+        yield server
+
+
+@pytest.fixture
+def pg_dsn(pg_server: pg.PgServer) -> Iterator[str]:
+    """A fresh, empty database of its own for one test (dropped afterwards)."""
+    with pg_server.database() as dsn:
+        yield dsn

@@ -18,6 +18,7 @@ import pytest
 from proxy.app import CONFIG, FRONT, STORE
 from proxy.policy import decide
 from proxy.tasks import waiting as waiting_module
+from proxy.tasks.store import SqliteTaskStore
 from proxy.wire.envelope import Caller, validate_modern
 from tests.conftest import (
     DECLARING,
@@ -356,7 +357,9 @@ async def test_a_foreign_principal_sees_what_an_unknown_id_gets(tasks_client: Cl
     assert foreign["error"] == unknown["error"] == anonymous["error"]
     _, cancel = await client.post("tasks/cancel", {"taskId": task_id}, headers={"Authorization": "Bearer mallory"})
     assert cancel["error"] == unknown["error"]
-    database = sqlite3.connect(client.client.app[STORE].path)
+    store = client.client.app[STORE]
+    assert isinstance(store, SqliteTaskStore)
+    database = sqlite3.connect(store.path)
     principals = [row[0] for row in database.execute("SELECT principal FROM tasks")]
     database.close()
     assert principals
