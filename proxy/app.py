@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Final
 
 import aiohttp
@@ -174,10 +174,25 @@ def origin_allowed(origin: str, allowed_hosts: list[str], allowed_origins: list[
     return host in {name.lower() for name in allowed_hosts}
 
 
+def not_utf8_header(headers: Mapping[str, str]) -> str | None:
+    """The name of a header whose value is not UTF-8, if any. HTTP allows any byte from 0x80 up in a value, and
+    aiohttp keeps such bytes as surrogate escapes; neither the upstream request nor a hash of the principal can
+    carry them unchanged, so the request is refused rather than passed on altered."""
+    for name, value in headers.items():
+        if not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                return name
+    return None
+
+
 @web.middleware
 async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.method == "GET" and request.path in OPS_PATHS:
         return await handler(request)
+    if (name := not_utf8_header(request.headers)) is not None:
+        raise InvalidRequestError(f"Invalid Request: the value of the {name} header is not UTF-8")
     security = request.app[CONFIG].security
     if not host_allowed(request.headers.get("Host"), security.allowed_hosts):
         raise ForbiddenError("Forbidden: Host header not allowed")

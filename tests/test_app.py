@@ -5,6 +5,7 @@ Nothing a client sends may make the proxy answer 5xx; every modern rejection is 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app import host_allowed, origin_allowed
-from tests.conftest import SCHEMA_DIR, ModernSchema, Upstream, modern_body, modern_headers
+from tests.conftest import DECLARING, SCHEMA_DIR, ModernSchema, Upstream, modern_body, modern_headers
 
 Client = TestClient[web.Request, web.Application]
 SCHEMA = ModernSchema(SCHEMA_DIR / "mcp-2026-07-28.schema.json")
@@ -171,3 +172,105 @@ async def test_legacy_task_param_is_ignored(proxy: Client) -> None:
     assert status == 200
     assert message["result"]["content"][0]["text"] == "Hello, t!"
     assert "taskId" not in message["result"]
+
+
+# --- bodies that decode in Python but are not sound JSON ---------------------------------------------------
+
+LONE = "\ud800"  # a lone surrogate: valid as a JSON escape, not a Unicode scalar value, not encodable as UTF-8
+
+
+def _with_lone_surrogate(where: str) -> tuple[dict[str, str], bytes]:
+    """Headers and body of a modern request with `"\\ud800"` (as a JSON escape) at one place of the body."""
+    method, params, request_id = "tools/call", {"name": "echo", "arguments": {"text": "x"}}, 5
+    name: str | None = "echo"
+    if where == "id":
+        request_id = LONE  # type: ignore[assignment]
+    elif where == "params":
+        params[LONE] = "x"
+    elif where == "arguments":
+        params["arguments"] = {"text": LONE}
+    elif where == "taskId":
+        method, params, name = "tasks/get", {"taskId": "task" + LONE}, None  # Mcp-Name may be left out here
+    elif where == "cursor":
+        method, params, name = "tools/list", {"cursor": LONE}, None
+    body = json.dumps(
+        modern_body(method, params, request_id=request_id, capabilities=DECLARING)
+    )  # ensure_ascii: `\ud800` stays an escape
+    assert "\\ud800" in body
+    return modern_headers(method, name), body.encode()
+
+
+@pytest.mark.parametrize("where", ["id", "params", "arguments", "taskId", "cursor"])
+async def test_a_lone_surrogate_anywhere_is_a_parse_error_not_a_5xx(
+    proxy: Client, modern_schema: ModernSchema, where: str
+) -> None:
+    headers, raw = _with_lone_surrogate(where)
+    status, message = await post(proxy, None, headers, raw=raw)
+    assert status == 400, message
+    assert message["error"]["code"] == -32700
+    assert "id" not in message  # the body as a whole is refused: its id is not trusted either
+    modern_schema.check(message, "tools/call")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 100_000,
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"a":' + b"[" * 500 + b"]" * 500 + b"}}",
+    ],
+    ids=["unclosed", "closed", "inside-params"],
+)
+async def test_deeply_nested_bodies_are_a_parse_error_not_a_5xx(
+    proxy: Client, modern_schema: ModernSchema, raw: bytes
+) -> None:
+    status, message = await post(proxy, None, modern_headers("tools/list"), raw=raw)
+    assert (status, message["error"]["code"]) == (400, -32700), message
+    modern_schema.check(message, "tools/list")
+
+
+@pytest.mark.parametrize("number", [b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-1e999"])
+async def test_numbers_json_cannot_carry_are_a_parse_error(proxy: Client, number: bytes) -> None:
+    """Python reads `NaN`/`Infinity` (not JSON) and turns 1e999 into infinity, which it would write back as the
+    non-JSON `Infinity`: refused where they come in."""
+    raw = b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo","arguments":{"n":' + number + b"}}}"
+    status, message = await post(proxy, None, modern_headers("tools/call", "echo"), raw=raw)
+    assert (status, message["error"]["code"]) == (400, -32700), message
+
+
+async def raw_exchange(client: Client, request: bytes) -> tuple[int, bytes]:
+    """Send bytes as they are (a client library would re-encode the header values) and read the answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+    try:
+        writer.write(request)  # with `Connection: close`: the answer ends where the connection does
+        head, _, body = (await asyncio.wait_for(reader.read(), 10)).partition(b"\r\n\r\n")
+        return int(head.split(b" ", 2)[1]), body
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("era", ["modern", "legacy"])
+@pytest.mark.parametrize("value", [b"Bearer \xff", b"caf\xe9", b"\xed\xa0\x80"])
+async def test_a_header_value_that_is_not_utf8_is_refused_with_400(proxy: Client, era: str, value: bytes) -> None:
+    """HTTP lets a field value carry any byte from 0x80 up, but the proxy could not pass it on unchanged (it would
+    reach the upstream altered or dropped): refused, whichever era."""
+    if era == "modern":
+        headers, body = modern_headers("tools/list"), json.dumps(modern_body("tools/list")).encode()
+    else:
+        headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+        initialize = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": initialize}).encode()
+    head = "".join(f"{name}: {text}\r\n" for name, text in headers.items()).encode()
+    request = (
+        b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+        + head
+        + b"Authorization: "
+        + value
+        + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    status, answer = await raw_exchange(proxy, request)
+    message = json.loads(answer)
+    assert (status, message["error"]["code"]) == (400, -32600), message
+    assert "Authorization" in message["error"]["message"]
+    SCHEMA.validate(message, "JSONRPCErrorResponse")
