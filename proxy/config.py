@@ -194,7 +194,8 @@ class StoreConfig(_Frozen):
     path: str = Field(
         "mcp-tasks-proxy.db",
         description="SQLite file that holds durable tasks; put it on a volume. One proxy process per file "
-        "(a second one refuses to start on a file in use). Unused when `store.url` is set.",
+        "(a second one refuses to start on a file in use). It and its -wal, -shm and .lock files are owner-only "
+        "(0600); directories the proxy creates for it are 0700. Unused when `store.url` is set.",
     )
     synchronous: Literal["normal", "full"] = Field(
         "full",
