@@ -7,6 +7,7 @@ body and HTTP status here, in `error_edge`, and nowhere else.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import secrets
 import time
@@ -21,6 +22,7 @@ from yarl import URL
 
 from proxy.config import Config
 from proxy.errors import (
+    BodyTimeoutError,
     ForbiddenError,
     InvalidRequestError,
     MethodNotAllowedError,
@@ -74,12 +76,15 @@ _request_numbers = itertools.count(1)
 
 
 def error_response(error: ProxyError) -> web.Response:
-    return web.json_response(
+    response = web.json_response(
         jsonrpc.error_message(error.request_id, error.error_object()),
         status=error.status,
         headers=error.headers,
         dumps=lambda obj: jsonrpc.dumps(obj).decode(),
     )
+    if error.headers.get("Connection") == "close":
+        response.force_close()  # aiohttp's own state too, not only the header
+    return response
 
 
 @web.middleware
@@ -256,12 +261,16 @@ def _status_of(message: JSON) -> int:
 
 
 async def _read_body(request: web.Request) -> bytes:
+    """The whole body, within `security.body_read_timeout_seconds` (both eras: legacy bodies are read before they
+    are relayed) and `security.max_body_bytes`."""
+    security = request.app[CONFIG].security
     try:
-        return await request.read()
+        async with asyncio.timeout(security.body_read_timeout_seconds):
+            return await request.read()
+    except TimeoutError:
+        raise BodyTimeoutError(f"Request body not received within {security.body_read_timeout_seconds:g} s") from None
     except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLargeError(
-            f"Request body too large (limit {request.app[CONFIG].security.max_body_bytes} bytes)"
-        ) from None
+        raise PayloadTooLargeError(f"Request body too large (limit {security.max_body_bytes} bytes)") from None
 
 
 async def handle_mcp(request: web.Request) -> web.StreamResponse:

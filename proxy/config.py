@@ -174,6 +174,13 @@ class SecurityConfig(_Frozen):
     max_body_bytes: int = Field(
         4 * 1024 * 1024, gt=0, description="Largest request body accepted; a larger one gets 413."
     )
+    body_read_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="Time allowed for a whole request body to arrive once its headers are in; a slower one gets "
+        "408 and its connection is closed, so a client that announces a large body and trickles it (or sends "
+        "none) cannot hold a connection. 30 s takes `max_body_bytes` of 4 MiB at 140 KB/s.",
+    )
 
 
 class DiscoveryConfig(_Frozen):

@@ -274,3 +274,41 @@ async def test_a_header_value_that_is_not_utf8_is_refused_with_400(proxy: Client
     assert (status, message["error"]["code"]) == (400, -32600), message
     assert "Authorization" in message["error"]["message"]
     SCHEMA.validate(message, "JSONRPCErrorResponse")
+
+
+# --- slow bodies ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("era", "client_stops"), [("modern", True), ("legacy", True), ("modern", False)], ids=["modern", "legacy", "silent"]
+)
+async def test_a_body_that_does_not_arrive_in_time_is_a_408_and_the_connection_closes(
+    make_proxy: Callable[..., Any], upstream: Upstream, era: str, client_stops: bool
+) -> None:
+    """Content-Length says 4 MB, 10 bytes come, then nothing: answered 408 once the body read timeout is up, with
+    a JSON-RPC error and `Connection: close`, and the connection ends: at once when the client stops sending, and
+    otherwise after aiohttp's lingering close (10 s of draining what the client still sends, so that the answer
+    is not lost to a reset)."""
+    client: Client = await make_proxy(upstream.url, security={"body_read_timeout_seconds": 0.5})
+    headers = modern_headers("tools/list") if era == "modern" else {"Content-Type": "application/json"}
+    head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+    try:
+        writer.write(f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n{head}Content-Length: 4000000\r\n\r\n".encode())
+        writer.write(b'{"jsonrpc"')
+        started = asyncio.get_running_loop().time()
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        waited = asyncio.get_running_loop().time() - started
+        status_line, *lines = answer.decode().split("\r\n")
+        fields = {name.lower(): value for name, _, value in (line.partition(": ") for line in lines if line)}
+        assert status_line.split(" ")[1] == "408", answer
+        assert fields["connection"] == "close"
+        message = json.loads(await reader.readexactly(int(fields["content-length"])))
+        SCHEMA.validate(message, "JSONRPCErrorResponse")
+        assert message["error"]["code"] == -32600
+        assert 0.5 <= waited < 10, waited  # the configured timeout, not the 120 s and more of before
+        if client_stops:
+            writer.write_eof()  # as a client told `Connection: close` does
+        assert await asyncio.wait_for(reader.read(), 30) == b""  # closed by the proxy
+    finally:
+        writer.close()
