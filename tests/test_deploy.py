@@ -6,6 +6,7 @@ Manifests are validated against the Kubernetes schemas; the image's ENTRYPOINT/C
 from __future__ import annotations
 
 import contextlib
+import http.server
 import io
 import json
 import os
@@ -14,6 +15,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 import urllib.error
@@ -526,3 +528,53 @@ def test_proxy_container_runs_the_image_locked_down() -> None:
     resources = container["resources"]
     assert resources["requests"]
     assert resources["limits"]
+
+
+# --- the HEALTHCHECK command is light ------------------------------------------------------------------------
+
+HEAVY_MODULES = {"aiohttp", "pydantic", "yaml", "structlog", "sqlite3", "proxy.app", "proxy.config", "proxy.upstream"}
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    """/ok answers 200, anything else 503."""
+
+    def do_GET(self) -> None:
+        status = 200 if self.path == "/ok" else 503
+        self.send_response(status)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def health_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    thread.join()
+    server.server_close()
+
+
+def _imported_by(argv: list[str]) -> tuple[int, set[str]]:
+    """Exit code and every module imported, from Python's own import-time report (`-X importtime`)."""
+    environ = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, env=environ)
+    modules = {line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
+    assert "proxy.cli" in modules, run.stderr[-2000:]  # the report is there
+    return run.returncode, modules
+
+
+def test_the_probe_answers_by_status_and_imports_nothing_heavy(health_server: str) -> None:
+    """The image runs the probe every 30 s: it must not load the proxy (aiohttp, pydantic, the app), only the
+    standard library's HTTP client. Exit 0 on 200, 1 on any other status or no answer at all."""
+    code, modules = _imported_by([str(_script()), "probe", f"{health_server}/ok"])
+    assert code == 0
+    heavy = {name for name in modules for top in HEAVY_MODULES if name == top or name.startswith(f"{top}.")}
+    assert heavy == set(), sorted(heavy)
+    assert _imported_by([str(_script()), "probe", f"{health_server}/down"])[0] == 1
+    assert _imported_by([str(_script()), "probe", f"http://127.0.0.1:{free_port()}/healthz"])[0] == 1
