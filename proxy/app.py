@@ -163,8 +163,26 @@ def _host_name(host: str) -> str:
     return name
 
 
+def _name_allowed(name: str, allowed_hosts: list[str]) -> bool:
+    """`name` (lower case, no port) is one of the allowed hosts, where a `*` label stands for one label."""
+    labels: list[str] | None = None
+    for pattern in allowed_hosts:
+        pattern = pattern.lower()
+        if "*" not in pattern:
+            if name == pattern:
+                return True
+            continue
+        labels = labels if labels is not None else name.split(".")
+        wanted = pattern.split(".")
+        if len(labels) == len(wanted) and all(
+            label == want or (want == "*" and label != "") for label, want in zip(labels, wanted, strict=True)
+        ):
+            return True
+    return False
+
+
 def host_allowed(host: str | None, allowed_hosts: list[str]) -> bool:
-    return host is not None and _host_name(host) in {name.lower() for name in allowed_hosts}
+    return host is not None and _name_allowed(_host_name(host), allowed_hosts)
 
 
 def origin_allowed(origin: str, allowed_hosts: list[str], allowed_origins: list[str]) -> bool:
@@ -176,7 +194,7 @@ def origin_allowed(origin: str, allowed_hosts: list[str], allowed_origins: list[
     host = url.raw_host.lower()
     if ":" in host:  # IPv6 literal
         host = f"[{host}]"
-    return host in {name.lower() for name in allowed_hosts}
+    return _name_allowed(host, allowed_hosts)
 
 
 def not_utf8_header(headers: Mapping[str, str]) -> str | None:

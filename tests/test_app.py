@@ -41,6 +41,36 @@ def test_host_allowed(host: str | None, allowed: bool) -> None:
     assert host_allowed(host, ALLOWED) is allowed
 
 
+SERVICE_PATTERNS = ["mcp-server", "mcp-server.*.svc", "mcp-server.*.svc.cluster.local", "*.example.com"]
+
+
+@pytest.mark.parametrize(
+    ("host", "allowed"),
+    [
+        ("mcp-server", True),
+        ("mcp-server.default.svc", True),
+        ("mcp-server.team-a.svc:80", True),
+        ("MCP-Server.Team-A.svc.cluster.local", True),
+        ("api.example.com:443", True),
+        ("mcp-server.default", False),  # two labels: not a pattern above
+        ("mcp-server..svc", False),  # `*` is one whole, non-empty label
+        ("mcp-server.a.b.svc", False),  # ... and only one
+        ("other.default.svc", False),
+        ("example.com", False),
+        ("a.b.example.com", False),
+        ("mcp-server.default.svc.evil.example", False),
+    ],
+)
+def test_a_star_label_in_allowed_hosts_matches_exactly_one_label(host: str, allowed: bool) -> None:
+    """A Service reached from any namespace: `mcp-server.*.svc.cluster.local`."""
+    assert host_allowed(host, SERVICE_PATTERNS) is allowed
+
+
+def test_origins_are_matched_against_the_same_patterns() -> None:
+    assert origin_allowed("http://mcp-server.team-a.svc", SERVICE_PATTERNS, [])
+    assert not origin_allowed("http://mcp-server.team-a.evil.com", SERVICE_PATTERNS, [])
+
+
 @pytest.mark.parametrize(
     ("origin", "allowed"),
     [
