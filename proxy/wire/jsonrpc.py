@@ -52,6 +52,8 @@ MAX_DEPTH: Final = 128
 # An escaped UTF-16 surrogate (`\ud800`..`\udfff`): the only way a JSON text in valid UTF-8 can carry one.
 _SURROGATE_ESCAPE: Final = re.compile(rb"\\u[dD][89a-fA-F]")
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")
+_LONE_SURROGATE: Final = "Parse error: a string holds a lone UTF-16 surrogate"
+_TOO_DEEP: Final = f"Parse error: arrays and objects nested deeper than {MAX_DEPTH} levels"
 
 
 def _finite(text: str) -> float:
@@ -79,7 +81,7 @@ def loads(body: bytes) -> Any:
     except (UnicodeDecodeError, ValueError):
         raise ParseError() from None
     except RecursionError:
-        raise ParseError(f"Parse error: nested deeper than {MAX_DEPTH} levels") from None
+        raise ParseError(_TOO_DEEP) from None
     surrogates = _SURROGATE_ESCAPE.search(body) is not None
     if surrogates or body.count(b"[") + body.count(b"{") > MAX_DEPTH:  # else neither can be present
         _check_value(decoded, surrogates=surrogates)
@@ -87,22 +89,25 @@ def loads(body: bytes) -> Any:
 
 
 def _check_value(value: Any, *, surrogates: bool) -> None:
-    """Walk a decoded value without recursion: depth, and lone surrogates in keys and strings."""
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            if depth >= MAX_DEPTH:
-                raise ParseError(f"Parse error: nested deeper than {MAX_DEPTH} levels")
-            if surrogates and any(_SURROGATE.search(key) for key in item):
-                raise ParseError("Parse error: a string holds a lone UTF-16 surrogate")
-            stack.extend((child, depth + 1) for child in item.values())
-        elif isinstance(item, list):
-            if depth >= MAX_DEPTH:
-                raise ParseError(f"Parse error: nested deeper than {MAX_DEPTH} levels")
-            stack.extend((child, depth + 1) for child in item)
-        elif surrogates and isinstance(item, str) and _SURROGATE.search(item):
-            raise ParseError("Parse error: a string holds a lone UTF-16 surrogate")
+    """Walk a decoded value level by level (no recursion, C-speed list work): depth, and lone surrogates in keys
+    and strings. `json.loads` joins a valid pair into one character, so any surrogate left is a lone one."""
+    if surrogates and isinstance(value, str) and _SURROGATE.search(value):
+        raise ParseError(_LONE_SURROGATE)
+    level: list[Any] = [value] if type(value) is dict or type(value) is list else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > MAX_DEPTH:
+            raise ParseError(_TOO_DEEP)
+        children: list[Any] = []
+        for item in level:
+            children.extend(item.values() if type(item) is dict else item)
+        if surrogates:
+            texts = [key for item in level if type(item) is dict for key in item]
+            texts += [child for child in children if type(child) is str]
+            if _SURROGATE.search("".join(texts)):
+                raise ParseError(_LONE_SURROGATE)
+        level = [child for child in children if type(child) is dict or type(child) is list]
 
 
 def dumps(message: JSON) -> bytes:
