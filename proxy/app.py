@@ -7,10 +7,11 @@ body and HTTP status here, in `error_edge`, and nowhere else.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Final
 
 import aiohttp
@@ -21,6 +22,7 @@ from yarl import URL
 
 from proxy.config import Config
 from proxy.errors import (
+    BodyTimeoutError,
     ForbiddenError,
     InvalidRequestError,
     MethodNotAllowedError,
@@ -74,12 +76,15 @@ _request_numbers = itertools.count(1)
 
 
 def error_response(error: ProxyError) -> web.Response:
-    return web.json_response(
+    response = web.json_response(
         jsonrpc.error_message(error.request_id, error.error_object()),
         status=error.status,
         headers=error.headers,
         dumps=lambda obj: jsonrpc.dumps(obj).decode(),
     )
+    if error.headers.get("Connection") == "close":
+        response.force_close()  # aiohttp's own state too, not only the header
+    return response
 
 
 @web.middleware
@@ -158,8 +163,26 @@ def _host_name(host: str) -> str:
     return name
 
 
+def _name_allowed(name: str, allowed_hosts: list[str]) -> bool:
+    """`name` (lower case, no port) is one of the allowed hosts, where a `*` label stands for one label."""
+    labels: list[str] | None = None
+    for pattern in allowed_hosts:
+        pattern = pattern.lower()
+        if "*" not in pattern:
+            if name == pattern:
+                return True
+            continue
+        labels = labels if labels is not None else name.split(".")
+        wanted = pattern.split(".")
+        if len(labels) == len(wanted) and all(
+            label == want or (want == "*" and label != "") for label, want in zip(labels, wanted, strict=True)
+        ):
+            return True
+    return False
+
+
 def host_allowed(host: str | None, allowed_hosts: list[str]) -> bool:
-    return host is not None and _host_name(host) in {name.lower() for name in allowed_hosts}
+    return host is not None and _name_allowed(_host_name(host), allowed_hosts)
 
 
 def origin_allowed(origin: str, allowed_hosts: list[str], allowed_origins: list[str]) -> bool:
@@ -171,13 +194,28 @@ def origin_allowed(origin: str, allowed_hosts: list[str], allowed_origins: list[
     host = url.raw_host.lower()
     if ":" in host:  # IPv6 literal
         host = f"[{host}]"
-    return host in {name.lower() for name in allowed_hosts}
+    return _name_allowed(host, allowed_hosts)
+
+
+def not_utf8_header(headers: Mapping[str, str]) -> str | None:
+    """The name of a header whose value is not UTF-8, if any. HTTP allows any byte from 0x80 up in a value, and
+    aiohttp keeps such bytes as surrogate escapes; neither the upstream request nor a hash of the principal can
+    carry them unchanged, so the request is refused rather than passed on altered."""
+    for name, value in headers.items():
+        if not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                return name
+    return None
 
 
 @web.middleware
 async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.method == "GET" and request.path in OPS_PATHS:
         return await handler(request)
+    if (name := not_utf8_header(request.headers)) is not None:
+        raise InvalidRequestError(f"Invalid Request: the value of the {name} header is not UTF-8")
     security = request.app[CONFIG].security
     if not host_allowed(request.headers.get("Host"), security.allowed_hosts):
         raise ForbiddenError("Forbidden: Host header not allowed")
@@ -241,12 +279,16 @@ def _status_of(message: JSON) -> int:
 
 
 async def _read_body(request: web.Request) -> bytes:
+    """The whole body, within `security.body_read_timeout_seconds` (both eras: legacy bodies are read before they
+    are relayed) and `security.max_body_bytes`."""
+    security = request.app[CONFIG].security
     try:
-        return await request.read()
+        async with asyncio.timeout(security.body_read_timeout_seconds):
+            return await request.read()
+    except TimeoutError:
+        raise BodyTimeoutError(f"Request body not received within {security.body_read_timeout_seconds:g} s") from None
     except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLargeError(
-            f"Request body too large (limit {request.app[CONFIG].security.max_body_bytes} bytes)"
-        ) from None
+        raise PayloadTooLargeError(f"Request body too large (limit {security.max_body_bytes} bytes)") from None
 
 
 async def handle_mcp(request: web.Request) -> web.StreamResponse:

@@ -157,8 +157,12 @@ class UpstreamConfig(_Frozen):
 class SecurityConfig(_Frozen):
     allowed_hosts: list[str] = Field(
         default_factory=lambda: ["localhost", "127.0.0.1", "[::1]"],
-        description="Host header values accepted (port ignored); anything else gets 403 (DNS-rebinding "
-        "protection). Add the Service name when the proxy is reached through Kubernetes.",
+        description="Host header values accepted (port ignored, case ignored); anything else gets 403 "
+        "(DNS-rebinding protection). Add the Service name when the proxy is reached through Kubernetes. A `*` "
+        "label matches exactly one DNS label, so `mcp-server.*.svc.cluster.local` accepts the Service from any "
+        "namespace; `*` is never the last label (`mcp-server.*` would accept mcp-server.com, a name anyone can "
+        "register and point at the proxy), and the labels after it must be a domain you control or a cluster "
+        "suffix.",
     )
     allowed_origins: list[str] = Field(
         default_factory=list,
@@ -174,6 +178,24 @@ class SecurityConfig(_Frozen):
     max_body_bytes: int = Field(
         4 * 1024 * 1024, gt=0, description="Largest request body accepted; a larger one gets 413."
     )
+    body_read_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="Time allowed for a whole request body to arrive once its headers are in; a slower one gets "
+        "408 and its connection is closed, so a client that announces a large body and trickles it (or sends "
+        "none) cannot hold a connection. 30 s takes `max_body_bytes` of 4 MiB at 140 KB/s.",
+    )
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_patterns_are_safe(cls, value: list[str]) -> list[str]:
+        for name in value:
+            labels = name.split(".")
+            if any("*" in label and label != "*" for label in labels):
+                raise ValueError(f"{name!r}: a `*` must be a whole label, as in mcp-server.*.svc")
+            if labels[-1] == "*":
+                raise ValueError(f"{name!r}: the last label cannot be `*` (it would accept public names)")
+        return value
 
 
 class DiscoveryConfig(_Frozen):
@@ -194,7 +216,8 @@ class StoreConfig(_Frozen):
     path: str = Field(
         "mcp-tasks-proxy.db",
         description="SQLite file that holds durable tasks; put it on a volume. One proxy process per file "
-        "(a second one refuses to start on a file in use). Unused when `store.url` is set.",
+        "(a second one refuses to start on a file in use). It and its -wal, -shm and .lock files are owner-only "
+        "(0600); directories the proxy creates for it are 0700. Unused when `store.url` is set.",
     )
     synchronous: Literal["normal", "full"] = Field(
         "full",

@@ -120,6 +120,16 @@ class PayloadTooLargeError(ProxyError):
     default_message = "Request body too large"
 
 
+class BodyTimeoutError(ProxyError):
+    """The request body did not arrive within `security.body_read_timeout_seconds`. The connection is closed
+    after the answer: what is left of the body is never read as a next request."""
+
+    code = jsonrpc.INVALID_REQUEST
+    http_status = 408
+    default_message = "Request body not received in time"
+    headers: ClassVar[Mapping[str, str]] = {"Connection": "close"}
+
+
 class UpstreamError(ProxyError):
     """The upstream could not be reached or broke the protocol: the proxy answers as a gateway."""
 

@@ -5,6 +5,7 @@ Nothing a client sends may make the proxy answer 5xx; every modern rejection is 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app import host_allowed, origin_allowed
-from tests.conftest import SCHEMA_DIR, ModernSchema, Upstream, modern_body, modern_headers
+from tests.conftest import DECLARING, SCHEMA_DIR, ModernSchema, Upstream, modern_body, modern_headers
 
 Client = TestClient[web.Request, web.Application]
 SCHEMA = ModernSchema(SCHEMA_DIR / "mcp-2026-07-28.schema.json")
@@ -38,6 +39,36 @@ ALLOWED = ["localhost", "127.0.0.1", "[::1]"]
 )
 def test_host_allowed(host: str | None, allowed: bool) -> None:
     assert host_allowed(host, ALLOWED) is allowed
+
+
+SERVICE_PATTERNS = ["mcp-server", "mcp-server.*.svc", "mcp-server.*.svc.cluster.local", "*.example.com"]
+
+
+@pytest.mark.parametrize(
+    ("host", "allowed"),
+    [
+        ("mcp-server", True),
+        ("mcp-server.default.svc", True),
+        ("mcp-server.team-a.svc:80", True),
+        ("MCP-Server.Team-A.svc.cluster.local", True),
+        ("api.example.com:443", True),
+        ("mcp-server.default", False),  # two labels: not a pattern above
+        ("mcp-server..svc", False),  # `*` is one whole, non-empty label
+        ("mcp-server.a.b.svc", False),  # ... and only one
+        ("other.default.svc", False),
+        ("example.com", False),
+        ("a.b.example.com", False),
+        ("mcp-server.default.svc.evil.example", False),
+    ],
+)
+def test_a_star_label_in_allowed_hosts_matches_exactly_one_label(host: str, allowed: bool) -> None:
+    """A Service reached from any namespace: `mcp-server.*.svc.cluster.local`."""
+    assert host_allowed(host, SERVICE_PATTERNS) is allowed
+
+
+def test_origins_are_matched_against_the_same_patterns() -> None:
+    assert origin_allowed("http://mcp-server.team-a.svc", SERVICE_PATTERNS, [])
+    assert not origin_allowed("http://mcp-server.team-a.evil.com", SERVICE_PATTERNS, [])
 
 
 @pytest.mark.parametrize(
@@ -171,3 +202,143 @@ async def test_legacy_task_param_is_ignored(proxy: Client) -> None:
     assert status == 200
     assert message["result"]["content"][0]["text"] == "Hello, t!"
     assert "taskId" not in message["result"]
+
+
+# --- bodies that decode in Python but are not sound JSON ---------------------------------------------------
+
+LONE = "\ud800"  # a lone surrogate: valid as a JSON escape, not a Unicode scalar value, not encodable as UTF-8
+
+
+def _with_lone_surrogate(where: str) -> tuple[dict[str, str], bytes]:
+    """Headers and body of a modern request with `"\\ud800"` (as a JSON escape) at one place of the body."""
+    method, params, request_id = "tools/call", {"name": "echo", "arguments": {"text": "x"}}, 5
+    name: str | None = "echo"
+    if where == "id":
+        request_id = LONE  # type: ignore[assignment]
+    elif where == "params":
+        params[LONE] = "x"
+    elif where == "arguments":
+        params["arguments"] = {"text": LONE}
+    elif where == "taskId":
+        method, params, name = "tasks/get", {"taskId": "task" + LONE}, None  # Mcp-Name may be left out here
+    elif where == "cursor":
+        method, params, name = "tools/list", {"cursor": LONE}, None
+    body = json.dumps(
+        modern_body(method, params, request_id=request_id, capabilities=DECLARING)
+    )  # ensure_ascii: `\ud800` stays an escape
+    assert "\\ud800" in body
+    return modern_headers(method, name), body.encode()
+
+
+@pytest.mark.parametrize("where", ["id", "params", "arguments", "taskId", "cursor"])
+async def test_a_lone_surrogate_anywhere_is_a_parse_error_not_a_5xx(
+    proxy: Client, modern_schema: ModernSchema, where: str
+) -> None:
+    headers, raw = _with_lone_surrogate(where)
+    status, message = await post(proxy, None, headers, raw=raw)
+    assert status == 400, message
+    assert message["error"]["code"] == -32700
+    assert "id" not in message  # the body as a whole is refused: its id is not trusted either
+    modern_schema.check(message, "tools/call")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 100_000,
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"a":' + b"[" * 500 + b"]" * 500 + b"}}",
+    ],
+    ids=["unclosed", "closed", "inside-params"],
+)
+async def test_deeply_nested_bodies_are_a_parse_error_not_a_5xx(
+    proxy: Client, modern_schema: ModernSchema, raw: bytes
+) -> None:
+    status, message = await post(proxy, None, modern_headers("tools/list"), raw=raw)
+    assert (status, message["error"]["code"]) == (400, -32700), message
+    modern_schema.check(message, "tools/list")
+
+
+@pytest.mark.parametrize("number", [b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-1e999"])
+async def test_numbers_json_cannot_carry_are_a_parse_error(proxy: Client, number: bytes) -> None:
+    """Python reads `NaN`/`Infinity` (not JSON) and turns 1e999 into infinity, which it would write back as the
+    non-JSON `Infinity`: refused where they come in."""
+    raw = b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo","arguments":{"n":' + number + b"}}}"
+    status, message = await post(proxy, None, modern_headers("tools/call", "echo"), raw=raw)
+    assert (status, message["error"]["code"]) == (400, -32700), message
+
+
+async def raw_exchange(client: Client, request: bytes) -> tuple[int, bytes]:
+    """Send bytes as they are (a client library would re-encode the header values) and read the answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+    try:
+        writer.write(request)  # with `Connection: close`: the answer ends where the connection does
+        head, _, body = (await asyncio.wait_for(reader.read(), 10)).partition(b"\r\n\r\n")
+        return int(head.split(b" ", 2)[1]), body
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("era", ["modern", "legacy"])
+@pytest.mark.parametrize("value", [b"Bearer \xff", b"caf\xe9", b"\xed\xa0\x80"])
+async def test_a_header_value_that_is_not_utf8_is_refused_with_400(proxy: Client, era: str, value: bytes) -> None:
+    """HTTP lets a field value carry any byte from 0x80 up, but the proxy could not pass it on unchanged (it would
+    reach the upstream altered or dropped): refused, whichever era."""
+    if era == "modern":
+        headers, body = modern_headers("tools/list"), json.dumps(modern_body("tools/list")).encode()
+    else:
+        headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+        initialize = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": initialize}).encode()
+    head = "".join(f"{name}: {text}\r\n" for name, text in headers.items()).encode()
+    request = (
+        b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+        + head
+        + b"Authorization: "
+        + value
+        + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    status, answer = await raw_exchange(proxy, request)
+    message = json.loads(answer)
+    assert (status, message["error"]["code"]) == (400, -32600), message
+    assert "Authorization" in message["error"]["message"]
+    SCHEMA.validate(message, "JSONRPCErrorResponse")
+
+
+# --- slow bodies ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("era", "client_stops"), [("modern", True), ("legacy", True), ("modern", False)], ids=["modern", "legacy", "silent"]
+)
+async def test_a_body_that_does_not_arrive_in_time_is_a_408_and_the_connection_closes(
+    make_proxy: Callable[..., Any], upstream: Upstream, era: str, client_stops: bool
+) -> None:
+    """Content-Length says 4 MB, 10 bytes come, then nothing: answered 408 once the body read timeout is up, with
+    a JSON-RPC error and `Connection: close`, and the connection ends: at once when the client stops sending, and
+    otherwise after aiohttp's lingering close (10 s of draining what the client still sends, so that the answer
+    is not lost to a reset)."""
+    client: Client = await make_proxy(upstream.url, security={"body_read_timeout_seconds": 0.5})
+    headers = modern_headers("tools/list") if era == "modern" else {"Content-Type": "application/json"}
+    head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+    try:
+        writer.write(f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n{head}Content-Length: 4000000\r\n\r\n".encode())
+        writer.write(b'{"jsonrpc"')
+        started = asyncio.get_running_loop().time()
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        waited = asyncio.get_running_loop().time() - started
+        status_line, *lines = answer.decode().split("\r\n")
+        fields = {name.lower(): value for name, _, value in (line.partition(": ") for line in lines if line)}
+        assert status_line.split(" ")[1] == "408", answer
+        assert fields["connection"] == "close"
+        message = json.loads(await reader.readexactly(int(fields["content-length"])))
+        SCHEMA.validate(message, "JSONRPCErrorResponse")
+        assert message["error"]["code"] == -32600
+        assert 0.5 <= waited < 10, waited  # the configured timeout, not the 120 s and more of before
+        if client_stops:
+            writer.write_eof()  # as a client told `Connection: close` does
+        assert await asyncio.wait_for(reader.read(), 30) == b""  # closed by the proxy
+    finally:
+        writer.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
@@ -305,3 +306,26 @@ def test_store_url_and_password_file_problems(tmp_path: Path) -> None:
         load_config(None, environ={}, overrides={"store": {"pool_size": 0}})
     with pytest.raises(ConfigError, match=r"store\.lease_seconds"):
         load_config(None, environ={}, overrides={"store": {"lease_seconds": 0}})
+
+
+# --- Host patterns ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pattern", ["*", "mcp-server.*", "mcp-*.svc", "mcp-server.**.svc", "*.*"])
+def test_host_patterns_that_would_admit_public_names_are_refused(pattern: str) -> None:
+    """A `*` is a whole label and never the last one: `mcp-server.*` would accept mcp-server.com, a name anyone
+    can register and point at the proxy (DNS rebinding)."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(
+            None,
+            environ={},
+            overrides={"upstream": {"url": SIDECAR_URL}, "security": {"allowed_hosts": ["localhost", pattern]}},
+        )
+    assert "security.allowed_hosts" in "\n".join(caught.value.problems)
+
+
+def test_host_patterns_with_a_star_label_load() -> None:
+    hosts = ["mcp-server", "mcp-server.*.svc", "mcp-server.*.svc.cluster.local", "*.example.com", "[::1]"]
+    overrides: dict[str, dict[str, Any]] = {"upstream": {"url": SIDECAR_URL}, "security": {"allowed_hosts": hosts}}
+    config = load_config(None, environ={}, overrides=overrides)
+    assert config.security.allowed_hosts == hosts

@@ -11,7 +11,7 @@ import signal
 import sqlite3
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -235,3 +235,51 @@ async def test_sqlite_work_never_runs_on_the_event_loop_thread(store: SqliteTask
     assert len(reads) >= 4
     assert all(name.startswith("task-store-writer") for name in writes)
     assert all(name.startswith("task-store-reader") for name in reads)
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+@pytest.fixture
+def open_umask() -> Iterator[None]:
+    """The most permissive umask a container may run with: modes must not depend on the umask being strict."""
+    previous = os.umask(0o000)
+    yield
+    os.umask(previous)
+
+
+@pytest.mark.usefixtures("open_umask")
+async def test_database_files_are_owner_only_and_a_created_directory_is_0700(tmp_path: Path) -> None:
+    path = tmp_path / "new" / "deeper" / "tasks.db"
+    store = await SqliteTaskStore.open(path, max_records=10)
+    try:
+        await store.create(make_record("task_modes"))
+        files = {name: path.with_name(path.name + name) for name in ("", "-wal", "-shm", ".lock")}
+        assert all(file.exists() for file in files.values()), sorted(os.listdir(path.parent))
+        assert {name: _mode(file) for name, file in files.items()} == dict.fromkeys(files, 0o600)
+        assert (_mode(path.parent), _mode(path.parent.parent)) == (0o700, 0o700)
+    finally:
+        await store.close()
+
+
+@pytest.mark.usefixtures("open_umask")
+async def test_an_existing_directory_keeps_its_mode_and_open_files_lose_group_and_other_access(
+    tmp_path: Path,
+) -> None:
+    """A database left 0644 by an older version is narrowed at the next start; the operator's directory (a
+    volume mount, say) is left as it is."""
+    directory = tmp_path / "volume"
+    directory.mkdir(mode=0o775)
+    os.chmod(directory, 0o775)
+    path = directory / "tasks.db"
+    sqlite3.connect(path).close()
+    os.chmod(path, 0o644)
+    store = await SqliteTaskStore.open(path, max_records=10)
+    try:
+        await store.create(make_record("task_modes"))
+        assert _mode(path) == 0o600
+        assert _mode(path.with_name("tasks.db-wal")) == 0o600
+    finally:
+        await store.close()
+    assert _mode(directory) == 0o775

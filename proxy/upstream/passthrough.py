@@ -2,7 +2,8 @@
 
 A legacy client through the proxy must see what it sees directly: status, body and end-to-end headers are
 copied, SSE is streamed chunk by chunk as it arrives (no buffering, no decompression), hop-by-hop headers are
-dropped. The proxy's own Host/Origin checks ran before; the upstream sees the proxy as its client.
+dropped, and nothing is added but the conventional X-Forwarded-For/-Proto/-Host. The proxy's own Host/Origin
+checks ran before; the upstream sees the proxy as its client.
 """
 
 from __future__ import annotations
@@ -41,6 +42,26 @@ HOP_BY_HOP: Final = frozenset(
 )
 
 
+# aiohttp's client adds these to a request that lacks them (`Accept-Encoding: gzip, deflate` made upstreams
+# compress answers the client never asked to be compressed): a relayed request carries the client's only.
+NO_AUTO_HEADERS: Final = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
+
+
+def _add_forwarded(headers: CIMultiDict[str], request: web.Request) -> None:
+    """The conventional reverse-proxy headers: this hop's client is appended to X-Forwarded-For (earlier values
+    kept, several lines joined in order), X-Forwarded-Proto and X-Forwarded-Host say what this hop received and
+    replace whatever the client claimed."""
+    chain = headers.popall("X-Forwarded-For", [])
+    if request.remote:
+        chain.append(request.remote)
+    if chain:
+        headers["X-Forwarded-For"] = ", ".join(chain)
+    headers["X-Forwarded-Proto"] = request.scheme
+    headers.popall("X-Forwarded-Host", None)
+    if (host := request.headers.get("Host")) is not None:
+        headers["X-Forwarded-Host"] = host
+
+
 def _end_to_end(headers: Mapping[str, str]) -> CIMultiDict[str]:
     connection_tokens = {token.strip().lower() for token in headers.get("Connection", "").split(",") if token.strip()}
     kept: CIMultiDict[str] = CIMultiDict()
@@ -70,6 +91,7 @@ class PassThrough:
 
     async def relay(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
         headers = _end_to_end(request.headers)
+        _add_forwarded(headers, request)
         for name, value in self.extra_headers.items():
             headers[name] = value
         try:
@@ -77,6 +99,7 @@ class PassThrough:
                 request.method,
                 self.url.with_query(request.query) if request.query else self.url,
                 headers=headers,
+                skip_auto_headers=NO_AUTO_HEADERS,
                 data=body if body else None,
                 timeout=self.timeout,
                 allow_redirects=False,

@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import os
 import sqlite3
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,49 @@ from proxy.tasks.store.batching import caused
 from proxy.wire.tasks import LIVE, TaskRecord, TaskStatus
 
 _MIN_SQLITE_VERSION: Final = (3, 35, 0)  # UPDATE ... RETURNING
+
+
+# The database holds tool arguments and results, and the files are the proxy's alone: owner-only modes whatever the
+# umask. SQLite creates `-wal` and `-shm` with the mode of the database file, so creating that file 0600 (and
+# narrowing one left wider by an earlier version) is what makes them 0600 too.
+_FILE_MODE: Final = 0o600
+_DIRECTORY_MODE: Final = 0o700
+_GROUP_AND_OTHER: Final = 0o077
+
+
+def _private_directory(directory: Path) -> None:
+    """Create the missing directories down to `directory`, each 0700; existing ones (a volume) are left alone."""
+    missing: list[Path] = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir(mode=_DIRECTORY_MODE)
+        except FileExistsError:
+            continue  # created meanwhile by someone else: theirs
+        os.chmod(path, _DIRECTORY_MODE)  # exactly, whatever the umask took away
+
+
+def _owner_only(path: Path) -> None:
+    """Take group and other access away from an existing file."""
+    with contextlib.suppress(FileNotFoundError):
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & _GROUP_AND_OTHER:
+            os.chmod(path, mode & ~_GROUP_AND_OTHER)
+
+
+def _private_database(path: Path) -> None:
+    """The database file exists and is owner-only before SQLite opens it; so are -wal and -shm if a crash left
+    them (SQLite creates new ones with the database file's mode)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _FILE_MODE))
+    except FileExistsError:
+        pass
+    else:
+        os.chmod(path, _FILE_MODE)  # an empty file is a new database to SQLite
+    for suffix in ("", "-wal", "-shm"):
+        _owner_only(path.with_name(path.name + suffix))
 
 
 def connect(path: Path, *, read_only: bool) -> Database:
@@ -77,8 +121,10 @@ class SqliteWriter:
                 f"the task store needs SQLite >= 3.35 (RETURNING), this Python has {sqlite3.sqlite_version}"
             )
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _private_directory(self.path.parent)
             lock_fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            _owner_only(Path(f"{self.path}.lock"))
+            _private_database(self.path)
         except OSError as exc:
             raise StoreError(f"cannot open the task store {self.path}: {exc}") from exc
         try:
