@@ -2,8 +2,9 @@
 
 Events go into `machine.handle`; commands come out, and the runner executes them in order. Some commands are
 answered by an event the runner feeds back (`CreateRecord` → `Committed` / `CommitRefused`, `Park` → `Parked`
-/ `ParkRefused`). `Reply` answers the request a client is waiting on. Plain frozen data; imports only the
-upstream event types, errors and the wire.
+/ `ParkRefused`). `Reply` answers the request a client is waiting on. Three events come from other replicas
+of a shared store (`RemoteCancel`, `RemoteAnswers`) or from losing the right to write (`LeaseLost`). Plain
+frozen data; imports only the upstream event types, errors and the wire.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Final
 
 from proxy.errors import ProxyError
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
@@ -112,6 +114,30 @@ class Stop:
     error: JSON | None = None  # what a client still waiting for the task is told
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteCancel:
+    """The task was settled by another replica (a client's `tasks/cancel` there, or its TTL sweep): the call
+    stops and the upstream is told. Nothing is written: the record is settled already."""
+
+    reason: str
+    error: JSON | None = None  # what a client still waiting for the task is told
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteAnswers:
+    """`tasks/update` answers that arrived on another replica (checked there against the questions the record
+    showed), relayed over the change feed. They are checked again against the questions still outstanding
+    here: a key answered meanwhile, or asked no more, is ignored (that client was acked already)."""
+
+    responses: Mapping[str, JSON]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseLost:
+    """This replica may no longer write the task (its lease lapsed, or another replica took the task over):
+    the call stops, the upstream is told, and nothing more is written for it."""
+
+
 Event = (
     Start
     | Asked
@@ -126,6 +152,9 @@ Event = (
     | Answered
     | ClientLeft
     | Stop
+    | RemoteCancel
+    | RemoteAnswers
+    | LeaseLost
 )
 
 # --- commands ----------------------------------------------------------------------------------------------
@@ -265,6 +294,9 @@ ReplyKind = ReplyOutcome | ReplyTask | ReplyInputRequired | ReplyMissing | Reply
 class Reply:
     reply: ReplyKind
 
+
+# The commands that write the task record: none comes out of a call that lost its lease.
+STORE_WRITES: Final = (CreateRecord, WriteInputs, WriteProgress, Settle)
 
 Command = (
     StartCall
