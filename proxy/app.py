@@ -405,8 +405,8 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Readiness: the task store takes a committed write and the upstream answered recently (else a fresh
-    `initialize` must succeed). 503 with the reasons otherwise."""
+    """Readiness: the task store takes a committed write, this replica holds its lease on the store, and the
+    upstream answered recently (else a fresh `initialize` must succeed). 503 with the reasons otherwise."""
     app = request.app
     reasons: list[str] = []
     if app[STOPPING]:
@@ -416,6 +416,9 @@ async def readyz(request: web.Request) -> web.Response:
             await app[STORE].check_writable(app[RUNNER].clock())
         except StoreError as exc:
             reasons.append(f"store: {exc}")
+        lease = app[RUNNER].lease_problem()
+        if lease is not None:
+            reasons.append(f"lease: {lease}")
         try:
             await app[UPSTREAM].probe(app[CONFIG].observability.readiness_max_age_seconds)
         except UpstreamError as exc:

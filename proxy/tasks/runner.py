@@ -6,8 +6,11 @@ request, timers, the waiting client's reply and stream), feeds it events one at 
 and executes the commands that come out: store writes, upstream answers and cancels, replies, timers, the
 `max_running` slots and the parked MRTR calls. It decides nothing itself. It also runs the task-level
 operations that need no call (`tasks/get`, `tasks/cancel` of a task whose call is gone, TTL sweeps, restart
-recovery). Imports the store, the upstream client, the machine, policy and wire; never aiohttp's web side or
-the front.
+recovery). With several replicas on one store (`replicas.py` carries the lease, the feed and the messages) it
+writes as a task's owner only under its lease's fence, turns what other replicas record into events of the
+task's call (a cancel, answers, a lost lease), adopts the tasks of dead replicas, and serves MRTR retries that
+arrive on another replica for a call parked here (and forwards its own). Imports the store, the upstream
+client, the machine, policy and wire; never aiohttp's web side or the front.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ import structlog
 from proxy.config import Config
 from proxy.errors import InvalidParamsError, ProxyError, TaskLimitError
 from proxy.observability import Metrics
-from proxy.policy import Decision, Outcome, Policy
-from proxy.tasks import inputs, machine, pacing
+from proxy.policy import SYNC_CALL, Decision, Outcome, Policy, decide
+from proxy.tasks import inputs, machine, pacing, remote
 from proxy.tasks.commands import (
     Answer,
     Answered,
@@ -42,13 +45,17 @@ from proxy.tasks.commands import (
     Ended,
     Event,
     HoldSlot,
+    LeaseLost,
     Notified,
     Park,
     Parked,
     ParkRefused,
     Refuse,
     Relay,
+    RemoteAnswers,
+    RemoteCancel,
     Reply,
+    ReplyError,
     ReplyKind,
     Resumed,
     SetTimer,
@@ -63,7 +70,16 @@ from proxy.tasks.commands import (
     WriteProgress,
 )
 from proxy.tasks.machine import CallState
-from proxy.tasks.store import StoreError, StoreFullError, TaskStore
+from proxy.tasks.replicas import (
+    LEASE_LAPSED,
+    LEASE_LAPSED_RERUN,
+    TAKEN_OVER,
+    TAKEN_OVER_RERUN,
+    Ask,
+    RemoteChannel,
+    ReplicaLink,
+)
+from proxy.tasks.store import Fence, FencedError, StoreError, StoreFullError, TaskStore
 from proxy.upstream.call import UpstreamCall
 from proxy.upstream.events import (
     UpstreamEvent,
@@ -85,6 +101,7 @@ SWEEP_INTERVAL_SECONDS: Final = 1.0  # how often expired tasks are ended and old
 SHUTDOWN_GRACE_SECONDS: Final = 5.0  # how long close() waits for cancelled calls to tell the upstream
 CANCELLED_BY_CLIENT: Final = "cancelled by the client"
 SHUTTING_DOWN: Final = "the proxy is shutting down"
+DURATIONS_RELOAD_SECONDS: Final = 5.0  # how often the tools' duration estimates are read again (other replicas')
 
 _T = TypeVar("_T")
 
@@ -115,6 +132,8 @@ class Call:
     session: UpstreamSession | None = None
     upstream: UpstreamCall | None = None
     created_at: float = field(default_factory=time.perf_counter)
+    fence: Fence | None = None  # the lease the task's record is written under (None: no task yet)
+    ask: Ask | None = None  # set on a stand-in for a call parked on another replica (a forwarded MRTR retry)
 
 
 class TaskRunner:
@@ -134,13 +153,17 @@ class TaskRunner:
         self.clock = clock
         self.process_id = uuid.uuid4().hex  # the `owner` of every task this process runs
         self.signer = inputs.RequestStateSigner(inputs.load_secret(config.inputs.secret_file))
-        self.durations = pacing.DurationEstimates()  # how long each tool's tasks usually take
+        self.durations = pacing.DurationEstimates()  # how long each tool's tasks usually take (shared in the store)
+        self.replicas = ReplicaLink(store, self.process_id, config.store.lease_seconds, self)
         self._calls: set[Call] = set()  # every call not finished yet
         self._tasks: dict[str, Call] = {}  # task id → its call, for tasks whose upstream call runs here
         self._running: set[Call] = set()  # calls that hold a `max_running` slot
         self._parked: dict[str, Call] = {}  # call id → a call parked for an MRTR retry
         self._background: set[asyncio.Task[Any]] = set()
         self._progress_tokens = 0
+        self._served: dict[str, Call] = {}  # MRTR retries forwarded by another replica, by their message key
+        self._adopting = asyncio.Lock()  # take-overs and a lapsed lease's recovery, one at a time
+        self._durations_loaded_at = float("-inf")
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -157,43 +180,91 @@ class TaskRunner:
             log.error("task_background_failed", coroutine=task.get_name(), error=repr(task.exception()))
 
     async def start(self) -> None:
-        """Restart recovery (before the first request is served), then the periodic sweep."""
+        """The lease and the change feed first (every owner write carries the lease's fence), the shared pacing
+        estimates, restart recovery (before the first request is served), then the periodic sweep."""
+        await self.replicas.start()
+        if self.store.shared and self.inputs.secret_file is None:
+            log.warning(
+                "request_state_key_not_shared",
+                detail="inputs.secret_file is unset: an MRTR retry that reaches another replica is refused",
+            )
+        await self._load_durations()
         await self._recover()
         self.spawn(self._sweep_forever(), "task-sweeper")
 
     async def close(self) -> None:
         """Shutdown: running calls are cancelled upstream; their records stay live and are failed or re-run
-        per `on_restart` at the next start (nothing committed is lost or rewritten here)."""
+        per `on_restart` at the next start, or by another replica at once (the lease is released); nothing
+        committed is lost or rewritten here."""
         calls = list(self._calls)
         await asyncio.gather(*(self.dispatch(call, Stop(SHUTTING_DOWN)) for call in calls), return_exceptions=True)
+        await self.replicas.close()
         for task in list(self._background):
             task.cancel()
         if self._background:
             await asyncio.wait(list(self._background), timeout=SHUTDOWN_GRACE_SECONDS)
 
     async def _recover(self) -> None:
-        """Tasks a previous process left working / input_required: failed with a clear message, or re-run
-        when their policy says `on_restart: rerun`."""
-        now = self.clock()
-        for record in await self.store.live():
-            if record.expired(now):
-                await self._fail(record.task_id, wire_tasks.EXPIRED_MESSAGE)
-                continue
-            if record.on_restart == "rerun":
-                claimed = await self.store.claim(record.task_id, self.process_id, wire_tasks.RERUN_MESSAGE, now_ms=now)
-                if claimed is not None:
-                    await self._rerun(claimed)
-                    continue
-            await self._fail(record.task_id, wire_tasks.RESTART_MESSAGE)
-            log.info("task_interrupted", task_id=record.task_id, tool=record.tool)
+        """Tasks no running process owns any more. On a shared store (PostgreSQL), those of replicas whose lease
+        ran out, an earlier run of this one included once its lease lapsed or was released: taken over, so the
+        tasks of live replicas are never touched. On SQLite, every live task: the process that ran it is gone
+        (the file lock says so)."""
+        if self.store.shared:
+            await self.replicas.sweep()
+            return
+        async with self._adopting:
+            await self._adopt(await self.store.live(), wire_tasks.RESTART_MESSAGE, wire_tasks.RERUN_MESSAGE, None)
 
-    async def _rerun(self, record: TaskRecord) -> None:
+    async def _adopt(self, records: list[TaskRecord], interrupted: str, rerun: str, fence: Fence | None) -> None:
+        """Live tasks whose call runs nowhere: failed with `interrupted`, or re-run here when their policy says
+        `on_restart: rerun` (claimed with `rerun` as their statusMessage). `fence`: they are this replica's
+        already (taken over); None: an earlier process's (SQLite), claimed without one."""
+        now = self.clock()
+        for record in records:
+            try:
+                if record.expired(now):
+                    await self._fail(record.task_id, wire_tasks.EXPIRED_MESSAGE, fence)
+                    continue
+                if record.on_restart == "rerun":
+                    claimed = await self.store.claim(record.task_id, self.process_id, rerun, now_ms=now, fence=fence)
+                    if claimed is not None:
+                        await self._rerun(claimed, fence or self.replicas.fence)
+                        continue
+                await self._fail(record.task_id, interrupted, fence)
+            except FencedError:
+                return  # our own lease lapsed meanwhile: its recovery takes what is still ours
+            log.info("task_interrupted", task_id=record.task_id, tool=record.tool, reason=interrupted)
+
+    async def taken_over(self, records: list[TaskRecord]) -> None:
+        """A dead replica's live tasks, now this replica's."""
+        async with self._adopting:
+            await self._adopt(records, TAKEN_OVER, TAKEN_OVER_RERUN, self.replicas.fence)
+
+    def lease_changed(self, fence: Fence) -> None:
+        self.spawn(self._lease_lapsed(), "lease-lapsed")
+
+    async def _lease_lapsed(self) -> None:
+        """The lease ran out and was taken again under a new epoch: every call started under the old one stops
+        without writing (another replica may have taken its task over), then what is still this replica's and
+        runs nowhere is recovered like a dead replica's task."""
+        async with self._adopting:
+            fence = self.replicas.fence
+            stale = [call for call in list(self._calls) if call.fence is not None and call.fence != fence]
+            for call in stale:  # each waits for its call's current event (a record being committed, say)
+                await self.dispatch(call, LeaseLost())
+            running = {task_id for task_id, call in self._tasks.items() if call.fence == fence}
+            orphans = [record for record in await self.store.live(self.process_id) if record.task_id not in running]
+            log.warning("lease_lapsed_recovery", stopped=len(stale), recovered=len(orphans))
+            await self._adopt(orphans, LEASE_LAPSED, LEASE_LAPSED_RERUN, fence)
+
+    async def _rerun(self, record: TaskRecord, fence: Fence) -> None:
         policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, "rerun")
         state = self._state(Decision(Outcome.TASK, policy), record.client_capabilities, None, None)
         state.task_id = record.task_id
         state.issued = record.inputs_issued  # keys stay unique across the re-run too
         call = Call(state, "tools/call", record.tool, record.rerun_principal, dict(record.request), {}, "")
         call.record = record
+        call.fence = fence
         self._calls.add(call)
         self._tasks[record.task_id] = call
         await self.dispatch(call, Start())
@@ -208,13 +279,31 @@ class TaskRunner:
                 log.error("task_sweep_failed", error=str(exc))
 
     async def sweep(self) -> None:
-        """Live tasks past their TTL fail (and their calls stop); settled records past their TTL are dropped."""
+        """Live tasks past their TTL fail (their calls stop, here or, through the feed, on their owner); settled
+        records past their TTL are dropped; dead replicas' tasks are taken over. On a shared store each of these
+        is done once across replicas (the store hands each expired task, and the purge, to one of them)."""
         now = self.clock()
-        for record in await self.store.expired_live(now):
-            await self._expire(record)
+        error = wire_tasks.internal_error(wire_tasks.EXPIRED_MESSAGE)
+        for record in await self.store.settle_expired(now, error=error, status_message=wire_tasks.EXPIRED_MESSAGE):
+            self._settled(record, reason=wire_tasks.EXPIRED_MESSAGE)
+            log.info("task_expired", task_id=record.task_id, tool=record.tool)
+            call = self._tasks.get(record.task_id)
+            if call is not None:
+                await self.submit(call, Stop(wire_tasks.EXPIRED_MESSAGE, error))
         purged = await self.store.purge_expired(now)
         if purged:
             log.info("tasks_purged", count=purged)
+        await self.replicas.sweep()
+        if time.monotonic() - self._durations_loaded_at > DURATIONS_RELOAD_SECONDS:
+            await self._load_durations()
+
+    async def _load_durations(self) -> None:
+        """The tools' duration estimates as the store keeps them (every replica's completions, across restarts)."""
+        self._durations_loaded_at = time.monotonic()
+        try:
+            self.durations.load(await self.store.duration_estimates())
+        except StoreError as exc:
+            log.warning("durations_not_loaded", error=str(exc))
 
     # --- starting and resuming calls (the waiting client's side calls these) ---------------------------
 
@@ -261,8 +350,9 @@ class TaskRunner:
         self, request: ModernRequest, caller: Caller, responses: Mapping[str, Any], channel: Channel
     ) -> Call:
         """An MRTR retry: the `requestState` must be genuine, unexpired, the caller's, for this method and
-        these params, and name a call parked here for this round; its answers must fit the questions. Else
-        -32602, and the call stays parked for a corrected retry."""
+        these params, and name a call parked for this round (here, or on the live replica that issued it: the
+        retry is forwarded there); its answers must fit the questions. Else -32602, and the call stays parked
+        for a corrected retry."""
         state = request.params.get("requestState")
         if not isinstance(state, str):
             raise InvalidParamsError("Invalid params: requestState must be a string")
@@ -273,26 +363,117 @@ class TaskRunner:
             or claims.digest != inputs.params_digest(request.params)
         ):
             raise InvalidParamsError("Invalid params: requestState was issued for another request")
-        call = self._parked.get(claims.call_id)
-        if call is None or not machine.resumable(call.state, claims.round):
-            if claims.owner != self.process_id:
-                raise InvalidParamsError(
-                    "Invalid params: requestState belongs to a call held by another proxy process; send the "
-                    "request again without it"
-                )
-            raise InvalidParamsError(
-                "Invalid params: requestState was already used or its call has ended; send the request again without it"
-            )
-        answers = machine.answers(call.state, responses)  # a bad answer leaves the call parked for a corrected retry
-        del self._parked[claims.call_id]  # taken: exactly one retry resumes a round
+        if claims.owner != self.process_id:
+            return await self._forward(request, caller, claims, state, responses, channel)
+        call, answers = self._take_parked(claims, responses)
         call.reply = asyncio.get_running_loop().create_future()
         call.channel = channel
         log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, answered=sorted(answers))
         await self.submit(call, Resumed(answers, request.progress_token, request.log_level))
         return call
 
+    def _take_parked(self, claims: inputs.StateClaims, responses: Mapping[str, Any]) -> tuple[Call, dict[str, JSON]]:
+        """The call parked here for the claims' round, with the retry's answers checked; it is no longer parked."""
+        call = self._parked.get(claims.call_id)
+        if call is None or not machine.resumable(call.state, claims.round):
+            raise InvalidParamsError(
+                "Invalid params: requestState was already used or its call has ended; send the request again without it"
+            )
+        answers = machine.answers(call.state, responses)  # a bad answer leaves the call parked for a corrected retry
+        del self._parked[claims.call_id]  # taken: exactly one retry resumes a round
+        return call, answers
+
+    async def _forward(
+        self,
+        request: ModernRequest,
+        caller: Caller,
+        claims: inputs.StateClaims,
+        state: str,
+        responses: Mapping[str, Any],
+        channel: Channel,
+    ) -> Call:
+        """An MRTR retry for a call parked on another replica: sent there (through the store), and a stand-in
+        call here whose reply is what that replica's call answers (its notifications reach `channel` too)."""
+        if not await self.store.replica_alive(claims.owner):
+            raise InvalidParamsError(
+                "Invalid params: requestState belongs to a call held by another proxy process, which is not "
+                "running; send the request again without it"
+            )
+        name = request.params.get("uri") if request.method == "resources/read" else request.params.get("name")
+        decision = (
+            decide(self.config, str(name), declares_tasks=request.declares_tasks)
+            if request.method == "tools/call"
+            else SYNC_CALL
+        )
+        standin = self._state(decision, request.client_capabilities, request.progress_token, request.log_level)
+        call = Call(standin, request.method, str(name), caller.principal, {}, {}, claims.digest, channel=channel)
+        call.reply = asyncio.get_running_loop().create_future()
+        payload = remote.resume_payload(state, responses, request.progress_token, request.log_level, self.process_id)
+        call.ask = await self.replicas.ask(claims.owner, remote.RESUME, payload, on_note=channel.notify)
+        self.spawn(self._await_forwarded(call, call.ask), f"forwarded-{call.ask.key}")
+        log.info("mrtr_forwarded", method=call.method, name=call.name, round=claims.round, to=claims.owner)
+        return call
+
+    async def _await_forwarded(self, call: Call, ask: Ask) -> None:
+        try:
+            reply, call.request_state, task_id = remote.decode_reply(await ask.reply)
+            if task_id is not None:
+                call.record = await self.store.get(task_id)
+                if call.record is None:
+                    reply = ReplyError(ProxyError("Internal error: the task the call became is gone"))
+        except (ProxyError, StoreError) as exc:
+            reply = ReplyError(exc if isinstance(exc, ProxyError) else ProxyError(f"Internal error: {exc}"))
+        if call.reply is not None and not call.reply.done():
+            call.reply.set_result(reply)
+
+    def resume_arrived(self, key: str, payload: JSON) -> None:
+        self.spawn(self._serve_forwarded(key, payload), f"serve-{key}")
+
+    async def _serve_forwarded(self, key: str, payload: JSON) -> None:
+        """Another replica forwarded an MRTR retry for a call parked here: resume it as a local retry would, and
+        send back what the call answers (its notifications on the way)."""
+        reply_to = payload.get("replyTo")
+        if not isinstance(reply_to, str):
+            return
+        call: Call | None = None
+        try:
+            state, responses, progress_token, log_level, reply_to = remote.check_resume(payload)
+            claims = self.signer.verify(state, self.clock())
+            if claims.owner != self.process_id:
+                raise InvalidParamsError("Invalid params: requestState belongs to a call held by another proxy process")
+            call, answers = self._take_parked(claims, responses)
+            call.reply = asyncio.get_running_loop().create_future()
+            call.channel = RemoteChannel(self.replicas, reply_to, key)
+            self._served[key] = call
+            log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, forwarded_by=reply_to)
+            await self.submit(call, Resumed(answers, progress_token, log_level))
+            reply = await call.reply
+        except ProxyError as exc:
+            reply = ReplyError(exc)
+        finally:
+            self._served.pop(key, None)
+        request_state = call.request_state if call is not None else ""
+        task_id = call.state.task_id if call is not None else None
+        try:
+            await self.replicas.send(
+                reply_to, remote.REPLY, key, remote.encode_reply(reply, request_state=request_state, task_id=task_id)
+            )
+        except StoreError as exc:
+            log.warning("forwarded_reply_not_sent", to=reply_to, error=str(exc))
+
+    def waiting_client_gone(self, key: str) -> None:
+        """The client waiting on another replica for a call resumed here went away."""
+        call = self._served.pop(key, None)
+        if call is not None:
+            if call.reply is not None and not call.reply.done():
+                call.reply.cancel()  # nobody waits for the answer any more
+            self.client_left(call)
+
     def client_left(self, call: Call) -> None:
         """The waiting request went away (its handler is being cancelled): tell the call, in the background."""
+        if call.ask is not None:  # a stand-in: the replica holding the call is told
+            self.replicas.abandon(call.ask)
+            return
         call.channel = None
         self.spawn(self.dispatch(call, ClientLeft()), f"client-left-{call.call_id}")
 
@@ -326,15 +507,11 @@ class TaskRunner:
         elif isinstance(command, CreateRecord):
             return await self._create_record(call, command)
         elif isinstance(command, WriteInputs):
-            await self._write_inputs(call, command)
+            return await self._write_inputs(call, command)
         elif isinstance(command, WriteProgress):
-            assert call.state.task_id is not None
-            try:
-                await self.store.set_status_message(call.state.task_id, command.status_message, now_ms=self.clock())
-            except StoreError as exc:  # a lost progress line is not worth failing the task for
-                log.warning("task_progress_not_stored", task_id=call.state.task_id, error=str(exc))
+            return await self._write_progress(call, command)
         elif isinstance(command, Settle):
-            await self._settle(call, command)
+            return await self._settle(call, command)
         elif isinstance(command, Answer):
             await self._respond(call, command.upstream_id, result=command.result)
         elif isinstance(command, Refuse):
@@ -501,6 +678,7 @@ class TaskRunner:
         policy = decision.policy
         assert policy is not None
         now = self.clock()
+        call.fence = self.replicas.fence  # taken before the commit: a lease lost meanwhile stops the call
         record = TaskRecord(
             task_id=wire_tasks.new_task_id(),
             principal=principal_key(call.principal),
@@ -519,14 +697,15 @@ class TaskRunner:
             client_capabilities=call.state.capabilities,
         )
         started = time.perf_counter()
+        self._tasks[record.task_id] = call  # before the commit: a committed task is never taken for an orphan
         try:
             await self.store.create(record)
-        except StoreFullError:
-            return CommitRefused(TaskLimitError("max_records", self.config.max_records))
         except StoreError as exc:
+            del self._tasks[record.task_id]
+            if isinstance(exc, StoreFullError):
+                return CommitRefused(TaskLimitError("max_records", self.config.max_records))
             return CommitRefused(ProxyError(f"Internal error: the task could not be stored: {exc}"))
         call.record = record
-        self._tasks[record.task_id] = call
         log.info("task_created", task_id=record.task_id, tool=call.name, ttl_ms=record.ttl_ms)
         if command.input_requests:
             self._log_input_required(record.task_id, call.name, command.input_requests)
@@ -536,16 +715,33 @@ class TaskRunner:
             self.metrics.create_seconds.labels(path).observe(time.perf_counter() - started)
         return Committed(record.task_id)
 
-    async def _write_inputs(self, call: Call, command: WriteInputs) -> None:
+    async def _write_inputs(self, call: Call, command: WriteInputs) -> Event | None:
         task_id = call.state.task_id
         assert task_id is not None
         try:
-            updated = await self.store.set_inputs(task_id, command.input_requests, command.issued, now_ms=self.clock())
+            updated = await self.store.set_inputs(
+                task_id, command.input_requests, command.issued, now_ms=self.clock(), fence=call.fence
+            )
+        except FencedError:
+            return LeaseLost()
         except StoreError as exc:
             log.error("task_inputs_not_stored", task_id=task_id, error=str(exc))
-            return
+            return None
         if updated is not None and command.input_requests:
             self._log_input_required(task_id, call.name, command.input_requests)
+        return None
+
+    async def _write_progress(self, call: Call, command: WriteProgress) -> Event | None:
+        assert call.state.task_id is not None
+        try:
+            await self.store.set_status_message(
+                call.state.task_id, command.status_message, now_ms=self.clock(), fence=call.fence
+            )
+        except FencedError:
+            return LeaseLost()
+        except StoreError as exc:  # a lost progress line is not worth failing the task for
+            log.warning("task_progress_not_stored", task_id=call.state.task_id, error=str(exc))
+        return None
 
     def _log_input_required(self, task_id: str, tool: str, input_requests: JSON) -> None:
         methods = sorted(
@@ -553,18 +749,26 @@ class TaskRunner:
         )
         log.info("task_input_required", task_id=task_id, tool=tool, keys=sorted(input_requests), methods=methods)
 
-    async def _settle(self, call: Call, command: Settle) -> None:
+    async def _settle(self, call: Call, command: Settle) -> Event | None:
         task_id = call.state.task_id
         assert task_id is not None
-        settled = await self.store.settle(
-            task_id,
-            command.status,
-            now_ms=self.clock(),
-            result=command.result,
-            error=command.error,
-            status_message=command.status_message,
-        )
+        try:
+            settled = await self.store.settle(
+                task_id,
+                command.status,
+                now_ms=self.clock(),
+                result=command.result,
+                error=command.error,
+                status_message=command.status_message,
+                fence=call.fence,
+            )
+        except FencedError:
+            return LeaseLost()  # another replica owns the task now: its outcome is that replica's to write
+        except StoreError as exc:  # the record stays live; its TTL (or a take-over) ends it
+            log.error("task_not_settled", task_id=task_id, status=command.status.value, error=str(exc))
+            return None
         self._settled(settled)
+        return None
 
     def _settled(self, record: TaskRecord | None, **context: Any) -> None:
         """Every settlement that won (the first) is logged and counted here, whoever settled it."""
@@ -572,12 +776,20 @@ class TaskRunner:
             return
         log.info("task_settled", task_id=record.task_id, tool=record.tool, status=record.status.value, **context)
         if record.status is TaskStatus.COMPLETED:
-            self.durations.observe(record.tool, record.updated_at_ms - record.created_at_ms)
+            duration_ms = record.updated_at_ms - record.created_at_ms
+            self.durations.observe(record.tool, duration_ms)  # at once here; for every replica through the store
+            self.spawn(self._share_duration(record.tool, duration_ms), f"duration-{record.task_id}")
         if self.metrics is not None:
             tool = self.metrics.tool_label(record.tool)
             self.metrics.tasks_settled.labels(tool, record.status.value).inc()
             lifetime_seconds = max(0, record.updated_at_ms - record.created_at_ms) / 1000
             self.metrics.task_seconds.labels(tool, record.status.value).observe(lifetime_seconds)
+
+    async def _share_duration(self, tool: str, duration_ms: float) -> None:
+        try:
+            self.durations.load({tool: await self.store.observe_duration(tool, duration_ms)})
+        except StoreError as exc:
+            log.warning("duration_not_stored", tool=tool, error=str(exc))
 
     def paced(self, record: TaskRecord) -> TaskRecord:
         """The record as the client sees it: a working task's `pollIntervalMs` follows its tool's usual
@@ -612,10 +824,16 @@ class TaskRunner:
 
     async def update(self, task_id: str, caller: Caller, responses: Mapping[str, Any]) -> None:
         """Answers for the task's outstanding questions go upstream; the ack does not wait for the state change.
-        A task whose call does not run here has nothing to deliver."""
+        For a task whose call runs on another replica they are checked against the questions its record shows
+        (-32602 naming the key) and stored as a message to its owner, which the feed wakes."""
         record = await self.observe(task_id, caller)
+        if record.status.terminal:
+            return
         call = self._tasks.get(task_id)
-        if call is None or record.status.terminal:
+        if call is None:
+            answers = remote.check_answers(record.input_requests, responses)
+            if answers:
+                await self.replicas.post_answers(task_id, answers)
             return
         answers = machine.answers(call.state, responses)
         if answers:
@@ -623,7 +841,7 @@ class TaskRunner:
 
     async def cancel(self, task_id: str, caller: Caller) -> None:
         """Ack even on a settled task; a live one is settled `cancelled` (unless it settles first) and its
-        call stopped (`notifications/cancelled` upstream)."""
+        call stopped (`notifications/cancelled` upstream): here, or by its owner when the feed tells it."""
         record = await self.observe(task_id, caller)
         if record.status.terminal:
             return
@@ -635,13 +853,14 @@ class TaskRunner:
         if call is not None:
             await self.submit(call, Stop(CANCELLED_BY_CLIENT))
 
-    async def _fail(self, task_id: str, message: str) -> TaskRecord | None:
+    async def _fail(self, task_id: str, message: str, fence: Fence | None = None) -> TaskRecord | None:
         settled = await self.store.settle(
             task_id,
             TaskStatus.FAILED,
             now_ms=self.clock(),
             error=wire_tasks.internal_error(message),
             status_message=message,
+            fence=fence,
         )
         self._settled(settled, reason=message)
         return settled
@@ -655,6 +874,48 @@ class TaskRunner:
         if settled is not None:
             log.info("task_expired", task_id=record.task_id, tool=record.tool)
         return settled
+
+    # --- what other replicas did (reported by the replica link) ------------------------------------------------
+
+    def settled_elsewhere(self, task_id: str, status: TaskStatus) -> None:
+        """A task whose call runs here was settled (by another replica, or by this one: the call then has
+        ended already and the machine ignores it)."""
+        call = self._tasks.get(task_id)
+        if call is not None:
+            self.spawn(self._stop_settled(call, task_id, status), f"settled-{call.call_id}")
+
+    async def _stop_settled(self, call: Call, task_id: str, status: TaskStatus) -> None:
+        reason, error = (CANCELLED_BY_CLIENT if status is TaskStatus.CANCELLED else f"settled {status.value}"), None
+        if status is TaskStatus.FAILED:  # an expiry, say: a client still waiting is told why
+            with contextlib.suppress(StoreError):
+                record = await self.store.get(task_id)
+                if record is not None:
+                    reason, error = record.status_message or reason, record.error
+        await self.dispatch(call, RemoteCancel(reason, error))
+
+    def answers_arrived(self, task_id: str, answers: JSON) -> None:
+        call = self._tasks.get(task_id)
+        if call is None:
+            log.info("task_answers_dropped", task_id=task_id, keys=sorted(answers))
+            return
+        self.spawn(self.dispatch(call, RemoteAnswers(answers)), f"answers-{call.call_id}")
+
+    def resync(self) -> None:
+        """The feed may have missed changes: every task whose call runs here is read again."""
+        if self._tasks:
+            self.spawn(self._resync(list(self._tasks)), "resync")
+
+    async def _resync(self, task_ids: list[str]) -> None:
+        for task_id in task_ids:
+            try:
+                record = await self.store.get(task_id)
+            except StoreError:
+                return
+            if record is not None and record.status.terminal:
+                self.settled_elsewhere(task_id, record.status)
+
+    def lease_problem(self) -> str | None:
+        return self.replicas.lease_problem()
 
     @property
     def running(self) -> int:
