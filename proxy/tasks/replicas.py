@@ -38,6 +38,7 @@ RENEWALS_PER_LEASE: Final = 3  # the lease is renewed this often within its own 
 FEED_RETRY_SECONDS: Final = 1.0  # after the change feed failed to start
 NOTE_TIMEOUT_SECONDS: Final = 5.0  # a waiting client that does not take a relayed notification in time misses it
 SUBSCRIBE_TIMEOUT_SECONDS: Final = 30.0
+ANSWERS_ACK_SECONDS: Final = 2.0  # how long a tasks/update waits for the owner to take the answers it relayed
 
 _T = TypeVar("_T")
 
@@ -86,6 +87,7 @@ class ReplicaLink:
         self._subscribed = asyncio.Event()
         self._wake = asyncio.Event()  # messages may be waiting
         self._asks: dict[str, Ask] = {}
+        self._watchers: dict[str, list[asyncio.Future[None]]] = {}  # task id → who waits for its record to change
         self._closed = False
 
     @property
@@ -169,9 +171,23 @@ class ReplicaLink:
 
     # --- messages -------------------------------------------------------------------------------------------
 
-    async def post_answers(self, task_id: str, answers: JSON) -> bool:
-        """Answers for the owner of a live task (False: the task is settled or gone)."""
-        return await self.store.notify_owner(task_id, INPUT, {"answers": answers}) is not None
+    async def post_answers(self, task_id: str, answers: JSON) -> None:
+        """Answers for the owner of a live task, stored as a message; returns once the owner changed the record
+        (it took the answers: a `tasks/get` anywhere shows them answered, as after a local update), or after
+        ANSWERS_ACK_SECONDS (the message stays for the owner, or for whoever takes the task over)."""
+        changed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._watchers.setdefault(task_id, []).append(changed)  # before the message: its change is not missed
+        try:
+            if await self.store.notify_owner(task_id, INPUT, {"answers": answers}) is None:
+                return  # settled meanwhile
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(changed), ANSWERS_ACK_SECONDS)
+        finally:
+            waiting = self._watchers.get(task_id, [])
+            if changed in waiting:
+                waiting.remove(changed)
+            if not waiting:
+                self._watchers.pop(task_id, None)
 
     async def send(self, replica: str, kind: str, key: str, payload: JSON) -> None:
         await self.store.notify_replica(replica, kind, key, payload)
@@ -219,6 +235,9 @@ class ReplicaLink:
             self.owner.resync()
             self._wake.set()
         elif change.kind == STATUS:
+            for changed in self._watchers.pop(change.key, []):
+                if not changed.done():
+                    changed.set_result(None)
             if change.recipient == self.replica_id and change.status is not None and change.status.terminal:
                 self.owner.settled_elsewhere(change.key, change.status)
         elif change.recipient == self.replica_id:
