@@ -1,0 +1,636 @@
+"""tasks/machine.py: the lifecycle of one call, driven by event sequences (playbooks), with no event loop and
+no I/O. Each row feeds events one at a time and names exactly the commands each one must produce, in order.
+
+The rows follow the flows the end-to-end tests cover (test_flow_tasks.py, test_flow_inputs.py,
+test_flow_get_stream.py): a synchronous call and its MRTR rounds, a task at once, a sync window that becomes a
+task, poll-to-sync, resolve-input-first, a re-run after a restart; and every refusal: a question the client did
+not declare, one asked after the call ended or once nobody listens, one too many, a limit on parking or
+creating, an expired park, a client that leaves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from proxy.errors import ProxyError, TaskLimitError, UpstreamError
+from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
+from proxy.tasks import machine
+from proxy.tasks.commands import (
+    Answer,
+    Answered,
+    Asked,
+    CancelCall,
+    ClearTimer,
+    ClientLeft,
+    Command,
+    CommitRefused,
+    Committed,
+    CreateRecord,
+    Ended,
+    Event,
+    HoldSlot,
+    Mode,
+    Notified,
+    Park,
+    Parked,
+    ParkRefused,
+    Refuse,
+    Relay,
+    Reply,
+    ReplyError,
+    ReplyInputRequired,
+    ReplyMissing,
+    ReplyOutcome,
+    ReplyTask,
+    Resumed,
+    SetTimer,
+    Settle,
+    Start,
+    StartCall,
+    Stop,
+    Timer,
+    TimerFired,
+    Unpark,
+    WriteInputs,
+    WriteProgress,
+)
+from proxy.tasks.machine import CLIENT_LEFT, MAX_OUTSTANDING_INPUTS, PARKED_EXPIRED, TASK_REFUSED, CallState
+from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
+from proxy.wire.tasks import TaskStatus
+
+EVERY_INPUT: dict[str, Any] = {"elicitation": {}, "sampling": {}, "roots": {}}
+WINDOW_MS = 700
+GATHER_MS = 100
+PARK_TTL_MS = 600_000
+
+OK = UpstreamResult({"content": [{"type": "text", "text": "done"}]})
+DONE = {"content": [{"type": "text", "text": "done"}], "resultType": "complete"}
+RPC_ERROR = UpstreamErrorResponse({"code": -32000, "message": "no such thing"})
+LOST = UpstreamError("Upstream connection lost during tools/call")
+ELICIT = UpstreamServerRequest(7, "elicitation/create", {"message": "Name?", "requestedSchema": {"type": "object"}})
+ROOTS = UpstreamServerRequest("r1", "roots/list", None)
+ELICIT_REQUEST = {
+    "method": "elicitation/create",
+    "params": {"message": "Name?", "requestedSchema": {"type": "object"}, "mode": "form"},
+}
+ANSWER = {"action": "accept", "content": {"name": "Ada"}}
+LIMIT = TaskLimitError("max_parked", 1)
+FULL = TaskLimitError("max_running", 1)
+BROKEN = ProxyError("Internal error: the task could not be stored")
+PROGRESS = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": "p", "progress": 1}}
+
+
+def policy(mode: str = "optional", *, resolve_input_first: bool = False) -> Policy:
+    return Policy(mode, WINDOW_MS, 60_000, 1000, "fail", resolve_input_first)  # type: ignore[arg-type]
+
+
+SYNC = Decision(Outcome.SYNC, policy("forbidden"))
+TASK = Decision(Outcome.TASK, policy("required"))
+WINDOW = Decision(Outcome.WINDOW, policy())
+WAIT = Decision(Outcome.WAIT, policy("required"))
+INPUT_FIRST = Decision(Outcome.INPUT_FIRST, policy("required", resolve_input_first=True))
+
+
+@dataclass
+class Playbook:
+    name: str
+    decision: Decision
+    steps: list[tuple[Event, list[Command]]]
+    mode: Mode  # the mode at the end
+    finished: bool  # nothing more can happen to the call
+    capabilities: dict[str, Any] = field(default_factory=lambda: dict(EVERY_INPUT))
+    task_id: str | None = None  # a task re-run after a restart starts with its id
+
+
+def settled(status: TaskStatus, **fields: Any) -> Settle:
+    return Settle(status, **fields)
+
+
+PLAYBOOKS = [
+    # --- synchronous calls -------------------------------------------------------------------------------
+    Playbook(
+        "a synchronous call answers with its result",
+        SYNC_CALL,
+        [
+            (Start(), [StartCall()]),
+            (Ended(OK), [Reply(ReplyOutcome(OK))]),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a JSON-RPC error and a lost upstream are the waiting client's answer too",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Ended(LOST), [Reply(ReplyOutcome(LOST))]),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a question is an MRTR round; the retry's answer goes upstream and the call goes on",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [Park(1)]),
+            (
+                Parked(),
+                [
+                    Reply(ReplyInputRequired({"elicitation-1": ELICIT_REQUEST}, 1)),
+                    SetTimer(Timer.PARK, PARK_TTL_MS),
+                ],
+            ),
+            (Resumed({"elicitation-1": ANSWER}), [Unpark(), ClearTimer(Timer.PARK), Answer(7, ANSWER)]),
+            (Ended(OK), [Reply(ReplyOutcome(OK))]),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "questions a retry left unanswered are asked again in the next round",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (Asked(ROOTS), []),  # gathered with the first
+            (TimerFired(Timer.GATHER), [Park(1)]),
+            (
+                Parked(),
+                [
+                    Reply(
+                        ReplyInputRequired({"elicitation-1": ELICIT_REQUEST, "roots-2": {"method": "roots/list"}}, 1)
+                    ),
+                    SetTimer(Timer.PARK, PARK_TTL_MS),
+                ],
+            ),
+            (
+                Resumed({"elicitation-1": ANSWER}),
+                [Unpark(), ClearTimer(Timer.PARK), Answer(7, ANSWER), Park(2)],
+            ),
+        ],
+        Mode.WAITING,
+        finished=False,
+    ),
+    Playbook(
+        "a call that ended while parked answers the retry with its outcome",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [Park(1)]),
+            (
+                Parked(),
+                [
+                    Reply(ReplyInputRequired({"elicitation-1": ELICIT_REQUEST}, 1)),
+                    SetTimer(Timer.PARK, PARK_TTL_MS),
+                ],
+            ),
+            (Ended(OK), []),  # still parked: the retry gets the outcome
+            (
+                Resumed({"elicitation-1": ANSWER}),
+                [Unpark(), ClearTimer(Timer.PARK), Reply(ReplyOutcome(OK))],
+            ),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a question the client did not declare is refused upstream and the client gets -32021",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ROOTS), [Refuse("r1", "roots/list", "undeclared"), SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [Reply(ReplyMissing({"roots": {}}))]),
+            (Ended(OK), []),
+        ],
+        Mode.DETACHED,
+        finished=True,
+        capabilities={"elicitation": {}},
+    ),
+    Playbook(
+        "a request that is not a question (an unknown method) is refused as not found",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (
+                Asked(UpstreamServerRequest(3, "experimental/thing", None)),
+                [Refuse(3, "experimental/thing", "not_input")],
+            ),
+        ],
+        Mode.WAITING,
+        finished=False,
+    ),
+    Playbook(
+        "a question asked after the call ended is refused",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Ended(OK), [Reply(ReplyOutcome(OK))]),
+            (Asked(ELICIT), [Refuse(7, "elicitation/create", "ended")]),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a client that leaves stops the call upstream",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (ClientLeft(), [CancelCall(CLIENT_LEFT)]),
+            (Asked(ELICIT), [Refuse(7, "elicitation/create", "ended")]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "beyond inputs.max_parked the questions are declined and the client gets the limit error",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [Park(1)]),
+            (
+                ParkRefused(LIMIT),
+                [Reply(ReplyError(LIMIT)), Refuse(7, "elicitation/create", "detached")],
+            ),
+            (Asked(ROOTS), [Refuse("r1", "roots/list", "detached")]),
+        ],
+        Mode.DETACHED,
+        finished=False,  # the upstream ends the call by itself
+    ),
+    Playbook(
+        "a parked call nobody resumes is cancelled upstream when its state expires",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [Park(1)]),
+            (
+                Parked(),
+                [
+                    Reply(ReplyInputRequired({"elicitation-1": ELICIT_REQUEST}, 1)),
+                    SetTimer(Timer.PARK, PARK_TTL_MS),
+                ],
+            ),
+            (TimerFired(Timer.PARK), [Unpark(), CancelCall(PARKED_EXPIRED)]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "progress reaches a waiting client that asked for it",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Notified(PROGRESS, 0), [Relay({**PROGRESS, "params": {"progressToken": "mine", "progress": 1}})]),
+        ],
+        Mode.WAITING,
+        finished=False,
+    ),
+    # --- a task at once ----------------------------------------------------------------------------------
+    Playbook(
+        "a task is committed before its call starts, and its result settles it",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            (Notified(PROGRESS, 1_000), [WriteProgress("1")]),
+            (Notified(PROGRESS, 1_100), []),  # within 200 ms of the last write
+            (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE), HoldSlot(False)]),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a JSON-RPC error fails the task with that error",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            (
+                Ended(RPC_ERROR),
+                [
+                    settled(
+                        TaskStatus.FAILED,
+                        error={"code": -32000, "message": "no such thing"},
+                        status_message="no such thing (JSON-RPC error -32000)",
+                    ),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a task refused by a limit never reaches the upstream",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (
+                CommitRefused(FULL),
+                [Reply(ReplyError(FULL))],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a task's questions go to its record, the slot is freed, and answers bring it back",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS), HoldSlot(False)]),
+            (TimerFired(Timer.GATHER), [WriteInputs({"elicitation-1": ELICIT_REQUEST}, 1)]),
+            (Answered({"elicitation-1": ANSWER}), [Answer(7, ANSWER), WriteInputs({}, 1), HoldSlot(True)]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "an upstream asking more than MAX_OUTSTANDING_INPUTS at once is refused beyond it",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            (Asked(UpstreamServerRequest(0, "roots/list", None)), [SetTimer(Timer.GATHER, GATHER_MS), HoldSlot(False)]),
+            *[(Asked(UpstreamServerRequest(n, "roots/list", None)), []) for n in range(1, MAX_OUTSTANDING_INPUTS)],
+            (Asked(UpstreamServerRequest(99, "roots/list", None)), [Refuse(99, "roots/list", "too_many")]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a task stopped from outside (cancel, expiry, shutdown) is abandoned upstream",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            (Stop("cancelled by the client"), [CancelCall("cancelled by the client"), HoldSlot(False)]),
+            (Ended(OK), []),  # abandoned: how its stream ended changes nothing
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a client that leaves while its task is stored does not stop the task",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (ClientLeft(), []),
+            (Committed("t1"), [StartCall(), HoldSlot(True)]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a task re-run after a restart starts its call again and holds a slot",
+        TASK,
+        [(Start(), [StartCall(), HoldSlot(True)])],
+        Mode.TASK,
+        finished=False,
+        task_id="t1",
+    ),
+    # --- the sync window ---------------------------------------------------------------------------------
+    Playbook(
+        "a call that ends within the window is an ordinary result",
+        WINDOW,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (Ended(OK), [ClearTimer(Timer.WINDOW), Reply(ReplyOutcome(OK))]),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a call still running after the window becomes a task continuing the same call",
+        WINDOW,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (TimerFired(Timer.WINDOW), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [Reply(ReplyTask()), HoldSlot(True)]),
+            (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE), HoldSlot(False)]),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a question during the window makes the call a task at once, carrying the question",
+        WINDOW,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (
+                TimerFired(Timer.GATHER),
+                [
+                    ClearTimer(Timer.WINDOW),
+                    CreateRecord(TaskStatus.INPUT_REQUIRED, {"elicitation-1": ELICIT_REQUEST}, 1),
+                ],
+            ),
+            (Committed("t1"), [Reply(ReplyTask())]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a call that ends while its record is written settles the new task at once",
+        WINDOW,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (TimerFired(Timer.WINDOW), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Ended(OK), []),
+            (
+                Committed("t1"),
+                [Reply(ReplyTask()), settled(TaskStatus.COMPLETED, result=DONE)],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a window call whose task cannot be created is stopped and the client gets the error",
+        WINDOW,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (TimerFired(Timer.WINDOW), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (
+                CommitRefused(BROKEN),
+                [Reply(ReplyError(BROKEN)), CancelCall(TASK_REFUSED)],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    # --- poll-to-sync ------------------------------------------------------------------------------------
+    Playbook(
+        "poll-to-sync runs an internal task and answers the waiting client with its outcome",
+        WAIT,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), HoldSlot(True)]),
+            (Notified(PROGRESS, 0), [Relay({**PROGRESS, "params": {"progressToken": "mine", "progress": 1}})]),
+            (
+                Ended(OK),
+                [
+                    settled(TaskStatus.COMPLETED, result=DONE),
+                    Reply(ReplyOutcome(OK)),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a poll-to-sync client that leaves while its task is stored leaves nobody to read it: cancelled",
+        WAIT,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (ClientLeft(), []),
+            (Committed("t1"), [settled(TaskStatus.CANCELLED, status_message=CLIENT_LEFT)]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a poll-to-sync client told it lacks a capability leaves its task cancelled",
+        WAIT,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), HoldSlot(True)]),
+            (Asked(ROOTS), [Refuse("r1", "roots/list", "undeclared"), SetTimer(Timer.GATHER, GATHER_MS)]),
+            (
+                TimerFired(Timer.GATHER),
+                [
+                    Reply(ReplyMissing({"roots": {}})),
+                    settled(TaskStatus.CANCELLED, status_message=CLIENT_LEFT),
+                    CancelCall(CLIENT_LEFT),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+        capabilities={},
+    ),
+    Playbook(
+        "a poll-to-sync task expired from outside tells its waiting client why",
+        WAIT,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), HoldSlot(True)]),
+            (
+                Stop("expired", {"code": -32603, "message": "expired"}),
+                [
+                    Reply(ReplyOutcome(UpstreamErrorResponse({"code": -32603, "message": "expired"}))),
+                    CancelCall("expired"),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    # --- resolve input first ---------------------------------------------------------------------------------
+    Playbook(
+        "resolve-input-first asks in MRTR rounds, then the resumed call becomes a task after a window",
+        INPUT_FIRST,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [ClearTimer(Timer.WINDOW), Park(1)]),
+            (
+                Parked(),
+                [
+                    Reply(ReplyInputRequired({"elicitation-1": ELICIT_REQUEST}, 1)),
+                    SetTimer(Timer.PARK, PARK_TTL_MS),
+                ],
+            ),
+            (
+                Resumed({"elicitation-1": ANSWER}),
+                [Unpark(), ClearTimer(Timer.PARK), Answer(7, ANSWER), SetTimer(Timer.WINDOW, WINDOW_MS)],
+            ),
+            (TimerFired(Timer.WINDOW), [CreateRecord(TaskStatus.WORKING, {}, 1)]),
+            (Committed("t1"), [Reply(ReplyTask()), HoldSlot(True)]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a required tool that resolved its input and ended within the window still answers with a task",
+        INPUT_FIRST,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (Ended(OK), [ClearTimer(Timer.WINDOW), CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (
+                Committed("t1"),
+                [Reply(ReplyTask()), settled(TaskStatus.COMPLETED, result=DONE)],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+]
+
+
+@pytest.mark.parametrize("playbook", PLAYBOOKS, ids=[playbook.name for playbook in PLAYBOOKS])
+def test_playbook(playbook: Playbook) -> None:
+    state = CallState(
+        decision=playbook.decision,
+        capabilities=playbook.capabilities,
+        gather_ms=GATHER_MS,
+        park_ttl_ms=PARK_TTL_MS,
+        progress_token="mine",
+        task_id=playbook.task_id,
+    )
+    for number, (event, expected) in enumerate(playbook.steps, 1):
+        assert machine.handle(state, event) == expected, f"step {number}: {event}"
+    assert state.mode is playbook.mode
+    assert machine.finished(state) is playbook.finished
+
+
+def test_answers_are_checked_before_any_is_delivered() -> None:
+    """-32602 names the key of an answer that does not fit its question; keys not outstanding are ignored."""
+    state = CallState(SYNC, EVERY_INPUT, GATHER_MS, PARK_TTL_MS)
+    machine.handle(state, Start())
+    machine.handle(state, Asked(ELICIT))
+    assert machine.answers(state, {"elicitation-1": ANSWER, "sampling-9": {}}) == {"elicitation-1": ANSWER}
+    with pytest.raises(ProxyError, match=r"inputResponses\.elicitation-1"):
+        machine.answers(state, {"elicitation-1": {"action": "maybe"}})
+
+
+def test_a_request_state_resumes_exactly_its_round_of_a_parked_call() -> None:
+    state = CallState(SYNC, EVERY_INPUT, GATHER_MS, PARK_TTL_MS)
+    for event in (Start(), Asked(ELICIT), TimerFired(Timer.GATHER)):
+        machine.handle(state, event)
+    assert not machine.resumable(state, 1)  # not parked until the runner registered it
+    machine.handle(state, Parked())
+    assert machine.resumable(state, 1)
+    assert not machine.resumable(state, 2)
+    machine.handle(state, Resumed({}))
+    assert not machine.resumable(state, 1)  # used
+
+
+def test_keys_are_never_reused_over_a_calls_life() -> None:
+    state = CallState(TASK, EVERY_INPUT, GATHER_MS, PARK_TTL_MS, task_id="t1")
+    machine.handle(state, Start())
+    machine.handle(state, Asked(ELICIT))
+    machine.handle(state, Answered({"elicitation-1": ANSWER}))
+    machine.handle(state, Asked(UpstreamServerRequest(8, "elicitation/create", {"message": "Again?"})))
+    assert list(state.inputs) == ["elicitation-2"]
+    assert state.issued == 2
+
+
+def test_settlement_maps_outcomes_to_task_statuses() -> None:
+    assert machine.settlement(OK) == Settle(TaskStatus.COMPLETED, result=DONE)
+    tool_error = UpstreamResult({"content": [], "isError": True})
+    assert machine.settlement(tool_error).status is TaskStatus.COMPLETED  # a tool error is a result
+    lost = machine.settlement(LOST)
+    assert (lost.status, lost.error) == (TaskStatus.FAILED, {"code": -32603, "message": LOST.message})
+    assert machine.settlement(None, "stopped") == Settle(TaskStatus.CANCELLED, status_message="stopped")
