@@ -26,11 +26,12 @@ from proxy.errors import (
     ForbiddenError,
     InvalidRequestError,
     MethodNotAllowedError,
-    MethodNotFoundError,
     ParseError,
     PayloadTooLargeError,
     ProxyError,
+    RequestId,
     UpstreamError,
+    http_status,
 )
 from proxy.front import Front
 from proxy.observability import Metrics, method_label
@@ -57,6 +58,7 @@ STOPPING: Final = web.AppKey("stopping", list[bool])
 ERA: Final = web.RequestKey("era", str)
 MCP_METHOD: Final = web.RequestKey("mcp_method", str)
 JSONRPC_ERROR: Final = web.RequestKey("jsonrpc_error", bool)
+RPC_ID: Final = web.RequestKey[RequestId]("rpc_id")  # the JSON-RPC id of a modern request, once read
 
 # Probes and scrapes come from kubelet and Prometheus with the pod IP as Host: these GETs skip the Host/Origin
 # allow-list (they carry no MCP traffic and reveal no tokens or arguments). Everything else is checked.
@@ -75,23 +77,12 @@ _request_numbers = itertools.count(1)
 # --- the error edge ------------------------------------------------------------------------------------
 
 
-def error_response(error: ProxyError) -> web.Response:
-    response = web.json_response(
-        jsonrpc.error_message(error.request_id, error.error_object()),
-        status=error.status,
-        headers=error.headers,
-        dumps=lambda obj: jsonrpc.dumps(obj).decode(),
-    )
-    if error.headers.get("Connection") == "close":
-        response.force_close()  # aiohttp's own state too, not only the header
-    return response
-
-
 @web.middleware
 async def error_edge(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The one place where failures become HTTP responses; also the one request log line."""
-    request_id = f"{REQUEST_ID_PREFIX}{next(_request_numbers):x}"
-    structlog.contextvars.bind_contextvars(request_id=request_id)
+    """The one place where failures become HTTP responses (`_error_answer`); also the one request log line,
+    whose `request_id` is bound here for every line the request causes."""
+    log_id = f"{REQUEST_ID_PREFIX}{next(_request_numbers):x}"
+    structlog.contextvars.bind_contextvars(request_id=log_id)
     started = time.perf_counter()
     status = 500
     try:
@@ -99,9 +90,10 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
         status = response.status
         return response
     except ProxyError as error:
-        status = error.status
         log.info("request_rejected", code=error.code, reason=error.message)
-        return error_response(error)
+        response = await _error_answer(request, error)
+        status = response.status
+        return response
     except web.HTTPException as exc:
         status = exc.status
         raise
@@ -111,8 +103,9 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
         return web.Response(status=status)
     except Exception:
         log.exception("request_failed")
-        status = 500
-        return error_response(ProxyError("Internal error"))
+        response = await _error_answer(request, ProxyError("Internal error"))
+        status = response.status
+        return response
     finally:
         duration = time.perf_counter() - started
         fields = {
@@ -129,6 +122,29 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
             log.info("request", **fields)
             _count(request, status, duration)
         structlog.contextvars.unbind_contextvars("request_id")
+
+
+async def _error_answer(request: web.Request, error: ProxyError) -> web.StreamResponse:
+    """A ProxyError as the request's answer: the JSON-RPC error with the request's id (bound once, when the
+    message was read), with the status `errors.http_status` gives it. On a stream that is already open
+    (notifications went out) the error is the stream's last event instead."""
+    request_id = error.request_id if error.request_id is not None else request.get(RPC_ID)
+    request[JSONRPC_ERROR] = True
+    channel: HttpChannel | None = request.get(CHANNEL)
+    if channel is not None and channel.stream is not None:
+        return await channel.finish(jsonrpc.error_message(request_id, error.error_object()))
+    return error_response(error, request_id)
+
+
+def error_response(error: ProxyError, request_id: RequestId | None = None) -> web.Response:
+    """The JSON-RPC error body of `error` (with `request_id`, else the error's own) and its HTTP status."""
+    message = jsonrpc.error_message(request_id if request_id is not None else error.request_id, error.error_object())
+    response = web.json_response(
+        message, status=http_status(error), headers=error.headers, dumps=lambda obj: jsonrpc.dumps(obj).decode()
+    )
+    if error.headers.get("Connection") == "close":
+        response.force_close()  # aiohttp's own state too, not only the header
+    return response
 
 
 def _count(request: web.Request, status: int, duration_seconds: float) -> None:
@@ -263,19 +279,14 @@ class HttpChannel:
 
     async def finish(self, message: JSON) -> web.StreamResponse:
         if self.stream is None:
-            return web.json_response(message, status=_status_of(message), dumps=lambda obj: jsonrpc.dumps(obj).decode())
+            status = http_status(message.get("error"))
+            return web.json_response(message, status=status, dumps=lambda obj: jsonrpc.dumps(obj).decode())
         await self.stream.write(frame(jsonrpc.dumps(message).decode()))
         await self.stream.write_eof()
         return self.stream
 
 
-def _status_of(message: JSON) -> int:
-    """HTTP status of a final message the front built: results and relayed upstream errors are 200 (Q8),
-    except -32601, which is 404 (C-27): a method the upstream does not implement, the proxy does not either."""
-    error = message.get("error")
-    if isinstance(error, dict) and error.get("code") == MethodNotFoundError.code:
-        return MethodNotFoundError.http_status
-    return 200
+CHANNEL: Final = web.RequestKey("channel", HttpChannel)  # a modern request's answer stream
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -321,12 +332,11 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     message = jsonrpc.classify(decoded)
     if isinstance(message, Notification):
         request[MCP_METHOD] = message.method
-        return web.Response(status=202)  # C-20: accepted, no body.
+        return web.Response(status=202)  # a notification is accepted with no body
+    if message.id is not None:
+        request[RPC_ID] = message.id  # from here on, every error answer echoes it
     if isinstance(message, Response):
-        raise InvalidRequestError(
-            "Invalid Request: a 2026-07-28 server sends no requests, so it takes no responses",
-            request_id=message.id,
-        )
+        raise InvalidRequestError("Invalid Request: a 2026-07-28 server sends no requests, so it takes no responses")
     request[MCP_METHOD] = message.method
     modern = validate_modern(request.headers, message.id, message.method, message.params)
     config = request.app[CONFIG]
@@ -334,16 +344,8 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
         principal=request.headers.get(config.security.principal_header),
         headers=request.headers,
     )
-    channel = HttpChannel(request)
-    try:
-        reply = await request.app[FRONT].dispatch(modern, caller, channel)
-    except ProxyError as error:
-        if error.request_id is None:
-            error.request_id = modern.id  # every error echoes the request id
-        if channel.stream is None:
-            raise
-        # The stream is already open (notifications went out): the error is its last event.
-        reply = jsonrpc.error_message(error.request_id, error.error_object())
+    channel = request[CHANNEL] = HttpChannel(request)
+    reply = await request.app[FRONT].dispatch(modern, caller, channel)
     request[JSONRPC_ERROR] = "error" in reply
     return await channel.finish(reply)
 
