@@ -138,6 +138,17 @@ class UpstreamError(ProxyError):
     default_message = "Upstream MCP server unavailable"
 
 
+class ResultTooLargeError(UpstreamError):
+    """An upstream answer (or one message on an upstream stream) is larger than `limits.max_result_bytes`: it is
+    never held whole, and the caller is told which limit stopped it."""
+
+    def __init__(self, maximum: int) -> None:
+        super().__init__(
+            f"Upstream answer larger than limits.max_result_bytes ({maximum} bytes); the call was cancelled",
+            data={"limit": "max_result_bytes", "max": maximum},
+        )
+
+
 class UpstreamTimeoutError(UpstreamError):
     http_status = 504
     default_message = "Upstream MCP server timed out"
