@@ -1,19 +1,24 @@
-"""The call machine, driven by scripted playbooks: events in, commands out, no event loop and no I/O.
+"""tasks/machine.py: the lifecycle of one call, driven by event sequences (playbooks), with no event loop and
+no I/O. Each row feeds events one at a time and names exactly the commands each one must produce, in order.
 
-Each playbook starts from a fresh call state and feeds its rows in order; every row names the event and exactly
-the commands that must come out. The rows cover the common paths (a task, a window call, an MRTR round) and
-every event that comes from other replicas of a shared store: a cancel or a TTL expiry settled on another
-replica, answers relayed from another replica, and the loss of the lease.
+The rows follow the flows the end-to-end tests cover (test_flow_tasks.py, test_flow_inputs.py,
+test_flow_get_stream.py, test_flow_replicas.py): a synchronous call and its MRTR rounds, a task at once, a sync
+window that becomes a task, poll-to-sync, resolve-input-first, a re-run after a restart; and every refusal: a
+question the client did not declare, one asked after the call ended or once nobody listens, one too many, a
+limit on parking or creating, an expired park, a client that leaves. Then what other replicas of a shared store
+bring: a cancel or expiry settled there, answers relayed from there, and the loss of the lease.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
-from proxy.policy import Decision, Outcome, Policy
+from proxy.errors import ProxyError, TaskLimitError, UpstreamError
+from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
+from proxy.tasks import machine
 from proxy.tasks.commands import (
     STORE_WRITES,
     Answer,
@@ -23,20 +28,26 @@ from proxy.tasks.commands import (
     ClearTimer,
     ClientLeft,
     Command,
+    CommitRefused,
     Committed,
     CreateRecord,
     Ended,
     Event,
     HoldSlot,
     LeaseLost,
+    Mode,
     Notified,
     Park,
     Parked,
+    ParkRefused,
     Refuse,
+    Relay,
     RemoteAnswers,
     RemoteCancel,
     Reply,
+    ReplyError,
     ReplyInputRequired,
+    ReplyMissing,
     ReplyOutcome,
     ReplyTask,
     Resumed,
@@ -51,238 +62,773 @@ from proxy.tasks.commands import (
     WriteInputs,
     WriteProgress,
 )
-from proxy.tasks.machine import LEASE_LOST, CallState, finished, handle
+from proxy.tasks.machine import (
+    CLIENT_LEFT,
+    LEASE_LOST,
+    MAX_OUTSTANDING_INPUTS,
+    PARKED_EXPIRED,
+    TASK_REFUSED,
+    CallState,
+)
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
 from proxy.wire.tasks import TaskStatus, internal_error
 
+EVERY_INPUT: dict[str, Any] = {"elicitation": {}, "sampling": {}, "roots": {}}
+WINDOW_MS = 700
 GATHER_MS = 100
-PARK_TTL_MS = 5_000
-TASK = Decision(Outcome.TASK, Policy("required", 0, 60_000, 1000, "fail"))
-WINDOW = Decision(Outcome.WINDOW, Policy("optional", 1000, 60_000, 1000, "fail"))
-WAIT = Decision(Outcome.WAIT, Policy("required", 0, 60_000, 1000, "fail"))
-SYNC = Decision(Outcome.SYNC, None)
-ELICIT: dict[str, Any] = {"elicitation": {}}
+PARK_TTL_MS = 600_000
 
-QUESTION = UpstreamServerRequest(
-    7, "elicitation/create", {"message": "Name?", "requestedSchema": {"type": "object", "properties": {}}}
-)
-ASKED_AS = {"method": "elicitation/create", "params": QUESTION.params | {"mode": "form"}}  # type: ignore[operator]
-ACCEPT = {"action": "accept", "content": {"name": "Ada"}}
-RESULT = UpstreamResult({"content": [{"type": "text", "text": "done"}], "isError": False})
-DONE = Settle(
-    TaskStatus.COMPLETED,
-    result={"content": [{"type": "text", "text": "done"}], "isError": False, "resultType": "complete"},
-)
-PROGRESS = {"method": "notifications/progress", "params": {"progressToken": "t", "progress": 1, "total": 2}}
-LOST_REPLY = Reply(ReplyOutcome(UpstreamErrorResponse(internal_error(LEASE_LOST))))
+OK = UpstreamResult({"content": [{"type": "text", "text": "done"}]})
+DONE = {"content": [{"type": "text", "text": "done"}], "resultType": "complete"}
+RPC_ERROR = UpstreamErrorResponse({"code": -32000, "message": "no such thing"})
+LOST = UpstreamError("Upstream connection lost during tools/call")
+ELICIT = UpstreamServerRequest(7, "elicitation/create", {"message": "Name?", "requestedSchema": {"type": "object"}})
+ROOTS = UpstreamServerRequest("r1", "roots/list", None)
+ELICIT_REQUEST = {
+    "method": "elicitation/create",
+    "params": {"message": "Name?", "requestedSchema": {"type": "object"}, "mode": "form"},
+}
+ANSWER = {"action": "accept", "content": {"name": "Ada"}}
+LIMIT = TaskLimitError("max_parked", 1)
+FULL = TaskLimitError("max_running", 1)
+BROKEN = ProxyError("Internal error: the task could not be stored")
+PROGRESS = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": "p", "progress": 1}}
 
 
-@dataclass(frozen=True)
-class Row:
-    event: Event
-    commands: list[Command]
+def policy(mode: str = "optional", *, resolve_input_first: bool = False) -> Policy:
+    return Policy(mode, WINDOW_MS, 60_000, 1000, "fail", resolve_input_first)  # type: ignore[arg-type]
 
 
-def state_for(decision: Decision, capabilities: dict[str, Any] | None = None) -> CallState:
-    return CallState(decision, capabilities or {}, gather_ms=GATHER_MS, park_ttl_ms=PARK_TTL_MS)
+SYNC = Decision(Outcome.SYNC, policy("forbidden"))
+TASK = Decision(Outcome.TASK, policy("required"))
+WINDOW = Decision(Outcome.WINDOW, policy())
+WAIT = Decision(Outcome.WAIT, policy("required"))
+INPUT_FIRST = Decision(Outcome.INPUT_FIRST, policy("required", resolve_input_first=True))
 
 
-def play(state: CallState, rows: list[Row]) -> CallState:
-    for number, row in enumerate(rows, 1):
-        assert handle(state, row.event) == row.commands, f"row {number}: {row.event}"
-    return state
+@dataclass
+class Playbook:
+    name: str
+    decision: Decision
+    steps: list[tuple[Event, list[Command]]]
+    mode: Mode  # the mode at the end
+    finished: bool  # nothing more can happen to the call
+    capabilities: dict[str, Any] = field(default_factory=lambda: dict(EVERY_INPUT))
+    task_id: str | None = None  # a task re-run after a restart starts with its id
 
 
-# A task that runs: committed first, then the call starts and the client gets the CreateTaskResult.
-TASK_STARTED = [
-    Row(Start(), [ClearTimer(Timer.WINDOW), CreateRecord(TaskStatus.WORKING, {}, 0)]),
-    Row(Committed("task_1"), [StartCall(), ClearTimer(Timer.WINDOW), Reply(ReplyTask()), HoldSlot(True)]),
-]
-# ... that asks one question, published to its record after the gather window.
-TASK_ASKING = [
-    *TASK_STARTED,
-    Row(Asked(QUESTION), [SetTimer(Timer.GATHER, GATHER_MS), HoldSlot(False)]),
-    Row(TimerFired(Timer.GATHER), [WriteInputs({"elicitation-1": ASKED_AS}, 1)]),
-]
+def settled(status: TaskStatus, **fields: Any) -> Settle:
+    return Settle(status, **fields)
 
-PLAYBOOKS: dict[str, tuple[Decision, list[Row]]] = {
-    "a task settles with its call's result": (
-        TASK,
-        [*TASK_STARTED, Row(Ended(RESULT), [ClearTimer(Timer.WINDOW), DONE, HoldSlot(False)])],
-    ),
-    "a window call still running after its window becomes a task continuing the same call": (
-        WINDOW,
+
+PLAYBOOKS = [
+    # --- synchronous calls -------------------------------------------------------------------------------
+    Playbook(
+        "a synchronous call answers with its result",
+        SYNC_CALL,
         [
-            Row(Start(), [StartCall(), SetTimer(Timer.WINDOW, 1000)]),
-            Row(TimerFired(Timer.WINDOW), [ClearTimer(Timer.WINDOW), CreateRecord(TaskStatus.WORKING, {}, 0)]),
-            Row(Committed("task_1"), [ClearTimer(Timer.WINDOW), Reply(ReplyTask()), HoldSlot(True)]),
+            (Start(), [StartCall()]),
+            (Ended(OK), [Reply(ReplyOutcome(OK))]),
         ],
+        Mode.WAITING,
+        finished=True,
     ),
-    "a task's answers from tasks/update on this replica go upstream": (
-        TASK,
-        [
-            *TASK_ASKING,
-            Row(Answered({"elicitation-1": ACCEPT}), [Answer(7, ACCEPT), WriteInputs({}, 1), HoldSlot(True)]),
-        ],
-    ),
-    "a synchronous question is an MRTR round, and the retry resumes the parked call": (
+    Playbook(
+        "a JSON-RPC error and a lost upstream are the waiting client's answer too",
         SYNC,
         [
-            Row(Start(), [StartCall()]),
-            Row(Asked(QUESTION), [SetTimer(Timer.GATHER, GATHER_MS)]),
-            Row(TimerFired(Timer.GATHER), [ClearTimer(Timer.WINDOW), Park(1)]),
-            Row(
+            (Start(), [StartCall()]),
+            (Ended(LOST), [Reply(ReplyOutcome(LOST))]),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a question is an MRTR round; the retry's answer goes upstream and the call goes on",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [Park(1)]),
+            (
                 Parked(),
                 [
-                    ClearTimer(Timer.WINDOW),
-                    Reply(ReplyInputRequired({"elicitation-1": ASKED_AS}, 1)),
+                    Reply(ReplyInputRequired({"elicitation-1": ELICIT_REQUEST}, 1)),
                     SetTimer(Timer.PARK, PARK_TTL_MS),
                 ],
             ),
-            Row(Resumed({"elicitation-1": ACCEPT}), [Unpark(), ClearTimer(Timer.PARK), Answer(7, ACCEPT)]),
-            Row(Ended(RESULT), [ClearTimer(Timer.WINDOW), ClearTimer(Timer.WINDOW), Reply(ReplyOutcome(RESULT))]),
+            (Resumed({"elicitation-1": ANSWER}), [Unpark(), ClearTimer(Timer.PARK), Answer(7, ANSWER)]),
+            (Ended(OK), [Reply(ReplyOutcome(OK))]),
         ],
+        Mode.WAITING,
+        finished=True,
     ),
-    # --- from other replicas --------------------------------------------------------------------------------
-    "a cancel settled on another replica stops the call and tells the upstream, writing nothing": (
+    Playbook(
+        "questions a retry left unanswered are asked again in the next round",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (Asked(ROOTS), []),  # gathered with the first
+            (TimerFired(Timer.GATHER), [Park(1)]),
+            (
+                Parked(),
+                [
+                    Reply(
+                        ReplyInputRequired({"elicitation-1": ELICIT_REQUEST, "roots-2": {"method": "roots/list"}}, 1)
+                    ),
+                    SetTimer(Timer.PARK, PARK_TTL_MS),
+                ],
+            ),
+            (
+                Resumed({"elicitation-1": ANSWER}),
+                [Unpark(), ClearTimer(Timer.PARK), Answer(7, ANSWER), Park(2)],
+            ),
+        ],
+        Mode.WAITING,
+        finished=False,
+    ),
+    Playbook(
+        "a call that ended while parked answers the retry with its outcome",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [Park(1)]),
+            (
+                Parked(),
+                [
+                    Reply(ReplyInputRequired({"elicitation-1": ELICIT_REQUEST}, 1)),
+                    SetTimer(Timer.PARK, PARK_TTL_MS),
+                ],
+            ),
+            (Ended(OK), []),  # still parked: the retry gets the outcome
+            (
+                Resumed({"elicitation-1": ANSWER}),
+                [Unpark(), ClearTimer(Timer.PARK), Reply(ReplyOutcome(OK))],
+            ),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a question the client did not declare is refused upstream and the client gets -32021",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ROOTS), [Refuse("r1", "roots/list", "undeclared"), SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [Reply(ReplyMissing({"roots": {}}))]),
+            (Ended(OK), []),
+        ],
+        Mode.DETACHED,
+        finished=True,
+        capabilities={"elicitation": {}},
+    ),
+    Playbook(
+        "a request that is not a question (an unknown method) is refused as not found",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (
+                Asked(UpstreamServerRequest(3, "experimental/thing", None)),
+                [Refuse(3, "experimental/thing", "not_input")],
+            ),
+        ],
+        Mode.WAITING,
+        finished=False,
+    ),
+    Playbook(
+        "a question asked after the call ended is refused",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Ended(OK), [Reply(ReplyOutcome(OK))]),
+            (Asked(ELICIT), [Refuse(7, "elicitation/create", "ended")]),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a client that leaves stops the call upstream",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (ClientLeft(), [CancelCall(CLIENT_LEFT)]),
+            (Asked(ELICIT), [Refuse(7, "elicitation/create", "ended")]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "beyond inputs.max_parked the questions are declined and the client gets the limit error",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [Park(1)]),
+            (
+                ParkRefused(LIMIT),
+                [Reply(ReplyError(LIMIT)), Refuse(7, "elicitation/create", "detached")],
+            ),
+            (Asked(ROOTS), [Refuse("r1", "roots/list", "detached")]),
+        ],
+        Mode.DETACHED,
+        finished=False,  # the upstream ends the call by itself
+    ),
+    Playbook(
+        "a parked call nobody resumes is cancelled upstream when its state expires",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [Park(1)]),
+            (
+                Parked(),
+                [
+                    Reply(ReplyInputRequired({"elicitation-1": ELICIT_REQUEST}, 1)),
+                    SetTimer(Timer.PARK, PARK_TTL_MS),
+                ],
+            ),
+            (TimerFired(Timer.PARK), [Unpark(), CancelCall(PARKED_EXPIRED)]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "progress reaches a waiting client that asked for it",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Notified(PROGRESS, 0), [Relay({**PROGRESS, "params": {"progressToken": "mine", "progress": 1}})]),
+        ],
+        Mode.WAITING,
+        finished=False,
+    ),
+    # --- a task at once ----------------------------------------------------------------------------------
+    Playbook(
+        "a task is committed before its call starts, and its result settles it",
         TASK,
         [
-            *TASK_STARTED,
-            Row(RemoteCancel("cancelled by the client"), [CancelCall("cancelled by the client"), HoldSlot(False)]),
-            Row(Ended(RESULT), []),  # the upstream's late answer changes nothing
-            Row(RemoteCancel("cancelled by the client"), []),
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            (Notified(PROGRESS, 1_000), [WriteProgress("1")]),
+            (Notified(PROGRESS, 1_100), []),  # within 200 ms of the last write
+            (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE), HoldSlot(False)]),
         ],
+        Mode.TASK,
+        finished=True,
     ),
-    "a remote cancel of a task waiting for input refuses nothing and cancels the call": (
-        TASK,
-        [*TASK_ASKING, Row(RemoteCancel("expired"), [CancelCall("expired")])],
-    ),
-    "a remote cancel after the call settled by itself is ignored": (
+    Playbook(
+        "a JSON-RPC error fails the task with that error",
         TASK,
         [
-            *TASK_STARTED,
-            Row(Ended(RESULT), [ClearTimer(Timer.WINDOW), DONE, HoldSlot(False)]),
-            Row(RemoteCancel("cancelled by the client"), []),
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            (
+                Ended(RPC_ERROR),
+                [
+                    settled(
+                        TaskStatus.FAILED,
+                        error={"code": -32000, "message": "no such thing"},
+                        status_message="no such thing (JSON-RPC error -32000)",
+                    ),
+                    HoldSlot(False),
+                ],
+            ),
         ],
+        Mode.TASK,
+        finished=True,
     ),
-    "a remote expiry of a poll-to-sync task answers the waiting client with the expiry": (
-        WAIT,
+    Playbook(
+        "a task refused by a limit never reaches the upstream",
+        TASK,
         [
-            Row(Start(), [ClearTimer(Timer.WINDOW), CreateRecord(TaskStatus.WORKING, {}, 0)]),
-            Row(Committed("task_1"), [StartCall(), HoldSlot(True)]),
-            Row(
-                RemoteCancel("expired", {"code": -32603, "message": "expired"}),
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (
+                CommitRefused(FULL),
+                [Reply(ReplyError(FULL))],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a task's questions go to its record, the slot is freed, and answers bring it back",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS), HoldSlot(False)]),
+            (TimerFired(Timer.GATHER), [WriteInputs({"elicitation-1": ELICIT_REQUEST}, 1)]),
+            (Answered({"elicitation-1": ANSWER}), [Answer(7, ANSWER), WriteInputs({}, 1), HoldSlot(True)]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "an upstream asking more than MAX_OUTSTANDING_INPUTS at once is refused beyond it",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            (Asked(UpstreamServerRequest(0, "roots/list", None)), [SetTimer(Timer.GATHER, GATHER_MS), HoldSlot(False)]),
+            *[(Asked(UpstreamServerRequest(n, "roots/list", None)), []) for n in range(1, MAX_OUTSTANDING_INPUTS)],
+            (Asked(UpstreamServerRequest(99, "roots/list", None)), [Refuse(99, "roots/list", "too_many")]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a task stopped from outside (cancel, expiry, shutdown) is abandoned upstream",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            (Stop("cancelled by the client"), [CancelCall("cancelled by the client"), HoldSlot(False)]),
+            (Ended(OK), []),  # abandoned: how its stream ended changes nothing
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a client that leaves while its task is stored does not stop the task",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (ClientLeft(), []),
+            (Committed("t1"), [StartCall(), HoldSlot(True)]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a task re-run after a restart starts its call again and holds a slot",
+        TASK,
+        [(Start(), [StartCall(), HoldSlot(True)])],
+        Mode.TASK,
+        finished=False,
+        task_id="t1",
+    ),
+    # --- the sync window ---------------------------------------------------------------------------------
+    Playbook(
+        "a call that ends within the window is an ordinary result",
+        WINDOW,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (Ended(OK), [ClearTimer(Timer.WINDOW), Reply(ReplyOutcome(OK))]),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a call still running after the window becomes a task continuing the same call",
+        WINDOW,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (TimerFired(Timer.WINDOW), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [Reply(ReplyTask()), HoldSlot(True)]),
+            (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE), HoldSlot(False)]),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a question during the window makes the call a task at once, carrying the question",
+        WINDOW,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (
+                TimerFired(Timer.GATHER),
                 [
                     ClearTimer(Timer.WINDOW),
+                    CreateRecord(TaskStatus.INPUT_REQUIRED, {"elicitation-1": ELICIT_REQUEST}, 1),
+                ],
+            ),
+            (Committed("t1"), [Reply(ReplyTask())]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a call that ends while its record is written settles the new task at once",
+        WINDOW,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (TimerFired(Timer.WINDOW), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Ended(OK), []),
+            (
+                Committed("t1"),
+                [Reply(ReplyTask()), settled(TaskStatus.COMPLETED, result=DONE)],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a window call whose task cannot be created is stopped and the client gets the error",
+        WINDOW,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (TimerFired(Timer.WINDOW), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (
+                CommitRefused(BROKEN),
+                [Reply(ReplyError(BROKEN)), CancelCall(TASK_REFUSED)],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    # --- poll-to-sync ------------------------------------------------------------------------------------
+    Playbook(
+        "poll-to-sync runs an internal task and answers the waiting client with its outcome",
+        WAIT,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), HoldSlot(True)]),
+            (Notified(PROGRESS, 0), [Relay({**PROGRESS, "params": {"progressToken": "mine", "progress": 1}})]),
+            (
+                Ended(OK),
+                [
+                    settled(TaskStatus.COMPLETED, result=DONE),
+                    Reply(ReplyOutcome(OK)),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a poll-to-sync client that leaves while its task is stored leaves nobody to read it: cancelled",
+        WAIT,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (ClientLeft(), []),
+            (Committed("t1"), [settled(TaskStatus.CANCELLED, status_message=CLIENT_LEFT)]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a poll-to-sync client told it lacks a capability leaves its task cancelled",
+        WAIT,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), HoldSlot(True)]),
+            (Asked(ROOTS), [Refuse("r1", "roots/list", "undeclared"), SetTimer(Timer.GATHER, GATHER_MS)]),
+            (
+                TimerFired(Timer.GATHER),
+                [
+                    Reply(ReplyMissing({"roots": {}})),
+                    settled(TaskStatus.CANCELLED, status_message=CLIENT_LEFT),
+                    CancelCall(CLIENT_LEFT),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+        capabilities={},
+    ),
+    Playbook(
+        "a poll-to-sync task expired from outside tells its waiting client why",
+        WAIT,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), HoldSlot(True)]),
+            (
+                Stop("expired", {"code": -32603, "message": "expired"}),
+                [
                     Reply(ReplyOutcome(UpstreamErrorResponse({"code": -32603, "message": "expired"}))),
                     CancelCall("expired"),
                     HoldSlot(False),
                 ],
             ),
         ],
+        Mode.DETACHED,
+        finished=True,
     ),
-    "answers relayed from another replica go upstream; keys not outstanding are ignored": (
-        TASK,
+    # --- resolve input first ---------------------------------------------------------------------------------
+    Playbook(
+        "resolve-input-first asks in MRTR rounds, then the resumed call becomes a task after a window",
+        INPUT_FIRST,
         [
-            *TASK_ASKING,
-            Row(
-                RemoteAnswers({"elicitation-1": ACCEPT, "elicitation-9": ACCEPT}),
-                [Answer(7, ACCEPT), WriteInputs({}, 1), HoldSlot(True)],
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [ClearTimer(Timer.WINDOW), Park(1)]),
+            (
+                Parked(),
+                [
+                    Reply(ReplyInputRequired({"elicitation-1": ELICIT_REQUEST}, 1)),
+                    SetTimer(Timer.PARK, PARK_TTL_MS),
+                ],
             ),
-            Row(RemoteAnswers({"elicitation-1": ACCEPT}), []),  # answered already: a second relay is dropped
+            (
+                Resumed({"elicitation-1": ANSWER}),
+                [Unpark(), ClearTimer(Timer.PARK), Answer(7, ANSWER), SetTimer(Timer.WINDOW, WINDOW_MS)],
+            ),
+            (TimerFired(Timer.WINDOW), [CreateRecord(TaskStatus.WORKING, {}, 1)]),
+            (Committed("t1"), [Reply(ReplyTask()), HoldSlot(True)]),
         ],
+        Mode.TASK,
+        finished=False,
     ),
-    "a relayed answer that does not fit its question is dropped and the question stays open": (
-        TASK,
+    Playbook(
+        "a required tool that resolved its input and ended within the window still answers with a task",
+        INPUT_FIRST,
         [
-            *TASK_ASKING,
-            Row(RemoteAnswers({"elicitation-1": {"action": "maybe"}}), []),
-            Row(RemoteAnswers({"elicitation-1": ACCEPT}), [Answer(7, ACCEPT), WriteInputs({}, 1), HoldSlot(True)]),
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (Ended(OK), [ClearTimer(Timer.WINDOW), CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (
+                Committed("t1"),
+                [Reply(ReplyTask()), settled(TaskStatus.COMPLETED, result=DONE)],
+            ),
         ],
+        Mode.TASK,
+        finished=True,
     ),
-    "relayed answers for a call that ended are dropped": (
-        TASK,
-        [
-            *TASK_ASKING,
-            Row(Ended(RESULT), [ClearTimer(Timer.WINDOW), DONE]),  # a task waiting for input held no slot
-            Row(RemoteAnswers({"elicitation-1": ACCEPT}), []),
-        ],
-    ),
-    "a lost lease stops the call and nothing more is written for it": (
-        TASK,
-        [
-            *TASK_STARTED,
-            Row(LeaseLost(), [CancelCall(LEASE_LOST), HoldSlot(False)]),
-            Row(Notified(PROGRESS, at_ms=10_000.0), []),
-            Row(Asked(QUESTION), [Refuse(7, "elicitation/create", "ended")]),
-            Row(Ended(RESULT), []),
-            Row(LeaseLost(), []),
-        ],
-    ),
-    "a lost lease while waiting for input drops the questions without writing them": (
-        TASK,
-        [*TASK_ASKING, Row(LeaseLost(), [CancelCall(LEASE_LOST)]), Row(Answered({"elicitation-1": ACCEPT}), [])],
-    ),
-    "a lease lost while the record is committed: the client is told and the call never starts": (
-        TASK,
-        [
-            Row(Start(), [ClearTimer(Timer.WINDOW), CreateRecord(TaskStatus.WORKING, {}, 0)]),
-            Row(LeaseLost(), [ClearTimer(Timer.WINDOW), LOST_REPLY]),
-            Row(Committed("task_1"), []),
-        ],
-    ),
-    "a poll-to-sync client waiting on a task whose lease is lost gets the interruption": (
-        WAIT,
-        [
-            Row(Start(), [ClearTimer(Timer.WINDOW), CreateRecord(TaskStatus.WORKING, {}, 0)]),
-            Row(Committed("task_1"), [StartCall(), HoldSlot(True)]),
-            Row(LeaseLost(), [ClearTimer(Timer.WINDOW), LOST_REPLY, CancelCall(LEASE_LOST), HoldSlot(False)]),
-        ],
-    ),
-}
-
-
-@pytest.mark.parametrize("name", list(PLAYBOOKS))
-def test_playbook(name: str) -> None:
-    decision, rows = PLAYBOOKS[name]
-    play(state_for(decision, ELICIT), rows)
-
-
-def test_a_finished_call_is_forgotten_after_a_remote_cancel() -> None:
-    decision, rows = PLAYBOOKS[
-        "a cancel settled on another replica stops the call and tells the upstream, writing nothing"
-    ]
-    state = play(state_for(decision, ELICIT), rows[:3])
-    assert finished(state)
-
-
-LATER_EVENTS: list[Event] = [
-    Asked(QUESTION),
-    TimerFired(Timer.GATHER),
-    TimerFired(Timer.WINDOW),
-    TimerFired(Timer.PARK),
-    Notified(PROGRESS, at_ms=1e9),
-    Answered({"elicitation-1": ACCEPT}),
-    RemoteAnswers({"elicitation-1": ACCEPT}),
-    RemoteCancel("cancelled"),
-    ClientLeft(),
-    Stop("shutdown"),
-    Ended(RESULT),
-    Ended(UpstreamErrorResponse({"code": -32000, "message": "boom"})),
 ]
 
 
-@pytest.mark.parametrize("start", ["running", "asking", "gathering"])
+# --- from other replicas of a shared store ---------------------------------------------------------------------
+
+TASK_STARTED: list[tuple[Event, list[Command]]] = [
+    (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+    (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+]
+TASK_ASKING: list[tuple[Event, list[Command]]] = [
+    *TASK_STARTED,
+    (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS), HoldSlot(False)]),
+    (TimerFired(Timer.GATHER), [WriteInputs({"elicitation-1": ELICIT_REQUEST}, 1)]),
+]
+CANCELLED = "cancelled by the client"
+EXPIRED = {"code": -32603, "message": "expired"}
+WAIT_STARTED: list[tuple[Event, list[Command]]] = [
+    (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+    (Committed("t1"), [StartCall(), HoldSlot(True)]),
+]
+
+PLAYBOOKS += [
+    Playbook(
+        "a cancel settled on another replica stops the call and tells the upstream, writing nothing",
+        TASK,
+        [
+            *TASK_STARTED,
+            (RemoteCancel(CANCELLED), [CancelCall(CANCELLED), HoldSlot(False)]),
+            (Ended(OK), []),  # the upstream's late answer changes nothing
+            (RemoteCancel(CANCELLED), []),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a remote cancel of a task waiting for input cancels its call",
+        TASK,
+        [*TASK_ASKING, (RemoteCancel("expired"), [CancelCall("expired")])],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a remote cancel after the call settled by itself is ignored (its own settle, seen on the feed)",
+        TASK,
+        [
+            *TASK_STARTED,
+            (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE), HoldSlot(False)]),
+            (RemoteCancel(CANCELLED), []),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a remote expiry of a poll-to-sync task answers the waiting client with the expiry",
+        WAIT,
+        [
+            *WAIT_STARTED,
+            (
+                RemoteCancel("expired", EXPIRED),
+                [Reply(ReplyOutcome(UpstreamErrorResponse(EXPIRED))), CancelCall("expired"), HoldSlot(False)],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "answers relayed from another replica go upstream; keys not outstanding are ignored",
+        TASK,
+        [
+            *TASK_ASKING,
+            (
+                RemoteAnswers({"elicitation-1": ANSWER, "elicitation-9": ANSWER}),
+                [Answer(7, ANSWER), WriteInputs({}, 1), HoldSlot(True)],
+            ),
+            (RemoteAnswers({"elicitation-1": ANSWER}), []),  # answered already: a second relay is dropped
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a relayed answer that does not fit its question is dropped and the question stays open",
+        TASK,
+        [
+            *TASK_ASKING,
+            (RemoteAnswers({"elicitation-1": {"action": "maybe"}}), []),
+            (RemoteAnswers({"elicitation-1": ANSWER}), [Answer(7, ANSWER), WriteInputs({}, 1), HoldSlot(True)]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "relayed answers for a call that ended are dropped",
+        TASK,
+        [
+            *TASK_ASKING,
+            (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE)]),  # waiting for input, it held no slot
+            (RemoteAnswers({"elicitation-1": ANSWER}), []),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a lost lease stops the call, tells the upstream, and nothing more is written for it",
+        TASK,
+        [
+            *TASK_STARTED,
+            (LeaseLost(), [CancelCall(LEASE_LOST), HoldSlot(False)]),
+            (Notified(PROGRESS, 10_000), []),
+            (Asked(ELICIT), [Refuse(7, "elicitation/create", "ended")]),
+            (Ended(OK), []),
+            (LeaseLost(), []),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a lease lost while waiting for input drops the questions without writing them",
+        TASK,
+        [*TASK_ASKING, (LeaseLost(), [CancelCall(LEASE_LOST)]), (Answered({"elicitation-1": ANSWER}), [])],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a lease lost while the record is committed: the client is told and the call never starts",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (LeaseLost(), [Reply(ReplyOutcome(UpstreamErrorResponse(internal_error(LEASE_LOST))))]),
+            (Committed("t1"), []),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a poll-to-sync client waiting on a task whose lease is lost gets the interruption",
+        WAIT,
+        [
+            *WAIT_STARTED,
+            (
+                LeaseLost(),
+                [
+                    Reply(ReplyOutcome(UpstreamErrorResponse(internal_error(LEASE_LOST)))),
+                    CancelCall(LEASE_LOST),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+]
+
+
+@pytest.mark.parametrize("playbook", PLAYBOOKS, ids=[playbook.name for playbook in PLAYBOOKS])
+def test_playbook(playbook: Playbook) -> None:
+    state = CallState(
+        decision=playbook.decision,
+        capabilities=playbook.capabilities,
+        gather_ms=GATHER_MS,
+        park_ttl_ms=PARK_TTL_MS,
+        progress_token="mine",
+        task_id=playbook.task_id,
+    )
+    for number, (event, expected) in enumerate(playbook.steps, 1):
+        assert machine.handle(state, event) == expected, f"step {number}: {event}"
+    assert state.mode is playbook.mode
+    assert machine.finished(state) is playbook.finished
+
+
+def test_answers_are_checked_before_any_is_delivered() -> None:
+    """-32602 names the key of an answer that does not fit its question; keys not outstanding are ignored."""
+    state = CallState(SYNC, EVERY_INPUT, GATHER_MS, PARK_TTL_MS)
+    machine.handle(state, Start())
+    machine.handle(state, Asked(ELICIT))
+    assert machine.answers(state, {"elicitation-1": ANSWER, "sampling-9": {}}) == {"elicitation-1": ANSWER}
+    with pytest.raises(ProxyError, match=r"inputResponses\.elicitation-1"):
+        machine.answers(state, {"elicitation-1": {"action": "maybe"}})
+
+
+def test_a_request_state_resumes_exactly_its_round_of_a_parked_call() -> None:
+    state = CallState(SYNC, EVERY_INPUT, GATHER_MS, PARK_TTL_MS)
+    for event in (Start(), Asked(ELICIT), TimerFired(Timer.GATHER)):
+        machine.handle(state, event)
+    assert not machine.resumable(state, 1)  # not parked until the runner registered it
+    machine.handle(state, Parked())
+    assert machine.resumable(state, 1)
+    assert not machine.resumable(state, 2)
+    machine.handle(state, Resumed({}))
+    assert not machine.resumable(state, 1)  # used
+
+
+def test_keys_are_never_reused_over_a_calls_life() -> None:
+    state = CallState(TASK, EVERY_INPUT, GATHER_MS, PARK_TTL_MS, task_id="t1")
+    machine.handle(state, Start())
+    machine.handle(state, Asked(ELICIT))
+    machine.handle(state, Answered({"elicitation-1": ANSWER}))
+    machine.handle(state, Asked(UpstreamServerRequest(8, "elicitation/create", {"message": "Again?"})))
+    assert list(state.inputs) == ["elicitation-2"]
+    assert state.issued == 2
+
+
+def test_settlement_maps_outcomes_to_task_statuses() -> None:
+    assert machine.settlement(OK) == Settle(TaskStatus.COMPLETED, result=DONE)
+    tool_error = UpstreamResult({"content": [], "isError": True})
+    assert machine.settlement(tool_error).status is TaskStatus.COMPLETED  # a tool error is a result
+    lost = machine.settlement(LOST)
+    assert (lost.status, lost.error) == (TaskStatus.FAILED, {"code": -32603, "message": LOST.message})
+    assert machine.settlement(None, "stopped") == Settle(TaskStatus.CANCELLED, status_message="stopped")
+
+
+LATER_EVENTS: list[Event] = [
+    Asked(ELICIT),
+    TimerFired(Timer.GATHER),
+    TimerFired(Timer.WINDOW),
+    TimerFired(Timer.PARK),
+    Notified(PROGRESS, 1e9),
+    Answered({"elicitation-1": ANSWER}),
+    RemoteAnswers({"elicitation-1": ANSWER}),
+    RemoteCancel(CANCELLED),
+    ClientLeft(),
+    Stop("shutdown"),
+    Ended(OK),
+    Ended(RPC_ERROR),
+    Committed("t2"),
+]
+
+
+@pytest.mark.parametrize("start", ["running", "asking", "gathering", "waiting"])
 def test_no_event_after_a_lost_lease_writes_the_record(start: str) -> None:
-    """Whatever happens to a call after it lost its lease (its question was being gathered, its answers
-    arrive, it ends, it is cancelled), not one store write comes out: another replica may own the task."""
-    state = state_for(TASK, ELICIT)
-    rows = {"running": TASK_STARTED, "asking": TASK_ASKING, "gathering": TASK_ASKING[:-1]}[start]
-    play(state, rows)
-    handle(state, LeaseLost())
+    """Whatever reaches a call after it lost its lease (a question being gathered, answers, its end, a cancel),
+    not one store write comes out: another replica may own the task now."""
+    steps = {
+        "running": TASK_STARTED,
+        "asking": TASK_ASKING,
+        "gathering": TASK_ASKING[:-1],
+        "waiting": WAIT_STARTED,
+    }[start]
+    state = CallState(WAIT if start == "waiting" else TASK, EVERY_INPUT, GATHER_MS, PARK_TTL_MS)
+    for event, _ in steps:
+        machine.handle(state, event)
+    machine.handle(state, LeaseLost())
     for event in LATER_EVENTS * 2:
-        commands = handle(state, event)
+        commands = machine.handle(state, event)
         assert not [command for command in commands if isinstance(command, STORE_WRITES)], event
-    assert not [
-        command for command in handle(state, Notified(PROGRESS, at_ms=2e9)) if isinstance(command, WriteProgress)
-    ]

@@ -101,6 +101,7 @@ class CallState:
     inputs_written: bool = True  # the task record shows the current questions
     missing: list[JSON] = field(default_factory=list)  # capabilities of questions refused while a client waited
     gathering: bool = False
+    window_set: bool = False  # the sync window's timer is running
     round: int = 0  # MRTR rounds so far; a requestState is good for exactly one round
     holds_slot: bool = False  # counts against `tasks.max_running`
     progress_written_at_ms: float = float("-inf")
@@ -150,10 +151,9 @@ def settlement(outcome: CallOutcome | None, reason: str = CLIENT_LEFT) -> Settle
         return Settle(TaskStatus.CANCELLED, status_message=reason)
     if isinstance(outcome, UpstreamResult):
         return Settle(TaskStatus.COMPLETED, result=translate.complete_result("tools/call", outcome.result, None, None))
-    if isinstance(outcome, UpstreamErrorResponse):
-        error = translate.error_object(outcome.error)
-    else:
-        error = wire_tasks.internal_error(outcome.message)
+    error = (
+        translate.error_object(outcome.error) if isinstance(outcome, UpstreamErrorResponse) else outcome.error_object()
+    )
     return Settle(TaskStatus.FAILED, error=error, status_message=wire_tasks.failure_status_message(error))
 
 
@@ -170,7 +170,7 @@ def _start(state: CallState, event: Start) -> list[Command]:
     commands = _start_call(state)
     window_ms = state.decision.window_ms
     if window_ms is not None:
-        commands.append(SetTimer(Timer.WINDOW, window_ms))
+        commands += _set_window(state, window_ms)
     return commands
 
 
@@ -223,7 +223,7 @@ def _ended(state: CallState, event: Ended) -> list[Command]:
     state.running = False
     state.outcome = event.outcome
     state.inputs.clear()  # questions of an ended call can no longer be answered
-    commands: list[Command] = [ClearTimer(Timer.WINDOW)]
+    commands = _clear_window(state)
     if state.committing:
         return commands  # settled once the record is there (`Committed`)
     if state.task_id is not None:
@@ -243,6 +243,7 @@ def _timer_fired(state: CallState, event: TimerFired) -> list[Command]:
     if event.timer is Timer.GATHER:
         return _publish(state)
     if event.timer is Timer.WINDOW:
+        state.window_set = False
         if state.mode is Mode.WAITING and state.client_waiting and state.running and not state.committing:
             return _create_record(state)  # still running after the window: the same call continues as a task
         return []
@@ -307,7 +308,7 @@ def _resumed(state: CallState, event: Resumed) -> list[Command]:
     elif state.inputs:  # questions a retry left unanswered are asked again
         commands += _ask_client(state)
     elif state.decision.window_ms is not None:
-        commands.append(SetTimer(Timer.WINDOW, state.decision.window_ms))
+        commands += _set_window(state, state.decision.window_ms)
     return commands
 
 
@@ -407,7 +408,19 @@ def _create_record(state: CallState) -> list[Command]:
     state.committing = True
     state.inputs_written = True
     status = TaskStatus.INPUT_REQUIRED if state.inputs else TaskStatus.WORKING
-    return [ClearTimer(Timer.WINDOW), CreateRecord(status, state.input_requests(), state.issued)]
+    return [*_clear_window(state), CreateRecord(status, state.input_requests(), state.issued)]
+
+
+def _set_window(state: CallState, window_ms: int) -> list[Command]:
+    state.window_set = True
+    return [SetTimer(Timer.WINDOW, window_ms)]
+
+
+def _clear_window(state: CallState) -> list[Command]:
+    if not state.window_set:
+        return []
+    state.window_set = False
+    return [ClearTimer(Timer.WINDOW)]
 
 
 def _gather(state: CallState) -> list[Command]:
@@ -443,7 +456,7 @@ def _ask_client(state: CallState) -> list[Command]:
     """An MRTR round: the call is parked (limits first) and the client gets every outstanding question."""
     state.round += 1
     state.missing.clear()  # refused upstream; the client is asked what it can answer
-    return [ClearTimer(Timer.WINDOW), Park(state.round)]
+    return [*_clear_window(state), Park(state.round)]
 
 
 def _deliver(state: CallState, answers: Mapping[str, JSON]) -> list[Command]:
@@ -463,7 +476,7 @@ def _release(state: CallState, reply: ReplyKind) -> list[Command]:
     """Answer the waiting client. A poll-to-sync task nobody else can read is cancelled when its client is
     answered with anything but its outcome."""
     state.client_waiting = False
-    commands: list[Command] = [ClearTimer(Timer.WINDOW), Reply(reply)]
+    commands: list[Command] = [*_clear_window(state), Reply(reply)]
     answered = isinstance(reply, ReplyInputRequired | ReplyOutcome)
     if state.decision.holds_client and state.task_id is not None and state.running and not answered:
         commands.append(settlement(None, CLIENT_LEFT))
@@ -477,7 +490,8 @@ def _detach(state: CallState, reason: str, *, cancel: bool = False) -> list[Comm
     an mcp 1.x session)."""
     state.mode = Mode.DETACHED
     commands: list[Command] = [
-        Refuse(pending.upstream_id, pending.method, "detached") for pending in state.inputs.values()
+        *_clear_window(state),
+        *(Refuse(pending.upstream_id, pending.method, "detached") for pending in state.inputs.values()),
     ]
     state.inputs.clear()
     if cancel:
