@@ -62,6 +62,7 @@ UPSTREAM: Final = web.AppKey("upstream", UpstreamClient)
 STORE: Final = web.AppKey("store", TaskStore)
 RUNNER: Final = web.AppKey("runner", TaskRunner)
 STOPPING: Final = web.AppKey("stopping", list[bool])
+READY_STORE_SECONDS: Final = 2.0  # /readyz: a store that takes longer to commit a write counts as down
 
 
 def _host_name(host: str) -> str:
@@ -270,9 +271,12 @@ async def readyz(request: web.Request) -> web.Response:
         reasons.append("shutting down")
     else:
         try:
-            await app[STORE].check_writable(app[RUNNER].clock())
+            async with asyncio.timeout(READY_STORE_SECONDS):
+                await app[STORE].check_writable(app[RUNNER].clock())
         except StoreError as exc:
             reasons.append(f"store: {exc}")
+        except TimeoutError:
+            reasons.append(f"store: no committed write within {READY_STORE_SECONDS:g} s")
         lease = app[RUNNER].lease_problem()
         if lease is not None:
             reasons.append(f"lease: {lease}")

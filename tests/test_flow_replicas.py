@@ -22,8 +22,17 @@ import pytest
 
 from proxy.tasks.replicas import TAKEN_OVER, TAKEN_OVER_RERUN
 from tests import pg
-from tests.cluster import Cluster, RoundRobin, client
-from tests.conftest import DECLARING, ModernSchema, SchemaValidator, Tasks, result_text
+from tests.cluster import Cluster, Replica, RoundRobin, client
+from tests.conftest import (
+    DECLARING,
+    ModernSchema,
+    SchemaValidator,
+    Tasks,
+    modern_body,
+    modern_headers,
+    read_messages,
+    result_text,
+)
 
 LEASE_SECONDS = 3.0
 ELICIT: dict[str, Any] = {"elicitation": {}}
@@ -366,3 +375,62 @@ async def test_a_replica_paused_past_its_lease_writes_nothing_to_tasks_it_no_lon
     assert not {row["owner"] for row in records.values()} & paused_owner
     fresh = await paused.create("counted", {"key": "after-the-pause"})  # it serves again, under a new lease
     assert result_text(await paused.settled(fresh)) == "1"
+
+
+async def test_a_forwarded_rounds_progress_reaches_the_client_on_the_replica_it_asked(
+    cluster: Cluster, session: aiohttp.ClientSession, modern_schema: ModernSchema
+) -> None:
+    """The call runs on the replica that parked it; the progress it reports after the retry's answers is
+    relayed to the retry's stream on the other replica, tagged with the retry's own progressToken."""
+    params: dict[str, Any] = {"name": "ask_then_progress", "arguments": {}}
+    body = modern_body("tools/call", params, capabilities=ELICIT, progressToken="first-token")
+    async with session.post(
+        cluster.replicas[0].proxy.url, json=body, headers=modern_headers("tools/call", "ask_then_progress")
+    ) as response:
+        [asked] = await read_messages(response)
+    state = asked["result"]["requestState"]
+    retry = {**params, "inputResponses": {"elicitation-1": accept(name="Ada")}, "requestState": state}
+    body = modern_body("tools/call", retry, capabilities=ELICIT, progressToken="retry-token")
+    async with session.post(
+        cluster.replicas[1].proxy.url, json=body, headers=modern_headers("tools/call", "ask_then_progress")
+    ) as response:
+        messages = await read_messages(response)
+    modern_schema.check_all(messages, "tools/call")
+    *notes, final = messages
+    assert final["result"]["content"][0]["text"] == "Hello, Ada"
+    progress = [note for note in notes if note.get("method") == "notifications/progress"]
+    assert [(note["params"]["progressToken"], note["params"]["progress"]) for note in progress] == [("retry-token", 1)]
+
+
+@pytest.mark.faults
+async def test_readiness_reports_the_store_and_the_lease_when_postgresql_goes_away(
+    tmp_path: Path, session: aiohttp.ClientSession
+) -> None:
+    """/readyz writes to PostgreSQL and checks the lease: with the database gone, the replica leaves the
+    Service (503) naming the store, and once its lease has run out, the lease too."""
+    server = await asyncio.to_thread(pg.start_throwaway)
+    replica: Replica | None = None
+    try:
+        dsn = server.dsn(await asyncio.to_thread(server.create_database))
+        key = tmp_path / "key"
+        key.write_text("k" * 64)
+        replica = await asyncio.to_thread(Replica, tmp_path, dsn, key, 1.0, {})
+        url = f"http://127.0.0.1:{replica.proxy.port}/readyz"
+        async with session.get(url) as response:
+            assert response.status == 200, await response.text()
+        await asyncio.to_thread(server.stop)
+
+        async def reasons() -> list[str]:
+            async with session.get(url) as response:
+                body = await response.json()
+                return list(body.get("reasons", [])) if response.status == 503 else []
+
+        async def store_and_lease() -> bool:
+            found = await reasons()
+            return any(r.startswith("store:") for r in found) and any(r.startswith("lease:") for r in found)
+
+        await until(store_and_lease, "readiness names the store and the lease", timeout_seconds=30)
+    finally:
+        if replica is not None:
+            replica.stop()
+        await asyncio.to_thread(server.stop)
