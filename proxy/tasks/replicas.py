@@ -270,7 +270,7 @@ class ReplicaLink:
             ask = self._asks.get(message.key)
             note = payload.get("message")
             if ask is not None and ask.on_note is not None and isinstance(note, dict):
-                with contextlib.suppress(TimeoutError, ConnectionResetError):
+                with contextlib.suppress(TimeoutError, OSError):  # a client gone: it misses the note
                     await asyncio.wait_for(ask.on_note(note), NOTE_TIMEOUT_SECONDS)
         elif message.kind == remote.REPLY:
             ask = self._asks.pop(message.key, None)
