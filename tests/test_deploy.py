@@ -401,11 +401,24 @@ def _config_arg() -> PurePosixPath:
     return PurePosixPath(args[2])
 
 
+KEY_FILE = "/var/run/secrets/mcp-tasks-proxy/key"
+
+
 def _configmap_file(tmp_path: Path) -> Path:
-    """The ConfigMap's entry the proxy reads (the key named by the --config file), written out as a file."""
+    """The ConfigMap's entry the proxy reads (the key named by the --config file), written out as a file; the
+    deployment key it names (a Secret mounted in the pod) is a file of the test's."""
+    key = tmp_path / "key"
+    key.write_text("k" * 64)
     path = tmp_path / _config_arg().name
-    path.write_text(_by_kind("ConfigMap")["data"][_config_arg().name])
+    path.write_text(_by_kind("ConfigMap")["data"][_config_arg().name].replace(KEY_FILE, str(key)))
     return path
+
+
+def test_the_deployment_key_comes_from_a_secret_mounted_read_only() -> None:
+    assert KEY_FILE in _by_kind("ConfigMap")["data"][_config_arg().name]
+    mounted = _mounts()[str(Path(KEY_FILE).parent)]
+    assert mounted["readOnly"] is True
+    assert mounted["secret"]["secretName"]
 
 
 def _proxy_config(tmp_path: Path) -> Config:
