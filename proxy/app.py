@@ -8,6 +8,7 @@ place, the error edge (`edge.py`).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from collections.abc import AsyncIterator, Mapping
 from typing import Final
 
@@ -40,11 +41,13 @@ from proxy.errors import (
     MethodNotAllowedError,
     ParseError,
     PayloadTooLargeError,
+    UnauthorizedError,
     UpstreamError,
 )
 from proxy.front import Front
 from proxy.observability import Metrics
 from proxy.policy import named_tools
+from proxy.principals import Principals, deployment_key
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import StoreError, TaskStore, open_store
 from proxy.upstream.passthrough import PassThrough
@@ -190,10 +193,12 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     request[MCP_METHOD] = message.method
     modern = validate_modern(request.headers, message.id, message.method, message.params)
     config = request.app[CONFIG]
-    caller = Caller(
-        principal=request.headers.get(config.security.principal_header),
-        headers=request.headers,
-    )
+    principal = request.headers.get(config.security.principal_header) or None  # empty counts as none
+    if principal is None and config.security.anonymous == "refuse":
+        raise UnauthorizedError(
+            f"Unauthorized: this proxy serves no anonymous callers; send {config.security.principal_header}"
+        )
+    caller = Caller(principal=principal, headers=request.headers)
     channel = request[CHANNEL] = HttpChannel(request, config.limits.write_timeout_seconds)
     reply = await request.app[FRONT].dispatch(modern, caller, channel)
     request[JSONRPC_ERROR] = "error" in reply
@@ -222,7 +227,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         max_result_bytes=config.limits.max_result_bytes,
     )
     app[UPSTREAM] = upstream
-    runner = TaskRunner(config, store, upstream, metrics=metrics)
+    runner = TaskRunner(config, store, upstream, Principals(deployment_key(config)), metrics=metrics)
     app[RUNNER] = runner
     if metrics is not None:
         metrics.tasks_running.set_function(lambda: runner.running)
@@ -307,7 +312,25 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+def ipaddress_is_loopback(host: str) -> bool:
+    """Is the listen address reachable only from this machine (or pod)?"""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def create_app(config: Config) -> web.Application:
+    if config.security.anonymous == "allow" and not ipaddress_is_loopback(config.listen.host):
+        log.warning(
+            "anonymous_callers_allowed",
+            host=config.listen.host,
+            principal_header=config.security.principal_header,
+            hint="requests without the principal header share one anonymous identity; set security.anonymous: "
+            "refuse unless a trusted hop always sets the header",
+        )
     app = web.Application(
         client_max_size=config.security.max_body_bytes,
         middlewares=[error_edge, admission],

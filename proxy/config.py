@@ -172,8 +172,22 @@ class SecurityConfig(_Frozen):
     principal_header: str = Field(
         "authorization",
         description="Request header that identifies the caller; it travels upstream with the requests it "
-        "causes, upstream sessions are kept per distinct value, and each task is bound to its hash (another caller "
-        "cannot see it).",
+        "causes, upstream sessions are kept per distinct value, and each task is bound to its keyed hash (another "
+        "caller cannot see it). It must come from a trusted hop that authenticates the caller and overwrites what "
+        "the client sent (see the README's security section).",
+    )
+    anonymous: Literal["allow", "refuse"] = Field(
+        "allow",
+        description="A 2026-07-28 request without the principal header (or with an empty one): `allow` serves it "
+        "as the one shared anonymous caller (warned about at start on a non-loopback listener); `refuse` answers "
+        "HTTP 401 with `WWW-Authenticate`.",
+    )
+    key_file: str | None = Field(
+        None,
+        description="The deployment key (at least 32 bytes, e.g. a mounted Secret): principals are stored as its "
+        "HMAC, and the credential an `on_restart: rerun` task keeps is encrypted with it. Unset: "
+        "`inputs.secret_file`, else a key created beside the SQLite database (`<store.path>.key`, 0600). "
+        "Required with a PostgreSQL store and for `on_restart: rerun`.",
     )
     max_body_bytes: int = Field(
         4 * 1024 * 1024, gt=0, description="Largest request body accepted; a larger one gets 413."
@@ -185,6 +199,13 @@ class SecurityConfig(_Frozen):
         "408 and its connection is closed, so a client that announces a large body and trickles it (or sends "
         "none) cannot hold a connection. 30 s takes `max_body_bytes` of 4 MiB at 140 KB/s.",
     )
+
+    @field_validator("key_file")
+    @classmethod
+    def _key_is_usable(cls, value: str | None) -> str | None:
+        if value is not None:
+            read_secret(value)
+        return value
 
     @field_validator("allowed_hosts")
     @classmethod
@@ -506,6 +527,31 @@ class Config(_Frozen):
     limits: LimitsConfig = Field(
         default_factory=LimitsConfig, description="Bounds on upstream answers, slow readers and each caller's share."
     )
+
+    @model_validator(mode="after")
+    def _a_deployment_key_where_one_is_needed(self) -> Config:
+        """Replicas must share the key principals are hashed with; a credential kept for a re-run is stored
+        encrypted, so a configured key must exist to encrypt it."""
+        if self.security.key_file is not None or self.inputs.secret_file is not None:
+            return self
+        if self.store.url is not None:
+            raise PydanticCustomError(
+                "key_required",
+                "store.url: several replicas need one shared deployment key: set security.key_file (or "
+                "inputs.secret_file)",
+            )
+        policies = {"tasks.default": self.tasks.default.on_restart} | {
+            f"tasks.tools.{name}": entry.on_restart for name, entry in self.tasks.tools.items()
+        }
+        rerun = [path for path, action in policies.items() if action == "rerun"]
+        if rerun:
+            raise PydanticCustomError(
+                "key_required",
+                "{paths}: on_restart: rerun keeps the caller's credential to present it upstream again, encrypted "
+                "with the deployment key: set security.key_file (or inputs.secret_file)",
+                {"paths": ", ".join(rerun)},
+            )
+        return self
 
 
 class ConfigError(Exception):

@@ -61,7 +61,7 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
         status = response.status
         return response
     except ProxyError as error:
-        log.info("request_rejected", code=error.code, reason=error.message)
+        log.info("request_rejected", code=error.code, reason=error.message, detail=error.detail)
         response = await _error_answer(request, error)
         status = response.status
         return response

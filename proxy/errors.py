@@ -27,9 +27,11 @@ class ProxyError(Exception):
         data: Any = None,
         request_id: RequestId | None = None,
         http_status: int | None = None,
+        detail: str | None = None,
     ) -> None:
         self.message = message or self.default_message
         self.data = data
+        self.detail = detail  # for the proxy's log only (addresses, paths, what a library said): never sent
         self.request_id = request_id
         self.status = http_status if http_status is not None else self.http_status
         super().__init__(self.message)
@@ -97,6 +99,15 @@ class UnsupportedVersionError(ProxyError):
         )
 
 
+class UnauthorizedError(ProxyError):
+    """A request without the principal header where `security.anonymous: refuse` (HTTP 401)."""
+
+    code = jsonrpc.INVALID_REQUEST
+    http_status = 401
+    default_message = "Unauthorized"
+    headers: ClassVar[Mapping[str, str]] = {"WWW-Authenticate": 'Bearer realm="mcp-tasks-proxy"'}
+
+
 class ForbiddenError(ProxyError):
     """Host or Origin not allowed (DNS-rebinding protection, C-28)."""
 
@@ -155,7 +166,8 @@ class UpstreamTimeoutError(UpstreamError):
 
 
 class TaskLimitError(ProxyError):
-    """A task limit (`tasks.max_running`, `tasks.max_records`) is reached: refused before anything is stored.
+    """A limit of the proxy (`tasks.max_running`, `tasks.max_records`, `inputs.max_parked`, listen streams) is
+    reached: refused before anything is stored or sent upstream.
 
     -32603 with `data.limit` naming the limit; HTTP 503 because the condition is temporary."""
 
@@ -165,10 +177,16 @@ class TaskLimitError(ProxyError):
 
     def __init__(self, limit: str, maximum: int, *, request_id: RequestId | None = None) -> None:
         super().__init__(
-            f"Task limit reached: {limit} = {maximum}; try again later",
+            f"Limit reached: {limit} = {maximum}; try again later",
             data={"limit": limit, "max": maximum},
             request_id=request_id,
         )
+
+
+class CallerLimitError(TaskLimitError):
+    """One caller's share of a limit is used up (`limits.*_per_principal`): HTTP 429, the others go on."""
+
+    http_status = 429
 
 
 def http_status(error: ProxyError | Mapping[str, Any] | None) -> int:

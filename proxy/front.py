@@ -8,6 +8,7 @@ imports aiohttp: the HTTP shapes are `app.py`'s.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
@@ -16,7 +17,14 @@ from mcp_types import SERVER_INFO_META_KEY
 from mcp_types import jsonrpc as codes
 
 from proxy.config import Config
-from proxy.errors import InvalidParamsError, MethodNotFoundError, MissingCapabilityError, UpstreamError
+from proxy.errors import (
+    CallerLimitError,
+    InvalidParamsError,
+    MethodNotFoundError,
+    MissingCapabilityError,
+    TaskLimitError,
+    UpstreamError,
+)
 from proxy.policy import decide
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.waiting import WaitingCalls
@@ -29,7 +37,7 @@ from proxy.upstream.events import (
     refusal,
 )
 from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.session import UpstreamSession
+from proxy.upstream.session import UpstreamSession, principal_key
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
 from proxy.wire.envelope import (
@@ -56,6 +64,7 @@ class Front:
         self.runner = runner
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
         self.calls = WaitingCalls(runner, self.cache)
+        self._listening: Counter[str] = Counter()  # open listen streams per caller
 
     async def dispatch(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Serve one modern request; returns the JSON-RPC response message (result or error)."""
@@ -68,8 +77,8 @@ class Front:
         return await handler(self, request, caller, channel)
 
     async def discover(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        async with self.upstream.use(caller.principal) as session:
-            initialize_result = await session.ensure_initialized()
+        """Synthesized from the upstream's InitializeResult, reused for as long as clients may cache it."""
+        initialize_result = await self.upstream.initialize_result(caller.principal, self.cache[0])
         return result_message(request.id, translate.discover_result(initialize_result, self.cache))
 
     async def listen(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
@@ -82,8 +91,20 @@ class Front:
                 wire_tasks.REQUIRED_CAPABILITY,
                 "Missing required client capability: taskIds need the io.modelcontextprotocol/tasks extension",
             )
-        async with self.upstream.use(caller.principal) as session:
-            return await self._listen(request, channel, session, wanted)
+        caller_key = principal_key(caller.principal)
+        limits = self.config.limits
+        if sum(self._listening.values()) >= limits.max_listen_streams:
+            raise TaskLimitError("max_listen_streams", limits.max_listen_streams)
+        if self._listening[caller_key] >= limits.max_listen_streams_per_principal:
+            raise CallerLimitError("max_listen_streams_per_principal", limits.max_listen_streams_per_principal)
+        self._listening[caller_key] += 1
+        try:
+            async with self.upstream.use(caller.principal) as session:
+                return await self._listen(request, channel, session, wanted)
+        finally:
+            self._listening[caller_key] -= 1
+            if not self._listening[caller_key]:
+                del self._listening[caller_key]
 
     async def _listen(self, request: ModernRequest, channel: Channel, session: UpstreamSession, wanted: object) -> JSON:
         initialize_result = await session.ensure_initialized()
@@ -134,9 +155,8 @@ class Front:
         """T-1…T-3: the tool's policy and this request's own declaration decide sync, task, window or -32021.
         Every tools/call runs as a runner call, so an upstream question can become an MRTR round or a task's
         inputRequests (C-11)."""
-        async with self.upstream.use(caller.principal) as session:
-            initialize_result = await session.ensure_initialized()
-            specs = await session.param_headers(str(request.params["name"]))
+        initialize_result = await self.upstream.initialize_result(caller.principal, self.cache[0])
+        specs = await self.upstream.param_headers(caller.principal, str(request.params["name"]))
         check_param_headers(caller.headers, request.params.get("arguments"), specs)
         server_info = translate.implementation(initialize_result)
         if "requestState" in request.params:
@@ -146,8 +166,7 @@ class Front:
 
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """`prompts/get` and `resources/read`: synchronous, but an upstream question is an MRTR round (C-11)."""
-        async with self.upstream.use(caller.principal) as session:
-            initialize_result = await session.ensure_initialized()
+        initialize_result = await self.upstream.initialize_result(caller.principal, self.cache[0])
         server_info = translate.implementation(initialize_result)
         if "requestState" in request.params:
             return await self.calls.resume(request, caller, channel, server_info)

@@ -90,6 +90,14 @@ def own_upstream() -> Iterator[Upstream]:
     server.stop()
 
 
+def key_file(tmp_path: Path) -> str:
+    """A deployment key (security.key_file) for proxies of one test: they share it, as replicas or restarts do."""
+    path = tmp_path / "deployment.key"
+    if not path.exists():
+        path.write_text(os.urandom(32).hex())
+    return str(path)
+
+
 def proxy_config(upstream_url: str, tmp_path: Path, **sections: dict[str, Any]) -> Config:
     # Each proxy gets its own database unless the test names one (a file serves one proxy at a time).
     database = tmp_path / "tasks.db"

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import structlog.testing
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
@@ -388,3 +389,59 @@ async def test_an_error_after_notifications_went_out_is_the_streams_last_event(
     modern_schema.validate(last, "JSONRPCErrorResponse")
     assert (last["id"], last["error"]["code"]) == ("s-1", -32021)
     assert last["error"]["data"] == {"requiredCapabilities": {"elicitation": {}}}
+
+
+SECRET = "hunter2-do-not-log"
+
+
+async def test_client_data_stays_out_of_logs_and_error_answers(proxy: Client) -> None:
+    """Argument values never reach a log line, and no error answer echoes what the client sent, whatever way
+    the request fails (or succeeds)."""
+    arguments = {"text": SECRET, "password": SECRET}
+    requests: list[tuple[bytes, dict[str, str]]] = [
+        (
+            json.dumps(modern_body("tools/call", {"name": "echo", "arguments": arguments})).encode(),
+            modern_headers("tools/call", "echo"),
+        ),
+        (
+            json.dumps(modern_body("tools/call", {"name": "echo", "arguments": arguments})).encode(),
+            modern_headers("tools/call", "other"),
+        ),
+        (
+            json.dumps(modern_body("tools/call", {"name": "echo", "arguments": [SECRET]})).encode(),
+            modern_headers("tools/call", "echo"),
+        ),
+        (
+            json.dumps(modern_body("tools/call", {"name": SECRET, "arguments": {}})).encode()[:-1],
+            modern_headers("tools/call"),
+        ),
+        (
+            json.dumps(modern_body("tools/call", {"name": "echo", "arguments": {"p": SECRET + "\ud800"}})).encode(),
+            modern_headers("tools/call", "echo"),
+        ),
+        (("[" * 100_000 + json.dumps(SECRET)).encode(), modern_headers("tools/call")),
+    ]
+    with structlog.testing.capture_logs() as events:
+        answers = []
+        for body, headers in requests:
+            response = await proxy.post("/mcp", data=body, headers={**headers, "Content-Type": "application/json"})
+            answers.append((response.status, await response.text()))
+    assert answers[0][0] == 200  # the one good call echoes its own argument back, as it should
+    for status, text in answers[1:]:
+        assert status < 500
+        assert SECRET not in text
+    assert events
+    assert not [event for event in events if SECRET in repr(event)]
+
+
+async def test_error_answers_name_no_internal_address(make_proxy: Callable[..., Any]) -> None:
+    client: Client = await make_proxy("http://127.0.0.1:9/mcp")
+    with structlog.testing.capture_logs() as events:
+        response = await client.post("/mcp", json=modern_body("tools/list", {}), headers=modern_headers("tools/list"))
+        text = await response.text()
+    assert response.status == 502
+    assert "Upstream MCP server unavailable" in text
+    assert "127.0.0.1" not in text
+    assert ":9" not in text
+    [rejected] = [event for event in events if event["event"] == "request_rejected"]
+    assert "127.0.0.1" in rejected["detail"]  # the operator's log says what happened

@@ -250,8 +250,11 @@ def test_a_postgresql_store_from_the_file_and_the_environment(tmp_path: Path) ->
     password = tmp_path / "pg.password"
     password.write_text("s3cret with spaces\n")
     path = tmp_path / "c.yaml"
+    key = tmp_path / "deployment.key"
+    key.write_text("k" * 64)
     path.write_text(
         f"upstream: {{url: {SIDECAR_URL}}}\n"
+        f"security: {{key_file: {key}}}\n"
         f"store: {{url: 'postgresql://proxy@db:5432/tasks', password_file: {password}, pool_size: 4}}\n"
     )
     config = load_config(path, environ={"MCP_TASKS_PROXY_STORE__LEASE_SECONDS": "2.5"})

@@ -402,11 +402,24 @@ def _config_arg() -> PurePosixPath:
     return PurePosixPath(args[2])
 
 
+KEY_FILE = "/var/run/secrets/mcp-tasks-proxy/key"
+
+
 def _configmap_file(tmp_path: Path) -> Path:
-    """The ConfigMap's entry the proxy reads (the key named by the --config file), written out as a file."""
+    """The ConfigMap's entry the proxy reads (the key named by the --config file), written out as a file; the
+    deployment key it names (a Secret mounted in the pod) is a file of the test's."""
+    key = tmp_path / "key"
+    key.write_text("k" * 64)
     path = tmp_path / _config_arg().name
-    path.write_text(_by_kind("ConfigMap")["data"][_config_arg().name])
+    path.write_text(_by_kind("ConfigMap")["data"][_config_arg().name].replace(KEY_FILE, str(key)))
     return path
+
+
+def test_the_deployment_key_comes_from_a_secret_mounted_read_only() -> None:
+    assert KEY_FILE in _by_kind("ConfigMap")["data"][_config_arg().name]
+    mounted = _mounts()[str(Path(KEY_FILE).parent)]
+    assert mounted["readOnly"] is True
+    assert mounted["secret"]["secretName"]
 
 
 def _proxy_config(tmp_path: Path) -> Config:
@@ -737,7 +750,10 @@ def test_the_replicated_pods_read_the_store_and_the_shared_key_from_secrets(tmp_
     assert _mounted_file(password) == (STORE_SECRET, "password")
     assert _mounted_file(key) == (KEY_SECRET, "key")
     config_file = tmp_path / "proxy.yaml"
-    config_file.write_text(_replicated_kind("ConfigMap")["data"][_config_arg().name])
+    (tmp_path / "deployment-key").write_text("d" * 64)
+    config_file.write_text(
+        _replicated_kind("ConfigMap")["data"][_config_arg().name].replace(KEY_FILE, str(tmp_path / "deployment-key"))
+    )
     (tmp_path / "password").write_text("secret\n")
     (tmp_path / "key").write_text("k" * 64)
     config = load_config(
@@ -751,6 +767,7 @@ def test_the_replicated_pods_read_the_store_and_the_shared_key_from_secrets(tmp_
     assert config.store.url is not None
     assert config.store.password_file == str(tmp_path / "password")
     assert config.inputs.secret_file is not None
+    assert config.security.key_file is not None  # every pod hashes principals with the same key
 
 
 def test_the_replicated_example_differs_from_the_single_replica_one_only_where_it_must(tmp_path: Path) -> None:

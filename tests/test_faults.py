@@ -22,7 +22,17 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from proxy.app import UPSTREAM
-from tests.conftest import DECLARING, TASKS, ClientFactory, ProxyProcess, Tasks, Upstream, policies, result_text
+from tests.conftest import (
+    DECLARING,
+    TASKS,
+    ClientFactory,
+    ProxyProcess,
+    Tasks,
+    Upstream,
+    key_file,
+    policies,
+    result_text,
+)
 
 pytestmark = pytest.mark.faults
 
@@ -85,6 +95,7 @@ async def test_kill_9_loses_nothing_committed(
     database = tmp_path / "faults.db"
     sections: dict[str, Any] = {
         "store": {"path": str(database)},
+        "security": {"key_file": key_file(tmp_path)},
         "tasks": policies(
             echo={"mode": "required"},
             sleep={"mode": "required"},

@@ -105,11 +105,12 @@ def read_until_closed(sock: socket.socket) -> int | None:
 
 
 async def test_answers_over_the_cap_are_never_held_and_slow_readers_are_dropped(
-    tmp_path: Path, upstream: Upstream, processes: list[ProxyProcess]
+    tmp_path: Path, own_upstream: Upstream, processes: list[ProxyProcess]
 ) -> None:
+    """An upstream of its own: producing answers this large keeps it busy after the test's last request."""
     proxy = ProxyProcess(
         tmp_path,
-        upstream.url,
+        own_upstream.url,
         limits={"max_result_bytes": CAP, "write_timeout_seconds": WRITE_TIMEOUT_SECONDS},
         tasks={"tools": {"big_text": {"mode": "optional", "sync_window_ms": 0}}},
     )

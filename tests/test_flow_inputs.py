@@ -23,6 +23,7 @@ from tests.conftest import (
     SchemaValidator,
     Tasks,
     Upstream,
+    key_file,
     policies,
     result_text,
 )
@@ -278,6 +279,7 @@ async def test_a_rerun_after_restart_asks_again_under_a_new_key(
     capabilities are stored too, so the re-run's question is relayed (K-19)."""
     sections = {
         "store": {"path": str(tmp_path / "inputs.db")},
+        "security": {"key_file": key_file(tmp_path)},
         "tasks": policies(ask_name={"mode": "required", "on_restart": "rerun"}),
     }
     first = Tasks(await make_proxy(own_upstream.url, **sections), modern_schema, tasks_schema)

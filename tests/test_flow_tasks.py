@@ -28,6 +28,7 @@ from tests.conftest import (
     SchemaValidator,
     Tasks,
     Upstream,
+    key_file,
     modern_body,
     modern_headers,
     parse_sse,
@@ -461,6 +462,7 @@ async def test_restart_fails_or_reruns_interrupted_tasks(
 ) -> None:
     sections = {
         "store": {"path": str(tmp_path / "restart.db")},
+        "security": {"key_file": key_file(tmp_path)},
         "tasks": policies(
             sleep={"mode": "required"},
             counted={"mode": "required", "on_restart": "rerun"},

@@ -702,3 +702,13 @@ async def test_a_replica_is_alive_while_it_holds_its_lease(store: TaskStore, bac
     await store.release_lease(fence)
     assert not await store.replica_alive("proxy-1")
     assert store.shared is (backend.name == "postgres")  # SQLite: one process, nobody else to take over from
+
+
+async def test_a_lookup_by_another_principal_finds_nothing(store: TaskStore) -> None:
+    """Another caller's lookup gets the same None as an unknown id, and the owner's gets the record."""
+    await store.create(make_record("task_big"))
+    big = {"content": [{"type": "text", "text": "x" * 2_000_000}]}
+    settled = await store.settle("task_big", TaskStatus.COMPLETED, now_ms=2_000, result=big)
+    assert await store.get("task_big", principal="another-hash") is None
+    assert await store.get("task_missing", principal="principal-hash") is None
+    assert await store.get("task_big", principal="principal-hash") == settled

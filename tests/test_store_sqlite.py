@@ -283,3 +283,15 @@ async def test_an_existing_directory_keeps_its_mode_and_open_files_lose_group_an
     finally:
         await store.close()
     assert _mode(directory) == 0o775
+
+
+async def test_a_foreign_lookup_never_reads_the_result_out_of_sqlite(store: SqliteTaskStore) -> None:
+    """The owner is part of the one statement a lookup runs: a foreign caller's lookup returns no row, so the
+    stored result is never read out of SQLite nor decoded (it used to be, before the owner check)."""
+    await store.create(make_record("task_big"))
+    await store.settle("task_big", TaskStatus.COMPLETED, now_ms=2_000, result={"content": [{"text": "x" * 100_000}]})
+    statements: list[str] = []
+    await store.set_trace_callback(statements.append)
+    assert await store.get("task_big", principal="another-hash") is None
+    await store.set_trace_callback(None)
+    assert statements == ["SELECT * FROM tasks WHERE task_id = 'task_big' AND principal = 'another-hash'"]

@@ -19,6 +19,7 @@ import contextlib
 import secrets
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, TypeVar
@@ -26,9 +27,10 @@ from typing import Any, Final, TypeVar
 import structlog
 
 from proxy.config import Config
-from proxy.errors import InvalidParamsError, ProxyError, TaskLimitError
+from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskLimitError
 from proxy.observability import Metrics
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy, decide
+from proxy.principals import Principals, SealError
 from proxy.tasks import inputs, machine, pacing, remote
 from proxy.tasks.commands import (
     Answer,
@@ -80,7 +82,7 @@ from proxy.upstream.events import (
     refusal,
 )
 from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.session import UpstreamSession, principal_key
+from proxy.upstream.session import UpstreamSession
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
 from proxy.wire.envelope import Caller, Channel, ModernRequest
@@ -108,7 +110,8 @@ class Call:
     state: CallState
     method: str  # tools/call, prompts/get or resources/read
     name: str  # the tool or prompt name, or the resource URI
-    principal: str | None
+    principal: str | None  # the caller's principal header, sent upstream with the call
+    caller: str  # its keyed hash: owns the task, and the caller's share of the limits is counted under it
     params: JSON  # the upstream params
     headers: dict[str, str]  # trace context for the upstream request
     digest: str  # of the client's params: an MRTR retry must repeat the same request
@@ -133,10 +136,12 @@ class TaskRunner(ReplicaCalls):
         config: Config,
         store: TaskStore,
         upstream: UpstreamClient,
+        principals: Principals,
         clock: Callable[[], int] = wall_clock_ms,
         metrics: Metrics | None = None,
     ) -> None:
         self.config = config.tasks
+        self.principals = principals
         self.inputs = config.inputs
         self.metrics = metrics
         self.store = store
@@ -148,8 +153,11 @@ class TaskRunner(ReplicaCalls):
         self.replicas = ReplicaLink(store, self.process_id, config.store.lease_seconds, self)
         self._calls: set[Call] = set()  # every call not finished yet
         self._tasks: dict[str, Call] = {}  # task id → its call, for tasks whose upstream call runs here
+        self.limits = config.limits
         self._running: set[Call] = set()  # calls that hold a `max_running` slot
+        self._running_by: Counter[str] = Counter()  # ... per caller
         self._parked: dict[str, Call] = {}  # call id → a call parked for an MRTR retry
+        self._parked_by: Counter[str] = Counter()  # ... per caller
         self._background: set[asyncio.Task[Any]] = set()
         self._progress_tokens = 0
         self._served: dict[str, Call] = {}  # MRTR retries forwarded by another replica, by their message key
@@ -207,11 +215,16 @@ class TaskRunner(ReplicaCalls):
             await self._adopt(await self.store.live(), wire_tasks.RESTART_MESSAGE, wire_tasks.RERUN_MESSAGE, None)
 
     async def _rerun(self, record: TaskRecord, fence: Fence) -> None:
+        try:
+            principal = None if record.rerun_principal is None else self.principals.unseal(record.rerun_principal)
+        except SealError as exc:
+            await self._fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; not re-run: {exc}", fence)
+            return
         policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, "rerun")
         state = self._state(Decision(Outcome.TASK, policy), record.client_capabilities, None, None)
         state.task_id = record.task_id
         state.issued = record.inputs_issued  # keys stay unique across the re-run too
-        call = Call(state, "tools/call", record.tool, record.rerun_principal, dict(record.request), {}, "")
+        call = Call(state, "tools/call", record.tool, principal, record.principal, dict(record.request), {}, "")
         call.record = record
         call.fence = fence
         self._calls.add(call)
@@ -277,6 +290,7 @@ class TaskRunner(ReplicaCalls):
             method=request.method,
             name=str(name),
             principal=caller.principal,
+            caller=self.principals.key_of(caller.principal),
             params=params,
             headers=translate.trace_headers(request.meta, caller.headers),
             digest=inputs.params_digest(request.params),
@@ -299,7 +313,7 @@ class TaskRunner(ReplicaCalls):
             raise InvalidParamsError("Invalid params: requestState must be a string")
         claims = self.signer.verify(state, self.clock())
         if (
-            claims.principal != principal_key(caller.principal)
+            claims.principal != self.principals.key_of(caller.principal)
             or claims.method != request.method
             or claims.digest != inputs.params_digest(request.params)
         ):
@@ -321,7 +335,7 @@ class TaskRunner(ReplicaCalls):
                 "Invalid params: requestState was already used or its call has ended; send the request again without it"
             )
         answers = machine.answers(call.state, responses)  # a bad answer leaves the call parked for a corrected retry
-        del self._parked[claims.call_id]  # taken: exactly one retry resumes a round
+        self._unpark(call)  # taken: exactly one retry resumes a round
         return call, answers
 
     async def _forward(
@@ -347,7 +361,8 @@ class TaskRunner(ReplicaCalls):
             else SYNC_CALL
         )
         standin = self._state(decision, request.client_capabilities, request.progress_token, request.log_level)
-        call = Call(standin, request.method, str(name), caller.principal, {}, {}, claims.digest, channel=channel)
+        key = self.principals.key_of(caller.principal)
+        call = Call(standin, request.method, str(name), caller.principal, key, {}, {}, claims.digest, channel=channel)
         call.reply = asyncio.get_running_loop().create_future()
         payload = remote.resume_payload(state, responses, request.progress_token, request.log_level, self.process_id)
         call.ask = await self.replicas.ask(claims.owner, remote.RESUME, payload, on_note=channel.notify)
@@ -423,12 +438,9 @@ class TaskRunner(ReplicaCalls):
         elif isinstance(command, Park):
             return self._park(call, command.round)
         elif isinstance(command, Unpark):
-            self._parked.pop(call.call_id, None)
+            self._unpark(call)
         elif isinstance(command, HoldSlot):
-            if command.hold:
-                self._running.add(call)
-            else:
-                self._running.discard(call)
+            self._hold_slot(call, command.hold)
         elif isinstance(command, Reply):
             if call.reply is not None and not call.reply.done():
                 call.reply.set_result(command.reply)
@@ -439,8 +451,8 @@ class TaskRunner(ReplicaCalls):
         self._calls.discard(call)
         for timer in list(call.timers):
             self._clear_timer(call, timer)
-        self._running.discard(call)
-        self._parked.pop(call.call_id, None)
+        self._hold_slot(call, False)
+        self._unpark(call)
         if call.state.task_id is not None and self._tasks.get(call.state.task_id) is call:
             del self._tasks[call.state.task_id]
 
@@ -470,7 +482,9 @@ class TaskRunner(ReplicaCalls):
             raise
         except Exception as exc:  # the coroutine wrapper: a crash is the call's outcome, never silence
             log.exception("call_crashed", task_id=call.state.task_id, name=call.name)
-            await self.dispatch(call, Ended(ProxyError(f"Internal error: {exc!r}")))
+            await self.dispatch(
+                call, Ended(ProxyError("Internal error: the call failed in the proxy", detail=repr(exc)))
+            )
 
     @contextlib.asynccontextmanager
     async def _session(self, call: Call) -> AsyncIterator[UpstreamSession]:
@@ -534,14 +548,34 @@ class TaskRunner(ReplicaCalls):
         if handle is not None:
             handle.cancel()
 
+    def _hold_slot(self, call: Call, hold: bool) -> None:
+        if hold and call not in self._running:
+            self._running.add(call)
+            self._running_by[call.caller] += 1
+        elif not hold and call in self._running:
+            self._running.discard(call)
+            self._running_by[call.caller] -= 1
+            if not self._running_by[call.caller]:
+                del self._running_by[call.caller]
+
+    def _unpark(self, call: Call) -> None:
+        if self._parked.pop(call.call_id, None) is not None:
+            self._parked_by[call.caller] -= 1
+            if not self._parked_by[call.caller]:
+                del self._parked_by[call.caller]
+
     def _park(self, call: Call, round_: int) -> Event:
-        """The call waits for the client's retry; beyond `inputs.max_parked` it is refused."""
+        """The call waits for the client's retry; beyond `inputs.max_parked`, or the caller's share of it, it is
+        refused."""
         if len(self._parked) >= self.inputs.max_parked:
             return ParkRefused(TaskLimitError("max_parked", self.inputs.max_parked))
+        share = self.limits.max_parked_per_principal
+        if self._parked_by[call.caller] >= share:
+            return ParkRefused(CallerLimitError("max_parked_per_principal", share))
         claims = inputs.StateClaims(
             call_id=call.call_id,
             round=round_,
-            principal=principal_key(call.principal),
+            principal=call.caller,
             method=call.method,
             digest=call.digest,
             expires_at_ms=self.clock() + self.inputs.request_state_ttl_ms,
@@ -549,6 +583,7 @@ class TaskRunner(ReplicaCalls):
         )
         call.request_state = self.signer.sign(claims)
         self._parked[call.call_id] = call
+        self._parked_by[call.caller] += 1
         log.info(
             "mrtr_input_required", method=call.method, name=call.name, round=round_, keys=sorted(call.state.inputs)
         )
@@ -559,15 +594,19 @@ class TaskRunner(ReplicaCalls):
     async def _create_record(self, call: Call, command: CreateRecord) -> Event:
         """Limits first (nothing is written when refused), then the committed record."""
         decision = call.state.decision
-        if command.status is TaskStatus.WORKING and len(self._running) >= self.config.max_running:
-            return CommitRefused(TaskLimitError("max_running", self.config.max_running))
+        if command.status is TaskStatus.WORKING:
+            if len(self._running) >= self.config.max_running:
+                return CommitRefused(TaskLimitError("max_running", self.config.max_running))
+            share = self.limits.max_running_per_principal
+            if self._running_by[call.caller] >= share:
+                return CommitRefused(CallerLimitError("max_running_per_principal", share))
         policy = decision.policy
         assert policy is not None
         now = self.clock()
         call.fence = self.replicas.fence  # taken before the commit: a lease lost meanwhile stops the call
         record = TaskRecord(
             task_id=wire_tasks.new_task_id(),
-            principal=principal_key(call.principal),
+            principal=call.caller,
             tool=call.name,
             status=command.status,
             created_at_ms=now,
@@ -579,7 +618,9 @@ class TaskRunner(ReplicaCalls):
             request=call.params,
             input_requests=command.input_requests,
             inputs_issued=command.issued,
-            rerun_principal=call.principal if policy.on_restart == "rerun" else None,
+            rerun_principal=self.principals.seal(call.principal)
+            if policy.on_restart == "rerun" and call.principal
+            else None,
             client_capabilities=call.state.capabilities,
         )
         started = time.perf_counter()
@@ -590,7 +631,7 @@ class TaskRunner(ReplicaCalls):
             del self._tasks[record.task_id]
             if isinstance(exc, StoreFullError):
                 return CommitRefused(TaskLimitError("max_records", self.config.max_records))
-            return CommitRefused(ProxyError(f"Internal error: the task could not be stored: {exc}"))
+            return CommitRefused(ProxyError("Internal error: the task could not be stored", detail=str(exc)))
         call.record = record
         log.info("task_created", task_id=record.task_id, tool=call.name, ttl_ms=record.ttl_ms)
         if command.input_requests:
@@ -689,8 +730,8 @@ class TaskRunner(ReplicaCalls):
     async def observe(self, task_id: str, caller: Caller) -> TaskRecord:
         """The caller's own, unexpired task, or -32602 (the same for an unknown, foreign or expired id, so
         ids cannot be probed). A live task seen past its TTL is failed now (and its call stopped)."""
-        record = await self.store.get(task_id)
-        if record is None or record.principal != principal_key(caller.principal):
+        record = await self.store.get(task_id, principal=self.principals.key_of(caller.principal))
+        if record is None:
             raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
         if record.expired(self.clock()):
             if record.status.terminal:

@@ -70,7 +70,7 @@ class UpstreamCall:
         except TimeoutError:
             raise UpstreamTimeoutError(f"Upstream {self.method} timed out") from None
         except aiohttp.ClientError as exc:
-            raise UpstreamError(f"Upstream connection lost during {self.method}: {exc}") from None
+            raise UpstreamError(f"Upstream connection lost during {self.method}", detail=str(exc)) from None
         finally:
             self._response.release()
         raise UpstreamError(f"Upstream closed the stream of {self.method} without answering")

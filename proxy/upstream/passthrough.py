@@ -107,7 +107,7 @@ class PassThrough:
         except TimeoutError:
             raise UpstreamTimeoutError() from None
         except aiohttp.ClientError as exc:
-            raise UpstreamError(f"Upstream MCP server unavailable: {exc}") from None
+            raise UpstreamError("Upstream MCP server unavailable", detail=str(exc)) from None
         headers = _end_to_end(upstream.headers)
         length = upstream.headers.get("Content-Length")
         size = int(length) if length is not None and length.isdigit() else None

@@ -31,6 +31,7 @@ from proxy.errors import UpstreamTimeoutError
 from proxy.observability import Metrics
 from proxy.upstream.events import UpstreamNotification
 from proxy.upstream.session import Sink, UpstreamLink, UpstreamSession, principal_key
+from proxy.wire.envelope import ParamHeader
 from proxy.wire.jsonrpc import JSON
 
 log = structlog.get_logger(__name__)
@@ -165,6 +166,26 @@ class UpstreamClient:
         spare = sum(len(sessions) for sessions in self._spare.values())
         leased = sum(1 for session in self._users if session.lessee is not None)
         return len(self._shared) + spare + leased
+
+    # --- what needs no session of the caller's own when a recent answer will do ---------------------------
+
+    async def initialize_result(self, principal: str | None, max_age_ms: int) -> JSON:
+        """The upstream's InitializeResult: the latest one any session got, when it is at most `max_age_ms` old
+        (server/discover opens no session per caller), else from the caller's shared session."""
+        recent = self.link.recent_initialize(max_age_ms)
+        if recent is not None:
+            return recent
+        async with self.use(principal) as session:
+            return await session.ensure_initialized()
+
+    async def param_headers(self, principal: str | None, tool: str) -> tuple[ParamHeader, ...]:
+        """The tool's `x-mcp-header` annotations, from the shared catalog; read through the caller's shared
+        session only when the catalog cannot answer."""
+        known = self.link.known_headers(tool)
+        if known is not None:
+            return known
+        async with self.use(principal) as session:
+            return await session.param_headers(tool)
 
     # --- readiness and shutdown ---------------------------------------------------------------------------
 

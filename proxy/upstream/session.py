@@ -95,12 +95,38 @@ class UpstreamLink:
             sock_connect=config.connect_timeout_seconds,
         )
         self.server_info: JSON | None = None  # the upstream's serverInfo from the latest initialize
+        self.initialize_result: JSON | None = None  # ... and its whole InitializeResult (server/discover)
+        self.initialized_at = 0.0  # monotonic time of that initialize
+        # The x-mcp-header annotations of the upstream's tools, read from tools/list (any session's), dropped when
+        # any session hears that the tool list changed.
+        self.tool_headers: dict[str, tuple[ParamHeader, ...]] | None = None
+        self.tool_headers_at = 0.0
         self.last_answer_at: float | None = None  # monotonic time of the upstream's latest HTTP answer
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
 
     def next_id(self) -> int:
         return next(self._ids)
+
+    def recent_initialize(self, max_age_ms: int) -> JSON | None:
+        """The latest InitializeResult, if it is not older than `max_age_ms`."""
+        if self.initialize_result is None or (time.monotonic() - self.initialized_at) * 1000 > max_age_ms:
+            return None
+        return self.initialize_result
+
+    def known_headers(self, tool: str) -> tuple[ParamHeader, ...] | None:
+        """The tool's annotations when the cached catalog can answer (it lists the tool, or was read too recently
+        to read again); None when tools/list must be read."""
+        if self.tool_headers is None:
+            return None
+        if tool in self.tool_headers:
+            return self.tool_headers[tool]
+        if time.monotonic() - self.tool_headers_at > PARAM_HEADERS_REFRESH_SECONDS:
+            return None
+        return ()
+
+    def tools_changed(self) -> None:
+        self.tool_headers = None
 
     def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """The one place `upstream/` starts background work: named, referenced until done, cancelled on close."""
@@ -147,8 +173,6 @@ class UpstreamSession:
         self._listener: UpstreamListener | None = None
         self._lock = asyncio.Lock()
         self._resource_subscriptions: Counter[str] = Counter()
-        self._param_headers: dict[str, tuple[ParamHeader, ...]] | None = None
-        self._param_headers_loaded_at = 0.0
 
     # --- headers and plumbing -------------------------------------------------------------------------
 
@@ -182,7 +206,7 @@ class UpstreamSession:
         except TimeoutError:
             raise UpstreamTimeoutError("Upstream MCP server did not answer in time") from None
         except aiohttp.ClientError as exc:
-            raise UpstreamError(f"Upstream MCP server unavailable: {exc}") from None
+            raise UpstreamError("Upstream MCP server unavailable", detail=str(exc)) from None
         if response.status < 500:
             link.last_answer_at = time.monotonic()  # the upstream is there and speaks HTTP (readiness)
         return response
@@ -211,7 +235,7 @@ class UpstreamSession:
         if response.status >= 400:
             body = await response.text()
             response.release()
-            raise UpstreamError(f"Upstream refused initialize: HTTP {response.status}: {body[:200]}")
+            raise UpstreamError(f"Upstream refused initialize: HTTP {response.status}", detail=body[:200])
         call = UpstreamCall(self, request_id, "initialize", response, self.link.max_result_bytes)
         result: JSON | None = None
         async for event in call.events():
@@ -226,7 +250,8 @@ class UpstreamSession:
         await self.notify("notifications/initialized", None)
         self.initialize_result = result
         self.link.server_info = implementation(result)
-        self.tools_changed()
+        self.link.initialize_result = result
+        self.link.initialized_at = time.monotonic()
         if listen and session_id is not None:  # a stateless upstream has no standalone stream
             self._stop_listening()
             self._listener = UpstreamListener(
@@ -277,7 +302,6 @@ class UpstreamSession:
             self._stop_listening()
             self.session_id = None
             self.initialize_result = None
-            self._param_headers = None
 
     async def close(self) -> None:
         """End the upstream session with DELETE (the server may answer 405; that is fine)."""
@@ -319,9 +343,9 @@ class UpstreamSession:
 
     def deliver(self, notification: UpstreamNotification) -> None:
         """A notification for this session's listen subscribers; a tool list change also drops the cached
-        x-mcp-header annotations."""
+        x-mcp-header annotations (of every session: they share one catalog)."""
         if notification.method == "notifications/tools/list_changed":
-            self.tools_changed()
+            self.link.tools_changed()
         for subscription in self.subscriptions:
             subscription.offer(notification.message)
 
@@ -346,7 +370,7 @@ class UpstreamSession:
         try:
             response = await self.link.http.get(self.link.url, headers=headers, timeout=self.link.timeout)
         except aiohttp.ClientError as exc:
-            raise UpstreamError(f"Upstream stream could not be resumed: {exc}") from None
+            raise UpstreamError("Upstream stream could not be resumed", detail=str(exc)) from None
         content_type = response.content_type
         if response.status == 200 and content_type == "text/event-stream":
             return response
@@ -423,28 +447,25 @@ class UpstreamSession:
                     raise UpstreamError(f"Upstream refused {method}: {event.error.get('message')}")
         raise UpstreamError(f"Upstream did not answer {method}")  # pragma: no cover - events() raises first
 
-    def tools_changed(self) -> None:
-        """The upstream's tool list changed (or the session is new): re-read x-mcp-header annotations."""
-        self._param_headers = None
-
     async def param_headers(self, tool: str) -> tuple[ParamHeader, ...]:
-        """The `x-mcp-header` annotations of `tool`, from the upstream's tools/list (cached; read again after a
-        list_changed notification, or when an unknown tool is called and the cache is not fresh)."""
-        stale = time.monotonic() - self._param_headers_loaded_at > PARAM_HEADERS_REFRESH_SECONDS
-        if self._param_headers is None or (tool not in self._param_headers and stale):
-            catalog: dict[str, tuple[ParamHeader, ...]] = {}
-            cursor: str | None = None
-            for _ in range(MAX_TOOL_PAGES):
-                page = await self.request("tools/list", {"cursor": cursor} if cursor else None)
-                for listed in page.get("tools") or []:
-                    if isinstance(listed, dict) and isinstance(listed.get("name"), str):
-                        catalog[listed["name"]] = param_headers(listed.get("inputSchema"))
-                cursor = page.get("nextCursor") if isinstance(page.get("nextCursor"), str) else None
-                if cursor is None:
-                    break
-            self._param_headers = catalog
-            self._param_headers_loaded_at = time.monotonic()
-        return self._param_headers.get(tool, ())
+        """The `x-mcp-header` annotations of `tool`: from the cached catalog when it can answer, else read from
+        this session's tools/list (and cached for every session)."""
+        known = self.link.known_headers(tool)
+        if known is not None:
+            return known
+        catalog: dict[str, tuple[ParamHeader, ...]] = {}
+        cursor: str | None = None
+        for _ in range(MAX_TOOL_PAGES):
+            page = await self.request("tools/list", {"cursor": cursor} if cursor else None)
+            for listed in page.get("tools") or []:
+                if isinstance(listed, dict) and isinstance(listed.get("name"), str):
+                    catalog[listed["name"]] = param_headers(listed.get("inputSchema"))
+            cursor = page.get("nextCursor") if isinstance(page.get("nextCursor"), str) else None
+            if cursor is None:
+                break
+        self.link.tool_headers = catalog
+        self.link.tool_headers_at = time.monotonic()
+        return catalog.get(tool, ())
 
     async def subscribe_resource(self, uri: str) -> None:
         """Reference-counted upstream `resources/subscribe` on behalf of listen streams."""
@@ -474,7 +495,8 @@ async def _raise_unless_answer(
     except EventTooLargeError:
         response.close()
         raise ResultTooLargeError(max_bytes or 0) from None
-    detail = body.decode("utf-8", errors="replace")[:200]
+    raw = body.decode("utf-8", errors="replace")[:200]
+    said = ""  # the upstream's own JSON-RPC error message, if it sent one: the client may see that
     if content_type == "application/json":
         try:
             message = json.loads(body)
@@ -485,6 +507,6 @@ async def _raise_unless_answer(
                 return  # the body was read, aiohttp keeps it for UpstreamCall
             error = message.get("error")
             if isinstance(error, dict) and isinstance(error.get("message"), str):
-                detail = error["message"]
+                said = f": {error['message']}"
     response.release()
-    raise UpstreamError(f"Upstream answered {method} with HTTP {response.status}: {detail}")
+    raise UpstreamError(f"Upstream answered {method} with HTTP {response.status}{said}", detail=raw)

@@ -110,7 +110,10 @@ class TaskStore(Protocol):
 
     async def create(self, record: TaskRecord) -> None: ...
 
-    async def get(self, task_id: str) -> TaskRecord | None: ...
+    async def get(self, task_id: str, *, principal: str | None = None) -> TaskRecord | None:
+        """The record, or None; with `principal`, only when it is that caller's (checked before anything of the
+        record, its result included, is read out of the database)."""
+        ...
 
     async def set_inputs(
         self, task_id: str, input_requests: JSON, inputs_issued: int, *, now_ms: int, fence: Fence | None = None

@@ -197,8 +197,12 @@ class PostgresTaskStore:
         self._check_open(f"create {record.task_id}", write=True)
         await self._creator.create(record)
 
-    async def get(self, task_id: str) -> TaskRecord | None:
-        rows = await self._rows(f"get {task_id}", "SELECT * FROM tasks WHERE task_id = %s", [task_id], write=False)
+    async def get(self, task_id: str, *, principal: str | None = None) -> TaskRecord | None:
+        if principal is None:
+            sql, params = "SELECT * FROM tasks WHERE task_id = %s", [task_id]
+        else:  # the owner is checked in the database: another caller's row (and its result) is never sent
+            sql, params = "SELECT * FROM tasks WHERE task_id = %s AND principal = %s", [task_id, principal]
+        rows = await self._rows(f"get {task_id}", sql, params, write=False)
         records = records_from_rows(rows)
         return records[0] if records else None
 

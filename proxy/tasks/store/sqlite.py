@@ -108,10 +108,12 @@ class SqliteTaskStore:
         """
         await self._batcher.create(self._open_writer_thread(f"create {record.task_id}"), record)
 
-    async def get(self, task_id: str) -> TaskRecord | None:
-        records = await self._read(
-            f"get {task_id}", lambda: self._select("SELECT * FROM tasks WHERE task_id = ?", [task_id])
-        )
+    async def get(self, task_id: str, *, principal: str | None = None) -> TaskRecord | None:
+        if principal is None:
+            sql, params = "SELECT * FROM tasks WHERE task_id = ?", [task_id]
+        else:  # the owner is checked inside SQLite: another caller's row (and its result) never leaves it
+            sql, params = "SELECT * FROM tasks WHERE task_id = ? AND principal = ?", [task_id, principal]
+        records = await self._read(f"get {task_id}", lambda: self._select(sql, params))
         return records[0] if records else None
 
     async def set_inputs(
