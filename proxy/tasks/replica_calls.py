@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 CANCELLED_BY_CLIENT: Final = "cancelled by the client"
+STORE_FAILED: Final = "Internal error: the task store failed"
 
 _T = TypeVar("_T")
 
@@ -81,6 +82,8 @@ class ReplicaCalls:
 
     async def _fail(self, task_id: str, message: str, fence: Fence | None = None) -> TaskRecord | None:
         raise NotImplementedError
+
+    # --- taking over tasks whose call runs nowhere -------------------------------------------------------------
 
     async def _adopt(self, records: list[TaskRecord], interrupted: str, rerun: str, fence: Fence | None) -> None:
         """Live tasks whose call runs nowhere: failed with `interrupted`, or re-run here when their policy says
@@ -124,25 +127,46 @@ class ReplicaCalls:
             log.warning("lease_lapsed_recovery", stopped=len(stale), recovered=len(orphans))
             await self._adopt(orphans, LEASE_LAPSED, LEASE_LAPSED_RERUN, fence)
 
-    async def _load_durations(self) -> None:
-        """The tools' duration estimates as the store keeps them (every replica's completions, across restarts)."""
-        self._durations_loaded_at = time.monotonic()
-        try:
-            self.durations.load(await self.store.duration_estimates())
-        except StoreError as exc:
-            log.warning("durations_not_loaded", error=str(exc))
+    # --- what other replicas did to tasks whose call runs here -------------------------------------------------
 
-    async def _await_forwarded(self, call: Call, ask: Ask) -> None:
-        try:
-            reply, call.request_state, task_id = remote.decode_reply(await ask.reply)
-            if task_id is not None:
-                call.record = await self.store.get(task_id)
-                if call.record is None:
-                    reply = ReplyError(ProxyError("Internal error: the task the call became is gone"))
-        except (ProxyError, StoreError) as exc:
-            reply = ReplyError(exc if isinstance(exc, ProxyError) else ProxyError(f"Internal error: {exc}"))
-        if call.reply is not None and not call.reply.done():
-            call.reply.set_result(reply)
+    def settled_elsewhere(self, task_id: str, status: TaskStatus) -> None:
+        """A task whose call runs here was settled (by another replica, or by this one: the call then has
+        ended already and the machine ignores it)."""
+        call = self._tasks.get(task_id)
+        if call is not None:
+            self.spawn(self._stop_settled(call, task_id, status), f"settled-{call.call_id}")
+
+    async def _stop_settled(self, call: Call, task_id: str, status: TaskStatus) -> None:
+        reason, error = (CANCELLED_BY_CLIENT if status is TaskStatus.CANCELLED else f"settled {status.value}"), None
+        if status is TaskStatus.FAILED:  # an expiry, say: a client still waiting is told why
+            with contextlib.suppress(StoreError):
+                record = await self.store.get(task_id)
+                if record is not None:
+                    reason, error = record.status_message or reason, record.error
+        await self.dispatch(call, RemoteCancel(reason, error))
+
+    def answers_arrived(self, task_id: str, answers: JSON) -> None:
+        call = self._tasks.get(task_id)
+        if call is None:
+            log.info("task_answers_dropped", task_id=task_id, keys=sorted(answers))
+            return
+        self.spawn(self.dispatch(call, RemoteAnswers(answers)), f"answers-{call.call_id}")
+
+    def resync(self) -> None:
+        """The feed may have missed changes: every task whose call runs here is read again."""
+        if self._tasks:
+            self.spawn(self._resync(list(self._tasks)), "resync")
+
+    async def _resync(self, task_ids: list[str]) -> None:
+        for task_id in task_ids:
+            try:
+                record = await self.store.get(task_id)
+            except StoreError:
+                return
+            if record is not None and record.status.terminal:
+                self.settled_elsewhere(task_id, record.status)
+
+    # --- MRTR rounds across replicas ---------------------------------------------------------------------------
 
     def resume_arrived(self, key: str, payload: JSON) -> None:
         self.spawn(self._serve_forwarded(key, payload), f"serve-{key}")
@@ -187,48 +211,33 @@ class ReplicaCalls:
                 call.reply.cancel()  # nobody waits for the answer any more
             self.client_left(call)
 
+    async def _await_forwarded(self, call: Call, ask: Ask) -> None:
+        try:
+            reply, call.request_state, task_id = remote.decode_reply(await ask.reply)
+            if task_id is not None:
+                call.record = await self.store.get(task_id)
+                if call.record is None:
+                    reply = ReplyError(ProxyError("Internal error: the task the call became is gone"))
+        except (ProxyError, StoreError) as exc:
+            reply = ReplyError(exc if isinstance(exc, ProxyError) else ProxyError(STORE_FAILED, detail=str(exc)))
+        if call.reply is not None and not call.reply.done():
+            call.reply.set_result(reply)
+
+    # --- shared pacing, readiness ------------------------------------------------------------------------------
+
+    async def _load_durations(self) -> None:
+        """The tools' duration estimates as the store keeps them (every replica's completions, across restarts)."""
+        self._durations_loaded_at = time.monotonic()
+        try:
+            self.durations.load(await self.store.duration_estimates())
+        except StoreError as exc:
+            log.warning("durations_not_loaded", error=str(exc))
+
     async def _share_duration(self, tool: str, duration_ms: float) -> None:
         try:
             self.durations.load({tool: await self.store.observe_duration(tool, duration_ms)})
         except StoreError as exc:
             log.warning("duration_not_stored", tool=tool, error=str(exc))
-
-    def settled_elsewhere(self, task_id: str, status: TaskStatus) -> None:
-        """A task whose call runs here was settled (by another replica, or by this one: the call then has
-        ended already and the machine ignores it)."""
-        call = self._tasks.get(task_id)
-        if call is not None:
-            self.spawn(self._stop_settled(call, task_id, status), f"settled-{call.call_id}")
-
-    async def _stop_settled(self, call: Call, task_id: str, status: TaskStatus) -> None:
-        reason, error = (CANCELLED_BY_CLIENT if status is TaskStatus.CANCELLED else f"settled {status.value}"), None
-        if status is TaskStatus.FAILED:  # an expiry, say: a client still waiting is told why
-            with contextlib.suppress(StoreError):
-                record = await self.store.get(task_id)
-                if record is not None:
-                    reason, error = record.status_message or reason, record.error
-        await self.dispatch(call, RemoteCancel(reason, error))
-
-    def answers_arrived(self, task_id: str, answers: JSON) -> None:
-        call = self._tasks.get(task_id)
-        if call is None:
-            log.info("task_answers_dropped", task_id=task_id, keys=sorted(answers))
-            return
-        self.spawn(self.dispatch(call, RemoteAnswers(answers)), f"answers-{call.call_id}")
-
-    def resync(self) -> None:
-        """The feed may have missed changes: every task whose call runs here is read again."""
-        if self._tasks:
-            self.spawn(self._resync(list(self._tasks)), "resync")
-
-    async def _resync(self, task_ids: list[str]) -> None:
-        for task_id in task_ids:
-            try:
-                record = await self.store.get(task_id)
-            except StoreError:
-                return
-            if record is not None and record.status.terminal:
-                self.settled_elsewhere(task_id, record.status)
 
     def lease_problem(self) -> str | None:
         return self.replicas.lease_problem()
