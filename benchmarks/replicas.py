@@ -44,6 +44,7 @@ async def start_replica(upstream: Process, workdir: Path, name: str, dsn: str, k
                     "max_running": 20_000,
                     "max_records": 2_000_000,
                 },
+                "limits": {"max_running_per_principal": 20_000},  # every benchmark client is one caller
             }
         )
     )

@@ -121,6 +121,7 @@ def proxy_config(upstream: str, workdir: Path, name: str, database: Path | None,
                     "max_running": 20_000,
                     "max_records": 2_000_000,
                 },
+                "limits": {"max_running_per_principal": 20_000},  # every benchmark client is one caller
             }
         )
     )
