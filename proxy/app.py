@@ -35,9 +35,12 @@ from proxy.observability import Metrics, method_label
 from proxy.policy import named_tools
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import SqliteTaskStore, StoreError
+from proxy.upstream.kinds import SessionKind
 from proxy.upstream.passthrough import PassThrough
 from proxy.upstream.pool import UpstreamClient
+from proxy.upstream.session import UpstreamLink
 from proxy.upstream.sse import KEEPALIVE, frame
+from proxy.upstream.stdio_session import StdioLink
 from proxy.wire import jsonrpc
 from proxy.wire.envelope import Caller, is_modern, validate_modern
 from proxy.wire.jsonrpc import JSON, Notification, Response
@@ -309,6 +312,13 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
 # --- lifecycle ---------------------------------------------------------------------------------------
 
 
+def upstream_kind(config: Config, http: aiohttp.ClientSession, metrics: Metrics | None) -> SessionKind:
+    """Stdio server processes the proxy runs when `upstream.command` is set, else Streamable HTTP sessions."""
+    if config.upstream.command:
+        return StdioLink(config.upstream, metrics)
+    return UpstreamLink(config.upstream, http, config.security.principal_header, metrics)
+
+
 async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     # The store first: a database in use by another process stops the start before anything else is opened.
@@ -322,7 +332,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         connector=aiohttp.TCPConnector(limit=0), auto_decompress=False, skip_auto_headers=("User-Agent",)
     )
     metrics = app.get(METRICS)
-    upstream = UpstreamClient(config.upstream, http, config.security.principal_header, metrics=metrics)
+    upstream = UpstreamClient(upstream_kind(config, http, metrics))
     app[UPSTREAM] = upstream
     runner = TaskRunner(config, store, upstream, metrics=metrics)
     app[RUNNER] = runner

@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.config import Config, ConfigError, load_config
-from proxy.upstream.session import PROXY_VERSION
+from proxy.upstream.kinds import PROXY_VERSION
 
 EXIT_CONFIG_ERROR = 2
 EXIT_NOT_FOUND = 1
@@ -230,10 +230,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config, overrides=flag_overrides(args))
     except ConfigError as error:
         return _report(error)
-    # Not yet: the stdio session layer is not part of the app. Remove this check when it is.
-    if config.upstream.command:
-        print("mcp-tasks-proxy: stdio upstreams are not wired into serve yet", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
     serve(config)
     return 0
 

@@ -148,3 +148,18 @@ class TaskLimitError(ProxyError):
             data={"limit": limit, "max": maximum},
             request_id=request_id,
         )
+
+
+class UpstreamLimitError(ProxyError):
+    """Every upstream session the configuration allows is busy (e.g. `upstream.max_processes` stdio server
+    processes) and none came free in time. -32603 with `data.limit`, HTTP 503: the condition is temporary."""
+
+    code = jsonrpc.INTERNAL_ERROR
+    http_status = 503
+    default_message = "Upstream limit reached"
+
+    def __init__(self, limit: str, maximum: int, waited_seconds: float) -> None:
+        super().__init__(
+            f"Upstream limit reached: {limit} = {maximum}, all busy for {waited_seconds:g} s; try again later",
+            data={"limit": limit.rpartition(".")[2], "max": maximum},
+        )

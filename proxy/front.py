@@ -20,7 +20,6 @@ from proxy.errors import InvalidParamsError, MethodNotFoundError, MissingCapabil
 from proxy.policy import decide
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.waiting import WaitingCalls
-from proxy.upstream.call import UpstreamCall
 from proxy.upstream.events import (
     UpstreamErrorResponse,
     UpstreamNotification,
@@ -28,8 +27,8 @@ from proxy.upstream.events import (
     UpstreamServerRequest,
     refusal,
 )
+from proxy.upstream.kinds import Session, SessionCall
 from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.session import UpstreamSession
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
 from proxy.wire.envelope import (
@@ -86,7 +85,7 @@ class Front:
         async with self.upstream.use(caller.principal) as session:
             return await self._listen(request, channel, session, wanted)
 
-    async def _listen(self, request: ModernRequest, channel: Channel, session: UpstreamSession, wanted: object) -> JSON:
+    async def _listen(self, request: ModernRequest, channel: Channel, session: Session, wanted: object) -> JSON:
         initialize_result = await session.ensure_initialized()
         capabilities = initialize_result.get("capabilities")
         honoured = translate.honoured_filter(
@@ -125,7 +124,7 @@ class Front:
         meta: JSON = {**tag, **({SERVER_INFO_META_KEY: server_info} if server_info else {})}
         return result_message(request.id, {"resultType": "complete", "_meta": meta})
 
-    async def _unsubscribe(self, session: UpstreamSession, uri: str) -> None:
+    async def _unsubscribe(self, session: Session, uri: str) -> None:
         try:
             await session.unsubscribe_resource(uri)
         except UpstreamError as exc:  # best effort: the subscription ends either way
@@ -205,9 +204,7 @@ class Front:
                 await asyncio.shield(self._cancel(call, "client disconnected"))
                 raise
 
-    async def _drive(
-        self, request: ModernRequest, session: UpstreamSession, call: UpstreamCall, channel: Channel
-    ) -> JSON:
+    async def _drive(self, request: ModernRequest, session: Session, call: SessionCall, channel: Channel) -> JSON:
         server_info = self.upstream.server_info
         async for event in call.events():
             if isinstance(event, UpstreamNotification):
@@ -224,9 +221,7 @@ class Front:
                 return translate.final_message(request.id, request.method, result, error, server_info, self.cache)
         raise AssertionError("UpstreamCall.events() ends with a final event or raises")  # pragma: no cover
 
-    async def _refuse(
-        self, request: ModernRequest, session: UpstreamSession, question: UpstreamServerRequest
-    ) -> JSON | None:
+    async def _refuse(self, request: ModernRequest, session: Session, question: UpstreamServerRequest) -> JSON | None:
         """Only tools/call, prompts/get and resources/read may ask a 2026-07-28 client for input (as MRTR or a
         task); those run as calls of the runner. Here (any other method) the upstream gets an answer at once,
         so it never hangs, and finishes the request by itself: a client that did not declare the capability
@@ -250,7 +245,7 @@ class Front:
         )
         return error_message(request.id, {"code": codes.INTERNAL_ERROR, "message": message})
 
-    async def _cancel(self, call: UpstreamCall, reason: str) -> None:
+    async def _cancel(self, call: SessionCall, reason: str) -> None:
         try:
             await call.cancel(reason)
         except UpstreamError as exc:  # best effort: the call is being abandoned either way

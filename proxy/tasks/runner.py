@@ -64,15 +64,14 @@ from proxy.tasks.commands import (
 )
 from proxy.tasks.machine import CallState
 from proxy.tasks.store import StoreError, StoreFullError, TaskStore
-from proxy.upstream.call import UpstreamCall
 from proxy.upstream.events import (
     UpstreamEvent,
     UpstreamNotification,
     UpstreamServerRequest,
     refusal,
 )
+from proxy.upstream.kinds import Session, SessionCall, principal_key
 from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.session import UpstreamSession, principal_key
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
 from proxy.wire.envelope import Caller, Channel, ModernRequest
@@ -112,8 +111,8 @@ class Call:
     record: TaskRecord | None = None  # as committed
     timers: dict[Timer, asyncio.TimerHandle] = field(default_factory=dict)
     pump: asyncio.Task[None] | None = None  # reads the upstream call
-    session: UpstreamSession | None = None
-    upstream: UpstreamCall | None = None
+    session: Session | None = None
+    upstream: SessionCall | None = None
     created_at: float = field(default_factory=time.perf_counter)
 
 
@@ -410,7 +409,7 @@ class TaskRunner:
             await self.dispatch(call, Ended(ProxyError(f"Internal error: {exc!r}")))
 
     @contextlib.asynccontextmanager
-    async def _session(self, call: Call) -> AsyncIterator[UpstreamSession]:
+    async def _session(self, call: Call) -> AsyncIterator[Session]:
         """Every call gets an upstream session of its own while it runs: whatever the upstream sends on that
         session's GET stream (a question naming no request) is this call's, never a guess. Even a client that
         declared no capability could be asked, and then it is the one to be told what it lacks (-32021)."""

@@ -1,25 +1,23 @@
-"""The proxy as a legacy MCP client: upstream sessions, one POST per request, re-initialize on 404.
+"""The proxy as a legacy MCP client over Streamable HTTP: sessions, one POST per request, re-initialize on 404.
 
 A session owns `initialize` + `notifications/initialized`, the `Mcp-Session-Id` and negotiated
 `MCP-Protocol-Version` headers, its GET stream (`listener.py`) and where what arrives there goes: to the call
 that leased the session, to `subscriptions/listen` inboxes, or refused. What every session shares (the HTTP
-client, the URL, timeouts, request ids, the upstream's latest serverInfo) is the `UpstreamLink`; the pool that
-hands sessions out is `pool.py`. aiohttp failures become UpstreamError. Imports aiohttp; never the store or
-the front.
+client, the URL, timeouts, request ids, the upstream's latest serverInfo) is the `UpstreamLink`, which is also
+this kind's `SessionKind` for the pool (`pool.py`). aiohttp failures become UpstreamError. Imports aiohttp;
+never the store or the front.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import itertools
 import json
 import time
-from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
-from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Final
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
+from typing import Final
 
 import aiohttp
 import structlog
@@ -31,52 +29,38 @@ from proxy.observability import Metrics, method_label
 from proxy.upstream.call import UpstreamCall
 from proxy.upstream.events import (
     UpstreamErrorResponse,
-    UpstreamEvent,
     UpstreamNotification,
     UpstreamResult,
     UpstreamServerRequest,
     refusal,
 )
+from proxy.upstream.kinds import (
+    CLIENT_CAPABILITIES,
+    CLIENT_INFO,
+    PoolLimits,
+    Session,
+    SessionFeatures,
+    Sink,
+    Spawner,
+)
 from proxy.upstream.listener import SessionGone, StreamEvent, UpstreamListener
-from proxy.wire.envelope import ParamHeader, param_headers
 from proxy.wire.jsonrpc import JSON, dumps, error_message, notification_message, request_message, result_message
 from proxy.wire.translate import implementation
 
 log = structlog.get_logger(__name__)
 
-# One upstream session may serve clients with different capabilities, so it declares the superset and the
-# proxy refuses, per request, what the current client cannot take.
-CLIENT_CAPABILITIES: Final[JSON] = {"elicitation": {"form": {}, "url": {}}, "sampling": {}, "roots": {}}
-
-try:
-    PROXY_VERSION = version("mcp-tasks-proxy")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
-    PROXY_VERSION = "0.0.0"
-
-PARAM_HEADERS_REFRESH_SECONDS: Final = 5.0  # an unknown tool re-reads tools/list at most this often
-MAX_TOOL_PAGES: Final = 100  # bounds the pagination of tools/list when reading x-mcp-header annotations
-SUBSCRIBER_QUEUE_SIZE: Final = 256  # list/resource notifications are idempotent; a slow reader loses extras
 STANDALONE_REFUSED: Final = "cannot be relayed to 2026-07-28 clients: no call of theirs holds this upstream session"
-
-CLIENT_INFO: Final[JSON] = {"name": "mcp-tasks-proxy", "version": PROXY_VERSION}
-
-Sink = Callable[[UpstreamEvent], Awaitable[None]]  # where a leased session's GET-stream traffic goes
+PROBE_TIMEOUT_SECONDS: Final = 2.0  # a readiness probe's initialize; kubelet's own timeout is short too
 
 
-def principal_key(principal: str | None) -> str:
-    """Sessions are keyed by a hash of the principal header so tokens are not kept as dict keys in clear."""
-    if not principal:
-        return ""
-    return hashlib.sha256(principal.encode()).hexdigest()
-
-
-class UpstreamLink:
+class UpstreamLink(Spawner):
     """What every session of one upstream shares: the HTTP client and URL, timeouts, request ids, background
     work, and what the upstream said most recently (serverInfo; when it last answered, for readiness)."""
 
     def __init__(
         self, config: UpstreamConfig, http: aiohttp.ClientSession, principal_header: str, metrics: Metrics | None
     ) -> None:
+        super().__init__()
         self.config = config
         self.http = http
         self.principal_header = principal_header
@@ -89,43 +73,38 @@ class UpstreamLink:
         )
         self.server_info: JSON | None = None  # the upstream's serverInfo from the latest initialize
         self.last_answer_at: float | None = None  # monotonic time of the upstream's latest HTTP answer
+        self.limits = PoolLimits(max_idle=config.max_sessions)  # HTTP sessions are cheap: one per call
         self._ids = itertools.count(1)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._probe_lock = asyncio.Lock()
 
     def next_id(self) -> int:
         return next(self._ids)
 
-    def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        """The one place `upstream/` starts background work: named, referenced until done, cancelled on close."""
-        task = asyncio.get_running_loop().create_task(coroutine, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._reap)
-        return task
+    def new(self, principal: str | None) -> Session:
+        return UpstreamSession(self, principal)
 
-    def _reap(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("upstream_background_task_failed", task=task.get_name(), error=repr(task.exception()))
-
-    async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-class Subscription:
-    """One listen stream's inbox. `None` means: the proxy is shutting down, end the stream gracefully."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[JSON | None] = asyncio.Queue(SUBSCRIBER_QUEUE_SIZE)
-
-    def offer(self, message: JSON | None) -> None:
-        with contextlib.suppress(asyncio.QueueFull):
-            self.queue.put_nowait(message)
+    async def probe(self, max_age_seconds: float, shared: Callable[[], AbstractAsyncContextManager[Session]]) -> None:
+        """Readiness: fine when the upstream answered within `max_age_seconds`; otherwise a fresh `initialize`
+        on a throwaway session (ended with DELETE) must succeed within PROBE_TIMEOUT_SECONDS. Raises
+        UpstreamError saying what failed. Concurrent probes share one attempt."""
+        async with self._probe_lock:
+            last = self.last_answer_at
+            if last is not None and time.monotonic() - last <= max_age_seconds:
+                return
+            session = UpstreamSession(self, None)
+            try:
+                await asyncio.wait_for(session.initialize(listen=False), PROBE_TIMEOUT_SECONDS)
+            except TimeoutError:
+                raise UpstreamTimeoutError(
+                    f"Upstream did not answer initialize within {PROBE_TIMEOUT_SECONDS:g} s"
+                ) from None
+            finally:
+                await session.close()
 
 
-class UpstreamSession:
+class UpstreamSession(SessionFeatures):
     def __init__(self, link: UpstreamLink, principal: str | None) -> None:
+        super().__init__()
         self.link = link
         self.principal = principal
         self.session_id: str | None = None
@@ -133,15 +112,11 @@ class UpstreamSession:
         self.initialize_result: JSON | None = None
         self.in_flight = 0  # calls open on this session right now
         self.lessee: Sink | None = None  # the call that leased the session: its GET-stream traffic goes there
-        self.subscriptions: set[Subscription] = set()
         # Where notifications from the GET stream go besides the lessee: this session's own listen subscribers,
         # unless the pool sends them to the principal's shared session (which the listen streams read).
         self.on_notification: Callable[[UpstreamNotification], None] = self.deliver
         self._listener: UpstreamListener | None = None
         self._lock = asyncio.Lock()
-        self._resource_subscriptions: Counter[str] = Counter()
-        self._param_headers: dict[str, tuple[ParamHeader, ...]] | None = None
-        self._param_headers_loaded_at = 0.0
 
     # --- headers and plumbing -------------------------------------------------------------------------
 
@@ -225,9 +200,9 @@ class UpstreamSession:
             self._listener = UpstreamListener(session_id, self._open_stream, self._on_stream)
             await self._listener.start(self.link.spawn, self.link.config.connect_timeout_seconds)
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
-        if self._resource_subscriptions:
+        if self.resource_subscriptions:
             # Not awaited here: initialize runs under the session lock, and these requests may need it.
-            self.link.spawn(self._resubscribe(), "upstream-resubscribe")
+            self.link.spawn(self.resubscribe(), "upstream-resubscribe")
 
     async def _open_stream(self, last_event_id: str | None) -> aiohttp.ClientResponse:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.link.config.connect_timeout_seconds)
@@ -237,14 +212,6 @@ class UpstreamSession:
         if self._listener is not None:
             self._listener.stop()
             self._listener = None
-
-    async def _resubscribe(self) -> None:
-        """A new session knows none of the resource subscriptions listen streams still hold: renew them."""
-        for uri in list(self._resource_subscriptions):
-            try:
-                await self.request("resources/subscribe", {"uri": uri})
-            except UpstreamError as exc:
-                log.warning("upstream_resource_resubscribe_failed", error=exc.message)
 
     async def _reinitialize(self, stale_session_id: str | None) -> None:
         """A 404 for a request that carried the session id means the upstream forgot the session."""
@@ -307,26 +274,6 @@ class UpstreamSession:
             await self.respond(event.id, result=result, error=error)
         if isinstance(event, UpstreamNotification):
             self.on_notification(event)
-
-    def deliver(self, notification: UpstreamNotification) -> None:
-        """A notification for this session's listen subscribers; a tool list change also drops the cached
-        x-mcp-header annotations."""
-        if notification.method == "notifications/tools/list_changed":
-            self.tools_changed()
-        for subscription in self.subscriptions:
-            subscription.offer(notification.message)
-
-    def subscribe(self) -> Subscription:
-        subscription = Subscription()
-        self.subscriptions.add(subscription)
-        return subscription
-
-    def unsubscribe(self, subscription: Subscription) -> None:
-        self.subscriptions.discard(subscription)
-
-    def end_subscriptions(self) -> None:
-        for subscription in self.subscriptions:
-            subscription.offer(None)
 
     # --- requests ------------------------------------------------------------------------------------------
 
@@ -403,53 +350,6 @@ class UpstreamSession:
         message = result_message(request_id, result or {}) if error is None else error_message(request_id, error)
         response = await self._post(message, self.headers())
         response.release()
-
-    async def request(self, method: str, params: JSON | None) -> JSON:
-        """A plain request whose stream carries nothing the caller needs: its result, or UpstreamError."""
-        async with self.call(method, params) as call:
-            async for event in call.events():
-                if isinstance(event, UpstreamResult):
-                    return event.result
-                if isinstance(event, UpstreamErrorResponse):
-                    raise UpstreamError(f"Upstream refused {method}: {event.error.get('message')}")
-        raise UpstreamError(f"Upstream did not answer {method}")  # pragma: no cover - events() raises first
-
-    def tools_changed(self) -> None:
-        """The upstream's tool list changed (or the session is new): re-read x-mcp-header annotations."""
-        self._param_headers = None
-
-    async def param_headers(self, tool: str) -> tuple[ParamHeader, ...]:
-        """The `x-mcp-header` annotations of `tool`, from the upstream's tools/list (cached; read again after a
-        list_changed notification, or when an unknown tool is called and the cache is not fresh)."""
-        stale = time.monotonic() - self._param_headers_loaded_at > PARAM_HEADERS_REFRESH_SECONDS
-        if self._param_headers is None or (tool not in self._param_headers and stale):
-            catalog: dict[str, tuple[ParamHeader, ...]] = {}
-            cursor: str | None = None
-            for _ in range(MAX_TOOL_PAGES):
-                page = await self.request("tools/list", {"cursor": cursor} if cursor else None)
-                for listed in page.get("tools") or []:
-                    if isinstance(listed, dict) and isinstance(listed.get("name"), str):
-                        catalog[listed["name"]] = param_headers(listed.get("inputSchema"))
-                cursor = page.get("nextCursor") if isinstance(page.get("nextCursor"), str) else None
-                if cursor is None:
-                    break
-            self._param_headers = catalog
-            self._param_headers_loaded_at = time.monotonic()
-        return self._param_headers.get(tool, ())
-
-    async def subscribe_resource(self, uri: str) -> None:
-        """Reference-counted upstream `resources/subscribe` on behalf of listen streams."""
-        if self._resource_subscriptions[uri] == 0:
-            await self.request("resources/subscribe", {"uri": uri})
-        self._resource_subscriptions[uri] += 1
-
-    async def unsubscribe_resource(self, uri: str) -> None:
-        if self._resource_subscriptions[uri] <= 0:
-            return
-        self._resource_subscriptions[uri] -= 1
-        if self._resource_subscriptions[uri] == 0:
-            del self._resource_subscriptions[uri]
-            await self.request("resources/unsubscribe", {"uri": uri})
 
 
 async def _raise_unless_answer(response: aiohttp.ClientResponse, request_id: int, method: str) -> None:
