@@ -36,10 +36,11 @@ from proxy.policy import named_tools
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import SqliteTaskStore, StoreError
 from proxy.upstream.kinds import SessionKind
-from proxy.upstream.passthrough import PassThrough
+from proxy.upstream.passthrough import LegacyRelay, PassThrough
 from proxy.upstream.pool import UpstreamClient
 from proxy.upstream.session import UpstreamLink
 from proxy.upstream.sse import KEEPALIVE, frame
+from proxy.upstream.stdio_legacy import StdioLegacyServer
 from proxy.upstream.stdio_session import StdioLink
 from proxy.wire import jsonrpc
 from proxy.wire.envelope import Caller, is_modern, validate_modern
@@ -49,7 +50,7 @@ log = structlog.get_logger(__name__)
 
 CONFIG: Final = web.AppKey("config", Config)
 FRONT: Final = web.AppKey("front", Front)
-PASSTHROUGH: Final = web.AppKey("passthrough", PassThrough)
+PASSTHROUGH: Final = web.AppKey("passthrough", LegacyRelay)
 UPSTREAM: Final = web.AppKey("upstream", UpstreamClient)
 STORE: Final = web.AppKey("store", SqliteTaskStore)
 RUNNER: Final = web.AppKey("runner", TaskRunner)
@@ -340,19 +341,26 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics.tasks_running.set_function(lambda: runner.running)
         metrics.calls_parked.set_function(lambda: runner.parked)
     app[FRONT] = Front(config, upstream, runner)
-    app[PASSTHROUGH] = PassThrough(
-        config.upstream.url,
-        relay_http,
-        config.upstream.headers,
-        config.upstream.connect_timeout_seconds,
-        config.upstream.call_timeout_seconds,
-    )
+    legacy: StdioLegacyServer | None = None
+    if isinstance(upstream.kind, StdioLink):  # a stdio server: the proxy serves legacy clients itself
+        legacy = StdioLegacyServer(upstream.kind, upstream, config.upstream, config.security.principal_header)
+        app[PASSTHROUGH] = legacy
+    else:
+        app[PASSTHROUGH] = PassThrough(
+            config.upstream.url,
+            relay_http,
+            config.upstream.headers,
+            config.upstream.connect_timeout_seconds,
+            config.upstream.call_timeout_seconds,
+        )
     try:
         await runner.start()  # restart recovery happens before the first request is served
         yield
     finally:
         await runner.close()
         await store.close()
+        if legacy is not None:
+            await legacy.close()
         await upstream.close()
         await http.close()
         await relay_http.close()

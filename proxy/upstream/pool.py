@@ -47,6 +47,7 @@ class UpstreamClient:
         self._idle: OrderedDict[Session, str] = OrderedDict()  # idle session → its principal key, oldest first
         self._open: set[Session] = set()  # every session made and not yet closed (closing ones included)
         self._closing: set[Session] = set()
+        self._reserved = 0  # room taken by processes the pool does not hold (legacy clients' own sessions)
         self._idle_timers: dict[Session, asyncio.TimerHandle] = {}
         self._changed = asyncio.Event()  # set (and replaced) whenever a session comes free or is closed
 
@@ -166,13 +167,25 @@ class UpstreamClient:
     # --- bounds -----------------------------------------------------------------------------------------
 
     def _has_room(self) -> bool:
-        return self.limits.max_open is None or len(self._open) < self.limits.max_open
+        return self.limits.max_open is None or len(self._open) + self._reserved < self.limits.max_open
+
+    async def reserve(self) -> None:
+        """Room for one session the pool does not hold (a legacy client's own stdio server process): it counts
+        against `max_open` until `unreserve()`. Waits like a new session, then fails with UpstreamLimitError."""
+        deadline = asyncio.get_running_loop().time() + self.limits.wait_seconds
+        while not self._has_room():
+            await self._wait_for_room(deadline)
+        self._reserved += 1
+
+    def unreserve(self) -> None:
+        self._reserved -= 1
+        self._signal()
 
     async def _wait_for_room(self, deadline: float) -> None:
         """Make room by closing the least recently used idle session (unless a close under way already makes
         it), then wait for a change; UpstreamLimitError once `deadline` has passed."""
         assert self.limits.max_open is not None
-        if self._idle and len(self._open) - len(self._closing) >= self.limits.max_open:
+        if self._idle and len(self._open) + self._reserved - len(self._closing) >= self.limits.max_open:
             self._close(next(iter(self._idle)))
         changed = self._changed
         remaining = deadline - asyncio.get_running_loop().time()
