@@ -48,6 +48,7 @@ class UpstreamClient:
         self._open: set[Session] = set()  # every session made and not yet closed (closing ones included)
         self._closing: set[Session] = set()
         self._reserved = 0  # room taken by processes the pool does not hold (legacy clients' own sessions)
+        self._lent: set[Session] = set()  # sessions lent to a call right now
         self._idle_timers: dict[Session, asyncio.TimerHandle] = {}
         self._changed = asyncio.Event()  # set (and replaced) whenever a session comes free or is closed
 
@@ -74,7 +75,7 @@ class UpstreamClient:
         key = principal_key(principal)
         deadline = asyncio.get_running_loop().time() + self.limits.wait_seconds
         while key not in self._shared and not self._has_room():
-            await self._wait_for_room(deadline)
+            await self._wait_for_room(deadline, evict=True)
         session = self.session(principal)
         self._take(session)
         try:
@@ -88,7 +89,7 @@ class UpstreamClient:
         traffic goes to `sink` until the lease ends. `asks`: the call's client could answer a question. HTTP
         sessions are cheap, so there every call gets one of its own regardless (then even a client that
         declared nothing is the one told what it lacks)."""
-        if not asks and self.limits.share_quiet_calls:
+        if self.limits.share_quiet_calls and (not asks or self.limits.max_open == 1):
             async with self.use(principal) as session:
                 await session.ensure_initialized()
                 yield session
@@ -97,24 +98,28 @@ class UpstreamClient:
         session = await self._lendable(principal, key)
         session.on_notification = lambda notification: self._to_shared(key, notification)
         self._take(session)
+        self._lent.add(session)
         try:
             await session.ensure_initialized()
             session.lessee = sink
             yield session
         finally:
             session.lessee = None
+            self._lent.discard(session)
             self._release(session, key, spare=True)
+            self._signal()
 
     async def _lendable(self, principal: str | None, key: str) -> Session:
         """A spare session of the principal, else a new one (waiting for room when the kind is bounded)."""
         deadline = asyncio.get_running_loop().time() + self.limits.wait_seconds
         while True:
-            session = self._pop_spare(key)
-            if session is not None:
-                return session
-            if self._has_room():
-                return self._make(principal)
-            await self._wait_for_room(deadline)
+            if self._may_lend():
+                session = self._pop_spare(key)
+                if session is not None:
+                    return session
+                if self._has_room():
+                    return self._make(principal)
+            await self._wait_for_room(deadline, evict=self._may_lend())
 
     def _to_shared(self, key: str, notification: UpstreamNotification) -> None:
         """A list change or resource update seen on a lent session reaches the principal's listen streams,
@@ -169,23 +174,30 @@ class UpstreamClient:
     def _has_room(self) -> bool:
         return self.limits.max_open is None or len(self._open) + self._reserved < self.limits.max_open
 
+    def _may_lend(self) -> bool:
+        """Lent sessions and reservations leave one place of `max_open` to shared sessions: a call parked
+        between MRTR rounds holds its session, and its client's retry must still find a shared one."""
+        maximum = self.limits.max_open
+        return maximum is None or len(self._lent) + self._reserved < max(maximum - 1, 1)
+
     async def reserve(self) -> None:
         """Room for one session the pool does not hold (a legacy client's own stdio server process): it counts
         against `max_open` until `unreserve()`. Waits like a new session, then fails with UpstreamLimitError."""
         deadline = asyncio.get_running_loop().time() + self.limits.wait_seconds
-        while not self._has_room():
-            await self._wait_for_room(deadline)
+        while not (self._has_room() and self._may_lend()):
+            await self._wait_for_room(deadline, evict=self._may_lend())
         self._reserved += 1
 
     def unreserve(self) -> None:
         self._reserved -= 1
         self._signal()
 
-    async def _wait_for_room(self, deadline: float) -> None:
-        """Make room by closing the least recently used idle session (unless a close under way already makes
-        it), then wait for a change; UpstreamLimitError once `deadline` has passed."""
+    async def _wait_for_room(self, deadline: float, *, evict: bool) -> None:
+        """Make room (`evict`) by closing the least recently used idle session, unless a close under way already
+        makes it; then wait for a change. UpstreamLimitError once `deadline` has passed."""
         assert self.limits.max_open is not None
-        if self._idle and len(self._open) + self._reserved - len(self._closing) >= self.limits.max_open:
+        crowded = len(self._open) + self._reserved - len(self._closing) >= self.limits.max_open
+        if evict and crowded and self._idle:
             self._close(next(iter(self._idle)))
         changed = self._changed
         remaining = deadline - asyncio.get_running_loop().time()

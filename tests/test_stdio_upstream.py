@@ -1,0 +1,122 @@
+"""A stdio upstream's processes: who gets one, how many run, when they stop. Against the real mcp 1.x fixture
+run as a stdio server by the proxy (in-process app, and `serve -- CMD` as a child process)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from proxy.app import UPSTREAM
+from proxy.upstream.stdio_session import StdioSession
+from tests.conftest import DECLARING, ModernSchema, ProxyProcess, SchemaValidator, Tasks, policies
+from tests.test_faults import rpc
+from tests.test_flow_legacy_stdio import children, until
+from tests.test_flow_stdio import STDIO_FIXTURE, stdio_sessions, stdio_upstream
+
+ELICIT: dict[str, Any] = {"elicitation": {}}
+
+
+def child_pids(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+async def stdio_client(
+    make_proxy: Callable[..., Any], core_schema: ModernSchema, tasks_schema: SchemaValidator, **sections: Any
+) -> Tasks:
+    upstream = stdio_upstream(**sections.pop("upstream", {}))
+    return Tasks(await make_proxy("", upstream=upstream, **sections), core_schema, tasks_schema)
+
+
+async def test_calls_that_can_ask_get_a_process_of_their_own_the_others_share_one(
+    make_proxy: Callable[..., Any], modern_schema: ModernSchema, tasks_schema: SchemaValidator
+) -> None:
+    client = await stdio_client(make_proxy, modern_schema, tasks_schema)
+    pool = client.client.app[UPSTREAM]
+    others = [Tasks(client.client, modern_schema, tasks_schema) for _ in range(2)]  # one request at a time each
+    quiet = [asyncio.get_running_loop().create_task(other.text("sleep", {"seconds": 1.0})) for other in others]
+    shared = pool.session(None)
+    assert isinstance(shared, StdioSession)
+    await until(lambda: shared.in_flight == 2, "two quiet calls do not share the principal's process")
+    assert len(stdio_sessions(client)) == 1
+    _, message = await client.call("ask_name", capabilities=ELICIT)  # parked: an MRTR round
+    assert message["result"]["resultType"] == "input_required"
+    [own] = [session for session in stdio_sessions(client) if session is not shared]
+    assert own.lessee is not None  # lent to that call alone: its questions are the call's
+    assert own.pid not in (None, shared.pid)
+    assert await asyncio.gather(*quiet) == ["slept 1", "slept 1"]
+
+
+async def test_an_idle_lent_process_stops_and_the_shared_one_stays(
+    make_proxy: Callable[..., Any], modern_schema: ModernSchema, tasks_schema: SchemaValidator
+) -> None:
+    client = await stdio_client(make_proxy, modern_schema, tasks_schema, upstream={"process_idle_seconds": 0.5})
+    assert await client.text("echo", {"text": "x"}) == "x"
+    _, message = await client.call("echo", {"text": "y"}, capabilities=ELICIT)
+    assert message["result"]["content"][0]["text"] == "y"
+    pool = client.client.app[UPSTREAM]
+    [lent] = pool.spare_sessions(None)
+    shared = pool.session(None)
+    await until(lambda: lent not in pool.sessions(), "the idle lent process was not stopped")
+    assert lent.initialize_result is None
+    assert pool.sessions() == [shared]
+    assert shared.initialize_result is not None
+
+
+async def test_at_max_processes_a_call_waits_then_gets_a_limit_error(
+    make_proxy: Callable[..., Any], modern_schema: ModernSchema, tasks_schema: SchemaValidator
+) -> None:
+    client = await stdio_client(
+        make_proxy, modern_schema, tasks_schema, upstream={"max_processes": 2, "connect_timeout_seconds": 5}
+    )
+    assert await client.text("echo", {"text": "x"}) == "x"  # the shared process
+    params: dict[str, Any] = {"name": "ask_name", "arguments": {}}
+    _, parked = await client.post("tools/call", params, capabilities=ELICIT)  # holds a second process
+    started = asyncio.get_running_loop().time()
+    status, refused = await client.post("tools/call", params, capabilities=ELICIT)
+    assert status == 503, refused
+    assert refused["error"]["code"] == -32603
+    assert refused["error"]["data"] == {"limit": "max_processes", "max": 2}
+    assert asyncio.get_running_loop().time() - started >= 4  # it waited for a process to come free first
+    assert len(client.client.app[UPSTREAM].sessions()) == 2
+    [key] = parked["result"]["inputRequests"]
+    answer = {key: {"action": "accept", "content": {"name": "Ada"}}}
+    retry = {**params, "inputResponses": answer, "requestState": parked["result"]["requestState"]}
+    status, done = await client.post("tools/call", retry, capabilities=ELICIT)
+    assert done["result"]["content"][0]["text"] == "Hello, Ada"
+    _, again = await client.post("tools/call", params, capabilities=ELICIT)  # the process came back
+    assert again["result"]["resultType"] == "input_required"
+
+
+async def test_closing_the_proxy_stops_every_process(
+    make_proxy: Callable[..., Any], modern_schema: ModernSchema, tasks_schema: SchemaValidator
+) -> None:
+    before = children()
+    client = await stdio_client(make_proxy, modern_schema, tasks_schema, tasks=policies(sleep={"mode": "required"}))
+    task_id = await client.create("sleep", {"seconds": 30}, capabilities={**DECLARING, **ELICIT})
+    await client.until(task_id, lambda task: "statusMessage" in task)
+    assert await client.text("echo", {"text": "x"}) == "x"
+    assert len(children() - before) == 2
+    await client.client.close()
+    assert children() == before  # stopped and reaped before the app's cleanup returned
+
+
+async def test_serve_runs_the_command_and_sigterm_stops_it(tmp_path: Path, processes: list[ProxyProcess]) -> None:
+    proxy = ProxyProcess(tmp_path, "", upstream=stdio_upstream())
+    processes.append(proxy)
+    await proxy.start()
+    async with aiohttp.ClientSession() as http:
+        status, message = await rpc(http, proxy.url, "tools/call", {"name": "echo", "arguments": {"text": "hi"}}, {})
+    assert status == 200, message
+    assert message["result"]["content"][0]["text"] == "hi"
+    assert proxy.process is not None
+    servers = child_pids(proxy.process.pid)
+    assert len(servers) == 1
+    assert await proxy.terminate() == 0
+    await until(lambda: not Path(f"/proc/{servers[0]}").exists(), "the server outlived the proxy", 15)
+    started = [event for event in proxy.events() if event["event"] == "upstream_process_started"]
+    assert started[0]["program"] == STDIO_FIXTURE[0]
+    assert any(event["event"] == "upstream_process_exited" for event in proxy.events())
