@@ -163,7 +163,8 @@ class StdioLegacyServer:
         self.pool = pool
         self.config = config
         self.principal_header = principal_header
-        self.sessions: dict[str, LegacySession] = {}
+        self.sessions: dict[str, LegacySession] = {}  # by id: the sessions clients may still use
+        self.live: set[LegacySession] = set()  # sessions whose process has not exited yet (ended ones too)
 
     async def relay(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
         if request.method == "POST":
@@ -217,6 +218,7 @@ class StdioLegacyServer:
             self.pool.unreserve()
             raise
         self.sessions[session.id] = session
+        self.live.add(session)
         log.info("legacy_session_started", upstream=session.process.name)
         stream = session.open(message.id, sse)
         timeout = self.config.connect_timeout_seconds
@@ -265,7 +267,7 @@ class StdioLegacyServer:
             try:
                 message = await asyncio.wait_for(stream.queue.get(), min(KEEPALIVE_SECONDS, remaining))
             except TimeoutError:
-                if stream.sse:
+                if remaining > KEEPALIVE_SECONDS and stream.sse:
                     response = response or await self._open_sse(request, headers)
                     await response.write(KEEPALIVE)
                 continue
@@ -339,6 +341,7 @@ class StdioLegacyServer:
     def _exited(self, session: LegacySession, exited: ProcessExit) -> None:
         """The process is gone (stopped, or by itself): its room in the pool is free again."""
         self.sessions.pop(session.id, None)
+        self.live.discard(session)
         name = session.process.name if session.process is not None else self.link.program
         session.end(f"Upstream stdio server {name} {exited}")
         self.pool.unreserve()
@@ -347,5 +350,5 @@ class StdioLegacyServer:
 
     async def close(self) -> None:
         """Shutdown: every legacy session ends and its process is stopped (awaited)."""
-        sessions = list(self.sessions.values())
+        sessions = list(self.live)
         await asyncio.gather(*(self.end(session, "the proxy is shutting down") for session in sessions))
