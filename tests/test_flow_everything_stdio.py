@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ModernSchema, SchemaValidator, Tasks, policies, result_text
-from tests.test_flow_stdio import DECLARING, TASKING, stdio_upstream
+from tests.conftest import DECLARING, ModernSchema, SchemaValidator, Tasks, policies, result_text
+from tests.test_flow_stdio import TASKING, stdio_upstream
 
 SLOW_TOOL = "trigger-long-running-operation"
 ELICITING_TOOL = "trigger-elicitation-request"

@@ -145,19 +145,25 @@ async def test_a_question_goes_to_the_get_stream_while_no_post_is_open(stdio_pro
 
 
 async def test_sessions_count_against_max_processes(make_proxy: Callable[..., Any]) -> None:
-    """With every process taken by legacy sessions, one more initialize waits, then gets 503 naming the limit."""
+    """At the limit, a new session ends the least recently active idle one (whose client then gets 404 and
+    initializes again); with every session busy (a stream open), initialize waits, then gets 503."""
     client: Client = await make_proxy("", upstream=stdio_upstream(max_processes=1, connect_timeout_seconds=6))
     url = client.make_url("/mcp")
     async with aiohttp.ClientSession() as http:
         async with http.post(url, json=INITIALIZE, headers=HEADERS) as first:
             assert first.status == 200
-            session_id = first.headers["Mcp-Session-Id"]
+            first_id = first.headers["Mcp-Session-Id"]
+        get = await http.get(url, headers={"Accept": "text/event-stream", "Mcp-Session-Id": first_id})
+        assert get.status == 200  # the first session is busy now
         async with http.post(url, json=INITIALIZE, headers=HEADERS) as second:
             assert second.status == 503
             error = (await second.json())["error"]
         assert error["data"] == {"limit": "max_processes", "max": 1}
         assert "upstream.max_processes" in error["message"]
-        async with http.delete(url, headers={**HEADERS, "Mcp-Session-Id": session_id}) as r:
-            assert r.status == 200
+        get.close()
+        await until(lambda: not legacy_server(client).sessions[first_id].busy, "the GET stream did not end")
         async with http.post(url, json=INITIALIZE, headers=HEADERS) as third:
-            assert third.status == 200  # the process of the ended session made room
+            assert third.status == 200  # the idle first session made room
+        call = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
+        async with http.post(url, json=call, headers={**HEADERS, "Mcp-Session-Id": first_id}) as r:
+            assert r.status == 404

@@ -12,7 +12,7 @@ import aiohttp
 
 from proxy.app import UPSTREAM
 from proxy.upstream.stdio_session import StdioSession
-from tests.conftest import DECLARING, ModernSchema, ProxyProcess, SchemaValidator, Tasks, policies
+from tests.conftest import DECLARING, ModernSchema, ProxyProcess, SchemaValidator, Tasks, policies, result_text
 from tests.test_faults import rpc
 from tests.test_flow_legacy_stdio import children, until
 from tests.test_flow_stdio import STDIO_FIXTURE, stdio_sessions, stdio_upstream
@@ -69,26 +69,51 @@ async def test_an_idle_lent_process_stops_and_the_shared_one_stays(
 async def test_at_max_processes_a_call_waits_then_gets_a_limit_error(
     make_proxy: Callable[..., Any], modern_schema: ModernSchema, tasks_schema: SchemaValidator
 ) -> None:
+    """A task waiting for an answer keeps its process; with none left to lend, a call that could ask waits
+    (bounded), then gets 503 naming the limit; once the task goes on, the process is lent again."""
     client = await stdio_client(
-        make_proxy, modern_schema, tasks_schema, upstream={"max_processes": 2, "connect_timeout_seconds": 5}
+        make_proxy,
+        modern_schema,
+        tasks_schema,
+        upstream={"max_processes": 2, "connect_timeout_seconds": 5},
+        tasks=policies(ask_name={"mode": "required"}),
     )
-    assert await client.text("echo", {"text": "x"}) == "x"  # the shared process
-    params: dict[str, Any] = {"name": "ask_name", "arguments": {}}
-    _, parked = await client.post("tools/call", params, capabilities=ELICIT)  # holds a second process
+    task_id = await client.create("ask_name", capabilities={**DECLARING, **ELICIT})
+    waiting = await client.until(task_id, lambda task: task["status"] == "input_required")
     started = asyncio.get_running_loop().time()
-    status, refused = await client.post("tools/call", params, capabilities=ELICIT)
+    status, refused = await client.post("tools/call", {"name": "echo", "arguments": {"text": "x"}}, capabilities=ELICIT)
     assert status == 503, refused
     assert refused["error"]["code"] == -32603
     assert refused["error"]["data"] == {"limit": "max_processes", "max": 2}
+    assert "upstream.max_processes" in refused["error"]["message"]
     assert asyncio.get_running_loop().time() - started >= 4  # it waited for a process to come free first
-    assert len(client.client.app[UPSTREAM].sessions()) == 2
+    assert len(client.client.app[UPSTREAM].sessions()) == 2  # the task's and the shared one
+    [key] = waiting["inputRequests"]
+    answer = {key: {"action": "accept", "content": {"name": "Ada"}}}
+    await client.post("tasks/update", {"taskId": task_id, "inputResponses": answer})
+    assert result_text(await client.settled(task_id)) == "Hello, Ada"
+    _, done = await client.post("tools/call", {"name": "echo", "arguments": {"text": "y"}}, capabilities=ELICIT)
+    assert done["result"]["content"][0]["text"] == "y"
+
+
+async def test_a_call_parked_between_mrtr_rounds_gives_its_process_up_when_none_is_left(
+    make_proxy: Callable[..., Any], modern_schema: ModernSchema, tasks_schema: SchemaValidator
+) -> None:
+    client = await stdio_client(make_proxy, modern_schema, tasks_schema, upstream={"max_processes": 2})
+    params: dict[str, Any] = {"name": "ask_name", "arguments": {}}
+    _, parked = await client.post("tools/call", params, capabilities=ELICIT)
+    assert parked["result"]["resultType"] == "input_required"
+    _, second = await client.post("tools/call", params, capabilities=ELICIT)  # takes the parked call's process
+    assert second["result"]["resultType"] == "input_required"
     [key] = parked["result"]["inputRequests"]
     answer = {key: {"action": "accept", "content": {"name": "Ada"}}}
     retry = {**params, "inputResponses": answer, "requestState": parked["result"]["requestState"]}
-    status, done = await client.post("tools/call", retry, capabilities=ELICIT)
+    status, refused = await client.post("tools/call", retry, capabilities=ELICIT)
+    assert status == 400
+    assert refused["error"]["code"] == -32602  # the client sends the request afresh
+    retry = {**params, "inputResponses": answer, "requestState": second["result"]["requestState"]}
+    _, done = await client.post("tools/call", retry, capabilities=ELICIT)
     assert done["result"]["content"][0]["text"] == "Hello, Ada"
-    _, again = await client.post("tools/call", params, capabilities=ELICIT)  # the process came back
-    assert again["result"]["resultType"] == "input_required"
 
 
 async def test_closing_the_proxy_stops_every_process(

@@ -418,8 +418,19 @@ class TaskRunner:
             await self.dispatch(call, self._event(event))
 
         asks = inputs.could_answer(call.state.capabilities)
-        async with self.upstream.lease(call.principal, on_stream, asks=asks) as session:
+        reclaim = lambda: self._reclaim(call)  # noqa: E731 - bound to this call
+        async with self.upstream.lease(call.principal, on_stream, asks=asks, reclaim=reclaim) as session:
             yield session
+
+    def _reclaim(self, call: Call) -> bool:
+        """The pool has no upstream session left to lend (stdio processes are bounded) and asks for this call's:
+        given up only while the call waits parked for an MRTR retry, and then it ends as if nobody retried in
+        time (its requestState is refused and the client sends the request afresh)."""
+        if self._parked.get(call.call_id) is not call:
+            return False
+        log.info("mrtr_call_reclaimed", method=call.method, name=call.name, round=call.state.round)
+        self.spawn(self.dispatch(call, TimerFired(Timer.PARK)), f"reclaim-{call.call_id}")
+        return True
 
     def _event(self, event: UpstreamEvent) -> Event:
         if isinstance(event, UpstreamServerRequest):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import structlog
@@ -49,6 +49,8 @@ class UpstreamClient:
         self._closing: set[Session] = set()
         self._reserved = 0  # room taken by processes the pool does not hold (legacy clients' own sessions)
         self._lent: set[Session] = set()  # sessions lent to a call right now
+        self._reclaims: dict[Session, Callable[[], bool]] = {}  # lent sessions whose call may give them up
+        self._reclaiming: set[Session] = set()  # asked to give up, not back yet
         self._idle_timers: dict[Session, asyncio.TimerHandle] = {}
         self._changed = asyncio.Event()  # set (and replaced) whenever a session comes free or is closed
 
@@ -84,11 +86,15 @@ class UpstreamClient:
             self._release(session, key)
 
     @asynccontextmanager
-    async def lease(self, principal: str | None, sink: Sink, *, asks: bool = True) -> AsyncIterator[Session]:
+    async def lease(
+        self, principal: str | None, sink: Sink, *, asks: bool = True, reclaim: Callable[[], bool] | None = None
+    ) -> AsyncIterator[Session]:
         """A session of the principal for one call alone, initialized before it is handed out; its unsolicited
         traffic goes to `sink` until the lease ends. `asks`: the call's client could answer a question. HTTP
         sessions are cheap, so there every call gets one of its own regardless (then even a client that
-        declared nothing is the one told what it lacks)."""
+        declared nothing is the one told what it lacks). `reclaim`: when bounded sessions run out, the pool
+        may ask the lessee to give its session up; it returns whether it will (e.g. a call parked between
+        MRTR rounds, which ends as if nobody had retried)."""
         if self.limits.share_quiet_calls and (not asks or self.limits.max_open == 1):
             async with self.use(principal) as session:
                 await session.ensure_initialized()
@@ -99,6 +105,8 @@ class UpstreamClient:
         session.on_notification = lambda notification: self._to_shared(key, notification)
         self._take(session)
         self._lent.add(session)
+        if reclaim is not None:
+            self._reclaims[session] = reclaim
         try:
             await session.ensure_initialized()
             session.lessee = sink
@@ -106,6 +114,8 @@ class UpstreamClient:
         finally:
             session.lessee = None
             self._lent.discard(session)
+            self._reclaims.pop(session, None)
+            self._reclaiming.discard(session)
             self._release(session, key, spare=True)
             self._signal()
 
@@ -119,6 +129,8 @@ class UpstreamClient:
                     return session
                 if self._has_room():
                     return self._make(principal)
+            else:
+                self._reclaim_one()
             await self._wait_for_room(deadline, evict=self._may_lend())
 
     def _to_shared(self, key: str, notification: UpstreamNotification) -> None:
@@ -180,17 +192,33 @@ class UpstreamClient:
         maximum = self.limits.max_open
         return maximum is None or len(self._lent) + self._reserved < max(maximum - 1, 1)
 
-    async def reserve(self) -> None:
+    async def reserve(self, make_room: Callable[[], None] | None = None) -> None:
         """Room for one session the pool does not hold (a legacy client's own stdio server process): it counts
-        against `max_open` until `unreserve()`. Waits like a new session, then fails with UpstreamLimitError."""
+        against `max_open` until `unreserve()`. Waits like a new session, then fails with UpstreamLimitError.
+        When none of the pool's own idle sessions can make room, `make_room` is asked to end one of the
+        holder's (it calls `unreserve()` once that is gone)."""
         deadline = asyncio.get_running_loop().time() + self.limits.wait_seconds
         while not (self._has_room() and self._may_lend()):
-            await self._wait_for_room(deadline, evict=self._may_lend())
+            evict = self._may_lend()
+            if not evict:
+                self._reclaim_one()
+            if make_room is not None and not (evict and self._idle) and not self._reclaiming:
+                make_room()
+            await self._wait_for_room(deadline, evict=evict)
         self._reserved += 1
 
     def unreserve(self) -> None:
         self._reserved -= 1
         self._signal()
+
+    def _reclaim_one(self) -> None:
+        """Ask the oldest lessee that can give its session up to do so (one at a time)."""
+        if self._reclaiming:
+            return
+        for session, reclaim in list(self._reclaims.items()):
+            if reclaim():
+                self._reclaiming.add(session)
+                return
 
     async def _wait_for_room(self, deadline: float, *, evict: bool) -> None:
         """Make room (`evict`) by closing the least recently used idle session, unless a close under way already

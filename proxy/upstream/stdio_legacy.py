@@ -83,6 +83,7 @@ class LegacySession:
         self.held: deque[JSON] = deque(maxlen=HELD_MESSAGES)
         self.ended: str | None = None  # why the session ended
         self.idle_timer: asyncio.TimerHandle | None = None
+        self.active_at = 0.0  # loop time the client last had a stream open
 
     @property
     def busy(self) -> bool:
@@ -210,7 +211,7 @@ class StdioLegacyServer:
             self._idle(session)
 
     async def _initialize(self, request: web.Request, message: Request, sse: bool) -> web.StreamResponse:
-        await self.pool.reserve()
+        await self.pool.reserve(self._make_room)
         session = LegacySession(secrets.token_urlsafe(24), principal_key(request.headers.get(self.principal_header)))
         try:
             session.process = await self.link.start(session.route, lambda exited: self._exited(session, exited))
@@ -316,6 +317,17 @@ class StdioLegacyServer:
 
     # --- the end of a session ----------------------------------------------------------------------------
 
+    def _make_room(self) -> None:
+        """At `upstream.max_processes`, a new session ends the least recently active one with no stream open
+        (its client gets 404 next time and initializes again), unless one is already ending."""
+        if any(session.ended is not None for session in self.live):
+            return
+        idle = [session for session in self.sessions.values() if not session.busy]
+        if idle:
+            oldest = min(idle, key=lambda session: session.active_at)
+            reason = "ended to make room for a new session (upstream.max_processes)"
+            self.link.spawn(self.end(oldest, reason), "legacy-session-evict")
+
     def _busy(self, session: LegacySession) -> None:
         if session.idle_timer is not None:
             session.idle_timer.cancel()
@@ -323,6 +335,7 @@ class StdioLegacyServer:
 
     def _idle(self, session: LegacySession) -> None:
         """With no stream open, the session ends after `upstream.process_idle_seconds`."""
+        session.active_at = asyncio.get_running_loop().time()
         if session.busy or session.ended is not None:
             return
         self._busy(session)
