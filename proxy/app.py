@@ -41,7 +41,7 @@ from proxy.upstream.pool import UpstreamClient
 from proxy.upstream.session import UpstreamLink
 from proxy.upstream.sse import KEEPALIVE, frame
 from proxy.upstream.stdio_legacy import StdioLegacyServer
-from proxy.upstream.stdio_session import StdioLink
+from proxy.upstream.stdio_link import StdioLink
 from proxy.wire import jsonrpc
 from proxy.wire.envelope import Caller, is_modern, validate_modern
 from proxy.wire.jsonrpc import JSON, Notification, Response
@@ -355,6 +355,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         )
     try:
         await runner.start()  # restart recovery happens before the first request is served
+        upstream.warm_up()
         yield
     finally:
         await runner.close()

@@ -29,7 +29,7 @@ from contextlib import asynccontextmanager
 
 import structlog
 
-from proxy.errors import UpstreamLimitError
+from proxy.errors import ProxyError, UpstreamLimitError
 from proxy.upstream.events import UpstreamNotification
 from proxy.upstream.kinds import Session, SessionKind, Sink, principal_key
 from proxy.wire.jsonrpc import JSON
@@ -105,6 +105,7 @@ class UpstreamClient:
         session.on_notification = lambda notification: self._to_shared(key, notification)
         self._take(session)
         self._lent.add(session)
+        self._keep_one_warm(principal, key)
         if reclaim is not None:
             self._reclaims[session] = reclaim
         try:
@@ -132,6 +133,42 @@ class UpstreamClient:
             else:
                 self._reclaim_one()
             await self._wait_for_room(deadline, evict=self._may_lend())
+
+    def warm_up(self) -> None:
+        """At start, where sessions are costly to start (stdio processes): the anonymous caller's shared session
+        and one spare start in the background, so the first requests do not wait for a server to start."""
+        if not self.limits.share_quiet_calls:
+            return
+        shared = self.session(None)
+        self.kind.spawn(self._warm_up(shared), "upstream-session-warm-up")
+        self._keep_one_warm(None, principal_key(None))
+
+    def _keep_one_warm(self, principal: str | None, key: str) -> None:
+        """Where sessions are costly to start (stdio processes), a principal that borrows one gets a spare
+        started in the background, so its next call that can ask does not wait for a start; only when there is
+        room for it and for the one place left to shared sessions."""
+        maximum = self.limits.max_open
+        if not self.limits.share_quiet_calls or self._spare.get(key) or maximum is None:
+            return
+        if len(self._open) + self._reserved + 1 >= maximum or len(self._lent) + self._reserved + 1 >= maximum - 1:
+            return
+        session = self._make(principal)
+        self._spare.setdefault(key, []).append(session)
+        self._idle[session] = key
+        self.kind.spawn(self._warm_up(session), "upstream-session-warm-up")
+
+    async def _warm_up(self, session: Session) -> None:
+        try:
+            await session.ensure_initialized()
+        except ProxyError as exc:
+            log.info("upstream_session_warm_up_failed", error=exc.message)
+            if session not in self._users and session in self._idle:
+                self._close(session)
+            return
+        shared = session in self._shared.values()
+        if session not in self._users and not shared and self.limits.idle_seconds is not None:
+            loop = asyncio.get_running_loop()
+            self._idle_timers[session] = loop.call_later(self.limits.idle_seconds, self._close, session)
 
     def _to_shared(self, key: str, notification: UpstreamNotification) -> None:
         """A list change or resource update seen on a lent session reaches the principal's listen streams,

@@ -40,7 +40,8 @@ from proxy.upstream.kinds import principal_key
 from proxy.upstream.pool import UpstreamClient
 from proxy.upstream.sse import KEEPALIVE, frame
 from proxy.upstream.stdio import ProcessExit, StdioProcess
-from proxy.upstream.stdio_session import MAX_QUEUED_EVENTS, StdioLink
+from proxy.upstream.stdio_link import StdioLink
+from proxy.upstream.stdio_session import MAX_QUEUED_EVENTS
 from proxy.wire.jsonrpc import JSON, Request, classify, dumps, error_message, loads
 
 log = structlog.get_logger(__name__)

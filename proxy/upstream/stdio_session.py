@@ -8,29 +8,24 @@ goes to the lessee while a call holds the process alone, else it is refused at o
 `ping` is answered; notifications go to the lessee and to `on_notification`.
 
 A process that dies fails its open calls with an UpstreamError naming how it ended; the next request starts
-a fresh one, unless it keeps crashing (`Backoff`): then requests get a 503 saying when it is tried again.
-`StdioLink` is what all sessions of one server command share, and this kind's `SessionKind` for the pool.
-Imports the process layer (`stdio.py`), the rates and the kinds protocol; never aiohttp, the store or tasks.
+a fresh one, unless it keeps crashing (then `StdioLink.start` refuses with a 503 saying when it is tried
+again). What all sessions of one server command share is the `StdioLink` (`stdio_link.py`). Imports the
+process layer (`stdio.py`) and the kinds protocol; never aiohttp, the store or tasks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
-from proxy.config import UpstreamConfig
 from proxy.errors import InvalidRequestError, RequestId, UpstreamError, UpstreamTimeoutError
-from proxy.observability import Metrics, method_label
+from proxy.observability import method_label
 from proxy.upstream.events import (
     UpstreamErrorResponse,
     UpstreamEvent,
@@ -39,9 +34,8 @@ from proxy.upstream.events import (
     UpstreamServerRequest,
     refusal,
 )
-from proxy.upstream.kinds import CLIENT_CAPABILITIES, CLIENT_INFO, PoolLimits, Session, SessionFeatures, Sink, Spawner
-from proxy.upstream.rates import Backoff
-from proxy.upstream.stdio import ProcessExit, StdioProcess, child_environment
+from proxy.upstream.kinds import CLIENT_CAPABILITIES, CLIENT_INFO, SessionFeatures, Sink
+from proxy.upstream.stdio import ProcessExit, StdioProcess
 from proxy.wire.jsonrpc import (
     JSON,
     Notification,
@@ -53,6 +47,9 @@ from proxy.wire.jsonrpc import (
     result_message,
 )
 from proxy.wire.translate import implementation
+
+if TYPE_CHECKING:
+    from proxy.upstream.stdio_link import StdioLink
 
 log = structlog.get_logger(__name__)
 
@@ -68,90 +65,6 @@ class _Gone:
 
 
 Inbox = asyncio.Queue[UpstreamEvent | _Gone]
-
-
-class StdioLink(Spawner):
-    """What every process of one server command shares: the command and its environment, request ids,
-    the crash backoff, background work, and what the server said most recently."""
-
-    def __init__(
-        self, config: UpstreamConfig, metrics: Metrics | None = None, environ: Mapping[str, str] = os.environ
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.metrics = metrics
-        self.env = child_environment(config.env, environ)
-        self.program = Path(config.command[0]).name
-        self.limits = PoolLimits(
-            max_idle=config.max_processes,
-            max_open=config.max_processes,
-            idle_seconds=config.process_idle_seconds,
-            share_quiet_calls=True,
-            wait_seconds=config.connect_timeout_seconds,
-            limit_name="upstream.max_processes",
-        )
-        self.server_info: JSON | None = None
-        self.last_answer_at: float | None = None  # monotonic time of the latest line from any process
-        self.backoff = Backoff()
-        self.retry_at = 0.0  # monotonic: while crashing, no process is started before this
-        self._ids = itertools.count(1)
-        self._numbers = itertools.count(1)
-        self._probe_lock = asyncio.Lock()
-
-    def next_id(self) -> int:
-        return next(self._ids)
-
-    def new(self, principal: str | None) -> Session:
-        return StdioSession(self, principal)
-
-    async def start(
-        self, on_message: Callable[[dict[str, Any]], None], on_exit: Callable[[ProcessExit], None]
-    ) -> StdioProcess:
-        """A new server process, unless the server keeps crashing (then a 503 saying when it is retried)."""
-        wait = self.retry_at - time.monotonic()
-        if wait > 0:
-            raise UpstreamError(
-                f"Upstream stdio server {self.program} keeps crashing ({self.backoff.crashes} times in a row); "
-                f"it is started again in {wait:.1f} s",
-                http_status=503,
-            )
-        config = self.config
-        return await StdioProcess.start(
-            config.command,
-            self.env,
-            config.cwd,
-            max_line_bytes=config.max_line_bytes,
-            on_message=on_message,
-            on_exit=on_exit,
-            name=f"{self.program}#{next(self._numbers)}",
-            stop_grace_seconds=config.stop_grace_seconds,
-        )
-
-    def crashed(self, lived_seconds: float) -> None:
-        """A process ended without the proxy asking (or never became a session). The first is restarted at
-        once; each further quick one waits longer (`Backoff`)."""
-        delay = self.backoff.crashed(lived_seconds)
-        if self.backoff.crashes > 1:
-            self.retry_at = time.monotonic() + delay
-
-    def answered(self) -> None:
-        self.last_answer_at = time.monotonic()
-
-    async def probe(self, max_age_seconds: float, shared: Callable[[], AbstractAsyncContextManager[Session]]) -> None:
-        """Readiness: fine when a process spoke within `max_age_seconds`; otherwise the anonymous shared
-        process (started if need be) must answer `ping` within `upstream.connect_timeout_seconds`."""
-        async with self._probe_lock:
-            last = self.last_answer_at
-            if last is not None and time.monotonic() - last <= max_age_seconds:
-                return
-            timeout = self.config.connect_timeout_seconds
-            async with shared() as session:
-                try:
-                    await asyncio.wait_for(session.request("ping", None), timeout)
-                except TimeoutError:
-                    raise UpstreamTimeoutError(
-                        f"Upstream stdio server {self.program} did not answer ping within {timeout:g} s"
-                    ) from None
 
 
 class StdioCall:
