@@ -9,10 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from proxy.app import UPSTREAM
+from proxy.cli import main
+from proxy.config import load_config
 from proxy.upstream.stdio_session import StdioSession
-from tests.conftest import DECLARING, ModernSchema, ProxyProcess, SchemaValidator, Tasks, policies, result_text
+from tests.conftest import DECLARING, ROOT, ModernSchema, ProxyProcess, SchemaValidator, Tasks, policies, result_text
 from tests.test_faults import rpc
 from tests.test_flow_legacy_stdio import children, until
 from tests.test_flow_stdio import STDIO_FIXTURE, stdio_sessions, stdio_upstream
@@ -147,3 +150,11 @@ async def test_serve_runs_the_command_and_sigterm_stops_it(tmp_path: Path, proce
     started = [event for event in proxy.events() if event["event"] == "upstream_process_started"]
     assert started[0]["program"] == STDIO_FIXTURE[0]
     assert any(event["event"] == "upstream_process_exited" for event in proxy.events())
+
+
+def test_the_example_configs_are_valid(capsys: pytest.CaptureFixture[str]) -> None:
+    examples = sorted((ROOT / "config" / "examples").glob("*.yaml"))
+    assert examples
+    for example in examples:
+        assert main(["check-config", str(example)]) == 0, capsys.readouterr().err
+        assert load_config(example, environ={}).upstream.command
