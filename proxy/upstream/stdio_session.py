@@ -334,11 +334,7 @@ class StdioSession(SessionFeatures):
             except asyncio.CancelledError:
                 await asyncio.shield(self._cancel_unanswered(call))
                 raise
-            self.in_flight += 1
-            try:
-                yield call
-            finally:
-                self.in_flight -= 1
+            yield call
         finally:
             self._calls.pop(request_id, None)
 
@@ -359,7 +355,11 @@ class StdioSession(SessionFeatures):
         started = time.perf_counter()
         try:
             async with self._open(method, params) as call:
-                yield call
+                self.in_flight += 1  # the caller's requests only, not the proxy's own initialize
+                try:
+                    yield call
+                finally:
+                    self.in_flight -= 1
         except UpstreamError as exc:
             if metrics is not None:
                 kind = "timeout" if isinstance(exc, UpstreamTimeoutError) else "unavailable"
