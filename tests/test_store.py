@@ -191,9 +191,14 @@ def test_record_from_row_decodes_json_and_status() -> None:
         "inputs_issued": 4,
         "rerun_principal": None,
         "client_capabilities": '{"elicitation":{}}',
+        "upstream_task_id": "up-1",
+        "upstream_session_id": "s-1",
+        "upstream_input_ids": '{"elicitation-1":"task-q-1"}',
     }
     record = record_from_row(row)
     assert record.client_capabilities == {"elicitation": {}}
+    assert (record.upstream_task_id, record.upstream_session_id) == ("up-1", "s-1")
+    assert record.upstream_input_ids == {"elicitation-1": "task-q-1"}
     assert record.status is TaskStatus.FAILED
     assert (record.request, record.error, record.result, record.inputs_issued) == ({"a": 1}, {"code": 1}, None, 4)
 

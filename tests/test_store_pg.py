@@ -27,6 +27,7 @@ from proxy.tasks.store import (
     StoreFullError,
     open_store,
 )
+from proxy.tasks.store.pg_schema import MIGRATIONS
 from proxy.tasks.store.postgres import PostgresTaskStore
 from proxy.wire.tasks import TaskStatus
 from tests.test_store import make_record, next_change
@@ -120,6 +121,7 @@ async def test_replicas_that_start_at_once_migrate_once(pg_dsn: str) -> None:
             ("0001_create_tasks",),
             ("0002_create_replicas_and_messages",),
             ("0003_create_tool_durations",),
+            ("0004_add_upstream_task",),
         ]
         await stores[0].create(make_record("task_a"))
         assert await stores[3].get("task_a") is not None
@@ -128,7 +130,7 @@ async def test_replicas_that_start_at_once_migrate_once(pg_dsn: str) -> None:
             await store.close()
     again = await PostgresTaskStore.open(pg_dsn, max_records=10)  # a restart applies nothing
     await again.close()
-    assert len(await rows(pg_dsn, "SELECT name FROM schema_migrations")) == 3
+    assert len(await rows(pg_dsn, "SELECT name FROM schema_migrations")) == len(MIGRATIONS)
 
 
 async def test_a_dead_replicas_tasks_are_taken_over_by_exactly_one_survivor(
