@@ -138,6 +138,15 @@ class UpstreamError(ProxyError):
     default_message = "Upstream MCP server unavailable"
 
 
+class UpstreamRefusedError(UpstreamError):
+    """The upstream answered a request with an HTTP error status and no JSON-RPC answer (e.g. 400 or 404 for a
+    session it does not know); `upstream_status` is that status."""
+
+    def __init__(self, message: str, upstream_status: int) -> None:
+        super().__init__(message)
+        self.upstream_status = upstream_status
+
+
 class UpstreamTimeoutError(UpstreamError):
     http_status = 504
     default_message = "Upstream MCP server timed out"
