@@ -135,14 +135,18 @@ class Front:
         """T-1…T-3: the tool's policy and this request's own declaration decide sync, task, window or -32021.
         Every tools/call runs as a runner call, so an upstream question can become an MRTR round or a task's
         inputRequests (C-11)."""
+        name = str(request.params["name"])
         async with self.upstream.use(caller.principal) as session:
             initialize_result = await session.ensure_initialized()
-            specs = await session.param_headers(str(request.params["name"]))
+            specs = await session.param_headers(name)
+            upstream_support = await session.task_support(name)  # the upstream's own tasks (2025-11-25)
         check_param_headers(caller.headers, request.params.get("arguments"), specs, request.id)
         server_info = translate.implementation(initialize_result)
         if "requestState" in request.params:
             return await self.calls.resume(request, caller, channel, server_info)
-        decision = decide(self.config.tasks, str(request.params["name"]), declares_tasks=request.declares_tasks)
+        decision = decide(
+            self.config.tasks, name, declares_tasks=request.declares_tasks, upstream_support=upstream_support
+        )
         return await self.calls.call(request, caller, channel, decision, server_info)
 
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
