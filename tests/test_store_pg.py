@@ -332,3 +332,29 @@ async def test_an_unreachable_or_foreign_database_is_a_clear_error(pg_dsn: str) 
         )
     with pytest.raises(StoreError, match="not a task database"):
         await PostgresTaskStore.open(pg_dsn, max_records=5, read_only=True)  # an empty database, nothing migrated
+
+
+async def test_a_database_of_the_previous_version_gains_the_upstream_task_columns(pg_dsn: str) -> None:
+    """A database written before tasks the upstream runs itself existed: the migration adds their columns, once,
+    and every record reads as a task of the proxy's own."""
+    store = await PostgresTaskStore.open(pg_dsn, max_records=10)
+    await store.create(make_record("task_old"))
+    await store.close()
+    await rows(pg_dsn, "DELETE FROM schema_migrations WHERE name = '0004_add_upstream_task'")
+    await rows(
+        pg_dsn,
+        "ALTER TABLE tasks DROP COLUMN upstream_task_id, DROP COLUMN upstream_session_id,"
+        " DROP COLUMN upstream_input_ids",
+    )
+
+    store = await PostgresTaskStore.open(pg_dsn, max_records=10)
+    try:
+        old = await store.get("task_old")
+        assert old is not None
+        assert (old.upstream_task_id, old.upstream_session_id, old.upstream_input_ids) == (None, None, {})
+        await store.create(make_record("task_new", upstream_task_id="up-1", upstream_session_id="s-1"))
+        new = await store.get("task_new")
+        assert new is not None
+        assert (new.upstream_task_id, new.upstream_session_id) == ("up-1", "s-1")
+    finally:
+        await store.close()
