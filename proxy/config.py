@@ -447,6 +447,43 @@ class LoggingConfig(_Frozen):
     )
 
 
+class LimitsConfig(_Frozen):
+    """Bounds on what one upstream answer, one slow reader or one caller may hold: memory and shares of the
+    proxy stay bounded by configuration, whatever clients and the upstream send."""
+
+    max_result_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        description="Largest upstream answer (or message on an upstream stream) the proxy reads. A larger one is "
+        "never held whole: the upstream call is cancelled, a synchronous caller gets -32603 with "
+        "`data.limit: max_result_bytes` (HTTP 502) and a task fails with that error.",
+    )
+    write_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="How long an answer may wait for a client that does not read it; then the connection is closed "
+        "and its buffers are freed.",
+    )
+    max_listen_streams: int = Field(
+        256, gt=0, description="`subscriptions/listen` streams open at once; one more gets HTTP 503 (`data.limit`)."
+    )
+    max_listen_streams_per_principal: int = Field(
+        16, gt=0, description="`subscriptions/listen` streams one caller may hold open; one more gets HTTP 429."
+    )
+    max_running_per_principal: int = Field(
+        256,
+        gt=0,
+        description="Tasks whose upstream call runs at once for one caller (its share of `tasks.max_running`); one "
+        "more gets -32603 with `data.limit` (HTTP 429), so one caller cannot starve the others.",
+    )
+    max_parked_per_principal: int = Field(
+        256,
+        gt=0,
+        description="MRTR calls parked for one caller's retry at once (its share of `inputs.max_parked`); beyond it "
+        "the question is declined and the caller gets HTTP 429.",
+    )
+
+
 class Config(_Frozen):
     listen: ListenConfig = Field(default_factory=ListenConfig, description="Where the proxy listens.")
     # Validated even when the section is missing, so that "neither url nor command" is reported with its path.
@@ -466,6 +503,9 @@ class Config(_Frozen):
         default_factory=ObservabilityConfig, description="Health probes and metrics."
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Log output.")
+    limits: LimitsConfig = Field(
+        default_factory=LimitsConfig, description="Bounds on upstream answers, slow readers and each caller's share."
+    )
 
 
 class ConfigError(Exception):

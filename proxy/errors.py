@@ -147,6 +147,17 @@ class UpstreamRefusedError(UpstreamError):
         self.upstream_status = upstream_status
 
 
+class ResultTooLargeError(UpstreamError):
+    """An upstream answer (or one message on an upstream stream) is larger than `limits.max_result_bytes`: it is
+    never held whole, and the caller is told which limit stopped it."""
+
+    def __init__(self, maximum: int) -> None:
+        super().__init__(
+            f"Upstream answer larger than limits.max_result_bytes ({maximum} bytes); the call was cancelled",
+            data={"limit": "max_result_bytes", "max": maximum},
+        )
+
+
 class UpstreamTimeoutError(UpstreamError):
     http_status = 504
     default_message = "Upstream MCP server timed out"
@@ -167,3 +178,15 @@ class TaskLimitError(ProxyError):
             data={"limit": limit, "max": maximum},
             request_id=request_id,
         )
+
+
+def http_status(error: ProxyError | Mapping[str, Any] | None) -> int:
+    """The one rule for the HTTP status of a modern answer. A result (no error) is 200. A ProxyError has its
+    class's status: 400 for a bad request, 404 for an unknown method, 502/504 as a gateway, 503 at a limit. A
+    JSON-RPC error relayed from the upstream is 200 (the request was served; the error is its answer), except
+    -32601: a method the upstream does not implement, the proxy does not either, and unknown methods are 404."""
+    if error is None:
+        return 200
+    if isinstance(error, ProxyError):
+        return error.status
+    return MethodNotFoundError.http_status if error.get("code") == MethodNotFoundError.code else 200

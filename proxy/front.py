@@ -16,7 +16,7 @@ from mcp_types import SERVER_INFO_META_KEY
 from mcp_types import jsonrpc as codes
 
 from proxy.config import Config
-from proxy.errors import InvalidParamsError, MethodNotFoundError, MissingCapabilityError, ProxyError, UpstreamError
+from proxy.errors import InvalidParamsError, MethodNotFoundError, MissingCapabilityError, UpstreamError
 from proxy.policy import decide
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.waiting import WaitingCalls
@@ -62,7 +62,7 @@ class Front:
         handler = METHODS.get(request.method)
         if handler is None:
             # C-27 / T-40 / K-26: unknown and removed methods (initialize, ping, tasks/list, …) → 404 + -32601.
-            raise MethodNotFoundError(f"Method not found: {request.method}", request_id=request.id)
+            raise MethodNotFoundError(f"Method not found: {request.method}")
         if known_core_method(request.method, request.protocol_version):
             validate_params(request)
         return await handler(self, request, caller, channel)
@@ -81,7 +81,6 @@ class Front:
             raise MissingCapabilityError(
                 wire_tasks.REQUIRED_CAPABILITY,
                 "Missing required client capability: taskIds need the io.modelcontextprotocol/tasks extension",
-                request_id=request.id,
             )
         async with self.upstream.use(caller.principal) as session:
             return await self._listen(request, channel, session, wanted)
@@ -140,7 +139,7 @@ class Front:
             initialize_result = await session.ensure_initialized()
             specs = await session.param_headers(name)
             upstream_support = await session.task_support(name)  # the upstream's own tasks (2025-11-25)
-        check_param_headers(caller.headers, request.params.get("arguments"), specs, request.id)
+        check_param_headers(caller.headers, request.params.get("arguments"), specs)
         server_info = translate.implementation(initialize_result)
         if "requestState" in request.params:
             return await self.calls.resume(request, caller, channel, server_info)
@@ -165,11 +164,10 @@ class Front:
                 wire_tasks.REQUIRED_CAPABILITY,
                 f"Missing required client capability: {request.method} needs the io.modelcontextprotocol/tasks "
                 "extension",
-                request_id=request.id,
             )
         task_id = request.params.get("taskId")
         if not isinstance(task_id, str):
-            raise InvalidParamsError("Invalid params: taskId must be a string", request_id=request.id)
+            raise InvalidParamsError("Invalid params: taskId must be a string")
         return task_id
 
     async def task_get(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
@@ -181,12 +179,8 @@ class Front:
         task_id = self._task_id(request)
         responses = request.params.get("inputResponses")
         if not isinstance(responses, dict):
-            raise InvalidParamsError("Invalid params: inputResponses must be an object", request_id=request.id)
-        try:
-            await self.runner.update(task_id, caller, responses)
-        except ProxyError as exc:
-            exc.request_id = request.id
-            raise
+            raise InvalidParamsError("Invalid params: inputResponses must be an object")
+        await self.runner.update(task_id, caller, responses)
         return result_message(request.id, wire_tasks.ack_result(self.upstream.server_info))
 
     async def task_cancel(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:

@@ -15,7 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app import host_allowed, origin_allowed
-from tests.conftest import DECLARING, SCHEMA_DIR, ModernSchema, Upstream, modern_body, modern_headers
+from tests.conftest import DECLARING, SCHEMA_DIR, ModernSchema, Upstream, modern_body, modern_headers, read_messages
 
 Client = TestClient[web.Request, web.Application]
 SCHEMA = ModernSchema(SCHEMA_DIR / "mcp-2026-07-28.schema.json")
@@ -342,3 +342,49 @@ async def test_a_body_that_does_not_arrive_in_time_is_a_408_and_the_connection_c
         assert await asyncio.wait_for(reader.read(), 30) == b""  # closed by the proxy
     finally:
         writer.close()
+
+
+async def test_every_error_answer_echoes_the_request_id(proxy: Client, modern_schema: ModernSchema) -> None:
+    """The id is bound once, when the message is read: an error raised by the envelope checks, by the method
+    table, or deep in a handler answers with the request's own id and the status of its kind."""
+    cases: list[tuple[str, dict[str, Any], dict[str, str], int, int]] = [
+        ("tools/list", {}, modern_headers("tools/call"), 400, -32020),  # Mcp-Method disagrees with the body
+        ("nope/nothing", {}, modern_headers("nope/nothing"), 404, -32601),
+        ("tasks/get", {"taskId": "task_unknown"}, modern_headers("tasks/get"), 400, -32021),  # not declared
+        (
+            "tools/call",
+            {"name": "raise_error", "arguments": {"message": "x", "code": -32000}},
+            modern_headers("tools/call", "raise_error"),
+            200,  # an upstream error is the request's answer, not a failure of the proxy
+            -32000,
+        ),
+    ]
+    for number, (method, params, headers, status, code) in enumerate(cases):
+        request_id = f"id-{number}"
+        response = await proxy.post("/mcp", json=modern_body(method, params, request_id=request_id), headers=headers)
+        [message] = await read_messages(response)
+        modern_schema.validate(message, "JSONRPCErrorResponse")
+        assert (response.status, message["error"]["code"], message["id"]) == (status, code, request_id), message
+    # From the task runner: an unknown task of a declaring client.
+    body = modern_body("tasks/get", {"taskId": "task_unknown"}, request_id="id-runner", capabilities=DECLARING)
+    response = await proxy.post("/mcp", json=body, headers=modern_headers("tasks/get", "task_unknown"))
+    [message] = await read_messages(response)
+    assert (response.status, message["error"]["code"], message["id"]) == (400, -32602, "id-runner")
+
+
+async def test_an_error_after_notifications_went_out_is_the_streams_last_event(
+    proxy: Client, modern_schema: ModernSchema
+) -> None:
+    """The upstream reported progress (the answer became an SSE stream), then asked what the client did not
+    declare: -32021 arrives as the stream's last event, with the request's id."""
+    body = modern_body("tools/call", {"name": "test_streaming_elicitation", "arguments": {}}, request_id="s-1")
+    body["params"]["_meta"]["progressToken"] = "p-1"
+    response = await proxy.post("/mcp", json=body, headers=modern_headers("tools/call", "test_streaming_elicitation"))
+    assert response.status == 200
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    messages = await read_messages(response)
+    assert [message.get("method") for message in messages[:-1]] == ["notifications/progress"]
+    last = messages[-1]
+    modern_schema.validate(last, "JSONRPCErrorResponse")
+    assert (last["id"], last["error"]["code"]) == ("s-1", -32021)
+    assert last["error"]["data"] == {"requiredCapabilities": {"elicitation": {}}}

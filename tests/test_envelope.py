@@ -107,7 +107,7 @@ def test_missing_meta_fields_are_invalid_params_400(params: dict[str, Any] | Non
     """C-2: checked first, even before the headers are compared."""
     with pytest.raises(InvalidParamsError) as caught:
         validate_modern({}, 5, "server/discover", params)
-    assert (caught.value.code, caught.value.status, caught.value.request_id) == (-32602, 400, 5)
+    assert (caught.value.code, caught.value.status) == (-32602, 400)
 
 
 @pytest.mark.parametrize(
@@ -126,7 +126,7 @@ def test_missing_meta_fields_are_invalid_params_400(params: dict[str, Any] | Non
 def test_routing_header_faults_are_header_mismatch_400(hdrs: dict[str, str]) -> None:
     with pytest.raises(HeaderMismatchError) as caught:
         call({"name": "greet", "_meta": META}, hdrs)
-    assert (caught.value.code, caught.value.status, caught.value.request_id) == (-32020, 400, 1)
+    assert (caught.value.code, caught.value.status) == (-32020, 400)
 
 
 def test_header_names_are_case_insensitive_and_values_trimmed() -> None:
@@ -163,7 +163,7 @@ def test_unsupported_version_names_supported_and_requested() -> None:
     with pytest.raises(UnsupportedVersionError) as caught:
         validate_modern(headers("server/discover", version="v999.0.0"), 3, "server/discover", {"_meta": meta})
     error = caught.value
-    assert (error.code, error.status, error.request_id) == (-32022, 400, 3)
+    assert (error.code, error.status) == (-32022, 400)
     assert error.data == {"supported": ["2026-07-28"], "requested": "v999.0.0"}
 
 
@@ -233,9 +233,9 @@ def test_matching_param_headers_pass() -> None:
         "MCP-PARAM-VERBOSE": "true",
         "Mcp-Param-Zone": "=?base64?" + base64.b64encode("é".encode()).decode() + "?=",
     }
-    check_param_headers(headers, arguments, specs, 1)
-    check_param_headers({}, {}, specs, 1)  # absent arguments: no headers expected
-    check_param_headers({}, {"region": None}, specs, 1)  # null: the client omits the header
+    check_param_headers(headers, arguments, specs)
+    check_param_headers({}, {}, specs)  # absent arguments: no headers expected
+    check_param_headers({}, {"region": None}, specs)  # null: the client omits the header
 
 
 @pytest.mark.parametrize(
@@ -253,19 +253,19 @@ def test_matching_param_headers_pass() -> None:
 )
 def test_mismatched_param_headers_are_rejected(headers: dict[str, str], arguments: dict[str, Any]) -> None:
     with pytest.raises(HeaderMismatchError) as caught:
-        check_param_headers(headers, arguments, param_headers(SCHEMA), 9)
-    assert (caught.value.code, caught.value.status, caught.value.request_id) == (-32020, 400, 9)
+        check_param_headers(headers, arguments, param_headers(SCHEMA))
+    assert (caught.value.code, caught.value.status) == (-32020, 400)
 
 
 def test_param_mismatch_messages_carry_no_argument_values() -> None:
     """The error edge logs the message, and argument values are never logged."""
     with pytest.raises(HeaderMismatchError) as caught:
-        check_param_headers({"Mcp-Param-Region": "secret-b"}, {"region": "secret-a"}, param_headers(SCHEMA), 9)
+        check_param_headers({"Mcp-Param-Region": "secret-b"}, {"region": "secret-a"}, param_headers(SCHEMA))
     assert "secret" not in caught.value.message
     assert "Mcp-Param-Region" in caught.value.message
 
 
 def test_literal_values_that_only_look_encoded_compare_as_text() -> None:
     specs = param_headers(SCHEMA)
-    check_param_headers({"Mcp-Param-Region": "SGVsbG8="}, {"region": "SGVsbG8="}, specs, 1)
-    check_param_headers({"Mcp-Param-Region": "=?base64?SGVsbG8="}, {"region": "=?base64?SGVsbG8="}, specs, 1)
+    check_param_headers({"Mcp-Param-Region": "SGVsbG8="}, {"region": "SGVsbG8="}, specs)
+    check_param_headers({"Mcp-Param-Region": "=?base64?SGVsbG8="}, {"region": "=?base64?SGVsbG8="}, specs)

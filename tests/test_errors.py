@@ -1,4 +1,4 @@
-"""errors.py: the contract of the JSON-RPC error shape, pinned for every ProxyError class."""
+"""errors.py and the error edge: the contract of the JSON-RPC error shape, pinned for every ProxyError class."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from proxy.app import error_response
+from proxy.edge import error_response
 from proxy.errors import (
     ForbiddenError,
     HeaderMismatchError,

@@ -169,10 +169,9 @@ def settlement(outcome: CallOutcome | None, reason: str = CLIENT_LEFT) -> Settle
         return Settle(TaskStatus.CANCELLED, status_message=reason)
     if isinstance(outcome, UpstreamResult):
         return Settle(TaskStatus.COMPLETED, result=translate.complete_result("tools/call", outcome.result, None, None))
-    if isinstance(outcome, UpstreamErrorResponse):
-        error = translate.error_object(outcome.error)
-    else:
-        error = wire_tasks.internal_error(outcome.message)
+    error = (
+        translate.error_object(outcome.error) if isinstance(outcome, UpstreamErrorResponse) else outcome.error_object()
+    )
     return Settle(TaskStatus.FAILED, error=error, status_message=wire_tasks.failure_status_message(error))
 
 

@@ -9,7 +9,8 @@
 
 An HTTP 400, 404 or 410 without a JSON-RPC answer means the upstream no longer knows the session (or task):
 server-everything answers 400 for an unknown session, the mcp 1.x SDK 404 (and a new session then answers
-`-32602` for the task). Any other failure is passing: asked again later. Decides nothing; feeds events to the
+`-32602` for the task). An outcome over `limits.max_result_bytes` fails the task. Any other failure is
+passing: asked again later. Decides nothing; feeds events to the
 runner's `dispatch`. Imports the upstream client and event types, the commands and the wire; not the front.
 """
 
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import structlog
 
-from proxy.errors import ProxyError, UpstreamError, UpstreamRefusedError
+from proxy.errors import ProxyError, ResultTooLargeError, UpstreamError, UpstreamRefusedError
 from proxy.tasks import inputs
 from proxy.tasks.commands import (
     Asked,
@@ -167,6 +168,9 @@ class UpstreamTasks:
                         await self.driver.dispatch(call, call_event(event))
                         if not (call.state.running and followed.following):
                             return
+            except ResultTooLargeError as exc:  # the outcome cannot be taken: the task fails with the limit
+                await self.driver.dispatch(call, Ended(exc))
+                return
             except UpstreamError as exc:
                 if _gone(exc):
                     await self.driver.dispatch(call, UpstreamTaskPolled(None, known=False))

@@ -48,8 +48,9 @@ class UpstreamClient:
         http: aiohttp.ClientSession,
         principal_header: str,
         metrics: Metrics | None = None,
+        max_result_bytes: int | None = None,
     ) -> None:
-        self.link = UpstreamLink(config, http, principal_header, metrics)
+        self.link = UpstreamLink(config, http, principal_header, metrics, max_result_bytes)
         self.max_idle = config.max_sessions
         self._shared: dict[str, UpstreamSession] = {}  # principal key → its shared session
         self._spare: dict[str, list[UpstreamSession]] = {}  # principal key → idle sessions to lease

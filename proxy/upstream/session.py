@@ -26,9 +26,9 @@ import structlog
 from yarl import URL
 
 from proxy.config import UpstreamConfig
-from proxy.errors import RequestId, UpstreamError, UpstreamRefusedError, UpstreamTimeoutError
+from proxy.errors import RequestId, ResultTooLargeError, UpstreamError, UpstreamRefusedError, UpstreamTimeoutError
 from proxy.observability import Metrics, method_label
-from proxy.upstream.call import UpstreamCall
+from proxy.upstream.call import UpstreamCall, read_body
 from proxy.upstream.events import (
     UpstreamErrorResponse,
     UpstreamEvent,
@@ -38,6 +38,7 @@ from proxy.upstream.events import (
     refusal,
 )
 from proxy.upstream.listener import SessionGone, StreamEvent, UpstreamListener
+from proxy.upstream.sse import EventTooLargeError
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader, param_headers
 from proxy.wire.jsonrpc import JSON, dumps, error_message, notification_message, request_message, result_message
@@ -76,9 +77,15 @@ class UpstreamLink:
     work, and what the upstream said most recently (serverInfo; when it last answered, for readiness)."""
 
     def __init__(
-        self, config: UpstreamConfig, http: aiohttp.ClientSession, principal_header: str, metrics: Metrics | None
+        self,
+        config: UpstreamConfig,
+        http: aiohttp.ClientSession,
+        principal_header: str,
+        metrics: Metrics | None,
+        max_result_bytes: int | None = None,
     ) -> None:
         self.config = config
+        self.max_result_bytes = max_result_bytes  # the largest upstream answer or stream message read
         self.http = http
         self.principal_header = principal_header
         self.metrics = metrics
@@ -208,7 +215,7 @@ class UpstreamSession:
             body = await response.text()
             response.release()
             raise UpstreamError(f"Upstream refused initialize: HTTP {response.status}: {body[:200]}")
-        call = UpstreamCall(self, request_id, "initialize", response)
+        call = UpstreamCall(self, request_id, "initialize", response, self.link.max_result_bytes)
         result: JSON | None = None
         async for event in call.events():
             if isinstance(event, UpstreamResult):
@@ -225,7 +232,9 @@ class UpstreamSession:
         self.tools_changed()
         if listen and session_id is not None:  # a stateless upstream has no standalone stream
             self._stop_listening()
-            self._listener = UpstreamListener(session_id, self._open_stream, self._on_stream)
+            self._listener = UpstreamListener(
+                session_id, self._open_stream, self._on_stream, self.link.max_result_bytes
+            )
             await self._listener.start(self.link.spawn, self.link.config.connect_timeout_seconds)
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
         if self._resource_subscriptions:
@@ -396,8 +405,8 @@ class UpstreamSession:
                     continue
                 break
             if response.status >= 400:
-                await _raise_unless_answer(response, request_id, method)
-            upstream_call = UpstreamCall(self, request_id, method, response)
+                await _raise_unless_answer(response, request_id, method, self.link.max_result_bytes)
+            upstream_call = UpstreamCall(self, request_id, method, response, self.link.max_result_bytes)
             self.in_flight += 1
             try:
                 yield upstream_call
@@ -491,13 +500,19 @@ class UpstreamSession:
             await self.request("resources/unsubscribe", {"uri": uri})
 
 
-async def _raise_unless_answer(response: aiohttp.ClientResponse, request_id: int, method: str) -> None:
+async def _raise_unless_answer(
+    response: aiohttp.ClientResponse, request_id: int, method: str, max_bytes: int | None
+) -> None:
     """An HTTP error status is fine when its body is the JSON-RPC answer to this request (some servers send
     errors that way); anything else (a transport-level refusal) is an UpstreamError naming what it said."""
     content_type = response.content_type
     if content_type == "text/event-stream":
         return
-    body = await response.read()
+    try:
+        body = await read_body(response, max_bytes)
+    except EventTooLargeError:
+        response.close()
+        raise ResultTooLargeError(max_bytes or 0) from None
     detail = body.decode("utf-8", errors="replace")[:200]
     if content_type == "application/json":
         try:

@@ -121,73 +121,64 @@ def decode_header_value(value: str) -> str:
     return value
 
 
-def _header(headers: Mapping[str, str], name: str, request_id: RequestId) -> str | None:
+def _header(headers: Mapping[str, str], name: str) -> str | None:
     raw = headers.get(name)
     if raw is None:
         return None
     try:
         return decode_header_value(raw)
     except ValueError as exc:
-        raise HeaderMismatchError(f"Header mismatch: {name}: {exc}", request_id=request_id) from None
+        raise HeaderMismatchError(f"Header mismatch: {name}: {exc}") from None
 
 
-def _required_meta(request_id: RequestId, params: JSON | None) -> tuple[JSON, str, JSON]:
+def _required_meta(params: JSON | None) -> tuple[JSON, str, JSON]:
     """C-2: `_meta` with protocolVersion and clientCapabilities, else -32602 (HTTP 400)."""
     meta = params.get("_meta") if params is not None else None
     if not isinstance(meta, dict):
         raise InvalidParamsError(
             "Invalid params: missing params._meta (2026-07-28 requests carry "
             f"{PROTOCOL_VERSION_META_KEY} and {CLIENT_CAPABILITIES_META_KEY})",
-            request_id=request_id,
         )
     version = meta.get(PROTOCOL_VERSION_META_KEY)
     if not isinstance(version, str):
         raise InvalidParamsError(
             f"Invalid params: _meta[{PROTOCOL_VERSION_META_KEY!r}] is required and must be a string",
-            request_id=request_id,
         )
     capabilities = meta.get(CLIENT_CAPABILITIES_META_KEY)
     if not isinstance(capabilities, dict):
         raise InvalidParamsError(
             f"Invalid params: _meta[{CLIENT_CAPABILITIES_META_KEY!r}] is required and must be an object",
-            request_id=request_id,
         )
     return meta, version, capabilities
 
 
-def _check_headers(headers: Mapping[str, str], request_id: RequestId, method: str, params: JSON, version: str) -> None:
+def _check_headers(headers: Mapping[str, str], method: str, params: JSON, version: str) -> None:
     """C-23/C-25/T-45: routing headers present and equal to the body, else -32020 (HTTP 400)."""
-    header_version = _header(headers, PROTOCOL_VERSION_HEADER, request_id)
+    header_version = _header(headers, PROTOCOL_VERSION_HEADER)
     if header_version is None:
-        raise HeaderMismatchError("Header mismatch: MCP-Protocol-Version header is required", request_id=request_id)
+        raise HeaderMismatchError("Header mismatch: MCP-Protocol-Version header is required")
     if header_version != version:
         raise HeaderMismatchError(
             f"Header mismatch: MCP-Protocol-Version {header_version!r} != _meta protocolVersion {version!r}",
-            request_id=request_id,
         )
-    header_method = _header(headers, METHOD_HEADER, request_id)
+    header_method = _header(headers, METHOD_HEADER)
     if header_method is None:
-        raise HeaderMismatchError("Header mismatch: Mcp-Method header is required", request_id=request_id)
+        raise HeaderMismatchError("Header mismatch: Mcp-Method header is required")
     if header_method != method:
-        raise HeaderMismatchError(
-            f"Header mismatch: Mcp-Method {header_method!r} != method {method!r}", request_id=request_id
-        )
+        raise HeaderMismatchError(f"Header mismatch: Mcp-Method {header_method!r} != method {method!r}")
     name_rule = NAME_FIELDS.get(method)
     if name_rule is None:
         return
     field, required = name_rule
-    header_name = _header(headers, NAME_HEADER, request_id)
+    header_name = _header(headers, NAME_HEADER)
     if header_name is None:
         if required:
-            raise HeaderMismatchError(
-                f"Header mismatch: Mcp-Name header is required for {method}", request_id=request_id
-            )
+            raise HeaderMismatchError(f"Header mismatch: Mcp-Name header is required for {method}")
         return
     body_value = params.get(field)
     if header_name != body_value:
         raise HeaderMismatchError(
             f"Header mismatch: Mcp-Name {header_name!r} != params.{field} {body_value!r}",
-            request_id=request_id,
         )
 
 
@@ -199,11 +190,11 @@ def validate_modern(
     Raises InvalidParamsError (-32602), HeaderMismatchError (-32020) or UnsupportedVersionError (-32022).
     """
     lowered = _lower_headers(headers)
-    meta, version, capabilities = _required_meta(request_id, params)
+    meta, version, capabilities = _required_meta(params)
     body = params if params is not None else {}
-    _check_headers(lowered, request_id, method, body, version)
+    _check_headers(lowered, method, body, version)
     if version not in SUPPORTED_VERSIONS:
-        raise UnsupportedVersionError(version, SUPPORTED_VERSIONS, request_id=request_id)
+        raise UnsupportedVersionError(version, SUPPORTED_VERSIONS)
     return ModernRequest(request_id, method, body, meta, version, capabilities)
 
 
@@ -220,7 +211,7 @@ def validate_params(request: ModernRequest) -> None:
             f"{'.'.join(str(part) for part in error['loc'][1:]) or 'params'}: {error['msg']}"
             for error in exc.errors()[:5]
         )
-        raise InvalidParamsError(f"Invalid params: {problems}", request_id=request.id) from None
+        raise InvalidParamsError(f"Invalid params: {problems}") from None
 
 
 # --- x-mcp-header: tool parameters mirrored into Mcp-Param-{Name} headers (C-26) ---------------------------
@@ -288,33 +279,28 @@ def _same_value(header_value: str, body_value: Any, declared_type: str) -> bool:
     return header_value == str(body_value)
 
 
-def check_param_headers(
-    headers: Mapping[str, str], arguments: Any, specs: tuple[ParamHeader, ...], request_id: RequestId
-) -> None:
+def check_param_headers(headers: Mapping[str, str], arguments: Any, specs: tuple[ParamHeader, ...]) -> None:
     """C-26 server validation: every annotated argument present in the body has its header, equal after
     decoding; a header without a body value, or with invalid characters, is rejected too (-32020, HTTP 400)."""
     lowered = _lower_headers(headers)
     for spec in specs:
         header_name = f"Mcp-Param-{spec.name}"
         value = _argument_at(arguments, spec.path)
-        header = _header(lowered, PARAM_HEADER_PREFIX + spec.name.lower(), request_id)
+        header = _header(lowered, PARAM_HEADER_PREFIX + spec.name.lower())
         if value is None:
             if header is not None:
                 raise HeaderMismatchError(
                     f"Header mismatch: {header_name} is set but the argument {'.'.join(spec.path)} is absent",
-                    request_id=request_id,
                 )
             continue
         if header is None:
             raise HeaderMismatchError(
                 f"Header mismatch: {header_name} header is required when {'.'.join(spec.path)} is given",
-                request_id=request_id,
             )
         if not _same_value(header, value, spec.type):
             # No values in the message: it is logged, and argument values never are.
             raise HeaderMismatchError(
                 f"Header mismatch: {header_name} does not equal the argument {'.'.join(spec.path)}",
-                request_id=request_id,
             )
 
 

@@ -4,7 +4,7 @@ server->client request each), ``log``, ``update_resource`` (resources/updated to
 ``ping_client`` (a ping on the call's stream), ``whoami`` (headers the call arrived with) and
 ``cancelled_requests`` (which tools/call ids the upstream saw cancelled via notifications/cancelled),
 ``counted`` / ``call_count`` (how often a call really reached the upstream), ``ask_three`` (sampling and
-roots on the GET stream, an elicitation on its own stream, all at once).
+roots on the GET stream, an elicitation on its own stream, all at once), ``big_text`` (a result of any size).
 """
 
 from __future__ import annotations
@@ -241,3 +241,7 @@ def register(mcp: FastMCP[Any]) -> None:
             for ask in (sampled, roots, named):
                 group.start_soon(ask)
         return text_result(f"sampled={answers['sampled']}; roots={answers['roots']}; name={answers['name']}")
+
+    @mcp.tool(name="big_text", description="Returns one text block of `size` characters (for size limits)")
+    async def big_text(size: Annotated[int, Field(description="Characters of text", ge=0)]) -> types.CallToolResult:
+        return text_result("x" * size)
