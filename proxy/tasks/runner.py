@@ -23,7 +23,7 @@ from typing import Any, Final, TypeVar
 
 import structlog
 
-from proxy.config import Config
+from proxy.config import Config, RestartAction
 from proxy.errors import InvalidParamsError, ProxyError, TaskLimitError
 from proxy.observability import Metrics
 from proxy.policy import Decision, Outcome, Policy
@@ -218,12 +218,15 @@ class TaskRunner:
         """A task the upstream runs itself, left live by a previous process: followed again on its upstream
         session, with the questions it had asked (`before`, as the record was) still answerable."""
         assert record.upstream_task_id is not None
-        policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, record.on_restart)  # type: ignore[arg-type]
+        on_restart: RestartAction = "rerun" if record.on_restart == "rerun" else "fail"
+        policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, on_restart)
         decision = Decision(Outcome.TASK, policy, upstream_task=True)
         state = self._state(decision, record.client_capabilities, None, None)
         state.task_id = record.task_id
         state.issued = record.inputs_issued
-        state.upstream_task = FollowedTask(record.upstream_task_id, expires_at_ms=record.expires_at_ms)
+        state.upstream_task = FollowedTask(
+            record.upstream_task_id, status_message=record.status_message, expires_at_ms=record.expires_at_ms
+        )
         for key, request in before.input_requests.items():
             upstream_id = before.upstream_input_ids.get(key)
             if isinstance(request, dict) and isinstance(upstream_id, int | str):
