@@ -29,8 +29,9 @@ async def stored(client: Tasks, task_id: str) -> TaskRecord:
     return record
 
 
-async def upstream_task(url: str, record: TaskRecord) -> dict[str, Any]:
-    """`tasks/get` straight to the upstream, on the session the proxy's record names."""
+async def upstream_task(url: str, record: TaskRecord, method: str = "tasks/get") -> dict[str, Any]:
+    """`tasks/get` (or another tasks/* request) straight to the upstream, on the session the proxy's record
+    names."""
     assert record.upstream_session_id is not None
     assert record.upstream_task_id is not None
     headers = {
@@ -39,7 +40,7 @@ async def upstream_task(url: str, record: TaskRecord) -> dict[str, Any]:
         "MCP-Protocol-Version": "2025-11-25",
         "Mcp-Session-Id": record.upstream_session_id,
     }
-    body = {"jsonrpc": "2.0", "id": 1, "method": "tasks/get", "params": {"taskId": record.upstream_task_id}}
+    body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": {"taskId": record.upstream_task_id}}
     async with aiohttp.ClientSession() as http, http.post(url, json=body, headers=headers) as response:
         message = (await read_messages(response))[-1]
     assert "result" in message, message
@@ -191,12 +192,25 @@ async def test_a_raising_tool_fails_with_a_json_rpc_error(
 async def test_cancel_is_tasks_cancel_upstream(tasks_client: ClientFactory, legacy_task_upstream: Upstream) -> None:
     client = await tasks_client(legacy_task_upstream.url)
     task_id = await client.create("legacy_task_required", {"seconds": 30})
-    await client.until(task_id, lambda task: task.get("statusMessage") is not None)
     status, ack = await client.post("tasks/cancel", {"taskId": task_id})
     assert status == 200, ack
     cancelled = await client.task(task_id)
     assert cancelled["status"] == "cancelled"
     assert (await upstream_task(legacy_task_upstream.url, await stored(client, task_id)))["status"] == "cancelled"
+
+
+async def test_a_task_the_upstream_cancels_by_itself_is_cancelled(
+    tasks_client: ClientFactory, legacy_task_upstream: Upstream
+) -> None:
+    """The mcp 1.x SDK says nothing when a task is cancelled and answers its tasks/result with an empty result:
+    the proxy asks tasks/get what that means."""
+    client = await tasks_client(legacy_task_upstream.url)
+    task_id = await client.create("legacy_task_required", {"seconds": 30})
+    record = await stored(client, task_id)
+    assert (await upstream_task(legacy_task_upstream.url, record, "tasks/cancel"))["status"] == "cancelled"
+    done, _ = await follow(client, task_id)
+    assert done["status"] == "cancelled"
+    assert done["statusMessage"] == "cancelled by the upstream"
 
 
 async def test_a_legacy_client_runs_the_upstreams_tasks_through_the_pass_through(
