@@ -149,6 +149,15 @@ class UpstreamError(ProxyError):
     default_message = "Upstream MCP server unavailable"
 
 
+class UpstreamRefusedError(UpstreamError):
+    """The upstream answered a request with an HTTP error status and no JSON-RPC answer (e.g. 400 or 404 for a
+    session it does not know); `upstream_status` is that status."""
+
+    def __init__(self, message: str, upstream_status: int, detail: str | None = None) -> None:
+        super().__init__(message, detail=detail)
+        self.upstream_status = upstream_status
+
+
 class ResultTooLargeError(UpstreamError):
     """An upstream answer (or one message on an upstream stream) is larger than `limits.max_result_bytes`: it is
     never held whole, and the caller is told which limit stopped it."""

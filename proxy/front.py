@@ -155,13 +155,17 @@ class Front:
         """T-1…T-3: the tool's policy and this request's own declaration decide sync, task, window or -32021.
         Every tools/call runs as a runner call, so an upstream question can become an MRTR round or a task's
         inputRequests (C-11)."""
+        name = str(request.params["name"])
         initialize_result = await self.upstream.initialize_result(caller.principal, self.cache[0])
-        specs = await self.upstream.param_headers(caller.principal, str(request.params["name"]))
+        specs = await self.upstream.param_headers(caller.principal, name)
+        upstream_support = await self.upstream.task_support(caller.principal, name)  # the upstream's own tasks
         check_param_headers(caller.headers, request.params.get("arguments"), specs)
         server_info = translate.implementation(initialize_result)
         if "requestState" in request.params:
             return await self.calls.resume(request, caller, channel, server_info)
-        decision = decide(self.config.tasks, str(request.params["name"]), declares_tasks=request.declares_tasks)
+        decision = decide(
+            self.config.tasks, name, declares_tasks=request.declares_tasks, upstream_support=upstream_support
+        )
         return await self.calls.call(request, caller, channel, decision, server_info)
 
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:

@@ -347,3 +347,46 @@ def test_named_tools_are_the_exact_names_only() -> None:
     """Metric labels: tools named exactly in the policy; glob patterns are not tool names."""
     config = TasksConfig.model_validate({"tools": {"a": {}, "batch_*": {}, "b?": {}, "c[12]": {}, "d.e": {}}})
     assert named_tools(config) == frozenset({"a", "d.e"})
+
+
+# --- what the upstream says of a tool it can run as its own task (2025-11-25 Tasks) ------------------------
+
+
+@pytest.mark.parametrize("mode", ["forbidden", "optional", "required"])
+def test_a_tool_the_upstream_requires_as_a_task_is_at_least_required(mode: TaskMode) -> None:
+    config = tasks_config({"research": {"mode": mode}})
+    declaring = decide(config, "research", declares_tasks=True, upstream_support="required")
+    assert declaring.outcome is Outcome.TASK
+    assert declaring.policy is not None
+    assert declaring.policy.mode == "required"
+    assert declaring.upstream_task is True
+    rejecting = decide(config, "research", declares_tasks=False, upstream_support="required")
+    assert rejecting.outcome is Outcome.REJECT  # -32021, never the upstream's "requires task augmentation"
+    waiting = decide(
+        tasks_config({"research": {"mode": mode}}, undeclared_required="wait"),
+        "research",
+        declares_tasks=False,
+        upstream_support="required",
+    )
+    assert (waiting.outcome, waiting.upstream_task) == (Outcome.WAIT, True)  # poll-to-sync on the upstream's task
+
+
+def test_a_tool_the_upstream_may_run_as_a_task_is_one_when_the_call_may_become_a_task() -> None:
+    config = tasks_config({"fast": {"mode": "forbidden"}, "now": {"sync_window_ms": 0}})
+    window = decide(config, "anything", declares_tasks=True, upstream_support="optional")
+    assert (window.outcome, window.upstream_task) == (Outcome.WINDOW, True)
+    task = decide(config, "now", declares_tasks=True, upstream_support="optional")
+    assert (task.outcome, task.upstream_task) == (Outcome.TASK, True)
+    plain = decide(config, "anything", declares_tasks=False, upstream_support="optional")
+    assert (plain.outcome, plain.upstream_task) == (Outcome.SYNC, False)  # a plain call of an optional tool
+    forbidden = decide(config, "fast", declares_tasks=True, upstream_support="optional")
+    assert (forbidden.outcome, forbidden.upstream_task) == (Outcome.SYNC, False)
+
+
+@pytest.mark.parametrize("support", [None, "forbidden"])
+def test_a_tool_the_upstream_runs_no_task_for_is_decided_as_before(support: Any) -> None:
+    config = tasks_config({"slow": {"mode": "required"}})
+    for tool, declares in (("slow", True), ("slow", False), ("other", True), ("other", False)):
+        with_support = decide(config, tool, declares_tasks=declares, upstream_support=support)
+        assert with_support == decide(config, tool, declares_tasks=declares)
+        assert with_support.upstream_task is False

@@ -4,10 +4,10 @@ coroutine of a call that may outlive its HTTP request.
 For each call it keeps the machine's state beside what carrying it out needs (the upstream session and
 request, timers, the waiting client's reply and stream), feeds it events one at a time (under the call's lock)
 and executes the commands that come out: store writes, upstream answers and cancels, replies, timers, the
-`max_running` slots and the parked MRTR calls. It decides nothing itself. It also runs the task-level
-operations that need no call (`tasks/get`, `tasks/cancel` of a task whose call is gone, TTL sweeps, restart
-recovery). Imports the store, the upstream client, the machine, policy and wire; never aiohttp's web side or
-the front.
+`max_running` slots and the parked MRTR calls; what concerns a task the upstream runs itself is carried out
+by `upstream_tasks.py`. It decides nothing itself. It also runs the task-level operations that need no call
+(`tasks/get`, `tasks/cancel` of a task whose call is gone, TTL sweeps, restart recovery). Imports the store,
+the upstream client, the machine, policy and wire; never aiohttp's web side or the front.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Final, TypeVar
 
 import structlog
 
-from proxy.config import Config
+from proxy.config import Config, RestartAction
 from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskLimitError
 from proxy.observability import Metrics
 from proxy.policy import Decision, Outcome, Policy
@@ -35,6 +35,7 @@ from proxy.tasks.commands import (
     Answered,
     Asked,
     CancelCall,
+    CancelUpstreamTask,
     ClearTimer,
     ClientLeft,
     Command,
@@ -43,18 +44,22 @@ from proxy.tasks.commands import (
     CreateRecord,
     Ended,
     Event,
+    FollowUpstreamTask,
     HoldSlot,
     Notified,
     Park,
     Parked,
     ParkRefused,
+    PollUpstreamTask,
     Refuse,
     Relay,
+    ReleaseCall,
     Reply,
     ReplyKind,
     Resumed,
     SetTimer,
     Settle,
+    ShutDown,
     Start,
     StartCall,
     Stop,
@@ -64,8 +69,11 @@ from proxy.tasks.commands import (
     WriteInputs,
     WriteProgress,
 )
+from proxy.tasks.followed import FollowedTask
+from proxy.tasks.inputs import PendingInput
 from proxy.tasks.machine import CallState
 from proxy.tasks.store import StoreError, StoreFullError, TaskStore
+from proxy.tasks.upstream_tasks import UpstreamTasks
 from proxy.upstream.call import UpstreamCall
 from proxy.upstream.events import (
     UpstreamEvent,
@@ -75,8 +83,8 @@ from proxy.upstream.events import (
 )
 from proxy.upstream.pool import UpstreamClient
 from proxy.upstream.session import UpstreamSession
+from proxy.wire import legacy_tasks, translate
 from proxy.wire import tasks as wire_tasks
-from proxy.wire import translate
 from proxy.wire.envelope import Caller, Channel, ModernRequest
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
@@ -149,6 +157,7 @@ class TaskRunner:
         self._parked_by: Counter[str] = Counter()  # ... per caller
         self._background: set[asyncio.Task[Any]] = set()
         self._progress_tokens = 0
+        self.upstream_tasks = UpstreamTasks(self)  # carries out the commands about tasks the upstream runs
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -173,20 +182,26 @@ class TaskRunner:
         """Shutdown: running calls are cancelled upstream; their records stay live and are failed or re-run
         per `on_restart` at the next start (nothing committed is lost or rewritten here)."""
         calls = list(self._calls)
-        await asyncio.gather(*(self.dispatch(call, Stop(SHUTTING_DOWN)) for call in calls), return_exceptions=True)
+        await asyncio.gather(*(self.dispatch(call, ShutDown(SHUTTING_DOWN)) for call in calls), return_exceptions=True)
         for task in list(self._background):
             task.cancel()
         if self._background:
             await asyncio.wait(list(self._background), timeout=SHUTDOWN_GRACE_SECONDS)
 
     async def _recover(self) -> None:
-        """Tasks a previous process left working / input_required: failed with a clear message, or re-run
-        when their policy says `on_restart: rerun`."""
+        """Tasks a previous process left working / input_required: a task the upstream runs itself is followed
+        again; others are failed with a clear message, or re-run when their policy says `on_restart: rerun`."""
         now = self.clock()
         for record in await self.store.live():
             if record.expired(now):
                 await self._fail(record.task_id, wire_tasks.EXPIRED_MESSAGE)
                 continue
+            if record.upstream_task_id is not None:
+                message = record.status_message or wire_tasks.RESUMED_MESSAGE
+                claimed = await self.store.claim(record.task_id, self.process_id, message, now_ms=now)
+                if claimed is not None:
+                    await self._follow_again(claimed, record)
+                    continue
             if record.on_restart == "rerun":
                 claimed = await self.store.claim(record.task_id, self.process_id, wire_tasks.RERUN_MESSAGE, now_ms=now)
                 if claimed is not None:
@@ -211,6 +226,36 @@ class TaskRunner:
         self._tasks[record.task_id] = call
         await self.dispatch(call, Start())
         log.info("task_rerun", task_id=record.task_id, tool=record.tool)
+
+    async def _follow_again(self, record: TaskRecord, before: TaskRecord) -> None:
+        """A task the upstream runs itself, left live by a previous process: followed again on its upstream
+        session, with the questions it had asked (`before`, as the record was) still answerable."""
+        assert record.upstream_task_id is not None
+        on_restart: RestartAction = "rerun" if record.on_restart == "rerun" else "fail"
+        policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, on_restart)
+        decision = Decision(Outcome.TASK, policy, upstream_task=True)
+        state = self._state(decision, record.client_capabilities, None, None)
+        state.task_id = record.task_id
+        state.issued = record.inputs_issued
+        state.upstream_task = FollowedTask(
+            record.upstream_task_id, status_message=record.status_message, expires_at_ms=record.expires_at_ms
+        )
+        for key, request in before.input_requests.items():
+            upstream_id = before.upstream_input_ids.get(key)
+            if isinstance(request, dict) and isinstance(upstream_id, int | str):
+                state.inputs[key] = PendingInput(upstream_id, str(request.get("method")), request)
+        state.inputs_written = not state.inputs
+        try:
+            principal = None if record.rerun_principal is None else self.principals.unseal(record.rerun_principal)
+        except SealError as exc:
+            await self._fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; not followed again: {exc}")
+            return
+        call = Call(state, "tools/call", record.tool, principal, record.principal, dict(record.request), {}, "")
+        call.record = record
+        self._calls.add(call)
+        self._tasks[record.task_id] = call
+        await self.dispatch(call, Start())
+        log.info("task_resumed", task_id=record.task_id, tool=record.tool)
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -336,7 +381,10 @@ class TaskRunner:
 
     async def _execute(self, call: Call, command: Command) -> Event | None:
         if isinstance(command, StartCall):
-            call.pump = self.spawn(self._pump(call), f"upstream-{call.call_id}")
+            pump = self.upstream_tasks.pump(call, command.ttl_ms) if command.upstream_task else self._pump(call)
+            call.pump = self.spawn(pump, f"upstream-{call.call_id}")
+        elif isinstance(command, FollowUpstreamTask | PollUpstreamTask | CancelUpstreamTask | ReleaseCall):
+            await self.upstream_tasks.execute(call, command)
         elif isinstance(command, CreateRecord):
             return await self._create_record(call, command)
         elif isinstance(command, WriteInputs):
@@ -546,17 +594,23 @@ class TaskRunner:
             status=command.status,
             created_at_ms=now,
             updated_at_ms=now,
-            ttl_ms=policy.ttl_ms,
+            ttl_ms=legacy_tasks.bounded_ttl_ms(policy.ttl_ms, command.upstream_expires_at_ms, now),
             poll_interval_ms=policy.poll_interval_ms,
             owner=self.process_id,
             on_restart=policy.on_restart,
             request=call.params,
+            status_message=command.status_message,
             input_requests=command.input_requests,
             inputs_issued=command.issued,
+            # A re-run, and following an upstream's own task after a restart, present the principal again: it is
+            # kept sealed with the deployment key until the task settles.
             rerun_principal=self.principals.seal(call.principal)
-            if policy.on_restart == "rerun" and call.principal
+            if call.principal and (policy.on_restart == "rerun" or command.upstream_task_id)
             else None,
             client_capabilities=call.state.capabilities,
+            upstream_task_id=command.upstream_task_id,
+            upstream_session_id=call.session.session_id if command.upstream_task_id and call.session else None,
+            upstream_input_ids=command.upstream_input_ids or {},
         )
         started = time.perf_counter()
         try:
@@ -580,7 +634,13 @@ class TaskRunner:
         task_id = call.state.task_id
         assert task_id is not None
         try:
-            updated = await self.store.set_inputs(task_id, command.input_requests, command.issued, now_ms=self.clock())
+            updated = await self.store.set_inputs(
+                task_id,
+                command.input_requests,
+                command.issued,
+                now_ms=self.clock(),
+                upstream_input_ids=command.upstream_input_ids,
+            )
         except StoreError as exc:
             log.error("task_inputs_not_stored", task_id=task_id, error=str(exc))
             return

@@ -7,6 +7,9 @@
   call that may ask the client something (`tools/call`, `prompts/get`, `resources/read`). The upstream may
   send that question on the session's GET stream (naming no request); on a leased session it can only be the
   lessee's, so it goes to `sink`.
+- `adopt(principal, session_id, sink)`: the same, on a session an earlier proxy process initialized (it holds a
+  task the upstream runs itself, resumed after a restart): no `initialize`.
+- `keep(session)`: a session whose upstream work outlives this process is let go without DELETE.
 
 List changes and resource updates seen on a lent session reach the principal's listen streams too. Sessions
 nobody uses are kept for reuse, least recently used first out: beyond `upstream.max_sessions` idle
@@ -31,6 +34,7 @@ from proxy.errors import UpstreamTimeoutError
 from proxy.observability import Metrics
 from proxy.upstream.events import UpstreamNotification
 from proxy.upstream.session import Sink, UpstreamLink, UpstreamSession, principal_key
+from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader
 from proxy.wire.jsonrpc import JSON
 
@@ -94,15 +98,40 @@ class UpstreamClient:
         session = spare.pop() if spare else UpstreamSession(self.link, principal)
         if spare is not None and not spare:
             del self._spare[key]
-        session.on_notification = lambda notification: self._to_shared(key, notification)
-        self._take(session)
-        try:
+        async with self._lent(session, key):
             await session.ensure_initialized()
             session.lessee = sink
             yield session
+
+    @asynccontextmanager
+    async def adopt(self, principal: str | None, session_id: str | None, sink: Sink) -> AsyncIterator[UpstreamSession]:
+        """A lease on the upstream session `session_id`, which an earlier proxy process initialized and left
+        behind with a task the upstream still runs: taken over without `initialize`, its GET stream opened again.
+        None (a stateless upstream, where any session serves): an ordinary lease."""
+        if session_id is None:
+            async with self.lease(principal, sink) as session:
+                yield session
+            return
+        session = UpstreamSession(self.link, principal)
+        async with self._lent(session, principal_key(principal)):
+            await session.adopt(session_id)
+            session.lessee = sink
+            yield session
+
+    @asynccontextmanager
+    async def _lent(self, session: UpstreamSession, key: str) -> AsyncIterator[None]:
+        session.on_notification = lambda notification: self._to_shared(key, notification)
+        self._take(session)
+        try:
+            yield
         finally:
             session.lessee = None
             self._release(session, key, spare=True)
+
+    def keep(self, session: UpstreamSession) -> None:
+        """The session holds upstream work a later proxy process resumes (a task the upstream runs itself): when
+        its use ends it is let go without DELETE, which would end that work."""
+        session.kept = True
 
     def _to_shared(self, key: str, notification: UpstreamNotification) -> None:
         """A list change or resource update seen on a lent session reaches the principal's listen streams,
@@ -121,6 +150,9 @@ class UpstreamClient:
             self._users[session] = users
             return
         self._users.pop(session, None)
+        if session.kept:
+            session.detach()
+            return
         if session.subscriptions:
             return  # a listen stream still reads it (it ends with its own use)
         if spare:
@@ -186,6 +218,18 @@ class UpstreamClient:
             return known
         async with self.use(principal) as session:
             return await session.param_headers(tool)
+
+    async def task_support(self, principal: str | None, tool: str) -> legacy_tasks.TaskSupport | None:
+        """How the upstream runs `tool` as its own 2025-11-25 task, or None: from the shared catalog when the
+        latest InitializeResult and the catalog can answer, else through the caller's shared session."""
+        initialize_result = self.link.initialize_result
+        if initialize_result is not None and not legacy_tasks.runs_tool_tasks(initialize_result):
+            return None
+        if initialize_result is not None and self.link.known_headers(tool) is not None:
+            support = self.link.tool_task_support.get(tool)
+            return support if support in ("optional", "required") else None
+        async with self.use(principal) as session:
+            return await session.task_support(tool)
 
     # --- readiness and shutdown ---------------------------------------------------------------------------
 

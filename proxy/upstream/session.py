@@ -26,7 +26,7 @@ import structlog
 from yarl import URL
 
 from proxy.config import UpstreamConfig
-from proxy.errors import RequestId, ResultTooLargeError, UpstreamError, UpstreamTimeoutError
+from proxy.errors import RequestId, ResultTooLargeError, UpstreamError, UpstreamRefusedError, UpstreamTimeoutError
 from proxy.observability import Metrics, method_label
 from proxy.upstream.call import UpstreamCall, read_body
 from proxy.upstream.events import (
@@ -39,6 +39,7 @@ from proxy.upstream.events import (
 )
 from proxy.upstream.listener import SessionGone, StreamEvent, UpstreamListener
 from proxy.upstream.sse import EventTooLargeError
+from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader, param_headers
 from proxy.wire.jsonrpc import JSON, dumps, error_message, notification_message, request_message, result_message
 from proxy.wire.translate import implementation
@@ -100,6 +101,7 @@ class UpstreamLink:
         # The x-mcp-header annotations of the upstream's tools, read from tools/list (any session's), dropped when
         # any session hears that the tool list changed.
         self.tool_headers: dict[str, tuple[ParamHeader, ...]] | None = None
+        self.tool_task_support: dict[str, legacy_tasks.TaskSupport | None] = {}  # read with the annotations
         self.tool_headers_at = 0.0
         self.last_answer_at: float | None = None  # monotonic time of the upstream's latest HTTP answer
         self._ids = itertools.count(1)
@@ -173,6 +175,7 @@ class UpstreamSession:
         self._listener: UpstreamListener | None = None
         self._lock = asyncio.Lock()
         self._resource_subscriptions: Counter[str] = Counter()
+        self.kept = False  # holds upstream work a later proxy process resumes: never ended with DELETE
 
     # --- headers and plumbing -------------------------------------------------------------------------
 
@@ -289,6 +292,25 @@ class UpstreamSession:
                 self.initialize_result = None
                 await self.initialize()
 
+    async def adopt(self, session_id: str) -> None:
+        """Take over a session an earlier proxy process initialized, which holds a task the upstream still runs:
+        no `initialize` (that would start another session), its GET stream opened again. Should the upstream
+        have forgotten it, a request answered 404 starts a new session as usual."""
+        self._stop_listening()
+        self.session_id = session_id
+        self.protocol_version = self.link.config.protocol_version  # tasks exist only from 2025-11-25 on
+        self.initialize_result = {}  # initialized, by someone else: its InitializeResult is not known here
+        self._listener = UpstreamListener(session_id, self._open_stream, self._on_stream)
+        await self._listener.start(self.link.spawn, self.link.config.connect_timeout_seconds)
+        log.info("upstream_session_adopted")
+
+    def detach(self) -> None:
+        """Let go of the session without ending it (no DELETE): the upstream keeps it, and the work in it, for
+        the next proxy process."""
+        self._stop_listening()
+        self.session_id = None
+        self.initialize_result = None
+
     async def revive(self) -> None:
         """Start a new session now (not at the next request), so listen streams keep receiving."""
         try:
@@ -304,8 +326,11 @@ class UpstreamSession:
             self.initialize_result = None
 
     async def close(self) -> None:
-        """End the upstream session with DELETE (the server may answer 405; that is fine)."""
+        """End the upstream session with DELETE (the server may answer 405; that is fine); a kept session is only
+        let go (`detach`)."""
         self._stop_listening()
+        if self.kept:
+            self.detach()
         if self.session_id is None:
             return
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
@@ -449,23 +474,37 @@ class UpstreamSession:
 
     async def param_headers(self, tool: str) -> tuple[ParamHeader, ...]:
         """The `x-mcp-header` annotations of `tool`: from the cached catalog when it can answer, else read from
-        this session's tools/list (and cached for every session)."""
+        this session's tools/list (and cached for every session, with each tool's `execution.taskSupport`)."""
         known = self.link.known_headers(tool)
         if known is not None:
             return known
         catalog: dict[str, tuple[ParamHeader, ...]] = {}
+        task_support: dict[str, legacy_tasks.TaskSupport | None] = {}
         cursor: str | None = None
         for _ in range(MAX_TOOL_PAGES):
             page = await self.request("tools/list", {"cursor": cursor} if cursor else None)
             for listed in page.get("tools") or []:
                 if isinstance(listed, dict) and isinstance(listed.get("name"), str):
                     catalog[listed["name"]] = param_headers(listed.get("inputSchema"))
+                    task_support[listed["name"]] = legacy_tasks.tool_task_support(listed)
             cursor = page.get("nextCursor") if isinstance(page.get("nextCursor"), str) else None
             if cursor is None:
                 break
         self.link.tool_headers = catalog
+        self.link.tool_task_support = task_support
         self.link.tool_headers_at = time.monotonic()
         return catalog.get(tool, ())
+
+    async def task_support(self, tool: str) -> legacy_tasks.TaskSupport | None:
+        """How the upstream runs `tool` as its own 2025-11-25 task (`execution.taskSupport` from tools/list),
+        or None when it runs none: the tool says nothing, or the upstream did not declare
+        `tasks.requests.tools.call`. Read with the x-mcp-header annotations (and refreshed with them)."""
+        initialize_result = await self.ensure_initialized()
+        if not legacy_tasks.runs_tool_tasks(initialize_result):
+            return None
+        await self.param_headers(tool)
+        support = self.link.tool_task_support.get(tool)
+        return support if support in ("optional", "required") else None
 
     async def subscribe_resource(self, uri: str) -> None:
         """Reference-counted upstream `resources/subscribe` on behalf of listen streams."""
@@ -509,4 +548,4 @@ async def _raise_unless_answer(
             if isinstance(error, dict) and isinstance(error.get("message"), str):
                 said = f": {error['message']}"
     response.release()
-    raise UpstreamError(f"Upstream answered {method} with HTTP {response.status}{said}", detail=raw)
+    raise UpstreamRefusedError(f"Upstream answered {method} with HTTP {response.status}{said}", response.status, raw)

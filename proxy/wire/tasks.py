@@ -43,6 +43,7 @@ NOT_FOUND_MESSAGE: Final = "Failed to retrieve task: Task not found"
 RESTART_MESSAGE: Final = "interrupted: the proxy restarted while the upstream call was running"
 EXPIRED_MESSAGE: Final = "expired: the task did not settle within its ttlMs"
 RERUN_MESSAGE: Final = "re-running: the proxy restarted while the upstream call was running"
+RESUMED_MESSAGE: Final = "resumed: the proxy restarted and follows the upstream's task again"
 
 
 def new_task_id() -> str:
@@ -68,9 +69,13 @@ class TaskRecord:
     needed to run the call again; `owner` names the proxy process that runs the upstream call;
     `input_requests` holds the outstanding server→client requests by key and `inputs_issued` counts every
     key ever minted for this task (keys are never reused, T-30). `rerun_principal` keeps the principal
-    header's value only for `on_restart: rerun` tasks until they settle, because a re-run must present it
-    upstream again. `client_capabilities` are the creating request's: only questions they cover become
-    `inputRequests` (K-19).
+    header's value only for `on_restart: rerun` tasks and tasks the upstream runs itself, until they settle,
+    because a re-run, or following the upstream's task again after a restart, must present it upstream again.
+    `client_capabilities` are the creating request's: only questions they cover become `inputRequests` (K-19).
+
+    A task the upstream runs itself (2025-11-25 Tasks) keeps the upstream's task id, the upstream session it
+    lives in (tasks are scoped to their session) and, by key, the upstream JSON-RPC ids of its outstanding
+    questions: a restarted proxy follows it again there and can still deliver the answers.
     """
 
     task_id: str
@@ -91,6 +96,9 @@ class TaskRecord:
     inputs_issued: int = 0
     rerun_principal: str | None = None
     client_capabilities: JSON = field(default_factory=dict)
+    upstream_task_id: str | None = None
+    upstream_session_id: str | None = None
+    upstream_input_ids: JSON = field(default_factory=dict)
 
     @property
     def expires_at_ms(self) -> int | None:
