@@ -48,6 +48,7 @@ from proxy.front import Front
 from proxy.observability import Metrics
 from proxy.policy import named_tools
 from proxy.principals import Principals, deployment_key
+from proxy.tasks.push import TaskWatchers
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import StoreError, TaskStore, open_store
 from proxy.upstream.passthrough import PassThrough
@@ -231,7 +232,9 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     if metrics is not None:
         metrics.tasks_running.set_function(lambda: runner.running)
         metrics.calls_parked.set_function(lambda: runner.parked)
-    app[FRONT] = Front(config, upstream, runner)
+    watchers = TaskWatchers(store)
+    runner.spawn(watchers.run(), "task-feed")
+    app[FRONT] = Front(config, upstream, runner, watchers)
     app[PASSTHROUGH] = PassThrough(
         config.upstream.url,
         relay_http,

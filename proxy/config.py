@@ -491,6 +491,9 @@ class LimitsConfig(_Frozen):
     max_listen_streams_per_principal: int = Field(
         16, gt=0, description="`subscriptions/listen` streams one caller may hold open; one more gets HTTP 429."
     )
+    max_listen_task_ids: int = Field(
+        256, gt=0, description="`taskIds` one `subscriptions/listen` stream may follow; more get HTTP 429."
+    )
     max_running_per_principal: int = Field(
         256,
         gt=0,

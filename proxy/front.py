@@ -8,24 +8,22 @@ imports aiohttp: the HTTP shapes are `app.py`'s.
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
 import structlog
-from mcp_types import SERVER_INFO_META_KEY
 from mcp_types import jsonrpc as codes
 
 from proxy.config import Config
 from proxy.errors import (
-    CallerLimitError,
     InvalidParamsError,
     MethodNotFoundError,
     MissingCapabilityError,
-    TaskLimitError,
     UpstreamError,
 )
+from proxy.listen import ListenStreams
 from proxy.policy import decide
+from proxy.tasks.push import TaskWatchers
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.waiting import WaitingCalls
 from proxy.upstream.call import UpstreamCall
@@ -37,7 +35,7 @@ from proxy.upstream.events import (
     refusal,
 )
 from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.session import UpstreamSession, principal_key
+from proxy.upstream.session import UpstreamSession
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
 from proxy.wire.envelope import (
@@ -48,7 +46,7 @@ from proxy.wire.envelope import (
     known_core_method,
     validate_params,
 )
-from proxy.wire.jsonrpc import JSON, error_message, notification_message, result_message
+from proxy.wire.jsonrpc import JSON, error_message, result_message
 
 log = structlog.get_logger(__name__)
 
@@ -58,13 +56,13 @@ Handler = Callable[["Front", ModernRequest, Caller, Channel], Awaitable[JSON]]
 
 
 class Front:
-    def __init__(self, config: Config, upstream: UpstreamClient, runner: TaskRunner) -> None:
+    def __init__(self, config: Config, upstream: UpstreamClient, runner: TaskRunner, watchers: TaskWatchers) -> None:
         self.config = config
         self.upstream = upstream
         self.runner = runner
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
         self.calls = WaitingCalls(runner, self.cache)
-        self._listening: Counter[str] = Counter()  # open listen streams per caller
+        self.listens = ListenStreams(config, upstream, runner, watchers)
 
     async def dispatch(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Serve one modern request; returns the JSON-RPC response message (result or error)."""
@@ -82,74 +80,7 @@ class Front:
         return result_message(request.id, translate.discover_result(initialize_result, self.cache))
 
     async def listen(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        """C-17 `subscriptions/listen`: the ack first, then the list-changed and resource-updated notifications
-        the client asked for, from the principal's upstream session; the graceful result at shutdown."""
-        wanted = request.params.get("notifications")
-        if isinstance(wanted, dict) and "taskIds" in wanted and not request.declares_tasks:
-            # T-5: task notifications are the extension's; a non-declaring client cannot ask for them.
-            raise MissingCapabilityError(
-                wire_tasks.REQUIRED_CAPABILITY,
-                "Missing required client capability: taskIds need the io.modelcontextprotocol/tasks extension",
-            )
-        caller_key = principal_key(caller.principal)
-        limits = self.config.limits
-        if sum(self._listening.values()) >= limits.max_listen_streams:
-            raise TaskLimitError("max_listen_streams", limits.max_listen_streams)
-        if self._listening[caller_key] >= limits.max_listen_streams_per_principal:
-            raise CallerLimitError("max_listen_streams_per_principal", limits.max_listen_streams_per_principal)
-        self._listening[caller_key] += 1
-        try:
-            async with self.upstream.use(caller.principal) as session:
-                return await self._listen(request, channel, session, wanted)
-        finally:
-            self._listening[caller_key] -= 1
-            if not self._listening[caller_key]:
-                del self._listening[caller_key]
-
-    async def _listen(self, request: ModernRequest, channel: Channel, session: UpstreamSession, wanted: object) -> JSON:
-        initialize_result = await session.ensure_initialized()
-        capabilities = initialize_result.get("capabilities")
-        honoured = translate.honoured_filter(
-            wanted if isinstance(wanted, dict) else {}, capabilities if isinstance(capabilities, dict) else {}
-        )
-        tag = {translate.SUBSCRIPTION_ID_META_KEY: request.id}
-        subscription = session.subscribe()
-        subscribed: list[str] = []
-        try:
-            for uri in honoured.get("resourceSubscriptions", []):
-                try:
-                    await session.subscribe_resource(uri)
-                    subscribed.append(uri)
-                except UpstreamError as exc:
-                    log.info("upstream_resource_subscribe_refused", error=exc.message)
-            if "resourceSubscriptions" in honoured:
-                honoured["resourceSubscriptions"] = subscribed
-            ack = {"_meta": tag, "notifications": honoured}
-            await channel.notify(notification_message("notifications/subscriptions/acknowledged", ack), required=True)
-            while True:
-                try:
-                    message = await asyncio.wait_for(subscription.queue.get(), LISTEN_KEEPALIVE_SECONDS)
-                except TimeoutError:
-                    await channel.keepalive()
-                    continue
-                if message is None:
-                    break
-                relayed = translate.listen_notification(message, honoured, request.id)
-                if relayed is not None:
-                    await channel.notify(relayed, required=True)
-        finally:
-            session.unsubscribe(subscription)
-            for uri in subscribed:
-                await asyncio.shield(self._unsubscribe(session, uri))
-        server_info = translate.implementation(initialize_result)
-        meta: JSON = {**tag, **({SERVER_INFO_META_KEY: server_info} if server_info else {})}
-        return result_message(request.id, {"resultType": "complete", "_meta": meta})
-
-    async def _unsubscribe(self, session: UpstreamSession, uri: str) -> None:
-        try:
-            await session.unsubscribe_resource(uri)
-        except UpstreamError as exc:  # best effort: the subscription ends either way
-            log.info("upstream_resource_unsubscribe_failed", error=exc.message)
+        return await self.listens.serve(request, caller, channel)
 
     async def call_tool(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """T-1…T-3: the tool's policy and this request's own declaration decide sync, task, window or -32021.

@@ -353,11 +353,11 @@ class Tasks:
         return result
 
     async def until(
-        self, task_id: str, done: Callable[[dict[str, Any]], bool], timeout_seconds: float = 15
+        self, task_id: str, done: Callable[[dict[str, Any]], bool], timeout_seconds: float = 15, **kwargs: Any
     ) -> dict[str, Any]:
         deadline = asyncio.get_running_loop().time() + timeout_seconds
         while True:
-            task = await self.task(task_id)
+            task = await self.task(task_id, **kwargs)
             if done(task):
                 return task
             assert asyncio.get_running_loop().time() < deadline, f"task never reached the state: {task}"

@@ -137,8 +137,8 @@ async def test_listen_survives_an_upstream_restart(make_proxy: Callable[..., Any
 
 
 async def test_task_ids_need_the_extension(proxy: Client, modern_schema: ModernSchema) -> None:
-    """T-5: `taskIds` from a non-declaring client is -32021; a declaring one is acknowledged with the subset
-    the proxy honours (T-44: none, since it sends no notifications/tasks; clients poll tasks/get)."""
+    """`taskIds` from a non-declaring client is -32021; a declaring one is acknowledged with the subset the
+    proxy honours: its own tasks only (an unknown id is left out)."""
     wanted = {"taskIds": ["task_x"], "toolsListChanged": True}
     body = modern_body("subscriptions/listen", {"notifications": wanted}, request_id="T5")
     refused = await proxy.post("/mcp", json=body, headers=modern_headers("subscriptions/listen"))
@@ -152,5 +152,5 @@ async def test_task_ids_need_the_extension(proxy: Client, modern_schema: ModernS
     response = await proxy.post("/mcp", json=declaring, headers=modern_headers("subscriptions/listen"))
     assert response.status == 200
     ack = await next_message(sse_messages(response))
-    assert ack["params"]["notifications"] == {"toolsListChanged": True}
+    assert ack["params"]["notifications"] == {"toolsListChanged": True, "taskIds": []}
     response.close()

@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import aiohttp
 import structlog
@@ -57,7 +57,6 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree wi
 
 PARAM_HEADERS_REFRESH_SECONDS: Final = 5.0  # an unknown tool re-reads tools/list at most this often
 MAX_TOOL_PAGES: Final = 100  # bounds the pagination of tools/list when reading x-mcp-header annotations
-SUBSCRIBER_QUEUE_SIZE: Final = 256  # list/resource notifications are idempotent; a slow reader loses extras
 STANDALONE_REFUSED: Final = "cannot be relayed to 2026-07-28 clients: no call of theirs holds this upstream session"
 
 CLIENT_INFO: Final[JSON] = {"name": "mcp-tasks-proxy", "version": PROXY_VERSION}
@@ -148,15 +147,11 @@ class UpstreamLink:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-class Subscription:
-    """One listen stream's inbox. `None` means: the proxy is shutting down, end the stream gracefully."""
+class Subscription(Protocol):
+    """A listen stream's inbox for this session's notifications. `None` means: the proxy is shutting down, end
+    the stream gracefully. `offer` must not block."""
 
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[JSON | None] = asyncio.Queue(SUBSCRIBER_QUEUE_SIZE)
-
-    def offer(self, message: JSON | None) -> None:
-        with contextlib.suppress(asyncio.QueueFull):
-            self.queue.put_nowait(message)
+    def offer(self, message: JSON | None) -> None: ...
 
 
 class UpstreamSession:
@@ -374,10 +369,8 @@ class UpstreamSession:
         for subscription in self.subscriptions:
             subscription.offer(notification.message)
 
-    def subscribe(self) -> Subscription:
-        subscription = Subscription()
+    def subscribe(self, subscription: Subscription) -> None:
         self.subscriptions.add(subscription)
-        return subscription
 
     def unsubscribe(self, subscription: Subscription) -> None:
         self.subscriptions.discard(subscription)
