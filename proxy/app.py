@@ -158,7 +158,7 @@ async def _read_body(request: web.Request) -> bytes:
 async def handle_mcp(request: web.Request) -> web.StreamResponse:
     if request.method != "POST":
         if request.method in ("GET", "DELETE") and is_modern(request.headers, None):
-            # C-22: a modern client has no GET stream and no session to delete.
+            # A modern client has no GET stream and no session to delete.
             request[ERA] = "modern"
             raise MethodNotAllowedError()
         request[ERA] = "legacy"

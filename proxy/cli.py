@@ -149,7 +149,7 @@ def serve(config: Config) -> None:
         port=config.listen.port,
         print=lambda message: print(message, file=sys.stderr, flush=True),
         access_log=None,
-        handler_cancellation=True,  # C-19: a client that closes its stream cancels its request.
+        handler_cancellation=True,  # A client that closes its stream cancels its request (2026-07-28 cancellation).
         # SIGTERM: stop accepting, give running handlers this long, then cancel them; cleanup closes the store.
         shutdown_timeout=config.listen.shutdown_grace_seconds,
     )

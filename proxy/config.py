@@ -355,7 +355,7 @@ class TaskPolicyConfig(_Frozen):
     resolve_input_first: bool = Field(
         False,
         description="For a declaring client: questions the upstream asks within `sync_window_ms` are answered "
-        "in synchronous MRTR rounds first, and only a call still running after a window becomes a task (T-15). "
+        "in synchronous MRTR rounds first, and only a call still running after a window becomes a task. "
         "Needs `sync_window_ms` > 0.",
     )
 

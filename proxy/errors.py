@@ -57,24 +57,25 @@ class InvalidRequestError(ProxyError):
 
 class MethodNotFoundError(ProxyError):
     code = jsonrpc.METHOD_NOT_FOUND
-    http_status = 404  # C-27: unknown and removed methods are HTTP 404 + -32601 on the modern path.
+    http_status = 404  # Unknown and removed methods are HTTP 404 + -32601 on the modern path (Streamable HTTP).
     default_message = "Method not found"
 
 
 class InvalidParamsError(ProxyError):
     code = jsonrpc.INVALID_PARAMS
-    http_status = 400  # C-2: a malformed request (e.g. missing required _meta) is HTTP 400.
+    http_status = 400  # A malformed request (e.g. missing required _meta) is HTTP 400.
     default_message = "Invalid params"
 
 
 class HeaderMismatchError(ProxyError):
     code = jsonrpc.HEADER_MISMATCH
-    http_status = 400  # C-25
+    http_status = 400  # A routing header missing, invalid or unequal to the body (Streamable HTTP: server validation).
     default_message = "Header mismatch"
 
 
 class MissingCapabilityError(ProxyError):
-    """C-4 / T-3: `data.requiredCapabilities` is a ClientCapabilities object."""
+    """The client did not declare a capability this request needs; `data.requiredCapabilities` is a
+    ClientCapabilities object naming it (keyed by capability, not a list)."""
 
     code = jsonrpc.MISSING_REQUIRED_CLIENT_CAPABILITY
     http_status = 400
@@ -88,7 +89,7 @@ class MissingCapabilityError(ProxyError):
 
 class UnsupportedVersionError(ProxyError):
     code = jsonrpc.UNSUPPORTED_PROTOCOL_VERSION
-    http_status = 400  # C-6
+    http_status = 400  # The answer lists the versions served (`data.supported`) and the one asked for.
     default_message = "Unsupported protocol version"
 
     def __init__(self, requested: Any, supported: list[str], *, request_id: RequestId | None = None) -> None:
@@ -109,7 +110,7 @@ class UnauthorizedError(ProxyError):
 
 
 class ForbiddenError(ProxyError):
-    """Host or Origin not allowed (DNS-rebinding protection, C-28)."""
+    """Host or Origin not allowed (DNS-rebinding protection; an invalid Origin is HTTP 403)."""
 
     code = jsonrpc.INVALID_REQUEST
     http_status = 403
@@ -117,7 +118,7 @@ class ForbiddenError(ProxyError):
 
 
 class MethodNotAllowedError(ProxyError):
-    """C-22: GET and DELETE have no meaning for a 2026-07-28 client."""
+    """GET and DELETE have no meaning for a 2026-07-28 client: it has no GET stream and no session to end."""
 
     code = jsonrpc.INVALID_REQUEST
     http_status = 405

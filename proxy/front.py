@@ -68,7 +68,7 @@ class Front:
         """Serve one modern request; returns the JSON-RPC response message (result or error)."""
         handler = METHODS.get(request.method)
         if handler is None:
-            # C-27 / T-40 / K-26: unknown and removed methods (initialize, ping, tasks/list, …) → 404 + -32601.
+            # Unknown and removed methods (initialize, ping, tasks/list, …) → HTTP 404 + -32601.
             raise MethodNotFoundError(f"Method not found: {request.method}")
         if known_core_method(request.method, request.protocol_version):
             validate_params(request)
@@ -83,9 +83,9 @@ class Front:
         return await self.listens.serve(request, caller, channel)
 
     async def call_tool(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        """T-1…T-3: the tool's policy and this request's own declaration decide sync, task, window or -32021.
-        Every tools/call runs as a runner call, so an upstream question can become an MRTR round or a task's
-        inputRequests (C-11)."""
+        """The tool's policy and this request's own declaration of the Tasks extension decide sync, task, window
+        or -32021 (a task only ever goes to a request that declared the extension). Every tools/call runs as a
+        runner call, so an upstream question can become an MRTR round or a task's inputRequests."""
         name = str(request.params["name"])
         initialize_result = await self.upstream.initialize_result(caller.principal, self.cache[0])
         specs = await self.upstream.param_headers(caller.principal, name)
@@ -100,7 +100,8 @@ class Front:
         return await self.calls.call(request, caller, channel, decision, server_info)
 
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        """`prompts/get` and `resources/read`: synchronous, but an upstream question is an MRTR round (C-11)."""
+        """`prompts/get` and `resources/read`: synchronous, but an upstream question is an MRTR round (the only
+        methods besides tools/call that may answer `input_required`)."""
         initialize_result = await self.upstream.initialize_result(caller.principal, self.cache[0])
         server_info = translate.implementation(initialize_result)
         if "requestState" in request.params:
@@ -108,7 +109,8 @@ class Front:
         return await self.calls.call(request, caller, channel, None, server_info)
 
     def _task_id(self, request: ModernRequest) -> str:
-        """T-4 / K-3: the capability gate comes first (even for unknown ids), then the params."""
+        """A client that did not declare the Tasks extension gets -32021 first (even for an unknown id), then
+        the params are checked."""
         if not request.declares_tasks:
             raise MissingCapabilityError(
                 wire_tasks.REQUIRED_CAPABILITY,
@@ -125,7 +127,8 @@ class Front:
         return result_message(request.id, wire_tasks.get_task_result(record, self.upstream.server_info))
 
     async def task_update(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        """T-26…T-31: answers go upstream; an ack; keys that are not outstanding are ignored."""
+        """Answers go upstream and the client gets an empty ack; keys that are not outstanding are ignored, and a
+        partial answer leaves the task `input_required` until the rest arrive."""
         task_id = self._task_id(request)
         responses = request.params.get("inputResponses")
         if not isinstance(responses, dict):
@@ -216,7 +219,7 @@ METHODS: Final[Mapping[str, Handler]] = {
     "resources/read": Front.input_capable,
     "completion/complete": Front.forward,
     "subscriptions/listen": Front.listen,
-    # The Tasks extension (SEP-2663); tasks/result and tasks/list do not exist (T-40): 404 + -32601.
+    # The Tasks extension (SEP-2663); tasks/result and tasks/list were removed with it: 404 + -32601.
     "tasks/get": Front.task_get,
     "tasks/update": Front.task_update,
     "tasks/cancel": Front.task_cancel,

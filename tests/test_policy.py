@@ -180,12 +180,13 @@ def test_a_programmatic_entry_without_ttl_inherits() -> None:
 
 # --- decide() ----------------------------------------------------------------------------------------------
 #
-# T-1: the server MAY answer a tools/call with a task — only to a request that declared the extension.
-# T-2: never a task to a request that did not declare it (read from this request's own `_meta`).
-# T-3: a tool that cannot be served without a task answers -32021 to a non-declaring request (REJECT), unless
-#      the operator chose `undeclared_required: wait` (an internal task, answered synchronously: WAIT).
-# T-17: the immediate-result shortcut — an `optional` tool with a window answers synchronously when the call
-#       settles within `sync_window_ms` (WINDOW); with a window of 0 the task is created at once (TASK).
+# Declared: the server MAY answer a tools/call with a task — only to a request that declared the extension.
+# Not declared: never a task to a request that did not declare it (read from this request's own `_meta`).
+# Cannot serve: a tool that cannot be served without a task answers -32021 to a non-declaring request
+#   (REJECT), unless the operator chose `undeclared_required: wait` (an internal task, answered synchronously:
+#   WAIT).
+# Shortcut: the immediate-result shortcut — an `optional` tool with a window answers synchronously when the
+#   call settles within `sync_window_ms` (WINDOW); with a window of 0 the task is created at once (TASK).
 
 CASES = [
     # (mode, sync_window_ms, declares_tasks, undeclared_required, expected)
@@ -195,25 +196,25 @@ CASES = [
     ("forbidden", 1000, False, "wait", Outcome.SYNC),
     ("forbidden", 0, True, "reject", Outcome.SYNC),
     ("forbidden", 0, False, "wait", Outcome.SYNC),
-    ("optional", 1000, False, "reject", Outcome.SYNC),  # T-2
-    ("optional", 1000, False, "wait", Outcome.SYNC),  # T-2
-    ("optional", 0, False, "reject", Outcome.SYNC),  # T-2: even with no window
+    ("optional", 1000, False, "reject", Outcome.SYNC),  # not declared
+    ("optional", 1000, False, "wait", Outcome.SYNC),  # not declared
+    ("optional", 0, False, "reject", Outcome.SYNC),  # not declared: even with no window
     ("optional", 0, False, "wait", Outcome.SYNC),
-    ("optional", 0, True, "reject", Outcome.TASK),  # T-1
+    ("optional", 0, True, "reject", Outcome.TASK),  # declared
     ("optional", 0, True, "wait", Outcome.TASK),
-    ("optional", 1000, True, "reject", Outcome.WINDOW),  # T-17
+    ("optional", 1000, True, "reject", Outcome.WINDOW),  # shortcut
     ("optional", 1000, True, "wait", Outcome.WINDOW),
     ("optional", 1, True, "reject", Outcome.WINDOW),
-    ("required", 1000, True, "reject", Outcome.TASK),  # T-1
+    ("required", 1000, True, "reject", Outcome.TASK),  # declared
     ("required", 1000, True, "wait", Outcome.TASK),
     ("required", 0, True, "reject", Outcome.TASK),
-    ("required", 1000, False, "reject", Outcome.REJECT),  # T-3
+    ("required", 1000, False, "reject", Outcome.REJECT),  # cannot serve
     ("required", 0, False, "reject", Outcome.REJECT),
-    ("required", 1000, False, "wait", Outcome.WAIT),  # T-2 still holds: no task goes to the client
+    ("required", 1000, False, "wait", Outcome.WAIT),  # not declared: still no task goes to the client
     ("required", 0, False, "wait", Outcome.WAIT),
 ]
-# T-15: `resolve_input_first` changes only what a declaring client gets for a tool that may become a task,
-# and needs a window to resolve input in.
+# `resolve_input_first` (MRTR rounds settled before a task is created) changes only what a declaring client
+# gets for a tool that may become a task, and needs a window to resolve input in.
 INPUT_FIRST_CASES = [
     # (mode, sync_window_ms, declares_tasks, undeclared_required, expected)
     ("optional", 1000, True, "reject", Outcome.INPUT_FIRST),

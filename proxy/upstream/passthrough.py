@@ -23,7 +23,7 @@ CUT_SHORT: Final = "Upstream MCP server closed the connection in the middle of i
 # Plain answers up to this size are read whole and sent in one write; larger ones and SSE are streamed.
 BUFFERED_BODY_MAX_BYTES: Final = 1 << 20
 
-# RFC 9110 §7.6.1 hop-by-hop headers, plus those the proxy must set itself for its own connection.
+# Hop-by-hop headers (RFC 9110, section 7.6.1), plus those the proxy must set itself for its own connection.
 HOP_BY_HOP: Final = frozenset(
     {
         "connection",
