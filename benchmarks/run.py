@@ -24,10 +24,14 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from benchmarks.loadgen import HttpClient
+from proxy.upstream.sse import SSEParser
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "latest.json"
@@ -436,6 +440,64 @@ async def end_to_end_row(proxy: Process, quick: bool) -> Row:
     )
 
 
+async def push_row(proxy: Process, quick: bool) -> Row:
+    """How soon a settled task reaches a client that follows it on `subscriptions/listen`, beside a client
+    polling `tasks/get` every 50 ms; both measured from the task's settle time (its lastUpdatedAt)."""
+    client = ModernClient(proxy.url, declares_tasks=True)
+    pushed: list[float] = []
+    polled: list[float] = []
+    async with aiohttp.ClientSession() as http:
+        for _ in range(15 if quick else 40):
+            task_id = (await client.create(0.3))["taskId"]
+            push, poll = await asyncio.gather(_follow(http, proxy.url, task_id), _poll(client, task_id, 0.05))
+            pushed.append(push)
+            polled.append(poll)
+    p50_push, p50_poll = statistics.median(pushed), statistics.median(polled)
+    return Row(
+        "push: settled task to notifications/tasks on a listen stream (one process)",
+        f"p50 {p50_push:.1f} ms, p99 {max(pushed):.1f} ms; polling every 50 ms sees it after p50 {p50_poll:.1f} ms",
+        "p50 <= 10 ms",
+        p50_push <= 10.0,
+        {"push_p50_ms": p50_push, "push_max_ms": max(pushed), "poll_50ms_p50_ms": p50_poll},
+    )
+
+
+def _settled_ms_ago(task: dict[str, Any]) -> float:
+    settled = datetime.fromisoformat(str(task["lastUpdatedAt"]).replace("Z", "+00:00")).timestamp()
+    return (time.time() - settled) * 1000
+
+
+async def _follow(http: aiohttp.ClientSession, url: str, task_id: str) -> float:
+    meta = {
+        "io.modelcontextprotocol/protocolVersion": MODERN_VERSION,
+        "io.modelcontextprotocol/clientCapabilities": {"extensions": {TASKS: {}}},
+    }
+    params = {"notifications": {"taskIds": [task_id]}, "_meta": meta}
+    body = {"jsonrpc": "2.0", "id": "push", "method": "subscriptions/listen", "params": params}
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "MCP-Protocol-Version": MODERN_VERSION,
+        "Mcp-Method": "subscriptions/listen",
+    }
+    parser = SSEParser()
+    async with http.post(url, json=body, headers=headers) as response:
+        async for chunk in response.content.iter_any():
+            for event in parser.feed(chunk):
+                message = json.loads(event.data) if event.data.strip() else {}
+                task = message.get("params", {})
+                if message.get("method") == "notifications/tasks" and task.get("status") == "completed":
+                    return _settled_ms_ago(task)
+    raise RuntimeError("the listen stream ended before the task settled")
+
+
+async def _poll(client: ModernClient, task_id: str, interval_seconds: float) -> float:
+    while True:
+        task = await client.get(task_id)
+        if task["status"] == "completed":
+            return _settled_ms_ago(task)
+        await asyncio.sleep(interval_seconds)
+
+
 async def scale_row(upstream: Process, workdir: Path, quick: bool) -> Row:
     """Thousands of tasks in flight at once (the upstream sleeps): the proxy's memory and tasks/get meanwhile."""
     proxy = await start_proxy(upstream.url, workdir, "scale")
@@ -589,6 +651,7 @@ async def run(quick: bool, groups: tuple[str, ...] = GROUPS) -> list[Row]:
             rows.append(await modern_sync_row(upstream, proxy, quick, LEAN_LABEL))
             rows += await creation_rows(proxy, quick)
             rows.append(await end_to_end_row(proxy, quick))
+            rows.append(await push_row(proxy, quick))
         finally:
             proxy.stop()
             upstream.stop()

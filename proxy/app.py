@@ -1,16 +1,15 @@
-"""The aiohttp application: routes, middlewares, THE error edge, lifecycle.
+"""The aiohttp application: routes, admission, classification, lifecycle, health and metrics.
 
-One endpoint serves both eras: each POST is classified (architecture.md), legacy traffic goes to the
-pass-through, modern requests to `Front`. Every ProxyError raised anywhere below becomes a JSON-RPC error
-body and HTTP status here, in `error_edge`, and nowhere else.
+One endpoint serves both eras: each POST is classified (docs/architecture.md), legacy traffic goes to the
+pass-through, modern requests to `Front`. Every ProxyError raised anywhere below becomes an answer in one
+place, the error edge (`edge.py`).
 """
 
 from __future__ import annotations
 
-import itertools
-import secrets
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+import asyncio
+import ipaddress
+from collections.abc import AsyncIterator, Mapping
 from typing import Final
 
 import aiohttp
@@ -20,31 +19,47 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from yarl import URL
 
 from proxy.config import Config
+from proxy.edge import (
+    CHANNEL,
+    ERA,
+    HEALTHZ,
+    JSONRPC_ERROR,
+    MCP_METHOD,
+    METRICS,
+    METRICS_PATH,
+    OPS_PATHS,
+    READYZ,
+    RPC_ID,
+    Handler,
+    HttpChannel,
+    error_edge,
+)
 from proxy.errors import (
+    BodyTimeoutError,
     ForbiddenError,
     InvalidRequestError,
     MethodNotAllowedError,
-    MethodNotFoundError,
     ParseError,
     PayloadTooLargeError,
-    ProxyError,
+    UnauthorizedError,
     UpstreamError,
 )
 from proxy.front import Front
-from proxy.observability import Metrics, method_label
+from proxy.observability import Metrics
 from proxy.policy import named_tools
+from proxy.principals import Principals, deployment_key
+from proxy.tasks.push import TaskWatchers
 from proxy.tasks.runner import TaskRunner
-from proxy.tasks.store import SqliteTaskStore, StoreError
+from proxy.tasks.store import StoreError, TaskStore, open_store
 from proxy.upstream.kinds import SessionKind
 from proxy.upstream.passthrough import LegacyRelay, PassThrough
 from proxy.upstream.pool import UpstreamClient
 from proxy.upstream.session import UpstreamLink
-from proxy.upstream.sse import KEEPALIVE, frame
 from proxy.upstream.stdio_legacy import StdioLegacyServer
 from proxy.upstream.stdio_link import StdioLink
 from proxy.wire import jsonrpc
 from proxy.wire.envelope import Caller, is_modern, validate_modern
-from proxy.wire.jsonrpc import JSON, Notification, Response
+from proxy.wire.jsonrpc import Notification, Response
 
 log = structlog.get_logger(__name__)
 
@@ -52,105 +67,9 @@ CONFIG: Final = web.AppKey("config", Config)
 FRONT: Final = web.AppKey("front", Front)
 PASSTHROUGH: Final = web.AppKey("passthrough", LegacyRelay)
 UPSTREAM: Final = web.AppKey("upstream", UpstreamClient)
-STORE: Final = web.AppKey("store", SqliteTaskStore)
+STORE: Final = web.AppKey("store", TaskStore)
 RUNNER: Final = web.AppKey("runner", TaskRunner)
-METRICS: Final = web.AppKey("metrics", Metrics)
 STOPPING: Final = web.AppKey("stopping", list[bool])
-ERA: Final = web.RequestKey("era", str)
-MCP_METHOD: Final = web.RequestKey("mcp_method", str)
-JSONRPC_ERROR: Final = web.RequestKey("jsonrpc_error", bool)
-
-# Probes and scrapes come from kubelet and Prometheus with the pod IP as Host: these GETs skip the Host/Origin
-# allow-list (they carry no MCP traffic and reveal no tokens or arguments). Everything else is checked.
-HEALTHZ: Final = "/healthz"
-READYZ: Final = "/readyz"
-METRICS_PATH: Final = "/metrics"
-OPS_PATHS: Final = frozenset({HEALTHZ, READYZ, METRICS_PATH})
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-# The `request_id` of log lines: unique per process (counter) and across processes (random prefix).
-REQUEST_ID_PREFIX: Final = secrets.token_hex(4) + "-"
-_request_numbers = itertools.count(1)
-
-
-# --- the error edge ------------------------------------------------------------------------------------
-
-
-def error_response(error: ProxyError) -> web.Response:
-    return web.json_response(
-        jsonrpc.error_message(error.request_id, error.error_object()),
-        status=error.status,
-        headers=error.headers,
-        dumps=lambda obj: jsonrpc.dumps(obj).decode(),
-    )
-
-
-@web.middleware
-async def error_edge(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The one place where failures become HTTP responses; also the one request log line."""
-    request_id = f"{REQUEST_ID_PREFIX}{next(_request_numbers):x}"
-    structlog.contextvars.bind_contextvars(request_id=request_id)
-    started = time.perf_counter()
-    status = 500
-    try:
-        response = await handler(request)
-        status = response.status
-        return response
-    except ProxyError as error:
-        status = error.status
-        log.info("request_rejected", code=error.code, reason=error.message)
-        return error_response(error)
-    except web.HTTPException as exc:
-        status = exc.status
-        raise
-    except ConnectionResetError:
-        status = 499  # the client closed the connection before its answer was written (nginx's convention)
-        log.info("client_disconnected")
-        return web.Response(status=status)
-    except Exception:
-        log.exception("request_failed")
-        status = 500
-        return error_response(ProxyError("Internal error"))
-    finally:
-        duration = time.perf_counter() - started
-        fields = {
-            "http_method": request.method,
-            "path": request.path,
-            "era": request.get(ERA, "-"),
-            "mcp_method": request.get(MCP_METHOD, "-"),
-            "status": status,
-            "duration_ms": round(duration * 1000, 2),
-        }
-        if request.path in OPS_PATHS:
-            log.debug("request", **fields)  # a probe every few seconds would drown the useful lines
-        else:
-            log.info("request", **fields)
-            _count(request, status, duration)
-        structlog.contextvars.unbind_contextvars("request_id")
-
-
-def _count(request: web.Request, status: int, duration_seconds: float) -> None:
-    metrics = request.app.get(METRICS)
-    if metrics is None:
-        return
-    era = request.get(ERA, "-")
-    method = method_label(request.get(MCP_METHOD))
-    if status == 499:
-        outcome = "disconnected"
-    elif status >= 500:
-        outcome = "server_error"
-    elif status >= 400:
-        outcome = "client_error"
-    elif request.get(JSONRPC_ERROR, False):
-        outcome = "jsonrpc_error"
-    else:
-        outcome = "ok"
-    metrics.requests.labels(era, method, outcome).inc()
-    metrics.request_seconds.labels(era, method).observe(duration_seconds)
-
-
-# --- admission: Host / Origin (DNS-rebinding protection, C-28) ----------------------------------------
 
 
 def _host_name(host: str) -> str:
@@ -162,8 +81,26 @@ def _host_name(host: str) -> str:
     return name
 
 
+def _name_allowed(name: str, allowed_hosts: list[str]) -> bool:
+    """`name` (lower case, no port) is one of the allowed hosts, where a `*` label stands for one label."""
+    labels: list[str] | None = None
+    for pattern in allowed_hosts:
+        pattern = pattern.lower()
+        if "*" not in pattern:
+            if name == pattern:
+                return True
+            continue
+        labels = labels if labels is not None else name.split(".")
+        wanted = pattern.split(".")
+        if len(labels) == len(wanted) and all(
+            label == want or (want == "*" and label != "") for label, want in zip(labels, wanted, strict=True)
+        ):
+            return True
+    return False
+
+
 def host_allowed(host: str | None, allowed_hosts: list[str]) -> bool:
-    return host is not None and _host_name(host) in {name.lower() for name in allowed_hosts}
+    return host is not None and _name_allowed(_host_name(host), allowed_hosts)
 
 
 def origin_allowed(origin: str, allowed_hosts: list[str], allowed_origins: list[str]) -> bool:
@@ -175,13 +112,28 @@ def origin_allowed(origin: str, allowed_hosts: list[str], allowed_origins: list[
     host = url.raw_host.lower()
     if ":" in host:  # IPv6 literal
         host = f"[{host}]"
-    return host in {name.lower() for name in allowed_hosts}
+    return _name_allowed(host, allowed_hosts)
+
+
+def not_utf8_header(headers: Mapping[str, str]) -> str | None:
+    """The name of a header whose value is not UTF-8, if any. HTTP allows any byte from 0x80 up in a value, and
+    aiohttp keeps such bytes as surrogate escapes; neither the upstream request nor a hash of the principal can
+    carry them unchanged, so the request is refused rather than passed on altered."""
+    for name, value in headers.items():
+        if not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                return name
+    return None
 
 
 @web.middleware
 async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.method == "GET" and request.path in OPS_PATHS:
         return await handler(request)
+    if (name := not_utf8_header(request.headers)) is not None:
+        raise InvalidRequestError(f"Invalid Request: the value of the {name} header is not UTF-8")
     security = request.app[CONFIG].security
     if not host_allowed(request.headers.get("Host"), security.allowed_hosts):
         raise ForbiddenError("Forbidden: Host header not allowed")
@@ -194,69 +146,23 @@ async def admission(request: web.Request, handler: Handler) -> web.StreamRespons
 # --- the MCP endpoint ---------------------------------------------------------------------------------
 
 
-class HttpChannel:
-    """Notifications before the final message: the response turns into an SSE stream at the first one."""
-
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
-        self.sse_allowed = "text/event-stream" in request.headers.get("Accept", "")
-        self.stream: web.StreamResponse | None = None
-
-    async def notify(self, message: JSON, *, required: bool = False) -> None:
-        if not (self.sse_allowed or required):
-            return
-        stream = await self._open()
-        await stream.write(frame(jsonrpc.dumps(message).decode()))
-
-    async def keepalive(self, *, open_stream: bool = False) -> None:
-        if self.stream is None and open_stream and self.sse_allowed:
-            await self._open()
-        if self.stream is not None:
-            await self.stream.write(KEEPALIVE)
-
-    async def _open(self) -> web.StreamResponse:
-        if self.stream is None:
-            self.stream = web.StreamResponse(
-                status=200,
-                headers={
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-cache",
-                    "X-Accel-Buffering": "no",  # C-21
-                },
-            )
-            await self.stream.prepare(self.request)
-        return self.stream
-
-    async def finish(self, message: JSON) -> web.StreamResponse:
-        if self.stream is None:
-            return web.json_response(message, status=_status_of(message), dumps=lambda obj: jsonrpc.dumps(obj).decode())
-        await self.stream.write(frame(jsonrpc.dumps(message).decode()))
-        await self.stream.write_eof()
-        return self.stream
-
-
-def _status_of(message: JSON) -> int:
-    """HTTP status of a final message the front built: results and relayed upstream errors are 200 (Q8),
-    except -32601, which is 404 (C-27): a method the upstream does not implement, the proxy does not either."""
-    error = message.get("error")
-    if isinstance(error, dict) and error.get("code") == MethodNotFoundError.code:
-        return MethodNotFoundError.http_status
-    return 200
-
-
 async def _read_body(request: web.Request) -> bytes:
+    """The whole body, within `security.body_read_timeout_seconds` (both eras: legacy bodies are read before they
+    are relayed) and `security.max_body_bytes`."""
+    security = request.app[CONFIG].security
     try:
-        return await request.read()
+        async with asyncio.timeout(security.body_read_timeout_seconds):
+            return await request.read()
+    except TimeoutError:
+        raise BodyTimeoutError(f"Request body not received within {security.body_read_timeout_seconds:g} s") from None
     except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLargeError(
-            f"Request body too large (limit {request.app[CONFIG].security.max_body_bytes} bytes)"
-        ) from None
+        raise PayloadTooLargeError(f"Request body too large (limit {security.max_body_bytes} bytes)") from None
 
 
 async def handle_mcp(request: web.Request) -> web.StreamResponse:
     if request.method != "POST":
         if request.method in ("GET", "DELETE") and is_modern(request.headers, None):
-            # C-22: a modern client has no GET stream and no session to delete.
+            # A modern client has no GET stream and no session to delete.
             request[ERA] = "modern"
             raise MethodNotAllowedError()
         request[ERA] = "legacy"
@@ -283,29 +189,22 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     message = jsonrpc.classify(decoded)
     if isinstance(message, Notification):
         request[MCP_METHOD] = message.method
-        return web.Response(status=202)  # C-20: accepted, no body.
+        return web.Response(status=202)  # a notification is accepted with no body
+    if message.id is not None:
+        request[RPC_ID] = message.id  # from here on, every error answer echoes it
     if isinstance(message, Response):
-        raise InvalidRequestError(
-            "Invalid Request: a 2026-07-28 server sends no requests, so it takes no responses",
-            request_id=message.id,
-        )
+        raise InvalidRequestError("Invalid Request: a 2026-07-28 server sends no requests, so it takes no responses")
     request[MCP_METHOD] = message.method
     modern = validate_modern(request.headers, message.id, message.method, message.params)
     config = request.app[CONFIG]
-    caller = Caller(
-        principal=request.headers.get(config.security.principal_header),
-        headers=request.headers,
-    )
-    channel = HttpChannel(request)
-    try:
-        reply = await request.app[FRONT].dispatch(modern, caller, channel)
-    except ProxyError as error:
-        if error.request_id is None:
-            error.request_id = modern.id  # every error echoes the request id
-        if channel.stream is None:
-            raise
-        # The stream is already open (notifications went out): the error is its last event.
-        reply = jsonrpc.error_message(error.request_id, error.error_object())
+    principal = request.headers.get(config.security.principal_header) or None  # empty counts as none
+    if principal is None and config.security.anonymous == "refuse":
+        raise UnauthorizedError(
+            f"Unauthorized: this proxy serves no anonymous callers; send {config.security.principal_header}"
+        )
+    caller = Caller(principal=principal, headers=request.headers)
+    channel = request[CHANNEL] = HttpChannel(request, config.limits.write_timeout_seconds)
+    reply = await request.app[FRONT].dispatch(modern, caller, channel)
     request[JSONRPC_ERROR] = "error" in reply
     return await channel.finish(reply)
 
@@ -317,15 +216,15 @@ def upstream_kind(config: Config, http: aiohttp.ClientSession, metrics: Metrics 
     """Stdio server processes the proxy runs when `upstream.command` is set, else Streamable HTTP sessions."""
     if config.upstream.command:
         return StdioLink(config.upstream, metrics)
-    return UpstreamLink(config.upstream, http, config.security.principal_header, metrics)
+    return UpstreamLink(
+        config.upstream, http, config.security.principal_header, metrics, config.limits.max_result_bytes
+    )
 
 
 async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     # The store first: a database in use by another process stops the start before anything else is opened.
-    store = await SqliteTaskStore.open(
-        config.store.path, max_records=config.tasks.max_records, synchronous=config.store.synchronous
-    )
+    store = await open_store(config.store, max_records=config.tasks.max_records)
     app[STORE] = store
     connector = aiohttp.TCPConnector(limit=0)
     http = aiohttp.ClientSession(connector=connector, auto_decompress=True)
@@ -335,12 +234,14 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     metrics = app.get(METRICS)
     upstream = UpstreamClient(upstream_kind(config, http, metrics))
     app[UPSTREAM] = upstream
-    runner = TaskRunner(config, store, upstream, metrics=metrics)
+    runner = TaskRunner(config, store, upstream, Principals(deployment_key(config)), metrics=metrics)
     app[RUNNER] = runner
     if metrics is not None:
         metrics.tasks_running.set_function(lambda: runner.running)
         metrics.calls_parked.set_function(lambda: runner.parked)
-    app[FRONT] = Front(config, upstream, runner)
+    watchers = TaskWatchers(store)
+    runner.spawn(watchers.run(), "task-feed")
+    app[FRONT] = Front(config, upstream, runner, watchers)
     legacy: StdioLegacyServer | None = None
     if isinstance(upstream.kind, StdioLink):  # a stdio server: the proxy serves legacy clients itself
         legacy = StdioLegacyServer(upstream.kind, upstream, config.upstream, config.security.principal_header)
@@ -422,7 +323,25 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+def ipaddress_is_loopback(host: str) -> bool:
+    """Is the listen address reachable only from this machine (or pod)?"""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def create_app(config: Config) -> web.Application:
+    if config.security.anonymous == "allow" and not ipaddress_is_loopback(config.listen.host):
+        log.warning(
+            "anonymous_callers_allowed",
+            host=config.listen.host,
+            principal_header=config.security.principal_header,
+            hint="requests without the principal header share one anonymous identity; set security.anonymous: "
+            "refuse unless a trusted hop always sets the header",
+        )
     app = web.Application(
         client_max_size=config.security.max_body_bytes,
         middlewares=[error_edge, admission],

@@ -4,27 +4,37 @@
 `check-config FILE` validates (errors all at once, exit code 2); `tasks show ID` and `tasks stats` read the task
 database read-only (safe while the proxy runs); `probe [URL]` is the container HEALTHCHECK (exit 0 on HTTP
 200). Every command has `--help`; `--version` prints the version.
+
+Imports only the standard library at module level: the probe runs every 30 s in the image and must not load
+aiohttp, pydantic or the app. Each command imports what it needs when it runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
-from proxy.config import Config, ConfigError, load_config
-from proxy.upstream.kinds import PROXY_VERSION
+if TYPE_CHECKING:
+    from proxy.config import Config, ConfigError
 
 EXIT_CONFIG_ERROR = 2
 EXIT_NOT_FOUND = 1
 DEFAULT_PROBE_URL = "http://127.0.0.1:8080/healthz"
+
+
+class _VersionAction(argparse.Action):
+    """`--version`, with the version looked up only when asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="show the version and exit", **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        from proxy.upstream.kinds import PROXY_VERSION
+
+        print(f"{parser.prog} {PROXY_VERSION}")  # on stdout, as argparse's own version action does
+        parser.exit()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="mcp-tasks-proxy",
         description="Serve a legacy MCP server as an MCP 2026-07-28 server with durable Tasks.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {PROXY_VERSION}")
+    parser.add_argument("--version", action=_VersionAction)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
@@ -127,6 +137,8 @@ def _report(error: ConfigError) -> int:
 
 
 def serve(config: Config) -> None:
+    from aiohttp import web
+
     from proxy.app import create_app
     from proxy.observability import configure_logging
 
@@ -137,7 +149,7 @@ def serve(config: Config) -> None:
         port=config.listen.port,
         print=lambda message: print(message, file=sys.stderr, flush=True),
         access_log=None,
-        handler_cancellation=True,  # C-19: a client that closes its stream cancels its request.
+        handler_cancellation=True,  # A client that closes its stream cancels its request (2026-07-28 cancellation).
         # SIGTERM: stop accepting, give running handlers this long, then cancel them; cleanup closes the store.
         shutdown_timeout=config.listen.shutdown_grace_seconds,
     )
@@ -146,6 +158,8 @@ def serve(config: Config) -> None:
 def _database(args: argparse.Namespace) -> str:
     if args.db is not None:
         return str(args.db)
+    from proxy.config import load_config
+
     return load_config(args.config).store.path
 
 
@@ -183,6 +197,10 @@ async def _stats(path: str) -> dict[str, Any]:
 
 
 def tasks_command(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from proxy.config import ConfigError
     from proxy.tasks.store import StoreError
 
     try:
@@ -204,6 +222,9 @@ def tasks_command(args: argparse.Namespace) -> int:
 
 
 def probe_command(url: str, timeout_seconds: float) -> int:
+    import urllib.error
+    import urllib.request
+
     try:
         with urllib.request.urlopen(url, timeout=timeout_seconds) as response:
             ok = response.status == 200
@@ -215,6 +236,10 @@ def probe_command(url: str, timeout_seconds: float) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.command == "probe":
+        return probe_command(args.url, args.timeout)
+    from proxy.config import ConfigError, load_config
+
     if args.command == "check-config":
         try:
             load_config(args.file)
@@ -224,8 +249,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "tasks":
         return tasks_command(args)
-    if args.command == "probe":
-        return probe_command(args.url, args.timeout)
     try:
         config = load_config(args.config, overrides=flag_overrides(args))
     except ConfigError as error:

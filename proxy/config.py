@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import parse_qs, urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -160,8 +161,12 @@ class UpstreamConfig(_Frozen):
 class SecurityConfig(_Frozen):
     allowed_hosts: list[str] = Field(
         default_factory=lambda: ["localhost", "127.0.0.1", "[::1]"],
-        description="Host header values accepted (port ignored); anything else gets 403 (DNS-rebinding "
-        "protection). Add the Service name when the proxy is reached through Kubernetes.",
+        description="Host header values accepted (port ignored, case ignored); anything else gets 403 "
+        "(DNS-rebinding protection). Add the Service name when the proxy is reached through Kubernetes. A `*` "
+        "label matches exactly one DNS label, so `mcp-server.*.svc.cluster.local` accepts the Service from any "
+        "namespace; `*` is never the last label (`mcp-server.*` would accept mcp-server.com, a name anyone can "
+        "register and point at the proxy), and the labels after it must be a domain you control or a cluster "
+        "suffix.",
     )
     allowed_origins: list[str] = Field(
         default_factory=list,
@@ -171,12 +176,51 @@ class SecurityConfig(_Frozen):
     principal_header: str = Field(
         "authorization",
         description="Request header that identifies the caller; it travels upstream with the requests it "
-        "causes, upstream sessions are kept per distinct value, and each task is bound to its hash (another caller "
-        "cannot see it).",
+        "causes, upstream sessions are kept per distinct value, and each task is bound to its keyed hash (another "
+        "caller cannot see it). It must come from a trusted hop that authenticates the caller and overwrites what "
+        "the client sent (see the README's security section).",
+    )
+    anonymous: Literal["allow", "refuse"] = Field(
+        "allow",
+        description="A 2026-07-28 request without the principal header (or with an empty one): `allow` serves it "
+        "as the one shared anonymous caller (warned about at start on a non-loopback listener); `refuse` answers "
+        "HTTP 401 with `WWW-Authenticate`.",
+    )
+    key_file: str | None = Field(
+        None,
+        description="The deployment key (at least 32 bytes, e.g. a mounted Secret): principals are stored as its "
+        "HMAC, and the credential an `on_restart: rerun` task keeps is encrypted with it. Unset: "
+        "`inputs.secret_file`, else a key created beside the SQLite database (`<store.path>.key`, 0600). "
+        "Required with a PostgreSQL store and for `on_restart: rerun`.",
     )
     max_body_bytes: int = Field(
         4 * 1024 * 1024, gt=0, description="Largest request body accepted; a larger one gets 413."
     )
+    body_read_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="Time allowed for a whole request body to arrive once its headers are in; a slower one gets "
+        "408 and its connection is closed, so a client that announces a large body and trickles it (or sends "
+        "none) cannot hold a connection. 30 s takes `max_body_bytes` of 4 MiB at 140 KB/s.",
+    )
+
+    @field_validator("key_file")
+    @classmethod
+    def _key_is_usable(cls, value: str | None) -> str | None:
+        if value is not None:
+            read_secret(value)
+        return value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_patterns_are_safe(cls, value: list[str]) -> list[str]:
+        for name in value:
+            labels = name.split(".")
+            if any("*" in label and label != "*" for label in labels):
+                raise ValueError(f"{name!r}: a `*` must be a whole label, as in mcp-server.*.svc")
+            if labels[-1] == "*":
+                raise ValueError(f"{name!r}: the last label cannot be `*` (it would accept public names)")
+        return value
 
 
 class DiscoveryConfig(_Frozen):
@@ -197,7 +241,8 @@ class StoreConfig(_Frozen):
     path: str = Field(
         "mcp-tasks-proxy.db",
         description="SQLite file that holds durable tasks; put it on a volume. One proxy process per file "
-        "(a second one refuses to start on a file in use).",
+        "(a second one refuses to start on a file in use). It and its -wal, -shm and .lock files are owner-only "
+        "(0600); directories the proxy creates for it are 0700. Unused when `store.url` is set.",
     )
     synchronous: Literal["normal", "full"] = Field(
         "full",
@@ -205,6 +250,77 @@ class StoreConfig(_Frozen):
         "survives a power loss; `normal`: it survives a crash of the proxy process, not of the machine, and "
         "creation is faster.",
     )
+    url: str | None = Field(
+        None,
+        description="PostgreSQL URL, e.g. `postgresql://proxy@db:5432/tasks`. When set, tasks live in PostgreSQL "
+        "instead of `store.path`, and several replicas may share it. Never a password here: it comes from "
+        "`store.password_file` or the `PGPASSWORD` environment variable. Give the proxy a database (or a schema, "
+        "`?options=-csearch_path%3Dname`) of its own.",
+    )
+    password_file: str | None = Field(
+        None,
+        description="File holding the PostgreSQL password (e.g. a mounted Secret), read for each new connection "
+        "so a rotated password is picked up. Unset: libpq's own sources (`PGPASSWORD`, `~/.pgpass`).",
+    )
+    pool_size: int = Field(
+        10,
+        ge=1,
+        le=1000,
+        description="PostgreSQL connections a replica keeps at most for its reads and writes (one more commits "
+        "task creations in batches, one more listens to the change feed).",
+    )
+    connect_timeout_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="Time allowed to connect to PostgreSQL: at start (the proxy refuses to start without its "
+        "store) and for each new connection later.",
+    )
+    lease_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="With PostgreSQL: how long a replica's lease lasts unless renewed. A replica that stops "
+        "renewing it (killed, paused, cut off) loses its running tasks to a survivor after this long.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url_is_postgresql_without_password(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must be a postgresql:// URL")
+        parts = urlsplit(value)
+        if parts.password is not None or "password" in parse_qs(parts.query):
+            raise ValueError(
+                "must not contain a password: put it in the file named by store.password_file, "
+                "or in the PGPASSWORD environment variable"
+            )
+        return value
+
+    @field_validator("password_file")
+    @classmethod
+    def _password_is_readable(cls, value: str | None) -> str | None:
+        """Checked when the config is loaded (also by `check-config`), so a missing mount fails at start."""
+        if value is not None:
+            read_password(value)
+        return value
+
+    @model_validator(mode="after")
+    def _password_needs_url(self) -> StoreConfig:
+        if self.password_file is not None and self.url is None:
+            raise ValueError("store.password_file is only used with store.url (PostgreSQL)")
+        return self
+
+
+def read_password(path: str) -> str:
+    """The password in a file, without its line ending; ValueError if unreadable or empty."""
+    try:
+        password = Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not password:
+        raise ValueError(f"{path} is empty")
+    return password
 
 
 TaskMode = Literal["forbidden", "optional", "required"]
@@ -243,7 +359,7 @@ class TaskPolicyConfig(_Frozen):
     resolve_input_first: bool = Field(
         False,
         description="For a declaring client: questions the upstream asks within `sync_window_ms` are answered "
-        "in synchronous MRTR rounds first, and only a call still running after a window becomes a task (T-15). "
+        "in synchronous MRTR rounds first, and only a call still running after a window becomes a task. "
         "Needs `sync_window_ms` > 0.",
     )
 
@@ -356,6 +472,46 @@ class LoggingConfig(_Frozen):
     )
 
 
+class LimitsConfig(_Frozen):
+    """Bounds on what one upstream answer, one slow reader or one caller may hold: memory and shares of the
+    proxy stay bounded by configuration, whatever clients and the upstream send."""
+
+    max_result_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        description="Largest upstream answer (or message on an upstream stream) the proxy reads. A larger one is "
+        "never held whole: the upstream call is cancelled, a synchronous caller gets -32603 with "
+        "`data.limit: max_result_bytes` (HTTP 502) and a task fails with that error.",
+    )
+    write_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="How long an answer may wait for a client that does not read it; then the connection is closed "
+        "and its buffers are freed.",
+    )
+    max_listen_streams: int = Field(
+        256, gt=0, description="`subscriptions/listen` streams open at once; one more gets HTTP 503 (`data.limit`)."
+    )
+    max_listen_streams_per_principal: int = Field(
+        16, gt=0, description="`subscriptions/listen` streams one caller may hold open; one more gets HTTP 429."
+    )
+    max_listen_task_ids: int = Field(
+        256, gt=0, description="`taskIds` one `subscriptions/listen` stream may follow; more get HTTP 429."
+    )
+    max_running_per_principal: int = Field(
+        256,
+        gt=0,
+        description="Tasks whose upstream call runs at once for one caller (its share of `tasks.max_running`); one "
+        "more gets -32603 with `data.limit` (HTTP 429), so one caller cannot starve the others.",
+    )
+    max_parked_per_principal: int = Field(
+        256,
+        gt=0,
+        description="MRTR calls parked for one caller's retry at once (its share of `inputs.max_parked`); beyond it "
+        "the question is declined and the caller gets HTTP 429.",
+    )
+
+
 class Config(_Frozen):
     listen: ListenConfig = Field(default_factory=ListenConfig, description="Where the proxy listens.")
     # Validated even when the section is missing, so that "neither url nor command" is reported with its path.
@@ -375,6 +531,34 @@ class Config(_Frozen):
         default_factory=ObservabilityConfig, description="Health probes and metrics."
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Log output.")
+    limits: LimitsConfig = Field(
+        default_factory=LimitsConfig, description="Bounds on upstream answers, slow readers and each caller's share."
+    )
+
+    @model_validator(mode="after")
+    def _a_deployment_key_where_one_is_needed(self) -> Config:
+        """Replicas must share the key principals are hashed with; a credential kept for a re-run is stored
+        encrypted, so a configured key must exist to encrypt it."""
+        if self.security.key_file is not None or self.inputs.secret_file is not None:
+            return self
+        if self.store.url is not None:
+            raise PydanticCustomError(
+                "key_required",
+                "store.url: several replicas need one shared deployment key: set security.key_file (or "
+                "inputs.secret_file)",
+            )
+        policies = {"tasks.default": self.tasks.default.on_restart} | {
+            f"tasks.tools.{name}": entry.on_restart for name, entry in self.tasks.tools.items()
+        }
+        rerun = [path for path, action in policies.items() if action == "rerun"]
+        if rerun:
+            raise PydanticCustomError(
+                "key_required",
+                "{paths}: on_restart: rerun keeps the caller's credential to present it upstream again, encrypted "
+                "with the deployment key: set security.key_file (or inputs.secret_file)",
+                {"paths": ", ".join(rerun)},
+            )
+        return self
 
 
 class ConfigError(Exception):

@@ -27,9 +27,11 @@ class ProxyError(Exception):
         data: Any = None,
         request_id: RequestId | None = None,
         http_status: int | None = None,
+        detail: str | None = None,
     ) -> None:
         self.message = message or self.default_message
         self.data = data
+        self.detail = detail  # for the proxy's log only (addresses, paths, what a library said): never sent
         self.request_id = request_id
         self.status = http_status if http_status is not None else self.http_status
         super().__init__(self.message)
@@ -55,24 +57,25 @@ class InvalidRequestError(ProxyError):
 
 class MethodNotFoundError(ProxyError):
     code = jsonrpc.METHOD_NOT_FOUND
-    http_status = 404  # C-27: unknown and removed methods are HTTP 404 + -32601 on the modern path.
+    http_status = 404  # Unknown and removed methods are HTTP 404 + -32601 on the modern path (Streamable HTTP).
     default_message = "Method not found"
 
 
 class InvalidParamsError(ProxyError):
     code = jsonrpc.INVALID_PARAMS
-    http_status = 400  # C-2: a malformed request (e.g. missing required _meta) is HTTP 400.
+    http_status = 400  # A malformed request (e.g. missing required _meta) is HTTP 400.
     default_message = "Invalid params"
 
 
 class HeaderMismatchError(ProxyError):
     code = jsonrpc.HEADER_MISMATCH
-    http_status = 400  # C-25
+    http_status = 400  # A routing header missing, invalid or unequal to the body (Streamable HTTP: server validation).
     default_message = "Header mismatch"
 
 
 class MissingCapabilityError(ProxyError):
-    """C-4 / T-3: `data.requiredCapabilities` is a ClientCapabilities object."""
+    """The client did not declare a capability this request needs; `data.requiredCapabilities` is a
+    ClientCapabilities object naming it (keyed by capability, not a list)."""
 
     code = jsonrpc.MISSING_REQUIRED_CLIENT_CAPABILITY
     http_status = 400
@@ -86,7 +89,7 @@ class MissingCapabilityError(ProxyError):
 
 class UnsupportedVersionError(ProxyError):
     code = jsonrpc.UNSUPPORTED_PROTOCOL_VERSION
-    http_status = 400  # C-6
+    http_status = 400  # The answer lists the versions served (`data.supported`) and the one asked for.
     default_message = "Unsupported protocol version"
 
     def __init__(self, requested: Any, supported: list[str], *, request_id: RequestId | None = None) -> None:
@@ -97,8 +100,17 @@ class UnsupportedVersionError(ProxyError):
         )
 
 
+class UnauthorizedError(ProxyError):
+    """A request without the principal header where `security.anonymous: refuse` (HTTP 401)."""
+
+    code = jsonrpc.INVALID_REQUEST
+    http_status = 401
+    default_message = "Unauthorized"
+    headers: ClassVar[Mapping[str, str]] = {"WWW-Authenticate": 'Bearer realm="mcp-tasks-proxy"'}
+
+
 class ForbiddenError(ProxyError):
-    """Host or Origin not allowed (DNS-rebinding protection, C-28)."""
+    """Host or Origin not allowed (DNS-rebinding protection; an invalid Origin is HTTP 403)."""
 
     code = jsonrpc.INVALID_REQUEST
     http_status = 403
@@ -106,7 +118,7 @@ class ForbiddenError(ProxyError):
 
 
 class MethodNotAllowedError(ProxyError):
-    """C-22: GET and DELETE have no meaning for a 2026-07-28 client."""
+    """GET and DELETE have no meaning for a 2026-07-28 client: it has no GET stream and no session to end."""
 
     code = jsonrpc.INVALID_REQUEST
     http_status = 405
@@ -120,6 +132,16 @@ class PayloadTooLargeError(ProxyError):
     default_message = "Request body too large"
 
 
+class BodyTimeoutError(ProxyError):
+    """The request body did not arrive within `security.body_read_timeout_seconds`. The connection is closed
+    after the answer: what is left of the body is never read as a next request."""
+
+    code = jsonrpc.INVALID_REQUEST
+    http_status = 408
+    default_message = "Request body not received in time"
+    headers: ClassVar[Mapping[str, str]] = {"Connection": "close"}
+
+
 class UpstreamError(ProxyError):
     """The upstream could not be reached or broke the protocol: the proxy answers as a gateway."""
 
@@ -128,13 +150,34 @@ class UpstreamError(ProxyError):
     default_message = "Upstream MCP server unavailable"
 
 
+class UpstreamRefusedError(UpstreamError):
+    """The upstream answered a request with an HTTP error status and no JSON-RPC answer (e.g. 400 or 404 for a
+    session it does not know); `upstream_status` is that status."""
+
+    def __init__(self, message: str, upstream_status: int, detail: str | None = None) -> None:
+        super().__init__(message, detail=detail)
+        self.upstream_status = upstream_status
+
+
+class ResultTooLargeError(UpstreamError):
+    """An upstream answer (or one message on an upstream stream) is larger than `limits.max_result_bytes`: it is
+    never held whole, and the caller is told which limit stopped it."""
+
+    def __init__(self, maximum: int) -> None:
+        super().__init__(
+            f"Upstream answer larger than limits.max_result_bytes ({maximum} bytes); the call was cancelled",
+            data={"limit": "max_result_bytes", "max": maximum},
+        )
+
+
 class UpstreamTimeoutError(UpstreamError):
     http_status = 504
     default_message = "Upstream MCP server timed out"
 
 
 class TaskLimitError(ProxyError):
-    """A task limit (`tasks.max_running`, `tasks.max_records`) is reached: refused before anything is stored.
+    """A limit of the proxy (`tasks.max_running`, `tasks.max_records`, `inputs.max_parked`, listen streams) is
+    reached: refused before anything is stored or sent upstream.
 
     -32603 with `data.limit` naming the limit; HTTP 503 because the condition is temporary."""
 
@@ -144,10 +187,28 @@ class TaskLimitError(ProxyError):
 
     def __init__(self, limit: str, maximum: int, *, request_id: RequestId | None = None) -> None:
         super().__init__(
-            f"Task limit reached: {limit} = {maximum}; try again later",
+            f"Limit reached: {limit} = {maximum}; try again later",
             data={"limit": limit, "max": maximum},
             request_id=request_id,
         )
+
+
+class CallerLimitError(TaskLimitError):
+    """One caller's share of a limit is used up (`limits.*_per_principal`): HTTP 429, the others go on."""
+
+    http_status = 429
+
+
+def http_status(error: ProxyError | Mapping[str, Any] | None) -> int:
+    """The one rule for the HTTP status of a modern answer. A result (no error) is 200. A ProxyError has its
+    class's status: 400 for a bad request, 404 for an unknown method, 502/504 as a gateway, 503 at a limit. A
+    JSON-RPC error relayed from the upstream is 200 (the request was served; the error is its answer), except
+    -32601: a method the upstream does not implement, the proxy does not either, and unknown methods are 404."""
+    if error is None:
+        return 200
+    if isinstance(error, ProxyError):
+        return error.status
+    return MethodNotFoundError.http_status if error.get("code") == MethodNotFoundError.code else 200
 
 
 class UpstreamLimitError(ProxyError):
@@ -160,6 +221,6 @@ class UpstreamLimitError(ProxyError):
 
     def __init__(self, limit: str, maximum: int, waited_seconds: float) -> None:
         super().__init__(
-            f"Upstream limit reached: {limit} = {maximum}, all busy for {waited_seconds:g} s; try again later",
+            f"Limit reached: {limit} = {maximum}, all busy for {waited_seconds:g} s; try again later",
             data={"limit": limit.rpartition(".")[2], "max": maximum},
         )

@@ -26,6 +26,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.app import UPSTREAM, create_app
 from proxy.config import Config, load_config
+from tests import pg
 from tests.reference_server import EverythingServer, stdio_argv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,6 +88,14 @@ def own_upstream() -> Iterator[Upstream]:
     server.start()
     yield server
     server.stop()
+
+
+def key_file(tmp_path: Path) -> str:
+    """A deployment key (security.key_file) for proxies of one test: they share it, as replicas or restarts do."""
+    path = tmp_path / "deployment.key"
+    if not path.exists():
+        path.write_text(os.urandom(32).hex())
+    return str(path)
 
 
 def proxy_config(upstream_url: str, tmp_path: Path, **sections: dict[str, Any]) -> Config:
@@ -180,7 +189,7 @@ def parse_sse(text: str) -> list[dict[str, Any]]:
 async def post_and_leave(
     client: Any, body: dict[str, Any], headers: dict[str, str], after_seconds: float = 0.5
 ) -> None:
-    """POST a request, then close the connection after `after_seconds` without reading the answer (C-19)."""
+    """POST a request, then close the connection after `after_seconds` without reading the answer (which cancels it)."""
     request = client.post("/mcp", json=body, headers=headers)
     pending = asyncio.get_running_loop().create_task(request.__aenter__())
     await asyncio.sleep(after_seconds)
@@ -231,7 +240,7 @@ class ModernSchema(SchemaValidator):
         elif "result" in message:
             self.validate(message, RESPONSE_DEFS[method])
             if message["result"].get("resultType") == "input_required":
-                # C-11: only these methods may ask; the loose anyOf of the response type is not enough.
+                # Only these methods may answer `input_required`; the loose anyOf of the response type is not enough.
                 assert method in ("tools/call", "prompts/get", "resources/read"), method
                 self.validate(message["result"], "InputRequiredResult")
         else:
@@ -311,14 +320,14 @@ class Tasks:
             return
         result = message["result"]
         if result.get("resultType") == "task":
-            assert method == "tools/call"  # T-6 / T-7
+            assert method == "tools/call"  # only tools/call may become a task
             self.tasks.validate(result, "CreateTaskResult")
-            assert not {"result", "error", "inputRequests", "requestState", "task"} & result.keys()  # K-5
+            assert not {"result", "error", "inputRequests", "requestState", "task"} & result.keys()  # flat, no outcome
         elif method in TASK_RESULT_DEFS:
             self.tasks.validate(result, TASK_RESULT_DEFS[method])
-            assert result["resultType"] == "complete"  # T-8
+            assert result["resultType"] == "complete"  # never "task" on tasks/*
             if method != "tasks/get":
-                assert not ACK_FORBIDDEN_KEYS & result.keys()  # K-9
+                assert not ACK_FORBIDDEN_KEYS & result.keys()  # acks are empty
         else:
             self.core.check(message, method)
 
@@ -344,11 +353,11 @@ class Tasks:
         return result
 
     async def until(
-        self, task_id: str, done: Callable[[dict[str, Any]], bool], timeout_seconds: float = 15
+        self, task_id: str, done: Callable[[dict[str, Any]], bool], timeout_seconds: float = 15, **kwargs: Any
     ) -> dict[str, Any]:
         deadline = asyncio.get_running_loop().time() + timeout_seconds
         while True:
-            task = await self.task(task_id)
+            task = await self.task(task_id, **kwargs)
             if done(task):
                 return task
             assert asyncio.get_running_loop().time() < deadline, f"task never reached the state: {task}"
@@ -501,3 +510,20 @@ def everything() -> Iterator[EverythingServer]:
 def everything_stdio_argv() -> list[str]:
     """The argv of server-everything in stdio mode (fails, not skips, when it is not installed)."""
     return stdio_argv()
+
+
+# --- PostgreSQL for the store tests (tests/pg.py): a server per session, a database per test ----------------
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[pg.PgServer]:
+    """MCP_TASKS_PROXY_TEST_PG's server, else a throwaway one; a server that cannot start fails the tests."""
+    with pg.server() as server:
+        yield server
+
+
+@pytest.fixture
+def pg_dsn(pg_server: pg.PgServer) -> Iterator[str]:
+    """A fresh, empty database of its own for one test (dropped afterwards)."""
+    with pg_server.database() as dsn:
+        yield dsn

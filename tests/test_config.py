@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
 from proxy.cli import main
-from proxy.config import Config, ConfigError, UpstreamConfig, load_config
+from proxy.config import Config, ConfigError, UpstreamConfig, load_config, read_password
 from proxy.upstream.stdio import INHERITED_ENV_VARS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -243,3 +244,91 @@ def test_check_config_reports_both_and_neither_and_accepts_a_command(
     assert "upstream.url" in err
     assert "upstream.command" in err
     assert "neither is set" in err
+
+
+def test_a_postgresql_store_from_the_file_and_the_environment(tmp_path: Path) -> None:
+    password = tmp_path / "pg.password"
+    password.write_text("s3cret with spaces\n")
+    path = tmp_path / "c.yaml"
+    key = tmp_path / "deployment.key"
+    key.write_text("k" * 64)
+    path.write_text(
+        f"upstream: {{url: {SIDECAR_URL}}}\n"
+        f"security: {{key_file: {key}}}\n"
+        f"store: {{url: 'postgresql://proxy@db:5432/tasks', password_file: {password}, pool_size: 4}}\n"
+    )
+    config = load_config(path, environ={"MCP_TASKS_PROXY_STORE__LEASE_SECONDS": "2.5"})
+    assert (config.store.url, config.store.password_file, config.store.pool_size) == (
+        "postgresql://proxy@db:5432/tasks",
+        str(password),
+        4,
+    )
+    assert config.store.lease_seconds == 2.5
+    assert config.store.connect_timeout_seconds == 5.0
+    assert read_password(str(password)) == "s3cret with spaces"  # only the line ending goes
+    assert config.model_validate({"upstream": {"url": SIDECAR_URL}}).store.url is None  # SQLite unless a URL is given
+    assert config.model_validate({"upstream": {"url": SIDECAR_URL}}).store.lease_seconds == 10.0
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://proxy:hunter2@db:5432/tasks",
+        "postgres://proxy:@db/tasks",
+        "postgresql://proxy@db/tasks?sslmode=require&password=hunter2",
+    ],
+)
+def test_a_password_in_the_store_url_is_refused(url: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, environ={}, overrides={"store": {"url": url}, "upstream": {"url": SIDECAR_URL}})
+    (problem,) = caught.value.problems
+    assert problem.startswith("store.url:")
+    assert "must not contain a password" in problem
+    assert "store.password_file" in problem
+    assert "PGPASSWORD" in problem
+    assert "hunter2" not in problem
+
+
+def test_store_url_and_password_file_problems(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"store\.url: .*postgresql:// URL"):
+        load_config(None, environ={}, overrides={"store": {"url": "mysql://db/tasks"}})
+    with pytest.raises(ConfigError, match=r"store\.password_file: .*cannot read"):
+        load_config(
+            None,
+            environ={},
+            overrides={"store": {"url": "postgresql://db/tasks", "password_file": str(tmp_path / "absent")}},
+        )
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        load_config(None, environ={}, overrides={"store": {"url": "postgresql://db/t", "password_file": str(empty)}})
+    empty.write_text("pw\n")
+    with pytest.raises(ConfigError, match=r"only used with store\.url"):
+        load_config(None, environ={}, overrides={"store": {"password_file": str(empty)}})
+    with pytest.raises(ConfigError, match=r"store\.pool_size"):
+        load_config(None, environ={}, overrides={"store": {"pool_size": 0}})
+    with pytest.raises(ConfigError, match=r"store\.lease_seconds"):
+        load_config(None, environ={}, overrides={"store": {"lease_seconds": 0}})
+
+
+# --- Host patterns ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pattern", ["*", "mcp-server.*", "mcp-*.svc", "mcp-server.**.svc", "*.*"])
+def test_host_patterns_that_would_admit_public_names_are_refused(pattern: str) -> None:
+    """A `*` is a whole label and never the last one: `mcp-server.*` would accept mcp-server.com, a name anyone
+    can register and point at the proxy (DNS rebinding)."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(
+            None,
+            environ={},
+            overrides={"upstream": {"url": SIDECAR_URL}, "security": {"allowed_hosts": ["localhost", pattern]}},
+        )
+    assert "security.allowed_hosts" in "\n".join(caught.value.problems)
+
+
+def test_host_patterns_with_a_star_label_load() -> None:
+    hosts = ["mcp-server", "mcp-server.*.svc", "mcp-server.*.svc.cluster.local", "*.example.com", "[::1]"]
+    overrides: dict[str, dict[str, Any]] = {"upstream": {"url": SIDECAR_URL}, "security": {"allowed_hosts": hosts}}
+    config = load_config(None, environ={}, overrides=overrides)
+    assert config.security.allowed_hosts == hosts

@@ -6,6 +6,7 @@ Manifests are validated against the Kubernetes schemas; the image's ENTRYPOINT/C
 from __future__ import annotations
 
 import contextlib
+import http.server
 import io
 import json
 import os
@@ -14,6 +15,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 import urllib.error
@@ -28,6 +30,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
+from proxy.app import host_allowed
 from proxy.cli import main
 from proxy.config import Config, load_config
 from tests.conftest import ROOT, Upstream, free_port
@@ -398,11 +401,24 @@ def _config_arg() -> PurePosixPath:
     return PurePosixPath(args[2])
 
 
+KEY_FILE = "/var/run/secrets/mcp-tasks-proxy/key"
+
+
 def _configmap_file(tmp_path: Path) -> Path:
-    """The ConfigMap's entry the proxy reads (the key named by the --config file), written out as a file."""
+    """The ConfigMap's entry the proxy reads (the key named by the --config file), written out as a file; the
+    deployment key it names (a Secret mounted in the pod) is a file of the test's."""
+    key = tmp_path / "key"
+    key.write_text("k" * 64)
     path = tmp_path / _config_arg().name
-    path.write_text(_by_kind("ConfigMap")["data"][_config_arg().name])
+    path.write_text(_by_kind("ConfigMap")["data"][_config_arg().name].replace(KEY_FILE, str(key)))
     return path
+
+
+def test_the_deployment_key_comes_from_a_secret_mounted_read_only() -> None:
+    assert KEY_FILE in _by_kind("ConfigMap")["data"][_config_arg().name]
+    mounted = _mounts()[str(Path(KEY_FILE).parent)]
+    assert mounted["readOnly"] is True
+    assert mounted["secret"]["secretName"]
 
 
 def _proxy_config(tmp_path: Path) -> Config:
@@ -489,9 +505,6 @@ def test_configmap_config_is_valid_and_matches_the_pod(tmp_path: Path, capsys: p
     (port,) = _proxy_container()["ports"]
     assert (config.listen.host, config.listen.port) == ("0.0.0.0", port["containerPort"])
     assert urlsplit(config.upstream.url).hostname in LOOPBACK_HOSTS, "a sidecar reaches its server on loopback"
-    service = _by_kind("Service")["metadata"]["name"]
-    names = {service, f"{service}.default.svc", f"{service}.default.svc.cluster.local", *LOOPBACK_HOSTS}
-    assert names <= set(config.security.allowed_hosts)
     assert config.tasks.tools, "the example shows tool policies"
     assert any("*" in name and policy.on_restart == "rerun" for name, policy in config.tasks.tools.items())
     assert any(not re.search(r"[*?\[]", name) for name in config.tasks.tools)
@@ -526,3 +539,106 @@ def test_proxy_container_runs_the_image_locked_down() -> None:
     resources = container["resources"]
     assert resources["requests"]
     assert resources["limits"]
+
+
+# --- the HEALTHCHECK command is light ------------------------------------------------------------------------
+
+HEAVY_MODULES = {"aiohttp", "pydantic", "yaml", "structlog", "sqlite3", "proxy.app", "proxy.config", "proxy.upstream"}
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    """/ok answers 200, anything else 503."""
+
+    def do_GET(self) -> None:
+        status = 200 if self.path == "/ok" else 503
+        self.send_response(status)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def health_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    thread.join()
+    server.server_close()
+
+
+def _imported_by(argv: list[str]) -> tuple[int, set[str]]:
+    """Exit code and every module imported, from Python's own import-time report (`-X importtime`)."""
+    environ = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, env=environ)
+    modules = {line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
+    assert "proxy.cli" in modules, run.stderr[-2000:]  # the report is there
+    return run.returncode, modules
+
+
+def test_the_probe_answers_by_status_and_imports_nothing_heavy(health_server: str) -> None:
+    """The image runs the probe every 30 s: it must not load the proxy (aiohttp, pydantic, the app), only the
+    standard library's HTTP client. Exit 0 on 200, 1 on any other status or no answer at all."""
+    code, modules = _imported_by([str(_script()), "probe", f"{health_server}/ok"])
+    assert code == 0
+    heavy = {name for name in modules for top in HEAVY_MODULES if name == top or name.startswith(f"{top}.")}
+    assert heavy == set(), sorted(heavy)
+    assert _imported_by([str(_script()), "probe", f"{health_server}/down"])[0] == 1
+    assert _imported_by([str(_script()), "probe", f"http://127.0.0.1:{free_port()}/healthz"])[0] == 1
+
+
+@pytest.mark.parametrize("namespace", ["default", "team-a", "mcp-prod-2"])
+def test_the_service_names_pass_the_host_check_in_any_namespace(tmp_path: Path, namespace: str) -> None:
+    """The example is applied to whatever namespace the operator picks: the Service's DNS names in that namespace
+    pass without editing the ConfigMap, and public look-alikes do not."""
+    allowed = _proxy_config(tmp_path).security.allowed_hosts
+    service = _by_kind("Service")["metadata"]["name"]
+    for name in (service, f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local", *LOOPBACK_HOSTS):
+        assert host_allowed(f"{name}:80", allowed), name
+    for name in (f"{service}.com", f"{service}.{namespace}.svc.evil.example", "evil.example", f"x.{namespace}.svc"):
+        assert not host_allowed(name, allowed), name
+
+
+def test_the_pod_mounts_no_service_account_token() -> None:
+    """Neither container talks to the Kubernetes API: a mounted token would only serve an attacker."""
+    assert _by_kind("Deployment")["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def test_the_legacy_container_is_locked_down_too() -> None:
+    proxy_name = _proxy_container()["name"]
+    containers = _by_kind("Deployment")["spec"]["template"]["spec"]["containers"]
+    (legacy,) = [c for c in containers if c["name"] != proxy_name]
+    context = legacy["securityContext"]
+    assert context["runAsNonRoot"] is True
+    assert context["allowPrivilegeEscalation"] is False
+    assert context["capabilities"] == {"drop": ["ALL"]}
+    assert context["readOnlyRootFilesystem"] is True
+
+
+# Measured on the proxy process (python -m proxy serve, Python 3.11): about 68 MiB resident when idle after the
+# first calls; each modern tools/call with a body of max_body_bytes (4 MiB) whose result is as large adds about
+# 15.5 MiB at its peak while in flight (16 at once: 316 MiB), i.e. just under 4 x max_body_bytes.
+IDLE_MIB = 70
+PER_CALL_BODIES = 4
+CALLS_AT_ONCE = 16  # the budget the example's limit is sized for
+
+
+def _mebibytes(quantity: str) -> float:
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "K": 1e3 / 2**20, "M": 1e6 / 2**20, "G": 1e9 / 2**20}
+    for unit, factor in sorted(units.items(), key=lambda item: -len(item[0])):
+        if quantity.endswith(unit):
+            return float(quantity[: -len(unit)]) * factor
+    return float(quantity) / 2**20
+
+
+def test_the_proxy_memory_fits_its_configured_body_cap(tmp_path: Path) -> None:
+    """The limit covers the idle process plus CALLS_AT_ONCE calls at the configured body cap, and the request
+    the idle process: raising `security.max_body_bytes` in the ConfigMap without the limit fails here."""
+    resources = _proxy_container()["resources"]
+    body_mib = _proxy_config(tmp_path).security.max_body_bytes / 2**20
+    assert _mebibytes(resources["limits"]["memory"]) >= IDLE_MIB + CALLS_AT_ONCE * PER_CALL_BODIES * body_mib
+    assert _mebibytes(resources["requests"]["memory"]) >= IDLE_MIB

@@ -1,4 +1,5 @@
-"""wire/envelope.py: era classification and the 2026-07-28 validation order (protocol.md §8, C-2…C-25)."""
+"""wire/envelope.py: era classification and the 2026-07-28 validation order (`_meta`, then routing headers,
+then the version)."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def test_a_valid_request_yields_its_parts() -> None:
 
 
 def test_tasks_declaration_is_read_only_from_extensions() -> None:
-    """T-10: the legacy `tasks` capability shape is not a declaration of the extension."""
+    """The legacy 2025-11-25 `tasks` capability shape is not a declaration of the extension."""
     meta = {**META, "io.modelcontextprotocol/clientCapabilities": {"tasks": {"requests": {"tools": {"call": {}}}}}}
     assert not call({"name": "x", "_meta": meta}, headers("tools/call", "x")).declares_tasks
 
@@ -104,10 +105,10 @@ def test_tasks_declaration_is_read_only_from_extensions() -> None:
     ],
 )
 def test_missing_meta_fields_are_invalid_params_400(params: dict[str, Any] | None) -> None:
-    """C-2: checked first, even before the headers are compared."""
+    """Required `_meta` fields are checked first, even before the headers are compared."""
     with pytest.raises(InvalidParamsError) as caught:
         validate_modern({}, 5, "server/discover", params)
-    assert (caught.value.code, caught.value.status, caught.value.request_id) == (-32602, 400, 5)
+    assert (caught.value.code, caught.value.status) == (-32602, 400)
 
 
 @pytest.mark.parametrize(
@@ -126,7 +127,7 @@ def test_missing_meta_fields_are_invalid_params_400(params: dict[str, Any] | Non
 def test_routing_header_faults_are_header_mismatch_400(hdrs: dict[str, str]) -> None:
     with pytest.raises(HeaderMismatchError) as caught:
         call({"name": "greet", "_meta": META}, hdrs)
-    assert (caught.value.code, caught.value.status, caught.value.request_id) == (-32020, 400, 1)
+    assert (caught.value.code, caught.value.status) == (-32020, 400)
 
 
 def test_header_names_are_case_insensitive_and_values_trimmed() -> None:
@@ -135,7 +136,7 @@ def test_header_names_are_case_insensitive_and_values_trimmed() -> None:
 
 
 def test_base64_sentinel_is_decoded_before_comparing() -> None:
-    """C-24: non-ASCII names travel base64-encoded."""
+    """Non-ASCII names travel base64-encoded (`=?base64?…?=`) and are decoded before comparing."""
     name = "grüße"
     encoded = "=?base64?" + base64.b64encode(name.encode()).decode() + "?="
     assert call({"name": name, "_meta": META}, headers("tools/call", encoded)).params["name"] == name
@@ -149,7 +150,8 @@ def test_mcp_name_mirrors_the_right_field(method: str, field: str) -> None:
 
 
 def test_mcp_name_on_tasks_methods_is_checked_when_present_and_tolerated_when_absent() -> None:
-    """Architecture decision on Q3; K-24, K-42."""
+    """The proxy's choice where the spec is silent: a missing Mcp-Name on tasks/* is tolerated; a present one
+    must equal `params.taskId` (-32020 otherwise)."""
     params = {"taskId": "t1", "_meta": META}
     assert call(params, headers("tasks/get"), "tasks/get").params["taskId"] == "t1"
     assert call(params, headers("tasks/get", "t1"), "tasks/get").params["taskId"] == "t1"
@@ -158,12 +160,12 @@ def test_mcp_name_on_tasks_methods_is_checked_when_present_and_tolerated_when_ab
 
 
 def test_unsupported_version_names_supported_and_requested() -> None:
-    """C-6: header and _meta agree on a version the proxy does not serve → -32022 + data."""
+    """Header and _meta agree on a version the proxy does not serve → -32022 + data."""
     meta = {**META, "io.modelcontextprotocol/protocolVersion": "v999.0.0"}
     with pytest.raises(UnsupportedVersionError) as caught:
         validate_modern(headers("server/discover", version="v999.0.0"), 3, "server/discover", {"_meta": meta})
     error = caught.value
-    assert (error.code, error.status, error.request_id) == (-32022, 400, 3)
+    assert (error.code, error.status) == (-32022, 400)
     assert error.data == {"supported": ["2026-07-28"], "requested": "v999.0.0"}
 
 
@@ -194,7 +196,7 @@ def test_every_rejection_is_a_proxy_error() -> None:
         validate_modern({}, 1, "x", None)
 
 
-# --- x-mcp-header (C-26) --------------------------------------------------------------------------------
+# --- x-mcp-header: Mcp-Param-{Name} headers -------------------------------------------------------------
 
 SCHEMA = {
     "type": "object",
@@ -233,9 +235,9 @@ def test_matching_param_headers_pass() -> None:
         "MCP-PARAM-VERBOSE": "true",
         "Mcp-Param-Zone": "=?base64?" + base64.b64encode("é".encode()).decode() + "?=",
     }
-    check_param_headers(headers, arguments, specs, 1)
-    check_param_headers({}, {}, specs, 1)  # absent arguments: no headers expected
-    check_param_headers({}, {"region": None}, specs, 1)  # null: the client omits the header
+    check_param_headers(headers, arguments, specs)
+    check_param_headers({}, {}, specs)  # absent arguments: no headers expected
+    check_param_headers({}, {"region": None}, specs)  # null: the client omits the header
 
 
 @pytest.mark.parametrize(
@@ -253,19 +255,19 @@ def test_matching_param_headers_pass() -> None:
 )
 def test_mismatched_param_headers_are_rejected(headers: dict[str, str], arguments: dict[str, Any]) -> None:
     with pytest.raises(HeaderMismatchError) as caught:
-        check_param_headers(headers, arguments, param_headers(SCHEMA), 9)
-    assert (caught.value.code, caught.value.status, caught.value.request_id) == (-32020, 400, 9)
+        check_param_headers(headers, arguments, param_headers(SCHEMA))
+    assert (caught.value.code, caught.value.status) == (-32020, 400)
 
 
 def test_param_mismatch_messages_carry_no_argument_values() -> None:
     """The error edge logs the message, and argument values are never logged."""
     with pytest.raises(HeaderMismatchError) as caught:
-        check_param_headers({"Mcp-Param-Region": "secret-b"}, {"region": "secret-a"}, param_headers(SCHEMA), 9)
+        check_param_headers({"Mcp-Param-Region": "secret-b"}, {"region": "secret-a"}, param_headers(SCHEMA))
     assert "secret" not in caught.value.message
     assert "Mcp-Param-Region" in caught.value.message
 
 
 def test_literal_values_that_only_look_encoded_compare_as_text() -> None:
     specs = param_headers(SCHEMA)
-    check_param_headers({"Mcp-Param-Region": "SGVsbG8="}, {"region": "SGVsbG8="}, specs, 1)
-    check_param_headers({"Mcp-Param-Region": "=?base64?SGVsbG8="}, {"region": "=?base64?SGVsbG8="}, specs, 1)
+    check_param_headers({"Mcp-Param-Region": "SGVsbG8="}, {"region": "SGVsbG8="}, specs)
+    check_param_headers({"Mcp-Param-Region": "=?base64?SGVsbG8="}, {"region": "=?base64?SGVsbG8="}, specs)

@@ -1,4 +1,4 @@
-"""errors.py: the contract of the JSON-RPC error shape, pinned for every ProxyError class."""
+"""errors.py and the error edge: the contract of the JSON-RPC error shape, pinned for every ProxyError class."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from proxy.app import error_response
+from proxy.edge import error_response
 from proxy.errors import (
     ForbiddenError,
     HeaderMismatchError,
@@ -57,7 +57,7 @@ def test_error_body_and_status(error: ProxyError, code: int, status: int, modern
 
 
 def test_missing_capability_data_is_a_client_capabilities_object() -> None:
-    """T-3 / C-4: keyed by capability, not a list."""
+    """`data.requiredCapabilities` is keyed by capability, not a list."""
     error = MissingCapabilityError({"extensions": {"io.modelcontextprotocol/tasks": {}}})
     assert error.error_object()["data"] == {
         "requiredCapabilities": {"extensions": {"io.modelcontextprotocol/tasks": {}}}

@@ -12,16 +12,27 @@ import json
 import random
 import sqlite3
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from proxy.app import UPSTREAM
-from tests.conftest import DECLARING, TASKS, ClientFactory, ProxyProcess, Tasks, Upstream, policies, result_text
+from tests.conftest import (
+    DECLARING,
+    TASKS,
+    ClientFactory,
+    ProxyProcess,
+    Tasks,
+    Upstream,
+    key_file,
+    policies,
+    result_text,
+)
 
 pytestmark = pytest.mark.faults
 
@@ -84,6 +95,7 @@ async def test_kill_9_loses_nothing_committed(
     database = tmp_path / "faults.db"
     sections: dict[str, Any] = {
         "store": {"path": str(database)},
+        "security": {"key_file": key_file(tmp_path)},
         "tasks": policies(
             echo={"mode": "required"},
             sleep={"mode": "required"},
@@ -201,68 +213,186 @@ async def test_two_hundred_pollers_while_tasks_come_and_go(tasks_client: ClientF
 
 # --- hostile input ------------------------------------------------------------------------------------------------
 
+
+@dataclass(frozen=True)
+class Raw:
+    """A JSON token written into the body as it is: what `json.dumps` cannot produce (1e999, deep nesting)."""
+
+    token: str
+
+
+def _nested(depth: int, closed: bool, bracket: str) -> Raw:
+    opening, closing = ("[", "]") if bracket == "[" else ('{"a":', "}")
+    return Raw(opening * depth + ("0" + closing * depth if closed else ""))
+
+
+# Lone surrogates, RTL marks, NUL, noncharacters, an emoji, a combining mark, and any character at all.
+ODD_CHARACTERS = "\ud800\udfff\udc80\u200f\u202e\u0000\ufffe\uffff\ufdd0\U0010ffff\U0001f600\u0301\u00e9\u4e2d"
+ODD_TEXT = st.text(st.sampled_from(ODD_CHARACTERS) | st.characters(exclude_categories=()), max_size=12)
+ODD_NUMBERS = st.sampled_from(
+    [
+        *("1e999", "-1e999", "1E400", "2e308", "-0", "-0.0", "0e0", "4.9e-324", "1e-400"),
+        *("1" + "0" * 400, "-" + "9" * 1000, "9" * 5000),
+        *("NaN", "Infinity", "-Infinity"),
+    ]
+).map(Raw)
+DEEP = st.builds(_nested, st.sampled_from([127, 128, 129, 1000, 20_000]), st.booleans(), st.sampled_from("[{"))
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats() | st.text(max_size=30),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats()
+    | st.text(max_size=30)
+    | ODD_TEXT
+    | ODD_NUMBERS
+    | DEEP,
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10) | ODD_TEXT, children, max_size=4)
+    ),
     max_leaves=12,
 )
-METHODS = st.sampled_from(
-    [
-        "tools/call",
-        "tools/list",
-        "tasks/get",
-        "tasks/update",
-        "tasks/cancel",
-        "tasks/result",
-        "tasks/list",
-        "server/discover",
-        "prompts/get",
-        "resources/read",
-        "initialize",
-        "ping",
-        "subscriptions/listen",
-    ]
-) | st.text(max_size=20)
+METHOD_NAMES = [
+    "tools/call",
+    "tools/list",
+    "tasks/get",
+    "tasks/update",
+    "tasks/cancel",
+    "tasks/result",
+    "tasks/list",
+    "server/discover",
+    "prompts/get",
+    "resources/read",
+    "initialize",
+    "ping",
+    "subscriptions/listen",
+]
+METHODS = st.sampled_from(METHOD_NAMES) | st.text(max_size=20) | ODD_TEXT
+META_KEYS = [
+    "io.modelcontextprotocol/protocolVersion",
+    "io.modelcontextprotocol/clientCapabilities",
+    "io.modelcontextprotocol/clientInfo",
+    "progressToken",
+]
 META = st.one_of(
     st.just(meta({})),
     st.just(meta({"extensions": {TASKS: {}}})),
-    st.dictionaries(
-        st.sampled_from(
-            [
-                "io.modelcontextprotocol/protocolVersion",
-                "io.modelcontextprotocol/clientCapabilities",
-                "io.modelcontextprotocol/clientInfo",
-                "progressToken",
-            ]
-        ),
-        JSON_VALUES,
+    st.builds(
+        lambda base, extra: {**base, **extra},
+        st.just(meta({"extensions": {TASKS: {}}})),
+        st.dictionaries(st.sampled_from(META_KEYS[2:]) | ODD_TEXT, JSON_VALUES, max_size=3),
     ),
+    st.dictionaries(st.sampled_from(META_KEYS) | ODD_TEXT, JSON_VALUES),
     JSON_VALUES,
 )
-PARAMS = st.fixed_dictionaries(
-    {},
-    optional={
-        "name": st.sampled_from(["echo", "sleep", "ask_name"]) | JSON_VALUES,
-        "arguments": JSON_VALUES,
-        "taskId": st.sampled_from(["task_x", ""]) | JSON_VALUES,
-        "inputResponses": JSON_VALUES,
-        "requestState": st.text(max_size=200) | JSON_VALUES,
-        "_meta": META,
-        "uri": JSON_VALUES,
-    },
+PARAMS = st.builds(
+    lambda known, extra: {**extra, **known},
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "name": st.sampled_from(["echo", "sleep", "ask_name"]) | ODD_TEXT | JSON_VALUES,
+            "arguments": JSON_VALUES,
+            "taskId": st.sampled_from(["task_x", ""]) | ODD_TEXT | JSON_VALUES,
+            "cursor": ODD_TEXT | JSON_VALUES,
+            "inputResponses": JSON_VALUES,
+            "requestState": st.text(max_size=200) | ODD_TEXT | JSON_VALUES,
+            "_meta": META,
+            "uri": ODD_TEXT | JSON_VALUES,
+        },
+    ),
+    st.dictionaries(ODD_TEXT, JSON_VALUES, max_size=2),
 )
-HEADER_TEXT = st.text(st.characters(min_codepoint=32, max_codepoint=255, exclude_characters="\x7f"), max_size=40)
+# Any field value HTTP allows (visible ASCII, space, tab, and bytes >= 0x80 as obs-text): odd text goes out as
+# its UTF-8 bytes, a lone surrogate as the three bytes a lenient encoder writes for it.
+HEADER_TEXT = st.text(
+    st.characters(min_codepoint=32, max_codepoint=255, exclude_characters="\x7f")
+    | st.sampled_from(ODD_CHARACTERS.replace("\u0000", "")),
+    max_size=40,
+)
 REQUESTS = st.fixed_dictionaries(
     {
         "method": METHODS,
         "params": PARAMS | JSON_VALUES,
-        "id": st.integers(min_value=-(2**70), max_value=2**70) | st.text(max_size=10) | JSON_VALUES,
+        "id": st.integers(min_value=-(2**70), max_value=2**70) | ODD_TEXT | ODD_NUMBERS | JSON_VALUES,
         "shape": st.sampled_from(["object", "batch", "raw", "huge", "no-jsonrpc"]),
+        "ascii_only": st.booleans(),
         "raw": st.binary(max_size=64),
         "version_header": st.sampled_from(["2026-07-28", "2025-11-25", "", "v999"]) | HEADER_TEXT,
-        "method_header": st.none() | METHODS.filter(lambda text: all(32 <= ord(c) <= 126 for c in text)),
+        "method_header": st.none() | st.sampled_from(METHOD_NAMES) | HEADER_TEXT,
         "name_header": st.none() | HEADER_TEXT,
+        "principal_header": st.none() | HEADER_TEXT,
     }
+)
+# A sound modern request with one position replaced by a hostile value: reaches deeper than a random body.
+SOUND_REQUESTS: list[tuple[str, dict[str, Any], str | None]] = [
+    ("tools/call", {"name": "echo", "arguments": {"text": "hi"}}, "echo"),
+    ("tools/call", {"name": "sleep", "arguments": {"seconds": 0.01}}, "sleep"),
+    ("tools/list", {"cursor": "c"}, None),
+    ("tasks/get", {"taskId": "task_x"}, "task_x"),
+    ("tasks/cancel", {"taskId": "task_x"}, None),
+    ("tasks/update", {"taskId": "task_x", "inputResponses": {"k": {"action": "cancel"}}}, None),
+    ("server/discover", {}, None),
+    ("prompts/get", {"name": "test_prompt_with_arguments", "arguments": {"arg1": "a", "arg2": "b"}}, None),
+    ("resources/read", {"uri": "test://static-text"}, "test://static-text"),
+]
+BODY_POSITIONS = [
+    "id",
+    "method",
+    "param_key",
+    "param_value",
+    "argument_key",
+    "argument_value",
+    "meta_key",
+    "meta_value",
+]
+HEADER_POSITIONS = ["version_header", "method_header", "name_header", "principal_header"]
+HOSTILE_VALUES = ODD_TEXT | ODD_NUMBERS | DEEP | JSON_VALUES
+
+
+def _mutated(
+    sound: tuple[str, dict[str, Any], str | None], position: str, value: Any, key: str, header: str, ascii_only: bool
+) -> dict[str, Any]:
+    method, params, name = sound
+    params = {**params, "arguments": dict(params.get("arguments", {}))} if "arguments" in params else dict(params)
+    params["_meta"] = meta({"extensions": {TASKS: {}}})
+    data: dict[str, Any] = {
+        "method": method,
+        "params": params,
+        "id": 1,
+        "shape": "object",
+        "ascii_only": ascii_only,
+        "raw": b"",
+        "version_header": "2026-07-28",
+        "method_header": method,
+        "name_header": name,
+        "principal_header": "Bearer caller-1",
+    }
+    if position in ("id", "method"):
+        data[position] = value
+    elif position == "param_key":
+        params[key] = value
+    elif position == "param_value":
+        params[next(iter(params))] = value
+    elif position == "argument_key":
+        params["arguments"] = {**params.get("arguments", {}), key: value}
+    elif position == "argument_value":
+        params["arguments"] = {"text": value}
+    elif position == "meta_key":
+        params["_meta"] = {**params["_meta"], key: value}
+    elif position == "meta_value":
+        params["_meta"] = {**params["_meta"], "progressToken": value}
+    else:
+        data[position] = header
+    return data
+
+
+MUTATED = st.builds(
+    _mutated,
+    st.sampled_from(SOUND_REQUESTS),
+    st.sampled_from(BODY_POSITIONS + HEADER_POSITIONS),
+    HOSTILE_VALUES,
+    ODD_TEXT,
+    HEADER_TEXT,
+    st.booleans(),
 )
 ALLOWED_CODES = {
     400: {-32700, -32600, -32602, -32020, -32021, -32022},
@@ -270,6 +400,24 @@ ALLOWED_CODES = {
     405: {-32600},
     413: {-32600},
 }
+
+
+def encode(value: Any, ascii_only: bool) -> str:
+    """JSON text of `value` with its Raw tokens as they are; strings escaped (`ascii_only`) or written raw."""
+    if isinstance(value, Raw):
+        return value.token
+    if isinstance(value, dict):
+        members = (
+            f"{json.dumps(str(key), ensure_ascii=ascii_only)}:{encode(item, ascii_only)}" for key, item in value.items()
+        )
+        return "{" + ",".join(members) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(encode(item, ascii_only) for item in value) + "]"
+    return json.dumps(value, ensure_ascii=ascii_only)
+
+
+def header_bytes(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
 
 
 @pytest.fixture(scope="module")
@@ -284,52 +432,57 @@ def hostile_proxy(tmp_path_factory: pytest.TempPathFactory, upstream: Upstream) 
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(REQUESTS)
+@given(REQUESTS | MUTATED)
 def test_hostile_requests_never_get_a_5xx(
     hostile_proxy: ProxyProcess, upstream: Upstream, request_data: dict[str, Any]
 ) -> None:
-    """Malformed, oversized, wrongly typed and wrongly headed requests: never a 5xx from the proxy, never a
+    """Malformed, oversized, wrongly typed and wrongly headed requests, with lone surrogates, odd unicode, numbers
+    JSON cannot carry and deep nesting in every string and value position: never a 5xx from the proxy, never a
     crash, and every error of its own is a JSON-RPC error whose code fits its HTTP status. A request classified
     as legacy is relayed verbatim, so its answer must be exactly what the upstream gives a direct client."""
     message = {"jsonrpc": "2.0", "id": request_data["id"], "method": request_data["method"]}
     message["params"] = request_data["params"]
-    shape = request_data["shape"]
+    shape, ascii_only = request_data["shape"], request_data["ascii_only"]
     if shape == "batch":
-        body = json.dumps([message, message]).encode()
-    elif shape == "raw":
-        body = request_data["raw"]
+        text = encode([message, message], ascii_only)
     elif shape == "huge":
-        body = json.dumps({**message, "padding": "x" * 70_000}).encode()
+        text = encode({**message, "padding": "x" * 70_000}, ascii_only)
     elif shape == "no-jsonrpc":
-        body = json.dumps({key: value for key, value in message.items() if key != "jsonrpc"}).encode()
+        text = encode({key: value for key, value in message.items() if key != "jsonrpc"}, ascii_only)
     else:
-        body = json.dumps(message).encode()
-    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
-    if request_data["version_header"]:
-        headers["MCP-Protocol-Version"] = request_data["version_header"]
-    if request_data["method_header"] is not None:
-        headers["Mcp-Method"] = request_data["method_header"]
-    if request_data["name_header"] is not None:
-        headers["Mcp-Name"] = request_data["name_header"]
-    status, text = post(hostile_proxy.port, headers, body)
+        text = encode(message, ascii_only)
+    body = request_data["raw"] if shape == "raw" else text.encode("utf-8", "surrogatepass")
+    headers = {"Content-Type": b"application/json", "Accept": b"application/json, text/event-stream"}
+    for name, key in [
+        ("MCP-Protocol-Version", "version_header"),
+        ("Mcp-Method", "method_header"),
+        ("Mcp-Name", "name_header"),
+        ("Authorization", "principal_header"),
+    ]:
+        if request_data[key]:
+            headers[name] = header_bytes(request_data[key])
+    status, answer = post(hostile_proxy.port, headers, body)
     assert hostile_proxy.process is not None
     assert hostile_proxy.process.poll() is None, "the proxy died"
     if status < 400:
+        event(f"HTTP {status}")
         return
-    direct_status, direct_text = post(upstream.port, headers, body)
-    if (status, text) == (direct_status, direct_text):
+    direct_status, direct_answer = post(upstream.port, headers, body)
+    if (status, answer) == (direct_status, direct_answer):
+        event(f"HTTP {status}, relayed from the upstream")
         return  # a legacy request relayed verbatim: the upstream's own answer, as a direct client gets it
-    assert status < 500, (status, text[:300])
-    error = json.loads(text)["error"]
+    event(f"HTTP {status}, from the proxy")
+    assert status < 500, (status, answer[:300])
+    error = json.loads(answer)["error"]
     assert error["code"] in ALLOWED_CODES.get(status, {-32600, -32602}), (status, error)
 
 
-def post(port: int, headers: dict[str, str], body: bytes) -> tuple[int, str]:
+def post(port: int, headers: dict[str, bytes], body: bytes) -> tuple[int, str]:
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         connection.putrequest("POST", "/mcp")
         for name, value in headers.items():
-            connection.putheader(name, value.encode("latin-1"))
+            connection.putheader(name, value)
         connection.putheader("Content-Length", str(len(body)))
         connection.endheaders(body)
         response = connection.getresponse()

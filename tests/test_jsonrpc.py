@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from proxy.errors import InvalidRequestError, ParseError
-from proxy.wire.jsonrpc import Notification, Request, Response, classify, error_message, parse
+from proxy.wire.jsonrpc import MAX_DEPTH, Notification, Request, Response, classify, dumps, error_message, loads, parse
 
 
 def test_request_notification_and_response_are_told_apart() -> None:
@@ -71,3 +71,56 @@ def test_bad_json_is_a_parse_error(body: bytes) -> None:
 def test_error_message_leaves_out_an_unknown_id() -> None:
     assert "id" not in error_message(None, {"code": -32700, "message": "x"})
     assert error_message(0, {"code": -32700, "message": "x"})["id"] == 0
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'"\\ud800"',
+        b'"\\udfff"',
+        b'{"\\udc00": 1}',
+        b'["ok", {"a": ["x\\ud83d"]}]',  # a high surrogate whose low half never comes
+        b'"\\ude00\\ud83d"',  # both halves, in the wrong order
+        b"NaN",
+        b"[-Infinity]",
+        b"1e999",
+        b"[" * 100_000,
+        b"\xef\xbb\xbf\xef\xbb\xbf{}",  # one BOM is ignored, not two
+        '{"a": 1}'.encode("utf-16"),  # JSON between systems is UTF-8 (RFC 8259 section 8.1)
+    ],
+)
+def test_bodies_that_cannot_be_relayed_as_json_are_a_parse_error(body: bytes) -> None:
+    with pytest.raises(ParseError) as caught:
+        loads(body)
+    assert (caught.value.code, caught.value.status) == (-32700, 400)
+
+
+@pytest.mark.parametrize(
+    ("body", "value"),
+    [
+        (b'"\\ud83d\\ude00"', "\U0001f600"),  # a surrogate pair is one character
+        (b'"\\\\ud800"', "\\ud800"),  # an escaped backslash, then plain text
+        (b"10" + b"0" * 400, 10**401),  # big integers are exact
+        (b"-0", 0),
+        (b"1e308", 1e308),
+        (b"\xef\xbb\xbf[]", []),
+        # RTL mark, NUL (escaped: raw control characters are not JSON), a noncharacter, an emoji, a combining mark
+        ('"\u200f\\u0000\ufffe\U0001f600e\u0301"'.encode(), "\u200f\u0000\ufffe\U0001f600e\u0301"),
+    ],
+)
+def test_sound_bodies_decode(body: bytes, value: object) -> None:
+    assert loads(body) == value
+
+
+def test_nesting_is_refused_one_level_past_the_limit() -> None:
+    assert loads(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH) is not None
+    assert loads(b'{"a":' * MAX_DEPTH + b"0" + b"}" * MAX_DEPTH) is not None
+    with pytest.raises(ParseError):
+        loads(b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1))
+    with pytest.raises(ParseError):
+        loads(b'{"a":' * (MAX_DEPTH + 1) + b"0" + b"}" * (MAX_DEPTH + 1))
+
+
+def test_dumps_escapes_a_lone_surrogate_instead_of_failing() -> None:
+    assert dumps({"text": "a\ud800\u00e9"}) == b'{"text":"a\\ud800\\u00e9"}'
+    assert dumps({"text": "\u00e9"}) == '{"text":"\u00e9"}'.encode()

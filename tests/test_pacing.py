@@ -44,3 +44,18 @@ def test_estimates_follow_recent_durations_and_forget_old_tools() -> None:
         estimates.observe(f"tool-{number}", 10)
     assert estimates.expected_ms("a") is None  # the least recently completed tool went first
     assert estimates.expected_ms(f"tool-{MAX_TOOLS - 1}") == 10
+
+
+def test_estimates_loaded_from_the_store_replace_the_local_ones() -> None:
+    estimates = DurationEstimates()
+    estimates.observe("local", 100)
+    estimates.observe("shared", 100)
+    estimates.load({"shared": 2_000.0, "other": 50.0})
+    assert (estimates.expected_ms("shared"), estimates.expected_ms("other"), estimates.expected_ms("local")) == (
+        2_000.0,
+        50.0,
+        100,
+    )
+    estimates.load({f"tool_{index}": float(index) for index in range(MAX_TOOLS + 5)})
+    assert estimates.expected_ms("local") is None  # the bound holds
+    assert estimates.expected_ms(f"tool_{MAX_TOOLS + 4}") == MAX_TOOLS + 4

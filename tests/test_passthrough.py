@@ -145,3 +145,155 @@ async def test_a_head_answer_keeps_its_content_length(make_proxy: Callable[..., 
         assert await response.read() == b""
     finally:
         await server.close()
+
+
+# --- what reaches the upstream: the client's headers, plus the conventional X-Forwarded-* -------------------
+
+
+async def echo_request(request: web.Request) -> web.Response:
+    """The upstream: answers with the request line's method, the headers in the order received, and the body."""
+    body = await request.read()
+    received = [[name.decode("latin-1"), value.decode("latin-1")] for name, value in request.raw_headers]
+    return web.json_response({"method": request.method, "headers": received, "body": body.decode("latin-1")})
+
+
+@pytest.fixture
+async def echo() -> AsyncIterator[TestServer]:
+    app = web.Application()
+    app.router.add_route("*", "/mcp", echo_request)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    yield server
+    await server.close()
+
+
+async def raw_request(port: int, method: str, headers: list[tuple[str, str]], body: bytes = b"") -> dict[str, Any]:
+    """Exactly these headers (no client library adding its own), `Connection: close`, the echo's answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        head = "".join(f"{name}: {value}\r\n" for name, value in [*headers, ("Connection", "close")])
+        writer.write(f"{method} /mcp HTTP/1.1\r\n{head}\r\n".encode("latin-1") + body)
+        answer = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line.split(b" ")[1] == b"200", answer[:500]
+    echoed: dict[str, Any] = json.loads(rest.partition(b"\r\n\r\n")[2])
+    return echoed
+
+
+def _without(received: list[list[str]], *names: str) -> list[tuple[str, str]]:
+    return [(name.lower(), value) for name, value in received if name.lower() not in names]
+
+
+FORWARDED = ("x-forwarded-for", "x-forwarded-proto", "x-forwarded-host")
+
+
+@pytest.mark.parametrize("method", ["POST", "GET", "DELETE"])
+async def test_the_upstream_gets_the_clients_headers_and_nothing_of_the_proxys_own(
+    make_proxy: Callable[..., Any], echo: TestServer, method: str
+) -> None:
+    """A client that sends no Accept-Encoding, Accept, Content-Type or User-Agent: the upstream sees none either
+    (aiohttp's client would add `Accept-Encoding: gzip, deflate`, `Accept: */*` and a content type by itself),
+    the same headers in the same order as a direct client's, plus the X-Forwarded-* of this hop."""
+    proxy = await make_proxy(str(echo.make_url("/mcp")))
+    body = b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{}}' if method == "POST" else b""
+    sent = [("Mcp-Session-Id", "s-1"), ("X-Custom", "a"), ("X-Custom", "b")]
+    if body:
+        sent.append(("Content-Length", str(len(body))))
+    assert echo.port is not None
+    direct = await raw_request(echo.port, method, [("Host", f"127.0.0.1:{echo.port}"), *sent], body)
+    proxied = await raw_request(proxy.port, method, [("Host", f"localhost:{proxy.port}"), *sent], body)
+    assert proxied["method"] == direct["method"] == method
+    assert proxied["body"] == direct["body"]
+    expected = _without(direct["headers"], "connection")
+    if method == "DELETE":  # framing only: aiohttp's client always says a DELETE without a body has none
+        expected.append(("content-length", "0"))
+    assert _without(proxied["headers"], "connection", *FORWARDED) == expected
+    forwarded = dict(_without(proxied["headers"], *(n for n, _ in _without(proxied["headers"], *FORWARDED))))
+    assert forwarded == {
+        "x-forwarded-for": "127.0.0.1",
+        "x-forwarded-proto": "http",
+        "x-forwarded-host": f"localhost:{proxy.port}",
+    }
+
+
+async def test_accept_encoding_is_the_clients_own(make_proxy: Callable[..., Any], echo: TestServer) -> None:
+    proxy = await make_proxy(str(echo.make_url("/mcp")))
+    headers = [("Host", "localhost"), ("Accept-Encoding", "br"), ("Accept", "application/json, text/event-stream")]
+    proxied = await raw_request(proxy.port, "GET", headers)
+    received = _without(proxied["headers"])
+    assert ("accept-encoding", "br") in received
+    assert [name for name, _ in received].count("accept-encoding") == 1
+    assert ("accept", "application/json, text/event-stream") in received
+
+
+async def test_x_forwarded_for_is_appended_to_and_proto_and_host_are_set(
+    make_proxy: Callable[..., Any], echo: TestServer
+) -> None:
+    """The client's X-Forwarded-For (two lines here) is kept with this hop's client appended; X-Forwarded-Proto
+    and X-Forwarded-Host describe this hop, whatever the client claimed."""
+    proxy = await make_proxy(str(echo.make_url("/mcp")))
+    headers = [
+        ("Host", "127.0.0.1"),
+        ("X-Forwarded-For", "203.0.113.7"),
+        ("X-Forwarded-For", "198.51.100.1, 192.0.2.9"),
+        ("X-Forwarded-Proto", "https"),
+        ("X-Forwarded-Host", "spoofed.example"),
+    ]
+    received = _without((await raw_request(proxy.port, "GET", headers))["headers"])
+    forwarded = [(name, value) for name, value in received if name in FORWARDED]
+    assert sorted(forwarded) == [
+        ("x-forwarded-for", "203.0.113.7, 198.51.100.1, 192.0.2.9, 127.0.0.1"),
+        ("x-forwarded-host", "127.0.0.1"),
+        ("x-forwarded-proto", "http"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"jsonrpc":"2.0","id":"\\ud800","method":"tools/call","params":{"x":"\\udfff"}}',
+        b'{"jsonrpc":"2.0","id":1,"method":"m","params":{"a":' + b"[" * 5000 + b"]" * 5000 + b"}}",
+        b'{"jsonrpc":"2.0","id":1,"method":"m","params":{"n":1e999,"m":NaN}}',
+    ],
+    ids=["lone-surrogates", "deep", "non-finite"],
+)
+async def test_a_legacy_body_the_proxy_would_not_decode_is_relayed_byte_for_byte(
+    make_proxy: Callable[..., Any], echo: TestServer, body: bytes
+) -> None:
+    proxy = await make_proxy(str(echo.make_url("/mcp")))
+    headers = [("Host", "localhost"), ("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+    proxied = await raw_request(proxy.port, "POST", headers, body)
+    assert proxied["body"].encode("latin-1") == body
+
+
+async def test_a_client_that_asks_for_no_compression_gets_none(make_proxy: Callable[..., Any]) -> None:
+    """An upstream that compresses whenever the request allows it: through the proxy, as directly, a client
+    that sent no Accept-Encoding gets the body as it is."""
+
+    async def compressing(request: web.Request) -> web.Response:
+        response = web.json_response({"jsonrpc": "2.0", "id": 1, "result": {"text": "x" * 2000}})
+        response.enable_compression()  # only applied when the request's Accept-Encoding names a coding
+        return response
+
+    app = web.Application()
+    app.router.add_post("/mcp", compressing)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        proxy = await make_proxy(str(server.make_url("/mcp")))
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        body = b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{}}'
+        writer.write(
+            b"POST /mcp HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert b"content-encoding" not in head.lower(), head
+        assert json.loads(payload)["result"]["text"] == "x" * 2000
+    finally:
+        await server.close()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from proxy.upstream.sse import SSEEvent, SSEParser, frame
+import pytest
+
+from proxy.upstream.sse import EventTooLargeError, SSEEvent, SSEParser, frame
 
 STREAM = (
     b": comment\n"
@@ -43,3 +45,31 @@ def test_frame_round_trips() -> None:
     data = '{"jsonrpc":"2.0","id":1,"result":{}}'
     assert _events([frame(data)]) == [SSEEvent(data=data)]
     assert _events([frame("a\nb", event_id="7")]) == [SSEEvent(data="a\nb", id="7")]
+
+
+def test_an_event_over_the_cap_is_refused_as_soon_as_it_grows_past_it() -> None:
+    parser = SSEParser(max_event_chars=100)
+    assert [event.data for event in parser.feed(b"data: " + b"x" * 100 + b"\n\n")] == ["x" * 100]
+    for _ in range(50):  # the cap is per event: many events within it pass
+        assert len(parser.feed(b"data: " + b"y" * 60 + b"\ndata: " + b"z" * 30 + b"\n\n")) == 1
+    with pytest.raises(EventTooLargeError):
+        parser.feed(b"data: " + b"y" * 60 + b"\ndata: " + b"z" * 50 + b"\n\n")  # 110 characters of data
+
+
+def test_an_unfinished_line_over_the_cap_is_refused_before_it_ends() -> None:
+    parser = SSEParser(max_event_chars=1000)
+    parser.feed(b"data: ")
+    for _ in range(9):
+        assert parser.feed(b"x" * 100) == []
+    with pytest.raises(EventTooLargeError):
+        parser.feed(b"x" * 200)  # no line end yet: the line alone is over the cap
+
+
+def test_a_long_line_split_into_many_chunks_is_joined_once() -> None:
+    parser = SSEParser()
+    body = b'{"text": "' + b"a" * 100_000 + b'"}'
+    events: list[SSEEvent] = []
+    for start in range(0, len(body), 997):
+        events += parser.feed((b"data: " if start == 0 else b"") + body[start : start + 997])
+    events += parser.feed(b"\r\n\r\n")
+    assert [event.data for event in events] == [body.decode()]

@@ -1,52 +1,37 @@
-"""SqliteTaskStore against real SQLite files under tmp_path; the lock is also checked across real processes."""
+"""The TaskStore contract, against both backends: a real SQLite file under tmp_path and a real PostgreSQL
+database (tests/pg.py). SQLite-only specifics are in test_store_sqlite.py, replicas in test_store_pg.py."""
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import json
-import os
-import signal
 import sqlite3
-import sys
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
-from proxy.tasks import store as store_module
 from proxy.tasks.store import (
+    CANCEL,
+    INPUT,
+    RESYNC,
+    STATUS,
+    Change,
+    FencedError,
     SqliteTaskStore,
     StoreError,
     StoreFullError,
-    StoreLockedError,
+    TaskStore,
     record_from_row,
 )
+from proxy.tasks.store.postgres import PostgresTaskStore
 from proxy.wire.tasks import TaskRecord, TaskStatus
 
-ROOT = Path(__file__).resolve().parent.parent
-
-CHILD_OPEN = """
-import asyncio, sys
-from proxy.tasks.store import SqliteTaskStore
-
-async def main() -> None:
-    if sys.argv[2] == "hold":
-        sys.stdin.readline()  # imported and ready; open when the parent says so
-    try:
-        store = await SqliteTaskStore.open(sys.argv[1], max_records=10)
-    except Exception as exc:
-        print(type(exc).__name__, flush=True)
-        return
-    print("opened", flush=True)
-    if sys.argv[2] == "hold":
-        await asyncio.sleep(60)
-    await store.close()
-
-asyncio.run(main())
-"""
+DEADLINE_SECONDS = 10.0
 
 
 def make_record(
@@ -74,40 +59,77 @@ def make_record(
     )
 
 
-@pytest.fixture
-def db_path(tmp_path: Path) -> Path:
-    return tmp_path / "state" / "tasks.db"
+class Backend:
+    """Opens stores of one kind on one database, and reads its tables directly."""
+
+    def __init__(self, name: str, path: Path, dsn: str | None) -> None:
+        self.name, self.path, self.dsn = name, path, dsn
+
+    async def open(self, max_records: int = 100, *, read_only: bool = False) -> TaskStore:
+        if self.dsn is not None:
+            return await PostgresTaskStore.open(self.dsn, max_records=max_records, read_only=read_only)
+        return await SqliteTaskStore.open(self.path, max_records=max_records, read_only=read_only)
+
+    async def rows(self, sql: str) -> list[tuple[Any, ...]]:
+        if self.dsn is not None:
+            async with await psycopg.AsyncConnection.connect(self.dsn) as conn:
+                return await (await conn.execute(sql.encode())).fetchall()
+
+        def read() -> list[tuple[Any, ...]]:
+            conn = sqlite3.connect(self.path)
+            try:
+                return conn.execute(sql).fetchall()
+            finally:
+                conn.close()
+
+        return await asyncio.to_thread(read)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    dsn = request.getfixturevalue("pg_dsn") if request.param == "postgres" else None
+    return Backend(request.param, tmp_path / "state" / "tasks.db", dsn)
 
 
 @pytest.fixture
-async def store(db_path: Path) -> AsyncIterator[SqliteTaskStore]:
-    opened = await SqliteTaskStore.open(db_path, max_records=100)
+async def store(backend: Backend) -> AsyncIterator[TaskStore]:
+    opened = await backend.open()
     yield opened
     await opened.close()
 
 
-def raw_rows(path: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    conn = sqlite3.connect(path)
-    try:
-        return conn.execute(sql, params).fetchall()
-    finally:
-        conn.close()
+def creation_thread(store: TaskStore) -> Executor:
+    """The thread that commits a store's creations."""
+    if isinstance(store, SqliteTaskStore):
+        assert store._writer is not None
+        return store._writer
+    assert isinstance(store, PostgresTaskStore)
+    return store._creator.executor
 
 
-async def run_child(path: Path, mode: str) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        CHILD_OPEN,
-        str(path),
-        mode,
-        cwd=ROOT,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-    )
+async def hold_creations(store: TaskStore) -> tuple[threading.Event, asyncio.Future[None]]:
+    """Occupy the store's creation thread until the returned event is set (creations queue up meanwhile)."""
+    release, started = threading.Event(), threading.Event()
+
+    def block() -> None:
+        started.set()
+        release.wait(10)
+
+    held = asyncio.get_running_loop().run_in_executor(creation_thread(store), block)
+    await asyncio.to_thread(started.wait, 10)
+    return release, held
 
 
-async def test_create_get_round_trips_every_field(store: SqliteTaskStore, db_path: Path) -> None:
+async def next_change(changes: AsyncIterator[Change], *, skip_resync: bool = True) -> Change:
+    """The next change within the deadline (RESYNCs skipped unless asked for)."""
+    async with asyncio.timeout(DEADLINE_SECONDS):
+        async for change in changes:
+            if change.kind != RESYNC or not skip_resync:
+                return change
+    raise AssertionError("the feed ended")
+
+
+async def test_create_get_round_trips_every_field(store: TaskStore, backend: Backend) -> None:
     full = make_record(
         "task_full",
         status=TaskStatus.INPUT_REQUIRED,
@@ -124,26 +146,24 @@ async def test_create_get_round_trips_every_field(store: SqliteTaskStore, db_pat
         input_requests={"key-1": {"method": "elicitation/create", "params": {"message": "ok?"}}},
         inputs_issued=3,
         rerun_principal="Bearer secret",
+        client_capabilities={"elicitation": {}},
+        upstream_task_id="0b3d2565:aa4e86b6",
+        upstream_session_id="session-1",
+        upstream_input_ids={"key-1": "task-0b3d-140668836600304", "key-2": 0},
     )
     bare = make_record("task_bare", ttl_ms=None)
     await store.create(full)
     await store.create(bare)
 
-    got_full = await store.get("task_full")
+    assert await store.get("task_full") == full
     got_bare = await store.get("task_bare")
-    assert got_full == full
     assert got_bare == bare
-    assert got_full is not None
-    assert got_full.status is TaskStatus.INPUT_REQUIRED
     assert got_bare is not None
-    assert got_bare.ttl_ms is None
-    assert got_bare.result is None
-    assert got_bare.input_requests == {}
+    assert (got_bare.ttl_ms, got_bare.result, got_bare.input_requests) == (None, None, {})
     assert await store.get("task_unknown") is None
 
-    stored = dict(
-        (row[0], row[1:]) for row in raw_rows(db_path, "SELECT task_id, expires_at_ms, request, result FROM tasks")
-    )
+    rows = await backend.rows("SELECT task_id, expires_at_ms, request, result FROM tasks ORDER BY task_id")
+    stored = {row[0]: row[1:] for row in rows}
     assert stored["task_full"] == (
         1_700_000_000_123 + 3_600_000,
         json.dumps(full.request, separators=(",", ":")),
@@ -174,25 +194,25 @@ def test_record_from_row_decodes_json_and_status() -> None:
         "inputs_issued": 4,
         "rerun_principal": None,
         "client_capabilities": '{"elicitation":{}}',
+        "upstream_task_id": "up-1",
+        "upstream_session_id": "s-1",
+        "upstream_input_ids": '{"elicitation-1":"task-q-1"}',
     }
     record = record_from_row(row)
     assert record.client_capabilities == {"elicitation": {}}
+    assert (record.upstream_task_id, record.upstream_session_id) == ("up-1", "s-1")
+    assert record.upstream_input_ids == {"elicitation-1": "task-q-1"}
     assert record.status is TaskStatus.FAILED
-    assert record.request == {"a": 1}
-    assert record.error == {"code": 1}
-    assert record.result is None
-    assert record.inputs_issued == 4
+    assert (record.request, record.error, record.result, record.inputs_issued) == ({"a": 1}, {"code": 1}, None, 4)
 
 
-async def test_set_inputs_changes_live_tasks_and_bumps_updated_at(store: SqliteTaskStore) -> None:
+async def test_set_inputs_changes_live_tasks_and_bumps_updated_at(store: TaskStore) -> None:
     original = make_record("task_a", created_at_ms=1_000)
     await store.create(original)
     asking = await store.set_inputs("task_a", {"k1": {"method": "sampling/createMessage"}}, 1, now_ms=5_000)
     assert asking is not None
     assert asking == await store.get("task_a")
-    assert asking.updated_at_ms == 5_000
-    assert asking.created_at_ms == 1_000
-    assert asking.status is TaskStatus.INPUT_REQUIRED
+    assert (asking.updated_at_ms, asking.created_at_ms, asking.status) == (5_000, 1_000, TaskStatus.INPUT_REQUIRED)
     assert asking.input_requests == {"k1": {"method": "sampling/createMessage"}}
     assert asking.inputs_issued == 1
     assert (asking.request, asking.tool, asking.ttl_ms, asking.owner) == (
@@ -204,9 +224,7 @@ async def test_set_inputs_changes_live_tasks_and_bumps_updated_at(store: SqliteT
 
     back = await store.set_inputs("task_a", {}, 1, now_ms=6_000)
     assert back is not None
-    assert back.status is TaskStatus.WORKING
-    assert back.input_requests == {}
-    assert back.inputs_issued == 1
+    assert (back.status, back.input_requests, back.inputs_issued) == (TaskStatus.WORKING, {}, 1)
 
     progressed = await store.set_status_message("task_a", "3/10", now_ms=7_000)
     assert progressed is not None
@@ -217,7 +235,7 @@ async def test_set_inputs_changes_live_tasks_and_bumps_updated_at(store: SqliteT
     )
 
 
-async def test_claim_takes_a_live_task_back_to_working_for_a_new_owner(store: SqliteTaskStore) -> None:
+async def test_claim_takes_a_live_task_back_to_working_for_a_new_owner(store: TaskStore) -> None:
     await store.create(make_record("task_a", created_at_ms=1_000))
     await store.set_inputs("task_a", {"k1": {"method": "roots/list"}}, 3, now_ms=2_000)
     claimed = await store.claim("task_a", "proxy-2", "re-running", now_ms=3_000)
@@ -227,7 +245,7 @@ async def test_claim_takes_a_live_task_back_to_working_for_a_new_owner(store: Sq
     assert claimed.inputs_issued == 3  # keys already issued stay issued: a re-run never reuses one
 
 
-async def test_typed_writes_leave_terminal_and_missing_tasks_alone(store: SqliteTaskStore) -> None:
+async def test_typed_writes_leave_terminal_and_missing_tasks_alone(store: TaskStore) -> None:
     await store.create(make_record("task_done", created_at_ms=1_000))
     settled = await store.settle("task_done", TaskStatus.COMPLETED, now_ms=2_000, result={"content": []})
     assert settled is not None
@@ -239,7 +257,7 @@ async def test_typed_writes_leave_terminal_and_missing_tasks_alone(store: Sqlite
     assert (await store.stats())["records"] == 1
 
 
-async def test_first_settle_wins(store: SqliteTaskStore) -> None:
+async def test_first_settle_wins(store: TaskStore) -> None:
     await store.create(make_record("task_a"))
     completed, cancelled = await asyncio.gather(
         store.settle("task_a", TaskStatus.COMPLETED, now_ms=2_000, result={"content": [], "resultType": "complete"}),
@@ -257,7 +275,7 @@ async def test_first_settle_wins(store: SqliteTaskStore) -> None:
     assert await store.settle("task_missing", TaskStatus.FAILED, now_ms=3_000) is None
 
 
-async def test_settle_clears_input_requests_and_rerun_principal(store: SqliteTaskStore) -> None:
+async def test_settle_clears_input_requests_and_rerun_principal(store: TaskStore) -> None:
     await store.create(
         make_record(
             "task_a",
@@ -272,17 +290,35 @@ async def test_settle_clears_input_requests_and_rerun_principal(store: SqliteTas
     settled = await store.settle("task_a", TaskStatus.FAILED, now_ms=9_000, error=error)
     assert settled is not None
     assert settled == await store.get("task_a")
-    assert settled.status is TaskStatus.FAILED
-    assert settled.error == error
-    assert settled.result is None
-    assert settled.status_message is None
-    assert settled.input_requests == {}
-    assert settled.rerun_principal is None
-    assert settled.inputs_issued == 1
+    assert (settled.status, settled.error, settled.result, settled.status_message) == (
+        TaskStatus.FAILED,
+        error,
+        None,
+        None,
+    )
+    assert (settled.input_requests, settled.rerun_principal, settled.inputs_issued) == ({}, None, 1)
     assert settled.updated_at_ms == 9_000
 
 
-async def test_settle_rejects_live_status(store: SqliteTaskStore) -> None:
+async def test_a_task_the_upstream_runs_keeps_its_upstream_ids_until_it_settles(store: TaskStore) -> None:
+    await store.create(make_record("task_up", upstream_task_id="up-1", upstream_session_id="s-1"))
+    question = {"elicitation-1": {"method": "elicitation/create", "params": {"message": "?"}}}
+    asking = await store.set_inputs("task_up", question, 1, now_ms=2_000, upstream_input_ids={"elicitation-1": "q-7"})
+    assert asking is not None
+    assert (asking.status, asking.upstream_input_ids) == (TaskStatus.INPUT_REQUIRED, {"elicitation-1": "q-7"})
+    unchanged = await store.set_inputs("task_up", question, 1, now_ms=3_000)  # no ids given: those kept stay
+    assert unchanged is not None
+    assert unchanged.upstream_input_ids == {"elicitation-1": "q-7"}
+    claimed = await store.claim("task_up", "proxy-2", "resumed", now_ms=4_000)
+    assert claimed is not None
+    assert (claimed.upstream_task_id, claimed.upstream_session_id) == ("up-1", "s-1")  # followed again there
+    settled = await store.settle("task_up", TaskStatus.COMPLETED, now_ms=5_000, result={"content": []})
+    assert settled is not None
+    assert settled.upstream_input_ids == {}
+    assert (settled.upstream_task_id, settled.upstream_session_id) == ("up-1", "s-1")
+
+
+async def test_settle_rejects_live_status(store: TaskStore) -> None:
     await store.create(make_record("task_a"))
     with pytest.raises(ValueError, match="terminal"):
         await store.settle("task_a", TaskStatus.WORKING, now_ms=2_000)
@@ -291,8 +327,8 @@ async def test_settle_rejects_live_status(store: SqliteTaskStore) -> None:
     assert got.status is TaskStatus.WORKING
 
 
-async def test_max_records_evicts_the_oldest_settled(db_path: Path) -> None:
-    store = await SqliteTaskStore.open(db_path, max_records=3)
+async def test_max_records_evicts_the_oldest_settled(backend: Backend) -> None:
+    store = await backend.open(max_records=3)
     try:
         for index, task_id in enumerate(("task_a", "task_b", "task_c")):
             await store.create(make_record(task_id, created_at_ms=1_000 + index))
@@ -300,16 +336,15 @@ async def test_max_records_evicts_the_oldest_settled(db_path: Path) -> None:
         await store.settle("task_b", TaskStatus.FAILED, now_ms=4_000)  # settled last-created, but earlier
         await store.create(make_record("task_d", created_at_ms=6_000))
         assert await store.get("task_b") is None
-        assert await store.get("task_a") is not None
-        assert await store.get("task_c") is not None
-        assert await store.get("task_d") is not None
+        for kept in ("task_a", "task_c", "task_d"):
+            assert await store.get(kept) is not None
         assert (await store.stats())["records"] == 3
     finally:
         await store.close()
 
 
-async def test_eviction_breaks_updated_at_ties_by_created_at(db_path: Path) -> None:
-    store = await SqliteTaskStore.open(db_path, max_records=2)
+async def test_eviction_breaks_updated_at_ties_by_created_at(backend: Backend) -> None:
+    store = await backend.open(max_records=2)
     try:
         await store.create(make_record("task_young", created_at_ms=2_000))
         await store.create(make_record("task_old", created_at_ms=1_000))
@@ -322,8 +357,8 @@ async def test_eviction_breaks_updated_at_ties_by_created_at(db_path: Path) -> N
         await store.close()
 
 
-async def test_full_of_live_tasks_raises_and_writes_nothing(db_path: Path) -> None:
-    store = await SqliteTaskStore.open(db_path, max_records=2)
+async def test_full_of_live_tasks_raises_and_writes_nothing(backend: Backend) -> None:
+    store = await backend.open(max_records=2)
     try:
         await store.create(make_record("task_a"))
         await store.create(make_record("task_b", status=TaskStatus.INPUT_REQUIRED))
@@ -331,7 +366,7 @@ async def test_full_of_live_tasks_raises_and_writes_nothing(db_path: Path) -> No
             await store.create(make_record("task_c"))
         assert await store.get("task_c") is None
         assert (await store.stats())["records"] == 2
-        # A settled task makes room again, and the in-memory count stayed right through the refusal.
+        # A settled task makes room again, and the count stayed right through the refusal.
         await store.settle("task_a", TaskStatus.COMPLETED, now_ms=2_000)
         await store.create(make_record("task_c"))
         assert await store.get("task_a") is None
@@ -340,42 +375,25 @@ async def test_full_of_live_tasks_raises_and_writes_nothing(db_path: Path) -> No
         await store.close()
 
 
-async def hold_writer(store: SqliteTaskStore) -> tuple[threading.Event, asyncio.Future[None]]:
-    """Occupy the writer thread until the returned event is set (creations queue up meanwhile)."""
-    release, started = threading.Event(), threading.Event()
-
-    def block() -> None:
-        started.set()
-        release.wait(10)
-
-    held = asyncio.ensure_future(store._write("hold", block))  # noqa: TID251 (a test's own handle)
-    await asyncio.to_thread(started.wait, 10)
-    return release, held
-
-
-async def test_creations_queued_while_the_writer_is_busy_share_one_commit(store: SqliteTaskStore) -> None:
-    statements: list[str] = []
-    await store.set_trace_callback(statements.append)
-    release, held = await hold_writer(store)
+async def test_creations_queued_while_the_creator_is_busy_share_one_commit(store: TaskStore, backend: Backend) -> None:
+    release, held = await hold_creations(store)
     creations = [asyncio.ensure_future(store.create(make_record(f"task_{n}"))) for n in range(40)]  # noqa: TID251
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # the creations are queued behind the held thread (nothing to poll for)
     assert not any(creation.done() for creation in creations)  # nobody is answered before the commit
     release.set()
     await held
     await asyncio.gather(*creations)
-    await store.set_trace_callback(None)
 
-    assert len([sql for sql in statements if sql.startswith("INSERT")]) == 40
-    assert [sql for sql in statements if sql == "COMMIT"] == ["COMMIT"]  # one transaction, one fsync
     assert (await store.stats())["records"] == 40
-    assert await store.get("task_39") is not None
+    if backend.dsn is not None:  # rows written by one transaction share its id
+        assert await backend.rows("SELECT count(DISTINCT xmin::text) FROM tasks") == [(1,)]
 
 
-async def test_a_record_that_fails_in_a_group_takes_back_only_itself(db_path: Path) -> None:
-    store = await SqliteTaskStore.open(db_path, max_records=3)
+async def test_a_record_that_fails_in_a_group_takes_back_only_itself(backend: Backend) -> None:
+    store = await backend.open(max_records=3)
     try:
         await store.create(make_record("task_a"))
-        release, held = await hold_writer(store)
+        release, held = await hold_creations(store)
         names = ["task_b", "task_a", "task_c", "task_d"]  # a duplicate id, then one more than fits
         creations = [asyncio.ensure_future(store.create(make_record(name, owner="x"))) for name in names]  # noqa: TID251
         await asyncio.sleep(0.05)
@@ -385,14 +403,15 @@ async def test_a_record_that_fails_in_a_group_takes_back_only_itself(db_path: Pa
 
         assert outcomes[0] is None
         assert isinstance(outcomes[1], StoreError)
-        assert isinstance(outcomes[1].__cause__, sqlite3.IntegrityError)
+        assert not isinstance(outcomes[1], StoreFullError)
+        assert "create task_a failed" in str(outcomes[1])
         assert outcomes[2] is None
         assert isinstance(outcomes[3], StoreFullError)
         first = await store.get("task_a")
         assert first is not None
         assert first.owner == "proxy-1"  # the duplicate changed nothing
         assert await store.get("task_d") is None
-        assert (await store.stats())["records"] == 3  # the in-memory count followed the group's outcomes
+        assert (await store.stats())["records"] == 3  # the count followed the group's outcomes
         await store.settle("task_b", TaskStatus.COMPLETED, now_ms=2_000)
         await store.create(make_record("task_d"))  # room again: task_b is evicted
         assert await store.get("task_b") is None
@@ -400,9 +419,9 @@ async def test_a_record_that_fails_in_a_group_takes_back_only_itself(db_path: Pa
         await store.close()
 
 
-async def test_an_unexpected_failure_in_a_group_answers_every_creator(store: SqliteTaskStore) -> None:
+async def test_an_unexpected_failure_in_a_group_answers_every_creator(store: TaskStore) -> None:
     """Whatever breaks a group commit, nobody waits forever: the group is rolled back and each creator hears."""
-    release, held = await hold_writer(store)
+    release, held = await hold_creations(store)
     good = asyncio.ensure_future(store.create(make_record("task_good")))  # noqa: TID251
     unstorable = make_record("task_bad", request={"not json": {1, 2}})  # a set: the row cannot be encoded
     bad = asyncio.ensure_future(store.create(unstorable))  # noqa: TID251
@@ -421,8 +440,8 @@ async def test_an_unexpected_failure_in_a_group_answers_every_creator(store: Sql
     assert await store.get("task_good") is not None
 
 
-async def test_a_creator_that_leaves_does_not_disturb_its_group(store: SqliteTaskStore) -> None:
-    release, held = await hold_writer(store)
+async def test_a_creator_that_leaves_does_not_disturb_its_group(store: TaskStore) -> None:
+    release, held = await hold_creations(store)
     leaving = asyncio.ensure_future(store.create(make_record("task_gone")))  # noqa: TID251
     staying = asyncio.ensure_future(store.create(make_record("task_kept")))  # noqa: TID251
     await asyncio.sleep(0.05)
@@ -437,15 +456,15 @@ async def test_a_creator_that_leaves_does_not_disturb_its_group(store: SqliteTas
     assert await store.get("task_gone") is not None
 
 
-async def test_record_count_is_loaded_at_open(db_path: Path) -> None:
-    store = await SqliteTaskStore.open(db_path, max_records=10)
+async def test_record_count_survives_a_reopen_with_a_smaller_limit(backend: Backend) -> None:
+    store = await backend.open(max_records=10)
     for index in range(5):
         await store.create(make_record(f"task_{index}", created_at_ms=1_000 + index))
     for index in range(4):
         await store.settle(f"task_{index}", TaskStatus.COMPLETED, now_ms=2_000 + index)
     await store.close()
 
-    smaller = await SqliteTaskStore.open(db_path, max_records=2)
+    smaller = await backend.open(max_records=2)
     try:
         await smaller.create(make_record("task_new"))
         assert sorted(record.task_id for record in await smaller.live()) == ["task_4", "task_new"]
@@ -454,17 +473,16 @@ async def test_record_count_is_loaded_at_open(db_path: Path) -> None:
         await smaller.close()
 
 
-async def test_duplicate_id_is_a_store_error(store: SqliteTaskStore) -> None:
+async def test_duplicate_id_is_a_store_error(store: TaskStore) -> None:
     await store.create(make_record("task_a"))
-    with pytest.raises(StoreError, match="create task_a failed") as caught:
+    with pytest.raises(StoreError, match="create task_a failed"):
         await store.create(make_record("task_a", owner="someone-else"))
-    assert isinstance(caught.value.__cause__, sqlite3.IntegrityError)
     got = await store.get("task_a")
     assert got is not None
     assert got.owner == "proxy-1"
 
 
-async def test_expired_live_and_purge_expired_boundaries(store: SqliteTaskStore, db_path: Path) -> None:
+async def test_expired_live_and_purge_expired_boundaries(store: TaskStore) -> None:
     await store.create(make_record("live_a", created_at_ms=1_000, ttl_ms=100))  # expires 1100
     await store.create(make_record("live_forever", created_at_ms=1_000, ttl_ms=None))
     await store.create(make_record("live_c", status=TaskStatus.INPUT_REQUIRED, created_at_ms=1_000, ttl_ms=200))
@@ -489,13 +507,23 @@ async def test_expired_live_and_purge_expired_boundaries(store: SqliteTaskStore,
     assert await store.get("done_forever") is not None
     assert (await store.stats())["records"] == 4
 
-    # Both range queries walk the expires_at_ms index, not every record of a status.
-    for sql in (store_module._EXPIRED_LIVE_SQL, store_module._PURGE_SQL):
-        plan = " ".join(str(row[-1]) for row in raw_rows(db_path, f"EXPLAIN QUERY PLAN {sql}", (0,)))
-        assert "idx_tasks_expires_at_ms" in plan
+
+async def test_settle_expired_fails_live_tasks_past_their_ttl(store: TaskStore) -> None:
+    await store.create(make_record("live_a", created_at_ms=1_000, ttl_ms=100))
+    await store.create(make_record("live_b", status=TaskStatus.INPUT_REQUIRED, created_at_ms=1_000, ttl_ms=200))
+    await store.create(make_record("live_later", created_at_ms=1_000, ttl_ms=5_000))
+    error = {"code": -32603, "message": "expired"}
+    assert await store.settle_expired(1_099, error=error, status_message="expired") == []
+    settled = await store.settle_expired(1_200, error=error, status_message="expired")
+    assert [(record.task_id, record.status, record.error) for record in settled] == [
+        ("live_a", TaskStatus.FAILED, error),
+        ("live_b", TaskStatus.FAILED, error),
+    ]
+    assert [record.task_id for record in await store.live()] == ["live_later"]
+    assert await store.settle_expired(1_200, error=error, status_message="expired") == []
 
 
-async def test_delete(store: SqliteTaskStore) -> None:
+async def test_delete(store: TaskStore) -> None:
     await store.create(make_record("task_a"))
     assert await store.delete("task_a") is True
     assert await store.get("task_a") is None
@@ -503,15 +531,9 @@ async def test_delete(store: SqliteTaskStore) -> None:
     assert (await store.stats())["records"] == 0
 
 
-async def test_stats_counts_by_status(store: SqliteTaskStore) -> None:
-    assert await store.stats() == {
-        "working": 0,
-        "input_required": 0,
-        "completed": 0,
-        "failed": 0,
-        "cancelled": 0,
-        "records": 0,
-    }
+async def test_stats_counts_by_status(store: TaskStore) -> None:
+    empty = {"working": 0, "input_required": 0, "completed": 0, "failed": 0, "cancelled": 0, "records": 0}
+    assert await store.stats() == empty
     for index in range(3):
         await store.create(make_record(f"working_{index}"))
     await store.create(make_record("input_0", status=TaskStatus.INPUT_REQUIRED))
@@ -519,65 +541,34 @@ async def test_stats_counts_by_status(store: SqliteTaskStore) -> None:
         await store.create(make_record(f"settled_{index}"))
         await store.settle(f"settled_{index}", status, now_ms=2_000)
     assert await store.stats() == {
+        **empty,
         "working": 3,
         "input_required": 1,
         "completed": 2,
-        "failed": 0,
         "cancelled": 1,
         "records": 7,
     }
+    assert await store.size_bytes() > 0
+    await store.check_writable(3_000)
 
 
-async def test_durable_across_reopen(db_path: Path) -> None:
-    store = await SqliteTaskStore.open(db_path, max_records=10)
-    assert db_path.parent.is_dir()  # created on open
-    record = make_record("task_a", input_requests={"k": {"x": 1}})
-    await store.create(record)
+async def test_records_survive_a_reopen(backend: Backend) -> None:
+    store = await backend.open(max_records=10)
+    await store.create(make_record("task_a", input_requests={"k": {"x": 1}}))
     settled = await store.settle("task_a", TaskStatus.COMPLETED, now_ms=2_000, result={"content": []})
     await store.create(make_record("task_b"))
     await store.close()
-    assert not await asyncio.to_thread(Path(f"{db_path}-wal").exists)  # checkpointed and removed on close
 
-    migrations = raw_rows(db_path, "SELECT migration_set, name, applied_at FROM _sqlite_migrations")
-    assert [row[:2] for row in migrations] == [
-        ("mcp-tasks-proxy", "0001_create_tasks"),
-        ("mcp-tasks-proxy", "0002_create_health"),
-        ("mcp-tasks-proxy", "0003_add_client_capabilities"),
-    ]
-    assert raw_rows(db_path, "PRAGMA journal_mode") == [("wal",)]
-    indexes = {row[0] for row in raw_rows(db_path, "SELECT name FROM sqlite_master WHERE type = 'index'")}
-    assert {"idx_tasks_status", "idx_tasks_expires_at_ms", "idx_tasks_status_updated_at_ms"} <= indexes
-
-    reopened = await SqliteTaskStore.open(db_path, max_records=10)
+    reopened = await backend.open(max_records=10)
     try:
         assert await reopened.get("task_a") == settled
         assert await reopened.get("task_b") == make_record("task_b")
         assert [record.task_id for record in await reopened.live()] == ["task_b"]
     finally:
         await reopened.close()
-    assert raw_rows(db_path, "SELECT migration_set, name, applied_at FROM _sqlite_migrations") == migrations
-    assert raw_rows(db_path, "PRAGMA integrity_check") == [("ok",)]
 
 
-@pytest.mark.parametrize(("synchronous", "expected"), [("normal", 1), ("full", 2)])
-async def test_connection_pragmas(db_path: Path, synchronous: Any, expected: int) -> None:
-    store = await SqliteTaskStore.open(db_path, max_records=10, synchronous=synchronous)
-    try:
-        writer = store._writer
-        assert writer is not None
-
-        def pragmas() -> tuple[Any, ...]:
-            conn = store._writer_conn().conn
-            return tuple(
-                conn.execute(f"PRAGMA {name}").fetchone()[0] for name in ("synchronous", "journal_mode", "busy_timeout")
-            )
-
-        assert await asyncio.get_running_loop().run_in_executor(writer, pragmas) == (expected, "wal", 5000)
-    finally:
-        await store.close()
-
-
-async def test_close_is_idempotent_and_closed_store_refuses_work(store: SqliteTaskStore) -> None:
+async def test_close_is_idempotent_and_closed_store_refuses_work(store: TaskStore) -> None:
     await store.create(make_record("task_a"))
     await asyncio.gather(store.close(), store.close())
     await store.close()
@@ -587,54 +578,9 @@ async def test_close_is_idempotent_and_closed_store_refuses_work(store: SqliteTa
         await store.create(make_record("task_b"))
 
 
-async def test_second_open_in_process_is_locked_out(store: SqliteTaskStore, db_path: Path) -> None:
-    with pytest.raises(StoreLockedError, match="is in use by another mcp-tasks-proxy process") as caught:
-        await SqliteTaskStore.open(db_path, max_records=10)
-    assert str(db_path) in str(caught.value)
-    await store.close()
-    again = await SqliteTaskStore.open(db_path, max_records=10)
-    await again.close()
-
-
-async def test_lock_excludes_other_processes(store: SqliteTaskStore, db_path: Path) -> None:
-    # Both children start together (their imports dominate the run time); the holder waits for "go".
-    child, holder = await run_child(db_path, "close"), await run_child(db_path, "hold")
-    try:
-        out, _ = await child.communicate()
-        assert out.decode().strip() == "StoreLockedError"
-        await store.close()
-
-        # A process killed while holding the store leaves no stale lock behind.
-        assert holder.stdin is not None
-        assert holder.stdout is not None
-        holder.stdin.write(b"go\n")
-        await holder.stdin.drain()
-        assert (await holder.stdout.readline()).decode().strip() == "opened"
-        with pytest.raises(StoreLockedError):
-            await SqliteTaskStore.open(db_path, max_records=10)
-    finally:
-        if holder.returncode is None:
-            holder.send_signal(signal.SIGKILL)
-        await holder.wait()
-    after = await SqliteTaskStore.open(db_path, max_records=10)
-    await after.close()
-
-
-async def test_failed_open_releases_the_lock(tmp_path: Path) -> None:
-    path = tmp_path / "garbage.db"
-    path.write_bytes(b"this is not a sqlite database, just some bytes " * 100)
-    with pytest.raises(StoreError, match=r"garbage\.db"):
-        await SqliteTaskStore.open(path, max_records=10)
-    fd = os.open(f"{path}.lock", os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the failed open still held it
-    finally:
-        os.close(fd)
-
-
-async def test_read_only_sees_commits_and_refuses_writes(store: SqliteTaskStore, db_path: Path) -> None:
+async def test_read_only_sees_commits_and_refuses_writes(store: TaskStore, backend: Backend) -> None:
     await store.create(make_record("task_a"))
-    reader = await SqliteTaskStore.open(db_path, max_records=10, read_only=True)  # no lock taken
+    reader = await backend.open(max_records=10, read_only=True)
     try:
         assert await reader.get("task_a") == make_record("task_a")
         await store.create(make_record("task_b"))
@@ -657,38 +603,128 @@ async def test_read_only_sees_commits_and_refuses_writes(store: SqliteTaskStore,
         await reader.close()
 
 
-async def test_read_only_rejects_a_foreign_or_missing_database(tmp_path: Path) -> None:
-    foreign = tmp_path / "other.db"
-    conn = sqlite3.connect(foreign)
-    conn.execute("CREATE TABLE notes (body TEXT)")
-    conn.commit()
-    conn.close()
-    with pytest.raises(StoreError, match="not a task database"):
-        await SqliteTaskStore.open(foreign, max_records=10, read_only=True)
-    with pytest.raises(StoreError, match=r"missing\.db"):
-        await SqliteTaskStore.open(tmp_path / "missing.db", max_records=10, read_only=True)
-    assert not await asyncio.to_thread((tmp_path / "missing.db").exists)
+# -- fencing, messages, the change feed, pacing: the same API on both backends ----------------------------------
 
 
-async def test_sqlite_work_never_runs_on_the_event_loop_thread(store: SqliteTaskStore) -> None:
-    seen: list[tuple[str, str]] = []
-    await store.set_trace_callback(lambda sql: seen.append((threading.current_thread().name, sql)))
-    await store.create(make_record("task_a", ttl_ms=10))
-    await store.create(make_record("task_b"))
-    await store.get("task_a")
-    await store.set_status_message("task_a", "x", now_ms=2_000)
-    await store.live()
-    await store.expired_live(5_000)
-    await store.settle("task_a", TaskStatus.COMPLETED, now_ms=3_000)
-    await store.purge_expired(5_000)
-    await store.delete("task_b")
-    await store.stats()
-    await store.set_trace_callback(None)
+async def test_a_fenced_write_needs_the_task_to_be_the_fences_owner(store: TaskStore) -> None:
+    mine = await store.renew_lease("proxy-1", 30)
+    assert mine.owner == "proxy-1"
+    assert await store.renew_lease("proxy-1", 30) == mine  # renewed in time: the same epoch
+    await store.create(make_record("task_a", owner="proxy-1"))
+    await store.create(make_record("task_b", owner="proxy-2"))
 
-    assert threading.current_thread().name not in {name for name, _ in seen}
-    writes = [name for name, sql in seen if sql.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE"))]
-    reads = [name for name, sql in seen if sql.lstrip().upper().startswith("SELECT")]
-    assert len(writes) >= 5
-    assert len(reads) >= 4
-    assert all(name.startswith("task-store-writer") for name in writes)
-    assert all(name.startswith("task-store-reader") for name in reads)
+    assert await store.set_status_message("task_a", "1/3", now_ms=2_000, fence=mine) is not None
+    asking = await store.set_inputs("task_a", {"k": {"method": "roots/list"}}, 1, now_ms=2_001, fence=mine)
+    assert asking is not None
+    assert asking.status is TaskStatus.INPUT_REQUIRED
+    with pytest.raises(FencedError, match="task_b"):
+        await store.settle("task_b", TaskStatus.COMPLETED, now_ms=2_002, result={}, fence=mine)
+    with pytest.raises(FencedError):
+        await store.set_status_message("task_b", "not mine", now_ms=2_002, fence=mine)
+    untouched = await store.get("task_b")
+    assert untouched is not None
+    assert (untouched.status, untouched.status_message) == (TaskStatus.WORKING, None)
+
+    settled = await store.settle("task_a", TaskStatus.COMPLETED, now_ms=2_003, result={}, fence=mine)
+    assert settled is not None
+    # A settled or unknown task is no fencing matter: None, as without a fence.
+    assert await store.settle("task_a", TaskStatus.FAILED, now_ms=2_004, fence=mine) is None
+    assert await store.set_status_message("task_missing", "x", now_ms=2_004, fence=mine) is None
+    # Without a fence (a cancel from anywhere) the first settle still wins.
+    cancelled = await store.settle("task_b", TaskStatus.CANCELLED, now_ms=2_005, status_message="cancelled")
+    assert cancelled is not None
+    assert cancelled.status is TaskStatus.CANCELLED
+
+
+async def test_live_can_be_narrowed_to_one_owner(store: TaskStore) -> None:
+    await store.create(make_record("task_a", owner="proxy-1", created_at_ms=1))
+    await store.create(make_record("task_b", owner="proxy-2", created_at_ms=2))
+    await store.create(make_record("task_c", owner="proxy-1", created_at_ms=3))
+    await store.settle("task_c", TaskStatus.COMPLETED, now_ms=4)
+    assert [record.task_id for record in await store.live(owner="proxy-1")] == ["task_a"]
+    assert [record.task_id for record in await store.live(owner="proxy-2")] == ["task_b"]
+    assert [record.task_id for record in await store.live()] == ["task_a", "task_b"]
+
+
+async def test_messages_wait_for_their_replica_in_order(store: TaskStore) -> None:
+    await store.create(make_record("task_a", owner="proxy-1"))
+    await store.create(make_record("task_done", owner="proxy-1"))
+    await store.settle("task_done", TaskStatus.COMPLETED, now_ms=2_000)
+
+    cancel = await store.notify_owner("task_a", CANCEL, {"reason": "cancelled by client"})
+    assert cancel is not None
+    assert (cancel.recipient, cancel.kind, cancel.key, cancel.payload) == (
+        "proxy-1",
+        CANCEL,
+        "task_a",
+        {"reason": "cancelled by client"},
+    )
+    answers = await store.notify_owner("task_a", INPUT, {"k1": {"action": "accept"}})
+    assert answers is not None
+    assert await store.notify_owner("task_done", CANCEL, {}) is None  # settled: nobody to tell
+    assert await store.notify_owner("task_missing", CANCEL, {}) is None
+    direct = await store.notify_replica("proxy-2", "mrtr_answers", "parked-7", {"k": 1})
+    assert (direct.recipient, direct.key) == ("proxy-2", "parked-7")
+
+    taken = await store.take_messages("proxy-1")
+    assert [message.message_id for message in taken] == [cancel.message_id, answers.message_id]
+    assert await store.take_messages("proxy-1") == []  # taken once
+    assert await store.take_messages("proxy-2") == [direct]
+    with pytest.raises(ValueError, match="kind"):
+        await store.notify_owner("task_a", STATUS, {})
+    with pytest.raises(ValueError, match="kind"):
+        await store.notify_replica("proxy-2", "", "k", {})
+
+
+async def test_the_change_feed_carries_status_changes_and_messages(store: TaskStore) -> None:
+    await store.create(make_record("task_a", owner="proxy-1"))
+    async with store.changes() as everything, store.changes(for_replica="proxy-2") as others:
+        assert await next_change(everything, skip_resync=False) == Change(RESYNC)
+        assert await next_change(others, skip_resync=False) == Change(RESYNC)
+        await store.set_status_message("task_a", "2/3", now_ms=2_000)
+        await store.notify_owner("task_a", CANCEL, {})
+        await store.settle("task_a", TaskStatus.CANCELLED, now_ms=2_001)
+        expected = [
+            Change(STATUS, "task_a", "proxy-1", TaskStatus.WORKING),
+            Change(CANCEL, "task_a", "proxy-1"),
+            Change(STATUS, "task_a", "proxy-1", TaskStatus.CANCELLED),
+        ]
+        assert [await next_change(everything) for _ in expected] == expected
+        # A replica's own filter drops the messages addressed to another one; status changes reach everyone.
+        assert [await next_change(others) for _ in range(2)] == [expected[0], expected[2]]
+
+
+async def test_duration_estimates_are_kept_across_a_reopen(backend: Backend) -> None:
+    store = await backend.open()
+    assert await store.duration_estimates() == {}
+    assert await store.observe_duration("slow_tool", 1_000) == 1_000
+    assert await store.observe_duration("slow_tool", 2_000) == pytest.approx(1_300)  # 30 % weight on the newest
+    await store.observe_duration("fast_tool", 40.5)
+    await store.close()
+    reopened = await backend.open()
+    try:
+        assert await reopened.duration_estimates() == {"slow_tool": pytest.approx(1_300), "fast_tool": 40.5}
+    finally:
+        await reopened.close()
+
+
+async def test_a_replica_holding_its_lease_is_not_taken_over(store: TaskStore) -> None:
+    one = await store.renew_lease("proxy-1", 30)
+    two = await store.renew_lease("proxy-2", 30)
+    await store.create(make_record("task_a", owner="proxy-1"))
+    assert await store.expired_replicas() == []
+    assert await store.take_over("proxy-1", two) == []
+    got = await store.get("task_a")
+    assert got is not None
+    assert got.owner == "proxy-1"
+    await store.release_lease(one)
+
+
+async def test_a_lookup_by_another_principal_finds_nothing(store: TaskStore) -> None:
+    """Another caller's lookup gets the same None as an unknown id, and the owner's gets the record."""
+    await store.create(make_record("task_big"))
+    big = {"content": [{"type": "text", "text": "x" * 2_000_000}]}
+    settled = await store.settle("task_big", TaskStatus.COMPLETED, now_ms=2_000, result=big)
+    assert await store.get("task_big", principal="another-hash") is None
+    assert await store.get("task_missing", principal="principal-hash") is None
+    assert await store.get("task_big", principal="principal-hash") == settled

@@ -6,8 +6,15 @@ task, a task, a poll-to-sync call, or a synchronous call parked between MRTR rou
 happens here, from the policy's `Decision`; the runner (`runner.py`) carries out the commands and feeds back
 what came of them (`Committed`, `Parked`, ...). No asyncio, no I/O, no clock: times arrive with the events.
 
-Imports the policy, the input-bridging rules (`inputs.py`), the upstream event types and the wire; nothing
-that does I/O.
+When the upstream runs the call as its own 2025-11-25 task (`Decision.upstream_task`), the call follows that
+task instead of a held request: the `tools/call` carries `params.task`, the upstream's `CreateTaskResult`
+(`UpstreamTaskCreated`) makes the proxy's record (with the upstream's id, within its ttl), its `tasks/result`
+stream brings the questions (`Asked`) and the outcome (`Ended`), its status comes from
+`notifications/tasks/status` or, when it is silent for its pollInterval, from `tasks/get`
+(`UpstreamTaskPolled`); a cancel is `tasks/cancel`, and a shutdown leaves it running for the next start.
+
+Imports the policy, the input-bridging rules (`inputs.py`), the followed upstream task (`followed.py`), the
+upstream event types and the wire; nothing that does I/O.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from proxy.tasks.commands import (
     Asked,
     CallOutcome,
     CancelCall,
+    CancelUpstreamTask,
     ClearTimer,
     ClientLeft,
     Command,
@@ -32,14 +40,17 @@ from proxy.tasks.commands import (
     CreateRecord,
     Ended,
     Event,
+    FollowUpstreamTask,
     HoldSlot,
     Mode,
     Notified,
     Park,
     Parked,
     ParkRefused,
+    PollUpstreamTask,
     Refuse,
     Relay,
+    ReleaseCall,
     Reply,
     ReplyError,
     ReplyInputRequired,
@@ -50,20 +61,25 @@ from proxy.tasks.commands import (
     Resumed,
     SetTimer,
     Settle,
+    ShutDown,
     Start,
     StartCall,
     Stop,
     Timer,
     TimerFired,
     Unpark,
+    UpstreamTaskCreated,
+    UpstreamTaskPolled,
     WriteInputs,
     WriteProgress,
 )
+from proxy.tasks.followed import UPSTREAM_CANCELLED, FollowedTask
 from proxy.tasks.inputs import PendingInput
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
+from proxy.wire import legacy_tasks, translate
 from proxy.wire import tasks as wire_tasks
-from proxy.wire import translate
 from proxy.wire.jsonrpc import JSON
+from proxy.wire.legacy_tasks import LegacyTask
 from proxy.wire.tasks import TaskStatus
 
 MAX_OUTSTANDING_INPUTS: Final = 64  # open questions per call; an upstream asking more at once is refused
@@ -93,12 +109,20 @@ class CallState:
     inputs_written: bool = True  # the task record shows the current questions
     missing: list[JSON] = field(default_factory=list)  # capabilities of questions refused while a client waited
     gathering: bool = False
+    window_set: bool = False  # the sync window's timer is running
     round: int = 0  # MRTR rounds so far; a requestState is good for exactly one round
     holds_slot: bool = False  # counts against `tasks.max_running`
     progress_written_at_ms: float = float("-inf")
+    upstream_task: FollowedTask | None = None  # the upstream's own task this call follows, once created
 
     def input_requests(self) -> JSON:
         return {key: pending.request for key, pending in self.inputs.items()}
+
+    def upstream_input_ids(self) -> JSON | None:
+        """For a task the upstream runs itself: each outstanding question's upstream JSON-RPC id, by key."""
+        if not self.decision.upstream_task:
+            return None
+        return {key: pending.upstream_id for key, pending in self.inputs.items()}
 
 
 def handle(state: CallState, event: Event) -> list[Command]:
@@ -132,6 +156,12 @@ def finished(state: CallState) -> bool:
     return not state.running and not state.committing and state.mode is not Mode.PARKED and not state.client_waiting
 
 
+def _settlement(state: CallState, outcome: CallOutcome | None) -> Settle:
+    if state.upstream_task is not None and state.upstream_task.cancelled:
+        return settlement(None, UPSTREAM_CANCELLED)
+    return settlement(outcome)
+
+
 def settlement(outcome: CallOutcome | None, reason: str = CLIENT_LEFT) -> Settle:
     """How a task settles from its call's outcome: a result (`isError` included) is `completed`; a JSON-RPC
     error, or a lost upstream, is `failed` with that error; no outcome (the call was stopped) is `cancelled`."""
@@ -139,10 +169,9 @@ def settlement(outcome: CallOutcome | None, reason: str = CLIENT_LEFT) -> Settle
         return Settle(TaskStatus.CANCELLED, status_message=reason)
     if isinstance(outcome, UpstreamResult):
         return Settle(TaskStatus.COMPLETED, result=translate.complete_result("tools/call", outcome.result, None, None))
-    if isinstance(outcome, UpstreamErrorResponse):
-        error = translate.error_object(outcome.error)
-    else:
-        error = wire_tasks.internal_error(outcome.message)
+    error = (
+        translate.error_object(outcome.error) if isinstance(outcome, UpstreamErrorResponse) else outcome.error_object()
+    )
     return Settle(TaskStatus.FAILED, error=error, status_message=wire_tasks.failure_status_message(error))
 
 
@@ -150,16 +179,33 @@ def settlement(outcome: CallOutcome | None, reason: str = CLIENT_LEFT) -> Settle
 
 
 def _start(state: CallState, event: Start) -> list[Command]:
-    if state.task_id is not None:  # a task re-run after a restart
+    if state.task_id is not None:  # a task re-run (or, if the upstream runs it, resumed) after a restart
         state.mode = Mode.TASK
         state.client_waiting = False
+        if state.upstream_task is not None:
+            return _follow_again(state)
         return _start_call(state)
+    if state.decision.upstream_task:
+        return _start_call(state)  # the record, or the window, once the upstream said it runs the task
     if state.decision.task_first:
         return _create_record(state)
     commands = _start_call(state)
     window_ms = state.decision.window_ms
     if window_ms is not None:
-        commands.append(SetTimer(Timer.WINDOW, window_ms))
+        commands += _set_window(state, window_ms)
+    return commands
+
+
+def _follow_again(state: CallState) -> list[Command]:
+    """After a restart: the upstream's task, on its stored session, is followed again and asked for its status
+    at once; the questions it asked before are shown again (their upstream ids were stored)."""
+    assert state.upstream_task is not None
+    state.started = True
+    state.running = True
+    state.upstream_task.following = True
+    commands: list[Command] = [FollowUpstreamTask(), PollUpstreamTask()]
+    if state.inputs:
+        commands += _write_inputs(state)
     return commands
 
 
@@ -175,8 +221,10 @@ def _asked(state: CallState, event: Asked) -> list[Command]:
         return [Refuse(question.id, question.method, "detached")]
     if not inputs.declared(state.capabilities, question.method, question.params):
         commands: list[Command] = [Refuse(question.id, question.method, "undeclared")]
-        if state.mode is Mode.WAITING and state.client_waiting and state.decision.asks_by_mrtr:
-            # The waiting client gets -32021 naming what it lacks, unless it can answer something else.
+        upstream_task = state.decision.upstream_task
+        if state.mode is Mode.WAITING and state.client_waiting and state.decision.asks_by_mrtr and not upstream_task:
+            # The waiting client gets -32021 naming what it lacks, unless it can answer something else. (A task
+            # the upstream runs goes on with the refusal, as any task does.)
             state.missing.append(translate.required_capability(question.method, question.params))
             commands += _gather(state)
         return commands
@@ -193,12 +241,21 @@ def _asked(state: CallState, event: Asked) -> list[Command]:
 
 def _notified(state: CallState, event: Notified) -> list[Command]:
     """Progress and log messages reach a waiting client that asked for them; a task's progress becomes its
-    statusMessage (at most every PROGRESS_WRITE_INTERVAL_MS: the next one catches up)."""
+    statusMessage (at most every PROGRESS_WRITE_INTERVAL_MS: the next one catches up). The status of the
+    upstream task the call follows comes from its `notifications/tasks/status`."""
+    if state.upstream_task is not None:
+        reported = legacy_tasks.status_notification(event.message, state.upstream_task.task_id)
+        if reported is not None:
+            return _upstream_status(state, reported)
+    if event.message.get("method") == legacy_tasks.STATUS_NOTIFICATION:
+        return []  # about a task this call does not follow (or not yet)
     if state.mode is Mode.WAITING and state.client_waiting:
         relayed = translate.relay_notification(event.message, state.progress_token, state.log_level)
         return [Relay(relayed)] if relayed is not None else []
     if state.mode is not Mode.TASK or state.task_id is None or event.message.get("method") != "notifications/progress":
         return []
+    if state.upstream_task is not None and state.upstream_task.status_message is not None:
+        return []  # the upstream's own statusMessage says more than its progress
     text = wire_tasks.progress_status_message(event.message.get("params"))
     if text is None or event.at_ms - state.progress_written_at_ms < PROGRESS_WRITE_INTERVAL_MS:
         return []
@@ -207,16 +264,28 @@ def _notified(state: CallState, event: Notified) -> list[Command]:
 
 
 def _ended(state: CallState, event: Ended) -> list[Command]:
+    followed = state.upstream_task
+    if followed is None or not followed.following or not state.running:
+        return _end(state, event.outcome)
+    followed.following = False  # tasks/result answered: the upstream's task is over
+    outcome = followed.outcome(event.outcome)
+    if outcome is None:  # an answer that is no tool result, and the task's status is not known yet
+        followed.final = event.outcome
+        return [PollUpstreamTask()]
+    return _end(state, outcome)
+
+
+def _end(state: CallState, outcome: CallOutcome) -> list[Command]:
     if not state.running:
         return []  # the call was abandoned already: how its stream ended changes nothing
     state.running = False
-    state.outcome = event.outcome
+    state.outcome = outcome
     state.inputs.clear()  # questions of an ended call can no longer be answered
-    commands: list[Command] = [ClearTimer(Timer.WINDOW)]
+    commands = [*_clear_window(state), *_clear_poll(state)]
     if state.committing:
         return commands  # settled once the record is there (`Committed`)
     if state.task_id is not None:
-        commands.append(settlement(event.outcome))
+        commands.append(_settlement(state, outcome))
     if state.mode is Mode.WAITING and state.client_waiting:
         decision = state.decision
         if decision.asks_by_mrtr and state.missing:
@@ -224,7 +293,7 @@ def _ended(state: CallState, event: Ended) -> list[Command]:
         elif decision.task_when_done and state.task_id is None:
             commands += _create_record(state)
         else:
-            commands += _release(state, ReplyOutcome(event.outcome))
+            commands += _release(state, ReplyOutcome(outcome))
     return commands
 
 
@@ -232,9 +301,12 @@ def _timer_fired(state: CallState, event: TimerFired) -> list[Command]:
     if event.timer is Timer.GATHER:
         return _publish(state)
     if event.timer is Timer.WINDOW:
+        state.window_set = False
         if state.mode is Mode.WAITING and state.client_waiting and state.running and not state.committing:
             return _create_record(state)  # still running after the window: the same call continues as a task
         return []
+    if event.timer is Timer.POLL:
+        return [PollUpstreamTask()] if state.running and state.upstream_task is not None else []
     if state.mode is not Mode.PARKED:
         return []
     state.mode = Mode.DETACHED  # nobody resumed the parked call in time
@@ -261,7 +333,7 @@ def _committed(state: CallState, event: Committed) -> list[Command]:
     if not state.inputs_written and state.running:
         commands += _write_inputs(state)
     if state.started and not state.running and state.mode is not Mode.DETACHED:
-        commands.append(settlement(state.outcome))  # the call ended (or was stopped) while the record was written
+        commands.append(_settlement(state, state.outcome))  # the call ended (or was stopped) while it was written
     return commands
 
 
@@ -294,7 +366,7 @@ def _resumed(state: CallState, event: Resumed) -> list[Command]:
     elif state.inputs:  # questions a retry left unanswered are asked again
         commands += _ask_client(state)
     elif state.decision.window_ms is not None:
-        commands.append(SetTimer(Timer.WINDOW, state.decision.window_ms))
+        commands += _set_window(state, state.decision.window_ms)
     return commands
 
 
@@ -327,6 +399,75 @@ def _stop(state: CallState, event: Stop) -> list[Command]:
     return [*commands, *_cancel(state, event.reason)]
 
 
+def _shut_down(state: CallState, event: ShutDown) -> list[Command]:
+    """A task the upstream runs itself keeps running there: the proxy only stops following it, and the next
+    start follows it again on the same upstream session (the record keeps the questions and their ids).
+    Anything else stops as with `Stop`; so does a poll-to-sync task, which nobody could read after a restart."""
+    followed = state.upstream_task
+    if followed is None or state.task_id is None or not state.running or state.decision.holds_client:
+        return _stop(state, Stop(event.reason))
+    state.running = False
+    followed.following = False
+    state.mode = Mode.DETACHED
+    state.inputs.clear()
+    return [*_clear_poll(state), ReleaseCall(keep_session=True)]
+
+
+def _upstream_task_created(state: CallState, event: UpstreamTaskCreated) -> list[Command]:
+    """The upstream runs the call as its own task: follow it (its tasks/result, and tasks/get when it is silent).
+    A task at once (or poll-to-sync) gets its record now; a window starts now; questions already gathered for a
+    window call make it a task now."""
+    followed = state.upstream_task = FollowedTask.created(event.task, event.at_ms)
+    if not state.running:  # abandoned while the upstream was creating it: nobody will follow it
+        followed.following = False
+        return [CancelUpstreamTask(CLIENT_LEFT)]
+    commands: list[Command] = [FollowUpstreamTask(), SetTimer(Timer.POLL, followed.poll_interval_ms)]
+    if state.mode is not Mode.WAITING or not state.client_waiting or state.committing or state.task_id is not None:
+        return commands
+    decision = state.decision
+    if decision.task_first or (state.inputs and not decision.asks_by_mrtr and not state.gathering):
+        return [*commands, *_create_record(state)]
+    if decision.window_ms is not None:
+        commands += _set_window(state, decision.window_ms)
+    return commands
+
+
+def _upstream_task_polled(state: CallState, event: UpstreamTaskPolled) -> list[Command]:
+    followed = state.upstream_task
+    if followed is None or not state.running:
+        return []
+    if not event.known:  # the upstream dropped the task (or its whole session)
+        if followed.final is not None:
+            return _end(state, followed.forgotten())  # tasks/result answered: nothing left to stop
+        followed.following = False
+        return [ReleaseCall(), *_end(state, followed.forgotten())]
+    if event.task is None:  # not reachable this time: ask again later
+        return [SetTimer(Timer.POLL, followed.poll_interval_ms)]
+    return _upstream_status(state, event.task)
+
+
+def _upstream_status(state: CallState, task: LegacyTask) -> list[Command]:
+    """A status report of the followed task: a new statusMessage reaches the record; the outcome still comes
+    from tasks/result (unless it already came and waited for this status). Silence for the upstream's
+    pollInterval is met with tasks/get."""
+    followed = state.upstream_task
+    if followed is None or not state.running:
+        return []
+    changed = followed.seen(task)
+    if followed.final is not None:
+        outcome = followed.outcome(followed.final)
+        if outcome is not None:
+            followed.final = None
+            return _end(state, outcome)
+        return [SetTimer(Timer.POLL, followed.poll_interval_ms)]
+    commands: list[Command] = []
+    if changed and state.task_id is not None and state.mode is not Mode.DETACHED and followed.status_message:
+        commands.append(WriteProgress(followed.status_message))
+    if not task.terminal:
+        commands.append(SetTimer(Timer.POLL, followed.poll_interval_ms))
+    return commands
+
+
 _HANDLERS: Final[dict[type[Any], Callable[[CallState, Any], list[Command]]]] = {
     Start: _start,
     Asked: _asked,
@@ -341,6 +482,9 @@ _HANDLERS: Final[dict[type[Any], Callable[[CallState, Any], list[Command]]]] = {
     Answered: _answered,
     ClientLeft: _client_left,
     Stop: _stop,
+    ShutDown: _shut_down,
+    UpstreamTaskCreated: _upstream_task_created,
+    UpstreamTaskPolled: _upstream_task_polled,
 }
 
 # --- shared steps ------------------------------------------------------------------------------------------
@@ -349,6 +493,9 @@ _HANDLERS: Final[dict[type[Any], Callable[[CallState, Any], list[Command]]]] = {
 def _start_call(state: CallState) -> list[Command]:
     state.started = True
     state.running = True
+    policy = state.decision.policy
+    if state.decision.upstream_task and policy is not None:
+        return [StartCall(upstream_task=True, ttl_ms=policy.ttl_ms)]
     return [StartCall()]
 
 
@@ -357,7 +504,35 @@ def _create_record(state: CallState) -> list[Command]:
     state.committing = True
     state.inputs_written = True
     status = TaskStatus.INPUT_REQUIRED if state.inputs else TaskStatus.WORKING
-    return [ClearTimer(Timer.WINDOW), CreateRecord(status, state.input_requests(), state.issued)]
+    followed = state.upstream_task
+    if followed is None:
+        return [*_clear_window(state), CreateRecord(status, state.input_requests(), state.issued)]
+    record = CreateRecord(
+        status,
+        state.input_requests(),
+        state.issued,
+        upstream_task_id=followed.task_id,
+        upstream_expires_at_ms=followed.expires_at_ms,
+        upstream_input_ids=state.upstream_input_ids(),
+        status_message=followed.status_message,
+    )
+    return [*_clear_window(state), record]
+
+
+def _set_window(state: CallState, window_ms: int) -> list[Command]:
+    state.window_set = True
+    return [SetTimer(Timer.WINDOW, window_ms)]
+
+
+def _clear_poll(state: CallState) -> list[Command]:
+    return [ClearTimer(Timer.POLL)] if state.upstream_task is not None else []
+
+
+def _clear_window(state: CallState) -> list[Command]:
+    if not state.window_set:
+        return []
+    state.window_set = False
+    return [ClearTimer(Timer.WINDOW)]
 
 
 def _gather(state: CallState) -> list[Command]:
@@ -376,6 +551,8 @@ def _publish(state: CallState) -> list[Command]:
     if state.mode is not Mode.WAITING or not state.client_waiting or not state.running or state.committing:
         return commands
     if state.inputs and not state.decision.asks_by_mrtr:
+        if state.decision.upstream_task and state.upstream_task is None:
+            return commands  # the record waits for the upstream's task id (`UpstreamTaskCreated`)
         return [*commands, *_create_record(state)]  # a window call: its questions go to the task it becomes
     if state.inputs:
         return [*commands, *_ask_client(state)]
@@ -386,14 +563,14 @@ def _publish(state: CallState) -> list[Command]:
 
 def _write_inputs(state: CallState) -> list[Command]:
     state.inputs_written = True
-    return [WriteInputs(state.input_requests(), state.issued)]
+    return [WriteInputs(state.input_requests(), state.issued, state.upstream_input_ids())]
 
 
 def _ask_client(state: CallState) -> list[Command]:
     """An MRTR round: the call is parked (limits first) and the client gets every outstanding question."""
     state.round += 1
     state.missing.clear()  # refused upstream; the client is asked what it can answer
-    return [ClearTimer(Timer.WINDOW), Park(state.round)]
+    return [*_clear_window(state), Park(state.round)]
 
 
 def _deliver(state: CallState, answers: Mapping[str, JSON]) -> list[Command]:
@@ -413,7 +590,7 @@ def _release(state: CallState, reply: ReplyKind) -> list[Command]:
     """Answer the waiting client. A poll-to-sync task nobody else can read is cancelled when its client is
     answered with anything but its outcome."""
     state.client_waiting = False
-    commands: list[Command] = [ClearTimer(Timer.WINDOW), Reply(reply)]
+    commands: list[Command] = [*_clear_window(state), Reply(reply)]
     answered = isinstance(reply, ReplyInputRequired | ReplyOutcome)
     if state.decision.holds_client and state.task_id is not None and state.running and not answered:
         commands.append(settlement(None, CLIENT_LEFT))
@@ -427,7 +604,8 @@ def _detach(state: CallState, reason: str, *, cancel: bool = False) -> list[Comm
     an mcp 1.x session)."""
     state.mode = Mode.DETACHED
     commands: list[Command] = [
-        Refuse(pending.upstream_id, pending.method, "detached") for pending in state.inputs.values()
+        *_clear_window(state),
+        *(Refuse(pending.upstream_id, pending.method, "detached") for pending in state.inputs.values()),
     ]
     state.inputs.clear()
     if cancel:
@@ -436,9 +614,13 @@ def _detach(state: CallState, reason: str, *, cancel: bool = False) -> list[Comm
 
 
 def _cancel(state: CallState, reason: str) -> list[Command]:
+    """Abandon the upstream call: `notifications/cancelled`, or `tasks/cancel` for a task the upstream runs."""
     if not state.running:
         return []
     state.running = False
+    if state.upstream_task is not None:
+        state.upstream_task.following = False
+        return [*_clear_poll(state), CancelUpstreamTask(reason)]
     return [CancelCall(reason)]
 
 

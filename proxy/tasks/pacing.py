@@ -9,6 +9,7 @@ nothing from the proxy.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Final
 
 MIN_POLL_MS: Final = 25  # never suggest polling faster than this
@@ -31,6 +32,14 @@ class DurationEstimates:
 
     def expected_ms(self, tool: str) -> float | None:
         return self._estimates.get(tool)
+
+    def load(self, estimates: Mapping[str, float]) -> None:
+        """Take the estimates kept in the task store (shared by replicas, kept across restarts) as they are."""
+        for tool, estimate_ms in estimates.items():
+            self._estimates.pop(tool, None)
+            self._estimates[tool] = estimate_ms
+        while len(self._estimates) > MAX_TOOLS:
+            self._estimates.popitem(last=False)
 
 
 def poll_interval_ms(configured_ms: int, *, created_at_ms: int, now_ms: int, expected_ms: float | None) -> int:

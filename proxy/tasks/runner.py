@@ -4,10 +4,10 @@ coroutine of a call that may outlive its HTTP request.
 For each call it keeps the machine's state beside what carrying it out needs (the upstream session and
 request, timers, the waiting client's reply and stream), feeds it events one at a time (under the call's lock)
 and executes the commands that come out: store writes, upstream answers and cancels, replies, timers, the
-`max_running` slots and the parked MRTR calls. It decides nothing itself. It also runs the task-level
-operations that need no call (`tasks/get`, `tasks/cancel` of a task whose call is gone, TTL sweeps, restart
-recovery). Imports the store, the upstream client, the machine, policy and wire; never aiohttp's web side or
-the front.
+`max_running` slots and the parked MRTR calls; what concerns a task the upstream runs itself is carried out
+by `upstream_tasks.py`. It decides nothing itself. It also runs the task-level operations that need no call
+(`tasks/get`, `tasks/cancel` of a task whose call is gone, TTL sweeps, restart recovery). Imports the store,
+the upstream client, the machine, policy and wire; never aiohttp's web side or the front.
 """
 
 from __future__ import annotations
@@ -17,22 +17,25 @@ import contextlib
 import secrets
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, TypeVar
 
 import structlog
 
-from proxy.config import Config
-from proxy.errors import InvalidParamsError, ProxyError, TaskLimitError
+from proxy.config import Config, RestartAction
+from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskLimitError
 from proxy.observability import Metrics
 from proxy.policy import Decision, Outcome, Policy
+from proxy.principals import Principals, SealError
 from proxy.tasks import inputs, machine, pacing
 from proxy.tasks.commands import (
     Answer,
     Answered,
     Asked,
     CancelCall,
+    CancelUpstreamTask,
     ClearTimer,
     ClientLeft,
     Command,
@@ -41,18 +44,22 @@ from proxy.tasks.commands import (
     CreateRecord,
     Ended,
     Event,
+    FollowUpstreamTask,
     HoldSlot,
     Notified,
     Park,
     Parked,
     ParkRefused,
+    PollUpstreamTask,
     Refuse,
     Relay,
+    ReleaseCall,
     Reply,
     ReplyKind,
     Resumed,
     SetTimer,
     Settle,
+    ShutDown,
     Start,
     StartCall,
     Stop,
@@ -62,18 +69,21 @@ from proxy.tasks.commands import (
     WriteInputs,
     WriteProgress,
 )
+from proxy.tasks.followed import FollowedTask
+from proxy.tasks.inputs import PendingInput
 from proxy.tasks.machine import CallState
 from proxy.tasks.store import StoreError, StoreFullError, TaskStore
+from proxy.tasks.upstream_tasks import UpstreamTasks
 from proxy.upstream.events import (
     UpstreamEvent,
     UpstreamNotification,
     UpstreamServerRequest,
     refusal,
 )
-from proxy.upstream.kinds import Session, SessionCall, principal_key
+from proxy.upstream.kinds import Session, SessionCall
 from proxy.upstream.pool import UpstreamClient
+from proxy.wire import legacy_tasks, translate
 from proxy.wire import tasks as wire_tasks
-from proxy.wire import translate
 from proxy.wire.envelope import Caller, Channel, ModernRequest
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
@@ -99,7 +109,8 @@ class Call:
     state: CallState
     method: str  # tools/call, prompts/get or resources/read
     name: str  # the tool or prompt name, or the resource URI
-    principal: str | None
+    principal: str | None  # the caller's principal header, sent upstream with the call
+    caller: str  # its keyed hash: owns the task, and the caller's share of the limits is counted under it
     params: JSON  # the upstream params
     headers: dict[str, str]  # trace context for the upstream request
     digest: str  # of the client's params: an MRTR retry must repeat the same request
@@ -122,10 +133,12 @@ class TaskRunner:
         config: Config,
         store: TaskStore,
         upstream: UpstreamClient,
+        principals: Principals,
         clock: Callable[[], int] = wall_clock_ms,
         metrics: Metrics | None = None,
     ) -> None:
         self.config = config.tasks
+        self.principals = principals
         self.inputs = config.inputs
         self.metrics = metrics
         self.store = store
@@ -136,10 +149,14 @@ class TaskRunner:
         self.durations = pacing.DurationEstimates()  # how long each tool's tasks usually take
         self._calls: set[Call] = set()  # every call not finished yet
         self._tasks: dict[str, Call] = {}  # task id → its call, for tasks whose upstream call runs here
+        self.limits = config.limits
         self._running: set[Call] = set()  # calls that hold a `max_running` slot
+        self._running_by: Counter[str] = Counter()  # ... per caller
         self._parked: dict[str, Call] = {}  # call id → a call parked for an MRTR retry
+        self._parked_by: Counter[str] = Counter()  # ... per caller
         self._background: set[asyncio.Task[Any]] = set()
         self._progress_tokens = 0
+        self.upstream_tasks = UpstreamTasks(self)  # carries out the commands about tasks the upstream runs
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -164,20 +181,26 @@ class TaskRunner:
         """Shutdown: running calls are cancelled upstream; their records stay live and are failed or re-run
         per `on_restart` at the next start (nothing committed is lost or rewritten here)."""
         calls = list(self._calls)
-        await asyncio.gather(*(self.dispatch(call, Stop(SHUTTING_DOWN)) for call in calls), return_exceptions=True)
+        await asyncio.gather(*(self.dispatch(call, ShutDown(SHUTTING_DOWN)) for call in calls), return_exceptions=True)
         for task in list(self._background):
             task.cancel()
         if self._background:
             await asyncio.wait(list(self._background), timeout=SHUTDOWN_GRACE_SECONDS)
 
     async def _recover(self) -> None:
-        """Tasks a previous process left working / input_required: failed with a clear message, or re-run
-        when their policy says `on_restart: rerun`."""
+        """Tasks a previous process left working / input_required: a task the upstream runs itself is followed
+        again; others are failed with a clear message, or re-run when their policy says `on_restart: rerun`."""
         now = self.clock()
         for record in await self.store.live():
             if record.expired(now):
                 await self._fail(record.task_id, wire_tasks.EXPIRED_MESSAGE)
                 continue
+            if record.upstream_task_id is not None:
+                message = record.status_message or wire_tasks.RESUMED_MESSAGE
+                claimed = await self.store.claim(record.task_id, self.process_id, message, now_ms=now)
+                if claimed is not None:
+                    await self._follow_again(claimed, record)
+                    continue
             if record.on_restart == "rerun":
                 claimed = await self.store.claim(record.task_id, self.process_id, wire_tasks.RERUN_MESSAGE, now_ms=now)
                 if claimed is not None:
@@ -187,16 +210,51 @@ class TaskRunner:
             log.info("task_interrupted", task_id=record.task_id, tool=record.tool)
 
     async def _rerun(self, record: TaskRecord) -> None:
+        try:
+            principal = None if record.rerun_principal is None else self.principals.unseal(record.rerun_principal)
+        except SealError as exc:
+            await self._fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; not re-run: {exc}")
+            return
         policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, "rerun")
         state = self._state(Decision(Outcome.TASK, policy), record.client_capabilities, None, None)
         state.task_id = record.task_id
         state.issued = record.inputs_issued  # keys stay unique across the re-run too
-        call = Call(state, "tools/call", record.tool, record.rerun_principal, dict(record.request), {}, "")
+        call = Call(state, "tools/call", record.tool, principal, record.principal, dict(record.request), {}, "")
         call.record = record
         self._calls.add(call)
         self._tasks[record.task_id] = call
         await self.dispatch(call, Start())
         log.info("task_rerun", task_id=record.task_id, tool=record.tool)
+
+    async def _follow_again(self, record: TaskRecord, before: TaskRecord) -> None:
+        """A task the upstream runs itself, left live by a previous process: followed again on its upstream
+        session, with the questions it had asked (`before`, as the record was) still answerable."""
+        assert record.upstream_task_id is not None
+        on_restart: RestartAction = "rerun" if record.on_restart == "rerun" else "fail"
+        policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, on_restart)
+        decision = Decision(Outcome.TASK, policy, upstream_task=True)
+        state = self._state(decision, record.client_capabilities, None, None)
+        state.task_id = record.task_id
+        state.issued = record.inputs_issued
+        state.upstream_task = FollowedTask(
+            record.upstream_task_id, status_message=record.status_message, expires_at_ms=record.expires_at_ms
+        )
+        for key, request in before.input_requests.items():
+            upstream_id = before.upstream_input_ids.get(key)
+            if isinstance(request, dict) and isinstance(upstream_id, int | str):
+                state.inputs[key] = PendingInput(upstream_id, str(request.get("method")), request)
+        state.inputs_written = not state.inputs
+        try:
+            principal = None if record.rerun_principal is None else self.principals.unseal(record.rerun_principal)
+        except SealError as exc:
+            await self._fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; not followed again: {exc}")
+            return
+        call = Call(state, "tools/call", record.tool, principal, record.principal, dict(record.request), {}, "")
+        call.record = record
+        self._calls.add(call)
+        self._tasks[record.task_id] = call
+        await self.dispatch(call, Start())
+        log.info("task_resumed", task_id=record.task_id, tool=record.tool)
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -246,6 +304,7 @@ class TaskRunner:
             method=request.method,
             name=str(name),
             principal=caller.principal,
+            caller=self.principals.key_of(caller.principal),
             params=params,
             headers=translate.trace_headers(request.meta, caller.headers),
             digest=inputs.params_digest(request.params),
@@ -267,7 +326,7 @@ class TaskRunner:
             raise InvalidParamsError("Invalid params: requestState must be a string")
         claims = self.signer.verify(state, self.clock())
         if (
-            claims.principal != principal_key(caller.principal)
+            claims.principal != self.principals.key_of(caller.principal)
             or claims.method != request.method
             or claims.digest != inputs.params_digest(request.params)
         ):
@@ -283,7 +342,7 @@ class TaskRunner:
                 "Invalid params: requestState was already used or its call has ended; send the request again without it"
             )
         answers = machine.answers(call.state, responses)  # a bad answer leaves the call parked for a corrected retry
-        del self._parked[claims.call_id]  # taken: exactly one retry resumes a round
+        self._unpark(call)  # taken: exactly one retry resumes a round
         call.reply = asyncio.get_running_loop().create_future()
         call.channel = channel
         log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, answered=sorted(answers))
@@ -321,7 +380,10 @@ class TaskRunner:
 
     async def _execute(self, call: Call, command: Command) -> Event | None:
         if isinstance(command, StartCall):
-            call.pump = self.spawn(self._pump(call), f"upstream-{call.call_id}")
+            pump = self.upstream_tasks.pump(call, command.ttl_ms) if command.upstream_task else self._pump(call)
+            call.pump = self.spawn(pump, f"upstream-{call.call_id}")
+        elif isinstance(command, FollowUpstreamTask | PollUpstreamTask | CancelUpstreamTask | ReleaseCall):
+            await self.upstream_tasks.execute(call, command)
         elif isinstance(command, CreateRecord):
             return await self._create_record(call, command)
         elif isinstance(command, WriteInputs):
@@ -359,12 +421,9 @@ class TaskRunner:
         elif isinstance(command, Park):
             return self._park(call, command.round)
         elif isinstance(command, Unpark):
-            self._parked.pop(call.call_id, None)
+            self._unpark(call)
         elif isinstance(command, HoldSlot):
-            if command.hold:
-                self._running.add(call)
-            else:
-                self._running.discard(call)
+            self._hold_slot(call, command.hold)
         elif isinstance(command, Reply):
             if call.reply is not None and not call.reply.done():
                 call.reply.set_result(command.reply)
@@ -375,8 +434,8 @@ class TaskRunner:
         self._calls.discard(call)
         for timer in list(call.timers):
             self._clear_timer(call, timer)
-        self._running.discard(call)
-        self._parked.pop(call.call_id, None)
+        self._hold_slot(call, False)
+        self._unpark(call)
         if call.state.task_id is not None and self._tasks.get(call.state.task_id) is call:
             del self._tasks[call.state.task_id]
 
@@ -406,7 +465,9 @@ class TaskRunner:
             raise
         except Exception as exc:  # the coroutine wrapper: a crash is the call's outcome, never silence
             log.exception("call_crashed", task_id=call.state.task_id, name=call.name)
-            await self.dispatch(call, Ended(ProxyError(f"Internal error: {exc!r}")))
+            await self.dispatch(
+                call, Ended(ProxyError("Internal error: the call failed in the proxy", detail=repr(exc)))
+            )
 
     @contextlib.asynccontextmanager
     async def _session(self, call: Call) -> AsyncIterator[Session]:
@@ -481,14 +542,34 @@ class TaskRunner:
         if handle is not None:
             handle.cancel()
 
+    def _hold_slot(self, call: Call, hold: bool) -> None:
+        if hold and call not in self._running:
+            self._running.add(call)
+            self._running_by[call.caller] += 1
+        elif not hold and call in self._running:
+            self._running.discard(call)
+            self._running_by[call.caller] -= 1
+            if not self._running_by[call.caller]:
+                del self._running_by[call.caller]
+
+    def _unpark(self, call: Call) -> None:
+        if self._parked.pop(call.call_id, None) is not None:
+            self._parked_by[call.caller] -= 1
+            if not self._parked_by[call.caller]:
+                del self._parked_by[call.caller]
+
     def _park(self, call: Call, round_: int) -> Event:
-        """The call waits for the client's retry; beyond `inputs.max_parked` it is refused."""
+        """The call waits for the client's retry; beyond `inputs.max_parked`, or the caller's share of it, it is
+        refused."""
         if len(self._parked) >= self.inputs.max_parked:
             return ParkRefused(TaskLimitError("max_parked", self.inputs.max_parked))
+        share = self.limits.max_parked_per_principal
+        if self._parked_by[call.caller] >= share:
+            return ParkRefused(CallerLimitError("max_parked_per_principal", share))
         claims = inputs.StateClaims(
             call_id=call.call_id,
             round=round_,
-            principal=principal_key(call.principal),
+            principal=call.caller,
             method=call.method,
             digest=call.digest,
             expires_at_ms=self.clock() + self.inputs.request_state_ttl_ms,
@@ -496,6 +577,7 @@ class TaskRunner:
         )
         call.request_state = self.signer.sign(claims)
         self._parked[call.call_id] = call
+        self._parked_by[call.caller] += 1
         log.info(
             "mrtr_input_required", method=call.method, name=call.name, round=round_, keys=sorted(call.state.inputs)
         )
@@ -506,27 +588,39 @@ class TaskRunner:
     async def _create_record(self, call: Call, command: CreateRecord) -> Event:
         """Limits first (nothing is written when refused), then the committed record."""
         decision = call.state.decision
-        if command.status is TaskStatus.WORKING and len(self._running) >= self.config.max_running:
-            return CommitRefused(TaskLimitError("max_running", self.config.max_running))
+        if command.status is TaskStatus.WORKING:
+            if len(self._running) >= self.config.max_running:
+                return CommitRefused(TaskLimitError("max_running", self.config.max_running))
+            share = self.limits.max_running_per_principal
+            if self._running_by[call.caller] >= share:
+                return CommitRefused(CallerLimitError("max_running_per_principal", share))
         policy = decision.policy
         assert policy is not None
         now = self.clock()
         record = TaskRecord(
             task_id=wire_tasks.new_task_id(),
-            principal=principal_key(call.principal),
+            principal=call.caller,
             tool=call.name,
             status=command.status,
             created_at_ms=now,
             updated_at_ms=now,
-            ttl_ms=policy.ttl_ms,
+            ttl_ms=legacy_tasks.bounded_ttl_ms(policy.ttl_ms, command.upstream_expires_at_ms, now),
             poll_interval_ms=policy.poll_interval_ms,
             owner=self.process_id,
             on_restart=policy.on_restart,
             request=call.params,
+            status_message=command.status_message,
             input_requests=command.input_requests,
             inputs_issued=command.issued,
-            rerun_principal=call.principal if policy.on_restart == "rerun" else None,
+            # A re-run, and following an upstream's own task after a restart, present the principal again: it is
+            # kept sealed with the deployment key until the task settles.
+            rerun_principal=self.principals.seal(call.principal)
+            if call.principal and (policy.on_restart == "rerun" or command.upstream_task_id)
+            else None,
             client_capabilities=call.state.capabilities,
+            upstream_task_id=command.upstream_task_id,
+            upstream_session_id=call.session.session_id if command.upstream_task_id and call.session else None,
+            upstream_input_ids=command.upstream_input_ids or {},
         )
         started = time.perf_counter()
         try:
@@ -534,7 +628,7 @@ class TaskRunner:
         except StoreFullError:
             return CommitRefused(TaskLimitError("max_records", self.config.max_records))
         except StoreError as exc:
-            return CommitRefused(ProxyError(f"Internal error: the task could not be stored: {exc}"))
+            return CommitRefused(ProxyError("Internal error: the task could not be stored", detail=str(exc)))
         call.record = record
         self._tasks[record.task_id] = call
         log.info("task_created", task_id=record.task_id, tool=call.name, ttl_ms=record.ttl_ms)
@@ -550,7 +644,13 @@ class TaskRunner:
         task_id = call.state.task_id
         assert task_id is not None
         try:
-            updated = await self.store.set_inputs(task_id, command.input_requests, command.issued, now_ms=self.clock())
+            updated = await self.store.set_inputs(
+                task_id,
+                command.input_requests,
+                command.issued,
+                now_ms=self.clock(),
+                upstream_input_ids=command.upstream_input_ids,
+            )
         except StoreError as exc:
             log.error("task_inputs_not_stored", task_id=task_id, error=str(exc))
             return
@@ -607,8 +707,8 @@ class TaskRunner:
     async def observe(self, task_id: str, caller: Caller) -> TaskRecord:
         """The caller's own, unexpired task, or -32602 (the same for an unknown, foreign or expired id, so
         ids cannot be probed). A live task seen past its TTL is failed now (and its call stopped)."""
-        record = await self.store.get(task_id)
-        if record is None or record.principal != principal_key(caller.principal):
+        record = await self.store.get(task_id, principal=self.principals.key_of(caller.principal))
+        if record is None:
             raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
         if record.expired(self.clock()):
             if record.status.terminal:

@@ -14,11 +14,14 @@ from collections.abc import AsyncIterator
 from typing import Final, Protocol
 
 import aiohttp
+import structlog
 
-from proxy.errors import RequestId, UpstreamError, UpstreamTimeoutError
+from proxy.errors import RequestId, ResultTooLargeError, UpstreamError, UpstreamTimeoutError
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult, UpstreamServerRequest, decode
-from proxy.upstream.sse import SSEParser
+from proxy.upstream.sse import EventTooLargeError, SSEParser
 from proxy.wire.jsonrpc import JSON
+
+log = structlog.get_logger(__name__)
 
 # How often a closed upstream SSE stream is resumed with GET + Last-Event-ID before the call counts as lost.
 MAX_RESUMPTIONS: Final = 5
@@ -38,11 +41,17 @@ class CallTransport(Protocol):
 
 class UpstreamCall:
     def __init__(
-        self, transport: CallTransport, request_id: int, method: str, response: aiohttp.ClientResponse
+        self,
+        transport: CallTransport,
+        request_id: int,
+        method: str,
+        response: aiohttp.ClientResponse,
+        max_bytes: int | None = None,
     ) -> None:
         self.transport = transport
         self.request_id = request_id
         self.method = method
+        self.max_bytes = max_bytes  # the largest answer (or stream message) read; larger ones are refused
         self._response = response
         self.finished = False
 
@@ -54,10 +63,14 @@ class UpstreamCall:
                 if isinstance(event, UpstreamResult | UpstreamErrorResponse):
                     self.finished = True
                     return
+        except EventTooLargeError:
+            assert self.max_bytes is not None
+            await self._abandon("the answer is larger than the proxy's limit")
+            raise ResultTooLargeError(self.max_bytes) from None
         except TimeoutError:
             raise UpstreamTimeoutError(f"Upstream {self.method} timed out") from None
         except aiohttp.ClientError as exc:
-            raise UpstreamError(f"Upstream connection lost during {self.method}: {exc}") from None
+            raise UpstreamError(f"Upstream connection lost during {self.method}", detail=str(exc)) from None
         finally:
             self._response.release()
         raise UpstreamError(f"Upstream closed the stream of {self.method} without answering")
@@ -66,7 +79,7 @@ class UpstreamCall:
         response = self._response
         content_type = response.content_type
         if content_type == "application/json":
-            body = await response.read()
+            body = await read_body(response, self.max_bytes)
             event = decode(body.decode("utf-8", errors="replace"), self.request_id, self.method)
             if event is not None:
                 yield event
@@ -77,7 +90,7 @@ class UpstreamCall:
         last_event_id: str | None = None  # kept across resumptions: a resumed stream may carry no new id
         retry_ms = 0
         while True:
-            parser = SSEParser()
+            parser = SSEParser(self.max_bytes)
             async for chunk in response.content.iter_any():
                 for sse in parser.feed(chunk):
                     if sse.id is not None:
@@ -103,6 +116,12 @@ class UpstreamCall:
             await asyncio.sleep(min(retry_ms, 10_000) / 1000)
             response = self._response = await self.transport.resume(last_event_id)
 
+    async def _abandon(self, reason: str) -> None:
+        try:
+            await self.cancel(reason)
+        except UpstreamError as exc:  # best effort: the call is refused either way
+            log.info("upstream_cancel_failed", error=exc.message)
+
     async def cancel(self, reason: str) -> None:
         """For a legacy server a disconnect is not a cancellation: tell it with `notifications/cancelled`."""
         if self.finished:
@@ -112,3 +131,20 @@ class UpstreamCall:
             await self.transport.notify("notifications/cancelled", {"requestId": self.request_id, "reason": reason})
         finally:
             self._response.close()
+
+
+async def read_body(response: aiohttp.ClientResponse, max_bytes: int | None) -> bytes:
+    """A plain answer's body, read whole only when it fits `max_bytes` (checked as it arrives, whatever
+    Content-Length says); EventTooLargeError otherwise."""
+    if max_bytes is None:
+        return await response.read()
+    if response.content_length is not None and response.content_length > max_bytes:
+        raise EventTooLargeError(f"Content-Length {response.content_length}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_any():
+        size += len(chunk)
+        if size > max_bytes:
+            raise EventTooLargeError(f"over {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

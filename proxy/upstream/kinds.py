@@ -3,16 +3,16 @@
 An upstream session is the proxy's own legacy client connection to the server: a Streamable HTTP session
 (`session.py`) or one stdio server process (`stdio_session.py`). The runner, the front and the pool see only
 the `Session` protocol below, and the calls it opens as `SessionCall`s. A `SessionKind` makes sessions of one
-kind and says how the pool must bound them (`PoolLimits`). `SessionFeatures` is what both kinds do alike on
-top of their own `call()`: listen-stream inboxes, the `x-mcp-header` catalog from `tools/list`, and
-reference-counted resource subscriptions. Imports the event types and the wire; no aiohttp, no session kind.
+kind and says how the pool must bound them (`PoolLimits`); `LinkBase` is what every kind's link shares.
+`SessionFeatures` is what both kinds do alike on top of their own `call()`: listen-stream inboxes, the
+`x-mcp-header` catalog from `tools/list`, and reference-counted resource subscriptions. Imports the event
+types and the wire; no aiohttp, no session kind.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import hashlib
 import time
 from collections import Counter
@@ -26,8 +26,10 @@ import structlog
 
 from proxy.errors import RequestId, UpstreamError
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamNotification, UpstreamResult
+from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader, param_headers
 from proxy.wire.jsonrpc import JSON
+from proxy.wire.translate import implementation
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +45,6 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree wi
 CLIENT_INFO: Final[JSON] = {"name": "mcp-tasks-proxy", "version": PROXY_VERSION}
 PARAM_HEADERS_REFRESH_SECONDS: Final = 5.0  # an unknown tool re-reads tools/list at most this often
 MAX_TOOL_PAGES: Final = 100  # bounds the pagination of tools/list when reading x-mcp-header annotations
-SUBSCRIBER_QUEUE_SIZE: Final = 256  # list/resource notifications are idempotent; a slow reader loses extras
 
 Sink = Callable[[UpstreamEvent], Awaitable[None]]  # where a leased session's unsolicited traffic goes
 
@@ -55,15 +56,11 @@ def principal_key(principal: str | None) -> str:
     return hashlib.sha256(principal.encode()).hexdigest()
 
 
-class Subscription:
-    """One listen stream's inbox. `None` means: the proxy is shutting down, end the stream gracefully."""
+class Subscription(Protocol):
+    """A listen stream's inbox for a session's notifications. `None` means: the proxy is shutting down, end
+    the stream gracefully. `offer` must not block."""
 
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[JSON | None] = asyncio.Queue(SUBSCRIBER_QUEUE_SIZE)
-
-    def offer(self, message: JSON | None) -> None:
-        with contextlib.suppress(asyncio.QueueFull):
-            self.queue.put_nowait(message)
+    def offer(self, message: JSON | None) -> None: ...
 
 
 class SessionCall(Protocol):
@@ -92,6 +89,7 @@ class Session(Protocol):
     lessee: Sink | None
     subscriptions: set[Subscription]
     on_notification: Callable[[UpstreamNotification], None]
+    kept: bool  # holds upstream work a later proxy process resumes: let go without ending it
 
     async def ensure_initialized(self) -> JSON: ...
 
@@ -109,9 +107,11 @@ class Session(Protocol):
 
     async def param_headers(self, tool: str) -> tuple[ParamHeader, ...]: ...
 
+    async def task_support(self, tool: str) -> legacy_tasks.TaskSupport | None: ...
+
     def deliver(self, notification: UpstreamNotification) -> None: ...
 
-    def subscribe(self) -> Subscription: ...
+    def subscribe(self, subscription: Subscription) -> None: ...
 
     def unsubscribe(self, subscription: Subscription) -> None: ...
 
@@ -120,6 +120,12 @@ class Session(Protocol):
     async def subscribe_resource(self, uri: str) -> None: ...
 
     async def unsubscribe_resource(self, uri: str) -> None: ...
+
+    async def adopt(self, session_id: str) -> None:
+        """Take over a session an earlier proxy process initialized (it holds a task the upstream runs)."""
+
+    def detach(self) -> None:
+        """Let go of the session without ending its upstream work where the kind allows that."""
 
     async def close(self) -> None: ...
 
@@ -146,10 +152,17 @@ class PoolLimits:
 
 
 class SessionKind(Protocol):
-    """Makes the sessions of one kind of upstream, and what they share (background work, serverInfo)."""
+    """Makes the sessions of one kind of upstream, and what they share (`LinkBase`: background work and what
+    the upstream said most recently)."""
 
     limits: PoolLimits
-    server_info: JSON | None  # the upstream's serverInfo from the latest initialize (on any session)
+    server_info: JSON | None
+    initialize_result: JSON | None
+    tool_task_support: dict[str, legacy_tasks.TaskSupport | None]
+
+    def recent_initialize(self, max_age_ms: int) -> JSON | None: ...
+
+    def known_headers(self, tool: str) -> tuple[ParamHeader, ...] | None: ...
 
     def new(self, principal: str | None) -> Session: ...
 
@@ -162,12 +175,47 @@ class SessionKind(Protocol):
     async def close(self) -> None: ...
 
 
-class Spawner:
-    """Background work of one upstream kind: named, referenced until done, cancelled on close. The one
-    place `upstream/` starts background tasks."""
+class LinkBase:
+    """What every session of one upstream shares, whatever its kind: background work (named, referenced until
+    done, cancelled on close: the one place `upstream/` starts background tasks) and what the upstream said
+    most recently: serverInfo and the whole InitializeResult (server/discover), the `x-mcp-header` catalog of
+    its tools with each tool's `execution.taskSupport` (dropped when any session hears that the tool list
+    changed), and when it last answered (readiness)."""
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[None]] = set()
+        self.server_info: JSON | None = None
+        self.initialize_result: JSON | None = None
+        self.initialized_at = 0.0  # monotonic time of that initialize
+        self.tool_headers: dict[str, tuple[ParamHeader, ...]] | None = None
+        self.tool_task_support: dict[str, legacy_tasks.TaskSupport | None] = {}
+        self.tool_headers_at = 0.0
+        self.last_answer_at: float | None = None  # monotonic time of the upstream's latest answer
+
+    def initialized(self, result: JSON) -> None:
+        self.server_info = implementation(result)
+        self.initialize_result = result
+        self.initialized_at = time.monotonic()
+
+    def recent_initialize(self, max_age_ms: int) -> JSON | None:
+        """The latest InitializeResult, if it is not older than `max_age_ms`."""
+        if self.initialize_result is None or (time.monotonic() - self.initialized_at) * 1000 > max_age_ms:
+            return None
+        return self.initialize_result
+
+    def known_headers(self, tool: str) -> tuple[ParamHeader, ...] | None:
+        """The tool's annotations when the cached catalog can answer (it lists the tool, or was read too recently
+        to read again); None when tools/list must be read."""
+        if self.tool_headers is None:
+            return None
+        if tool in self.tool_headers:
+            return self.tool_headers[tool]
+        if time.monotonic() - self.tool_headers_at > PARAM_HEADERS_REFRESH_SECONDS:
+            return None
+        return ()
+
+    def tools_changed(self) -> None:
+        self.tool_headers = None
 
     def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coroutine, name=name)
@@ -188,18 +236,21 @@ class Spawner:
 
 class SessionFeatures(abc.ABC):
     """What both kinds do alike on top of their own `call()`: listen inboxes, the tool catalog of
-    `x-mcp-header` annotations, reference-counted resource subscriptions, and plain requests."""
+    `x-mcp-header` annotations (kept on the link, for every session), reference-counted resource subscriptions,
+    and plain requests."""
 
-    def __init__(self) -> None:
+    def __init__(self, link: LinkBase) -> None:
+        self.link = link
         self.subscriptions: set[Subscription] = set()
         self._resource_subscriptions: Counter[str] = Counter()
-        self._param_headers: dict[str, tuple[ParamHeader, ...]] | None = None
-        self._param_headers_loaded_at = 0.0
 
     @abc.abstractmethod
     def call(
         self, method: str, params: JSON | None, extra_headers: Mapping[str, str] | None = None
     ) -> AbstractAsyncContextManager[SessionCall]: ...
+
+    @abc.abstractmethod
+    async def ensure_initialized(self) -> JSON: ...
 
     async def request(self, method: str, params: JSON | None) -> JSON:
         """A plain request whose stream carries nothing the caller needs: its result, or UpstreamError."""
@@ -215,16 +266,14 @@ class SessionFeatures(abc.ABC):
 
     def deliver(self, notification: UpstreamNotification) -> None:
         """A notification for this session's listen subscribers; a tool list change also drops the cached
-        x-mcp-header annotations."""
+        x-mcp-header annotations (of every session: they share one catalog)."""
         if notification.method == "notifications/tools/list_changed":
-            self.tools_changed()
+            self.link.tools_changed()
         for subscription in self.subscriptions:
             subscription.offer(notification.message)
 
-    def subscribe(self) -> Subscription:
-        subscription = Subscription()
+    def subscribe(self, subscription: Subscription) -> None:
         self.subscriptions.add(subscription)
-        return subscription
 
     def unsubscribe(self, subscription: Subscription) -> None:
         self.subscriptions.discard(subscription)
@@ -235,28 +284,39 @@ class SessionFeatures(abc.ABC):
 
     # --- the tool catalog ------------------------------------------------------------------------------
 
-    def tools_changed(self) -> None:
-        """The upstream's tool list changed (or the session is new): re-read x-mcp-header annotations."""
-        self._param_headers = None
-
     async def param_headers(self, tool: str) -> tuple[ParamHeader, ...]:
-        """The `x-mcp-header` annotations of `tool`, from the upstream's tools/list (cached; read again after a
-        list_changed notification, or when an unknown tool is called and the cache is not fresh)."""
-        stale = time.monotonic() - self._param_headers_loaded_at > PARAM_HEADERS_REFRESH_SECONDS
-        if self._param_headers is None or (tool not in self._param_headers and stale):
-            catalog: dict[str, tuple[ParamHeader, ...]] = {}
-            cursor: str | None = None
-            for _ in range(MAX_TOOL_PAGES):
-                page = await self.request("tools/list", {"cursor": cursor} if cursor else None)
-                for listed in page.get("tools") or []:
-                    if isinstance(listed, dict) and isinstance(listed.get("name"), str):
-                        catalog[listed["name"]] = param_headers(listed.get("inputSchema"))
-                cursor = page.get("nextCursor") if isinstance(page.get("nextCursor"), str) else None
-                if cursor is None:
-                    break
-            self._param_headers = catalog
-            self._param_headers_loaded_at = time.monotonic()
-        return self._param_headers.get(tool, ())
+        """The `x-mcp-header` annotations of `tool`: from the cached catalog when it can answer, else read from
+        this session's tools/list (and cached for every session, with each tool's `execution.taskSupport`)."""
+        known = self.link.known_headers(tool)
+        if known is not None:
+            return known
+        catalog: dict[str, tuple[ParamHeader, ...]] = {}
+        task_support: dict[str, legacy_tasks.TaskSupport | None] = {}
+        cursor: str | None = None
+        for _ in range(MAX_TOOL_PAGES):
+            page = await self.request("tools/list", {"cursor": cursor} if cursor else None)
+            for listed in page.get("tools") or []:
+                if isinstance(listed, dict) and isinstance(listed.get("name"), str):
+                    catalog[listed["name"]] = param_headers(listed.get("inputSchema"))
+                    task_support[listed["name"]] = legacy_tasks.tool_task_support(listed)
+            cursor = page.get("nextCursor") if isinstance(page.get("nextCursor"), str) else None
+            if cursor is None:
+                break
+        self.link.tool_headers = catalog
+        self.link.tool_task_support = task_support
+        self.link.tool_headers_at = time.monotonic()
+        return catalog.get(tool, ())
+
+    async def task_support(self, tool: str) -> legacy_tasks.TaskSupport | None:
+        """How the upstream runs `tool` as its own 2025-11-25 task (`execution.taskSupport` from tools/list),
+        or None when it runs none: the tool says nothing, or the upstream did not declare
+        `tasks.requests.tools.call`. Read with the x-mcp-header annotations (and refreshed with them)."""
+        initialize_result = await self.ensure_initialized()
+        if not legacy_tasks.runs_tool_tasks(initialize_result):
+            return None
+        await self.param_headers(tool)
+        support = self.link.tool_task_support.get(tool)
+        return support if support in ("optional", "required") else None
 
     # --- resource subscriptions ---------------------------------------------------------------------------
 

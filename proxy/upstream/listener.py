@@ -20,7 +20,7 @@ import structlog
 
 from proxy.errors import UpstreamError
 from proxy.upstream.events import UpstreamEvent, decode
-from proxy.upstream.sse import SSEParser
+from proxy.upstream.sse import EventTooLargeError, SSEParser
 
 log = structlog.get_logger(__name__)
 
@@ -41,9 +41,14 @@ Spawn = Callable[[Coroutine[Any, Any, None], str], "asyncio.Task[None]"]
 
 class UpstreamListener:
     def __init__(
-        self, session_id: str, open_stream: OpenStream, on_event: Callable[[StreamEvent], Awaitable[None]]
+        self,
+        session_id: str,
+        open_stream: OpenStream,
+        on_event: Callable[[StreamEvent], Awaitable[None]],
+        max_message_bytes: int | None = None,
     ) -> None:
         self.session_id = session_id
+        self._max = max_message_bytes
         self._open_stream = open_stream
         self._on_event = on_event
         self._task: asyncio.Task[None] | None = None
@@ -67,6 +72,9 @@ class UpstreamListener:
         while True:
             try:
                 status, last_event_id = await self._read(last_event_id)
+            except EventTooLargeError:
+                status = 0  # dropped, never held whole; the stream is read again from the next event on
+                log.warning("upstream_get_stream_message_too_large", max_bytes=self._max)
             except (aiohttp.ClientError, TimeoutError, UpstreamError) as exc:
                 status = 0
                 log.info("upstream_get_stream_lost", error=str(exc))
@@ -86,7 +94,7 @@ class UpstreamListener:
             if response.status != 200 or response.content_type != "text/event-stream":
                 return response.status, last_event_id
             self._answered.set()
-            parser = SSEParser()
+            parser = SSEParser(self._max)
             async for chunk in response.content.iter_any():
                 for sse in parser.feed(chunk):
                     if sse.id is not None:

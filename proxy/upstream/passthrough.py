@@ -2,7 +2,8 @@
 
 A legacy client through the proxy must see what it sees directly: status, body and end-to-end headers are
 copied, SSE is streamed chunk by chunk as it arrives (no buffering, no decompression), hop-by-hop headers are
-dropped. The proxy's own Host/Origin checks ran before; the upstream sees the proxy as its client.
+dropped, and nothing is added but the conventional X-Forwarded-For/-Proto/-Host. The proxy's own Host/Origin
+checks ran before; the upstream sees the proxy as its client.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ CUT_SHORT: Final = "Upstream MCP server closed the connection in the middle of i
 # Plain answers up to this size are read whole and sent in one write; larger ones and SSE are streamed.
 BUFFERED_BODY_MAX_BYTES: Final = 1 << 20
 
-# RFC 9110 §7.6.1 hop-by-hop headers, plus those the proxy must set itself for its own connection.
+# Hop-by-hop headers (RFC 9110, section 7.6.1), plus those the proxy must set itself for its own connection.
 HOP_BY_HOP: Final = frozenset(
     {
         "connection",
@@ -39,6 +40,26 @@ HOP_BY_HOP: Final = frozenset(
         "origin",
     }
 )
+
+
+# aiohttp's client adds these to a request that lacks them (`Accept-Encoding: gzip, deflate` made upstreams
+# compress answers the client never asked to be compressed): a relayed request carries the client's only.
+NO_AUTO_HEADERS: Final = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
+
+
+def _add_forwarded(headers: CIMultiDict[str], request: web.Request) -> None:
+    """The conventional reverse-proxy headers: this hop's client is appended to X-Forwarded-For (earlier values
+    kept, several lines joined in order), X-Forwarded-Proto and X-Forwarded-Host say what this hop received and
+    replace whatever the client claimed."""
+    chain = headers.popall("X-Forwarded-For", [])
+    if request.remote:
+        chain.append(request.remote)
+    if chain:
+        headers["X-Forwarded-For"] = ", ".join(chain)
+    headers["X-Forwarded-Proto"] = request.scheme
+    headers.popall("X-Forwarded-Host", None)
+    if (host := request.headers.get("Host")) is not None:
+        headers["X-Forwarded-Host"] = host
 
 
 def _end_to_end(headers: Mapping[str, str]) -> CIMultiDict[str]:
@@ -77,6 +98,7 @@ class PassThrough:
 
     async def relay(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
         headers = _end_to_end(request.headers)
+        _add_forwarded(headers, request)
         for name, value in self.extra_headers.items():
             headers[name] = value
         try:
@@ -84,6 +106,7 @@ class PassThrough:
                 request.method,
                 self.url.with_query(request.query) if request.query else self.url,
                 headers=headers,
+                skip_auto_headers=NO_AUTO_HEADERS,
                 data=body if body else None,
                 timeout=self.timeout,
                 allow_redirects=False,
@@ -91,7 +114,7 @@ class PassThrough:
         except TimeoutError:
             raise UpstreamTimeoutError() from None
         except aiohttp.ClientError as exc:
-            raise UpstreamError(f"Upstream MCP server unavailable: {exc}") from None
+            raise UpstreamError("Upstream MCP server unavailable", detail=str(exc)) from None
         headers = _end_to_end(upstream.headers)
         length = upstream.headers.get("Content-Length")
         size = int(length) if length is not None and length.isdigit() else None

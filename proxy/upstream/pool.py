@@ -12,6 +12,9 @@ One pool for every kind of upstream session (`kinds.py`): a `SessionKind` makes 
   process); on a leased session it can only be the lessee's, so it goes to `sink`. Where sessions are costly
   (`share_quiet_calls`: stdio processes) a call whose client could not answer anyway (`asks=False`) runs on
   the principal's shared session instead, and its questions are refused.
+- `adopt(principal, session_id, sink)`: the same, on a session an earlier proxy process initialized (it holds a
+  task the upstream runs itself, resumed after a restart): no `initialize`.
+- `keep(session)`: a session whose upstream work outlives this process is let go without ending that work.
 
 List changes and resource updates seen on a lent session reach the principal's listen streams too. Sessions
 nobody uses are kept for reuse, least recently used first out: beyond `max_idle` idle sessions the oldest is
@@ -32,6 +35,8 @@ import structlog
 from proxy.errors import ProxyError, UpstreamLimitError
 from proxy.upstream.events import UpstreamNotification
 from proxy.upstream.kinds import Session, SessionKind, Sink, principal_key
+from proxy.wire import legacy_tasks
+from proxy.wire.envelope import ParamHeader
 from proxy.wire.jsonrpc import JSON
 
 log = structlog.get_logger(__name__)
@@ -102,16 +107,40 @@ class UpstreamClient:
             return
         key = principal_key(principal)
         session = await self._lendable(principal, key)
-        session.on_notification = lambda notification: self._to_shared(key, notification)
-        self._take(session)
-        self._lent.add(session)
-        self._keep_one_warm(principal, key)
-        if reclaim is not None:
-            self._reclaims[session] = reclaim
-        try:
+        async with self._lent_to(session, key, reclaim):
+            self._keep_one_warm(principal, key)
             await session.ensure_initialized()
             session.lessee = sink
             yield session
+
+    @asynccontextmanager
+    async def adopt(self, principal: str | None, session_id: str | None, sink: Sink) -> AsyncIterator[Session]:
+        """A lease on the upstream session `session_id`, which an earlier proxy process initialized and left
+        behind with a task the upstream still runs: taken over without `initialize`, its GET stream opened again.
+        None (a stateless upstream, where any session serves): an ordinary lease."""
+        if session_id is None:
+            async with self.lease(principal, sink) as session:
+                yield session
+            return
+        key = principal_key(principal)
+        deadline = asyncio.get_running_loop().time() + self.limits.wait_seconds
+        while not (self._has_room() and self._may_lend()):
+            await self._wait_for_room(deadline, evict=self._may_lend())
+        session = self._make(principal)
+        async with self._lent_to(session, key, None):
+            await session.adopt(session_id)
+            session.lessee = sink
+            yield session
+
+    @asynccontextmanager
+    async def _lent_to(self, session: Session, key: str, reclaim: Callable[[], bool] | None) -> AsyncIterator[None]:
+        session.on_notification = lambda notification: self._to_shared(key, notification)
+        self._take(session)
+        self._lent.add(session)
+        if reclaim is not None:
+            self._reclaims[session] = reclaim
+        try:
+            yield
         finally:
             session.lessee = None
             self._lent.discard(session)
@@ -119,6 +148,11 @@ class UpstreamClient:
             self._reclaiming.discard(session)
             self._release(session, key, spare=True)
             self._signal()
+
+    def keep(self, session: Session) -> None:
+        """The session holds upstream work a later proxy process resumes (a task the upstream runs itself): when
+        its use ends it is let go without ending that work (no DELETE)."""
+        session.kept = True
 
     async def _lendable(self, principal: str | None, key: str) -> Session:
         """A spare session of the principal, else a new one (waiting for room when the kind is bounded)."""
@@ -204,6 +238,9 @@ class UpstreamClient:
             self._users[session] = users
             return
         self._users.pop(session, None)
+        if session.kept:
+            self._close(session)  # a kept session's close only lets go of it (see `Session.detach`)
+            return
         if session.subscriptions:
             return  # a listen stream still reads it (it ends with its own use)
         if spare:
@@ -332,6 +369,38 @@ class UpstreamClient:
     def open_sessions(self) -> int:
         """Sessions the pool holds: shared ones, leased ones and spare ones (not those still closing)."""
         return len(self._open) - len(self._closing)
+
+    # --- what needs no session of the caller's own when a recent answer will do ---------------------------
+
+    async def initialize_result(self, principal: str | None, max_age_ms: int) -> JSON:
+        """The upstream's InitializeResult: the latest one any session got, when it is at most `max_age_ms` old
+        (server/discover opens no session per caller), else from the caller's shared session."""
+        recent = self.kind.recent_initialize(max_age_ms)
+        if recent is not None:
+            return recent
+        async with self.use(principal) as session:
+            return await session.ensure_initialized()
+
+    async def param_headers(self, principal: str | None, tool: str) -> tuple[ParamHeader, ...]:
+        """The tool's `x-mcp-header` annotations, from the shared catalog; read through the caller's shared
+        session only when the catalog cannot answer."""
+        known = self.kind.known_headers(tool)
+        if known is not None:
+            return known
+        async with self.use(principal) as session:
+            return await session.param_headers(tool)
+
+    async def task_support(self, principal: str | None, tool: str) -> legacy_tasks.TaskSupport | None:
+        """How the upstream runs `tool` as its own 2025-11-25 task, or None: from the shared catalog when the
+        latest InitializeResult and the catalog can answer, else through the caller's shared session."""
+        initialize_result = self.kind.initialize_result
+        if initialize_result is not None and not legacy_tasks.runs_tool_tasks(initialize_result):
+            return None
+        if initialize_result is not None and self.kind.known_headers(tool) is not None:
+            support = self.kind.tool_task_support.get(tool)
+            return support if support in ("optional", "required") else None
+        async with self.use(principal) as session:
+            return await session.task_support(tool)
 
     # --- readiness and shutdown ---------------------------------------------------------------------------
 

@@ -1,11 +1,11 @@
-"""The proxy as a legacy MCP client over Streamable HTTP: sessions, one POST per request, re-initialize on 404.
+"""The proxy as a legacy MCP client: upstream sessions, one POST per request, re-initialize on 404.
 
 A session owns `initialize` + `notifications/initialized`, the `Mcp-Session-Id` and negotiated
 `MCP-Protocol-Version` headers, its GET stream (`listener.py`) and where what arrives there goes: to the call
 that leased the session, to `subscriptions/listen` inboxes, or refused. What every session shares (the HTTP
 client, the URL, timeouts, request ids, the upstream's latest serverInfo) is the `UpstreamLink`, which is also
-this kind's `SessionKind` for the pool (`pool.py`). aiohttp failures become UpstreamError. Imports aiohttp;
-never the store or the front.
+this kind's `SessionKind` for the pool (`pool.py`, `kinds.py`). aiohttp failures become UpstreamError. Imports
+aiohttp; never the store or the front.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import structlog
 from yarl import URL
 
 from proxy.config import UpstreamConfig
-from proxy.errors import RequestId, UpstreamError, UpstreamTimeoutError
+from proxy.errors import RequestId, ResultTooLargeError, UpstreamError, UpstreamRefusedError, UpstreamTimeoutError
 from proxy.observability import Metrics, method_label
-from proxy.upstream.call import UpstreamCall
+from proxy.upstream.call import UpstreamCall, read_body
 from proxy.upstream.events import (
     UpstreamErrorResponse,
     UpstreamNotification,
@@ -34,34 +34,33 @@ from proxy.upstream.events import (
     UpstreamServerRequest,
     refusal,
 )
-from proxy.upstream.kinds import (
-    CLIENT_CAPABILITIES,
-    CLIENT_INFO,
-    PoolLimits,
-    Session,
-    SessionFeatures,
-    Sink,
-    Spawner,
-)
+from proxy.upstream.kinds import CLIENT_CAPABILITIES, CLIENT_INFO, LinkBase, PoolLimits, Session, SessionFeatures, Sink
 from proxy.upstream.listener import SessionGone, StreamEvent, UpstreamListener
+from proxy.upstream.sse import EventTooLargeError
 from proxy.wire.jsonrpc import JSON, dumps, error_message, notification_message, request_message, result_message
-from proxy.wire.translate import implementation
 
 log = structlog.get_logger(__name__)
 
 STANDALONE_REFUSED: Final = "cannot be relayed to 2026-07-28 clients: no call of theirs holds this upstream session"
+
 PROBE_TIMEOUT_SECONDS: Final = 2.0  # a readiness probe's initialize; kubelet's own timeout is short too
 
 
-class UpstreamLink(Spawner):
+class UpstreamLink(LinkBase):
     """What every session of one upstream shares: the HTTP client and URL, timeouts, request ids, background
     work, and what the upstream said most recently (serverInfo; when it last answered, for readiness)."""
 
     def __init__(
-        self, config: UpstreamConfig, http: aiohttp.ClientSession, principal_header: str, metrics: Metrics | None
+        self,
+        config: UpstreamConfig,
+        http: aiohttp.ClientSession,
+        principal_header: str,
+        metrics: Metrics | None,
+        max_result_bytes: int | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        self.max_result_bytes = max_result_bytes  # the largest upstream answer or stream message read
         self.http = http
         self.principal_header = principal_header
         self.metrics = metrics
@@ -71,11 +70,9 @@ class UpstreamLink(Spawner):
             connect=config.connect_timeout_seconds,
             sock_connect=config.connect_timeout_seconds,
         )
-        self.server_info: JSON | None = None  # the upstream's serverInfo from the latest initialize
-        self.last_answer_at: float | None = None  # monotonic time of the upstream's latest HTTP answer
         self.limits = PoolLimits(max_idle=config.max_sessions)  # HTTP sessions are cheap: one per call
-        self._ids = itertools.count(1)
         self._probe_lock = asyncio.Lock()
+        self._ids = itertools.count(1)
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -104,8 +101,8 @@ class UpstreamLink(Spawner):
 
 class UpstreamSession(SessionFeatures):
     def __init__(self, link: UpstreamLink, principal: str | None) -> None:
-        super().__init__()
-        self.link = link
+        super().__init__(link)
+        self.link: UpstreamLink = link
         self.principal = principal
         self.session_id: str | None = None
         self.protocol_version: str = link.config.protocol_version
@@ -117,6 +114,7 @@ class UpstreamSession(SessionFeatures):
         self.on_notification: Callable[[UpstreamNotification], None] = self.deliver
         self._listener: UpstreamListener | None = None
         self._lock = asyncio.Lock()
+        self.kept = False  # holds upstream work a later proxy process resumes: never ended with DELETE
 
     # --- headers and plumbing -------------------------------------------------------------------------
 
@@ -150,7 +148,7 @@ class UpstreamSession(SessionFeatures):
         except TimeoutError:
             raise UpstreamTimeoutError("Upstream MCP server did not answer in time") from None
         except aiohttp.ClientError as exc:
-            raise UpstreamError(f"Upstream MCP server unavailable: {exc}") from None
+            raise UpstreamError("Upstream MCP server unavailable", detail=str(exc)) from None
         if response.status < 500:
             link.last_answer_at = time.monotonic()  # the upstream is there and speaks HTTP (readiness)
         return response
@@ -179,8 +177,8 @@ class UpstreamSession(SessionFeatures):
         if response.status >= 400:
             body = await response.text()
             response.release()
-            raise UpstreamError(f"Upstream refused initialize: HTTP {response.status}: {body[:200]}")
-        call = UpstreamCall(self, request_id, "initialize", response)
+            raise UpstreamError(f"Upstream refused initialize: HTTP {response.status}", detail=body[:200])
+        call = UpstreamCall(self, request_id, "initialize", response, self.link.max_result_bytes)
         result: JSON | None = None
         async for event in call.events():
             if isinstance(event, UpstreamResult):
@@ -193,11 +191,12 @@ class UpstreamSession(SessionFeatures):
         self.protocol_version = result["protocolVersion"]
         await self.notify("notifications/initialized", None)
         self.initialize_result = result
-        self.link.server_info = implementation(result)
-        self.tools_changed()
+        self.link.initialized(result)
         if listen and session_id is not None:  # a stateless upstream has no standalone stream
             self._stop_listening()
-            self._listener = UpstreamListener(session_id, self._open_stream, self._on_stream)
+            self._listener = UpstreamListener(
+                session_id, self._open_stream, self._on_stream, self.link.max_result_bytes
+            )
             await self._listener.start(self.link.spawn, self.link.config.connect_timeout_seconds)
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
         if self.resource_subscriptions:
@@ -222,6 +221,25 @@ class UpstreamSession(SessionFeatures):
                 self.initialize_result = None
                 await self.initialize()
 
+    async def adopt(self, session_id: str) -> None:
+        """Take over a session an earlier proxy process initialized, which holds a task the upstream still runs:
+        no `initialize` (that would start another session), its GET stream opened again. Should the upstream
+        have forgotten it, a request answered 404 starts a new session as usual."""
+        self._stop_listening()
+        self.session_id = session_id
+        self.protocol_version = self.link.config.protocol_version  # tasks exist only from 2025-11-25 on
+        self.initialize_result = {}  # initialized, by someone else: its InitializeResult is not known here
+        self._listener = UpstreamListener(session_id, self._open_stream, self._on_stream)
+        await self._listener.start(self.link.spawn, self.link.config.connect_timeout_seconds)
+        log.info("upstream_session_adopted")
+
+    def detach(self) -> None:
+        """Let go of the session without ending it (no DELETE): the upstream keeps it, and the work in it, for
+        the next proxy process."""
+        self._stop_listening()
+        self.session_id = None
+        self.initialize_result = None
+
     async def revive(self) -> None:
         """Start a new session now (not at the next request), so listen streams keep receiving."""
         try:
@@ -235,11 +253,13 @@ class UpstreamSession(SessionFeatures):
             self._stop_listening()
             self.session_id = None
             self.initialize_result = None
-            self._param_headers = None
 
     async def close(self) -> None:
-        """End the upstream session with DELETE (the server may answer 405; that is fine)."""
+        """End the upstream session with DELETE (the server may answer 405; that is fine); a kept session is only
+        let go (`detach`)."""
         self._stop_listening()
+        if self.kept:
+            self.detach()
         if self.session_id is None:
             return
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
@@ -284,7 +304,7 @@ class UpstreamSession(SessionFeatures):
         try:
             response = await self.link.http.get(self.link.url, headers=headers, timeout=self.link.timeout)
         except aiohttp.ClientError as exc:
-            raise UpstreamError(f"Upstream stream could not be resumed: {exc}") from None
+            raise UpstreamError("Upstream stream could not be resumed", detail=str(exc)) from None
         content_type = response.content_type
         if response.status == 200 and content_type == "text/event-stream":
             return response
@@ -318,8 +338,8 @@ class UpstreamSession(SessionFeatures):
                     continue
                 break
             if response.status >= 400:
-                await _raise_unless_answer(response, request_id, method)
-            upstream_call = UpstreamCall(self, request_id, method, response)
+                await _raise_unless_answer(response, request_id, method, self.link.max_result_bytes)
+            upstream_call = UpstreamCall(self, request_id, method, response, self.link.max_result_bytes)
             self.in_flight += 1
             try:
                 yield upstream_call
@@ -352,14 +372,21 @@ class UpstreamSession(SessionFeatures):
         response.release()
 
 
-async def _raise_unless_answer(response: aiohttp.ClientResponse, request_id: int, method: str) -> None:
+async def _raise_unless_answer(
+    response: aiohttp.ClientResponse, request_id: int, method: str, max_bytes: int | None
+) -> None:
     """An HTTP error status is fine when its body is the JSON-RPC answer to this request (some servers send
     errors that way); anything else (a transport-level refusal) is an UpstreamError naming what it said."""
     content_type = response.content_type
     if content_type == "text/event-stream":
         return
-    body = await response.read()
-    detail = body.decode("utf-8", errors="replace")[:200]
+    try:
+        body = await read_body(response, max_bytes)
+    except EventTooLargeError:
+        response.close()
+        raise ResultTooLargeError(max_bytes or 0) from None
+    raw = body.decode("utf-8", errors="replace")[:200]
+    said = ""  # the upstream's own JSON-RPC error message, if it sent one: the client may see that
     if content_type == "application/json":
         try:
             message = json.loads(body)
@@ -370,6 +397,6 @@ async def _raise_unless_answer(response: aiohttp.ClientResponse, request_id: int
                 return  # the body was read, aiohttp keeps it for UpstreamCall
             error = message.get("error")
             if isinstance(error, dict) and isinstance(error.get("message"), str):
-                detail = error["message"]
+                said = f": {error['message']}"
     response.release()
-    raise UpstreamError(f"Upstream answered {method} with HTTP {response.status}: {detail}")
+    raise UpstreamRefusedError(f"Upstream answered {method} with HTTP {response.status}{said}", response.status, raw)

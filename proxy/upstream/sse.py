@@ -1,7 +1,8 @@
 """Server-Sent Events framing: an incremental parser for upstream streams and the writer's frame format.
 
 Pure (no I/O): `SSEParser.feed(bytes)` returns the events completed by those bytes, following the WHATWG
-event-stream rules (CR, LF or CRLF line ends; `data` lines joined by LF; comments ignored).
+event-stream rules (CR, LF or CRLF line ends; `data` lines joined by LF; comments ignored). Its cost is
+linear in the bytes fed, however they are split, and it can refuse events over a size.
 """
 
 from __future__ import annotations
@@ -17,9 +18,20 @@ class SSEEvent:
     retry_ms: int | None = None
 
 
+class EventTooLargeError(ValueError):
+    """An event (its data, or one unfinished line) grew past the parser's `max_event_chars`."""
+
+
 class SSEParser:
-    def __init__(self) -> None:
-        self._buffer = ""
+    """Linear in what it is fed: each chunk is scanned once, and an unfinished line is kept as pieces joined
+    only when it ends. With `max_event_chars`, an event whose data (or a single line) grows past it raises
+    EventTooLargeError as soon as that happens, so a huge event is never held whole."""
+
+    def __init__(self, max_event_chars: int | None = None) -> None:
+        self._max = max_event_chars
+        self._partial: list[str] = []  # the pieces of a line not ended yet
+        self._partial_chars = 0
+        self._data_chars = 0  # characters of the current event's data lines
         self._decoder_tail = b""
         self._data: list[str] = []
         self._event = ""
@@ -28,6 +40,48 @@ class SSEParser:
         self._pending_cr = False
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
+        text = self._decode(chunk)
+        if self._pending_cr and text.startswith("\n"):
+            text = text[1:]
+        self._pending_cr = False
+        events: list[SSEEvent] = []
+        start = 0
+        next_cr = text.find("\r")
+        next_lf = text.find("\n")
+        while True:
+            if 0 <= next_cr < start:
+                next_cr = text.find("\r", start)
+            if 0 <= next_lf < start:
+                next_lf = text.find("\n", start)
+            index = next_lf if next_cr < 0 else next_cr if next_lf < 0 else min(next_cr, next_lf)
+            if index < 0:
+                break
+            line = text[start:index]
+            if self._partial:
+                self._partial.append(line)
+                line = "".join(self._partial)
+                self._partial = []
+                self._partial_chars = 0
+            if text[index] == "\r":
+                if index + 1 < len(text):
+                    skip = 2 if text[index + 1] == "\n" else 1
+                else:
+                    self._pending_cr = True
+                    skip = 1
+            else:
+                skip = 1
+            start = index + skip
+            event = self._line(line)
+            if event is not None:
+                events.append(event)
+        if start < len(text):
+            rest = text[start:]
+            self._partial.append(rest)
+            self._partial_chars += len(rest)
+            self._check()
+        return events
+
+    def _decode(self, chunk: bytes) -> str:
         raw = self._decoder_tail + chunk
         try:
             text = raw.decode("utf-8")
@@ -40,29 +94,11 @@ class SSEParser:
             else:
                 text = raw.decode("utf-8", errors="replace")
                 self._decoder_tail = b""
-        if self._pending_cr and text.startswith("\n"):
-            text = text[1:]
-        self._pending_cr = False
-        self._buffer += text
-        events: list[SSEEvent] = []
-        while True:
-            index = _line_end(self._buffer)
-            if index < 0:
-                break
-            line = self._buffer[:index]
-            if self._buffer[index] == "\r":
-                if index + 1 < len(self._buffer):
-                    skip = 2 if self._buffer[index + 1] == "\n" else 1
-                else:
-                    self._pending_cr = True
-                    skip = 1
-            else:
-                skip = 1
-            self._buffer = self._buffer[index + skip :]
-            event = self._line(line)
-            if event is not None:
-                events.append(event)
-        return events
+        return text
+
+    def _check(self) -> None:
+        if self._max is not None and self._data_chars + self._partial_chars > self._max:
+            raise EventTooLargeError(f"an event over {self._max} characters")
 
     def _line(self, line: str) -> SSEEvent | None:
         if line == "":
@@ -74,6 +110,8 @@ class SSEParser:
             value = value[1:]
         if field == "data":
             self._data.append(value)
+            self._data_chars += len(value)
+            self._check()
         elif field == "event":
             self._event = value
         elif field == "id" and "\0" not in value:
@@ -83,6 +121,7 @@ class SSEParser:
         return None
 
     def _dispatch(self) -> SSEEvent | None:
+        self._data_chars = 0
         if not self._data:
             self._event = ""
             if self._retry is not None:
@@ -96,16 +135,6 @@ class SSEParser:
         self._event = ""
         self._retry = None
         return event
-
-
-def _line_end(buffer: str) -> int:
-    cr = buffer.find("\r")
-    lf = buffer.find("\n")
-    if cr < 0:
-        return lf
-    if lf < 0:
-        return cr
-    return min(cr, lf)
 
 
 def frame(data: str, event: str | None = "message", event_id: str | None = None) -> bytes:

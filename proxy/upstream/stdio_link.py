@@ -22,14 +22,13 @@ from typing import Any
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamError, UpstreamTimeoutError
 from proxy.observability import Metrics
-from proxy.upstream.kinds import PoolLimits, Session, Spawner
+from proxy.upstream.kinds import LinkBase, PoolLimits, Session
 from proxy.upstream.rates import Backoff
 from proxy.upstream.stdio import ProcessExit, StdioProcess, child_environment
 from proxy.upstream.stdio_session import StdioSession
-from proxy.wire.jsonrpc import JSON
 
 
-class StdioLink(Spawner):
+class StdioLink(LinkBase):
     """What every process of one server command shares: the command and its environment, request ids,
     the crash backoff, background work, and what the server said most recently."""
 
@@ -49,8 +48,6 @@ class StdioLink(Spawner):
             wait_seconds=config.connect_timeout_seconds,
             limit_name="upstream.max_processes",
         )
-        self.server_info: JSON | None = None
-        self.last_answer_at: float | None = None  # monotonic time of the latest line from any process
         self.backoff = Backoff()
         self.retry_at = 0.0  # monotonic: while crashing, no process is started before this
         self._ids = itertools.count(1)

@@ -46,7 +46,6 @@ from proxy.wire.jsonrpc import (
     request_message,
     result_message,
 )
-from proxy.wire.translate import implementation
 
 if TYPE_CHECKING:
     from proxy.upstream.stdio_link import StdioLink
@@ -112,8 +111,8 @@ class StdioSession(SessionFeatures):
     """One server process at a time (a fresh one after a crash), initialized by the proxy."""
 
     def __init__(self, link: StdioLink, principal: str | None) -> None:
-        super().__init__()
-        self.link = link
+        super().__init__(link)
+        self.link: StdioLink = link
         self.principal = principal  # keys the pool only: a stdio server sees no HTTP headers
         self.session_id: str | None = None  # the running process's name
         self.protocol_version: str = link.config.protocol_version
@@ -121,6 +120,7 @@ class StdioSession(SessionFeatures):
         self.in_flight = 0
         self.lessee: Sink | None = None
         self.on_notification: Callable[[UpstreamNotification], None] = self.deliver
+        self.kept = False  # a process cannot outlive the proxy: a kept session is stopped all the same
         self.process: StdioProcess | None = None
         self._calls: dict[int, StdioCall] = {}  # request id (also the progress token it carries) → call
         self._asked: set[RequestId] = set()  # the running process's questions not answered yet
@@ -180,9 +180,8 @@ class StdioSession(SessionFeatures):
         self.session_id = process.name
         self.protocol_version = result["protocolVersion"]
         self.initialize_result = result
-        self.link.server_info = implementation(result)
+        self.link.initialized(result)
         self.link.backoff.reset()
-        self.tools_changed()
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, upstream=process.name)
         if self.resource_subscriptions:
             self.link.spawn(self.resubscribe(), "upstream-resubscribe")
@@ -210,6 +209,14 @@ class StdioSession(SessionFeatures):
         if process.exited is None:
             self.link.crashed(0.0)
         await asyncio.shield(process.stop(0))
+
+    async def adopt(self, session_id: str) -> None:
+        """A task the server ran itself cannot be taken over: its process stopped with the proxy before."""
+        raise UpstreamError(f"Upstream stdio server process {session_id} is gone (the proxy restarted)")
+
+    def detach(self) -> None:
+        """Nothing of a stdio server outlives its process: letting go means stopping it."""
+        self.link.spawn(self.close(), "upstream-session-close")
 
     async def close(self) -> None:
         """Stop the process: close its stdin, then SIGTERM, then SIGKILL (`upstream.stop_grace_seconds`)."""

@@ -1,8 +1,9 @@
 """The 2026-07-28 request envelope: era classification, `_meta` and routing-header validation.
 
 SANS-IO: takes header mappings and decoded JSON, returns a `ModernRequest` or raises a ProxyError with the
-code the spec names (C-2, C-6, C-23…C-25, K-24…K-27). Param shapes are checked with the `mcp_types`
-surface validators. Must not import aiohttp, asyncio or the store.
+code the spec names (a missing `_meta` field, an unserved version, a routing header that is missing or
+differs from the body). Param shapes are checked with the `mcp_types` surface validators. Must not import
+aiohttp, asyncio or the store.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ PROTOCOL_VERSION_HEADER: Final = "mcp-protocol-version"
 METHOD_HEADER: Final = "mcp-method"
 NAME_HEADER: Final = "mcp-name"
 
-# C-23 + the Tasks extension (T-45): which params field `Mcp-Name` mirrors, and whether it must be present.
+# Streamable HTTP + the Tasks extension: which params field `Mcp-Name` mirrors, and whether it must be present.
 NAME_FIELDS: Final[Mapping[str, tuple[str, bool]]] = {
     "tools/call": ("name", True),
     "prompts/get": ("name", True),
     "resources/read": ("uri", True),
-    # Architecture decision: validated when present, tolerated when absent (real clients omit it; Q3).
+    # The proxy's choice: validated when present, tolerated when absent (real clients omit it, and the spec only
+    # says a client MUST send it).
     "tasks/get": ("taskId", False),
     "tasks/update": ("taskId", False),
     "tasks/cancel": ("taskId", False),
@@ -65,7 +67,8 @@ class ModernRequest:
 
     @property
     def declares_tasks(self) -> bool:
-        """T-2/K-1: the declaration is read from this request's own `_meta` only (T-10: legacy shape ignored)."""
+        """Whether this request declares the Tasks extension, read from its own `_meta` only (never from an
+        earlier request); the legacy 2025-11-25 `tasks` capability shape is not a declaration."""
         extensions = self.client_capabilities.get("extensions")
         return isinstance(extensions, dict) and isinstance(extensions.get(TASKS_EXTENSION), dict)
 
@@ -108,7 +111,8 @@ def is_modern(headers: Mapping[str, str], message: Any) -> bool:
 
 
 def decode_header_value(value: str) -> str:
-    """C-24: values are plain visible ASCII, or `=?base64?<base64 of UTF-8>?=`. Raises ValueError if invalid."""
+    """Header values are plain visible ASCII, or `=?base64?<base64 of UTF-8>?=` (Streamable HTTP: value
+    encoding). Raises ValueError if invalid."""
     value = value.strip(" \t")
     if value.startswith(_SENTINEL_PREFIX) and value.endswith(_SENTINEL_SUFFIX):
         encoded = value[len(_SENTINEL_PREFIX) : -len(_SENTINEL_SUFFIX)]
@@ -121,89 +125,83 @@ def decode_header_value(value: str) -> str:
     return value
 
 
-def _header(headers: Mapping[str, str], name: str, request_id: RequestId) -> str | None:
+def _header(headers: Mapping[str, str], name: str) -> str | None:
     raw = headers.get(name)
     if raw is None:
         return None
     try:
         return decode_header_value(raw)
     except ValueError as exc:
-        raise HeaderMismatchError(f"Header mismatch: {name}: {exc}", request_id=request_id) from None
+        raise HeaderMismatchError(f"Header mismatch: {name}: {exc}") from None
 
 
-def _required_meta(request_id: RequestId, params: JSON | None) -> tuple[JSON, str, JSON]:
-    """C-2: `_meta` with protocolVersion and clientCapabilities, else -32602 (HTTP 400)."""
+def _required_meta(params: JSON | None) -> tuple[JSON, str, JSON]:
+    """Every 2026-07-28 request carries `_meta` with protocolVersion and clientCapabilities, else -32602
+    (HTTP 400)."""
     meta = params.get("_meta") if params is not None else None
     if not isinstance(meta, dict):
         raise InvalidParamsError(
             "Invalid params: missing params._meta (2026-07-28 requests carry "
             f"{PROTOCOL_VERSION_META_KEY} and {CLIENT_CAPABILITIES_META_KEY})",
-            request_id=request_id,
         )
     version = meta.get(PROTOCOL_VERSION_META_KEY)
     if not isinstance(version, str):
         raise InvalidParamsError(
             f"Invalid params: _meta[{PROTOCOL_VERSION_META_KEY!r}] is required and must be a string",
-            request_id=request_id,
         )
     capabilities = meta.get(CLIENT_CAPABILITIES_META_KEY)
     if not isinstance(capabilities, dict):
         raise InvalidParamsError(
             f"Invalid params: _meta[{CLIENT_CAPABILITIES_META_KEY!r}] is required and must be an object",
-            request_id=request_id,
         )
     return meta, version, capabilities
 
 
-def _check_headers(headers: Mapping[str, str], request_id: RequestId, method: str, params: JSON, version: str) -> None:
-    """C-23/C-25/T-45: routing headers present and equal to the body, else -32020 (HTTP 400)."""
-    header_version = _header(headers, PROTOCOL_VERSION_HEADER, request_id)
+def _check_headers(headers: Mapping[str, str], method: str, params: JSON, version: str) -> None:
+    """Routing headers (MCP-Protocol-Version, Mcp-Method, Mcp-Name) present and equal to the body, else -32020
+    (HTTP 400; Streamable HTTP: server validation)."""
+    header_version = _header(headers, PROTOCOL_VERSION_HEADER)
     if header_version is None:
-        raise HeaderMismatchError("Header mismatch: MCP-Protocol-Version header is required", request_id=request_id)
+        raise HeaderMismatchError("Header mismatch: MCP-Protocol-Version header is required")
     if header_version != version:
         raise HeaderMismatchError(
             f"Header mismatch: MCP-Protocol-Version {header_version!r} != _meta protocolVersion {version!r}",
-            request_id=request_id,
         )
-    header_method = _header(headers, METHOD_HEADER, request_id)
+    header_method = _header(headers, METHOD_HEADER)
     if header_method is None:
-        raise HeaderMismatchError("Header mismatch: Mcp-Method header is required", request_id=request_id)
+        raise HeaderMismatchError("Header mismatch: Mcp-Method header is required")
     if header_method != method:
-        raise HeaderMismatchError(
-            f"Header mismatch: Mcp-Method {header_method!r} != method {method!r}", request_id=request_id
-        )
+        raise HeaderMismatchError(f"Header mismatch: Mcp-Method {header_method!r} != method {method!r}")
     name_rule = NAME_FIELDS.get(method)
     if name_rule is None:
         return
     field, required = name_rule
-    header_name = _header(headers, NAME_HEADER, request_id)
+    header_name = _header(headers, NAME_HEADER)
     if header_name is None:
         if required:
-            raise HeaderMismatchError(
-                f"Header mismatch: Mcp-Name header is required for {method}", request_id=request_id
-            )
+            raise HeaderMismatchError(f"Header mismatch: Mcp-Name header is required for {method}")
         return
     body_value = params.get(field)
     if header_name != body_value:
         raise HeaderMismatchError(
             f"Header mismatch: Mcp-Name {header_name!r} != params.{field} {body_value!r}",
-            request_id=request_id,
         )
 
 
 def validate_modern(
     headers: Mapping[str, str], request_id: RequestId, method: str, params: JSON | None
 ) -> ModernRequest:
-    """Validate a modern request's envelope in the order of protocol.md §8 (steps 3-5).
+    """Validate a modern request's envelope: the required `_meta` first (the headers are compared with it),
+    then the routing headers, then whether the proxy serves the version.
 
     Raises InvalidParamsError (-32602), HeaderMismatchError (-32020) or UnsupportedVersionError (-32022).
     """
     lowered = _lower_headers(headers)
-    meta, version, capabilities = _required_meta(request_id, params)
+    meta, version, capabilities = _required_meta(params)
     body = params if params is not None else {}
-    _check_headers(lowered, request_id, method, body, version)
+    _check_headers(lowered, method, body, version)
     if version not in SUPPORTED_VERSIONS:
-        raise UnsupportedVersionError(version, SUPPORTED_VERSIONS, request_id=request_id)
+        raise UnsupportedVersionError(version, SUPPORTED_VERSIONS)
     return ModernRequest(request_id, method, body, meta, version, capabilities)
 
 
@@ -220,10 +218,10 @@ def validate_params(request: ModernRequest) -> None:
             f"{'.'.join(str(part) for part in error['loc'][1:]) or 'params'}: {error['msg']}"
             for error in exc.errors()[:5]
         )
-        raise InvalidParamsError(f"Invalid params: {problems}", request_id=request.id) from None
+        raise InvalidParamsError(f"Invalid params: {problems}") from None
 
 
-# --- x-mcp-header: tool parameters mirrored into Mcp-Param-{Name} headers (C-26) ---------------------------
+# --- x-mcp-header: tool parameters mirrored into Mcp-Param-{Name} headers ----------------------------------
 
 PARAM_HEADER_PREFIX: Final = "mcp-param-"
 _TCHAR: Final = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -288,33 +286,29 @@ def _same_value(header_value: str, body_value: Any, declared_type: str) -> bool:
     return header_value == str(body_value)
 
 
-def check_param_headers(
-    headers: Mapping[str, str], arguments: Any, specs: tuple[ParamHeader, ...], request_id: RequestId
-) -> None:
-    """C-26 server validation: every annotated argument present in the body has its header, equal after
-    decoding; a header without a body value, or with invalid characters, is rejected too (-32020, HTTP 400)."""
+def check_param_headers(headers: Mapping[str, str], arguments: Any, specs: tuple[ParamHeader, ...]) -> None:
+    """Server validation of `x-mcp-header` parameters: every annotated argument present in the body has its
+    header, equal after decoding; a header without a body value, or with invalid characters, is rejected too
+    (-32020, HTTP 400)."""
     lowered = _lower_headers(headers)
     for spec in specs:
         header_name = f"Mcp-Param-{spec.name}"
         value = _argument_at(arguments, spec.path)
-        header = _header(lowered, PARAM_HEADER_PREFIX + spec.name.lower(), request_id)
+        header = _header(lowered, PARAM_HEADER_PREFIX + spec.name.lower())
         if value is None:
             if header is not None:
                 raise HeaderMismatchError(
                     f"Header mismatch: {header_name} is set but the argument {'.'.join(spec.path)} is absent",
-                    request_id=request_id,
                 )
             continue
         if header is None:
             raise HeaderMismatchError(
                 f"Header mismatch: {header_name} header is required when {'.'.join(spec.path)} is given",
-                request_id=request_id,
             )
         if not _same_value(header, value, spec.type):
             # No values in the message: it is logged, and argument values never are.
             raise HeaderMismatchError(
                 f"Header mismatch: {header_name} does not equal the argument {'.'.join(spec.path)}",
-                request_id=request_id,
             )
 
 

@@ -7,8 +7,10 @@ the envelope types and codes come from `mcp_types.jsonrpc`.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from proxy.errors import InvalidRequestError, ParseError, RequestId
 
@@ -43,15 +45,78 @@ class Response:
 Message = Request | Notification | Response
 
 
+# Deeper bodies are refused at parse time: every later step (validation, re-encoding, the store) recurses over
+# the value, and Python's recursion limit must never be what stops it. serde_json's default limit, too.
+MAX_DEPTH: Final = 128
+
+# An escaped UTF-16 surrogate (`\ud800`..`\udfff`): the only way a JSON text in valid UTF-8 can carry one.
+_SURROGATE_ESCAPE: Final = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+_LONE_SURROGATE: Final = "Parse error: a string holds a lone UTF-16 surrogate"
+_TOO_DEEP: Final = f"Parse error: arrays and objects nested deeper than {MAX_DEPTH} levels"
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if math.isinf(number):
+        raise ValueError("number out of range")
+    return number
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def loads(body: bytes) -> Any:
+    """Decode a client's body, accepting only what can be relayed as JSON again. A ParseError for:
+
+    - bytes that are not UTF-8 (RFC 8259, section 8.1; a leading BOM is ignored), or not JSON;
+    - `NaN`/`Infinity` literals (Python reads them, JSON has none) and numbers beyond a double (`1e999`);
+    - a lone surrogate escape such as `"\\ud800"`: grammatical JSON, but no Unicode character, so the string
+      cannot be written to UTF-8 again (a pair such as `"\\ud83d\\ude00"` is one character and is fine);
+    - nesting deeper than MAX_DEPTH arrays and objects.
+    """
     try:
-        return json.loads(body)
+        decoded = json.loads(body.decode("utf-8-sig"), parse_float=_finite, parse_constant=_not_json)
     except (UnicodeDecodeError, ValueError):
         raise ParseError() from None
+    except RecursionError:
+        raise ParseError(_TOO_DEEP) from None
+    surrogates = _SURROGATE_ESCAPE.search(body) is not None
+    if surrogates or body.count(b"[") + body.count(b"{") > MAX_DEPTH:  # else neither can be present
+        _check_value(decoded, surrogates=surrogates)
+    return decoded
+
+
+def _check_value(value: Any, *, surrogates: bool) -> None:
+    """Walk a decoded value level by level (no recursion, C-speed list work): depth, and lone surrogates in keys
+    and strings. `json.loads` joins a valid pair into one character, so any surrogate left is a lone one."""
+    if surrogates and isinstance(value, str) and _SURROGATE.search(value):
+        raise ParseError(_LONE_SURROGATE)
+    level: list[Any] = [value] if type(value) is dict or type(value) is list else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > MAX_DEPTH:
+            raise ParseError(_TOO_DEEP)
+        children: list[Any] = []
+        for item in level:
+            children.extend(item.values() if type(item) is dict else item)
+        if surrogates:
+            texts = [key for item in level if type(item) is dict for key in item]
+            texts += [child for child in children if type(child) is str]
+            if _SURROGATE.search("".join(texts)):
+                raise ParseError(_LONE_SURROGATE)
+        level = [child for child in children if type(child) is dict or type(child) is list]
 
 
 def dumps(message: JSON) -> bytes:
-    return json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()
+    """Compact UTF-8 JSON. A lone surrogate (only an upstream's answer can still hold one) is written as its
+    `\\u` escape, which JSON allows, instead of failing the whole message."""
+    try:
+        return json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(message, separators=(",", ":")).encode()
 
 
 def _valid_id(value: Any) -> bool:

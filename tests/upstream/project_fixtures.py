@@ -3,7 +3,8 @@
 server->client request each), ``log``, ``update_resource`` (resources/updated to subscribers) and
 ``ping_client`` (a ping on the call's stream), ``whoami`` (headers the call arrived with) and
 ``cancelled_requests`` (which tools/call ids the upstream saw cancelled via notifications/cancelled),
-``counted`` / ``call_count`` (how often a call really reached the upstream).
+``counted`` / ``call_count`` (how often a call really reached the upstream), ``ask_three`` (sampling and
+roots on the GET stream, an elicitation on its own stream, all at once), ``big_text`` (a result of any size).
 """
 
 from __future__ import annotations
@@ -29,16 +30,19 @@ def register(mcp: FastMCP[Any]) -> None:
 
     @mcp.tool(
         name="sleep",
-        description="Sleeps `seconds` (cancellable), reporting progress every 0.1 s; returns 'slept {seconds}'",
+        description="Sleeps `seconds` (cancellable), reporting progress every 0.1 s (its message padded to `pad` "
+        "characters); returns 'slept {seconds}'",
     )
     async def sleep(
-        ctx: Ctx, seconds: Annotated[float, Field(description="How long to sleep, in seconds", ge=0)]
+        ctx: Ctx,
+        seconds: Annotated[float, Field(description="How long to sleep, in seconds", ge=0)],
+        pad: Annotated[int, Field(description="Pad each progress message to this length", ge=0)] = 0,
     ) -> types.CallToolResult:
         start = anyio.current_time()
         while (remaining := seconds - (anyio.current_time() - start)) > 0:
             await anyio.sleep(min(PROGRESS_INTERVAL_S, remaining))
             done = min(seconds, anyio.current_time() - start)
-            await ctx.report_progress(round(done, 3), seconds, f"slept {done:.1f}/{seconds:g} s")
+            await ctx.report_progress(round(done, 3), seconds, f"slept {done:.1f}/{seconds:g} s".ljust(pad, "."))
         return text_result(f"slept {seconds:g}")
 
     @mcp.tool(name="echo", description="Returns `text` unchanged")
@@ -210,3 +214,37 @@ def register(mcp: FastMCP[Any]) -> None:
     @mcp.tool(name="call_count", description="How many times `counted` was called with `key`")
     async def call_count(key: Annotated[str, Field(description="Counter name")]) -> types.CallToolResult:
         return text_result(str(support.CALL_COUNTS.get(key, 0)))
+
+    @mcp.tool(
+        name="ask_three",
+        description="Asks three questions at once: sampling and roots/list the SDK's default way (no related "
+        "request, so on the session's GET stream) and a name elicitation on the call's own stream; returns all "
+        "three answers",
+    )
+    async def ask_three(ctx: Ctx) -> types.CallToolResult:
+        session = ctx.request_context.session
+        answers: dict[str, str] = {}
+
+        async def sampled() -> None:
+            result = await session.create_message(
+                messages=[types.SamplingMessage(role="user", content=types.TextContent(type="text", text="2+2?"))],
+                max_tokens=10,
+            )
+            content = result.content
+            answers["sampled"] = content.text if isinstance(content, types.TextContent) else content.type
+
+        async def roots() -> None:
+            answers["roots"] = ",".join(str(root.uri) for root in (await session.list_roots()).roots)
+
+        async def named() -> None:
+            schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+            answers["name"] = content_str(await elicit(ctx, "Your name?", schema), "name")
+
+        async with anyio.create_task_group() as group:
+            for ask in (sampled, roots, named):
+                group.start_soon(ask)
+        return text_result(f"sampled={answers['sampled']}; roots={answers['roots']}; name={answers['name']}")
+
+    @mcp.tool(name="big_text", description="Returns one text block of `size` characters (for size limits)")
+    async def big_text(size: Annotated[int, Field(description="Characters of text", ge=0)]) -> types.CallToolResult:
+        return text_result("x" * size)

@@ -1,0 +1,63 @@
+"""The durable task store: the only package that touches a database (SQLite, or PostgreSQL for replicas).
+
+`open_store(config.store, max_records=...)` picks the backend from the config. The PostgreSQL driver is
+imported only when PostgreSQL is configured. Must not import aiohttp, the runner or the front.
+"""
+
+from __future__ import annotations
+
+from proxy.config import StoreConfig
+from proxy.tasks.store.base import (
+    CANCEL,
+    INPUT,
+    RESYNC,
+    STATUS,
+    Change,
+    Fence,
+    FencedError,
+    Message,
+    StoreError,
+    StoreFullError,
+    StoreLockedError,
+    TaskStore,
+    record_from_row,
+)
+from proxy.tasks.store.feed import LocalFeed
+from proxy.tasks.store.sqlite import SqliteTaskStore
+
+__all__ = [
+    "CANCEL",
+    "INPUT",
+    "RESYNC",
+    "STATUS",
+    "Change",
+    "Fence",
+    "FencedError",
+    "LocalFeed",
+    "Message",
+    "SqliteTaskStore",
+    "StoreError",
+    "StoreFullError",
+    "StoreLockedError",
+    "TaskStore",
+    "open_store",
+    "record_from_row",
+]
+
+
+async def open_store(config: StoreConfig, *, max_records: int, read_only: bool = False) -> TaskStore:
+    """The configured store, open: PostgreSQL when `store.url` is set, else the SQLite file `store.path`."""
+    if config.url is not None:
+        from proxy.tasks.store.postgres import PostgresTaskStore
+
+        return await PostgresTaskStore.open(
+            config.url,
+            max_records=max_records,
+            password_file=config.password_file,
+            pool_size=config.pool_size,
+            connect_timeout_seconds=config.connect_timeout_seconds,
+            read_only=read_only,
+        )
+    return await SqliteTaskStore.open(
+        config.path, max_records=max_records, synchronous=config.synchronous, read_only=read_only
+    )

@@ -1,0 +1,332 @@
+"""What every task store is: the `TaskStore` protocol, its errors and value types, and the row codec.
+
+Shared by the SQLite and the PostgreSQL store. Depends on `proxy.wire` only; it must not import a database
+driver, aiohttp, the runner or the front.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+from proxy.wire.jsonrpc import JSON
+from proxy.wire.tasks import LIVE, TERMINAL, TaskRecord, TaskStatus
+
+
+class StoreError(Exception):
+    """The task store could not do what was asked (the database failed, is wrong, or the store is closed)."""
+
+
+class StoreFullError(StoreError):
+    """`max_records` reached and no settled record can be evicted."""
+
+
+class StoreLockedError(StoreError):
+    """Another mcp-tasks-proxy process (or another open store in this one) holds the SQLite database file."""
+
+
+class FencedError(StoreError):
+    """A write carried a `Fence` that no longer holds: the task is live but not owned under that lease (another
+    replica took it over, or the writer's lease lapsed). The writer must stop working on the task."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """Proof of ownership carried by the writes a task's owner makes: the replica and its lease's epoch.
+
+    `renew_lease` hands one out; a new epoch means the lease lapsed in between (tasks may have been taken over).
+    """
+
+    owner: str
+    epoch: int
+
+
+# Kinds of change on the feed. Messages (`notify_owner`, `notify_replica`) carry kinds of their caller's choosing.
+STATUS: Final = "status"  # a task's record changed (status, statusMessage, inputRequests or owner)
+RESYNC: Final = "resync"  # the feed (re)started: changes may have been missed, re-read what you follow
+CANCEL: Final = "cancel"  # a message: the owner should stop the task's upstream call
+INPUT: Final = "input"  # a message: answers for the owner's outstanding questions
+RESERVED_KINDS: Final = frozenset({STATUS, RESYNC})
+MAX_KIND_CHARS: Final = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One event of the change feed. A wake-up, not the data: read the record or `take_messages` for it.
+
+    `key` is the task id (STATUS, a task's messages) or a message's key, "" for RESYNC; `recipient` is the
+    task's owner (STATUS) or the replica a message is addressed to.
+    """
+
+    kind: str
+    key: str = ""
+    recipient: str = ""
+    status: TaskStatus | None = None
+
+    def to_json(self) -> str:
+        body: dict[str, str] = {"k": self.kind, "t": self.key, "r": self.recipient}
+        if self.status is not None:
+            body["s"] = self.status.value
+        return json.dumps(body, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Change:
+        body = json.loads(text)
+        status = body.get("s")
+        return cls(body["k"], body.get("t", ""), body.get("r", ""), None if status is None else TaskStatus(status))
+
+    def wanted_by(self, replica_id: str | None) -> bool:
+        """Status changes and resyncs go to everyone; a message only to the replica it is addressed to."""
+        return replica_id is None or self.kind in RESERVED_KINDS or self.recipient == replica_id
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A durable request for one replica (a cancel, answers, ...): kept until that replica takes it."""
+
+    message_id: int
+    recipient: str
+    kind: str
+    key: str
+    payload: JSON
+
+
+def check_kind(kind: str) -> None:
+    if not kind or len(kind) > MAX_KIND_CHARS or kind in RESERVED_KINDS:
+        raise ValueError(f"a message kind is 1-{MAX_KIND_CHARS} characters, not {sorted(RESERVED_KINDS)}: {kind!r}")
+
+
+class TaskStore(Protocol):
+    """What the runner and the app need from a task store: `SqliteTaskStore` (one process) and
+    `PostgresTaskStore` (several replicas on one database).
+
+    Writes of a live task take an optional `fence`: given, the write happens only while the task is owned by
+    `fence.owner` under a lease of that epoch, else FencedError. Without one (a cancel from any replica, the
+    TTL sweep) the write is unconditional, and the first settle still wins.
+    """
+
+    async def create(self, record: TaskRecord) -> None: ...
+
+    async def get(self, task_id: str, *, principal: str | None = None) -> TaskRecord | None:
+        """The record, or None; with `principal`, only when it is that caller's (checked before anything of the
+        record, its result included, is read out of the database)."""
+        ...
+
+    async def set_inputs(
+        self,
+        task_id: str,
+        input_requests: JSON,
+        inputs_issued: int,
+        *,
+        now_ms: int,
+        fence: Fence | None = None,
+        upstream_input_ids: JSON | None = None,
+    ) -> TaskRecord | None: ...
+
+    async def set_status_message(
+        self, task_id: str, status_message: str, *, now_ms: int, fence: Fence | None = None
+    ) -> TaskRecord | None: ...
+
+    async def claim(
+        self, task_id: str, owner: str, status_message: str, *, now_ms: int, fence: Fence | None = None
+    ) -> TaskRecord | None: ...
+
+    async def settle(
+        self,
+        task_id: str,
+        status: TaskStatus,
+        *,
+        now_ms: int,
+        result: JSON | None = None,
+        error: JSON | None = None,
+        status_message: str | None = None,
+        fence: Fence | None = None,
+    ) -> TaskRecord | None: ...
+
+    async def live(self, owner: str | None = None) -> list[TaskRecord]: ...
+
+    async def expired_live(self, now_ms: int) -> list[TaskRecord]: ...
+
+    async def settle_expired(self, now_ms: int, *, error: JSON, status_message: str) -> list[TaskRecord]: ...
+
+    async def purge_expired(self, now_ms: int) -> int: ...
+
+    async def delete(self, task_id: str) -> bool: ...
+
+    async def stats(self) -> dict[str, int]: ...
+
+    async def check_writable(self, now_ms: int) -> None: ...
+
+    async def size_bytes(self) -> int: ...
+
+    async def close(self) -> None: ...
+
+    # -- replicas: leases and take-over ------------------------------------------------------------------------
+
+    async def renew_lease(self, replica_id: str, lease_seconds: float) -> Fence: ...
+
+    async def release_lease(self, fence: Fence) -> None: ...
+
+    async def expired_replicas(self) -> list[str]: ...
+
+    async def take_over(self, dead_replica: str, fence: Fence) -> list[TaskRecord]: ...
+
+    # -- messages and the change feed ----------------------------------------------------------------------------
+
+    async def notify_owner(self, task_id: str, kind: str, payload: JSON) -> Message | None: ...
+
+    async def notify_replica(self, replica_id: str, kind: str, key: str, payload: JSON) -> Message: ...
+
+    async def take_messages(self, replica_id: str) -> list[Message]: ...
+
+    def changes(self, for_replica: str | None = None) -> AbstractAsyncContextManager[AsyncIterator[Change]]: ...
+
+    # -- shared pacing ---------------------------------------------------------------------------------------------
+
+    async def observe_duration(self, tool: str, duration_ms: float) -> float: ...
+
+    async def duration_estimates(self) -> dict[str, float]: ...
+
+
+# -- the row codec and SQL shared by both stores -------------------------------------------------------------------
+
+COLUMNS: Final = (
+    "task_id",
+    "principal",
+    "tool",
+    "status",
+    "status_message",
+    "created_at_ms",
+    "updated_at_ms",
+    "ttl_ms",
+    "expires_at_ms",
+    "poll_interval_ms",
+    "owner",
+    "on_restart",
+    "request",
+    "result",
+    "error",
+    "input_requests",
+    "inputs_issued",
+    "rerun_principal",
+    "client_capabilities",
+    "upstream_task_id",
+    "upstream_session_id",
+    "upstream_input_ids",
+)
+STATUS_KEYS: Final = tuple(status.value for status in TaskStatus)
+LIVE_SQL: Final = ", ".join(f"'{status.value}'" for status in sorted(LIVE))
+TERMINAL_SQL: Final = ", ".join(f"'{status.value}'" for status in sorted(TERMINAL))
+MESSAGE_RETENTION_MS: Final = 3_600_000  # a message its replica never took (it died, nobody took over) goes
+
+
+def encode(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def decode(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+def record_from_row(row: Mapping[str, Any]) -> TaskRecord:
+    """A `tasks` row (column name → value) as a `TaskRecord`; JSON columns decoded."""
+    return TaskRecord(
+        task_id=row["task_id"],
+        principal=row["principal"],
+        tool=row["tool"],
+        status=TaskStatus(row["status"]),
+        created_at_ms=row["created_at_ms"],
+        updated_at_ms=row["updated_at_ms"],
+        ttl_ms=row["ttl_ms"],
+        poll_interval_ms=row["poll_interval_ms"],
+        owner=row["owner"],
+        on_restart=row["on_restart"],
+        request=decode(row["request"]),
+        status_message=row["status_message"],
+        result=decode(row["result"]),
+        error=decode(row["error"]),
+        input_requests=decode(row["input_requests"]),
+        inputs_issued=row["inputs_issued"],
+        rerun_principal=row["rerun_principal"],
+        client_capabilities=decode(row["client_capabilities"]),
+        upstream_task_id=row["upstream_task_id"],
+        upstream_session_id=row["upstream_session_id"],
+        upstream_input_ids=decode(row["upstream_input_ids"]),
+    )
+
+
+def records_from_rows(rows: list[dict[str, Any]]) -> list[TaskRecord]:
+    records = []
+    for row in rows:
+        try:
+            records.append(record_from_row(row))
+        except (ValueError, TypeError) as exc:
+            raise StoreError(f"corrupt task record {row.get('task_id')!r}: {exc}") from exc
+    return records
+
+
+def row_from_record(record: TaskRecord) -> dict[str, Any]:
+    return {
+        "task_id": record.task_id,
+        "principal": record.principal,
+        "tool": record.tool,
+        "status": TaskStatus(record.status).value,
+        "status_message": record.status_message,
+        "created_at_ms": record.created_at_ms,
+        "updated_at_ms": record.updated_at_ms,
+        "ttl_ms": record.ttl_ms,
+        "expires_at_ms": record.expires_at_ms,
+        "poll_interval_ms": record.poll_interval_ms,
+        "owner": record.owner,
+        "on_restart": record.on_restart,
+        "request": encode(record.request),
+        "result": None if record.result is None else encode(record.result),
+        "error": None if record.error is None else encode(record.error),
+        "input_requests": encode(record.input_requests),
+        "inputs_issued": record.inputs_issued,
+        "rerun_principal": record.rerun_principal,
+        "client_capabilities": encode(record.client_capabilities),
+        "upstream_task_id": record.upstream_task_id,
+        "upstream_session_id": record.upstream_session_id,
+        "upstream_input_ids": encode(record.upstream_input_ids),
+    }
+
+
+def settle_values(
+    status: TaskStatus, result: JSON | None, error: JSON | None, status_message: str | None
+) -> dict[str, Any]:
+    """The columns a settle writes (ValueError for a live status)."""
+    if TaskStatus(status) not in TERMINAL:
+        raise ValueError(f"settle() needs a terminal status, not {status!r}")
+    return {
+        "status": TaskStatus(status).value,
+        "result": None if result is None else encode(result),
+        "error": None if error is None else encode(error),
+        "status_message": status_message,
+        "input_requests": "{}",
+        "rerun_principal": None,
+        "upstream_input_ids": "{}",
+    }
+
+
+def inputs_values(input_requests: JSON, inputs_issued: int, upstream_input_ids: JSON | None = None) -> dict[str, Any]:
+    """The live task's outstanding questions: `input_required` with them, `working` without any; for a task
+    the upstream runs itself, also their upstream ids."""
+    status = TaskStatus.INPUT_REQUIRED if input_requests else TaskStatus.WORKING
+    values = {"status": status.value, "input_requests": encode(input_requests), "inputs_issued": inputs_issued}
+    if upstream_input_ids is not None:
+        values["upstream_input_ids"] = encode(upstream_input_ids)
+    return values
+
+
+def claim_values(owner: str, status_message: str) -> dict[str, Any]:
+    """A live task taken over by `owner` to be run again from the start: `working`, no questions."""
+    return {
+        "owner": owner,
+        "status": TaskStatus.WORKING.value,
+        "status_message": status_message,
+        "input_requests": "{}",
+    }

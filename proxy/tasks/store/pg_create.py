@@ -1,0 +1,103 @@
+"""Task creations on PostgreSQL: one thread with its own connection commits them in batches (group commit).
+
+A batch is one transaction in two round trips (pipeline mode): lock the count row, find duplicate ids and
+evictable records; then evict, insert and COMMIT. The count row's lock serializes creators across replicas,
+so at `max_records` each record evicts exactly one settled record or is refused. The batch never runs in a
+caller's coroutine (see `batching.py`), so a caller that leaves cannot cut it short. Depends on psycopg and
+the store's `base`, `batching` and `pg_schema`; used by `postgres.py` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import psycopg
+
+from proxy.tasks.store import pg_schema as schema
+from proxy.tasks.store.base import StoreError, StoreFullError, row_from_record
+from proxy.tasks.store.batching import CreationBatcher
+from proxy.wire.tasks import TaskRecord
+
+
+class PgCreator:
+    """The creator thread, its connection (opened on first use, again after it broke) and its batches."""
+
+    def __init__(self, url: str, connect_kwargs: Callable[[], dict[str, Any]], max_records: int) -> None:
+        self.url = url
+        self._connect_kwargs = connect_kwargs
+        self._max_records = max_records
+        self._closed = False
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="task-store-creator")
+        self._batcher = CreationBatcher(self._commit_all, url)
+        self._conn: psycopg.Connection[Any] | None = None  # owned by the thread
+
+    async def create(self, record: TaskRecord) -> None:
+        await self._batcher.create(self.executor, record)
+
+    async def close(self) -> None:
+        self._closed = True
+        await asyncio.get_running_loop().run_in_executor(self.executor, self._close_connection)
+        self.executor.shutdown(wait=False)
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        conn = self._conn
+        if conn is None or conn.closed:
+            conn = self._conn = psycopg.Connection.connect(self.url, **self._connect_kwargs())
+        return conn
+
+    def _close_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def _commit_all(self, records: list[TaskRecord]) -> list[StoreError | None]:
+        """One batch: each record committed, or refused on its own (a duplicate id, no room), as in SQLite."""
+        if self._closed:
+            raise StoreError("the store is closed")
+        conn = self._connection()
+        try:
+            with conn.pipeline(), conn.transaction():
+                counted = conn.execute(schema.LOCK_COUNT_SQL)
+                existing = conn.execute(schema.EXISTING_SQL, [[record.task_id for record in records]])
+                evictable = conn.execute(
+                    schema.EVICTABLE_SQL, {"batch": len(records), "max_records": self._max_records}
+                )
+                count = int(counted.fetchone()["records"])  # type: ignore[index]
+                taken = {row["task_id"] for row in existing.fetchall()}
+                can_evict = int(evictable.fetchone()["count"])  # type: ignore[index]
+                errors, accepted, evict = self._admit(records, count, taken, can_evict)
+                if evict:
+                    conn.execute(schema.EVICT_SQL, [evict])
+                if accepted:
+                    rows = [row_from_record(record) for record in accepted]
+                    conn.execute(schema.INSERT_SQL, {name: [row[name] for row in rows] for name in rows[0]})
+        except psycopg.Error:
+            if conn.broken:
+                self._conn = None
+            raise
+        return errors
+
+    def _admit(
+        self, records: list[TaskRecord], count: int, taken: set[str], can_evict: int
+    ) -> tuple[list[StoreError | None], list[TaskRecord], int]:
+        """Which records go in, in order: each one at capacity evicts the oldest settled record, or is refused."""
+        errors: list[StoreError | None] = []
+        accepted: list[TaskRecord] = []
+        evict = 0
+        for record in records:
+            if record.task_id in taken:
+                errors.append(StoreError(f"task store {self.url}: create {record.task_id} failed: duplicate task id"))
+                continue
+            needed = max(0, count - self._max_records + 1)
+            if needed > can_evict - evict:
+                errors.append(StoreFullError(f"task store full: {self._max_records} live tasks"))
+                continue
+            taken.add(record.task_id)
+            accepted.append(record)
+            evict += needed
+            count += 1 - needed
+            errors.append(None)
+        return errors, accepted, evict

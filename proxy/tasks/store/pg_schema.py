@@ -1,0 +1,242 @@
+"""The PostgreSQL store's schema: versioned migrations and the SQL the store runs.
+
+Migrations are ordered, named steps recorded in `schema_migrations`; they are applied in one transaction under
+an advisory lock, so replicas that start at once migrate once. Every statement that adds or removes task
+rows locks the one `task_count` row first (a trigger keeps its count exact): creations across replicas are
+serialized there, so eviction at capacity neither over-evicts nor lets the count run past `max_records`, and
+all writers take their locks in one order (the count, then task rows). Depends on `base` and psycopg.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from psycopg import AsyncConnection
+from psycopg.rows import DictRow
+
+from proxy.tasks.store.base import COLUMNS, LIVE_SQL, TERMINAL_SQL
+
+# Advisory locks live in one space per database: ours are keyed by the schema, so that two deployments in two
+# schemas of one database do not share them. The second key says what is locked.
+LOCK_SPACE: Final = "hashtext(current_schema() || ':mcp-tasks-proxy')"
+REPLICA_LOCK_SPACE: Final = "hashtext(current_schema() || ':mcp-tasks-proxy:replica')"
+MIGRATE_LOCK: Final = 1
+PURGE_LOCK: Final = 2
+
+MIGRATIONS: Final[tuple[tuple[str, str], ...]] = (
+    (
+        "0001_create_tasks",
+        f"""
+        CREATE TABLE tasks (
+            task_id text PRIMARY KEY,
+            principal text NOT NULL,
+            tool text NOT NULL,
+            status text NOT NULL CHECK (status IN ({LIVE_SQL}, {TERMINAL_SQL})),
+            status_message text,
+            created_at_ms bigint NOT NULL,
+            updated_at_ms bigint NOT NULL,
+            ttl_ms bigint,
+            expires_at_ms bigint,
+            poll_interval_ms bigint,
+            owner text NOT NULL,
+            on_restart text NOT NULL,
+            request text NOT NULL,
+            result text,
+            error text,
+            input_requests text NOT NULL,
+            inputs_issued integer NOT NULL,
+            rerun_principal text,
+            client_capabilities text NOT NULL DEFAULT '{{}}'
+        );
+        CREATE INDEX tasks_settled_age ON tasks (updated_at_ms, created_at_ms) WHERE status IN ({TERMINAL_SQL});
+        CREATE INDEX tasks_settled_expiry ON tasks (expires_at_ms) WHERE status IN ({TERMINAL_SQL});
+        CREATE INDEX tasks_live_expiry ON tasks (expires_at_ms) WHERE status IN ({LIVE_SQL});
+        CREATE INDEX tasks_live_owner ON tasks (owner) WHERE status IN ({LIVE_SQL});
+
+        CREATE TABLE task_count (id integer PRIMARY KEY CHECK (id = 1), records bigint NOT NULL);
+        INSERT INTO task_count VALUES (1, 0);
+        CREATE FUNCTION task_count_added() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            UPDATE task_count SET records = records + (SELECT count(*) FROM added) WHERE id = 1;
+            RETURN NULL;
+        END $$;
+        CREATE FUNCTION task_count_removed() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            UPDATE task_count SET records = records - (SELECT count(*) FROM removed) WHERE id = 1;
+            RETURN NULL;
+        END $$;
+        CREATE FUNCTION task_count_emptied() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            UPDATE task_count SET records = 0 WHERE id = 1;
+            RETURN NULL;
+        END $$;
+        CREATE TRIGGER tasks_added AFTER INSERT ON tasks REFERENCING NEW TABLE AS added
+            FOR EACH STATEMENT EXECUTE FUNCTION task_count_added();
+        CREATE TRIGGER tasks_removed AFTER DELETE ON tasks REFERENCING OLD TABLE AS removed
+            FOR EACH STATEMENT EXECUTE FUNCTION task_count_removed();
+        CREATE TRIGGER tasks_emptied AFTER TRUNCATE ON tasks FOR EACH STATEMENT EXECUTE FUNCTION task_count_emptied();
+
+        CREATE TABLE health (id integer PRIMARY KEY, checked_at_ms bigint NOT NULL);
+        """,
+    ),
+    (
+        "0002_create_replicas_and_messages",
+        """
+        CREATE SEQUENCE replica_epochs;
+        CREATE TABLE replicas (
+            replica_id text PRIMARY KEY,
+            epoch bigint NOT NULL,
+            expires_at timestamptz NOT NULL,
+            renewed_at timestamptz NOT NULL
+        );
+        CREATE TABLE messages (
+            message_id bigserial PRIMARY KEY,
+            recipient text NOT NULL,
+            kind text NOT NULL,
+            key text NOT NULL,
+            payload text NOT NULL,
+            created_at timestamptz NOT NULL DEFAULT clock_timestamp()
+        );
+        CREATE INDEX messages_recipient ON messages (recipient, message_id);
+        CREATE INDEX messages_created_at ON messages (created_at);
+        """,
+    ),
+    (
+        "0003_create_tool_durations",
+        """
+        CREATE TABLE tool_durations (
+            tool text PRIMARY KEY,
+            estimate_ms double precision NOT NULL,
+            samples bigint NOT NULL,
+            updated_at timestamptz NOT NULL
+        );
+        """,
+    ),
+    (
+        # A task the upstream runs itself: its id there, the upstream session it lives in, and the upstream ids of
+        # its outstanding questions (by key), so that a restarted proxy follows it again and can deliver answers.
+        "0004_add_upstream_task",
+        """
+        ALTER TABLE tasks ADD COLUMN upstream_task_id text;
+        ALTER TABLE tasks ADD COLUMN upstream_session_id text;
+        ALTER TABLE tasks ADD COLUMN upstream_input_ids text NOT NULL DEFAULT '{}';
+        """,
+    ),
+)
+
+
+async def migrate(conn: AsyncConnection[DictRow]) -> list[str]:
+    """Apply the missing steps in order, in one transaction, once across replicas; the names applied now.
+
+    Steps applied by a newer version of the proxy are left alone (a rolling update runs both versions).
+    """
+    async with conn.transaction():
+        await conn.execute(f"SELECT pg_advisory_xact_lock({LOCK_SPACE}, {MIGRATE_LOCK})")
+        await conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations"
+            " (name text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+        )
+        cursor = await conn.execute("SELECT name FROM schema_migrations")
+        applied = {str(row["name"]) for row in await cursor.fetchall()}
+        done = []
+        for name, statements in MIGRATIONS:
+            if name in applied:
+                continue
+            await conn.execute(statements.encode())  # several statements: the simple query protocol
+            await conn.execute("INSERT INTO schema_migrations (name) VALUES (%s)", [name])
+            done.append(name)
+    return done
+
+
+_TYPES: Final = {
+    "created_at_ms": "bigint",
+    "updated_at_ms": "bigint",
+    "ttl_ms": "bigint",
+    "expires_at_ms": "bigint",
+    "poll_interval_ms": "bigint",
+    "inputs_issued": "integer",
+}
+# Every record of a batch in one statement (one trigger run), as one array per column.
+INSERT_SQL: Final = (
+    f"INSERT INTO tasks ({', '.join(COLUMNS)}) SELECT * FROM unnest("
+    + ", ".join(f"%({column})s::{_TYPES.get(column, 'text')}[]" for column in COLUMNS)
+    + ")"
+)
+LOCK_COUNT_SQL: Final = "SELECT records FROM task_count WHERE id = 1 FOR UPDATE"
+EXISTING_SQL: Final = "SELECT task_id FROM tasks WHERE task_id = ANY(%s)"
+# How many settled records could be evicted, counted only as far as a batch could need.
+EVICTABLE_SQL: Final = (
+    f"SELECT count(*) FROM (SELECT 1 FROM tasks WHERE status IN ({TERMINAL_SQL}) LIMIT"
+    " (SELECT %(batch)s + GREATEST(0, records - %(max_records)s) FROM task_count WHERE id = 1)) AS settled"
+)
+EVICT_SQL: Final = (
+    "DELETE FROM tasks WHERE task_id IN (SELECT task_id FROM tasks"
+    f" WHERE status IN ({TERMINAL_SQL}) ORDER BY updated_at_ms, created_at_ms LIMIT %s)"
+)
+
+
+def notify_sql(kind: str, key: str, recipient: str, status: str = "NULL") -> str:
+    """A `pg_notify` of one change, for a SELECT over the rows a write returned (same transaction)."""
+    body = f"json_build_object('k', {kind}, 't', {key}, 'r', {recipient}, 's', {status})::text"
+    return f"pg_notify(%(channel)s, {body})"
+
+
+NOTIFY_STATUS: Final = notify_sql("'status'", "changed.task_id", "changed.owner", "changed.status")
+NOTIFY_MESSAGE: Final = notify_sql("posted.kind", "posted.key", "posted.recipient")
+FENCE_SQL: Final = (
+    " AND owner = %(fence_owner)s AND EXISTS (SELECT 1 FROM replicas WHERE replica_id = %(fence_owner)s"
+    " AND epoch = %(fence_epoch)s AND expires_at > clock_timestamp())"
+)
+SETTLE_EXPIRED_SQL: Final = (
+    "WITH due AS (SELECT task_id FROM tasks WHERE expires_at_ms <= %(now_ms)s"
+    f" AND status IN ({LIVE_SQL}) ORDER BY expires_at_ms LIMIT 1000 FOR UPDATE SKIP LOCKED),"
+    " changed AS (UPDATE tasks SET status = 'failed', error = %(error)s, status_message = %(status_message)s,"
+    " input_requests = '{}', rerun_principal = NULL, upstream_input_ids = '{}', updated_at_ms = %(now_ms)s FROM due"
+    f" WHERE tasks.task_id = due.task_id AND tasks.status IN ({LIVE_SQL}) RETURNING tasks.*)"
+    f" SELECT changed.*, {NOTIFY_STATUS} FROM changed"
+)
+PURGE_SQL: Final = (
+    "DELETE FROM tasks WHERE task_id IN (SELECT task_id FROM tasks"
+    f" WHERE expires_at_ms <= %s AND status IN ({TERMINAL_SQL}) LIMIT %s)"
+)
+PURGE_MESSAGES_SQL: Final = "DELETE FROM messages WHERE created_at <= clock_timestamp() - make_interval(secs => %s)"
+TRIM_DURATIONS_SQL: Final = (
+    "DELETE FROM tool_durations WHERE tool IN"
+    " (SELECT tool FROM tool_durations ORDER BY updated_at DESC, tool OFFSET %s)"
+)
+RENEW_SQL: Final = (
+    "INSERT INTO replicas (replica_id, epoch, expires_at, renewed_at) VALUES (%(replica)s, nextval('replica_epochs'),"
+    " clock_timestamp() + make_interval(secs => %(seconds)s), clock_timestamp())"
+    " ON CONFLICT (replica_id) DO UPDATE SET"
+    " epoch = CASE WHEN replicas.expires_at > clock_timestamp() THEN replicas.epoch ELSE EXCLUDED.epoch END,"
+    " expires_at = EXCLUDED.expires_at, renewed_at = EXCLUDED.renewed_at RETURNING epoch"
+)
+EXPIRED_REPLICAS_SQL: Final = (
+    "SELECT replica_id FROM replicas WHERE expires_at <= clock_timestamp()"
+    f" UNION SELECT DISTINCT owner FROM tasks WHERE status IN ({LIVE_SQL})"
+    " AND NOT EXISTS (SELECT 1 FROM replicas WHERE replica_id = tasks.owner) ORDER BY 1"
+)
+LEASE_HELD_SQL: Final = "SELECT 1 FROM replicas WHERE replica_id = %s AND epoch = %s AND expires_at > clock_timestamp()"
+TAKE_OVER_SQL: Final = (
+    f"WITH changed AS (UPDATE tasks SET owner = %(owner)s WHERE owner = %(dead)s AND status IN ({LIVE_SQL})"
+    f" RETURNING *) SELECT changed.*, {NOTIFY_STATUS} FROM changed"
+)
+NOTIFY_OWNER_SQL: Final = (
+    "WITH posted AS (INSERT INTO messages (recipient, kind, key, payload) SELECT owner, %(kind)s, task_id,"
+    f" %(payload)s FROM tasks WHERE task_id = %(key)s AND status IN ({LIVE_SQL}) RETURNING *)"
+    f" SELECT message_id, recipient, kind, key, payload, {NOTIFY_MESSAGE} FROM posted"
+)
+NOTIFY_REPLICA_SQL: Final = (
+    "WITH posted AS (INSERT INTO messages (recipient, kind, key, payload) VALUES (%(recipient)s, %(kind)s, %(key)s,"
+    f" %(payload)s) RETURNING *) SELECT message_id, recipient, kind, key, payload, {NOTIFY_MESSAGE} FROM posted"
+)
+OBSERVE_SQL: Final = (
+    "INSERT INTO tool_durations (tool, estimate_ms, samples, updated_at) VALUES (%(tool)s, %(ms)s, 1,"
+    " clock_timestamp()) ON CONFLICT (tool) DO UPDATE SET estimate_ms = tool_durations.estimate_ms"
+    " + %(smoothing)s * (EXCLUDED.estimate_ms - tool_durations.estimate_ms), samples = tool_durations.samples + 1,"
+    " updated_at = EXCLUDED.updated_at RETURNING estimate_ms"
+)
+HEALTH_SQL: Final = (
+    "INSERT INTO health (id, checked_at_ms) VALUES (1, %s) ON CONFLICT (id) DO UPDATE SET checked_at_ms ="
+    " EXCLUDED.checked_at_ms"
+)

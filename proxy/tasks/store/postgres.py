@@ -1,0 +1,430 @@
+"""The PostgreSQL task store: several replicas on one database, each owning the tasks whose calls it runs.
+
+Driver: psycopg 3 (`psycopg[binary,pool]`), not asyncpg. Its pipeline mode sends a batch of creations with
+its lock, checks, eviction and COMMIT in two round trips; `AsyncConnection.notifies()` is a plain async
+iterator for LISTEN (no callbacks on a pooled connection), with notifications received between reads kept;
+psycopg_pool gives a bounded async pool whose connection settings may be a callable (a rotated password file
+is read again for each new connection); it ships type hints (mypy --strict, no stub package) and is the
+PostgreSQL project's maintained adapter, on libpq, so every libpq setting (`PGPASSWORD`, `~/.pgpass`, TLS
+options in the URL) works as operators expect. asyncpg is faster on raw row decoding, which this store
+barely does (a few rows per call), and needs a separate stub package and its own LISTEN callbacks.
+
+Creations go through one thread with its own connection (`pg_create.py`); everything else runs on the loop
+through the pool, mostly one statement (one implicit transaction) per call, with its change notification in
+the same statement. Depends on psycopg, psycopg_pool and the store's `base`, `pg_create`, `pg_schema`,
+`pg_feed`; it must not import aiohttp, the runner or the front.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Final
+
+import psycopg
+from psycopg.rows import DictRow, dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from proxy.config import read_password
+from proxy.tasks import pacing
+from proxy.tasks.store import pg_schema as schema
+from proxy.tasks.store.base import (
+    LIVE_SQL,
+    MESSAGE_RETENTION_MS,
+    STATUS_KEYS,
+    Change,
+    Fence,
+    FencedError,
+    Message,
+    StoreError,
+    check_kind,
+    claim_values,
+    decode,
+    encode,
+    inputs_values,
+    records_from_rows,
+    settle_values,
+)
+from proxy.tasks.store.pg_create import PgCreator
+from proxy.tasks.store.pg_feed import PgFeed
+from proxy.wire.jsonrpc import JSON
+from proxy.wire.tasks import LIVE, TaskRecord, TaskStatus
+
+PURGE_CHUNK: Final = 1000  # settled records deleted per transaction (creations wait for the count lock meanwhile)
+POOL_WAIT_SECONDS: Final = 30.0  # a call waits this long for a free pooled connection, then fails
+_KEEPALIVE: Final = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
+
+
+def _messages(rows: list[DictRow]) -> list[Message]:
+    rows = sorted(rows, key=lambda row: int(row["message_id"]))
+    return [
+        Message(row["message_id"], row["recipient"], row["kind"], row["key"], decode(row["payload"])) for row in rows
+    ]
+
+
+class PostgresTaskStore:
+    """Task records in a PostgreSQL database shared by the replicas. Open with `await PostgresTaskStore.open(...)`."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_records: int,
+        password_file: str | None,
+        pool_size: int,
+        connect_timeout_seconds: float,
+        read_only: bool,
+    ) -> None:
+        if max_records < 1:
+            raise ValueError(f"max_records must be at least 1, got {max_records}")
+        self.url = url
+        self.read_only = read_only
+        self._max_records = max_records
+        self._password_file = password_file
+        self._connect_timeout = connect_timeout_seconds
+        self._closed = False
+        self._channel = ""  # set at open: one NOTIFY channel per schema
+        self._pool: AsyncConnectionPool[psycopg.AsyncConnection[DictRow]] = AsyncConnectionPool(
+            url,
+            connection_class=psycopg.AsyncConnection[DictRow],
+            kwargs=self.connect_kwargs,
+            min_size=1,
+            max_size=pool_size,
+            open=False,
+            timeout=POOL_WAIT_SECONDS,
+            name="mcp-tasks-proxy",
+        )
+        self._creator = PgCreator(url, lambda: self.connect_kwargs(application="mcp-tasks-proxy-creator"), max_records)
+        self._feed = PgFeed(self)
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        *,
+        max_records: int,
+        password_file: str | None = None,
+        pool_size: int = 10,
+        connect_timeout_seconds: float = 5.0,
+        read_only: bool = False,
+    ) -> PostgresTaskStore:
+        """Connect, migrate the schema (unless read-only), open the pool; StoreError if the database is unusable."""
+        store = cls(
+            url,
+            max_records=max_records,
+            password_file=password_file,
+            pool_size=pool_size,
+            connect_timeout_seconds=connect_timeout_seconds,
+            read_only=read_only,
+        )
+        try:
+            await store._open()
+        except BaseException:
+            await store._shutdown()
+            raise
+        return store
+
+    def connect_kwargs(self, *, application: str = "mcp-tasks-proxy") -> dict[str, Any]:
+        """Settings of every new connection (the password file is read again each time)."""
+        kwargs: dict[str, Any] = {
+            "autocommit": True,
+            "row_factory": dict_row,
+            "application_name": application,
+            "connect_timeout": max(1, round(self._connect_timeout)),
+            **_KEEPALIVE,
+        }
+        if self._password_file is not None:
+            try:
+                kwargs["password"] = read_password(self._password_file)
+            except ValueError as exc:
+                raise StoreError(f"task store {self.url}: {exc}") from None
+        if self.read_only:
+            kwargs["options"] = "-c default_transaction_read_only=on"
+        return kwargs
+
+    async def _open(self) -> None:
+        try:
+            conn = await psycopg.AsyncConnection.connect(self.url, **self.connect_kwargs())
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot connect to the task store {self.url}: {exc}") from exc
+        try:
+            async with conn:
+                if not self.read_only:
+                    await schema.migrate(conn)
+                cursor = await conn.execute("SELECT current_schema() AS name, to_regclass('tasks') AS tasks")
+                row = await cursor.fetchone()
+        except psycopg.Error as exc:
+            raise StoreError(f"task store {self.url}: open failed: {exc}") from exc
+        if row is None or row["tasks"] is None:
+            raise StoreError(f"{self.url} is not a task database (it has no tasks table)")
+        self._channel = f"mcp_tasks_proxy.{row['name']}"[:63]
+        try:
+            await self._pool.open(wait=True, timeout=self._connect_timeout)
+        except psycopg.Error as exc:  # psycopg_pool.PoolTimeout is one
+            raise StoreError(f"cannot open connections to the task store {self.url}: {exc}") from exc
+
+    @property
+    def channel(self) -> str:
+        return self._channel
+
+    # -- plumbing --------------------------------------------------------------------------------------------
+
+    def _check_open(self, what: str, *, write: bool) -> None:
+        if self._closed:
+            raise StoreError(f"{what}: the task store {self.url} is closed")
+        if write and self.read_only:
+            raise StoreError(f"{what}: the task store {self.url} is open read-only")
+
+    @contextlib.asynccontextmanager
+    async def _connection(self, what: str, *, write: bool = True) -> AsyncIterator[psycopg.AsyncConnection[DictRow]]:
+        """A pooled connection; psycopg's errors become StoreError naming `what`."""
+        self._check_open(what, write=write)
+        try:
+            async with self._pool.connection() as conn:
+                yield conn
+        except psycopg.Error as exc:
+            raise StoreError(f"task store {self.url}: {what} failed: {exc}") from exc
+
+    async def _rows(self, what: str, sql: str, params: Any = None, *, write: bool = True) -> list[DictRow]:
+        async with self._connection(what, write=write) as conn:
+            cursor = await conn.execute(sql, params)
+            return await cursor.fetchall() if cursor.description is not None else []
+
+    # -- records ---------------------------------------------------------------------------------------------
+
+    async def create(self, record: TaskRecord) -> None:
+        """Returns once the record is committed, so any replica's `get` finds it. Group commit, as in SQLite."""
+        self._check_open(f"create {record.task_id}", write=True)
+        await self._creator.create(record)
+
+    async def get(self, task_id: str, *, principal: str | None = None) -> TaskRecord | None:
+        if principal is None:
+            sql, params = "SELECT * FROM tasks WHERE task_id = %s", [task_id]
+        else:  # the owner is checked in the database: another caller's row (and its result) is never sent
+            sql, params = "SELECT * FROM tasks WHERE task_id = %s AND principal = %s", [task_id, principal]
+        rows = await self._rows(f"get {task_id}", sql, params, write=False)
+        records = records_from_rows(rows)
+        return records[0] if records else None
+
+    async def set_inputs(
+        self,
+        task_id: str,
+        input_requests: JSON,
+        inputs_issued: int,
+        *,
+        now_ms: int,
+        fence: Fence | None = None,
+        upstream_input_ids: JSON | None = None,
+    ) -> TaskRecord | None:
+        return await self._update(
+            task_id, inputs_values(input_requests, inputs_issued, upstream_input_ids), now_ms, fence
+        )
+
+    async def set_status_message(
+        self, task_id: str, status_message: str, *, now_ms: int, fence: Fence | None = None
+    ) -> TaskRecord | None:
+        return await self._update(task_id, {"status_message": status_message}, now_ms, fence)
+
+    async def claim(
+        self, task_id: str, owner: str, status_message: str, *, now_ms: int, fence: Fence | None = None
+    ) -> TaskRecord | None:
+        return await self._update(task_id, claim_values(owner, status_message), now_ms, fence)
+
+    async def settle(
+        self,
+        task_id: str,
+        status: TaskStatus,
+        *,
+        now_ms: int,
+        result: JSON | None = None,
+        error: JSON | None = None,
+        status_message: str | None = None,
+        fence: Fence | None = None,
+    ) -> TaskRecord | None:
+        """Only a live task settles (a conditional UPDATE): the first settle wins, on whichever replica."""
+        return await self._update(task_id, settle_values(status, result, error, status_message), now_ms, fence)
+
+    async def _update(
+        self, task_id: str, values: Mapping[str, Any], now_ms: int, fence: Fence | None
+    ) -> TaskRecord | None:
+        """Change a live task and notify the change, in one statement; the record as it is now, or None."""
+        assignments = ", ".join([*(f"{name} = %({name})s" for name in values), "updated_at_ms = %(now_ms)s"])
+        fenced = schema.FENCE_SQL if fence is not None else ""
+        sql = (
+            f"WITH changed AS (UPDATE tasks SET {assignments} WHERE task_id = %(task_id)s"
+            f" AND status IN ({LIVE_SQL}){fenced} RETURNING *) SELECT changed.*, {schema.NOTIFY_STATUS} FROM changed"
+        )
+        params = {**values, "now_ms": now_ms, "task_id": task_id, "channel": self._channel}
+        if fence is not None:
+            params.update(fence_owner=fence.owner, fence_epoch=fence.epoch)
+        async with self._connection(f"update {task_id}") as conn:
+            rows = await (await conn.execute(sql, params)).fetchall()
+            if not rows and fence is not None:
+                cursor = await conn.execute("SELECT owner, status FROM tasks WHERE task_id = %s", [task_id])
+                row = await cursor.fetchone()
+                if row is not None and TaskStatus(row["status"]) in LIVE:
+                    raise FencedError(
+                        f"task {task_id} is owned by {row['owner']}, not {fence.owner} (epoch {fence.epoch})"
+                    )
+        records = records_from_rows(rows)
+        return records[0] if records else None
+
+    async def live(self, owner: str | None = None) -> list[TaskRecord]:
+        mine = "" if owner is None else " AND owner = %s"
+        sql = f"SELECT * FROM tasks WHERE status IN ({LIVE_SQL}){mine} ORDER BY created_at_ms, task_id"
+        return records_from_rows(await self._rows("live", sql, None if owner is None else [owner], write=False))
+
+    async def expired_live(self, now_ms: int) -> list[TaskRecord]:
+        sql = (
+            f"SELECT * FROM tasks WHERE expires_at_ms <= %s AND status IN ({LIVE_SQL}) ORDER BY expires_at_ms, task_id"
+        )
+        return records_from_rows(await self._rows("expired_live", sql, [now_ms], write=False))
+
+    async def settle_expired(self, now_ms: int, *, error: JSON, status_message: str) -> list[TaskRecord]:
+        """Live tasks past their TTL settled `failed`; replicas sweeping at once settle disjoint sets (SKIP LOCKED)."""
+        params = {"now_ms": now_ms, "error": encode(error), "status_message": status_message, "channel": self._channel}
+        settled: list[TaskRecord] = []
+        while True:
+            chunk = records_from_rows(await self._rows("settle_expired", schema.SETTLE_EXPIRED_SQL, params))
+            settled.extend(chunk)
+            if len(chunk) < 1000:
+                return sorted(settled, key=lambda record: (record.expires_at_ms or 0, record.task_id))
+
+    async def purge_expired(self, now_ms: int) -> int:
+        """Settled records past their TTL, in chunks; also stale messages and forgotten tools. One replica at a
+        time sweeps (an advisory lock): another one finding it taken returns 0 at once."""
+        total = 0
+        async with self._connection("purge_expired") as conn:
+            while True:
+                async with conn.transaction():
+                    cursor = await conn.execute(
+                        f"SELECT pg_try_advisory_xact_lock({schema.LOCK_SPACE}, {schema.PURGE_LOCK}) AS got"
+                    )
+                    if not (await cursor.fetchone() or {}).get("got"):
+                        return total
+                    await conn.execute(schema.LOCK_COUNT_SQL)
+                    purged = (await conn.execute(schema.PURGE_SQL, [now_ms, PURGE_CHUNK])).rowcount
+                    if total == 0:
+                        await conn.execute(schema.PURGE_MESSAGES_SQL, [MESSAGE_RETENTION_MS / 1000])
+                        await conn.execute(schema.TRIM_DURATIONS_SQL, [pacing.MAX_TOOLS])
+                total += purged
+                if purged < PURGE_CHUNK:
+                    return total
+
+    async def delete(self, task_id: str) -> bool:
+        async with self._connection(f"delete {task_id}") as conn, conn.transaction():
+            await conn.execute(schema.LOCK_COUNT_SQL)
+            return (await conn.execute("DELETE FROM tasks WHERE task_id = %s", [task_id])).rowcount > 0
+
+    async def stats(self) -> dict[str, int]:
+        counts = dict.fromkeys(STATUS_KEYS, 0)
+        rows = await self._rows("stats", "SELECT status, count(*) AS n FROM tasks GROUP BY status", write=False)
+        for row in rows:
+            counts[row["status"]] = int(row["n"])
+        counts["records"] = sum(counts.values())
+        return counts
+
+    async def check_writable(self, now_ms: int) -> None:
+        """Commit one tiny write (readiness): StoreError when the database does not take writes (down, a standby)."""
+        await self._rows("health check", schema.HEALTH_SQL, [now_ms])
+
+    async def size_bytes(self) -> int:
+        sql = "SELECT pg_total_relation_size('tasks') + pg_total_relation_size('messages') AS size"
+        rows = await self._rows("size", sql, write=False)
+        return int(rows[0]["size"]) if rows else 0
+
+    async def close(self) -> None:
+        """Close the pool, the creator's connection and every change-feed listener."""
+        if self._closed:
+            return
+        await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        self._closed = True
+        await self._feed.close()
+        await self._pool.close()
+        await self._creator.close()
+
+    # -- replicas: leases and take-over ----------------------------------------------------------------------
+
+    async def renew_lease(self, replica_id: str, lease_seconds: float) -> Fence:
+        """Extend this replica's lease by `lease_seconds` of the database's clock. The epoch stays while the lease
+        is held; a lease that lapsed (or was taken over) comes back with a new epoch."""
+        rows = await self._rows("renew_lease", schema.RENEW_SQL, {"replica": replica_id, "seconds": lease_seconds})
+        return Fence(replica_id, int(rows[0]["epoch"]))
+
+    async def release_lease(self, fence: Fence) -> None:
+        """End the lease now (a clean shutdown), so a survivor takes over at its next sweep instead of waiting."""
+        sql = "UPDATE replicas SET expires_at = clock_timestamp() WHERE replica_id = %s AND epoch = %s"
+        await self._rows("release_lease", sql, [fence.owner, fence.epoch])
+
+    async def expired_replicas(self) -> list[str]:
+        """Replicas whose lease ran out, and owners of live tasks that hold no lease at all."""
+        rows = await self._rows("expired_replicas", schema.EXPIRED_REPLICAS_SQL, write=False)
+        return [row["replica_id"] for row in rows]
+
+    async def take_over(self, dead_replica: str, fence: Fence) -> list[TaskRecord]:
+        """The live tasks of `dead_replica` (its lease expired or missing) now owned by `fence.owner`, with their
+        pending messages; its lease row goes. Exactly one caller gets them; the others get []. FencedError when
+        the caller's own lease does not hold."""
+        async with self._connection(f"take over {dead_replica}") as conn, conn.transaction():
+            if await (await conn.execute(schema.LEASE_HELD_SQL, [fence.owner, fence.epoch])).fetchone() is None:
+                raise FencedError(f"{fence.owner} holds no lease of epoch {fence.epoch}: it cannot take over")
+            lock = f"SELECT pg_try_advisory_xact_lock({schema.REPLICA_LOCK_SPACE}, hashtext(%s)) AS got"
+            if not (await (await conn.execute(lock, [dead_replica])).fetchone() or {}).get("got"):
+                return []  # another survivor is taking it over right now
+            alive = "SELECT expires_at > clock_timestamp() AS alive FROM replicas WHERE replica_id = %s FOR UPDATE"
+            row = await (await conn.execute(alive, [dead_replica])).fetchone()
+            if row is not None and row["alive"]:
+                return []  # it renewed in time
+            params = {"owner": fence.owner, "dead": dead_replica, "channel": self._channel}
+            moved = records_from_rows(await (await conn.execute(schema.TAKE_OVER_SQL, params)).fetchall())
+            ids = [record.task_id for record in moved]
+            await conn.execute(
+                "UPDATE messages SET recipient = %s WHERE recipient = %s AND key = ANY(%s)",
+                [fence.owner, dead_replica, ids],
+            )
+            await conn.execute("DELETE FROM messages WHERE recipient = %s", [dead_replica])
+            await conn.execute("DELETE FROM replicas WHERE replica_id = %s", [dead_replica])
+        return sorted(moved, key=lambda record: (record.created_at_ms, record.task_id))
+
+    # -- messages and the change feed ------------------------------------------------------------------------
+
+    async def notify_owner(self, task_id: str, kind: str, payload: JSON) -> Message | None:
+        """A durable message for the owner of a live task, and its notification, in one transaction (None when
+        the task is settled or unknown). The owner reads it with `take_messages`."""
+        check_kind(kind)
+        params = {"kind": kind, "key": task_id, "payload": encode(payload), "channel": self._channel}
+        messages = _messages(await self._rows(f"message {task_id}", schema.NOTIFY_OWNER_SQL, params))
+        return messages[0] if messages else None
+
+    async def notify_replica(self, replica_id: str, kind: str, key: str, payload: JSON) -> Message:
+        check_kind(kind)
+        params = {
+            "recipient": replica_id,
+            "kind": kind,
+            "key": key,
+            "payload": encode(payload),
+            "channel": self._channel,
+        }
+        return _messages(await self._rows(f"message {key}", schema.NOTIFY_REPLICA_SQL, params))[0]
+
+    async def take_messages(self, replica_id: str) -> list[Message]:
+        sql = "DELETE FROM messages WHERE recipient = %s RETURNING message_id, recipient, kind, key, payload"
+        return _messages(await self._rows("take_messages", sql, [replica_id]))
+
+    def changes(self, for_replica: str | None = None) -> contextlib.AbstractAsyncContextManager[AsyncIterator[Change]]:
+        """Every replica's changes, from now on (a RESYNC first, and after each reconnection)."""
+        self._check_open("changes", write=False)
+        return self._feed.subscribe(for_replica)
+
+    # -- shared pacing ---------------------------------------------------------------------------------------
+
+    async def observe_duration(self, tool: str, duration_ms: float) -> float:
+        params = {"tool": tool, "ms": float(duration_ms), "smoothing": pacing.SMOOTHING}
+        rows = await self._rows(f"observe {tool}", schema.OBSERVE_SQL, params)
+        return float(rows[0]["estimate_ms"])
+
+    async def duration_estimates(self) -> dict[str, float]:
+        rows = await self._rows("duration_estimates", "SELECT tool, estimate_ms FROM tool_durations", write=False)
+        return {row["tool"]: float(row["estimate_ms"]) for row in rows}

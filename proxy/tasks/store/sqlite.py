@@ -1,0 +1,365 @@
+"""The SQLite task store: one file, one process (the embedded default, one replica).
+
+Every SQLite call runs off the event loop: one writer thread owns the write connection, one reader thread owns
+a read-only connection. One process is the only replica: its lease never lapses, a fence checks the owner
+only, and the change feed is in-process. Depends on sqlite-utils and the store's `base`, `batching`, `feed`,
+`sqlite_schema` and `sqlite_writer` (the writer thread's work); it must not import aiohttp, the runner or
+the front.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Final, Literal, TypeVar
+
+from sqlite_utils import Database
+
+from proxy.tasks.store import sqlite_schema as schema
+from proxy.tasks.store.base import (
+    LIVE_SQL,
+    STATUS,
+    STATUS_KEYS,
+    Change,
+    Fence,
+    Message,
+    StoreError,
+    check_kind,
+    claim_values,
+    encode,
+    inputs_values,
+    records_from_rows,
+    settle_values,
+)
+from proxy.tasks.store.batching import CreationBatcher
+from proxy.tasks.store.feed import LocalFeed
+from proxy.tasks.store.sqlite_writer import SqliteWriter, connect, rows, wall_ms
+from proxy.wire.jsonrpc import JSON
+from proxy.wire.tasks import TaskRecord, TaskStatus
+
+_T = TypeVar("_T")
+_MIN_SQLITE_VERSION: Final = (3, 35, 0)  # UPDATE ... RETURNING
+_EPOCH: Final = 1  # the one process holds the file lock: its lease never lapses
+
+
+class SqliteTaskStore:
+    """Task records in one SQLite file. Methods are coroutines; the SQLite work runs in the store's two threads.
+
+    Not safe to call from several event loops or threads at once; one store object per database file.
+    """
+
+    path: Path
+
+    def __init__(
+        self, path: Path, *, max_records: int, synchronous: Literal["normal", "full"], read_only: bool
+    ) -> None:
+        """Use `await SqliteTaskStore.open(...)`; this only sets up the threads."""
+        if max_records < 1:
+            raise ValueError(f"max_records must be at least 1, got {max_records}")
+        if synchronous not in ("normal", "full"):
+            raise ValueError(f"synchronous must be 'normal' or 'full', got {synchronous!r}")
+        self.path = path
+        self.read_only = read_only
+        self._closed = False
+        self._close_done = asyncio.Event()
+        self._writer: ThreadPoolExecutor | None = (
+            None if read_only else ThreadPoolExecutor(max_workers=1, thread_name_prefix="task-store-writer")
+        )
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="task-store-reader")
+        self._writer_state = SqliteWriter(path, max_records=max_records, synchronous=synchronous)  # writer thread
+        self._batcher = CreationBatcher(self._writer_state.create_all, str(path))
+        self._feed = LocalFeed()
+        # Owned by the reader thread:
+        self._reader_db: Database | None = None
+
+    @classmethod
+    async def open(
+        cls,
+        path: str | Path,
+        *,
+        max_records: int,
+        synchronous: Literal["normal", "full"] = "full",
+        read_only: bool = False,
+    ) -> SqliteTaskStore:
+        store = cls(Path(path), max_records=max_records, synchronous=synchronous, read_only=read_only)
+        try:
+            if not read_only:
+                await store._write("open", store._writer_state.open)
+            await store._read("open", store._open_reader)
+        except BaseException:
+            with contextlib.suppress(StoreError):  # the open failure is the error to report
+                await store._shutdown(checkpoint=False)
+            raise
+        return store
+
+    # -- records ---------------------------------------------------------------------------------------------
+
+    async def create(self, record: TaskRecord) -> None:
+        """Returns once the record is committed.
+
+        Group commit: creations that arrive while the writer thread is busy are committed together, in one
+        transaction and one fsync, when it gets to them. Each record still fails on its own (its own
+        savepoint): a full store refuses the records that do not fit, not the whole group.
+        """
+        await self._batcher.create(self._open_writer_thread(f"create {record.task_id}"), record)
+
+    async def get(self, task_id: str, *, principal: str | None = None) -> TaskRecord | None:
+        if principal is None:
+            sql, params = "SELECT * FROM tasks WHERE task_id = ?", [task_id]
+        else:  # the owner is checked inside SQLite: another caller's row (and its result) never leaves it
+            sql, params = "SELECT * FROM tasks WHERE task_id = ? AND principal = ?", [task_id, principal]
+        records = await self._read(f"get {task_id}", lambda: self._select(sql, params))
+        return records[0] if records else None
+
+    async def set_inputs(
+        self,
+        task_id: str,
+        input_requests: JSON,
+        inputs_issued: int,
+        *,
+        now_ms: int,
+        fence: Fence | None = None,
+        upstream_input_ids: JSON | None = None,
+    ) -> TaskRecord | None:
+        """The live task's outstanding questions: `input_required` with them, `working` without any."""
+        return await self._update(
+            task_id, inputs_values(input_requests, inputs_issued, upstream_input_ids), now_ms, fence
+        )
+
+    async def set_status_message(
+        self, task_id: str, status_message: str, *, now_ms: int, fence: Fence | None = None
+    ) -> TaskRecord | None:
+        return await self._update(task_id, {"status_message": status_message}, now_ms, fence)
+
+    async def claim(
+        self, task_id: str, owner: str, status_message: str, *, now_ms: int, fence: Fence | None = None
+    ) -> TaskRecord | None:
+        """A live task taken over by `owner` to be run again from the start: `working`, no questions."""
+        return await self._update(task_id, claim_values(owner, status_message), now_ms, fence)
+
+    async def settle(
+        self,
+        task_id: str,
+        status: TaskStatus,
+        *,
+        now_ms: int,
+        result: JSON | None = None,
+        error: JSON | None = None,
+        status_message: str | None = None,
+        fence: Fence | None = None,
+    ) -> TaskRecord | None:
+        """Only a live task settles, so the first settle wins and a terminal state never changes."""
+        return await self._update(task_id, settle_values(status, result, error, status_message), now_ms, fence)
+
+    async def _update(
+        self, task_id: str, values: Mapping[str, Any], now_ms: int, fence: Fence | None
+    ) -> TaskRecord | None:
+        """Change a live task (a settled one never changes); the record as it is now, or None."""
+        assignments = ", ".join([*(f"{name} = :{name}" for name in values), "updated_at_ms = :now_ms"])
+        fenced = " AND owner = :fence_owner" if fence is not None else ""
+        sql = f"UPDATE tasks SET {assignments} WHERE task_id = :task_id AND status IN ({LIVE_SQL}){fenced} RETURNING *"
+        params = {**values, "now_ms": now_ms, "task_id": task_id, "fence_owner": fence and fence.owner}
+
+        record = await self._write(f"update {task_id}", lambda: self._writer_state.change(sql, params, task_id, fence))
+        if record is not None:
+            self._feed.publish(Change(STATUS, record.task_id, record.owner, record.status))
+        return record
+
+    async def live(self, owner: str | None = None) -> list[TaskRecord]:
+        mine = "" if owner is None else " AND owner = ?"
+        sql = f"SELECT * FROM tasks WHERE status IN ({LIVE_SQL}){mine} ORDER BY created_at_ms, task_id"
+        return await self._read("live", lambda: self._select(sql, [] if owner is None else [owner]))
+
+    async def expired_live(self, now_ms: int) -> list[TaskRecord]:
+        return await self._read("expired_live", lambda: self._select(schema.EXPIRED_LIVE_SQL, [now_ms]))
+
+    async def settle_expired(self, now_ms: int, *, error: JSON, status_message: str) -> list[TaskRecord]:
+        """Every live task past its TTL settled `failed` with `error`; the records settled here."""
+        settled = []
+        for record in await self.expired_live(now_ms):
+            done = await self.settle(
+                record.task_id, TaskStatus.FAILED, now_ms=now_ms, error=error, status_message=status_message
+            )
+            if done is not None:
+                settled.append(done)
+        return settled
+
+    async def purge_expired(self, now_ms: int) -> int:
+        """Settled records past their TTL; also messages nobody took within an hour, and forgotten tools."""
+        return await self._write("purge_expired", lambda: self._writer_state.purge(now_ms))
+
+    async def delete(self, task_id: str) -> bool:
+        deleted = await self._write(
+            f"delete {task_id}", lambda: self._writer_state.delete("DELETE FROM tasks WHERE task_id = ?", [task_id])
+        )
+        return deleted > 0
+
+    async def stats(self) -> dict[str, int]:
+        def run() -> dict[str, int]:
+            counts = dict.fromkeys(STATUS_KEYS, 0)
+            for status, count in self._reader_conn().execute("SELECT status, COUNT(*) FROM tasks GROUP BY status"):
+                counts[status] = count
+            counts["records"] = sum(counts.values())
+            return counts
+
+        return await self._read("stats", run)
+
+    async def check_writable(self, now_ms: int) -> None:
+        """Commit one tiny write (readiness): raises StoreError when the file no longer takes writes."""
+        await self._write("health check", lambda: self._writer_state.health(now_ms))
+
+    async def size_bytes(self) -> int:
+        """The database file and its WAL on disk (metrics); 0 for a file that is not there."""
+
+        def run() -> int:
+            total = 0
+            for path in (self.path, self.path.with_name(self.path.name + "-wal")):
+                with contextlib.suppress(OSError):
+                    total += path.stat().st_size
+            return total
+
+        return await self._read("size", run)
+
+    async def close(self) -> None:
+        """Finish the queued work, checkpoint the WAL, close both connections and release the file lock."""
+        if self._closed:
+            await self._close_done.wait()
+            return
+        await self._shutdown(checkpoint=not self.read_only)
+
+    async def set_trace_callback(self, callback: Callable[[str], object] | None) -> None:
+        """Debugging and tests: `callback(sql)` runs for every statement, in the thread that executes it."""
+        if self._writer is not None:
+            await self._write("trace", lambda: self._writer_state.trace(callback))
+        await self._read("trace", lambda: self._reader_conn().conn.set_trace_callback(callback))
+
+    # -- one process, one replica: the lease is the file lock ----------------------------------------------------
+
+    async def renew_lease(self, replica_id: str, lease_seconds: float) -> Fence:
+        self._open_writer_thread("renew_lease")
+        return Fence(replica_id, _EPOCH)
+
+    async def release_lease(self, fence: Fence) -> None:
+        return None
+
+    async def expired_replicas(self) -> list[str]:
+        return []
+
+    async def take_over(self, dead_replica: str, fence: Fence) -> list[TaskRecord]:
+        return []  # no other process can hold this file: a restart recovers with `live()` and `claim`
+
+    # -- messages and the in-process change feed ---------------------------------------------------------------
+
+    async def notify_owner(self, task_id: str, kind: str, payload: JSON) -> Message | None:
+        """A durable message for the owner of a live task (None when it is settled or unknown)."""
+        check_kind(kind)
+        params = {"kind": kind, "key": task_id, "payload": encode(payload), "now_ms": wall_ms()}
+        return await self._post(task_id, schema.NOTIFY_OWNER_SQL, params)
+
+    async def notify_replica(self, replica_id: str, kind: str, key: str, payload: JSON) -> Message:
+        check_kind(kind)
+        params = {"recipient": replica_id, "kind": kind, "key": key, "payload": encode(payload), "now_ms": wall_ms()}
+        message = await self._post(key, schema.NOTIFY_REPLICA_SQL, params)
+        assert message is not None  # an INSERT ... VALUES always returns its row
+        return message
+
+    async def _post(self, key: str, sql: str, params: dict[str, Any]) -> Message | None:
+        messages = await self._write(f"message {key}", lambda: self._writer_state.messages(sql, params))
+        for message in messages:
+            self._feed.publish(Change(message.kind, message.key, message.recipient))
+        return messages[0] if messages else None
+
+    async def take_messages(self, replica_id: str) -> list[Message]:
+        """Every message addressed to `replica_id`, oldest first, removed from the store."""
+
+        return await self._write(
+            "take_messages", lambda: self._writer_state.messages(schema.TAKE_MESSAGES_SQL, [replica_id])
+        )
+
+    def changes(self, for_replica: str | None = None) -> contextlib.AbstractAsyncContextManager[AsyncIterator[Change]]:
+        """This process's changes, from now on (a RESYNC first); see `LocalFeed.subscribe`."""
+        return self._feed.subscribe(for_replica)
+
+    # -- shared pacing -------------------------------------------------------------------------------------------
+
+    async def observe_duration(self, tool: str, duration_ms: float) -> float:
+        """Fold one completed task's duration into its tool's running estimate; the new estimate."""
+        return await self._write(f"observe {tool}", lambda: self._writer_state.observe(tool, float(duration_ms)))
+
+    async def duration_estimates(self) -> dict[str, float]:
+        def run() -> dict[str, float]:
+            rows = self._reader_conn().execute("SELECT tool, estimate_ms FROM tool_durations")
+            return {tool: float(estimate) for tool, estimate in rows}
+
+        return await self._read("duration_estimates", run)
+
+    # -- thread dispatch -----------------------------------------------------------------------------------
+
+    def _open_writer_thread(self, what: str) -> ThreadPoolExecutor:
+        """The writer thread, for `what`, unless the store is closed or read-only."""
+        if self._closed:
+            raise StoreError(f"{what}: the task store {self.path} is closed")
+        if self._writer is None:
+            raise StoreError(f"{what}: the task store {self.path} is open read-only")
+        return self._writer
+
+    async def _write(self, what: str, work: Callable[[], _T]) -> _T:
+        writer = self._open_writer_thread(what)
+        return await asyncio.get_running_loop().run_in_executor(writer, self._guarded, what, work)
+
+    async def _read(self, what: str, work: Callable[[], _T]) -> _T:
+        if self._closed:
+            raise StoreError(f"{what}: the task store {self.path} is closed")
+        return await asyncio.get_running_loop().run_in_executor(self._reader, self._guarded, what, work)
+
+    def _guarded(self, what: str, work: Callable[[], _T]) -> _T:
+        try:
+            return work()
+        except sqlite3.Error as exc:
+            raise StoreError(f"task store {self.path}: {what} failed: {exc}") from exc
+
+    async def _shutdown(self, *, checkpoint: bool) -> None:
+        self._closed = True
+        self._feed.close()
+        loop = asyncio.get_running_loop()
+        errors: list[BaseException] = []
+        # Reader first, so the writer's connection is the last one and SQLite can remove the -wal/-shm files.
+        for executor, work in (
+            (self._reader, self._close_reader),
+            (self._writer, lambda: self._writer_state.close(checkpoint)),
+        ):
+            if executor is None:
+                continue
+            try:
+                await loop.run_in_executor(executor, self._guarded, "close", work)
+            except StoreError as exc:
+                errors.append(exc)
+            finally:
+                executor.shutdown(wait=False)  # the queue is drained and nothing new is accepted
+        self._close_done.set()
+        if errors:
+            raise errors[0]
+
+    # -- reader thread ---------------------------------------------------------------------------------------
+
+    def _reader_conn(self) -> Database:
+        if self._reader_db is None:
+            raise StoreError(f"the task store {self.path} is not open")
+        return self._reader_db
+
+    def _open_reader(self) -> None:
+        db = self._reader_db = connect(self.path, read_only=True)
+        if not db.table("tasks").exists():
+            raise StoreError(f"{self.path} is not a task database (it has no tasks table)")
+
+    def _select(self, sql: str, params: list[Any]) -> list[TaskRecord]:
+        return records_from_rows(rows(self._reader_conn().execute(sql, params)))
+
+    def _close_reader(self) -> None:
+        db, self._reader_db = self._reader_db, None
+        if db is not None:
+            db.close()

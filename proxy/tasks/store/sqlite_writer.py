@@ -1,0 +1,232 @@
+"""The SQLite store's writer thread: the file lock, the write connection and every write, synchronously.
+
+Every method runs in the store's one writer thread (the store dispatches to it); nothing here touches the
+event loop. Depends on sqlite-utils and the store's `base` and `sqlite_schema`; used by `sqlite.py` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sqlite3
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final
+from urllib.parse import quote
+
+from sqlite_utils import Database
+
+from proxy.tasks import pacing
+from proxy.tasks.store import sqlite_schema as schema
+from proxy.tasks.store.base import (
+    MESSAGE_RETENTION_MS,
+    Fence,
+    FencedError,
+    Message,
+    StoreError,
+    StoreFullError,
+    StoreLockedError,
+    decode,
+    records_from_rows,
+    row_from_record,
+)
+from proxy.tasks.store.batching import caused
+from proxy.wire.tasks import LIVE, TaskRecord, TaskStatus
+
+_MIN_SQLITE_VERSION: Final = (3, 35, 0)  # UPDATE ... RETURNING
+
+
+# The database holds tool arguments and results, and the files are the proxy's alone: owner-only modes whatever the
+# umask. SQLite creates `-wal` and `-shm` with the mode of the database file, so creating that file 0600 (and
+# narrowing one left wider by an earlier version) is what makes them 0600 too.
+_FILE_MODE: Final = 0o600
+_DIRECTORY_MODE: Final = 0o700
+_GROUP_AND_OTHER: Final = 0o077
+
+
+def _private_directory(directory: Path) -> None:
+    """Create the missing directories down to `directory`, each 0700; existing ones (a volume) are left alone."""
+    missing: list[Path] = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir(mode=_DIRECTORY_MODE)
+        except FileExistsError:
+            continue  # created meanwhile by someone else: theirs
+        os.chmod(path, _DIRECTORY_MODE)  # exactly, whatever the umask took away
+
+
+def _owner_only(path: Path) -> None:
+    """Take group and other access away from an existing file."""
+    with contextlib.suppress(FileNotFoundError):
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & _GROUP_AND_OTHER:
+            os.chmod(path, mode & ~_GROUP_AND_OTHER)
+
+
+def _private_database(path: Path) -> None:
+    """The database file exists and is owner-only before SQLite opens it; so are -wal and -shm if a crash left
+    them (SQLite creates new ones with the database file's mode)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _FILE_MODE))
+    except FileExistsError:
+        pass
+    else:
+        os.chmod(path, _FILE_MODE)  # an empty file is a new database to SQLite
+    for suffix in ("", "-wal", "-shm"):
+        _owner_only(path.with_name(path.name + suffix))
+
+
+def connect(path: Path, *, read_only: bool) -> Database:
+    # A URI, so that `?` or `#` in a path cannot be read as URI syntax; mode=ro makes the reader read-only.
+    conn = sqlite3.connect(f"file:{quote(str(path))}{'?mode=ro' if read_only else ''}", uri=True)
+    db = Database(conn, execute_plugins=False)
+    db.execute("PRAGMA busy_timeout=5000")
+    return db
+
+
+def rows(cursor: sqlite3.Cursor) -> list[dict[str, Any]]:
+    names = [column[0] for column in cursor.description]
+    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class SqliteWriter:
+    """The writer thread's state: the lock file descriptor, the write connection, the record count."""
+
+    def __init__(self, path: Path, *, max_records: int, synchronous: str) -> None:
+        self.path = path
+        self._max_records = max_records
+        self._synchronous = synchronous
+        self._db: Database | None = None
+        self._lock_fd: int | None = None
+        self._record_count = 0
+
+    def db(self) -> Database:
+        if self._db is None:
+            raise StoreError(f"the task store {self.path} is not open")
+        return self._db
+
+    def open(self) -> None:
+        if sqlite3.sqlite_version_info < _MIN_SQLITE_VERSION:
+            raise StoreError(
+                f"the task store needs SQLite >= 3.35 (RETURNING), this Python has {sqlite3.sqlite_version}"
+            )
+        try:
+            _private_directory(self.path.parent)
+            lock_fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            _owner_only(Path(f"{self.path}.lock"))
+            _private_database(self.path)
+        except OSError as exc:
+            raise StoreError(f"cannot open the task store {self.path}: {exc}") from exc
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(lock_fd)
+            raise StoreLockedError(f"{self.path} is in use by another mcp-tasks-proxy process") from exc
+        self._lock_fd = lock_fd
+        db = self._db = connect(self.path, read_only=False)
+        db.enable_wal()
+        db.execute(f"PRAGMA synchronous={self._synchronous.upper()}")
+        schema.MIGRATIONS.apply(db)
+        (self._record_count,) = db.execute("SELECT COUNT(*) FROM tasks").fetchone()
+
+    def close(self, checkpoint: bool) -> None:
+        db, self._db = self._db, None
+        try:
+            if db is not None:
+                try:
+                    if checkpoint:
+                        db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+                finally:
+                    db.close()
+        finally:
+            if self._lock_fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self._lock_fd)  # closing the descriptor releases the flock
+                self._lock_fd = None
+
+    def trace(self, callback: Callable[[str], object] | None) -> None:
+        self.db().conn.set_trace_callback(callback)
+
+    def create_all(self, records: list[TaskRecord]) -> list[StoreError | None]:
+        """One group commit; each record in its own savepoint, so a record that fails takes back only itself."""
+        db = self.db()
+        errors: list[StoreError | None] = []
+        count = self._record_count
+        with db.atomic():
+            for record in records:
+                try:
+                    with db.atomic():
+                        evicted = 0
+                        if count >= self._max_records:
+                            needed = count - self._max_records + 1
+                            evicted = db.execute(schema.EVICT_SQL, {"count": needed}).rowcount
+                            if evicted < needed:
+                                raise StoreFullError(f"task store full: {self._max_records} live tasks")
+                        db.execute(schema.INSERT_SQL, row_from_record(record))
+                except StoreFullError as exc:
+                    errors.append(exc)
+                except sqlite3.IntegrityError as exc:
+                    message = f"task store {self.path}: create {record.task_id} failed: {exc}"
+                    errors.append(caused(StoreError(message), exc))
+                else:
+                    count += 1 - evicted
+                    errors.append(None)
+        self._record_count = count  # COMMIT succeeded
+        return errors
+
+    def change(self, sql: str, params: dict[str, Any], task_id: str, fence: Fence | None) -> TaskRecord | None:
+        """One conditional UPDATE ... RETURNING; with a fence, a live task of another owner is FencedError."""
+        db = self.db()
+        with db.atomic():
+            # All rows are fetched before COMMIT: a RETURNING statement still stepping would block it.
+            records = records_from_rows(rows(db.execute(sql, params)))
+        if not records and fence is not None:
+            row = db.execute("SELECT owner, status FROM tasks WHERE task_id = ?", [task_id]).fetchone()
+            if row is not None and TaskStatus(row[1]) in LIVE:
+                raise FencedError(f"task {task_id} is owned by {row[0]}, not {fence.owner}")
+        return records[0] if records else None
+
+    def delete(self, sql: str, params: list[Any]) -> int:
+        db = self.db()
+        with db.atomic():
+            deleted = db.execute(sql, params).rowcount
+        self._record_count -= deleted
+        return deleted
+
+    def purge(self, now_ms: int) -> int:
+        """Settled records past their TTL; also messages nobody took within an hour, and forgotten tools."""
+        purged = self.delete(schema.PURGE_SQL, [now_ms])
+        db = self.db()
+        with db.atomic():
+            db.execute(schema.PURGE_MESSAGES_SQL, [wall_ms() - MESSAGE_RETENTION_MS])
+            db.execute(schema.TRIM_DURATIONS_SQL, [pacing.MAX_TOOLS])
+        return purged
+
+    def messages(self, sql: str, params: dict[str, Any] | list[Any]) -> list[Message]:
+        """Messages inserted or taken by one statement, oldest first."""
+        db = self.db()
+        with db.atomic():
+            found = sorted(db.execute(sql, params).fetchall())
+        return [Message(row[0], row[1], row[2], row[3], decode(row[4])) for row in found]
+
+    def health(self, now_ms: int) -> None:
+        db = self.db()
+        with db.atomic():
+            db.execute(schema.HEALTH_SQL, [now_ms])
+
+    def observe(self, tool: str, duration_ms: float) -> float:
+        params = {"tool": tool, "ms": duration_ms, "now_ms": wall_ms(), "smoothing": pacing.SMOOTHING}
+        db = self.db()
+        with db.atomic():
+            (estimate,) = db.execute(schema.OBSERVE_SQL, params).fetchone()
+        return float(estimate)

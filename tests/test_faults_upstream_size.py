@@ -1,0 +1,213 @@
+"""Fault tests (`faults` marker): an upstream whose answers are too large, and clients that never read.
+
+The proxy runs as a process of its own, so its memory can be read from /proc. Whatever the upstream sends and
+however slowly clients read, memory stays bounded by configuration, and the proxy keeps answering its health
+probe on time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import DECLARING, ProxyProcess, Upstream, modern_body, modern_headers
+from tests.test_faults import rpc, until
+
+pytestmark = pytest.mark.faults
+
+CAP = 8 << 20  # limits.max_result_bytes in these tests
+OVER_CAP = 60_000_000  # an answer the upstream sends that the proxy must never hold whole
+UNDER_CAP = 7_000_000  # a settled result larger than what the kernel buffers for a client that does not read
+WRITE_TIMEOUT_SECONDS = 2.0
+RSS_BOUND_BYTES = 128 << 20  # growth allowed over the idle proxy, for everything below
+# The health probe meanwhile: 95 % of answers within 50 ms, none stalled past STALL_BOUND_SECONDS. (Before the
+# size limit, one 50 MB answer stalled the probe for over half a second; on a shared 2-core machine a single
+# probe can wait for a CPU, which is why the bound on the slowest is looser.)
+HEALTH_P95_SECONDS = 0.05
+STALL_BOUND_SECONDS = 0.3
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+class HealthWatch:
+    """Polls /healthz every 20 ms meanwhile and keeps how long each answer took."""
+
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}/healthz"
+        self.latencies: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> HealthWatch:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        async with aiohttp.ClientSession() as session:
+            while True:
+                started = time.perf_counter()
+                async with session.get(self.url) as response:
+                    assert response.status == 200
+                    await response.read()
+                self.latencies.append(time.perf_counter() - started)
+                await asyncio.sleep(0.02)
+
+    def check(self) -> None:
+        assert len(self.latencies) > 10
+        ordered = sorted(self.latencies)
+        p95 = ordered[int(len(ordered) * 0.95)]
+        assert p95 < HEALTH_P95_SECONDS, f"/healthz p95 {p95 * 1000:.0f} ms"
+        assert ordered[-1] < STALL_BOUND_SECONDS, f"/healthz stalled {ordered[-1] * 1000:.0f} ms"
+
+
+def non_reading_poll(port: int, task_id: str) -> socket.socket:
+    """A client with a tiny receive window that sends tasks/get and never reads the answer."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    body = json.dumps(modern_body("tasks/get", {"taskId": task_id}, capabilities=DECLARING)).encode()
+    head = "".join(f"{name}: {value}\r\n" for name, value in modern_headers("tasks/get", task_id).items())
+    sock.sendall(f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> int | None:
+    """Everything the proxy still delivers until it closes the connection (or resets it); None when it keeps
+    the connection open."""
+    sock.settimeout(5)
+    received = 0
+    try:
+        while chunk := sock.recv(1 << 16):
+            received += len(chunk)
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return None
+    finally:
+        sock.close()
+    return received
+
+
+async def test_answers_over_the_cap_are_never_held_and_slow_readers_are_dropped(
+    tmp_path: Path, own_upstream: Upstream, processes: list[ProxyProcess]
+) -> None:
+    """An upstream of its own: producing answers this large keeps it busy after the test's last request."""
+    proxy = ProxyProcess(
+        tmp_path,
+        own_upstream.url,
+        limits={"max_result_bytes": CAP, "write_timeout_seconds": WRITE_TIMEOUT_SECONDS},
+        tasks={"tools": {"big_text": {"mode": "optional", "sync_window_ms": 0}}},
+    )
+    processes.append(proxy)
+    await proxy.start()
+    assert proxy.process is not None
+    async with aiohttp.ClientSession() as session, HealthWatch(proxy.port) as health:
+        await rpc(session, proxy.url, "tools/call", {"name": "echo", "arguments": {"text": "warm"}}, {})
+        idle = rss_bytes(proxy.process.pid)
+        too_big: dict[str, Any] = {"name": "big_text", "arguments": {"size": OVER_CAP}}
+
+        status, message = await rpc(session, proxy.url, "tools/call", too_big, {})  # synchronous
+        assert status == 502, message
+        assert message["error"]["code"] == -32603
+        assert message["error"]["data"] == {"limit": "max_result_bytes", "max": CAP}
+
+        status, message = await rpc(session, proxy.url, "tools/call", too_big, DECLARING)  # as a task
+        assert status == 200, message
+        failed = await until(session, proxy.url, message["result"]["taskId"], lambda task: task["status"] != "working")
+        assert failed["status"] == "failed"
+        assert failed["error"]["data"] == {"limit": "max_result_bytes", "max": CAP}
+
+        fits = {"name": "big_text", "arguments": {"size": UNDER_CAP}}
+        status, message = await rpc(session, proxy.url, "tools/call", fits, DECLARING)
+        task_id = message["result"]["taskId"]
+        done = await until(session, proxy.url, task_id, lambda task: task["status"] == "completed")
+        answer_bytes = len(json.dumps(done))
+        pollers = [non_reading_poll(proxy.port, task_id) for _ in range(3)]
+        await asyncio.sleep(WRITE_TIMEOUT_SECONDS + 1)  # never read meanwhile
+        peak = rss_bytes(proxy.process.pid)
+        received = await asyncio.gather(*(asyncio.to_thread(read_until_closed, sock) for sock in pollers))
+        # The proxy gave up on each of them: it closed the connection before its answer was through.
+        assert all(count is not None and count < answer_bytes for count in received), (received, answer_bytes)
+        status, _ = await rpc(session, proxy.url, "tools/call", {"name": "echo", "arguments": {"text": "alive"}}, {})
+        assert status == 200
+    assert peak - idle < RSS_BOUND_BYTES, f"RSS grew {(peak - idle) >> 20} MiB"
+    health.check()
+
+
+async def test_a_large_streamed_answer_within_the_cap_does_not_stall_the_proxy(
+    tmp_path: Path, upstream: Upstream, processes: list[ProxyProcess]
+) -> None:
+    """Reading a large SSE event is linear in its size (each byte scanned once): with the default cap, the health
+    probe is answered on time throughout."""
+    proxy = ProxyProcess(tmp_path, upstream.url)
+    processes.append(proxy)
+    await proxy.start()
+    size = 4_000_000  # just under the default limits.max_result_bytes, JSON included
+    async with aiohttp.ClientSession() as session, HealthWatch(proxy.port) as health:
+        params = {"name": "big_text", "arguments": {"size": size}}
+        for _ in range(10):
+            status, message = await rpc(session, proxy.url, "tools/call", params, {})
+            assert status == 200
+            assert len(message["result"]["content"][0]["text"]) == size
+    health.check()
+
+
+async def test_a_listener_that_stops_reading_is_dropped_and_memory_stays_flat(
+    tmp_path: Path, own_upstream: Upstream, processes: list[ProxyProcess]
+) -> None:
+    """A client follows 40 busy tasks (progress with long messages: a few MB of notifications a second) and
+    never reads: what the proxy holds for it stays bounded, and once a write has waited
+    `limits.write_timeout_seconds` the connection is closed."""
+    proxy = ProxyProcess(
+        tmp_path,
+        own_upstream.url,
+        limits={"write_timeout_seconds": WRITE_TIMEOUT_SECONDS},
+        tasks={"tools": {"sleep": {"mode": "required"}}},
+    )
+    processes.append(proxy)
+    await proxy.start()
+    assert proxy.process is not None
+    async with aiohttp.ClientSession() as session:
+        await rpc(session, proxy.url, "tools/call", {"name": "echo", "arguments": {"text": "warm"}}, {})
+        idle = rss_bytes(proxy.process.pid)
+        task_ids = []
+        for _ in range(40):
+            params = {"name": "sleep", "arguments": {"seconds": 8, "pad": 20_000}}
+            status, message = await rpc(session, proxy.url, "tools/call", params, DECLARING)
+            assert status == 200, message
+            task_ids.append(message["result"]["taskId"])
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", proxy.port))
+        listen = {"notifications": {"taskIds": task_ids}}
+        body = json.dumps(modern_body("subscriptions/listen", listen, capabilities=DECLARING)).encode()
+        head = "".join(f"{name}: {value}\r\n" for name, value in modern_headers("subscriptions/listen").items())
+        sock.sendall(
+            f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+        )
+        peak = idle
+        deadline = asyncio.get_running_loop().time() + 7
+        while asyncio.get_running_loop().time() < deadline:  # the tasks run on; the listener reads nothing
+            peak = max(peak, rss_bytes(proxy.process.pid))
+            await asyncio.sleep(0.2)
+        received = await asyncio.to_thread(read_until_closed, sock)
+        assert received is not None, "the proxy kept the stream of a client that does not read"
+        status, _ = await rpc(session, proxy.url, "tools/call", {"name": "echo", "arguments": {"text": "alive"}}, {})
+        assert status == 200
+    assert peak - idle < 48 << 20, f"RSS grew {(peak - idle) >> 20} MiB"

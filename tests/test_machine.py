@@ -1,0 +1,987 @@
+"""tasks/machine.py: the lifecycle of one call, driven by event sequences (playbooks), with no event loop and
+no I/O. Each row feeds events one at a time and names exactly the commands each one must produce, in order.
+
+The rows follow the flows the end-to-end tests cover (test_flow_tasks.py, test_flow_inputs.py,
+test_flow_get_stream.py): a synchronous call and its MRTR rounds, a task at once, a sync window that becomes a
+task, poll-to-sync, resolve-input-first, a re-run after a restart; and every refusal: a question the client did
+not declare, one asked after the call ended or once nobody listens, one too many, a limit on parking or
+creating, an expired park, a client that leaves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from proxy.errors import ProxyError, TaskLimitError, UpstreamError
+from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
+from proxy.tasks import machine
+from proxy.tasks.commands import (
+    Answer,
+    Answered,
+    Asked,
+    CancelCall,
+    CancelUpstreamTask,
+    ClearTimer,
+    ClientLeft,
+    Command,
+    CommitRefused,
+    Committed,
+    CreateRecord,
+    Ended,
+    Event,
+    FollowUpstreamTask,
+    HoldSlot,
+    Mode,
+    Notified,
+    Park,
+    Parked,
+    ParkRefused,
+    PollUpstreamTask,
+    Refuse,
+    Relay,
+    ReleaseCall,
+    Reply,
+    ReplyError,
+    ReplyInputRequired,
+    ReplyMissing,
+    ReplyOutcome,
+    ReplyTask,
+    Resumed,
+    SetTimer,
+    Settle,
+    ShutDown,
+    Start,
+    StartCall,
+    Stop,
+    Timer,
+    TimerFired,
+    Unpark,
+    UpstreamTaskCreated,
+    UpstreamTaskPolled,
+    WriteInputs,
+    WriteProgress,
+)
+from proxy.tasks.followed import UPSTREAM_CANCELLED, FollowedTask
+from proxy.tasks.inputs import PendingInput
+from proxy.tasks.machine import CLIENT_LEFT, MAX_OUTSTANDING_INPUTS, PARKED_EXPIRED, TASK_REFUSED, CallState
+from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
+from proxy.wire.legacy_tasks import LegacyTask
+from proxy.wire.tasks import TaskStatus
+
+EVERY_INPUT: dict[str, Any] = {"elicitation": {}, "sampling": {}, "roots": {}}
+WINDOW_MS = 700
+GATHER_MS = 100
+PARK_TTL_MS = 600_000
+
+OK = UpstreamResult({"content": [{"type": "text", "text": "done"}]})
+DONE = {"content": [{"type": "text", "text": "done"}], "resultType": "complete"}
+RPC_ERROR = UpstreamErrorResponse({"code": -32000, "message": "no such thing"})
+LOST = UpstreamError("Upstream connection lost during tools/call")
+ELICIT = UpstreamServerRequest(7, "elicitation/create", {"message": "Name?", "requestedSchema": {"type": "object"}})
+ROOTS = UpstreamServerRequest("r1", "roots/list", None)
+ELICIT_REQUEST = {
+    "method": "elicitation/create",
+    "params": {"message": "Name?", "requestedSchema": {"type": "object"}, "mode": "form"},
+}
+ANSWER = {"action": "accept", "content": {"name": "Ada"}}
+LIMIT = TaskLimitError("max_parked", 1)
+FULL = TaskLimitError("max_running", 1)
+BROKEN = ProxyError("Internal error: the task could not be stored")
+PROGRESS = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": "p", "progress": 1}}
+
+
+def policy(mode: str = "optional", *, resolve_input_first: bool = False) -> Policy:
+    return Policy(mode, WINDOW_MS, 60_000, 1000, "fail", resolve_input_first)  # type: ignore[arg-type]
+
+
+SYNC = Decision(Outcome.SYNC, policy("forbidden"))
+TASK = Decision(Outcome.TASK, policy("required"))
+WINDOW = Decision(Outcome.WINDOW, policy())
+WAIT = Decision(Outcome.WAIT, policy("required"))
+INPUT_FIRST = Decision(Outcome.INPUT_FIRST, policy("required", resolve_input_first=True))
+
+
+@dataclass
+class Playbook:
+    name: str
+    decision: Decision
+    steps: list[tuple[Event, list[Command]]]
+    mode: Mode  # the mode at the end
+    finished: bool  # nothing more can happen to the call
+    capabilities: dict[str, Any] = field(default_factory=lambda: dict(EVERY_INPUT))
+    task_id: str | None = None  # a task re-run after a restart starts with its id
+
+
+def settled(status: TaskStatus, **fields: Any) -> Settle:
+    return Settle(status, **fields)
+
+
+PLAYBOOKS = [
+    # --- synchronous calls -------------------------------------------------------------------------------
+    Playbook(
+        "a synchronous call answers with its result",
+        SYNC_CALL,
+        [
+            (Start(), [StartCall()]),
+            (Ended(OK), [Reply(ReplyOutcome(OK))]),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a JSON-RPC error and a lost upstream are the waiting client's answer too",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Ended(LOST), [Reply(ReplyOutcome(LOST))]),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a question is an MRTR round; the retry's answer goes upstream and the call goes on",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [Park(1)]),
+            (
+                Parked(),
+                [
+                    Reply(ReplyInputRequired({"elicitation-1": ELICIT_REQUEST}, 1)),
+                    SetTimer(Timer.PARK, PARK_TTL_MS),
+                ],
+            ),
+            (Resumed({"elicitation-1": ANSWER}), [Unpark(), ClearTimer(Timer.PARK), Answer(7, ANSWER)]),
+            (Ended(OK), [Reply(ReplyOutcome(OK))]),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "questions a retry left unanswered are asked again in the next round",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (Asked(ROOTS), []),  # gathered with the first
+            (TimerFired(Timer.GATHER), [Park(1)]),
+            (
+                Parked(),
+                [
+                    Reply(
+                        ReplyInputRequired({"elicitation-1": ELICIT_REQUEST, "roots-2": {"method": "roots/list"}}, 1)
+                    ),
+                    SetTimer(Timer.PARK, PARK_TTL_MS),
+                ],
+            ),
+            (
+                Resumed({"elicitation-1": ANSWER}),
+                [Unpark(), ClearTimer(Timer.PARK), Answer(7, ANSWER), Park(2)],
+            ),
+        ],
+        Mode.WAITING,
+        finished=False,
+    ),
+    Playbook(
+        "a call that ended while parked answers the retry with its outcome",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [Park(1)]),
+            (
+                Parked(),
+                [
+                    Reply(ReplyInputRequired({"elicitation-1": ELICIT_REQUEST}, 1)),
+                    SetTimer(Timer.PARK, PARK_TTL_MS),
+                ],
+            ),
+            (Ended(OK), []),  # still parked: the retry gets the outcome
+            (
+                Resumed({"elicitation-1": ANSWER}),
+                [Unpark(), ClearTimer(Timer.PARK), Reply(ReplyOutcome(OK))],
+            ),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a question the client did not declare is refused upstream and the client gets -32021",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ROOTS), [Refuse("r1", "roots/list", "undeclared"), SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [Reply(ReplyMissing({"roots": {}}))]),
+            (Ended(OK), []),
+        ],
+        Mode.DETACHED,
+        finished=True,
+        capabilities={"elicitation": {}},
+    ),
+    Playbook(
+        "a request that is not a question (an unknown method) is refused as not found",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (
+                Asked(UpstreamServerRequest(3, "experimental/thing", None)),
+                [Refuse(3, "experimental/thing", "not_input")],
+            ),
+        ],
+        Mode.WAITING,
+        finished=False,
+    ),
+    Playbook(
+        "a question asked after the call ended is refused",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Ended(OK), [Reply(ReplyOutcome(OK))]),
+            (Asked(ELICIT), [Refuse(7, "elicitation/create", "ended")]),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a client that leaves stops the call upstream",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (ClientLeft(), [CancelCall(CLIENT_LEFT)]),
+            (Asked(ELICIT), [Refuse(7, "elicitation/create", "ended")]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "beyond inputs.max_parked the questions are declined and the client gets the limit error",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [Park(1)]),
+            (
+                ParkRefused(LIMIT),
+                [Reply(ReplyError(LIMIT)), Refuse(7, "elicitation/create", "detached")],
+            ),
+            (Asked(ROOTS), [Refuse("r1", "roots/list", "detached")]),
+        ],
+        Mode.DETACHED,
+        finished=False,  # the upstream ends the call by itself
+    ),
+    Playbook(
+        "a parked call nobody resumes is cancelled upstream when its state expires",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [Park(1)]),
+            (
+                Parked(),
+                [
+                    Reply(ReplyInputRequired({"elicitation-1": ELICIT_REQUEST}, 1)),
+                    SetTimer(Timer.PARK, PARK_TTL_MS),
+                ],
+            ),
+            (TimerFired(Timer.PARK), [Unpark(), CancelCall(PARKED_EXPIRED)]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "progress reaches a waiting client that asked for it",
+        SYNC,
+        [
+            (Start(), [StartCall()]),
+            (Notified(PROGRESS, 0), [Relay({**PROGRESS, "params": {"progressToken": "mine", "progress": 1}})]),
+        ],
+        Mode.WAITING,
+        finished=False,
+    ),
+    # --- a task at once ----------------------------------------------------------------------------------
+    Playbook(
+        "a task is committed before its call starts, and its result settles it",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            (Notified(PROGRESS, 1_000), [WriteProgress("1")]),
+            (Notified(PROGRESS, 1_100), []),  # within 200 ms of the last write
+            (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE), HoldSlot(False)]),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a JSON-RPC error fails the task with that error",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            (
+                Ended(RPC_ERROR),
+                [
+                    settled(
+                        TaskStatus.FAILED,
+                        error={"code": -32000, "message": "no such thing"},
+                        status_message="no such thing (JSON-RPC error -32000)",
+                    ),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a task refused by a limit never reaches the upstream",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (
+                CommitRefused(FULL),
+                [Reply(ReplyError(FULL))],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a task's questions go to its record, the slot is freed, and answers bring it back",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS), HoldSlot(False)]),
+            (TimerFired(Timer.GATHER), [WriteInputs({"elicitation-1": ELICIT_REQUEST}, 1)]),
+            (Answered({"elicitation-1": ANSWER}), [Answer(7, ANSWER), WriteInputs({}, 1), HoldSlot(True)]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "an upstream asking more than MAX_OUTSTANDING_INPUTS at once is refused beyond it",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            (Asked(UpstreamServerRequest(0, "roots/list", None)), [SetTimer(Timer.GATHER, GATHER_MS), HoldSlot(False)]),
+            *[(Asked(UpstreamServerRequest(n, "roots/list", None)), []) for n in range(1, MAX_OUTSTANDING_INPUTS)],
+            (Asked(UpstreamServerRequest(99, "roots/list", None)), [Refuse(99, "roots/list", "too_many")]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a task stopped from outside (cancel, expiry, shutdown) is abandoned upstream",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            (Stop("cancelled by the client"), [CancelCall("cancelled by the client"), HoldSlot(False)]),
+            (Ended(OK), []),  # abandoned: how its stream ended changes nothing
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a client that leaves while its task is stored does not stop the task",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (ClientLeft(), []),
+            (Committed("t1"), [StartCall(), HoldSlot(True)]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a task re-run after a restart starts its call again and holds a slot",
+        TASK,
+        [(Start(), [StartCall(), HoldSlot(True)])],
+        Mode.TASK,
+        finished=False,
+        task_id="t1",
+    ),
+    # --- the sync window ---------------------------------------------------------------------------------
+    Playbook(
+        "a call that ends within the window is an ordinary result",
+        WINDOW,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (Ended(OK), [ClearTimer(Timer.WINDOW), Reply(ReplyOutcome(OK))]),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a call still running after the window becomes a task continuing the same call",
+        WINDOW,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (TimerFired(Timer.WINDOW), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [Reply(ReplyTask()), HoldSlot(True)]),
+            (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE), HoldSlot(False)]),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a question during the window makes the call a task at once, carrying the question",
+        WINDOW,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (
+                TimerFired(Timer.GATHER),
+                [
+                    ClearTimer(Timer.WINDOW),
+                    CreateRecord(TaskStatus.INPUT_REQUIRED, {"elicitation-1": ELICIT_REQUEST}, 1),
+                ],
+            ),
+            (Committed("t1"), [Reply(ReplyTask())]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a call that ends while its record is written settles the new task at once",
+        WINDOW,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (TimerFired(Timer.WINDOW), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Ended(OK), []),
+            (
+                Committed("t1"),
+                [Reply(ReplyTask()), settled(TaskStatus.COMPLETED, result=DONE)],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a window call whose task cannot be created is stopped and the client gets the error",
+        WINDOW,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (TimerFired(Timer.WINDOW), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (
+                CommitRefused(BROKEN),
+                [Reply(ReplyError(BROKEN)), CancelCall(TASK_REFUSED)],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    # --- poll-to-sync ------------------------------------------------------------------------------------
+    Playbook(
+        "poll-to-sync runs an internal task and answers the waiting client with its outcome",
+        WAIT,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), HoldSlot(True)]),
+            (Notified(PROGRESS, 0), [Relay({**PROGRESS, "params": {"progressToken": "mine", "progress": 1}})]),
+            (
+                Ended(OK),
+                [
+                    settled(TaskStatus.COMPLETED, result=DONE),
+                    Reply(ReplyOutcome(OK)),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a poll-to-sync client that leaves while its task is stored leaves nobody to read it: cancelled",
+        WAIT,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (ClientLeft(), []),
+            (Committed("t1"), [settled(TaskStatus.CANCELLED, status_message=CLIENT_LEFT)]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a poll-to-sync client told it lacks a capability leaves its task cancelled",
+        WAIT,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), HoldSlot(True)]),
+            (Asked(ROOTS), [Refuse("r1", "roots/list", "undeclared"), SetTimer(Timer.GATHER, GATHER_MS)]),
+            (
+                TimerFired(Timer.GATHER),
+                [
+                    Reply(ReplyMissing({"roots": {}})),
+                    settled(TaskStatus.CANCELLED, status_message=CLIENT_LEFT),
+                    CancelCall(CLIENT_LEFT),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+        capabilities={},
+    ),
+    Playbook(
+        "a poll-to-sync task expired from outside tells its waiting client why",
+        WAIT,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [StartCall(), HoldSlot(True)]),
+            (
+                Stop("expired", {"code": -32603, "message": "expired"}),
+                [
+                    Reply(ReplyOutcome(UpstreamErrorResponse({"code": -32603, "message": "expired"}))),
+                    CancelCall("expired"),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    # --- resolve input first ---------------------------------------------------------------------------------
+    Playbook(
+        "resolve-input-first asks in MRTR rounds, then the resumed call becomes a task after a window",
+        INPUT_FIRST,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), [ClearTimer(Timer.WINDOW), Park(1)]),
+            (
+                Parked(),
+                [
+                    Reply(ReplyInputRequired({"elicitation-1": ELICIT_REQUEST}, 1)),
+                    SetTimer(Timer.PARK, PARK_TTL_MS),
+                ],
+            ),
+            (
+                Resumed({"elicitation-1": ANSWER}),
+                [Unpark(), ClearTimer(Timer.PARK), Answer(7, ANSWER), SetTimer(Timer.WINDOW, WINDOW_MS)],
+            ),
+            (TimerFired(Timer.WINDOW), [CreateRecord(TaskStatus.WORKING, {}, 1)]),
+            (Committed("t1"), [Reply(ReplyTask()), HoldSlot(True)]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a required tool that resolved its input and ended within the window still answers with a task",
+        INPUT_FIRST,
+        [
+            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (Ended(OK), [ClearTimer(Timer.WINDOW), CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (
+                Committed("t1"),
+                [Reply(ReplyTask()), settled(TaskStatus.COMPLETED, result=DONE)],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+]
+
+
+@pytest.mark.parametrize("playbook", PLAYBOOKS, ids=[playbook.name for playbook in PLAYBOOKS])
+def test_playbook(playbook: Playbook) -> None:
+    state = CallState(
+        decision=playbook.decision,
+        capabilities=playbook.capabilities,
+        gather_ms=GATHER_MS,
+        park_ttl_ms=PARK_TTL_MS,
+        progress_token="mine",
+        task_id=playbook.task_id,
+    )
+    for number, (event, expected) in enumerate(playbook.steps, 1):
+        assert machine.handle(state, event) == expected, f"step {number}: {event}"
+    assert state.mode is playbook.mode
+    assert machine.finished(state) is playbook.finished
+
+
+def test_answers_are_checked_before_any_is_delivered() -> None:
+    """-32602 names the key of an answer that does not fit its question; keys not outstanding are ignored."""
+    state = CallState(SYNC, EVERY_INPUT, GATHER_MS, PARK_TTL_MS)
+    machine.handle(state, Start())
+    machine.handle(state, Asked(ELICIT))
+    assert machine.answers(state, {"elicitation-1": ANSWER, "sampling-9": {}}) == {"elicitation-1": ANSWER}
+    with pytest.raises(ProxyError, match=r"inputResponses\.elicitation-1"):
+        machine.answers(state, {"elicitation-1": {"action": "maybe"}})
+
+
+def test_a_request_state_resumes_exactly_its_round_of_a_parked_call() -> None:
+    state = CallState(SYNC, EVERY_INPUT, GATHER_MS, PARK_TTL_MS)
+    for event in (Start(), Asked(ELICIT), TimerFired(Timer.GATHER)):
+        machine.handle(state, event)
+    assert not machine.resumable(state, 1)  # not parked until the runner registered it
+    machine.handle(state, Parked())
+    assert machine.resumable(state, 1)
+    assert not machine.resumable(state, 2)
+    machine.handle(state, Resumed({}))
+    assert not machine.resumable(state, 1)  # used
+
+
+def test_keys_are_never_reused_over_a_calls_life() -> None:
+    state = CallState(TASK, EVERY_INPUT, GATHER_MS, PARK_TTL_MS, task_id="t1")
+    machine.handle(state, Start())
+    machine.handle(state, Asked(ELICIT))
+    machine.handle(state, Answered({"elicitation-1": ANSWER}))
+    machine.handle(state, Asked(UpstreamServerRequest(8, "elicitation/create", {"message": "Again?"})))
+    assert list(state.inputs) == ["elicitation-2"]
+    assert state.issued == 2
+
+
+def test_settlement_maps_outcomes_to_task_statuses() -> None:
+    assert machine.settlement(OK) == Settle(TaskStatus.COMPLETED, result=DONE)
+    tool_error = UpstreamResult({"content": [], "isError": True})
+    assert machine.settlement(tool_error).status is TaskStatus.COMPLETED  # a tool error is a result
+    lost = machine.settlement(LOST)
+    assert (lost.status, lost.error) == (TaskStatus.FAILED, {"code": -32603, "message": LOST.message})
+    assert machine.settlement(None, "stopped") == Settle(TaskStatus.CANCELLED, status_message="stopped")
+
+
+# --- a task the upstream runs itself (2025-11-25 Tasks) ----------------------------------------------------------
+
+UP_TASK = Decision(Outcome.TASK, policy("required"), upstream_task=True)
+UP_WINDOW = Decision(Outcome.WINDOW, policy(), upstream_task=True)
+UP_WAIT = Decision(Outcome.WAIT, policy("required"), upstream_task=True)
+START_UPSTREAM = StartCall(upstream_task=True, ttl_ms=60_000)
+POLL_MS = 500
+CREATED = UpstreamTaskCreated(
+    LegacyTask("up-1", "working", "Gathering", ttl_ms=30_000, poll_interval_ms=POLL_MS), 1_000
+)
+FOLLOWING: list[Command] = [FollowUpstreamTask(), SetTimer(Timer.POLL, POLL_MS)]
+ELICIT_IN_TASK = UpstreamServerRequest("q-1", "elicitation/create", ELICIT.params)
+
+
+def record_of_upstream(status: TaskStatus = TaskStatus.WORKING, **fields: Any) -> CreateRecord:
+    defaults: dict[str, Any] = {
+        "input_requests": {},
+        "issued": 0,
+        "upstream_task_id": "up-1",
+        "upstream_expires_at_ms": 31_000,  # the upstream keeps it 30 s from its creation
+        "upstream_input_ids": {},
+        "status_message": "Gathering",
+    }
+    return CreateRecord(status, **{**defaults, **fields})
+
+
+def status(state: str, message: str | None = None) -> Notified:
+    params: dict[str, Any] = {"taskId": "up-1", "status": state, "createdAt": "", "lastUpdatedAt": "", "ttl": 30_000}
+    if message is not None:
+        params["statusMessage"] = message
+    return Notified({"jsonrpc": "2.0", "method": "notifications/tasks/status", "params": params}, 0.0)
+
+
+CREATED_AND_STORED: list[tuple[Event, list[Command]]] = [
+    (Start(), [START_UPSTREAM]),
+    (CREATED, [*FOLLOWING, record_of_upstream()]),
+    (Committed("t1"), [Reply(ReplyTask()), HoldSlot(True)]),
+]
+LOST_TASK = {
+    "code": -32603,
+    "message": "Upstream task lost: the upstream no longer knows this task (or the session it ran in)",
+}
+TOOL_ERROR = UpstreamResult({"content": [{"type": "text", "text": "tool failed"}], "isError": True})
+EMPTY = UpstreamResult({"_meta": {"io.modelcontextprotocol/related-task": {"taskId": "up-1"}}})
+FAILED_ERROR = {"code": -32603, "message": "boom"}
+
+
+def failed_with(error: dict[str, Any]) -> Settle:
+    return settled(
+        TaskStatus.FAILED, error=error, status_message=f"{error['message']} (JSON-RPC error {error['code']})"
+    )
+
+
+UPSTREAM_PLAYBOOKS = [
+    Playbook(
+        "the upstream creates its task, then the record (within its ttl); a tool result from tasks/result completes it",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (status("working", "Analyzing"), [WriteProgress("Analyzing"), SetTimer(Timer.POLL, POLL_MS)]),
+            (status("working", "Analyzing"), [SetTimer(Timer.POLL, POLL_MS)]),  # nothing new to write
+            (Notified(PROGRESS, 1.0), []),  # the upstream's own statusMessage says more than its progress
+            (status("completed"), []),  # the outcome comes from tasks/result
+            (Ended(OK), [ClearTimer(Timer.POLL), settled(TaskStatus.COMPLETED, result=DONE), HoldSlot(False)]),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "an upstream silent for its pollInterval is asked with tasks/get, again when that fails",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (TimerFired(Timer.POLL), [PollUpstreamTask()]),
+            (UpstreamTaskPolled(None), [SetTimer(Timer.POLL, POLL_MS)]),
+            (TimerFired(Timer.POLL), [PollUpstreamTask()]),
+            (
+                UpstreamTaskPolled(LegacyTask("up-1", "working", "Writing", poll_interval_ms=800)),
+                [WriteProgress("Writing"), SetTimer(Timer.POLL, 800)],
+            ),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a tool error is a completed task with isError, even when the upstream called it failed",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (status("failed", "tool failed"), [WriteProgress("tool failed")]),
+            (
+                Ended(TOOL_ERROR),
+                [
+                    ClearTimer(Timer.POLL),
+                    settled(TaskStatus.COMPLETED, result={**TOOL_ERROR.result, "resultType": "complete"}),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a JSON-RPC error of a task not known to have ended is read after its status is asked",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (Ended(UpstreamErrorResponse(FAILED_ERROR)), [PollUpstreamTask()]),
+            (
+                UpstreamTaskPolled(LegacyTask("up-1", "failed", "boom")),
+                [ClearTimer(Timer.POLL), failed_with(FAILED_ERROR), HoldSlot(False)],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "the mcp 1.x SDK's empty answer for a failed task is a failure with its statusMessage",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (status("failed", "boom"), [WriteProgress("boom")]),
+            (Ended(EMPTY), [ClearTimer(Timer.POLL), failed_with(FAILED_ERROR), HoldSlot(False)]),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "an empty answer for a completed task is an empty result",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (status("completed"), []),
+            (
+                Ended(EMPTY),
+                [
+                    ClearTimer(Timer.POLL),
+                    settled(TaskStatus.COMPLETED, result={"content": [], "resultType": "complete"}),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a task the upstream cancelled is cancelled",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (status("cancelled"), []),
+            (
+                Ended(RPC_ERROR),
+                [
+                    ClearTimer(Timer.POLL),
+                    settled(TaskStatus.CANCELLED, status_message=UPSTREAM_CANCELLED),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a task the upstream no longer knows fails, and its tasks/result is let go",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (
+                UpstreamTaskPolled(None, known=False),
+                [ReleaseCall(), ClearTimer(Timer.POLL), failed_with(LOST_TASK), HoldSlot(False)],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a question on tasks/result is an inputRequest; its upstream id is kept and the answer goes there",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (Asked(ELICIT_IN_TASK), [SetTimer(Timer.GATHER, GATHER_MS), HoldSlot(False)]),
+            (TimerFired(Timer.GATHER), [WriteInputs({"elicitation-1": ELICIT_REQUEST}, 1, {"elicitation-1": "q-1"})]),
+            (Answered({"elicitation-1": ANSWER}), [Answer("q-1", ANSWER), WriteInputs({}, 1, {}), HoldSlot(True)]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "tasks/cancel of the proxy's task is tasks/cancel upstream",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (Stop("cancelled"), [ClearTimer(Timer.POLL), CancelUpstreamTask("cancelled"), HoldSlot(False)]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a shutdown leaves the upstream's task running (and its session open) for the next start",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (ShutDown("stopping"), [ClearTimer(Timer.POLL), ReleaseCall(keep_session=True), HoldSlot(False)]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a shutdown cancels a poll-to-sync task the upstream runs: nobody could read it afterwards",
+        UP_WAIT,
+        [
+            (Start(), [START_UPSTREAM]),
+            (CREATED, [*FOLLOWING, record_of_upstream()]),
+            (Committed("t1"), [HoldSlot(True)]),
+            (
+                ShutDown("stopping"),
+                [
+                    Reply(ReplyOutcome(UpstreamErrorResponse({"code": -32603, "message": "stopping"}))),
+                    ClearTimer(Timer.POLL),
+                    CancelUpstreamTask("stopping"),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "poll-to-sync: the client is answered with the outcome of the upstream's task",
+        UP_WAIT,
+        [
+            (Start(), [START_UPSTREAM]),
+            (CREATED, [*FOLLOWING, record_of_upstream()]),
+            (Committed("t1"), [HoldSlot(True)]),
+            (Asked(ELICIT_IN_TASK), [Refuse("q-1", "elicitation/create", "undeclared")]),  # the task goes on
+            (
+                Ended(OK),
+                [
+                    ClearTimer(Timer.POLL),
+                    settled(TaskStatus.COMPLETED, result=DONE),
+                    Reply(ReplyOutcome(OK)),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.WAITING,
+        finished=True,
+        capabilities={},
+    ),
+    Playbook(
+        "a window call of the upstream's task that ends within the window answers synchronously",
+        UP_WINDOW,
+        [
+            (Start(), [START_UPSTREAM]),
+            (CREATED, [*FOLLOWING, SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (Ended(OK), [ClearTimer(Timer.WINDOW), ClearTimer(Timer.POLL), Reply(ReplyOutcome(OK))]),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a window call still running after the window becomes the proxy's task, carrying the upstream's id",
+        UP_WINDOW,
+        [
+            (Start(), [START_UPSTREAM]),
+            (CREATED, [*FOLLOWING, SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (TimerFired(Timer.WINDOW), [record_of_upstream()]),
+            (Committed("t1"), [Reply(ReplyTask()), HoldSlot(True)]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a question before the upstream's task exists waits for its id to make the record",
+        UP_WINDOW,
+        [
+            (Start(), [START_UPSTREAM]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), []),
+            (
+                CREATED,
+                [
+                    *FOLLOWING,
+                    record_of_upstream(
+                        TaskStatus.INPUT_REQUIRED,
+                        input_requests={"elicitation-1": ELICIT_REQUEST},
+                        issued=1,
+                        upstream_input_ids={"elicitation-1": 7},
+                    ),
+                ],
+            ),
+        ],
+        Mode.WAITING,
+        finished=False,
+    ),
+    Playbook(
+        "an upstream that answers the task-augmented call with a plain result answers the client with it",
+        UP_TASK,
+        [(Start(), [START_UPSTREAM]), (Ended(OK), [Reply(ReplyOutcome(OK))])],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a task the upstream created after its call was abandoned is cancelled there",
+        UP_WINDOW,
+        [
+            (Start(), [START_UPSTREAM]),
+            (ClientLeft(), [CancelCall(CLIENT_LEFT)]),
+            (CREATED, [CancelUpstreamTask(CLIENT_LEFT)]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+]
+
+
+@pytest.mark.parametrize("playbook", UPSTREAM_PLAYBOOKS, ids=[playbook.name for playbook in UPSTREAM_PLAYBOOKS])
+def test_upstream_task_playbook(playbook: Playbook) -> None:
+    test_playbook(playbook)
+
+
+def test_after_a_restart_the_upstreams_task_is_followed_again_with_its_questions() -> None:
+    state = CallState(UP_TASK, EVERY_INPUT, GATHER_MS, PARK_TTL_MS, task_id="t1")
+    state.upstream_task = FollowedTask("up-1")
+    state.inputs = {"elicitation-1": PendingInput("q-1", "elicitation/create", ELICIT_REQUEST)}
+    state.inputs_written = False
+    state.issued = 1
+    assert machine.handle(state, Start()) == [
+        FollowUpstreamTask(),
+        PollUpstreamTask(),  # at once: does the upstream still know it?
+        WriteInputs({"elicitation-1": ELICIT_REQUEST}, 1, {"elicitation-1": "q-1"}),
+    ]
+    assert state.mode is Mode.TASK
+    assert machine.handle(state, Answered({"elicitation-1": ANSWER})) == [
+        Answer("q-1", ANSWER),
+        WriteInputs({}, 1, {}),
+        HoldSlot(True),
+    ]

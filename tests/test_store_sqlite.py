@@ -1,0 +1,320 @@
+"""SqliteTaskStore specifics, against real SQLite files under tmp_path: the file lock (also across real
+processes), WAL and pragmas, migrations, query plans, the threads that run SQLite. The contract both stores
+share is in test_store.py."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import signal
+import sqlite3
+import sys
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.tasks.store import SqliteTaskStore, StoreError, StoreLockedError
+from proxy.tasks.store import sqlite_schema as schema
+from proxy.wire.tasks import TaskStatus
+from tests.test_store import hold_creations, make_record
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CHILD_OPEN = """
+import asyncio, sys
+from proxy.tasks.store import SqliteTaskStore
+
+async def main() -> None:
+    if sys.argv[2] == "hold":
+        sys.stdin.readline()  # imported and ready; open when the parent says so
+    try:
+        store = await SqliteTaskStore.open(sys.argv[1], max_records=10)
+    except Exception as exc:
+        print(type(exc).__name__, flush=True)
+        return
+    print("opened", flush=True)
+    if sys.argv[2] == "hold":
+        await asyncio.sleep(60)
+    await store.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "state" / "tasks.db"
+
+
+@pytest.fixture
+async def store(db_path: Path) -> AsyncIterator[SqliteTaskStore]:
+    opened = await SqliteTaskStore.open(db_path, max_records=100)
+    yield opened
+    await opened.close()
+
+
+def raw_rows(path: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
+
+
+async def run_child(path: Path, mode: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        CHILD_OPEN,
+        str(path),
+        mode,
+        cwd=ROOT,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+
+
+async def test_a_group_commit_is_one_transaction_and_one_fsync(store: SqliteTaskStore) -> None:
+    statements: list[str] = []
+    await store.set_trace_callback(statements.append)
+    release, held = await hold_creations(store)
+    creations = [asyncio.ensure_future(store.create(make_record(f"task_{n}"))) for n in range(40)]  # noqa: TID251
+    await asyncio.sleep(0.05)
+    release.set()
+    await held
+    await asyncio.gather(*creations)
+    await store.set_trace_callback(None)
+    assert len([sql for sql in statements if sql.startswith("INSERT")]) == 40
+    assert [sql for sql in statements if sql == "COMMIT"] == ["COMMIT"]
+
+
+async def test_a_duplicate_id_carries_sqlites_integrity_error(store: SqliteTaskStore) -> None:
+    await store.create(make_record("task_a"))
+    with pytest.raises(StoreError, match="create task_a failed") as caught:
+        await store.create(make_record("task_a", owner="someone-else"))
+    assert isinstance(caught.value.__cause__, sqlite3.IntegrityError)
+
+
+async def test_expiry_queries_walk_the_expiry_index(store: SqliteTaskStore, db_path: Path) -> None:
+    for sql in (schema.EXPIRED_LIVE_SQL, schema.PURGE_SQL):
+        plan = " ".join(str(row[-1]) for row in raw_rows(db_path, f"EXPLAIN QUERY PLAN {sql}", (0,)))
+        assert "idx_tasks_expires_at_ms" in plan
+
+
+async def test_durable_across_reopen(db_path: Path) -> None:
+    store = await SqliteTaskStore.open(db_path, max_records=10)
+    assert db_path.parent.is_dir()  # created on open
+    record = make_record("task_a", input_requests={"k": {"x": 1}})
+    await store.create(record)
+    settled = await store.settle("task_a", TaskStatus.COMPLETED, now_ms=2_000, result={"content": []})
+    await store.create(make_record("task_b"))
+    await store.close()
+    assert not await asyncio.to_thread(Path(f"{db_path}-wal").exists)  # checkpointed and removed on close
+
+    migrations = raw_rows(db_path, "SELECT migration_set, name, applied_at FROM _sqlite_migrations")
+    assert [row[:2] for row in migrations] == [
+        ("mcp-tasks-proxy", "0001_create_tasks"),
+        ("mcp-tasks-proxy", "0002_create_health"),
+        ("mcp-tasks-proxy", "0003_add_client_capabilities"),
+        ("mcp-tasks-proxy", "0004_create_messages_and_tool_durations"),
+        ("mcp-tasks-proxy", "0005_add_upstream_task"),
+    ]
+    assert raw_rows(db_path, "PRAGMA journal_mode") == [("wal",)]
+    indexes = {row[0] for row in raw_rows(db_path, "SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert {"idx_tasks_status", "idx_tasks_expires_at_ms", "idx_tasks_status_updated_at_ms"} <= indexes
+
+    reopened = await SqliteTaskStore.open(db_path, max_records=10)
+    try:
+        assert await reopened.get("task_a") == settled
+        assert await reopened.get("task_b") == make_record("task_b")
+        assert [record.task_id for record in await reopened.live()] == ["task_b"]
+    finally:
+        await reopened.close()
+    assert raw_rows(db_path, "SELECT migration_set, name, applied_at FROM _sqlite_migrations") == migrations
+    assert raw_rows(db_path, "PRAGMA integrity_check") == [("ok",)]
+
+
+@pytest.mark.parametrize(("synchronous", "expected"), [("normal", 1), ("full", 2)])
+async def test_connection_pragmas(db_path: Path, synchronous: Any, expected: int) -> None:
+    store = await SqliteTaskStore.open(db_path, max_records=10, synchronous=synchronous)
+    try:
+        writer = store._writer
+        assert writer is not None
+
+        def pragmas() -> tuple[Any, ...]:
+            conn = store._writer_state.db().conn
+            return tuple(
+                conn.execute(f"PRAGMA {name}").fetchone()[0] for name in ("synchronous", "journal_mode", "busy_timeout")
+            )
+
+        assert await asyncio.get_running_loop().run_in_executor(writer, pragmas) == (expected, "wal", 5000)
+    finally:
+        await store.close()
+
+
+async def test_second_open_in_process_is_locked_out(store: SqliteTaskStore, db_path: Path) -> None:
+    with pytest.raises(StoreLockedError, match="is in use by another mcp-tasks-proxy process") as caught:
+        await SqliteTaskStore.open(db_path, max_records=10)
+    assert str(db_path) in str(caught.value)
+    await store.close()
+    again = await SqliteTaskStore.open(db_path, max_records=10)
+    await again.close()
+
+
+async def test_lock_excludes_other_processes(store: SqliteTaskStore, db_path: Path) -> None:
+    # Both children start together (their imports dominate the run time); the holder waits for "go".
+    child, holder = await run_child(db_path, "close"), await run_child(db_path, "hold")
+    try:
+        out, _ = await child.communicate()
+        assert out.decode().strip() == "StoreLockedError"
+        await store.close()
+
+        # A process killed while holding the store leaves no stale lock behind.
+        assert holder.stdin is not None
+        assert holder.stdout is not None
+        holder.stdin.write(b"go\n")
+        await holder.stdin.drain()
+        assert (await holder.stdout.readline()).decode().strip() == "opened"
+        with pytest.raises(StoreLockedError):
+            await SqliteTaskStore.open(db_path, max_records=10)
+    finally:
+        if holder.returncode is None:
+            holder.send_signal(signal.SIGKILL)
+        await holder.wait()
+    after = await SqliteTaskStore.open(db_path, max_records=10)
+    await after.close()
+
+
+async def test_failed_open_releases_the_lock(tmp_path: Path) -> None:
+    path = tmp_path / "garbage.db"
+    path.write_bytes(b"this is not a sqlite database, just some bytes " * 100)
+    with pytest.raises(StoreError, match=r"garbage\.db"):
+        await SqliteTaskStore.open(path, max_records=10)
+    fd = os.open(f"{path}.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the failed open still held it
+    finally:
+        os.close(fd)
+
+
+async def test_read_only_rejects_a_foreign_or_missing_database(tmp_path: Path) -> None:
+    foreign = tmp_path / "other.db"
+    conn = sqlite3.connect(foreign)
+    conn.execute("CREATE TABLE notes (body TEXT)")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreError, match="not a task database"):
+        await SqliteTaskStore.open(foreign, max_records=10, read_only=True)
+    with pytest.raises(StoreError, match=r"missing\.db"):
+        await SqliteTaskStore.open(tmp_path / "missing.db", max_records=10, read_only=True)
+    assert not await asyncio.to_thread((tmp_path / "missing.db").exists)
+
+
+async def test_sqlite_work_never_runs_on_the_event_loop_thread(store: SqliteTaskStore) -> None:
+    seen: list[tuple[str, str]] = []
+    await store.set_trace_callback(lambda sql: seen.append((threading.current_thread().name, sql)))
+    await store.create(make_record("task_a", ttl_ms=10))
+    await store.create(make_record("task_b"))
+    await store.get("task_a")
+    await store.set_status_message("task_a", "x", now_ms=2_000)
+    await store.live()
+    await store.expired_live(5_000)
+    await store.settle("task_a", TaskStatus.COMPLETED, now_ms=3_000)
+    await store.purge_expired(5_000)
+    await store.delete("task_b")
+    await store.stats()
+    await store.set_trace_callback(None)
+
+    assert threading.current_thread().name not in {name for name, _ in seen}
+    writes = [name for name, sql in seen if sql.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE"))]
+    reads = [name for name, sql in seen if sql.lstrip().upper().startswith("SELECT")]
+    assert len(writes) >= 5
+    assert len(reads) >= 4
+    assert all(name.startswith("task-store-writer") for name in writes)
+    assert all(name.startswith("task-store-reader") for name in reads)
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+@pytest.fixture
+def open_umask() -> Iterator[None]:
+    """The most permissive umask a container may run with: modes must not depend on the umask being strict."""
+    previous = os.umask(0o000)
+    yield
+    os.umask(previous)
+
+
+@pytest.mark.usefixtures("open_umask")
+async def test_database_files_are_owner_only_and_a_created_directory_is_0700(tmp_path: Path) -> None:
+    path = tmp_path / "new" / "deeper" / "tasks.db"
+    store = await SqliteTaskStore.open(path, max_records=10)
+    try:
+        await store.create(make_record("task_modes"))
+        files = {name: path.with_name(path.name + name) for name in ("", "-wal", "-shm", ".lock")}
+        assert all(file.exists() for file in files.values()), sorted(os.listdir(path.parent))
+        assert {name: _mode(file) for name, file in files.items()} == dict.fromkeys(files, 0o600)
+        assert (_mode(path.parent), _mode(path.parent.parent)) == (0o700, 0o700)
+    finally:
+        await store.close()
+
+
+@pytest.mark.usefixtures("open_umask")
+async def test_an_existing_directory_keeps_its_mode_and_open_files_lose_group_and_other_access(
+    tmp_path: Path,
+) -> None:
+    """A database left 0644 by an older version is narrowed at the next start; the operator's directory (a
+    volume mount, say) is left as it is."""
+    directory = tmp_path / "volume"
+    directory.mkdir(mode=0o775)
+    os.chmod(directory, 0o775)
+    path = directory / "tasks.db"
+    sqlite3.connect(path).close()
+    os.chmod(path, 0o644)
+    store = await SqliteTaskStore.open(path, max_records=10)
+    try:
+        await store.create(make_record("task_modes"))
+        assert _mode(path) == 0o600
+        assert _mode(path.with_name("tasks.db-wal")) == 0o600
+    finally:
+        await store.close()
+    assert _mode(directory) == 0o775
+
+
+async def test_a_foreign_lookup_never_reads_the_result_out_of_sqlite(store: SqliteTaskStore) -> None:
+    """The owner is part of the one statement a lookup runs: a foreign caller's lookup returns no row, so the
+    stored result is never read out of SQLite nor decoded (it used to be, before the owner check)."""
+    await store.create(make_record("task_big"))
+    await store.settle("task_big", TaskStatus.COMPLETED, now_ms=2_000, result={"content": [{"text": "x" * 100_000}]})
+    statements: list[str] = []
+    await store.set_trace_callback(statements.append)
+    assert await store.get("task_big", principal="another-hash") is None
+    await store.set_trace_callback(None)
+    assert statements == ["SELECT * FROM tasks WHERE task_id = 'task_big' AND principal = 'another-hash'"]
+
+
+async def test_a_database_of_the_previous_version_gains_the_upstream_task_columns(db_path: Path) -> None:
+    """A file written before tasks the upstream runs itself existed: the migration adds their columns and every
+    record reads as a task of the proxy's own."""
+    store = await SqliteTaskStore.open(db_path, max_records=10)
+    await store.create(make_record("task_old", input_requests={"k": {"method": "roots/list"}}))
+    await store.close()
+    with sqlite3.connect(db_path) as conn:  # back to the schema before the migration
+        conn.execute("DELETE FROM _sqlite_migrations WHERE name = '0005_add_upstream_task'")
+        for column in ("upstream_task_id", "upstream_session_id", "upstream_input_ids"):
+            conn.execute(f"ALTER TABLE tasks DROP COLUMN {column}")
+    assert "upstream_task_id" not in {row[1] for row in raw_rows(db_path, "PRAGMA table_info(tasks)")}
+
+    store = await SqliteTaskStore.open(db_path, max_records=10)
+    try:
+        old = await store.get("task_old")
+        assert old is not None
+        assert (old.upstream_task_id, old.upstream_session_id, old.upstream_input_ids) == (None, None, {})
+        assert old.input_requests == {"k": {"method": "roots/list"}}
+    finally:
+        await store.close()
