@@ -108,14 +108,15 @@ async def start_upstream(sdk: bool = False) -> Process:
     return Process(process, f"http://127.0.0.1:{port}/mcp")
 
 
-def proxy_config(upstream: str, workdir: Path, name: str, database: Path | None, port: int) -> Path:
-    """The proxy under test: default settings, except limits high enough for the scale rows."""
+def proxy_config(upstream: str | list[str], workdir: Path, name: str, database: Path | None, port: int) -> Path:
+    """The proxy under test: default settings, except limits high enough for the scale rows. `upstream`: a URL,
+    or the argv of a stdio server the proxy runs."""
     config = workdir / f"{name}.yaml"
     config.write_text(
         json.dumps(
             {
                 "listen": {"host": "127.0.0.1", "port": port, "shutdown_grace_seconds": 1},
-                "upstream": {"url": upstream},
+                "upstream": {"url": upstream} if isinstance(upstream, str) else {"command": upstream, "cwd": str(ROOT)},
                 "store": {"path": str(database or workdir / f"{name}.db")},
                 "logging": {"level": "warning"},
                 "observability": {"metrics": False},
@@ -131,7 +132,7 @@ def proxy_config(upstream: str, workdir: Path, name: str, database: Path | None,
     return config
 
 
-async def start_proxy(upstream: str, workdir: Path, name: str, database: Path | None = None) -> Process:
+async def start_proxy(upstream: str | list[str], workdir: Path, name: str, database: Path | None = None) -> Process:
     port = free_port()
     process = spawn(["-m", "proxy", "serve", "--config", str(proxy_config(upstream, workdir, name, database, port))])
     await wait_for_port(port, process)
@@ -345,6 +346,37 @@ async def modern_sync_row(upstream: Process, proxy: Process, quick: bool, label:
             "throughput_ratio": ratio,
             "direct_rps": base.rate,
             "modern_rps": via.rate,
+            "proxy_cpu_ms_per_call": cpu_ms,
+        },
+    )
+
+
+async def stdio_row(http_proxy: Process, workdir: Path, quick: bool) -> Row:
+    """A modern synchronous call through a proxy in front of the SDK fixture as a stdio server it runs, against
+    the same call through a proxy in front of the same fixture over HTTP."""
+    proxy = await start_proxy([sys.executable, "-m", "tests.upstream", "--stdio"], workdir, "stdio")
+    try:
+        via_http, via_stdio = ModernClient(http_proxy.url), ModernClient(proxy.url)
+        await measure(via_stdio.echo, 50, 16)  # warm-up (the server process starts)
+        await measure(via_http.echo, 50, 16)
+        cpu_before = proxy.cpu_seconds()
+        base, via = await interleaved(via_http.echo, via_stdio.echo, count=600 if quick else 3000, concurrency=16)
+        cpu_ms = (proxy.cpu_seconds() - cpu_before) * 1000 / via.count
+    finally:
+        proxy.stop()
+    ratio = via.rate / base.rate
+    return Row(
+        f"modern sync tools/call, stdio upstream vs the same over HTTP, {SDK_LABEL}, concurrency 16",
+        f"throughput {ratio:.2f}x HTTP (p50 {via.percentile(0.5):.2f} vs {base.percentile(0.5):.2f} ms);"
+        f" proxy CPU {cpu_ms:.2f} ms/call",
+        ">= 0.9x",
+        ratio >= 0.9,
+        {
+            "throughput_ratio": ratio,
+            "http_rps": base.rate,
+            "stdio_rps": via.rate,
+            "http_p50_ms": base.percentile(0.5),
+            "stdio_p50_ms": via.percentile(0.5),
             "proxy_cpu_ms_per_call": cpu_ms,
         },
     )
@@ -607,6 +639,7 @@ async def run(quick: bool, groups: tuple[str, ...] = GROUPS) -> list[Row]:
         try:
             rows += await passthrough_rows(sdk_upstream, sdk_proxy, quick, SDK_LABEL)
             rows.append(await modern_sync_row(sdk_upstream, sdk_proxy, quick, SDK_LABEL))
+            rows.append(await stdio_row(sdk_proxy, workdir, quick))
         finally:
             sdk_proxy.stop()
             sdk_upstream.stop()

@@ -209,3 +209,18 @@ def http_status(error: ProxyError | Mapping[str, Any] | None) -> int:
     if isinstance(error, ProxyError):
         return error.status
     return MethodNotFoundError.http_status if error.get("code") == MethodNotFoundError.code else 200
+
+
+class UpstreamLimitError(ProxyError):
+    """Every upstream session the configuration allows is busy (e.g. `upstream.max_processes` stdio server
+    processes) and none came free in time. -32603 with `data.limit`, HTTP 503: the condition is temporary."""
+
+    code = jsonrpc.INTERNAL_ERROR
+    http_status = 503
+    default_message = "Upstream limit reached"
+
+    def __init__(self, limit: str, maximum: int, waited_seconds: float) -> None:
+        super().__init__(
+            f"Limit reached: {limit} = {maximum}, all busy for {waited_seconds:g} s; try again later",
+            data={"limit": limit.rpartition(".")[2], "max": maximum},
+        )

@@ -26,7 +26,6 @@ from proxy.policy import decide
 from proxy.tasks.push import TaskWatchers
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.waiting import WaitingCalls
-from proxy.upstream.call import UpstreamCall
 from proxy.upstream.events import (
     UpstreamErrorResponse,
     UpstreamNotification,
@@ -34,8 +33,8 @@ from proxy.upstream.events import (
     UpstreamServerRequest,
     refusal,
 )
+from proxy.upstream.kinds import Session, SessionCall
 from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.session import UpstreamSession
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
 from proxy.wire.envelope import (
@@ -156,9 +155,7 @@ class Front:
                 await asyncio.shield(self._cancel(call, "client disconnected"))
                 raise
 
-    async def _drive(
-        self, request: ModernRequest, session: UpstreamSession, call: UpstreamCall, channel: Channel
-    ) -> JSON:
+    async def _drive(self, request: ModernRequest, session: Session, call: SessionCall, channel: Channel) -> JSON:
         server_info = self.upstream.server_info
         async for event in call.events():
             if isinstance(event, UpstreamNotification):
@@ -175,9 +172,7 @@ class Front:
                 return translate.final_message(request.id, request.method, result, error, server_info, self.cache)
         raise AssertionError("UpstreamCall.events() ends with a final event or raises")  # pragma: no cover
 
-    async def _refuse(
-        self, request: ModernRequest, session: UpstreamSession, question: UpstreamServerRequest
-    ) -> JSON | None:
+    async def _refuse(self, request: ModernRequest, session: Session, question: UpstreamServerRequest) -> JSON | None:
         """Only tools/call, prompts/get and resources/read may ask a 2026-07-28 client for input (as MRTR or a
         task); those run as calls of the runner. Here (any other method) the upstream gets an answer at once,
         so it never hangs, and finishes the request by itself: a client that did not declare the capability
@@ -201,7 +196,7 @@ class Front:
         )
         return error_message(request.id, {"code": codes.INTERNAL_ERROR, "message": message})
 
-    async def _cancel(self, call: UpstreamCall, reason: str) -> None:
+    async def _cancel(self, call: SessionCall, reason: str) -> None:
         try:
             await call.cancel(reason)
         except UpstreamError as exc:  # best effort: the call is being abandoned either way

@@ -74,15 +74,14 @@ from proxy.tasks.inputs import PendingInput
 from proxy.tasks.machine import CallState
 from proxy.tasks.store import StoreError, StoreFullError, TaskStore
 from proxy.tasks.upstream_tasks import UpstreamTasks
-from proxy.upstream.call import UpstreamCall
 from proxy.upstream.events import (
     UpstreamEvent,
     UpstreamNotification,
     UpstreamServerRequest,
     refusal,
 )
+from proxy.upstream.kinds import Session, SessionCall
 from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.session import UpstreamSession
 from proxy.wire import legacy_tasks, translate
 from proxy.wire import tasks as wire_tasks
 from proxy.wire.envelope import Caller, Channel, ModernRequest
@@ -123,8 +122,8 @@ class Call:
     record: TaskRecord | None = None  # as committed
     timers: dict[Timer, asyncio.TimerHandle] = field(default_factory=dict)
     pump: asyncio.Task[None] | None = None  # reads the upstream call
-    session: UpstreamSession | None = None
-    upstream: UpstreamCall | None = None
+    session: Session | None = None
+    upstream: SessionCall | None = None
     created_at: float = field(default_factory=time.perf_counter)
 
 
@@ -471,7 +470,7 @@ class TaskRunner:
             )
 
     @contextlib.asynccontextmanager
-    async def _session(self, call: Call) -> AsyncIterator[UpstreamSession]:
+    async def _session(self, call: Call) -> AsyncIterator[Session]:
         """Every call gets an upstream session of its own while it runs: whatever the upstream sends on that
         session's GET stream (a question naming no request) is this call's, never a guess. Even a client that
         declared no capability could be asked, and then it is the one to be told what it lacks (-32021)."""
@@ -480,8 +479,19 @@ class TaskRunner:
             await self.dispatch(call, self._event(event))
 
         asks = inputs.could_answer(call.state.capabilities)
-        async with self.upstream.lease(call.principal, on_stream, asks=asks) as session:
+        reclaim = lambda: self._reclaim(call)  # noqa: E731 - bound to this call
+        async with self.upstream.lease(call.principal, on_stream, asks=asks, reclaim=reclaim) as session:
             yield session
+
+    def _reclaim(self, call: Call) -> bool:
+        """The pool has no upstream session left to lend (stdio processes are bounded) and asks for this call's:
+        given up only while the call waits parked for an MRTR retry, and then it ends as if nobody retried in
+        time (its requestState is refused and the client sends the request afresh)."""
+        if self._parked.get(call.call_id) is not call:
+            return False
+        log.info("mrtr_call_reclaimed", method=call.method, name=call.name, round=call.state.round)
+        self.spawn(self.dispatch(call, TimerFired(Timer.PARK)), f"reclaim-{call.call_id}")
+        return True
 
     def _event(self, event: UpstreamEvent) -> Event:
         if isinstance(event, UpstreamServerRequest):

@@ -45,8 +45,8 @@ from proxy.upstream.events import (
     UpstreamResult,
     UpstreamServerRequest,
 )
+from proxy.upstream.kinds import Session
 from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.session import UpstreamSession
 from proxy.wire import legacy_tasks
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ class UpstreamTasks:
             log.exception("call_crashed", task_id=call.state.task_id, name=call.name)
             await self.driver.dispatch(call, Ended(ProxyError(f"Internal error: {exc!r}")))
 
-    def _session(self, call: Call) -> AbstractAsyncContextManager[UpstreamSession]:
+    def _session(self, call: Call) -> AbstractAsyncContextManager[Session]:
         """The call's own session (the upstream scopes tasks to it); after a restart, the one stored with the
         task, taken over."""
 
@@ -130,7 +130,7 @@ class UpstreamTasks:
             return pool.adopt(call.principal, call.record.upstream_session_id, on_stream)
         return pool.lease(call.principal, on_stream, asks=inputs.could_answer(call.state.capabilities))
 
-    async def _create(self, call: Call, session: UpstreamSession, ttl_ms: int | None) -> bool:
+    async def _create(self, call: Call, session: Session, ttl_ms: int | None) -> bool:
         """The task-augmented tools/call. True when the machine now follows the upstream's task; False when the
         upstream answered it like a plain call (that was its outcome) or the call was abandoned."""
         params = legacy_tasks.with_task(call.params, ttl_ms)
@@ -147,7 +147,7 @@ class UpstreamTasks:
         call.upstream = None  # answered: nothing to cancel with notifications/cancelled any more
         return call.state.running and call.state.upstream_task is not None
 
-    async def _created(self, call: Call, session: UpstreamSession, task: legacy_tasks.LegacyTask) -> None:
+    async def _created(self, call: Call, session: Session, task: legacy_tasks.LegacyTask) -> None:
         try:
             await self.driver.dispatch(call, UpstreamTaskCreated(task, self.driver.clock()))
         except asyncio.CancelledError:
@@ -155,7 +155,7 @@ class UpstreamTasks:
                 self.driver.spawn(self._request(session, call, "tasks/cancel", task.task_id), "upstream-task-orphan")
             raise
 
-    async def _follow(self, call: Call, session: UpstreamSession) -> None:
+    async def _follow(self, call: Call, session: Session) -> None:
         """One tasks/result at a time until the outcome came (or the call stopped following)."""
         followed = call.state.upstream_task
         assert followed is not None
@@ -215,7 +215,7 @@ class UpstreamTasks:
             log.info("upstream_task_cancel_refused", task_id=call.state.task_id, error=answer.error.get("message"))
 
     async def _request(
-        self, session: UpstreamSession, call: Call, method: str, task_id: str
+        self, session: Session, call: Call, method: str, task_id: str
     ) -> UpstreamResult | UpstreamErrorResponse:
         """One tasks/* request about the task, for its answer (a cancel runs while the call's events wait: what
         else its stream carries is not fed to the call)."""

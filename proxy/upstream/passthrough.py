@@ -9,7 +9,7 @@ checks ran before; the upstream sees the proxy as its client.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Final
+from typing import Final, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -71,6 +71,13 @@ def _end_to_end(headers: Mapping[str, str]) -> CIMultiDict[str]:
             continue
         kept.add(name, value)
     return kept
+
+
+class LegacyRelay(Protocol):
+    """Serves a legacy client's request: this pass-through for an HTTP upstream, the proxy's own Streamable
+    HTTP server for a stdio one (`stdio_legacy.py`)."""
+
+    async def relay(self, request: web.Request, body: bytes | None) -> web.StreamResponse: ...
 
 
 class PassThrough:
