@@ -24,10 +24,14 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from benchmarks.loadgen import HttpClient
+from proxy.upstream.sse import SSEParser
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "latest.json"
@@ -104,14 +108,15 @@ async def start_upstream(sdk: bool = False) -> Process:
     return Process(process, f"http://127.0.0.1:{port}/mcp")
 
 
-def proxy_config(upstream: str, workdir: Path, name: str, database: Path | None, port: int) -> Path:
-    """The proxy under test: default settings, except limits high enough for the scale rows."""
+def proxy_config(upstream: str | list[str], workdir: Path, name: str, database: Path | None, port: int) -> Path:
+    """The proxy under test: default settings, except limits high enough for the scale rows. `upstream`: a URL,
+    or the argv of a stdio server the proxy runs."""
     config = workdir / f"{name}.yaml"
     config.write_text(
         json.dumps(
             {
                 "listen": {"host": "127.0.0.1", "port": port, "shutdown_grace_seconds": 1},
-                "upstream": {"url": upstream},
+                "upstream": {"url": upstream} if isinstance(upstream, str) else {"command": upstream, "cwd": str(ROOT)},
                 "store": {"path": str(database or workdir / f"{name}.db")},
                 "logging": {"level": "warning"},
                 "observability": {"metrics": False},
@@ -128,7 +133,7 @@ def proxy_config(upstream: str, workdir: Path, name: str, database: Path | None,
     return config
 
 
-async def start_proxy(upstream: str, workdir: Path, name: str, database: Path | None = None) -> Process:
+async def start_proxy(upstream: str | list[str], workdir: Path, name: str, database: Path | None = None) -> Process:
     port = free_port()
     process = spawn(["-m", "proxy", "serve", "--config", str(proxy_config(upstream, workdir, name, database, port))])
     await wait_for_port(port, process)
@@ -347,6 +352,37 @@ async def modern_sync_row(upstream: Process, proxy: Process, quick: bool, label:
     )
 
 
+async def stdio_row(http_proxy: Process, workdir: Path, quick: bool) -> Row:
+    """A modern synchronous call through a proxy in front of the SDK fixture as a stdio server it runs, against
+    the same call through a proxy in front of the same fixture over HTTP."""
+    proxy = await start_proxy([sys.executable, "-m", "tests.upstream", "--stdio"], workdir, "stdio")
+    try:
+        via_http, via_stdio = ModernClient(http_proxy.url), ModernClient(proxy.url)
+        await measure(via_stdio.echo, 50, 16)  # warm-up (the server process starts)
+        await measure(via_http.echo, 50, 16)
+        cpu_before = proxy.cpu_seconds()
+        base, via = await interleaved(via_http.echo, via_stdio.echo, count=600 if quick else 3000, concurrency=16)
+        cpu_ms = (proxy.cpu_seconds() - cpu_before) * 1000 / via.count
+    finally:
+        proxy.stop()
+    ratio = via.rate / base.rate
+    return Row(
+        f"modern sync tools/call, stdio upstream vs the same over HTTP, {SDK_LABEL}, concurrency 16",
+        f"throughput {ratio:.2f}x HTTP (p50 {via.percentile(0.5):.2f} vs {base.percentile(0.5):.2f} ms);"
+        f" proxy CPU {cpu_ms:.2f} ms/call",
+        ">= 0.9x",
+        ratio >= 0.9,
+        {
+            "throughput_ratio": ratio,
+            "http_rps": base.rate,
+            "stdio_rps": via.rate,
+            "http_p50_ms": base.percentile(0.5),
+            "stdio_p50_ms": via.percentile(0.5),
+            "proxy_cpu_ms_per_call": cpu_ms,
+        },
+    )
+
+
 async def creation_rows(
     proxy: Process, quick: bool, *, store: str = "SQLite", p50_target_ms: float = 3.0, rate_target: float = 500
 ) -> list[Row]:
@@ -405,6 +441,64 @@ async def end_to_end_row(proxy: Process, quick: bool) -> Row:
         ratio <= 1.15,
         {"ratio": ratio, "runs_seconds": ratios, "polls": polls},
     )
+
+
+async def push_row(proxy: Process, quick: bool) -> Row:
+    """How soon a settled task reaches a client that follows it on `subscriptions/listen`, beside a client
+    polling `tasks/get` every 50 ms; both measured from the task's settle time (its lastUpdatedAt)."""
+    client = ModernClient(proxy.url, declares_tasks=True)
+    pushed: list[float] = []
+    polled: list[float] = []
+    async with aiohttp.ClientSession() as http:
+        for _ in range(15 if quick else 40):
+            task_id = (await client.create(0.3))["taskId"]
+            push, poll = await asyncio.gather(_follow(http, proxy.url, task_id), _poll(client, task_id, 0.05))
+            pushed.append(push)
+            polled.append(poll)
+    p50_push, p50_poll = statistics.median(pushed), statistics.median(polled)
+    return Row(
+        "push: settled task to notifications/tasks on a listen stream (one process)",
+        f"p50 {p50_push:.1f} ms, p99 {max(pushed):.1f} ms; polling every 50 ms sees it after p50 {p50_poll:.1f} ms",
+        "p50 <= 10 ms",
+        p50_push <= 10.0,
+        {"push_p50_ms": p50_push, "push_max_ms": max(pushed), "poll_50ms_p50_ms": p50_poll},
+    )
+
+
+def _settled_ms_ago(task: dict[str, Any]) -> float:
+    settled = datetime.fromisoformat(str(task["lastUpdatedAt"]).replace("Z", "+00:00")).timestamp()
+    return (time.time() - settled) * 1000
+
+
+async def _follow(http: aiohttp.ClientSession, url: str, task_id: str) -> float:
+    meta = {
+        "io.modelcontextprotocol/protocolVersion": MODERN_VERSION,
+        "io.modelcontextprotocol/clientCapabilities": {"extensions": {TASKS: {}}},
+    }
+    params = {"notifications": {"taskIds": [task_id]}, "_meta": meta}
+    body = {"jsonrpc": "2.0", "id": "push", "method": "subscriptions/listen", "params": params}
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "MCP-Protocol-Version": MODERN_VERSION,
+        "Mcp-Method": "subscriptions/listen",
+    }
+    parser = SSEParser()
+    async with http.post(url, json=body, headers=headers) as response:
+        async for chunk in response.content.iter_any():
+            for event in parser.feed(chunk):
+                message = json.loads(event.data) if event.data.strip() else {}
+                task = message.get("params", {})
+                if message.get("method") == "notifications/tasks" and task.get("status") == "completed":
+                    return _settled_ms_ago(task)
+    raise RuntimeError("the listen stream ended before the task settled")
+
+
+async def _poll(client: ModernClient, task_id: str, interval_seconds: float) -> float:
+    while True:
+        task = await client.get(task_id)
+        if task["status"] == "completed":
+            return _settled_ms_ago(task)
+        await asyncio.sleep(interval_seconds)
 
 
 async def scale_row(upstream: Process, workdir: Path, quick: bool) -> Row:
@@ -548,6 +642,7 @@ async def run(quick: bool, groups: tuple[str, ...] = GROUPS) -> list[Row]:
         try:
             rows += await passthrough_rows(sdk_upstream, sdk_proxy, quick, SDK_LABEL)
             rows.append(await modern_sync_row(sdk_upstream, sdk_proxy, quick, SDK_LABEL))
+            rows.append(await stdio_row(sdk_proxy, workdir, quick))
         finally:
             sdk_proxy.stop()
             sdk_upstream.stop()
@@ -559,6 +654,7 @@ async def run(quick: bool, groups: tuple[str, ...] = GROUPS) -> list[Row]:
             rows.append(await modern_sync_row(upstream, proxy, quick, LEAN_LABEL))
             rows += await creation_rows(proxy, quick)
             rows.append(await end_to_end_row(proxy, quick))
+            rows.append(await push_row(proxy, quick))
         finally:
             proxy.stop()
             upstream.stop()

@@ -4,13 +4,15 @@
 2. Runs `--requirements 2026-07-28` against the proxy, and `--requirements 2025-11-25` both directly against
    the upstream and through the proxy. The Tasks extension scenarios are not scored inside a requirement
    set, so each `tasks-*` scenario also runs on its own (`--scenario`), and those results are the ones gated.
-3. Runs the `tasks-*` and `input-required-result-*` scenarios again, each on its own, through a round-robin
-   balancer (`tests/balancer.py`: every request to the next replica, no stickiness) in front of two proxy
-   replicas on one PostgreSQL database, each with its own upstream. PostgreSQL is the server named by
-   MCP_TASKS_PROXY_TEST_PG, else a throwaway one (`tests/pg.py`).
-4. Fails when a gated scenario has a failing check not listed in `baseline.yaml` (in either run), when a
-   baseline entry no longer fails (stale), or when a legacy check scores differently through the proxy than
-   directly.
+3. Runs the same gates again against a second proxy in front of the same fixture as a stdio server
+   (`serve -- python -m tests.upstream --stdio`): the proxy serves legacy clients itself there.
+4. Runs the `tasks-*` and `input-required-result-*` scenarios once more, each on its own, through a
+   round-robin balancer (`tests/balancer.py`: every request to the next replica, no stickiness) in front of
+   two proxy replicas on one PostgreSQL database, each with its own HTTP upstream. PostgreSQL is the server
+   named by MCP_TASKS_PROXY_TEST_PG, else a throwaway one (`tests/pg.py`).
+5. Fails when a gated scenario has a failing check not listed in `baseline.yaml` (for that kind of upstream),
+   when a baseline entry no longer fails (stale), or when a legacy check scores differently through a proxy
+   than directly.
 
 Usage: python conformance/run.py [--out DIR] [--replicated-only]
 """
@@ -54,11 +56,16 @@ _STATUS_RANK = {"FAILURE": 3, "WARNING": 2, "SKIPPED": 1, "INFO": 0, "SUCCESS": 
 Results = dict[str, dict[str, str]]  # scenario → check id → worst status
 
 
+KINDS = ("http", "stdio")  # the upstream behind the proxy: the fixture over Streamable HTTP, or over stdio
+STDIO_FIXTURE = [sys.executable, "-m", "tests.upstream", "--stdio"]
+
+
 @dataclass(frozen=True)
 class ExpectedFailure:
     scenario: str
     check: str
     reason: str
+    kinds: tuple[str, ...] = KINDS  # the upstream kinds it fails with (both unless the entry says)
 
 
 def free_port() -> int:
@@ -99,9 +106,12 @@ def start_upstream(log: Path) -> tuple[subprocess.Popen[str], str]:
 
 
 def start_proxy(
-    upstream_url: str, db: Path | None, log: Path, environ: dict[str, str] | None = None
+    upstream: str | list[str], db: Path | None, log: Path, environ: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
+    """The proxy in front of an HTTP upstream (its URL) or of a stdio server it runs (its argv); with no `db`,
+    the store is what `environ` names."""
     port = free_port()
+    which = ["--upstream", upstream] if isinstance(upstream, str) else ["--", *upstream]
     database = [] if db is None else ["--db", str(db)]
     process = subprocess.Popen(
         [
@@ -111,11 +121,10 @@ def start_proxy(
             "serve",
             "--config",
             str(PROXY_CONFIG),
-            "--upstream",
-            upstream_url,
             "--port",
             str(port),
             *database,
+            *which,
         ],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
@@ -144,7 +153,7 @@ def start_balancer(backends: list[str], log: Path) -> tuple[subprocess.Popen[str
 
 def run_replicated(scenarios: list[str], out: Path, processes: list[subprocess.Popen[Any]]) -> None:
     """The scenarios through the round-robin balancer in front of REPLICAS proxies on one PostgreSQL database,
-    each replica with its own upstream and the requestState key shared."""
+    each replica with its own upstream, the deployment and requestState key shared."""
     with pg.server() as server, tempfile.TemporaryDirectory() as tmp:
         name = server.create_database()
         try:
@@ -166,20 +175,20 @@ def run_replicated(scenarios: list[str], out: Path, processes: list[subprocess.P
             processes.append(balancer)
             run_scenarios(balancer_url, scenarios, out / "replicated")
         finally:
-            for process in reversed(processes):
-                stop(process)
-            processes.clear()
+            stop_all(processes)
             server.drop_database(name)
 
 
-def stop(process: subprocess.Popen[Any]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+def stop_all(processes: list[subprocess.Popen[Any]]) -> None:
+    for process in reversed(processes):
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    processes.clear()
 
 
 def run_suite(url: str, requirements: str, out: Path) -> None:
@@ -235,10 +244,15 @@ def read_results(out: Path) -> Results:
 
 def load_baseline() -> tuple[list[str], list[ExpectedFailure]]:
     data = yaml.safe_load(BASELINE.read_text())
-    expected = [ExpectedFailure(**entry) for entry in data.get("expected_failures") or []]
+    expected = [
+        ExpectedFailure(**{**entry, "kinds": tuple(entry.get("kinds", KINDS))})
+        for entry in data.get("expected_failures") or []
+    ]
     for entry in expected:
         if not entry.reason.strip():
             raise ValueError(f"baseline entry {entry.scenario}/{entry.check} has no reason")
+        if not set(entry.kinds) <= set(KINDS):
+            raise ValueError(f"baseline entry {entry.scenario}/{entry.check}: kinds are among {KINDS}")
     return list(data["gate"]), expected
 
 
@@ -261,8 +275,9 @@ def print_table(title: str, results: Results, patterns: list[str] | None = None)
         print(f"  {scenario:<48} {mark:<6} {passed:>6} {failed:>6} {other:>6}")
 
 
-def gate_modern(results: Results, patterns: list[str], expected: list[ExpectedFailure]) -> list[str]:
+def gate_modern(results: Results, patterns: list[str], expected: list[ExpectedFailure], kind: str) -> list[str]:
     problems = []
+    expected = [entry for entry in expected if kind in entry.kinds and not entry.scenario.startswith("legacy-")]
     baselined = {(entry.scenario, entry.check) for entry in expected}
     for pattern in patterns:
         if not any(gated(scenario, [pattern]) for scenario in results):
@@ -272,23 +287,32 @@ def gate_modern(results: Results, patterns: list[str], expected: list[ExpectedFa
             continue
         for check, status in sorted(checks.items()):
             if status == "FAILURE" and (scenario, check) not in baselined:
-                problems.append(f"{scenario}: {check} failed (not in baseline)")
+                problems.append(f"{kind}: {scenario}: {check} failed (not in baseline)")
     for entry in expected:
         now = results.get(entry.scenario, {}).get(entry.check)
         if now != "FAILURE":
             problems.append(
-                f"{entry.scenario}: {entry.check} is baselined but now scores {now or 'absent'}: update the baseline"
+                f"{kind}: {entry.scenario}: {entry.check} is baselined but now scores {now or 'absent'}: "
+                "update the baseline"
             )
     return problems
 
 
-def compare_legacy(direct: Results, proxied: Results) -> list[str]:
+def compare_legacy(direct: Results, proxied: Results, kind: str, expected: list[ExpectedFailure]) -> list[str]:
+    """Legacy checks score through the proxy as they do directly; a baseline entry (`legacy-` + scenario)
+    names a check known to differ with that kind of upstream."""
     problems = []
+    baselined = {(entry.scenario, entry.check) for entry in expected if kind in entry.kinds}
     for scenario in sorted(set(direct) | set(proxied)):
         a, b = direct.get(scenario, {}), proxied.get(scenario, {})
         for check in sorted(set(a) | set(b)):
-            if a.get(check) != b.get(check):
-                problems.append(f"legacy {scenario}: {check} is {a.get(check)} directly, {b.get(check)} via the proxy")
+            differs = a.get(check) != b.get(check)
+            if differs and (f"legacy-{scenario}", check) not in baselined:
+                problems.append(
+                    f"{kind}: legacy {scenario}: {check} is {a.get(check)} directly, {b.get(check)} via the proxy"
+                )
+            elif not differs and (f"legacy-{scenario}", check) in baselined:
+                problems.append(f"{kind}: legacy {scenario}: {check} is baselined but scores the same: update it")
     return problems
 
 
@@ -305,58 +329,61 @@ def main() -> int:
     out.mkdir(parents=True)
     patterns, expected = load_baseline()
     processes: list[subprocess.Popen[Any]] = []
+    runs = {} if args.replicated_only else {"http": out / "http", "stdio": out / "stdio"}
     elapsed = 0.0
     try:
-        if not args.replicated_only:
+        if runs:
             upstream, upstream_url = start_upstream(out / "upstream.log")
             processes.append(upstream)
             with tempfile.TemporaryDirectory() as tmp:
-                proxy, proxy_url = start_proxy(upstream_url, Path(tmp) / "tasks.db", out / "proxy.log")
-                processes.append(proxy)
                 started = time.monotonic()
-                run_suite(proxy_url, "2026-07-28", out / "modern")
+                scenarios = tasks_scenarios()
                 run_suite(upstream_url, "2025-11-25", out / "legacy-direct")
-                run_suite(proxy_url, "2025-11-25", out / "legacy-proxy")
-                run_scenarios(proxy_url, tasks_scenarios(), out / "tasks")
+                for kind, where in runs.items():
+                    target: str | list[str] = upstream_url if kind == "http" else STDIO_FIXTURE
+                    proxy, proxy_url = start_proxy(target, Path(tmp) / f"{kind}.db", out / f"proxy-{kind}.log")
+                    processes.append(proxy)
+                    run_suite(proxy_url, "2026-07-28", where / "modern")
+                    run_suite(proxy_url, "2025-11-25", where / "legacy-proxy")
+                    run_scenarios(proxy_url, scenarios, where / "tasks")
                 elapsed = time.monotonic() - started
-            for process in reversed(processes):
-                stop(process)
-            processes.clear()
+            stop_all(processes)
         started = time.monotonic()
         run_replicated(listed_scenarios(*REPLICATED), out, processes)
         replicated_elapsed = time.monotonic() - started
     finally:
-        for process in reversed(processes):
-            stop(process)
+        stop_all(processes)
+    direct = read_results(out / "legacy-direct")
     problems: list[str] = []
-    summary: dict[str, Any] = {}
-    if not args.replicated_only:
-        modern = read_results(out / "modern")
-        modern.update(read_results(out / "tasks"))  # a scenario run on its own replaces its unscored run
-        direct = read_results(out / "legacy-direct")
-        proxied = read_results(out / "legacy-proxy")
-        print_table("2026-07-28 requirements through the proxy", modern, patterns)
-        print_table("2025-11-25 requirements through the proxy", proxied)
-        problems += gate_modern(modern, patterns, expected)
-        problems += compare_legacy(direct, proxied)
-        if not direct:
-            problems.append("the 2025-11-25 run against the upstream produced no results")
-        summary = {
+    if runs and not direct:
+        problems.append("the 2025-11-25 run against the upstream produced no results")
+    summary: dict[str, Any] = {"legacy_direct": {s: dict(c) for s, c in summarize(direct).items()}}
+    gated_checks = 0
+    for kind, where in runs.items():
+        modern = read_results(where / "modern")
+        modern.update(read_results(where / "tasks"))  # a scenario run on its own replaces its unscored run
+        proxied = read_results(where / "legacy-proxy")
+        print_table(f"2026-07-28 requirements through the proxy ({kind} upstream)", modern, patterns)
+        print_table(f"2025-11-25 requirements through the proxy ({kind} upstream)", proxied)
+        problems += gate_modern(modern, patterns, expected, kind)
+        problems += compare_legacy(direct, proxied, kind, expected)
+        summary[kind] = {
             "modern": {s: dict(c) for s, c in summarize(modern).items()},
-            "legacy_direct": {s: dict(c) for s, c in summarize(direct).items()},
             "legacy_proxy": {s: dict(c) for s, c in summarize(proxied).items()},
         }
+        gated_checks += sum(len(c) for s, c in modern.items() if gated(s, patterns))
+        gated_checks += sum(len(c) for c in proxied.values())
     replicated = read_results(out / "replicated")
     replicated_patterns = [pattern for pattern in patterns if pattern.startswith(REPLICATED)]
     replicated_expected = [entry for entry in expected if entry.scenario.startswith(REPLICATED)]
     print_table(f"the same behind a round-robin balancer, {REPLICAS} replicas on PostgreSQL", replicated, patterns)
     problems += [
         f"behind the balancer: {problem}"
-        for problem in gate_modern(replicated, replicated_patterns, replicated_expected)
+        for problem in gate_modern(replicated, replicated_patterns, replicated_expected, "http")
     ]
     summary["replicated"] = {s: dict(c) for s, c in summarize(replicated).items()}
-    summary["problems"] = problems
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    gated_checks += sum(len(c) for s, c in replicated.items() if gated(s, replicated_patterns))
+    (out / "summary.json").write_text(json.dumps({**summary, "problems": problems}, indent=2))
     print(
         f"\nconformance runs took {elapsed:.0f} s, and {replicated_elapsed:.0f} s behind the balancer;"
         f" {len(expected)} baselined expected failures"
@@ -367,10 +394,6 @@ def main() -> int:
             print(f"  - {problem}")
         print(f"\n0 passed, {len(problems)} failed")
         return 1
-    gated_checks = sum(len(c) for s, c in replicated.items() if gated(s, replicated_patterns))
-    if not args.replicated_only:
-        gated_checks += sum(len(c) for s, c in modern.items() if gated(s, patterns))
-        gated_checks += sum(len(c) for c in proxied.values())
     print(f"\nconformance: {gated_checks} passed, 0 failed")
     return 0
 

@@ -48,10 +48,15 @@ from proxy.front import Front
 from proxy.observability import Metrics
 from proxy.policy import named_tools
 from proxy.principals import Principals, deployment_key
+from proxy.tasks.push import TaskWatchers
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import StoreError, TaskStore, open_store
-from proxy.upstream.passthrough import PassThrough
+from proxy.upstream.kinds import SessionKind
+from proxy.upstream.passthrough import LegacyRelay, PassThrough
 from proxy.upstream.pool import UpstreamClient
+from proxy.upstream.session import UpstreamLink
+from proxy.upstream.stdio_legacy import StdioLegacyServer
+from proxy.upstream.stdio_link import StdioLink
 from proxy.wire import jsonrpc
 from proxy.wire.envelope import Caller, is_modern, validate_modern
 from proxy.wire.jsonrpc import Notification, Response
@@ -60,7 +65,7 @@ log = structlog.get_logger(__name__)
 
 CONFIG: Final = web.AppKey("config", Config)
 FRONT: Final = web.AppKey("front", Front)
-PASSTHROUGH: Final = web.AppKey("passthrough", PassThrough)
+PASSTHROUGH: Final = web.AppKey("passthrough", LegacyRelay)
 UPSTREAM: Final = web.AppKey("upstream", UpstreamClient)
 STORE: Final = web.AppKey("store", TaskStore)
 RUNNER: Final = web.AppKey("runner", TaskRunner)
@@ -158,7 +163,7 @@ async def _read_body(request: web.Request) -> bytes:
 async def handle_mcp(request: web.Request) -> web.StreamResponse:
     if request.method != "POST":
         if request.method in ("GET", "DELETE") and is_modern(request.headers, None):
-            # C-22: a modern client has no GET stream and no session to delete.
+            # A modern client has no GET stream and no session to delete.
             request[ERA] = "modern"
             raise MethodNotAllowedError()
         request[ERA] = "legacy"
@@ -208,6 +213,15 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
 # --- lifecycle ---------------------------------------------------------------------------------------
 
 
+def upstream_kind(config: Config, http: aiohttp.ClientSession, metrics: Metrics | None) -> SessionKind:
+    """Stdio server processes the proxy runs when `upstream.command` is set, else Streamable HTTP sessions."""
+    if config.upstream.command:
+        return StdioLink(config.upstream, metrics)
+    return UpstreamLink(
+        config.upstream, http, config.security.principal_header, metrics, config.limits.max_result_bytes
+    )
+
+
 async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     # The store first: a database in use by another process stops the start before anything else is opened.
@@ -219,33 +233,37 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         connector=aiohttp.TCPConnector(limit=0), auto_decompress=False, skip_auto_headers=("User-Agent",)
     )
     metrics = app.get(METRICS)
-    upstream = UpstreamClient(
-        config.upstream,
-        http,
-        config.security.principal_header,
-        metrics=metrics,
-        max_result_bytes=config.limits.max_result_bytes,
-    )
+    upstream = UpstreamClient(upstream_kind(config, http, metrics))
     app[UPSTREAM] = upstream
     runner = TaskRunner(config, store, upstream, Principals(deployment_key(config)), metrics=metrics)
     app[RUNNER] = runner
     if metrics is not None:
         metrics.tasks_running.set_function(lambda: runner.running)
         metrics.calls_parked.set_function(lambda: runner.parked)
-    app[FRONT] = Front(config, upstream, runner)
-    app[PASSTHROUGH] = PassThrough(
-        config.upstream.url,
-        relay_http,
-        config.upstream.headers,
-        config.upstream.connect_timeout_seconds,
-        config.upstream.call_timeout_seconds,
-    )
+    watchers = TaskWatchers(store)
+    runner.spawn(watchers.run(), "task-feed")
+    app[FRONT] = Front(config, upstream, runner, watchers)
+    legacy: StdioLegacyServer | None = None
+    if isinstance(upstream.kind, StdioLink):  # a stdio server: the proxy serves legacy clients itself
+        legacy = StdioLegacyServer(upstream.kind, upstream, config.upstream, config.security.principal_header)
+        app[PASSTHROUGH] = legacy
+    else:
+        app[PASSTHROUGH] = PassThrough(
+            config.upstream.url,
+            relay_http,
+            config.upstream.headers,
+            config.upstream.connect_timeout_seconds,
+            config.upstream.call_timeout_seconds,
+        )
     try:
         await runner.start()  # restart recovery happens before the first request is served
+        upstream.warm_up()
         yield
     finally:
         await runner.close()
         await store.close()
+        if legacy is not None:
+            await legacy.close()
         await upstream.close()
         await http.close()
         await relay_http.close()

@@ -31,7 +31,7 @@ class _VersionAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, help="show the version and exit", **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
-        from proxy.upstream.session import PROXY_VERSION
+        from proxy.upstream.kinds import PROXY_VERSION
 
         print(f"{parser.prog} {PROXY_VERSION}")  # on stdout, as argparse's own version action does
         parser.exit()
@@ -149,7 +149,7 @@ def serve(config: Config) -> None:
         port=config.listen.port,
         print=lambda message: print(message, file=sys.stderr, flush=True),
         access_log=None,
-        handler_cancellation=True,  # C-19: a client that closes its stream cancels its request.
+        handler_cancellation=True,  # A client that closes its stream cancels its request (2026-07-28 cancellation).
         # SIGTERM: stop accepting, give running handlers this long, then cancel them; cleanup closes the store.
         shutdown_timeout=config.listen.shutdown_grace_seconds,
     )
@@ -253,10 +253,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config, overrides=flag_overrides(args))
     except ConfigError as error:
         return _report(error)
-    # Not yet: the stdio session layer is not part of the app. Remove this check when it is.
-    if config.upstream.command:
-        print("mcp-tasks-proxy: stdio upstreams are not wired into serve yet", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
     serve(config)
     return 0
 

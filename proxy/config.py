@@ -79,13 +79,15 @@ class UpstreamConfig(_Frozen):
         8,
         gt=0,
         description="With `command`: server processes running at once. A stdio server has exactly one client, "
-        "so one process is one upstream session, and this bounds them.",
+        "so one process is one upstream session, and this bounds them: each caller's shared process (calls that "
+        "cannot ask the client anything share it), one per call that can ask, one per legacy client session. At "
+        "the limit a request waits up to `connect_timeout_seconds`, then gets 503 naming this field.",
     )
     process_idle_seconds: float = Field(
         300.0,
         gt=0,
-        description="With `command`: a server process with no call in flight for this long is stopped, except "
-        "the last one, which stays ready for the next request.",
+        description="With `command`: a server process lent to calls (or a legacy client's session) that has had "
+        "no call for this long is stopped; each caller's shared process stays until its place is needed.",
     )
     max_line_bytes: int = Field(
         16 * 1024 * 1024,
@@ -107,7 +109,9 @@ class UpstreamConfig(_Frozen):
     connect_timeout_seconds: float = Field(
         5.0,
         gt=0,
-        description="Time allowed to open a TCP connection to the upstream before it counts as down.",
+        description="Time allowed to open a TCP connection to the upstream before it counts as down. With "
+        "`command`: how long a new server process has to answer `initialize`, and how long a request waits for a "
+        "process when `max_processes` are busy.",
     )
     call_timeout_seconds: float = Field(
         3600.0,
@@ -117,9 +121,9 @@ class UpstreamConfig(_Frozen):
     max_sessions: int = Field(
         64,
         gt=0,
-        description="Idle upstream sessions kept for reuse: each caller's shared session, and the sessions lent to "
-        "calls whose clients can answer questions. Beyond this the least recently used idle session is ended "
-        "with DELETE. Sessions in use are bounded by the call limits instead.",
+        description="With `url`: idle upstream sessions kept for reuse: each caller's shared session, and the "
+        "sessions lent to calls whose clients can answer questions. Beyond this the least recently used idle "
+        "session is ended with DELETE. Sessions in use are bounded by the call limits instead.",
     )
     protocol_version: Literal["2025-11-25", "2025-06-18", "2025-03-26"] = Field(
         "2025-11-25",
@@ -355,7 +359,7 @@ class TaskPolicyConfig(_Frozen):
     resolve_input_first: bool = Field(
         False,
         description="For a declaring client: questions the upstream asks within `sync_window_ms` are answered "
-        "in synchronous MRTR rounds first, and only a call still running after a window becomes a task (T-15). "
+        "in synchronous MRTR rounds first, and only a call still running after a window becomes a task. "
         "Needs `sync_window_ms` > 0.",
     )
 
@@ -490,6 +494,9 @@ class LimitsConfig(_Frozen):
     )
     max_listen_streams_per_principal: int = Field(
         16, gt=0, description="`subscriptions/listen` streams one caller may hold open; one more gets HTTP 429."
+    )
+    max_listen_task_ids: int = Field(
+        256, gt=0, description="`taskIds` one `subscriptions/listen` stream may follow; more get HTTP 429."
     )
     max_running_per_principal: int = Field(
         256,

@@ -179,7 +179,7 @@ class HttpChannel:
                 headers={
                     "Content-Type": "text/event-stream",
                     "Cache-Control": "no-cache",
-                    "X-Accel-Buffering": "no",  # C-21
+                    "X-Accel-Buffering": "no",  # keeps reverse proxies from buffering the stream (Streamable HTTP)
                 },
             )
             await self.stream.prepare(self.request)

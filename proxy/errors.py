@@ -57,24 +57,25 @@ class InvalidRequestError(ProxyError):
 
 class MethodNotFoundError(ProxyError):
     code = jsonrpc.METHOD_NOT_FOUND
-    http_status = 404  # C-27: unknown and removed methods are HTTP 404 + -32601 on the modern path.
+    http_status = 404  # Unknown and removed methods are HTTP 404 + -32601 on the modern path (Streamable HTTP).
     default_message = "Method not found"
 
 
 class InvalidParamsError(ProxyError):
     code = jsonrpc.INVALID_PARAMS
-    http_status = 400  # C-2: a malformed request (e.g. missing required _meta) is HTTP 400.
+    http_status = 400  # A malformed request (e.g. missing required _meta) is HTTP 400.
     default_message = "Invalid params"
 
 
 class HeaderMismatchError(ProxyError):
     code = jsonrpc.HEADER_MISMATCH
-    http_status = 400  # C-25
+    http_status = 400  # A routing header missing, invalid or unequal to the body (Streamable HTTP: server validation).
     default_message = "Header mismatch"
 
 
 class MissingCapabilityError(ProxyError):
-    """C-4 / T-3: `data.requiredCapabilities` is a ClientCapabilities object."""
+    """The client did not declare a capability this request needs; `data.requiredCapabilities` is a
+    ClientCapabilities object naming it (keyed by capability, not a list)."""
 
     code = jsonrpc.MISSING_REQUIRED_CLIENT_CAPABILITY
     http_status = 400
@@ -88,7 +89,7 @@ class MissingCapabilityError(ProxyError):
 
 class UnsupportedVersionError(ProxyError):
     code = jsonrpc.UNSUPPORTED_PROTOCOL_VERSION
-    http_status = 400  # C-6
+    http_status = 400  # The answer lists the versions served (`data.supported`) and the one asked for.
     default_message = "Unsupported protocol version"
 
     def __init__(self, requested: Any, supported: list[str], *, request_id: RequestId | None = None) -> None:
@@ -109,7 +110,7 @@ class UnauthorizedError(ProxyError):
 
 
 class ForbiddenError(ProxyError):
-    """Host or Origin not allowed (DNS-rebinding protection, C-28)."""
+    """Host or Origin not allowed (DNS-rebinding protection; an invalid Origin is HTTP 403)."""
 
     code = jsonrpc.INVALID_REQUEST
     http_status = 403
@@ -117,7 +118,7 @@ class ForbiddenError(ProxyError):
 
 
 class MethodNotAllowedError(ProxyError):
-    """C-22: GET and DELETE have no meaning for a 2026-07-28 client."""
+    """GET and DELETE have no meaning for a 2026-07-28 client: it has no GET stream and no session to end."""
 
     code = jsonrpc.INVALID_REQUEST
     http_status = 405
@@ -147,6 +148,15 @@ class UpstreamError(ProxyError):
     code = jsonrpc.INTERNAL_ERROR
     http_status = 502
     default_message = "Upstream MCP server unavailable"
+
+
+class UpstreamRefusedError(UpstreamError):
+    """The upstream answered a request with an HTTP error status and no JSON-RPC answer (e.g. 400 or 404 for a
+    session it does not know); `upstream_status` is that status."""
+
+    def __init__(self, message: str, upstream_status: int, detail: str | None = None) -> None:
+        super().__init__(message, detail=detail)
+        self.upstream_status = upstream_status
 
 
 class ResultTooLargeError(UpstreamError):
@@ -199,3 +209,18 @@ def http_status(error: ProxyError | Mapping[str, Any] | None) -> int:
     if isinstance(error, ProxyError):
         return error.status
     return MethodNotFoundError.http_status if error.get("code") == MethodNotFoundError.code else 200
+
+
+class UpstreamLimitError(ProxyError):
+    """Every upstream session the configuration allows is busy (e.g. `upstream.max_processes` stdio server
+    processes) and none came free in time. -32603 with `data.limit`, HTTP 503: the condition is temporary."""
+
+    code = jsonrpc.INTERNAL_ERROR
+    http_status = 503
+    default_message = "Upstream limit reached"
+
+    def __init__(self, limit: str, maximum: int, waited_seconds: float) -> None:
+        super().__init__(
+            f"Limit reached: {limit} = {maximum}, all busy for {waited_seconds:g} s; try again later",
+            data={"limit": limit.rpartition(".")[2], "max": maximum},
+        )

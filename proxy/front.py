@@ -8,27 +8,24 @@ imports aiohttp: the HTTP shapes are `app.py`'s.
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
 import structlog
-from mcp_types import SERVER_INFO_META_KEY
 from mcp_types import jsonrpc as codes
 
 from proxy.config import Config
 from proxy.errors import (
-    CallerLimitError,
     InvalidParamsError,
     MethodNotFoundError,
     MissingCapabilityError,
-    TaskLimitError,
     UpstreamError,
 )
+from proxy.listen import ListenStreams
 from proxy.policy import decide
+from proxy.tasks.push import TaskWatchers
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.waiting import WaitingCalls
-from proxy.upstream.call import UpstreamCall
 from proxy.upstream.events import (
     UpstreamErrorResponse,
     UpstreamNotification,
@@ -36,8 +33,8 @@ from proxy.upstream.events import (
     UpstreamServerRequest,
     refusal,
 )
+from proxy.upstream.kinds import Session, SessionCall
 from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.session import UpstreamSession, principal_key
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
 from proxy.wire.envelope import (
@@ -48,7 +45,7 @@ from proxy.wire.envelope import (
     known_core_method,
     validate_params,
 )
-from proxy.wire.jsonrpc import JSON, error_message, notification_message, result_message
+from proxy.wire.jsonrpc import JSON, error_message, result_message
 
 log = structlog.get_logger(__name__)
 
@@ -58,19 +55,19 @@ Handler = Callable[["Front", ModernRequest, Caller, Channel], Awaitable[JSON]]
 
 
 class Front:
-    def __init__(self, config: Config, upstream: UpstreamClient, runner: TaskRunner) -> None:
+    def __init__(self, config: Config, upstream: UpstreamClient, runner: TaskRunner, watchers: TaskWatchers) -> None:
         self.config = config
         self.upstream = upstream
         self.runner = runner
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
         self.calls = WaitingCalls(runner, self.cache)
-        self._listening: Counter[str] = Counter()  # open listen streams per caller
+        self.listens = ListenStreams(config, upstream, runner, watchers)
 
     async def dispatch(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Serve one modern request; returns the JSON-RPC response message (result or error)."""
         handler = METHODS.get(request.method)
         if handler is None:
-            # C-27 / T-40 / K-26: unknown and removed methods (initialize, ping, tasks/list, …) → 404 + -32601.
+            # Unknown and removed methods (initialize, ping, tasks/list, …) → HTTP 404 + -32601.
             raise MethodNotFoundError(f"Method not found: {request.method}")
         if known_core_method(request.method, request.protocol_version):
             validate_params(request)
@@ -82,90 +79,28 @@ class Front:
         return result_message(request.id, translate.discover_result(initialize_result, self.cache))
 
     async def listen(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        """C-17 `subscriptions/listen`: the ack first, then the list-changed and resource-updated notifications
-        the client asked for, from the principal's upstream session; the graceful result at shutdown."""
-        wanted = request.params.get("notifications")
-        if isinstance(wanted, dict) and "taskIds" in wanted and not request.declares_tasks:
-            # T-5: task notifications are the extension's; a non-declaring client cannot ask for them.
-            raise MissingCapabilityError(
-                wire_tasks.REQUIRED_CAPABILITY,
-                "Missing required client capability: taskIds need the io.modelcontextprotocol/tasks extension",
-            )
-        caller_key = principal_key(caller.principal)
-        limits = self.config.limits
-        if sum(self._listening.values()) >= limits.max_listen_streams:
-            raise TaskLimitError("max_listen_streams", limits.max_listen_streams)
-        if self._listening[caller_key] >= limits.max_listen_streams_per_principal:
-            raise CallerLimitError("max_listen_streams_per_principal", limits.max_listen_streams_per_principal)
-        self._listening[caller_key] += 1
-        try:
-            async with self.upstream.use(caller.principal) as session:
-                return await self._listen(request, channel, session, wanted)
-        finally:
-            self._listening[caller_key] -= 1
-            if not self._listening[caller_key]:
-                del self._listening[caller_key]
-
-    async def _listen(self, request: ModernRequest, channel: Channel, session: UpstreamSession, wanted: object) -> JSON:
-        initialize_result = await session.ensure_initialized()
-        capabilities = initialize_result.get("capabilities")
-        honoured = translate.honoured_filter(
-            wanted if isinstance(wanted, dict) else {}, capabilities if isinstance(capabilities, dict) else {}
-        )
-        tag = {translate.SUBSCRIPTION_ID_META_KEY: request.id}
-        subscription = session.subscribe()
-        subscribed: list[str] = []
-        try:
-            for uri in honoured.get("resourceSubscriptions", []):
-                try:
-                    await session.subscribe_resource(uri)
-                    subscribed.append(uri)
-                except UpstreamError as exc:
-                    log.info("upstream_resource_subscribe_refused", error=exc.message)
-            if "resourceSubscriptions" in honoured:
-                honoured["resourceSubscriptions"] = subscribed
-            ack = {"_meta": tag, "notifications": honoured}
-            await channel.notify(notification_message("notifications/subscriptions/acknowledged", ack), required=True)
-            while True:
-                try:
-                    message = await asyncio.wait_for(subscription.queue.get(), LISTEN_KEEPALIVE_SECONDS)
-                except TimeoutError:
-                    await channel.keepalive()
-                    continue
-                if message is None:
-                    break
-                relayed = translate.listen_notification(message, honoured, request.id)
-                if relayed is not None:
-                    await channel.notify(relayed, required=True)
-        finally:
-            session.unsubscribe(subscription)
-            for uri in subscribed:
-                await asyncio.shield(self._unsubscribe(session, uri))
-        server_info = translate.implementation(initialize_result)
-        meta: JSON = {**tag, **({SERVER_INFO_META_KEY: server_info} if server_info else {})}
-        return result_message(request.id, {"resultType": "complete", "_meta": meta})
-
-    async def _unsubscribe(self, session: UpstreamSession, uri: str) -> None:
-        try:
-            await session.unsubscribe_resource(uri)
-        except UpstreamError as exc:  # best effort: the subscription ends either way
-            log.info("upstream_resource_unsubscribe_failed", error=exc.message)
+        return await self.listens.serve(request, caller, channel)
 
     async def call_tool(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        """T-1…T-3: the tool's policy and this request's own declaration decide sync, task, window or -32021.
-        Every tools/call runs as a runner call, so an upstream question can become an MRTR round or a task's
-        inputRequests (C-11)."""
+        """The tool's policy and this request's own declaration of the Tasks extension decide sync, task, window
+        or -32021 (a task only ever goes to a request that declared the extension). Every tools/call runs as a
+        runner call, so an upstream question can become an MRTR round or a task's inputRequests."""
+        name = str(request.params["name"])
         initialize_result = await self.upstream.initialize_result(caller.principal, self.cache[0])
-        specs = await self.upstream.param_headers(caller.principal, str(request.params["name"]))
+        specs = await self.upstream.param_headers(caller.principal, name)
+        upstream_support = await self.upstream.task_support(caller.principal, name)  # the upstream's own tasks
         check_param_headers(caller.headers, request.params.get("arguments"), specs)
         server_info = translate.implementation(initialize_result)
         if "requestState" in request.params:
             return await self.calls.resume(request, caller, channel, server_info)
-        decision = decide(self.config.tasks, str(request.params["name"]), declares_tasks=request.declares_tasks)
+        decision = decide(
+            self.config.tasks, name, declares_tasks=request.declares_tasks, upstream_support=upstream_support
+        )
         return await self.calls.call(request, caller, channel, decision, server_info)
 
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        """`prompts/get` and `resources/read`: synchronous, but an upstream question is an MRTR round (C-11)."""
+        """`prompts/get` and `resources/read`: synchronous, but an upstream question is an MRTR round (the only
+        methods besides tools/call that may answer `input_required`)."""
         initialize_result = await self.upstream.initialize_result(caller.principal, self.cache[0])
         server_info = translate.implementation(initialize_result)
         if "requestState" in request.params:
@@ -173,7 +108,8 @@ class Front:
         return await self.calls.call(request, caller, channel, None, server_info)
 
     def _task_id(self, request: ModernRequest) -> str:
-        """T-4 / K-3: the capability gate comes first (even for unknown ids), then the params."""
+        """A client that did not declare the Tasks extension gets -32021 first (even for an unknown id), then
+        the params are checked."""
         if not request.declares_tasks:
             raise MissingCapabilityError(
                 wire_tasks.REQUIRED_CAPABILITY,
@@ -190,7 +126,8 @@ class Front:
         return result_message(request.id, wire_tasks.get_task_result(record, self.upstream.server_info))
 
     async def task_update(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        """T-26…T-31: answers go upstream; an ack; keys that are not outstanding are ignored."""
+        """Answers go upstream and the client gets an empty ack; keys that are not outstanding are ignored, and a
+        partial answer leaves the task `input_required` until the rest arrive."""
         task_id = self._task_id(request)
         responses = request.params.get("inputResponses")
         if not isinstance(responses, dict):
@@ -218,9 +155,7 @@ class Front:
                 await asyncio.shield(self._cancel(call, "client disconnected"))
                 raise
 
-    async def _drive(
-        self, request: ModernRequest, session: UpstreamSession, call: UpstreamCall, channel: Channel
-    ) -> JSON:
+    async def _drive(self, request: ModernRequest, session: Session, call: SessionCall, channel: Channel) -> JSON:
         server_info = self.upstream.server_info
         async for event in call.events():
             if isinstance(event, UpstreamNotification):
@@ -237,9 +172,7 @@ class Front:
                 return translate.final_message(request.id, request.method, result, error, server_info, self.cache)
         raise AssertionError("UpstreamCall.events() ends with a final event or raises")  # pragma: no cover
 
-    async def _refuse(
-        self, request: ModernRequest, session: UpstreamSession, question: UpstreamServerRequest
-    ) -> JSON | None:
+    async def _refuse(self, request: ModernRequest, session: Session, question: UpstreamServerRequest) -> JSON | None:
         """Only tools/call, prompts/get and resources/read may ask a 2026-07-28 client for input (as MRTR or a
         task); those run as calls of the runner. Here (any other method) the upstream gets an answer at once,
         so it never hangs, and finishes the request by itself: a client that did not declare the capability
@@ -263,7 +196,7 @@ class Front:
         )
         return error_message(request.id, {"code": codes.INTERNAL_ERROR, "message": message})
 
-    async def _cancel(self, call: UpstreamCall, reason: str) -> None:
+    async def _cancel(self, call: SessionCall, reason: str) -> None:
         try:
             await call.cancel(reason)
         except UpstreamError as exc:  # best effort: the call is being abandoned either way
@@ -281,7 +214,7 @@ METHODS: Final[Mapping[str, Handler]] = {
     "resources/read": Front.input_capable,
     "completion/complete": Front.forward,
     "subscriptions/listen": Front.listen,
-    # The Tasks extension (SEP-2663); tasks/result and tasks/list do not exist (T-40): 404 + -32601.
+    # The Tasks extension (SEP-2663); tasks/result and tasks/list were removed with it: 404 + -32601.
     "tasks/get": Front.task_get,
     "tasks/update": Front.task_update,
     "tasks/cancel": Front.task_cancel,

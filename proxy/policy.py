@@ -1,17 +1,22 @@
 """Per-tool task policy: which policy applies to a tool, and what one modern `tools/call` becomes.
 
 SANS-IO and pure: `policy_for()` resolves the config (exact name, then the first matching glob in file order,
-then `default`), `decide()` maps (policy, this request's declaration) to an Outcome. Imports only the config.
+then `default`), `decide()` maps (policy, this request's declaration, what the upstream said of the tool) to
+an Outcome. Imports only the config.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from fnmatch import fnmatchcase
 from typing import Final
 
 from proxy.config import RestartAction, TaskMode, TasksConfig, ToolPolicyConfig
+
+# A legacy upstream's own `execution.taskSupport` for a tool (2025-11-25 Tasks): `optional` and `required` only
+# when it declared `tasks.requests.tools.call`; None when it runs no tasks of its own for the tool.
+UpstreamTaskSupport = TaskMode | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,7 @@ class Decision:
 
     outcome: Outcome
     policy: Policy | None  # None for prompts/get and resources/read, which have no tool policy
+    upstream_task: bool = False  # the upstream runs the call as its own task, which the proxy follows
 
     @property
     def task_first(self) -> bool:
@@ -118,12 +124,28 @@ def _merged(entry: ToolPolicyConfig, tasks: TasksConfig) -> Policy:
     )
 
 
-def decide(tasks: TasksConfig, tool: str, *, declares_tasks: bool) -> Decision:
+def decide(
+    tasks: TasksConfig, tool: str, *, declares_tasks: bool, upstream_support: UpstreamTaskSupport = None
+) -> Decision:
     """`declares_tasks` comes from this request's `_meta` only (never an earlier request, never the legacy
     `task` param): a client that did not declare the Tasks extension on this request never gets a task (the
     extension's "Capability Negotiation"). `resolve_input_first` only
-    changes what a declaring client gets for a tool that may become a task."""
+    changes what a declaring client gets for a tool that may become a task.
+
+    `upstream_support` is the upstream's own task support for the tool. A tool the upstream requires as a task
+    is at least `required` here too, whatever the policy says (it cannot run otherwise). A call that may become
+    a task of a tool the upstream can run as its own task (`optional` or `required`) is sent to the upstream as
+    a task, and the proxy follows that task; a synchronous call of an `optional` tool stays a plain call."""
     policy = policy_for(tasks, tool)
+    if upstream_support == "required" and policy.mode != "required":
+        policy = replace(policy, mode="required")
+    decision = _decide(tasks, policy, declares_tasks)
+    if upstream_support in ("optional", "required") and decision.may_become_task:
+        return replace(decision, upstream_task=True)
+    return decision
+
+
+def _decide(tasks: TasksConfig, policy: Policy, declares_tasks: bool) -> Decision:
     if policy.mode == "forbidden":
         return Decision(Outcome.SYNC, policy)
     if declares_tasks and policy.resolve_input_first and policy.sync_window_ms > 0:

@@ -189,7 +189,7 @@ def parse_sse(text: str) -> list[dict[str, Any]]:
 async def post_and_leave(
     client: Any, body: dict[str, Any], headers: dict[str, str], after_seconds: float = 0.5
 ) -> None:
-    """POST a request, then close the connection after `after_seconds` without reading the answer (C-19)."""
+    """POST a request, then close the connection after `after_seconds` without reading the answer (which cancels it)."""
     request = client.post("/mcp", json=body, headers=headers)
     pending = asyncio.get_running_loop().create_task(request.__aenter__())
     await asyncio.sleep(after_seconds)
@@ -240,7 +240,7 @@ class ModernSchema(SchemaValidator):
         elif "result" in message:
             self.validate(message, RESPONSE_DEFS[method])
             if message["result"].get("resultType") == "input_required":
-                # C-11: only these methods may ask; the loose anyOf of the response type is not enough.
+                # Only these methods may answer `input_required`; the loose anyOf of the response type is not enough.
                 assert method in ("tools/call", "prompts/get", "resources/read"), method
                 self.validate(message["result"], "InputRequiredResult")
         else:
@@ -320,14 +320,14 @@ class Tasks:
             return
         result = message["result"]
         if result.get("resultType") == "task":
-            assert method == "tools/call"  # T-6 / T-7
+            assert method == "tools/call"  # only tools/call may become a task
             self.tasks.validate(result, "CreateTaskResult")
-            assert not {"result", "error", "inputRequests", "requestState", "task"} & result.keys()  # K-5
+            assert not {"result", "error", "inputRequests", "requestState", "task"} & result.keys()  # flat, no outcome
         elif method in TASK_RESULT_DEFS:
             self.tasks.validate(result, TASK_RESULT_DEFS[method])
-            assert result["resultType"] == "complete"  # T-8
+            assert result["resultType"] == "complete"  # never "task" on tasks/*
             if method != "tasks/get":
-                assert not ACK_FORBIDDEN_KEYS & result.keys()  # K-9
+                assert not ACK_FORBIDDEN_KEYS & result.keys()  # acks are empty
         else:
             self.core.check(message, method)
 
@@ -353,11 +353,11 @@ class Tasks:
         return result
 
     async def until(
-        self, task_id: str, done: Callable[[dict[str, Any]], bool], timeout_seconds: float = 15
+        self, task_id: str, done: Callable[[dict[str, Any]], bool], timeout_seconds: float = 15, **kwargs: Any
     ) -> dict[str, Any]:
         deadline = asyncio.get_running_loop().time() + timeout_seconds
         while True:
-            task = await self.task(task_id)
+            task = await self.task(task_id, **kwargs)
             if done(task):
                 return task
             assert asyncio.get_running_loop().time() < deadline, f"task never reached the state: {task}"

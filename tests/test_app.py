@@ -99,7 +99,7 @@ async def post(client: Client, body: Any, headers: dict[str, str], raw: bytes | 
 
 
 async def test_foreign_host_is_refused_for_both_eras(proxy: Client, modern_schema: ModernSchema) -> None:
-    """C-28 / DNS rebinding: 403 with a JSON-RPC body, before anything reaches the upstream."""
+    """DNS-rebinding protection: 403 with a JSON-RPC body, before anything reaches the upstream."""
     for body, headers in [
         (modern_body("tools/list"), modern_headers("tools/list")),
         ({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}}, {"Content-Type": "application/json"}),
@@ -152,7 +152,7 @@ async def test_modern_notifications_are_accepted_with_202(proxy: Client) -> None
 
 
 async def test_get_and_delete_with_a_modern_header_are_405(proxy: Client) -> None:
-    """C-22: a 2026-07-28 client has no GET stream and no session."""
+    """A 2026-07-28 client has no GET stream and no session."""
     for method in ("GET", "DELETE"):
         response = await proxy.request(method, "/mcp", headers={"MCP-Protocol-Version": "2026-07-28"})
         assert response.status == 405
@@ -177,7 +177,8 @@ async def test_get_and_delete_with_a_modern_header_are_405(proxy: Client) -> Non
 async def test_removed_and_unknown_methods_are_404(
     proxy: Client, modern_schema: ModernSchema, method: str, code: int, status: int
 ) -> None:
-    """C-27, K-26, T-40."""
+    """On the modern path, methods removed in 2026-07-28 (initialize, ping, …) or with the Tasks extension
+    (tasks/list, tasks/result) are unknown methods: HTTP 404 + -32601."""
     got_status, message = await post(proxy, modern_body(method, request_id=33), modern_headers(method))
     assert (got_status, message["error"]["code"], message["id"]) == (status, code, 33)
     modern_schema.check(message, method)
@@ -197,7 +198,7 @@ async def test_bad_param_types_are_400_minus_32602(proxy: Client) -> None:
 
 
 async def test_legacy_task_param_is_ignored(proxy: Client) -> None:
-    """T-11 / K-4: the legacy `task` opt-in is not forwarded and changes nothing."""
+    """The legacy `task` opt-in is ignored by the Tasks extension: not forwarded, and it changes nothing."""
     body = modern_body("tools/call", {"name": "greet", "arguments": {"name": "t"}, "task": {"ttl": 1000}})
     status, message = await post(proxy, body, modern_headers("tools/call", "greet"))
     assert status == 200

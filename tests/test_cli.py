@@ -49,11 +49,6 @@ def test_misplaced_server_commands_are_usage_errors(
     assert message in capsys.readouterr().err
 
 
-def test_serve_with_a_stdio_server_exits_2_until_it_is_wired_in(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["serve", "--config", str(EXAMPLE), "--", "uvx", "mcp-server-fetch"]) == 2
-    assert capsys.readouterr().err == "mcp-tasks-proxy: stdio upstreams are not wired into serve yet\n"
-
-
 def test_serve_without_any_upstream_is_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     file = tmp_path / "proxy.yaml"
     file.write_text("listen: {port: 0}\n")

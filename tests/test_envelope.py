@@ -1,4 +1,5 @@
-"""wire/envelope.py: era classification and the 2026-07-28 validation order (protocol.md §8, C-2…C-25)."""
+"""wire/envelope.py: era classification and the 2026-07-28 validation order (`_meta`, then routing headers,
+then the version)."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def test_a_valid_request_yields_its_parts() -> None:
 
 
 def test_tasks_declaration_is_read_only_from_extensions() -> None:
-    """T-10: the legacy `tasks` capability shape is not a declaration of the extension."""
+    """The legacy 2025-11-25 `tasks` capability shape is not a declaration of the extension."""
     meta = {**META, "io.modelcontextprotocol/clientCapabilities": {"tasks": {"requests": {"tools": {"call": {}}}}}}
     assert not call({"name": "x", "_meta": meta}, headers("tools/call", "x")).declares_tasks
 
@@ -104,7 +105,7 @@ def test_tasks_declaration_is_read_only_from_extensions() -> None:
     ],
 )
 def test_missing_meta_fields_are_invalid_params_400(params: dict[str, Any] | None) -> None:
-    """C-2: checked first, even before the headers are compared."""
+    """Required `_meta` fields are checked first, even before the headers are compared."""
     with pytest.raises(InvalidParamsError) as caught:
         validate_modern({}, 5, "server/discover", params)
     assert (caught.value.code, caught.value.status) == (-32602, 400)
@@ -135,7 +136,7 @@ def test_header_names_are_case_insensitive_and_values_trimmed() -> None:
 
 
 def test_base64_sentinel_is_decoded_before_comparing() -> None:
-    """C-24: non-ASCII names travel base64-encoded."""
+    """Non-ASCII names travel base64-encoded (`=?base64?…?=`) and are decoded before comparing."""
     name = "grüße"
     encoded = "=?base64?" + base64.b64encode(name.encode()).decode() + "?="
     assert call({"name": name, "_meta": META}, headers("tools/call", encoded)).params["name"] == name
@@ -149,7 +150,8 @@ def test_mcp_name_mirrors_the_right_field(method: str, field: str) -> None:
 
 
 def test_mcp_name_on_tasks_methods_is_checked_when_present_and_tolerated_when_absent() -> None:
-    """Architecture decision on Q3; K-24, K-42."""
+    """The proxy's choice where the spec is silent: a missing Mcp-Name on tasks/* is tolerated; a present one
+    must equal `params.taskId` (-32020 otherwise)."""
     params = {"taskId": "t1", "_meta": META}
     assert call(params, headers("tasks/get"), "tasks/get").params["taskId"] == "t1"
     assert call(params, headers("tasks/get", "t1"), "tasks/get").params["taskId"] == "t1"
@@ -158,7 +160,7 @@ def test_mcp_name_on_tasks_methods_is_checked_when_present_and_tolerated_when_ab
 
 
 def test_unsupported_version_names_supported_and_requested() -> None:
-    """C-6: header and _meta agree on a version the proxy does not serve → -32022 + data."""
+    """Header and _meta agree on a version the proxy does not serve → -32022 + data."""
     meta = {**META, "io.modelcontextprotocol/protocolVersion": "v999.0.0"}
     with pytest.raises(UnsupportedVersionError) as caught:
         validate_modern(headers("server/discover", version="v999.0.0"), 3, "server/discover", {"_meta": meta})
@@ -194,7 +196,7 @@ def test_every_rejection_is_a_proxy_error() -> None:
         validate_modern({}, 1, "x", None)
 
 
-# --- x-mcp-header (C-26) --------------------------------------------------------------------------------
+# --- x-mcp-header: Mcp-Param-{Name} headers -------------------------------------------------------------
 
 SCHEMA = {
     "type": "object",

@@ -57,7 +57,7 @@ def test_error_body_and_status(error: ProxyError, code: int, status: int, modern
 
 
 def test_missing_capability_data_is_a_client_capabilities_object() -> None:
-    """T-3 / C-4: keyed by capability, not a list."""
+    """`data.requiredCapabilities` is keyed by capability, not a list."""
     error = MissingCapabilityError({"extensions": {"io.modelcontextprotocol/tasks": {}}})
     assert error.error_object()["data"] == {
         "requiredCapabilities": {"extensions": {"io.modelcontextprotocol/tasks": {}}}

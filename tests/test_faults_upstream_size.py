@@ -166,3 +166,48 @@ async def test_a_large_streamed_answer_within_the_cap_does_not_stall_the_proxy(
             assert status == 200
             assert len(message["result"]["content"][0]["text"]) == size
     health.check()
+
+
+async def test_a_listener_that_stops_reading_is_dropped_and_memory_stays_flat(
+    tmp_path: Path, own_upstream: Upstream, processes: list[ProxyProcess]
+) -> None:
+    """A client follows 40 busy tasks (progress with long messages: a few MB of notifications a second) and
+    never reads: what the proxy holds for it stays bounded, and once a write has waited
+    `limits.write_timeout_seconds` the connection is closed."""
+    proxy = ProxyProcess(
+        tmp_path,
+        own_upstream.url,
+        limits={"write_timeout_seconds": WRITE_TIMEOUT_SECONDS},
+        tasks={"tools": {"sleep": {"mode": "required"}}},
+    )
+    processes.append(proxy)
+    await proxy.start()
+    assert proxy.process is not None
+    async with aiohttp.ClientSession() as session:
+        await rpc(session, proxy.url, "tools/call", {"name": "echo", "arguments": {"text": "warm"}}, {})
+        idle = rss_bytes(proxy.process.pid)
+        task_ids = []
+        for _ in range(40):
+            params = {"name": "sleep", "arguments": {"seconds": 8, "pad": 20_000}}
+            status, message = await rpc(session, proxy.url, "tools/call", params, DECLARING)
+            assert status == 200, message
+            task_ids.append(message["result"]["taskId"])
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", proxy.port))
+        listen = {"notifications": {"taskIds": task_ids}}
+        body = json.dumps(modern_body("subscriptions/listen", listen, capabilities=DECLARING)).encode()
+        head = "".join(f"{name}: {value}\r\n" for name, value in modern_headers("subscriptions/listen").items())
+        sock.sendall(
+            f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+        )
+        peak = idle
+        deadline = asyncio.get_running_loop().time() + 7
+        while asyncio.get_running_loop().time() < deadline:  # the tasks run on; the listener reads nothing
+            peak = max(peak, rss_bytes(proxy.process.pid))
+            await asyncio.sleep(0.2)
+        received = await asyncio.to_thread(read_until_closed, sock)
+        assert received is not None, "the proxy kept the stream of a client that does not read"
+        status, _ = await rpc(session, proxy.url, "tools/call", {"name": "echo", "arguments": {"text": "alive"}}, {})
+        assert status == 200
+    assert peak - idle < 48 << 20, f"RSS grew {(peak - idle) >> 20} MiB"

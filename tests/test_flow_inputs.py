@@ -1,7 +1,7 @@
 """End to end: input bridging. A legacy server's mid-call questions (elicitation, sampling, roots) reach a
-2026-07-28 client as a task's `inputRequests` answered with `tasks/update` (T-22, T-26…T-32, K-39), or as MRTR
-rounds of a synchronous request retried with `inputResponses` + `requestState` (C-11…C-16, K-21), in front of
-the real mcp 1.x fixture upstream (imperative `ctx.elicit(...)` style). Every message is schema-checked by the
+2026-07-28 client as a task's `inputRequests` answered with `tasks/update` (the Tasks extension), or as MRTR
+rounds of a synchronous request retried with `inputResponses` + `requestState` (basic/patterns/mrtr), in front
+of the real mcp 1.x fixture upstream (imperative `ctx.elicit(...)` style). Every message is schema-checked by the
 `Tasks` client.
 """
 
@@ -74,7 +74,7 @@ async def test_one_elicitation_in_a_task(tasks_client: ClientFactory) -> None:
         task_id = await client.create("ask_name", capabilities=TASKING)
         task = await input_required(client, task_id)
     [(key, request)] = task["inputRequests"].items()
-    assert key == "elicitation-1"  # T-30 / K-39: minted by the proxy, never the upstream's JSON-RPC id
+    assert key == "elicitation-1"  # minted by the proxy, never the upstream's JSON-RPC id
     [logged] = [event for event in events if event["event"] == "task_input_required"]
     assert logged["task_id"] == task_id
     assert logged["keys"] == ["elicitation-1"]
@@ -86,9 +86,9 @@ async def test_one_elicitation_in_a_task(tasks_client: ClientFactory) -> None:
     assert "id" not in request
     assert "jsonrpc" not in request
     message = await update(client, task_id, {key: accept(name="Ada")})
-    assert message["result"]["resultType"] == "complete"  # T-26: an empty ack
+    assert message["result"]["resultType"] == "complete"  # an empty ack
     done = await client.settled(task_id)
-    assert done["status"] == "completed"  # T-31: the same upstream call continued
+    assert done["status"] == "completed"  # the same upstream call continued
     assert result_text(done) == "Hello, Ada"
     assert "inputRequests" not in done
 
@@ -98,12 +98,12 @@ async def test_two_concurrent_elicitations_answered_one_at_a_time(tasks_client: 
     task_id = await client.create("multi_input", capabilities=TASKING)
     task = await client.until(task_id, lambda task: task["status"] == "input_required")
     requests = task["inputRequests"]
-    assert sorted(requests) == ["elicitation-1", "elicitation-2"]  # T-22: both outstanding, gathered together
+    assert sorted(requests) == ["elicitation-1", "elicitation-2"]  # both outstanding, gathered together
     by_field = {next(iter(r["params"]["requestedSchema"]["properties"])): key for key, r in requests.items()}
     await update(client, task_id, {by_field["name"]: accept(name="Ada"), "never-issued": accept(name="x")})
     partial = await client.until(task_id, lambda task: list(task.get("inputRequests", {})) == [by_field["color"]])
-    assert partial["status"] == "input_required"  # T-29: the rest stays pending
-    # T-28: an already answered key is ignored (and acked); the outstanding one resumes the call.
+    assert partial["status"] == "input_required"  # a partial answer: the rest stays pending
+    # An already answered key is ignored (and acked); the outstanding one resumes the call.
     await update(client, task_id, {by_field["name"]: accept(name="Eve"), by_field["color"]: accept(color="blue")})
     done = await client.settled(task_id)
     assert result_text(done) == "name=Ada; color=blue"
@@ -129,7 +129,7 @@ async def test_sampling_and_roots_in_a_task(tasks_client: ClientFactory) -> None
 
 
 async def test_keys_are_never_reused_over_a_tasks_life(tasks_client: ClientFactory) -> None:
-    """T-30: a second question after the first was answered gets a new key."""
+    """A second question after the first was answered gets a new key."""
     client = await tasks_client(tasks=policies(test_input_required_result_multi_round={"mode": "required"}))
     task_id = await client.create("test_input_required_result_multi_round", capabilities=TASKING)
     first = await input_required(client, task_id)
@@ -143,7 +143,7 @@ async def test_keys_are_never_reused_over_a_tasks_life(tasks_client: ClientFacto
 
 
 async def test_an_undeclared_capability_is_refused_upstream_and_nothing_hangs(tasks_client: ClientFactory) -> None:
-    """C-14 / K-19: only questions the creating request's clientCapabilities cover become inputRequests; the
+    """Only questions the creating request's clientCapabilities cover become inputRequests; the
     upstream gets its answer at once (an elicitation is declined) and finishes the call."""
     client = await tasks_client(tasks=policies(ask_name={"mode": "required"}, sample={"mode": "required"}))
     declined = await client.create("ask_name", capabilities={**DECLARING, "sampling": {}})
@@ -173,7 +173,7 @@ async def test_the_upstreams_ping_is_answered_inside_a_task(tasks_client: Client
 
 
 async def test_a_question_on_the_get_stream_belongs_to_the_one_open_call(tasks_client: ClientFactory) -> None:
-    """K-12: the mcp 1.x SDK's `list_roots()` names no request and goes out on the session's GET stream. With
+    """The mcp 1.x SDK's `list_roots()` names no request and goes out on the session's GET stream. With
     one call open on the session it is that call's question, in a task and in a synchronous request alike."""
     client = await tasks_client(tasks=policies(list_roots_standalone={"mode": "required"}))
     task_id = await client.create("list_roots_standalone", capabilities=TASKING)
@@ -192,7 +192,7 @@ async def test_a_question_on_the_get_stream_belongs_to_the_one_open_call(tasks_c
 
 
 async def test_url_elicitation_drops_the_legacy_id_and_needs_the_url_capability(tasks_client: ClientFactory) -> None:
-    """C-16 / K-12: `elicitationId` does not exist any more; URL mode needs `elicitation.url` (C-14)."""
+    """`elicitationId` does not exist in 2026-07-28; URL mode needs the client to declare `elicitation.url`."""
     client = await tasks_client(tasks=policies(ask_url={"mode": "required"}))
     task_id = await client.create("ask_url", capabilities={**DECLARING, "elicitation": {"url": {}}})
     task = await input_required(client, task_id)
@@ -232,9 +232,9 @@ async def test_cancel_while_input_required(tasks_client: ClientFactory, own_upst
     task = await client.task(task_id)
     assert task["status"] == "cancelled"
     assert "inputRequests" not in task
-    await wait_for_cancellations(client, 1)  # the parked upstream call was told (L-5)
+    await wait_for_cancellations(client, 1)  # the parked upstream call was told (notifications/cancelled)
     status, _ = await client.post("tasks/update", {"taskId": task_id, "inputResponses": {"elicitation-1": {}}})
-    assert status == 200  # T-26: still an ack; nothing to deliver
+    assert status == 200  # still an ack; nothing to deliver
 
 
 async def test_an_upstream_asking_too_much_at_once_is_refused_beyond_the_limit(tasks_client: ClientFactory) -> None:
@@ -263,7 +263,7 @@ async def test_a_question_during_the_window_makes_the_call_a_task_at_once(tasks_
     """A declaring client and an optional tool: the question goes to the task, whatever is left of the window."""
     client = await tasks_client(tasks=policies(ask_name={"mode": "optional", "sync_window_ms": 60_000}))
     task_id = await asyncio.wait_for(client.create("ask_name", capabilities=TASKING), 20)
-    task = await client.task(task_id)  # T-14: readable at once, with the question already in it
+    task = await client.task(task_id)  # readable at once, with the question already in it
     assert task["status"] == "input_required"
     assert list(task["inputRequests"]) == ["elicitation-1"]
 
@@ -275,8 +275,8 @@ async def test_a_rerun_after_restart_asks_again_under_a_new_key(
     tasks_schema: SchemaValidator,
     tmp_path: Any,
 ) -> None:
-    """K-39: keys stay unique across a re-run (the count of issued keys is stored); the creating request's
-    capabilities are stored too, so the re-run's question is relayed (K-19)."""
+    """Keys stay unique across a re-run (the count of issued keys is stored); the creating request's
+    capabilities are stored too, so the re-run's question is relayed."""
     sections = {
         "store": {"path": str(tmp_path / "inputs.db")},
         "security": {"key_file": key_file(tmp_path)},
@@ -339,14 +339,14 @@ async def test_sync_mrtr_round_trip_over_two_rounds(tasks_client: ClientFactory)
     assert message["result"]["resultType"] == "complete"
     assert content_text(message["result"]) == "Multi-round complete for Ada who likes blue"
 
-    status, replayed = await mrtr(client, "tools/call", retry)  # C-13: single use
+    status, replayed = await mrtr(client, "tools/call", retry)  # a requestState is single use
     assert status == 400
     assert replayed["error"]["code"] == -32602
     assert "already used" in replayed["error"]["message"]
 
 
 async def test_a_tampered_or_foreign_request_state_is_refused(tasks_client: ClientFactory) -> None:
-    """C-13: integrity, principal, method and params binding; each failure is -32602 and the call stays
+    """Integrity, principal, method and params binding of `requestState`; each failure is -32602 and the call stays
     parked for its genuine retry."""
     client = await tasks_client()
     params: dict[str, Any] = {"name": "ask_name", "arguments": {}}
@@ -403,7 +403,7 @@ async def test_an_invalid_answer_leaves_the_call_parked(tasks_client: ClientFact
         status, refused = await mrtr(client, "tools/call", {**params, "inputResponses": bad, "requestState": state})
         assert status == 400
         assert refused["error"]["code"] == -32602
-    # A retry that answers nothing is asked again (C-14), with a new state; the old one is spent.
+    # A retry that answers nothing is asked again, not refused, with a new state; the old one is spent.
     _, message = await mrtr(client, "tools/call", {**params, "inputResponses": None, "requestState": state})
     requests, new_state = round_one(message)
     assert list(requests) == ["elicitation-1"]
@@ -415,7 +415,7 @@ async def test_an_invalid_answer_leaves_the_call_parked(tasks_client: ClientFact
 
 
 async def test_a_partial_retry_is_asked_again_for_the_rest(tasks_client: ClientFactory) -> None:
-    """C-14: missing answers on a retry re-issue the InputRequiredResult (with a new state), not an error."""
+    """Missing answers on a retry re-issue the InputRequiredResult (with a new state), not an error."""
     client = await tasks_client(inputs={"gather_ms": 300})
     params: dict[str, Any] = {"name": "test_input_required_result_multiple_inputs", "arguments": {}}
     _, message = await mrtr(client, "tools/call", params, capabilities=EVERY_INPUT)
@@ -436,7 +436,7 @@ async def test_a_partial_retry_is_asked_again_for_the_rest(tasks_client: ClientF
 
 
 async def test_only_declared_questions_are_asked_the_rest_declined(tasks_client: ClientFactory) -> None:
-    """C-14: no elicitation/create to a client without `elicitation`; its sampling question is still asked."""
+    """No elicitation/create to a client without `elicitation`; its sampling question is still asked."""
     client = await tasks_client(inputs={"gather_ms": 300})
     params: dict[str, Any] = {"name": "test_input_required_result_capabilities", "arguments": {}}
     _, message = await mrtr(client, "tools/call", params, capabilities={"sampling": {}})
@@ -450,7 +450,7 @@ async def test_only_declared_questions_are_asked_the_rest_declined(tasks_client:
 
 
 async def test_prompts_get_and_resources_read_ask_through_mrtr(tasks_client: ClientFactory) -> None:
-    """C-11: the two other methods that may ask."""
+    """The two methods besides tools/call that may answer `input_required`."""
     client = await tasks_client()
     params: dict[str, Any] = {"name": "test_input_required_result_prompt"}
     _, message = await mrtr(client, "prompts/get", params)
@@ -489,7 +489,8 @@ async def test_too_many_parked_calls_are_refused(tasks_client: ClientFactory) ->
 
 
 async def test_resolve_input_first_asks_synchronously_then_makes_a_task(tasks_client: ClientFactory) -> None:
-    """T-15: the MRTR round before the task; the resumed call becomes the task (no requestState on it)."""
+    """The MRTR round is settled before the task exists; the resumed call becomes the task (no requestState
+    on it)."""
     policy = {"mode": "required", "resolve_input_first": True, "sync_window_ms": 300}
     client = await tasks_client(tasks=policies(test_tool_with_task=policy))
     params: dict[str, Any] = {"name": "test_tool_with_task", "arguments": {}}
@@ -532,7 +533,7 @@ async def test_poll_to_sync_asks_through_mrtr(tasks_client: ClientFactory) -> No
 
 
 async def test_a_sync_question_the_client_cannot_answer_is_minus_32021(tasks_client: ClientFactory) -> None:
-    """C-4 with MRTR: nothing the client declared is asked, so it is told what it lacks (HTTP 400)."""
+    """With MRTR: nothing the client declared is asked, so it is told what it lacks (-32021, HTTP 400)."""
     client = await tasks_client()
     status, message = await mrtr(client, "tools/call", {"name": "sample", "arguments": {"prompt": "x"}})
     assert status == 400
@@ -543,8 +544,8 @@ async def test_a_sync_question_the_client_cannot_answer_is_minus_32021(tasks_cli
 async def test_replicas_sharing_the_key_say_where_the_call_is_parked(
     tasks_client: ClientFactory, tmp_path: Any
 ) -> None:
-    """K-21: with `inputs.secret_file` shared, another replica verifies the state and names the problem; without
-    the key, the state is just invalid."""
+    """A retry may land on another replica: with `inputs.secret_file` shared, that replica verifies the state
+    and names the problem; without the key, the state is just invalid."""
     secret = tmp_path / "state.key"
     secret.write_bytes(b"0123456789abcdef" * 4)
     first = await tasks_client(inputs={"secret_file": str(secret)})

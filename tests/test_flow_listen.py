@@ -1,5 +1,5 @@
-"""End to end: `subscriptions/listen` (C-17) fed by the proxy's upstream GET stream, and standalone upstream
-requests on that stream answered instead of left hanging."""
+"""End to end: `subscriptions/listen` (basic/patterns/subscriptions) fed by the proxy's upstream GET stream,
+and standalone upstream requests on that stream answered instead of left hanging."""
 
 from __future__ import annotations
 
@@ -105,8 +105,9 @@ async def test_listen_ends_gracefully_at_shutdown(
 
 async def test_standalone_upstream_requests_are_answered_not_left_hanging(proxy: Client) -> None:
     """The SDK sends list_roots() without a related request on the GET stream. The one call open on the session
-    takes it (K-12); this client did not declare `roots`, so the upstream is refused at once and the client
-    is told what it lacks, instead of the tool waiting for its timeout."""
+    takes it (a legacy server may ask on any of the session's streams); this client did not declare `roots`, so
+    the upstream is refused at once and the client is told what it lacks, instead of the tool waiting for its
+    timeout."""
     await call(proxy, "greet", {"name": "warm-up"})  # the session (and its GET stream) exists
     message = await asyncio.wait_for(call(proxy, "list_roots_standalone"), DEADLINE_SECONDS)
     assert message["error"]["code"] == -32021
@@ -137,8 +138,8 @@ async def test_listen_survives_an_upstream_restart(make_proxy: Callable[..., Any
 
 
 async def test_task_ids_need_the_extension(proxy: Client, modern_schema: ModernSchema) -> None:
-    """T-5: `taskIds` from a non-declaring client is -32021; a declaring one is acknowledged with the subset
-    the proxy honours (T-44: none, since it sends no notifications/tasks; clients poll tasks/get)."""
+    """`taskIds` from a non-declaring client is -32021; a declaring one is acknowledged with the subset the
+    proxy honours: its own tasks only (an unknown id is left out)."""
     wanted = {"taskIds": ["task_x"], "toolsListChanged": True}
     body = modern_body("subscriptions/listen", {"notifications": wanted}, request_id="T5")
     refused = await proxy.post("/mcp", json=body, headers=modern_headers("subscriptions/listen"))
@@ -152,5 +153,5 @@ async def test_task_ids_need_the_extension(proxy: Client, modern_schema: ModernS
     response = await proxy.post("/mcp", json=declaring, headers=modern_headers("subscriptions/listen"))
     assert response.status == 200
     ack = await next_message(sse_messages(response))
-    assert ack["params"]["notifications"] == {"toolsListChanged": True}
+    assert ack["params"]["notifications"] == {"toolsListChanged": True, "taskIds": []}
     response.close()

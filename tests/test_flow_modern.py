@@ -66,7 +66,8 @@ def text_of(message: dict[str, Any]) -> str:
 
 
 async def test_discover_is_synthesized_from_the_upstream(proxy: Client, modern_schema: ModernSchema) -> None:
-    """C-7, K-34, T-9."""
+    """The proxy serves `server/discover` itself: the versions it serves, the upstream's capabilities without
+    the legacy `tasks` block, the Tasks extension advertised, and the required ttlMs and cacheScope."""
     status, _, [message] = await rpc(proxy, modern_schema, "server/discover")
     assert status == 200
     result = message["result"]
@@ -82,7 +83,7 @@ async def test_discover_is_synthesized_from_the_upstream(proxy: Client, modern_s
 
 
 async def test_tools_list_is_translated_and_stable(proxy: Client, modern_schema: ModernSchema) -> None:
-    """K-33, K-35, C-29."""
+    """`tools/list` gains resultType and cacheScope, and lists the same tools in the same order each time."""
     _, _, [first] = await rpc(proxy, modern_schema, "tools/list")
     _, _, [second] = await rpc(proxy, modern_schema, "tools/list", request_id=2)
     names = [tool["name"] for tool in first["result"]["tools"]]
@@ -115,7 +116,8 @@ async def test_tool_error_result_is_data(proxy: Client, modern_schema: ModernSch
 
 
 async def test_upstream_jsonrpc_error_passes_through(proxy: Client, modern_schema: ModernSchema) -> None:
-    """Upstream JSON-RPC errors are data: same code and message, HTTP 200 (Q8)."""
+    """Upstream JSON-RPC errors are data: same code and message, HTTP 200 (the spec leaves their HTTP status
+    open)."""
     status, _, [message] = await call_tool(proxy, modern_schema, "raise_error", {"message": "nope", "code": -32000})
     assert status == 200
     assert message["error"]["code"] == -32000
@@ -123,19 +125,19 @@ async def test_upstream_jsonrpc_error_passes_through(proxy: Client, modern_schem
 
 
 async def test_upstream_method_not_found_is_http_404(proxy: Client, modern_schema: ModernSchema) -> None:
-    """C-27: what the upstream does not implement, the proxy does not either: -32601 goes with HTTP 404."""
+    """What the upstream does not implement, the proxy does not either: -32601 goes with HTTP 404."""
     status, _, [message] = await call_tool(proxy, modern_schema, "raise_error", {"message": "no such", "code": -32601})
     assert (status, message["error"]["code"]) == (404, -32601)
 
 
 async def test_retired_upstream_codes_are_not_re_emitted(proxy: Client, modern_schema: ModernSchema) -> None:
-    """L-7: -32042 (URL elicitation required) does not exist in 2026-07-28."""
+    """-32042 (URL elicitation required) does not exist in 2026-07-28."""
     _, _, [message] = await call_tool(proxy, modern_schema, "raise_error", {"message": "url", "code": -32042})
     assert message["error"]["code"] == -32603
 
 
 async def test_legacy_resource_not_found_becomes_invalid_params(proxy: Client, modern_schema: ModernSchema) -> None:
-    """L-7: -32002 → -32602."""
+    """The legacy resource-not-found code -32002 becomes -32602 in 2026-07-28."""
     _, _, [message] = await rpc(proxy, modern_schema, "resources/read", {"uri": "test://does-not-exist"})
     assert message["error"]["code"] == -32602
 
@@ -168,7 +170,7 @@ async def test_resources_prompts_and_completion(proxy: Client, modern_schema: Mo
 
 
 async def test_progress_streams_only_when_the_client_asked(proxy: Client, modern_schema: ModernSchema) -> None:
-    """C-18: with a progressToken the answer is an SSE stream of progress, then the result; without, JSON."""
+    """With a progressToken the answer is an SSE stream of progress, then the result; without, JSON."""
     _, content_type, messages = await call_tool(proxy, modern_schema, "sleep", {"seconds": 0.35}, progressToken="tok")
     assert content_type.startswith("text/event-stream")
     progress = [m for m in messages if m.get("method") == "notifications/progress"]
@@ -181,7 +183,7 @@ async def test_progress_streams_only_when_the_client_asked(proxy: Client, modern
 
 
 async def test_log_messages_need_a_log_level(proxy: Client, modern_schema: ModernSchema) -> None:
-    """C-18: no notifications/message without io.modelcontextprotocol/logLevel; filtered by level with it."""
+    """No notifications/message without io.modelcontextprotocol/logLevel; filtered by level with it."""
     _, _, messages = await call_tool(proxy, modern_schema, "log", {"level": "warning", "message": "w"})
     assert [m for m in messages if "method" in m] == []
     kwargs = {"io.modelcontextprotocol/logLevel": "error"}
@@ -193,7 +195,7 @@ async def test_log_messages_need_a_log_level(proxy: Client, modern_schema: Moder
     assert [m["params"]["data"] for m in logs] == ["w"]
 
 
-# --- server→client requests (C-21) ----------------------------------------------------------------------
+# --- server→client requests: never on the client's stream -----------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -203,7 +205,7 @@ async def test_log_messages_need_a_log_level(proxy: Client, modern_schema: Moder
 async def test_undeclared_input_capability_is_minus_32021(
     proxy: Client, modern_schema: ModernSchema, tool: str, capability: str
 ) -> None:
-    """C-4/C-21: no server→client request reaches the client; it is told what it would need (HTTP 400)."""
+    """No server→client request reaches the client; it is told what it would need (-32021, HTTP 400)."""
     status, content_type, messages = await call_tool(
         proxy, modern_schema, tool, {"prompt": "hi"} if tool == "sample" else {}
     )
@@ -217,7 +219,7 @@ async def test_undeclared_input_capability_is_minus_32021(
     assert text_of(again) == "Hello, x!"
 
 
-# --- cancellation (C-19, L-5) -------------------------------------------------------------------------
+# --- cancellation: a closed client stream cancels; the upstream gets notifications/cancelled ----------
 
 
 async def cancelled_upstream_ids(proxy: Client, schema: ModernSchema) -> list[Any]:
@@ -237,7 +239,7 @@ async def test_client_disconnect_cancels_the_upstream_call(proxy: Client, modern
 
 
 async def test_closing_a_progress_stream_cancels_the_upstream_call(proxy: Client, modern_schema: ModernSchema) -> None:
-    """C-19 on the SSE path: the client reads the first progress event, then closes the stream."""
+    """On the SSE path: the client reads the first progress event, then closes the stream."""
     before = await cancelled_upstream_ids(proxy, modern_schema)
     response = await proxy.post(
         "/mcp",
@@ -309,7 +311,7 @@ async def test_upstream_down_is_a_gateway_error(make_proxy: Callable[..., Any], 
 
 
 async def test_upstream_ping_is_answered_by_the_proxy(proxy: Client, modern_schema: ModernSchema) -> None:
-    """L-4: the upstream's ping never reaches the modern client; the proxy answers it and the call goes on."""
+    """The upstream's ping never reaches the modern client; the proxy answers it and the call goes on."""
     _, _, messages = await call_tool(proxy, modern_schema, "ping_client", progressToken="p")
     assert [m for m in messages if "method" in m] == []
     assert text_of(messages[-1]) == "pong answered"
@@ -351,7 +353,7 @@ async def test_upstream_variants(
 
 
 async def test_x_mcp_header_params_are_validated(proxy: Client, modern_schema: ModernSchema) -> None:
-    """C-26: the proxy processes the body, so it checks Mcp-Param-* against the upstream tool's annotations."""
+    """The proxy processes the body, so it checks Mcp-Param-* against the upstream tool's annotations."""
     arguments = {"region": "eu-west", "count": 3}
     ok_headers = {"Mcp-Param-Region": "eu-west", "Mcp-Param-Count": "3"}
     status, _, [message] = await rpc(
@@ -367,7 +369,7 @@ async def test_x_mcp_header_params_are_validated(proxy: Client, modern_schema: M
 
 
 async def test_upstream_stream_closed_early_is_resumed(proxy: Client, modern_schema: ModernSchema) -> None:
-    """K-29 / L-3: the upstream closes the call's SSE stream (SEP-1699 polling); the proxy resumes it with
+    """The upstream closes the call's SSE stream (2025-11-25 transports: SEP-1699 polling); the proxy resumes it with
     GET + Last-Event-ID and the modern client just gets the result."""
     _, _, [message] = await call_tool(proxy, modern_schema, "test_reconnection")
     assert "Reconnection test completed successfully" in text_of(message)

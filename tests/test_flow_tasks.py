@@ -1,7 +1,7 @@
 """End to end: durable tasks (SEP-2663) for a 2026-07-28 client in front of a real legacy upstream.
 
-Every task message the proxy sends is validated against shared/schema/tasks-extension-2026-07-28.schema.json
-(T-n / K-n ids from shared/docs/protocol.md). Waiting is by polling with a deadline, never by a fixed sleep.
+Every task message the proxy sends is validated against shared/schema/tasks-extension-2026-07-28.schema.json.
+Waiting is by polling with a deadline, never by a fixed sleep.
 """
 
 from __future__ import annotations
@@ -38,21 +38,21 @@ from tests.conftest import (
     upstream_calls_open,
 )
 
-# --- the decision (T-1…T-3, T-11, T-17) ---------------------------------------------------------------
+# --- the decision: sync, task or -32021, from the policy and this request's declaration ---------------
 
 
 async def test_window_returns_a_fast_call_synchronously(tasks_client: ClientFactory) -> None:
     client = await tasks_client(tasks=policies(echo={"mode": "optional", "sync_window_ms": 5000}))
     status, message = await client.call("echo", {"text": "quick"})
     assert status == 200
-    assert message["result"]["resultType"] == "complete"  # T-17: the immediate-result shortcut
+    assert message["result"]["resultType"] == "complete"  # the immediate-result shortcut
     assert message["result"]["content"][0]["text"] == "quick"
 
 
 async def test_window_turns_a_slow_call_into_a_task_without_a_second_upstream_call(tasks_client: ClientFactory) -> None:
     client = await tasks_client(tasks=policies(counted={"mode": "optional", "sync_window_ms": 200}))
     task_id = await client.create("counted", {"key": "window-task", "seconds": 1.0})
-    task = await client.task(task_id)  # T-14: readable at once
+    task = await client.task(task_id)  # readable at once: the task is durable before its id is returned
     assert task["status"] == "working"
     done = await client.settled(task_id)
     assert done["status"] == "completed"
@@ -62,7 +62,7 @@ async def test_window_turns_a_slow_call_into_a_task_without_a_second_upstream_ca
 
 
 async def test_a_non_declaring_client_never_gets_a_task(tasks_client: ClientFactory) -> None:
-    """T-2: the declaration is read from this request alone, even after the same client declared it."""
+    """The declaration is read from this request alone, even after the same client declared it."""
     client = await tasks_client(tasks=policies(counted={"mode": "optional", "sync_window_ms": 0}))
     await client.create("counted", {"key": "declared-first"})
     status, message = await client.call("counted", {"key": "declared-first", "seconds": 0.3}, capabilities={})
@@ -72,7 +72,7 @@ async def test_a_non_declaring_client_never_gets_a_task(tasks_client: ClientFact
 
 
 async def test_legacy_task_param_is_ignored(tasks_client: ClientFactory) -> None:
-    """T-11 / K-4: the legacy `task` opt-in neither creates a task nor reaches the upstream."""
+    """The legacy `task` opt-in neither creates a task nor reaches the upstream."""
     client = await tasks_client(tasks=policies(echo={"mode": "forbidden"}))
     status, message = await client.post(
         "tools/call", {"name": "echo", "arguments": {"text": "x"}, "task": {"ttl": 1000, "pollInterval": 10}}
@@ -84,7 +84,7 @@ async def test_legacy_task_param_is_ignored(tasks_client: ClientFactory) -> None
 async def test_required_tool_and_a_non_declaring_client_is_rejected(tasks_client: ClientFactory) -> None:
     client = await tasks_client(tasks=policies(counted={"mode": "required"}))
     status, message = await client.call("counted", {"key": "rejected"}, capabilities={})
-    assert status == 400  # T-3
+    assert status == 400  # a task-only tool and a client without the extension: -32021 naming it
     assert message["error"]["code"] == -32021
     assert message["error"]["data"]["requiredCapabilities"] == {"extensions": {TASKS: {}}}
     assert await client.text("call_count", {"key": "rejected"}) == "0"
@@ -138,7 +138,7 @@ async def test_wait_client_disconnect_cancels_the_upstream_call(
 async def test_leaving_during_the_window_cancels_the_call_and_stores_nothing(
     tasks_client: ClientFactory, own_upstream: Upstream
 ) -> None:
-    """C-19 inside the sync window: the call is still synchronous, so a disconnect cancels it upstream."""
+    """A closed stream inside the sync window: the call is still synchronous, so a disconnect cancels it upstream."""
     client = await tasks_client(own_upstream.url, tasks=policies(sleep={"mode": "optional", "sync_window_ms": 5000}))
     await post_and_leave(
         client.client,
@@ -192,7 +192,7 @@ async def wait_for_upstream_cancellation(client: Tasks, count: int = 1) -> None:
         await asyncio.sleep(0.05)
 
 
-# --- outcomes (T-18…T-21) -------------------------------------------------------------------------------
+# --- outcomes: a tool error completes, a JSON-RPC error fails -------------------------------------------
 
 
 async def test_outcomes_settle_the_task(tasks_client: ClientFactory) -> None:
@@ -206,12 +206,12 @@ async def test_outcomes_settle_the_task(tasks_client: ClientFactory) -> None:
     assert completed["status"] == "completed"
     assert result_text(completed) == "done"
     errored = await client.settled(tool_error)
-    assert errored["status"] == "completed"  # T-18: isError is a result, not a failure
+    assert errored["status"] == "completed"  # isError is a result, not a failure
     assert errored["result"]["isError"] is True
     failed = await client.settled(rpc_error)
-    assert failed["status"] == "failed"  # T-19
+    assert failed["status"] == "failed"  # a JSON-RPC error fails the task and becomes its `error`
     assert failed["error"] == {"code": -32000, "message": "no such thing"}
-    assert "no such thing" in failed["statusMessage"]  # T-20
+    assert "no such thing" in failed["statusMessage"]  # a diagnostic statusMessage
     assert "result" not in failed
 
 
@@ -245,12 +245,12 @@ async def test_lost_upstream_fails_the_task(tasks_client: ClientFactory, own_ups
     await client.until(task_id, lambda task: "statusMessage" in task)
     own_upstream.stop()
     failed = await client.settled(task_id)
-    assert failed["status"] == "failed"  # K-13
+    assert failed["status"] == "failed"  # a lost upstream is a failure, never `completed`
     assert failed["error"]["code"] == -32603
     assert "Upstream" in failed["error"]["message"]
 
 
-# --- tasks/get, tasks/update, tasks/cancel (T-4, T-22…T-40) -------------------------------------------
+# --- tasks/get, tasks/update, tasks/cancel ------------------------------------------------------------
 
 
 async def test_cancel_reaches_the_upstream_and_is_final(tasks_client: ClientFactory, own_upstream: Upstream) -> None:
@@ -263,10 +263,10 @@ async def test_cancel_reaches_the_upstream_and_is_final(tasks_client: ClientFact
     cancelled = await client.task(task_id)
     assert cancelled["status"] == "cancelled"
     await wait_for_upstream_cancellation(client)
-    status, again = await client.post("tasks/cancel", {"taskId": task_id})  # T-34: terminal → acked
+    status, again = await client.post("tasks/cancel", {"taskId": task_id})  # terminal → acked all the same
     assert status == 200
     assert again["result"]["resultType"] == "complete"
-    assert (await client.task(task_id))["status"] == "cancelled"  # T-21
+    assert (await client.task(task_id))["status"] == "cancelled"  # a terminal status never changes
 
 
 @pytest.fixture
@@ -301,11 +301,11 @@ async def test_task_methods_gate_capability_before_lookup(tasks_client: ClientFa
         ("tasks/cancel", {"taskId": "nope"}),
     ):
         status, message = await client.post(method, params, capabilities={})
-        assert status == 400, method  # T-4 / K-3
+        assert status == 400, method  # the capability gate comes before the lookup
         assert message["error"]["code"] == -32021
         assert message["error"]["data"]["requiredCapabilities"] == {"extensions": {TASKS: {}}}
         status, message = await client.post(method, params)
-        assert message["error"]["code"] == -32602, method  # T-25 / T-27 / T-34
+        assert message["error"]["code"] == -32602, method  # an unknown id, on every task method
         assert message["error"]["message"] == "Failed to retrieve task: Task not found"
 
 
@@ -313,7 +313,7 @@ async def test_removed_task_methods_are_not_found(tasks_client: ClientFactory) -
     client = await tasks_client()
     for method in ("tasks/result", "tasks/list"):
         status, message = await client.post(method, {"taskId": "x"} if method == "tasks/result" else {})
-        assert status == 404  # T-40
+        assert status == 404  # removed with the Tasks extension: unknown methods
         assert message["error"]["code"] == -32601
 
 
@@ -321,12 +321,12 @@ async def test_mcp_name_must_match_the_task_id(tasks_client: ClientFactory) -> N
     client = await tasks_client(tasks=policies(echo={"mode": "required"}))
     task_id = await client.create("echo", {"text": "x"})
     status, message = await client.get(task_id, headers={"Mcp-Name": "someone-else"})
-    assert status == 400  # T-45 / K-24
+    assert status == 400  # Mcp-Name must equal params.taskId
     assert message["error"]["code"] == -32020
     response = await client.client.post(
         "/mcp",
         json=modern_body("tasks/get", {"taskId": task_id}, capabilities=DECLARING),
-        headers=modern_headers("tasks/get"),  # no Mcp-Name: tolerated (architecture decision, Q3)
+        headers=modern_headers("tasks/get"),  # no Mcp-Name: tolerated (the proxy's choice; the spec is silent)
     )
     assert response.status == 200
 
@@ -337,7 +337,7 @@ async def test_update_acks_and_ignores_unknown_keys(tasks_client: ClientFactory)
     status, ack = await client.post(
         "tasks/update", {"taskId": task_id, "inputResponses": {"never-issued": {"action": "accept"}}}
     )
-    assert status == 200  # T-28
+    assert status == 200  # keys that are not outstanding are ignored, and acked
     assert ack["result"]["resultType"] == "complete"
     status, bad = await client.post("tasks/update", {"taskId": task_id})
     assert status == 400
@@ -346,7 +346,8 @@ async def test_update_acks_and_ignores_unknown_keys(tasks_client: ClientFactory)
 
 
 async def test_a_foreign_principal_sees_what_an_unknown_id_gets(tasks_client: ClientFactory) -> None:
-    """T-47 / K-18: no existence oracle; tasks are bound to the principal's hash."""
+    """No existence oracle: another principal's task gets the unknown-id answer; tasks are bound to the
+    principal's hash."""
     client = await tasks_client(tasks=policies(echo={"mode": "required"}))
     task_id = await client.create("echo", {"text": "mine"}, headers={"Authorization": "Bearer alice"})
     status, own = await client.get(task_id, headers={"Authorization": "Bearer alice"})
@@ -372,7 +373,7 @@ async def test_task_ids_are_unguessable(tasks_client: ClientFactory) -> None:
     ids = {await client.create("echo", {"text": str(n)}) for n in range(5)}
     assert len(ids) == 5
     for task_id in ids:
-        assert len(task_id.removeprefix("task_")) >= 32  # 192 bits, base64url (T-46)
+        assert len(task_id.removeprefix("task_")) >= 32  # 192 bits, base64url: not guessable
         assert task_id.isascii()
 
 
@@ -385,14 +386,14 @@ async def test_ttl_expiry_fails_a_live_task_then_forgets_it(
     client = await tasks_client(own_upstream.url, tasks=policies(sleep={"mode": "required", "ttl_ms": 1500}))
     task_id = await client.create("sleep", {"seconds": 30})
     early = await client.task(task_id)
-    assert early["status"] == "working"  # K-16: never before its TTL
+    assert early["status"] == "working"  # never expired before its TTL
     assert early["ttlMs"] == 1500
     expired = await client.until(task_id, lambda task: task["status"] != "working", timeout_seconds=10)
     assert expired["status"] == "failed"
     assert "expired" in expired["error"]["message"]
     await wait_for_upstream_cancellation(client)  # the call was stopped
     _, gone = await client.get(task_id)
-    assert gone["error"]["code"] == -32602  # past its TTL a settled task is gone (T-25)
+    assert gone["error"]["code"] == -32602  # past its TTL a settled task is gone (unknown id)
 
 
 async def test_settled_task_stays_readable_for_its_ttl_then_goes(tasks_client: ClientFactory) -> None:
@@ -414,7 +415,7 @@ async def test_settled_task_stays_readable_for_its_ttl_then_goes(tasks_client: C
 async def test_null_ttl_means_unlimited(tasks_client: ClientFactory) -> None:
     client = await tasks_client(tasks=policies(echo={"mode": "required", "ttl_ms": None}))
     task_id = await client.create("echo", {"text": "x"})
-    assert (await client.task(task_id))["ttlMs"] is None  # K-7: the key is present
+    assert (await client.task(task_id))["ttlMs"] is None  # the key is present, null = unlimited
 
 
 async def test_max_running_refuses_before_writing(tasks_client: ClientFactory, own_upstream: Upstream) -> None:

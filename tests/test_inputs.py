@@ -34,7 +34,7 @@ def core_schema() -> SchemaValidator:
     return SchemaValidator(SCHEMA_DIR / "mcp-2026-07-28.schema.json")
 
 
-# --- keys and translation (T-30, K-12, K-39, C-16) --------------------------------------------------------
+# --- keys and translation: minted keys, no legacy fields --------------------------------------------------
 
 
 def test_keys_name_the_kind_and_count() -> None:
@@ -51,7 +51,7 @@ def test_keys_name_the_kind_and_count() -> None:
             {"message": "Name?", "requestedSchema": {"type": "object", "properties": {}}},
             {"message": "Name?", "requestedSchema": {"type": "object", "properties": {}}, "mode": "form"},
         ),
-        (  # C-16: URL elicitation loses its elicitationId; K-12: related-task _meta goes too
+        (  # URL elicitation loses its elicitationId (gone in 2026-07-28); the related-task _meta goes too
             "elicitation/create",
             {
                 "mode": "url",
@@ -95,7 +95,7 @@ def test_translated_requests_are_valid_2026_input_requests(core_schema: SchemaVa
         core_schema.validate(inputs.input_request(method, params), "InputRequest")
 
 
-# --- capabilities (C-14, K-19) -------------------------------------------------------------------------------
+# --- capabilities: only what the client declared is asked ----------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -159,7 +159,7 @@ def test_input_required_result_is_schema_valid(core_schema: SchemaValidator) -> 
     core_schema.validate(result, "InputRequiredResult")
 
 
-# --- requestState (C-13, K-21) ------------------------------------------------------------------------------------
+# --- requestState: signed, bound, expiring ------------------------------------------------------------------------
 
 
 def test_params_digest_covers_the_request_not_the_envelope() -> None:

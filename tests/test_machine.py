@@ -25,6 +25,7 @@ from proxy.tasks.commands import (
     Answered,
     Asked,
     CancelCall,
+    CancelUpstreamTask,
     ClearTimer,
     ClientLeft,
     Command,
@@ -33,6 +34,7 @@ from proxy.tasks.commands import (
     CreateRecord,
     Ended,
     Event,
+    FollowUpstreamTask,
     HoldSlot,
     LeaseLost,
     Mode,
@@ -40,8 +42,10 @@ from proxy.tasks.commands import (
     Park,
     Parked,
     ParkRefused,
+    PollUpstreamTask,
     Refuse,
     Relay,
+    ReleaseCall,
     RemoteAnswers,
     RemoteCancel,
     Reply,
@@ -53,15 +57,20 @@ from proxy.tasks.commands import (
     Resumed,
     SetTimer,
     Settle,
+    ShutDown,
     Start,
     StartCall,
     Stop,
     Timer,
     TimerFired,
     Unpark,
+    UpstreamTaskCreated,
+    UpstreamTaskPolled,
     WriteInputs,
     WriteProgress,
 )
+from proxy.tasks.followed import UPSTREAM_CANCELLED, FollowedTask
+from proxy.tasks.inputs import PendingInput
 from proxy.tasks.machine import (
     CLIENT_LEFT,
     LEASE_LOST,
@@ -71,6 +80,7 @@ from proxy.tasks.machine import (
     CallState,
 )
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
+from proxy.wire.legacy_tasks import LegacyTask
 from proxy.wire.tasks import TaskStatus, internal_error
 
 EVERY_INPUT: dict[str, Any] = {"elicitation": {}, "sampling": {}, "roots": {}}
@@ -832,3 +842,355 @@ def test_no_event_after_a_lost_lease_writes_the_record(start: str) -> None:
     for event in LATER_EVENTS * 2:
         commands = machine.handle(state, event)
         assert not [command for command in commands if isinstance(command, STORE_WRITES)], event
+
+
+# --- a task the upstream runs itself (2025-11-25 Tasks) ----------------------------------------------------------
+
+UP_TASK = Decision(Outcome.TASK, policy("required"), upstream_task=True)
+UP_WINDOW = Decision(Outcome.WINDOW, policy(), upstream_task=True)
+UP_WAIT = Decision(Outcome.WAIT, policy("required"), upstream_task=True)
+START_UPSTREAM = StartCall(upstream_task=True, ttl_ms=60_000)
+POLL_MS = 500
+CREATED = UpstreamTaskCreated(
+    LegacyTask("up-1", "working", "Gathering", ttl_ms=30_000, poll_interval_ms=POLL_MS), 1_000
+)
+FOLLOWING: list[Command] = [FollowUpstreamTask(), SetTimer(Timer.POLL, POLL_MS)]
+ELICIT_IN_TASK = UpstreamServerRequest("q-1", "elicitation/create", ELICIT.params)
+
+
+def record_of_upstream(status: TaskStatus = TaskStatus.WORKING, **fields: Any) -> CreateRecord:
+    defaults: dict[str, Any] = {
+        "input_requests": {},
+        "issued": 0,
+        "upstream_task_id": "up-1",
+        "upstream_expires_at_ms": 31_000,  # the upstream keeps it 30 s from its creation
+        "upstream_input_ids": {},
+        "status_message": "Gathering",
+    }
+    return CreateRecord(status, **{**defaults, **fields})
+
+
+def status(state: str, message: str | None = None) -> Notified:
+    params: dict[str, Any] = {"taskId": "up-1", "status": state, "createdAt": "", "lastUpdatedAt": "", "ttl": 30_000}
+    if message is not None:
+        params["statusMessage"] = message
+    return Notified({"jsonrpc": "2.0", "method": "notifications/tasks/status", "params": params}, 0.0)
+
+
+CREATED_AND_STORED: list[tuple[Event, list[Command]]] = [
+    (Start(), [START_UPSTREAM]),
+    (CREATED, [*FOLLOWING, record_of_upstream()]),
+    (Committed("t1"), [Reply(ReplyTask()), HoldSlot(True)]),
+]
+LOST_TASK = {
+    "code": -32603,
+    "message": "Upstream task lost: the upstream no longer knows this task (or the session it ran in)",
+}
+TOOL_ERROR = UpstreamResult({"content": [{"type": "text", "text": "tool failed"}], "isError": True})
+EMPTY = UpstreamResult({"_meta": {"io.modelcontextprotocol/related-task": {"taskId": "up-1"}}})
+FAILED_ERROR = {"code": -32603, "message": "boom"}
+
+
+def failed_with(error: dict[str, Any]) -> Settle:
+    return settled(
+        TaskStatus.FAILED, error=error, status_message=f"{error['message']} (JSON-RPC error {error['code']})"
+    )
+
+
+UPSTREAM_PLAYBOOKS = [
+    Playbook(
+        "the upstream creates its task, then the record (within its ttl); a tool result from tasks/result completes it",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (status("working", "Analyzing"), [WriteProgress("Analyzing"), SetTimer(Timer.POLL, POLL_MS)]),
+            (status("working", "Analyzing"), [SetTimer(Timer.POLL, POLL_MS)]),  # nothing new to write
+            (Notified(PROGRESS, 1.0), []),  # the upstream's own statusMessage says more than its progress
+            (status("completed"), []),  # the outcome comes from tasks/result
+            (Ended(OK), [ClearTimer(Timer.POLL), settled(TaskStatus.COMPLETED, result=DONE), HoldSlot(False)]),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "an upstream silent for its pollInterval is asked with tasks/get, again when that fails",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (TimerFired(Timer.POLL), [PollUpstreamTask()]),
+            (UpstreamTaskPolled(None), [SetTimer(Timer.POLL, POLL_MS)]),
+            (TimerFired(Timer.POLL), [PollUpstreamTask()]),
+            (
+                UpstreamTaskPolled(LegacyTask("up-1", "working", "Writing", poll_interval_ms=800)),
+                [WriteProgress("Writing"), SetTimer(Timer.POLL, 800)],
+            ),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a tool error is a completed task with isError, even when the upstream called it failed",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (status("failed", "tool failed"), [WriteProgress("tool failed")]),
+            (
+                Ended(TOOL_ERROR),
+                [
+                    ClearTimer(Timer.POLL),
+                    settled(TaskStatus.COMPLETED, result={**TOOL_ERROR.result, "resultType": "complete"}),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a JSON-RPC error of a task not known to have ended is read after its status is asked",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (Ended(UpstreamErrorResponse(FAILED_ERROR)), [PollUpstreamTask()]),
+            (
+                UpstreamTaskPolled(LegacyTask("up-1", "failed", "boom")),
+                [ClearTimer(Timer.POLL), failed_with(FAILED_ERROR), HoldSlot(False)],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "the mcp 1.x SDK's empty answer for a failed task is a failure with its statusMessage",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (status("failed", "boom"), [WriteProgress("boom")]),
+            (Ended(EMPTY), [ClearTimer(Timer.POLL), failed_with(FAILED_ERROR), HoldSlot(False)]),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "an empty answer for a completed task is an empty result",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (status("completed"), []),
+            (
+                Ended(EMPTY),
+                [
+                    ClearTimer(Timer.POLL),
+                    settled(TaskStatus.COMPLETED, result={"content": [], "resultType": "complete"}),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a task the upstream cancelled is cancelled",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (status("cancelled"), []),
+            (
+                Ended(RPC_ERROR),
+                [
+                    ClearTimer(Timer.POLL),
+                    settled(TaskStatus.CANCELLED, status_message=UPSTREAM_CANCELLED),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a task the upstream no longer knows fails, and its tasks/result is let go",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (
+                UpstreamTaskPolled(None, known=False),
+                [ReleaseCall(), ClearTimer(Timer.POLL), failed_with(LOST_TASK), HoldSlot(False)],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a question on tasks/result is an inputRequest; its upstream id is kept and the answer goes there",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (Asked(ELICIT_IN_TASK), [SetTimer(Timer.GATHER, GATHER_MS), HoldSlot(False)]),
+            (TimerFired(Timer.GATHER), [WriteInputs({"elicitation-1": ELICIT_REQUEST}, 1, {"elicitation-1": "q-1"})]),
+            (Answered({"elicitation-1": ANSWER}), [Answer("q-1", ANSWER), WriteInputs({}, 1, {}), HoldSlot(True)]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "tasks/cancel of the proxy's task is tasks/cancel upstream",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (Stop("cancelled"), [ClearTimer(Timer.POLL), CancelUpstreamTask("cancelled"), HoldSlot(False)]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a shutdown leaves the upstream's task running (and its session open) for the next start",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (ShutDown("stopping"), [ClearTimer(Timer.POLL), ReleaseCall(keep_session=True), HoldSlot(False)]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a lost lease leaves the upstream's task running, to be followed again if the task is still this replica's",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (LeaseLost(), [ClearTimer(Timer.POLL), ReleaseCall(keep_session=True), HoldSlot(False)]),
+            (status("working", "Still at it"), []),  # nothing more is written for it
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a shutdown cancels a poll-to-sync task the upstream runs: nobody could read it afterwards",
+        UP_WAIT,
+        [
+            (Start(), [START_UPSTREAM]),
+            (CREATED, [*FOLLOWING, record_of_upstream()]),
+            (Committed("t1"), [HoldSlot(True)]),
+            (
+                ShutDown("stopping"),
+                [
+                    Reply(ReplyOutcome(UpstreamErrorResponse({"code": -32603, "message": "stopping"}))),
+                    ClearTimer(Timer.POLL),
+                    CancelUpstreamTask("stopping"),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "poll-to-sync: the client is answered with the outcome of the upstream's task",
+        UP_WAIT,
+        [
+            (Start(), [START_UPSTREAM]),
+            (CREATED, [*FOLLOWING, record_of_upstream()]),
+            (Committed("t1"), [HoldSlot(True)]),
+            (Asked(ELICIT_IN_TASK), [Refuse("q-1", "elicitation/create", "undeclared")]),  # the task goes on
+            (
+                Ended(OK),
+                [
+                    ClearTimer(Timer.POLL),
+                    settled(TaskStatus.COMPLETED, result=DONE),
+                    Reply(ReplyOutcome(OK)),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.WAITING,
+        finished=True,
+        capabilities={},
+    ),
+    Playbook(
+        "a window call of the upstream's task that ends within the window answers synchronously",
+        UP_WINDOW,
+        [
+            (Start(), [START_UPSTREAM]),
+            (CREATED, [*FOLLOWING, SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (Ended(OK), [ClearTimer(Timer.WINDOW), ClearTimer(Timer.POLL), Reply(ReplyOutcome(OK))]),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a window call still running after the window becomes the proxy's task, carrying the upstream's id",
+        UP_WINDOW,
+        [
+            (Start(), [START_UPSTREAM]),
+            (CREATED, [*FOLLOWING, SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            (TimerFired(Timer.WINDOW), [record_of_upstream()]),
+            (Committed("t1"), [Reply(ReplyTask()), HoldSlot(True)]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a question before the upstream's task exists waits for its id to make the record",
+        UP_WINDOW,
+        [
+            (Start(), [START_UPSTREAM]),
+            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            (TimerFired(Timer.GATHER), []),
+            (
+                CREATED,
+                [
+                    *FOLLOWING,
+                    record_of_upstream(
+                        TaskStatus.INPUT_REQUIRED,
+                        input_requests={"elicitation-1": ELICIT_REQUEST},
+                        issued=1,
+                        upstream_input_ids={"elicitation-1": 7},
+                    ),
+                ],
+            ),
+        ],
+        Mode.WAITING,
+        finished=False,
+    ),
+    Playbook(
+        "an upstream that answers the task-augmented call with a plain result answers the client with it",
+        UP_TASK,
+        [(Start(), [START_UPSTREAM]), (Ended(OK), [Reply(ReplyOutcome(OK))])],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a task the upstream created after its call was abandoned is cancelled there",
+        UP_WINDOW,
+        [
+            (Start(), [START_UPSTREAM]),
+            (ClientLeft(), [CancelCall(CLIENT_LEFT)]),
+            (CREATED, [CancelUpstreamTask(CLIENT_LEFT)]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+]
+
+
+@pytest.mark.parametrize("playbook", UPSTREAM_PLAYBOOKS, ids=[playbook.name for playbook in UPSTREAM_PLAYBOOKS])
+def test_upstream_task_playbook(playbook: Playbook) -> None:
+    test_playbook(playbook)
+
+
+def test_after_a_restart_the_upstreams_task_is_followed_again_with_its_questions() -> None:
+    state = CallState(UP_TASK, EVERY_INPUT, GATHER_MS, PARK_TTL_MS, task_id="t1")
+    state.upstream_task = FollowedTask("up-1")
+    state.inputs = {"elicitation-1": PendingInput("q-1", "elicitation/create", ELICIT_REQUEST)}
+    state.inputs_written = False
+    state.issued = 1
+    assert machine.handle(state, Start()) == [
+        FollowUpstreamTask(),
+        PollUpstreamTask(),  # at once: does the upstream still know it?
+        WriteInputs({"elicitation-1": ELICIT_REQUEST}, 1, {"elicitation-1": "q-1"}),
+    ]
+    assert state.mode is Mode.TASK
+    assert machine.handle(state, Answered({"elicitation-1": ANSWER})) == [
+        Answer("q-1", ANSWER),
+        WriteInputs({}, 1, {}),
+        HoldSlot(True),
+    ]

@@ -180,12 +180,13 @@ def test_a_programmatic_entry_without_ttl_inherits() -> None:
 
 # --- decide() ----------------------------------------------------------------------------------------------
 #
-# T-1: the server MAY answer a tools/call with a task — only to a request that declared the extension.
-# T-2: never a task to a request that did not declare it (read from this request's own `_meta`).
-# T-3: a tool that cannot be served without a task answers -32021 to a non-declaring request (REJECT), unless
-#      the operator chose `undeclared_required: wait` (an internal task, answered synchronously: WAIT).
-# T-17: the immediate-result shortcut — an `optional` tool with a window answers synchronously when the call
-#       settles within `sync_window_ms` (WINDOW); with a window of 0 the task is created at once (TASK).
+# Declared: the server MAY answer a tools/call with a task — only to a request that declared the extension.
+# Not declared: never a task to a request that did not declare it (read from this request's own `_meta`).
+# Cannot serve: a tool that cannot be served without a task answers -32021 to a non-declaring request
+#   (REJECT), unless the operator chose `undeclared_required: wait` (an internal task, answered synchronously:
+#   WAIT).
+# Shortcut: the immediate-result shortcut — an `optional` tool with a window answers synchronously when the
+#   call settles within `sync_window_ms` (WINDOW); with a window of 0 the task is created at once (TASK).
 
 CASES = [
     # (mode, sync_window_ms, declares_tasks, undeclared_required, expected)
@@ -195,25 +196,25 @@ CASES = [
     ("forbidden", 1000, False, "wait", Outcome.SYNC),
     ("forbidden", 0, True, "reject", Outcome.SYNC),
     ("forbidden", 0, False, "wait", Outcome.SYNC),
-    ("optional", 1000, False, "reject", Outcome.SYNC),  # T-2
-    ("optional", 1000, False, "wait", Outcome.SYNC),  # T-2
-    ("optional", 0, False, "reject", Outcome.SYNC),  # T-2: even with no window
+    ("optional", 1000, False, "reject", Outcome.SYNC),  # not declared
+    ("optional", 1000, False, "wait", Outcome.SYNC),  # not declared
+    ("optional", 0, False, "reject", Outcome.SYNC),  # not declared: even with no window
     ("optional", 0, False, "wait", Outcome.SYNC),
-    ("optional", 0, True, "reject", Outcome.TASK),  # T-1
+    ("optional", 0, True, "reject", Outcome.TASK),  # declared
     ("optional", 0, True, "wait", Outcome.TASK),
-    ("optional", 1000, True, "reject", Outcome.WINDOW),  # T-17
+    ("optional", 1000, True, "reject", Outcome.WINDOW),  # shortcut
     ("optional", 1000, True, "wait", Outcome.WINDOW),
     ("optional", 1, True, "reject", Outcome.WINDOW),
-    ("required", 1000, True, "reject", Outcome.TASK),  # T-1
+    ("required", 1000, True, "reject", Outcome.TASK),  # declared
     ("required", 1000, True, "wait", Outcome.TASK),
     ("required", 0, True, "reject", Outcome.TASK),
-    ("required", 1000, False, "reject", Outcome.REJECT),  # T-3
+    ("required", 1000, False, "reject", Outcome.REJECT),  # cannot serve
     ("required", 0, False, "reject", Outcome.REJECT),
-    ("required", 1000, False, "wait", Outcome.WAIT),  # T-2 still holds: no task goes to the client
+    ("required", 1000, False, "wait", Outcome.WAIT),  # not declared: still no task goes to the client
     ("required", 0, False, "wait", Outcome.WAIT),
 ]
-# T-15: `resolve_input_first` changes only what a declaring client gets for a tool that may become a task,
-# and needs a window to resolve input in.
+# `resolve_input_first` (MRTR rounds settled before a task is created) changes only what a declaring client
+# gets for a tool that may become a task, and needs a window to resolve input in.
 INPUT_FIRST_CASES = [
     # (mode, sync_window_ms, declares_tasks, undeclared_required, expected)
     ("optional", 1000, True, "reject", Outcome.INPUT_FIRST),
@@ -347,3 +348,46 @@ def test_named_tools_are_the_exact_names_only() -> None:
     """Metric labels: tools named exactly in the policy; glob patterns are not tool names."""
     config = TasksConfig.model_validate({"tools": {"a": {}, "batch_*": {}, "b?": {}, "c[12]": {}, "d.e": {}}})
     assert named_tools(config) == frozenset({"a", "d.e"})
+
+
+# --- what the upstream says of a tool it can run as its own task (2025-11-25 Tasks) ------------------------
+
+
+@pytest.mark.parametrize("mode", ["forbidden", "optional", "required"])
+def test_a_tool_the_upstream_requires_as_a_task_is_at_least_required(mode: TaskMode) -> None:
+    config = tasks_config({"research": {"mode": mode}})
+    declaring = decide(config, "research", declares_tasks=True, upstream_support="required")
+    assert declaring.outcome is Outcome.TASK
+    assert declaring.policy is not None
+    assert declaring.policy.mode == "required"
+    assert declaring.upstream_task is True
+    rejecting = decide(config, "research", declares_tasks=False, upstream_support="required")
+    assert rejecting.outcome is Outcome.REJECT  # -32021, never the upstream's "requires task augmentation"
+    waiting = decide(
+        tasks_config({"research": {"mode": mode}}, undeclared_required="wait"),
+        "research",
+        declares_tasks=False,
+        upstream_support="required",
+    )
+    assert (waiting.outcome, waiting.upstream_task) == (Outcome.WAIT, True)  # poll-to-sync on the upstream's task
+
+
+def test_a_tool_the_upstream_may_run_as_a_task_is_one_when_the_call_may_become_a_task() -> None:
+    config = tasks_config({"fast": {"mode": "forbidden"}, "now": {"sync_window_ms": 0}})
+    window = decide(config, "anything", declares_tasks=True, upstream_support="optional")
+    assert (window.outcome, window.upstream_task) == (Outcome.WINDOW, True)
+    task = decide(config, "now", declares_tasks=True, upstream_support="optional")
+    assert (task.outcome, task.upstream_task) == (Outcome.TASK, True)
+    plain = decide(config, "anything", declares_tasks=False, upstream_support="optional")
+    assert (plain.outcome, plain.upstream_task) == (Outcome.SYNC, False)  # a plain call of an optional tool
+    forbidden = decide(config, "fast", declares_tasks=True, upstream_support="optional")
+    assert (forbidden.outcome, forbidden.upstream_task) == (Outcome.SYNC, False)
+
+
+@pytest.mark.parametrize("support", [None, "forbidden"])
+def test_a_tool_the_upstream_runs_no_task_for_is_decided_as_before(support: Any) -> None:
+    config = tasks_config({"slow": {"mode": "required"}})
+    for tool, declares in (("slow", True), ("slow", False), ("other", True), ("other", False)):
+        with_support = decide(config, tool, declares_tasks=declares, upstream_support=support)
+        assert with_support == decide(config, tool, declares_tasks=declares)
+        assert with_support.upstream_task is False

@@ -10,8 +10,9 @@ import pytest
 
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamError
+from proxy.upstream.kinds import principal_key
 from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.session import principal_key
+from proxy.upstream.session import UpstreamLink
 from tests.conftest import Upstream
 
 
@@ -22,7 +23,9 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 def make_client(upstream: Upstream, http: aiohttp.ClientSession, max_sessions: int = 8) -> UpstreamClient:
-    return UpstreamClient(UpstreamConfig(url=upstream.url, max_sessions=max_sessions), http, "authorization")
+    return UpstreamClient(
+        UpstreamLink(UpstreamConfig(url=upstream.url, max_sessions=max_sessions), http, "authorization", None)
+    )
 
 
 async def test_initialize_once_and_reuse(upstream: Upstream, http: aiohttp.ClientSession) -> None:
@@ -59,9 +62,8 @@ async def test_idle_sessions_are_evicted_busy_ones_kept(upstream: Upstream, http
 
 
 async def test_unreachable_upstream_is_an_upstream_error(http: aiohttp.ClientSession) -> None:
-    client = UpstreamClient(
-        UpstreamConfig(url="http://127.0.0.1:9/mcp", connect_timeout_seconds=1), http, "authorization"
-    )
+    config = UpstreamConfig(url="http://127.0.0.1:9/mcp", connect_timeout_seconds=1)
+    client = UpstreamClient(UpstreamLink(config, http, "authorization", None))
     with pytest.raises(UpstreamError, match="unavailable"):
         await client.session(None).ensure_initialized()
     await client.close()

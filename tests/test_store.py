@@ -147,6 +147,9 @@ async def test_create_get_round_trips_every_field(store: TaskStore, backend: Bac
         inputs_issued=3,
         rerun_principal="Bearer secret",
         client_capabilities={"elicitation": {}},
+        upstream_task_id="0b3d2565:aa4e86b6",
+        upstream_session_id="session-1",
+        upstream_input_ids={"key-1": "task-0b3d-140668836600304", "key-2": 0},
     )
     bare = make_record("task_bare", ttl_ms=None)
     await store.create(full)
@@ -191,9 +194,14 @@ def test_record_from_row_decodes_json_and_status() -> None:
         "inputs_issued": 4,
         "rerun_principal": None,
         "client_capabilities": '{"elicitation":{}}',
+        "upstream_task_id": "up-1",
+        "upstream_session_id": "s-1",
+        "upstream_input_ids": '{"elicitation-1":"task-q-1"}',
     }
     record = record_from_row(row)
     assert record.client_capabilities == {"elicitation": {}}
+    assert (record.upstream_task_id, record.upstream_session_id) == ("up-1", "s-1")
+    assert record.upstream_input_ids == {"elicitation-1": "task-q-1"}
     assert record.status is TaskStatus.FAILED
     assert (record.request, record.error, record.result, record.inputs_issued) == ({"a": 1}, {"code": 1}, None, 4)
 
@@ -290,6 +298,24 @@ async def test_settle_clears_input_requests_and_rerun_principal(store: TaskStore
     )
     assert (settled.input_requests, settled.rerun_principal, settled.inputs_issued) == ({}, None, 1)
     assert settled.updated_at_ms == 9_000
+
+
+async def test_a_task_the_upstream_runs_keeps_its_upstream_ids_until_it_settles(store: TaskStore) -> None:
+    await store.create(make_record("task_up", upstream_task_id="up-1", upstream_session_id="s-1"))
+    question = {"elicitation-1": {"method": "elicitation/create", "params": {"message": "?"}}}
+    asking = await store.set_inputs("task_up", question, 1, now_ms=2_000, upstream_input_ids={"elicitation-1": "q-7"})
+    assert asking is not None
+    assert (asking.status, asking.upstream_input_ids) == (TaskStatus.INPUT_REQUIRED, {"elicitation-1": "q-7"})
+    unchanged = await store.set_inputs("task_up", question, 1, now_ms=3_000)  # no ids given: those kept stay
+    assert unchanged is not None
+    assert unchanged.upstream_input_ids == {"elicitation-1": "q-7"}
+    claimed = await store.claim("task_up", "proxy-2", "resumed", now_ms=4_000)
+    assert claimed is not None
+    assert (claimed.upstream_task_id, claimed.upstream_session_id) == ("up-1", "s-1")  # followed again there
+    settled = await store.settle("task_up", TaskStatus.COMPLETED, now_ms=5_000, result={"content": []})
+    assert settled is not None
+    assert settled.upstream_input_ids == {}
+    assert (settled.upstream_task_id, settled.upstream_session_id) == ("up-1", "s-1")
 
 
 async def test_settle_rejects_live_status(store: TaskStore) -> None:

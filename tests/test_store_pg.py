@@ -27,6 +27,7 @@ from proxy.tasks.store import (
     StoreFullError,
     open_store,
 )
+from proxy.tasks.store.pg_schema import MIGRATIONS
 from proxy.tasks.store.postgres import PostgresTaskStore
 from proxy.wire.tasks import TaskStatus
 from tests.test_store import make_record, next_change
@@ -120,6 +121,7 @@ async def test_replicas_that_start_at_once_migrate_once(pg_dsn: str) -> None:
             ("0001_create_tasks",),
             ("0002_create_replicas_and_messages",),
             ("0003_create_tool_durations",),
+            ("0004_add_upstream_task",),
         ]
         await stores[0].create(make_record("task_a"))
         assert await stores[3].get("task_a") is not None
@@ -128,7 +130,7 @@ async def test_replicas_that_start_at_once_migrate_once(pg_dsn: str) -> None:
             await store.close()
     again = await PostgresTaskStore.open(pg_dsn, max_records=10)  # a restart applies nothing
     await again.close()
-    assert len(await rows(pg_dsn, "SELECT name FROM schema_migrations")) == 3
+    assert len(await rows(pg_dsn, "SELECT name FROM schema_migrations")) == len(MIGRATIONS)
 
 
 async def test_a_dead_replicas_tasks_are_taken_over_by_exactly_one_survivor(
@@ -330,3 +332,29 @@ async def test_an_unreachable_or_foreign_database_is_a_clear_error(pg_dsn: str) 
         )
     with pytest.raises(StoreError, match="not a task database"):
         await PostgresTaskStore.open(pg_dsn, max_records=5, read_only=True)  # an empty database, nothing migrated
+
+
+async def test_a_database_of_the_previous_version_gains_the_upstream_task_columns(pg_dsn: str) -> None:
+    """A database written before tasks the upstream runs itself existed: the migration adds their columns, once,
+    and every record reads as a task of the proxy's own."""
+    store = await PostgresTaskStore.open(pg_dsn, max_records=10)
+    await store.create(make_record("task_old"))
+    await store.close()
+    await rows(pg_dsn, "DELETE FROM schema_migrations WHERE name = '0004_add_upstream_task'")
+    await rows(
+        pg_dsn,
+        "ALTER TABLE tasks DROP COLUMN upstream_task_id, DROP COLUMN upstream_session_id,"
+        " DROP COLUMN upstream_input_ids",
+    )
+
+    store = await PostgresTaskStore.open(pg_dsn, max_records=10)
+    try:
+        old = await store.get("task_old")
+        assert old is not None
+        assert (old.upstream_task_id, old.upstream_session_id, old.upstream_input_ids) == (None, None, {})
+        await store.create(make_record("task_new", upstream_task_id="up-1", upstream_session_id="s-1"))
+        new = await store.get("task_new")
+        assert new is not None
+        assert (new.upstream_task_id, new.upstream_session_id) == ("up-1", "s-1")
+    finally:
+        await store.close()

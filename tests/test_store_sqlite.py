@@ -121,6 +121,7 @@ async def test_durable_across_reopen(db_path: Path) -> None:
         ("mcp-tasks-proxy", "0002_create_health"),
         ("mcp-tasks-proxy", "0003_add_client_capabilities"),
         ("mcp-tasks-proxy", "0004_create_messages_and_tool_durations"),
+        ("mcp-tasks-proxy", "0005_add_upstream_task"),
     ]
     assert raw_rows(db_path, "PRAGMA journal_mode") == [("wal",)]
     indexes = {row[0] for row in raw_rows(db_path, "SELECT name FROM sqlite_master WHERE type = 'index'")}
@@ -295,3 +296,25 @@ async def test_a_foreign_lookup_never_reads_the_result_out_of_sqlite(store: Sqli
     assert await store.get("task_big", principal="another-hash") is None
     await store.set_trace_callback(None)
     assert statements == ["SELECT * FROM tasks WHERE task_id = 'task_big' AND principal = 'another-hash'"]
+
+
+async def test_a_database_of_the_previous_version_gains_the_upstream_task_columns(db_path: Path) -> None:
+    """A file written before tasks the upstream runs itself existed: the migration adds their columns and every
+    record reads as a task of the proxy's own."""
+    store = await SqliteTaskStore.open(db_path, max_records=10)
+    await store.create(make_record("task_old", input_requests={"k": {"method": "roots/list"}}))
+    await store.close()
+    with sqlite3.connect(db_path) as conn:  # back to the schema before the migration
+        conn.execute("DELETE FROM _sqlite_migrations WHERE name = '0005_add_upstream_task'")
+        for column in ("upstream_task_id", "upstream_session_id", "upstream_input_ids"):
+            conn.execute(f"ALTER TABLE tasks DROP COLUMN {column}")
+    assert "upstream_task_id" not in {row[1] for row in raw_rows(db_path, "PRAGMA table_info(tasks)")}
+
+    store = await SqliteTaskStore.open(db_path, max_records=10)
+    try:
+        old = await store.get("task_old")
+        assert old is not None
+        assert (old.upstream_task_id, old.upstream_session_id, old.upstream_input_ids) == (None, None, {})
+        assert old.input_requests == {"k": {"method": "roots/list"}}
+    finally:
+        await store.close()

@@ -20,15 +20,17 @@ CACHE = (60_000, "private")
 
 
 def test_every_result_gets_result_type_complete_and_server_info() -> None:
-    """K-41, C-3, C-10."""
+    """Legacy results carry no resultType; every 2026-07-28 result must, and should name the server in
+    `_meta`."""
     result = complete_result("tools/call", {"content": [], "isError": False}, SERVER_INFO, CACHE)
     assert result["resultType"] == "complete"
     assert result["_meta"]["io.modelcontextprotocol/serverInfo"] == SERVER_INFO
-    assert "ttlMs" not in result  # tools/call results are not cacheable (C-29)
+    assert "ttlMs" not in result  # tools/call results are not cacheable
 
 
 def test_cacheable_results_carry_ttl_and_scope() -> None:
-    """C-29."""
+    """The lists and resources/read are cacheable results: they carry ttlMs and cacheScope
+    (server/utilities/caching)."""
     for method in ("tools/list", "prompts/list", "resources/list", "resources/templates/list", "resources/read"):
         result = complete_result(method, {}, None, CACHE)
         assert (result["ttlMs"], result["cacheScope"]) == CACHE, method
@@ -47,7 +49,7 @@ def test_legacy_meta_and_task_support_are_stripped_and_input_is_not_mutated() ->
 
 
 def test_resource_not_found_becomes_invalid_params() -> None:
-    """L-7: -32002 must not be emitted by a 2026-07-28 server."""
+    """-32002 must not be emitted by a 2026-07-28 server."""
     error = error_object({"code": -32002, "message": "Resource not found", "data": {"uri": "test://x"}})
     assert error == {"code": -32602, "message": "Resource not found", "data": {"uri": "test://x"}}
 
@@ -69,7 +71,7 @@ def test_malformed_error_objects_become_internal_errors() -> None:
 
 
 def test_server_capabilities_translate_the_legacy_shape() -> None:
-    """K-34, T-9, T-12: the legacy tasks block goes, the extension is advertised, flags stay booleans."""
+    """The legacy tasks block goes, the extension is advertised, flags stay booleans."""
     legacy = {
         "tools": {"listChanged": True},
         "prompts": {"listChanged": False},
@@ -119,7 +121,8 @@ def test_listen_notifications_are_filtered_and_tagged() -> None:
 
 
 def test_discover_result_is_synthesized_from_initialize() -> None:
-    """C-7."""
+    """`server/discover`: versions the proxy serves, instructions, serverInfo in `_meta` (no top-level
+    serverInfo), and the required ttlMs and cacheScope."""
     result = discover_result(
         {
             "protocolVersion": "2025-11-25",
@@ -138,7 +141,7 @@ def test_discover_result_is_synthesized_from_initialize() -> None:
 
 
 def test_progress_is_relayed_only_with_a_progress_token() -> None:
-    """C-18, K-31."""
+    """Progress is request-scoped: relayed only when the client sent a progressToken, re-tagged with it."""
     note: dict[str, Any] = {
         "jsonrpc": "2.0",
         "method": "notifications/progress",

@@ -97,7 +97,7 @@ def record(status: TaskStatus = TaskStatus.WORKING, **changes: Any) -> TaskRecor
 
 
 def test_task_id_shape() -> None:
-    """T-46 / K-17: `task_` + ≥ 192 bits of url-safe base64, ASCII."""
+    """`task_` + ≥ 192 bits of url-safe base64, ASCII: unguessable, and safe in a header."""
     task_id = new_task_id()
     assert task_id.isascii()
     assert task_id.startswith("task_")
@@ -150,7 +150,7 @@ def test_iso_timestamp_keeps_every_millisecond() -> None:
 
 
 def test_expiry_boundary() -> None:
-    """T-37 / K-16: expired at exactly createdAt + ttlMs, not one millisecond before."""
+    """Expired at exactly createdAt + ttlMs, not one millisecond before."""
     task = record(ttl_ms=5_000)
     assert task.expires_at_ms == CREATED_MS + 5_000
     assert not task.expired(CREATED_MS)
@@ -179,7 +179,7 @@ def test_unlimited_ttl_never_expires() -> None:
     assert not task.expired(2**62)
 
 
-# --- create_task_result (T-7 / K-5) ------------------------------------------------------------------------
+# --- create_task_result: flat, `resultType: "task"`, no outcome --------------------------------------------
 
 
 def test_create_task_result_is_flat() -> None:
@@ -207,7 +207,7 @@ def test_create_task_result_never_carries_an_outcome(status: TaskStatus) -> None
 
 
 def test_create_task_result_with_unlimited_ttl_keeps_the_key() -> None:
-    """K-7: `ttlMs` is always present; null means unlimited."""
+    """`ttlMs` is always present; null means unlimited."""
     message = create_task_result(record(ttl_ms=None))
     assert "ttlMs" in message
     assert message["ttlMs"] is None
@@ -244,7 +244,7 @@ def test_the_schema_check_is_not_vacuous() -> None:
         SCHEMA.validate(detailed_task(record(TaskStatus.WORKING)), "CompletedTask")
 
 
-# --- get_task_result / detailed_task (T-8 / T-22) ----------------------------------------------------------
+# --- get_task_result / detailed_task: `resultType: "complete"`, the variant of the status ------------------
 
 
 @pytest.mark.parametrize("status", list(TaskStatus))
@@ -349,7 +349,7 @@ def test_get_task_result_with_unlimited_ttl_and_server_info() -> None:
     SCHEMA.validate(message, "GetTaskResult")
 
 
-# --- ack_result (T-26 / T-33 / K-9) ------------------------------------------------------------------------
+# --- ack_result: empty apart from `resultType` -------------------------------------------------------------
 
 
 def test_ack_result_is_empty() -> None:
@@ -418,7 +418,7 @@ def test_progress_status_message_without_a_number(params: Any) -> None:
 
 
 def test_failure_status_message_names_message_and_code() -> None:
-    """T-20: a diagnostic statusMessage for a failed task."""
+    """A diagnostic statusMessage for a failed task."""
     text = failure_status_message({"code": -32602, "message": "Unknown tool: nope"})
     assert "Unknown tool: nope" in text
     assert "-32602" in text

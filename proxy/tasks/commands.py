@@ -2,9 +2,12 @@
 
 Events go into `machine.handle`; commands come out, and the runner executes them in order. Some commands are
 answered by an event the runner feeds back (`CreateRecord` → `Committed` / `CommitRefused`, `Park` → `Parked`
-/ `ParkRefused`). `Reply` answers the request a client is waiting on. Three events come from other replicas
-of a shared store (`RemoteCancel`, `RemoteAnswers`) or from losing the right to write (`LeaseLost`). Plain
-frozen data; imports only the upstream event types, errors and the wire.
+/ `ParkRefused`, `PollUpstreamTask` → `UpstreamTaskPolled`). `Reply` answers the request a client is waiting
+on. A call the upstream runs as its own 2025-11-25 task (`StartCall(upstream_task=True)`) follows that task
+instead of a held request: `UpstreamTaskCreated`, then `FollowUpstreamTask` (its `tasks/result` stream brings
+the questions and the outcome), `PollUpstreamTask` (`tasks/get`) and `CancelUpstreamTask`. Three events come
+from other replicas of a shared store (`RemoteCancel`, `RemoteAnswers`) or from losing the right to write
+(`LeaseLost`). Plain frozen data; imports only the upstream event types, errors and the wire.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Final
 from proxy.errors import ProxyError
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
 from proxy.wire.jsonrpc import JSON
+from proxy.wire.legacy_tasks import LegacyTask
 from proxy.wire.tasks import TaskStatus
 
 # How the upstream call ended: its result, its JSON-RPC error, or lost (the ProxyError says how).
@@ -34,6 +38,7 @@ class Timer(StrEnum):
     GATHER = "gather"  # questions asked together (within `inputs.gather_ms`) reach the client together
     WINDOW = "window"  # the sync window: a call still running then becomes a task
     PARK = "park"  # a parked call nobody resumes in time is cancelled
+    POLL = "poll"  # an upstream-owned task silent for its pollInterval is asked for its status (tasks/get)
 
 
 # --- events ------------------------------------------------------------------------------------------------
@@ -115,6 +120,31 @@ class Stop:
 
 
 @dataclass(frozen=True, slots=True)
+class ShutDown:
+    """The proxy stops. Like `Stop`, except that a task the upstream runs itself is left running there: the
+    next start follows it again."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTaskCreated:
+    """A task-augmented `tools/call` was answered with the upstream's `CreateTaskResult`."""
+
+    task: LegacyTask
+    at_ms: int  # wall clock (epoch milliseconds): the upstream's ttl counts from about now
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTaskPolled:
+    """The upstream's `tasks/get` answer: the task; None when the upstream could not be asked this time; with
+    `known` False the upstream does not know the task (or its session) any more."""
+
+    task: LegacyTask | None
+    known: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class RemoteCancel:
     """The task was settled by another replica (a client's `tasks/cancel` there, or its TTL sweep): the call
     stops and the upstream is told. Nothing is written: the record is settled already."""
@@ -152,6 +182,9 @@ Event = (
     | Answered
     | ClientLeft
     | Stop
+    | ShutDown
+    | UpstreamTaskCreated
+    | UpstreamTaskPolled
     | RemoteCancel
     | RemoteAnswers
     | LeaseLost
@@ -162,24 +195,36 @@ Event = (
 
 @dataclass(frozen=True, slots=True)
 class StartCall:
-    """Send the upstream request (on a leased session when the client can answer questions)."""
+    """Send the upstream request (on a leased session when the client can answer questions). With
+    `upstream_task` it carries `params.task` (kept `ttl_ms`): the upstream runs it as its own task."""
+
+    upstream_task: bool = False
+    ttl_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class CreateRecord:
-    """Commit the task record (limits first); answered with `Committed` or `CommitRefused`."""
+    """Commit the task record (limits first); answered with `Committed` or `CommitRefused`. For a task the
+    upstream runs itself, its id (the session it lives in is the call's), when the upstream drops it (the
+    record's ttl never goes beyond), the upstream ids of the questions, and its latest statusMessage."""
 
     status: TaskStatus
     input_requests: JSON
     issued: int
+    upstream_task_id: str | None = None
+    upstream_expires_at_ms: int | None = None
+    upstream_input_ids: JSON | None = None
+    status_message: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class WriteInputs:
-    """The record shows these outstanding questions (`input_required`), or none (`working`)."""
+    """The record shows these outstanding questions (`input_required`), or none (`working`); for a task the
+    upstream runs itself, also their upstream ids (answers can reach the upstream after a restart)."""
 
     input_requests: JSON
     issued: int
+    upstream_input_ids: JSON | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +264,33 @@ class CancelCall:
     """Abandon the upstream call: `notifications/cancelled` upstream. Nothing is fed back."""
 
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class FollowUpstreamTask:
+    """Follow the upstream's task on the call's session: one `tasks/result` at a time (it streams the task's
+    questions, then its outcome), opened again when it drops; a resumed task adopts its stored session."""
+
+
+@dataclass(frozen=True, slots=True)
+class PollUpstreamTask:
+    """Ask the upstream for the task's status (`tasks/get`); answered with `UpstreamTaskPolled`."""
+
+
+@dataclass(frozen=True, slots=True)
+class CancelUpstreamTask:
+    """`tasks/cancel` upstream, then stop following the task. Nothing is fed back."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseCall:
+    """Stop following the upstream's task without cancelling it: it is over for the proxy (the upstream lost
+    it), or, with `keep_session`, the proxy shuts down and the upstream keeps the session and the task for the
+    next start (the session is not ended with DELETE)."""
+
+    keep_session: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,4 +386,8 @@ Command = (
     | Unpark
     | HoldSlot
     | Reply
+    | FollowUpstreamTask
+    | PollUpstreamTask
+    | CancelUpstreamTask
+    | ReleaseCall
 )

@@ -2,9 +2,10 @@
 the signed `requestState` of an MRTR round.
 
 A legacy server asks mid-call with a JSON-RPC request (`elicitation/create`, `sampling/createMessage`,
-`roots/list`). The proxy keeps the upstream request id to itself and shows the client a minted key (T-30,
-K-39: never the raw upstream id, never reused); the client's answer under that key goes back upstream as the
-JSON-RPC response. Imports the wire layer, errors and itsdangerous; no I/O.
+`roots/list`). The proxy keeps the upstream request id to itself and shows the client a minted key (never
+the raw upstream id, which can repeat across upstream sessions, and never reused over the task's life); the
+client's answer under that key goes back upstream as the JSON-RPC response. Imports the wire layer, errors
+and itsdangerous; no I/O.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from proxy.wire.jsonrpc import JSON
 from proxy.wire.translate import INPUT_METHODS, LEGACY_META_KEYS, required_capability
 
 KEY_PREFIXES: Final = {"elicitation/create": "elicitation", "sampling/createMessage": "sampling", "roots/list": "roots"}
-# Request fields that are not part of the request itself: the MRTR retry adds the first two (C-12), `_meta`
-# carries per-request envelope data, and `task` is the legacy opt-in the proxy ignores (T-11).
+# Request fields that are not part of the request itself: the MRTR retry adds the first two, `_meta`
+# carries per-request envelope data, and `task` is the legacy opt-in the proxy ignores.
 _NOT_SALIENT: Final = frozenset({"_meta", "inputResponses", "requestState", "task"})
 _SALT: Final = "mcp-tasks-proxy/request-state/v1"
 
@@ -55,8 +56,8 @@ def mint_key(method: str, number: int) -> str:
 
 
 def input_request(method: str, params: Any) -> JSON:
-    """K-12 / C-16: the upstream request as an `inputRequests` entry: no `jsonrpc`/`id`, no legacy `_meta`
-    (related-task), no `elicitationId`; a form elicitation names its mode."""
+    """The upstream request as an `inputRequests` entry: no `jsonrpc`/`id`, no legacy `_meta` (related-task),
+    no `elicitationId` (removed in 2026-07-28); a form elicitation names its mode."""
     cleaned: JSON = dict(params) if isinstance(params, dict) else {}
     meta = cleaned.pop("_meta", None)
     if isinstance(meta, dict):
@@ -72,8 +73,8 @@ def input_request(method: str, params: Any) -> JSON:
 
 
 def declared(capabilities: Any, method: str, params: Any) -> bool:
-    """C-14 / K-19: may a client with these ClientCapabilities receive this question? (URL elicitation needs
-    `elicitation.url`.)"""
+    """May a client with these ClientCapabilities receive this question? Only request types it declared may be
+    asked (URL elicitation needs `elicitation.url`; basic/patterns/mrtr)."""
     if method not in INPUT_METHODS or not isinstance(capabilities, dict):
         return False
     for name, sub in required_capability(method, params).items():
@@ -111,12 +112,14 @@ def upstream_answer(key: str, method: str, response: Any) -> JSON:
 
 
 def input_required_result(requests: Mapping[str, JSON], request_state: str) -> JSON:
-    """C-11: the MRTR answer of a synchronous request that needs the client's input first."""
+    """The MRTR answer (`resultType: "input_required"`) of a synchronous request that needs the client's input
+    first."""
     return {"resultType": "input_required", "inputRequests": dict(requests), "requestState": request_state}
 
 
 def params_digest(params: Mapping[str, Any]) -> str:
-    """C-13: a digest of the request's salient params (everything but the envelope and the MRTR fields)."""
+    """A digest of the request's salient params (everything but the envelope and the MRTR fields), so a
+    `requestState` is bound to the request it was issued for."""
     salient = {key: value for key, value in params.items() if key not in _NOT_SALIENT}
     canonical = json.dumps(salient, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
@@ -137,9 +140,9 @@ class StateClaims:
 
 
 class RequestStateSigner:
-    """C-13 / K-21: `requestState` is attacker-controlled, so it is HMAC-signed (itsdangerous), expiring and
-    bound to the principal, the method and the params digest. A key shared through `inputs.secret_file` lets
-    replicas verify each other's states (and say where the call is parked)."""
+    """`requestState` is attacker-controlled (basic/patterns/mrtr), so it is HMAC-signed (itsdangerous),
+    expiring and bound to the principal, the method and the params digest. A key shared through
+    `inputs.secret_file` lets replicas verify each other's states (and say where the call is parked)."""
 
     def __init__(self, secret: bytes) -> None:
         self._serializer = URLSafeSerializer(secret, salt=_SALT)

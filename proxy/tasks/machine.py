@@ -8,8 +8,15 @@ what came of them (`Committed`, `Parked`, ...). No asyncio, no I/O, no clock: ti
 With several replicas on one store, a task's call runs on the replica that owns it; what other replicas learn
 reaches it as events too (`RemoteCancel`, `RemoteAnswers`), and so does the loss of its lease (`LeaseLost`).
 
-Imports the policy, the input-bridging rules (`inputs.py`), the upstream event types and the wire; nothing
-that does I/O.
+When the upstream runs the call as its own 2025-11-25 task (`Decision.upstream_task`), the call follows that
+task instead of a held request: the `tools/call` carries `params.task`, the upstream's `CreateTaskResult`
+(`UpstreamTaskCreated`) makes the proxy's record (with the upstream's id, within its ttl), its `tasks/result`
+stream brings the questions (`Asked`) and the outcome (`Ended`), its status comes from
+`notifications/tasks/status` or, when it is silent for its pollInterval, from `tasks/get`
+(`UpstreamTaskPolled`); a cancel is `tasks/cancel`, and a shutdown leaves it running for the next start.
+
+Imports the policy, the input-bridging rules (`inputs.py`), the followed upstream task (`followed.py`), the
+upstream event types and the wire; nothing that does I/O.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from proxy.tasks.commands import (
     Asked,
     CallOutcome,
     CancelCall,
+    CancelUpstreamTask,
     ClearTimer,
     ClientLeft,
     Command,
@@ -36,6 +44,7 @@ from proxy.tasks.commands import (
     CreateRecord,
     Ended,
     Event,
+    FollowUpstreamTask,
     HoldSlot,
     LeaseLost,
     Mode,
@@ -43,8 +52,10 @@ from proxy.tasks.commands import (
     Park,
     Parked,
     ParkRefused,
+    PollUpstreamTask,
     Refuse,
     Relay,
+    ReleaseCall,
     RemoteAnswers,
     RemoteCancel,
     Reply,
@@ -57,20 +68,25 @@ from proxy.tasks.commands import (
     Resumed,
     SetTimer,
     Settle,
+    ShutDown,
     Start,
     StartCall,
     Stop,
     Timer,
     TimerFired,
     Unpark,
+    UpstreamTaskCreated,
+    UpstreamTaskPolled,
     WriteInputs,
     WriteProgress,
 )
+from proxy.tasks.followed import UPSTREAM_CANCELLED, FollowedTask
 from proxy.tasks.inputs import PendingInput
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
+from proxy.wire import legacy_tasks, translate
 from proxy.wire import tasks as wire_tasks
-from proxy.wire import translate
 from proxy.wire.jsonrpc import JSON
+from proxy.wire.legacy_tasks import LegacyTask
 from proxy.wire.tasks import TaskStatus
 
 MAX_OUTSTANDING_INPUTS: Final = 64  # open questions per call; an upstream asking more at once is refused
@@ -105,10 +121,17 @@ class CallState:
     round: int = 0  # MRTR rounds so far; a requestState is good for exactly one round
     holds_slot: bool = False  # counts against `tasks.max_running`
     progress_written_at_ms: float = float("-inf")
+    upstream_task: FollowedTask | None = None  # the upstream's own task this call follows, once created
     fenced: bool = False  # the lease on the task was lost: nothing more is written for it
 
     def input_requests(self) -> JSON:
         return {key: pending.request for key, pending in self.inputs.items()}
+
+    def upstream_input_ids(self) -> JSON | None:
+        """For a task the upstream runs itself: each outstanding question's upstream JSON-RPC id, by key."""
+        if not self.decision.upstream_task:
+            return None
+        return {key: pending.upstream_id for key, pending in self.inputs.items()}
 
 
 def handle(state: CallState, event: Event) -> list[Command]:
@@ -144,6 +167,12 @@ def finished(state: CallState) -> bool:
     return not state.running and not state.committing and state.mode is not Mode.PARKED and not state.client_waiting
 
 
+def _settlement(state: CallState, outcome: CallOutcome | None) -> Settle:
+    if state.upstream_task is not None and state.upstream_task.cancelled:
+        return settlement(None, UPSTREAM_CANCELLED)
+    return settlement(outcome)
+
+
 def settlement(outcome: CallOutcome | None, reason: str = CLIENT_LEFT) -> Settle:
     """How a task settles from its call's outcome: a result (`isError` included) is `completed`; a JSON-RPC
     error, or a lost upstream, is `failed` with that error; no outcome (the call was stopped) is `cancelled`."""
@@ -161,16 +190,33 @@ def settlement(outcome: CallOutcome | None, reason: str = CLIENT_LEFT) -> Settle
 
 
 def _start(state: CallState, event: Start) -> list[Command]:
-    if state.task_id is not None:  # a task re-run after a restart
+    if state.task_id is not None:  # a task re-run (or, if the upstream runs it, resumed) after a restart
         state.mode = Mode.TASK
         state.client_waiting = False
+        if state.upstream_task is not None:
+            return _follow_again(state)
         return _start_call(state)
+    if state.decision.upstream_task:
+        return _start_call(state)  # the record, or the window, once the upstream said it runs the task
     if state.decision.task_first:
         return _create_record(state)
     commands = _start_call(state)
     window_ms = state.decision.window_ms
     if window_ms is not None:
         commands += _set_window(state, window_ms)
+    return commands
+
+
+def _follow_again(state: CallState) -> list[Command]:
+    """After a restart: the upstream's task, on its stored session, is followed again and asked for its status
+    at once; the questions it asked before are shown again (their upstream ids were stored)."""
+    assert state.upstream_task is not None
+    state.started = True
+    state.running = True
+    state.upstream_task.following = True
+    commands: list[Command] = [FollowUpstreamTask(), PollUpstreamTask()]
+    if state.inputs:
+        commands += _write_inputs(state)
     return commands
 
 
@@ -186,8 +232,10 @@ def _asked(state: CallState, event: Asked) -> list[Command]:
         return [Refuse(question.id, question.method, "detached")]
     if not inputs.declared(state.capabilities, question.method, question.params):
         commands: list[Command] = [Refuse(question.id, question.method, "undeclared")]
-        if state.mode is Mode.WAITING and state.client_waiting and state.decision.asks_by_mrtr:
-            # The waiting client gets -32021 naming what it lacks, unless it can answer something else.
+        upstream_task = state.decision.upstream_task
+        if state.mode is Mode.WAITING and state.client_waiting and state.decision.asks_by_mrtr and not upstream_task:
+            # The waiting client gets -32021 naming what it lacks, unless it can answer something else. (A task
+            # the upstream runs goes on with the refusal, as any task does.)
             state.missing.append(translate.required_capability(question.method, question.params))
             commands += _gather(state)
         return commands
@@ -204,12 +252,21 @@ def _asked(state: CallState, event: Asked) -> list[Command]:
 
 def _notified(state: CallState, event: Notified) -> list[Command]:
     """Progress and log messages reach a waiting client that asked for them; a task's progress becomes its
-    statusMessage (at most every PROGRESS_WRITE_INTERVAL_MS: the next one catches up)."""
+    statusMessage (at most every PROGRESS_WRITE_INTERVAL_MS: the next one catches up). The status of the
+    upstream task the call follows comes from its `notifications/tasks/status`."""
+    if state.upstream_task is not None:
+        reported = legacy_tasks.status_notification(event.message, state.upstream_task.task_id)
+        if reported is not None:
+            return _upstream_status(state, reported)
+    if event.message.get("method") == legacy_tasks.STATUS_NOTIFICATION:
+        return []  # about a task this call does not follow (or not yet)
     if state.mode is Mode.WAITING and state.client_waiting:
         relayed = translate.relay_notification(event.message, state.progress_token, state.log_level)
         return [Relay(relayed)] if relayed is not None else []
     if state.mode is not Mode.TASK or state.task_id is None or event.message.get("method") != "notifications/progress":
         return []
+    if state.upstream_task is not None and state.upstream_task.status_message is not None:
+        return []  # the upstream's own statusMessage says more than its progress
     text = wire_tasks.progress_status_message(event.message.get("params"))
     if text is None or event.at_ms - state.progress_written_at_ms < PROGRESS_WRITE_INTERVAL_MS:
         return []
@@ -218,16 +275,28 @@ def _notified(state: CallState, event: Notified) -> list[Command]:
 
 
 def _ended(state: CallState, event: Ended) -> list[Command]:
+    followed = state.upstream_task
+    if followed is None or not followed.following or not state.running:
+        return _end(state, event.outcome)
+    followed.following = False  # tasks/result answered: the upstream's task is over
+    outcome = followed.outcome(event.outcome)
+    if outcome is None:  # an answer that is no tool result, and the task's status is not known yet
+        followed.final = event.outcome
+        return [PollUpstreamTask()]
+    return _end(state, outcome)
+
+
+def _end(state: CallState, outcome: CallOutcome) -> list[Command]:
     if not state.running:
         return []  # the call was abandoned already: how its stream ended changes nothing
     state.running = False
-    state.outcome = event.outcome
+    state.outcome = outcome
     state.inputs.clear()  # questions of an ended call can no longer be answered
-    commands = _clear_window(state)
+    commands = [*_clear_window(state), *_clear_poll(state)]
     if state.committing:
         return commands  # settled once the record is there (`Committed`)
     if state.task_id is not None:
-        commands.append(settlement(event.outcome))
+        commands.append(_settlement(state, outcome))
     if state.mode is Mode.WAITING and state.client_waiting:
         decision = state.decision
         if decision.asks_by_mrtr and state.missing:
@@ -235,7 +304,7 @@ def _ended(state: CallState, event: Ended) -> list[Command]:
         elif decision.task_when_done and state.task_id is None:
             commands += _create_record(state)
         else:
-            commands += _release(state, ReplyOutcome(event.outcome))
+            commands += _release(state, ReplyOutcome(outcome))
     return commands
 
 
@@ -247,6 +316,8 @@ def _timer_fired(state: CallState, event: TimerFired) -> list[Command]:
         if state.mode is Mode.WAITING and state.client_waiting and state.running and not state.committing:
             return _create_record(state)  # still running after the window: the same call continues as a task
         return []
+    if event.timer is Timer.POLL:
+        return [PollUpstreamTask()] if state.running and state.upstream_task is not None else []
     if state.mode is not Mode.PARKED:
         return []
     state.mode = Mode.DETACHED  # nobody resumed the parked call in time
@@ -275,7 +346,7 @@ def _committed(state: CallState, event: Committed) -> list[Command]:
     if not state.inputs_written and state.running:
         commands += _write_inputs(state)
     if state.started and not state.running and state.mode is not Mode.DETACHED:
-        commands.append(settlement(state.outcome))  # the call ended (or was stopped) while the record was written
+        commands.append(_settlement(state, state.outcome))  # the call ended (or was stopped) while it was written
     return commands
 
 
@@ -341,6 +412,75 @@ def _stop(state: CallState, event: Stop) -> list[Command]:
     return [*commands, *_cancel(state, event.reason)]
 
 
+def _shut_down(state: CallState, event: ShutDown) -> list[Command]:
+    """A task the upstream runs itself keeps running there: the proxy only stops following it, and the next
+    start follows it again on the same upstream session (the record keeps the questions and their ids).
+    Anything else stops as with `Stop`; so does a poll-to-sync task, which nobody could read after a restart."""
+    followed = state.upstream_task
+    if followed is None or state.task_id is None or not state.running or state.decision.holds_client:
+        return _stop(state, Stop(event.reason))
+    state.running = False
+    followed.following = False
+    state.mode = Mode.DETACHED
+    state.inputs.clear()
+    return [*_clear_poll(state), ReleaseCall(keep_session=True)]
+
+
+def _upstream_task_created(state: CallState, event: UpstreamTaskCreated) -> list[Command]:
+    """The upstream runs the call as its own task: follow it (its tasks/result, and tasks/get when it is silent).
+    A task at once (or poll-to-sync) gets its record now; a window starts now; questions already gathered for a
+    window call make it a task now."""
+    followed = state.upstream_task = FollowedTask.created(event.task, event.at_ms)
+    if not state.running:  # abandoned while the upstream was creating it: nobody will follow it
+        followed.following = False
+        return [CancelUpstreamTask(CLIENT_LEFT)]
+    commands: list[Command] = [FollowUpstreamTask(), SetTimer(Timer.POLL, followed.poll_interval_ms)]
+    if state.mode is not Mode.WAITING or not state.client_waiting or state.committing or state.task_id is not None:
+        return commands
+    decision = state.decision
+    if decision.task_first or (state.inputs and not decision.asks_by_mrtr and not state.gathering):
+        return [*commands, *_create_record(state)]
+    if decision.window_ms is not None:
+        commands += _set_window(state, decision.window_ms)
+    return commands
+
+
+def _upstream_task_polled(state: CallState, event: UpstreamTaskPolled) -> list[Command]:
+    followed = state.upstream_task
+    if followed is None or not state.running:
+        return []
+    if not event.known:  # the upstream dropped the task (or its whole session)
+        if followed.final is not None:
+            return _end(state, followed.forgotten())  # tasks/result answered: nothing left to stop
+        followed.following = False
+        return [ReleaseCall(), *_end(state, followed.forgotten())]
+    if event.task is None:  # not reachable this time: ask again later
+        return [SetTimer(Timer.POLL, followed.poll_interval_ms)]
+    return _upstream_status(state, event.task)
+
+
+def _upstream_status(state: CallState, task: LegacyTask) -> list[Command]:
+    """A status report of the followed task: a new statusMessage reaches the record; the outcome still comes
+    from tasks/result (unless it already came and waited for this status). Silence for the upstream's
+    pollInterval is met with tasks/get."""
+    followed = state.upstream_task
+    if followed is None or not state.running:
+        return []
+    changed = followed.seen(task)
+    if followed.final is not None:
+        outcome = followed.outcome(followed.final)
+        if outcome is not None:
+            followed.final = None
+            return _end(state, outcome)
+        return [SetTimer(Timer.POLL, followed.poll_interval_ms)]
+    commands: list[Command] = []
+    if changed and state.task_id is not None and state.mode is not Mode.DETACHED and followed.status_message:
+        commands.append(WriteProgress(followed.status_message))
+    if not task.terminal:
+        commands.append(SetTimer(Timer.POLL, followed.poll_interval_ms))
+    return commands
+
+
 def _remote_cancel(state: CallState, event: RemoteCancel) -> list[Command]:
     """Settled by another replica: a call still running (or parked, or with a client waiting) is stopped, as a
     local cancel stops it; one that has ended already has nothing to stop."""
@@ -368,11 +508,12 @@ def _remote_answers(state: CallState, event: RemoteAnswers) -> list[Command]:
 
 
 def _lease_lost(state: CallState, event: LeaseLost) -> list[Command]:
-    """Another replica may own the task now: stop as a cancel does, and never write its record again."""
+    """Another replica may own the task now: stop as a shutdown does (a task the upstream runs itself keeps
+    running there, to be followed again if it is still this replica's), and never write its record again."""
     if state.fenced:
         return []
     state.fenced = True
-    return _stop(state, Stop(LEASE_LOST))
+    return _shut_down(state, ShutDown(LEASE_LOST))
 
 
 _HANDLERS: Final[dict[type[Any], Callable[[CallState, Any], list[Command]]]] = {
@@ -389,6 +530,9 @@ _HANDLERS: Final[dict[type[Any], Callable[[CallState, Any], list[Command]]]] = {
     Answered: _answered,
     ClientLeft: _client_left,
     Stop: _stop,
+    ShutDown: _shut_down,
+    UpstreamTaskCreated: _upstream_task_created,
+    UpstreamTaskPolled: _upstream_task_polled,
     RemoteCancel: _remote_cancel,
     RemoteAnswers: _remote_answers,
     LeaseLost: _lease_lost,
@@ -400,6 +544,9 @@ _HANDLERS: Final[dict[type[Any], Callable[[CallState, Any], list[Command]]]] = {
 def _start_call(state: CallState) -> list[Command]:
     state.started = True
     state.running = True
+    policy = state.decision.policy
+    if state.decision.upstream_task and policy is not None:
+        return [StartCall(upstream_task=True, ttl_ms=policy.ttl_ms)]
     return [StartCall()]
 
 
@@ -408,12 +555,28 @@ def _create_record(state: CallState) -> list[Command]:
     state.committing = True
     state.inputs_written = True
     status = TaskStatus.INPUT_REQUIRED if state.inputs else TaskStatus.WORKING
-    return [*_clear_window(state), CreateRecord(status, state.input_requests(), state.issued)]
+    followed = state.upstream_task
+    if followed is None:
+        return [*_clear_window(state), CreateRecord(status, state.input_requests(), state.issued)]
+    record = CreateRecord(
+        status,
+        state.input_requests(),
+        state.issued,
+        upstream_task_id=followed.task_id,
+        upstream_expires_at_ms=followed.expires_at_ms,
+        upstream_input_ids=state.upstream_input_ids(),
+        status_message=followed.status_message,
+    )
+    return [*_clear_window(state), record]
 
 
 def _set_window(state: CallState, window_ms: int) -> list[Command]:
     state.window_set = True
     return [SetTimer(Timer.WINDOW, window_ms)]
+
+
+def _clear_poll(state: CallState) -> list[Command]:
+    return [ClearTimer(Timer.POLL)] if state.upstream_task is not None else []
 
 
 def _clear_window(state: CallState) -> list[Command]:
@@ -439,6 +602,8 @@ def _publish(state: CallState) -> list[Command]:
     if state.mode is not Mode.WAITING or not state.client_waiting or not state.running or state.committing:
         return commands
     if state.inputs and not state.decision.asks_by_mrtr:
+        if state.decision.upstream_task and state.upstream_task is None:
+            return commands  # the record waits for the upstream's task id (`UpstreamTaskCreated`)
         return [*commands, *_create_record(state)]  # a window call: its questions go to the task it becomes
     if state.inputs:
         return [*commands, *_ask_client(state)]
@@ -449,7 +614,7 @@ def _publish(state: CallState) -> list[Command]:
 
 def _write_inputs(state: CallState) -> list[Command]:
     state.inputs_written = True
-    return [WriteInputs(state.input_requests(), state.issued)]
+    return [WriteInputs(state.input_requests(), state.issued, state.upstream_input_ids())]
 
 
 def _ask_client(state: CallState) -> list[Command]:
@@ -500,9 +665,13 @@ def _detach(state: CallState, reason: str, *, cancel: bool = False) -> list[Comm
 
 
 def _cancel(state: CallState, reason: str) -> list[Command]:
+    """Abandon the upstream call: `notifications/cancelled`, or `tasks/cancel` for a task the upstream runs."""
     if not state.running:
         return []
     state.running = False
+    if state.upstream_task is not None:
+        state.upstream_task.following = False
+        return [*_clear_poll(state), CancelUpstreamTask(reason)]
     return [CancelCall(reason)]
 
 

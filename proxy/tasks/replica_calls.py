@@ -80,14 +80,21 @@ class ReplicaCalls:
     async def _rerun(self, record: TaskRecord, fence: Fence) -> None:
         raise NotImplementedError
 
+    async def _follow_again(self, record: TaskRecord, before: TaskRecord, fence: Fence) -> None:
+        raise NotImplementedError
+
     async def _fail(self, task_id: str, message: str, fence: Fence | None = None) -> TaskRecord | None:
         raise NotImplementedError
 
     # --- taking over tasks whose call runs nowhere -------------------------------------------------------------
 
-    async def _adopt(self, records: list[TaskRecord], interrupted: str, rerun: str, fence: Fence | None) -> None:
+    async def _adopt(
+        self, records: list[TaskRecord], interrupted: str, rerun: str, fence: Fence | None, *, follow: bool
+    ) -> None:
         """Live tasks whose call runs nowhere: failed with `interrupted`, or re-run here when their policy says
-        `on_restart: rerun` (claimed with `rerun` as their statusMessage). `fence`: they are this replica's
+        `on_restart: rerun` (claimed with `rerun` as their statusMessage). With `follow` (this replica's own
+        upstream ran them), a task the upstream runs itself is followed again instead; another replica's
+        upstream is out of reach, so its tasks are failed or re-run. `fence`: the tasks are this replica's
         already (taken over); None: an earlier process's (SQLite), claimed without one."""
         now = self.clock()
         for record in records:
@@ -95,6 +102,12 @@ class ReplicaCalls:
                 if record.expired(now):
                     await self._fail(record.task_id, wire_tasks.EXPIRED_MESSAGE, fence)
                     continue
+                if follow and record.upstream_task_id is not None:
+                    message = record.status_message or wire_tasks.RESUMED_MESSAGE
+                    claimed = await self.store.claim(record.task_id, self.process_id, message, now_ms=now, fence=fence)
+                    if claimed is not None:
+                        await self._follow_again(claimed, record, fence or self.replicas.fence)
+                        continue
                 if record.on_restart == "rerun":
                     claimed = await self.store.claim(record.task_id, self.process_id, rerun, now_ms=now, fence=fence)
                     if claimed is not None:
@@ -108,7 +121,7 @@ class ReplicaCalls:
     async def taken_over(self, records: list[TaskRecord]) -> None:
         """A dead replica's live tasks, now this replica's."""
         async with self._adopting:
-            await self._adopt(records, TAKEN_OVER, TAKEN_OVER_RERUN, self.replicas.fence)
+            await self._adopt(records, TAKEN_OVER, TAKEN_OVER_RERUN, self.replicas.fence, follow=False)
 
     def lease_changed(self, fence: Fence) -> None:
         self.spawn(self._lease_lapsed(), "lease-lapsed")
@@ -125,7 +138,7 @@ class ReplicaCalls:
             running = {task_id for task_id, call in self._tasks.items() if call.fence == fence}
             orphans = [record for record in await self.store.live(self.process_id) if record.task_id not in running]
             log.warning("lease_lapsed_recovery", stopped=len(stale), recovered=len(orphans))
-            await self._adopt(orphans, LEASE_LAPSED, LEASE_LAPSED_RERUN, fence)
+            await self._adopt(orphans, LEASE_LAPSED, LEASE_LAPSED_RERUN, fence, follow=True)
 
     # --- what other replicas did to tasks whose call runs here -------------------------------------------------
 

@@ -4,11 +4,12 @@ coroutine of a call that may outlive its HTTP request.
 For each call it keeps the machine's state beside what carrying it out needs (the upstream session and
 request, timers, the waiting client's reply and stream), feeds it events one at a time (under the call's lock)
 and executes the commands that come out: store writes, upstream answers and cancels, replies, timers, the
-`max_running` slots and the parked MRTR calls. It decides nothing itself. It also runs the task-level
-operations that need no call (`tasks/get`, `tasks/cancel` of a task whose call is gone, TTL sweeps, restart
-recovery). With several replicas on one store (`replicas.py` carries the lease, the feed and the messages) it
-writes as a task's owner only under its lease's fence and forwards MRTR retries for calls parked on another
-replica; what other replicas do reaches its calls through `replica_calls.py` (mixed in). Imports the store,
+`max_running` slots and the parked MRTR calls; what concerns a task the upstream runs itself is carried out
+by `upstream_tasks.py`. It decides nothing itself. It also runs the task-level operations that need no call
+(`tasks/get`, `tasks/cancel` of a task whose call is gone, TTL sweeps, restart recovery). With several replicas
+on one store (`replicas.py` carries the lease, the feed and the messages) it writes as a task's owner only
+under its lease's fence and forwards MRTR retries for calls parked on another replica; what other replicas do
+reaches its calls through `replica_calls.py` (mixed in). Imports the store,
 the upstream client, the machine, policy and wire; never aiohttp's web side or the front.
 """
 
@@ -26,7 +27,7 @@ from typing import Any, Final, TypeVar
 
 import structlog
 
-from proxy.config import Config
+from proxy.config import Config, RestartAction
 from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskLimitError
 from proxy.observability import Metrics
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy, decide
@@ -37,6 +38,7 @@ from proxy.tasks.commands import (
     Answered,
     Asked,
     CancelCall,
+    CancelUpstreamTask,
     ClearTimer,
     ClientLeft,
     Command,
@@ -45,19 +47,23 @@ from proxy.tasks.commands import (
     CreateRecord,
     Ended,
     Event,
+    FollowUpstreamTask,
     HoldSlot,
     LeaseLost,
     Notified,
     Park,
     Parked,
     ParkRefused,
+    PollUpstreamTask,
     Refuse,
     Relay,
+    ReleaseCall,
     Reply,
     ReplyKind,
     Resumed,
     SetTimer,
     Settle,
+    ShutDown,
     Start,
     StartCall,
     Stop,
@@ -67,24 +73,23 @@ from proxy.tasks.commands import (
     WriteInputs,
     WriteProgress,
 )
+from proxy.tasks.followed import FollowedTask
+from proxy.tasks.inputs import PendingInput
 from proxy.tasks.machine import CallState
 from proxy.tasks.replica_calls import CANCELLED_BY_CLIENT, ReplicaCalls
-from proxy.tasks.replicas import (
-    Ask,
-    ReplicaLink,
-)
+from proxy.tasks.replicas import Ask, ReplicaLink
 from proxy.tasks.store import Fence, FencedError, StoreError, StoreFullError, TaskStore
-from proxy.upstream.call import UpstreamCall
+from proxy.tasks.upstream_tasks import UpstreamTasks
 from proxy.upstream.events import (
     UpstreamEvent,
     UpstreamNotification,
     UpstreamServerRequest,
     refusal,
 )
+from proxy.upstream.kinds import Session, SessionCall
 from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.session import UpstreamSession
+from proxy.wire import legacy_tasks, translate
 from proxy.wire import tasks as wire_tasks
-from proxy.wire import translate
 from proxy.wire.envelope import Caller, Channel, ModernRequest
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
@@ -123,8 +128,8 @@ class Call:
     record: TaskRecord | None = None  # as committed
     timers: dict[Timer, asyncio.TimerHandle] = field(default_factory=dict)
     pump: asyncio.Task[None] | None = None  # reads the upstream call
-    session: UpstreamSession | None = None
-    upstream: UpstreamCall | None = None
+    session: Session | None = None
+    upstream: SessionCall | None = None
     created_at: float = field(default_factory=time.perf_counter)
     fence: Fence | None = None  # the lease the task's record is written under (None: no task yet)
     ask: Ask | None = None  # set on a stand-in for a call parked on another replica (a forwarded MRTR retry)
@@ -163,6 +168,7 @@ class TaskRunner(ReplicaCalls):
         self._served: dict[str, Call] = {}  # MRTR retries forwarded by another replica, by their message key
         self._adopting = asyncio.Lock()  # take-overs and a lapsed lease's recovery, one at a time
         self._durations_loaded_at = float("-inf")
+        self.upstream_tasks = UpstreamTasks(self)  # carries out the commands about tasks the upstream runs
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -196,7 +202,7 @@ class TaskRunner(ReplicaCalls):
         per `on_restart` at the next start, or by another replica at once (the lease is released); nothing
         committed is lost or rewritten here."""
         calls = list(self._calls)
-        await asyncio.gather(*(self.dispatch(call, Stop(SHUTTING_DOWN)) for call in calls), return_exceptions=True)
+        await asyncio.gather(*(self.dispatch(call, ShutDown(SHUTTING_DOWN)) for call in calls), return_exceptions=True)
         await self.replicas.close()
         for task in list(self._background):
             task.cancel()
@@ -207,12 +213,13 @@ class TaskRunner(ReplicaCalls):
         """Tasks no running process owns any more. On a shared store (PostgreSQL), those of replicas whose lease
         ran out, an earlier run of this one included once its lease lapsed or was released: taken over, so the
         tasks of live replicas are never touched. On SQLite, every live task: the process that ran it is gone
-        (the file lock says so)."""
+        (the file lock says so); a task the upstream runs itself is followed again."""
         if self.store.shared:
             await self.replicas.sweep()
             return
         async with self._adopting:
-            await self._adopt(await self.store.live(), wire_tasks.RESTART_MESSAGE, wire_tasks.RERUN_MESSAGE, None)
+            live = await self.store.live()
+            await self._adopt(live, wire_tasks.RESTART_MESSAGE, wire_tasks.RERUN_MESSAGE, None, follow=True)
 
     async def _rerun(self, record: TaskRecord, fence: Fence) -> None:
         try:
@@ -231,6 +238,37 @@ class TaskRunner(ReplicaCalls):
         self._tasks[record.task_id] = call
         await self.dispatch(call, Start())
         log.info("task_rerun", task_id=record.task_id, tool=record.tool)
+
+    async def _follow_again(self, record: TaskRecord, before: TaskRecord, fence: Fence) -> None:
+        """A task the upstream runs itself, left live by a previous process: followed again on its upstream
+        session, with the questions it had asked (`before`, as the record was) still answerable."""
+        assert record.upstream_task_id is not None
+        on_restart: RestartAction = "rerun" if record.on_restart == "rerun" else "fail"
+        policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, on_restart)
+        decision = Decision(Outcome.TASK, policy, upstream_task=True)
+        state = self._state(decision, record.client_capabilities, None, None)
+        state.task_id = record.task_id
+        state.issued = record.inputs_issued
+        state.upstream_task = FollowedTask(
+            record.upstream_task_id, status_message=record.status_message, expires_at_ms=record.expires_at_ms
+        )
+        for key, request in before.input_requests.items():
+            upstream_id = before.upstream_input_ids.get(key)
+            if isinstance(request, dict) and isinstance(upstream_id, int | str):
+                state.inputs[key] = PendingInput(upstream_id, str(request.get("method")), request)
+        state.inputs_written = not state.inputs
+        try:
+            principal = None if record.rerun_principal is None else self.principals.unseal(record.rerun_principal)
+        except SealError as exc:
+            await self._fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; not followed again: {exc}", fence)
+            return
+        call = Call(state, "tools/call", record.tool, principal, record.principal, dict(record.request), {}, "")
+        call.record = record
+        call.fence = fence
+        self._calls.add(call)
+        self._tasks[record.task_id] = call
+        await self.dispatch(call, Start())
+        log.info("task_resumed", task_id=record.task_id, tool=record.tool)
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -404,7 +442,10 @@ class TaskRunner(ReplicaCalls):
 
     async def _execute(self, call: Call, command: Command) -> Event | None:
         if isinstance(command, StartCall):
-            call.pump = self.spawn(self._pump(call), f"upstream-{call.call_id}")
+            pump = self.upstream_tasks.pump(call, command.ttl_ms) if command.upstream_task else self._pump(call)
+            call.pump = self.spawn(pump, f"upstream-{call.call_id}")
+        elif isinstance(command, FollowUpstreamTask | PollUpstreamTask | CancelUpstreamTask | ReleaseCall):
+            await self.upstream_tasks.execute(call, command)
         elif isinstance(command, CreateRecord):
             return await self._create_record(call, command)
         elif isinstance(command, WriteInputs):
@@ -487,7 +528,7 @@ class TaskRunner(ReplicaCalls):
             )
 
     @contextlib.asynccontextmanager
-    async def _session(self, call: Call) -> AsyncIterator[UpstreamSession]:
+    async def _session(self, call: Call) -> AsyncIterator[Session]:
         """Every call gets an upstream session of its own while it runs: whatever the upstream sends on that
         session's GET stream (a question naming no request) is this call's, never a guess. Even a client that
         declared no capability could be asked, and then it is the one to be told what it lacks (-32021)."""
@@ -496,8 +537,19 @@ class TaskRunner(ReplicaCalls):
             await self.dispatch(call, self._event(event))
 
         asks = inputs.could_answer(call.state.capabilities)
-        async with self.upstream.lease(call.principal, on_stream, asks=asks) as session:
+        reclaim = lambda: self._reclaim(call)  # noqa: E731 - bound to this call
+        async with self.upstream.lease(call.principal, on_stream, asks=asks, reclaim=reclaim) as session:
             yield session
+
+    def _reclaim(self, call: Call) -> bool:
+        """The pool has no upstream session left to lend (stdio processes are bounded) and asks for this call's:
+        given up only while the call waits parked for an MRTR retry, and then it ends as if nobody retried in
+        time (its requestState is refused and the client sends the request afresh)."""
+        if self._parked.get(call.call_id) is not call:
+            return False
+        log.info("mrtr_call_reclaimed", method=call.method, name=call.name, round=call.state.round)
+        self.spawn(self.dispatch(call, TimerFired(Timer.PARK)), f"reclaim-{call.call_id}")
+        return True
 
     def _event(self, event: UpstreamEvent) -> Event:
         if isinstance(event, UpstreamServerRequest):
@@ -611,17 +663,23 @@ class TaskRunner(ReplicaCalls):
             status=command.status,
             created_at_ms=now,
             updated_at_ms=now,
-            ttl_ms=policy.ttl_ms,
+            ttl_ms=legacy_tasks.bounded_ttl_ms(policy.ttl_ms, command.upstream_expires_at_ms, now),
             poll_interval_ms=policy.poll_interval_ms,
             owner=self.process_id,
             on_restart=policy.on_restart,
             request=call.params,
+            status_message=command.status_message,
             input_requests=command.input_requests,
             inputs_issued=command.issued,
+            # A re-run, and following an upstream's own task after a restart, present the principal again: it is
+            # kept sealed with the deployment key until the task settles.
             rerun_principal=self.principals.seal(call.principal)
-            if policy.on_restart == "rerun" and call.principal
+            if call.principal and (policy.on_restart == "rerun" or command.upstream_task_id)
             else None,
             client_capabilities=call.state.capabilities,
+            upstream_task_id=command.upstream_task_id,
+            upstream_session_id=call.session.session_id if command.upstream_task_id and call.session else None,
+            upstream_input_ids=command.upstream_input_ids or {},
         )
         started = time.perf_counter()
         self._tasks[record.task_id] = call  # before the commit: a committed task is never taken for an orphan
@@ -647,7 +705,12 @@ class TaskRunner(ReplicaCalls):
         assert task_id is not None
         try:
             updated = await self.store.set_inputs(
-                task_id, command.input_requests, command.issued, now_ms=self.clock(), fence=call.fence
+                task_id,
+                command.input_requests,
+                command.issued,
+                now_ms=self.clock(),
+                fence=call.fence,
+                upstream_input_ids=command.upstream_input_ids,
             )
         except FencedError:
             return LeaseLost()

@@ -9,7 +9,7 @@ checks ran before; the upstream sees the proxy as its client.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Final
+from typing import Final, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -23,7 +23,7 @@ CUT_SHORT: Final = "Upstream MCP server closed the connection in the middle of i
 # Plain answers up to this size are read whole and sent in one write; larger ones and SSE are streamed.
 BUFFERED_BODY_MAX_BYTES: Final = 1 << 20
 
-# RFC 9110 §7.6.1 hop-by-hop headers, plus those the proxy must set itself for its own connection.
+# Hop-by-hop headers (RFC 9110, section 7.6.1), plus those the proxy must set itself for its own connection.
 HOP_BY_HOP: Final = frozenset(
     {
         "connection",
@@ -71,6 +71,13 @@ def _end_to_end(headers: Mapping[str, str]) -> CIMultiDict[str]:
             continue
         kept.add(name, value)
     return kept
+
+
+class LegacyRelay(Protocol):
+    """Serves a legacy client's request: this pass-through for an HTTP upstream, the proxy's own Streamable
+    HTTP server for a stdio one (`stdio_legacy.py`)."""
+
+    async def relay(self, request: web.Request, body: bytes | None) -> web.StreamResponse: ...
 
 
 class PassThrough:

@@ -3,75 +3,50 @@
 A session owns `initialize` + `notifications/initialized`, the `Mcp-Session-Id` and negotiated
 `MCP-Protocol-Version` headers, its GET stream (`listener.py`) and where what arrives there goes: to the call
 that leased the session, to `subscriptions/listen` inboxes, or refused. What every session shares (the HTTP
-client, the URL, timeouts, request ids, the upstream's latest serverInfo) is the `UpstreamLink`; the pool that
-hands sessions out is `pool.py`. aiohttp failures become UpstreamError. Imports aiohttp; never the store or
-the front.
+client, the URL, timeouts, request ids, the upstream's latest serverInfo) is the `UpstreamLink`, which is also
+this kind's `SessionKind` for the pool (`pool.py`, `kinds.py`). aiohttp failures become UpstreamError. Imports
+aiohttp; never the store or the front.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import itertools
 import json
 import time
-from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
-from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Final
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
+from typing import Final
 
 import aiohttp
 import structlog
 from yarl import URL
 
 from proxy.config import UpstreamConfig
-from proxy.errors import RequestId, ResultTooLargeError, UpstreamError, UpstreamTimeoutError
+from proxy.errors import RequestId, ResultTooLargeError, UpstreamError, UpstreamRefusedError, UpstreamTimeoutError
 from proxy.observability import Metrics, method_label
 from proxy.upstream.call import UpstreamCall, read_body
 from proxy.upstream.events import (
     UpstreamErrorResponse,
-    UpstreamEvent,
     UpstreamNotification,
     UpstreamResult,
     UpstreamServerRequest,
     refusal,
 )
+from proxy.upstream.kinds import CLIENT_CAPABILITIES, CLIENT_INFO, LinkBase, PoolLimits, Session, SessionFeatures, Sink
 from proxy.upstream.listener import SessionGone, StreamEvent, UpstreamListener
 from proxy.upstream.sse import EventTooLargeError
-from proxy.wire.envelope import ParamHeader, param_headers
 from proxy.wire.jsonrpc import JSON, dumps, error_message, notification_message, request_message, result_message
-from proxy.wire.translate import implementation
 
 log = structlog.get_logger(__name__)
 
-# One upstream session may serve clients with different capabilities, so it declares the superset and the
-# proxy refuses, per request, what the current client cannot take.
-CLIENT_CAPABILITIES: Final[JSON] = {"elicitation": {"form": {}, "url": {}}, "sampling": {}, "roots": {}}
-
-try:
-    PROXY_VERSION = version("mcp-tasks-proxy")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
-    PROXY_VERSION = "0.0.0"
-
-PARAM_HEADERS_REFRESH_SECONDS: Final = 5.0  # an unknown tool re-reads tools/list at most this often
-MAX_TOOL_PAGES: Final = 100  # bounds the pagination of tools/list when reading x-mcp-header annotations
-SUBSCRIBER_QUEUE_SIZE: Final = 256  # list/resource notifications are idempotent; a slow reader loses extras
 STANDALONE_REFUSED: Final = "cannot be relayed to 2026-07-28 clients: no call of theirs holds this upstream session"
 
-CLIENT_INFO: Final[JSON] = {"name": "mcp-tasks-proxy", "version": PROXY_VERSION}
-
-Sink = Callable[[UpstreamEvent], Awaitable[None]]  # where a leased session's GET-stream traffic goes
+PROBE_TIMEOUT_SECONDS: Final = 2.0  # a readiness probe's initialize; kubelet's own timeout is short too
 
 
-def principal_key(principal: str | None) -> str:
-    """Sessions are keyed by a hash of the principal header so tokens are not kept as dict keys in clear."""
-    if not principal:
-        return ""
-    return hashlib.sha256(principal.encode()).hexdigest()
-
-
-class UpstreamLink:
+class UpstreamLink(LinkBase):
     """What every session of one upstream shares: the HTTP client and URL, timeouts, request ids, background
     work, and what the upstream said most recently (serverInfo; when it last answered, for readiness)."""
 
@@ -83,6 +58,7 @@ class UpstreamLink:
         metrics: Metrics | None,
         max_result_bytes: int | None = None,
     ) -> None:
+        super().__init__()
         self.config = config
         self.max_result_bytes = max_result_bytes  # the largest upstream answer or stream message read
         self.http = http
@@ -94,85 +70,51 @@ class UpstreamLink:
             connect=config.connect_timeout_seconds,
             sock_connect=config.connect_timeout_seconds,
         )
-        self.server_info: JSON | None = None  # the upstream's serverInfo from the latest initialize
-        self.initialize_result: JSON | None = None  # ... and its whole InitializeResult (server/discover)
-        self.initialized_at = 0.0  # monotonic time of that initialize
-        # The x-mcp-header annotations of the upstream's tools, read from tools/list (any session's), dropped when
-        # any session hears that the tool list changed.
-        self.tool_headers: dict[str, tuple[ParamHeader, ...]] | None = None
-        self.tool_headers_at = 0.0
-        self.last_answer_at: float | None = None  # monotonic time of the upstream's latest HTTP answer
+        self.limits = PoolLimits(max_idle=config.max_sessions)  # HTTP sessions are cheap: one per call
+        self._probe_lock = asyncio.Lock()
         self._ids = itertools.count(1)
-        self._tasks: set[asyncio.Task[None]] = set()
 
     def next_id(self) -> int:
         return next(self._ids)
 
-    def recent_initialize(self, max_age_ms: int) -> JSON | None:
-        """The latest InitializeResult, if it is not older than `max_age_ms`."""
-        if self.initialize_result is None or (time.monotonic() - self.initialized_at) * 1000 > max_age_ms:
-            return None
-        return self.initialize_result
+    def new(self, principal: str | None) -> Session:
+        return UpstreamSession(self, principal)
 
-    def known_headers(self, tool: str) -> tuple[ParamHeader, ...] | None:
-        """The tool's annotations when the cached catalog can answer (it lists the tool, or was read too recently
-        to read again); None when tools/list must be read."""
-        if self.tool_headers is None:
-            return None
-        if tool in self.tool_headers:
-            return self.tool_headers[tool]
-        if time.monotonic() - self.tool_headers_at > PARAM_HEADERS_REFRESH_SECONDS:
-            return None
-        return ()
-
-    def tools_changed(self) -> None:
-        self.tool_headers = None
-
-    def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        """The one place `upstream/` starts background work: named, referenced until done, cancelled on close."""
-        task = asyncio.get_running_loop().create_task(coroutine, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._reap)
-        return task
-
-    def _reap(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("upstream_background_task_failed", task=task.get_name(), error=repr(task.exception()))
-
-    async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+    async def probe(self, max_age_seconds: float, shared: Callable[[], AbstractAsyncContextManager[Session]]) -> None:
+        """Readiness: fine when the upstream answered within `max_age_seconds`; otherwise a fresh `initialize`
+        on a throwaway session (ended with DELETE) must succeed within PROBE_TIMEOUT_SECONDS. Raises
+        UpstreamError saying what failed. Concurrent probes share one attempt."""
+        async with self._probe_lock:
+            last = self.last_answer_at
+            if last is not None and time.monotonic() - last <= max_age_seconds:
+                return
+            session = UpstreamSession(self, None)
+            try:
+                await asyncio.wait_for(session.initialize(listen=False), PROBE_TIMEOUT_SECONDS)
+            except TimeoutError:
+                raise UpstreamTimeoutError(
+                    f"Upstream did not answer initialize within {PROBE_TIMEOUT_SECONDS:g} s"
+                ) from None
+            finally:
+                await session.close()
 
 
-class Subscription:
-    """One listen stream's inbox. `None` means: the proxy is shutting down, end the stream gracefully."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[JSON | None] = asyncio.Queue(SUBSCRIBER_QUEUE_SIZE)
-
-    def offer(self, message: JSON | None) -> None:
-        with contextlib.suppress(asyncio.QueueFull):
-            self.queue.put_nowait(message)
-
-
-class UpstreamSession:
+class UpstreamSession(SessionFeatures):
     def __init__(self, link: UpstreamLink, principal: str | None) -> None:
-        self.link = link
+        super().__init__(link)
+        self.link: UpstreamLink = link
         self.principal = principal
         self.session_id: str | None = None
         self.protocol_version: str = link.config.protocol_version
         self.initialize_result: JSON | None = None
         self.in_flight = 0  # calls open on this session right now
         self.lessee: Sink | None = None  # the call that leased the session: its GET-stream traffic goes there
-        self.subscriptions: set[Subscription] = set()
         # Where notifications from the GET stream go besides the lessee: this session's own listen subscribers,
         # unless the pool sends them to the principal's shared session (which the listen streams read).
         self.on_notification: Callable[[UpstreamNotification], None] = self.deliver
         self._listener: UpstreamListener | None = None
         self._lock = asyncio.Lock()
-        self._resource_subscriptions: Counter[str] = Counter()
+        self.kept = False  # holds upstream work a later proxy process resumes: never ended with DELETE
 
     # --- headers and plumbing -------------------------------------------------------------------------
 
@@ -249,9 +191,7 @@ class UpstreamSession:
         self.protocol_version = result["protocolVersion"]
         await self.notify("notifications/initialized", None)
         self.initialize_result = result
-        self.link.server_info = implementation(result)
-        self.link.initialize_result = result
-        self.link.initialized_at = time.monotonic()
+        self.link.initialized(result)
         if listen and session_id is not None:  # a stateless upstream has no standalone stream
             self._stop_listening()
             self._listener = UpstreamListener(
@@ -259,9 +199,9 @@ class UpstreamSession:
             )
             await self._listener.start(self.link.spawn, self.link.config.connect_timeout_seconds)
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
-        if self._resource_subscriptions:
+        if self.resource_subscriptions:
             # Not awaited here: initialize runs under the session lock, and these requests may need it.
-            self.link.spawn(self._resubscribe(), "upstream-resubscribe")
+            self.link.spawn(self.resubscribe(), "upstream-resubscribe")
 
     async def _open_stream(self, last_event_id: str | None) -> aiohttp.ClientResponse:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.link.config.connect_timeout_seconds)
@@ -272,14 +212,6 @@ class UpstreamSession:
             self._listener.stop()
             self._listener = None
 
-    async def _resubscribe(self) -> None:
-        """A new session knows none of the resource subscriptions listen streams still hold: renew them."""
-        for uri in list(self._resource_subscriptions):
-            try:
-                await self.request("resources/subscribe", {"uri": uri})
-            except UpstreamError as exc:
-                log.warning("upstream_resource_resubscribe_failed", error=exc.message)
-
     async def _reinitialize(self, stale_session_id: str | None) -> None:
         """A 404 for a request that carried the session id means the upstream forgot the session."""
         async with self._lock:
@@ -288,6 +220,25 @@ class UpstreamSession:
                 log.info("upstream_session_expired")
                 self.initialize_result = None
                 await self.initialize()
+
+    async def adopt(self, session_id: str) -> None:
+        """Take over a session an earlier proxy process initialized, which holds a task the upstream still runs:
+        no `initialize` (that would start another session), its GET stream opened again. Should the upstream
+        have forgotten it, a request answered 404 starts a new session as usual."""
+        self._stop_listening()
+        self.session_id = session_id
+        self.protocol_version = self.link.config.protocol_version  # tasks exist only from 2025-11-25 on
+        self.initialize_result = {}  # initialized, by someone else: its InitializeResult is not known here
+        self._listener = UpstreamListener(session_id, self._open_stream, self._on_stream)
+        await self._listener.start(self.link.spawn, self.link.config.connect_timeout_seconds)
+        log.info("upstream_session_adopted")
+
+    def detach(self) -> None:
+        """Let go of the session without ending it (no DELETE): the upstream keeps it, and the work in it, for
+        the next proxy process."""
+        self._stop_listening()
+        self.session_id = None
+        self.initialize_result = None
 
     async def revive(self) -> None:
         """Start a new session now (not at the next request), so listen streams keep receiving."""
@@ -304,8 +255,11 @@ class UpstreamSession:
             self.initialize_result = None
 
     async def close(self) -> None:
-        """End the upstream session with DELETE (the server may answer 405; that is fine)."""
+        """End the upstream session with DELETE (the server may answer 405; that is fine); a kept session is only
+        let go (`detach`)."""
         self._stop_listening()
+        if self.kept:
+            self.detach()
         if self.session_id is None:
             return
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
@@ -340,26 +294,6 @@ class UpstreamSession:
             await self.respond(event.id, result=result, error=error)
         if isinstance(event, UpstreamNotification):
             self.on_notification(event)
-
-    def deliver(self, notification: UpstreamNotification) -> None:
-        """A notification for this session's listen subscribers; a tool list change also drops the cached
-        x-mcp-header annotations (of every session: they share one catalog)."""
-        if notification.method == "notifications/tools/list_changed":
-            self.link.tools_changed()
-        for subscription in self.subscriptions:
-            subscription.offer(notification.message)
-
-    def subscribe(self) -> Subscription:
-        subscription = Subscription()
-        self.subscriptions.add(subscription)
-        return subscription
-
-    def unsubscribe(self, subscription: Subscription) -> None:
-        self.subscriptions.discard(subscription)
-
-    def end_subscriptions(self) -> None:
-        for subscription in self.subscriptions:
-            subscription.offer(None)
 
     # --- requests ------------------------------------------------------------------------------------------
 
@@ -437,50 +371,6 @@ class UpstreamSession:
         response = await self._post(message, self.headers())
         response.release()
 
-    async def request(self, method: str, params: JSON | None) -> JSON:
-        """A plain request whose stream carries nothing the caller needs: its result, or UpstreamError."""
-        async with self.call(method, params) as call:
-            async for event in call.events():
-                if isinstance(event, UpstreamResult):
-                    return event.result
-                if isinstance(event, UpstreamErrorResponse):
-                    raise UpstreamError(f"Upstream refused {method}: {event.error.get('message')}")
-        raise UpstreamError(f"Upstream did not answer {method}")  # pragma: no cover - events() raises first
-
-    async def param_headers(self, tool: str) -> tuple[ParamHeader, ...]:
-        """The `x-mcp-header` annotations of `tool`: from the cached catalog when it can answer, else read from
-        this session's tools/list (and cached for every session)."""
-        known = self.link.known_headers(tool)
-        if known is not None:
-            return known
-        catalog: dict[str, tuple[ParamHeader, ...]] = {}
-        cursor: str | None = None
-        for _ in range(MAX_TOOL_PAGES):
-            page = await self.request("tools/list", {"cursor": cursor} if cursor else None)
-            for listed in page.get("tools") or []:
-                if isinstance(listed, dict) and isinstance(listed.get("name"), str):
-                    catalog[listed["name"]] = param_headers(listed.get("inputSchema"))
-            cursor = page.get("nextCursor") if isinstance(page.get("nextCursor"), str) else None
-            if cursor is None:
-                break
-        self.link.tool_headers = catalog
-        self.link.tool_headers_at = time.monotonic()
-        return catalog.get(tool, ())
-
-    async def subscribe_resource(self, uri: str) -> None:
-        """Reference-counted upstream `resources/subscribe` on behalf of listen streams."""
-        if self._resource_subscriptions[uri] == 0:
-            await self.request("resources/subscribe", {"uri": uri})
-        self._resource_subscriptions[uri] += 1
-
-    async def unsubscribe_resource(self, uri: str) -> None:
-        if self._resource_subscriptions[uri] <= 0:
-            return
-        self._resource_subscriptions[uri] -= 1
-        if self._resource_subscriptions[uri] == 0:
-            del self._resource_subscriptions[uri]
-            await self.request("resources/unsubscribe", {"uri": uri})
-
 
 async def _raise_unless_answer(
     response: aiohttp.ClientResponse, request_id: int, method: str, max_bytes: int | None
@@ -509,4 +399,4 @@ async def _raise_unless_answer(
             if isinstance(error, dict) and isinstance(error.get("message"), str):
                 said = f": {error['message']}"
     response.release()
-    raise UpstreamError(f"Upstream answered {method} with HTTP {response.status}{said}", detail=raw)
+    raise UpstreamRefusedError(f"Upstream answered {method} with HTTP {response.status}{said}", response.status, raw)

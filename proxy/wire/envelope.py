@@ -1,8 +1,9 @@
 """The 2026-07-28 request envelope: era classification, `_meta` and routing-header validation.
 
 SANS-IO: takes header mappings and decoded JSON, returns a `ModernRequest` or raises a ProxyError with the
-code the spec names (C-2, C-6, C-23…C-25, K-24…K-27). Param shapes are checked with the `mcp_types`
-surface validators. Must not import aiohttp, asyncio or the store.
+code the spec names (a missing `_meta` field, an unserved version, a routing header that is missing or
+differs from the body). Param shapes are checked with the `mcp_types` surface validators. Must not import
+aiohttp, asyncio or the store.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ PROTOCOL_VERSION_HEADER: Final = "mcp-protocol-version"
 METHOD_HEADER: Final = "mcp-method"
 NAME_HEADER: Final = "mcp-name"
 
-# C-23 + the Tasks extension (T-45): which params field `Mcp-Name` mirrors, and whether it must be present.
+# Streamable HTTP + the Tasks extension: which params field `Mcp-Name` mirrors, and whether it must be present.
 NAME_FIELDS: Final[Mapping[str, tuple[str, bool]]] = {
     "tools/call": ("name", True),
     "prompts/get": ("name", True),
     "resources/read": ("uri", True),
-    # Architecture decision: validated when present, tolerated when absent (real clients omit it; Q3).
+    # The proxy's choice: validated when present, tolerated when absent (real clients omit it, and the spec only
+    # says a client MUST send it).
     "tasks/get": ("taskId", False),
     "tasks/update": ("taskId", False),
     "tasks/cancel": ("taskId", False),
@@ -65,7 +67,8 @@ class ModernRequest:
 
     @property
     def declares_tasks(self) -> bool:
-        """T-2/K-1: the declaration is read from this request's own `_meta` only (T-10: legacy shape ignored)."""
+        """Whether this request declares the Tasks extension, read from its own `_meta` only (never from an
+        earlier request); the legacy 2025-11-25 `tasks` capability shape is not a declaration."""
         extensions = self.client_capabilities.get("extensions")
         return isinstance(extensions, dict) and isinstance(extensions.get(TASKS_EXTENSION), dict)
 
@@ -108,7 +111,8 @@ def is_modern(headers: Mapping[str, str], message: Any) -> bool:
 
 
 def decode_header_value(value: str) -> str:
-    """C-24: values are plain visible ASCII, or `=?base64?<base64 of UTF-8>?=`. Raises ValueError if invalid."""
+    """Header values are plain visible ASCII, or `=?base64?<base64 of UTF-8>?=` (Streamable HTTP: value
+    encoding). Raises ValueError if invalid."""
     value = value.strip(" \t")
     if value.startswith(_SENTINEL_PREFIX) and value.endswith(_SENTINEL_SUFFIX):
         encoded = value[len(_SENTINEL_PREFIX) : -len(_SENTINEL_SUFFIX)]
@@ -132,7 +136,8 @@ def _header(headers: Mapping[str, str], name: str) -> str | None:
 
 
 def _required_meta(params: JSON | None) -> tuple[JSON, str, JSON]:
-    """C-2: `_meta` with protocolVersion and clientCapabilities, else -32602 (HTTP 400)."""
+    """Every 2026-07-28 request carries `_meta` with protocolVersion and clientCapabilities, else -32602
+    (HTTP 400)."""
     meta = params.get("_meta") if params is not None else None
     if not isinstance(meta, dict):
         raise InvalidParamsError(
@@ -153,7 +158,8 @@ def _required_meta(params: JSON | None) -> tuple[JSON, str, JSON]:
 
 
 def _check_headers(headers: Mapping[str, str], method: str, params: JSON, version: str) -> None:
-    """C-23/C-25/T-45: routing headers present and equal to the body, else -32020 (HTTP 400)."""
+    """Routing headers (MCP-Protocol-Version, Mcp-Method, Mcp-Name) present and equal to the body, else -32020
+    (HTTP 400; Streamable HTTP: server validation)."""
     header_version = _header(headers, PROTOCOL_VERSION_HEADER)
     if header_version is None:
         raise HeaderMismatchError("Header mismatch: MCP-Protocol-Version header is required")
@@ -185,7 +191,8 @@ def _check_headers(headers: Mapping[str, str], method: str, params: JSON, versio
 def validate_modern(
     headers: Mapping[str, str], request_id: RequestId, method: str, params: JSON | None
 ) -> ModernRequest:
-    """Validate a modern request's envelope in the order of protocol.md §8 (steps 3-5).
+    """Validate a modern request's envelope: the required `_meta` first (the headers are compared with it),
+    then the routing headers, then whether the proxy serves the version.
 
     Raises InvalidParamsError (-32602), HeaderMismatchError (-32020) or UnsupportedVersionError (-32022).
     """
@@ -214,7 +221,7 @@ def validate_params(request: ModernRequest) -> None:
         raise InvalidParamsError(f"Invalid params: {problems}") from None
 
 
-# --- x-mcp-header: tool parameters mirrored into Mcp-Param-{Name} headers (C-26) ---------------------------
+# --- x-mcp-header: tool parameters mirrored into Mcp-Param-{Name} headers ----------------------------------
 
 PARAM_HEADER_PREFIX: Final = "mcp-param-"
 _TCHAR: Final = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -280,8 +287,9 @@ def _same_value(header_value: str, body_value: Any, declared_type: str) -> bool:
 
 
 def check_param_headers(headers: Mapping[str, str], arguments: Any, specs: tuple[ParamHeader, ...]) -> None:
-    """C-26 server validation: every annotated argument present in the body has its header, equal after
-    decoding; a header without a body value, or with invalid characters, is rejected too (-32020, HTTP 400)."""
+    """Server validation of `x-mcp-header` parameters: every annotated argument present in the body has its
+    header, equal after decoding; a header without a body value, or with invalid characters, is rejected too
+    (-32020, HTTP 400)."""
     lowered = _lower_headers(headers)
     for spec in specs:
         header_name = f"Mcp-Param-{spec.name}"

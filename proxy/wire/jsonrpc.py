@@ -70,7 +70,7 @@ def _not_json(name: str) -> Any:
 def loads(body: bytes) -> Any:
     """Decode a client's body, accepting only what can be relayed as JSON again. A ParseError for:
 
-    - bytes that are not UTF-8 (RFC 8259 §8.1; a leading BOM is ignored), or not JSON;
+    - bytes that are not UTF-8 (RFC 8259, section 8.1; a leading BOM is ignored), or not JSON;
     - `NaN`/`Infinity` literals (Python reads them, JSON has none) and numbers beyond a double (`1e999`);
     - a lone surrogate escape such as `"\\ud800"`: grammatical JSON, but no Unicode character, so the string
       cannot be written to UTF-8 again (a pair such as `"\\ud83d\\ude00"` is one character and is fine);

@@ -34,19 +34,21 @@ class TaskStatus(StrEnum):
 TERMINAL: Final = frozenset({TaskStatus.COMPLETED, TaskStatus.FAILED, TaskStatus.CANCELLED})
 LIVE: Final = frozenset({TaskStatus.WORKING, TaskStatus.INPUT_REQUIRED})
 
-# T-3 / T-4: what a non-declaring client lacks, as `data.requiredCapabilities`.
+# What a client that did not declare the Tasks extension lacks, as `data.requiredCapabilities` of -32021.
 REQUIRED_CAPABILITY: Final[JSON] = {"extensions": {TASKS_EXTENSION: {}}}
 
-# T-25 / K-18: unknown, expired and foreign ids get the same answer, so ids cannot be probed.
+# Unknown, expired and other principals' ids get the same -32602 answer, so ids cannot be probed.
 NOT_FOUND_MESSAGE: Final = "Failed to retrieve task: Task not found"
 
 RESTART_MESSAGE: Final = "interrupted: the proxy restarted while the upstream call was running"
 EXPIRED_MESSAGE: Final = "expired: the task did not settle within its ttlMs"
 RERUN_MESSAGE: Final = "re-running: the proxy restarted while the upstream call was running"
+RESUMED_MESSAGE: Final = "resumed: the proxy restarted and follows the upstream's task again"
 
 
 def new_task_id() -> str:
-    """T-46 / K-17: 192 bits from the OS CSPRNG, URL- and header-safe ASCII, never a `=?base64?` look-alike."""
+    """192 bits from the OS CSPRNG (task ids may serve as bearer tokens, so they must not be guessable), URL-
+    and header-safe ASCII, never a `=?base64?` look-alike."""
     return "task_" + secrets.token_urlsafe(24)
 
 
@@ -67,10 +69,14 @@ class TaskRecord:
     `principal` is the hash of the caller's principal header; `request` is the upstream `tools/call` params
     needed to run the call again; `owner` names the proxy process that runs the upstream call;
     `input_requests` holds the outstanding server→client requests by key and `inputs_issued` counts every
-    key ever minted for this task (keys are never reused, T-30). `rerun_principal` keeps the principal
-    header's value only for `on_restart: rerun` tasks until they settle, because a re-run must present it
-    upstream again. `client_capabilities` are the creating request's: only questions they cover become
-    `inputRequests` (K-19).
+    key ever minted for this task (keys are never reused). `rerun_principal` keeps the principal
+    header's value only for `on_restart: rerun` tasks and tasks the upstream runs itself, until they settle,
+    because a re-run, or following the upstream's task again after a restart, must present it upstream again.
+    `client_capabilities` are the creating request's: only questions they cover become `inputRequests`.
+
+    A task the upstream runs itself (2025-11-25 Tasks) keeps the upstream's task id, the upstream session it
+    lives in (tasks are scoped to their session) and, by key, the upstream JSON-RPC ids of its outstanding
+    questions: a restarted proxy follows it again there and can still deliver the answers.
     """
 
     task_id: str
@@ -91,13 +97,16 @@ class TaskRecord:
     inputs_issued: int = 0
     rerun_principal: str | None = None
     client_capabilities: JSON = field(default_factory=dict)
+    upstream_task_id: str | None = None
+    upstream_session_id: str | None = None
+    upstream_input_ids: JSON = field(default_factory=dict)
 
     @property
     def expires_at_ms(self) -> int | None:
         return None if self.ttl_ms is None else self.created_at_ms + self.ttl_ms
 
     def expired(self, now_ms: int) -> bool:
-        """T-37 / K-16: past `createdAt + ttlMs` (never before, terminal or not)."""
+        """Past `createdAt + ttlMs` (the TTL counts from creation; never expired before, terminal or not)."""
         expires = self.expires_at_ms
         return expires is not None and now_ms >= expires
 
@@ -108,7 +117,7 @@ def _task_fields(record: TaskRecord) -> JSON:
         "status": record.status.value,
         "createdAt": iso_timestamp(record.created_at_ms),
         "lastUpdatedAt": iso_timestamp(record.updated_at_ms),
-        "ttlMs": record.ttl_ms,  # K-7: the key is always present, null = unlimited
+        "ttlMs": record.ttl_ms,  # the key is always present, null = unlimited
     }
     if record.status_message is not None:
         task["statusMessage"] = record.status_message
@@ -124,12 +133,13 @@ def _with_server_info(result: JSON, server_info: JSON | None) -> JSON:
 
 
 def create_task_result(record: TaskRecord, server_info: JSON | None = None) -> JSON:
-    """T-7 / K-5: flat Task fields with `resultType:"task"`; no result, error, inputRequests or requestState."""
+    """Flat Task fields with `resultType:"task"`; no result, error, inputRequests or requestState."""
     return _with_server_info({"resultType": "task", **_task_fields(record)}, server_info)
 
 
 def detailed_task(record: TaskRecord) -> JSON:
-    """T-22: the DetailedTask variant for the current status (without `resultType`)."""
+    """The DetailedTask variant for the current status (without `resultType`): `inputRequests` with every
+    outstanding question, `result` when completed, `error` when failed."""
     task = _task_fields(record)
     if record.status is TaskStatus.INPUT_REQUIRED:
         task["inputRequests"] = record.input_requests
@@ -141,12 +151,12 @@ def detailed_task(record: TaskRecord) -> JSON:
 
 
 def get_task_result(record: TaskRecord, server_info: JSON | None = None) -> JSON:
-    """T-8: `tasks/get` answers with the DetailedTask and `resultType:"complete"`."""
+    """`tasks/get` answers with the DetailedTask and `resultType:"complete"`."""
     return _with_server_info({"resultType": "complete", **detailed_task(record)}, server_info)
 
 
 def ack_result(server_info: JSON | None = None) -> JSON:
-    """T-26 / T-33 / K-9: the empty ack of `tasks/update` and `tasks/cancel`."""
+    """The empty ack of `tasks/update` and `tasks/cancel`: nothing but `resultType` (and `_meta`)."""
     return _with_server_info({"resultType": "complete"}, server_info)
 
 
@@ -174,7 +184,8 @@ def _number(value: float) -> str:
 
 
 def failure_status_message(error: JSON) -> str:
-    """T-20: a diagnostic `statusMessage` for a failed task, from its JSON-RPC error."""
+    """A diagnostic `statusMessage` for a failed task (the Tasks extension asks for one), from its JSON-RPC
+    error."""
     message = error.get("message")
     code = error.get("code")
     text = message if isinstance(message, str) and message else "the upstream call failed"

@@ -1,8 +1,9 @@
 """Legacy (2025-06-18 / 2025-11-25) → 2026-07-28 translation of results, errors and notifications.
 
 SANS-IO and pure: every function takes decoded JSON and returns new JSON (inputs are not mutated).
-Rules: K-33, K-34, K-41 (resultType), C-29 (ttlMs/cacheScope), L-7 (error codes), C-18 (request-scoped
-notifications). Must not import aiohttp, asyncio or the store.
+Legacy results gain `resultType` (and `ttlMs`/`cacheScope` where cacheable), legacy error codes are mapped
+to 2026-07-28 ones, and progress/log notifications stay request-scoped. Must not import aiohttp, asyncio or
+the store.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from proxy.errors import RequestId
 from proxy.wire.envelope import SUPPORTED_VERSIONS, TASKS_EXTENSION
 from proxy.wire.jsonrpc import JSON, error_message, result_message
 
-# Legacy-only `_meta` keys that must not reach a modern client (3.9, K-8).
+# Legacy-only `_meta` keys that must not reach a modern client (absent from the 2026-07-28 wire).
 LEGACY_META_KEYS: Final = frozenset(
     {
         "io.modelcontextprotocol/related-task",
@@ -33,8 +34,8 @@ LEGACY_META_KEYS: Final = frozenset(
     }
 )
 
-# L-7 / §3.7: codes in the spec-reserved band that 2026-07-28 defines; any other code in -32020…-32099 (e.g.
-# the retired -32042) must not be re-emitted.
+# Codes in the spec-reserved band that 2026-07-28 defines; any other code in -32020…-32099 (e.g. the retired
+# -32042) must not be re-emitted.
 _RESERVED_BAND: Final = range(-32099, -32019)
 _DEFINED_IN_BAND: Final = frozenset(
     {codes.HEADER_MISMATCH, codes.MISSING_REQUIRED_CLIENT_CAPABILITY, codes.UNSUPPORTED_PROTOCOL_VERSION}
@@ -58,8 +59,8 @@ def _without_legacy_meta(value: JSON) -> JSON:
 
 
 def complete_result(method: str, legacy: JSON, server_info: JSON | None, cache: tuple[int, str] | None) -> JSON:
-    """Decorate a legacy result for a modern client: resultType "complete" (K-41), serverInfo (C-3),
-    ttlMs + cacheScope on cacheable methods (C-29), legacy `_meta` stripped (K-8).
+    """Decorate a legacy result for a modern client: resultType "complete" (legacy results have none),
+    serverInfo in `_meta`, ttlMs + cacheScope on cacheable methods, legacy `_meta` stripped.
 
     Containers that change are copied, the rest is shared with `legacy`: results can be large and are relayed
     on the hot path, so there is no deep copy.
@@ -93,7 +94,8 @@ def final_message(
 
 
 def _strip_task_support(result: JSON) -> None:
-    """Q7: legacy `execution.taskSupport` means nothing on the 2026 wire (task policy is the proxy's)."""
+    """Legacy `execution.taskSupport` means nothing on the 2026 wire, whose Tool has no such field (task
+    policy is the proxy's)."""
     tools = result.get("tools")
     if not isinstance(tools, list):
         return
@@ -112,7 +114,7 @@ def _strip_task_support(result: JSON) -> None:
 
 
 def error_object(legacy: JSON) -> JSON:
-    """Translate an upstream JSON-RPC error object (L-7): -32002 → -32602; undefined reserved codes → -32603."""
+    """Translate an upstream legacy JSON-RPC error object: -32002 → -32602; undefined reserved codes → -32603."""
     error = copy.deepcopy(legacy)
     code = error.get("code")
     if not isinstance(code, int) or isinstance(code, bool):
@@ -130,11 +132,11 @@ def error_object(legacy: JSON) -> JSON:
 
 
 def server_capabilities(legacy: JSON) -> JSON:
-    """K-34: upstream capabilities as the proxy serves them to a modern client.
+    """Upstream capabilities as the proxy serves them to a modern client.
 
-    The legacy `tasks` block goes (T-12) and the Tasks extension is advertised (T-9). `listChanged` and
-    `subscribe` stay as the upstream declared them: the proxy delivers those notifications on
-    `subscriptions/listen` streams from its upstream session's GET stream.
+    The legacy `tasks` block goes (a server with the Tasks extension must not advertise it) and the extension
+    is advertised instead. `listChanged` and `subscribe` stay as the upstream declared them: the proxy
+    delivers those notifications on `subscriptions/listen` streams from its upstream session's GET stream.
     """
     capabilities: JSON = {}
     for key in ("logging", "completions", "experimental"):
@@ -154,7 +156,7 @@ def server_capabilities(legacy: JSON) -> JSON:
     return capabilities
 
 
-# C-17: SubscriptionFilter field → (capability, flag) the upstream must have declared, and the notification.
+# `subscriptions/listen` filter field → (capability, flag) the upstream must have declared, and the notification.
 LIST_CHANGED: Final = {
     "toolsListChanged": ("tools", "notifications/tools/list_changed"),
     "promptsListChanged": ("prompts", "notifications/prompts/list_changed"),
@@ -179,7 +181,7 @@ def honoured_filter(wanted: JSON, legacy_capabilities: JSON) -> JSON:
 
 def listen_notification(message: JSON, honoured: JSON, subscription_id: int | str) -> JSON | None:
     """An upstream GET-stream notification as a listen-stream notification, if this subscription asked for it
-    (the server MUST NOT send types the client did not request), tagged with the subscription id (C-3)."""
+    (the server MUST NOT send types the client did not request), tagged with the subscription id."""
     method = message.get("method")
     params = message.get("params")
     params = dict(params) if isinstance(params, dict) else {}
@@ -196,7 +198,8 @@ def listen_notification(message: JSON, honoured: JSON, subscription_id: int | st
 
 
 def discover_result(initialize_result: JSON, cache: tuple[int, str]) -> JSON:
-    """C-7 / K-34: `server/discover`, synthesized from the upstream's InitializeResult."""
+    """`server/discover` (which a legacy upstream lacks), synthesized from the upstream's InitializeResult:
+    the versions the proxy serves, the translated capabilities, and the required ttlMs and cacheScope."""
     legacy_capabilities = initialize_result.get("capabilities")
     result: JSON = {
         "resultType": "complete",
@@ -223,7 +226,7 @@ def implementation(initialize_result: JSON) -> JSON | None:
 
 
 def relay_notification(message: JSON, progress_token: str | int | None, log_level: str | None) -> JSON | None:
-    """C-18 / K-31: which upstream notifications on a call's stream reach the modern client, and how.
+    """Which upstream notifications on a call's stream reach the modern client, and how.
 
     Progress only when the client sent a progressToken (re-tagged with it); log messages only when it set a
     logLevel and the message is at or above it. Everything else stays behind.
@@ -246,13 +249,13 @@ def relay_notification(message: JSON, progress_token: str | int | None, log_leve
     return None
 
 
-# Server→client requests a legacy server may send mid-call to ask the user or the model something (L-4); on
-# the modern wire they travel only as `inputRequests` (C-11).
+# Server→client requests a legacy server may send mid-call to ask the user or the model something; on the
+# modern wire they travel only as `inputRequests` (basic/patterns/mrtr).
 INPUT_METHODS: Final = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
 
 
 def required_capability(server_request_method: str, params: Any) -> JSON:
-    """The ClientCapabilities a modern client needs to receive an upstream server→client request (C-14)."""
+    """The ClientCapabilities a modern client needs to receive an upstream server→client request."""
     if server_request_method == "sampling/createMessage":
         return {"sampling": {}}
     if server_request_method == "roots/list":
@@ -271,14 +274,14 @@ MODERN_META_KEYS: Final = frozenset(
 TRACE_META_KEYS: Final = ("traceparent", "tracestate", "baggage")
 
 
-# Params the legacy server never sees: the envelope (filtered below), the legacy `task` opt-in (T-11) and the
-# MRTR retry fields, which the proxy answers itself (C-12).
+# Params the legacy server never sees: the envelope (filtered below), the legacy `task` opt-in (ignored by the
+# Tasks extension) and the MRTR retry fields, which the proxy answers itself.
 _NOT_FORWARDED: Final = frozenset({"_meta", "task", "inputResponses", "requestState"})
 
 
 def upstream_params(params: Mapping[str, Any]) -> JSON:
-    """The params the legacy server sees: no modern envelope keys, no legacy `task` opt-in (K-4, T-11), no MRTR
-    retry fields (C-12)."""
+    """The params the legacy server sees: no modern envelope keys, no legacy `task` opt-in (a modern client's
+    `task` param is ignored, never an opt-in), no MRTR retry fields."""
     forwarded = {key: value for key, value in params.items() if key not in _NOT_FORWARDED}
     meta = params.get("_meta")
     if isinstance(meta, dict):

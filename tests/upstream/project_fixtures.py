@@ -30,16 +30,19 @@ def register(mcp: FastMCP[Any]) -> None:
 
     @mcp.tool(
         name="sleep",
-        description="Sleeps `seconds` (cancellable), reporting progress every 0.1 s; returns 'slept {seconds}'",
+        description="Sleeps `seconds` (cancellable), reporting progress every 0.1 s (its message padded to `pad` "
+        "characters); returns 'slept {seconds}'",
     )
     async def sleep(
-        ctx: Ctx, seconds: Annotated[float, Field(description="How long to sleep, in seconds", ge=0)]
+        ctx: Ctx,
+        seconds: Annotated[float, Field(description="How long to sleep, in seconds", ge=0)],
+        pad: Annotated[int, Field(description="Pad each progress message to this length", ge=0)] = 0,
     ) -> types.CallToolResult:
         start = anyio.current_time()
         while (remaining := seconds - (anyio.current_time() - start)) > 0:
             await anyio.sleep(min(PROGRESS_INTERVAL_S, remaining))
             done = min(seconds, anyio.current_time() - start)
-            await ctx.report_progress(round(done, 3), seconds, f"slept {done:.1f}/{seconds:g} s")
+            await ctx.report_progress(round(done, 3), seconds, f"slept {done:.1f}/{seconds:g} s".ljust(pad, "."))
         return text_result(f"slept {seconds:g}")
 
     @mcp.tool(name="echo", description="Returns `text` unchanged")

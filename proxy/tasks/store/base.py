@@ -116,7 +116,14 @@ class TaskStore(Protocol):
         ...
 
     async def set_inputs(
-        self, task_id: str, input_requests: JSON, inputs_issued: int, *, now_ms: int, fence: Fence | None = None
+        self,
+        task_id: str,
+        input_requests: JSON,
+        inputs_issued: int,
+        *,
+        now_ms: int,
+        fence: Fence | None = None,
+        upstream_input_ids: JSON | None = None,
     ) -> TaskRecord | None: ...
 
     async def set_status_message(
@@ -214,6 +221,9 @@ COLUMNS: Final = (
     "inputs_issued",
     "rerun_principal",
     "client_capabilities",
+    "upstream_task_id",
+    "upstream_session_id",
+    "upstream_input_ids",
 )
 STATUS_KEYS: Final = tuple(status.value for status in TaskStatus)
 LIVE_SQL: Final = ", ".join(f"'{status.value}'" for status in sorted(LIVE))
@@ -250,6 +260,9 @@ def record_from_row(row: Mapping[str, Any]) -> TaskRecord:
         inputs_issued=row["inputs_issued"],
         rerun_principal=row["rerun_principal"],
         client_capabilities=decode(row["client_capabilities"]),
+        upstream_task_id=row["upstream_task_id"],
+        upstream_session_id=row["upstream_session_id"],
+        upstream_input_ids=decode(row["upstream_input_ids"]),
     )
 
 
@@ -284,6 +297,9 @@ def row_from_record(record: TaskRecord) -> dict[str, Any]:
         "inputs_issued": record.inputs_issued,
         "rerun_principal": record.rerun_principal,
         "client_capabilities": encode(record.client_capabilities),
+        "upstream_task_id": record.upstream_task_id,
+        "upstream_session_id": record.upstream_session_id,
+        "upstream_input_ids": encode(record.upstream_input_ids),
     }
 
 
@@ -300,13 +316,18 @@ def settle_values(
         "status_message": status_message,
         "input_requests": "{}",
         "rerun_principal": None,
+        "upstream_input_ids": "{}",
     }
 
 
-def inputs_values(input_requests: JSON, inputs_issued: int) -> dict[str, Any]:
-    """The live task's outstanding questions: `input_required` with them, `working` without any."""
+def inputs_values(input_requests: JSON, inputs_issued: int, upstream_input_ids: JSON | None = None) -> dict[str, Any]:
+    """The live task's outstanding questions: `input_required` with them, `working` without any; for a task
+    the upstream runs itself, also their upstream ids."""
     status = TaskStatus.INPUT_REQUIRED if input_requests else TaskStatus.WORKING
-    return {"status": status.value, "input_requests": encode(input_requests), "inputs_issued": inputs_issued}
+    values = {"status": status.value, "input_requests": encode(input_requests), "inputs_issued": inputs_issued}
+    if upstream_input_ids is not None:
+        values["upstream_input_ids"] = encode(upstream_input_ids)
+    return values
 
 
 def claim_values(owner: str, status_message: str) -> dict[str, Any]:

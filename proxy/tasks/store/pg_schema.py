@@ -112,6 +112,16 @@ MIGRATIONS: Final[tuple[tuple[str, str], ...]] = (
         );
         """,
     ),
+    (
+        # A task the upstream runs itself: its id there, the upstream session it lives in, and the upstream ids of
+        # its outstanding questions (by key), so that a restarted proxy follows it again and can deliver answers.
+        "0004_add_upstream_task",
+        """
+        ALTER TABLE tasks ADD COLUMN upstream_task_id text;
+        ALTER TABLE tasks ADD COLUMN upstream_session_id text;
+        ALTER TABLE tasks ADD COLUMN upstream_input_ids text NOT NULL DEFAULT '{}';
+        """,
+    ),
 )
 
 
@@ -181,7 +191,7 @@ SETTLE_EXPIRED_SQL: Final = (
     "WITH due AS (SELECT task_id FROM tasks WHERE expires_at_ms <= %(now_ms)s"
     f" AND status IN ({LIVE_SQL}) ORDER BY expires_at_ms LIMIT 1000 FOR UPDATE SKIP LOCKED),"
     " changed AS (UPDATE tasks SET status = 'failed', error = %(error)s, status_message = %(status_message)s,"
-    " input_requests = '{}', rerun_principal = NULL, updated_at_ms = %(now_ms)s FROM due"
+    " input_requests = '{}', rerun_principal = NULL, upstream_input_ids = '{}', updated_at_ms = %(now_ms)s FROM due"
     f" WHERE tasks.task_id = due.task_id AND tasks.status IN ({LIVE_SQL}) RETURNING tasks.*)"
     f" SELECT changed.*, {NOTIFY_STATUS} FROM changed"
 )

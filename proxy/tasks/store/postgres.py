@@ -207,9 +207,18 @@ class PostgresTaskStore:
         return records[0] if records else None
 
     async def set_inputs(
-        self, task_id: str, input_requests: JSON, inputs_issued: int, *, now_ms: int, fence: Fence | None = None
+        self,
+        task_id: str,
+        input_requests: JSON,
+        inputs_issued: int,
+        *,
+        now_ms: int,
+        fence: Fence | None = None,
+        upstream_input_ids: JSON | None = None,
     ) -> TaskRecord | None:
-        return await self._update(task_id, inputs_values(input_requests, inputs_issued), now_ms, fence)
+        return await self._update(
+            task_id, inputs_values(input_requests, inputs_issued, upstream_input_ids), now_ms, fence
+        )
 
     async def set_status_message(
         self, task_id: str, status_message: str, *, now_ms: int, fence: Fence | None = None

@@ -88,6 +88,16 @@ def _create_messages_and_tool_durations(db: Database) -> None:
     )
 
 
+@MIGRATIONS(name="0005_add_upstream_task")
+def _add_upstream_task(db: Database) -> None:
+    """A task the upstream runs itself: its id there, the upstream session it lives in, and the upstream ids of
+    its outstanding questions (by key), so that a restarted proxy follows it again and can deliver answers."""
+    tasks = db.table("tasks")
+    tasks.add_column("upstream_task_id", str)
+    tasks.add_column("upstream_session_id", str)
+    tasks.add_column("upstream_input_ids", str, not_null_default="{}")
+
+
 INSERT_SQL: Final = f"INSERT INTO tasks ({', '.join(COLUMNS)}) VALUES ({', '.join(':' + column for column in COLUMNS)})"
 # One indexed walk per settled status, then the oldest of those few candidates: a single
 # `status IN (...) ORDER BY updated_at_ms` would sort every settled record on each create at capacity.

@@ -1,0 +1,389 @@
+"""The proxy as a legacy MCP client over stdio: one server process is one upstream session.
+
+The stdio transport has exactly one client per process and carries no association between messages: the
+session multiplexes its calls by JSON-RPC id (responses go to their call), routes `notifications/progress` by
+the progress token it put on the call (each call gets a token of its own, so calls sharing a process never
+see each other's progress), and treats everything else the server sends unasked as unsolicited: a question
+goes to the lessee while a call holds the process alone, else it is refused at once (never left waiting);
+`ping` is answered; notifications go to the lessee and to `on_notification`.
+
+A process that dies fails its open calls with an UpstreamError naming how it ended; the next request starts
+a fresh one, unless it keeps crashing (then `StdioLink.start` refuses with a 503 saying when it is tried
+again). What all sessions of one server command share is the `StdioLink` (`stdio_link.py`). Imports the
+process layer (`stdio.py`) and the kinds protocol; never aiohttp, the store or tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import structlog
+
+from proxy.errors import InvalidRequestError, RequestId, UpstreamError, UpstreamTimeoutError
+from proxy.observability import method_label
+from proxy.upstream.events import (
+    UpstreamErrorResponse,
+    UpstreamEvent,
+    UpstreamNotification,
+    UpstreamResult,
+    UpstreamServerRequest,
+    refusal,
+)
+from proxy.upstream.kinds import CLIENT_CAPABILITIES, CLIENT_INFO, SessionFeatures, Sink
+from proxy.upstream.stdio import ProcessExit, StdioProcess
+from proxy.wire.jsonrpc import (
+    JSON,
+    Notification,
+    Request,
+    classify,
+    error_message,
+    notification_message,
+    request_message,
+    result_message,
+)
+
+if TYPE_CHECKING:
+    from proxy.upstream.stdio_link import StdioLink
+
+log = structlog.get_logger(__name__)
+
+UNSOLICITED_REFUSED: Final = "cannot be relayed to 2026-07-28 clients: no call of theirs holds this stdio server alone"
+MAX_QUEUED_EVENTS: Final = 1024  # per call and per process: notifications beyond it are dropped, not buffered
+
+
+@dataclass(frozen=True, slots=True)
+class _Gone:
+    """The end of a call's inbox that is not an answer: the process died, or the call was cancelled."""
+
+    message: str
+
+
+Inbox = asyncio.Queue[UpstreamEvent | _Gone]
+
+
+class StdioCall:
+    """One request open on a stdio session: its inbox, filled by the session as lines arrive."""
+
+    def __init__(self, session: StdioSession, request_id: int, method: str, deadline: float) -> None:
+        self.session = session
+        self.request_id = request_id
+        self.method = method
+        self.inbox: Inbox = asyncio.Queue()
+        self.deadline = deadline
+        self.progress_token: str | int | None = None  # the caller's own token, put back on relayed progress
+        self.finished = False
+
+    def offer(self, event: UpstreamEvent | _Gone) -> None:
+        if isinstance(event, UpstreamNotification) and self.inbox.qsize() >= MAX_QUEUED_EVENTS:
+            return  # a reader that fell this far behind loses notifications, never the answer
+        self.inbox.put_nowait(event)
+
+    async def events(self) -> AsyncIterator[UpstreamEvent]:
+        """Everything the server says about this request, the final result or error last."""
+        while True:
+            remaining = self.deadline - time.monotonic()
+            try:
+                event = await asyncio.wait_for(self.inbox.get(), max(remaining, 0))
+            except TimeoutError:
+                raise UpstreamTimeoutError(f"Upstream {self.method} timed out") from None
+            if isinstance(event, _Gone):
+                raise UpstreamError(f"{event.message} during {self.method}")
+            yield event
+            if isinstance(event, UpstreamResult | UpstreamErrorResponse):
+                self.finished = True
+                return
+
+    async def cancel(self, reason: str) -> None:
+        """Tell the server (`notifications/cancelled` on its stdin); whoever still reads gets an error."""
+        if self.finished:
+            return
+        self.finished = True
+        self.inbox.put_nowait(_Gone(f"Upstream {self.method} was cancelled: {reason}"))
+        await self.session.notify("notifications/cancelled", {"requestId": self.request_id, "reason": reason})
+
+
+class StdioSession(SessionFeatures):
+    """One server process at a time (a fresh one after a crash), initialized by the proxy."""
+
+    def __init__(self, link: StdioLink, principal: str | None) -> None:
+        super().__init__(link)
+        self.link: StdioLink = link
+        self.principal = principal  # keys the pool only: a stdio server sees no HTTP headers
+        self.session_id: str | None = None  # the running process's name
+        self.protocol_version: str = link.config.protocol_version
+        self.initialize_result: JSON | None = None
+        self.in_flight = 0
+        self.lessee: Sink | None = None
+        self.on_notification: Callable[[UpstreamNotification], None] = self.deliver
+        self.kept = False  # a process cannot outlive the proxy: a kept session is stopped all the same
+        self.process: StdioProcess | None = None
+        self._calls: dict[int, StdioCall] = {}  # request id (also the progress token it carries) → call
+        self._asked: set[RequestId] = set()  # the running process's questions not answered yet
+        self._unsolicited: asyncio.Queue[UpstreamEvent | None] = asyncio.Queue()
+        self._lock = asyncio.Lock()
+        self._closed = False
+        self._generation = 0  # which process callbacks still count: only the latest one's
+
+    @property
+    def pid(self) -> int | None:
+        """The running server process's id (None when none runs)."""
+        process = self.process
+        return process.pid if process is not None and process.exited is None else None
+
+    # --- lifecycle --------------------------------------------------------------------------------------
+
+    async def ensure_initialized(self) -> JSON:
+        if self.initialize_result is not None:
+            return self.initialize_result
+        async with self._lock:
+            if self.initialize_result is None:
+                if self._closed:
+                    raise UpstreamError("Upstream stdio session is closed")
+                await self._start()
+            assert self.initialize_result is not None
+            return self.initialize_result
+
+    async def _start(self) -> None:
+        self._generation += 1
+        generation = self._generation
+        queue: asyncio.Queue[UpstreamEvent | None] = asyncio.Queue()
+        self._unsolicited = queue
+
+        def on_message(message: dict[str, Any]) -> None:
+            if generation == self._generation:
+                self._on_message(message)
+
+        def on_exit(exited: ProcessExit) -> None:
+            queue.put_nowait(None)
+            if generation == self._generation:
+                self._on_exit(exited)
+
+        process = await self.link.start(on_message, on_exit)
+        self.process = process
+        self.link.spawn(self._answer_unsolicited(queue), f"stdio-unsolicited-{process.name}")
+        timeout = self.link.config.connect_timeout_seconds
+        try:
+            result = await asyncio.wait_for(self._initialize(), timeout)
+        except TimeoutError:
+            await self._abandon(process)
+            raise UpstreamTimeoutError(
+                f"Upstream stdio server {process.name} did not answer initialize within {timeout:g} s"
+            ) from None
+        except BaseException:
+            await self._abandon(process)
+            raise
+        self.session_id = process.name
+        self.protocol_version = result["protocolVersion"]
+        self.initialize_result = result
+        self.link.initialized(result)
+        self.link.backoff.reset()
+        log.info("upstream_session_initialized", protocol_version=self.protocol_version, upstream=process.name)
+        if self.resource_subscriptions:
+            self.link.spawn(self.resubscribe(), "upstream-resubscribe")
+
+    async def _initialize(self) -> JSON:
+        params = {
+            "protocolVersion": self.link.config.protocol_version,
+            "capabilities": CLIENT_CAPABILITIES,
+            "clientInfo": CLIENT_INFO,
+        }
+        async with self._open("initialize", params) as call:
+            async for event in call.events():
+                if isinstance(event, UpstreamErrorResponse):
+                    raise UpstreamError(f"Upstream refused initialize: {event.error.get('message')}")
+                if isinstance(event, UpstreamResult):
+                    if not isinstance(event.result.get("protocolVersion"), str):
+                        raise UpstreamError("Upstream sent an invalid InitializeResult")
+                    await self._send(notification_message("notifications/initialized", None))
+                    return event.result
+        raise UpstreamError("Upstream did not answer initialize")  # pragma: no cover - events() raises first
+
+    async def _abandon(self, process: StdioProcess) -> None:
+        """A process that failed its start is stopped at once (no grace: it never became a session). Unless it
+        died by itself (already counted), that is a crash too, for the backoff."""
+        if process.exited is None:
+            self.link.crashed(0.0)
+        await asyncio.shield(process.stop(0))
+
+    async def adopt(self, session_id: str) -> None:
+        """A task the server ran itself cannot be taken over: its process stopped with the proxy before."""
+        raise UpstreamError(f"Upstream stdio server process {session_id} is gone (the proxy restarted)")
+
+    def detach(self) -> None:
+        """Nothing of a stdio server outlives its process: letting go means stopping it."""
+        self.link.spawn(self.close(), "upstream-session-close")
+
+    async def close(self) -> None:
+        """Stop the process: close its stdin, then SIGTERM, then SIGKILL (`upstream.stop_grace_seconds`)."""
+        self._closed = True
+        process = self.process
+        if process is not None:
+            await process.stop()
+        self.initialize_result = None
+        self.session_id = None
+
+    def _on_exit(self, exited: ProcessExit) -> None:
+        process = self.process
+        name = process.name if process is not None else self.link.program
+        self.initialize_result = None
+        self.session_id = None
+        self._asked.clear()
+        gone = _Gone(f"Upstream stdio server {name} {exited}")
+        for call in list(self._calls.values()):
+            call.offer(gone)
+        self._calls.clear()
+        if exited.requested:
+            return
+        self.link.crashed(exited.lived_seconds)
+        if self.subscriptions and not self._closed:
+            self.link.spawn(self._revive(), "upstream-session-revive")
+
+    async def _revive(self) -> None:
+        """Listen streams keep receiving: start a new process now (after the backoff), not at the next call."""
+        await asyncio.sleep(max(0.0, self.link.retry_at - time.monotonic()))
+        try:
+            await self.ensure_initialized()
+        except UpstreamError as exc:
+            log.warning("upstream_session_revive_failed", error=exc.message)
+
+    # --- what the server writes -------------------------------------------------------------------------
+
+    def _on_message(self, message: dict[str, Any]) -> None:
+        """Called by the process for each line, in order; must not block."""
+        self.link.answered()
+        try:
+            parsed = classify(message)
+        except InvalidRequestError:
+            log.warning("upstream_stdout_invalid_message", upstream=self.session_id)
+            return
+        if isinstance(parsed, Request):
+            self._asked.add(parsed.id)
+            self._queue(UpstreamServerRequest(parsed.id, parsed.method, parsed.params))
+        elif isinstance(parsed, Notification):
+            self._notification(UpstreamNotification(parsed.raw))
+        else:
+            call = self._calls.get(parsed.id) if isinstance(parsed.id, int) else None
+            if call is None:
+                return  # an answer to a call already gone (cancelled, abandoned): nobody waits for it
+            if parsed.error is not None:
+                call.offer(UpstreamErrorResponse(parsed.error))
+            else:
+                call.offer(UpstreamResult(parsed.result or {}))
+
+    def _notification(self, notification: UpstreamNotification) -> None:
+        params = notification.message.get("params")
+        token = params.get("progressToken") if isinstance(params, dict) else None
+        call = (
+            self._calls.get(token)
+            if notification.method == "notifications/progress" and isinstance(token, int)
+            else None
+        )
+        if call is None:
+            self._queue(notification)
+            return
+        if call.progress_token is not None:
+            assert isinstance(params, dict)
+            notification = UpstreamNotification(
+                {**notification.message, "params": {**params, "progressToken": call.progress_token}}
+            )
+        call.offer(notification)
+
+    def _queue(self, event: UpstreamEvent) -> None:
+        if self._unsolicited.qsize() >= MAX_QUEUED_EVENTS:
+            log.warning("upstream_unsolicited_dropped", upstream=self.session_id)
+            return
+        self._unsolicited.put_nowait(event)
+
+    async def _answer_unsolicited(self, queue: asyncio.Queue[UpstreamEvent | None]) -> None:
+        """What the server sends unasked, in order: to the call that holds the process alone; questions on a
+        shared process are refused (an elicitation is declined); `ping` is answered."""
+        while (event := await queue.get()) is not None:
+            try:
+                if isinstance(event, UpstreamServerRequest) and event.method == "ping":
+                    await self.respond(event.id, result={})
+                elif self.lessee is not None:
+                    await self.lessee(event)
+                elif isinstance(event, UpstreamServerRequest):
+                    log.info("upstream_standalone_request_refused", input_method=event.method)
+                    result, error = refusal(event.method, f"{event.method} {UNSOLICITED_REFUSED}")
+                    await self.respond(event.id, result=result, error=error)
+                if isinstance(event, UpstreamNotification):
+                    self.on_notification(event)
+            except UpstreamError as exc:
+                log.info("upstream_answer_not_delivered", error=exc.message)
+
+    # --- towards the server -----------------------------------------------------------------------------
+
+    async def _send(self, message: JSON) -> None:
+        process = self.process
+        if process is None:
+            raise UpstreamError("Upstream stdio server is not running")
+        await process.send(message)
+
+    @contextlib.asynccontextmanager
+    async def _open(self, method: str, params: JSON | None) -> AsyncIterator[StdioCall]:
+        request_id = self.link.next_id()
+        call = StdioCall(self, request_id, method, time.monotonic() + self.link.config.call_timeout_seconds)
+        meta = params.get("_meta") if isinstance(params, dict) else None
+        if isinstance(meta, dict) and "progressToken" in meta:
+            # The server's progress names the request it belongs to: the id is the token.
+            call.progress_token = meta["progressToken"]
+            params = {**(params or {}), "_meta": {**meta, "progressToken": request_id}}
+        self._calls[request_id] = call
+        try:
+            try:
+                await self._send(request_message(request_id, method, params))
+            except asyncio.CancelledError:
+                await asyncio.shield(self._cancel_unanswered(call))
+                raise
+            yield call
+        finally:
+            self._calls.pop(request_id, None)
+
+    async def _cancel_unanswered(self, call: StdioCall) -> None:
+        try:
+            await call.cancel("request abandoned")
+        except UpstreamError as exc:
+            log.info("upstream_cancel_failed", error=exc.message)
+
+    @contextlib.asynccontextmanager
+    async def call(
+        self, method: str, params: JSON | None, extra_headers: Mapping[str, str] | None = None
+    ) -> AsyncIterator[StdioCall]:
+        """Send one request; the StdioCall streams what comes back. HTTP headers (trace context, the principal)
+        have no place on stdio and are not sent."""
+        await self.ensure_initialized()
+        metrics = self.link.metrics
+        started = time.perf_counter()
+        try:
+            async with self._open(method, params) as call:
+                self.in_flight += 1  # the caller's requests only, not the proxy's own initialize
+                try:
+                    yield call
+                finally:
+                    self.in_flight -= 1
+        except UpstreamError as exc:
+            if metrics is not None:
+                kind = "timeout" if isinstance(exc, UpstreamTimeoutError) else "unavailable"
+                metrics.upstream_errors.labels(method_label(method), kind).inc()
+            raise
+        finally:
+            if metrics is not None:
+                metrics.upstream_seconds.labels(method_label(method)).observe(time.perf_counter() - started)
+
+    async def notify(self, method: str, params: JSON | None) -> None:
+        await self._send(notification_message(method, params))
+
+    async def respond(self, request_id: RequestId, *, result: JSON | None = None, error: JSON | None = None) -> None:
+        """Answer a question of the running process (not one a process that died asked: the id may mean
+        something else to its successor)."""
+        if request_id not in self._asked:
+            raise UpstreamError("Upstream stdio server that asked is gone")
+        self._asked.discard(request_id)
+        message = result_message(request_id, result or {}) if error is None else error_message(request_id, error)
+        await self._send(message)

@@ -1,0 +1,187 @@
+"""End to end, for both kinds of upstream: the same mcp 1.x fixture over Streamable HTTP and as a stdio server
+the proxy runs itself (`upstream.command`). The flows that matter run against both: a synchronous call with
+progress, a task, an elicitation inside a task answered with tasks/update, an MRTR round, a cancel the upstream
+sees, and an upstream killed mid-task. Real processes throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.app import UPSTREAM
+from proxy.upstream.stdio_session import StdioSession
+from tests.conftest import (
+    DECLARING,
+    ROOT,
+    ModernSchema,
+    SchemaValidator,
+    Tasks,
+    Upstream,
+    modern_body,
+    modern_headers,
+    parse_sse,
+    policies,
+    result_text,
+)
+
+STDIO_FIXTURE = [sys.executable, "-m", "tests.upstream", "--stdio"]
+ELICIT: dict[str, Any] = {"elicitation": {}}
+TASKING: dict[str, Any] = {**DECLARING, "elicitation": {}}
+
+
+def stdio_upstream(command: list[str] | None = None, **fields: Any) -> dict[str, Any]:
+    """The `upstream` config section for a stdio server (the fixture by default), run from the repository root;
+    its start imports the mcp SDK, slow on a busy 2-core machine, hence the generous start timeout."""
+    return {"url": None, "command": command or STDIO_FIXTURE, "cwd": str(ROOT), "connect_timeout_seconds": 20, **fields}
+
+
+Start = Callable[..., Awaitable[Tasks]]
+
+
+@pytest.fixture(params=["http", "stdio"])
+def upstream_kind(request: pytest.FixtureRequest) -> str:
+    kind: str = request.param
+    return kind
+
+
+@pytest.fixture
+def start_proxy(
+    upstream_kind: str,
+    make_proxy: Callable[..., Any],
+    upstream: Upstream,
+    modern_schema: ModernSchema,
+    tasks_schema: SchemaValidator,
+) -> Start:
+    """A proxy in front of the fixture of `upstream_kind` (HTTP: the shared fixture server, or `url`)."""
+
+    async def start(url: str | None = None, **sections: dict[str, Any]) -> Tasks:
+        if upstream_kind == "stdio":
+            sections["upstream"] = stdio_upstream(**sections.get("upstream", {}))
+            client = await make_proxy("", **sections)
+        else:
+            client = await make_proxy(url or upstream.url, **sections)
+        return Tasks(client, modern_schema, tasks_schema)
+
+    return start
+
+
+def stdio_sessions(client: Tasks) -> list[StdioSession]:
+    sessions = client.client.app[UPSTREAM].sessions()
+    assert all(isinstance(session, StdioSession) for session in sessions)
+    return [session for session in sessions if isinstance(session, StdioSession)]
+
+
+async def cancelled_ids(client: Tasks) -> list[int]:
+    ids: list[int] = json.loads(await client.text("cancelled_requests", {}))
+    return ids
+
+
+# --- the flows, against both kinds ------------------------------------------------------------------------
+
+
+async def test_a_sync_call_with_progress(start_proxy: Start) -> None:
+    client = await start_proxy(tasks=policies(sleep={"mode": "forbidden"}))
+    response = await client.client.post(
+        "/mcp",
+        json=modern_body("tools/call", {"name": "sleep", "arguments": {"seconds": 0.3}}, progressToken="tok"),
+        headers=modern_headers("tools/call", "sleep"),
+    )
+    messages = parse_sse(await response.text())
+    *progress, final = messages
+    client.core.check_all(messages, "tools/call")
+    assert final["result"]["content"][0]["text"] == "slept 0.3"
+    assert progress
+    assert {message["params"]["progressToken"] for message in progress} == {"tok"}  # the client's own token
+    assert await client.text("echo", {"text": "é ok"}) == "é ok"
+
+
+async def test_a_task_completes_with_progress_as_its_status(start_proxy: Start) -> None:
+    client = await start_proxy(tasks=policies(sleep={"mode": "required"}))
+    task_id = await client.create("sleep", {"seconds": 1.0})
+    working = await client.until(task_id, lambda task: "statusMessage" in task or task["status"] == "completed")
+    done = await client.settled(task_id)
+    assert done["status"] == "completed"
+    assert result_text(done) == "slept 1"
+    assert working["status"] == "completed" or "/1" in working["statusMessage"]
+
+
+async def test_an_elicitation_inside_a_task_is_answered_with_tasks_update(start_proxy: Start) -> None:
+    client = await start_proxy(tasks=policies(ask_name={"mode": "required"}))
+    task_id = await client.create("ask_name", capabilities=TASKING)
+    task = await client.until(task_id, lambda task: task["status"] == "input_required")
+    [(key, question)] = task["inputRequests"].items()
+    assert question["params"]["message"] == "What is your name?"
+    status, _ = await client.post("tasks/update", {"taskId": task_id, "inputResponses": {key: _accept(name="Ada")}})
+    assert status == 200
+    done = await client.settled(task_id)
+    assert result_text(done) == "Hello, Ada"
+
+
+async def test_an_mrtr_round_then_the_result(start_proxy: Start) -> None:
+    client = await start_proxy()
+    params: dict[str, Any] = {"name": "ask_name", "arguments": {}}
+    status, message = await client.post("tools/call", params, capabilities=ELICIT)
+    assert status == 200
+    result = message["result"]
+    assert result["resultType"] == "input_required"
+    [key] = result["inputRequests"]
+    retry = {**params, "inputResponses": {key: _accept(name="Grace")}, "requestState": result["requestState"]}
+    status, message = await client.post("tools/call", retry, capabilities=ELICIT)
+    assert status == 200
+    assert message["result"]["content"][0]["text"] == "Hello, Grace"
+
+
+async def test_a_cancelled_task_is_cancelled_upstream(start_proxy: Start) -> None:
+    client = await start_proxy(tasks=policies(sleep={"mode": "required"}))
+    before = await cancelled_ids(client)
+    task_id = await client.create("sleep", {"seconds": 30})
+    await client.until(task_id, lambda task: "statusMessage" in task)  # the upstream runs it
+    status, _ = await client.post("tasks/cancel", {"taskId": task_id})
+    assert status == 200
+    assert (await client.task(task_id))["status"] == "cancelled"
+    deadline = asyncio.get_running_loop().time() + 10
+    while len(await cancelled_ids(client)) <= len(before):  # notifications/cancelled reached the server
+        assert asyncio.get_running_loop().time() < deadline, "the upstream never saw notifications/cancelled"
+        await asyncio.sleep(0.05)
+
+
+async def test_an_upstream_killed_mid_task_fails_it_and_the_next_call_works(
+    upstream_kind: str, start_proxy: Start, own_upstream: Upstream
+) -> None:
+    client = await start_proxy(own_upstream.url, tasks=policies(sleep={"mode": "required"}))
+    task_id = await client.create("sleep", {"seconds": 30})
+    await client.until(task_id, lambda task: "statusMessage" in task)
+    if upstream_kind == "stdio":
+        [session] = [session for session in stdio_sessions(client) if session.in_flight]
+        pid = session.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+    else:
+        assert own_upstream.process is not None
+        port = own_upstream.port
+        own_upstream.process.kill()
+        await asyncio.to_thread(own_upstream.process.wait)
+    failed = await client.settled(task_id)
+    assert failed["status"] == "failed"
+    assert failed["error"]["code"] == -32603
+    if upstream_kind == "stdio":
+        assert f"Upstream stdio server {Path(sys.executable).name}#" in failed["error"]["message"]
+        assert "killed by SIGKILL during tools/call" in failed["error"]["message"]
+        assert pid not in {session.pid for session in stdio_sessions(client)}
+    else:
+        assert "Upstream" in failed["error"]["message"]
+        await asyncio.to_thread(own_upstream.start, port)
+    assert await client.text("echo", {"text": "again"}) == "again"
+
+
+def _accept(**content: Any) -> dict[str, Any]:
+    return {"action": "accept", "content": content}
