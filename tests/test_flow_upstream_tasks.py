@@ -76,7 +76,10 @@ async def test_a_tool_the_upstream_requires_as_a_task_runs_as_the_upstreams_task
     assert record.upstream_task_id is not None
     assert record.upstream_task_id != task_id
     assert record.upstream_session_id is not None
-    assert record.ttl_ms == 300_000  # the policy's, which the upstream was asked for and granted
+    # The policy's, which the upstream was asked for and granted; counted from the upstream's own creation, a
+    # millisecond or so earlier than the proxy's record, so that the record never outlives the upstream's task.
+    assert record.ttl_ms is not None
+    assert 299_000 <= record.ttl_ms <= 300_000
     done, seen = await follow(client, task_id)
     assert done["status"] == "completed"
     assert result_text(done) == "done after 1.2s"
