@@ -4,6 +4,10 @@ the benchmarks measure is the proxy, not the SDK of a fixture server. Not a test
 1.x SDK upstream in `tests/upstream`).
 
     python -m benchmarks.upstream --port N   # prints "ready http://127.0.0.1:N/mcp"
+
+POST /stats answers `{"calls": n, "cancelled": [t, ...]}`: the tools/call requests received, and when each
+`notifications/cancelled` arrived (`time.monotonic()`, the machine's clock shared by every process), so a
+benchmark can time a cancel from the client's request to the upstream.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 import uuid
 from typing import Any
 
@@ -20,6 +25,10 @@ TOOLS = [
     {"name": "echo", "description": "Returns `text`", "inputSchema": {"type": "object"}},
     {"name": "sleep", "description": "Sleeps `seconds`, then returns", "inputSchema": {"type": "object"}},
 ]
+
+
+CALLS = [0]
+CANCELLED: list[float] = []
 
 
 def _result(request_id: Any, result: dict[str, Any]) -> web.Response:
@@ -41,6 +50,8 @@ async def mcp(request: web.Request) -> web.StreamResponse:
         return web.Response(status=405)
     message = json.loads(await request.read())
     if "id" not in message:
+        if message.get("method") == "notifications/cancelled":
+            CANCELLED.append(time.monotonic())
         return web.Response(status=202)  # notifications (initialized, cancelled)
     method, params = message.get("method"), message.get("params") or {}
     if method == "initialize":
@@ -57,6 +68,7 @@ async def mcp(request: web.Request) -> web.StreamResponse:
     if method == "tools/list":
         return _result(message["id"], {"tools": TOOLS})
     if method == "tools/call":
+        CALLS[0] += 1
         return _result(message["id"], await _call(params))
     if method == "ping":
         return _result(message["id"], {})
@@ -65,12 +77,17 @@ async def mcp(request: web.Request) -> web.StreamResponse:
     )
 
 
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response({"calls": CALLS[0], "cancelled": CANCELLED})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()
     app = web.Application()
     app.router.add_route("*", "/mcp", mcp)
+    app.router.add_post("/stats", stats)
     web.run_app(
         app,
         host="127.0.0.1",

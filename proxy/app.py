@@ -70,6 +70,7 @@ UPSTREAM: Final = web.AppKey("upstream", UpstreamClient)
 STORE: Final = web.AppKey("store", TaskStore)
 RUNNER: Final = web.AppKey("runner", TaskRunner)
 STOPPING: Final = web.AppKey("stopping", list[bool])
+READY_STORE_SECONDS: Final = 2.0  # /readyz: a store that takes longer to commit a write counts as down
 
 
 def _host_name(host: str) -> str:
@@ -285,17 +286,23 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Readiness: the task store takes a committed write and the upstream answered recently (else a fresh
-    `initialize` must succeed). 503 with the reasons otherwise."""
+    """Readiness: the task store takes a committed write, this replica holds its lease on the store, and the
+    upstream answered recently (else a fresh `initialize` must succeed). 503 with the reasons otherwise."""
     app = request.app
     reasons: list[str] = []
     if app[STOPPING]:
         reasons.append("shutting down")
     else:
         try:
-            await app[STORE].check_writable(app[RUNNER].clock())
+            async with asyncio.timeout(READY_STORE_SECONDS):
+                await app[STORE].check_writable(app[RUNNER].clock())
         except StoreError as exc:
             reasons.append(f"store: {exc}")
+        except TimeoutError:
+            reasons.append(f"store: no committed write within {READY_STORE_SECONDS:g} s")
+        lease = app[RUNNER].lease_problem()
+        if lease is not None:
+            reasons.append(f"lease: {lease}")
         try:
             await app[UPSTREAM].probe(app[CONFIG].observability.readiness_max_age_seconds)
         except UpstreamError as exc:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 ENV = "MCP_TASKS_PROXY_TEST_PG"
 PREFIX = "mcp-tasks-proxy-pg-"  # the throwaway servers' directories, under the temporary directory
@@ -46,6 +46,14 @@ _COMMON = {
     "shared_buffers": "64MB",
     "log_min_messages": "warning",
 }
+
+
+def as_url(dsn: str) -> str:
+    """A DSN (URL or key=value form) as the `postgresql://` URL `store.url` takes (no password: none is needed
+    by the admin role of a test server, and `store.url` refuses one)."""
+    parts = conninfo_to_dict(dsn)
+    user = f"{parts['user']}@" if parts.get("user") else ""
+    return f"postgresql://{user}{parts.get('host', '127.0.0.1')}:{parts.get('port', 5432)}/{parts.get('dbname', '')}"
 
 
 class PgServerError(RuntimeError):

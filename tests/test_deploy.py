@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -642,3 +643,156 @@ def test_the_proxy_memory_fits_its_configured_body_cap(tmp_path: Path) -> None:
     body_mib = _proxy_config(tmp_path).security.max_body_bytes / 2**20
     assert _mebibytes(resources["limits"]["memory"]) >= IDLE_MIB + CALLS_AT_ONCE * PER_CALL_BODIES * body_mib
     assert _mebibytes(resources["requests"]["memory"]) >= IDLE_MIB
+
+
+# --- Kubernetes: several replicas on PostgreSQL (config/kubernetes/replicated) --------------------------------
+
+REPLICATED_DIR = KUBE_DIR / "replicated"
+STORE_SECRET = "mcp-tasks-proxy-store"
+KEY_SECRET = "mcp-tasks-proxy-request-state"
+
+
+def _replicated() -> list[dict[str, Any]]:
+    """The overlay as kustomize renders it: the resources its kustomization lists, read from their files (it
+    holds whole manifests only, so reading them is rendering them)."""
+    kustomization = yaml.safe_load((REPLICATED_DIR / "kustomization.yaml").read_text())
+    assert kustomization["kind"] == "Kustomization"
+    assert set(kustomization) <= {"apiVersion", "kind", "resources"}, "patches or generators: render with kustomize"
+    documents = []
+    for name in kustomization["resources"]:
+        assert (REPLICATED_DIR / name).is_file(), f"{name}: a file of the overlay (not a directory or a parent)"
+        documents += [doc for doc in yaml.safe_load_all((REPLICATED_DIR / name).read_text()) if doc is not None]
+    return documents
+
+
+def _replicated_kind(kind: str) -> dict[str, Any]:
+    found = [document for document in _replicated() if document["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def _replicated_proxy() -> dict[str, Any]:
+    containers = _replicated_kind("Deployment")["spec"]["template"]["spec"]["containers"]
+    (proxy,) = [c for c in containers if c["name"] == _proxy_container()["name"]]
+    return dict(proxy)
+
+
+def test_the_replicated_example_lists_every_file_once_and_each_object_once() -> None:
+    kinds = sorted(document["kind"] for document in _replicated())
+    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]  # no volume claim
+    on_disk = sorted(path.name for path in REPLICATED_DIR.glob("*.yaml") if path.name != "kustomization.yaml")
+    assert sorted(yaml.safe_load((REPLICATED_DIR / "kustomization.yaml").read_text())["resources"]) == on_disk
+
+
+@pytest.mark.parametrize("kind", ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"])
+def test_the_replicated_manifests_are_valid_kubernetes_objects(kind: str) -> None:
+    document = _replicated_kind(kind)
+    assert kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True) == KUBERNETES_VERSION
+
+
+def test_kubectl_kustomize_renders_the_replicated_example_the_same() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl here: the overlay is rendered by reading its files only")
+    run = subprocess.run(
+        [kubectl, "kustomize", str(REPLICATED_DIR)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    rendered = [doc for doc in yaml.safe_load_all(run.stdout) if doc is not None]
+
+    def key(document: dict[str, Any]) -> tuple[str, str]:
+        return document["kind"], document["metadata"]["name"]
+
+    assert sorted(rendered, key=key) == sorted(_replicated(), key=key)
+
+
+def test_the_replicated_deployment_rolls_without_downtime_and_survives_a_node() -> None:
+    deployment = _replicated_kind("Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 3
+    assert spec["strategy"]["type"] == "RollingUpdate"
+    assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert spec["strategy"]["rollingUpdate"]["maxSurge"] >= 1
+    pod_labels = spec["template"]["metadata"]["labels"]
+    (spread,) = spec["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["labelSelector"]["matchLabels"].items() <= pod_labels.items()
+    budget = _replicated_kind("PodDisruptionBudget")["spec"]
+    assert budget["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert budget["maxUnavailable"] == 1  # two of three pods serve through a drain
+    assert _replicated_proxy()["readinessProbe"]["httpGet"]["path"] == "/readyz"  # the store and the lease
+
+
+def _mounted_file(path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file `path` in the proxy container's mounted Secret volumes."""
+    volumes = {v["name"]: v for v in _replicated_kind("Deployment")["spec"]["template"]["spec"]["volumes"]}
+    for mount in _replicated_proxy()["volumeMounts"]:
+        secret = volumes[mount["name"]].get("secret")
+        if secret is None or not path.startswith(mount["mountPath"] + "/"):
+            continue
+        assert mount["readOnly"] is True
+        assert secret["defaultMode"] & 0o007 == 0, "not readable by other users"
+        relative = path.removeprefix(mount["mountPath"] + "/")
+        (item,) = [item for item in secret["items"] if item["path"] == relative]
+        return secret["secretName"], item["key"]
+    raise AssertionError(f"{path} is in no mounted Secret")
+
+
+def test_the_replicated_pods_read_the_store_and_the_shared_key_from_secrets(tmp_path: Path) -> None:
+    """The database URL is a Secret's value; the password and the requestState key are files of mounted
+    Secrets; nothing of the single-replica SQLite volume is left; and the proxy loads the config the pod gets."""
+    spec = _replicated_kind("Deployment")["spec"]["template"]["spec"]
+    assert not [volume for volume in spec["volumes"] if "persistentVolumeClaim" in volume]
+    env = {item["name"]: item for item in _replicated_proxy()["env"]}
+    assert env["MCP_TASKS_PROXY_STORE__URL"]["valueFrom"]["secretKeyRef"] == {"name": STORE_SECRET, "key": "url"}
+    password = env["MCP_TASKS_PROXY_STORE__PASSWORD_FILE"]["value"]
+    key = env["MCP_TASKS_PROXY_INPUTS__SECRET_FILE"]["value"]
+    assert _mounted_file(password) == (STORE_SECRET, "password")
+    assert _mounted_file(key) == (KEY_SECRET, "key")
+    config_file = tmp_path / "proxy.yaml"
+    (tmp_path / "deployment-key").write_text("d" * 64)
+    config_file.write_text(
+        _replicated_kind("ConfigMap")["data"][_config_arg().name].replace(KEY_FILE, str(tmp_path / "deployment-key"))
+    )
+    (tmp_path / "password").write_text("secret\n")
+    (tmp_path / "key").write_text("k" * 64)
+    config = load_config(
+        config_file,
+        environ={
+            "MCP_TASKS_PROXY_STORE__URL": "postgresql://mcp_tasks_proxy@postgres:5432/mcp_tasks_proxy",
+            "MCP_TASKS_PROXY_STORE__PASSWORD_FILE": str(tmp_path / "password"),
+            "MCP_TASKS_PROXY_INPUTS__SECRET_FILE": str(tmp_path / "key"),
+        },
+    )
+    assert config.store.url is not None
+    assert config.store.password_file == str(tmp_path / "password")
+    assert config.inputs.secret_file is not None
+    assert config.security.key_file is not None  # every pod hashes principals with the same key
+
+
+def test_the_replicated_example_differs_from_the_single_replica_one_only_where_it_must(tmp_path: Path) -> None:
+    """Same Service, same tool policies and settings but the store, the same containers but for how the proxy
+    reaches its store and key: the two examples cannot drift apart unnoticed."""
+    assert _replicated_kind("Service") == _by_kind("Service")
+    single = yaml.safe_load(_by_kind("ConfigMap")["data"][_config_arg().name])
+    replicated = yaml.safe_load(_replicated_kind("ConfigMap")["data"][_config_arg().name])
+    assert {k: v for k, v in single.items() if k != "store"} == {k: v for k, v in replicated.items() if k != "store"}
+    assert _replicated_kind("ConfigMap")["metadata"] == _by_kind("ConfigMap")["metadata"]
+    base, pods = _by_kind("Deployment")["spec"]["template"], _replicated_kind("Deployment")["spec"]["template"]
+    assert pods["metadata"] == base["metadata"]
+    legacy = [c for c in base["spec"]["containers"] if c["name"] != _proxy_container()["name"]]
+    assert [c for c in pods["spec"]["containers"] if c["name"] != _proxy_container()["name"]] == legacy
+
+    def without(container: dict[str, Any], *names: str) -> dict[str, Any]:
+        return {k: v for k, v in container.items() if k not in names}
+
+    assert without(_replicated_proxy(), "env", "volumeMounts") == without(_proxy_container(), "env", "volumeMounts")
+    assert pods["spec"]["securityContext"] == base["spec"]["securityContext"]
+    assert pods["spec"]["automountServiceAccountToken"] is False
+
+
+def test_the_readme_says_how_to_create_the_replicated_examples_secrets() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Running several replicas") :]
+    for name in ("config/kubernetes/replicated", STORE_SECRET, KEY_SECRET):
+        assert name in section, name

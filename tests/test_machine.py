@@ -2,10 +2,11 @@
 no I/O. Each row feeds events one at a time and names exactly the commands each one must produce, in order.
 
 The rows follow the flows the end-to-end tests cover (test_flow_tasks.py, test_flow_inputs.py,
-test_flow_get_stream.py): a synchronous call and its MRTR rounds, a task at once, a sync window that becomes a
-task, poll-to-sync, resolve-input-first, a re-run after a restart; and every refusal: a question the client did
-not declare, one asked after the call ended or once nobody listens, one too many, a limit on parking or
-creating, an expired park, a client that leaves.
+test_flow_get_stream.py, test_flow_replicas.py): a synchronous call and its MRTR rounds, a task at once, a sync
+window that becomes a task, poll-to-sync, resolve-input-first, a re-run after a restart; and every refusal: a
+question the client did not declare, one asked after the call ended or once nobody listens, one too many, a
+limit on parking or creating, an expired park, a client that leaves. Then what other replicas of a shared store
+bring: a cancel or expiry settled there, answers relayed from there, and the loss of the lease.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from proxy.errors import ProxyError, TaskLimitError, UpstreamError
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
 from proxy.tasks import machine
 from proxy.tasks.commands import (
+    STORE_WRITES,
     Answer,
     Answered,
     Asked,
@@ -34,6 +36,7 @@ from proxy.tasks.commands import (
     Event,
     FollowUpstreamTask,
     HoldSlot,
+    LeaseLost,
     Mode,
     Notified,
     Park,
@@ -43,6 +46,8 @@ from proxy.tasks.commands import (
     Refuse,
     Relay,
     ReleaseCall,
+    RemoteAnswers,
+    RemoteCancel,
     Reply,
     ReplyError,
     ReplyInputRequired,
@@ -66,10 +71,17 @@ from proxy.tasks.commands import (
 )
 from proxy.tasks.followed import UPSTREAM_CANCELLED, FollowedTask
 from proxy.tasks.inputs import PendingInput
-from proxy.tasks.machine import CLIENT_LEFT, MAX_OUTSTANDING_INPUTS, PARKED_EXPIRED, TASK_REFUSED, CallState
+from proxy.tasks.machine import (
+    CLIENT_LEFT,
+    LEASE_LOST,
+    MAX_OUTSTANDING_INPUTS,
+    PARKED_EXPIRED,
+    TASK_REFUSED,
+    CallState,
+)
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
 from proxy.wire.legacy_tasks import LegacyTask
-from proxy.wire.tasks import TaskStatus
+from proxy.wire.tasks import TaskStatus, internal_error
 
 EVERY_INPUT: dict[str, Any] = {"elicitation": {}, "sampling": {}, "roots": {}}
 WINDOW_MS = 700
@@ -589,6 +601,156 @@ PLAYBOOKS = [
 ]
 
 
+# --- from other replicas of a shared store ---------------------------------------------------------------------
+
+TASK_STARTED: list[tuple[Event, list[Command]]] = [
+    (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+    (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+]
+TASK_ASKING: list[tuple[Event, list[Command]]] = [
+    *TASK_STARTED,
+    (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS), HoldSlot(False)]),
+    (TimerFired(Timer.GATHER), [WriteInputs({"elicitation-1": ELICIT_REQUEST}, 1)]),
+]
+CANCELLED = "cancelled by the client"
+EXPIRED = {"code": -32603, "message": "expired"}
+WAIT_STARTED: list[tuple[Event, list[Command]]] = [
+    (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+    (Committed("t1"), [StartCall(), HoldSlot(True)]),
+]
+
+PLAYBOOKS += [
+    Playbook(
+        "a cancel settled on another replica stops the call and tells the upstream, writing nothing",
+        TASK,
+        [
+            *TASK_STARTED,
+            (RemoteCancel(CANCELLED), [CancelCall(CANCELLED), HoldSlot(False)]),
+            (Ended(OK), []),  # the upstream's late answer changes nothing
+            (RemoteCancel(CANCELLED), []),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a remote cancel of a task waiting for input cancels its call",
+        TASK,
+        [*TASK_ASKING, (RemoteCancel("expired"), [CancelCall("expired")])],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a remote cancel after the call settled by itself is ignored (its own settle, seen on the feed)",
+        TASK,
+        [
+            *TASK_STARTED,
+            (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE), HoldSlot(False)]),
+            (RemoteCancel(CANCELLED), []),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a remote expiry of a poll-to-sync task answers the waiting client with the expiry",
+        WAIT,
+        [
+            *WAIT_STARTED,
+            (
+                RemoteCancel("expired", EXPIRED),
+                [Reply(ReplyOutcome(UpstreamErrorResponse(EXPIRED))), CancelCall("expired"), HoldSlot(False)],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "answers relayed from another replica go upstream; keys not outstanding are ignored",
+        TASK,
+        [
+            *TASK_ASKING,
+            (
+                RemoteAnswers({"elicitation-1": ANSWER, "elicitation-9": ANSWER}),
+                [Answer(7, ANSWER), WriteInputs({}, 1), HoldSlot(True)],
+            ),
+            (RemoteAnswers({"elicitation-1": ANSWER}), []),  # answered already: a second relay is dropped
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a relayed answer that does not fit its question is dropped and the question stays open",
+        TASK,
+        [
+            *TASK_ASKING,
+            (RemoteAnswers({"elicitation-1": {"action": "maybe"}}), []),
+            (RemoteAnswers({"elicitation-1": ANSWER}), [Answer(7, ANSWER), WriteInputs({}, 1), HoldSlot(True)]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "relayed answers for a call that ended are dropped",
+        TASK,
+        [
+            *TASK_ASKING,
+            (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE)]),  # waiting for input, it held no slot
+            (RemoteAnswers({"elicitation-1": ANSWER}), []),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a lost lease stops the call, tells the upstream, and nothing more is written for it",
+        TASK,
+        [
+            *TASK_STARTED,
+            (LeaseLost(), [CancelCall(LEASE_LOST), HoldSlot(False)]),
+            (Notified(PROGRESS, 10_000), []),
+            (Asked(ELICIT), [Refuse(7, "elicitation/create", "ended")]),
+            (Ended(OK), []),
+            (LeaseLost(), []),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a lease lost while waiting for input drops the questions without writing them",
+        TASK,
+        [*TASK_ASKING, (LeaseLost(), [CancelCall(LEASE_LOST)]), (Answered({"elicitation-1": ANSWER}), [])],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a lease lost while the record is committed: the client is told and the call never starts",
+        TASK,
+        [
+            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (LeaseLost(), [Reply(ReplyOutcome(UpstreamErrorResponse(internal_error(LEASE_LOST))))]),
+            (Committed("t1"), []),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a poll-to-sync client waiting on a task whose lease is lost gets the interruption",
+        WAIT,
+        [
+            *WAIT_STARTED,
+            (
+                LeaseLost(),
+                [
+                    Reply(ReplyOutcome(UpstreamErrorResponse(internal_error(LEASE_LOST)))),
+                    CancelCall(LEASE_LOST),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+]
+
+
 @pytest.mark.parametrize("playbook", PLAYBOOKS, ids=[playbook.name for playbook in PLAYBOOKS])
 def test_playbook(playbook: Playbook) -> None:
     state = CallState(
@@ -644,6 +806,42 @@ def test_settlement_maps_outcomes_to_task_statuses() -> None:
     lost = machine.settlement(LOST)
     assert (lost.status, lost.error) == (TaskStatus.FAILED, {"code": -32603, "message": LOST.message})
     assert machine.settlement(None, "stopped") == Settle(TaskStatus.CANCELLED, status_message="stopped")
+
+
+LATER_EVENTS: list[Event] = [
+    Asked(ELICIT),
+    TimerFired(Timer.GATHER),
+    TimerFired(Timer.WINDOW),
+    TimerFired(Timer.PARK),
+    Notified(PROGRESS, 1e9),
+    Answered({"elicitation-1": ANSWER}),
+    RemoteAnswers({"elicitation-1": ANSWER}),
+    RemoteCancel(CANCELLED),
+    ClientLeft(),
+    Stop("shutdown"),
+    Ended(OK),
+    Ended(RPC_ERROR),
+    Committed("t2"),
+]
+
+
+@pytest.mark.parametrize("start", ["running", "asking", "gathering", "waiting"])
+def test_no_event_after_a_lost_lease_writes_the_record(start: str) -> None:
+    """Whatever reaches a call after it lost its lease (a question being gathered, answers, its end, a cancel),
+    not one store write comes out: another replica may own the task now."""
+    steps = {
+        "running": TASK_STARTED,
+        "asking": TASK_ASKING,
+        "gathering": TASK_ASKING[:-1],
+        "waiting": WAIT_STARTED,
+    }[start]
+    state = CallState(WAIT if start == "waiting" else TASK, EVERY_INPUT, GATHER_MS, PARK_TTL_MS)
+    for event, _ in steps:
+        machine.handle(state, event)
+    machine.handle(state, LeaseLost())
+    for event in LATER_EVENTS * 2:
+        commands = machine.handle(state, event)
+        assert not [command for command in commands if isinstance(command, STORE_WRITES)], event
 
 
 # --- a task the upstream runs itself (2025-11-25 Tasks) ----------------------------------------------------------
@@ -850,6 +1048,17 @@ UPSTREAM_PLAYBOOKS = [
         [
             *CREATED_AND_STORED,
             (ShutDown("stopping"), [ClearTimer(Timer.POLL), ReleaseCall(keep_session=True), HoldSlot(False)]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a lost lease leaves the upstream's task running, to be followed again if the task is still this replica's",
+        UP_TASK,
+        [
+            *CREATED_AND_STORED,
+            (LeaseLost(), [ClearTimer(Timer.POLL), ReleaseCall(keep_session=True), HoldSlot(False)]),
+            (status("working", "Still at it"), []),  # nothing more is written for it
         ],
         Mode.DETACHED,
         finished=True,

@@ -720,6 +720,16 @@ async def test_a_replica_holding_its_lease_is_not_taken_over(store: TaskStore) -
     await store.release_lease(one)
 
 
+async def test_a_replica_is_alive_while_it_holds_its_lease(store: TaskStore, backend: Backend) -> None:
+    """Whether another replica can still answer a request forwarded to it (an MRTR retry for its parked call)."""
+    assert not await store.replica_alive("proxy-1")  # never leased
+    fence = await store.renew_lease("proxy-1", 30)
+    assert await store.replica_alive("proxy-1")
+    await store.release_lease(fence)
+    assert not await store.replica_alive("proxy-1")
+    assert store.shared is (backend.name == "postgres")  # SQLite: one process, nobody else to take over from
+
+
 async def test_a_lookup_by_another_principal_finds_nothing(store: TaskStore) -> None:
     """Another caller's lookup gets the same None as an unknown id, and the owner's gets the record."""
     await store.create(make_record("task_big"))

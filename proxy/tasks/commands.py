@@ -5,8 +5,9 @@ answered by an event the runner feeds back (`CreateRecord` → `Committed` / `Co
 / `ParkRefused`, `PollUpstreamTask` → `UpstreamTaskPolled`). `Reply` answers the request a client is waiting
 on. A call the upstream runs as its own 2025-11-25 task (`StartCall(upstream_task=True)`) follows that task
 instead of a held request: `UpstreamTaskCreated`, then `FollowUpstreamTask` (its `tasks/result` stream brings
-the questions and the outcome), `PollUpstreamTask` (`tasks/get`) and `CancelUpstreamTask`. Plain frozen
-data; imports only the upstream event types, errors and the wire.
+the questions and the outcome), `PollUpstreamTask` (`tasks/get`) and `CancelUpstreamTask`. Three events come
+from other replicas of a shared store (`RemoteCancel`, `RemoteAnswers`) or from losing the right to write
+(`LeaseLost`). Plain frozen data; imports only the upstream event types, errors and the wire.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Final
 
 from proxy.errors import ProxyError
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
@@ -142,6 +144,30 @@ class UpstreamTaskPolled:
     known: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteCancel:
+    """The task was settled by another replica (a client's `tasks/cancel` there, or its TTL sweep): the call
+    stops and the upstream is told. Nothing is written: the record is settled already."""
+
+    reason: str
+    error: JSON | None = None  # what a client still waiting for the task is told
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteAnswers:
+    """`tasks/update` answers that arrived on another replica (checked there against the questions the record
+    showed), relayed over the change feed. They are checked again against the questions still outstanding
+    here: a key answered meanwhile, or asked no more, is ignored (that client was acked already)."""
+
+    responses: Mapping[str, JSON]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseLost:
+    """This replica may no longer write the task (its lease lapsed, or another replica took the task over):
+    the call stops, the upstream is told, and nothing more is written for it."""
+
+
 Event = (
     Start
     | Asked
@@ -159,6 +185,9 @@ Event = (
     | ShutDown
     | UpstreamTaskCreated
     | UpstreamTaskPolled
+    | RemoteCancel
+    | RemoteAnswers
+    | LeaseLost
 )
 
 # --- commands ----------------------------------------------------------------------------------------------
@@ -337,6 +366,9 @@ ReplyKind = ReplyOutcome | ReplyTask | ReplyInputRequired | ReplyMissing | Reply
 class Reply:
     reply: ReplyKind
 
+
+# The commands that write the task record: none comes out of a call that lost its lease.
+STORE_WRITES: Final = (CreateRecord, WriteInputs, WriteProgress, Settle)
 
 Command = (
     StartCall

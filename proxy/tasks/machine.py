@@ -5,6 +5,8 @@ so that it can outlive the HTTP request that started it: a synchronous call, a s
 task, a task, a poll-to-sync call, or a synchronous call parked between MRTR rounds. Every change of mode
 happens here, from the policy's `Decision`; the runner (`runner.py`) carries out the commands and feeds back
 what came of them (`Committed`, `Parked`, ...). No asyncio, no I/O, no clock: times arrive with the events.
+With several replicas on one store, a task's call runs on the replica that owns it; what other replicas learn
+reaches it as events too (`RemoteCancel`, `RemoteAnswers`), and so does the loss of its lease (`LeaseLost`).
 
 When the upstream runs the call as its own 2025-11-25 task (`Decision.upstream_task`), the call follows that
 task instead of a held request: the `tools/call` carries `params.task`, the upstream's `CreateTaskResult`
@@ -23,9 +25,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from proxy.errors import InvalidParamsError
 from proxy.policy import Decision
 from proxy.tasks import inputs
 from proxy.tasks.commands import (
+    STORE_WRITES,
     Answer,
     Answered,
     Asked,
@@ -42,6 +46,7 @@ from proxy.tasks.commands import (
     Event,
     FollowUpstreamTask,
     HoldSlot,
+    LeaseLost,
     Mode,
     Notified,
     Park,
@@ -51,6 +56,8 @@ from proxy.tasks.commands import (
     Refuse,
     Relay,
     ReleaseCall,
+    RemoteAnswers,
+    RemoteCancel,
     Reply,
     ReplyError,
     ReplyInputRequired,
@@ -87,6 +94,7 @@ PROGRESS_WRITE_INTERVAL_MS: Final = 200  # at most this often is a task's status
 CLIENT_LEFT: Final = "client disconnected"
 PARKED_EXPIRED: Final = "the client did not retry within inputs.request_state_ttl_ms"
 TASK_REFUSED: Final = "the task could not be created"
+LEASE_LOST: Final = "interrupted: this replica lost its lease on the task"
 
 
 @dataclass(slots=True)
@@ -114,6 +122,7 @@ class CallState:
     holds_slot: bool = False  # counts against `tasks.max_running`
     progress_written_at_ms: float = float("-inf")
     upstream_task: FollowedTask | None = None  # the upstream's own task this call follows, once created
+    fenced: bool = False  # the lease on the task was lost: nothing more is written for it
 
     def input_requests(self) -> JSON:
         return {key: pending.request for key, pending in self.inputs.items()}
@@ -128,6 +137,8 @@ class CallState:
 def handle(state: CallState, event: Event) -> list[Command]:
     """Feed one event to the call; returns what the runner must do, in order."""
     commands = _HANDLERS[type(event)](state, event)
+    if state.fenced:  # whatever a later event would write, a call that lost its lease writes nothing
+        commands = [command for command in commands if not isinstance(command, STORE_WRITES)]
     holds = state.task_id is not None and state.running and not state.inputs and state.mode is not Mode.DETACHED
     if holds != state.holds_slot:  # a task holds a `max_running` slot while its call runs and asks nothing
         state.holds_slot = holds
@@ -319,6 +330,8 @@ def _timer_fired(state: CallState, event: TimerFired) -> list[Command]:
 def _committed(state: CallState, event: Committed) -> list[Command]:
     state.committing = False
     state.task_id = event.task_id
+    if state.fenced:
+        return []  # the lease was lost while the record was written: the call never starts here
     if state.decision.holds_client and not state.client_waiting:
         # The poll-to-sync client left while its internal task was stored: nobody can read the task.
         state.mode = Mode.DETACHED
@@ -468,6 +481,41 @@ def _upstream_status(state: CallState, task: LegacyTask) -> list[Command]:
     return commands
 
 
+def _remote_cancel(state: CallState, event: RemoteCancel) -> list[Command]:
+    """Settled by another replica: a call still running (or parked, or with a client waiting) is stopped, as a
+    local cancel stops it; one that has ended already has nothing to stop."""
+    if not state.running and state.mode is not Mode.PARKED and not state.client_waiting:
+        return []
+    return _stop(state, Stop(event.reason, event.error))
+
+
+def _remote_answers(state: CallState, event: RemoteAnswers) -> list[Command]:
+    """Answers relayed from another replica, for the questions still outstanding here. One that does not fit
+    its question is dropped and the question stays open (its client was acked by the other replica, which
+    checked it against the same question: this happens only if the question changed meanwhile)."""
+    if state.mode is not Mode.TASK or not state.running:
+        return []
+    checked: dict[str, JSON] = {}
+    for key, response in event.responses.items():
+        pending = state.inputs.get(key)
+        if pending is None:
+            continue
+        try:
+            checked[key] = inputs.upstream_answer(key, pending.method, response)
+        except InvalidParamsError:
+            continue
+    return _deliver(state, checked)
+
+
+def _lease_lost(state: CallState, event: LeaseLost) -> list[Command]:
+    """Another replica may own the task now: stop as a shutdown does (a task the upstream runs itself keeps
+    running there, to be followed again if it is still this replica's), and never write its record again."""
+    if state.fenced:
+        return []
+    state.fenced = True
+    return _shut_down(state, ShutDown(LEASE_LOST))
+
+
 _HANDLERS: Final[dict[type[Any], Callable[[CallState, Any], list[Command]]]] = {
     Start: _start,
     Asked: _asked,
@@ -485,6 +533,9 @@ _HANDLERS: Final[dict[type[Any], Callable[[CallState, Any], list[Command]]]] = {
     ShutDown: _shut_down,
     UpstreamTaskCreated: _upstream_task_created,
     UpstreamTaskPolled: _upstream_task_polled,
+    RemoteCancel: _remote_cancel,
+    RemoteAnswers: _remote_answers,
+    LeaseLost: _lease_lost,
 }
 
 # --- shared steps ------------------------------------------------------------------------------------------

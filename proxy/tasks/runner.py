@@ -6,7 +6,10 @@ request, timers, the waiting client's reply and stream), feeds it events one at 
 and executes the commands that come out: store writes, upstream answers and cancels, replies, timers, the
 `max_running` slots and the parked MRTR calls; what concerns a task the upstream runs itself is carried out
 by `upstream_tasks.py`. It decides nothing itself. It also runs the task-level operations that need no call
-(`tasks/get`, `tasks/cancel` of a task whose call is gone, TTL sweeps, restart recovery). Imports the store,
+(`tasks/get`, `tasks/cancel` of a task whose call is gone, TTL sweeps, restart recovery). With several replicas
+on one store (`replicas.py` carries the lease, the feed and the messages) it writes as a task's owner only
+under its lease's fence and forwards MRTR retries for calls parked on another replica; what other replicas do
+reaches its calls through `replica_calls.py` (mixed in). Imports the store,
 the upstream client, the machine, policy and wire; never aiohttp's web side or the front.
 """
 
@@ -27,9 +30,9 @@ import structlog
 from proxy.config import Config, RestartAction
 from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskLimitError
 from proxy.observability import Metrics
-from proxy.policy import Decision, Outcome, Policy
+from proxy.policy import SYNC_CALL, Decision, Outcome, Policy, decide
 from proxy.principals import Principals, SealError
-from proxy.tasks import inputs, machine, pacing
+from proxy.tasks import inputs, machine, pacing, remote
 from proxy.tasks.commands import (
     Answer,
     Answered,
@@ -46,6 +49,7 @@ from proxy.tasks.commands import (
     Event,
     FollowUpstreamTask,
     HoldSlot,
+    LeaseLost,
     Notified,
     Park,
     Parked,
@@ -72,7 +76,9 @@ from proxy.tasks.commands import (
 from proxy.tasks.followed import FollowedTask
 from proxy.tasks.inputs import PendingInput
 from proxy.tasks.machine import CallState
-from proxy.tasks.store import StoreError, StoreFullError, TaskStore
+from proxy.tasks.replica_calls import CANCELLED_BY_CLIENT, ReplicaCalls
+from proxy.tasks.replicas import Ask, ReplicaLink
+from proxy.tasks.store import Fence, FencedError, StoreError, StoreFullError, TaskStore
 from proxy.tasks.upstream_tasks import UpstreamTasks
 from proxy.upstream.events import (
     UpstreamEvent,
@@ -92,8 +98,8 @@ log = structlog.get_logger(__name__)
 
 SWEEP_INTERVAL_SECONDS: Final = 1.0  # how often expired tasks are ended and old records purged
 SHUTDOWN_GRACE_SECONDS: Final = 5.0  # how long close() waits for cancelled calls to tell the upstream
-CANCELLED_BY_CLIENT: Final = "cancelled by the client"
 SHUTTING_DOWN: Final = "the proxy is shutting down"
+DURATIONS_RELOAD_SECONDS: Final = 5.0  # how often the tools' duration estimates are read again (other replicas')
 
 _T = TypeVar("_T")
 
@@ -125,9 +131,11 @@ class Call:
     session: Session | None = None
     upstream: SessionCall | None = None
     created_at: float = field(default_factory=time.perf_counter)
+    fence: Fence | None = None  # the lease the task's record is written under (None: no task yet)
+    ask: Ask | None = None  # set on a stand-in for a call parked on another replica (a forwarded MRTR retry)
 
 
-class TaskRunner:
+class TaskRunner(ReplicaCalls):
     def __init__(
         self,
         config: Config,
@@ -146,7 +154,8 @@ class TaskRunner:
         self.clock = clock
         self.process_id = uuid.uuid4().hex  # the `owner` of every task this process runs
         self.signer = inputs.RequestStateSigner(inputs.load_secret(config.inputs.secret_file))
-        self.durations = pacing.DurationEstimates()  # how long each tool's tasks usually take
+        self.durations = pacing.DurationEstimates()  # how long each tool's tasks usually take (shared in the store)
+        self.replicas = ReplicaLink(store, self.process_id, config.store.lease_seconds, self)
         self._calls: set[Call] = set()  # every call not finished yet
         self._tasks: dict[str, Call] = {}  # task id → its call, for tasks whose upstream call runs here
         self.limits = config.limits
@@ -156,6 +165,9 @@ class TaskRunner:
         self._parked_by: Counter[str] = Counter()  # ... per caller
         self._background: set[asyncio.Task[Any]] = set()
         self._progress_tokens = 0
+        self._served: dict[str, Call] = {}  # MRTR retries forwarded by another replica, by their message key
+        self._adopting = asyncio.Lock()  # take-overs and a lapsed lease's recovery, one at a time
+        self._durations_loaded_at = float("-inf")
         self.upstream_tasks = UpstreamTasks(self)  # carries out the commands about tasks the upstream runs
 
     # --- lifecycle -----------------------------------------------------------------------------------
@@ -173,47 +185,47 @@ class TaskRunner:
             log.error("task_background_failed", coroutine=task.get_name(), error=repr(task.exception()))
 
     async def start(self) -> None:
-        """Restart recovery (before the first request is served), then the periodic sweep."""
+        """The lease and the change feed first (every owner write carries the lease's fence), the shared pacing
+        estimates, restart recovery (before the first request is served), then the periodic sweep."""
+        await self.replicas.start()
+        if self.store.shared and self.inputs.secret_file is None:
+            log.warning(
+                "request_state_key_not_shared",
+                detail="inputs.secret_file is unset: an MRTR retry that reaches another replica is refused",
+            )
+        await self._load_durations()
         await self._recover()
         self.spawn(self._sweep_forever(), "task-sweeper")
 
     async def close(self) -> None:
         """Shutdown: running calls are cancelled upstream; their records stay live and are failed or re-run
-        per `on_restart` at the next start (nothing committed is lost or rewritten here)."""
+        per `on_restart` at the next start, or by another replica at once (the lease is released); nothing
+        committed is lost or rewritten here."""
         calls = list(self._calls)
         await asyncio.gather(*(self.dispatch(call, ShutDown(SHUTTING_DOWN)) for call in calls), return_exceptions=True)
+        await self.replicas.close()
         for task in list(self._background):
             task.cancel()
         if self._background:
             await asyncio.wait(list(self._background), timeout=SHUTDOWN_GRACE_SECONDS)
 
     async def _recover(self) -> None:
-        """Tasks a previous process left working / input_required: a task the upstream runs itself is followed
-        again; others are failed with a clear message, or re-run when their policy says `on_restart: rerun`."""
-        now = self.clock()
-        for record in await self.store.live():
-            if record.expired(now):
-                await self._fail(record.task_id, wire_tasks.EXPIRED_MESSAGE)
-                continue
-            if record.upstream_task_id is not None:
-                message = record.status_message or wire_tasks.RESUMED_MESSAGE
-                claimed = await self.store.claim(record.task_id, self.process_id, message, now_ms=now)
-                if claimed is not None:
-                    await self._follow_again(claimed, record)
-                    continue
-            if record.on_restart == "rerun":
-                claimed = await self.store.claim(record.task_id, self.process_id, wire_tasks.RERUN_MESSAGE, now_ms=now)
-                if claimed is not None:
-                    await self._rerun(claimed)
-                    continue
-            await self._fail(record.task_id, wire_tasks.RESTART_MESSAGE)
-            log.info("task_interrupted", task_id=record.task_id, tool=record.tool)
+        """Tasks no running process owns any more. On a shared store (PostgreSQL), those of replicas whose lease
+        ran out, an earlier run of this one included once its lease lapsed or was released: taken over, so the
+        tasks of live replicas are never touched. On SQLite, every live task: the process that ran it is gone
+        (the file lock says so); a task the upstream runs itself is followed again."""
+        if self.store.shared:
+            await self.replicas.sweep()
+            return
+        async with self._adopting:
+            live = await self.store.live()
+            await self._adopt(live, wire_tasks.RESTART_MESSAGE, wire_tasks.RERUN_MESSAGE, None, follow=True)
 
-    async def _rerun(self, record: TaskRecord) -> None:
+    async def _rerun(self, record: TaskRecord, fence: Fence) -> None:
         try:
             principal = None if record.rerun_principal is None else self.principals.unseal(record.rerun_principal)
         except SealError as exc:
-            await self._fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; not re-run: {exc}")
+            await self._fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; not re-run: {exc}", fence)
             return
         policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, "rerun")
         state = self._state(Decision(Outcome.TASK, policy), record.client_capabilities, None, None)
@@ -221,12 +233,13 @@ class TaskRunner:
         state.issued = record.inputs_issued  # keys stay unique across the re-run too
         call = Call(state, "tools/call", record.tool, principal, record.principal, dict(record.request), {}, "")
         call.record = record
+        call.fence = fence
         self._calls.add(call)
         self._tasks[record.task_id] = call
         await self.dispatch(call, Start())
         log.info("task_rerun", task_id=record.task_id, tool=record.tool)
 
-    async def _follow_again(self, record: TaskRecord, before: TaskRecord) -> None:
+    async def _follow_again(self, record: TaskRecord, before: TaskRecord, fence: Fence) -> None:
         """A task the upstream runs itself, left live by a previous process: followed again on its upstream
         session, with the questions it had asked (`before`, as the record was) still answerable."""
         assert record.upstream_task_id is not None
@@ -247,10 +260,11 @@ class TaskRunner:
         try:
             principal = None if record.rerun_principal is None else self.principals.unseal(record.rerun_principal)
         except SealError as exc:
-            await self._fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; not followed again: {exc}")
+            await self._fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; not followed again: {exc}", fence)
             return
         call = Call(state, "tools/call", record.tool, principal, record.principal, dict(record.request), {}, "")
         call.record = record
+        call.fence = fence
         self._calls.add(call)
         self._tasks[record.task_id] = call
         await self.dispatch(call, Start())
@@ -265,13 +279,23 @@ class TaskRunner:
                 log.error("task_sweep_failed", error=str(exc))
 
     async def sweep(self) -> None:
-        """Live tasks past their TTL fail (and their calls stop); settled records past their TTL are dropped."""
+        """Live tasks past their TTL fail (their calls stop, here or, through the feed, on their owner); settled
+        records past their TTL are dropped; dead replicas' tasks are taken over. On a shared store each of these
+        is done once across replicas (the store hands each expired task, and the purge, to one of them)."""
         now = self.clock()
-        for record in await self.store.expired_live(now):
-            await self._expire(record)
+        error = wire_tasks.internal_error(wire_tasks.EXPIRED_MESSAGE)
+        for record in await self.store.settle_expired(now, error=error, status_message=wire_tasks.EXPIRED_MESSAGE):
+            self._settled(record, reason=wire_tasks.EXPIRED_MESSAGE)
+            log.info("task_expired", task_id=record.task_id, tool=record.tool)
+            call = self._tasks.get(record.task_id)
+            if call is not None:
+                await self.submit(call, Stop(wire_tasks.EXPIRED_MESSAGE, error))
         purged = await self.store.purge_expired(now)
         if purged:
             log.info("tasks_purged", count=purged)
+        await self.replicas.sweep()
+        if time.monotonic() - self._durations_loaded_at > DURATIONS_RELOAD_SECONDS:
+            await self._load_durations()
 
     # --- starting and resuming calls (the waiting client's side calls these) ---------------------------
 
@@ -319,8 +343,9 @@ class TaskRunner:
         self, request: ModernRequest, caller: Caller, responses: Mapping[str, Any], channel: Channel
     ) -> Call:
         """An MRTR retry: the `requestState` must be genuine, unexpired, the caller's, for this method and
-        these params, and name a call parked here for this round; its answers must fit the questions. Else
-        -32602, and the call stays parked for a corrected retry."""
+        these params, and name a call parked for this round (here, or on the live replica that issued it: the
+        retry is forwarded there); its answers must fit the questions. Else -32602, and the call stays parked
+        for a corrected retry."""
         state = request.params.get("requestState")
         if not isinstance(state, str):
             raise InvalidParamsError("Invalid params: requestState must be a string")
@@ -331,26 +356,63 @@ class TaskRunner:
             or claims.digest != inputs.params_digest(request.params)
         ):
             raise InvalidParamsError("Invalid params: requestState was issued for another request")
-        call = self._parked.get(claims.call_id)
-        if call is None or not machine.resumable(call.state, claims.round):
-            if claims.owner != self.process_id:
-                raise InvalidParamsError(
-                    "Invalid params: requestState belongs to a call held by another proxy process; send the "
-                    "request again without it"
-                )
-            raise InvalidParamsError(
-                "Invalid params: requestState was already used or its call has ended; send the request again without it"
-            )
-        answers = machine.answers(call.state, responses)  # a bad answer leaves the call parked for a corrected retry
-        self._unpark(call)  # taken: exactly one retry resumes a round
+        if claims.owner != self.process_id:
+            return await self._forward(request, caller, claims, state, responses, channel)
+        call, answers = self._take_parked(claims, responses)
         call.reply = asyncio.get_running_loop().create_future()
         call.channel = channel
         log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, answered=sorted(answers))
         await self.submit(call, Resumed(answers, request.progress_token, request.log_level))
         return call
 
+    def _take_parked(self, claims: inputs.StateClaims, responses: Mapping[str, Any]) -> tuple[Call, dict[str, JSON]]:
+        """The call parked here for the claims' round, with the retry's answers checked; it is no longer parked."""
+        call = self._parked.get(claims.call_id)
+        if call is None or not machine.resumable(call.state, claims.round):
+            raise InvalidParamsError(
+                "Invalid params: requestState was already used or its call has ended; send the request again without it"
+            )
+        answers = machine.answers(call.state, responses)  # a bad answer leaves the call parked for a corrected retry
+        self._unpark(call)  # taken: exactly one retry resumes a round
+        return call, answers
+
+    async def _forward(
+        self,
+        request: ModernRequest,
+        caller: Caller,
+        claims: inputs.StateClaims,
+        state: str,
+        responses: Mapping[str, Any],
+        channel: Channel,
+    ) -> Call:
+        """An MRTR retry for a call parked on another replica: sent there (through the store), and a stand-in
+        call here whose reply is what that replica's call answers (its notifications reach `channel` too)."""
+        if not await self.store.replica_alive(claims.owner):
+            raise InvalidParamsError(
+                "Invalid params: requestState belongs to a call held by another proxy process, which is not "
+                "running; send the request again without it"
+            )
+        name = request.params.get("uri") if request.method == "resources/read" else request.params.get("name")
+        decision = (
+            decide(self.config, str(name), declares_tasks=request.declares_tasks)
+            if request.method == "tools/call"
+            else SYNC_CALL
+        )
+        standin = self._state(decision, request.client_capabilities, request.progress_token, request.log_level)
+        key = self.principals.key_of(caller.principal)
+        call = Call(standin, request.method, str(name), caller.principal, key, {}, {}, claims.digest, channel=channel)
+        call.reply = asyncio.get_running_loop().create_future()
+        payload = remote.resume_payload(state, responses, request.progress_token, request.log_level, self.process_id)
+        call.ask = await self.replicas.ask(claims.owner, remote.RESUME, payload, on_note=channel.notify)
+        self.spawn(self._await_forwarded(call, call.ask), f"forwarded-{call.ask.key}")
+        log.info("mrtr_forwarded", method=call.method, name=call.name, round=claims.round, to=claims.owner)
+        return call
+
     def client_left(self, call: Call) -> None:
         """The waiting request went away (its handler is being cancelled): tell the call, in the background."""
+        if call.ask is not None:  # a stand-in: the replica holding the call is told
+            self.replicas.abandon(call.ask)
+            return
         call.channel = None
         self.spawn(self.dispatch(call, ClientLeft()), f"client-left-{call.call_id}")
 
@@ -387,15 +449,11 @@ class TaskRunner:
         elif isinstance(command, CreateRecord):
             return await self._create_record(call, command)
         elif isinstance(command, WriteInputs):
-            await self._write_inputs(call, command)
+            return await self._write_inputs(call, command)
         elif isinstance(command, WriteProgress):
-            assert call.state.task_id is not None
-            try:
-                await self.store.set_status_message(call.state.task_id, command.status_message, now_ms=self.clock())
-            except StoreError as exc:  # a lost progress line is not worth failing the task for
-                log.warning("task_progress_not_stored", task_id=call.state.task_id, error=str(exc))
+            return await self._write_progress(call, command)
         elif isinstance(command, Settle):
-            await self._settle(call, command)
+            return await self._settle(call, command)
         elif isinstance(command, Answer):
             await self._respond(call, command.upstream_id, result=command.result)
         elif isinstance(command, Refuse):
@@ -597,6 +655,7 @@ class TaskRunner:
         policy = decision.policy
         assert policy is not None
         now = self.clock()
+        call.fence = self.replicas.fence  # taken before the commit: a lease lost meanwhile stops the call
         record = TaskRecord(
             task_id=wire_tasks.new_task_id(),
             principal=call.caller,
@@ -623,14 +682,15 @@ class TaskRunner:
             upstream_input_ids=command.upstream_input_ids or {},
         )
         started = time.perf_counter()
+        self._tasks[record.task_id] = call  # before the commit: a committed task is never taken for an orphan
         try:
             await self.store.create(record)
-        except StoreFullError:
-            return CommitRefused(TaskLimitError("max_records", self.config.max_records))
         except StoreError as exc:
+            del self._tasks[record.task_id]
+            if isinstance(exc, StoreFullError):
+                return CommitRefused(TaskLimitError("max_records", self.config.max_records))
             return CommitRefused(ProxyError("Internal error: the task could not be stored", detail=str(exc)))
         call.record = record
-        self._tasks[record.task_id] = call
         log.info("task_created", task_id=record.task_id, tool=call.name, ttl_ms=record.ttl_ms)
         if command.input_requests:
             self._log_input_required(record.task_id, call.name, command.input_requests)
@@ -640,7 +700,7 @@ class TaskRunner:
             self.metrics.create_seconds.labels(path).observe(time.perf_counter() - started)
         return Committed(record.task_id)
 
-    async def _write_inputs(self, call: Call, command: WriteInputs) -> None:
+    async def _write_inputs(self, call: Call, command: WriteInputs) -> Event | None:
         task_id = call.state.task_id
         assert task_id is not None
         try:
@@ -649,13 +709,29 @@ class TaskRunner:
                 command.input_requests,
                 command.issued,
                 now_ms=self.clock(),
+                fence=call.fence,
                 upstream_input_ids=command.upstream_input_ids,
             )
+        except FencedError:
+            return LeaseLost()
         except StoreError as exc:
             log.error("task_inputs_not_stored", task_id=task_id, error=str(exc))
-            return
+            return None
         if updated is not None and command.input_requests:
             self._log_input_required(task_id, call.name, command.input_requests)
+        return None
+
+    async def _write_progress(self, call: Call, command: WriteProgress) -> Event | None:
+        assert call.state.task_id is not None
+        try:
+            await self.store.set_status_message(
+                call.state.task_id, command.status_message, now_ms=self.clock(), fence=call.fence
+            )
+        except FencedError:
+            return LeaseLost()
+        except StoreError as exc:  # a lost progress line is not worth failing the task for
+            log.warning("task_progress_not_stored", task_id=call.state.task_id, error=str(exc))
+        return None
 
     def _log_input_required(self, task_id: str, tool: str, input_requests: JSON) -> None:
         methods = sorted(
@@ -663,18 +739,26 @@ class TaskRunner:
         )
         log.info("task_input_required", task_id=task_id, tool=tool, keys=sorted(input_requests), methods=methods)
 
-    async def _settle(self, call: Call, command: Settle) -> None:
+    async def _settle(self, call: Call, command: Settle) -> Event | None:
         task_id = call.state.task_id
         assert task_id is not None
-        settled = await self.store.settle(
-            task_id,
-            command.status,
-            now_ms=self.clock(),
-            result=command.result,
-            error=command.error,
-            status_message=command.status_message,
-        )
+        try:
+            settled = await self.store.settle(
+                task_id,
+                command.status,
+                now_ms=self.clock(),
+                result=command.result,
+                error=command.error,
+                status_message=command.status_message,
+                fence=call.fence,
+            )
+        except FencedError:
+            return LeaseLost()  # another replica owns the task now: its outcome is that replica's to write
+        except StoreError as exc:  # the record stays live; its TTL (or a take-over) ends it
+            log.error("task_not_settled", task_id=task_id, status=command.status.value, error=str(exc))
+            return None
         self._settled(settled)
+        return None
 
     def _settled(self, record: TaskRecord | None, **context: Any) -> None:
         """Every settlement that won (the first) is logged and counted here, whoever settled it."""
@@ -682,7 +766,9 @@ class TaskRunner:
             return
         log.info("task_settled", task_id=record.task_id, tool=record.tool, status=record.status.value, **context)
         if record.status is TaskStatus.COMPLETED:
-            self.durations.observe(record.tool, record.updated_at_ms - record.created_at_ms)
+            duration_ms = record.updated_at_ms - record.created_at_ms
+            self.durations.observe(record.tool, duration_ms)  # at once here; for every replica through the store
+            self.spawn(self._share_duration(record.tool, duration_ms), f"duration-{record.task_id}")
         if self.metrics is not None:
             tool = self.metrics.tool_label(record.tool)
             self.metrics.tasks_settled.labels(tool, record.status.value).inc()
@@ -722,10 +808,16 @@ class TaskRunner:
 
     async def update(self, task_id: str, caller: Caller, responses: Mapping[str, Any]) -> None:
         """Answers for the task's outstanding questions go upstream; the ack does not wait for the state change.
-        A task whose call does not run here has nothing to deliver."""
+        For a task whose call runs on another replica they are checked against the questions its record shows
+        (-32602 naming the key) and stored as a message to its owner, which the feed wakes."""
         record = await self.observe(task_id, caller)
+        if record.status.terminal:
+            return
         call = self._tasks.get(task_id)
-        if call is None or record.status.terminal:
+        if call is None:
+            answers = remote.check_answers(record.input_requests, responses)
+            if answers:
+                await self.replicas.post_answers(task_id, answers)
             return
         answers = machine.answers(call.state, responses)
         if answers:
@@ -733,7 +825,7 @@ class TaskRunner:
 
     async def cancel(self, task_id: str, caller: Caller) -> None:
         """Ack even on a settled task; a live one is settled `cancelled` (unless it settles first) and its
-        call stopped (`notifications/cancelled` upstream)."""
+        call stopped (`notifications/cancelled` upstream): here, or by its owner when the feed tells it."""
         record = await self.observe(task_id, caller)
         if record.status.terminal:
             return
@@ -745,13 +837,14 @@ class TaskRunner:
         if call is not None:
             await self.submit(call, Stop(CANCELLED_BY_CLIENT))
 
-    async def _fail(self, task_id: str, message: str) -> TaskRecord | None:
+    async def _fail(self, task_id: str, message: str, fence: Fence | None = None) -> TaskRecord | None:
         settled = await self.store.settle(
             task_id,
             TaskStatus.FAILED,
             now_ms=self.clock(),
             error=wire_tasks.internal_error(message),
             status_message=message,
+            fence=fence,
         )
         self._settled(settled, reason=message)
         return settled

@@ -74,6 +74,19 @@ def register(mcp: FastMCP[Any]) -> None:
             return text_result(f"No name given (action={result.action})")
         return text_result(f"Hello, {content_str(result, 'name')}")
 
+    @mcp.tool(
+        name="ask_then_progress",
+        description="Elicits a name, then reports progress 1/2 'greeted' on the call's stream; returns 'Hello, <name>'",
+    )
+    async def ask_then_progress(ctx: Ctx) -> types.CallToolResult:
+        result = await elicit(
+            ctx,
+            "What is your name?",
+            {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+        )
+        await ctx.report_progress(1, 2, "greeted")
+        return text_result(f"Hello, {content_str(result, 'name')}")
+
     @mcp.tool(name="ask_many", description="Asks `count` yes/no elicitations at once; returns how many were accepted")
     async def ask_many(
         ctx: Ctx, count: Annotated[int, Field(description="How many questions to ask at once", ge=1, le=500)]

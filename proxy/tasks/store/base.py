@@ -166,7 +166,15 @@ class TaskStore(Protocol):
 
     # -- replicas: leases and take-over ------------------------------------------------------------------------
 
+    @property
+    def shared(self) -> bool:
+        """Several processes may use this store at once (PostgreSQL): a restart takes over the tasks of dead
+        replicas (`expired_replicas`, `take_over`) instead of every live task."""
+        ...
+
     async def renew_lease(self, replica_id: str, lease_seconds: float) -> Fence: ...
+
+    async def replica_alive(self, replica_id: str) -> bool: ...
 
     async def release_lease(self, fence: Fence) -> None: ...
 

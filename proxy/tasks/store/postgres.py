@@ -353,6 +353,15 @@ class PostgresTaskStore:
         rows = await self._rows("renew_lease", schema.RENEW_SQL, {"replica": replica_id, "seconds": lease_seconds})
         return Fence(replica_id, int(rows[0]["epoch"]))
 
+    @property
+    def shared(self) -> bool:
+        return True
+
+    async def replica_alive(self, replica_id: str) -> bool:
+        """Does `replica_id` hold an unexpired lease (by the database's clock)?"""
+        sql = "SELECT 1 FROM replicas WHERE replica_id = %s AND expires_at > clock_timestamp()"
+        return bool(await self._rows("replica_alive", sql, [replica_id], write=False))
+
     async def release_lease(self, fence: Fence) -> None:
         """End the lease now (a clean shutdown), so a survivor takes over at its next sweep instead of waiting."""
         sql = "UPDATE replicas SET expires_at = clock_timestamp() WHERE replica_id = %s AND epoch = %s"

@@ -73,6 +73,7 @@ class SqliteTaskStore:
         self._writer_state = SqliteWriter(path, max_records=max_records, synchronous=synchronous)  # writer thread
         self._batcher = CreationBatcher(self._writer_state.create_all, str(path))
         self._feed = LocalFeed()
+        self._leases: set[str] = set()  # replicas of this process holding a lease
         # Owned by the reader thread:
         self._reader_db: Database | None = None
 
@@ -239,12 +240,21 @@ class SqliteTaskStore:
 
     # -- one process, one replica: the lease is the file lock ----------------------------------------------------
 
+    @property
+    def shared(self) -> bool:
+        return False
+
     async def renew_lease(self, replica_id: str, lease_seconds: float) -> Fence:
         self._open_writer_thread("renew_lease")
+        self._leases.add(replica_id)
         return Fence(replica_id, _EPOCH)
 
     async def release_lease(self, fence: Fence) -> None:
-        return None
+        self._leases.discard(fence.owner)
+
+    async def replica_alive(self, replica_id: str) -> bool:
+        """Only replicas of this process (which holds the file) can be alive."""
+        return replica_id in self._leases
 
     async def expired_replicas(self) -> list[str]:
         return []
