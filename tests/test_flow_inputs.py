@@ -15,7 +15,7 @@ from typing import Any
 import structlog.testing
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.tasks.machine import MAX_OUTSTANDING_INPUTS
+from proxy.tasks.state import MAX_OUTSTANDING_INPUTS
 from tests.conftest import (
     DECLARING,
     ClientFactory,

@@ -18,7 +18,7 @@ import pytest
 
 from proxy.errors import ProxyError, TaskLimitError, UpstreamError
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
-from proxy.tasks import machine
+from proxy.tasks import machine, steps
 from proxy.tasks.commands import (
     STORE_WRITES,
     Answer,
@@ -71,7 +71,7 @@ from proxy.tasks.commands import (
 )
 from proxy.tasks.followed import UPSTREAM_CANCELLED, FollowedTask
 from proxy.tasks.inputs import PendingInput
-from proxy.tasks.machine import (
+from proxy.tasks.state import (
     CLIENT_LEFT,
     LEASE_LOST,
     MAX_OUTSTANDING_INPUTS,
@@ -800,12 +800,12 @@ def test_keys_are_never_reused_over_a_calls_life() -> None:
 
 
 def test_settlement_maps_outcomes_to_task_statuses() -> None:
-    assert machine.settlement(OK) == Settle(TaskStatus.COMPLETED, result=DONE)
+    assert steps.settlement(OK) == Settle(TaskStatus.COMPLETED, result=DONE)
     tool_error = UpstreamResult({"content": [], "isError": True})
-    assert machine.settlement(tool_error).status is TaskStatus.COMPLETED  # a tool error is a result
-    lost = machine.settlement(LOST)
+    assert steps.settlement(tool_error).status is TaskStatus.COMPLETED  # a tool error is a result
+    lost = steps.settlement(LOST)
     assert (lost.status, lost.error) == (TaskStatus.FAILED, {"code": -32603, "message": LOST.message})
-    assert machine.settlement(None, "stopped") == Settle(TaskStatus.CANCELLED, status_message="stopped")
+    assert steps.settlement(None, "stopped") == Settle(TaskStatus.CANCELLED, status_message="stopped")
 
 
 LATER_EVENTS: list[Event] = [

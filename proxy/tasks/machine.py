@@ -15,33 +15,29 @@ stream brings the questions (`Asked`) and the outcome (`Ended`), its status come
 `notifications/tasks/status` or, when it is silent for its pollInterval, from `tasks/get`
 (`UpstreamTaskPolled`); a cancel is `tasks/cancel`, and a shutdown leaves it running for the next start.
 
-Imports the policy, the input-bridging rules (`inputs.py`), the followed upstream task (`followed.py`), the
-upstream event types and the wire; nothing that does I/O.
+The state it keeps is `state.py`; the steps its handlers share are `steps.py`. Imports those, the policy, the
+input-bridging rules (`inputs.py`), the followed upstream task (`followed.py`), the upstream event types and
+the wire; nothing that does I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 from proxy.errors import InvalidParamsError
-from proxy.policy import Decision
-from proxy.tasks import inputs
+from proxy.tasks import inputs, steps
 from proxy.tasks.commands import (
     STORE_WRITES,
-    Answer,
     Answered,
     Asked,
     CallOutcome,
-    CancelCall,
     CancelUpstreamTask,
     ClearTimer,
     ClientLeft,
     Command,
     CommitRefused,
     Committed,
-    CreateRecord,
     Ended,
     Event,
     FollowUpstreamTask,
@@ -49,7 +45,6 @@ from proxy.tasks.commands import (
     LeaseLost,
     Mode,
     Notified,
-    Park,
     Parked,
     ParkRefused,
     PollUpstreamTask,
@@ -58,80 +53,39 @@ from proxy.tasks.commands import (
     ReleaseCall,
     RemoteAnswers,
     RemoteCancel,
-    Reply,
     ReplyError,
     ReplyInputRequired,
-    ReplyKind,
     ReplyMissing,
     ReplyOutcome,
     ReplyTask,
     Resumed,
     SetTimer,
-    Settle,
     ShutDown,
     Start,
-    StartCall,
     Stop,
     Timer,
     TimerFired,
     Unpark,
     UpstreamTaskCreated,
     UpstreamTaskPolled,
-    WriteInputs,
     WriteProgress,
 )
-from proxy.tasks.followed import UPSTREAM_CANCELLED, FollowedTask
+from proxy.tasks.followed import FollowedTask
 from proxy.tasks.inputs import PendingInput
-from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
+from proxy.tasks.state import (
+    CLIENT_LEFT,
+    LEASE_LOST,
+    MAX_OUTSTANDING_INPUTS,
+    PARKED_EXPIRED,
+    PROGRESS_WRITE_INTERVAL_MS,
+    TASK_REFUSED,
+    CallState,
+)
+from proxy.upstream.events import UpstreamErrorResponse
 from proxy.wire import legacy_tasks, translate
 from proxy.wire import tasks as wire_tasks
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.legacy_tasks import LegacyTask
-from proxy.wire.tasks import TaskStatus
-
-MAX_OUTSTANDING_INPUTS: Final = 64  # open questions per call; an upstream asking more at once is refused
-PROGRESS_WRITE_INTERVAL_MS: Final = 200  # at most this often is a task's statusMessage rewritten
-CLIENT_LEFT: Final = "client disconnected"
-PARKED_EXPIRED: Final = "the client did not retry within inputs.request_state_ttl_ms"
-TASK_REFUSED: Final = "the task could not be created"
-LEASE_LOST: Final = "interrupted: this replica lost its lease on the task"
-
-
-@dataclass(slots=True)
-class CallState:
-    decision: Decision
-    capabilities: JSON  # the starting request's ClientCapabilities: which questions may reach the client
-    gather_ms: int
-    park_ttl_ms: int
-    progress_token: str | int | None = None  # the waiting request's, for relayed progress
-    log_level: str | None = None  # the waiting request's, for relayed log messages
-    mode: Mode = Mode.WAITING
-    client_waiting: bool = True  # a request waits for a reply (it leaves with the reply or when it goes away)
-    task_id: str | None = None
-    committing: bool = False  # a task record is being written
-    started: bool = False  # the upstream call was sent
-    running: bool = False  # ... and has not ended or been abandoned
-    outcome: CallOutcome | None = None
-    inputs: dict[str, PendingInput] = field(default_factory=dict)  # outstanding questions by minted key
-    issued: int = 0  # keys minted over the call's (or task's) whole life: keys are never reused
-    inputs_written: bool = True  # the task record shows the current questions
-    missing: list[JSON] = field(default_factory=list)  # capabilities of questions refused while a client waited
-    gathering: bool = False
-    window_set: bool = False  # the sync window's timer is running
-    round: int = 0  # MRTR rounds so far; a requestState is good for exactly one round
-    holds_slot: bool = False  # counts against `tasks.max_running`
-    progress_written_at_ms: float = float("-inf")
-    upstream_task: FollowedTask | None = None  # the upstream's own task this call follows, once created
-    fenced: bool = False  # the lease on the task was lost: nothing more is written for it
-
-    def input_requests(self) -> JSON:
-        return {key: pending.request for key, pending in self.inputs.items()}
-
-    def upstream_input_ids(self) -> JSON | None:
-        """For a task the upstream runs itself: each outstanding question's upstream JSON-RPC id, by key."""
-        if not self.decision.upstream_task:
-            return None
-        return {key: pending.upstream_id for key, pending in self.inputs.items()}
 
 
 def handle(state: CallState, event: Event) -> list[Command]:
@@ -167,25 +121,6 @@ def finished(state: CallState) -> bool:
     return not state.running and not state.committing and state.mode is not Mode.PARKED and not state.client_waiting
 
 
-def _settlement(state: CallState, outcome: CallOutcome | None) -> Settle:
-    if state.upstream_task is not None and state.upstream_task.cancelled:
-        return settlement(None, UPSTREAM_CANCELLED)
-    return settlement(outcome)
-
-
-def settlement(outcome: CallOutcome | None, reason: str = CLIENT_LEFT) -> Settle:
-    """How a task settles from its call's outcome: a result (`isError` included) is `completed`; a JSON-RPC
-    error, or a lost upstream, is `failed` with that error; no outcome (the call was stopped) is `cancelled`."""
-    if outcome is None:
-        return Settle(TaskStatus.CANCELLED, status_message=reason)
-    if isinstance(outcome, UpstreamResult):
-        return Settle(TaskStatus.COMPLETED, result=translate.complete_result("tools/call", outcome.result, None, None))
-    error = (
-        translate.error_object(outcome.error) if isinstance(outcome, UpstreamErrorResponse) else outcome.error_object()
-    )
-    return Settle(TaskStatus.FAILED, error=error, status_message=wire_tasks.failure_status_message(error))
-
-
 # --- the handlers, one per event ---------------------------------------------------------------------------
 
 
@@ -195,15 +130,15 @@ def _start(state: CallState, event: Start) -> list[Command]:
         state.client_waiting = False
         if state.upstream_task is not None:
             return _follow_again(state)
-        return _start_call(state)
+        return steps.start_call(state)
     if state.decision.upstream_task:
-        return _start_call(state)  # the record, or the window, once the upstream said it runs the task
+        return steps.start_call(state)  # the record, or the window, once the upstream said it runs the task
     if state.decision.task_first:
-        return _create_record(state)
-    commands = _start_call(state)
+        return steps.create_record(state)
+    commands = steps.start_call(state)
     window_ms = state.decision.window_ms
     if window_ms is not None:
-        commands += _set_window(state, window_ms)
+        commands += steps.set_window(state, window_ms)
     return commands
 
 
@@ -216,7 +151,7 @@ def _follow_again(state: CallState) -> list[Command]:
     state.upstream_task.following = True
     commands: list[Command] = [FollowUpstreamTask(), PollUpstreamTask()]
     if state.inputs:
-        commands += _write_inputs(state)
+        commands += steps.write_inputs(state)
     return commands
 
 
@@ -237,7 +172,7 @@ def _asked(state: CallState, event: Asked) -> list[Command]:
             # The waiting client gets -32021 naming what it lacks, unless it can answer something else. (A task
             # the upstream runs goes on with the refusal, as any task does.)
             state.missing.append(translate.required_capability(question.method, question.params))
-            commands += _gather(state)
+            commands += steps.gather(state)
         return commands
     if len(state.inputs) >= MAX_OUTSTANDING_INPUTS:
         return [Refuse(question.id, question.method, "too_many")]
@@ -247,7 +182,7 @@ def _asked(state: CallState, event: Asked) -> list[Command]:
         question.id, question.method, inputs.input_request(question.method, question.params)
     )
     state.inputs_written = False
-    return _gather(state)
+    return steps.gather(state)
 
 
 def _notified(state: CallState, event: Notified) -> list[Command]:
@@ -292,29 +227,29 @@ def _end(state: CallState, outcome: CallOutcome) -> list[Command]:
     state.running = False
     state.outcome = outcome
     state.inputs.clear()  # questions of an ended call can no longer be answered
-    commands = [*_clear_window(state), *_clear_poll(state)]
+    commands = [*steps.clear_window(state), *steps.clear_poll(state)]
     if state.committing:
         return commands  # settled once the record is there (`Committed`)
     if state.task_id is not None:
-        commands.append(_settlement(state, outcome))
+        commands.append(steps.task_settlement(state, outcome))
     if state.mode is Mode.WAITING and state.client_waiting:
         decision = state.decision
         if decision.asks_by_mrtr and state.missing:
-            commands += _release(state, ReplyMissing(_merged(state.missing)))
+            commands += steps.release(state, ReplyMissing(steps.merged(state.missing)))
         elif decision.task_when_done and state.task_id is None:
-            commands += _create_record(state)
+            commands += steps.create_record(state)
         else:
-            commands += _release(state, ReplyOutcome(outcome))
+            commands += steps.release(state, ReplyOutcome(outcome))
     return commands
 
 
 def _timer_fired(state: CallState, event: TimerFired) -> list[Command]:
     if event.timer is Timer.GATHER:
-        return _publish(state)
+        return steps.publish(state)
     if event.timer is Timer.WINDOW:
         state.window_set = False
         if state.mode is Mode.WAITING and state.client_waiting and state.running and not state.committing:
-            return _create_record(state)  # still running after the window: the same call continues as a task
+            return steps.create_record(state)  # still running after the window: the same call continues as a task
         return []
     if event.timer is Timer.POLL:
         return [PollUpstreamTask()] if state.running and state.upstream_task is not None else []
@@ -323,8 +258,8 @@ def _timer_fired(state: CallState, event: TimerFired) -> list[Command]:
     state.mode = Mode.DETACHED  # nobody resumed the parked call in time
     commands: list[Command] = [Unpark()]
     if state.task_id is not None and state.running:
-        commands.append(settlement(None, PARKED_EXPIRED))
-    return [*commands, *_cancel(state, PARKED_EXPIRED)]
+        commands.append(steps.settlement(None, PARKED_EXPIRED))
+    return [*commands, *steps.abandon(state, PARKED_EXPIRED)]
 
 
 def _committed(state: CallState, event: Committed) -> list[Command]:
@@ -335,18 +270,20 @@ def _committed(state: CallState, event: Committed) -> list[Command]:
     if state.decision.holds_client and not state.client_waiting:
         # The poll-to-sync client left while its internal task was stored: nobody can read the task.
         state.mode = Mode.DETACHED
-        return [settlement(None, CLIENT_LEFT), *_cancel(state, CLIENT_LEFT)]
+        return [steps.settlement(None, CLIENT_LEFT), *steps.abandon(state, CLIENT_LEFT)]
     commands: list[Command] = []
     if not state.started:
-        commands += _start_call(state)
+        commands += steps.start_call(state)
     if state.mode is Mode.WAITING and not state.decision.holds_client:
         state.mode = Mode.TASK  # no request-scoped notifications once the call is a task
         if state.client_waiting:
-            commands += _release(state, ReplyTask())
+            commands += steps.release(state, ReplyTask())
     if not state.inputs_written and state.running:
-        commands += _write_inputs(state)
+        commands += steps.write_inputs(state)
     if state.started and not state.running and state.mode is not Mode.DETACHED:
-        commands.append(_settlement(state, state.outcome))  # the call ended (or was stopped) while it was written
+        commands.append(
+            steps.task_settlement(state, state.outcome)
+        )  # the call ended (or was stopped) while it was written
     return commands
 
 
@@ -354,18 +291,18 @@ def _commit_refused(state: CallState, event: CommitRefused) -> list[Command]:
     state.committing = False
     commands: list[Command] = []
     if state.client_waiting:
-        commands += _release(state, ReplyError(event.error))
-    return [*commands, *_detach(state, TASK_REFUSED, cancel=True)]
+        commands += steps.release(state, ReplyError(event.error))
+    return [*commands, *steps.detach(state, TASK_REFUSED, cancel=True)]
 
 
 def _parked(state: CallState, event: Parked) -> list[Command]:
-    commands = _release(state, ReplyInputRequired(state.input_requests(), state.round))
+    commands = steps.release(state, ReplyInputRequired(state.input_requests(), state.round))
     state.mode = Mode.PARKED  # after the release: parking is not leaving
     return [*commands, SetTimer(Timer.PARK, state.park_ttl_ms)]
 
 
 def _park_refused(state: CallState, event: ParkRefused) -> list[Command]:
-    return [*_release(state, ReplyError(event.error)), *_detach(state, CLIENT_LEFT)]
+    return [*steps.release(state, ReplyError(event.error)), *steps.detach(state, CLIENT_LEFT)]
 
 
 def _resumed(state: CallState, event: Resumed) -> list[Command]:
@@ -373,20 +310,20 @@ def _resumed(state: CallState, event: Resumed) -> list[Command]:
     state.client_waiting = True
     state.progress_token = event.progress_token
     state.log_level = event.log_level
-    commands: list[Command] = [Unpark(), ClearTimer(Timer.PARK), *_deliver(state, event.answers)]
+    commands: list[Command] = [Unpark(), ClearTimer(Timer.PARK), *steps.deliver(state, event.answers)]
     if not state.running:
-        commands += _release(state, _final_reply(state))
+        commands += steps.release(state, steps.final_reply(state))
     elif state.inputs:  # questions a retry left unanswered are asked again
-        commands += _ask_client(state)
+        commands += steps.ask_client(state)
     elif state.decision.window_ms is not None:
-        commands += _set_window(state, state.decision.window_ms)
+        commands += steps.set_window(state, state.decision.window_ms)
     return commands
 
 
 def _answered(state: CallState, event: Answered) -> list[Command]:
     if state.mode is not Mode.TASK or not state.running:
         return []
-    return _deliver(state, event.answers)
+    return steps.deliver(state, event.answers)
 
 
 def _client_left(state: CallState, event: ClientLeft) -> list[Command]:
@@ -396,8 +333,8 @@ def _client_left(state: CallState, event: ClientLeft) -> list[Command]:
         return []  # a task being stored runs on (its id was just not delivered); an ended call has nothing to stop
     commands: list[Command] = []
     if state.task_id is not None:
-        commands.append(settlement(None, CLIENT_LEFT))
-    return [*commands, *_detach(state, CLIENT_LEFT, cancel=True)]
+        commands.append(steps.settlement(None, CLIENT_LEFT))
+    return [*commands, *steps.detach(state, CLIENT_LEFT, cancel=True)]
 
 
 def _stop(state: CallState, event: Stop) -> list[Command]:
@@ -406,10 +343,10 @@ def _stop(state: CallState, event: Stop) -> list[Command]:
         commands += [Unpark(), ClearTimer(Timer.PARK)]
     if state.client_waiting:
         error = event.error if event.error is not None else wire_tasks.internal_error(event.reason)
-        commands += _release(state, ReplyOutcome(UpstreamErrorResponse(error)))
+        commands += steps.release(state, ReplyOutcome(UpstreamErrorResponse(error)))
     state.mode = Mode.DETACHED
     state.inputs.clear()
-    return [*commands, *_cancel(state, event.reason)]
+    return [*commands, *steps.abandon(state, event.reason)]
 
 
 def _shut_down(state: CallState, event: ShutDown) -> list[Command]:
@@ -423,7 +360,7 @@ def _shut_down(state: CallState, event: ShutDown) -> list[Command]:
     followed.following = False
     state.mode = Mode.DETACHED
     state.inputs.clear()
-    return [*_clear_poll(state), ReleaseCall(keep_session=True)]
+    return [*steps.clear_poll(state), ReleaseCall(keep_session=True)]
 
 
 def _upstream_task_created(state: CallState, event: UpstreamTaskCreated) -> list[Command]:
@@ -439,9 +376,9 @@ def _upstream_task_created(state: CallState, event: UpstreamTaskCreated) -> list
         return commands
     decision = state.decision
     if decision.task_first or (state.inputs and not decision.asks_by_mrtr and not state.gathering):
-        return [*commands, *_create_record(state)]
+        return [*commands, *steps.create_record(state)]
     if decision.window_ms is not None:
-        commands += _set_window(state, decision.window_ms)
+        commands += steps.set_window(state, decision.window_ms)
     return commands
 
 
@@ -504,7 +441,7 @@ def _remote_answers(state: CallState, event: RemoteAnswers) -> list[Command]:
             checked[key] = inputs.upstream_answer(key, pending.method, response)
         except InvalidParamsError:
             continue
-    return _deliver(state, checked)
+    return steps.deliver(state, checked)
 
 
 def _lease_lost(state: CallState, event: LeaseLost) -> list[Command]:
@@ -537,154 +474,3 @@ _HANDLERS: Final[dict[type[Any], Callable[[CallState, Any], list[Command]]]] = {
     RemoteAnswers: _remote_answers,
     LeaseLost: _lease_lost,
 }
-
-# --- shared steps ------------------------------------------------------------------------------------------
-
-
-def _start_call(state: CallState) -> list[Command]:
-    state.started = True
-    state.running = True
-    policy = state.decision.policy
-    if state.decision.upstream_task and policy is not None:
-        return [StartCall(upstream_task=True, ttl_ms=policy.ttl_ms)]
-    return [StartCall()]
-
-
-def _create_record(state: CallState) -> list[Command]:
-    """The call becomes a task: the record (with the questions already asked) is committed first."""
-    state.committing = True
-    state.inputs_written = True
-    status = TaskStatus.INPUT_REQUIRED if state.inputs else TaskStatus.WORKING
-    followed = state.upstream_task
-    if followed is None:
-        return [*_clear_window(state), CreateRecord(status, state.input_requests(), state.issued)]
-    record = CreateRecord(
-        status,
-        state.input_requests(),
-        state.issued,
-        upstream_task_id=followed.task_id,
-        upstream_expires_at_ms=followed.expires_at_ms,
-        upstream_input_ids=state.upstream_input_ids(),
-        status_message=followed.status_message,
-    )
-    return [*_clear_window(state), record]
-
-
-def _set_window(state: CallState, window_ms: int) -> list[Command]:
-    state.window_set = True
-    return [SetTimer(Timer.WINDOW, window_ms)]
-
-
-def _clear_poll(state: CallState) -> list[Command]:
-    return [ClearTimer(Timer.POLL)] if state.upstream_task is not None else []
-
-
-def _clear_window(state: CallState) -> list[Command]:
-    if not state.window_set:
-        return []
-    state.window_set = False
-    return [ClearTimer(Timer.WINDOW)]
-
-
-def _gather(state: CallState) -> list[Command]:
-    if state.gathering:
-        return []
-    state.gathering = True
-    return [SetTimer(Timer.GATHER, state.gather_ms)]
-
-
-def _publish(state: CallState) -> list[Command]:
-    """A gathered batch of questions: the task's record shows them, and a waiting client is asked."""
-    state.gathering = False
-    commands: list[Command] = []
-    if state.task_id is not None and not state.inputs_written and state.running:
-        commands += _write_inputs(state)
-    if state.mode is not Mode.WAITING or not state.client_waiting or not state.running or state.committing:
-        return commands
-    if state.inputs and not state.decision.asks_by_mrtr:
-        if state.decision.upstream_task and state.upstream_task is None:
-            return commands  # the record waits for the upstream's task id (`UpstreamTaskCreated`)
-        return [*commands, *_create_record(state)]  # a window call: its questions go to the task it becomes
-    if state.inputs:
-        return [*commands, *_ask_client(state)]
-    if state.missing:
-        return [*commands, *_release(state, ReplyMissing(_merged(state.missing))), *_detach(state, CLIENT_LEFT)]
-    return commands
-
-
-def _write_inputs(state: CallState) -> list[Command]:
-    state.inputs_written = True
-    return [WriteInputs(state.input_requests(), state.issued, state.upstream_input_ids())]
-
-
-def _ask_client(state: CallState) -> list[Command]:
-    """An MRTR round: the call is parked (limits first) and the client gets every outstanding question."""
-    state.round += 1
-    state.missing.clear()  # refused upstream; the client is asked what it can answer
-    return [*_clear_window(state), Park(state.round)]
-
-
-def _deliver(state: CallState, answers: Mapping[str, JSON]) -> list[Command]:
-    """Each answer goes upstream as the response to its question (a subset is fine); the call continues."""
-    commands: list[Command] = []
-    for key, answer in answers.items():
-        pending = state.inputs.pop(key, None)
-        if pending is not None and state.running:
-            commands.append(Answer(pending.upstream_id, answer))
-            state.inputs_written = False
-    if state.task_id is not None and not state.inputs_written and state.running:
-        commands += _write_inputs(state)
-    return commands
-
-
-def _release(state: CallState, reply: ReplyKind) -> list[Command]:
-    """Answer the waiting client. A poll-to-sync task nobody else can read is cancelled when its client is
-    answered with anything but its outcome."""
-    state.client_waiting = False
-    commands: list[Command] = [*_clear_window(state), Reply(reply)]
-    answered = isinstance(reply, ReplyInputRequired | ReplyOutcome)
-    if state.decision.holds_client and state.task_id is not None and state.running and not answered:
-        commands.append(settlement(None, CLIENT_LEFT))
-        commands += _detach(state, CLIENT_LEFT, cancel=True)
-    return commands
-
-
-def _detach(state: CallState, reason: str, *, cancel: bool = False) -> list[Command]:
-    """Nobody will answer or read this call any more: its open questions are refused, and with `cancel` the
-    upstream call is abandoned (otherwise the upstream ends it by itself: a cancel racing that end would break
-    an mcp 1.x session)."""
-    state.mode = Mode.DETACHED
-    commands: list[Command] = [
-        *_clear_window(state),
-        *(Refuse(pending.upstream_id, pending.method, "detached") for pending in state.inputs.values()),
-    ]
-    state.inputs.clear()
-    if cancel:
-        commands += _cancel(state, reason)
-    return commands
-
-
-def _cancel(state: CallState, reason: str) -> list[Command]:
-    """Abandon the upstream call: `notifications/cancelled`, or `tasks/cancel` for a task the upstream runs."""
-    if not state.running:
-        return []
-    state.running = False
-    if state.upstream_task is not None:
-        state.upstream_task.following = False
-        return [*_clear_poll(state), CancelUpstreamTask(reason)]
-    return [CancelCall(reason)]
-
-
-def _final_reply(state: CallState) -> ReplyKind:
-    if state.decision.asks_by_mrtr and state.missing:
-        return ReplyMissing(_merged(state.missing))
-    assert state.outcome is not None
-    return ReplyOutcome(state.outcome)
-
-
-def _merged(capabilities: list[JSON]) -> JSON:
-    required: JSON = {}
-    for capability in capabilities:
-        for name, sub in capability.items():
-            required[name] = {**required.get(name, {}), **sub}
-    return required

@@ -37,7 +37,7 @@ from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
 
 if TYPE_CHECKING:
-    from proxy.tasks.runner import Call
+    from proxy.tasks.calls import Call
 
 log = structlog.get_logger(__name__)
 
@@ -62,29 +62,33 @@ class ReplicaCalls:
     _adopting: asyncio.Lock
     _durations_loaded_at: float
 
-    def spawn(self, coroutine: Coroutine[Any, Any, _T], name: str) -> asyncio.Task[_T]:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # provided by TaskRunner and the other mixins; declared here for the type checker
 
-    async def dispatch(self, call: Call, event: Event) -> None:
-        raise NotImplementedError
+        def spawn(self, coroutine: Coroutine[Any, Any, _T], name: str) -> asyncio.Task[_T]:
+            raise NotImplementedError
 
-    async def submit(self, call: Call, event: Event) -> None:
-        raise NotImplementedError
+        async def dispatch(self, call: Call, event: Event) -> None:
+            raise NotImplementedError
 
-    def client_left(self, call: Call) -> None:
-        raise NotImplementedError
+        async def submit(self, call: Call, event: Event) -> None:
+            raise NotImplementedError
 
-    def _take_parked(self, claims: inputs.StateClaims, responses: Mapping[str, Any]) -> tuple[Call, dict[str, JSON]]:
-        raise NotImplementedError
+        def client_left(self, call: Call) -> None:
+            raise NotImplementedError
 
-    async def _rerun(self, record: TaskRecord, fence: Fence) -> None:
-        raise NotImplementedError
+        def _take_parked(
+            self, claims: inputs.StateClaims, responses: Mapping[str, Any]
+        ) -> tuple[Call, dict[str, JSON]]:
+            raise NotImplementedError
 
-    async def _follow_again(self, record: TaskRecord, before: TaskRecord, fence: Fence) -> None:
-        raise NotImplementedError
+        async def _rerun(self, record: TaskRecord, fence: Fence) -> None:
+            raise NotImplementedError
 
-    async def _fail(self, task_id: str, message: str, fence: Fence | None = None) -> TaskRecord | None:
-        raise NotImplementedError
+        async def _follow_again(self, record: TaskRecord, before: TaskRecord, fence: Fence) -> None:
+            raise NotImplementedError
+
+        async def _fail(self, task_id: str, message: str, fence: Fence | None = None) -> TaskRecord | None:
+            raise NotImplementedError
 
     # --- taking over tasks whose call runs nowhere -------------------------------------------------------------
 

@@ -50,7 +50,7 @@ from proxy.upstream.pool import UpstreamClient
 from proxy.wire import legacy_tasks
 
 if TYPE_CHECKING:
-    from proxy.tasks.runner import Call
+    from proxy.tasks.calls import Call
 
 log = structlog.get_logger(__name__)
 

@@ -16,8 +16,9 @@ from mcp_types import SERVER_INFO_META_KEY
 from proxy.errors import InvalidParamsError, MissingCapabilityError, ProxyError
 from proxy.policy import SYNC_CALL, Decision, Outcome
 from proxy.tasks import inputs
+from proxy.tasks.calls import Call
 from proxy.tasks.commands import ReplyError, ReplyInputRequired, ReplyKind, ReplyMissing, ReplyOutcome, ReplyTask
-from proxy.tasks.runner import Call, TaskRunner
+from proxy.tasks.runner import TaskRunner
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
