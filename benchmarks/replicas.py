@@ -20,7 +20,17 @@ from typing import Any
 import psycopg
 
 from benchmarks.loadgen import HttpClient
-from benchmarks.run import ModernClient, Process, Row, creation_rows, free_port, measure, spawn, wait_for_port
+from benchmarks.run import (
+    ModernClient,
+    Process,
+    Row,
+    creation_rows,
+    free_port,
+    measure,
+    push_row,
+    spawn,
+    wait_for_port,
+)
 from tests import pg
 
 LEASE_SECONDS = 5.0
@@ -187,6 +197,7 @@ async def replica_rows(start_upstream: Any, workdir: Path, quick: bool) -> list[
         rows = await creation_rows(owner, quick, store="PostgreSQL", p50_target_ms=5.0, rate_target=400)
         rows.append(await foreign_get_row(owner, other, quick))
         rows.append(await remote_cancel_row(owner, other, UpstreamStats(upstreams[0]), quick))
+        rows.append(await push_row(owner, quick, listener=other, where="across replicas", target_ms=50.0))
         upstreams.append(await start_upstream())
         processes.append(upstreams[-1])
         doomed = await start_replica(upstreams[-1], workdir, "replica-c", dsn, key)

@@ -33,6 +33,7 @@ from tests.conftest import (
     read_messages,
     result_text,
 )
+from tests.test_flow_listen import sse_messages
 
 LEASE_SECONDS = 3.0
 ELICIT: dict[str, Any] = {"elicitation": {}}
@@ -434,3 +435,34 @@ async def test_readiness_reports_the_store_and_the_lease_when_postgresql_goes_aw
         if replica is not None:
             replica.stop()
         await asyncio.to_thread(server.stop)
+
+
+# --- push across replicas ------------------------------------------------------------------------------------------
+
+
+async def test_a_task_running_on_one_replica_is_pushed_to_a_listener_on_another(
+    cluster: Cluster, clients: Clients, session: aiohttp.ClientSession, tasks_schema: SchemaValidator
+) -> None:
+    """The store's feed carries every replica's status writes: a client following its task on replica 2 hears
+    each change of the task replica 0 runs, as `tasks/get` on any replica returns it."""
+    owner, _ = clients(cluster, [0])
+    reader, _ = clients(cluster, [1])
+    task_id = await owner.create("sleep", {"seconds": 1})
+    body = modern_body(
+        "subscriptions/listen", {"notifications": {"taskIds": [task_id]}}, request_id="X1", capabilities=DECLARING
+    )
+    headers = modern_headers("subscriptions/listen")
+    async with session.post(cluster.replicas[2].proxy.url, json=body, headers=headers) as response:
+        assert response.status == 200
+        stream = sse_messages(response)
+        ack = await asyncio.wait_for(anext(stream), 10)
+        assert ack["params"]["notifications"]["taskIds"] == [task_id]
+        while True:
+            message = await asyncio.wait_for(anext(stream), 15)
+            tasks_schema.validate(message, "TaskStatusNotification")
+            if message["params"]["status"] == "completed":
+                break
+    polled = await reader.task(task_id)
+    assert {key: value for key, value in polled.items() if key not in ("_meta", "resultType")} == {
+        key: value for key, value in message["params"].items() if key != "_meta"
+    }

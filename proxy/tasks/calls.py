@@ -1,7 +1,8 @@
 """One call as the runner carries it out: the machine's state beside what carrying out its commands needs
 (the upstream session and request, timers, the waiting client's reply and stream, the lease its record is
-written under). Asyncio objects live here, never in the machine's state. Imports the state, the command
-vocabulary, the store's fence and the upstream kinds protocol; nothing that does I/O.
+written under). Asyncio objects live here, never in the machine's state. Also what every part of the runner
+(`runner.py` and the classes mixed into it) may use of the others (`RunnerParts`). Imports the state, the
+command vocabulary, the store and the upstream kinds protocol; nothing that does I/O.
 """
 
 from __future__ import annotations
@@ -9,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from proxy.tasks.commands import ReplyKind, Timer
-from proxy.tasks.replicas import Ask
+from proxy.tasks import pacing
+from proxy.tasks.commands import Event, ReplyKind, Timer
+from proxy.tasks.replicas import Ask, ReplicaLink
 from proxy.tasks.state import CallState
-from proxy.tasks.store import Fence
+from proxy.tasks.store import Fence, TaskStore
 from proxy.upstream.kinds import Session, SessionCall
 from proxy.wire.envelope import Channel
 from proxy.wire.jsonrpc import JSON
@@ -50,3 +54,32 @@ class Call:
     created_at: float = field(default_factory=time.perf_counter)
     fence: Fence | None = None  # the lease the task's record is written under (None: no task yet)
     ask: Ask | None = None  # set on a stand-in for a call parked on another replica (a forwarded MRTR retry)
+
+
+_T = TypeVar("_T")
+
+
+class RunnerParts:
+    """What the runner's parts share: `TaskRunner` provides it; the classes mixed into it declare here, for
+    the type checker, what they use of each other."""
+
+    clock: Callable[[], int]
+    store: TaskStore
+    replicas: ReplicaLink
+    durations: pacing.DurationEstimates
+    process_id: str
+    _calls: set[Call]  # every call not finished yet
+    _tasks: dict[str, Call]  # task id → its call, for tasks whose upstream call runs here
+    _adopting: asyncio.Lock  # take-overs and a lapsed lease's recovery, one at a time
+    _durations_loaded_at: float
+
+    if TYPE_CHECKING:
+
+        def spawn(self, coroutine: Coroutine[Any, Any, _T], name: str) -> asyncio.Task[_T]:
+            raise NotImplementedError
+
+        async def dispatch(self, call: Call, event: Event) -> None:
+            raise NotImplementedError
+
+        async def submit(self, call: Call, event: Event) -> None:
+            raise NotImplementedError

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -23,7 +23,7 @@ from proxy.observability import Metrics
 from proxy.policy import Decision, Outcome, Policy
 from proxy.principals import Principals, SealError
 from proxy.tasks import machine, pacing, remote
-from proxy.tasks.calls import Call
+from proxy.tasks.calls import Call, RunnerParts
 from proxy.tasks.commands import (
     Answered,
     CommitRefused,
@@ -40,9 +40,8 @@ from proxy.tasks.commands import (
 from proxy.tasks.followed import FollowedTask
 from proxy.tasks.inputs import PendingInput
 from proxy.tasks.replica_calls import CANCELLED_BY_CLIENT
-from proxy.tasks.replicas import ReplicaLink
 from proxy.tasks.state import CallState
-from proxy.tasks.store import Fence, FencedError, StoreError, StoreFullError, TaskStore
+from proxy.tasks.store import Fence, FencedError, StoreError, StoreFullError
 from proxy.wire import legacy_tasks
 from proxy.wire import tasks as wire_tasks
 from proxy.wire.envelope import Caller
@@ -57,7 +56,7 @@ DURATIONS_RELOAD_SECONDS: Final = 5.0  # how often the tools' duration estimates
 _T = TypeVar("_T")
 
 
-class TaskRecords:
+class TaskRecords(RunnerParts):
     """Mixed into `TaskRunner`, which provides the state and the methods declared here."""
 
     config: TasksConfig
@@ -65,28 +64,10 @@ class TaskRecords:
     limits: LimitsConfig
     principals: Principals
     metrics: Metrics | None
-    store: TaskStore
-    clock: Callable[[], int]
-    process_id: str
-    durations: pacing.DurationEstimates
-    replicas: ReplicaLink
-    _calls: set[Call]
-    _tasks: dict[str, Call]
     _running: set[Call]
     _running_by: Counter[str]
-    _adopting: asyncio.Lock
-    _durations_loaded_at: float
 
     if TYPE_CHECKING:  # provided by TaskRunner and the other mixins; declared here for the type checker
-
-        def spawn(self, coroutine: Coroutine[Any, Any, _T], name: str) -> asyncio.Task[_T]:
-            raise NotImplementedError
-
-        async def dispatch(self, call: Call, event: Event) -> None:
-            raise NotImplementedError
-
-        async def submit(self, call: Call, event: Event) -> None:
-            raise NotImplementedError
 
         def _state(
             self, decision: Decision, capabilities: JSON, progress_token: str | int | None, log_level: str | None
@@ -117,22 +98,12 @@ class TaskRecords:
             await self._adopt(live, wire_tasks.RESTART_MESSAGE, wire_tasks.RERUN_MESSAGE, None, follow=True)
 
     async def _rerun(self, record: TaskRecord, fence: Fence) -> None:
-        try:
-            principal = None if record.rerun_principal is None else self.principals.unseal(record.rerun_principal)
-        except SealError as exc:
-            await self._fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; not re-run: {exc}", fence)
-            return
         policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, "rerun")
         state = self._state(Decision(Outcome.TASK, policy), record.client_capabilities, None, None)
         state.task_id = record.task_id
         state.issued = record.inputs_issued  # keys stay unique across the re-run too
-        call = Call(state, "tools/call", record.tool, principal, record.principal, dict(record.request), {}, "")
-        call.record = record
-        call.fence = fence
-        self._calls.add(call)
-        self._tasks[record.task_id] = call
-        await self.dispatch(call, Start())
-        log.info("task_rerun", task_id=record.task_id, tool=record.tool)
+        if await self._restart(record, state, fence, "not re-run"):
+            log.info("task_rerun", task_id=record.task_id, tool=record.tool)
 
     async def _follow_again(self, record: TaskRecord, before: TaskRecord, fence: Fence) -> None:
         """A task the upstream runs itself, left live by a previous process: followed again on its upstream
@@ -152,18 +123,24 @@ class TaskRecords:
             if isinstance(request, dict) and isinstance(upstream_id, int | str):
                 state.inputs[key] = PendingInput(upstream_id, str(request.get("method")), request)
         state.inputs_written = not state.inputs
+        if await self._restart(record, state, fence, "not followed again"):
+            log.info("task_resumed", task_id=record.task_id, tool=record.tool)
+
+    async def _restart(self, record: TaskRecord, state: CallState, fence: Fence, refused: str) -> bool:
+        """Start the call of a task a previous process left live, with the caller's credential kept sealed in
+        the record; a credential that no longer opens (another deployment key) fails the task instead."""
         try:
             principal = None if record.rerun_principal is None else self.principals.unseal(record.rerun_principal)
         except SealError as exc:
-            await self._fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; not followed again: {exc}", fence)
-            return
+            await self._fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; {refused}: {exc}", fence)
+            return False
         call = Call(state, "tools/call", record.tool, principal, record.principal, dict(record.request), {}, "")
         call.record = record
         call.fence = fence
         self._calls.add(call)
         self._tasks[record.task_id] = call
         await self.dispatch(call, Start())
-        log.info("task_resumed", task_id=record.task_id, tool=record.tool)
+        return True
 
     async def _sweep_forever(self) -> None:
         while True:

@@ -14,14 +14,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import structlog
 
 from proxy.errors import InvalidParamsError, ProxyError
-from proxy.tasks import inputs, pacing, remote
-from proxy.tasks.commands import Event, LeaseLost, RemoteAnswers, RemoteCancel, ReplyError, Resumed
+from proxy.tasks import inputs, remote
+from proxy.tasks.calls import Call, RunnerParts
+from proxy.tasks.commands import LeaseLost, RemoteAnswers, RemoteCancel, ReplyError, Resumed
 from proxy.tasks.replicas import (
     LEASE_LAPSED,
     LEASE_LAPSED_RERUN,
@@ -29,15 +30,11 @@ from proxy.tasks.replicas import (
     TAKEN_OVER_RERUN,
     Ask,
     RemoteChannel,
-    ReplicaLink,
 )
-from proxy.tasks.store import Fence, FencedError, StoreError, TaskStore
+from proxy.tasks.store import Fence, FencedError, StoreError
 from proxy.wire import tasks as wire_tasks
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
-
-if TYPE_CHECKING:
-    from proxy.tasks.calls import Call
 
 log = structlog.get_logger(__name__)
 
@@ -47,31 +44,13 @@ STORE_FAILED: Final = "Internal error: the task store failed"
 _T = TypeVar("_T")
 
 
-class ReplicaCalls:
+class ReplicaCalls(RunnerParts):
     """Mixed into `TaskRunner`, which provides the state and the methods declared here."""
 
-    clock: Callable[[], int]
-    store: TaskStore
-    replicas: ReplicaLink
     signer: inputs.RequestStateSigner
-    durations: pacing.DurationEstimates
-    process_id: str
-    _calls: set[Call]
-    _tasks: dict[str, Call]
     _served: dict[str, Call]
-    _adopting: asyncio.Lock
-    _durations_loaded_at: float
 
     if TYPE_CHECKING:  # provided by TaskRunner and the other mixins; declared here for the type checker
-
-        def spawn(self, coroutine: Coroutine[Any, Any, _T], name: str) -> asyncio.Task[_T]:
-            raise NotImplementedError
-
-        async def dispatch(self, call: Call, event: Event) -> None:
-            raise NotImplementedError
-
-        async def submit(self, call: Call, event: Event) -> None:
-            raise NotImplementedError
 
         def client_left(self, call: Call) -> None:
             raise NotImplementedError

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -24,8 +25,16 @@ from typing import Any, Final, Protocol
 
 import structlog
 
-from proxy.errors import RequestId, UpstreamError
-from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamNotification, UpstreamResult
+from proxy.errors import RequestId, UpstreamError, UpstreamTimeoutError
+from proxy.observability import Metrics, method_label
+from proxy.upstream.events import (
+    UpstreamErrorResponse,
+    UpstreamEvent,
+    UpstreamNotification,
+    UpstreamResult,
+    UpstreamServerRequest,
+    refusal,
+)
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader, param_headers
 from proxy.wire.jsonrpc import JSON
@@ -182,6 +191,8 @@ class LinkBase:
     its tools with each tool's `execution.taskSupport` (dropped when any session hears that the tool list
     changed), and when it last answered (readiness)."""
 
+    metrics: Metrics | None  # set by each kind's link
+
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[None]] = set()
         self.server_info: JSON | None = None
@@ -191,6 +202,21 @@ class LinkBase:
         self.tool_task_support: dict[str, legacy_tasks.TaskSupport | None] = {}
         self.tool_headers_at = 0.0
         self.last_answer_at: float | None = None  # monotonic time of the upstream's latest answer
+
+    @contextlib.contextmanager
+    def measured(self, method: str) -> Iterator[None]:
+        """One upstream request in the metrics: how long it took, and a failure by its kind."""
+        started = time.perf_counter()
+        try:
+            yield
+        except UpstreamError as exc:
+            if self.metrics is not None:
+                kind = "timeout" if isinstance(exc, UpstreamTimeoutError) else "unavailable"
+                self.metrics.upstream_errors.labels(method_label(method), kind).inc()
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.upstream_seconds.labels(method_label(method)).observe(time.perf_counter() - started)
 
     def initialized(self, result: JSON) -> None:
         self.server_info = implementation(result)
@@ -261,6 +287,32 @@ class SessionFeatures(abc.ABC):
                 if isinstance(event, UpstreamErrorResponse):
                     raise UpstreamError(f"Upstream refused {method}: {event.error.get('message')}")
         raise UpstreamError(f"Upstream did not answer {method}")  # pragma: no cover - events() raises first
+
+    # --- what the server sends unasked -----------------------------------------------------------------
+
+    lessee: Sink | None  # the call that holds the session alone, if any
+    on_notification: Callable[[UpstreamNotification], None]
+
+    @abc.abstractmethod
+    async def respond(
+        self, request_id: RequestId, *, result: JSON | None = None, error: JSON | None = None
+    ) -> None: ...
+
+    async def route_unsolicited(self, event: UpstreamEvent, refused_because: str) -> None:
+        """Something the server sent naming no request: a ping is answered; everything goes to the lessee
+        while a call holds the session alone; a question nobody holds is refused at once (an elicitation
+        declined), so the upstream never waits; notifications also reach `on_notification` (listen streams)."""
+        if isinstance(event, UpstreamServerRequest) and event.method == "ping":
+            await self.respond(event.id, result={})
+            return
+        if self.lessee is not None:
+            await self.lessee(event)
+        elif isinstance(event, UpstreamServerRequest):
+            log.info("upstream_standalone_request_refused", input_method=event.method)
+            result, error = refusal(event.method, f"{event.method} {refused_because}")
+            await self.respond(event.id, result=result, error=error)
+        if isinstance(event, UpstreamNotification):
+            self.on_notification(event)
 
     # --- listen streams --------------------------------------------------------------------------------
 

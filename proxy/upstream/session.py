@@ -25,14 +25,12 @@ from yarl import URL
 
 from proxy.config import UpstreamConfig
 from proxy.errors import RequestId, ResultTooLargeError, UpstreamError, UpstreamRefusedError, UpstreamTimeoutError
-from proxy.observability import Metrics, method_label
+from proxy.observability import Metrics
 from proxy.upstream.call import UpstreamCall, read_body
 from proxy.upstream.events import (
     UpstreamErrorResponse,
     UpstreamNotification,
     UpstreamResult,
-    UpstreamServerRequest,
-    refusal,
 )
 from proxy.upstream.kinds import CLIENT_CAPABILITIES, CLIENT_INFO, LinkBase, PoolLimits, Session, SessionFeatures, Sink
 from proxy.upstream.listener import SessionGone, StreamEvent, UpstreamListener
@@ -283,17 +281,7 @@ class UpstreamSession(SessionFeatures):
             if self.subscriptions:
                 self.link.spawn(self.revive(), "upstream-session-revive")
             return
-        if isinstance(event, UpstreamServerRequest) and event.method == "ping":
-            await self.respond(event.id, result={})
-            return
-        if self.lessee is not None:
-            await self.lessee(event)
-        elif isinstance(event, UpstreamServerRequest):
-            log.info("upstream_standalone_request_refused", input_method=event.method)
-            result, error = refusal(event.method, f"{event.method} outside a request {STANDALONE_REFUSED}")
-            await self.respond(event.id, result=result, error=error)
-        if isinstance(event, UpstreamNotification):
-            self.on_notification(event)
+        await self.route_unsolicited(event, f"outside a request {STANDALONE_REFUSED}")
 
     # --- requests ------------------------------------------------------------------------------------------
 
@@ -319,9 +307,7 @@ class UpstreamSession(SessionFeatures):
     ) -> AsyncIterator[UpstreamCall]:
         """Send one request upstream; the UpstreamCall streams what comes back. Leaving the context closes it."""
         await self.ensure_initialized()
-        metrics = self.link.metrics
-        started = time.perf_counter()
-        try:
+        with self.link.measured(method):
             request_id = self.link.next_id()
             message = request_message(request_id, method, params)
             for attempt in range(2):
@@ -346,14 +332,6 @@ class UpstreamSession(SessionFeatures):
             finally:
                 self.in_flight -= 1
                 response.close()
-        except UpstreamError as exc:
-            if metrics is not None:
-                kind = "timeout" if isinstance(exc, UpstreamTimeoutError) else "unavailable"
-                metrics.upstream_errors.labels(method_label(method), kind).inc()
-            raise
-        finally:
-            if metrics is not None:
-                metrics.upstream_seconds.labels(method_label(method)).observe(time.perf_counter() - started)
 
     async def _cancel_unanswered(self, request_id: int) -> None:
         try:

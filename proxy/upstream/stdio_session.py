@@ -25,14 +25,12 @@ from typing import TYPE_CHECKING, Any, Final
 import structlog
 
 from proxy.errors import InvalidRequestError, RequestId, UpstreamError, UpstreamTimeoutError
-from proxy.observability import method_label
 from proxy.upstream.events import (
     UpstreamErrorResponse,
     UpstreamEvent,
     UpstreamNotification,
     UpstreamResult,
     UpstreamServerRequest,
-    refusal,
 )
 from proxy.upstream.kinds import CLIENT_CAPABILITIES, CLIENT_INFO, SessionFeatures, Sink
 from proxy.upstream.stdio import ProcessExit, StdioProcess
@@ -304,16 +302,7 @@ class StdioSession(SessionFeatures):
         shared process are refused (an elicitation is declined); `ping` is answered."""
         while (event := await queue.get()) is not None:
             try:
-                if isinstance(event, UpstreamServerRequest) and event.method == "ping":
-                    await self.respond(event.id, result={})
-                elif self.lessee is not None:
-                    await self.lessee(event)
-                elif isinstance(event, UpstreamServerRequest):
-                    log.info("upstream_standalone_request_refused", input_method=event.method)
-                    result, error = refusal(event.method, f"{event.method} {UNSOLICITED_REFUSED}")
-                    await self.respond(event.id, result=result, error=error)
-                if isinstance(event, UpstreamNotification):
-                    self.on_notification(event)
+                await self.route_unsolicited(event, UNSOLICITED_REFUSED)
             except UpstreamError as exc:
                 log.info("upstream_answer_not_delivered", error=exc.message)
 
@@ -358,23 +347,13 @@ class StdioSession(SessionFeatures):
         """Send one request; the StdioCall streams what comes back. HTTP headers (trace context, the principal)
         have no place on stdio and are not sent."""
         await self.ensure_initialized()
-        metrics = self.link.metrics
-        started = time.perf_counter()
-        try:
+        with self.link.measured(method):
             async with self._open(method, params) as call:
                 self.in_flight += 1  # the caller's requests only, not the proxy's own initialize
                 try:
                     yield call
                 finally:
                     self.in_flight -= 1
-        except UpstreamError as exc:
-            if metrics is not None:
-                kind = "timeout" if isinstance(exc, UpstreamTimeoutError) else "unavailable"
-                metrics.upstream_errors.labels(method_label(method), kind).inc()
-            raise
-        finally:
-            if metrics is not None:
-                metrics.upstream_seconds.labels(method_label(method)).observe(time.perf_counter() - started)
 
     async def notify(self, method: str, params: JSON | None) -> None:
         await self._send(notification_message(method, params))

@@ -338,3 +338,54 @@ def claim_values(owner: str, status_message: str) -> dict[str, Any]:
         "status_message": status_message,
         "input_requests": "{}",
     }
+
+
+class LiveWrites:
+    """The writes of a live task, alike on every backend: each is one conditional update (`_update`, the
+    backend's own), so a settled task never changes and the first settle wins."""
+
+    async def _update(
+        self, task_id: str, values: Mapping[str, Any], now_ms: int, fence: Fence | None
+    ) -> TaskRecord | None:
+        raise NotImplementedError
+
+    async def set_inputs(
+        self,
+        task_id: str,
+        input_requests: JSON,
+        inputs_issued: int,
+        *,
+        now_ms: int,
+        fence: Fence | None = None,
+        upstream_input_ids: JSON | None = None,
+    ) -> TaskRecord | None:
+        """The live task's outstanding questions: `input_required` with them, `working` without any."""
+        return await self._update(
+            task_id, inputs_values(input_requests, inputs_issued, upstream_input_ids), now_ms, fence
+        )
+
+    async def set_status_message(
+        self, task_id: str, status_message: str, *, now_ms: int, fence: Fence | None = None
+    ) -> TaskRecord | None:
+        return await self._update(task_id, {"status_message": status_message}, now_ms, fence)
+
+    async def claim(
+        self, task_id: str, owner: str, status_message: str, *, now_ms: int, fence: Fence | None = None
+    ) -> TaskRecord | None:
+        """A live task taken over by `owner` to be run again from the start: `working`, no questions."""
+        return await self._update(task_id, claim_values(owner, status_message), now_ms, fence)
+
+    async def settle(
+        self,
+        task_id: str,
+        status: TaskStatus,
+        *,
+        now_ms: int,
+        result: JSON | None = None,
+        error: JSON | None = None,
+        status_message: str | None = None,
+        fence: Fence | None = None,
+    ) -> TaskRecord | None:
+        """Only a live task settles, so the first settle wins (on whichever replica) and a terminal state never
+        changes."""
+        return await self._update(task_id, settle_values(status, result, error, status_message), now_ms, fence)

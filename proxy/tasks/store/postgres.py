@@ -35,15 +35,13 @@ from proxy.tasks.store.base import (
     Change,
     Fence,
     FencedError,
+    LiveWrites,
     Message,
     StoreError,
     check_kind,
-    claim_values,
     decode,
     encode,
-    inputs_values,
     records_from_rows,
-    settle_values,
 )
 from proxy.tasks.store.pg_create import PgCreator
 from proxy.tasks.store.pg_feed import PgFeed
@@ -62,7 +60,7 @@ def _messages(rows: list[DictRow]) -> list[Message]:
     ]
 
 
-class PostgresTaskStore:
+class PostgresTaskStore(LiveWrites):
     """Task records in a PostgreSQL database shared by the replicas. Open with `await PostgresTaskStore.open(...)`."""
 
     def __init__(
@@ -205,44 +203,6 @@ class PostgresTaskStore:
         rows = await self._rows(f"get {task_id}", sql, params, write=False)
         records = records_from_rows(rows)
         return records[0] if records else None
-
-    async def set_inputs(
-        self,
-        task_id: str,
-        input_requests: JSON,
-        inputs_issued: int,
-        *,
-        now_ms: int,
-        fence: Fence | None = None,
-        upstream_input_ids: JSON | None = None,
-    ) -> TaskRecord | None:
-        return await self._update(
-            task_id, inputs_values(input_requests, inputs_issued, upstream_input_ids), now_ms, fence
-        )
-
-    async def set_status_message(
-        self, task_id: str, status_message: str, *, now_ms: int, fence: Fence | None = None
-    ) -> TaskRecord | None:
-        return await self._update(task_id, {"status_message": status_message}, now_ms, fence)
-
-    async def claim(
-        self, task_id: str, owner: str, status_message: str, *, now_ms: int, fence: Fence | None = None
-    ) -> TaskRecord | None:
-        return await self._update(task_id, claim_values(owner, status_message), now_ms, fence)
-
-    async def settle(
-        self,
-        task_id: str,
-        status: TaskStatus,
-        *,
-        now_ms: int,
-        result: JSON | None = None,
-        error: JSON | None = None,
-        status_message: str | None = None,
-        fence: Fence | None = None,
-    ) -> TaskRecord | None:
-        """Only a live task settles (a conditional UPDATE): the first settle wins, on whichever replica."""
-        return await self._update(task_id, settle_values(status, result, error, status_message), now_ms, fence)
 
     async def _update(
         self, task_id: str, values: Mapping[str, Any], now_ms: int, fence: Fence | None

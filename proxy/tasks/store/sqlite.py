@@ -26,14 +26,12 @@ from proxy.tasks.store.base import (
     STATUS_KEYS,
     Change,
     Fence,
+    LiveWrites,
     Message,
     StoreError,
     check_kind,
-    claim_values,
     encode,
-    inputs_values,
     records_from_rows,
-    settle_values,
 )
 from proxy.tasks.store.batching import CreationBatcher
 from proxy.tasks.store.feed import LocalFeed
@@ -46,7 +44,7 @@ _MIN_SQLITE_VERSION: Final = (3, 35, 0)  # UPDATE ... RETURNING
 _EPOCH: Final = 1  # the one process holds the file lock: its lease never lapses
 
 
-class SqliteTaskStore:
+class SqliteTaskStore(LiveWrites):
     """Task records in one SQLite file. Methods are coroutines; the SQLite work runs in the store's two threads.
 
     Not safe to call from several event loops or threads at once; one store object per database file.
@@ -115,46 +113,6 @@ class SqliteTaskStore:
             sql, params = "SELECT * FROM tasks WHERE task_id = ? AND principal = ?", [task_id, principal]
         records = await self._read(f"get {task_id}", lambda: self._select(sql, params))
         return records[0] if records else None
-
-    async def set_inputs(
-        self,
-        task_id: str,
-        input_requests: JSON,
-        inputs_issued: int,
-        *,
-        now_ms: int,
-        fence: Fence | None = None,
-        upstream_input_ids: JSON | None = None,
-    ) -> TaskRecord | None:
-        """The live task's outstanding questions: `input_required` with them, `working` without any."""
-        return await self._update(
-            task_id, inputs_values(input_requests, inputs_issued, upstream_input_ids), now_ms, fence
-        )
-
-    async def set_status_message(
-        self, task_id: str, status_message: str, *, now_ms: int, fence: Fence | None = None
-    ) -> TaskRecord | None:
-        return await self._update(task_id, {"status_message": status_message}, now_ms, fence)
-
-    async def claim(
-        self, task_id: str, owner: str, status_message: str, *, now_ms: int, fence: Fence | None = None
-    ) -> TaskRecord | None:
-        """A live task taken over by `owner` to be run again from the start: `working`, no questions."""
-        return await self._update(task_id, claim_values(owner, status_message), now_ms, fence)
-
-    async def settle(
-        self,
-        task_id: str,
-        status: TaskStatus,
-        *,
-        now_ms: int,
-        result: JSON | None = None,
-        error: JSON | None = None,
-        status_message: str | None = None,
-        fence: Fence | None = None,
-    ) -> TaskRecord | None:
-        """Only a live task settles, so the first settle wins and a terminal state never changes."""
-        return await self._update(task_id, settle_values(status, result, error, status_message), now_ms, fence)
 
     async def _update(
         self, task_id: str, values: Mapping[str, Any], now_ms: int, fence: Fence | None
