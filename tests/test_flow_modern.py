@@ -58,6 +58,9 @@ async def call_tool(
     return await rpc(client, schema, "tools/call", {"name": tool, "arguments": arguments or {}}, **meta)
 
 
+ASKABLE: dict[str, Any] = {"elicitation": {}}  # a client that could be asked: its calls get sessions of their own
+
+
 def text_of(message: dict[str, Any]) -> str:
     return "".join(block.get("text", "") for block in message["result"]["content"])
 
@@ -269,7 +272,7 @@ async def test_expired_upstream_session_is_reinitialized(
 ) -> None:
     """A 404 for the session means re-initialize and retry, invisibly to the client: for the shared session
     (lists) and for a session lent to calls."""
-    await call_tool(proxy, modern_schema, "greet", {"name": "a"})
+    await call_tool(proxy, modern_schema, "greet", {"name": "a"}, capabilities=ASKABLE)  # a session of its own
     pool = proxy.app[UPSTREAM]
     [lent] = pool.spare_sessions(None)
     shared = pool.session(None)
@@ -284,7 +287,7 @@ async def test_expired_upstream_session_is_reinitialized(
         assert response.status in (200, 204)
     _, _, [listed] = await rpc(proxy, modern_schema, "tools/list")
     assert listed["result"]["tools"]
-    _, _, [message] = await call_tool(proxy, modern_schema, "greet", {"name": "b"})
+    _, _, [message] = await call_tool(proxy, modern_schema, "greet", {"name": "b"}, capabilities=ASKABLE)
     assert text_of(message) == "Hello, b!"
     assert pool.spare_sessions(None) == [lent]  # the same session object, re-initialized
     for session, old_id in forgotten.items():
@@ -378,12 +381,15 @@ async def test_upstream_stream_closed_early_is_resumed(proxy: Client, modern_sch
 async def test_concurrent_calls_reuse_the_sessions_lent_to_earlier_calls(
     proxy: Client, modern_schema: ModernSchema
 ) -> None:
-    """Each running call has an upstream session of its own; once calls end, their sessions are lent again
-    instead of new ones being initialized."""
+    """Each running call whose client could be asked has an upstream session of its own; once calls end, their
+    sessions are lent again instead of new ones being initialized."""
 
     async def round_of(count: int) -> set[str | None]:
         results = await asyncio.gather(
-            *(call_tool(proxy, modern_schema, "echo", {"text": f"n{index}"}) for index in range(count))
+            *(
+                call_tool(proxy, modern_schema, "echo", {"text": f"n{index}"}, capabilities=ASKABLE)
+                for index in range(count)
+            )
         )
         assert sorted(text_of(message) for _, _, [message] in results) == sorted(f"n{index}" for index in range(count))
         return {session.session_id for session in proxy.app[UPSTREAM].spare_sessions(None)}

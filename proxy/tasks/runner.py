@@ -398,9 +398,11 @@ class TaskRunner(TaskRecords, ReplicaCalls):
 
     @contextlib.asynccontextmanager
     async def _session(self, call: Call) -> AsyncIterator[Session]:
-        """Every call gets an upstream session of its own while it runs: whatever the upstream sends on that
-        session's GET stream (a question naming no request) is this call's, never a guess. Even a client that
-        declared no capability could be asked, and then it is the one to be told what it lacks (-32021)."""
+        """A call whose client could answer a question (it declared elicitation, sampling or roots) gets an
+        upstream session of its own while it runs: whatever the upstream sends on that session's GET stream (a
+        question naming no request) is this call's, never a guess. The others share the principal's session;
+        a question sent there unasked is refused at once (questions on the call's own stream stay the call's,
+        and its client is told what it lacks)."""
 
         async def on_stream(event: UpstreamEvent) -> None:
             await self.dispatch(call, self._event(event))

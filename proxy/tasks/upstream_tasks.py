@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import structlog
 
 from proxy.errors import ProxyError, ResultTooLargeError, UpstreamError, UpstreamRefusedError
-from proxy.tasks import inputs
 from proxy.tasks.commands import (
     Asked,
     CancelUpstreamTask,
@@ -119,8 +118,9 @@ class UpstreamTasks:
             await self.driver.dispatch(call, Ended(ProxyError(f"Internal error: {exc!r}")))
 
     def _session(self, call: Call) -> AbstractAsyncContextManager[Session]:
-        """The call's own session (the upstream scopes tasks to it); after a restart, the one stored with the
-        task, taken over."""
+        """A session of the call's own, whatever its client declared: the upstream scopes its task to the
+        session, and tells the task's status on that session's GET stream. After a restart, the one stored with
+        the task, taken over."""
 
         async def on_stream(event: UpstreamEvent) -> None:
             await self.driver.dispatch(call, call_event(event))
@@ -128,7 +128,7 @@ class UpstreamTasks:
         pool = self.driver.upstream
         if call.state.upstream_task is not None and call.record is not None:
             return pool.adopt(call.principal, call.record.upstream_session_id, on_stream)
-        return pool.lease(call.principal, on_stream, asks=inputs.could_answer(call.state.capabilities))
+        return pool.lease(call.principal, on_stream, asks=True)
 
     async def _create(self, call: Call, session: Session, ttl_ms: int | None) -> bool:
         """The task-augmented tools/call. True when the machine now follows the upstream's task; False when the

@@ -95,11 +95,11 @@ class UpstreamClient:
         self, principal: str | None, sink: Sink, *, asks: bool = True, reclaim: Callable[[], bool] | None = None
     ) -> AsyncIterator[Session]:
         """A session of the principal for one call alone, initialized before it is handed out; its unsolicited
-        traffic goes to `sink` until the lease ends. `asks`: the call's client could answer a question. HTTP
-        sessions are cheap, so there every call gets one of its own regardless (then even a client that
-        declared nothing is the one told what it lacks). `reclaim`: when bounded sessions run out, the pool
-        may ask the lessee to give its session up; it returns whether it will (e.g. a call parked between
-        MRTR rounds, which ends as if nobody had retried)."""
+        traffic goes to `sink` until the lease ends. `asks`: the call's client could answer a question; a call
+        whose client could not runs on the principal's shared session instead (what the server sends there
+        unasked is refused: no call holds it). `reclaim`: when bounded sessions run out, the pool may ask the
+        lessee to give its session up; it returns whether it will (e.g. a call parked between MRTR rounds, which
+        ends as if nobody had retried)."""
         if self.limits.share_quiet_calls and (not asks or self.limits.max_open == 1):
             async with self.use(principal) as session:
                 await session.ensure_initialized()

@@ -68,7 +68,9 @@ class UpstreamLink(LinkBase):
             connect=config.connect_timeout_seconds,
             sock_connect=config.connect_timeout_seconds,
         )
-        self.limits = PoolLimits(max_idle=config.max_sessions)  # HTTP sessions are cheap: one per call
+        # A call whose client could answer a question gets a session of its own (its GET stream is the call's);
+        # the others share the principal's session, so a thousand quiet tasks are not a thousand sessions.
+        self.limits = PoolLimits(max_idle=config.max_sessions, share_quiet_calls=True)
         self._probe_lock = asyncio.Lock()
         self._ids = itertools.count(1)
 
