@@ -1,5 +1,6 @@
 # mcp-tasks-proxy — every target installs what it needs (a virtual environment in .venv, the pinned
-# conformance suite and Node 22 from the npm registry in conformance/node_modules).
+# conformance suite, the reference server-everything and Node 22 from the npm registry in
+# conformance/node_modules; the unit tests start server-everything too).
 
 PYTHON ?= python3
 VENV := .venv
@@ -33,7 +34,7 @@ run: $(STAMP)
 ## test: unit + flow tests, then the conformance gates
 test: unit conformance
 
-unit: $(STAMP)
+unit: $(STAMP) $(SUITE)
 	$(BIN)/python -m pytest -q
 
 conformance: $(STAMP) $(SUITE)
