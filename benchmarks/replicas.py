@@ -10,7 +10,6 @@ receives `notifications/cancelled`, and the take-over of a replica killed with -
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
 import time
@@ -25,11 +24,9 @@ from benchmarks.run import (
     Process,
     Row,
     creation_rows,
-    free_port,
     measure,
     push_row,
-    spawn,
-    wait_for_port,
+    start_proxy,
 )
 from tests import pg
 
@@ -37,30 +34,8 @@ LEASE_SECONDS = 5.0
 
 
 async def start_replica(upstream: Process, workdir: Path, name: str, dsn: str, key: Path) -> Process:
-    port = free_port()
-    config = workdir / f"{name}.yaml"
-    config.write_text(
-        json.dumps(
-            {
-                "listen": {"host": "127.0.0.1", "port": port, "shutdown_grace_seconds": 1},
-                "upstream": {"url": upstream.url},
-                "store": {"url": dsn, "lease_seconds": LEASE_SECONDS},
-                "inputs": {"secret_file": str(key)},
-                "logging": {"level": "warning"},
-                "observability": {"metrics": False},
-                "tasks": {
-                    "default": {"mode": "optional", "sync_window_ms": 1000, "ttl_ms": 3_600_000},
-                    "tools": {"sleep": {"mode": "required"}},
-                    "max_running": 20_000,
-                    "max_records": 2_000_000,
-                },
-                "limits": {"max_running_per_principal": 20_000},  # every benchmark client is one caller
-            }
-        )
-    )
-    process = spawn(["-m", "proxy", "serve", "--config", str(config)])
-    await wait_for_port(port, process)
-    return Process(process, f"http://127.0.0.1:{port}/mcp")
+    store = {"url": dsn, "lease_seconds": LEASE_SECONDS}
+    return await start_proxy(upstream.url, workdir, name, store=store, inputs={"secret_file": str(key)})
 
 
 class UpstreamStats:

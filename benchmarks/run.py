@@ -108,16 +108,18 @@ async def start_upstream(sdk: bool = False) -> Process:
     return Process(process, f"http://127.0.0.1:{port}/mcp")
 
 
-def proxy_config(upstream: str | list[str], workdir: Path, name: str, database: Path | None, port: int) -> Path:
+def proxy_config(
+    upstream: str | list[str], workdir: Path, name: str, port: int, store: dict[str, Any], **sections: Any
+) -> Path:
     """The proxy under test: default settings, except limits high enough for the scale rows. `upstream`: a URL,
-    or the argv of a stdio server the proxy runs."""
+    or the argv of a stdio server the proxy runs; `sections`: more top-level config sections."""
     config = workdir / f"{name}.yaml"
     config.write_text(
         json.dumps(
             {
                 "listen": {"host": "127.0.0.1", "port": port, "shutdown_grace_seconds": 1},
                 "upstream": {"url": upstream} if isinstance(upstream, str) else {"command": upstream, "cwd": str(ROOT)},
-                "store": {"path": str(database or workdir / f"{name}.db")},
+                "store": store,
                 "logging": {"level": "warning"},
                 "observability": {"metrics": False},
                 "tasks": {
@@ -127,15 +129,27 @@ def proxy_config(upstream: str | list[str], workdir: Path, name: str, database: 
                     "max_records": 2_000_000,
                 },
                 "limits": {"max_running_per_principal": 20_000},  # every benchmark client is one caller
+                **sections,
             }
         )
     )
     return config
 
 
-async def start_proxy(upstream: str | list[str], workdir: Path, name: str, database: Path | None = None) -> Process:
+async def start_proxy(
+    upstream: str | list[str],
+    workdir: Path,
+    name: str,
+    database: Path | None = None,
+    store: dict[str, Any] | None = None,
+    **sections: Any,
+) -> Process:
+    """A proxy process on a free port; its store is the SQLite file `database` (default: one of its own in
+    `workdir`), or the `store` section given."""
     port = free_port()
-    process = spawn(["-m", "proxy", "serve", "--config", str(proxy_config(upstream, workdir, name, database, port))])
+    store = store or {"path": str(database or workdir / f"{name}.db")}
+    config = proxy_config(upstream, workdir, name, port, store, **sections)
+    process = spawn(["-m", "proxy", "serve", "--config", str(config)])
     await wait_for_port(port, process)
     return Process(process, f"http://127.0.0.1:{port}/mcp")
 
