@@ -165,6 +165,7 @@ def _database(args: argparse.Namespace) -> str:
 
 async def _show(path: str, task_id: str) -> dict[str, Any] | None:
     from proxy.tasks.store import SqliteTaskStore
+    from proxy.wire.jsonrpc import RawJSON
     from proxy.wire.tasks import detailed_task
 
     store = await SqliteTaskStore.open(path, max_records=1, read_only=True)
@@ -174,8 +175,11 @@ async def _show(path: str, task_id: str) -> dict[str, Any] | None:
         await store.close()
     if record is None:
         return None
+    task = detailed_task(record)
+    if isinstance(task.get("result"), RawJSON):
+        task["result"] = task["result"].value()  # shown indented, like the rest
     return {
-        **detailed_task(record),
+        **task,
         "tool": record.tool,
         "owner": record.owner,
         "onRestart": record.on_restart,

@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
 import structlog
@@ -107,12 +107,17 @@ async def _error_answer(request: web.Request, error: ProxyError) -> web.StreamRe
     return error_response(error, request_id)
 
 
+def json_response(message: JSON, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
+    """`message` as a JSON body, encoded once (a spliced-in stored result is not decoded and encoded again)."""
+    return web.Response(
+        body=jsonrpc.dumps(message), status=status, headers=headers, content_type="application/json", charset="utf-8"
+    )
+
+
 def error_response(error: ProxyError, request_id: RequestId | None = None) -> web.Response:
     """The JSON-RPC error body of `error` (with `request_id`, else the error's own) and its HTTP status."""
     message = jsonrpc.error_message(request_id if request_id is not None else error.request_id, error.error_object())
-    response = web.json_response(
-        message, status=http_status(error), headers=error.headers, dumps=lambda obj: jsonrpc.dumps(obj).decode()
-    )
+    response = json_response(message, http_status(error), error.headers)
     if error.headers.get("Connection") == "close":
         response.force_close()  # aiohttp's own state too, not only the header
     return response
@@ -190,7 +195,7 @@ class HttpChannel:
         last event of the stream."""
         if self.stream is None:
             status = http_status(message.get("error"))
-            response = web.json_response(message, status=status, dumps=lambda obj: jsonrpc.dumps(obj).decode())
+            response = json_response(message, status)
             await response.prepare(self.request)
             await self._bounded(response.write_eof())
             return response

@@ -27,11 +27,13 @@ OVER_CAP = 60_000_000  # an answer the upstream sends that the proxy must never 
 UNDER_CAP = 7_000_000  # a settled result larger than what the kernel buffers for a client that does not read
 WRITE_TIMEOUT_SECONDS = 2.0
 RSS_BOUND_BYTES = 128 << 20  # growth allowed over the idle proxy, for everything below
-# The health probe meanwhile: 95 % of answers within 50 ms, none stalled past STALL_BOUND_SECONDS. (Before the
-# size limit, one 50 MB answer stalled the probe for over half a second; on a shared 2-core machine a single
-# probe can wait for a CPU, which is why the bound on the slowest is looser.)
+# The health probe meanwhile: 95 % of answers within 50 ms, none stalled past STALL_BOUND_SECONDS. Before the
+# size limit, one 50 MB answer stalled the probe for over half a second; before settled results were sent as
+# their stored text, three polls of the 7 MB result stalled it 68-101 ms. The slowest probe is now 29-42 ms (the
+# 7 MB result arriving and being stored); the bound leaves room for a probe that waits for a CPU on a shared
+# 2-core machine.
 HEALTH_P95_SECONDS = 0.05
-STALL_BOUND_SECONDS = 0.3
+STALL_BOUND_SECONDS = 0.1
 
 
 def rss_bytes(pid: int) -> int:
@@ -71,6 +73,7 @@ class HealthWatch:
     def check(self) -> None:
         assert len(self.latencies) > 10
         ordered = sorted(self.latencies)
+        print("HEALTH", len(ordered), [round(x * 1000, 1) for x in ordered[-8:]])
         p95 = ordered[int(len(ordered) * 0.95)]
         assert p95 < HEALTH_P95_SECONDS, f"/healthz p95 {p95 * 1000:.0f} ms"
         assert ordered[-1] < STALL_BOUND_SECONDS, f"/healthz stalled {ordered[-1] * 1000:.0f} ms"

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
 from proxy.errors import InvalidRequestError, ParseError
-from proxy.wire.jsonrpc import MAX_DEPTH, Notification, Request, Response, classify, dumps, error_message, loads, parse
+from proxy.wire.jsonrpc import (
+    MAX_DEPTH,
+    Notification,
+    RawJSON,
+    Request,
+    Response,
+    classify,
+    dumps,
+    error_message,
+    loads,
+    parse,
+)
 
 
 def test_request_notification_and_response_are_told_apart() -> None:
@@ -124,3 +136,30 @@ def test_nesting_is_refused_one_level_past_the_limit() -> None:
 def test_dumps_escapes_a_lone_surrogate_instead_of_failing() -> None:
     assert dumps({"text": "a\ud800\u00e9"}) == b'{"text":"a\\ud800\\u00e9"}'
     assert dumps({"text": "\u00e9"}) == '{"text":"\u00e9"}'.encode()
+
+
+def test_dumps_splices_raw_json_text_as_it_is() -> None:
+    """A stored result is sent as the text it was stored as (here with a form re-encoding would change)."""
+    first, second = RawJSON('{"n":1e2,"s":"\\u00e9"}'), RawJSON("{}")
+    message = {"id": 1, "result": {"a": first, "b": [second, first], "c": "\u00e9"}}
+    assert (
+        dumps(message)
+        == '{"id":1,"result":{"a":{"n":1e2,"s":"\\u00e9"},"b":[{},{"n":1e2,"s":"\\u00e9"}],"c":"\u00e9"}}'.encode()
+    )
+    assert json.loads(dumps(message))["result"]["b"][1] == first.value() == {"n": 100.0, "s": "\u00e9"}
+
+
+def test_dumps_leaves_strings_that_look_like_its_marks_alone() -> None:
+    """What a client sends can never be taken for a place where raw text goes."""
+    lookalikes = ["\x00raw-json:0", "\x00raw-json::0", "raw-json", '"\\u0000raw-json:"']
+    message = {"echo": lookalikes, "raw": RawJSON('{"x":1}')}
+    assert json.loads(dumps(message)) == {"echo": lookalikes, "raw": {"x": 1}}
+
+
+def test_dumps_with_raw_json_and_a_lone_surrogate() -> None:
+    assert dumps({"t": "\ud800", "r": RawJSON('{"y":2}')}) == b'{"t":"\\ud800","r":{"y":2}}'
+
+
+def test_dumps_still_refuses_what_is_not_json() -> None:
+    with pytest.raises(TypeError):
+        dumps({"x": object()})

@@ -4,6 +4,7 @@ database (tests/pg.py). SQLite-only specifics are in test_store_sqlite.py, repli
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sqlite3
 import threading
@@ -29,6 +30,7 @@ from proxy.tasks.store import (
     record_from_row,
 )
 from proxy.tasks.store.postgres import PostgresTaskStore
+from proxy.wire.jsonrpc import RawJSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
 
 DEADLINE_SECONDS = 10.0
@@ -83,6 +85,22 @@ class Backend:
                 conn.close()
 
         return await asyncio.to_thread(read)
+
+    async def execute(self, sql: str) -> None:
+        if self.dsn is not None:
+            async with await psycopg.AsyncConnection.connect(self.dsn) as conn:
+                await conn.execute(sql.encode())
+            return
+
+        def write() -> None:
+            conn = sqlite3.connect(self.path)
+            try:
+                conn.execute(sql)
+                conn.commit()
+            finally:
+                conn.close()
+
+        await asyncio.to_thread(write)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -155,7 +173,12 @@ async def test_create_get_round_trips_every_field(store: TaskStore, backend: Bac
     await store.create(full)
     await store.create(bare)
 
-    assert await store.get("task_full") == full
+    got_full = await store.get("task_full")
+    assert got_full is not None
+    assert isinstance(got_full.result, RawJSON)  # kept as the stored text, which answers send as it is
+    assert got_full.result.value() == full.result
+    assert dataclasses.replace(got_full, result=full.result) == full
+    assert await store.get("task_full") == dataclasses.replace(full, result=RawJSON(got_full.result.text))
     got_bare = await store.get("task_bare")
     assert got_bare == bare
     assert got_bare is not None
@@ -171,6 +194,14 @@ async def test_create_get_round_trips_every_field(store: TaskStore, backend: Bac
     )
     assert stored["task_bare"][0] is None
     assert stored["task_bare"][2] is None
+
+
+async def test_a_stored_result_cut_short_is_a_store_error_not_an_answer(store: TaskStore, backend: Backend) -> None:
+    """Stored results are sent on as their text, unparsed; one that is not a whole object is refused instead."""
+    await store.create(make_record("task_cut", status=TaskStatus.COMPLETED, result={"content": []}))
+    await backend.execute("UPDATE tasks SET result = '{\"content\":[' WHERE task_id = 'task_cut'")
+    with pytest.raises(StoreError, match="corrupt task record 'task_cut'"):
+        await store.get("task_cut")
 
 
 def test_record_from_row_decodes_json_and_status() -> None:

@@ -29,6 +29,7 @@ from proxy.tasks.store import (
 )
 from proxy.tasks.store.pg_schema import MIGRATIONS
 from proxy.tasks.store.postgres import PostgresTaskStore
+from proxy.wire.jsonrpc import RawJSON
 from proxy.wire.tasks import TaskStatus
 from tests.test_store import make_record, next_change
 
@@ -215,7 +216,7 @@ async def test_fencing_refuses_a_stale_owners_writes(replicas: list[PostgresTask
     assert (got.status, got.owner, got.status_message) == (TaskStatus.WORKING, "replica-b", "1/2")
     done = await b.settle("task_a", TaskStatus.COMPLETED, now_ms=5_000, result={"ok": True}, fence=fence_b)
     assert done is not None
-    assert done.result == {"ok": True}
+    assert done.result == RawJSON('{"ok":true}')
 
 
 async def test_a_released_lease_can_be_taken_over_at_once(replicas: list[PostgresTaskStore]) -> None:

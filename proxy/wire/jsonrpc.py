@@ -9,12 +9,31 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
 from dataclasses import dataclass
 from typing import Any, Final
 
 from proxy.errors import InvalidRequestError, ParseError, RequestId
 
 JSON = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class RawJSON:
+    """A JSON value kept as the compact text it was stored as: a settled task's result, which can be megabytes.
+    `dumps` splices the text into the message as it is, so answering `tasks/get` for a large result costs a copy
+    instead of decoding and encoding it again on the event loop. `value()` decodes it for code that looks inside.
+    """
+
+    text: str
+
+    def value(self) -> Any:
+        return json.loads(self.text)
+
+
+# What `dumps` writes where a RawJSON goes, then replaces with its text. The random part is never sent, so no
+# string a client or an upstream sends can imitate it.
+_RAW_MARK: Final = f"\x00raw-json:{secrets.token_hex(16)}:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,12 +130,28 @@ def _check_value(value: Any, *, surrogates: bool) -> None:
 
 
 def dumps(message: JSON) -> bytes:
-    """Compact UTF-8 JSON. A lone surrogate (only an upstream's answer can still hold one) is written as its
-    `\\u` escape, which JSON allows, instead of failing the whole message."""
+    """Compact UTF-8 JSON, with every `RawJSON` in it spliced in as its text. A lone surrogate (only an upstream's
+    answer can still hold one) is written as its `\\u` escape, which JSON allows, instead of failing the whole
+    message."""
     try:
-        return json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()
+        return _dumps(message, ensure_ascii=False).encode()
     except UnicodeEncodeError:
-        return json.dumps(message, separators=(",", ":")).encode()
+        return _dumps(message, ensure_ascii=True).encode()
+
+
+def _dumps(message: JSON, *, ensure_ascii: bool) -> str:
+    raws: list[str] = []
+
+    def mark(value: object) -> str:
+        if not isinstance(value, RawJSON):
+            raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+        raws.append(value.text)
+        return f"{_RAW_MARK}{len(raws) - 1}"
+
+    text = json.dumps(message, separators=(",", ":"), ensure_ascii=ensure_ascii, default=mark)
+    for index, raw in enumerate(raws):
+        text = text.replace(json.dumps(f"{_RAW_MARK}{index}"), raw, 1)
+    return text
 
 
 def _valid_id(value: Any) -> bool:

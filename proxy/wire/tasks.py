@@ -16,7 +16,7 @@ from mcp_types import SERVER_INFO_META_KEY
 from mcp_types import jsonrpc as codes
 
 from proxy.wire.envelope import TASKS_EXTENSION
-from proxy.wire.jsonrpc import JSON
+from proxy.wire.jsonrpc import JSON, RawJSON
 
 
 class TaskStatus(StrEnum):
@@ -73,6 +73,7 @@ class TaskRecord:
     header's value only for `on_restart: rerun` tasks and tasks the upstream runs itself, until they settle,
     because a re-run, or following the upstream's task again after a restart, must present it upstream again.
     `client_capabilities` are the creating request's: only questions they cover become `inputRequests`.
+    A record read back from a store holds its `result` as the stored text (`RawJSON`), which answers send as it is.
 
     A task the upstream runs itself (2025-11-25 Tasks) keeps the upstream's task id, the upstream session it
     lives in (tasks are scoped to their session) and, by key, the upstream JSON-RPC ids of its outstanding
@@ -91,7 +92,7 @@ class TaskRecord:
     on_restart: str
     request: JSON
     status_message: str | None = None
-    result: JSON | None = None
+    result: JSON | RawJSON | None = None
     error: JSON | None = None
     input_requests: JSON = field(default_factory=dict)
     inputs_issued: int = 0

@@ -12,7 +12,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from proxy.wire.jsonrpc import JSON
+from proxy.wire.jsonrpc import JSON, RawJSON
 from proxy.wire.tasks import LIVE, TERMINAL, TaskRecord, TaskStatus
 
 
@@ -239,8 +239,24 @@ def decode(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 
 
+def raw_result(text: str | None) -> RawJSON | None:
+    """A stored result stays text: it is only ever sent on, and it can be megabytes. Only the proxy writes it
+    (always an object); a value cut short is caught here rather than sent."""
+    if text is None:
+        return None
+    if not (text.startswith("{") and text.endswith("}")):
+        raise ValueError("the stored result is not a JSON object")
+    return RawJSON(text)
+
+
+def encode_result(result: JSON | RawJSON | None) -> str | None:
+    if isinstance(result, RawJSON):
+        return result.text
+    return None if result is None else encode(result)
+
+
 def record_from_row(row: Mapping[str, Any]) -> TaskRecord:
-    """A `tasks` row (column name → value) as a `TaskRecord`; JSON columns decoded."""
+    """A `tasks` row (column name → value) as a `TaskRecord`; JSON columns decoded, the result kept as text."""
     return TaskRecord(
         task_id=row["task_id"],
         principal=row["principal"],
@@ -254,7 +270,7 @@ def record_from_row(row: Mapping[str, Any]) -> TaskRecord:
         on_restart=row["on_restart"],
         request=decode(row["request"]),
         status_message=row["status_message"],
-        result=decode(row["result"]),
+        result=raw_result(row["result"]),
         error=decode(row["error"]),
         input_requests=decode(row["input_requests"]),
         inputs_issued=row["inputs_issued"],
@@ -291,7 +307,7 @@ def row_from_record(record: TaskRecord) -> dict[str, Any]:
         "owner": record.owner,
         "on_restart": record.on_restart,
         "request": encode(record.request),
-        "result": None if record.result is None else encode(record.result),
+        "result": encode_result(record.result),
         "error": None if record.error is None else encode(record.error),
         "input_requests": encode(record.input_requests),
         "inputs_issued": record.inputs_issued,
