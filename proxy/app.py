@@ -216,7 +216,7 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
 def upstream_kind(config: Config, http: aiohttp.ClientSession, metrics: Metrics | None) -> SessionKind:
     """Stdio server processes the proxy runs when `upstream.command` is set, else Streamable HTTP sessions."""
     if config.upstream.command:
-        return StdioLink(config.upstream, metrics)
+        return StdioLink(config.upstream, metrics, max_result_bytes=config.limits.max_result_bytes)
     return UpstreamLink(
         config.upstream, http, config.security.principal_header, metrics, config.limits.max_result_bytes
     )

@@ -481,7 +481,8 @@ class LimitsConfig(_Frozen):
         ge=1024,
         description="Largest upstream answer (or message on an upstream stream) the proxy reads. A larger one is "
         "never held whole: the upstream call is cancelled, a synchronous caller gets -32603 with "
-        "`data.limit: max_result_bytes` (HTTP 502) and a task fails with that error.",
+        "`data.limit: max_result_bytes` (HTTP 502) and a task fails with that error. From a stdio server the line "
+        "is read to its end (bounded by `upstream.max_line_bytes`) and dropped; the process serves on.",
     )
     write_timeout_seconds: float = Field(
         30.0,

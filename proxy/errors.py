@@ -163,9 +163,9 @@ class ResultTooLargeError(UpstreamError):
     """An upstream answer (or one message on an upstream stream) is larger than `limits.max_result_bytes`: it is
     never held whole, and the caller is told which limit stopped it."""
 
-    def __init__(self, maximum: int) -> None:
+    def __init__(self, maximum: int, outcome: str = "the call was cancelled") -> None:
         super().__init__(
-            f"Upstream answer larger than limits.max_result_bytes ({maximum} bytes); the call was cancelled",
+            f"Upstream answer larger than limits.max_result_bytes ({maximum} bytes); {outcome}",
             data={"limit": "max_result_bytes", "max": maximum},
         )
 

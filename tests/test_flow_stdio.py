@@ -183,5 +183,33 @@ async def test_an_upstream_killed_mid_task_fails_it_and_the_next_call_works(
     assert await client.text("echo", {"text": "again"}) == "again"
 
 
+async def test_an_answer_over_the_result_limit_fails_the_call_and_the_upstream_serves_on(
+    upstream_kind: str, start_proxy: Start
+) -> None:
+    """`limits.max_result_bytes` holds for both kinds: a synchronous caller gets -32603 naming the limit (HTTP
+    502), a task fails with it, and the next call is answered (on stdio by the same process: the line was read
+    to its end, so the stream of messages is intact)."""
+    cap = 1 << 20
+    client = await start_proxy(
+        limits={"max_result_bytes": cap}, tasks=policies(big_text={"mode": "optional", "sync_window_ms": 0})
+    )
+    assert await client.text("echo", {"text": "before"}) == "before"
+    pids = {session.pid for session in stdio_sessions(client)} if upstream_kind == "stdio" else set()
+    limit = {"limit": "max_result_bytes", "max": cap}
+
+    status, message = await client.call("big_text", {"size": 2 * cap}, capabilities={})
+    assert status == 502, message
+    assert (message["error"]["code"], message["error"]["data"]) == (-32603, limit)
+
+    task_id = await client.create("big_text", {"size": 2 * cap}, capabilities=DECLARING)
+    failed = await client.settled(task_id)
+    assert failed["status"] == "failed"
+    assert (failed["error"]["code"], failed["error"]["data"]) == (-32603, limit)
+
+    assert await client.text("big_text", {"size": cap // 2}) == "x" * (cap // 2)
+    if upstream_kind == "stdio":
+        assert {session.pid for session in stdio_sessions(client)} & pids, "the shared process was replaced"
+
+
 def _accept(**content: Any) -> dict[str, Any]:
     return {"action": "accept", "content": content}

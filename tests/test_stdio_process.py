@@ -21,6 +21,7 @@ from proxy.upstream.stdio import (
     INHERITED_ENV_VARS,
     STDERR_LINE_CHARS,
     ProcessExit,
+    SizeLimit,
     StdioProcess,
     child_environment,
 )
@@ -308,6 +309,28 @@ async def test_a_line_over_the_cap_kills_the_server_after_what_came_before(spawn
     assert server.inbox.empty(), "nothing of the oversized line is delivered"
     with pytest.raises(UpstreamError, match="over 65536 bytes"):
         await server.process.send({"jsonrpc": "2.0", "id": 2, "method": "ping"})
+
+
+async def test_a_line_over_the_message_limit_goes_to_its_handler_and_the_server_lives_on(spawn: Spawn) -> None:
+    """Within `max_line_bytes` but over the `oversized` limit: the message is handed to the limit's handler (the
+    session refuses it), not to `on_message`, and what follows arrives as usual."""
+    oversized: list[dict[str, Any]] = []
+    server = await spawn(FIXTURE, oversized=SizeLimit(100_000, oversized.append))
+    await server.initialize()
+    await server.process.send(
+        {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "tools/call",
+            "params": {"name": "big_text", "arguments": {"size": 200_000}},
+        }
+    )
+    small = await server.request(3, "tools/call", {"name": "big_text", "arguments": {"size": 1_000}})
+    assert (small["id"], len(text_of(small))) == (3, 1_000)
+    assert [message["id"] for message in oversized] == [2]
+    assert len(text_of(oversized[0])) == 200_000
+    assert server.inbox.empty()
+    assert server.process.exited is None
 
 
 async def test_a_server_that_closes_stdout_but_lives_on_is_terminated(spawn: Spawn) -> None:

@@ -158,3 +158,18 @@ def test_the_example_configs_are_valid(capsys: pytest.CaptureFixture[str]) -> No
     for example in examples:
         assert main(["check-config", str(example)]) == 0, capsys.readouterr().err
         assert load_config(example, environ={}).upstream.command
+
+
+async def test_a_question_over_the_result_limit_never_reaches_the_client_and_the_call_ends(
+    make_proxy: Callable[..., Any], modern_schema: ModernSchema, tasks_schema: SchemaValidator
+) -> None:
+    """A server's question longer than `limits.max_result_bytes` is refused on its stdin at once (the server is
+    not left waiting for an answer), and the tool's own outcome comes back: this fixture lets the refusal
+    surface as its JSON-RPC error, instead of an input_required round."""
+    cap = 1 << 20
+    client = await stdio_client(make_proxy, modern_schema, tasks_schema, limits={"max_result_bytes": cap})
+    status, message = await client.call("test_elicitation", {"message": "?" * (2 * cap)}, capabilities=ELICIT)
+    assert status == 200, message
+    assert "result" not in message
+    assert message["error"] == {"code": -32603, "message": f"Request larger than the client's limit ({cap} bytes)"}
+    assert await client.text("echo", {"text": "next"}) == "next"

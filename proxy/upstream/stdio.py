@@ -10,6 +10,8 @@ close stdin, then SIGTERM, then SIGKILL).
 
 - `on_message(message)` is called synchronously, in order, for each JSON object read from stdout (a JSON
   array of objects, a 2025-03-26 batch, gives one call per element). It must not raise and must not block.
+  With `oversized=SizeLimit(max_bytes, handler)`, the messages of a line longer than `max_bytes` go to
+  `handler` instead: the session refuses them, and the process lives on.
 - `on_exit(exited)` (optional) is called once, after the last `on_message`, when the process is gone.
 - A stdout line that is not JSON or not an object is logged (a short prefix only) and skipped; a line over
   `max_line_bytes` kills the process group, and `ProcessExit.cause` says so.
@@ -49,6 +51,15 @@ MALFORMED_PREFIX_CHARS = 40  # of a skipped stdout line, only this much is logge
 DRAIN_SECONDS = 1.0  # how long the exit and the end of stdout may be apart (the two arrive separately)
 
 MessageHandler = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class SizeLimit:
+    """Messages of a line longer than `max_bytes` (and within `max_line_bytes`) go to `handler`, not to
+    `on_message`."""
+
+    max_bytes: int
+    handler: MessageHandler
 
 
 def child_environment(configured: Mapping[str, str], parent: Mapping[str, str]) -> dict[str, str]:
@@ -136,10 +147,12 @@ class StdioProcess:
         stop_grace_seconds: float,
         stderr_lines_per_second: float,
         stderr_burst: int,
+        oversized: SizeLimit | None = None,
     ) -> None:
         self.name = name
         self.pid = 0
         self.max_line_bytes = max_line_bytes
+        self.oversized = oversized
         self.stop_grace_seconds = stop_grace_seconds
         self.exited: ProcessExit | None = None
         self._on_message = on_message
@@ -180,6 +193,7 @@ class StdioProcess:
         stop_grace_seconds: float = 5.0,
         stderr_lines_per_second: float = 10.0,
         stderr_burst: int = 50,
+        oversized: SizeLimit | None = None,
     ) -> StdioProcess:
         """Spawn `argv` with exactly `env` (see child_environment) in `cwd` (None: the proxy's).
 
@@ -195,6 +209,7 @@ class StdioProcess:
             stop_grace_seconds=stop_grace_seconds,
             stderr_lines_per_second=stderr_lines_per_second,
             stderr_burst=stderr_burst,
+            oversized=oversized,
         )
         try:
             transport, _ = await process._loop.subprocess_exec(
@@ -374,8 +389,10 @@ class StdioProcess:
         else:
             self._malformed(line, "not a JSON object")
             return
+        oversized = self.oversized
+        handle = oversized.handler if oversized is not None and len(line) > oversized.max_bytes else self._on_message
         for message in messages:
-            self._on_message(message)
+            handle(message)
 
     def _malformed(self, line: bytes, reason: str) -> None:
         if self._malformed_budget.take(self._loop.time()):

@@ -24,7 +24,7 @@ from proxy.errors import UpstreamError, UpstreamTimeoutError
 from proxy.observability import Metrics
 from proxy.upstream.kinds import LinkBase, PoolLimits, Session
 from proxy.upstream.rates import Backoff
-from proxy.upstream.stdio import ProcessExit, StdioProcess, child_environment
+from proxy.upstream.stdio import ProcessExit, SizeLimit, StdioProcess, child_environment
 from proxy.upstream.stdio_session import StdioSession
 
 
@@ -33,11 +33,16 @@ class StdioLink(LinkBase):
     the crash backoff, background work, and what the server said most recently."""
 
     def __init__(
-        self, config: UpstreamConfig, metrics: Metrics | None = None, environ: Mapping[str, str] = os.environ
+        self,
+        config: UpstreamConfig,
+        metrics: Metrics | None = None,
+        environ: Mapping[str, str] = os.environ,
+        max_result_bytes: int | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.metrics = metrics
+        self.max_result_bytes = max_result_bytes  # a longer message is refused (the line is read: max_line_bytes)
         self.env = child_environment(config.env, environ)
         self.program = Path(config.command[0]).name
         self.limits = PoolLimits(
@@ -61,9 +66,13 @@ class StdioLink(LinkBase):
         return StdioSession(self, principal)
 
     async def start(
-        self, on_message: Callable[[dict[str, Any]], None], on_exit: Callable[[ProcessExit], None]
+        self,
+        on_message: Callable[[dict[str, Any]], None],
+        on_exit: Callable[[ProcessExit], None],
+        on_oversized: Callable[[dict[str, Any]], None] | None = None,
     ) -> StdioProcess:
-        """A new server process, unless the server keeps crashing (then a 503 saying when it is retried)."""
+        """A new server process, unless the server keeps crashing (then a 503 saying when it is retried).
+        Messages over `max_result_bytes` go to `on_oversized` when given."""
         wait = self.retry_at - time.monotonic()
         if wait > 0:
             raise UpstreamError(
@@ -81,6 +90,11 @@ class StdioLink(LinkBase):
             on_exit=on_exit,
             name=f"{self.program}#{next(self._numbers)}",
             stop_grace_seconds=config.stop_grace_seconds,
+            oversized=(
+                None
+                if on_oversized is None or self.max_result_bytes is None
+                else SizeLimit(self.max_result_bytes, on_oversized)
+            ),
         )
 
     def crashed(self, lived_seconds: float) -> None:

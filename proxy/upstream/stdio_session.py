@@ -7,6 +7,10 @@ see each other's progress), and treats everything else the server sends unasked 
 goes to the lessee while a call holds the process alone, else it is refused at once (never left waiting);
 `ping` is answered; notifications go to the lessee and to `on_notification`.
 
+A message longer than `limits.max_result_bytes` is not passed on, as over HTTP: an answer fails its call with
+that limit's error (the server has answered: there is nothing to cancel), a question is refused, a
+notification dropped. The line itself is read whole, so what it may hold is bounded by `upstream.max_line_bytes`.
+
 A process that dies fails its open calls with an UpstreamError naming how it ended; the next request starts
 a fresh one, unless it keeps crashing (then `StdioLink.start` refuses with a 503 saying when it is tried
 again). What all sessions of one server command share is the `StdioLink` (`stdio_link.py`). Imports the
@@ -23,8 +27,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import structlog
+from mcp_types import jsonrpc as codes
 
-from proxy.errors import InvalidRequestError, RequestId, UpstreamError, UpstreamTimeoutError
+from proxy.errors import InvalidRequestError, RequestId, ResultTooLargeError, UpstreamError, UpstreamTimeoutError
 from proxy.upstream.events import (
     UpstreamErrorResponse,
     UpstreamEvent,
@@ -38,6 +43,7 @@ from proxy.wire.jsonrpc import (
     JSON,
     Notification,
     Request,
+    Response,
     classify,
     error_message,
     notification_message,
@@ -61,7 +67,14 @@ class _Gone:
     message: str
 
 
-Inbox = asyncio.Queue[UpstreamEvent | _Gone]
+@dataclass(frozen=True, slots=True)
+class _TooLarge:
+    """The call's answer came, longer than `limits.max_result_bytes`: dropped, and the caller told so."""
+
+    maximum: int
+
+
+Inbox = asyncio.Queue[UpstreamEvent | _Gone | _TooLarge]
 
 
 class StdioCall:
@@ -76,7 +89,7 @@ class StdioCall:
         self.progress_token: str | int | None = None  # the caller's own token, put back on relayed progress
         self.finished = False
 
-    def offer(self, event: UpstreamEvent | _Gone) -> None:
+    def offer(self, event: UpstreamEvent | _Gone | _TooLarge) -> None:
         if isinstance(event, UpstreamNotification) and self.inbox.qsize() >= MAX_QUEUED_EVENTS:
             return  # a reader that fell this far behind loses notifications, never the answer
         self.inbox.put_nowait(event)
@@ -91,6 +104,9 @@ class StdioCall:
                 raise UpstreamTimeoutError(f"Upstream {self.method} timed out") from None
             if isinstance(event, _Gone):
                 raise UpstreamError(f"{event.message} during {self.method}")
+            if isinstance(event, _TooLarge):
+                self.finished = True
+                raise ResultTooLargeError(event.maximum, "it was dropped")
             yield event
             if isinstance(event, UpstreamResult | UpstreamErrorResponse):
                 self.finished = True
@@ -156,12 +172,16 @@ class StdioSession(SessionFeatures):
             if generation == self._generation:
                 self._on_message(message)
 
+        def on_oversized(message: dict[str, Any]) -> None:
+            if generation == self._generation:
+                self._on_oversized(message)
+
         def on_exit(exited: ProcessExit) -> None:
             queue.put_nowait(None)
             if generation == self._generation:
                 self._on_exit(exited)
 
-        process = await self.link.start(on_message, on_exit)
+        process = await self.link.start(on_message, on_exit, on_oversized)
         self.process = process
         self.link.spawn(self._answer_unsolicited(queue), f"stdio-unsolicited-{process.name}")
         timeout = self.link.config.connect_timeout_seconds
@@ -272,6 +292,34 @@ class StdioSession(SessionFeatures):
                 call.offer(UpstreamErrorResponse(parsed.error))
             else:
                 call.offer(UpstreamResult(parsed.result or {}))
+
+    def _on_oversized(self, message: dict[str, Any]) -> None:
+        """A message longer than `limits.max_result_bytes` (see the module doc)."""
+        self.link.answered()
+        maximum = self.link.max_result_bytes or 0
+        try:
+            parsed = classify(message)
+        except InvalidRequestError:
+            parsed = None
+        kind = type(parsed).__name__.lower() if parsed is not None else "invalid"
+        log.warning("upstream_message_too_large", upstream=self.session_id, message=kind, max_result_bytes=maximum)
+        if isinstance(parsed, Request):
+            self._asked.add(parsed.id)
+            refusal = {
+                "code": codes.INTERNAL_ERROR,
+                "message": f"Request larger than the client's limit ({maximum} bytes)",
+            }
+            self.link.spawn(self._refuse(parsed.id, refusal), "stdio-refuse-oversized")
+        elif isinstance(parsed, Response) and isinstance(parsed.id, int):
+            call = self._calls.get(parsed.id)
+            if call is not None:
+                call.offer(_TooLarge(maximum))
+
+    async def _refuse(self, request_id: RequestId, error: JSON) -> None:
+        try:
+            await self.respond(request_id, error=error)
+        except UpstreamError as exc:
+            log.info("upstream_answer_not_delivered", error=exc.message)
 
     def _notification(self, notification: UpstreamNotification) -> None:
         params = notification.message.get("params")
