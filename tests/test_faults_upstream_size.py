@@ -73,7 +73,6 @@ class HealthWatch:
     def check(self) -> None:
         assert len(self.latencies) > 10
         ordered = sorted(self.latencies)
-        print("HEALTH", len(ordered), [round(x * 1000, 1) for x in ordered[-8:]])
         p95 = ordered[int(len(ordered) * 0.95)]
         assert p95 < HEALTH_P95_SECONDS, f"/healthz p95 {p95 * 1000:.0f} ms"
         assert ordered[-1] < STALL_BOUND_SECONDS, f"/healthz stalled {ordered[-1] * 1000:.0f} ms"
