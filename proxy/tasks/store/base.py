@@ -327,7 +327,7 @@ def settle_values(
         raise ValueError(f"settle() needs a terminal status, not {status!r}")
     return {
         "status": TaskStatus(status).value,
-        "result": None if result is None else encode(result),
+        "result": encode_result(result),
         "error": None if error is None else encode(error),
         "status_message": status_message,
         "input_requests": "{}",
