@@ -61,14 +61,18 @@ if [[ ${REBUILD_BASE:-0} == 1 ]] || ! podman image exists "$BASE_IMAGE"; then
     log "making $BASE_IMAGE with mmdebstrap ($SUITE, $MIRROR)"
     start=$(now)
     rm -f "$WORK/base.tar"
+    # merged-usr hook: /usr merged by the hook, not by the usrmerge package (which would pull in all of perl).
     mmdebstrap --quiet --variant=minbase --include=python3,python3-venv,passwd \
+        --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
         --dpkgopt='path-exclude=/usr/share/man/*' \
         --dpkgopt='path-exclude=/usr/share/doc/*' \
         --dpkgopt='path-include=/usr/share/doc/*/copyright' \
         --dpkgopt='path-exclude=/usr/share/locale/*' \
         --dpkgopt='path-exclude=/usr/share/info/*' \
         --format=tar "$SUITE" "$WORK/base.tar" "$MIRROR"
-    podman import --change 'CMD ["/bin/bash"]' "$WORK/base.tar" "$BASE_IMAGE" >/dev/null
+    previous=$(podman image inspect --format '{{.Id}}' "$BASE_IMAGE" 2>/dev/null || true)
+    podman import --quiet --change 'CMD ["/bin/bash"]' "$WORK/base.tar" "$BASE_IMAGE" >/dev/null
+    [[ -z $previous ]] || podman image rm "$previous" >/dev/null 2>&1 || true  # unless an image still uses it
     rm -f "$WORK/base.tar"
     echo "base_seconds $(elapsed "$start" "$(now)")" >>"$WORK/build-times"
 else
@@ -89,9 +93,11 @@ echo "wheels_seconds $(elapsed "$start" "$(now)")" >>"$WORK/build-times"
 
 # --- 4. the image -----------------------------------------------------------------------------------------
 log "podman build $IMAGE (BASE=$BASE_IMAGE, WHEELS=$WHEELS)"
+previous=$(podman image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 start=$(now)
 podman build --quiet --format docker --network none --build-arg "BASE=$BASE_IMAGE" --build-arg "WHEELS=$WHEELS" \
     --tag "$IMAGE" "$ROOT" >/dev/null
 echo "build_seconds $(elapsed "$start" "$(now)")" >>"$WORK/build-times"
+[[ -z $previous ]] || podman image rm "$previous" >/dev/null 2>&1 || true  # the last run's, now untagged
 echo "image_bytes $(podman image inspect --format '{{.Size}}' "$IMAGE")" >>"$WORK/build-times"
 log "built $IMAGE"

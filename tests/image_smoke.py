@@ -25,7 +25,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 MODERN = "2026-07-28"
 TASKS = "io.modelcontextprotocol/tasks"
-DATA_DIR = "/var/lib/mcp-tasks-proxy"  # the image's VOLUME; a tmpfs here, the only writable path
+DATA_DIR = "/var/lib/mcp-tasks-proxy"  # the image's VOLUME: the only writable path
 UPSTREAM_PORT = 9000  # config/docker.yaml's upstream, inside the shared network namespace (not the host's)
 REQUIRED_TOOL = "slow_compute"  # tests/upstream's task fixture; given `mode: required` by the environment
 READY_TIMEOUT_S = 90
@@ -139,6 +139,7 @@ class Smoke:
         self.stack = stack
         self.holder = f"mcp-tasks-proxy-netns-{os.getpid()}"
         self.proxy = f"mcp-tasks-proxy-smoke-{os.getpid()}"
+        self.volume = f"mcp-tasks-proxy-data-{os.getpid()}"
         self.figures: dict[str, str] = {}
 
     def start_holder(self) -> str:
@@ -166,12 +167,15 @@ class Smoke:
         check(line.startswith("ready "), f"the legacy server did not start: {line!r}, see {log}")
 
     def start_proxy(self) -> None:
-        """The image as built, with its ENTRYPOINT, CMD, USER and HEALTHCHECK: only the data directory is
-        writable (a tmpfs owned by the image's user), and one tool is made task-required from the environment."""
+        """The image as built, with its ENTRYPOINT, CMD, USER and HEALTHCHECK. The only writable path is a new
+        volume on the image's VOLUME, which podman fills from the image (so it belongs to whoever the image
+        made own that directory); one tool is made task-required from the environment."""
+        self.stack.callback(self.podman.run, "volume", "rm", "--force", self.volume, check_rc=False)
         self.stack.callback(self.podman.run, "rm", "--force", "--time", "0", self.proxy, check_rc=False)
+        self.podman.run("volume", "create", self.volume)
         self.podman.run(
             *("run", "--detach", "--name", self.proxy, "--network", f"container:{self.holder}"),
-            *("--read-only", "--read-only-tmpfs=false", "--tmpfs", f"{DATA_DIR}:rw,mode=0750,U"),
+            *("--read-only", "--read-only-tmpfs=false", "--volume", f"{self.volume}:{DATA_DIR}"),
             *("--cap-drop", "all", "--security-opt", "no-new-privileges"),
             *("--env", f"MCP_TASKS_PROXY_TASKS__TOOLS={{{REQUIRED_TOOL}: {{mode: required}}}}"),
             self.image,
@@ -234,12 +238,13 @@ class Smoke:
         self.figures["task to completion"] = f"{seconds:.2f} s"
 
     def stop(self) -> None:
-        """SIGTERM, as `podman stop` / the kubelet send it: the proxy exits by itself, with 0."""
-        start = time.monotonic()
+        """SIGTERM, as `podman stop` and the kubelet send it: the proxy exits by itself, with 0."""
+        sent = time.time()
         self.podman.run("kill", "--signal", "TERM", self.proxy)
         code = self.podman.run("wait", self.proxy, timeout=STOP_TIMEOUT_S).stdout.strip()
-        self.figures["SIGTERM to exit"] = f"{time.monotonic() - start:.2f} s"
         check(code == "0", f"exit code {code} after SIGTERM:\n{self.logs()}")
+        finished = int(self.podman.out("inspect", "--format", "{{.State.FinishedAt.UnixNano}}", self.proxy))
+        self.figures["SIGTERM to exit (idle)"] = f"{finished / 1e9 - sent:.2f} s"
 
 
 def stop_process(process: subprocess.Popen[bytes]) -> None:
