@@ -18,7 +18,8 @@ FROM ${BASE} AS build
 # build's network. A directory of the build context instead (e.g. WHEELS=wheels, filled on the build host
 # with `pip wheel . --wheel-dir wheels`) installs only from the wheels there, with no network at all: this
 # is how `make image-test` builds where the index is reached only through TLS the image does not trust.
-# The wheels must suit BASE's Python; they are mounted for the one RUN, never copied into an image.
+# The wheels must suit BASE's Python; they are mounted for the one RUN, never copied into an image
+# (RUN --mount: BuildKit, Docker's default builder since 23.0, or podman/buildah).
 ARG WHEELS=
 
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
