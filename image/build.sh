@@ -95,7 +95,7 @@ echo "wheels_seconds $(elapsed "$start" "$(now)")" >>"$WORK/build-times"
 log "podman build $IMAGE (BASE=$BASE_IMAGE, WHEELS=$WHEELS)"
 previous=$(podman image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 start=$(now)
-podman build --quiet --format docker --network none --build-arg "BASE=$BASE_IMAGE" --build-arg "WHEELS=$WHEELS" \
+podman build --quiet --layers=false --format docker --network none --build-arg "BASE=$BASE_IMAGE" --build-arg "WHEELS=$WHEELS" \
     --tag "$IMAGE" "$ROOT" >/dev/null
 echo "build_seconds $(elapsed "$start" "$(now)")" >>"$WORK/build-times"
 [[ -z $previous ]] || podman image rm "$previous" >/dev/null 2>&1 || true  # the last run's, now untagged

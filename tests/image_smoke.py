@@ -145,7 +145,7 @@ class Smoke:
     def start_holder(self) -> str:
         """A container that only holds a network namespace (what a pod's infra container does), publishing the
         proxy's port 8080 on an ephemeral loopback port of the host; returns the host's base URL."""
-        self.stack.callback(self.podman.run, "rm", "--force", "--time", "0", self.holder, check_rc=False)
+        self.stack.callback(self.podman.run, "rm", "--force", "--volumes", "--time", "0", self.holder, check_rc=False)
         self.podman.run(
             *("run", "--detach", "--name", self.holder, "--publish", "127.0.0.1::8080", "--read-only"),
             *("--cap-drop", "all", "--entrypoint", "/bin/sleep", self.image, "infinity"),
@@ -171,7 +171,7 @@ class Smoke:
         volume on the image's VOLUME, which podman fills from the image (so it belongs to whoever the image
         made own that directory); one tool is made task-required from the environment."""
         self.stack.callback(self.podman.run, "volume", "rm", "--force", self.volume, check_rc=False)
-        self.stack.callback(self.podman.run, "rm", "--force", "--time", "0", self.proxy, check_rc=False)
+        self.stack.callback(self.podman.run, "rm", "--force", "--volumes", "--time", "0", self.proxy, check_rc=False)
         self.podman.run("volume", "create", self.volume)
         self.podman.run(
             *("run", "--detach", "--name", self.proxy, "--network", f"container:{self.holder}"),
