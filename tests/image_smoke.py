@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ TASKS = "io.modelcontextprotocol/tasks"
 DATA_DIR = "/var/lib/mcp-tasks-proxy"  # the image's VOLUME: the only writable path
 UPSTREAM_PORT = 9000  # config/docker.yaml's upstream, inside the shared network namespace (not the host's)
 REQUIRED_TOOL = "slow_compute"  # tests/upstream's task fixture; given `mode: required` by the environment
+UPSTREAM_TIMEOUT_S = 60
 READY_TIMEOUT_S = 90
 TASK_TIMEOUT_S = 60
 STOP_TIMEOUT_S = 30
@@ -51,14 +53,17 @@ class Podman:
         self.env = {**os.environ, "CONTAINERS_CONF": str(conf)}
 
     def run(self, *args: str, check_rc: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(
-            ["podman", "--runtime", "runc", *args],
-            capture_output=True,
-            text=True,
-            env=self.env,
-            timeout=timeout,
-            check=False,
-        )
+        try:
+            done = subprocess.run(
+                ["podman", "--runtime", "runc", *args],
+                capture_output=True,
+                text=True,
+                env=self.env,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as error:
+            raise SmokeError(f"podman {' '.join(args)}: no answer within {timeout} s") from error
         if check_rc and done.returncode != 0:
             raise SmokeError(f"podman {' '.join(args)} exited {done.returncode}: {done.stderr.strip()}")
         return done
@@ -163,6 +168,8 @@ class Smoke:
         process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=sink)
         self.stack.callback(stop_process, process)
         assert process.stdout is not None
+        started, _, _ = select.select([process.stdout], [], [], UPSTREAM_TIMEOUT_S)
+        check(bool(started), f"the legacy server printed nothing within {UPSTREAM_TIMEOUT_S} s, see {log}")
         line = process.stdout.readline().decode()
         check(line.startswith("ready "), f"the legacy server did not start: {line!r}, see {log}")
 
