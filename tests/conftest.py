@@ -30,7 +30,7 @@ from tests import pg
 from tests.reference_server import EverythingServer, stdio_argv
 
 ROOT = Path(__file__).resolve().parent.parent
-SCHEMA_DIR = ROOT.parent / "shared" / "schema"
+SCHEMA_DIR = ROOT / "tests" / "schema"  # vendored: the repository needs nothing beside it
 MODERN = "2026-07-28"
 TASKS = "io.modelcontextprotocol/tasks"
 

@@ -1,6 +1,6 @@
 """End to end: a 2026-07-28 client → the proxy (real HTTP) → a real legacy upstream (mcp 1.x, own process).
 
-Every message the proxy sends is validated against shared/schema/mcp-2026-07-28.schema.json.
+Every message the proxy sends is validated against tests/schema/mcp-2026-07-28.schema.json.
 """
 
 from __future__ import annotations

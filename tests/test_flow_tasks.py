@@ -1,6 +1,6 @@
 """End to end: durable tasks (SEP-2663) for a 2026-07-28 client in front of a real legacy upstream.
 
-Every task message the proxy sends is validated against shared/schema/tasks-extension-2026-07-28.schema.json.
+Every task message the proxy sends is validated against tests/schema/tasks-extension-2026-07-28.schema.json.
 Waiting is by polling with a deadline, never by a fixed sleep.
 """
 
