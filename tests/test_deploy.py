@@ -34,7 +34,7 @@ import yaml
 from proxy.app import host_allowed
 from proxy.cli import main
 from proxy.config import Config, load_config
-from tests.conftest import ROOT, Upstream, free_port
+from tests.support.processes import ROOT, Upstream, free_port
 
 KUBERNETES_VERSION = "1.30"  # the oldest minor the example supports (its preStop `sleep` action is beta there)
 KUBE_DIR = ROOT / "config" / "kubernetes"

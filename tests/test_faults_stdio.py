@@ -17,9 +17,9 @@ import structlog.testing
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from tests.conftest import modern_body, modern_headers, read_messages
-from tests.test_flow_legacy_stdio import HEADERS, INITIALIZE, children, until
-from tests.test_flow_stdio import stdio_upstream
+from tests.support.processes import children, stdio_upstream
+from tests.support.waiting import until
+from tests.support.wire import HEADERS, INITIALIZE, modern_body, modern_headers, read_messages
 
 pytestmark = pytest.mark.faults
 

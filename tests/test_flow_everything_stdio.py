@@ -14,8 +14,10 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import DECLARING, ModernSchema, SchemaValidator, Tasks, policies, result_text
-from tests.test_flow_stdio import TASKING, stdio_upstream
+from tests.support.clients import Tasks
+from tests.support.processes import stdio_upstream
+from tests.support.schemas import ModernSchema, SchemaValidator
+from tests.support.wire import DECLARING, TASKING, policies, result_text
 
 SLOW_TOOL = "trigger-long-running-operation"
 ELICITING_TOOL = "trigger-elicitation-request"

@@ -16,17 +16,10 @@ import structlog.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.tasks.state import MAX_OUTSTANDING_INPUTS
-from tests.conftest import (
-    DECLARING,
-    ClientFactory,
-    ModernSchema,
-    SchemaValidator,
-    Tasks,
-    Upstream,
-    key_file,
-    policies,
-    result_text,
-)
+from tests.support.clients import ClientFactory, Tasks
+from tests.support.processes import Upstream, key_file
+from tests.support.schemas import ModernSchema, SchemaValidator
+from tests.support.wire import DECLARING, policies, result_text
 
 ELICIT: dict[str, Any] = {"elicitation": {}}
 EVERY_INPUT: dict[str, Any] = {"elicitation": {}, "sampling": {}, "roots": {}}

@@ -11,7 +11,8 @@ import asyncio
 from typing import Any
 
 from proxy.app import UPSTREAM
-from tests.conftest import ClientFactory, Tasks, modern_body, modern_headers, policies, upstream_calls_open
+from tests.support.clients import ClientFactory, Tasks, upstream_calls_open
+from tests.support.wire import modern_body, modern_headers, policies
 
 ELICIT: dict[str, Any] = {"elicitation": {}}
 

@@ -4,27 +4,18 @@ and standalone upstream requests on that stream answered instead of left hanging
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient
 
-from proxy.upstream.sse import SSEParser
-from tests.conftest import TASKS, ModernSchema, Upstream, modern_body, modern_headers, read_messages
+from tests.support.processes import Upstream
+from tests.support.schemas import ModernSchema
+from tests.support.wire import SUBSCRIPTION_ID, TASKS, modern_body, modern_headers, read_messages, sse_messages
 
 Client = TestClient[web.Request, web.Application]
-SUBSCRIPTION_ID = "io.modelcontextprotocol/subscriptionId"
 DEADLINE_SECONDS = 10.0
-
-
-async def sse_messages(response: ClientResponse) -> AsyncIterator[dict[str, Any]]:
-    parser = SSEParser()
-    async for chunk in response.content.iter_any():
-        for event in parser.feed(chunk):
-            if event.data.strip():
-                yield json.loads(event.data)
 
 
 async def next_message(stream: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:

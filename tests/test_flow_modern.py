@@ -15,14 +15,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app import UPSTREAM
-from tests.conftest import (
-    ModernSchema,
-    Upstream,
-    modern_body,
-    modern_headers,
-    post_and_leave,
-    read_messages,
-)
+from tests.support.processes import Upstream
+from tests.support.schemas import ModernSchema
+from tests.support.wire import modern_body, modern_headers, post_and_leave, read_messages
 
 Client = TestClient[web.Request, web.Application]
 

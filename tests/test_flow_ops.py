@@ -17,7 +17,8 @@ from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.cli import main
-from tests.conftest import TASKS, ProxyProcess, Upstream, free_port, modern_body, modern_headers, parse_sse
+from tests.support.processes import ProxyProcess, Upstream, free_port
+from tests.support.wire import TASKS, modern_body, modern_headers, parse_sse
 
 Client = TestClient[web.Request, web.Application]
 DECLARING: dict[str, Any] = {"extensions": {TASKS: {}}}

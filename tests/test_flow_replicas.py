@@ -22,18 +22,10 @@ import pytest
 
 from proxy.tasks.replicas import TAKEN_OVER, TAKEN_OVER_RERUN
 from tests import pg
-from tests.cluster import Cluster, Replica, RoundRobin, client
-from tests.conftest import (
-    DECLARING,
-    ModernSchema,
-    SchemaValidator,
-    Tasks,
-    modern_body,
-    modern_headers,
-    read_messages,
-    result_text,
-)
-from tests.test_flow_listen import sse_messages
+from tests.support.clients import Tasks
+from tests.support.cluster import Cluster, Replica, RoundRobin, client
+from tests.support.schemas import ModernSchema, SchemaValidator
+from tests.support.wire import DECLARING, modern_body, modern_headers, read_messages, result_text, sse_messages
 
 LEASE_SECONDS = 3.0
 ELICIT: dict[str, Any] = {"elicitation": {}}

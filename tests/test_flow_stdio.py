@@ -17,31 +17,12 @@ from typing import Any
 
 import pytest
 
-from proxy.app import UPSTREAM
-from proxy.upstream.stdio_session import StdioSession
-from tests.conftest import (
-    DECLARING,
-    ROOT,
-    ModernSchema,
-    SchemaValidator,
-    Tasks,
-    Upstream,
-    modern_body,
-    modern_headers,
-    parse_sse,
-    policies,
-    result_text,
-)
+from tests.support.clients import Tasks
+from tests.support.processes import Upstream, stdio_sessions, stdio_upstream
+from tests.support.schemas import ModernSchema, SchemaValidator
+from tests.support.wire import DECLARING, TASKING, modern_body, modern_headers, parse_sse, policies, result_text
 
-STDIO_FIXTURE = [sys.executable, "-m", "tests.upstream", "--stdio"]
 ELICIT: dict[str, Any] = {"elicitation": {}}
-TASKING: dict[str, Any] = {**DECLARING, "elicitation": {}}
-
-
-def stdio_upstream(command: list[str] | None = None, **fields: Any) -> dict[str, Any]:
-    """The `upstream` config section for a stdio server (the fixture by default), run from the repository root;
-    its start imports the mcp SDK, slow on a busy 2-core machine, hence the generous start timeout."""
-    return {"url": None, "command": command or STDIO_FIXTURE, "cwd": str(ROOT), "connect_timeout_seconds": 20, **fields}
 
 
 Start = Callable[..., Awaitable[Tasks]]
@@ -72,12 +53,6 @@ def start_proxy(
         return Tasks(client, modern_schema, tasks_schema)
 
     return start
-
-
-def stdio_sessions(client: Tasks) -> list[StdioSession]:
-    sessions = client.client.app[UPSTREAM].sessions()
-    assert all(isinstance(session, StdioSession) for session in sessions)
-    return [session for session in sessions if isinstance(session, StdioSession)]
 
 
 async def cancelled_ids(client: Tasks) -> list[int]:

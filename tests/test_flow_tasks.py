@@ -20,22 +20,18 @@ from proxy.policy import decide
 from proxy.tasks import waiting as waiting_module
 from proxy.tasks.store import SqliteTaskStore
 from proxy.wire.envelope import Caller, validate_modern
-from tests.conftest import (
+from tests.support.clients import ClientFactory, Tasks, upstream_calls_open
+from tests.support.processes import Upstream, key_file
+from tests.support.schemas import ModernSchema, SchemaValidator
+from tests.support.wire import (
     DECLARING,
     TASKS,
-    ClientFactory,
-    ModernSchema,
-    SchemaValidator,
-    Tasks,
-    Upstream,
-    key_file,
     modern_body,
     modern_headers,
     parse_sse,
     policies,
     post_and_leave,
     result_text,
-    upstream_calls_open,
 )
 
 # --- the decision: sync, task or -32021, from the policy and this request's declaration ---------------

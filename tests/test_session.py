@@ -13,7 +13,7 @@ from proxy.errors import UpstreamError
 from proxy.upstream.kinds import principal_key
 from proxy.upstream.pool import UpstreamClient
 from proxy.upstream.session import UpstreamLink
-from tests.conftest import Upstream
+from tests.support.processes import Upstream
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from proxy.tasks.store.pg_schema import MIGRATIONS
 from proxy.tasks.store.postgres import PostgresTaskStore
 from proxy.wire.jsonrpc import RawJSON
 from proxy.wire.tasks import TaskStatus
-from tests.test_store import make_record, next_change
+from tests.support.records import make_record, next_change
 
 DEADLINE_SECONDS = 10.0
 

@@ -20,7 +20,9 @@ import aiohttp
 import psycopg
 
 from tests import pg
-from tests.conftest import Client, ModernSchema, ProxyProcess, SchemaValidator, Tasks, Upstream
+from tests.support.clients import Client, Tasks
+from tests.support.processes import ProxyProcess, Upstream
+from tests.support.schemas import ModernSchema, SchemaValidator
 
 START_SECONDS = 30.0
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
