@@ -15,9 +15,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app import UPSTREAM
+from tests.support.clients import post_and_leave
 from tests.support.processes import Upstream
 from tests.support.schemas import ModernSchema
-from tests.support.wire import modern_body, modern_headers, post_and_leave, read_messages
+from tests.support.wire import modern_body, modern_headers, read_messages
 
 Client = TestClient[web.Request, web.Application]
 
@@ -226,12 +227,15 @@ async def cancelled_upstream_ids(proxy: Client, schema: ModernSchema) -> list[An
     return ids
 
 
-async def test_client_disconnect_cancels_the_upstream_call(proxy: Client, modern_schema: ModernSchema) -> None:
+async def test_client_disconnect_cancels_the_upstream_call(
+    proxy: Client, upstream: Upstream, modern_schema: ModernSchema
+) -> None:
     before = await cancelled_upstream_ids(proxy, modern_schema)
     await post_and_leave(
         proxy,
         modern_body("tools/call", {"name": "sleep", "arguments": {"seconds": 30}}),
         modern_headers("tools/call", "sleep"),
+        upstream.url,
     )
     await wait_for_new_cancellation(proxy, modern_schema, before)
 

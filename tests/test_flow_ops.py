@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.cli import main
 from tests.support.processes import ProxyProcess, Upstream, free_port
+from tests.support.sdk import calls_started, until_started_upstream
 from tests.support.wire import TASKS, modern_body, modern_headers, parse_sse
 
 Client = TestClient[web.Request, web.Application]
@@ -175,8 +176,9 @@ async def test_sigterm_lets_a_sync_call_finish_and_keeps_tasks_for_the_next_star
         headers={"Authorization": "Bearer ops-secret-token"},
     )
     task_id = created["result"]["taskId"]
+    before = await calls_started(own_upstream.url, "sleep")
     sync_call = asyncio.get_running_loop().create_task(call(http, first.url, "sleep", {"seconds": 1.5}))
-    await asyncio.sleep(0.5)  # the sync call is running upstream
+    await until_started_upstream(own_upstream.url, "sleep", before)  # the sync call is running upstream
     exit_code = await first.terminate()
     finished = await sync_call
     assert finished["result"]["content"][0]["text"] == "slept 1.5"  # completed within the grace period
@@ -219,8 +221,9 @@ async def test_sigterm_cancels_a_sync_call_that_outlives_the_grace(
     proxy = ProxyProcess(tmp_path, own_upstream.url, listen={"shutdown_grace_seconds": 0.5})
     processes.append(proxy)
     await proxy.start()
+    before = await calls_started(own_upstream.url, "sleep")
     sync_call = asyncio.get_running_loop().create_task(call(http, proxy.url, "sleep", {"seconds": 30}))
-    await asyncio.sleep(0.5)
+    await until_started_upstream(own_upstream.url, "sleep", before)
     started = asyncio.get_running_loop().time()
     assert await proxy.terminate() == 0
     assert asyncio.get_running_loop().time() - started < 15  # not the 30 s of the call

@@ -20,7 +20,7 @@ from proxy.policy import decide
 from proxy.tasks import waiting as waiting_module
 from proxy.tasks.store import SqliteTaskStore
 from proxy.wire.envelope import Caller, validate_modern
-from tests.support.clients import ClientFactory, Tasks, upstream_calls_open
+from tests.support.clients import ClientFactory, Tasks, post_and_leave, upstream_calls_open
 from tests.support.processes import Upstream, key_file
 from tests.support.schemas import ModernSchema, SchemaValidator
 from tests.support.wire import (
@@ -30,7 +30,6 @@ from tests.support.wire import (
     modern_headers,
     parse_sse,
     policies,
-    post_and_leave,
     result_text,
 )
 
@@ -125,6 +124,7 @@ async def test_wait_client_disconnect_cancels_the_upstream_call(
         client.client,
         modern_body("tools/call", {"name": "sleep", "arguments": {"seconds": 30}}),
         modern_headers("tools/call", "sleep"),
+        own_upstream.url,
     )
     await wait_for_upstream_cancellation(client)
     stats = await client.client.app[STORE].stats()
@@ -140,6 +140,7 @@ async def test_leaving_during_the_window_cancels_the_call_and_stores_nothing(
         client.client,
         modern_body("tools/call", {"name": "sleep", "arguments": {"seconds": 30}}, capabilities=DECLARING),
         modern_headers("tools/call", "sleep"),
+        own_upstream.url,
     )
     await wait_for_upstream_cancellation(client)
     assert (await client.client.app[STORE].stats())["records"] == 0

@@ -4,16 +4,19 @@ calls open upstream. Imports the proxy's app keys only."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app import UPSTREAM
 from tests.support.schemas import ModernSchema, SchemaValidator
+from tests.support.sdk import calls_started, until_started_upstream
 from tests.support.waiting import until
 from tests.support.wire import DECLARING, modern_body, modern_headers, read_messages
 
@@ -141,6 +144,19 @@ async def upstream_calls_open(client: Client, count: int, timeout_seconds: float
         lambda: f"{pool.calls_in_flight} upstream calls open, not {count}",
         timeout_seconds,
     )
+
+
+async def post_and_leave(client: Any, body: dict[str, Any], headers: dict[str, str], upstream_url: str) -> None:
+    """POST a tools/call, wait until the upstream at `upstream_url` runs it, then close the connection without
+    reading the answer (which cancels it)."""
+    tool = body["params"]["name"]
+    before = await calls_started(upstream_url, tool)
+    request = client.post("/mcp", json=body, headers=headers)
+    pending = asyncio.get_running_loop().create_task(request.__aenter__())
+    await until_started_upstream(upstream_url, tool, before)
+    pending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pending
 
 
 # --- a raw client of a proxy in a child process -----------------------------------------------------------------

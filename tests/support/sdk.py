@@ -1,8 +1,10 @@
 """The mcp 1.x SDK's own client, as a legacy (2025-11-25) client of an upstream or of the proxy: a connection
-that keeps every notification, and one session's observable behaviour to compare direct and proxied runs."""
+that keeps every notification, one session's observable behaviour to compare direct and proxied runs, and
+the fixture upstream's own count of the calls it has started."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +21,8 @@ from mcp.shared.context import RequestContext
 from mcp.shared.exceptions import McpError
 from mcp.shared.session import RequestResponder
 from pydantic import AnyUrl
+
+from tests.support.waiting import until
 
 READ_TIMEOUT = timedelta(seconds=20)  # a lost answer fails the test instead of hanging it
 
@@ -107,3 +111,22 @@ async def run_session(url: str) -> dict[str, Any]:
         "error": error.model_dump(mode="json"),
         "resource": resource.model_dump(mode="json"),
     }
+
+
+async def calls_started(url: str, tool: str) -> int:
+    """How many calls of `tool` (`sleep` or `counted`) the fixture upstream at `url` has started, asked directly."""
+    async with connect(url) as conn:
+        started: dict[str, int] = json.loads(text(await conn.session.call_tool("calls_started", {})))
+    return started.get(tool, 0)
+
+
+async def until_started_upstream(url: str, tool: str, more_than: int, timeout_seconds: float = 10) -> None:
+    """Wait until the fixture upstream at `url` has started more than `more_than` calls of `tool`: the call a test
+    sent is running upstream, not merely sent."""
+    async with connect(url) as conn:
+
+        async def started() -> bool:
+            counts: dict[str, int] = json.loads(text(await conn.session.call_tool("calls_started", {})))
+            return counts.get(tool, 0) > more_than
+
+        await until(started, f"the upstream never started another {tool} call", timeout_seconds)

@@ -3,12 +3,10 @@ legacy (2025-11-25) handshake, and the capability sets the tests declare. Import
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
 from aiohttp import ClientResponse
 
 from proxy.upstream.sse import SSEParser
@@ -86,18 +84,6 @@ async def sse_messages(response: ClientResponse) -> AsyncIterator[dict[str, Any]
         for event in parser.feed(chunk):
             if event.data.strip():
                 yield json.loads(event.data)
-
-
-async def post_and_leave(
-    client: Any, body: dict[str, Any], headers: dict[str, str], after_seconds: float = 0.5
-) -> None:
-    """POST a request, then close the connection after `after_seconds` without reading the answer (which cancels it)."""
-    request = client.post("/mcp", json=body, headers=headers)
-    pending = asyncio.get_running_loop().create_task(request.__aenter__())
-    await asyncio.sleep(after_seconds)
-    pending.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await pending
 
 
 def policies(**tools: dict[str, Any]) -> dict[str, Any]:
