@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from proxy.app import UPSTREAM
 from tests.support.clients import ClientFactory, Tasks, meta, rpc, task_state, task_until
 from tests.support.processes import ProxyProcess, Upstream, key_file
+from tests.support.waiting import until
 from tests.support.wire import DECLARING, TASKS, policies, result_text
 
 pytestmark = pytest.mark.faults
@@ -101,10 +102,7 @@ async def test_an_upstream_killed_mid_call_fails_clearly_and_the_proxy_recovers(
         sync_client.call("slow_compute", {"seconds": 30, "label": "cut"}, capabilities={})
     )
     pool = client.client.app[UPSTREAM]
-    deadline = asyncio.get_running_loop().time() + 10
-    while pool.calls_in_flight < 2:  # both calls are open upstream
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.02)
+    await until(lambda: pool.calls_in_flight >= 2, "both calls are open upstream")
     assert own_upstream.process is not None
     port = own_upstream.port
     own_upstream.process.kill()

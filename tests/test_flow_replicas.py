@@ -25,6 +25,7 @@ from tests import pg
 from tests.support.clients import Tasks
 from tests.support.cluster import Cluster, Replica, RoundRobin, client
 from tests.support.schemas import ModernSchema, SchemaValidator
+from tests.support.waiting import until
 from tests.support.wire import DECLARING, modern_body, modern_headers, read_messages, result_text, sse_messages
 
 LEASE_SECONDS = 3.0
@@ -72,17 +73,6 @@ def clients(
         return client(session, replicas, modern_schema, tasks_schema)
 
     return make
-
-
-async def until(check: Callable[[], Any], what: str, timeout_seconds: float = 15) -> Any:
-    """Poll the coroutine function `check` until it returns something truthy, within the deadline."""
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        value = await check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"not within {timeout_seconds} s: {what}"
-        await asyncio.sleep(0.05)
 
 
 async def cancelled_upstream_calls(pinned: Tasks) -> int:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-DEFAULT_SECONDS = 10.0
+DEFAULT_SECONDS = 15.0
 
 
 async def until(
