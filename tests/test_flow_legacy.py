@@ -7,13 +7,16 @@ requests answered by POST, and DELETE all really cross the proxy.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from tests.support.processes import Upstream
+from tests.support.schemas import LEGACY_SCHEMA, SchemaValidator
 from tests.support.sdk import run_session
+from tests.support.wire import parse_sse
 
 Client = TestClient[web.Request, web.Application]
 
@@ -85,3 +88,23 @@ async def test_legacy_get_without_session_is_relayed(proxy: Client, upstream: Up
             proxied_seen = (proxied.status, await proxied.text())
     assert proxied_seen == direct_seen
     assert direct_seen[0] >= 400
+
+
+async def test_what_a_legacy_client_gets_through_the_proxy_is_valid_2025_11_25(proxy: Client) -> None:
+    """The initialize result, a tool's result and the error for a body that is not JSON, checked against the
+    published 2025-11-25 schema (vendored in tests/schema/)."""
+    schema = SchemaValidator(LEGACY_SCHEMA)
+    async with aiohttp.ClientSession() as http:
+        proxied = await _raw_exchange(http, str(proxy.make_url("/mcp")))
+
+    def message(body: str) -> Any:
+        [only] = parse_sse(body) if body.lstrip().startswith(("event:", "data:")) else [json.loads(body)]
+        return only
+
+    initialized, called, refused = message(proxied[0][2]), message(proxied[3][2]), message(proxied[4][2])
+    schema.validate(initialized, "JSONRPCResultResponse")
+    schema.validate(initialized["result"], "InitializeResult")
+    schema.validate(called, "JSONRPCResultResponse")
+    schema.validate(called["result"], "CallToolResult")
+    schema.validate(refused, "JSONRPCErrorResponse")
+    assert refused["error"]["code"] == -32700  # parse error
