@@ -30,9 +30,10 @@ def imported_test_modules(path: Path) -> list[str]:
     return found
 
 
-def test_no_test_module_imports_another_test_module_or_conftest() -> None:
-    modules = sorted(TESTS.glob("test_*.py")) + sorted((TESTS / "support").glob("*.py")) + [TESTS / "conftest.py"]
-    assert len(modules) > 40  # the glob found the suite
+def test_no_module_of_the_tests_imports_a_test_module_or_conftest() -> None:
+    """Test modules, conftest, tests/support/ and the fixture servers alike."""
+    modules = sorted(TESTS.rglob("*.py"))
+    assert len([path for path in modules if path.name.startswith("test_")]) > 40  # the glob found the suite
     offenders = {path.name: imported for path in modules if (imported := imported_test_modules(path))}
     assert offenders == {}
 
