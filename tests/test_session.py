@@ -13,7 +13,8 @@ from proxy.errors import UpstreamError
 from proxy.upstream.kinds import principal_key
 from proxy.upstream.pool import UpstreamClient
 from proxy.upstream.session import UpstreamLink
-from tests.conftest import Upstream
+from tests.support.processes import Upstream
+from tests.support.waiting import until
 
 
 @pytest.fixture
@@ -54,10 +55,7 @@ async def test_idle_sessions_are_evicted_busy_ones_kept(upstream: Upstream, http
         assert client.idle_sessions == 1
         async for _ in running.events():
             pass
-    deadline = asyncio.get_running_loop().time() + 5
-    while second.session_id is not None:  # ended with DELETE
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.02)
+    await until(lambda: second.session_id is None, "the evicted session was not ended with DELETE", 5)
     await client.close()
 
 

@@ -15,10 +15,11 @@ from proxy.app import UPSTREAM
 from proxy.cli import main
 from proxy.config import load_config
 from proxy.upstream.stdio_session import StdioSession
-from tests.conftest import DECLARING, ROOT, ModernSchema, ProxyProcess, SchemaValidator, Tasks, policies, result_text
-from tests.test_faults import rpc
-from tests.test_flow_legacy_stdio import children, until
-from tests.test_flow_stdio import STDIO_FIXTURE, stdio_sessions, stdio_upstream
+from tests.support.clients import Tasks, rpc
+from tests.support.processes import ROOT, STDIO_FIXTURE, ProxyProcess, children, stdio_sessions, stdio_upstream
+from tests.support.schemas import ModernSchema, SchemaValidator
+from tests.support.waiting import until
+from tests.support.wire import DECLARING, policies, result_text
 
 ELICIT: dict[str, Any] = {"elicitation": {}}
 
