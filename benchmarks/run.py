@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 
 from benchmarks.loadgen import HttpClient
-from proxy.upstream.sse import SSEParser
+from proxy.wire.sse import SSEParser
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "latest.json"

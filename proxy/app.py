@@ -45,18 +45,18 @@ from proxy.errors import (
     UpstreamError,
 )
 from proxy.front import Front
+from proxy.legacy.passthrough import LegacyRelay, PassThrough
+from proxy.legacy.stdio_server import StdioLegacyServer
 from proxy.observability import Metrics
 from proxy.policy import named_tools
 from proxy.principals import Principals, deployment_key
 from proxy.tasks.push import TaskWatchers
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import StoreError, TaskStore, open_store
-from proxy.upstream.kinds import SessionKind
-from proxy.upstream.passthrough import LegacyRelay, PassThrough
+from proxy.upstream.http.session import UpstreamLink
 from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.session import UpstreamLink
-from proxy.upstream.stdio_legacy import StdioLegacyServer
-from proxy.upstream.stdio_link import StdioLink
+from proxy.upstream.session import SessionKind
+from proxy.upstream.stdio.link import StdioLink
 from proxy.wire import jsonrpc
 from proxy.wire.envelope import Caller, is_modern, validate_modern
 from proxy.wire.jsonrpc import Notification, Response

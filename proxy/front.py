@@ -33,8 +33,8 @@ from proxy.upstream.events import (
     UpstreamServerRequest,
     refusal,
 )
-from proxy.upstream.kinds import Session, SessionCall
 from proxy.upstream.pool import UpstreamClient
+from proxy.upstream.session import Session, SessionCall
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
 from proxy.wire.envelope import (

@@ -24,8 +24,8 @@ from proxy.config import Config
 from proxy.errors import CallerLimitError, InvalidParamsError, MissingCapabilityError, TaskLimitError, UpstreamError
 from proxy.tasks.push import ListenInbox, TaskWatchers
 from proxy.tasks.runner import TaskRunner
-from proxy.upstream.kinds import Session, principal_key
 from proxy.upstream.pool import UpstreamClient
+from proxy.upstream.session import Session, principal_key
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
 from proxy.wire.envelope import Caller, Channel, ModernRequest

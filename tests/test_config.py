@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from proxy.cli import main
 from proxy.config import Config, ConfigError, UpstreamConfig, load_config, read_password
-from proxy.upstream.stdio import INHERITED_ENV_VARS
+from proxy.upstream.stdio.process import INHERITED_ENV_VARS
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "config" / "proxy.example.yaml"

@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app import PASSTHROUGH
-from proxy.upstream.stdio_legacy import StdioLegacyServer
+from proxy.legacy.stdio_server import StdioLegacyServer
 from tests.conftest import Upstream
 from tests.test_flow_legacy import _run_session
 from tests.test_flow_stdio import stdio_upstream

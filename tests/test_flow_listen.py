@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient
 
-from proxy.upstream.sse import SSEParser
+from proxy.wire.sse import SSEParser
 from tests.conftest import TASKS, ModernSchema, Upstream, modern_body, modern_headers, read_messages
 
 Client = TestClient[web.Request, web.Application]

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from proxy.app import UPSTREAM
-from proxy.upstream.stdio_session import StdioSession
+from proxy.upstream.stdio.session import StdioSession
 from tests.conftest import (
     DECLARING,
     ROOT,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.upstream.rates import Backoff, LineSampler, TokenBucket
+from proxy.upstream.stdio.rates import Backoff, LineSampler, TokenBucket
 
 
 def test_the_bucket_allows_a_burst_then_refills_at_its_rate() -> None:

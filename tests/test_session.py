@@ -10,9 +10,9 @@ import pytest
 
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamError
-from proxy.upstream.kinds import principal_key
+from proxy.upstream.http.session import UpstreamLink
 from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.session import UpstreamLink
+from proxy.upstream.session import principal_key
 from tests.conftest import Upstream
 
 

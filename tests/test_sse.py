@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.upstream.sse import EventTooLargeError, SSEEvent, SSEParser, frame
+from proxy.wire.sse import EventTooLargeError, SSEEvent, SSEParser, frame
 
 STREAM = (
     b": comment\n"

@@ -17,7 +17,7 @@ import pytest
 import structlog
 
 from proxy.errors import UpstreamError
-from proxy.upstream.stdio import (
+from proxy.upstream.stdio.process import (
     INHERITED_ENV_VARS,
     STDERR_LINE_CHARS,
     ProcessExit,

@@ -14,7 +14,7 @@ import pytest
 from proxy.app import UPSTREAM
 from proxy.cli import main
 from proxy.config import load_config
-from proxy.upstream.stdio_session import StdioSession
+from proxy.upstream.stdio.session import StdioSession
 from tests.conftest import DECLARING, ROOT, ModernSchema, ProxyProcess, SchemaValidator, Tasks, policies, result_text
 from tests.test_faults import rpc
 from tests.test_flow_legacy_stdio import children, until

@@ -19,7 +19,7 @@ from proxy.tasks.commands import Event, ReplyKind, Timer
 from proxy.tasks.replicas import Ask, ReplicaLink
 from proxy.tasks.state import CallState
 from proxy.tasks.store import Fence, TaskStore
-from proxy.upstream.kinds import Session, SessionCall
+from proxy.upstream.session import Session, SessionCall
 from proxy.wire.envelope import Channel
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord

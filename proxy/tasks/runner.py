@@ -78,8 +78,8 @@ from proxy.upstream.events import (
     UpstreamServerRequest,
     refusal,
 )
-from proxy.upstream.kinds import Session
 from proxy.upstream.pool import UpstreamClient
+from proxy.upstream.session import Session
 from proxy.wire import translate
 from proxy.wire.envelope import Caller, Channel, ModernRequest
 from proxy.wire.jsonrpc import JSON

@@ -44,8 +44,8 @@ from proxy.upstream.events import (
     UpstreamResult,
     UpstreamServerRequest,
 )
-from proxy.upstream.kinds import Session
 from proxy.upstream.pool import UpstreamClient
+from proxy.upstream.session import Session
 from proxy.wire import legacy_tasks
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ import structlog
 
 from proxy.errors import ProxyError, UpstreamLimitError
 from proxy.upstream.events import UpstreamNotification
-from proxy.upstream.kinds import Session, SessionKind, Sink, principal_key
+from proxy.upstream.session import Session, SessionKind, Sink, principal_key
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader
 from proxy.wire.jsonrpc import JSON

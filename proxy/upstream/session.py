@@ -1,382 +1,399 @@
-"""The proxy as a legacy MCP client: upstream sessions, one POST per request, re-initialize on 404.
+"""What every kind of upstream session is, and what the kinds share.
 
-A session owns `initialize` + `notifications/initialized`, the `Mcp-Session-Id` and negotiated
-`MCP-Protocol-Version` headers, its GET stream (`listener.py`) and where what arrives there goes: to the call
-that leased the session, to `subscriptions/listen` inboxes, or refused. What every session shares (the HTTP
-client, the URL, timeouts, request ids, the upstream's latest serverInfo) is the `UpstreamLink`, which is also
-this kind's `SessionKind` for the pool (`pool.py`, `kinds.py`). aiohttp failures become UpstreamError. Imports
-aiohttp; never the store or the front.
+An upstream session is the proxy's own legacy client connection to the server: a Streamable HTTP session
+(`session.py`) or one stdio server process (`stdio_session.py`). The runner, the front and the pool see only
+the `Session` protocol below, and the calls it opens as `SessionCall`s. A `SessionKind` makes sessions of one
+kind and says how the pool must bound them (`PoolLimits`); `LinkBase` is what every kind's link shares.
+`SessionFeatures` is what both kinds do alike on top of their own `call()`: listen-stream inboxes, the
+`x-mcp-header` catalog from `tools/list`, and reference-counted resource subscriptions. Imports the event
+types and the wire; no aiohttp, no session kind.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
-import itertools
-import json
+import hashlib
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
-from typing import Final
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Final, Protocol
 
-import aiohttp
 import structlog
-from yarl import URL
 
-from proxy.config import UpstreamConfig
-from proxy.errors import RequestId, ResultTooLargeError, UpstreamError, UpstreamRefusedError, UpstreamTimeoutError
-from proxy.observability import Metrics
-from proxy.upstream.call import UpstreamCall, read_body
+from proxy.errors import RequestId, UpstreamError, UpstreamTimeoutError
+from proxy.observability import Metrics, method_label
 from proxy.upstream.events import (
     UpstreamErrorResponse,
+    UpstreamEvent,
     UpstreamNotification,
     UpstreamResult,
+    UpstreamServerRequest,
+    refusal,
 )
-from proxy.upstream.kinds import CLIENT_CAPABILITIES, CLIENT_INFO, LinkBase, PoolLimits, Session, SessionFeatures, Sink
-from proxy.upstream.listener import SessionGone, StreamEvent, UpstreamListener
-from proxy.upstream.sse import EventTooLargeError
-from proxy.wire.jsonrpc import JSON, dumps, error_message, notification_message, request_message, result_message
+from proxy.wire import legacy_tasks
+from proxy.wire.envelope import ParamHeader, param_headers
+from proxy.wire.jsonrpc import JSON
+from proxy.wire.translate import implementation
 
 log = structlog.get_logger(__name__)
 
-STANDALONE_REFUSED: Final = "cannot be relayed to 2026-07-28 clients: no call of theirs holds this upstream session"
+# One upstream session may serve clients with different capabilities, so it declares the superset and the
+# proxy refuses, per request, what the current client cannot take.
+CLIENT_CAPABILITIES: Final[JSON] = {"elicitation": {"form": {}, "url": {}}, "sampling": {}, "roots": {}}
 
-PROBE_TIMEOUT_SECONDS: Final = 2.0  # a readiness probe's initialize; kubelet's own timeout is short too
+try:
+    PROXY_VERSION = version("mcp-tasks-proxy")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
+    PROXY_VERSION = "0.0.0"
 
+CLIENT_INFO: Final[JSON] = {"name": "mcp-tasks-proxy", "version": PROXY_VERSION}
+PARAM_HEADERS_REFRESH_SECONDS: Final = 5.0  # an unknown tool re-reads tools/list at most this often
+MAX_TOOL_PAGES: Final = 100  # bounds the pagination of tools/list when reading x-mcp-header annotations
 
-class UpstreamLink(LinkBase):
-    """What every session of one upstream shares: the HTTP client and URL, timeouts, request ids, background
-    work, and what the upstream said most recently (serverInfo; when it last answered, for readiness)."""
-
-    def __init__(
-        self,
-        config: UpstreamConfig,
-        http: aiohttp.ClientSession,
-        principal_header: str,
-        metrics: Metrics | None,
-        max_result_bytes: int | None = None,
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.max_result_bytes = max_result_bytes  # the largest upstream answer or stream message read
-        self.http = http
-        self.principal_header = principal_header
-        self.metrics = metrics
-        self.url = URL(config.url)  # parsed once, not per request
-        self.timeout = aiohttp.ClientTimeout(
-            total=config.call_timeout_seconds,
-            connect=config.connect_timeout_seconds,
-            sock_connect=config.connect_timeout_seconds,
-        )
-        # A call whose client could answer a question gets a session of its own (its GET stream is the call's);
-        # the others share the principal's session, so a thousand quiet tasks are not a thousand sessions.
-        self.limits = PoolLimits(max_idle=config.max_sessions, share_quiet_calls=True)
-        self._probe_lock = asyncio.Lock()
-        self._ids = itertools.count(1)
-
-    def next_id(self) -> int:
-        return next(self._ids)
-
-    def new(self, principal: str | None) -> Session:
-        return UpstreamSession(self, principal)
-
-    async def probe(self, max_age_seconds: float, shared: Callable[[], AbstractAsyncContextManager[Session]]) -> None:
-        """Readiness: fine when the upstream answered within `max_age_seconds`; otherwise a fresh `initialize`
-        on a throwaway session (ended with DELETE) must succeed within PROBE_TIMEOUT_SECONDS. Raises
-        UpstreamError saying what failed. Concurrent probes share one attempt."""
-        async with self._probe_lock:
-            last = self.last_answer_at
-            if last is not None and time.monotonic() - last <= max_age_seconds:
-                return
-            session = UpstreamSession(self, None)
-            try:
-                await asyncio.wait_for(session.initialize(listen=False), PROBE_TIMEOUT_SECONDS)
-            except TimeoutError:
-                raise UpstreamTimeoutError(
-                    f"Upstream did not answer initialize within {PROBE_TIMEOUT_SECONDS:g} s"
-                ) from None
-            finally:
-                await session.close()
+Sink = Callable[[UpstreamEvent], Awaitable[None]]  # where a leased session's unsolicited traffic goes
 
 
-class UpstreamSession(SessionFeatures):
-    def __init__(self, link: UpstreamLink, principal: str | None) -> None:
-        super().__init__(link)
-        self.link: UpstreamLink = link
-        self.principal = principal
-        self.session_id: str | None = None
-        self.protocol_version: str = link.config.protocol_version
-        self.initialize_result: JSON | None = None
-        self.in_flight = 0  # calls open on this session right now
-        self.lessee: Sink | None = None  # the call that leased the session: its GET-stream traffic goes there
-        # Where notifications from the GET stream go besides the lessee: this session's own listen subscribers,
-        # unless the pool sends them to the principal's shared session (which the listen streams read).
-        self.on_notification: Callable[[UpstreamNotification], None] = self.deliver
-        self._listener: UpstreamListener | None = None
-        self._lock = asyncio.Lock()
-        self.kept = False  # holds upstream work a later proxy process resumes: never ended with DELETE
+def principal_key(principal: str | None) -> str:
+    """Sessions are keyed by a hash of the principal header so tokens are not kept as dict keys in clear."""
+    if not principal:
+        return ""
+    return hashlib.sha256(principal.encode()).hexdigest()
 
-    # --- headers and plumbing -------------------------------------------------------------------------
 
-    def headers(self, extra: Mapping[str, str] | None = None, *, initialized: bool = True) -> dict[str, str]:
-        """Headers of a request on this session. The operator's `upstream.headers` come after the caller's
-        principal header, so a configured credential wins (as it does on the pass-through)."""
-        headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
-        if self.principal:
-            headers[self.link.principal_header] = self.principal
-        headers.update(self.link.config.headers)
-        if initialized:
-            headers["MCP-Protocol-Version"] = self.protocol_version
-            if self.session_id is not None:
-                headers["Mcp-Session-Id"] = self.session_id
-        if extra:
-            headers.update(extra)
-        return headers
+class Subscription(Protocol):
+    """A listen stream's inbox for a session's notifications. `None` means: the proxy is shutting down, end
+    the stream gracefully. `offer` must not block."""
 
-    def stream_headers(self, last_event_id: str | None) -> dict[str, str]:
-        """Headers of a GET that opens (or resumes) an SSE stream of this session."""
-        headers = self.headers({"Accept": "text/event-stream"})
-        headers.pop("Content-Type", None)
-        if last_event_id is not None:
-            headers["Last-Event-ID"] = last_event_id
-        return headers
+    def offer(self, message: JSON | None) -> None: ...
 
-    async def _post(self, message: JSON, headers: Mapping[str, str]) -> aiohttp.ClientResponse:
-        link = self.link
-        try:
-            response = await link.http.post(link.url, data=dumps(message), headers=headers, timeout=link.timeout)
-        except TimeoutError:
-            raise UpstreamTimeoutError("Upstream MCP server did not answer in time") from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamError("Upstream MCP server unavailable", detail=str(exc)) from None
-        if response.status < 500:
-            link.last_answer_at = time.monotonic()  # the upstream is there and speaks HTTP (readiness)
-        return response
 
-    # --- lifecycle --------------------------------------------------------------------------------------
+class SessionCall(Protocol):
+    """One request open on a session: what the upstream says about it, the final result or error last."""
 
-    async def ensure_initialized(self) -> JSON:
-        if self.initialize_result is not None:
-            return self.initialize_result
-        async with self._lock:
-            if self.initialize_result is None:
-                await self.initialize()
-            assert self.initialize_result is not None
-            return self.initialize_result
+    request_id: int
+    method: str
+    finished: bool
 
-    async def initialize(self, *, listen: bool = True) -> None:
-        self.session_id = None
-        request_id = self.link.next_id()
-        params = {
-            "protocolVersion": self.link.config.protocol_version,
-            "capabilities": CLIENT_CAPABILITIES,
-            "clientInfo": CLIENT_INFO,
-        }
-        response = await self._post(request_message(request_id, "initialize", params), self.headers(initialized=False))
-        session_id = response.headers.get("Mcp-Session-Id")
-        if response.status >= 400:
-            body = await response.text()
-            response.release()
-            raise UpstreamError(f"Upstream refused initialize: HTTP {response.status}", detail=body[:200])
-        call = UpstreamCall(self, request_id, "initialize", response, self.link.max_result_bytes)
-        result: JSON | None = None
-        async for event in call.events():
-            if isinstance(event, UpstreamResult):
-                result = event.result
-            elif isinstance(event, UpstreamErrorResponse):
-                raise UpstreamError(f"Upstream refused initialize: {event.error.get('message')}")
-        if result is None or not isinstance(result.get("protocolVersion"), str):
-            raise UpstreamError("Upstream sent an invalid InitializeResult")
-        self.session_id = session_id
-        self.protocol_version = result["protocolVersion"]
-        await self.notify("notifications/initialized", None)
-        self.initialize_result = result
-        self.link.initialized(result)
-        if listen and session_id is not None:  # a stateless upstream has no standalone stream
-            self._stop_listening()
-            self._listener = UpstreamListener(
-                session_id, self._open_stream, self._on_stream, self.link.max_result_bytes
-            )
-            await self._listener.start(self.link.spawn, self.link.config.connect_timeout_seconds)
-        log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
-        if self.resource_subscriptions:
-            # Not awaited here: initialize runs under the session lock, and these requests may need it.
-            self.link.spawn(self.resubscribe(), "upstream-resubscribe")
+    def events(self) -> AsyncIterator[UpstreamEvent]: ...
 
-    async def _open_stream(self, last_event_id: str | None) -> aiohttp.ClientResponse:
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.link.config.connect_timeout_seconds)
-        return await self.link.http.get(self.link.url, headers=self.stream_headers(last_event_id), timeout=timeout)
+    async def cancel(self, reason: str) -> None:
+        """Tell the upstream (`notifications/cancelled`) and stop reading."""
 
-    def _stop_listening(self) -> None:
-        if self._listener is not None:
-            self._listener.stop()
-            self._listener = None
 
-    async def _reinitialize(self, stale_session_id: str | None) -> None:
-        """A 404 for a request that carried the session id means the upstream forgot the session."""
-        async with self._lock:
-            # Someone else may have re-initialized already (keep theirs), or forgotten the session (start one).
-            if self.session_id == stale_session_id or self.initialize_result is None:
-                log.info("upstream_session_expired")
-                self.initialize_result = None
-                await self.initialize()
+class Session(Protocol):
+    """One upstream session, of whichever kind. What arrives unsolicited (a question naming no request, a
+    notification) goes to `lessee` while a call holds the session, else is refused (questions); notifications
+    also go to `on_notification`."""
+
+    principal: str | None
+    session_id: str | None
+    protocol_version: str
+    initialize_result: JSON | None
+    in_flight: int  # calls open on this session right now
+    lessee: Sink | None
+    subscriptions: set[Subscription]
+    on_notification: Callable[[UpstreamNotification], None]
+    kept: bool  # holds upstream work a later proxy process resumes: let go without ending it
+
+    async def ensure_initialized(self) -> JSON: ...
+
+    def call(
+        self, method: str, params: JSON | None, extra_headers: Mapping[str, str] | None = None
+    ) -> AbstractAsyncContextManager[SessionCall]: ...
+
+    async def request(self, method: str, params: JSON | None) -> JSON: ...
+
+    async def notify(self, method: str, params: JSON | None) -> None: ...
+
+    async def respond(
+        self, request_id: RequestId, *, result: JSON | None = None, error: JSON | None = None
+    ) -> None: ...
+
+    async def param_headers(self, tool: str) -> tuple[ParamHeader, ...]: ...
+
+    async def task_support(self, tool: str) -> legacy_tasks.TaskSupport | None: ...
+
+    def deliver(self, notification: UpstreamNotification) -> None: ...
+
+    def subscribe(self, subscription: Subscription) -> None: ...
+
+    def unsubscribe(self, subscription: Subscription) -> None: ...
+
+    def end_subscriptions(self) -> None: ...
+
+    async def subscribe_resource(self, uri: str) -> None: ...
+
+    async def unsubscribe_resource(self, uri: str) -> None: ...
 
     async def adopt(self, session_id: str) -> None:
-        """Take over a session an earlier proxy process initialized, which holds a task the upstream still runs:
-        no `initialize` (that would start another session), its GET stream opened again. Should the upstream
-        have forgotten it, a request answered 404 starts a new session as usual."""
-        self._stop_listening()
-        self.session_id = session_id
-        self.protocol_version = self.link.config.protocol_version  # tasks exist only from 2025-11-25 on
-        self.initialize_result = {}  # initialized, by someone else: its InitializeResult is not known here
-        self._listener = UpstreamListener(session_id, self._open_stream, self._on_stream)
-        await self._listener.start(self.link.spawn, self.link.config.connect_timeout_seconds)
-        log.info("upstream_session_adopted")
+        """Take over a session an earlier proxy process initialized (it holds a task the upstream runs)."""
 
     def detach(self) -> None:
-        """Let go of the session without ending it (no DELETE): the upstream keeps it, and the work in it, for
-        the next proxy process."""
-        self._stop_listening()
-        self.session_id = None
-        self.initialize_result = None
+        """Let go of the session without ending its upstream work where the kind allows that."""
 
-    async def revive(self) -> None:
-        """Start a new session now (not at the next request), so listen streams keep receiving."""
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLimits:
+    """How the pool treats one kind's sessions.
+
+    - `max_idle`: idle sessions kept for reuse; beyond it the least recently used one is closed.
+    - `max_open`: sessions at once, busy ones included (None: unbounded, the call limits bound them); a new
+      one beyond it first closes an idle one, else waits up to `wait_seconds`, then fails with a limit error.
+    - `idle_seconds`: a lent session idle this long is closed (None: kept until evicted).
+    - `share_quiet_calls`: a call whose client could not answer a question runs on the principal's shared
+      session (multiplexed) instead of a session of its own.
+    - `limit_name`: the config field named by the limit error.
+    """
+
+    max_idle: int
+    max_open: int | None = None
+    idle_seconds: float | None = None
+    share_quiet_calls: bool = False
+    wait_seconds: float = 5.0
+    limit_name: str = "upstream.max_sessions"
+
+
+class SessionKind(Protocol):
+    """Makes the sessions of one kind of upstream, and what they share (`LinkBase`: background work and what
+    the upstream said most recently)."""
+
+    limits: PoolLimits
+    server_info: JSON | None
+    initialize_result: JSON | None
+    tool_task_support: dict[str, legacy_tasks.TaskSupport | None]
+
+    def recent_initialize(self, max_age_ms: int) -> JSON | None: ...
+
+    def known_headers(self, tool: str) -> tuple[ParamHeader, ...] | None: ...
+
+    def new(self, principal: str | None) -> Session: ...
+
+    async def probe(self, max_age_seconds: float, shared: Callable[[], AbstractAsyncContextManager[Session]]) -> None:
+        """Readiness: raise UpstreamError saying what is wrong. `shared` lends the anonymous shared session,
+        for kinds whose sessions are too costly to start one just for a probe."""
+
+    def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]: ...
+
+    async def close(self) -> None: ...
+
+
+class LinkBase:
+    """What every session of one upstream shares, whatever its kind: background work (named, referenced until
+    done, cancelled on close: the one place `upstream/` starts background tasks) and what the upstream said
+    most recently: serverInfo and the whole InitializeResult (server/discover), the `x-mcp-header` catalog of
+    its tools with each tool's `execution.taskSupport` (dropped when any session hears that the tool list
+    changed), and when it last answered (readiness)."""
+
+    metrics: Metrics | None  # set by each kind's link
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.server_info: JSON | None = None
+        self.initialize_result: JSON | None = None
+        self.initialized_at = 0.0  # monotonic time of that initialize
+        self.tool_headers: dict[str, tuple[ParamHeader, ...]] | None = None
+        self.tool_task_support: dict[str, legacy_tasks.TaskSupport | None] = {}
+        self.tool_headers_at = 0.0
+        self.last_answer_at: float | None = None  # monotonic time of the upstream's latest answer
+
+    @contextlib.contextmanager
+    def measured(self, method: str) -> Iterator[None]:
+        """One upstream request in the metrics: how long it took, and a failure by its kind."""
+        started = time.perf_counter()
         try:
-            await self.ensure_initialized()
+            yield
         except UpstreamError as exc:
-            log.warning("upstream_session_revive_failed", error=exc.message)
+            if self.metrics is not None:
+                kind = "timeout" if isinstance(exc, UpstreamTimeoutError) else "unavailable"
+                self.metrics.upstream_errors.labels(method_label(method), kind).inc()
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.upstream_seconds.labels(method_label(method)).observe(time.perf_counter() - started)
 
-    def forget(self, stale_session_id: str) -> None:
-        """The upstream no longer knows this session id: the next request initializes a new session."""
-        if self.session_id == stale_session_id:
-            self._stop_listening()
-            self.session_id = None
-            self.initialize_result = None
+    def initialized(self, result: JSON) -> None:
+        self.server_info = implementation(result)
+        self.initialize_result = result
+        self.initialized_at = time.monotonic()
+
+    def recent_initialize(self, max_age_ms: int) -> JSON | None:
+        """The latest InitializeResult, if it is not older than `max_age_ms`."""
+        if self.initialize_result is None or (time.monotonic() - self.initialized_at) * 1000 > max_age_ms:
+            return None
+        return self.initialize_result
+
+    def known_headers(self, tool: str) -> tuple[ParamHeader, ...] | None:
+        """The tool's annotations when the cached catalog can answer (it lists the tool, or was read too recently
+        to read again); None when tools/list must be read."""
+        if self.tool_headers is None:
+            return None
+        if tool in self.tool_headers:
+            return self.tool_headers[tool]
+        if time.monotonic() - self.tool_headers_at > PARAM_HEADERS_REFRESH_SECONDS:
+            return None
+        return ()
+
+    def tools_changed(self) -> None:
+        self.tool_headers = None
+
+    def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coroutine, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._reap)
+        return task
+
+    def _reap(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("upstream_background_task_failed", task=task.get_name(), error=repr(task.exception()))
 
     async def close(self) -> None:
-        """End the upstream session with DELETE (the server may answer 405; that is fine); a kept session is only
-        let go (`detach`)."""
-        self._stop_listening()
-        if self.kept:
-            self.detach()
-        if self.session_id is None:
-            return
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with self.link.http.delete(
-                self.link.url, headers=self.headers(), timeout=aiohttp.ClientTimeout(total=2)
-            ):
-                pass
-        self.session_id = None
-        self.initialize_result = None
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    # --- the GET stream ---------------------------------------------------------------------------------------
 
-    async def _on_stream(self, event: StreamEvent) -> None:
-        """Everything on the GET stream of a leased session is its lessee's; on a shared session nobody can tell
-        whose a question is, so it is refused (an elicitation is declined). Notifications also reach listen
-        subscribers (`on_notification`)."""
-        if isinstance(event, SessionGone):
-            # With listen streams waiting, start a new session now; otherwise the next request does. (Not from
-            # the listener's task: initializing stops the old listener, i.e. cancels it.)
-            self.forget(event.session_id)
-            if self.subscriptions:
-                self.link.spawn(self.revive(), "upstream-session-revive")
-            return
-        await self.route_unsolicited(event, f"outside a request {STANDALONE_REFUSED}")
+class SessionFeatures(abc.ABC):
+    """What both kinds do alike on top of their own `call()`: listen inboxes, the tool catalog of
+    `x-mcp-header` annotations (kept on the link, for every session), reference-counted resource subscriptions,
+    and plain requests."""
 
-    # --- requests ------------------------------------------------------------------------------------------
+    def __init__(self, link: LinkBase) -> None:
+        self.link = link
+        self.subscriptions: set[Subscription] = set()
+        self._resource_subscriptions: Counter[str] = Counter()
 
-    async def resume(self, last_event_id: str) -> aiohttp.ClientResponse:
-        """Continue a request's SSE stream the upstream closed early (GET + Last-Event-ID)."""
-        headers = self.stream_headers(last_event_id)
-        sent_with = self.session_id
-        try:
-            response = await self.link.http.get(self.link.url, headers=headers, timeout=self.link.timeout)
-        except aiohttp.ClientError as exc:
-            raise UpstreamError("Upstream stream could not be resumed", detail=str(exc)) from None
-        content_type = response.content_type
-        if response.status == 200 and content_type == "text/event-stream":
-            return response
-        response.release()
-        if response.status == 404 and sent_with is not None:
-            self.forget(sent_with)  # the session is gone: the next request initializes a new one
-        raise UpstreamError(f"Upstream lost the call: resuming its stream answered HTTP {response.status}")
-
-    @contextlib.asynccontextmanager
-    async def call(
+    @abc.abstractmethod
+    def call(
         self, method: str, params: JSON | None, extra_headers: Mapping[str, str] | None = None
-    ) -> AsyncIterator[UpstreamCall]:
-        """Send one request upstream; the UpstreamCall streams what comes back. Leaving the context closes it."""
-        await self.ensure_initialized()
-        with self.link.measured(method):
-            request_id = self.link.next_id()
-            message = request_message(request_id, method, params)
-            for attempt in range(2):
-                sent_with = self.session_id
-                try:
-                    response = await self._post(message, self.headers(extra_headers))
-                except asyncio.CancelledError:
-                    # Abandoned while the POST was on its way: the upstream may already run it.
-                    await asyncio.shield(self._cancel_unanswered(request_id))
-                    raise
-                if response.status == 404 and sent_with is not None and attempt == 0:
-                    response.release()
-                    await self._reinitialize(sent_with)
-                    continue
+    ) -> AbstractAsyncContextManager[SessionCall]: ...
+
+    @abc.abstractmethod
+    async def ensure_initialized(self) -> JSON: ...
+
+    async def request(self, method: str, params: JSON | None) -> JSON:
+        """A plain request whose stream carries nothing the caller needs: its result, or UpstreamError."""
+        async with self.call(method, params) as call:
+            async for event in call.events():
+                if isinstance(event, UpstreamResult):
+                    return event.result
+                if isinstance(event, UpstreamErrorResponse):
+                    raise UpstreamError(f"Upstream refused {method}: {event.error.get('message')}")
+        raise UpstreamError(f"Upstream did not answer {method}")  # pragma: no cover - events() raises first
+
+    # --- what the server sends unasked -----------------------------------------------------------------
+
+    lessee: Sink | None  # the call that holds the session alone, if any
+    on_notification: Callable[[UpstreamNotification], None]
+
+    @abc.abstractmethod
+    async def respond(
+        self, request_id: RequestId, *, result: JSON | None = None, error: JSON | None = None
+    ) -> None: ...
+
+    async def route_unsolicited(self, event: UpstreamEvent, refused_because: str) -> None:
+        """Something the server sent naming no request: a ping is answered; everything goes to the lessee
+        while a call holds the session alone; a question nobody holds is refused at once (an elicitation
+        declined), so the upstream never waits; notifications also reach `on_notification` (listen streams)."""
+        if isinstance(event, UpstreamServerRequest) and event.method == "ping":
+            await self.respond(event.id, result={})
+            return
+        if self.lessee is not None:
+            await self.lessee(event)
+        elif isinstance(event, UpstreamServerRequest):
+            log.info("upstream_standalone_request_refused", input_method=event.method)
+            result, error = refusal(event.method, f"{event.method} {refused_because}")
+            await self.respond(event.id, result=result, error=error)
+        if isinstance(event, UpstreamNotification):
+            self.on_notification(event)
+
+    # --- listen streams --------------------------------------------------------------------------------
+
+    def deliver(self, notification: UpstreamNotification) -> None:
+        """A notification for this session's listen subscribers; a tool list change also drops the cached
+        x-mcp-header annotations (of every session: they share one catalog)."""
+        if notification.method == "notifications/tools/list_changed":
+            self.link.tools_changed()
+        for subscription in self.subscriptions:
+            subscription.offer(notification.message)
+
+    def subscribe(self, subscription: Subscription) -> None:
+        self.subscriptions.add(subscription)
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        self.subscriptions.discard(subscription)
+
+    def end_subscriptions(self) -> None:
+        for subscription in self.subscriptions:
+            subscription.offer(None)
+
+    # --- the tool catalog ------------------------------------------------------------------------------
+
+    async def param_headers(self, tool: str) -> tuple[ParamHeader, ...]:
+        """The `x-mcp-header` annotations of `tool`: from the cached catalog when it can answer, else read from
+        this session's tools/list (and cached for every session, with each tool's `execution.taskSupport`)."""
+        known = self.link.known_headers(tool)
+        if known is not None:
+            return known
+        catalog: dict[str, tuple[ParamHeader, ...]] = {}
+        task_support: dict[str, legacy_tasks.TaskSupport | None] = {}
+        cursor: str | None = None
+        for _ in range(MAX_TOOL_PAGES):
+            page = await self.request("tools/list", {"cursor": cursor} if cursor else None)
+            for listed in page.get("tools") or []:
+                if isinstance(listed, dict) and isinstance(listed.get("name"), str):
+                    catalog[listed["name"]] = param_headers(listed.get("inputSchema"))
+                    task_support[listed["name"]] = legacy_tasks.tool_task_support(listed)
+            cursor = page.get("nextCursor") if isinstance(page.get("nextCursor"), str) else None
+            if cursor is None:
                 break
-            if response.status >= 400:
-                await _raise_unless_answer(response, request_id, method, self.link.max_result_bytes)
-            upstream_call = UpstreamCall(self, request_id, method, response, self.link.max_result_bytes)
-            self.in_flight += 1
+        self.link.tool_headers = catalog
+        self.link.tool_task_support = task_support
+        self.link.tool_headers_at = time.monotonic()
+        return catalog.get(tool, ())
+
+    async def task_support(self, tool: str) -> legacy_tasks.TaskSupport | None:
+        """How the upstream runs `tool` as its own 2025-11-25 task (`execution.taskSupport` from tools/list),
+        or None when it runs none: the tool says nothing, or the upstream did not declare
+        `tasks.requests.tools.call`. Read with the x-mcp-header annotations (and refreshed with them)."""
+        initialize_result = await self.ensure_initialized()
+        if not legacy_tasks.runs_tool_tasks(initialize_result):
+            return None
+        await self.param_headers(tool)
+        support = self.link.tool_task_support.get(tool)
+        return support if support in ("optional", "required") else None
+
+    # --- resource subscriptions ---------------------------------------------------------------------------
+
+    async def subscribe_resource(self, uri: str) -> None:
+        """Reference-counted upstream `resources/subscribe` on behalf of listen streams."""
+        if self._resource_subscriptions[uri] == 0:
+            await self.request("resources/subscribe", {"uri": uri})
+        self._resource_subscriptions[uri] += 1
+
+    async def unsubscribe_resource(self, uri: str) -> None:
+        if self._resource_subscriptions[uri] <= 0:
+            return
+        self._resource_subscriptions[uri] -= 1
+        if self._resource_subscriptions[uri] == 0:
+            del self._resource_subscriptions[uri]
+            await self.request("resources/unsubscribe", {"uri": uri})
+
+    @property
+    def resource_subscriptions(self) -> list[str]:
+        return list(self._resource_subscriptions)
+
+    async def resubscribe(self) -> None:
+        """A new upstream session knows none of the resource subscriptions listen streams still hold."""
+        for uri in list(self._resource_subscriptions):
             try:
-                yield upstream_call
-            finally:
-                self.in_flight -= 1
-                response.close()
-
-    async def _cancel_unanswered(self, request_id: int) -> None:
-        try:
-            await self.notify("notifications/cancelled", {"requestId": request_id, "reason": "request abandoned"})
-        except UpstreamError as exc:
-            log.info("upstream_cancel_failed", error=exc.message)
-
-    async def notify(self, method: str, params: JSON | None) -> None:
-        response = await self._post(notification_message(method, params), self.headers())
-        response.release()
-
-    async def respond(self, request_id: RequestId, *, result: JSON | None = None, error: JSON | None = None) -> None:
-        """Answer a server→client request (a JSON-RPC response POSTed with the session id)."""
-        message = result_message(request_id, result or {}) if error is None else error_message(request_id, error)
-        response = await self._post(message, self.headers())
-        response.release()
-
-
-async def _raise_unless_answer(
-    response: aiohttp.ClientResponse, request_id: int, method: str, max_bytes: int | None
-) -> None:
-    """An HTTP error status is fine when its body is the JSON-RPC answer to this request (some servers send
-    errors that way); anything else (a transport-level refusal) is an UpstreamError naming what it said."""
-    content_type = response.content_type
-    if content_type == "text/event-stream":
-        return
-    try:
-        body = await read_body(response, max_bytes)
-    except EventTooLargeError:
-        response.close()
-        raise ResultTooLargeError(max_bytes or 0) from None
-    raw = body.decode("utf-8", errors="replace")[:200]
-    said = ""  # the upstream's own JSON-RPC error message, if it sent one: the client may see that
-    if content_type == "application/json":
-        try:
-            message = json.loads(body)
-        except ValueError:
-            message = None
-        if isinstance(message, dict):
-            if message.get("id") == request_id:
-                return  # the body was read, aiohttp keeps it for UpstreamCall
-            error = message.get("error")
-            if isinstance(error, dict) and isinstance(error.get("message"), str):
-                said = f": {error['message']}"
-    response.release()
-    raise UpstreamRefusedError(f"Upstream answered {method} with HTTP {response.status}{said}", response.status, raw)
+                await self.request("resources/subscribe", {"uri": uri})
+            except UpstreamError as exc:
+                log.warning("upstream_resource_resubscribe_failed", error=exc.message)

@@ -36,13 +36,13 @@ from mcp_types import jsonrpc as codes
 
 from proxy.config import UpstreamConfig
 from proxy.errors import InvalidRequestError, RequestId, UpstreamError, UpstreamTimeoutError
-from proxy.upstream.kinds import principal_key
 from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.sse import KEEPALIVE, frame
-from proxy.upstream.stdio import ProcessExit, StdioProcess
-from proxy.upstream.stdio_link import StdioLink
-from proxy.upstream.stdio_session import MAX_QUEUED_EVENTS
+from proxy.upstream.session import principal_key
+from proxy.upstream.stdio.link import StdioLink
+from proxy.upstream.stdio.process import ProcessExit, StdioProcess
+from proxy.upstream.stdio.session import MAX_QUEUED_EVENTS
 from proxy.wire.jsonrpc import JSON, Request, classify, dumps, error_message, loads
+from proxy.wire.sse import KEEPALIVE, frame
 
 log = structlog.get_logger(__name__)
 

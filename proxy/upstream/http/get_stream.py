@@ -20,7 +20,7 @@ import structlog
 
 from proxy.errors import UpstreamError
 from proxy.upstream.events import UpstreamEvent, decode
-from proxy.upstream.sse import EventTooLargeError, SSEParser
+from proxy.wire.sse import EventTooLargeError, SSEParser
 
 log = structlog.get_logger(__name__)
 

@@ -37,8 +37,8 @@ from proxy.upstream.events import (
     UpstreamResult,
     UpstreamServerRequest,
 )
-from proxy.upstream.kinds import CLIENT_CAPABILITIES, CLIENT_INFO, SessionFeatures, Sink
-from proxy.upstream.stdio import ProcessExit, StdioProcess
+from proxy.upstream.session import CLIENT_CAPABILITIES, CLIENT_INFO, SessionFeatures, Sink
+from proxy.upstream.stdio.process import ProcessExit, StdioProcess
 from proxy.wire.jsonrpc import (
     JSON,
     Notification,
@@ -52,7 +52,7 @@ from proxy.wire.jsonrpc import (
 )
 
 if TYPE_CHECKING:
-    from proxy.upstream.stdio_link import StdioLink
+    from proxy.upstream.stdio.link import StdioLink
 
 log = structlog.get_logger(__name__)
 

@@ -18,8 +18,8 @@ import structlog
 
 from proxy.errors import RequestId, ResultTooLargeError, UpstreamError, UpstreamTimeoutError
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult, UpstreamServerRequest, decode
-from proxy.upstream.sse import EventTooLargeError, SSEParser
 from proxy.wire.jsonrpc import JSON
+from proxy.wire.sse import EventTooLargeError, SSEParser
 
 log = structlog.get_logger(__name__)
 

@@ -22,10 +22,10 @@ from typing import Any
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamError, UpstreamTimeoutError
 from proxy.observability import Metrics
-from proxy.upstream.kinds import LinkBase, PoolLimits, Session
-from proxy.upstream.rates import Backoff
-from proxy.upstream.stdio import ProcessExit, SizeLimit, StdioProcess, child_environment
-from proxy.upstream.stdio_session import StdioSession
+from proxy.upstream.session import LinkBase, PoolLimits, Session
+from proxy.upstream.stdio.process import ProcessExit, SizeLimit, StdioProcess, child_environment
+from proxy.upstream.stdio.rates import Backoff
+from proxy.upstream.stdio.session import StdioSession
 
 
 class StdioLink(LinkBase):
