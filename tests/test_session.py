@@ -10,8 +10,8 @@ import pytest
 
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamError
-from proxy.upstream.http.session import UpstreamLink
-from proxy.upstream.pool import UpstreamClient
+from proxy.upstream.http.kind import HttpKind
+from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import principal_key
 from tests.conftest import Upstream
 
@@ -22,9 +22,9 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-def make_client(upstream: Upstream, http: aiohttp.ClientSession, max_sessions: int = 8) -> UpstreamClient:
-    return UpstreamClient(
-        UpstreamLink(UpstreamConfig(url=upstream.url, max_sessions=max_sessions), http, "authorization", None)
+def make_client(upstream: Upstream, http: aiohttp.ClientSession, max_sessions: int = 8) -> SessionPool:
+    return SessionPool(
+        HttpKind(UpstreamConfig(url=upstream.url, max_sessions=max_sessions), http, "authorization", None)
     )
 
 
@@ -63,7 +63,7 @@ async def test_idle_sessions_are_evicted_busy_ones_kept(upstream: Upstream, http
 
 async def test_unreachable_upstream_is_an_upstream_error(http: aiohttp.ClientSession) -> None:
     config = UpstreamConfig(url="http://127.0.0.1:9/mcp", connect_timeout_seconds=1)
-    client = UpstreamClient(UpstreamLink(config, http, "authorization", None))
+    client = SessionPool(HttpKind(config, http, "authorization", None))
     with pytest.raises(UpstreamError, match="unavailable"):
         await client.session(None).ensure_initialized()
     await client.close()

@@ -78,7 +78,7 @@ from proxy.upstream.events import (
     UpstreamServerRequest,
     refusal,
 )
-from proxy.upstream.pool import UpstreamClient
+from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import Session
 from proxy.wire import translate
 from proxy.wire.envelope import Caller, Channel, ModernRequest
@@ -97,7 +97,7 @@ class TaskRunner(TaskRecords, ReplicaCalls):
         self,
         config: Config,
         store: TaskStore,
-        upstream: UpstreamClient,
+        upstream: SessionPool,
         principals: Principals,
         clock: Callable[[], int] = wall_clock_ms,
         metrics: Metrics | None = None,

@@ -44,7 +44,7 @@ from proxy.upstream.events import (
     UpstreamResult,
     UpstreamServerRequest,
 )
-from proxy.upstream.pool import UpstreamClient
+from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import Session
 from proxy.wire import legacy_tasks
 
@@ -61,7 +61,7 @@ UpstreamTaskCommand = FollowUpstreamTask | PollUpstreamTask | CancelUpstreamTask
 class Driver(Protocol):
     """What carrying out these commands needs from the runner."""
 
-    upstream: UpstreamClient
+    upstream: SessionPool
     clock: Callable[[], int]  # wall clock, epoch milliseconds
 
     async def dispatch(self, call: Call, event: Event) -> None: ...

@@ -39,7 +39,7 @@ OpenStream = Callable[[str | None], Awaitable[aiohttp.ClientResponse]]  # GET wi
 Spawn = Callable[[Coroutine[Any, Any, None], str], "asyncio.Task[None]"]
 
 
-class UpstreamListener:
+class GetStream:
     def __init__(
         self,
         session_id: str,

@@ -1,47 +1,41 @@
-"""The proxy as a legacy MCP client: upstream sessions, one POST per request, re-initialize on 404.
+"""The proxy as a legacy MCP client over Streamable HTTP: one session, one POST per request, re-initialize
+when the upstream forgot the session.
 
 A session owns `initialize` + `notifications/initialized`, the `Mcp-Session-Id` and negotiated
-`MCP-Protocol-Version` headers, its GET stream (`listener.py`) and where what arrives there goes: to the call
-that leased the session, to `subscriptions/listen` inboxes, or refused. What every session shares (the HTTP
-client, the URL, timeouts, request ids, the upstream's latest serverInfo) is the `UpstreamLink`, which is also
-this kind's `SessionKind` for the pool (`pool.py`, `kinds.py`). aiohttp failures become UpstreamError. Imports
-aiohttp; never the store or the front.
+`MCP-Protocol-Version` headers, its GET stream (`get_stream.py`) and where what arrives there goes
+(`lending.py`): to the call the session is lent to, to `subscriptions/listen` inboxes, or refused. What every
+session shares (the HTTP client, the URL, timeouts, request ids, the upstream's latest serverInfo) is the
+`HttpLink` (`link.py`). aiohttp failures become typed UpstreamErrors. Imports aiohttp; never the store, the
+front or the pool.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Mapping
 from typing import Final
 
 import aiohttp
 import structlog
-from yarl import URL
 
-from proxy.config import UpstreamConfig
 from proxy.errors import RequestId, ResultTooLargeError, UpstreamError, UpstreamRefusedError, UpstreamTimeoutError
-from proxy.observability import Metrics
-from proxy.upstream.events import (
-    UpstreamErrorResponse,
-    UpstreamNotification,
-    UpstreamResult,
-)
-from proxy.upstream.http.get_stream import SessionGone, StreamEvent, UpstreamListener
-from proxy.upstream.http.request_stream import UpstreamCall, read_body
+from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
+from proxy.upstream.http.get_stream import GetStream, SessionGone, StreamEvent
+from proxy.upstream.http.link import HttpLink
+from proxy.upstream.http.request_stream import HttpRequestStream, read_body
+from proxy.upstream.lending import Lending, Listeners, Notifications, Sink
 from proxy.upstream.session import (
     CLIENT_CAPABILITIES,
     CLIENT_INFO,
-    LinkBase,
-    PoolLimits,
-    Session,
-    SessionFeatures,
-    Sink,
+    read_param_headers,
+    read_task_support,
+    request,
 )
+from proxy.wire import legacy_tasks
+from proxy.wire.envelope import ParamHeader
 from proxy.wire.jsonrpc import JSON, dumps, error_message, notification_message, request_message, result_message
 from proxy.wire.sse import EventTooLargeError
 
@@ -49,80 +43,50 @@ log = structlog.get_logger(__name__)
 
 STANDALONE_REFUSED: Final = "cannot be relayed to 2026-07-28 clients: no call of theirs holds this upstream session"
 
-PROBE_TIMEOUT_SECONDS: Final = 2.0  # a readiness probe's initialize; kubelet's own timeout is short too
 
+class HttpSession:
+    """One Streamable HTTP session of the upstream (see the module doc); a `Session`."""
 
-class UpstreamLink(LinkBase):
-    """What every session of one upstream shares: the HTTP client and URL, timeouts, request ids, background
-    work, and what the upstream said most recently (serverInfo; when it last answered, for readiness)."""
-
-    def __init__(
-        self,
-        config: UpstreamConfig,
-        http: aiohttp.ClientSession,
-        principal_header: str,
-        metrics: Metrics | None,
-        max_result_bytes: int | None = None,
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.max_result_bytes = max_result_bytes  # the largest upstream answer or stream message read
-        self.http = http
-        self.principal_header = principal_header
-        self.metrics = metrics
-        self.url = URL(config.url)  # parsed once, not per request
-        self.timeout = aiohttp.ClientTimeout(
-            total=config.call_timeout_seconds,
-            connect=config.connect_timeout_seconds,
-            sock_connect=config.connect_timeout_seconds,
-        )
-        # A call whose client could answer a question gets a session of its own (its GET stream is the call's);
-        # the others share the principal's session, so a thousand quiet tasks are not a thousand sessions.
-        self.limits = PoolLimits(max_idle=config.max_sessions, share_quiet_calls=True)
-        self._probe_lock = asyncio.Lock()
-        self._ids = itertools.count(1)
-
-    def next_id(self) -> int:
-        return next(self._ids)
-
-    def new(self, principal: str | None) -> Session:
-        return UpstreamSession(self, principal)
-
-    async def probe(self, max_age_seconds: float, shared: Callable[[], AbstractAsyncContextManager[Session]]) -> None:
-        """Readiness: fine when the upstream answered within `max_age_seconds`; otherwise a fresh `initialize`
-        on a throwaway session (ended with DELETE) must succeed within PROBE_TIMEOUT_SECONDS. Raises
-        UpstreamError saying what failed. Concurrent probes share one attempt."""
-        async with self._probe_lock:
-            last = self.last_answer_at
-            if last is not None and time.monotonic() - last <= max_age_seconds:
-                return
-            session = UpstreamSession(self, None)
-            try:
-                await asyncio.wait_for(session.initialize(listen=False), PROBE_TIMEOUT_SECONDS)
-            except TimeoutError:
-                raise UpstreamTimeoutError(
-                    f"Upstream did not answer initialize within {PROBE_TIMEOUT_SECONDS:g} s"
-                ) from None
-            finally:
-                await session.close()
-
-
-class UpstreamSession(SessionFeatures):
-    def __init__(self, link: UpstreamLink, principal: str | None) -> None:
-        super().__init__(link)
-        self.link: UpstreamLink = link
+    def __init__(self, link: HttpLink, principal: str | None) -> None:
+        self.link = link
         self.principal = principal
         self.session_id: str | None = None
         self.protocol_version: str = link.config.protocol_version
         self.initialize_result: JSON | None = None
         self.in_flight = 0  # calls open on this session right now
-        self.lessee: Sink | None = None  # the call that leased the session: its GET-stream traffic goes there
-        # Where notifications from the GET stream go besides the lessee: this session's own listen subscribers,
-        # unless the pool sends them to the principal's shared session (which the listen streams read).
-        self.on_notification: Callable[[UpstreamNotification], None] = self.deliver
-        self._listener: UpstreamListener | None = None
+        self.listeners = Listeners(self.request, link.tools_changed)
+        self._lending = Lending(self.listeners)  # the call the session is lent to gets its GET-stream traffic
+        self._get_stream: GetStream | None = None
         self._lock = asyncio.Lock()
-        self.kept = False  # holds upstream work a later proxy process resumes: never ended with DELETE
+
+    # --- lending (the pool) ---------------------------------------------------------------------------------
+
+    @property
+    def kept(self) -> bool:
+        """It holds upstream work a later proxy process resumes: never ended with DELETE."""
+        return self._lending.kept
+
+    @property
+    def lent(self) -> bool:
+        return self._lending.lessee is not None
+
+    def lend(self, sink: Sink, notifications: Notifications) -> None:
+        self._lending.lend(sink, notifications)
+
+    def take_back(self) -> None:
+        self._lending.take_back()
+
+    def keep(self) -> None:
+        self._lending.keep()
+
+    async def request(self, method: str, params: JSON | None) -> JSON:
+        return await request(self, method, params)
+
+    async def param_headers(self, tool: str) -> tuple[ParamHeader, ...]:
+        return await read_param_headers(self, self.link, tool)
+
+    async def task_support(self, tool: str) -> legacy_tasks.TaskSupport | None:
+        return await read_task_support(self, self.link, tool)
 
     # --- headers and plumbing -------------------------------------------------------------------------
 
@@ -186,7 +150,7 @@ class UpstreamSession(SessionFeatures):
             body = await response.text()
             response.release()
             raise UpstreamError(f"Upstream refused initialize: HTTP {response.status}", detail=body[:200])
-        call = UpstreamCall(self, request_id, "initialize", response, self.link.max_result_bytes)
+        call = HttpRequestStream(self, request_id, "initialize", response, self.link.max_result_bytes)
         result: JSON | None = None
         async for event in call.events():
             if isinstance(event, UpstreamResult):
@@ -202,23 +166,21 @@ class UpstreamSession(SessionFeatures):
         self.link.initialized(result)
         if listen and session_id is not None:  # a stateless upstream has no standalone stream
             self._stop_listening()
-            self._listener = UpstreamListener(
-                session_id, self._open_stream, self._on_stream, self.link.max_result_bytes
-            )
-            await self._listener.start(self.link.spawn, self.link.config.connect_timeout_seconds)
+            self._get_stream = GetStream(session_id, self._open_stream, self._on_stream, self.link.max_result_bytes)
+            await self._get_stream.start(self.link.spawn, self.link.config.connect_timeout_seconds)
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
-        if self.resource_subscriptions:
+        if self.listeners.resources:
             # Not awaited here: initialize runs under the session lock, and these requests may need it.
-            self.link.spawn(self.resubscribe(), "upstream-resubscribe")
+            self.link.spawn(self.listeners.resubscribe(), "upstream-resubscribe")
 
     async def _open_stream(self, last_event_id: str | None) -> aiohttp.ClientResponse:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.link.config.connect_timeout_seconds)
         return await self.link.http.get(self.link.url, headers=self.stream_headers(last_event_id), timeout=timeout)
 
     def _stop_listening(self) -> None:
-        if self._listener is not None:
-            self._listener.stop()
-            self._listener = None
+        if self._get_stream is not None:
+            self._get_stream.stop()
+            self._get_stream = None
 
     async def _reinitialize(self, stale_session_id: str | None) -> None:
         """A 404 for a request that carried the session id means the upstream forgot the session."""
@@ -237,8 +199,8 @@ class UpstreamSession(SessionFeatures):
         self.session_id = session_id
         self.protocol_version = self.link.config.protocol_version  # tasks exist only from 2025-11-25 on
         self.initialize_result = {}  # initialized, by someone else: its InitializeResult is not known here
-        self._listener = UpstreamListener(session_id, self._open_stream, self._on_stream)
-        await self._listener.start(self.link.spawn, self.link.config.connect_timeout_seconds)
+        self._get_stream = GetStream(session_id, self._open_stream, self._on_stream)
+        await self._get_stream.start(self.link.spawn, self.link.config.connect_timeout_seconds)
         log.info("upstream_session_adopted")
 
     def detach(self) -> None:
@@ -283,15 +245,15 @@ class UpstreamSession(SessionFeatures):
     async def _on_stream(self, event: StreamEvent) -> None:
         """Everything on the GET stream of a leased session is its lessee's; on a shared session nobody can tell
         whose a question is, so it is refused (an elicitation is declined). Notifications also reach listen
-        subscribers (`on_notification`)."""
+        subscribers (`lending.py`)."""
         if isinstance(event, SessionGone):
             # With listen streams waiting, start a new session now; otherwise the next request does. (Not from
             # the listener's task: initializing stops the old listener, i.e. cancels it.)
             self.forget(event.session_id)
-            if self.subscriptions:
+            if self.listeners.subscriptions:
                 self.link.spawn(self.revive(), "upstream-session-revive")
             return
-        await self.route_unsolicited(event, f"outside a request {STANDALONE_REFUSED}")
+        await self._lending.route(event, self.respond, f"outside a request {STANDALONE_REFUSED}")
 
     # --- requests ------------------------------------------------------------------------------------------
 
@@ -314,8 +276,8 @@ class UpstreamSession(SessionFeatures):
     @contextlib.asynccontextmanager
     async def call(
         self, method: str, params: JSON | None, extra_headers: Mapping[str, str] | None = None
-    ) -> AsyncIterator[UpstreamCall]:
-        """Send one request upstream; the UpstreamCall streams what comes back. Leaving the context closes it."""
+    ) -> AsyncIterator[HttpRequestStream]:
+        """Send one request upstream; the HttpRequestStream streams what comes back. Leaving the context closes it."""
         await self.ensure_initialized()
         with self.link.measured(method):
             request_id = self.link.next_id()
@@ -335,7 +297,7 @@ class UpstreamSession(SessionFeatures):
                 break
             if response.status >= 400:
                 await _raise_unless_answer(response, request_id, method, self.link.max_result_bytes)
-            upstream_call = UpstreamCall(self, request_id, method, response, self.link.max_result_bytes)
+            upstream_call = HttpRequestStream(self, request_id, method, response, self.link.max_result_bytes)
             self.in_flight += 1
             try:
                 yield upstream_call
@@ -382,7 +344,7 @@ async def _raise_unless_answer(
             message = None
         if isinstance(message, dict):
             if message.get("id") == request_id:
-                return  # the body was read, aiohttp keeps it for UpstreamCall
+                return  # the body was read, aiohttp keeps it for HttpRequestStream
             error = message.get("error")
             if isinstance(error, dict) and isinstance(error.get("message"), str):
                 said = f": {error['message']}"

@@ -1,0 +1,24 @@
+"""Which kind of upstream session the configuration describes: the one place that tells the two apart.
+
+Stdio server processes the proxy runs (`upstream.command`), else Streamable HTTP sessions (`upstream.url`).
+Imports both kinds; nothing else imports them.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+
+from proxy.config import Config
+from proxy.observability import Metrics
+from proxy.upstream.http.kind import HttpKind
+from proxy.upstream.session import SessionKind
+from proxy.upstream.stdio.kind import StdioKind
+
+
+def session_kind(config: Config, http: aiohttp.ClientSession, metrics: Metrics | None) -> SessionKind:
+    """The kind of upstream session `config.upstream` describes; `http` is the HTTP kind's client."""
+    max_result_bytes = config.limits.max_result_bytes
+    principal_header = config.security.principal_header
+    if config.upstream.command:
+        return StdioKind(config.upstream, metrics, max_result_bytes=max_result_bytes, principal_header=principal_header)
+    return HttpKind(config.upstream, http, principal_header, metrics, max_result_bytes)
