@@ -1,4 +1,4 @@
-"""upstream/session.py: the proxy's own upstream sessions, against a real legacy server (no mocks)."""
+"""upstream/http/: the proxy's own Streamable HTTP sessions, against a real legacy server (no mocks)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from proxy.config import UpstreamConfig
-from proxy.errors import UpstreamError
+from proxy.errors import UpstreamRefusedError, UpstreamSessionGoneError, UpstreamUnreachableError
 from proxy.upstream.http.kind import HttpKind
 from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import principal_key
@@ -61,10 +63,10 @@ async def test_idle_sessions_are_evicted_busy_ones_kept(upstream: Upstream, http
     await client.close()
 
 
-async def test_unreachable_upstream_is_an_upstream_error(http: aiohttp.ClientSession) -> None:
+async def test_unreachable_upstream_is_an_unreachable_error(http: aiohttp.ClientSession) -> None:
     config = UpstreamConfig(url="http://127.0.0.1:9/mcp", connect_timeout_seconds=1)
     client = SessionPool(HttpKind(config, http, "authorization", None))
-    with pytest.raises(UpstreamError, match="unavailable"):
+    with pytest.raises(UpstreamUnreachableError, match="unavailable"):
         await client.session(None).ensure_initialized()
     await client.close()
 
@@ -75,3 +77,35 @@ def test_principal_keys_are_hashes() -> None:
     assert "secret" not in key
     assert len(key) == 64
     assert key != principal_key("Bearer other")
+
+
+async def refusing_upstream(request: web.Request) -> web.Response:
+    """A stateless server that initializes, then refuses `tools/list` as an unknown session would (400) and
+    `prompts/list` with a plain server error (500), neither with a JSON-RPC answer."""
+    message = await request.json()
+    if message.get("method") == "initialize":
+        result = {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "serverInfo": {"name": "refusing", "version": "1"},
+        }
+        return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": result})
+    if "id" not in message:
+        return web.Response(status=202)
+    return web.Response(status=400 if message["method"] == "tools/list" else 500, text="no")
+
+
+async def test_a_refusal_says_by_its_type_whether_the_upstream_forgot_the_session(
+    http: aiohttp.ClientSession,
+) -> None:
+    app = web.Application()
+    app.router.add_post("/mcp", refusing_upstream)
+    async with TestServer(app, host="127.0.0.1") as server:
+        client = SessionPool(HttpKind(UpstreamConfig(url=str(server.make_url("/mcp"))), http, "authorization", None))
+        session = client.session(None)
+        with pytest.raises(UpstreamSessionGoneError, match="HTTP 400"):
+            await session.request("tools/list", None)
+        with pytest.raises(UpstreamRefusedError, match="HTTP 500") as refused:
+            await session.request("prompts/list", None)
+        assert not isinstance(refused.value, UpstreamSessionGoneError)
+        await client.close()

@@ -21,7 +21,15 @@ from typing import Final
 import aiohttp
 import structlog
 
-from proxy.errors import RequestId, ResultTooLargeError, UpstreamError, UpstreamRefusedError, UpstreamTimeoutError
+from proxy.errors import (
+    RequestId,
+    ResultTooLargeError,
+    UpstreamError,
+    UpstreamRefusedError,
+    UpstreamSessionGoneError,
+    UpstreamTimeoutError,
+    UpstreamUnreachableError,
+)
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
 from proxy.upstream.http.get_stream import GetStream, SessionGone, StreamEvent
 from proxy.upstream.http.link import HttpLink
@@ -41,6 +49,7 @@ from proxy.wire.sse import EventTooLargeError
 
 log = structlog.get_logger(__name__)
 
+SESSION_GONE_STATUSES: Final = frozenset({400, 404, 410})  # the upstream does not know the session (or the task)
 STANDALONE_REFUSED: Final = "cannot be relayed to 2026-07-28 clients: no call of theirs holds this upstream session"
 
 
@@ -120,7 +129,7 @@ class HttpSession:
         except TimeoutError:
             raise UpstreamTimeoutError("Upstream MCP server did not answer in time") from None
         except aiohttp.ClientError as exc:
-            raise UpstreamError("Upstream MCP server unavailable", detail=str(exc)) from None
+            raise UpstreamUnreachableError("Upstream MCP server unavailable", detail=str(exc)) from None
         if response.status < 500:
             link.last_answer_at = time.monotonic()  # the upstream is there and speaks HTTP (readiness)
         return response
@@ -326,7 +335,8 @@ async def _raise_unless_answer(
     response: aiohttp.ClientResponse, request_id: int, method: str, max_bytes: int | None
 ) -> None:
     """An HTTP error status is fine when its body is the JSON-RPC answer to this request (some servers send
-    errors that way); anything else (a transport-level refusal) is an UpstreamError naming what it said."""
+    errors that way); anything else (a transport-level refusal) is an UpstreamRefusedError naming what it said,
+    an UpstreamSessionGoneError when the status says the upstream does not know the session."""
     content_type = response.content_type
     if content_type == "text/event-stream":
         return
@@ -349,4 +359,5 @@ async def _raise_unless_answer(
             if isinstance(error, dict) and isinstance(error.get("message"), str):
                 said = f": {error['message']}"
     response.release()
-    raise UpstreamRefusedError(f"Upstream answered {method} with HTTP {response.status}{said}", response.status, raw)
+    refused = UpstreamSessionGoneError if response.status in SESSION_GONE_STATUSES else UpstreamRefusedError
+    raise refused(f"Upstream answered {method} with HTTP {response.status}{said}", response.status, raw)

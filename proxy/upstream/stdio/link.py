@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.config import UpstreamConfig
-from proxy.errors import UpstreamError
+from proxy.errors import UpstreamUnreachableError
 from proxy.observability import Metrics
 from proxy.upstream.link import LinkBase
 from proxy.upstream.stdio.process import ProcessExit, SizeLimit, StdioProcess, child_environment
@@ -58,7 +58,7 @@ class StdioLink(LinkBase):
         Messages over `max_result_bytes` go to `on_oversized` when given."""
         wait = self.retry_at - time.monotonic()
         if wait > 0:
-            raise UpstreamError(
+            raise UpstreamUnreachableError(
                 f"Upstream stdio server {self.program} keeps crashing ({self.backoff.crashes} times in a row); "
                 f"it is started again in {wait:.1f} s",
                 http_status=503,
