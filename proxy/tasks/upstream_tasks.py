@@ -7,9 +7,9 @@
 - `tasks/get` for `PollUpstreamTask`, answered with `UpstreamTaskPolled`; `tasks/cancel`; letting go of the
   task at shutdown without cancelling it (its session is kept, not ended with DELETE).
 
-`UpstreamSessionGoneError` means the upstream no longer knows the session (or task): upstream/ raises it
-for what the transport says (server-everything answers 400 for an unknown session, the mcp 1.x SDK 404), and a
-new session answers `-32602` for the task. An outcome over `limits.max_result_bytes` fails the task. Any other failure is
+`UpstreamSessionGoneError` (upstream/ raises it) means the upstream no longer knows the session (or task):
+server-everything answers 400 for an unknown session, the mcp 1.x SDK 404 (and a new session then answers
+`-32602` for the task). An outcome over `limits.max_result_bytes` fails the task. Any other failure is
 passing: asked again later. Decides nothing; feeds events to the
 runner's `dispatch`. Imports the upstream client and event types, the commands and the wire; not the front.
 """
