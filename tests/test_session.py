@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -109,3 +110,84 @@ async def test_a_refusal_says_by_its_type_whether_the_upstream_forgot_the_sessio
             await session.request("prompts/list", None)
         assert not isinstance(refused.value, UpstreamSessionGoneError)
         await client.close()
+
+
+STOP: web.AppKey[asyncio.Event] = web.AppKey("stop", asyncio.Event)
+
+
+class Inbox:
+    """A listen stream's inbox: what the session's GET stream delivered."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, object]] = []
+
+    def offer(self, message: dict[str, object] | None) -> None:
+        if message is not None:
+            self.messages.append(message)
+
+    def texts(self) -> list[object]:
+        return [message["params"]["data"] for message in self.messages]  # type: ignore[index]
+
+
+def get_stream_upstream(big_bytes: int) -> web.Application:
+    """A stateful server whose first GET stream sends one notification of `big_bytes` and stays open; every
+    later GET stream sends `reconnected` (so whether the proxy read the stream again is visible)."""
+    opened: list[int] = []
+
+    async def post(request: web.Request) -> web.Response:
+        message = await request.json()
+        if message.get("method") == "initialize":
+            result = {"protocolVersion": "2025-11-25", "capabilities": {}, "serverInfo": {"name": "s", "version": "1"}}
+            response = {"jsonrpc": "2.0", "id": message["id"], "result": result}
+            return web.json_response(response, headers={"Mcp-Session-Id": "kept-session"})
+        return web.Response(status=202)
+
+    async def get(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Mcp-Session-Id") != "kept-session":
+            return web.Response(status=404)
+        opened.append(1)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        data = "x" * big_bytes if len(opened) == 1 else "reconnected"
+        message = {"jsonrpc": "2.0", "method": "notifications/message", "params": {"data": data}}
+        await response.write(f"data: {json.dumps(message)}\n\n".encode())
+        await request.app[STOP].wait()  # open until the test ends
+        return response
+
+    app = web.Application()
+    app[STOP] = asyncio.Event()
+    app.router.add_post("/mcp", post)
+    app.router.add_get("/mcp", get)
+    return app
+
+
+@pytest.mark.parametrize("adopted", [False, True], ids=["initialized", "adopted-after-restart"])
+async def test_a_get_stream_message_over_max_result_bytes_is_dropped(
+    http: aiohttp.ClientSession, adopted: bool
+) -> None:
+    """A message on the GET stream larger than `limits.max_result_bytes` is never held whole: it is dropped and
+    the stream read again, on a session this process initialized and on one it adopted after a restart."""
+    cap = 10_000
+    app = get_stream_upstream(big_bytes=4 * cap)
+    async with TestServer(app, host="127.0.0.1") as server:
+        try:
+            config = UpstreamConfig(url=str(server.make_url("/mcp")))
+            client = SessionPool(HttpKind(config, http, "authorization", None, max_result_bytes=cap))
+            session = client.session(None)
+            inbox = Inbox()
+            session.listeners.subscribe(inbox)
+            if adopted:
+                await session.adopt("kept-session")
+            else:
+                await session.ensure_initialized()
+            deadline = asyncio.get_running_loop().time() + 10
+            while "reconnected" not in inbox.texts():
+                assert asyncio.get_running_loop().time() < deadline, (
+                    f"the stream was not read again: {inbox.texts()!r:.80}"
+                )
+                await asyncio.sleep(0.02)
+            assert inbox.texts() == ["reconnected"]  # the large message never reached a listener
+            session.detach()
+            await client.close()
+        finally:
+            app[STOP].set()  # the GET handlers return, so the server stops at once

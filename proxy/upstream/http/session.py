@@ -174,9 +174,7 @@ class HttpSession:
         self.initialize_result = result
         self.link.initialized(result)
         if listen and session_id is not None:  # a stateless upstream has no standalone stream
-            self._stop_listening()
-            self._get_stream = GetStream(session_id, self._open_stream, self._on_stream, self.link.max_result_bytes)
-            await self._get_stream.start(self.link.spawn, self.link.config.connect_timeout_seconds)
+            await self._listen(session_id)
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
         if self.listeners.resources:
             # Not awaited here: initialize runs under the session lock, and these requests may need it.
@@ -185,6 +183,13 @@ class HttpSession:
     async def _open_stream(self, last_event_id: str | None) -> aiohttp.ClientResponse:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.link.config.connect_timeout_seconds)
         return await self.link.http.get(self.link.url, headers=self.stream_headers(last_event_id), timeout=timeout)
+
+    async def _listen(self, session_id: str) -> None:
+        """Read the session's GET stream (from now on, in the background), each message bounded by
+        `limits.max_result_bytes` as any other upstream answer is."""
+        self._stop_listening()
+        self._get_stream = GetStream(session_id, self._open_stream, self._on_stream, self.link.max_result_bytes)
+        await self._get_stream.start(self.link.spawn, self.link.config.connect_timeout_seconds)
 
     def _stop_listening(self) -> None:
         if self._get_stream is not None:
@@ -208,8 +213,7 @@ class HttpSession:
         self.session_id = session_id
         self.protocol_version = self.link.config.protocol_version  # tasks exist only from 2025-11-25 on
         self.initialize_result = {}  # initialized, by someone else: its InitializeResult is not known here
-        self._get_stream = GetStream(session_id, self._open_stream, self._on_stream)
-        await self._get_stream.start(self.link.spawn, self.link.config.connect_timeout_seconds)
+        await self._listen(session_id)
         log.info("upstream_session_adopted")
 
     def detach(self) -> None:
