@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from proxy.config import UpstreamConfig
+from proxy.config import HttpUpstreamConfig
 from proxy.errors import UpstreamRefusedError, UpstreamSessionGoneError, UpstreamUnreachableError
 from proxy.upstream.http.kind import HttpKind
 from proxy.upstream.pool import SessionPool
@@ -27,7 +27,7 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 def make_client(upstream: Upstream, http: aiohttp.ClientSession, max_sessions: int = 8) -> SessionPool:
     return SessionPool(
-        HttpKind(UpstreamConfig(url=upstream.url, max_sessions=max_sessions), http, "authorization", None)
+        HttpKind(HttpUpstreamConfig(url=upstream.url, max_sessions=max_sessions), http, "authorization", None)
     )
 
 
@@ -65,7 +65,7 @@ async def test_idle_sessions_are_evicted_busy_ones_kept(upstream: Upstream, http
 
 
 async def test_unreachable_upstream_is_an_unreachable_error(http: aiohttp.ClientSession) -> None:
-    config = UpstreamConfig(url="http://127.0.0.1:9/mcp", connect_timeout_seconds=1)
+    config = HttpUpstreamConfig(url="http://127.0.0.1:9/mcp", connect_timeout_seconds=1)
     client = SessionPool(HttpKind(config, http, "authorization", None))
     with pytest.raises(UpstreamUnreachableError, match="unavailable"):
         await client.session(None).ensure_initialized()
@@ -102,7 +102,9 @@ async def test_a_refusal_says_by_its_type_whether_the_upstream_forgot_the_sessio
     app = web.Application()
     app.router.add_post("/mcp", refusing_upstream)
     async with TestServer(app, host="127.0.0.1") as server:
-        client = SessionPool(HttpKind(UpstreamConfig(url=str(server.make_url("/mcp"))), http, "authorization", None))
+        client = SessionPool(
+            HttpKind(HttpUpstreamConfig(url=str(server.make_url("/mcp"))), http, "authorization", None)
+        )
         session = client.session(None)
         with pytest.raises(UpstreamSessionGoneError, match="HTTP 400"):
             await session.request("tools/list", None)
@@ -171,7 +173,7 @@ async def test_a_get_stream_message_over_max_result_bytes_is_dropped(
     app = get_stream_upstream(big_bytes=4 * cap)
     async with TestServer(app, host="127.0.0.1") as server:
         try:
-            config = UpstreamConfig(url=str(server.make_url("/mcp")))
+            config = HttpUpstreamConfig(url=str(server.make_url("/mcp")))
             client = SessionPool(HttpKind(config, http, "authorization", None, max_result_bytes=cap))
             session = client.session(None)
             inbox = Inbox()

@@ -13,7 +13,7 @@ import pytest
 
 from proxy.app import UPSTREAM
 from proxy.cli import main
-from proxy.config import load_config
+from proxy.config import StdioUpstreamConfig, load_config
 from proxy.upstream.stdio.session import StdioSession
 from tests.conftest import DECLARING, ROOT, ModernSchema, ProxyProcess, SchemaValidator, Tasks, policies, result_text
 from tests.test_faults import rpc
@@ -157,7 +157,7 @@ def test_the_example_configs_are_valid(capsys: pytest.CaptureFixture[str]) -> No
     assert examples
     for example in examples:
         assert main(["check-config", str(example)]) == 0, capsys.readouterr().err
-        assert load_config(example, environ={}).upstream.command
+        assert isinstance(load_config(example, environ={}).upstream, StdioUpstreamConfig)
 
 
 async def test_a_question_over_the_result_limit_never_reaches_the_client_and_the_call_ends(

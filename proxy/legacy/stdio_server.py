@@ -35,7 +35,7 @@ import structlog
 from aiohttp import web
 from mcp_types import jsonrpc as codes
 
-from proxy.config import UpstreamConfig
+from proxy.config import StdioUpstreamConfig
 from proxy.errors import InvalidRequestError, RequestId, UpstreamError, UpstreamTimeoutError
 from proxy.upstream.session import Room, principal_key
 from proxy.upstream.stdio.link import StdioLink
@@ -160,7 +160,7 @@ class StdioLegacyServer:
     """Serves legacy clients on the proxy's endpoint when the upstream is a stdio server (`relay()`, as the
     pass-through does for an HTTP upstream)."""
 
-    def __init__(self, link: StdioLink, room: Room, config: UpstreamConfig, principal_header: str) -> None:
+    def __init__(self, link: StdioLink, room: Room, config: StdioUpstreamConfig, principal_header: str) -> None:
         self.link = link
         self.pool = room  # each session's process counts against upstream.max_processes, as the pool's own do
         self.config = config

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from proxy.config import Config
+from proxy.config import Config, StdioUpstreamConfig
 from proxy.observability import Metrics
 from proxy.upstream.http.kind import HttpKind
 from proxy.upstream.session import SessionKind
@@ -19,6 +19,7 @@ def session_kind(config: Config, http: aiohttp.ClientSession, metrics: Metrics |
     """The kind of upstream session `config.upstream` describes; `http` is the HTTP kind's client."""
     max_result_bytes = config.limits.max_result_bytes
     principal_header = config.security.principal_header
-    if config.upstream.command:
-        return StdioKind(config.upstream, metrics, max_result_bytes=max_result_bytes, principal_header=principal_header)
-    return HttpKind(config.upstream, http, principal_header, metrics, max_result_bytes)
+    upstream = config.upstream
+    if isinstance(upstream, StdioUpstreamConfig):
+        return StdioKind(upstream, metrics, max_result_bytes=max_result_bytes, principal_header=principal_header)
+    return HttpKind(upstream, http, principal_header, metrics, max_result_bytes)

@@ -14,7 +14,7 @@ from typing import Final
 
 import aiohttp
 
-from proxy.config import UpstreamConfig
+from proxy.config import HttpUpstreamConfig
 from proxy.errors import UpstreamTimeoutError
 from proxy.legacy import LegacyFront
 from proxy.legacy.passthrough import PassThrough
@@ -31,7 +31,7 @@ class HttpKind(HttpLink):
 
     def __init__(
         self,
-        config: UpstreamConfig,
+        config: HttpUpstreamConfig,
         http: aiohttp.ClientSession,
         principal_header: str,
         metrics: Metrics | None,

@@ -10,7 +10,7 @@ import itertools
 import aiohttp
 from yarl import URL
 
-from proxy.config import UpstreamConfig
+from proxy.config import HttpUpstreamConfig
 from proxy.observability import Metrics
 from proxy.upstream.link import LinkBase
 
@@ -21,7 +21,7 @@ class HttpLink(LinkBase):
 
     def __init__(
         self,
-        config: UpstreamConfig,
+        config: HttpUpstreamConfig,
         http: aiohttp.ClientSession,
         principal_header: str,
         metrics: Metrics | None,

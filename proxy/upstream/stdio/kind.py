@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 
-from proxy.config import UpstreamConfig
+from proxy.config import StdioUpstreamConfig
 from proxy.errors import UpstreamTimeoutError
 from proxy.legacy import LegacyFront
 from proxy.legacy.stdio_server import StdioLegacyServer
@@ -28,7 +28,7 @@ class StdioKind(StdioLink):
 
     def __init__(
         self,
-        config: UpstreamConfig,
+        config: StdioUpstreamConfig,
         metrics: Metrics | None = None,
         environ: Mapping[str, str] = os.environ,
         max_result_bytes: int | None = None,

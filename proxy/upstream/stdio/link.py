@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from proxy.config import UpstreamConfig
+from proxy.config import StdioUpstreamConfig
 from proxy.errors import UpstreamUnreachableError
 from proxy.observability import Metrics
 from proxy.upstream.link import LinkBase
@@ -29,7 +29,7 @@ class StdioLink(LinkBase):
 
     def __init__(
         self,
-        config: UpstreamConfig,
+        config: StdioUpstreamConfig,
         metrics: Metrics | None = None,
         environ: Mapping[str, str] = os.environ,
         max_result_bytes: int | None = None,
