@@ -1,5 +1,5 @@
 """End to end: legacy (2025-11-25) clients in front of a stdio upstream, served by the proxy's own Streamable
-HTTP server (`proxy/upstream/stdio_legacy.py`): one server process per legacy session.
+HTTP server (`proxy/legacy/stdio_server.py`): one server process per legacy session.
 
 The client is the mcp 1.x SDK's own Streamable HTTP client: it must see what it sees talking to the same
 fixture over HTTP directly (tools, calls, an elicitation and a sampling request answered across the proxy,

@@ -1,4 +1,4 @@
-"""upstream/rates.py: token bucket, stderr line sampler and restart backoff, driven by explicit times (no loop)."""
+"""upstream/stdio/rates.py: token bucket, stderr line sampler and restart backoff, driven by explicit times."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""upstream/sse.py: the incremental SSE parser, fed as the network delivers (any split)."""
+"""wire/sse.py: the incremental SSE parser, fed as the network delivers (any split)."""
 
 from __future__ import annotations
 
