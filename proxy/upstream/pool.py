@@ -217,7 +217,7 @@ class SessionPool:
         def to_shared(notification: UpstreamNotification) -> None:
             shared = self._shared.get(key)
             if shared is not None:
-                shared.listeners.deliver(notification)
+                shared.listen_streams.deliver(notification)
 
         return to_shared
 
@@ -251,7 +251,7 @@ class SessionPool:
         if session.kept:
             self._close(session)  # a kept session's close only lets go of it (see `Session.detach`)
             return
-        if session.listeners.subscriptions:
+        if session.listen_streams.subscriptions:
             return  # a listen stream still reads it (it ends with its own use)
         if spare:
             if session.initialize_result is None:  # never initialized, or forgotten (or crashed) upstream
@@ -426,7 +426,7 @@ class SessionPool:
     def end_subscriptions(self) -> None:
         """Shutdown: every listen stream ends with its graceful result."""
         for session in self._shared.values():
-            session.listeners.end()
+            session.listen_streams.end()
 
     async def close(self) -> None:
         """Close every session (for stdio: every process stopped and reaped), then the kind's background work."""

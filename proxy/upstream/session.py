@@ -23,7 +23,7 @@ from typing import Any, Final, Protocol
 from proxy.errors import RequestId, UpstreamError
 from proxy.legacy import LegacyFront
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult
-from proxy.upstream.lending import Listeners, Notifications, Sink
+from proxy.upstream.lending import ListenStreams, Notifications, Sink
 from proxy.upstream.link import LinkBase
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader, param_headers
@@ -65,14 +65,14 @@ class RequestStream(Protocol):
 class Session(Protocol):
     """One upstream session, of whichever kind. What arrives unasked (a question naming no request, a
     notification) goes to the call it is lent to (`lend`, until `take_back`), else is refused (questions);
-    notifications also reach the listen streams (`listeners`)."""
+    notifications also reach the listen streams (`listen_streams`)."""
 
     principal: str | None
     session_id: str | None
     protocol_version: str
     initialize_result: JSON | None
     in_flight: int  # calls open on this session right now
-    listeners: Listeners
+    listen_streams: ListenStreams
 
     @property
     def kept(self) -> bool:

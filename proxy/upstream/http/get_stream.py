@@ -2,7 +2,7 @@
 
 A legacy server sends what is not tied to a request there: `notifications/*/list_changed`, resource updates,
 and server→client requests made without a related request (the mcp 1.x SDK's `list_roots()`, or
-`create_message()` / `elicit()` without a related request id). The listener reconnects (with
+`create_message()` / `elicit()` without a related request id). The reader reconnects (with
 `Last-Event-ID`) when the stream drops, and hands every message, and the news that the upstream forgot the
 session, to the one callback its session gives it. It knows nothing of the session that created it.
 """

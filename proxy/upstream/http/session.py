@@ -34,7 +34,7 @@ from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
 from proxy.upstream.http.get_stream import GetStream, SessionGone, StreamEvent
 from proxy.upstream.http.link import HttpLink
 from proxy.upstream.http.request_stream import HttpRequestStream, read_body
-from proxy.upstream.lending import Lending, Listeners, Notifications, Sink
+from proxy.upstream.lending import Lending, ListenStreams, Notifications, Sink
 from proxy.upstream.session import (
     CLIENT_CAPABILITIES,
     CLIENT_INFO,
@@ -63,8 +63,8 @@ class HttpSession:
         self.protocol_version: str = link.config.protocol_version
         self.initialize_result: JSON | None = None
         self.in_flight = 0  # calls open on this session right now
-        self.listeners = Listeners(self.request, link.tools_changed)
-        self._lending = Lending(self.listeners)  # the call the session is lent to gets its GET-stream traffic
+        self.listen_streams = ListenStreams(self.request, link.tools_changed)
+        self._lending = Lending(self.listen_streams)  # the call the session is lent to gets its GET-stream traffic
         self._get_stream: GetStream | None = None
         self._lock = asyncio.Lock()
 
@@ -176,9 +176,9 @@ class HttpSession:
         if listen and session_id is not None:  # a stateless upstream has no standalone stream
             await self._listen(session_id)
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
-        if self.listeners.resources:
+        if self.listen_streams.resources:
             # Not awaited here: initialize runs under the session lock, and these requests may need it.
-            self.link.spawn(self.listeners.resubscribe(), "upstream-resubscribe")
+            self.link.spawn(self.listen_streams.resubscribe(), "upstream-resubscribe")
 
     async def _open_stream(self, last_event_id: str | None) -> aiohttp.ClientResponse:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.link.config.connect_timeout_seconds)
@@ -261,9 +261,9 @@ class HttpSession:
         subscribers (`lending.py`)."""
         if isinstance(event, SessionGone):
             # With listen streams waiting, start a new session now; otherwise the next request does. (Not from
-            # the listener's task: initializing stops the old listener, i.e. cancels it.)
+            # the GET stream's task: initializing stops the old reader, i.e. cancels it.)
             self.forget(event.session_id)
-            if self.listeners.subscriptions:
+            if self.listen_streams.subscriptions:
                 self.link.spawn(self.revive(), "upstream-session-revive")
             return
         await self._lending.route(event, self.respond, f"outside a request {STANDALONE_REFUSED}")

@@ -37,7 +37,7 @@ from proxy.upstream.events import (
     UpstreamResult,
     UpstreamServerRequest,
 )
-from proxy.upstream.lending import Lending, Listeners, Notifications, Sink
+from proxy.upstream.lending import Lending, ListenStreams, Notifications, Sink
 from proxy.upstream.session import CLIENT_CAPABILITIES, CLIENT_INFO, read_param_headers, read_task_support, request
 from proxy.upstream.stdio.link import StdioLink
 from proxy.upstream.stdio.process import ProcessExit, StdioProcess
@@ -132,8 +132,8 @@ class StdioSession:
         self.protocol_version: str = link.config.protocol_version
         self.initialize_result: JSON | None = None
         self.in_flight = 0
-        self.listeners = Listeners(self.request, link.tools_changed)
-        self._lending = Lending(self.listeners)  # a process cannot outlive the proxy: a kept one is stopped too
+        self.listen_streams = ListenStreams(self.request, link.tools_changed)
+        self._lending = Lending(self.listen_streams)  # a process cannot outlive the proxy: a kept one is stopped too
         self.process: StdioProcess | None = None
         self._calls: dict[int, StdioRequestStream] = {}  # request id (also the progress token it carries) → call
         self._asked: set[RequestId] = set()  # the running process's questions not answered yet
@@ -228,8 +228,8 @@ class StdioSession:
         self.link.initialized(result)
         self.link.backoff.reset()
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, upstream=process.name)
-        if self.listeners.resources:
-            self.link.spawn(self.listeners.resubscribe(), "upstream-resubscribe")
+        if self.listen_streams.resources:
+            self.link.spawn(self.listen_streams.resubscribe(), "upstream-resubscribe")
 
     async def _initialize(self) -> JSON:
         params = {
@@ -285,7 +285,7 @@ class StdioSession:
         if exited.requested:
             return
         self.link.crashed(exited.lived_seconds)
-        if self.listeners.subscriptions and not self._closed:
+        if self.listen_streams.subscriptions and not self._closed:
             self.link.spawn(self._revive(), "upstream-session-revive")
 
     async def _revive(self) -> None:
