@@ -170,7 +170,7 @@ class Front:
                 result = event.result if isinstance(event, UpstreamResult) else None
                 error = event.error if isinstance(event, UpstreamErrorResponse) else None
                 return translate.final_message(request.id, request.method, result, error, server_info, self.cache)
-        raise AssertionError("HttpRequestStream.events() ends with a final event or raises")  # pragma: no cover
+        raise AssertionError("RequestStream.events() ends with a final event or raises")  # pragma: no cover
 
     async def _refuse(self, request: ModernRequest, session: Session, question: UpstreamServerRequest) -> JSON | None:
         """Only tools/call, prompts/get and resources/read may ask a 2026-07-28 client for input (as MRTR or a
