@@ -33,8 +33,8 @@ from proxy.upstream.events import (
     UpstreamServerRequest,
     refusal,
 )
-from proxy.upstream.kinds import Session, SessionCall
-from proxy.upstream.pool import UpstreamClient
+from proxy.upstream.pool import SessionPool
+from proxy.upstream.session import RequestStream, Session
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
 from proxy.wire.envelope import (
@@ -55,7 +55,7 @@ Handler = Callable[["Front", ModernRequest, Caller, Channel], Awaitable[JSON]]
 
 
 class Front:
-    def __init__(self, config: Config, upstream: UpstreamClient, runner: TaskRunner, watchers: TaskWatchers) -> None:
+    def __init__(self, config: Config, upstream: SessionPool, runner: TaskRunner, watchers: TaskWatchers) -> None:
         self.config = config
         self.upstream = upstream
         self.runner = runner
@@ -155,7 +155,7 @@ class Front:
                 await asyncio.shield(self._cancel(call, "client disconnected"))
                 raise
 
-    async def _drive(self, request: ModernRequest, session: Session, call: SessionCall, channel: Channel) -> JSON:
+    async def _drive(self, request: ModernRequest, session: Session, call: RequestStream, channel: Channel) -> JSON:
         server_info = self.upstream.server_info
         async for event in call.events():
             if isinstance(event, UpstreamNotification):
@@ -170,7 +170,7 @@ class Front:
                 result = event.result if isinstance(event, UpstreamResult) else None
                 error = event.error if isinstance(event, UpstreamErrorResponse) else None
                 return translate.final_message(request.id, request.method, result, error, server_info, self.cache)
-        raise AssertionError("UpstreamCall.events() ends with a final event or raises")  # pragma: no cover
+        raise AssertionError("RequestStream.events() ends with a final event or raises")  # pragma: no cover
 
     async def _refuse(self, request: ModernRequest, session: Session, question: UpstreamServerRequest) -> JSON | None:
         """Only tools/call, prompts/get and resources/read may ask a 2026-07-28 client for input (as MRTR or a
@@ -196,7 +196,7 @@ class Front:
         )
         return error_message(request.id, {"code": codes.INTERNAL_ERROR, "message": message})
 
-    async def _cancel(self, call: SessionCall, reason: str) -> None:
+    async def _cancel(self, call: RequestStream, reason: str) -> None:
         try:
             await call.cancel(reason)
         except UpstreamError as exc:  # best effort: the call is being abandoned either way

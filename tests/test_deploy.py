@@ -32,7 +32,7 @@ import yaml
 
 from proxy.app import host_allowed
 from proxy.cli import main
-from proxy.config import Config, load_config
+from proxy.config import Config, HttpUpstreamConfig, load_config
 from tests.support.processes import ROOT, Upstream, free_port
 from tests.support.waiting import until_sync
 
@@ -219,6 +219,7 @@ def test_docker_config_is_valid_and_fits_a_sidecar(capsys: pytest.CaptureFixture
     assert "ok" in capsys.readouterr().out
     config = load_config(DOCKER_CONFIG, environ={})
     assert (config.listen.host, config.listen.port, config.listen.path) == ("0.0.0.0", 8080, "/mcp")
+    assert isinstance(config.upstream, HttpUpstreamConfig)
     assert config.upstream.url == "http://127.0.0.1:9000/mcp"
     assert config.store.path == "/var/lib/mcp-tasks-proxy/tasks.db"
     assert config.logging.format == "json"
@@ -474,6 +475,7 @@ def test_configmap_config_is_valid_and_matches_the_pod(tmp_path: Path, capsys: p
     config = _proxy_config(tmp_path)
     (port,) = _proxy_container()["ports"]
     assert (config.listen.host, config.listen.port) == ("0.0.0.0", port["containerPort"])
+    assert isinstance(config.upstream, HttpUpstreamConfig)
     assert urlsplit(config.upstream.url).hostname in LOOPBACK_HOSTS, "a sidecar reaches its server on loopback"
     assert config.tasks.tools, "the example shows tool policies"
     assert any("*" in name and policy.on_restart == "rerun" for name, policy in config.tasks.tools.items())

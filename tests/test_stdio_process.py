@@ -1,4 +1,4 @@
-"""upstream/stdio.py against real server processes: the mcp 1.x fixture over stdio and the faulty servers of
+"""upstream/stdio/process.py against real server processes: the mcp 1.x fixture over stdio and the faulty servers of
 tests/upstream/faulty_stdio.py. Every test ends with no child process and no member of a server's process
 group left (counted in /proc)."""
 
@@ -17,7 +17,7 @@ import pytest
 import structlog
 
 from proxy.errors import UpstreamError
-from proxy.upstream.stdio import (
+from proxy.upstream.stdio.process import (
     INHERITED_ENV_VARS,
     STDERR_LINE_CHARS,
     ProcessExit,

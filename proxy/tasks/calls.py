@@ -19,7 +19,7 @@ from proxy.tasks.commands import Event, ReplyKind, Timer
 from proxy.tasks.replicas import Ask, ReplicaLink
 from proxy.tasks.state import CallState
 from proxy.tasks.store import Fence, TaskStore
-from proxy.upstream.kinds import Session, SessionCall
+from proxy.upstream.session import RequestStream, Session
 from proxy.wire.envelope import Channel
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord
@@ -50,7 +50,7 @@ class Call:
     timers: dict[Timer, asyncio.TimerHandle] = field(default_factory=dict)
     pump: asyncio.Task[None] | None = None  # reads the upstream call
     session: Session | None = None
-    upstream: SessionCall | None = None
+    upstream: RequestStream | None = None
     created_at: float = field(default_factory=time.perf_counter)
     fence: Fence | None = None  # the lease the task's record is written under (None: no task yet)
     ask: Ask | None = None  # set on a stand-in for a call parked on another replica (a forwarded MRTR retry)

@@ -78,8 +78,8 @@ from proxy.upstream.events import (
     UpstreamServerRequest,
     refusal,
 )
-from proxy.upstream.kinds import Session
-from proxy.upstream.pool import UpstreamClient
+from proxy.upstream.pool import SessionPool
+from proxy.upstream.session import Session
 from proxy.wire import translate
 from proxy.wire.envelope import Caller, Channel, ModernRequest
 from proxy.wire.jsonrpc import JSON
@@ -97,7 +97,7 @@ class TaskRunner(TaskRecords, ReplicaCalls):
         self,
         config: Config,
         store: TaskStore,
-        upstream: UpstreamClient,
+        upstream: SessionPool,
         principals: Principals,
         clock: Callable[[], int] = wall_clock_ms,
         metrics: Metrics | None = None,

@@ -7,7 +7,7 @@
 - `tasks/get` for `PollUpstreamTask`, answered with `UpstreamTaskPolled`; `tasks/cancel`; letting go of the
   task at shutdown without cancelling it (its session is kept, not ended with DELETE).
 
-An HTTP 400, 404 or 410 without a JSON-RPC answer means the upstream no longer knows the session (or task):
+`UpstreamSessionGoneError` (upstream/ raises it) means the upstream no longer knows the session (or task):
 server-everything answers 400 for an unknown session, the mcp 1.x SDK 404 (and a new session then answers
 `-32602` for the task). An outcome over `limits.max_result_bytes` fails the task. Any other failure is
 passing: asked again later. Decides nothing; feeds events to the
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import structlog
 
-from proxy.errors import ProxyError, ResultTooLargeError, UpstreamError, UpstreamRefusedError
+from proxy.errors import ProxyError, ResultTooLargeError, UpstreamError, UpstreamSessionGoneError
 from proxy.tasks.commands import (
     Asked,
     CancelUpstreamTask,
@@ -44,8 +44,8 @@ from proxy.upstream.events import (
     UpstreamResult,
     UpstreamServerRequest,
 )
-from proxy.upstream.kinds import Session
-from proxy.upstream.pool import UpstreamClient
+from proxy.upstream.pool import SessionPool
+from proxy.upstream.session import Session
 from proxy.wire import legacy_tasks
 
 if TYPE_CHECKING:
@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-GONE_STATUSES: Final = frozenset({400, 404, 410})  # the upstream does not know the session (or the task)
 RETRY_DELAYS_SECONDS: Final = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # a dropped tasks/result is opened again after
 UpstreamTaskCommand = FollowUpstreamTask | PollUpstreamTask | CancelUpstreamTask | ReleaseCall
 
@@ -61,7 +60,7 @@ UpstreamTaskCommand = FollowUpstreamTask | PollUpstreamTask | CancelUpstreamTask
 class Driver(Protocol):
     """What carrying out these commands needs from the runner."""
 
-    upstream: UpstreamClient
+    upstream: SessionPool
     clock: Callable[[], int]  # wall clock, epoch milliseconds
 
     async def dispatch(self, call: Call, event: Event) -> None: ...
@@ -75,10 +74,6 @@ def call_event(event: UpstreamEvent) -> Event:
     if isinstance(event, UpstreamNotification):
         return Notified(event.message, time.monotonic() * 1000)
     return Ended(event)
-
-
-def _gone(exc: UpstreamError) -> bool:
-    return isinstance(exc, UpstreamRefusedError) and exc.upstream_status in GONE_STATUSES
 
 
 class UpstreamTasks:
@@ -172,7 +167,7 @@ class UpstreamTasks:
                 await self.driver.dispatch(call, Ended(exc))
                 return
             except UpstreamError as exc:
-                if _gone(exc):
+                if isinstance(exc, UpstreamSessionGoneError):
                     await self.driver.dispatch(call, UpstreamTaskPolled(None, known=False))
                     return
                 log.info("upstream_task_result_dropped", task_id=call.state.task_id, error=exc.message)
@@ -191,7 +186,7 @@ class UpstreamTasks:
             try:
                 answer = await self._request(session, call, "tasks/get", followed.task_id)
             except UpstreamError as exc:
-                if _gone(exc):
+                if isinstance(exc, UpstreamSessionGoneError):
                     polled = UpstreamTaskPolled(None, known=False)
                 else:
                     log.info("upstream_task_poll_failed", task_id=call.state.task_id, error=exc.message)

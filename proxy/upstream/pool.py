@@ -1,7 +1,7 @@
 """The proxy's own upstream sessions (not the pass-through of legacy clients): which session serves a request.
 
-One pool for every kind of upstream session (`kinds.py`): a `SessionKind` makes the sessions and says, in its
-`PoolLimits`, how they are bounded.
+One pool for every kind of upstream session (`session.py`): a `SessionKind` makes the sessions and says, in
+its `PoolLimits`, how they are bounded. The pool knows no kind.
 
 - `use(principal)`: the principal's shared session, for requests that cannot ask the client anything (lists,
   discover, completion, listen streams). A legacy server may bind a session to a token, so sessions are never
@@ -16,11 +16,14 @@ One pool for every kind of upstream session (`kinds.py`): a `SessionKind` makes 
   task the upstream runs itself, resumed after a restart): no `initialize`.
 - `keep(session)`: a session whose upstream work outlives this process is let go without ending that work.
 
+The pool lends a session (`Session.lend`) and takes it back (`Session.take_back`); it writes no session's
+fields.
+
 List changes and resource updates seen on a lent session reach the principal's listen streams too. Sessions
 nobody uses are kept for reuse, least recently used first out: beyond `max_idle` idle sessions the oldest is
 closed; a lent session idle for `idle_seconds` is closed. With `max_open`, a new session beyond it first
 closes an idle one, else waits (bounded) for one to come free and then fails with UpstreamLimitError. Imports
-the kinds protocol; the sessions know nothing of the pool.
+the session protocols; the sessions know nothing of the pool.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ from contextlib import asynccontextmanager
 import structlog
 
 from proxy.errors import ProxyError, UpstreamLimitError
+from proxy.legacy import LegacyFront
 from proxy.upstream.events import UpstreamNotification
-from proxy.upstream.kinds import Session, SessionKind, Sink, principal_key
+from proxy.upstream.lending import Sink
+from proxy.upstream.session import Session, SessionKind, principal_key
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader
 from proxy.wire.jsonrpc import JSON
@@ -42,7 +47,9 @@ from proxy.wire.jsonrpc import JSON
 log = structlog.get_logger(__name__)
 
 
-class UpstreamClient:
+class SessionPool:
+    """Which upstream session serves a request (see the module doc)."""
+
     def __init__(self, kind: SessionKind) -> None:
         self.kind = kind
         self.limits = kind.limits
@@ -110,7 +117,7 @@ class UpstreamClient:
         async with self._lent_to(session, key, reclaim):
             self._keep_one_warm(principal, key)
             await session.ensure_initialized()
-            session.lessee = sink
+            session.lend(sink, self._notifications_of(key))
             yield session
 
     @asynccontextmanager
@@ -129,12 +136,11 @@ class UpstreamClient:
         session = self._make(principal)
         async with self._lent_to(session, key, None):
             await session.adopt(session_id)
-            session.lessee = sink
+            session.lend(sink, self._notifications_of(key))
             yield session
 
     @asynccontextmanager
     async def _lent_to(self, session: Session, key: str, reclaim: Callable[[], bool] | None) -> AsyncIterator[None]:
-        session.on_notification = lambda notification: self._to_shared(key, notification)
         self._take(session)
         self._lent.add(session)
         if reclaim is not None:
@@ -142,7 +148,7 @@ class UpstreamClient:
         try:
             yield
         finally:
-            session.lessee = None
+            session.take_back()
             self._lent.discard(session)
             self._reclaims.pop(session, None)
             self._reclaiming.discard(session)
@@ -152,7 +158,7 @@ class UpstreamClient:
     def keep(self, session: Session) -> None:
         """The session holds upstream work a later proxy process resumes (a task the upstream runs itself): when
         its use ends it is let go without ending that work (no DELETE)."""
-        session.kept = True
+        session.keep()
 
     async def _lendable(self, principal: str | None, key: str) -> Session:
         """A spare session of the principal, else a new one (waiting for room when the kind is bounded)."""
@@ -204,12 +210,16 @@ class UpstreamClient:
             loop = asyncio.get_running_loop()
             self._idle_timers[session] = loop.call_later(self.limits.idle_seconds, self._close, session)
 
-    def _to_shared(self, key: str, notification: UpstreamNotification) -> None:
-        """A list change or resource update seen on a lent session reaches the principal's listen streams,
-        which read its shared session."""
-        shared = self._shared.get(key)
-        if shared is not None:
-            shared.deliver(notification)
+    def _notifications_of(self, key: str) -> Callable[[UpstreamNotification], None]:
+        """Where notifications seen on a session lent to the principal go: a list change or resource update
+        reaches the principal's listen streams, which read its shared session."""
+
+        def to_shared(notification: UpstreamNotification) -> None:
+            shared = self._shared.get(key)
+            if shared is not None:
+                shared.listen_streams.deliver(notification)
+
+        return to_shared
 
     def _make(self, principal: str | None) -> Session:
         session = self.kind.new(principal)
@@ -241,7 +251,7 @@ class UpstreamClient:
         if session.kept:
             self._close(session)  # a kept session's close only lets go of it (see `Session.detach`)
             return
-        if session.subscriptions:
+        if session.listen_streams.subscriptions:
             return  # a listen stream still reads it (it ends with its own use)
         if spare:
             if session.initialize_result is None:  # never initialized, or forgotten (or crashed) upstream
@@ -408,10 +418,15 @@ class UpstreamClient:
         """Readiness: UpstreamError saying what failed (see the kind's `probe`)."""
         await self.kind.probe(max_age_seconds, lambda: self.use(None))
 
+    def legacy_front(self) -> LegacyFront:
+        """What serves legacy clients in front of this upstream (the kind decides); its sessions count against
+        this pool's bound where they cost as much as its own."""
+        return self.kind.legacy_front(self)
+
     def end_subscriptions(self) -> None:
         """Shutdown: every listen stream ends with its graceful result."""
         for session in self._shared.values():
-            session.end_subscriptions()
+            session.listen_streams.end()
 
     async def close(self) -> None:
         """Close every session (for stdio: every process stopped and reaped), then the kind's background work."""

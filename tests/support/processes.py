@@ -19,7 +19,7 @@ import yaml
 
 from proxy.app import UPSTREAM
 from proxy.config import Config, load_config
-from proxy.upstream.stdio_session import StdioSession
+from proxy.upstream.stdio.session import StdioSession
 from tests.support.clients import Tasks
 from tests.support.waiting import until
 

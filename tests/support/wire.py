@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import ClientResponse
 
-from proxy.upstream.sse import SSEParser
+from proxy.wire.sse import SSEParser
 
 MODERN = "2026-07-28"
 TASKS = "io.modelcontextprotocol/tasks"
