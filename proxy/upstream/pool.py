@@ -29,6 +29,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import structlog
 
@@ -40,6 +41,15 @@ from proxy.wire.envelope import ParamHeader
 from proxy.wire.jsonrpc import JSON
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolFacts:
+    """What the front needs to know of a tool before its call starts (`UpstreamClient.tool_facts`)."""
+
+    initialize_result: JSON
+    param_headers: tuple[ParamHeader, ...]
+    task_support: legacy_tasks.TaskSupport | None  # how the upstream runs it as its own task, or None
 
 
 class UpstreamClient:
@@ -401,6 +411,28 @@ class UpstreamClient:
             return support if support in ("optional", "required") else None
         async with self.use(principal) as session:
             return await session.task_support(tool)
+
+    async def tool_facts(self, principal: str | None, tool: str, max_age_ms: int) -> ToolFacts:
+        """What a call of `tool` needs before it starts, in one turn: the InitializeResult (at most `max_age_ms`
+        old), the tool's `x-mcp-header` annotations and how the upstream runs it as its own task. From what the
+        kind already knows; the caller's shared session is used (once) only for what it does not."""
+        initialize_result = self.kind.recent_initialize(max_age_ms)
+        headers = self.kind.known_headers(tool)
+        latest = self.kind.initialize_result
+        support: legacy_tasks.TaskSupport | None = None
+        support_known = latest is not None and (headers is not None or not legacy_tasks.runs_tool_tasks(latest))
+        if support_known and latest is not None and legacy_tasks.runs_tool_tasks(latest):
+            known = self.kind.tool_task_support.get(tool)
+            support = known if known in ("optional", "required") else None
+        if initialize_result is None or headers is None or not support_known:
+            async with self.use(principal) as session:
+                if initialize_result is None:
+                    initialize_result = await session.ensure_initialized()
+                if headers is None:
+                    headers = await session.param_headers(tool)
+                if not support_known:
+                    support = await session.task_support(tool)
+        return ToolFacts(initialize_result, headers, support)
 
     # --- readiness and shutdown ---------------------------------------------------------------------------
 
