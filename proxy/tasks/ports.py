@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar
 
-from proxy.tasks.commands import Command, Event
+from proxy.tasks.commands import Event
 from proxy.tasks.live_call import LiveCall
 
 _T = TypeVar("_T")
@@ -34,11 +34,3 @@ class Effect(Protocol):
 
     async def __call__(self, call: LiveCall, command: Any) -> Event | None: ...
 
-
-class Forgets(Protocol):
-    """An effect that keeps something per call lets go of it when the call is finished."""
-
-    def forget(self, call: LiveCall) -> None: ...
-
-
-__all__ = ["Command", "Effect", "Feed", "Forgets", "Spawner"]
