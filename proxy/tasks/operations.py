@@ -1,7 +1,8 @@
 """The task operations the front and the listen streams use, which need no call: `tasks/get` (the caller's
-own unexpired task, paced), `tasks/update` (answers to its call, here or through its owner) and `tasks/cancel`
-(settled `cancelled`, its call stopped here or by its owner through the feed). A live task seen past its TTL
-is failed then and there. Imports the store, the record writes (settlements), the table and the replica link.
+own unexpired task, paced; a listen stream's quieter read), `tasks/update` (answers to its call, here or
+through its owner) and `tasks/cancel` (settled `cancelled`, its call stopped here or by its owner through the
+feed). A live task seen past its TTL is failed then and there. Imports the store, the record writes
+(settlements), the table and the replica link.
 """
 
 from __future__ import annotations
@@ -49,6 +50,18 @@ class TaskOperations:
         self.replicas = replicas
         self.clock = clock
         self.paced = paced
+
+    def owner(self, caller: Caller) -> str:
+        """Whose tasks the caller may see: its principal, as a keyed hash."""
+        return self.principals.key_of(caller.principal)
+
+    async def peek(self, task_id: str, owner: str) -> TaskRecord | None:
+        """The owner's own unexpired task as stored, or None; nothing is written (listen streams read this way
+        at every change)."""
+        record = await self.store.get(task_id, principal=owner)
+        if record is None or record.expired(self.clock()):
+            return None
+        return record
 
     async def observe(self, task_id: str, caller: Caller) -> TaskRecord:
         """The caller's own, unexpired task, or -32602 (the same for an unknown, foreign or expired id, so

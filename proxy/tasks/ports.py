@@ -33,4 +33,3 @@ class Effect(Protocol):
     """Carries out a command for a call; returns the event the command is answered with, if any."""
 
     async def __call__(self, call: LiveCall, command: Any) -> Event | None: ...
-

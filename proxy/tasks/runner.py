@@ -40,7 +40,6 @@ from proxy.tasks.replicas import ReplicaLink
 from proxy.tasks.store import TaskStore
 from proxy.tasks.table import CallTable
 from proxy.upstream.pool import UpstreamClient
-from proxy.wire.tasks import TaskRecord
 
 log = structlog.get_logger(__name__)
 
@@ -179,9 +178,6 @@ class TaskRunner:
         await self.calls.shut_down()
         await self.replicas.close()
         await self.background.close(SHUTDOWN_GRACE_SECONDS)
-
-    def paced(self, record: TaskRecord) -> TaskRecord:
-        return self.durations.paced(record)
 
     def lease_problem(self) -> str | None:
         return self.replicas.lease_problem()
