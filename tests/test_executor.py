@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, cast, get_args
 
 import pytest
 
@@ -27,6 +27,7 @@ from proxy.tasks.background import Background
 from proxy.tasks.commands import (
     ClearTimer,
     ClientLeft,
+    Command,
     CommitRefused,
     Committed,
     CreateRecord,
@@ -427,3 +428,8 @@ async def test_a_crashing_pump_of_an_upstream_run_task_fails_it_without_a_python
     for shown in (record.status_message, record.error["message"]):
         assert "RuntimeError" not in shown
         assert CRASH not in shown
+
+
+async def test_every_command_the_machine_can_give_has_an_effect(tmp_path: Path, store: SqliteTaskStore) -> None:
+    async with runner_on(tmp_path, store, CrashingSession(crash_on="")) as runner:
+        assert set(runner.executor.effects) == set(get_args(Command))
