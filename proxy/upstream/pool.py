@@ -391,37 +391,17 @@ class UpstreamClient:
         async with self.use(principal) as session:
             return await session.ensure_initialized()
 
-    async def param_headers(self, principal: str | None, tool: str) -> tuple[ParamHeader, ...]:
-        """The tool's `x-mcp-header` annotations, from the shared catalog; read through the caller's shared
-        session only when the catalog cannot answer."""
-        known = self.kind.known_headers(tool)
-        if known is not None:
-            return known
-        async with self.use(principal) as session:
-            return await session.param_headers(tool)
-
-    async def task_support(self, principal: str | None, tool: str) -> legacy_tasks.TaskSupport | None:
-        """How the upstream runs `tool` as its own 2025-11-25 task, or None: from the shared catalog when the
-        latest InitializeResult and the catalog can answer, else through the caller's shared session."""
-        initialize_result = self.kind.initialize_result
-        if initialize_result is not None and not legacy_tasks.runs_tool_tasks(initialize_result):
-            return None
-        if initialize_result is not None and self.kind.known_headers(tool) is not None:
-            support = self.kind.tool_task_support.get(tool)
-            return support if support in ("optional", "required") else None
-        async with self.use(principal) as session:
-            return await session.task_support(tool)
-
     async def tool_facts(self, principal: str | None, tool: str, max_age_ms: int) -> ToolFacts:
         """What a call of `tool` needs before it starts, in one turn: the InitializeResult (at most `max_age_ms`
         old), the tool's `x-mcp-header` annotations and how the upstream runs it as its own task. From what the
         kind already knows; the caller's shared session is used (once) only for what it does not."""
         initialize_result = self.kind.recent_initialize(max_age_ms)
         headers = self.kind.known_headers(tool)
-        latest = self.kind.initialize_result
+        latest = self.kind.initialize_result  # does the upstream run tool tasks at all? (any age will do)
+        runs_tasks = latest is not None and legacy_tasks.runs_tool_tasks(latest)
+        support_known = latest is not None and (headers is not None or not runs_tasks)
         support: legacy_tasks.TaskSupport | None = None
-        support_known = latest is not None and (headers is not None or not legacy_tasks.runs_tool_tasks(latest))
-        if support_known and latest is not None and legacy_tasks.runs_tool_tasks(latest):
+        if support_known and runs_tasks:
             known = self.kind.tool_task_support.get(tool)
             support = known if known in ("optional", "required") else None
         if initialize_result is None or headers is None or not support_known:
