@@ -91,7 +91,8 @@ class _Stream:
         self.request = request
         self.channel = channel
         self.session = session
-        self.owner = self.runner.principals.key_of(caller.principal)
+        self.tasks = self.runner.operations
+        self.owner = self.tasks.owner(caller)
         self.tag = {translate.SUBSCRIPTION_ID_META_KEY: request.id}
         self.inbox = ListenInbox()
         self.sent: dict[str, tuple[str, int, float]] = {}  # task id → (status, lastUpdatedAt, when) last sent
@@ -148,10 +149,7 @@ class _Stream:
         return honoured, settled
 
     async def _read(self, task_id: str) -> TaskRecord | None:
-        record = await self.runner.store.get(task_id, principal=self.owner)
-        if record is None or record.expired(self.runner.clock()):
-            return None
-        return record
+        return await self.tasks.peek(task_id, self.owner)
 
     async def _loop(self, honoured: JSON) -> None:
         while True:
@@ -191,7 +189,7 @@ class _Stream:
         await self._send(record)
 
     async def _send(self, record: TaskRecord) -> None:
-        task: dict[str, Any] = wire_tasks.detailed_task(self.runner.paced(record))
+        task: dict[str, Any] = wire_tasks.detailed_task(self.tasks.paced(record))
         message = notification_message("notifications/tasks", {"_meta": self.tag, **task})
         await self.channel.notify(message, required=True)
         self.sent[record.task_id] = (record.status.value, record.updated_at_ms, time.monotonic())

@@ -18,6 +18,7 @@ import pytest
 from proxy.app import CONFIG, FRONT, STORE
 from proxy.policy import decide
 from proxy.tasks import waiting as waiting_module
+from proxy.tasks.request import UpstreamRequest
 from proxy.tasks.store import SqliteTaskStore
 from proxy.wire.envelope import Caller, validate_modern
 from tests.support.clients import ClientFactory, Tasks, post_and_leave, upstream_calls_open
@@ -170,7 +171,7 @@ async def test_a_client_leaving_during_creation_leaves_no_orphan_record(tasks_cl
     decision = decide(app[CONFIG].tasks, "counted", declares_tasks=True)
     await client.text("echo", {"text": "warm"})  # the upstream session exists
     creating = asyncio.get_running_loop().create_task(
-        app[FRONT].calls.call(request, Caller(), Silent(), decision, None)
+        app[FRONT].calls.call(UpstreamRequest.of(request, Caller()), Caller(), Silent(), decision, None)
     )
     await asyncio.sleep(0)  # creation has begun
     creating.cancel()

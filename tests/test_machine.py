@@ -69,7 +69,6 @@ from proxy.tasks.commands import (
     WriteInputs,
     WriteProgress,
 )
-from proxy.tasks.followed import UPSTREAM_CANCELLED, FollowedTask
 from proxy.tasks.inputs import PendingInput
 from proxy.tasks.state import (
     CLIENT_LEFT,
@@ -79,6 +78,7 @@ from proxy.tasks.state import (
     TASK_REFUSED,
     CallState,
 )
+from proxy.tasks.upstream_task import UPSTREAM_CANCELLED, UpstreamTask
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
 from proxy.wire.legacy_tasks import LegacyTask
 from proxy.wire.tasks import TaskStatus, internal_error
@@ -1154,7 +1154,7 @@ def test_upstream_task_playbook(playbook: Playbook) -> None:
 
 def test_after_a_restart_the_upstreams_task_is_followed_again_with_its_questions() -> None:
     state = CallState(UP_TASK, EVERY_INPUT, GATHER_MS, PARK_TTL_MS, task_id="t1")
-    state.upstream_task = FollowedTask("up-1")
+    state.upstream_task = UpstreamTask("up-1")
     state.inputs = {"elicitation-1": PendingInput("q-1", "elicitation/create", ELICIT_REQUEST)}
     state.inputs_written = False
     state.issued = 1

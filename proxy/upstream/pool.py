@@ -32,6 +32,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import structlog
 
@@ -45,6 +46,15 @@ from proxy.wire.envelope import ParamHeader
 from proxy.wire.jsonrpc import JSON
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolFacts:
+    """What the front needs to know of a tool before its call starts (`SessionPool.tool_facts`)."""
+
+    initialize_result: JSON
+    param_headers: tuple[ParamHeader, ...]
+    task_support: legacy_tasks.TaskSupport | None  # how the upstream runs it as its own task, or None
 
 
 class SessionPool:
@@ -391,26 +401,28 @@ class SessionPool:
         async with self.use(principal) as session:
             return await session.ensure_initialized()
 
-    async def param_headers(self, principal: str | None, tool: str) -> tuple[ParamHeader, ...]:
-        """The tool's `x-mcp-header` annotations, from the shared catalog; read through the caller's shared
-        session only when the catalog cannot answer."""
-        known = self.kind.known_headers(tool)
-        if known is not None:
-            return known
-        async with self.use(principal) as session:
-            return await session.param_headers(tool)
-
-    async def task_support(self, principal: str | None, tool: str) -> legacy_tasks.TaskSupport | None:
-        """How the upstream runs `tool` as its own 2025-11-25 task, or None: from the shared catalog when the
-        latest InitializeResult and the catalog can answer, else through the caller's shared session."""
-        initialize_result = self.kind.initialize_result
-        if initialize_result is not None and not legacy_tasks.runs_tool_tasks(initialize_result):
-            return None
-        if initialize_result is not None and self.kind.known_headers(tool) is not None:
-            support = self.kind.tool_task_support.get(tool)
-            return support if support in ("optional", "required") else None
-        async with self.use(principal) as session:
-            return await session.task_support(tool)
+    async def tool_facts(self, principal: str | None, tool: str, max_age_ms: int) -> ToolFacts:
+        """What a call of `tool` needs before it starts, in one turn: the InitializeResult (at most `max_age_ms`
+        old), the tool's `x-mcp-header` annotations and how the upstream runs it as its own task. From what the
+        kind already knows; the caller's shared session is used (once) only for what it does not."""
+        initialize_result = self.kind.recent_initialize(max_age_ms)
+        headers = self.kind.known_headers(tool)
+        latest = self.kind.initialize_result  # does the upstream run tool tasks at all? (any age will do)
+        runs_tasks = latest is not None and legacy_tasks.runs_tool_tasks(latest)
+        support_known = latest is not None and (headers is not None or not runs_tasks)
+        support: legacy_tasks.TaskSupport | None = None
+        if support_known and runs_tasks:
+            known = self.kind.tool_task_support.get(tool)
+            support = known if known in ("optional", "required") else None
+        if initialize_result is None or headers is None or not support_known:
+            async with self.use(principal) as session:
+                if initialize_result is None:
+                    initialize_result = await session.ensure_initialized()
+                if headers is None:
+                    headers = await session.param_headers(tool)
+                if not support_known:
+                    support = await session.task_support(tool)
+        return ToolFacts(initialize_result, headers, support)
 
     # --- readiness and shutdown ---------------------------------------------------------------------------
 
