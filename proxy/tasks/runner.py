@@ -400,16 +400,18 @@ class TaskRunner(TaskRecords, ReplicaCalls):
     async def _session(self, call: Call) -> AsyncIterator[Session]:
         """A call whose client could answer a question (it declared elicitation, sampling or roots) gets an
         upstream session of its own while it runs: whatever the upstream sends on that session's GET stream (a
-        question naming no request) is this call's, never a guess. The others share the principal's session;
-        a question sent there unasked is refused at once (questions on the call's own stream stay the call's,
-        and its client is told what it lacks)."""
+        question naming no request) is this call's, never a guess; so does a call of a tool seen asking before.
+        The others share the principal's session; a question sent there unasked is the call's while it runs
+        there alone, else refused at once (questions on the call's own stream stay the call's, and its client is
+        told what it lacks)."""
 
         async def on_stream(event: UpstreamEvent) -> None:
             await self.dispatch(call, self._event(event))
 
         asks = inputs.could_answer(call.state.capabilities)
         reclaim = lambda: self._reclaim(call)  # noqa: E731 - bound to this call
-        async with self.upstream.lease(call.principal, on_stream, asks=asks, reclaim=reclaim) as session:
+        asker = f"{call.method} {call.name}"  # a call of it seen asking before gets a session of its own too
+        async with self.upstream.lease(call.principal, on_stream, asks=asks, reclaim=reclaim, asker=asker) as session:
             yield session
 
     def _reclaim(self, call: Call) -> bool:
