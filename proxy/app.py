@@ -245,7 +245,13 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     app[FRONT] = Front(config, upstream, runner, watchers)
     legacy: StdioLegacyServer | None = None
     if isinstance(upstream.kind, StdioLink):  # a stdio server: the proxy serves legacy clients itself
-        legacy = StdioLegacyServer(upstream.kind, upstream, config.upstream, config.security.principal_header)
+        legacy = StdioLegacyServer(
+            upstream.kind,
+            upstream,
+            config.upstream,
+            config.security.principal_header,
+            replay_bytes=config.limits.legacy_replay_bytes,
+        )
         app[PASSTHROUGH] = legacy
     else:
         app[PASSTHROUGH] = PassThrough(

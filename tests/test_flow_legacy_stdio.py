@@ -22,7 +22,7 @@ from aiohttp.test_utils import TestClient
 
 from proxy.app import PASSTHROUGH
 from proxy.upstream.stdio_legacy import StdioLegacyServer
-from tests.conftest import Upstream
+from tests.conftest import Upstream, parse_sse
 from tests.test_flow_legacy import _run_session
 from tests.test_flow_stdio import stdio_upstream
 
@@ -93,8 +93,9 @@ async def test_raw_session_lifecycle(stdio_proxy: Client) -> None:
     call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "echo", "arguments": {"text": "é"}}}
     async with http.post(url, json=call, headers=session) as r:
         assert r.status == 200
-        assert r.headers["Content-Type"].startswith("application/json")
-        assert json.loads(await r.text())["result"]["content"][0]["text"] == "é"
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        [echoed] = parse_sse(await r.text())
+        assert echoed["result"]["content"][0]["text"] == "é"
     other = {**session, "Authorization": "Bearer someone-else"}
     async with http.post(url, json=call, headers=other) as r:  # bound to the principal that opened it
         assert r.status == 404
