@@ -145,6 +145,50 @@ async def test_a_resume_of_an_answered_stream_replays_what_is_held_and_ends(stdi
     assert json.loads(replayed[-1].data)["result"]["content"][0]["text"] == "slept 0.3"
 
 
+async def test_the_get_stream_is_resumed_with_what_it_missed(stdio_proxy: Client) -> None:
+    """A resource update reaches the GET stream (the call that causes it is answered with JSON, so it has no
+    stream); the client reads the first, misses the second as its connection breaks, and resuming the GET
+    stream from the first brings the second."""
+    headers = await open_session(stdio_proxy)
+    url = stdio_proxy.make_url("/mcp")
+    json_only = {**headers, "Accept": "application/json"}
+    subscribe = {"jsonrpc": "2.0", "id": 2, "method": "resources/subscribe", "params": {"uri": "test://watched"}}
+    async with stdio_proxy.session.post(url, json=subscribe, headers=json_only) as r:
+        assert r.status == 200
+    listen = {
+        "Accept": "text/event-stream",
+        "Mcp-Session-Id": headers["Mcp-Session-Id"],
+        "MCP-Protocol-Version": "2025-11-25",
+    }
+
+    async def update(request_id: int) -> None:
+        params = {"name": "update_resource", "arguments": {"uri": "test://watched"}}
+        call = {"jsonrpc": "2.0", "id": request_id, "method": "tools/call", "params": params}
+        async with stdio_proxy.session.post(url, json=call, headers=json_only) as r:
+            assert (await r.json())["result"]["content"][0]["text"] == "notified 1 subscriber(s)"
+
+    async with aiohttp.ClientSession() as first:  # a connection of its own, to break
+        get = await first.get(url, headers=listen)
+        parser, pending = SSEParser(), list[SSEEvent]()
+        assert (await next_event(get, parser, pending)).data == ""  # priming
+        await update(3)
+        first_update = await next_event(get, parser, pending)
+        await update(4)  # written to the stream; this client never reads it
+        get.close()
+    assert first_update.id is not None
+    assert json.loads(first_update.data)["method"] == "notifications/resources/updated"
+    async with stdio_proxy.session.get(url, headers={**listen, "Last-Event-ID": first_update.id}) as r:
+        assert r.status == 200
+        parser, pending = SSEParser(), list[SSEEvent]()
+        event = await next_event(r, parser, pending)
+        while not event.data:  # a priming event of the resumed stream
+            event = await next_event(r, parser, pending)
+    assert json.loads(event.data)["method"] == "notifications/resources/updated"
+    assert event.id is not None
+    assert event.id != first_update.id
+    assert position(event.id) is not None
+
+
 async def test_without_an_event_store_answers_are_plain_json(make_proxy: Callable[..., Any]) -> None:
     client: Client = await make_proxy("", upstream=stdio_upstream(), limits={"legacy_replay_bytes": 0})
     headers = await open_session(client)

@@ -398,10 +398,12 @@ class StdioLegacyServer:
             number, seq = resumed
             if number != legacy_events.GET_STREAM:
                 return await self._resume_post(request, session, number, seq)
+            await _stop_writer(session.get)  # back before its old GET was seen to break: it stops first
             replay = session.events.after(number, seq)
         else:
             replay = []
         stream = session.open(None, True)
+        stream.writer = asyncio.current_task()
         self._busy(session)
         version = request.headers.get(VERSION_HEADER)
         try:
@@ -432,11 +434,8 @@ class StdioLegacyServer:
         (at once when the answer came already: then only what is still held)."""
         assert session.events is not None
         stream = session.post_stream(number)
-        if stream is not None and stream.attached and stream.writer is not None:
-            # The client is back before its old connection was seen to break: that writer stops first (what it
-            # took and did not deliver is in the store), so the stream has one reader.
-            stream.writer.cancel()
-            await asyncio.wait({stream.writer})
+        if stream is not None and stream.attached:
+            await _stop_writer(stream)  # back before its old connection was seen to break: that one stops first
             stream = session.post_stream(number)
         replay = session.events.after(number, seq)
         headers = {SESSION_HEADER: session.id}
@@ -524,3 +523,13 @@ def _event_frame(event: StoredEvent | None, message: JSON) -> bytes:
 
 def _stored_frame(event: StoredEvent) -> bytes:
     return frame(event.data.decode(), event_id=event.event_id)
+
+
+async def _stop_writer(stream: _Stream | None) -> None:
+    """End the request that writes `stream` to a client, and wait until it has let go of it: a resumed stream
+    has one reader, and what the old one took and did not deliver is in the store."""
+    writer = stream.writer if stream is not None else None
+    if writer is None or writer is asyncio.current_task() or writer.done():
+        return
+    writer.cancel()
+    await asyncio.wait({writer})
