@@ -6,8 +6,8 @@ Every stream of a session (each POST's answer stream, and the GET stream) has a 
 it gets the id `<stream>-<seq>`, with one sequence per session, so ids are unique across the session's
 streams and name the stream they belong to. The messages are kept, oldest first out, while their JSON totals
 at most `max_bytes`, so a client whose stream broke can resume it (GET with `Last-Event-ID`) and get what came
-after on that stream only, never another's. Pure bookkeeping: no I/O, no aiohttp, no process; imports the
-JSON helpers only.
+after on that stream only, never another's. Pure bookkeeping and framing: no I/O, no aiohttp, no process;
+imports the JSON helpers and the SSE frame format only.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Final
 
-from proxy.wire.jsonrpc import JSON, dumps
+from proxy.errors import RequestId
+from proxy.upstream.sse import frame
+from proxy.wire.jsonrpc import JSON, dumps, loads
 
 GET_STREAM: Final = 0  # the number of the session's GET stream (it keeps it across reconnections)
 RETRY_MS: Final = 1000  # the `retry` field of a priming event: how long a client waits before it reconnects
@@ -39,9 +41,24 @@ def position(event_id: str) -> tuple[int, int] | None:
     return int(stream), int(seq)
 
 
-def primes(protocol_version: str | None) -> bool:
-    """Whether a client of this protocol version gets priming events (`None`: a version before 2025-06-18)."""
-    return protocol_version is not None and protocol_version >= FIRST_PRIMED_VERSION
+def primes(protocol_version: object) -> bool:
+    """Whether a client of this protocol version gets priming events (none sent: a version before 2025-06-18)."""
+    return isinstance(protocol_version, str) and protocol_version >= FIRST_PRIMED_VERSION
+
+
+def priming_frame(event_id: str) -> bytes:
+    """The event a stream opens with: an id to resume from, empty data, and how long to wait before that."""
+    return f"retry: {RETRY_MS}\n".encode() + frame("", None, event_id)
+
+
+def frame_of(event: StoredEvent) -> bytes:
+    return frame(event.data.decode(), event_id=event.event_id)
+
+
+def answers(event: StoredEvent, request_id: RequestId) -> bool:
+    """Whether the event is the answer to `request_id` (which ends a POST's stream)."""
+    message = loads(event.data)
+    return isinstance(message, dict) and "method" not in message and message.get("id") == request_id
 
 
 class SessionEvents:

@@ -363,7 +363,7 @@ class StdioLegacyServer:
                 stream.answered = True
                 return web.Response(body=dumps(message), content_type="application/json", headers=headers)
             response = response or await self._open_sse(request, headers)
-            await response.write(_event_frame(event, message))
+            await response.write(legacy_events.frame_of(event) if event else frame(dumps(message).decode()))
             if final:
                 stream.answered = True
                 await response.write_eof()
@@ -379,9 +379,8 @@ class StdioLegacyServer:
         """An SSE response; for a resumable stream of a 2025-11-25 client it opens with a priming event."""
         response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
         await response.prepare(request)
-        if stream is not None and stream.events is not None and legacy_events.primes(_text(version)):
-            event_id = stream.events.next_id(stream.number)
-            await response.write(f"retry: {legacy_events.RETRY_MS}\n".encode() + frame("", None, event_id))
+        if stream is not None and stream.events is not None and legacy_events.primes(version):
+            await response.write(legacy_events.priming_frame(stream.events.next_id(stream.number)))
         return response
 
     # --- GET -----------------------------------------------------------------------------------------------
@@ -408,8 +407,8 @@ class StdioLegacyServer:
         version = request.headers.get(VERSION_HEADER)
         try:
             response = await self._open_sse(request, {SESSION_HEADER: session.id}, stream, version)
-            for event in replay:
-                await response.write(_stored_frame(event))
+            for stored in replay:
+                await response.write(legacy_events.frame_of(stored))
             while True:
                 try:
                     queued = await asyncio.wait_for(stream.queue.get(), KEEPALIVE_SECONDS)
@@ -418,7 +417,8 @@ class StdioLegacyServer:
                     continue
                 if queued is None:
                     break
-                await response.write(_event_frame(*queued))
+                event, message = queued
+                await response.write(legacy_events.frame_of(event) if event else frame(dumps(message).decode()))
             await response.write_eof()
         except ConnectionResetError:
             pass  # the client went away
@@ -442,7 +442,7 @@ class StdioLegacyServer:
         if stream is None:  # answered (or given up) already: what is held of it, and the stream ends
             response = await self._open_sse(request, headers)
             for event in replay:
-                await response.write(_stored_frame(event))
+                await response.write(legacy_events.frame_of(event))
             await response.write_eof()
             return response
         assert stream.request_id is not None
@@ -451,7 +451,13 @@ class StdioLegacyServer:
         try:
             response = await self._open_sse(request, headers, stream, request.headers.get(VERSION_HEADER))
             for event in replay:
-                await response.write(_stored_frame(event))
+                await response.write(legacy_events.frame_of(event))
+            if any(
+                legacy_events.answers(event, stream.request_id) for event in replay
+            ):  # taken, not delivered, by the old one
+                stream.answered = True
+                await response.write_eof()
+                return response
             seen = replay[-1].seq if replay else seq
             wait = self.config.call_timeout_seconds
             return await self._write(request, stream, stream.request_id, wait, headers, response, seen)
@@ -509,20 +515,6 @@ class StdioLegacyServer:
         """Shutdown: every legacy session ends and its process is stopped (awaited)."""
         sessions = list(self.live)
         await asyncio.gather(*(self.end(session, "the proxy is shutting down") for session in sessions))
-
-
-def _text(value: object) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def _event_frame(event: StoredEvent | None, message: JSON) -> bytes:
-    if event is not None:
-        return _stored_frame(event)
-    return frame(dumps(message).decode())
-
-
-def _stored_frame(event: StoredEvent) -> bytes:
-    return frame(event.data.decode(), event_id=event.event_id)
 
 
 async def _stop_writer(stream: _Stream | None) -> None:
