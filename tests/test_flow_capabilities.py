@@ -70,7 +70,7 @@ async def test_a_tool_seen_asking_gets_a_session_of_its_own_beside_other_calls(s
     assert pool.questions.asked_before("tools/call sample_standalone")
 
     sleeper = Tasks(client.client, client.core, client.tasks)  # a second caller (same principal): its own ids
-    sleeping = asyncio.get_running_loop().create_task(sleeper.call("sleep", {"seconds": 6}, capabilities=NOTHING))
+    sleeping = asyncio.get_running_loop().create_task(sleeper.call("sleep", {"seconds": 10}, capabilities=NOTHING))
     await upstream_calls_open(client.client, 1, timeout_seconds=20)
     [shared] = [session for session in pool.sessions() if session.in_flight]
     status, message = await client.call("sample_standalone", capabilities=NOTHING)
@@ -78,7 +78,7 @@ async def test_a_tool_seen_asking_gets_a_session_of_its_own_beside_other_calls(s
     assert shared.in_flight == 1  # the sampling call ran elsewhere; the sleeping call still runs
     status, slept = await sleeping
     assert status == 200, slept
-    assert slept["result"]["content"][0]["text"] == "slept 6"
+    assert slept["result"]["content"][0]["text"] == "slept 10"
 
 
 async def test_a_client_that_declared_sampling_is_asked(start_proxy: Start) -> None:
