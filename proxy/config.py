@@ -480,6 +480,15 @@ class LimitsConfig(_Frozen):
         description="How long an answer may wait for a client that does not read it; then the connection is closed "
         "and its buffers are freed.",
     )
+    legacy_replay_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=0,
+        description="With a stdio upstream: per legacy (2025-11-25) client session, the bytes of SSE events kept "
+        "so that a client whose stream broke resumes it with `Last-Event-ID` (oldest dropped first). The default "
+        "equals the default `max_result_bytes`, so the largest answer the proxy passes can be replayed whole; in "
+        "all at most `upstream.max_processes` times this, held only by sessions that sent that much. 0: no "
+        "event ids, priming events or resumption, and an answer with nothing before it comes as plain JSON.",
+    )
     max_listen_streams: int = Field(
         256, gt=0, description="`subscriptions/listen` streams open at once; one more gets HTTP 503 (`data.limit`)."
     )

@@ -23,7 +23,7 @@ from proxy.legacy.stdio_server import StdioLegacyServer
 from tests.support.processes import Upstream, children, stdio_upstream
 from tests.support.sdk import run_session
 from tests.support.waiting import until
-from tests.support.wire import HEADERS, INITIALIZE
+from tests.support.wire import HEADERS, INITIALIZE, parse_sse
 
 Client = TestClient[web.Request, web.Application]
 
@@ -67,8 +67,9 @@ async def test_raw_session_lifecycle(stdio_proxy: Client) -> None:
     call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "echo", "arguments": {"text": "é"}}}
     async with http.post(url, json=call, headers=session) as r:
         assert r.status == 200
-        assert r.headers["Content-Type"].startswith("application/json")
-        assert json.loads(await r.text())["result"]["content"][0]["text"] == "é"
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        [echoed] = parse_sse(await r.text())
+        assert echoed["result"]["content"][0]["text"] == "é"
     other = {**session, "Authorization": "Bearer someone-else"}
     async with http.post(url, json=call, headers=other) as r:  # bound to the principal that opened it
         assert r.status == 404

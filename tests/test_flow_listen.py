@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient
 
+from tests.support.clients import upstream_calls_open
 from tests.support.processes import Upstream
 from tests.support.schemas import ModernSchema
 from tests.support.waiting import until
@@ -95,17 +96,20 @@ async def test_listen_ends_gracefully_at_shutdown(
     assert final["result"]["_meta"][SUBSCRIPTION_ID] == 42
 
 
-async def test_standalone_upstream_requests_are_answered_not_left_hanging(proxy: Client) -> None:
+async def test_a_standalone_question_nobody_can_own_is_refused_not_left_hanging(proxy: Client) -> None:
     """The SDK sends list_roots() without a related request on the GET stream. This client declared nothing it
-    could be asked, so its call shares the caller's upstream session, where a question naming no request is
-    nobody's: the upstream is refused at once and the tool ends with what it makes of that, instead of
-    waiting for its timeout. (A client that declared `roots` has a session of its own and is asked:
-    test_flow_get_stream.py.)"""
+    could be asked, so its call shares the caller's upstream session; with another call running there the
+    question could be either's: the upstream is refused at once and the tool ends with what it makes of that,
+    instead of waiting for its timeout. (Alone there, the call is told what it lacks: test_flow_capabilities.py;
+    a client that declared `roots` has a session of its own and is asked: test_flow_get_stream.py.)"""
     await call(proxy, "greet", {"name": "warm-up"})  # the session (and its GET stream) exists
+    sleeping = asyncio.get_running_loop().create_task(call(proxy, "sleep", {"seconds": 2}))
+    await upstream_calls_open(proxy, 1)
     message = await asyncio.wait_for(call(proxy, "list_roots_standalone"), DEADLINE_SECONDS)
     text = message["result"]["content"][0]["text"]
     assert text.startswith("roots refused:")
     assert "cannot be relayed" in text
+    assert "result" in await sleeping
 
 
 async def test_listen_survives_an_upstream_restart(make_proxy: Callable[..., Any], own_upstream: Upstream) -> None:

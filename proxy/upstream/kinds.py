@@ -21,5 +21,11 @@ def session_kind(config: Config, http: aiohttp.ClientSession, metrics: Metrics |
     principal_header = config.security.principal_header
     upstream = config.upstream
     if isinstance(upstream, StdioUpstreamConfig):
-        return StdioKind(upstream, metrics, max_result_bytes=max_result_bytes, principal_header=principal_header)
+        return StdioKind(
+            upstream,
+            metrics,
+            max_result_bytes=max_result_bytes,
+            principal_header=principal_header,
+            legacy_replay_bytes=config.limits.legacy_replay_bytes,
+        )
     return HttpKind(upstream, http, principal_header, metrics, max_result_bytes)

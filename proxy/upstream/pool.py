@@ -11,7 +11,7 @@ its `PoolLimits`, how they are bounded. The pool knows no kind.
   upstream may send that question naming no request (an HTTP session's GET stream; anything on a stdio
   process); on a leased session it can only be the lessee's, so it goes to `sink`. Where sessions are costly
   (`share_quiet_calls`: stdio processes) a call whose client could not answer anyway (`asks=False`) runs on
-  the principal's shared session instead, and its questions are refused.
+  the principal's shared session instead, unless it was seen asking before (`question_owners.py`).
 - `adopt(principal, session_id, sink)`: the same, on a session an earlier proxy process initialized (it holds a
   task the upstream runs itself, resumed after a restart): no `initialize`.
 - `keep(session)`: a session whose upstream work outlives this process is let go without ending that work.
@@ -40,6 +40,7 @@ from proxy.errors import ProxyError, UpstreamLimitError
 from proxy.legacy import LegacyFront
 from proxy.upstream.events import UpstreamNotification
 from proxy.upstream.lending import Sink
+from proxy.upstream.question_owners import QuestionOwners
 from proxy.upstream.session import Session, SessionKind, principal_key
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader
@@ -75,6 +76,7 @@ class SessionPool:
         self._reclaiming: set[Session] = set()  # asked to give up, not back yet
         self._idle_timers: dict[Session, asyncio.TimerHandle] = {}
         self._changed = asyncio.Event()  # set (and replaced) whenever a session comes free or is closed
+        self.questions = QuestionOwners()  # whose call a question naming no request is
 
     @property
     def server_info(self) -> JSON | None:
@@ -109,18 +111,29 @@ class SessionPool:
 
     @asynccontextmanager
     async def lease(
-        self, principal: str | None, sink: Sink, *, asks: bool = True, reclaim: Callable[[], bool] | None = None
+        self,
+        principal: str | None,
+        sink: Sink,
+        *,
+        asks: bool = True,
+        reclaim: Callable[[], bool] | None = None,
+        asker: str | None = None,
     ) -> AsyncIterator[Session]:
         """A session of the principal for one call alone, initialized before it is handed out; its unsolicited
         traffic goes to `sink` until the lease ends. `asks`: the call's client could answer a question; a call
-        whose client could not runs on the principal's shared session instead (what the server sends there
-        unasked is refused: no call holds it). `reclaim`: when bounded sessions run out, the pool may ask the
-        lessee to give its session up; it returns whether it will (e.g. a call parked between MRTR rounds, which
-        ends as if nobody had retried)."""
-        if self.limits.share_quiet_calls and (not asks or self.limits.max_open == 1):
+        whose client could not runs on the principal's shared session instead, unless its `asker` (method and
+        name) was seen asking before (`question_owners.py`); there a question naming no request is the call's
+        while no other call runs there, else it is refused. `reclaim`: when bounded sessions run out, the pool
+        may ask the lessee to give its session up; it returns whether it will (e.g. a call parked between MRTR
+        rounds, which ends as if nobody had retried)."""
+        sink = self.questions.learning(asker, sink)
+        if self.limits.share_quiet_calls and (
+            self.limits.max_open == 1 or not (asks or self.questions.asked_before(asker))
+        ):
             async with self.use(principal) as session:
                 await session.ensure_initialized()
-                yield session
+                with self.questions.sharing(session, sink, self._notifications_of(principal_key(principal))):
+                    yield session
             return
         key = principal_key(principal)
         session = await self._lendable(principal, key)

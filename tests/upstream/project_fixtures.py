@@ -135,6 +135,20 @@ def register(mcp: FastMCP[Any]) -> None:
     ) -> types.CallToolResult:
         return text_result(await support.sample(ctx, prompt))
 
+    @mcp.tool(
+        name="sample_standalone",
+        description="Samples with a plain ctx.session.create_message (naming no request: over HTTP it goes out on "
+        "the session's GET stream); returns the model's text, or what the refusal said",
+    )
+    async def sample_standalone(ctx: Ctx) -> types.CallToolResult:
+        message = types.SamplingMessage(role="user", content=types.TextContent(type="text", text="Say anything"))
+        try:
+            result = await ctx.session.create_message(messages=[message], max_tokens=20)
+        except McpError as exc:
+            return text_result(f"sampling refused: {exc.error.message}")
+        content = result.content
+        return text_result(content.text if isinstance(content, types.TextContent) else f"<{content.type}>")
+
     @mcp.tool(name="list_roots", description="Requests roots/list; returns the root URIs joined by ', '")
     async def list_roots(ctx: Ctx) -> types.CallToolResult:
         return text_result(", ".join(str(root.uri) for root in await support.list_roots(ctx)))

@@ -53,12 +53,15 @@ class HeldRequest:
     async def _session(self, call: LiveCall) -> AsyncIterator[Session]:
         """A call whose client could answer a question (it declared elicitation, sampling or roots) gets an
         upstream session of its own while it runs: whatever the upstream sends on that session's GET stream (a
-        question naming no request) is this call's, never a guess. The others share the principal's session;
-        a question sent there unasked is refused at once (questions on the call's own stream stay the call's,
-        and its client is told what it lacks)."""
+        question naming no request) is this call's, never a guess; so does a call of a tool seen asking before.
+        The others share the principal's session; a question sent there unasked is the call's while it runs
+        there alone, else refused at once (questions on the call's own stream stay the call's, and its client is
+        told what it lacks)."""
         asks = inputs.could_answer(call.state.capabilities)
         reclaim = lambda: self._reclaim(call)  # noqa: E731 - bound to this call
-        async with self.pool.lease(call.principal, pump.sink(self.feed, call), asks=asks, reclaim=reclaim) as session:
+        asker = f"{call.method} {call.name}"  # a call of it seen asking before gets a session of its own too
+        sink = pump.sink(self.feed, call)
+        async with self.pool.lease(call.principal, sink, asks=asks, reclaim=reclaim, asker=asker) as session:
             yield session
 
     def _reclaim(self, call: LiveCall) -> bool:

@@ -33,9 +33,11 @@ class StdioKind(StdioLink):
         environ: Mapping[str, str] = os.environ,
         max_result_bytes: int | None = None,
         principal_header: str = "authorization",
+        legacy_replay_bytes: int = 0,
     ) -> None:
         super().__init__(config, metrics, environ, max_result_bytes)
         self.principal_header = principal_header  # binds a legacy client's session to the caller that opened it
+        self.legacy_replay_bytes = legacy_replay_bytes  # what a legacy client's session keeps for a resume
         self.limits = PoolLimits(
             max_idle=config.max_processes,
             max_open=config.max_processes,
@@ -68,4 +70,4 @@ class StdioKind(StdioLink):
     def legacy_front(self, room: Room) -> LegacyFront:
         """A stdio server has one client per process: the proxy serves legacy clients itself, one process
         each, counted against `upstream.max_processes` through `room`."""
-        return StdioLegacyServer(self, room, self.config, self.principal_header)
+        return StdioLegacyServer(self, room, self.config, self.principal_header, replay_bytes=self.legacy_replay_bytes)
