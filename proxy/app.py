@@ -45,9 +45,11 @@ from proxy.errors import (
     UpstreamError,
 )
 from proxy.front import Front
+from proxy.jwt_identity import JwtIdentity
 from proxy.observability import Metrics
 from proxy.policy import named_tools
 from proxy.principals import Principals, deployment_key
+from proxy.relay import OriginRelay
 from proxy.tasks.push import TaskWatchers
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import StoreError, TaskStore, open_store
@@ -66,6 +68,8 @@ log = structlog.get_logger(__name__)
 CONFIG: Final = web.AppKey("config", Config)
 FRONT: Final = web.AppKey("front", Front)
 PASSTHROUGH: Final = web.AppKey("passthrough", LegacyRelay)
+RELAY: Final = web.AppKey("relay", OriginRelay)
+JWT: Final = web.AppKey("jwt", JwtIdentity)
 UPSTREAM: Final = web.AppKey("upstream", UpstreamClient)
 STORE: Final = web.AppKey("store", TaskStore)
 RUNNER: Final = web.AppKey("runner", TaskRunner)
@@ -144,6 +148,17 @@ async def admission(request: web.Request, handler: Handler) -> web.StreamRespons
     return await handler(request)
 
 
+@web.middleware
+async def relay_unrouted(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A path no route of the proxy's own serves goes to the upstream's origin (`relay.py`); a path the proxy
+    serves with another method keeps its 405."""
+    if not isinstance(request.match_info.http_exception, web.HTTPNotFound) or RELAY not in request.app:
+        return await handler(request)
+    request[ERA] = "relayed"
+    body = await _read_body(request) if request.body_exists else None
+    return await request.app[RELAY].relay(request, body)
+
+
 # --- the MCP endpoint ---------------------------------------------------------------------------------
 
 
@@ -203,6 +218,8 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
         raise UnauthorizedError(
             f"Unauthorized: this proxy serves no anonymous callers; send {config.security.principal_header}"
         )
+    if principal is not None and JWT in request.app:
+        principal = await request.app[JWT].credential(principal)  # a JWT that fails is refused here (401)
     caller = Caller(principal=principal, headers=request.headers)
     channel = request[CHANNEL] = HttpChannel(request, config.limits.write_timeout_seconds)
     reply = await request.app[FRONT].dispatch(modern, caller, channel)
@@ -218,7 +235,12 @@ def upstream_kind(config: Config, http: aiohttp.ClientSession, metrics: Metrics 
     if config.upstream.command:
         return StdioLink(config.upstream, metrics, max_result_bytes=config.limits.max_result_bytes)
     return UpstreamLink(
-        config.upstream, http, config.security.principal_header, metrics, config.limits.max_result_bytes
+        config.upstream,
+        http,
+        config.security.principal_header,
+        metrics,
+        config.limits.max_result_bytes,
+        config.security.upstream_auth,
     )
 
 
@@ -247,14 +269,17 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     if isinstance(upstream.kind, StdioLink):  # a stdio server: the proxy serves legacy clients itself
         legacy = StdioLegacyServer(upstream.kind, upstream, config.upstream, config.security.principal_header)
         app[PASSTHROUGH] = legacy
+        app[RELAY] = OriginRelay(config.relay, None, None)
     else:
-        app[PASSTHROUGH] = PassThrough(
+        passthrough = PassThrough(
             config.upstream.url,
             relay_http,
             config.upstream.headers,
             config.upstream.connect_timeout_seconds,
             config.upstream.call_timeout_seconds,
         )
+        app[PASSTHROUGH] = passthrough
+        app[RELAY] = OriginRelay(config.relay, config.upstream.url, passthrough)
     try:
         await runner.start()  # restart recovery happens before the first request is served
         upstream.warm_up()
@@ -351,11 +376,18 @@ def create_app(config: Config) -> web.Application:
         )
     app = web.Application(
         client_max_size=config.security.max_body_bytes,
-        middlewares=[error_edge, admission],
+        middlewares=[error_edge, admission, relay_unrouted],
     )
     app[CONFIG] = config
     app[STOPPING] = []
     app.cleanup_ctx.append(upstream_ctx)
+    if config.security.jwt is not None:
+        identity = app[JWT] = JwtIdentity(config.security.jwt)
+
+        async def close_identity(app: web.Application) -> None:
+            await identity.close()
+
+        app.on_cleanup.append(close_identity)
     app.on_shutdown.append(end_listen_streams)
     app.router.add_route("*", config.listen.path, handle_mcp)
     app.router.add_get(HEALTHZ, healthz)

@@ -27,6 +27,7 @@ import structlog
 
 from proxy.errors import RequestId, UpstreamError, UpstreamTimeoutError
 from proxy.observability import Metrics, method_label
+from proxy.upstream.auth import UpstreamAuth
 from proxy.upstream.events import (
     UpstreamErrorResponse,
     UpstreamEvent,
@@ -168,6 +169,7 @@ class SessionKind(Protocol):
     server_info: JSON | None
     initialize_result: JSON | None
     tool_task_support: dict[str, legacy_tasks.TaskSupport | None]
+    auth: UpstreamAuth  # whether what one caller's session learned may serve another
 
     def recent_initialize(self, max_age_ms: int) -> JSON | None: ...
 
@@ -202,6 +204,7 @@ class LinkBase:
         self.tool_task_support: dict[str, legacy_tasks.TaskSupport | None] = {}
         self.tool_headers_at = 0.0
         self.last_answer_at: float | None = None  # monotonic time of the upstream's latest answer
+        self.auth = UpstreamAuth()  # a kind whose upstream can ask for credentials replaces it
 
     @contextlib.contextmanager
     def measured(self, method: str) -> Iterator[None]:

@@ -374,16 +374,25 @@ class UpstreamClient:
 
     async def initialize_result(self, principal: str | None, max_age_ms: int) -> JSON:
         """The upstream's InitializeResult: the latest one any session got, when it is at most `max_age_ms` old
-        (server/discover opens no session per caller), else from the caller's shared session."""
-        recent = self.kind.recent_initialize(max_age_ms)
-        if recent is not None:
-            return recent
+        (server/discover opens no session per caller), else from the caller's shared session. When the upstream
+        requires credentials (`kind.auth`), always the caller's own: a caller the upstream refuses gets its
+        refusal, never what another caller's session learned."""
+        if await self.kind.auth.shared():
+            recent = self.kind.recent_initialize(max_age_ms)
+            if recent is not None:
+                return recent
         async with self.use(principal) as session:
             return await session.ensure_initialized()
 
     async def param_headers(self, principal: str | None, tool: str) -> tuple[ParamHeader, ...]:
         """The tool's `x-mcp-header` annotations, from the shared catalog; read through the caller's shared
-        session only when the catalog cannot answer."""
+        session only when the catalog cannot answer. When the upstream requires credentials, the caller's shared
+        session is initialized first: the upstream has accepted this caller's credential before the catalog
+        answers it."""
+        if not await self.kind.auth.shared():
+            async with self.use(principal) as session:
+                await session.ensure_initialized()
+                return await session.param_headers(tool)
         known = self.kind.known_headers(tool)
         if known is not None:
             return known
@@ -393,6 +402,9 @@ class UpstreamClient:
     async def task_support(self, principal: str | None, tool: str) -> legacy_tasks.TaskSupport | None:
         """How the upstream runs `tool` as its own 2025-11-25 task, or None: from the shared catalog when the
         latest InitializeResult and the catalog can answer, else through the caller's shared session."""
+        if not await self.kind.auth.shared():
+            async with self.use(principal) as session:
+                return await session.task_support(tool)
         initialize_result = self.kind.initialize_result
         if initialize_result is not None and not legacy_tasks.runs_tool_tasks(initialize_result):
             return None

@@ -24,8 +24,17 @@ import structlog
 from yarl import URL
 
 from proxy.config import UpstreamConfig
-from proxy.errors import RequestId, ResultTooLargeError, UpstreamError, UpstreamRefusedError, UpstreamTimeoutError
+from proxy.errors import (
+    AUTH_STATUSES,
+    RequestId,
+    ResultTooLargeError,
+    UpstreamAuthError,
+    UpstreamError,
+    UpstreamRefusedError,
+    UpstreamTimeoutError,
+)
 from proxy.observability import Metrics
+from proxy.upstream.auth import AuthMode, UpstreamAuth
 from proxy.upstream.call import UpstreamCall, read_body
 from proxy.upstream.events import (
     UpstreamErrorResponse,
@@ -55,8 +64,10 @@ class UpstreamLink(LinkBase):
         principal_header: str,
         metrics: Metrics | None,
         max_result_bytes: int | None = None,
+        auth_mode: AuthMode = "detect",
     ) -> None:
         super().__init__()
+        self.auth = UpstreamAuth(auth_mode, self._anonymous_initialize)
         self.config = config
         self.max_result_bytes = max_result_bytes  # the largest upstream answer or stream message read
         self.http = http
@@ -80,10 +91,23 @@ class UpstreamLink(LinkBase):
     def new(self, principal: str | None) -> Session:
         return UpstreamSession(self, principal)
 
+    async def _anonymous_initialize(self) -> None:
+        """One `initialize` without any caller's credential, on a throwaway session: does the upstream need one?"""
+        session = UpstreamSession(self, None)
+        try:
+            await asyncio.wait_for(session.initialize(listen=False), PROBE_TIMEOUT_SECONDS)
+        except TimeoutError:
+            raise UpstreamTimeoutError(
+                f"Upstream did not answer initialize within {PROBE_TIMEOUT_SECONDS:g} s"
+            ) from None
+        finally:
+            await session.close()
+
     async def probe(self, max_age_seconds: float, shared: Callable[[], AbstractAsyncContextManager[Session]]) -> None:
         """Readiness: fine when the upstream answered within `max_age_seconds`; otherwise a fresh `initialize`
-        on a throwaway session (ended with DELETE) must succeed within PROBE_TIMEOUT_SECONDS. Raises
-        UpstreamError saying what failed. Concurrent probes share one attempt."""
+        on a throwaway session (ended with DELETE) must succeed within PROBE_TIMEOUT_SECONDS, or be refused for
+        want of a credential (the upstream is there; it requires auth). Raises UpstreamError saying what failed.
+        Concurrent probes share one attempt."""
         async with self._probe_lock:
             last = self.last_answer_at
             if last is not None and time.monotonic() - last <= max_age_seconds:
@@ -95,6 +119,8 @@ class UpstreamLink(LinkBase):
                 raise UpstreamTimeoutError(
                     f"Upstream did not answer initialize within {PROBE_TIMEOUT_SECONDS:g} s"
                 ) from None
+            except UpstreamAuthError:
+                pass  # it answered: it wants a credential the probe does not have
             finally:
                 await session.close()
 
@@ -174,6 +200,8 @@ class UpstreamSession(SessionFeatures):
         }
         response = await self._post(request_message(request_id, "initialize", params), self.headers(initialized=False))
         session_id = response.headers.get("Mcp-Session-Id")
+        if response.status in AUTH_STATUSES:
+            raise self._refused(response, "initialize")
         if response.status >= 400:
             body = await response.text()
             response.release()
@@ -187,6 +215,8 @@ class UpstreamSession(SessionFeatures):
                 raise UpstreamError(f"Upstream refused initialize: {event.error.get('message')}")
         if result is None or not isinstance(result.get("protocolVersion"), str):
             raise UpstreamError("Upstream sent an invalid InitializeResult")
+        if not self.principal:
+            self.link.auth.saw_anonymous_success()
         self.session_id = session_id
         self.protocol_version = result["protocolVersion"]
         await self.notify("notifications/initialized", None)
@@ -325,6 +355,8 @@ class UpstreamSession(SessionFeatures):
                     await self._reinitialize(sent_with)
                     continue
                 break
+            if response.status in AUTH_STATUSES:
+                raise self._refused(response, method)
             if response.status >= 400:
                 await _raise_unless_answer(response, request_id, method, self.link.max_result_bytes)
             upstream_call = UpstreamCall(self, request_id, method, response, self.link.max_result_bytes)
@@ -334,6 +366,14 @@ class UpstreamSession(SessionFeatures):
             finally:
                 self.in_flight -= 1
                 response.close()
+
+    def _refused(self, response: aiohttp.ClientResponse, method: str) -> UpstreamAuthError:
+        """The upstream refused this session's credential: the caller is told, with the server's challenge."""
+        self.link.auth.saw_refusal()
+        challenge = response.headers.get("WWW-Authenticate")
+        response.release()
+        log.info("upstream_refused_credential", method=method, status=response.status)
+        return UpstreamAuthError(response.status, challenge, method)
 
     async def _cancel_unanswered(self, request_id: int) -> None:
         try:
