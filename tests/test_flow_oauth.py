@@ -24,7 +24,7 @@ from tests.conftest import Upstream, free_port, key_file, modern_body, modern_he
 
 Client = TestClient[web.Request, web.Application]
 ISSUER = "https://issuer.example"
-TASKS = {"extensions": {"io.modelcontextprotocol/tasks": {}}}
+TASKS: dict[str, Any] = {"extensions": {"io.modelcontextprotocol/tasks": {}}}
 
 
 class Issuer:
@@ -89,10 +89,17 @@ def bearer(token: str) -> dict[str, str]:
 
 
 async def modern(
-    client: Client, method: str, params: dict[str, Any] | None = None, *, name: str | None = None, **headers: str
+    client: Client,
+    method: str,
+    params: dict[str, Any] | None = None,
+    *,
+    name: str | None = None,
+    auth: str | None = None,
 ) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """One modern request, with `auth` as its Bearer token when given."""
     body = modern_body(method, params, capabilities=TASKS, request_id=7)
-    async with client.post("/mcp", json=body, headers=modern_headers(method, name, **headers)) as response:
+    headers = modern_headers(method, name, **({"Authorization": f"Bearer {auth}"} if auth is not None else {}))
+    async with client.post("/mcp", json=body, headers=headers) as response:
         messages = await read_messages(response)
         return response.status, dict(response.headers), messages[-1]
 
@@ -107,7 +114,10 @@ COVERED: list[tuple[str, dict[str, Any] | None, str | None]] = [
     ("resources/read", {"uri": "test://static-text"}, "test://static-text"),
     (
         "completion/complete",
-        {"ref": {"type": "ref/prompt", "name": "test_prompt_with_arguments"}, "argument": {"name": "arg1", "value": ""}},
+        {
+            "ref": {"type": "ref/prompt", "name": "test_prompt_with_arguments"},
+            "argument": {"name": "arg1", "value": ""},
+        },
         None,
     ),
     ("subscriptions/listen", {"notifications": {"toolsListChanged": True}}, None),
@@ -130,14 +140,14 @@ async def test_a_modern_request_without_a_token_gets_the_servers_401_and_challen
 async def test_a_refused_token_is_401_and_a_token_without_the_scope_is_403_insufficient_scope(
     oauth_proxy: Client, issuer: Issuer
 ) -> None:
-    status, headers, message = await modern(oauth_proxy, "tools/list", **bearer("not-a-token-the-server-knows"))
+    status, headers, message = await modern(oauth_proxy, "tools/list", auth="not-a-token-the-server-knows")
     assert status == 401
     assert 'error="invalid_token"' in headers["WWW-Authenticate"]
     assert "error" in message
     expired = issuer.token(lifetime=-120)
-    status, _, _ = await modern(oauth_proxy, "tools/list", **bearer(expired))
+    status, _, _ = await modern(oauth_proxy, "tools/list", auth=expired)
     assert status == 401
-    status, headers, message = await modern(oauth_proxy, "tools/list", **bearer(issuer.token(scope="read")))
+    status, headers, message = await modern(oauth_proxy, "tools/list", auth=issuer.token(scope="read"))
     assert status == 403
     assert 'error="insufficient_scope"' in headers["WWW-Authenticate"]
     assert message["error"]["data"] == {"upstreamStatus": 403}
@@ -147,37 +157,34 @@ async def test_an_accepted_token_is_served_and_a_caller_without_one_still_gets_4
     oauth_proxy: Client, issuer: Issuer
 ) -> None:
     token = issuer.token()
-    status, _, message = await modern(oauth_proxy, "server/discover", **bearer(token))
+    status, _, message = await modern(oauth_proxy, "server/discover", auth=token)
     assert status == 200, message
     assert message["result"]["capabilities"]["tools"] is not None
-    status, _, message = await modern(oauth_proxy, "tools/list", **bearer(token))
+    status, _, message = await modern(oauth_proxy, "tools/list", auth=token)
     assert status == 200
     assert any(tool["name"] == "test_simple_text" for tool in message["result"]["tools"])
-    status, _, message = await modern(
-        oauth_proxy, "tools/call", {"name": "test_simple_text", "arguments": {}}, name="test_simple_text", **bearer(token)
-    )
+    call = {"name": "test_simple_text", "arguments": {}}
+    status, _, message = await modern(oauth_proxy, "tools/call", call, name="test_simple_text", auth=token)
     assert status == 200
     assert message["result"]["content"][0]["text"].startswith("This is a simple text")
     for method, params, name in COVERED[:5]:
         status, _, _ = await modern(oauth_proxy, method, params, name=name)
         assert status == 401, method
-        status, _, _ = await modern(oauth_proxy, method, params, name=name, **bearer("forged"))
+        status, _, _ = await modern(oauth_proxy, method, params, name=name, auth="forged")
         assert status == 401, method
 
 
-async def test_a_task_runs_under_the_callers_token_and_its_owner_reads_it(
-    oauth_proxy: Client, issuer: Issuer
-) -> None:
+async def test_a_task_runs_under_the_callers_token_and_its_owner_reads_it(oauth_proxy: Client, issuer: Issuer) -> None:
     token = issuer.token("bob")
     params = {"name": "sleep", "arguments": {"seconds": 0.1}, "task": {}}
-    status, _, created = await modern(oauth_proxy, "tools/call", params, name="sleep", **bearer(token))
+    status, _, created = await modern(oauth_proxy, "tools/call", params, name="sleep", auth=token)
     assert status == 200, created
     assert created["result"]["resultType"] == "task"
     task_id = created["result"]["taskId"]
-    status, _, got = await modern(oauth_proxy, "tasks/get", {"taskId": task_id}, **bearer(token))
+    status, _, got = await modern(oauth_proxy, "tasks/get", {"taskId": task_id}, auth=token)
     assert status == 200
     assert got["result"]["taskId"] == task_id
-    status, _, other = await modern(oauth_proxy, "tasks/get", {"taskId": task_id}, **bearer(issuer.token("eve")))
+    status, _, other = await modern(oauth_proxy, "tasks/get", {"taskId": task_id}, auth=issuer.token("eve"))
     assert other["error"]["code"] == -32602  # another caller's task is not found
 
 
@@ -189,9 +196,9 @@ async def test_other_paths_are_relayed_to_the_servers_origin_for_both_eras(
         metadata = await response.json()
     assert metadata["resource"] == f"http://127.0.0.1:{proxy_port}/mcp"
     assert metadata["authorization_servers"] == [ISSUER + "/"]
-    async with oauth_proxy.post(
-        URL("/echo?x=1&y=%2F", encoded=True), data=b"grant_type=client_credentials", headers={"X-Forwarded-For": "10.0.0.1"}
-    ) as response:
+    form = b"grant_type=client_credentials"
+    target = URL("/echo?x=1&y=%2F", encoded=True)
+    async with oauth_proxy.post(target, data=form, headers={"X-Forwarded-For": "10.0.0.1"}) as response:
         assert response.status == 200
         assert response.headers["X-Echo"] == "yes"
         echoed = await response.json()
@@ -254,7 +261,7 @@ async def test_no_token_reaches_the_logs(oauth_proxy: Client, issuer: Issuer) ->
     with structlog.testing.capture_logs() as events:
         for token in (good, scopeless, "opaque-secret-value"):
             for method, params, name in COVERED[:5]:
-                await modern(oauth_proxy, method, params, name=name, **bearer(token))
+                await modern(oauth_proxy, method, params, name=name, auth=token)
         async with oauth_proxy.get("/echo", headers=bearer(good)) as response:
             assert response.status == 200
     text = repr(events)
