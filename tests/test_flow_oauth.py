@@ -5,45 +5,22 @@ server reads its key set from a file. The proxy's public URL is the server's con
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import jwt
 import pytest
 import structlog
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from cryptography.hazmat.primitives.asymmetric import rsa
 from yarl import URL
 
 from proxy.app import create_app
 from tests.conftest import Upstream, free_port, key_file, modern_body, modern_headers, proxy_config, read_messages
+from tests.oauth import ISSUER, Issuer
 
 Client = TestClient[web.Request, web.Application]
-ISSUER = "https://issuer.example"
 TASKS: dict[str, Any] = {"extensions": {"io.modelcontextprotocol/tasks": {}}}
-
-
-class Issuer:
-    """A signing key, its public JSON Web Key Set in a file, and tokens minted with it."""
-
-    def __init__(self, directory: Path, kid: str = "k1") -> None:
-        self.key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        self.kid = kid
-        self.jwks_path = directory / "jwks.json"
-        self.jwks_path.write_text(json.dumps(self.jwks()))
-
-    def jwks(self) -> dict[str, Any]:
-        public = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(self.key.public_key()))
-        return {"keys": [{**public, "kid": self.kid, "alg": "RS256", "use": "sig"}]}
-
-    def token(self, subject: str = "alice", *, scope: str = "mcp", lifetime: float = 600, **claims: Any) -> str:
-        now = int(time.time())
-        payload = {"iss": ISSUER, "sub": subject, "scope": scope, "iat": now, "exp": now + lifetime, **claims}
-        return jwt.encode(payload, self.key, algorithm="RS256", headers={"kid": self.kid})
 
 
 @pytest.fixture(scope="module")
