@@ -5,6 +5,8 @@ server reads its key set from a file. The proxy's public URL is the server's con
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from yarl import URL
 
-from proxy.app import create_app
+from proxy.app import UPSTREAM, create_app
 from tests.conftest import Upstream, free_port, key_file, modern_body, modern_headers, proxy_config, read_messages
 from tests.oauth import ISSUER, Issuer
 
@@ -245,3 +247,72 @@ async def test_no_token_reaches_the_logs(oauth_proxy: Client, issuer: Issuer) ->
     assert events
     for secret in (good, scopeless, "opaque-secret-value", good.split(".")[2]):
         assert secret not in text
+
+
+async def test_a_legacy_client_with_an_accepted_token_passes_through(oauth_proxy: Client, issuer: Issuer) -> None:
+    initialize = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}},
+    }
+    headers = {
+        "Content-Type": "application/json",
+        "Accept": "application/json, text/event-stream",
+        "Authorization": f"Bearer {issuer.token('erin')}",
+    }
+    async with oauth_proxy.post("/mcp", json=initialize, headers=headers) as response:
+        assert response.status == 200
+        assert response.headers["Mcp-Session-Id"]
+        [message] = await read_messages(response)
+    assert message["result"]["serverInfo"]["name"] == "legacy-fixture-upstream"
+
+
+@pytest.mark.parametrize(("mode", "own_session"), [("detect", False), ("none", False), ("required", True)])
+async def test_a_server_that_needs_no_credential_keeps_the_shared_discover_cache(
+    make_proxy: Any, upstream: Upstream, mode: str, own_session: bool
+) -> None:
+    """A second caller's server/discover is answered from what the proxy already learned (no session of its
+    own), unless the upstream is said to require credentials: then the caller's own session asks it."""
+    client: Client = await make_proxy(upstream.url, security={"upstream_auth": mode})
+    for token in ("first", "second"):
+        status, _, message = await modern(client, "server/discover", auth=token)
+        assert status == 200, message
+    principals = [session.principal for session in client.app[UPSTREAM].sessions()]
+    assert ("Bearer second" in principals) is own_session
+
+
+async def test_a_rerun_whose_stored_credential_expired_fails_saying_so(
+    make_proxy: Any, oauth_upstream: Upstream, issuer: Issuer, tmp_path: Path
+) -> None:
+    sections: dict[str, Any] = {
+        "store": {"path": str(tmp_path / "rerun.db")},
+        "security": {"key_file": key_file(tmp_path)},
+        "tasks": {"tools": {"sleep": {"mode": "required", "on_restart": "rerun"}}},
+    }
+    lifetime = 3.0
+    token = issuer.token("frank", lifetime=lifetime)
+    expires = time.time() + lifetime
+    first: Client = await make_proxy(oauth_upstream.url, **sections)
+    params = {"name": "sleep", "arguments": {"seconds": 30}}
+    status, _, created = await modern(first, "tools/call", params, name="sleep", auth=token)
+    assert status == 200, created
+    task_id = created["result"]["taskId"]
+    await first.close()  # the process goes away with the call running
+    await asyncio.sleep(max(0.0, expires + 1 - time.time()))  # the token's own lifetime, not a state of the proxy
+    second: Client = await make_proxy(oauth_upstream.url, **sections)
+    deadline = time.monotonic() + 15
+    while True:
+        status, _, got = await modern(second, "tasks/get", {"taskId": task_id}, auth=token)
+        assert status == 200, got
+        if got["result"]["status"] != "working":
+            break
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    assert got["result"]["status"] == "failed"
+    message = got["result"]["error"]["message"]
+    assert "refused the credential" in message
+    assert "HTTP 401" in message
+    await asyncio.sleep(0.5)
+    _, _, again = await modern(second, "tasks/get", {"taskId": task_id}, auth=token)
+    assert again["result"]["status"] == "failed"  # no retry loop: it stays failed
