@@ -25,7 +25,7 @@ from typing import Any, Final, Protocol
 
 import structlog
 
-from proxy.errors import RequestId, UpstreamError, UpstreamTimeoutError
+from proxy.errors import RequestId, UpstreamAuthError, UpstreamError, UpstreamTimeoutError
 from proxy.observability import Metrics, method_label
 from proxy.upstream.auth import UpstreamAuth
 from proxy.upstream.events import (
@@ -215,6 +215,8 @@ class LinkBase:
         except UpstreamError as exc:
             if self.metrics is not None:
                 kind = "timeout" if isinstance(exc, UpstreamTimeoutError) else "unavailable"
+                if isinstance(exc, UpstreamAuthError):
+                    kind = "refused"  # the caller's credential, not the upstream, was the problem
                 self.metrics.upstream_errors.labels(method_label(method), kind).inc()
             raise
         finally:
