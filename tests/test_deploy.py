@@ -811,7 +811,8 @@ def _oauth(kind: str) -> dict[str, Any]:
         if document is not None and document["kind"] == kind
     ]
     assert len(found) == 1, f"expected one {kind}, found {len(found)}"
-    return found[0]
+    document: dict[str, Any] = found[0]
+    return document
 
 
 @pytest.mark.parametrize("kind", ["ConfigMap", "Ingress"])
