@@ -100,10 +100,14 @@ COVERED: list[tuple[str, dict[str, Any] | None, str | None]] = [
         None,
     ),
     ("subscriptions/listen", {"notifications": {"toolsListChanged": True}}, None),
+    ("tools/call", {"name": "sleep", "arguments": {"seconds": 0.1}}, "sleep"),  # a task for this tool
 ]
 
 
-@pytest.mark.parametrize(("method", "params", "name"), COVERED, ids=[entry[0] for entry in COVERED])
+COVERED_IDS = [f"{method} {name}" if name else method for method, _, name in COVERED]
+
+
+@pytest.mark.parametrize(("method", "params", "name"), COVERED, ids=COVERED_IDS)
 async def test_a_modern_request_without_a_token_gets_the_servers_401_and_challenge(
     oauth_proxy: Client, method: str, params: dict[str, Any] | None, name: str | None
 ) -> None:
