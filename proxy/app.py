@@ -154,6 +154,8 @@ async def relay_unrouted(request: web.Request, handler: Handler) -> web.StreamRe
     serves with another method keeps its 405."""
     if not isinstance(request.match_info.http_exception, web.HTTPNotFound) or RELAY not in request.app:
         return await handler(request)
+    if request.path in OPS_PATHS:  # e.g. /metrics switched off: still the proxy's (and exempt from the Host check)
+        return await handler(request)
     request[ERA] = "relayed"
     body = await _read_body(request) if request.body_exists else None
     return await request.app[RELAY].relay(request, body)

@@ -184,7 +184,7 @@ class JwtIdentity:
             raise JwtRejectedError("Unauthorized: the Bearer token is not a well-formed JWT") from None
         algorithm = header.get("alg")
         if algorithm not in config.algorithms:
-            raise JwtRejectedError(f"Unauthorized: JWT algorithm {ascii(str(algorithm)[:20])} is not accepted")
+            raise JwtRejectedError(f"Unauthorized: JWT algorithm {str(algorithm)[:20]!a} is not accepted")
         kid = header.get("kid")
         if kid is not None and not isinstance(kid, str):
             raise JwtRejectedError("Unauthorized: the JWT's kid is not a string")

@@ -320,3 +320,12 @@ async def test_a_rerun_whose_stored_credential_expired_fails_saying_so(
     await asyncio.sleep(0.5)
     _, _, again = await modern(second, "tasks/get", {"taskId": task_id}, auth=token)
     assert again["result"]["status"] == "failed"  # no retry loop: it stays failed
+
+
+async def test_the_proxys_own_paths_are_never_relayed_even_when_switched_off(
+    make_proxy: Any, oauth_upstream: Upstream
+) -> None:
+    client: Client = await make_proxy(oauth_upstream.url, observability={"metrics": False})
+    async with client.get("/metrics", headers={"Host": "attacker.example"}) as response:
+        assert response.status == 404
+        assert response.headers.get("X-Echo") is None

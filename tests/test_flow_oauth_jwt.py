@@ -136,7 +136,7 @@ def _rejected(issuer: Issuer) -> dict[str, str]:
         "HS256 with the public key": handmade({"alg": "HS256", "kid": issuer.kid}, good, issuer.public_pem()),
         "not yet valid": issuer.token(aud=AUDIENCE, nbf=now + 3600),
         "undecodable header": "e30x.e30.AAAA",
-        "non-ASCII algorithm": handmade({"alg": "RS256\u00e9\"\n", "kid": issuer.kid}, good, b"x"),
+        "non-ASCII algorithm": handmade({"alg": 'RS256\u00e9"\n', "kid": issuer.kid}, good, b"x"),
     }
 
 
