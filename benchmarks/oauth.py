@@ -22,8 +22,8 @@ from typing import Any
 import jwt
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from benchmarks.harness import LegacyClient, ModernClient, interleaved, measure, start_proxy, start_upstream
 from benchmarks.loadgen import HttpClient, Response
-from benchmarks.run import LegacyClient, ModernClient, interleaved, measure, start_proxy, start_upstream
 from proxy.config import JwtConfig
 from proxy.jwt_identity import JwtIdentity
 

@@ -6,12 +6,12 @@ An MCP server that requires OAuth serves more than its MCP endpoint: its protect
 must find them at the same public URL. A request is relayed only when the proxy's router has no route for
 its path (`app.py`), so what is the proxy's comes from the router itself, whatever is added to it later; it
 goes out through the legacy pass-through (same header rules, limits and X-Forwarded-*). Owns that decision
-only; imports the config, never the front or the tasks.
+only; imports the config, never the front, the tasks or a legacy server.
 """
 
 from __future__ import annotations
 
-from typing import Final, Protocol
+from typing import Final, Protocol, runtime_checkable
 
 from aiohttp import web
 from yarl import URL
@@ -25,8 +25,12 @@ NO_ORIGIN: Final = (
 NOT_RELAYED: Final = "Not found: this path is not relayed to the upstream MCP server (relay settings)"
 
 
+@runtime_checkable
 class Forwarder(Protocol):
-    """What relays one request to a URL (the legacy pass-through's `relay_to`)."""
+    """What relays one request to a URL of the upstream's origin (the legacy pass-through: its `url` is the
+    upstream's MCP endpoint, `relay_to` sends a request elsewhere by the same rules)."""
+
+    url: URL
 
     async def relay_to(self, url: URL, request: web.Request, body: bytes | None) -> web.StreamResponse: ...
 
@@ -39,6 +43,14 @@ class OriginRelay:
         self.config = config
         self.origin = URL(upstream_url).origin() if upstream_url else None
         self.forwarder = forwarder
+
+    @classmethod
+    def of(cls, config: RelayConfig, legacy_front: object) -> OriginRelay:
+        """The relay beside the server legacy clients get: the pass-through of an HTTP upstream forwards; the
+        proxy's own server in front of a stdio upstream does not (there is no origin)."""
+        if isinstance(legacy_front, Forwarder):
+            return cls(config, str(legacy_front.url), legacy_front)
+        return cls(config, None, None)
 
     def relays(self, path: str) -> bool:
         if not self.config.enabled:

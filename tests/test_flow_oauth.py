@@ -18,8 +18,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from yarl import URL
 
 from proxy.app import UPSTREAM, create_app
-from tests.conftest import Upstream, free_port, key_file, modern_body, modern_headers, proxy_config, read_messages
-from tests.oauth import ISSUER, Issuer
+from tests.support.oauth import ISSUER, Issuer
+from tests.support.processes import Upstream, free_port, key_file, proxy_config
+from tests.support.wire import modern_body, modern_headers, read_messages
 
 Client = TestClient[web.Request, web.Application]
 TASKS: dict[str, Any] = {"extensions": {"io.modelcontextprotocol/tasks": {}}}

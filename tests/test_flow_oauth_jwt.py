@@ -17,8 +17,9 @@ import structlog
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from tests.conftest import Upstream, modern_body, modern_headers, read_messages
-from tests.oauth import ISSUER, Issuer, claims, handmade
+from tests.support.oauth import ISSUER, Issuer, claims, handmade
+from tests.support.processes import Upstream
+from tests.support.wire import modern_body, modern_headers, read_messages
 
 Client = TestClient[web.Request, web.Application]
 TASKS: dict[str, Any] = {"extensions": {"io.modelcontextprotocol/tasks": {}}}
