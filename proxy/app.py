@@ -45,10 +45,12 @@ from proxy.errors import (
     UpstreamError,
 )
 from proxy.front import Front
+from proxy.jwt_identity import JwtIdentity
 from proxy.legacy import LegacyFront
 from proxy.observability import Metrics
 from proxy.policy import named_tools
 from proxy.principals import Principals, deployment_key
+from proxy.relay import OriginRelay
 from proxy.tasks.push import TaskWatchers
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import StoreError, TaskStore, open_store
@@ -63,6 +65,8 @@ log = structlog.get_logger(__name__)
 CONFIG: Final = web.AppKey("config", Config)
 FRONT: Final = web.AppKey("front", Front)
 PASSTHROUGH: Final = web.AppKey("passthrough", LegacyFront)
+RELAY: Final = web.AppKey("relay", OriginRelay)
+JWT: Final = web.AppKey("jwt", JwtIdentity)
 UPSTREAM: Final = web.AppKey("upstream", SessionPool)
 STORE: Final = web.AppKey("store", TaskStore)
 RUNNER: Final = web.AppKey("runner", TaskRunner)
@@ -141,6 +145,19 @@ async def admission(request: web.Request, handler: Handler) -> web.StreamRespons
     return await handler(request)
 
 
+@web.middleware
+async def relay_unrouted(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A path no route of the proxy's own serves goes to the upstream's origin (`relay.py`); a path the proxy
+    serves with another method keeps its 405."""
+    if not isinstance(request.match_info.http_exception, web.HTTPNotFound) or RELAY not in request.app:
+        return await handler(request)
+    if request.path in OPS_PATHS:  # e.g. /metrics switched off: still the proxy's (and exempt from the Host check)
+        return await handler(request)
+    request[ERA] = "relayed"
+    body = await _read_body(request) if request.body_exists else None
+    return await request.app[RELAY].relay(request, body)
+
+
 # --- the MCP endpoint ---------------------------------------------------------------------------------
 
 
@@ -200,6 +217,8 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
         raise UnauthorizedError(
             f"Unauthorized: this proxy serves no anonymous callers; send {config.security.principal_header}"
         )
+    if principal is not None and JWT in request.app:
+        principal = await request.app[JWT].credential(principal)  # a JWT that fails is refused here (401)
     caller = Caller(principal=principal, headers=request.headers)
     channel = request[CHANNEL] = HttpChannel(request, config.limits.write_timeout_seconds)
     reply = await request.app[FRONT].dispatch(modern, caller, channel)
@@ -228,6 +247,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     runner.spawn(watchers.run(), "task-feed")
     app[FRONT] = Front(config, upstream, runner, watchers)
     legacy = app[PASSTHROUGH] = upstream.legacy_front()  # relayed, or served by the proxy (the kind decides)
+    app[RELAY] = OriginRelay.of(config.relay, legacy)  # other paths: to the upstream's origin, when it has one
     try:
         await runner.start()  # restart recovery happens before the first request is served
         upstream.warm_up()
@@ -322,11 +342,18 @@ def create_app(config: Config) -> web.Application:
         )
     app = web.Application(
         client_max_size=config.security.max_body_bytes,
-        middlewares=[error_edge, admission],
+        middlewares=[error_edge, admission, relay_unrouted],
     )
     app[CONFIG] = config
     app[STOPPING] = []
     app.cleanup_ctx.append(upstream_ctx)
+    if config.security.jwt is not None:
+        identity = app[JWT] = JwtIdentity(config.security.jwt)
+
+        async def close_identity(app: web.Application) -> None:
+            await identity.close()
+
+        app.on_cleanup.append(close_identity)
     app.on_shutdown.append(end_listen_streams)
     app.router.add_route("*", config.listen.path, handle_mcp)
     app.router.add_get(HEALTHZ, healthz)

@@ -193,6 +193,73 @@ UpstreamConfig = Annotated[
 ]
 
 
+JwtAlgorithm = Literal["RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA"]
+
+
+def _default_algorithms() -> list[JwtAlgorithm]:
+    return ["RS256", "ES256"]
+
+
+class JwtConfig(_Frozen):
+    """A caller's Bearer JWT verified against its issuer's keys: the task owner is then the issuer plus a claim,
+    which survives token refresh (an opaque token's owner is the token itself)."""
+
+    jwks_url: str | None = Field(
+        None,
+        description="URL of the issuer's JSON Web Key Set (e.g. https://auth.example.com/.well-known/jwks.json). "
+        "Fetched when first needed, cached, and fetched again when a token names an unknown `kid` (at most once "
+        "per `jwks_refetch_seconds`). Exactly one of `jwks_url` and `jwks_file` is set.",
+    )
+    jwks_file: str | None = Field(
+        None,
+        description="A JSON Web Key Set in a file (e.g. a mounted ConfigMap), read when first needed and "
+        "again after `jwks_ttl_seconds`.",
+    )
+    issuer: list[str] = Field(
+        ...,
+        min_length=1,
+        description="Accepted `iss` values (one, or a list): a token from any other issuer gets 401.",
+    )
+    audience: list[str] = Field(
+        default_factory=list,
+        description="Accepted `aud` values; a token must name one of them. Empty: the audience is not checked "
+        "(the upstream checks its own).",
+    )
+    claim: str = Field("sub", min_length=1, description="The claim that names the caller within its issuer.")
+    algorithms: list[JwtAlgorithm] = Field(
+        default_factory=_default_algorithms,
+        min_length=1,
+        description="Signature algorithms accepted (asymmetric only: `none` and HMAC are never accepted).",
+    )
+    leeway_seconds: float = Field(30.0, ge=0, le=300, description="Clock skew allowed on `exp`, `nbf` and `iat`.")
+    max_keys: int = Field(64, ge=1, le=1024, description="Most keys kept from a key set; the rest are ignored.")
+    jwks_refetch_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="Least time between two fetches of `jwks_url` caused by unknown `kid`s (a flood of tokens "
+        "with made-up `kid`s costs one fetch per this interval).",
+    )
+    jwks_ttl_seconds: float = Field(
+        3600.0, gt=0, description="A fetched key set is fetched again after this long (key rotation)."
+    )
+    jwks_timeout_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="Fetching the key set longer than this fails: callers with a JWT get 503 until it succeeds.",
+    )
+
+    @field_validator("issuer", "audience", mode="before")
+    @classmethod
+    def _one_or_a_list(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> JwtConfig:
+        if bool(self.jwks_url) == bool(self.jwks_file):
+            raise PydanticCustomError("jwks_source", "set exactly one of jwks_url and jwks_file")
+        return self
+
+
 class SecurityConfig(_Frozen):
     allowed_hosts: list[str] = Field(
         default_factory=lambda: ["localhost", "127.0.0.1", "[::1]"],
@@ -221,6 +288,20 @@ class SecurityConfig(_Frozen):
         "as the one shared anonymous caller (warned about at start on a non-loopback listener); `refuse` answers "
         "HTTP 401 with `WWW-Authenticate`.",
     )
+    jwt: JwtConfig | None = Field(
+        None,
+        description='Verify Bearer JWTs in `principal_header` (see the README\'s "Servers that require OAuth"): a '
+        "token that fails gets 401 before anything else; a valid one owns tasks as issuer + claim, so a refreshed "
+        "token still reads its tasks. A value that is no JWT keeps the keyed hash of the whole value. Unset: every "
+        "value is opaque.",
+    )
+    upstream_auth: Literal["detect", "required", "none"] = Field(
+        "detect",
+        description="Does the upstream require credentials? `required`: what the proxy learns from it (discover, "
+        "the tool catalog) serves only a caller whose own credential the upstream accepted; `none`: shared by "
+        "every caller; `detect`: shared while an initialize without credentials succeeds and no request was "
+        "refused with 401/403.",
+    )
     key_file: str | None = Field(
         None,
         description="The deployment key (at least 32 bytes, e.g. a mounted Secret): principals are stored as its "
@@ -248,6 +329,31 @@ class SecurityConfig(_Frozen):
                 raise ValueError(f"{name!r}: a `*` must be a whole label, as in mcp-server.*.svc")
             if labels[-1] == "*":
                 raise ValueError(f"{name!r}: the last label cannot be `*` (it would accept public names)")
+        return value
+
+
+class RelayConfig(_Frozen):
+    """Paths that are neither the MCP endpoint nor the proxy's own, relayed to the upstream's origin."""
+
+    enabled: bool = Field(
+        True,
+        description="Relay every other path (OAuth protected-resource metadata, an embedded authorization "
+        "server's /authorize, /token, /register, static pages) verbatim to the upstream URL's origin, with the "
+        "pass-through's header rules, limits and X-Forwarded-*. Off: such paths get 404. A stdio upstream has "
+        "no origin: 404 with a JSON body saying so.",
+    )
+    prefixes: list[str] = Field(
+        default_factory=list,
+        description="Relay only paths under these prefixes (e.g. `/.well-known/`, `/authorize`); empty: every "
+        "path. Others get 404.",
+    )
+
+    @field_validator("prefixes")
+    @classmethod
+    def _absolute(cls, value: list[str]) -> list[str]:
+        for prefix in value:
+            if not prefix.startswith("/"):
+                raise ValueError(f"{prefix!r} must start with '/'")
         return value
 
 
@@ -522,6 +628,7 @@ class Config(_Frozen):
         "(`command`); exactly one of the two is set.",
     )
     security: SecurityConfig = Field(default_factory=SecurityConfig, description="Request admission.")
+    relay: RelayConfig = Field(default_factory=RelayConfig, description="Other paths relayed to the upstream's origin.")
     discovery: DiscoveryConfig = Field(
         default_factory=DiscoveryConfig, description="Caching hints on discover and list results."
     )

@@ -117,7 +117,7 @@ def json_response(message: JSON, status: int = 200, headers: Mapping[str, str] |
 def error_response(error: ProxyError, request_id: RequestId | None = None) -> web.Response:
     """The JSON-RPC error body of `error` (with `request_id`, else the error's own) and its HTTP status."""
     message = jsonrpc.error_message(request_id if request_id is not None else error.request_id, error.error_object())
-    response = json_response(message, http_status(error), error.headers)
+    response = json_response(message, http_status(error), error.response_headers())
     if error.headers.get("Connection") == "close":
         response.force_close()  # aiohttp's own state too, not only the header
     return response

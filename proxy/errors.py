@@ -36,6 +36,10 @@ class ProxyError(Exception):
         self.status = http_status if http_status is not None else self.http_status
         super().__init__(self.message)
 
+    def response_headers(self) -> Mapping[str, str]:
+        """Headers of the HTTP answer that carries this error."""
+        return self.headers
+
     def error_object(self) -> dict[str, Any]:
         error: dict[str, Any] = {"code": self.code, "message": self.message}
         if self.data is not None:
@@ -166,6 +170,32 @@ class UpstreamRefusedError(UpstreamError):
 class UpstreamSessionGoneError(UpstreamRefusedError):
     """The upstream no longer knows the session (or the task) a request named: it refused it as unknown (HTTP
     400, 404 or 410). Work that lived in that session is lost."""
+
+
+class UpstreamAuthError(UpstreamRefusedError):
+    """The upstream refused the caller's credential: HTTP 401 (none, expired or invalid) or 403 (e.g.
+    `insufficient_scope`, for step-up authorization). A modern client gets the same status with the upstream's
+    `WWW-Authenticate`, so it can run the authorization flow the server asks for; never a 5xx. The header is
+    the server's challenge (realm, scope, resource_metadata, error): it names no credential of the caller."""
+
+    code = jsonrpc.INVALID_REQUEST
+
+    def __init__(self, upstream_status: int, www_authenticate: str | None, method: str = "initialize") -> None:
+        what = "Unauthorized" if upstream_status == 401 else "Forbidden"
+        super().__init__(
+            f"{what}: the upstream MCP server refused the credential of this request ({method}: HTTP "
+            f"{upstream_status}); authorize with the server named in WWW-Authenticate and send the request again",
+            upstream_status,
+        )
+        self.status = upstream_status
+        self.www_authenticate = www_authenticate
+        self.data = {"upstreamStatus": upstream_status}
+
+    def response_headers(self) -> Mapping[str, str]:
+        return {"WWW-Authenticate": self.www_authenticate} if self.www_authenticate else {}
+
+
+AUTH_STATUSES = frozenset({401, 403})  # the upstream statuses that are an UpstreamAuthError
 
 
 class ResultTooLargeError(UpstreamError):

@@ -27,6 +27,19 @@ _HASH_CONTEXT: Final = b"mcp-tasks-proxy/principal/v1"
 _SEAL_CONTEXT: Final = b"mcp-tasks-proxy/rerun-principal/v1"
 
 
+class Credential(str):
+    """A principal header value the proxy verified (a Bearer JWT, `jwt_identity.py`): it still travels upstream
+    as itself and keys the caller's upstream sessions, but it owns tasks as `owner` (the issuer and the claim),
+    so the caller's next token, with the same owner, reads the same tasks."""
+
+    owner: str
+
+    def __new__(cls, value: str, *, owner: str) -> Credential:
+        credential = super().__new__(cls, value)
+        credential.owner = owner
+        return credential
+
+
 class SealError(ValueError):
     """A sealed principal cannot be opened with this key (the key changed, or the value is not ours)."""
 
@@ -40,9 +53,12 @@ class Principals:
         self._fernet = Fernet(base64.urlsafe_b64encode(seal_key))
 
     def key_of(self, principal: str | None) -> str:
-        """The stored owner of what the caller creates; "" for a caller without a principal."""
+        """The stored owner of what the caller creates; "" for a caller without a principal. A verified
+        credential's owner is hashed in a space of its own, so no header value can take its place."""
         if not principal:
             return ""
+        if isinstance(principal, Credential):
+            return hmac.new(self._hash_key, b"owner\0" + principal.owner.encode(), hashlib.sha256).hexdigest()
         return hmac.new(self._hash_key, principal.encode(), hashlib.sha256).hexdigest()
 
     def seal(self, principal: str) -> str:

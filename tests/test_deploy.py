@@ -760,3 +760,48 @@ def test_the_replicated_example_differs_from_the_single_replica_one_only_where_i
     assert without(_replicated_proxy(), "env", "volumeMounts") == without(_proxy_container(), "env", "volumeMounts")
     assert pods["spec"]["securityContext"] == base["spec"]["securityContext"]
     assert pods["spec"]["automountServiceAccountToken"] is False
+
+
+# --- Kubernetes: behind an authenticating ingress (config/kubernetes/oauth) ------------------------------------
+
+OAUTH_DIR = KUBE_DIR / "oauth"
+
+
+def _oauth(kind: str) -> dict[str, Any]:
+    found = [
+        document
+        for path in sorted(OAUTH_DIR.glob("*.yaml"))
+        for document in yaml.safe_load_all(path.read_text())
+        if document is not None and document["kind"] == kind
+    ]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    document: dict[str, Any] = found[0]
+    return document
+
+
+@pytest.mark.parametrize("kind", ["ConfigMap", "Ingress"])
+def test_the_ingress_example_manifests_are_valid_kubernetes_objects(kind: str) -> None:
+    assert kubernetes_validate.validate(_oauth(kind), KUBERNETES_VERSION, strict=True) == KUBERNETES_VERSION
+
+
+def test_the_ingress_example_trusts_only_the_header_its_authentication_sets(tmp_path: Path) -> None:
+    """The proxy's principal header is the one the ingress copies from its authentication answer (replacing the
+    client's), callers without it are refused, the public host passes the Host check, the Ingress reaches the
+    base example's Service port, and the ConfigMap replaces the base one (same name)."""
+    configmap = _oauth("ConfigMap")
+    assert configmap["metadata"]["name"] == _by_kind("ConfigMap")["metadata"]["name"]
+    key = tmp_path / "key"
+    key.write_text("k" * 64)
+    path = tmp_path / "proxy.yaml"
+    path.write_text(configmap["data"]["proxy.yaml"].replace(KEY_FILE, str(key)))
+    config = load_config(path, environ={})
+    ingress = _oauth("Ingress")
+    trusted = ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/auth-response-headers"]
+    assert config.security.principal_header.lower() == trusted.lower()
+    assert config.security.anonymous == "refuse"
+    (rule,) = ingress["spec"]["rules"]
+    assert rule["host"] in config.security.allowed_hosts
+    (route,) = rule["http"]["paths"]
+    service = _by_kind("Service")
+    assert route["backend"]["service"]["name"] == service["metadata"]["name"]
+    assert route["backend"]["service"]["port"]["name"] in {port["name"] for port in service["spec"]["ports"]}

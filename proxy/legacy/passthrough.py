@@ -96,6 +96,10 @@ class PassThrough:
         await self.http.close()
 
     async def relay(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
+        return await self.relay_to(self.url.with_query(request.query) if request.query else self.url, request, body)
+
+    async def relay_to(self, url: URL, request: web.Request, body: bytes | None) -> web.StreamResponse:
+        """The request relayed to `url` (another path of the upstream's origin: `relay.py`), by the same rules."""
         headers = _end_to_end(request.headers)
         _add_forwarded(headers, request)
         for name, value in self.extra_headers.items():
@@ -103,7 +107,7 @@ class PassThrough:
         try:
             upstream = await self.http.request(
                 request.method,
-                self.url.with_query(request.query) if request.query else self.url,
+                url,
                 headers=headers,
                 skip_auto_headers=NO_AUTO_HEADERS,
                 data=body if body else None,

@@ -28,4 +28,4 @@ def session_kind(config: Config, http: aiohttp.ClientSession, metrics: Metrics |
             principal_header=principal_header,
             legacy_replay_bytes=config.limits.legacy_replay_bytes,
         )
-    return HttpKind(upstream, http, principal_header, metrics, max_result_bytes)
+    return HttpKind(upstream, http, principal_header, metrics, max_result_bytes, config.security.upstream_auth)

@@ -2,9 +2,10 @@
 
 A link holds background work (named, referenced until done, cancelled on close: the one place `upstream/`
 starts background tasks) and what the upstream said most recently: serverInfo and the whole InitializeResult
-(server/discover), the `x-mcp-header` catalog of its tools with each tool's `execution.taskSupport`, and when
-it last answered (readiness). Each kind's link (`http/link.py`, `stdio/link.py`) adds its transport. Imports
-the wire and observability; no aiohttp, no session kind.
+(server/discover), the `x-mcp-header` catalog of its tools with each tool's `execution.taskSupport`, when
+it last answered (readiness), and whether what it said may serve every caller (`auth.py`). Each kind's link
+(`http/link.py`, `stdio/link.py`) adds its transport. Imports the wire, observability and the auth decision; no
+aiohttp, no session kind.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Any, Final
 
 import structlog
 
-from proxy.errors import UpstreamError, UpstreamTimeoutError
+from proxy.errors import UpstreamAuthError, UpstreamError, UpstreamTimeoutError
 from proxy.observability import Metrics, method_label
+from proxy.upstream.auth import UpstreamAuth
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader
 from proxy.wire.jsonrpc import JSON
@@ -44,6 +46,7 @@ class LinkBase:
         self.tool_task_support: dict[str, legacy_tasks.TaskSupport | None] = {}
         self.tool_headers_at = 0.0
         self.last_answer_at: float | None = None  # monotonic time of the upstream's latest answer
+        self.auth = UpstreamAuth()  # a kind whose upstream can ask for credentials replaces it
 
     @contextlib.contextmanager
     def measured(self, method: str) -> Iterator[None]:
@@ -54,6 +57,8 @@ class LinkBase:
         except UpstreamError as exc:
             if self.metrics is not None:
                 kind = "timeout" if isinstance(exc, UpstreamTimeoutError) else "unavailable"
+                if isinstance(exc, UpstreamAuthError):
+                    kind = "refused"  # the caller's credential, not the upstream, was the problem
                 self.metrics.upstream_errors.labels(method_label(method), kind).inc()
             raise
         finally:

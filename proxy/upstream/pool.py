@@ -407,17 +407,27 @@ class SessionPool:
 
     async def initialize_result(self, principal: str | None, max_age_ms: int) -> JSON:
         """The upstream's InitializeResult: the latest one any session got, when it is at most `max_age_ms` old
-        (server/discover opens no session per caller), else from the caller's shared session."""
-        recent = self.kind.recent_initialize(max_age_ms)
-        if recent is not None:
-            return recent
+        (server/discover opens no session per caller), else from the caller's shared session. When the upstream
+        requires credentials (`kind.auth`), always the caller's own: a caller the upstream refuses gets its
+        refusal, never what another caller's session learned."""
+        if await self.kind.auth.shared():
+            recent = self.kind.recent_initialize(max_age_ms)
+            if recent is not None:
+                return recent
         async with self.use(principal) as session:
             return await session.ensure_initialized()
 
     async def tool_facts(self, principal: str | None, tool: str, max_age_ms: int) -> ToolFacts:
         """What a call of `tool` needs before it starts, in one turn: the InitializeResult (at most `max_age_ms`
         old), the tool's `x-mcp-header` annotations and how the upstream runs it as its own task. From what the
-        kind already knows; the caller's shared session is used (once) only for what it does not."""
+        kind already knows; the caller's shared session is used (once) only for what it does not. When the
+        upstream requires credentials (`kind.auth`), all through the caller's shared session, initialized first:
+        the upstream has accepted this caller's credential before anything learned from it answers."""
+        if not await self.kind.auth.shared():
+            async with self.use(principal) as session:
+                own_initialize = await session.ensure_initialized()
+                own_headers = await session.param_headers(tool)
+                return ToolFacts(own_initialize, own_headers, await session.task_support(tool))
         initialize_result = self.kind.recent_initialize(max_age_ms)
         headers = self.kind.known_headers(tool)
         latest = self.kind.initialize_result  # does the upstream run tool tasks at all? (any age will do)

@@ -6,8 +6,8 @@ An upstream session is the proxy's own legacy client connection to the server: a
 only the `Session` protocol below, and the requests it opens as `RequestStream`s. A `SessionKind` makes the
 sessions of one kind, says how the pool must bound them (`PoolLimits`) and which server legacy clients get
 (`legacy_front`). `request`, `read_param_headers` and `read_task_support` are what both kinds do alike on top
-of their own `call()`. Imports the event types, the link, the lending and the wire; no aiohttp, no session
-kind, not the pool.
+of their own `call()`. Imports the event types, the link, the lending, the auth decision and the wire; no
+aiohttp, no session kind, not the pool.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any, Final, Protocol
 
 from proxy.errors import RequestId, UpstreamError
 from proxy.legacy import LegacyFront
+from proxy.upstream.auth import UpstreamAuth
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult
 from proxy.upstream.lending import ListenStreams, Notifications, Sink
 from proxy.upstream.link import LinkBase
@@ -152,6 +153,7 @@ class SessionKind(Protocol):
     server_info: JSON | None
     initialize_result: JSON | None
     tool_task_support: dict[str, legacy_tasks.TaskSupport | None]
+    auth: UpstreamAuth  # whether what one caller's session learned may serve another
 
     def recent_initialize(self, max_age_ms: int) -> JSON | None: ...
 

@@ -1,5 +1,5 @@
 """Command line entry point: ``python -m tests.upstream --host H --port P [--stateless] [--json-response]
-[--legacy-tasks]``.
+[--legacy-tasks] [--auth JWKS_FILE ISSUER RESOURCE_URL]``.
 
 Binds the listening socket itself (so ``--port 0`` works), serves the fixture with uvicorn at
 ``/mcp``, prints ``ready http://HOST:PORT/mcp`` once listening, and exits 0 on SIGTERM/SIGINT.
@@ -65,6 +65,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="enable the SDK's experimental 2025-11-25 Tasks and the legacy_task_* tools",
     )
+    parser.add_argument(
+        "--auth",
+        nargs=3,
+        metavar=("JWKS_FILE", "ISSUER", "RESOURCE_URL"),
+        help="an OAuth resource server: JWTs of ISSUER signed by a key of JWKS_FILE, metadata naming RESOURCE_URL",
+    )
     parser.add_argument("--stdio", action="store_true", help="serve over stdin/stdout instead of HTTP")
     return parser.parse_args(argv)
 
@@ -110,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         retry_interval_ms=args.retry_ms,
         resumable=not args.no_resumability,
         legacy_tasks=args.legacy_tasks,
+        auth=tuple(args.auth) if args.auth else None,
     )
     config = uvicorn.Config(
         app,

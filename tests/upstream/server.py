@@ -29,6 +29,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tests.upstream import (
+    auth_fixtures,
     conformance_fixtures,
     core_fixtures,
     legacy_task_fixtures,
@@ -251,9 +252,16 @@ def build_server(
     retry_interval_ms: int | None = DEFAULT_RETRY_INTERVAL_MS,
     resumable: bool = True,
     legacy_tasks: bool = False,
+    auth: tuple[str, str, str] | None = None,
 ) -> FixtureMCP:
     """The fully registered fixture server (not yet bound to any transport); ``legacy_tasks`` adds the
-    tools the server runs as its own 2025-11-25 tasks (see legacy_task_fixtures.py)."""
+    tools the server runs as its own 2025-11-25 tasks (see legacy_task_fixtures.py); ``auth`` (a JWKS file,
+    the issuer, the resource URL) makes it an OAuth resource server (see auth_fixtures.py)."""
+    resource_server: dict[str, Any] = {}
+    if auth is not None:
+        jwks, issuer, resource_url = auth
+        resource_server = auth_fixtures.settings(issuer, resource_url)
+        resource_server["token_verifier"] = auth_fixtures.JwksTokenVerifier(jwks, issuer)
     mcp = FixtureMCP(
         SERVER_NAME,
         instructions="Legacy (2025-11-25) fixture upstream for mcp-tasks-proxy tests and conformance runs.",
@@ -264,6 +272,7 @@ def build_server(
         stateless_http=stateless,
         log_level="WARNING",
         transport_security=_security(host),
+        **resource_server,
     )
     # Advertise subscribe/listChanged: swap in a subclass that only overrides get_capabilities.
     mcp._mcp_server.__class__ = _FixtureLowLevelServer
@@ -274,6 +283,8 @@ def build_server(
     _install_protocol_handlers(mcp._mcp_server)
     if legacy_tasks:
         legacy_task_fixtures.enable(mcp)
+    if auth is not None:
+        auth_fixtures.register_echo(mcp)
     return mcp
 
 
@@ -285,9 +296,11 @@ def build_app(
     retry_interval_ms: int | None = DEFAULT_RETRY_INTERVAL_MS,
     resumable: bool = True,
     legacy_tasks: bool = False,
+    auth: tuple[str, str, str] | None = None,
 ) -> Starlette:
     """ASGI app serving the fixture at ``/mcp`` (its lifespan runs the SDK session manager)."""
     return build_server(
+        auth=auth,
         host=host,
         stateless=stateless,
         json_response=json_response,

@@ -1,12 +1,14 @@
 """The Streamable HTTP kind of upstream session for the pool: sessions are cheap, so every call whose client
 could answer a question gets one of its own and idle ones are kept up to `upstream.max_sessions`; readiness
-starts a throwaway session when the upstream has been quiet; legacy clients are relayed verbatim
+starts a throwaway session when the upstream has been quiet; whether the upstream requires credentials is
+found out with an anonymous `initialize` (`upstream/auth.py`); legacy clients are relayed verbatim
 (`legacy/passthrough.py`). Imports the HTTP link and session and the pass-through; never the pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
@@ -15,10 +17,11 @@ from typing import Final
 import aiohttp
 
 from proxy.config import HttpUpstreamConfig
-from proxy.errors import UpstreamTimeoutError
+from proxy.errors import UpstreamAuthError, UpstreamTimeoutError
 from proxy.legacy import LegacyFront
 from proxy.legacy.passthrough import PassThrough
 from proxy.observability import Metrics
+from proxy.upstream.auth import AuthMode, UpstreamAuth
 from proxy.upstream.http.link import HttpLink
 from proxy.upstream.http.session import HttpSession
 from proxy.upstream.session import PoolLimits, Room, Session
@@ -36,8 +39,10 @@ class HttpKind(HttpLink):
         principal_header: str,
         metrics: Metrics | None,
         max_result_bytes: int | None = None,
+        auth_mode: AuthMode = "detect",
     ) -> None:
         super().__init__(config, http, principal_header, metrics, max_result_bytes)
+        self.auth = UpstreamAuth(auth_mode, self._anonymous_initialize)
         # A call whose client could answer a question gets a session of its own (its GET stream is the call's);
         # the others share the principal's session, so a thousand quiet tasks are not a thousand sessions.
         self.limits = PoolLimits(max_idle=config.max_sessions, share_quiet_calls=True)
@@ -46,23 +51,29 @@ class HttpKind(HttpLink):
     def new(self, principal: str | None) -> Session:
         return HttpSession(self, principal)
 
+    async def _anonymous_initialize(self) -> None:
+        """One `initialize` without any caller's credential, on a throwaway session: does the upstream need one?"""
+        session = HttpSession(self, None)
+        try:
+            await asyncio.wait_for(session.initialize(listen=False), PROBE_TIMEOUT_SECONDS)
+        except TimeoutError:
+            raise UpstreamTimeoutError(
+                f"Upstream did not answer initialize within {PROBE_TIMEOUT_SECONDS:g} s"
+            ) from None
+        finally:
+            await session.close()
+
     async def probe(self, max_age_seconds: float, shared: Callable[[], AbstractAsyncContextManager[Session]]) -> None:
         """Readiness: fine when the upstream answered within `max_age_seconds`; otherwise a fresh `initialize`
-        on a throwaway session (ended with DELETE) must succeed within PROBE_TIMEOUT_SECONDS. Raises
-        UpstreamError saying what failed. Concurrent probes share one attempt."""
+        on a throwaway session (ended with DELETE) must succeed within PROBE_TIMEOUT_SECONDS, or be refused for
+        want of a credential (the upstream is there; it requires auth). Raises UpstreamError saying what failed.
+        Concurrent probes share one attempt."""
         async with self._probe_lock:
             last = self.last_answer_at
             if last is not None and time.monotonic() - last <= max_age_seconds:
                 return
-            session = HttpSession(self, None)
-            try:
-                await asyncio.wait_for(session.initialize(listen=False), PROBE_TIMEOUT_SECONDS)
-            except TimeoutError:
-                raise UpstreamTimeoutError(
-                    f"Upstream did not answer initialize within {PROBE_TIMEOUT_SECONDS:g} s"
-                ) from None
-            finally:
-                await session.close()
+            with contextlib.suppress(UpstreamAuthError):  # it answered: it wants a credential the probe lacks
+                await self._anonymous_initialize()
 
     def legacy_front(self, room: Room) -> LegacyFront:
         """Legacy clients are relayed verbatim, on an HTTP client of their own (no automatic headers, no

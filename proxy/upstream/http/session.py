@@ -5,8 +5,9 @@ A session owns `initialize` + `notifications/initialized`, the `Mcp-Session-Id` 
 `MCP-Protocol-Version` headers, its GET stream (`get_stream.py`) and where what arrives there goes
 (`lending.py`): to the call the session is lent to, to `subscriptions/listen` inboxes, or refused. What every
 session shares (the HTTP client, the URL, timeouts, request ids, the upstream's latest serverInfo) is the
-`HttpLink` (`link.py`). aiohttp failures become typed UpstreamErrors. Imports aiohttp; never the store, the
-front or the pool.
+`HttpLink` (`link.py`). aiohttp failures become typed UpstreamErrors; a 401 or 403 is the caller's credential
+refused (UpstreamAuthError, with the server's `WWW-Authenticate`), never a session gone. Imports aiohttp; never
+the store, the front or the pool.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import aiohttp
 import structlog
 
 from proxy.errors import (
+    AUTH_STATUSES,
     RequestId,
     ResultTooLargeError,
+    UpstreamAuthError,
     UpstreamError,
     UpstreamRefusedError,
     UpstreamSessionGoneError,
@@ -155,6 +158,8 @@ class HttpSession:
         }
         response = await self._post(request_message(request_id, "initialize", params), self.headers(initialized=False))
         session_id = response.headers.get("Mcp-Session-Id")
+        if response.status in AUTH_STATUSES:
+            raise self._refused(response, "initialize")
         if response.status >= 400:
             body = await response.text()
             response.release()
@@ -168,6 +173,8 @@ class HttpSession:
                 raise UpstreamError(f"Upstream refused initialize: {event.error.get('message')}")
         if result is None or not isinstance(result.get("protocolVersion"), str):
             raise UpstreamError("Upstream sent an invalid InitializeResult")
+        if not self.principal:
+            self.link.auth.saw_anonymous_success()
         self.session_id = session_id
         self.protocol_version = result["protocolVersion"]
         await self.notify("notifications/initialized", None)
@@ -308,6 +315,8 @@ class HttpSession:
                     await self._reinitialize(sent_with)
                     continue
                 break
+            if response.status in AUTH_STATUSES:
+                raise self._refused(response, method)
             if response.status >= 400:
                 await _raise_unless_answer(response, request_id, method, self.link.max_result_bytes)
             upstream_call = HttpRequestStream(self, request_id, method, response, self.link.max_result_bytes)
@@ -317,6 +326,14 @@ class HttpSession:
             finally:
                 self.in_flight -= 1
                 response.close()
+
+    def _refused(self, response: aiohttp.ClientResponse, method: str) -> UpstreamAuthError:
+        """The upstream refused this session's credential: the caller is told, with the server's challenge."""
+        self.link.auth.saw_refusal()
+        challenge = response.headers.get("WWW-Authenticate")
+        response.release()
+        log.info("upstream_refused_credential", method=method, status=response.status)
+        return UpstreamAuthError(response.status, challenge, method)
 
     async def _cancel_unanswered(self, request_id: int) -> None:
         try:

@@ -1,0 +1,332 @@
+"""End to end: a legacy server that requires OAuth (the mcp 1.x SDK's own resource-server support: a token
+verifier and AuthSettings) behind the proxy, in both eras. Tokens are JWTs minted here with a local key; the
+server reads its key set from a file. The proxy's public URL is the server's configured resource URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from yarl import URL
+
+from proxy.app import UPSTREAM, create_app
+from tests.support.oauth import ISSUER, Issuer
+from tests.support.processes import Upstream, free_port, key_file, proxy_config
+from tests.support.wire import modern_body, modern_headers, read_messages
+
+Client = TestClient[web.Request, web.Application]
+TASKS: dict[str, Any] = {"extensions": {"io.modelcontextprotocol/tasks": {}}}
+
+
+@pytest.fixture(scope="module")
+def oauth_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("oauth")
+
+
+@pytest.fixture(scope="module")
+def issuer(oauth_dir: Path) -> Issuer:
+    return Issuer(oauth_dir)
+
+
+@pytest.fixture(scope="module")
+def proxy_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def oauth_upstream(issuer: Issuer, proxy_port: int) -> Iterator[Upstream]:
+    """The resource server: its resource URL is the proxy's public URL, as in a sidecar deployment."""
+    server = Upstream("--auth", str(issuer.jwks_path), ISSUER, f"http://127.0.0.1:{proxy_port}/mcp")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def oauth_proxy(oauth_upstream: Upstream, proxy_port: int, tmp_path: Path) -> AsyncIterator[Client]:
+    config = proxy_config(
+        oauth_upstream.url,
+        tmp_path,
+        security={"key_file": key_file(tmp_path)},
+        tasks={"tools": {"sleep": {"mode": "required"}}},
+    )
+    client = TestClient(TestServer(create_app(config), host="127.0.0.1", port=proxy_port))
+    await client.start_server()
+    yield client
+    await client.close()
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def modern(
+    client: Client,
+    method: str,
+    params: dict[str, Any] | None = None,
+    *,
+    name: str | None = None,
+    auth: str | None = None,
+) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """One modern request, with `auth` as its Bearer token when given."""
+    body = modern_body(method, params, capabilities=TASKS, request_id=7)
+    headers = modern_headers(method, name, **({"Authorization": f"Bearer {auth}"} if auth is not None else {}))
+    async with client.post("/mcp", json=body, headers=headers) as response:
+        messages = await read_messages(response)
+        return response.status, dict(response.headers), messages[-1]
+
+
+COVERED: list[tuple[str, dict[str, Any] | None, str | None]] = [
+    ("server/discover", None, None),
+    ("tools/list", None, None),
+    ("prompts/list", None, None),
+    ("resources/list", None, None),
+    ("tools/call", {"name": "test_simple_text", "arguments": {}}, "test_simple_text"),
+    ("prompts/get", {"name": "test_simple_prompt"}, "test_simple_prompt"),
+    ("resources/read", {"uri": "test://static-text"}, "test://static-text"),
+    (
+        "completion/complete",
+        {
+            "ref": {"type": "ref/prompt", "name": "test_prompt_with_arguments"},
+            "argument": {"name": "arg1", "value": ""},
+        },
+        None,
+    ),
+    ("subscriptions/listen", {"notifications": {"toolsListChanged": True}}, None),
+    ("tools/call", {"name": "sleep", "arguments": {"seconds": 0.1}}, "sleep"),  # a task for this tool
+]
+
+
+COVERED_IDS = [f"{method} {name}" if name else method for method, _, name in COVERED]
+
+
+@pytest.mark.parametrize(("method", "params", "name"), COVERED, ids=COVERED_IDS)
+async def test_a_modern_request_without_a_token_gets_the_servers_401_and_challenge(
+    oauth_proxy: Client, method: str, params: dict[str, Any] | None, name: str | None
+) -> None:
+    status, headers, message = await modern(oauth_proxy, method, params, name=name)
+    assert status == 401
+    challenge = headers["WWW-Authenticate"]
+    assert challenge.startswith("Bearer")
+    assert "/.well-known/oauth-protected-resource/mcp" in challenge
+    assert message["id"] == 7
+    assert message["error"]["data"] == {"upstreamStatus": 401}
+
+
+async def test_a_refused_token_is_401_and_a_token_without_the_scope_is_403_insufficient_scope(
+    oauth_proxy: Client, issuer: Issuer
+) -> None:
+    status, headers, message = await modern(oauth_proxy, "tools/list", auth="not-a-token-the-server-knows")
+    assert status == 401
+    assert 'error="invalid_token"' in headers["WWW-Authenticate"]
+    assert "error" in message
+    expired = issuer.token(lifetime=-120)
+    status, _, _ = await modern(oauth_proxy, "tools/list", auth=expired)
+    assert status == 401
+    status, headers, message = await modern(oauth_proxy, "tools/list", auth=issuer.token(scope="read"))
+    assert status == 403
+    assert 'error="insufficient_scope"' in headers["WWW-Authenticate"]
+    assert message["error"]["data"] == {"upstreamStatus": 403}
+
+
+async def test_an_accepted_token_is_served_and_a_caller_without_one_still_gets_401_right_after(
+    oauth_proxy: Client, issuer: Issuer
+) -> None:
+    token = issuer.token()
+    status, _, message = await modern(oauth_proxy, "server/discover", auth=token)
+    assert status == 200, message
+    assert message["result"]["capabilities"]["tools"] is not None
+    status, _, message = await modern(oauth_proxy, "tools/list", auth=token)
+    assert status == 200
+    assert any(tool["name"] == "test_simple_text" for tool in message["result"]["tools"])
+    call = {"name": "test_simple_text", "arguments": {}}
+    status, _, message = await modern(oauth_proxy, "tools/call", call, name="test_simple_text", auth=token)
+    assert status == 200
+    assert message["result"]["content"][0]["text"].startswith("This is a simple text")
+    for method, params, name in COVERED[:5]:
+        status, _, _ = await modern(oauth_proxy, method, params, name=name)
+        assert status == 401, method
+        status, _, _ = await modern(oauth_proxy, method, params, name=name, auth="forged")
+        assert status == 401, method
+
+
+async def test_a_task_runs_under_the_callers_token_and_its_owner_reads_it(oauth_proxy: Client, issuer: Issuer) -> None:
+    token = issuer.token("bob")
+    params = {"name": "sleep", "arguments": {"seconds": 0.1}, "task": {}}
+    status, _, created = await modern(oauth_proxy, "tools/call", params, name="sleep", auth=token)
+    assert status == 200, created
+    assert created["result"]["resultType"] == "task"
+    task_id = created["result"]["taskId"]
+    status, _, got = await modern(oauth_proxy, "tasks/get", {"taskId": task_id}, auth=token)
+    assert status == 200
+    assert got["result"]["taskId"] == task_id
+    status, _, other = await modern(oauth_proxy, "tasks/get", {"taskId": task_id}, auth=issuer.token("eve"))
+    assert other["error"]["code"] == -32602  # another caller's task is not found
+
+
+async def test_other_paths_are_relayed_to_the_servers_origin_for_both_eras(
+    oauth_proxy: Client, proxy_port: int
+) -> None:
+    async with oauth_proxy.get("/.well-known/oauth-protected-resource/mcp") as response:
+        assert response.status == 200
+        metadata = await response.json()
+    assert metadata["resource"] == f"http://127.0.0.1:{proxy_port}/mcp"
+    assert metadata["authorization_servers"] == [ISSUER + "/"]
+    form = b"grant_type=client_credentials"
+    target = URL("/echo?x=1&y=%2F", encoded=True)
+    async with oauth_proxy.post(target, data=form, headers={"X-Forwarded-For": "10.0.0.1"}) as response:
+        assert response.status == 200
+        assert response.headers["X-Echo"] == "yes"
+        echoed = await response.json()
+    assert echoed["method"] == "POST"
+    assert echoed["query"] == "x=1&y=%2F"
+    assert echoed["body"] == "grant_type=client_credentials"
+    assert echoed["headers"]["x-forwarded-for"] == "10.0.0.1, 127.0.0.1"
+    assert echoed["headers"]["x-forwarded-host"] == f"127.0.0.1:{proxy_port}"
+    assert echoed["headers"]["x-forwarded-proto"] == "http"
+    # A legacy client's initialize without a token gets the server's own 401, whose metadata URL is served.
+    initialize = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}},
+    }
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    async with oauth_proxy.post("/mcp", json=initialize, headers=headers) as response:
+        assert response.status == 401
+        assert "oauth-protected-resource" in response.headers["WWW-Authenticate"]
+    # The proxy's own paths stay its own.
+    async with oauth_proxy.get("/healthz") as response:
+        assert await response.json() == {"status": "ok"}
+    async with oauth_proxy.post("/healthz") as response:
+        assert response.status == 405
+
+
+async def test_the_relay_can_be_narrowed_or_turned_off(
+    oauth_upstream: Upstream, tmp_path: Path, make_proxy: Any
+) -> None:
+    narrowed: Client = await make_proxy(oauth_upstream.url, relay={"prefixes": ["/.well-known/"]})
+    async with narrowed.get("/.well-known/oauth-protected-resource/mcp") as response:
+        assert response.status == 200
+    async with narrowed.get("/echo") as response:
+        assert response.status == 404
+        assert "not relayed" in (await response.json())["message"]
+    off: Client = await make_proxy(oauth_upstream.url, relay={"enabled": False})
+    async with off.get("/.well-known/oauth-protected-resource/mcp") as response:
+        assert response.status == 404
+
+
+async def test_a_stdio_upstream_has_no_origin_to_relay_to(make_proxy: Any, tmp_path: Path) -> None:
+    import sys
+
+    client: Client = await make_proxy(
+        None, upstream={"url": None, "command": [sys.executable, "-m", "tests.upstream", "--stdio"]}
+    )
+    async with client.get("/.well-known/oauth-protected-resource/mcp") as response:
+        assert response.status == 404
+        assert "stdio MCP server" in (await response.json())["message"]
+
+
+async def test_the_readiness_probe_counts_a_401_as_an_upstream_that_answers(oauth_proxy: Client) -> None:
+    async with oauth_proxy.get("/readyz") as response:
+        assert response.status == 200, await response.text()
+
+
+async def test_no_token_reaches_the_logs(oauth_proxy: Client, issuer: Issuer) -> None:
+    good, scopeless = issuer.token("carol"), issuer.token("carol", scope="other")
+    with structlog.testing.capture_logs() as events:
+        for token in (good, scopeless, "opaque-secret-value"):
+            for method, params, name in COVERED[:5]:
+                await modern(oauth_proxy, method, params, name=name, auth=token)
+        async with oauth_proxy.get("/echo", headers=bearer(good)) as response:
+            assert response.status == 200
+    text = repr(events)
+    assert events
+    for secret in (good, scopeless, "opaque-secret-value", good.split(".")[2]):
+        assert secret not in text
+
+
+async def test_a_legacy_client_with_an_accepted_token_passes_through(oauth_proxy: Client, issuer: Issuer) -> None:
+    initialize = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}},
+    }
+    headers = {
+        "Content-Type": "application/json",
+        "Accept": "application/json, text/event-stream",
+        "Authorization": f"Bearer {issuer.token('erin')}",
+    }
+    async with oauth_proxy.post("/mcp", json=initialize, headers=headers) as response:
+        assert response.status == 200
+        assert response.headers["Mcp-Session-Id"]
+        [message] = await read_messages(response)
+    assert message["result"]["serverInfo"]["name"] == "legacy-fixture-upstream"
+
+
+@pytest.mark.parametrize(("mode", "own_session"), [("detect", False), ("none", False), ("required", True)])
+async def test_a_server_that_needs_no_credential_keeps_the_shared_discover_cache(
+    make_proxy: Any, upstream: Upstream, mode: str, own_session: bool
+) -> None:
+    """A second caller's server/discover is answered from what the proxy already learned (no session of its
+    own), unless the upstream is said to require credentials: then the caller's own session asks it."""
+    client: Client = await make_proxy(upstream.url, security={"upstream_auth": mode})
+    for token in ("first", "second"):
+        status, _, message = await modern(client, "server/discover", auth=token)
+        assert status == 200, message
+    principals = [session.principal for session in client.app[UPSTREAM].sessions()]
+    assert ("Bearer second" in principals) is own_session
+
+
+async def test_a_rerun_whose_stored_credential_expired_fails_saying_so(
+    make_proxy: Any, oauth_upstream: Upstream, issuer: Issuer, tmp_path: Path
+) -> None:
+    sections: dict[str, Any] = {
+        "store": {"path": str(tmp_path / "rerun.db")},
+        "security": {"key_file": key_file(tmp_path)},
+        "tasks": {"tools": {"sleep": {"mode": "required", "on_restart": "rerun"}}},
+    }
+    lifetime = 3.0
+    token = issuer.token("frank", lifetime=lifetime)
+    expires = time.time() + lifetime
+    first: Client = await make_proxy(oauth_upstream.url, **sections)
+    params = {"name": "sleep", "arguments": {"seconds": 30}}
+    status, _, created = await modern(first, "tools/call", params, name="sleep", auth=token)
+    assert status == 200, created
+    task_id = created["result"]["taskId"]
+    await first.close()  # the process goes away with the call running
+    await asyncio.sleep(max(0.0, expires + 1 - time.time()))  # the token's own lifetime, not a state of the proxy
+    second: Client = await make_proxy(oauth_upstream.url, **sections)
+    deadline = time.monotonic() + 15
+    while True:
+        status, _, got = await modern(second, "tasks/get", {"taskId": task_id}, auth=token)
+        assert status == 200, got
+        if got["result"]["status"] != "working":
+            break
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    assert got["result"]["status"] == "failed"
+    message = got["result"]["error"]["message"]
+    assert "refused the credential" in message
+    assert "HTTP 401" in message
+    await asyncio.sleep(0.5)
+    _, _, again = await modern(second, "tasks/get", {"taskId": task_id}, auth=token)
+    assert again["result"]["status"] == "failed"  # no retry loop: it stays failed
+
+
+async def test_the_proxys_own_paths_are_never_relayed_even_when_switched_off(
+    make_proxy: Any, oauth_upstream: Upstream
+) -> None:
+    client: Client = await make_proxy(oauth_upstream.url, observability={"metrics": False})
+    async with client.get("/metrics", headers={"Host": "attacker.example"}) as response:
+        assert response.status == 404
+        assert response.headers.get("X-Echo") is None

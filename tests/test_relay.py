@@ -1,0 +1,41 @@
+"""The relay's routing decision (which paths go to the upstream's origin, and where), without a network."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.config import RelayConfig
+from proxy.principals import Credential, Principals
+from proxy.relay import OriginRelay
+
+
+def test_a_target_keeps_the_path_and_query_as_encoded_on_the_upstreams_origin() -> None:
+    relay = OriginRelay(RelayConfig(), "http://127.0.0.1:9000/mcp", None)
+    target = relay.target("/.well-known/oauth-protected-resource/mcp?x=%2F&y=1")
+    assert str(target) == "http://127.0.0.1:9000/.well-known/oauth-protected-resource/mcp?x=%2F&y=1"
+
+
+@pytest.mark.parametrize("raw_path", ["//evil.example/x", "http://evil.example/x", "evil"])
+def test_a_target_that_could_name_another_host_is_not_relayed(raw_path: str) -> None:
+    relay = OriginRelay(RelayConfig(), "http://127.0.0.1:9000/mcp", None)
+    assert relay.target(raw_path) is None
+
+
+def test_prefixes_narrow_the_relay_and_disabled_relays_nothing() -> None:
+    narrowed = OriginRelay(RelayConfig(prefixes=["/.well-known/", "/token"]), "http://u/mcp", None)
+    assert narrowed.relays("/.well-known/openid-configuration")
+    assert narrowed.relays("/token")
+    assert not narrowed.relays("/static/page.html")
+    assert not OriginRelay(RelayConfig(enabled=False), "http://u/mcp", None).relays("/.well-known/x")
+    assert OriginRelay(RelayConfig(), "http://u/mcp", None).relays("/anything")
+
+
+def test_a_verified_credential_owns_as_its_owner_and_never_as_a_header_value() -> None:
+    principals = Principals(b"k" * 32)
+    first = Credential("Bearer first-token", owner='["https://issuer", "alice"]')
+    refreshed = Credential("Bearer refreshed-token", owner='["https://issuer", "alice"]')
+    assert principals.key_of(first) == principals.key_of(refreshed)
+    assert principals.key_of(first) != principals.key_of("Bearer first-token")
+    assert principals.key_of(first) != principals.key_of('["https://issuer", "alice"]')
+    other = Credential("Bearer first-token", owner='["https://issuer", "bob"]')
+    assert principals.key_of(other) != principals.key_of(first)

@@ -1,0 +1,79 @@
+"""The fixture as an OAuth resource server, with the mcp 1.x SDK's own support (`--auth-jwks`): a token
+verifier that accepts JWTs signed by a key of a JSON Web Key Set file from one issuer, and the SDK's
+`AuthSettings`, which answer 401/403 with `WWW-Authenticate: Bearer ... resource_metadata=...` and serve the
+RFC 9728 protected-resource metadata. Tokens carry their scopes in `scope`; the SDK refuses a token without
+the required one with 403 `insufficient_scope`. Also one plain route besides the MCP endpoint (`/echo`), which
+answers what it received, for the relay of other paths.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jwt
+from mcp.server.auth.provider import AccessToken
+from mcp.server.auth.settings import AuthSettings
+from mcp.server.fastmcp import FastMCP
+from pydantic import AnyHttpUrl
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+REQUIRED_SCOPE = "mcp"
+
+
+class JwksTokenVerifier:
+    """Accepts a JWT signed by a key of `jwks_path` (read per token, so a test may rotate keys), issued by
+    `issuer`, not expired; its scopes are the space-separated `scope` claim."""
+
+    def __init__(self, jwks_path: str, issuer: str) -> None:
+        self.jwks_path = Path(jwks_path)
+        self.issuer = issuer
+
+    async def verify_token(self, token: str) -> AccessToken | None:
+        try:
+            keys = jwt.PyJWKSet.from_dict(json.loads(self.jwks_path.read_text()))
+            kid = jwt.get_unverified_header(token).get("kid")
+            key = next(key for key in keys.keys if key.key_id == kid)
+            claims: dict[str, Any] = jwt.decode(
+                token, key.key, algorithms=[key.algorithm_name], issuer=self.issuer, options={"verify_aud": False}
+            )
+        except (jwt.PyJWTError, StopIteration, ValueError, OSError):
+            return None
+        return AccessToken(
+            token=token,
+            client_id=str(claims.get("client_id", "fixture-client")),
+            scopes=str(claims.get("scope", "")).split(),
+            expires_at=claims.get("exp"),
+            subject=claims.get("sub"),
+        )
+
+
+def settings(issuer: str, resource_url: str) -> dict[str, Any]:
+    """FastMCP keyword arguments that make the fixture a resource server of `issuer` at `resource_url`."""
+    return {
+        "auth": AuthSettings(
+            issuer_url=AnyHttpUrl(issuer),
+            resource_server_url=AnyHttpUrl(resource_url),
+            required_scopes=[REQUIRED_SCOPE],
+            validate_token_resource=False,
+        )
+    }
+
+
+def register_echo(mcp: FastMCP[Any]) -> None:
+    async def echo(request: Request) -> Response:
+        body = await request.body()
+        return JSONResponse(
+            {
+                "method": request.method,
+                "path": request.url.path,
+                "query": request.url.query,
+                "headers": {name: value for name, value in request.headers.items()},
+                "body": body.decode(errors="replace"),
+            },
+            headers={"X-Echo": "yes"},
+        )
+
+    mcp.custom_route("/echo", methods=["GET", "POST"])(echo)
