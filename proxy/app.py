@@ -18,6 +18,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from yarl import URL
 
+from proxy import tracing
 from proxy.config import Config
 from proxy.edge import (
     CHANNEL,
@@ -167,7 +168,7 @@ async def handle_mcp(request: web.Request) -> web.StreamResponse:
             request[ERA] = "modern"
             raise MethodNotAllowedError()
         request[ERA] = "legacy"
-        return await request.app[PASSTHROUGH].relay(request, None)
+        return await _relay(request, None, None)
     body = await _read_body(request)
     try:
         decoded = jsonrpc.loads(body)
@@ -176,14 +177,25 @@ async def handle_mcp(request: web.Request) -> web.StreamResponse:
             request[ERA] = "modern"
             raise
         request[ERA] = "legacy"
-        return await request.app[PASSTHROUGH].relay(request, body)
+        return await _relay(request, body, None)
     if not is_modern(request.headers, decoded):
         request[ERA] = "legacy"
         if isinstance(decoded, dict) and isinstance(decoded.get("method"), str):
             request[MCP_METHOD] = decoded["method"]
-        return await request.app[PASSTHROUGH].relay(request, body)
+        return await _relay(request, body, decoded)
     request[ERA] = "modern"
-    return await serve_modern(request, decoded)
+    with tracing.server_span(request.headers, decoded, era="modern", peer=request.remote):
+        return await serve_modern(request, decoded)
+
+
+async def _relay(request: web.Request, body: bytes | None, decoded: object) -> web.StreamResponse:
+    """A legacy client's request, in its SERVER span."""
+    with tracing.server_span(
+        request.headers, decoded, era="legacy", http_method=request.method, peer=request.remote
+    ) as span:
+        response = await request.app[PASSTHROUGH].relay(request, body)
+        span.status(response.status)
+        return response
 
 
 async def serve_modern(request: web.Request, decoded: object) -> web.StreamResponse:
@@ -207,6 +219,7 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     channel = request[CHANNEL] = HttpChannel(request, config.limits.write_timeout_seconds)
     reply = await request.app[FRONT].dispatch(modern, caller, channel)
     request[JSONRPC_ERROR] = "error" in reply
+    tracing.reply_outcome(reply)
     return await channel.finish(reply)
 
 

@@ -20,6 +20,7 @@ from typing import Any, Final
 import structlog
 from mcp_types import SERVER_INFO_META_KEY
 
+from proxy import tracing
 from proxy.config import Config
 from proxy.errors import CallerLimitError, InvalidParamsError, MissingCapabilityError, TaskLimitError, UpstreamError
 from proxy.tasks.push import ListenInbox, TaskWatchers
@@ -194,6 +195,7 @@ class _Stream:
         task: dict[str, Any] = wire_tasks.detailed_task(self.runner.paced(record))
         message = notification_message("notifications/tasks", {"_meta": self.tag, **task})
         await self.channel.notify(message, required=True)
+        tracing.event("task_pushed", {tracing.TASK_ID: record.task_id, "mcp.task.status": record.status.value})
         self.sent[record.task_id] = (record.status.value, record.updated_at_ms, time.monotonic())
         if record.status.terminal:
             self.streams.watchers.drop(self.inbox, [record.task_id])

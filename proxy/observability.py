@@ -1,7 +1,8 @@
 """Logging and metrics: structlog (JSON lines by default, console format for humans) and Prometheus.
 
 Log events are snake_case facts with key/value context; tokens and argument values are never logged.
-Metric labels are bounded (known methods, tools named in the policy, else `other`). Imports only the config.
+Metric labels are bounded (known methods, tools named in the policy, else `other`). Log lines carry the active
+span's `trace_id`/`span_id` when tracing is on. Imports only the config and `tracing`.
 """
 
 from __future__ import annotations
@@ -14,19 +15,20 @@ from typing import Final
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from proxy import tracing
 from proxy.config import LoggingConfig
 
 
 def configure_logging(config: LoggingConfig) -> None:
     level = logging.getLevelNamesMapping()[config.level.upper()]
+    console = config.format == "console" or (config.format == "auto" and sys.stderr.isatty())
     renderer: structlog.types.Processor = (
-        structlog.processors.JSONRenderer()
-        if config.format == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()) if console else structlog.processors.JSONRenderer()
     )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            tracing.add_trace_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import structlog
 
+from proxy import tracing
 from proxy.config import InputsConfig, LimitsConfig, RestartAction, TasksConfig
 from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskLimitError
 from proxy.observability import Metrics
@@ -218,6 +219,7 @@ class TaskRecords(RunnerParts):
             return CommitRefused(ProxyError("Internal error: the task could not be stored", detail=str(exc)))
         call.record = record
         log.info("task_created", task_id=record.task_id, tool=call.name, ttl_ms=record.ttl_ms)
+        tracing.task_created(record.task_id)
         if command.input_requests:
             self._log_input_required(record.task_id, call.name, command.input_requests)
         if self.metrics is not None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import structlog
 
+from proxy import tracing
 from proxy.errors import InvalidParamsError, ProxyError
 from proxy.tasks import inputs, remote
 from proxy.tasks.calls import Call, RunnerParts
@@ -130,7 +131,8 @@ class ReplicaCalls(RunnerParts):
         ended already and the machine ignores it)."""
         call = self._tasks.get(task_id)
         if call is not None:
-            self.spawn(self._stop_settled(call, task_id, status), f"settled-{call.call_id}")
+            work = tracing.linked(self._stop_settled(call, task_id, status), "task settled elsewhere", task_id)
+            self.spawn(work, f"settled-{call.call_id}")
 
     async def _stop_settled(self, call: Call, task_id: str, status: TaskStatus) -> None:
         reason, error = (CANCELLED_BY_CLIENT if status is TaskStatus.CANCELLED else f"settled {status.value}"), None
@@ -146,7 +148,8 @@ class ReplicaCalls(RunnerParts):
         if call is None:
             log.info("task_answers_dropped", task_id=task_id, keys=sorted(answers))
             return
-        self.spawn(self.dispatch(call, RemoteAnswers(answers)), f"answers-{call.call_id}")
+        work = tracing.linked(self.dispatch(call, RemoteAnswers(answers)), "task answers relayed", task_id)
+        self.spawn(work, f"answers-{call.call_id}")
 
     def resync(self) -> None:
         """The feed may have missed changes: every task whose call runs here is read again."""

@@ -25,6 +25,7 @@ from typing import Any, Final, TypeVar
 
 import structlog
 
+from proxy import tracing
 from proxy.config import Config
 from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskLimitError
 from proxy.observability import Metrics
@@ -231,6 +232,7 @@ class TaskRunner(TaskRecords, ReplicaCalls):
         call.reply = asyncio.get_running_loop().create_future()
         call.channel = channel
         log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, answered=sorted(answers))
+        tracing.event("mrtr_resumed", {"round": call.state.round, "answers": len(answers)})
         await self.submit(call, Resumed(answers, request.progress_token, request.log_level))
         return call
 
@@ -312,7 +314,8 @@ class TaskRunner(TaskRecords, ReplicaCalls):
     async def _execute(self, call: Call, command: Command) -> Event | None:
         if isinstance(command, StartCall):
             pump = self.upstream_tasks.pump(call, command.ttl_ms) if command.upstream_task else self._pump(call)
-            call.pump = self.spawn(pump, f"upstream-{call.call_id}")
+            traced = tracing.background(pump, call.method, call.name, lambda: call.state.task_id)
+            call.pump = self.spawn(traced, f"upstream-{call.call_id}")
         elif isinstance(command, FollowUpstreamTask | PollUpstreamTask | CancelUpstreamTask | ReleaseCall):
             await self.upstream_tasks.execute(call, command)
         elif isinstance(command, CreateRecord):
@@ -367,9 +370,10 @@ class TaskRunner(TaskRecords, ReplicaCalls):
             del self._tasks[call.state.task_id]
 
     def _count_question(self, question: UpstreamServerRequest, commands: list[Command]) -> None:
+        refused = any(isinstance(command, Refuse) and command.upstream_id == question.id for command in commands)
+        tracing.event("input_requested", {"mcp.method.name": question.method, "refused": refused})
         if self.metrics is None or question.method not in translate.INPUT_METHODS:
             return
-        refused = any(isinstance(command, Refuse) and command.upstream_id == question.id for command in commands)
         self.metrics.input_requests.labels(question.method, "refused" if refused else "relayed").inc()
 
     # --- the upstream call -----------------------------------------------------------------------------------
@@ -436,6 +440,7 @@ class TaskRunner(TaskRecords, ReplicaCalls):
             return
         try:
             await call.session.respond(upstream_id, result=result, error=error)
+            tracing.event("input_answered", {"refused": error is not None})
         except ProxyError as exc:  # the call is lost; its stream ends it with that error
             log.warning("upstream_answer_not_delivered", task_id=call.state.task_id, error=exc.message)
 
@@ -510,6 +515,7 @@ class TaskRunner(TaskRecords, ReplicaCalls):
         log.info(
             "mrtr_input_required", method=call.method, name=call.name, round=round_, keys=sorted(call.state.inputs)
         )
+        tracing.event("mrtr_input_required", {"round": round_, "questions": len(call.state.inputs)})
         return Parked()
 
     @property

@@ -16,6 +16,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from proxy import tracing
 from proxy.errors import UpstreamError, UpstreamTimeoutError
 
 CUT_SHORT: Final = "Upstream MCP server closed the connection in the middle of its answer"
@@ -101,20 +102,23 @@ class PassThrough:
         _add_forwarded(headers, request)
         for name, value in self.extra_headers.items():
             headers[name] = value
-        try:
-            upstream = await self.http.request(
-                request.method,
-                self.url.with_query(request.query) if request.query else self.url,
-                headers=headers,
-                skip_auto_headers=NO_AUTO_HEADERS,
-                data=body if body else None,
-                timeout=self.timeout,
-                allow_redirects=False,
-            )
-        except TimeoutError:
-            raise UpstreamTimeoutError() from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamError("Upstream MCP server unavailable", detail=str(exc)) from None
+        with tracing.client_span(None, None, transport="tcp") as traced:  # until the answer's headers are in
+            if traced.span is not None:
+                headers.update(traced.headers(None) or {})
+            try:
+                upstream = await self.http.request(
+                    request.method,
+                    self.url.with_query(request.query) if request.query else self.url,
+                    headers=headers,
+                    skip_auto_headers=NO_AUTO_HEADERS,
+                    data=body if body else None,
+                    timeout=self.timeout,
+                    allow_redirects=False,
+                )
+            except TimeoutError:
+                raise UpstreamTimeoutError() from None
+            except aiohttp.ClientError as exc:
+                raise UpstreamError("Upstream MCP server unavailable", detail=str(exc)) from None
         headers = _end_to_end(upstream.headers)
         length = upstream.headers.get("Content-Length")
         size = int(length) if length is not None and length.isdigit() else None

@@ -23,6 +23,7 @@ import aiohttp
 import structlog
 from yarl import URL
 
+from proxy import tracing
 from proxy.config import UpstreamConfig
 from proxy.errors import RequestId, ResultTooLargeError, UpstreamError, UpstreamRefusedError, UpstreamTimeoutError
 from proxy.observability import Metrics
@@ -309,9 +310,12 @@ class UpstreamSession(SessionFeatures):
     ) -> AsyncIterator[UpstreamCall]:
         """Send one request upstream; the UpstreamCall streams what comes back. Leaving the context closes it."""
         await self.ensure_initialized()
-        with self.link.measured(method):
+        span = tracing.client_span(method, params, transport="tcp", protocol_version=self.protocol_version)
+        with self.link.measured(method), span as traced:
             request_id = self.link.next_id()
-            message = request_message(request_id, method, params)
+            traced.request(request_id, self.session_id)
+            message = request_message(request_id, method, traced.params(params, always=False))
+            extra_headers = traced.headers(extra_headers)
             for attempt in range(2):
                 sent_with = self.session_id
                 try:
