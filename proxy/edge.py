@@ -92,7 +92,7 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
         else:
             log.info("request", **fields)
             _count(request, status, duration)
-        structlog.contextvars.unbind_contextvars("request_id")
+        structlog.contextvars.unbind_contextvars("request_id", "trace_id", "span_id")  # ids bound by tracing
 
 
 async def _error_answer(request: web.Request, error: ProxyError) -> web.StreamResponse:

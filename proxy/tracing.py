@@ -4,7 +4,7 @@ span per upstream request (its context goes upstream), the background work of a 
 answers, MRTR rounds and push. Off (every helper a no-op returning at its first line) unless configured.
 
 Never recorded: argument values, results, question or answer content, header values, credentials. Imports
-OpenTelemetry and `errors`; nothing of aiohttp, the front, the tasks or the upstream.
+OpenTelemetry, structlog and `errors`; nothing of aiohttp, the front, the tasks or the upstream.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterator, Mapping, MutableMapping
 from typing import Any, Final
 
+import structlog
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -249,6 +250,11 @@ def _server_span(
             record_exception=False,
             set_status_on_exception=False,
         ) as span:
+            # The request's own log line (written by the error edge, after this span) names it too.
+            context = span.get_span_context()
+            structlog.contextvars.bind_contextvars(
+                trace_id=format(context.trace_id, "032x"), span_id=format(context.span_id, "016x")
+            )
             try:
                 yield ServerSpan(span)
             except ProxyError as error:
