@@ -208,12 +208,12 @@ def _everything_recorded(exporter: InMemorySpanExporter) -> str:
     for span in exporter.get_finished_spans():
         parts.append(span.name)
         parts.append(str(span.status.description))
-        parts.extend(f"{key}={value}" for key, value in (span.attributes or {}).items())
+        parts.extend(f"{key}={value!r}" for key, value in (span.attributes or {}).items())
         for event in span.events:
             parts.append(event.name)
-            parts.extend(f"{key}={value}" for key, value in (event.attributes or {}).items())
+            parts.extend(f"{key}={value!r}" for key, value in (event.attributes or {}).items())
         for link in span.links:
-            parts.extend(f"{key}={value}" for key, value in (link.attributes or {}).items())
+            parts.extend(f"{key}={value!r}" for key, value in (link.attributes or {}).items())
     return "\n".join(parts)
 
 
