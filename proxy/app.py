@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Final
 
@@ -253,9 +254,15 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     if metrics is not None:
         metrics.tasks_running.set_function(lambda: runner.running)
         metrics.calls_parked.set_function(lambda: runner.parked)
+        metrics.upstream_sessions.set_function(lambda: upstream.open_sessions)
+        metrics.upstream_sessions_idle.set_function(lambda: upstream.idle_sessions)
+        metrics.upstream_calls_in_flight.set_function(lambda: upstream.calls_in_flight)
+        metrics.lease_held.set_function(lambda: runner.lease_problem() is None)
     watchers = TaskWatchers(store)
     runner.spawn(watchers.run(), "task-feed")
-    app[FRONT] = Front(config, upstream, runner, watchers)
+    app[FRONT] = front = Front(config, upstream, runner, watchers)
+    if metrics is not None:
+        metrics.listen_streams.set_function(lambda: front.listens.open_streams)
     legacy: StdioLegacyServer | None = None
     if isinstance(upstream.kind, StdioLink):  # a stdio server: the proxy serves legacy clients itself
         legacy = StdioLegacyServer(upstream.kind, upstream, config.upstream, config.security.principal_header)
@@ -330,16 +337,20 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     """Prometheus text; the store-derived gauges are read at scrape time."""
     metrics = request.app[METRICS]
     store = request.app[STORE]
+    started = time.perf_counter()
     try:
         counts = await store.stats()
         size = await store.size_bytes()
     except StoreError as exc:
         log.warning("metrics_store_unreadable", error=str(exc))
+        metrics.store_up.set(0)
     else:
+        metrics.store_up.set(1)
         for status, count in counts.items():
             if status != "records":
                 metrics.tasks_by_status.labels(status).set(count)
         metrics.store_bytes.set(size)
+    metrics.store_read_seconds.set(time.perf_counter() - started)
     return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -47,6 +47,10 @@ class ListenStreams:
         self.watchers = watchers
         self._open: Counter[str] = Counter()  # open streams per caller
 
+    @property
+    def open_streams(self) -> int:
+        return sum(self._open.values())
+
     async def serve(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         wanted = request.params.get("notifications")
         wanted = wanted if isinstance(wanted, dict) else {}
@@ -196,6 +200,8 @@ class _Stream:
         message = notification_message("notifications/tasks", {"_meta": self.tag, **task})
         await self.channel.notify(message, required=True)
         tracing.event("task_pushed", {tracing.TASK_ID: record.task_id, "mcp.task.status": record.status.value})
+        if self.runner.metrics is not None:
+            self.runner.metrics.task_notifications.labels(record.status.value).inc()
         self.sent[record.task_id] = (record.status.value, record.updated_at_ms, time.monotonic())
         if record.status.terminal:
             self.streams.watchers.drop(self.inbox, [record.task_id])

@@ -162,6 +162,48 @@ class Metrics:
             registry=self.registry,
         )
 
+        # Read at scrape time (set_function in app.py) or counted where they happen; config/monitoring/ uses them.
+        self.upstream_sessions = Gauge(
+            f"{prefix}_upstream_sessions",
+            "Upstream sessions open (for a stdio upstream: server processes running)",
+            registry=self.registry,
+        )
+        self.upstream_sessions_idle = Gauge(
+            f"{prefix}_upstream_sessions_idle", "Upstream sessions open and idle (kept warm)", registry=self.registry
+        )
+        self.upstream_calls_in_flight = Gauge(
+            f"{prefix}_upstream_calls_in_flight", "Upstream requests open right now", registry=self.registry
+        )
+        self.lease_held = Gauge(
+            f"{prefix}_lease_held",
+            "1 while this replica holds its lease on the task store (renewed within store.lease_seconds), else 0",
+            registry=self.registry,
+        )
+        self.limit_refusals = Counter(
+            f"{prefix}_limit_refusals_total",
+            "Requests refused by a limit of the proxy (data.limit of the error: max_running, max_parked, "
+            "max_sessions, ...)",
+            ["limit"],
+            registry=self.registry,
+        )
+        self.listen_streams = Gauge(
+            f"{prefix}_listen_streams", "subscriptions/listen streams open", registry=self.registry
+        )
+        self.task_notifications = Counter(
+            f"{prefix}_task_notifications_total",
+            "notifications/tasks pushed to listen streams, by the task's status",
+            ["status"],
+            registry=self.registry,
+        )
+        self.store_up = Gauge(
+            f"{prefix}_store_up", "1 when the task store answered the last scrape, else 0", registry=self.registry
+        )
+        self.store_read_seconds = Gauge(
+            f"{prefix}_store_read_seconds",
+            "How long the last scrape's read of the task store took (its counts and size)",
+            registry=self.registry,
+        )
+
     def tool_label(self, tool: str) -> str:
         """Tool names only when the operator listed them in `tasks.tools`; anything else is `other`."""
         return tool if tool in self._tools else OTHER
