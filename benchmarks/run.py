@@ -648,10 +648,10 @@ def print_table(rows: list[Row]) -> None:
         print(f"{row.name.ljust(width)}  {met:<4} {row.figure}   [{row.target}]")
 
 
-GROUPS = ("sdk", "lean", "replicas", "scale", "store")
+GROUPS = ("sdk", "lean", "replicas", "scale", "store", "tracing")
 
 
-async def run(quick: bool, groups: tuple[str, ...] = GROUPS) -> list[Row]:
+async def run(quick: bool, groups: tuple[str, ...] = GROUPS, tracing_baseline: str = "main") -> list[Row]:
     workdir = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-bench-"))
     rows: list[Row] = []
     if "sdk" in groups:
@@ -689,6 +689,14 @@ async def run(quick: bool, groups: tuple[str, ...] = GROUPS) -> list[Row]:
                 rows.append(await store_row(upstream, workdir, quick))
         finally:
             upstream.stop()
+    if "tracing" in groups:
+        from benchmarks.tracing import tracing_rows  # it imports this module
+
+        upstream = await start_upstream()
+        try:
+            rows += await tracing_rows(upstream, quick, tracing_baseline)
+        finally:
+            upstream.stop()
     return rows
 
 
@@ -712,13 +720,18 @@ def main() -> int:
         default=",".join(GROUPS),
         help=f"comma-separated row groups to run, of {', '.join(GROUPS)} (a partial run is not written to the JSON)",
     )
+    parser.add_argument(
+        "--tracing-baseline",
+        default="main",
+        help="git ref whose proxy the `tracing` group compares the current one (tracing off) with",
+    )
     args = parser.parse_args()
     groups = tuple(group.strip() for group in args.only.split(","))
     unknown = set(groups) - set(GROUPS)
     if unknown:
         parser.error(f"unknown row groups: {', '.join(sorted(unknown))}")
     started = time.monotonic()
-    rows = asyncio.run(run(args.quick, groups))
+    rows = asyncio.run(run(args.quick, groups, args.tracing_baseline))
     print_table(rows)
     if set(groups) != set(GROUPS):
         return 0

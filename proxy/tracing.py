@@ -163,6 +163,7 @@ class ServerSpan:
 
 
 _OFF: Final = ServerSpan(None)
+_SERVER_OFF: Final = contextlib.nullcontext(_OFF)  # reusable: tracing off allocates nothing per request
 
 
 def reply_outcome(message: Mapping[str, Any]) -> None:
@@ -187,7 +188,7 @@ def server_span(
     differ, the HTTP one becomes a link. `tasks/*` spans carry the task id and link to the span that created
     the task, when this process remembers it."""
     if _tracer is None:
-        return contextlib.nullcontext(_OFF)
+        return _SERVER_OFF
     return _server_span(_tracer, headers, message, era, http_method, peer)
 
 
@@ -305,7 +306,7 @@ class ClientSpan:
                 self.span.set_attribute("mcp.session.id", session_id)
 
 
-_CLIENT_OFF: Final = ClientSpan(None)
+_CLIENT_OFF: Final = contextlib.nullcontext(ClientSpan(None))
 
 
 def client_span(
@@ -314,7 +315,7 @@ def client_span(
     """The CLIENT span of one upstream request (`transport`: `tcp` for HTTP, `pipe` for stdio). `method` None:
     the request the current SERVER span relays (the legacy pass-through)."""
     if _tracer is None:
-        return contextlib.nullcontext(_CLIENT_OFF)
+        return _CLIENT_OFF
     return _client_span(_tracer, method, params, transport, protocol_version)
 
 
