@@ -10,6 +10,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from proxy import tracing
-from tests.conftest import ROOT, Client, ClientFactory, Tasks, policies, read_messages, result_text
+from tests import pg
+from tests.conftest import ROOT, Client, ClientFactory, Tasks, key_file, policies, read_messages, result_text
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -295,3 +297,33 @@ async def test_tracing_off_leaves_the_clients_context_as_it_was(tasks_client: Cl
     _, message = await client.call("trace_context", headers={"traceparent": CLIENT_TRACEPARENT})
     seen = json.loads(result_text(message))
     assert seen["headers"]["traceparent"] == CLIENT_TRACEPARENT
+
+
+async def test_a_cancel_from_another_replica_is_linked_work_on_the_owner(
+    spans: InMemorySpanExporter, tasks_client: ClientFactory, pg_dsn: str, tmp_path: Path
+) -> None:
+    """Two replicas on one PostgreSQL database: a tasks/cancel on B reaches the owner A through the store; A's
+    work on it is a span linked to the span that created the task, and B's tasks/cancel span names the task."""
+    sections: dict[str, Any] = {
+        "store": {"url": pg.as_url(pg_dsn), "lease_seconds": 3},
+        "inputs": {"secret_file": key_file(tmp_path)},
+        "tasks": policies(sleep={"mode": "required"}),
+    }
+    owner = await tasks_client(**sections)
+    other = await tasks_client(**sections)
+    task_id = await owner.create("sleep", {"seconds": 30}, headers={"traceparent": CLIENT_TRACEPARENT})
+    await owner.until(task_id, lambda task: "statusMessage" in task)  # the owner's upstream runs it
+    status, message = await other.post("tasks/cancel", {"taskId": task_id})
+    assert status == 200, message
+    [created] = [s for s in await eventually(spans, "tools/call sleep") if s.kind is SpanKind.SERVER]
+    [relayed] = await eventually(spans, "task settled elsewhere")
+    assert relayed.attributes is not None
+    assert relayed.attributes[tracing.TASK_ID] == task_id
+    assert created.context is not None
+    assert [(link.context.trace_id, link.context.span_id) for link in relayed.links] == [
+        (created.context.trace_id, created.context.span_id)
+    ]
+    cancels = await eventually(spans, "tasks/cancel")
+    assert all(span.attributes is not None and span.attributes[tracing.TASK_ID] == task_id for span in cancels)
+    [work] = await eventually(spans, "run tools/call sleep")
+    assert hex_trace(work) == CLIENT_TRACE
