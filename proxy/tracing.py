@@ -9,6 +9,7 @@ OpenTelemetry, structlog and `errors`; nothing of aiohttp, the front, the tasks 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import os
@@ -260,6 +261,9 @@ def _server_span(
                 yield ServerSpan(span)
             except ProxyError as error:
                 _failed(span, str(error.code))
+                raise
+            except (asyncio.CancelledError, ConnectionResetError):
+                span.add_event("client_disconnected")  # the client left (or closed its stream): no failure
                 raise
             except BaseException as error:
                 _failed(span, type(error).__qualname__)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +22,19 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from proxy import tracing
 from tests import pg
-from tests.conftest import ROOT, Client, ClientFactory, Tasks, key_file, policies, read_messages, result_text
+from tests.conftest import (
+    DECLARING,
+    ROOT,
+    Client,
+    ClientFactory,
+    Tasks,
+    key_file,
+    modern_body,
+    modern_headers,
+    policies,
+    read_messages,
+    result_text,
+)
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -327,3 +340,28 @@ async def test_a_cancel_from_another_replica_is_linked_work_on_the_owner(
     assert all(span.attributes is not None and span.attributes[tracing.TASK_ID] == task_id for span in cancels)
     [work] = await eventually(spans, "run tools/call sleep")
     assert hex_trace(work) == CLIENT_TRACE
+
+
+async def test_a_push_is_an_event_on_the_listen_streams_span(
+    spans: InMemorySpanExporter, tasks_client: ClientFactory
+) -> None:
+    client = await tasks_client(tasks=policies(sleep={"mode": "required"}))
+    task_id = await client.create("sleep", {"seconds": 0.3})
+    body = modern_body(
+        "subscriptions/listen", {"notifications": {"taskIds": [task_id]}}, request_id="L1", capabilities=DECLARING
+    )
+    response = await client.client.post("/mcp", json=body, headers=modern_headers("subscriptions/listen"))
+    assert response.status == 200
+    statuses: list[str] = []
+    async for chunk in response.content.iter_any():
+        statuses += re.findall(r'"status":\s*"(\w+)"', chunk.decode())
+        if "completed" in statuses:
+            break
+    response.close()
+    [listen] = await eventually(spans, "subscriptions/listen")
+    pushed = [event for event in listen.events if event.name == "task_pushed"]
+    assert pushed
+    assert all(event.attributes is not None and event.attributes[tracing.TASK_ID] == task_id for event in pushed)
+    assert pushed[-1].attributes is not None
+    assert pushed[-1].attributes["mcp.task.status"] == "completed"
+    assert listen.status.status_code is not StatusCode.ERROR  # the client closing its stream is no failure
