@@ -38,7 +38,10 @@ _tracer: trace.Tracer | None = None  # None: tracing is off
 _provider: TracerProvider | None = None
 _created: OrderedDict[str, SpanContext] = OrderedDict()  # task id -> the span that created it (bounded)
 # What the current request is about, for spans below it that only see bytes (the legacy pass-through).
-_request_target: contextvars.ContextVar[tuple[str, str | None]] = contextvars.ContextVar("mcp_request_target")
+# (MCP method or None, target, HTTP method, the SERVER span's attributes to copy)
+_request_target: contextvars.ContextVar[tuple[str | None, str | None, str, dict[str, Any]]] = contextvars.ContextVar(
+    "mcp_request_target"
+)
 
 
 class TracingConfigError(Exception):
@@ -241,7 +244,8 @@ def _server_span(
         attributes["mcp.protocol.version"] = version
     if era == "legacy" and (session_id := headers.get("Mcp-Session-Id")):
         attributes["mcp.session.id"] = session_id
-    token = _request_target.set((method or http_method, target))
+    copied = {key: value for key, value in attributes.items() if key.startswith(("gen_ai.", "mcp.method", "mcp.proto"))}
+    token = _request_target.set((method, target, http_method, copied))
     try:
         with tracer.start_as_current_span(
             name,
@@ -330,17 +334,21 @@ def _client_span(
     attributes: dict[str, Any] = {"network.transport": transport}
     if transport == "tcp":
         attributes["network.protocol.name"] = "http"
-    if method is None:
-        method, target = _request_target.get(("POST", None))
-        more: dict[str, str] = {}
+    if method is None:  # relayed: what the SERVER span knows of the request
+        relayed, target, http_method, copied = _request_target.get((None, None, "POST", {}))
+        attributes.update(copied)
+        if relayed is None:
+            attributes["http.request.method"] = http_method
+        name = _span_name(relayed or http_method, target)
     else:
         target, more = target_of(method, params if isinstance(params, dict) else {})
-    attributes["mcp.method.name"] = method
-    attributes.update(more)
+        attributes["mcp.method.name"] = method
+        attributes.update(more)
+        name = _span_name(method, target)
     if protocol_version:
         attributes["mcp.protocol.version"] = protocol_version
     with tracer.start_as_current_span(
-        _span_name(method, target),
+        name,
         kind=SpanKind.CLIENT,
         attributes=attributes,
         record_exception=False,

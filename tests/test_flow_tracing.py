@@ -297,6 +297,9 @@ async def test_legacy_clients_get_a_server_span_with_their_session(spans: InMemo
     assert server.attributes["mcp.protocol.version"] == "2025-11-25"
     assert parent_of(server) == CLIENT_SPAN
     assert parent_of(relayed) == hex_span(server)
+    assert relayed.attributes is not None
+    assert relayed.attributes["mcp.method.name"] == "tools/call"
+    assert relayed.attributes["gen_ai.tool.name"] == "trace_context"
     seen = json.loads("".join(block["text"] for block in message["result"]["content"]))
     assert seen["headers"]["traceparent"] == f"00-{CLIENT_TRACE}-{hex_span(relayed)}-01"
     [initialize] = [s for s in await eventually(spans, "initialize", 2) if s.kind is SpanKind.SERVER]
