@@ -14,8 +14,8 @@ import contextlib
 import contextvars
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Iterator, Mapping, MutableMapping
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, MutableMapping
+from typing import Any, Final, TypeVar
 
 import structlog
 from opentelemetry import propagate, trace
@@ -27,6 +27,7 @@ from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, Statu
 
 from proxy.errors import ProxyError
 
+_T = TypeVar("_T")
 DEFAULT_SERVICE_NAME: Final = "mcp-tasks-proxy"
 TRACE_KEYS: Final = ("traceparent", "tracestate", "baggage")  # W3C keys, in HTTP headers and in `_meta`
 TASK_METHODS: Final = frozenset({"tasks/get", "tasks/update", "tasks/cancel", "tasks/result"})
@@ -362,6 +363,25 @@ def _client_span(
         except BaseException as error:
             _failed(span, type(error).__qualname__)
             raise
+
+
+def relayed(
+    carrier: MutableMapping[str, str], send: Callable[..., Awaitable[_T]], /, *args: Any, **kwargs: Any
+) -> Awaitable[_T]:
+    """`send(*args, **kwargs)`, a relayed legacy request whose headers are `carrier`, in a CLIENT span named after
+    the current SERVER span's request; the span's context replaces the client's trace headers in `carrier`."""
+    if _tracer is None:
+        return send(*args, **kwargs)
+    return _relayed(carrier, send, args, kwargs)
+
+
+async def _relayed(carrier: MutableMapping[str, str], send: Callable[..., Awaitable[_T]], args: Any, kwargs: Any) -> _T:
+    with client_span(None, None, transport="tcp"):
+        for key in TRACE_KEYS:
+            if key in carrier:
+                del carrier[key]  # every value of it, on a multidict
+        propagate.inject(carrier)
+        return await send(*args, **kwargs)
 
 
 # --- a call's background work, tasks, events -------------------------------------------------------------------

@@ -102,23 +102,22 @@ class PassThrough:
         _add_forwarded(headers, request)
         for name, value in self.extra_headers.items():
             headers[name] = value
-        with tracing.client_span(None, None, transport="tcp") as traced:  # until the answer's headers are in
-            if traced.span is not None:
-                headers.update(traced.headers(None) or {})
-            try:
-                upstream = await self.http.request(
-                    request.method,
-                    self.url.with_query(request.query) if request.query else self.url,
-                    headers=headers,
-                    skip_auto_headers=NO_AUTO_HEADERS,
-                    data=body if body else None,
-                    timeout=self.timeout,
-                    allow_redirects=False,
-                )
-            except TimeoutError:
-                raise UpstreamTimeoutError() from None
-            except aiohttp.ClientError as exc:
-                raise UpstreamError("Upstream MCP server unavailable", detail=str(exc)) from None
+        try:
+            upstream = await tracing.relayed(  # a CLIENT span until the answer's headers are in
+                headers,
+                self.http.request,
+                request.method,
+                self.url.with_query(request.query) if request.query else self.url,
+                headers=headers,
+                skip_auto_headers=NO_AUTO_HEADERS,
+                data=body if body else None,
+                timeout=self.timeout,
+                allow_redirects=False,
+            )
+        except TimeoutError:
+            raise UpstreamTimeoutError() from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamError("Upstream MCP server unavailable", detail=str(exc)) from None
         headers = _end_to_end(upstream.headers)
         length = upstream.headers.get("Content-Length")
         size = int(length) if length is not None and length.isdigit() else None
