@@ -38,6 +38,8 @@ PROTOCOL_VERSION_META_KEY: Final = "io.modelcontextprotocol/protocolVersion"
 _tracer: trace.Tracer | None = None  # None: tracing is off
 _provider: TracerProvider | None = None
 _created: OrderedDict[str, SpanContext] = OrderedDict()  # task id -> the span that created it (bounded)
+# The task id of the call whose background work runs in this context (read when its CLIENT spans end).
+_work_task: contextvars.ContextVar[Callable[[], str | None]] = contextvars.ContextVar("mcp_background_task")
 # What the current request is about, for spans below it that only see bytes (the legacy pass-through).
 # (MCP method or None, target, HTTP method, the SERVER span's attributes to copy)
 _request_target: contextvars.ContextVar[tuple[str | None, str | None, str, dict[str, Any]]] = contextvars.ContextVar(
@@ -363,6 +365,9 @@ def _client_span(
         except BaseException as error:
             _failed(span, type(error).__qualname__)
             raise
+        finally:
+            if (task_id := _work_task.get(None)) is not None and (known := task_id()) is not None:
+                span.set_attribute(TASK_ID, known)
 
 
 def relayed(
@@ -387,34 +392,18 @@ async def _relayed(carrier: MutableMapping[str, str], send: Callable[..., Awaita
 # --- a call's background work, tasks, events -------------------------------------------------------------------
 
 
-def background(
-    work: Coroutine[Any, Any, None], method: str, name: str, task_id: Callable[[], str | None]
-) -> Coroutine[Any, Any, None]:
-    """`work` (a call's upstream request, run in the background) inside an INTERNAL span in the trace of the
-    request that started it; the span outlives that request and carries the task id once there is one."""
+def background(work: Coroutine[Any, Any, None], task_id: Callable[[], str | None]) -> Coroutine[Any, Any, None]:
+    """`work`, a call's upstream request run in the background. Its CLIENT span stays in the trace of the request
+    that started it (the background task starts with that request's context), may outlive that request, and
+    carries the task id once there is one. No span of its own: one span per hop keeps tracing cheap."""
     if _tracer is None:
         return work
-    return _background(_tracer, work, method, name, task_id)
+    return _background(work, task_id)
 
 
-async def _background(
-    tracer: trace.Tracer,
-    work: Coroutine[Any, Any, None],
-    method: str,
-    name: str,
-    task_id: Callable[[], str | None],
-) -> None:
-    target, attributes = target_of(method, {"name": name})
-    with tracer.start_as_current_span(
-        f"run {_span_name(method, target)}",
-        kind=SpanKind.INTERNAL,
-        attributes={"mcp.method.name": method, **attributes},
-    ) as span:
-        try:
-            await work
-        finally:
-            if (known := task_id()) is not None:
-                span.set_attribute(TASK_ID, known)
+async def _background(work: Coroutine[Any, Any, None], task_id: Callable[[], str | None]) -> None:
+    _work_task.set(task_id)  # in the background task's own context: nothing to reset
+    await work
 
 
 def task_created(task_id: str) -> None:

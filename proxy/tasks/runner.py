@@ -314,7 +314,7 @@ class TaskRunner(TaskRecords, ReplicaCalls):
     async def _execute(self, call: Call, command: Command) -> Event | None:
         if isinstance(command, StartCall):
             pump = self.upstream_tasks.pump(call, command.ttl_ms) if command.upstream_task else self._pump(call)
-            traced = tracing.background(pump, call.method, call.name, lambda: call.state.task_id)
+            traced = tracing.background(pump, lambda: call.state.task_id)
             call.pump = self.spawn(traced, f"upstream-{call.call_id}")
         elif isinstance(command, FollowUpstreamTask | PollUpstreamTask | CancelUpstreamTask | ReleaseCall):
             await self.upstream_tasks.execute(call, command)
