@@ -139,7 +139,10 @@ async def off_vs_baseline_row(upstream: Process, workdir: Path, quick: bool, ref
     try:
         await measure(now.echo, 50, 16)
         await measure(before.echo, 50, 16)
+        cpu_before = (baseline.cpu_seconds(), current.cpu_seconds())
         base, via = await interleaved(before.echo, now.echo, count=600 if quick else 3000, concurrency=16)
+        cpu_base = (baseline.cpu_seconds() - cpu_before[0]) * 1000 / base.count
+        cpu_now = (current.cpu_seconds() - cpu_before[1]) * 1000 / via.count
     finally:
         now.close()
         before.close()
@@ -148,10 +151,18 @@ async def off_vs_baseline_row(upstream: Process, workdir: Path, quick: bool, ref
     ratio = via.rate / base.rate
     return Row(
         name,
-        f"throughput {ratio:.2f}x (p50 {via.percentile(0.5):.2f} vs {base.percentile(0.5):.2f} ms)",
+        f"throughput {ratio:.2f}x (p50 {via.percentile(0.5):.2f} vs {base.percentile(0.5):.2f} ms);"
+        f" proxy CPU {cpu_now:.2f} vs {cpu_base:.2f} ms/call",
         f">= {TARGET_OFF}x",
         ratio >= TARGET_OFF,
-        {"throughput_ratio": ratio, "baseline_rps": base.rate, "current_rps": via.rate, "baseline": ref},
+        {
+            "throughput_ratio": ratio,
+            "baseline_rps": base.rate,
+            "current_rps": via.rate,
+            "proxy_cpu_ms_per_call": cpu_now,
+            "baseline_proxy_cpu_ms_per_call": cpu_base,
+            "baseline": ref,
+        },
     )
 
 
