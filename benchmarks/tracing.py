@@ -19,7 +19,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 from aiohttp import web
@@ -70,14 +70,13 @@ async def _spans_received(receiver: Process) -> int:
         return int(await response.text())
 
 
-async def on_off_row(upstream: Process, workdir: Path, quick: bool) -> Row:
+SAMPLED: Final = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
+
+
+async def on_off_row(upstream: Process, workdir: Path, quick: bool, sampler: dict[str, str], what: str) -> Row:
     receiver = await start_receiver()
-    traced = await start_traced_proxy(
-        upstream,
-        workdir,
-        "traced",
-        {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_SERVICE_NAME": "bench", "OTEL_BSP_SCHEDULE_DELAY": "500"},
-    )
+    otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_SERVICE_NAME": "bench", "OTEL_BSP_SCHEDULE_DELAY": "500"}
+    traced = await start_traced_proxy(upstream, workdir, "traced", {**otel, **sampler})
     plain = await start_traced_proxy(upstream, workdir, "untraced", {})
     on, off = ModernClient(traced.url), ModernClient(plain.url)
     try:
@@ -97,7 +96,7 @@ async def on_off_row(upstream: Process, workdir: Path, quick: bool) -> Row:
         receiver.stop()
     ratio = via.rate / base.rate
     return Row(
-        "modern sync tools/call, tracing on (OTLP/HTTP to a local receiver) vs off, lean upstream, concurrency 16",
+        f"modern sync tools/call, tracing on ({what}, OTLP/HTTP to a local receiver) vs off, lean upstream, c=16",
         f"throughput {ratio:.2f}x off (p50 {via.percentile(0.5):.2f} vs {base.percentile(0.5):.2f} ms);"
         f" proxy CPU {cpu_on:.2f} vs {cpu_off:.2f} ms/call; {exports} export requests received",
         f">= {TARGET_ON}x",
@@ -169,7 +168,8 @@ async def off_vs_baseline_row(upstream: Process, workdir: Path, quick: bool, ref
 async def tracing_rows(upstream: Process, quick: bool, baseline_ref: str) -> list[Row]:
     workdir = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-bench-tracing-"))
     return [
-        await on_off_row(upstream, workdir, quick),
+        await on_off_row(upstream, workdir, quick, {}, "every request"),
+        await on_off_row(upstream, workdir, quick, SAMPLED, "10 % of traces sampled"),
         await off_vs_baseline_row(upstream, workdir, quick, baseline_ref),
     ]
 
