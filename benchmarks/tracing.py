@@ -24,7 +24,7 @@ from typing import Any, Final
 import aiohttp
 from aiohttp import web
 
-from benchmarks.run import (
+from benchmarks.harness import (
     ROOT,
     ModernClient,
     Process,

@@ -6,10 +6,8 @@ link to the span that created the task; nothing the client sent as content ends 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,19 +20,10 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from proxy import tracing
 from tests import pg
-from tests.conftest import (
-    DECLARING,
-    ROOT,
-    Client,
-    ClientFactory,
-    Tasks,
-    key_file,
-    modern_body,
-    modern_headers,
-    policies,
-    read_messages,
-    result_text,
-)
+from tests.support.clients import Client, ClientFactory, Tasks
+from tests.support.processes import key_file, stdio_upstream
+from tests.support.waiting import until
+from tests.support.wire import DECLARING, modern_body, modern_headers, policies, read_messages, result_text
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -42,7 +31,6 @@ CLIENT_TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
 META_TRACE = "0af7651916cd43dd8448eb211c80319c"
 META_SPAN = "b7ad6b7169203331"
 META_TRACEPARENT = f"00-{META_TRACE}-{META_SPAN}-01"
-STDIO_FIXTURE = [sys.executable, "-m", "tests.upstream", "--stdio"]
 
 
 @pytest.fixture
@@ -63,12 +51,7 @@ def upstream_kind(request: pytest.FixtureRequest) -> str:
 def traced_client(tasks_client: ClientFactory, upstream_kind: str) -> Callable[..., Any]:
     async def start(**sections: dict[str, Any]) -> Tasks:
         if upstream_kind == "stdio":
-            sections["upstream"] = {
-                "url": None,
-                "command": STDIO_FIXTURE,
-                "cwd": str(ROOT),
-                "connect_timeout_seconds": 20,
-            }
+            sections["upstream"] = stdio_upstream()
         return await tasks_client(**sections)
 
     return start
@@ -78,15 +61,16 @@ async def eventually(
     exporter: InMemorySpanExporter, name: str, count: int = 1, kind: SpanKind | None = None
 ) -> list[ReadableSpan]:
     """The finished spans called `name` (of `kind`, if given), once there are `count` of them."""
-    deadline = asyncio.get_running_loop().time() + 10
-    while True:
-        found = [
-            span for span in exporter.get_finished_spans() if span.name == name and (kind is None or span.kind is kind)
-        ]
-        if len(found) >= count:
-            return found
-        assert asyncio.get_running_loop().time() < deadline, [span.name for span in exporter.get_finished_spans()]
-        await asyncio.sleep(0.02)
+
+    def found() -> list[ReadableSpan]:
+        spans = [span for span in exporter.get_finished_spans() if span.name == name and kind in (None, span.kind)]
+        return spans if len(spans) >= count else []
+
+    def missing() -> str:
+        return f"{count} span(s) {name!r}; finished: {[span.name for span in exporter.get_finished_spans()]}"
+
+    spans: list[ReadableSpan] = await until(found, missing, 10)
+    return spans
 
 
 def hex_span(span: ReadableSpan) -> str:
@@ -255,11 +239,13 @@ async def test_no_argument_result_answer_or_credential_is_recorded(
         headers=credentials,
     )
     assert secret in result_text(message)
-    await eventually(spans, "tools/call ask_name", kind=SpanKind.CLIENT)
+    await eventually(spans, "tools/call ask_name", 3)  # both requests' SERVER spans and the upstream's CLIENT span
     recorded = _everything_recorded(spans)
     assert "tools/call echo" in recorded
     assert "mrtr_input_required" in recorded
     assert "input_requested" in recorded
+    assert "mrtr_resumed" in recorded
+    assert "input_answered" in recorded
     assert secret not in recorded
 
 

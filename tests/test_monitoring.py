@@ -13,7 +13,9 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT, ClientFactory, policies
+from tests.support.clients import ClientFactory
+from tests.support.processes import ROOT
+from tests.support.wire import policies
 
 MONITORING = ROOT / "config" / "monitoring"
 METRIC = re.compile(r"\bmcp_tasks_proxy_[a-z_]+\b")

@@ -22,7 +22,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from proxy import cli, tracing
 from proxy.config import LoggingConfig
 from proxy.observability import configure_logging
-from tests.conftest import ProxyProcess, Upstream, modern_body, modern_headers, read_messages
+from tests.support.processes import ProxyProcess, Upstream
+from tests.support.wire import modern_body, modern_headers, read_messages
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,8 @@ unchanged, ids included (the process has no other client), and what the process 
 DELETE ends the session (the process is stopped: it was initialized for that client and cannot serve
 another); so does `upstream.process_idle_seconds` with no stream open, and the process ending. A request
 naming an ended session gets 404, which tells the client to initialize again. A session is bound to the
-principal header that opened it. Imports aiohttp's web side, the process layer and the pool; never tasks.
+principal header that opened it. Imports aiohttp's web side, the stdio link and process layer, and the pool's
+`Room`; never tasks.
 """
 
 from __future__ import annotations
@@ -34,15 +35,14 @@ import structlog
 from aiohttp import web
 from mcp_types import jsonrpc as codes
 
-from proxy.config import UpstreamConfig
+from proxy.config import StdioUpstreamConfig
 from proxy.errors import InvalidRequestError, RequestId, UpstreamError, UpstreamTimeoutError
-from proxy.upstream.kinds import principal_key
-from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.sse import KEEPALIVE, frame
-from proxy.upstream.stdio import ProcessExit, StdioProcess
-from proxy.upstream.stdio_link import StdioLink
-from proxy.upstream.stdio_session import MAX_QUEUED_EVENTS
+from proxy.upstream.session import Room, principal_key
+from proxy.upstream.stdio.link import StdioLink
+from proxy.upstream.stdio.process import ProcessExit, StdioProcess
+from proxy.upstream.stdio.session import MAX_QUEUED_EVENTS
 from proxy.wire.jsonrpc import JSON, Request, classify, dumps, error_message, loads
+from proxy.wire.sse import KEEPALIVE, frame
 
 log = structlog.get_logger(__name__)
 
@@ -160,9 +160,9 @@ class StdioLegacyServer:
     """Serves legacy clients on the proxy's endpoint when the upstream is a stdio server (`relay()`, as the
     pass-through does for an HTTP upstream)."""
 
-    def __init__(self, link: StdioLink, pool: UpstreamClient, config: UpstreamConfig, principal_header: str) -> None:
+    def __init__(self, link: StdioLink, room: Room, config: StdioUpstreamConfig, principal_header: str) -> None:
         self.link = link
-        self.pool = pool
+        self.pool = room  # each session's process counts against upstream.max_processes, as the pool's own do
         self.config = config
         self.principal_header = principal_header
         self.sessions: dict[str, LegacySession] = {}  # by id: the sessions clients may still use
