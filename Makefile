@@ -10,7 +10,7 @@ SUITE := conformance/node_modules/@modelcontextprotocol/conformance/dist/index.j
 UPSTREAM_PORT ?= 9000
 PORT ?= 8080
 
-.PHONY: install run test unit conformance bench check lint typecheck format clean docker image-test
+.PHONY: install run test unit rules conformance bench check lint typecheck format clean docker image-test
 
 install: $(STAMP)
 
@@ -31,11 +31,20 @@ run: $(STAMP)
 	  $(BIN)/python -m proxy serve --config config/proxy.example.yaml \
 	    --upstream http://127.0.0.1:$(UPSTREAM_PORT)/mcp --port $(PORT)
 
-## test: unit + flow tests, then the conformance gates
-test: unit conformance
+## test: unit + flow tests, the Prometheus rule tests (when promtool is installed), then the conformance gates
+test: unit rules conformance
 
 unit: $(STAMP) $(SUITE)
 	$(BIN)/python -m pytest -q
+
+## rules: `promtool test rules` on config/monitoring/ (promtool is Debian's `prometheus` package; skipped without it)
+rules:
+	@if command -v promtool > /dev/null; then \
+	  promtool check rules config/monitoring/rules.yaml && \
+	  cd config/monitoring && promtool test rules rules.test.yaml; \
+	else \
+	  echo "rules: promtool not found, Prometheus rule tests SKIPPED (apt-get install prometheus)"; \
+	fi
 
 conformance: $(STAMP) $(SUITE)
 	$(BIN)/python conformance/run.py

@@ -6,7 +6,7 @@ medians, percentiles and ratios against their baseline, and direct/proxied batch
 
     python -m benchmarks.run [--quick]
 
-The processes, clients and measuring it shares with `replicas.py` are in `harness.py`.
+The processes, clients and measuring it shares with `replicas.py` and `tracing.py` are in `harness.py`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from benchmarks.harness import (
     start_upstream,
 )
 from benchmarks.replicas import replica_rows
+from benchmarks.tracing import tracing_rows
 
 RESULTS = ROOT / "benchmarks" / "results" / "latest.json"
 SDK_LABEL = "mcp 1.x SDK upstream"  # what legacy servers run: the baseline the targets are about
@@ -295,10 +296,10 @@ def print_table(rows: list[Row]) -> None:
         print(f"{row.name.ljust(width)}  {met:<4} {row.figure}   [{row.target}]")
 
 
-GROUPS = ("sdk", "lean", "replicas", "scale", "store")
+GROUPS = ("sdk", "lean", "replicas", "scale", "store", "tracing")
 
 
-async def run(quick: bool, groups: tuple[str, ...] = GROUPS) -> list[Row]:
+async def run(quick: bool, groups: tuple[str, ...] = GROUPS, tracing_baseline: str = "main") -> list[Row]:
     workdir = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-bench-"))
     rows: list[Row] = []
     if "sdk" in groups:
@@ -334,6 +335,12 @@ async def run(quick: bool, groups: tuple[str, ...] = GROUPS) -> list[Row]:
                 rows.append(await store_row(upstream, workdir, quick))
         finally:
             upstream.stop()
+    if "tracing" in groups:
+        upstream = await start_upstream()
+        try:
+            rows += await tracing_rows(upstream, quick, tracing_baseline)
+        finally:
+            upstream.stop()
     return rows
 
 
@@ -357,13 +364,18 @@ def main() -> int:
         default=",".join(GROUPS),
         help=f"comma-separated row groups to run, of {', '.join(GROUPS)} (a partial run is not written to the JSON)",
     )
+    parser.add_argument(
+        "--tracing-baseline",
+        default="main",
+        help="git ref whose proxy the `tracing` group compares the current one (tracing off) with",
+    )
     args = parser.parse_args()
     groups = tuple(group.strip() for group in args.only.split(","))
     unknown = set(groups) - set(GROUPS)
     if unknown:
         parser.error(f"unknown row groups: {', '.join(sorted(unknown))}")
     started = time.monotonic()
-    rows = asyncio.run(run(args.quick, groups))
+    rows = asyncio.run(run(args.quick, groups, args.tracing_baseline))
     print_table(rows)
     if set(groups) != set(GROUPS):
         return 0

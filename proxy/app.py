@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Final
 
@@ -18,6 +19,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from yarl import URL
 
+from proxy import tracing
 from proxy.config import Config
 from proxy.edge import (
     CHANNEL,
@@ -181,7 +183,7 @@ async def handle_mcp(request: web.Request) -> web.StreamResponse:
             request[ERA] = "modern"
             raise MethodNotAllowedError()
         request[ERA] = "legacy"
-        return await request.app[PASSTHROUGH].relay(request, None)
+        return await _relay(request, None, None)
     body = await _read_body(request)
     try:
         decoded = jsonrpc.loads(body)
@@ -190,14 +192,25 @@ async def handle_mcp(request: web.Request) -> web.StreamResponse:
             request[ERA] = "modern"
             raise
         request[ERA] = "legacy"
-        return await request.app[PASSTHROUGH].relay(request, body)
+        return await _relay(request, body, None)
     if not is_modern(request.headers, decoded):
         request[ERA] = "legacy"
         if isinstance(decoded, dict) and isinstance(decoded.get("method"), str):
             request[MCP_METHOD] = decoded["method"]
-        return await request.app[PASSTHROUGH].relay(request, body)
+        return await _relay(request, body, decoded)
     request[ERA] = "modern"
-    return await serve_modern(request, decoded)
+    with tracing.server_span(request.headers, decoded, era="modern", peer=request.remote):
+        return await serve_modern(request, decoded)
+
+
+async def _relay(request: web.Request, body: bytes | None, decoded: object) -> web.StreamResponse:
+    """A legacy client's request, in its SERVER span."""
+    with tracing.server_span(
+        request.headers, decoded, era="legacy", http_method=request.method, peer=request.remote
+    ) as span:
+        response = await request.app[PASSTHROUGH].relay(request, body)
+        span.status(response.status)
+        return response
 
 
 async def serve_modern(request: web.Request, decoded: object) -> web.StreamResponse:
@@ -223,6 +236,7 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     channel = request[CHANNEL] = HttpChannel(request, config.limits.write_timeout_seconds)
     reply = await request.app[FRONT].dispatch(modern, caller, channel)
     request[JSONRPC_ERROR] = "error" in reply
+    tracing.reply_outcome(reply)
     return await channel.finish(reply)
 
 
@@ -243,9 +257,15 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     if metrics is not None:
         metrics.tasks_running.set_function(lambda: runner.running)
         metrics.calls_parked.set_function(lambda: runner.parked)
+        metrics.upstream_sessions.set_function(lambda: upstream.open_sessions)
+        metrics.upstream_sessions_idle.set_function(lambda: upstream.idle_sessions)
+        metrics.upstream_calls_in_flight.set_function(lambda: upstream.calls_in_flight)
+        metrics.lease_held.set_function(lambda: runner.lease_problem() is None)
     watchers = TaskWatchers(store)
     runner.spawn(watchers.run(), "task-feed")
-    app[FRONT] = Front(config, upstream, runner, watchers)
+    app[FRONT] = front = Front(config, upstream, runner, watchers)
+    if metrics is not None:
+        metrics.listen_streams.set_function(lambda: front.listens.open_streams)
     legacy = app[PASSTHROUGH] = upstream.legacy_front()  # relayed, or served by the proxy (the kind decides)
     app[RELAY] = OriginRelay.of(config.relay, legacy)  # other paths: to the upstream's origin, when it has one
     try:
@@ -308,16 +328,20 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     """Prometheus text; the store-derived gauges are read at scrape time."""
     metrics = request.app[METRICS]
     store = request.app[STORE]
+    started = time.perf_counter()
     try:
         counts = await store.stats()
         size = await store.size_bytes()
     except StoreError as exc:
         log.warning("metrics_store_unreadable", error=str(exc))
+        metrics.store_up.set(0)
     else:
+        metrics.store_up.set(1)
         for status, count in counts.items():
             if status != "records":
                 metrics.tasks_by_status.labels(status).set(count)
         metrics.store_bytes.set(size)
+    metrics.store_read_seconds.set(time.perf_counter() - started)
     return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -139,6 +139,7 @@ def _report(error: ConfigError) -> int:
 def serve(config: Config) -> None:
     from aiohttp import web
 
+    from proxy import tracing
     from proxy.app import create_app
     from proxy.observability import configure_logging
 
@@ -153,6 +154,7 @@ def serve(config: Config) -> None:
         # SIGTERM: stop accepting, give running handlers this long, then cancel them; cleanup closes the store.
         shutdown_timeout=config.listen.shutdown_grace_seconds,
     )
+    tracing.shutdown()  # exports the spans still buffered
 
 
 def _database(args: argparse.Namespace) -> str:
@@ -253,10 +255,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "tasks":
         return tasks_command(args)
+    from proxy import tracing
+
     try:
         config = load_config(args.config, overrides=flag_overrides(args))
+        tracing.configure()  # from the OTEL_* environment; off when it names no exporter or endpoint
     except ConfigError as error:
         return _report(error)
+    except tracing.TracingConfigError as error:  # an unsupported OTEL_* setting stops the start, as config does
+        return _report(ConfigError("OTEL_* environment", [str(error)]))
     serve(config)
     return 0
 

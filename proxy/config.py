@@ -563,8 +563,11 @@ class LoggingConfig(_Frozen):
     level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Lowest log level written to stderr."
     )
-    format: Literal["json", "console"] = Field(
-        "json", description="`json`: one JSON object per line, for log pipelines; `console`: for humans."
+    format: Literal["auto", "json", "console"] = Field(
+        "auto",
+        description="`json`: one JSON object per line, for log pipelines; `console`: for humans (structlog's "
+        "console renderer); `auto`: console when stderr is a terminal (`make run`), else JSON. "
+        "`MCP_TASKS_PROXY_LOGGING__FORMAT=json` forces one from the environment.",
     )
 
 

@@ -62,6 +62,7 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
         return response
     except ProxyError as error:
         log.info("request_rejected", code=error.code, reason=error.message, detail=error.detail)
+        _count_limit(request, error)
         response = await _error_answer(request, error)
         status = response.status
         return response
@@ -92,7 +93,7 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
         else:
             log.info("request", **fields)
             _count(request, status, duration)
-        structlog.contextvars.unbind_contextvars("request_id")
+        structlog.contextvars.unbind_contextvars("request_id", "trace_id", "span_id")  # ids bound by tracing
 
 
 async def _error_answer(request: web.Request, error: ProxyError) -> web.StreamResponse:
@@ -141,6 +142,13 @@ def _count(request: web.Request, status: int, duration_seconds: float) -> None:
         outcome = "ok"
     metrics.requests.labels(era, method, outcome).inc()
     metrics.request_seconds.labels(era, method).observe(duration_seconds)
+
+
+def _count_limit(request: web.Request, error: ProxyError) -> None:
+    metrics = request.app.get(METRICS)
+    limit = error.data.get("limit") if isinstance(error.data, dict) else None
+    if metrics is not None and isinstance(limit, str):
+        metrics.limit_refusals.labels(limit).inc()
 
 
 class HttpChannel:

@@ -20,6 +20,7 @@ from typing import Any, Final
 import structlog
 from mcp_types import SERVER_INFO_META_KEY
 
+from proxy import tracing
 from proxy.config import Config
 from proxy.errors import CallerLimitError, InvalidParamsError, MissingCapabilityError, TaskLimitError, UpstreamError
 from proxy.tasks.push import ListenInbox, TaskWatchers
@@ -45,6 +46,10 @@ class ListenStreams:
         self.runner = runner
         self.watchers = watchers
         self._open: Counter[str] = Counter()  # open streams per caller
+
+    @property
+    def open_streams(self) -> int:
+        return sum(self._open.values())
 
     async def serve(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         wanted = request.params.get("notifications")
@@ -192,6 +197,9 @@ class _Stream:
         task: dict[str, Any] = wire_tasks.detailed_task(self.tasks.paced(record))
         message = notification_message("notifications/tasks", {"_meta": self.tag, **task})
         await self.channel.notify(message, required=True)
+        tracing.event("task_pushed", {tracing.TASK_ID: record.task_id, "mcp.task.status": record.status.value})
+        if self.runner.metrics is not None:
+            self.runner.metrics.task_notifications.labels(record.status.value).inc()
         self.sent[record.task_id] = (record.status.value, record.updated_at_ms, time.monotonic())
         if record.status.terminal:
             self.streams.watchers.drop(self.inbox, [record.task_id])

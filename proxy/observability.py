@@ -1,7 +1,8 @@
 """Logging and metrics: structlog (JSON lines by default, console format for humans) and Prometheus.
 
 Log events are snake_case facts with key/value context; tokens and argument values are never logged.
-Metric labels are bounded (known methods, tools named in the policy, else `other`). Imports only the config.
+Metric labels are bounded (known methods, tools named in the policy, else `other`). Log lines carry the active
+span's `trace_id`/`span_id` when tracing is on. Imports only the config and `tracing`.
 """
 
 from __future__ import annotations
@@ -14,19 +15,20 @@ from typing import Final
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from proxy import tracing
 from proxy.config import LoggingConfig
 
 
 def configure_logging(config: LoggingConfig) -> None:
     level = logging.getLevelNamesMapping()[config.level.upper()]
+    console = config.format == "console" or (config.format == "auto" and sys.stderr.isatty())
     renderer: structlog.types.Processor = (
-        structlog.processors.JSONRenderer()
-        if config.format == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()) if console else structlog.processors.JSONRenderer()
     )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            tracing.add_trace_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
@@ -157,6 +159,48 @@ class Metrics:
             f"{prefix}_upstream_errors_total",
             "Upstream requests that failed (unreachable, timeout, broken stream)",
             ["method", "kind"],
+            registry=self.registry,
+        )
+
+        # Read at scrape time (set_function in app.py) or counted where they happen; config/monitoring/ uses them.
+        self.upstream_sessions = Gauge(
+            f"{prefix}_upstream_sessions",
+            "Upstream sessions open (for a stdio upstream: server processes running)",
+            registry=self.registry,
+        )
+        self.upstream_sessions_idle = Gauge(
+            f"{prefix}_upstream_sessions_idle", "Upstream sessions open and idle (kept warm)", registry=self.registry
+        )
+        self.upstream_calls_in_flight = Gauge(
+            f"{prefix}_upstream_calls_in_flight", "Upstream requests open right now", registry=self.registry
+        )
+        self.lease_held = Gauge(
+            f"{prefix}_lease_held",
+            "1 while this replica holds its lease on the task store (renewed within store.lease_seconds), else 0",
+            registry=self.registry,
+        )
+        self.limit_refusals = Counter(
+            f"{prefix}_limit_refusals_total",
+            "Requests refused by a limit of the proxy (data.limit of the error: max_running, max_parked, "
+            "max_sessions, ...)",
+            ["limit"],
+            registry=self.registry,
+        )
+        self.listen_streams = Gauge(
+            f"{prefix}_listen_streams", "subscriptions/listen streams open", registry=self.registry
+        )
+        self.task_notifications = Counter(
+            f"{prefix}_task_notifications_total",
+            "notifications/tasks pushed to listen streams, by the task's status",
+            ["status"],
+            registry=self.registry,
+        )
+        self.store_up = Gauge(
+            f"{prefix}_store_up", "1 when the task store answered the last scrape, else 0", registry=self.registry
+        )
+        self.store_read_seconds = Gauge(
+            f"{prefix}_store_read_seconds",
+            "How long the last scrape's read of the task store took (its counts and size)",
             registry=self.registry,
         )
 

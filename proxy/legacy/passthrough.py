@@ -16,6 +16,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from proxy import tracing
 from proxy.errors import UpstreamError, UpstreamTimeoutError
 
 CUT_SHORT: Final = "Upstream MCP server closed the connection in the middle of its answer"
@@ -105,7 +106,9 @@ class PassThrough:
         for name, value in self.extra_headers.items():
             headers[name] = value
         try:
-            upstream = await self.http.request(
+            upstream = await tracing.relayed(  # a CLIENT span until the answer's headers are in
+                headers,
+                self.http.request,
                 request.method,
                 url,
                 headers=headers,

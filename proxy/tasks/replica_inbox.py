@@ -2,7 +2,8 @@
 and a lapsed lease (both to `recovery.py`); a task settled elsewhere stops its call (`RemoteCancel`; this
 replica's own settlements coming back on the feed are ignored); answers relayed from elsewhere reach their call
 (`RemoteAnswers`); an MRTR retry forwarded by another replica resumes a call parked here, and its answer goes
-back. Decisions stay with the call machine. Imports the table, the parking, the record writes and `remote.py`.
+back (the relayed cancel or answers: work linked to the span that created the task). Decisions stay with the
+call machine. Imports the table, the parking, the record writes, `remote.py` and tracing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from proxy import tracing
 from proxy.errors import InvalidParamsError, ProxyError
 from proxy.tasks import remote
 from proxy.tasks.calls import CallStarter
@@ -86,7 +88,8 @@ class ReplicaInbox:
             return
         call = self.table.task(task_id)
         if call is not None:
-            self.spawner.spawn(self._stop_settled(call, task_id, status), f"settled-{call.call_id}")
+            work = tracing.linked(self._stop_settled(call, task_id, status), "task settled elsewhere", task_id)
+            self.spawner.spawn(work, f"settled-{call.call_id}")
 
     async def _stop_settled(self, call: LiveCall, task_id: str, status: TaskStatus) -> None:
         reason, error = (CANCELLED_BY_CLIENT if status is TaskStatus.CANCELLED else f"settled {status.value}"), None
@@ -102,7 +105,8 @@ class ReplicaInbox:
         if call is None:
             log.info("task_answers_dropped", task_id=task_id, keys=sorted(answers))
             return
-        self.spawner.spawn(self.feed.dispatch(call, RemoteAnswers(answers)), f"answers-{call.call_id}")
+        work = tracing.linked(self.feed.dispatch(call, RemoteAnswers(answers)), "task answers relayed", task_id)
+        self.spawner.spawn(work, f"answers-{call.call_id}")
 
     def resync(self) -> None:
         """The feed may have missed changes: every task whose call runs here is read again."""

@@ -61,6 +61,7 @@ class TaskRunner:
         self.store = store
         self.principals = principals
         self.clock = clock
+        self.metrics = metrics  # also counted outside tasks/ (the listen streams' pushes)
         self.secret_file = config.inputs.secret_file
         self.process_id = uuid.uuid4().hex  # the `owner` of every task this process runs
         self.background = Background()
@@ -69,7 +70,7 @@ class TaskRunner:
         signer = inputs.RequestStateSigner(inputs.load_secret(config.inputs.secret_file))
         self.slots = RunningSlots(config.tasks.max_running, config.limits.max_running_per_principal)
         self.parking = Parking(config.inputs, config.limits, signer, clock, self.process_id)
-        observers: list[Observer] = [] if metrics is None else [QuestionCounter(metrics)]
+        observers: list[Observer] = [QuestionCounter(metrics)]  # counted when metrics are on; traced
         self.executor = Executor(self.background, self._forget, observers)
         feed = self.executor
         self.records = RecordWrites(

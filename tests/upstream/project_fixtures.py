@@ -1,7 +1,8 @@
 """Fixtures for the project's own tests: ``sleep`` (progress every 0.1 s), ``echo``, ``raise_error``
 (JSON-RPC error), ``tool_error`` (isError), ``ask_name`` / ``sample`` / ``list_roots`` (one
 server->client request each), ``log``, ``update_resource`` (resources/updated to subscribers) and
-``ping_client`` (a ping on the call's stream), ``whoami`` (headers the call arrived with) and
+``ping_client`` (a ping on the call's stream), ``whoami`` (headers the call arrived with), ``trace_context``
+(the W3C trace context the call arrived with, in headers and in ``_meta``) and
 ``cancelled_requests`` (which tools/call ids the upstream saw cancelled via notifications/cancelled),
 ``calls_started`` (how many ``sleep`` / ``counted`` calls began: a call is running upstream),
 ``counted`` / ``call_count`` (how often a call really reached the upstream), ``ask_three`` (sampling and
@@ -218,6 +219,19 @@ def register(mcp: FastMCP[Any]) -> None:
         request = ctx.request_context.request
         headers = getattr(request, "headers", {})
         seen = {name: headers.get(name) for name in ("authorization", "traceparent")}
+        return text_result(json.dumps(seen))
+
+    @mcp.tool(
+        name="trace_context",
+        description="Returns the W3C trace context this server received with the call: HTTP headers and _meta keys",
+    )
+    async def trace_context(ctx: Ctx) -> types.CallToolResult:
+        request = ctx.request_context.request
+        headers = getattr(request, "headers", {})
+        meta = ctx.request_context.meta
+        extra = (meta.model_extra or {}) if meta is not None else {}
+        keys = ("traceparent", "tracestate", "baggage")
+        seen = {"headers": {key: headers.get(key) for key in keys}, "meta": {key: extra.get(key) for key in keys}}
         return text_result(json.dumps(seen))
 
     @mcp.tool(

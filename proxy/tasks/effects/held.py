@@ -1,8 +1,8 @@
 """The held upstream request of a call (`StartCall`, `Answer`, `Refuse`, `CancelCall`): sent on a session
 leased for the call (of its own when its client could answer a question), its events fed to the call by the
 pump, its questions answered or refused, and `notifications/cancelled` when it is abandoned. Also counts the
-questions relayed and refused. Imports the pump, the slots (a parked call's session may be reclaimed), the
-upstream pool and event types; not the store.
+questions relayed and refused (questions and answers are span events too). Imports the pump, the slots (a parked
+call's session may be reclaimed), tracing, the upstream pool and event types; not the store.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 
 import structlog
 
+from proxy import tracing
 from proxy.errors import ProxyError
 from proxy.observability import Metrics
 from proxy.tasks import inputs
@@ -95,6 +96,7 @@ class HeldRequest:
             return
         try:
             await call.session.respond(upstream_id, result=result, error=error)
+            tracing.event("input_answered", {"refused": error is not None})
         except ProxyError as exc:  # the call is lost; its stream ends it with that error
             log.warning("upstream_answer_not_delivered", task_id=call.state.task_id, error=exc.message)
 
@@ -115,14 +117,18 @@ def stop_pump(call: LiveCall) -> None:
 
 
 class QuestionCounter:
-    """Counts each question the upstream asks for the client: relayed, or refused at once."""
+    """Counts each question the upstream asks for the client: relayed, or refused at once; and marks it on the
+    current span (its method and whether it was refused, never its content)."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics | None) -> None:
         self.metrics = metrics
 
     def __call__(self, event: Event, commands: list[Command]) -> None:
-        if not isinstance(event, Asked) or event.question.method not in translate.INPUT_METHODS:
+        if not isinstance(event, Asked):
             return
         question = event.question
         refused = any(isinstance(command, Refuse) and command.upstream_id == question.id for command in commands)
+        tracing.event("input_requested", {"mcp.method.name": question.method, "refused": refused})
+        if self.metrics is None or question.method not in translate.INPUT_METHODS:
+            return
         self.metrics.input_requests.labels(question.method, "refused" if refused else "relayed").inc()

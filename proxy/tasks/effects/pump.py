@@ -2,19 +2,20 @@
 session it runs on, each upstream event fed to the call as the machine's event, and the one crash wrapper (a
 lost upstream ends the call with its error; any other failure ends it with a plain message for the client,
 the exception only in the log-only `detail`). What an upstream failure means for a task the upstream runs
-(`gone`) is read here only. Imports the ports, errors and the upstream event types; not the store.
+(`gone`) is read here only. Imports the ports, errors, tracing and the upstream event types; not the store.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
-from typing import Final
+from typing import Any, Final
 
 import structlog
 
+from proxy import tracing
 from proxy.errors import ProxyError, UpstreamError, UpstreamSessionGoneError
 from proxy.tasks.commands import Asked, Ended, Event, Notified
 from proxy.tasks.live_call import LiveCall
@@ -52,14 +53,24 @@ def sink(feed: Feed, call: LiveCall) -> Callable[[UpstreamEvent], Awaitable[None
     return on_stream
 
 
-async def run(
+def run(
+    feed: Feed,
+    call: LiveCall,
+    session: AbstractAsyncContextManager[Session],
+    body: Callable[[Session], Awaitable[None]],
+) -> Coroutine[Any, Any, None]:
+    """Hold `session` for the call while `body` drives the upstream call on it; every way it ends is fed to the
+    call (never silence). Run in the background, its upstream CLIENT spans stay in the trace of the request that
+    started the call and carry the task id once there is one."""
+    return tracing.background(_run(feed, call, session, body), lambda: call.state.task_id)
+
+
+async def _run(
     feed: Feed,
     call: LiveCall,
     session: AbstractAsyncContextManager[Session],
     body: Callable[[Session], Awaitable[None]],
 ) -> None:
-    """Hold `session` for the call while `body` drives the upstream call on it; every way it ends is fed to the
-    call (never silence)."""
     try:
         async with session as held:
             call.session = held

@@ -2,7 +2,7 @@
 `WriteProgress`, `Settle`), each under the lease's fence through one helper (a lost lease is `LeaseLost`), and
 the bookkeeping of every settlement this replica won (log, metrics, durations, and a note so that its own
 settlement coming back on the change feed is not taken for another replica's). Limits are checked (by the
-slots) before anything is written. Imports the store, the slots, the table and the wire; no upstream.
+slots) before anything is written. Imports the store, the slots, the table, the wire and tracing; no upstream.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any, Final, TypeVar
 
 import structlog
 
+from proxy import tracing
 from proxy.config import TasksConfig
 from proxy.errors import ProxyError, TaskLimitError
 from proxy.observability import Metrics
@@ -119,6 +120,7 @@ class RecordWrites:
             return CommitRefused(ProxyError("Internal error: the task could not be stored", detail=str(exc)))
         call.record = record
         log.info("task_created", task_id=record.task_id, tool=call.name, ttl_ms=record.ttl_ms)
+        tracing.task_created(record.task_id)
         if command.input_requests:
             _log_input_required(record.task_id, call.name, command.input_requests)
         if self.metrics is not None:

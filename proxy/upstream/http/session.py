@@ -6,8 +6,9 @@ A session owns `initialize` + `notifications/initialized`, the `Mcp-Session-Id` 
 (`lending.py`): to the call the session is lent to, to `subscriptions/listen` inboxes, or refused. What every
 session shares (the HTTP client, the URL, timeouts, request ids, the upstream's latest serverInfo) is the
 `HttpLink` (`link.py`). aiohttp failures become typed UpstreamErrors; a 401 or 403 is the caller's credential
-refused (UpstreamAuthError, with the server's `WWW-Authenticate`), never a session gone. Imports aiohttp; never
-the store, the front or the pool.
+refused (UpstreamAuthError, with the server's `WWW-Authenticate`), never a session gone; each request is a
+CLIENT span whose context the upstream receives. Imports aiohttp and tracing; never the store, the front or the
+pool.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Final
 import aiohttp
 import structlog
 
+from proxy import tracing
 from proxy.errors import (
     AUTH_STATUSES,
     RequestId,
@@ -299,9 +301,12 @@ class HttpSession:
     ) -> AsyncIterator[HttpRequestStream]:
         """Send one request upstream; the HttpRequestStream streams what comes back. Leaving the context closes it."""
         await self.ensure_initialized()
-        with self.link.measured(method):
+        span = tracing.client_span(method, params, transport="tcp", protocol_version=self.protocol_version)
+        with self.link.measured(method), span as traced:
             request_id = self.link.next_id()
-            message = request_message(request_id, method, params)
+            traced.request(request_id, self.session_id)
+            message = request_message(request_id, method, traced.params(params, always=False))
+            extra_headers = traced.headers(extra_headers)
             for attempt in range(2):
                 sent_with = self.session_id
                 try:

@@ -29,6 +29,7 @@ from typing import Any, Final
 import structlog
 from mcp_types import jsonrpc as codes
 
+from proxy import tracing
 from proxy.errors import InvalidRequestError, RequestId, ResultTooLargeError, UpstreamError, UpstreamTimeoutError
 from proxy.upstream.events import (
     UpstreamErrorResponse,
@@ -422,8 +423,10 @@ class StdioSession:
         """Send one request; the StdioRequestStream streams what comes back. HTTP headers (trace context, the principal)
         have no place on stdio and are not sent."""
         await self.ensure_initialized()
-        with self.link.measured(method):
-            async with self._open(method, params) as call:
+        span = tracing.client_span(method, params, transport="pipe", protocol_version=self.protocol_version)
+        with self.link.measured(method), span as traced:
+            async with self._open(method, traced.params(params, always=True)) as call:
+                traced.request(call.request_id)
                 self.in_flight += 1  # the caller's requests only, not the proxy's own initialize
                 try:
                     yield call

@@ -1,0 +1,466 @@
+"""OpenTelemetry tracing: set up from the standard OTEL_* environment, and the spans of the MCP semantic
+conventions (https://opentelemetry.io/docs/specs/semconv/gen-ai/mcp/): a SERVER span per request, a CLIENT
+span per upstream request (its context goes upstream), the background work of a call, events for questions,
+answers, MRTR rounds and push. Off (every helper a no-op returning at its first line) unless configured.
+
+Never recorded: argument values, results, question or answer content, header values, credentials. Imports
+OpenTelemetry, structlog and `errors`; nothing of aiohttp, the front, the tasks or the upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import os
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, MutableMapping
+from typing import Any, Final, TypeVar
+
+import structlog
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode
+
+from proxy.errors import ProxyError
+
+_T = TypeVar("_T")
+DEFAULT_SERVICE_NAME: Final = "mcp-tasks-proxy"
+TRACE_KEYS: Final = ("traceparent", "tracestate", "baggage")  # W3C keys, in HTTP headers and in `_meta`
+TASK_METHODS: Final = frozenset({"tasks/get", "tasks/update", "tasks/cancel", "tasks/result"})
+TASK_ID: Final = "mcp.task.id"  # no semantic convention names a task id yet
+REMEMBERED_TASKS: Final = 10_000  # creating span contexts kept for links from tasks/get|update|cancel
+PROTOCOL_VERSION_META_KEY: Final = "io.modelcontextprotocol/protocolVersion"
+
+_tracer: trace.Tracer | None = None  # None: tracing is off
+_provider: TracerProvider | None = None
+_created: OrderedDict[str, SpanContext] = OrderedDict()  # task id -> the span that created it (bounded)
+# The task id of the call whose background work runs in this context (read when its CLIENT spans end).
+_work_task: contextvars.ContextVar[Callable[[], str | None]] = contextvars.ContextVar("mcp_background_task")
+# What the current request is about, for spans below it that only see bytes (the legacy pass-through).
+# (MCP method or None, target, HTTP method, the SERVER span's attributes to copy)
+_request_target: contextvars.ContextVar[tuple[str | None, str | None, str, dict[str, Any]]] = contextvars.ContextVar(
+    "mcp_request_target"
+)
+
+
+class TracingConfigError(Exception):
+    """The OTEL_* environment asks for something this build cannot do."""
+
+
+# --- set-up ------------------------------------------------------------------------------------------------
+
+
+def wanted(environ: Mapping[str, str]) -> bool:
+    """Tracing is on when an OTLP endpoint or a traces exporter is configured, and the SDK is not disabled."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    exporter = environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporter:
+        return exporter != "none"
+    return bool(environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+
+
+def _exporter(environ: Mapping[str, str]) -> SpanExporter:
+    name = environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() or "otlp"
+    if name == "console":
+        return ConsoleSpanExporter()
+    if name != "otlp":
+        raise TracingConfigError(f"OTEL_TRACES_EXPORTER={name}: only otlp, console and none are supported")
+    protocol = (
+        environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or ""
+    ).strip()
+    if protocol not in ("", "http/protobuf"):
+        raise TracingConfigError(
+            f"OTLP protocol {protocol!r} is not supported: this build exports http/protobuf only "
+            "(set OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf and the collector's HTTP port, usually 4318)"
+        )
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()  # endpoint, headers, timeout, compression: from OTEL_EXPORTER_OTLP_*
+
+
+def configure(environ: Mapping[str, str] | None = None, processor: SpanProcessor | None = None) -> bool:
+    """Turn tracing on as the OTEL_* environment says (service name, resource attributes, sampler, batch
+    processor and exporter settings are the SDK's own), or with `processor` (tests). Returns whether it is on."""
+    global _tracer, _provider
+    environ = os.environ if environ is None else environ
+    if processor is None:
+        if not wanted(environ):
+            return False
+        processor = BatchSpanProcessor(_exporter(environ))
+    attributes: dict[str, str] = {}
+    if not environ.get("OTEL_SERVICE_NAME") and "service.name=" not in environ.get("OTEL_RESOURCE_ATTRIBUTES", ""):
+        attributes[SERVICE_NAME] = DEFAULT_SERVICE_NAME
+    _provider = TracerProvider(resource=Resource.create(attributes))
+    _provider.add_span_processor(processor)
+    _tracer = _provider.get_tracer("mcp_tasks_proxy")
+    return True
+
+
+def shutdown() -> None:
+    """Export what is still buffered, then turn tracing off."""
+    global _tracer, _provider
+    if _provider is not None:
+        _provider.shutdown()
+    _tracer = _provider = None
+    _created.clear()
+
+
+def enabled() -> bool:
+    return _tracer is not None
+
+
+# --- reading requests ----------------------------------------------------------------------------------------
+
+
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def target_of(method: str, params: Mapping[str, Any]) -> tuple[str | None, dict[str, str]]:
+    """The low-cardinality target of the span name, and its attributes (tool or prompt name only: a resource
+    URI may name anything and stays out)."""
+    if method == "tools/call" and (name := _str(params.get("name"))) is not None:
+        return name, {"gen_ai.tool.name": name, "gen_ai.operation.name": "execute_tool"}
+    if method == "prompts/get" and (name := _str(params.get("name"))) is not None:
+        return name, {"gen_ai.prompt.name": name}
+    return None, {}
+
+
+def _carried(carrier: Mapping[str, Any]) -> Context | None:
+    """The trace context a carrier (HTTP headers or `_meta`) holds, if a valid one."""
+    if carrier.get("traceparent") is None:
+        return None
+    found = propagate.extract(carrier={key: value for key in TRACE_KEYS if isinstance(value := carrier.get(key), str)})
+    return found if trace.get_current_span(found).get_span_context().is_valid else None
+
+
+def _span_name(method: str, target: str | None) -> str:
+    return f"{method} {target}" if target else method
+
+
+class ServerSpan:
+    """The request's SERVER span, for what is learnt while it runs (the answer's outcome)."""
+
+    __slots__ = ("span",)
+
+    def __init__(self, span: Span | None) -> None:
+        self.span = span
+
+    def reply(self, message: Mapping[str, Any]) -> None:
+        """The answer's JSON-RPC error code, or `tool_error` for a CallToolResult with isError."""
+        if self.span is None:
+            return
+        error = message.get("error")
+        if isinstance(error, dict):
+            _failed(self.span, str(error.get("code")))
+        else:
+            result = message.get("result")
+            if isinstance(result, dict) and result.get("isError") is True:
+                _failed(self.span, "tool_error")
+
+    def status(self, http_status: int) -> None:
+        """A relayed answer's HTTP status (its body is not read): 5xx fails the span."""
+        if self.span is not None and http_status >= 500:
+            _failed(self.span, str(http_status))
+
+
+_OFF: Final = ServerSpan(None)
+_SERVER_OFF: Final = contextlib.nullcontext(_OFF)  # reusable: tracing off allocates nothing per request
+
+
+def reply_outcome(message: Mapping[str, Any]) -> None:
+    """The outcome of the answer about to leave, on the current (SERVER) span."""
+    if _tracer is not None:
+        ServerSpan(trace.get_current_span()).reply(message)
+
+
+def _failed(span: Span, error_type: str) -> None:
+    """The span failed with `error_type`. No description: an error message may quote what the client sent."""
+    span.set_attribute("error.type", error_type)
+    if error_type.lstrip("-").isdigit():
+        span.set_attribute("rpc.response.status_code", error_type)
+    span.set_status(Status(StatusCode.ERROR))
+
+
+def server_span(
+    headers: Mapping[str, str], message: object, *, era: str, http_method: str = "POST", peer: str | None = None
+) -> contextlib.AbstractContextManager[ServerSpan]:
+    """The SERVER span of one request. Its parent is the client's trace context from `params._meta` when
+    there is one there (the MCP conventions' carrier), else from the HTTP headers; when both are present and
+    differ, the HTTP one becomes a link. `tasks/*` spans carry the task id and link to the span that created
+    the task, when this process remembers it."""
+    if _tracer is None:
+        return _SERVER_OFF
+    return _server_span(_tracer, headers, message, era, http_method, peer)
+
+
+@contextlib.contextmanager
+def _server_span(
+    tracer: trace.Tracer,
+    headers: Mapping[str, str],
+    message: object,
+    era: str,
+    http_method: str,
+    peer: str | None,
+) -> Iterator[ServerSpan]:
+    decoded: Mapping[str, Any] = message if isinstance(message, dict) else {}
+    method = _str(decoded.get("method"))
+    raw_params = decoded.get("params")
+    params: Mapping[str, Any] = raw_params if isinstance(raw_params, dict) else {}
+    raw_meta = params.get("_meta")
+    meta: Mapping[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
+    from_headers = _carried(headers)
+    from_meta = _carried(meta)
+    parent = from_meta or from_headers
+    links: list[Link] = []
+    if from_meta is not None and from_headers is not None:
+        other = trace.get_current_span(from_headers).get_span_context()
+        if other != trace.get_current_span(from_meta).get_span_context():
+            links.append(Link(other, {"mcp.link": "http_trace_context"}))
+    attributes: dict[str, Any] = {"network.transport": "tcp", "network.protocol.name": "http", "mcp.era": era}
+    if peer:
+        attributes["client.address"] = peer
+    target: str | None = None
+    if method is None:
+        name = http_method  # a legacy GET stream or DELETE: no JSON-RPC message
+        attributes["http.request.method"] = http_method
+    else:
+        attributes["mcp.method.name"] = method
+        target, more = target_of(method, params)
+        attributes.update(more)
+        name = _span_name(method, target)
+        if (request_id := decoded.get("id")) is not None:
+            attributes["jsonrpc.request.id"] = str(request_id)
+        if method in TASK_METHODS and (task_id := _str(params.get("taskId"))) is not None:
+            attributes[TASK_ID] = task_id
+            if (created := _created.get(task_id)) is not None:
+                links.append(Link(created, {"mcp.link": "task_created"}))
+    version = headers.get("MCP-Protocol-Version") or _str(meta.get(PROTOCOL_VERSION_META_KEY))
+    if version is None and method == "initialize":
+        version = _str(params.get("protocolVersion"))
+    if version:
+        attributes["mcp.protocol.version"] = version
+    if era == "legacy" and (session_id := headers.get("Mcp-Session-Id")):
+        attributes["mcp.session.id"] = session_id
+    copied = {key: value for key, value in attributes.items() if key.startswith(("gen_ai.", "mcp.method", "mcp.proto"))}
+    token = _request_target.set((method, target, http_method, copied))
+    try:
+        with tracer.start_as_current_span(
+            name,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes=attributes,
+            links=links,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            # The request's own log line (written by the error edge, after this span) names it too.
+            context = span.get_span_context()
+            structlog.contextvars.bind_contextvars(
+                trace_id=format(context.trace_id, "032x"), span_id=format(context.span_id, "016x")
+            )
+            try:
+                yield ServerSpan(span)
+            except ProxyError as error:
+                _failed(span, str(error.code))
+                raise
+            except (asyncio.CancelledError, ConnectionResetError):
+                span.add_event("client_disconnected")  # the client left (or closed its stream): no failure
+                raise
+            except BaseException as error:
+                _failed(span, type(error).__qualname__)
+                raise
+    finally:
+        _request_target.reset(token)
+
+
+# --- upstream requests ---------------------------------------------------------------------------------------
+
+
+class ClientSpan:
+    """The CLIENT span of one upstream request: what the upstream receives as trace context."""
+
+    __slots__ = ("span",)
+
+    def __init__(self, span: Span | None) -> None:
+        self.span = span
+
+    def headers(self, extra: Mapping[str, str] | None) -> Mapping[str, str] | None:
+        """HTTP headers for the request: this span's context replaces the client's. Off: `extra` as it is."""
+        if self.span is None:
+            return extra
+        headers = {key: value for key, value in (extra or {}).items() if key.lower() not in TRACE_KEYS}
+        propagate.inject(headers)
+        return headers
+
+    def params(self, params: Any, *, always: bool) -> Any:
+        """Params with this span's context in `_meta` (always for stdio; over HTTP only where the client had put
+        its own, so the upstream never sees two parents). Off: `params` as they are."""
+        if self.span is None or not isinstance(params, dict):
+            return params
+        meta = params.get("_meta")
+        if not always and not (isinstance(meta, dict) and any(key in meta for key in TRACE_KEYS)):
+            return params
+        carrier = {key: value for key, value in (meta or {}).items() if key not in TRACE_KEYS}
+        propagate.inject(carrier)
+        return {**params, "_meta": carrier}
+
+    def request(self, request_id: int | str, session_id: str | None = None) -> None:
+        if self.span is not None:
+            self.span.set_attribute("jsonrpc.request.id", str(request_id))
+            if session_id:
+                self.span.set_attribute("mcp.session.id", session_id)
+
+
+_CLIENT_OFF: Final = contextlib.nullcontext(ClientSpan(None))
+
+
+def client_span(
+    method: str | None, params: Any, *, transport: str, protocol_version: str | None = None
+) -> contextlib.AbstractContextManager[ClientSpan]:
+    """The CLIENT span of one upstream request (`transport`: `tcp` for HTTP, `pipe` for stdio). `method` None:
+    the request the current SERVER span relays (the legacy pass-through)."""
+    if _tracer is None:
+        return _CLIENT_OFF
+    return _client_span(_tracer, method, params, transport, protocol_version)
+
+
+@contextlib.contextmanager
+def _client_span(
+    tracer: trace.Tracer, method: str | None, params: Any, transport: str, protocol_version: str | None
+) -> Iterator[ClientSpan]:
+    attributes: dict[str, Any] = {"network.transport": transport}
+    if transport == "tcp":
+        attributes["network.protocol.name"] = "http"
+    if method is None:  # relayed: what the SERVER span knows of the request
+        relayed, target, http_method, copied = _request_target.get((None, None, "POST", {}))
+        attributes.update(copied)
+        if relayed is None:
+            attributes["http.request.method"] = http_method
+        name = _span_name(relayed or http_method, target)
+    else:
+        target, more = target_of(method, params if isinstance(params, dict) else {})
+        attributes["mcp.method.name"] = method
+        attributes.update(more)
+        name = _span_name(method, target)
+    if protocol_version:
+        attributes["mcp.protocol.version"] = protocol_version
+    with tracer.start_as_current_span(
+        name,
+        kind=SpanKind.CLIENT,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield ClientSpan(span)
+        except ProxyError as error:
+            _failed(span, type(error).__qualname__)
+            raise
+        except BaseException as error:
+            _failed(span, type(error).__qualname__)
+            raise
+        finally:
+            if (task_id := _work_task.get(None)) is not None and (known := task_id()) is not None:
+                span.set_attribute(TASK_ID, known)
+
+
+def relayed(
+    carrier: MutableMapping[str, str], send: Callable[..., Awaitable[_T]], /, *args: Any, **kwargs: Any
+) -> Awaitable[_T]:
+    """`send(*args, **kwargs)`, a relayed legacy request whose headers are `carrier`, in a CLIENT span named after
+    the current SERVER span's request; the span's context replaces the client's trace headers in `carrier`."""
+    if _tracer is None:
+        return send(*args, **kwargs)
+    return _relayed(carrier, send, args, kwargs)
+
+
+async def _relayed(carrier: MutableMapping[str, str], send: Callable[..., Awaitable[_T]], args: Any, kwargs: Any) -> _T:
+    with client_span(None, None, transport="tcp"):
+        for key in TRACE_KEYS:
+            if key in carrier:
+                del carrier[key]  # every value of it, on a multidict
+        propagate.inject(carrier)
+        return await send(*args, **kwargs)
+
+
+# --- a call's background work, tasks, events -------------------------------------------------------------------
+
+
+def background(work: Coroutine[Any, Any, None], task_id: Callable[[], str | None]) -> Coroutine[Any, Any, None]:
+    """`work`, a call's upstream request run in the background. Its CLIENT span stays in the trace of the request
+    that started it (the background task starts with that request's context), may outlive that request, and
+    carries the task id once there is one. No span of its own: one span per hop keeps tracing cheap."""
+    if _tracer is None:
+        return work
+    return _background(work, task_id)
+
+
+async def _background(work: Coroutine[Any, Any, None], task_id: Callable[[], str | None]) -> None:
+    _work_task.set(task_id)  # in the background task's own context: nothing to reset
+    await work
+
+
+def task_created(task_id: str) -> None:
+    """The current span created the task: it carries the id, and later tasks/* spans link to it."""
+    if _tracer is None:
+        return
+    span = trace.get_current_span()
+    context = span.get_span_context()
+    if not context.is_valid:
+        return
+    span.set_attribute(TASK_ID, task_id)
+    span.add_event("task_created", {TASK_ID: task_id})
+    _created[task_id] = context
+    while len(_created) > REMEMBERED_TASKS:
+        _created.popitem(last=False)
+
+
+def created_link(task_id: str) -> list[Link]:
+    """A link to the span that created `task_id`, if this process remembers it."""
+    context = _created.get(task_id) if _tracer is not None else None
+    return [] if context is None else [Link(context, {"mcp.link": "task_created"})]
+
+
+def event(name: str, attributes: Mapping[str, str | int | bool]) -> None:
+    """A fact on the current span (a question asked, an answer delivered, an MRTR round, a push): names and
+    counts only, never content."""
+    if _tracer is None:
+        return
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.add_event(name, attributes)
+
+
+def linked(work: Coroutine[Any, Any, None], name: str, task_id: str) -> Coroutine[Any, Any, None]:
+    """`work` done here for a task on another's behalf (a cancel or an answer that reached the task's owner
+    through the store, from another replica) inside an INTERNAL span linked to the span that created the task."""
+    if _tracer is None:
+        return work
+    return _linked(_tracer, work, name, task_id)
+
+
+async def _linked(tracer: trace.Tracer, work: Coroutine[Any, Any, None], name: str, task_id: str) -> None:
+    with tracer.start_as_current_span(
+        name, context=Context(), kind=SpanKind.INTERNAL, attributes={TASK_ID: task_id}, links=created_link(task_id)
+    ):
+        await work
+
+
+# --- logs -------------------------------------------------------------------------------------------------
+
+
+def add_trace_ids(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """structlog processor: `trace_id` and `span_id` of the active span, when tracing is on and one is."""
+    if _tracer is None:
+        return event_dict
+    context = trace.get_current_span().get_span_context()
+    if context.is_valid:
+        event_dict["trace_id"] = format(context.trace_id, "032x")
+        event_dict["span_id"] = format(context.span_id, "016x")
+    return event_dict

@@ -1,0 +1,204 @@
+"""Tracing set-up: which OTEL_* environments turn it on, what it refuses, that every helper is a no-op when it
+is off, trace ids in log lines, the log renderer; and the proxy as a process exporting OTLP over HTTP to a
+receiver in the test, configured by the environment alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import structlog
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from proxy import cli, tracing
+from proxy.config import LoggingConfig
+from proxy.observability import configure_logging
+from tests.support.processes import ProxyProcess, Upstream
+from tests.support.wire import modern_body, modern_headers, read_messages
+
+
+@pytest.fixture(autouse=True)
+def tracing_off_after() -> Iterator[None]:
+    yield
+    tracing.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("environ", "on"),
+    [
+        ({}, False),
+        ({"OTEL_SERVICE_NAME": "x"}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, True),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318/v1/traces"}, True),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "OTEL_SDK_DISABLED": "true"}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "OTEL_TRACES_EXPORTER": "none"}, False),
+        ({"OTEL_TRACES_EXPORTER": "console"}, True),
+    ],
+)
+def test_tracing_is_on_only_when_an_exporter_is_configured(environ: dict[str, str], on: bool) -> None:
+    assert tracing.wanted(environ) is on
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"},
+        {"OTEL_TRACES_EXPORTER": "zipkin"},
+    ],
+)
+def test_what_this_build_cannot_export_is_refused(environ: dict[str, str]) -> None:
+    with pytest.raises(tracing.TracingConfigError):
+        tracing.configure(environ)
+    assert not tracing.enabled()
+
+
+def test_an_unsupported_protocol_stops_the_start_like_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    assert cli.main(["serve", "--upstream", "http://127.0.0.1:9/mcp"]) == cli.EXIT_CONFIG_ERROR
+    assert "http/protobuf" in capsys.readouterr().err
+
+
+def test_the_service_is_named_unless_the_environment_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    exporter = InMemorySpanExporter()
+    assert tracing.configure({}, SimpleSpanProcessor(exporter))
+    with tracing.client_span("ping", None, transport="tcp"):
+        pass
+    [span] = exporter.get_finished_spans()
+    assert span.resource.attributes["service.name"] == tracing.DEFAULT_SERVICE_NAME
+    tracing.shutdown()
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "billing-proxy")
+    exporter = InMemorySpanExporter()
+    assert tracing.configure({"OTEL_SERVICE_NAME": "billing-proxy"}, SimpleSpanProcessor(exporter))
+    with tracing.client_span("ping", None, transport="tcp"):
+        pass
+    [span] = exporter.get_finished_spans()
+    assert span.resource.attributes["service.name"] == "billing-proxy"
+
+
+async def test_every_helper_passes_through_when_tracing_is_off() -> None:
+    assert not tracing.enabled()
+    params = {"name": "t", "_meta": {"traceparent": "client"}}
+    headers = {"traceparent": "client"}
+    with tracing.client_span("tools/call", params, transport="pipe") as traced:
+        assert traced.params(params, always=True) is params
+        assert traced.headers(headers) is headers
+    with tracing.server_span({}, {"method": "tools/call"}, era="modern") as server:
+        server.reply({"error": {"code": 1}})
+
+    async def work() -> None:
+        return None
+
+    coroutine = work()
+    assert tracing.background(coroutine, lambda: None) is coroutine
+    assert tracing.linked(coroutine, "x", "task") is coroutine
+    await coroutine
+    assert tracing.add_trace_ids(None, "info", {"event": "x"}) == {"event": "x"}
+
+
+def test_log_lines_carry_the_active_spans_ids() -> None:
+    exporter = InMemorySpanExporter()
+    tracing.configure({}, SimpleSpanProcessor(exporter))
+    assert tracing.add_trace_ids(None, "info", {"event": "outside"}) == {"event": "outside"}
+    with tracing.client_span("ping", None, transport="tcp"):
+        fields = dict(tracing.add_trace_ids(None, "info", {"event": "inside"}))
+    [span] = exporter.get_finished_spans()
+    assert span.context is not None
+    assert fields["trace_id"] == format(span.context.trace_id, "032x")
+    assert fields["span_id"] == format(span.context.span_id, "016x")
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
+@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.parametrize(
+    ("format_", "renderer"),
+    [
+        ("auto", structlog.processors.JSONRenderer),
+        ("json", structlog.processors.JSONRenderer),
+        ("console", structlog.dev.ConsoleRenderer),
+    ],
+)
+def test_logs_are_json_unless_a_person_reads_them(format_: str, renderer: type) -> None:
+    """Under pytest stderr is no terminal: `auto` renders JSON, as it does in a container."""
+    configure_logging(LoggingConfig.model_validate({"format": format_}))
+    processors = structlog.get_config()["processors"]
+    assert isinstance(processors[-1], renderer)
+    assert tracing.add_trace_ids in processors
+
+
+# --- the proxy as a process, exporting to an OTLP receiver -----------------------------------------------------
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[tuple[str, list[ExportTraceServiceRequest]]]:
+    received: list[ExportTraceServiceRequest] = []
+
+    async def traces(request: web.Request) -> web.Response:
+        message = ExportTraceServiceRequest()
+        message.ParseFromString(await request.read())
+        received.append(message)
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", traces)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    yield str(server.make_url("")).rstrip("/"), received
+    await server.close()
+
+
+async def test_the_proxy_exports_spans_when_the_environment_says_where(
+    receiver: tuple[str, list[ExportTraceServiceRequest]],
+    upstream: Upstream,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    endpoint, received = receiver
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "exported-proxy")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    process = ProxyProcess(tmp_path, upstream.url)
+    await process.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = modern_body("tools/call", {"name": "echo", "arguments": {"text": "hi"}})
+            async with http.post(process.url, json=body, headers=modern_headers("tools/call", "echo")) as response:
+                [message] = await read_messages(response)
+        assert message["result"]["content"][0]["text"] == "hi"
+        assert await process.terminate() == 0  # SIGTERM: what is still buffered is exported before the exit
+    finally:
+        process.stop()
+    spans: dict[str, Any] = {}
+    for request in received:
+        for resource_spans in request.resource_spans:
+            service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}["service.name"]
+            assert service == "exported-proxy"
+            for scope in resource_spans.scope_spans:
+                for span in scope.spans:
+                    spans.setdefault(span.name, []).append(span)
+    assert {span.kind for span in spans.get("tools/call echo", [])} == {
+        Span.SpanKind.SPAN_KIND_SERVER,
+        Span.SpanKind.SPAN_KIND_CLIENT,
+    }, sorted(spans)
+    trace_ids = {span.trace_id.hex() for named in spans.values() for span in named}
+    logged = {event.get("trace_id") for event in process.events()} - {None}
+    assert logged, "no log line carried a trace id"
+    assert logged <= trace_ids
