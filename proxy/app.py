@@ -19,8 +19,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from yarl import URL
 
 from proxy.config import Config
+from proxy.drain import DRAIN, Drain, drainz, track
 from proxy.edge import (
     CHANNEL,
+    DRAINZ,
     ERA,
     HEALTHZ,
     JSONRPC_ERROR,
@@ -45,6 +47,7 @@ from proxy.errors import (
     UpstreamError,
 )
 from proxy.front import Front
+from proxy.live_config import LiveConfig
 from proxy.observability import Metrics
 from proxy.policy import named_tools
 from proxy.principals import Principals, deployment_key
@@ -63,7 +66,8 @@ from proxy.wire.jsonrpc import Notification, Response
 
 log = structlog.get_logger(__name__)
 
-CONFIG: Final = web.AppKey("config", Config)
+CONFIG: Final = web.AppKey("config", Config)  # as started: what a reload cannot change is read here
+LIVE: Final = web.AppKey("live", LiveConfig)  # the config in force: what may change live is read through it
 FRONT: Final = web.AppKey("front", Front)
 PASSTHROUGH: Final = web.AppKey("passthrough", LegacyRelay)
 UPSTREAM: Final = web.AppKey("upstream", UpstreamClient)
@@ -135,7 +139,7 @@ async def admission(request: web.Request, handler: Handler) -> web.StreamRespons
         return await handler(request)
     if (name := not_utf8_header(request.headers)) is not None:
         raise InvalidRequestError(f"Invalid Request: the value of the {name} header is not UTF-8")
-    security = request.app[CONFIG].security
+    security = request.app[LIVE].current.security
     if not host_allowed(request.headers.get("Host"), security.allowed_hosts):
         raise ForbiddenError("Forbidden: Host header not allowed")
     origin = request.headers.get("Origin")
@@ -150,7 +154,7 @@ async def admission(request: web.Request, handler: Handler) -> web.StreamRespons
 async def _read_body(request: web.Request) -> bytes:
     """The whole body, within `security.body_read_timeout_seconds` (both eras: legacy bodies are read before they
     are relayed) and `security.max_body_bytes`."""
-    security = request.app[CONFIG].security
+    security = request.app[LIVE].current.security
     try:
         async with asyncio.timeout(security.body_read_timeout_seconds):
             return await request.read()
@@ -176,11 +180,13 @@ async def handle_mcp(request: web.Request) -> web.StreamResponse:
             request[ERA] = "modern"
             raise
         request[ERA] = "legacy"
+        request.app[DRAIN].check_legacy(request, None)
         return await request.app[PASSTHROUGH].relay(request, body)
     if not is_modern(request.headers, decoded):
         request[ERA] = "legacy"
         if isinstance(decoded, dict) and isinstance(decoded.get("method"), str):
             request[MCP_METHOD] = decoded["method"]
+        request.app[DRAIN].check_legacy(request, decoded)
         return await request.app[PASSTHROUGH].relay(request, body)
     request[ERA] = "modern"
     return await serve_modern(request, decoded)
@@ -197,7 +203,8 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
         raise InvalidRequestError("Invalid Request: a 2026-07-28 server sends no requests, so it takes no responses")
     request[MCP_METHOD] = message.method
     modern = validate_modern(request.headers, message.id, message.method, message.params)
-    config = request.app[CONFIG]
+    request.app[DRAIN].check_modern(modern)
+    config = request.app[LIVE].current
     principal = request.headers.get(config.security.principal_header) or None  # empty counts as none
     if principal is None and config.security.anonymous == "refuse":
         raise UnauthorizedError(
@@ -242,7 +249,9 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics.calls_parked.set_function(lambda: runner.parked)
     watchers = TaskWatchers(store)
     runner.spawn(watchers.run(), "task-feed")
-    app[FRONT] = Front(config, upstream, runner, watchers)
+    front = app[FRONT] = Front(config, upstream, runner, watchers)
+    app[DRAIN].open_calls = lambda: runner.open_calls
+    app[LIVE].subscribe(lambda new: follow_config(new, runner, front))
     legacy: StdioLegacyServer | None = None
     if isinstance(upstream.kind, StdioLink):  # a stdio server: the proxy serves legacy clients itself
         legacy = StdioLegacyServer(upstream.kind, upstream, config.upstream, config.security.principal_header)
@@ -269,6 +278,14 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         await relay_http.close()
 
 
+def follow_config(new: Config, runner: TaskRunner, front: Front) -> None:
+    """What the runner and the front keep of the config, swapped for a live reload: new calls decide with the
+    new policies and limits; a call in flight keeps the Decision it started with."""
+    runner.config, runner.inputs, runner.limits = new.tasks, new.inputs, new.limits
+    front.config = new
+    front.listens.limits = new.limits
+
+
 async def end_listen_streams(app: web.Application) -> None:
     """on_shutdown runs before aiohttp waits for handlers: listen streams end with their graceful result, and
     readiness turns 503 so no new traffic is routed here while synchronous calls finish."""
@@ -290,7 +307,9 @@ async def readyz(request: web.Request) -> web.Response:
     upstream answered recently (else a fresh `initialize` must succeed). 503 with the reasons otherwise."""
     app = request.app
     reasons: list[str] = []
-    if app[STOPPING]:
+    if app[DRAIN].draining:
+        reasons.append("draining")
+    elif app[STOPPING]:
         reasons.append("shutting down")
     else:
         try:
@@ -304,7 +323,7 @@ async def readyz(request: web.Request) -> web.Response:
         if lease is not None:
             reasons.append(f"lease: {lease}")
         try:
-            await app[UPSTREAM].probe(app[CONFIG].observability.readiness_max_age_seconds)
+            await app[UPSTREAM].probe(app[LIVE].current.observability.readiness_max_age_seconds)
         except UpstreamError as exc:
             reasons.append(f"upstream: {exc.message}")
     if reasons:
@@ -340,7 +359,10 @@ def ipaddress_is_loopback(host: str) -> bool:
         return False
 
 
-def create_app(config: Config) -> web.Application:
+def create_app(config: Config, live: LiveConfig | None = None) -> web.Application:
+    """The app for `config`; `live` is the holder reloads swap (a fresh one, with no file, when not given)."""
+    live = live if live is not None else LiveConfig(config)
+    drain = Drain(live, config.listen.path)
     if config.security.anonymous == "allow" and not ipaddress_is_loopback(config.listen.host):
         log.warning(
             "anonymous_callers_allowed",
@@ -351,16 +373,21 @@ def create_app(config: Config) -> web.Application:
         )
     app = web.Application(
         client_max_size=config.security.max_body_bytes,
-        middlewares=[error_edge, admission],
+        middlewares=[error_edge, track(drain), admission],
     )
     app[CONFIG] = config
+    app[LIVE] = live
+    app[DRAIN] = drain
     app[STOPPING] = []
     app.cleanup_ctx.append(upstream_ctx)
     app.on_shutdown.append(end_listen_streams)
     app.router.add_route("*", config.listen.path, handle_mcp)
     app.router.add_get(HEALTHZ, healthz)
     app.router.add_get(READYZ, readyz)
+    app.router.add_get(DRAINZ, drainz)
     if config.observability.metrics:
-        app[METRICS] = Metrics(named_tools(config.tasks))
+        metrics = app[METRICS] = Metrics(named_tools(config.tasks))
+        drain.register_metrics(metrics.registry)
+        live.register_metrics(metrics.registry)
         app.router.add_get(METRICS_PATH, metrics_endpoint)
     return app

@@ -136,23 +136,21 @@ def _report(error: ConfigError) -> int:
     return EXIT_CONFIG_ERROR
 
 
-def serve(config: Config) -> None:
-    from aiohttp import web
+def serve(config: Config, path: str | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> None:
+    """Run until SIGTERM's drain ends (`proxy/drain.py`); SIGHUP or a change of `path` reloads the config with
+    the same flags (`proxy/live_config.py`)."""
+    import asyncio
 
     from proxy.app import create_app
+    from proxy.drain import serve as serve_app
+    from proxy.live_config import LiveConfig
     from proxy.observability import configure_logging
 
     configure_logging(config.logging)
-    web.run_app(
-        create_app(config),
-        host=config.listen.host,
-        port=config.listen.port,
-        print=lambda message: print(message, file=sys.stderr, flush=True),
-        access_log=None,
-        handler_cancellation=True,  # A client that closes its stream cancels its request (2026-07-28 cancellation).
-        # SIGTERM: stop accepting, give running handlers this long, then cancel them; cleanup closes the store.
-        shutdown_timeout=config.listen.shutdown_grace_seconds,
-    )
+    live = LiveConfig(config, path, overrides)
+    live.subscribe(lambda new: configure_logging(new.logging))
+    app = create_app(config, live)
+    asyncio.run(serve_app(app, config.listen.host, config.listen.port, config.listen.shutdown_grace_seconds))
 
 
 def _database(args: argparse.Namespace) -> str:
@@ -253,11 +251,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "tasks":
         return tasks_command(args)
+    overrides = flag_overrides(args)
     try:
-        config = load_config(args.config, overrides=flag_overrides(args))
+        config = load_config(args.config, overrides=overrides)
     except ConfigError as error:
         return _report(error)
-    serve(config)
+    serve(config, args.config, overrides)
     return 0
 
 

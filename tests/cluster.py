@@ -23,6 +23,7 @@ from tests import pg
 from tests.conftest import Client, ModernSchema, ProxyProcess, SchemaValidator, Tasks, Upstream
 
 START_SECONDS = 30.0
+DRAIN_SECONDS = 1.0  # a stopped replica drains this long at most (the drain tests choose their own)
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
@@ -37,7 +38,16 @@ def ready(port: int) -> bool:
 class Replica:
     """One pod: a proxy process and its own upstream."""
 
-    def __init__(self, workdir: Path, dsn: str, key: Path, lease_seconds: float, tools: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        dsn: str,
+        key: Path,
+        lease_seconds: float,
+        tools: dict[str, Any],
+        *,
+        drain_seconds: float = DRAIN_SECONDS,
+    ) -> None:
         self.upstream = Upstream()
         self.upstream.start()
         self.proxy = ProxyProcess(
@@ -46,7 +56,7 @@ class Replica:
             store={"url": pg.as_url(dsn), "lease_seconds": lease_seconds},
             inputs={"secret_file": str(key)},
             upstream={"call_timeout_seconds": 120},
-            tasks={"tools": tools},
+            tasks={"tools": tools, "drain_seconds": drain_seconds},
         )
         self.start()
 
@@ -81,7 +91,16 @@ class Replica:
 
 
 class Cluster:
-    def __init__(self, workdir: Path, dsn: str, count: int, lease_seconds: float, tools: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        dsn: str,
+        count: int,
+        lease_seconds: float,
+        tools: dict[str, Any],
+        *,
+        drain_seconds: float = DRAIN_SECONDS,
+    ) -> None:
         self.dsn = dsn
         self.lease_seconds = lease_seconds
         key = workdir / "request-state.key"
@@ -89,7 +108,7 @@ class Cluster:
         self.replicas: list[Replica] = []
         try:
             for _ in range(count):
-                self.replicas.append(Replica(workdir, dsn, key, lease_seconds, tools))
+                self.replicas.append(Replica(workdir, dsn, key, lease_seconds, tools, drain_seconds=drain_seconds))
         except BaseException:
             self.stop()
             raise

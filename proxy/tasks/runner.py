@@ -517,5 +517,10 @@ class TaskRunner(TaskRecords, ReplicaCalls):
         return len(self._running)
 
     @property
+    def open_calls(self) -> int:
+        """Calls not finished yet (tasks, synchronous calls, parked MRTR rounds): what a drain waits for."""
+        return len(self._calls)
+
+    @property
     def parked(self) -> int:
         return len(self._parked)
