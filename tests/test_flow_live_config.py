@@ -193,7 +193,7 @@ async def test_refused_reloads_keep_the_running_config(
     fixed = yaml.safe_dump({**good, "store": {**good["store"], "path": str(tmp_path / "other.db")}})
     fixed = fixed.replace("mode: forbidden", "mode: required")
     assert "mode: required" in fixed
-    bad: list[tuple[str, Callable[[], None]]] = [
+    bad: list[tuple[str, Callable[[], object]]] = [
         ("invalid", lambda: replace_file(proxy.config, "tasks: [unclosed\n")),
         ("invalid", lambda: replace_file(proxy.config, yaml.safe_dump({**good, "tasks": {"max_running": -1}}))),
         ("fixed_key", lambda: replace_file(proxy.config, fixed)),
