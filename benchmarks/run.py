@@ -648,7 +648,7 @@ def print_table(rows: list[Row]) -> None:
         print(f"{row.name.ljust(width)}  {met:<4} {row.figure}   [{row.target}]")
 
 
-GROUPS = ("sdk", "lean", "replicas", "scale", "store")
+GROUPS = ("sdk", "lean", "replicas", "scale", "store", "deploy")
 
 
 async def run(quick: bool, groups: tuple[str, ...] = GROUPS) -> list[Row]:
@@ -680,6 +680,10 @@ async def run(quick: bool, groups: tuple[str, ...] = GROUPS) -> list[Row]:
         from benchmarks.replicas import replica_rows  # it imports this module
 
         rows += await replica_rows(start_upstream, workdir, quick)
+    if "deploy" in groups:
+        from benchmarks.deploy import deploy_rows  # it imports this module
+
+        rows += await deploy_rows(workdir, quick)
     if "scale" in groups or "store" in groups:
         upstream = await start_upstream()  # an upstream of its own, without the earlier rows' leftovers
         try:

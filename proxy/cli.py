@@ -140,6 +140,7 @@ def serve(config: Config, path: str | None = None, overrides: dict[str, dict[str
     """Run until SIGTERM's drain ends (`proxy/drain.py`); SIGHUP or a change of `path` reloads the config with
     the same flags (`proxy/live_config.py`)."""
     import asyncio
+    import gc
 
     from proxy.app import create_app
     from proxy.drain import serve as serve_app
@@ -151,6 +152,9 @@ def serve(config: Config, path: str | None = None, overrides: dict[str, dict[str
     live.subscribe(lambda new: configure_logging(new.logging))
     app = create_app(config, live)
     asyncio.run(serve_app(app, config.listen.host, config.listen.port, config.listen.shutdown_grace_seconds))
+    # Everything is closed: the interpreter's last collections need not walk every object the imports made
+    # (about 0.3 s of CPU, most of an idle stop).
+    gc.freeze()
 
 
 def _database(args: argparse.Namespace) -> str:

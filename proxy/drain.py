@@ -29,6 +29,9 @@ from proxy.wire.envelope import ModernRequest
 log = structlog.get_logger(__name__)
 
 CHECK_SECONDS: Final = 0.05  # how often a drain looks whether anything of its own still runs
+# Connections accepted just before the listener closed get this long for their request to arrive, so it is
+# answered (a new call with 503 and Retry-After) rather than cut as an idle connection.
+SETTLE_SECONDS: Final = 0.1
 DRAINZ_MARGIN_SECONDS: Final = 5.0  # /drainz waits this much past the drain (SIGTERM may reach it later)
 NEW_WORK: Final = frozenset({"tools/call", "prompts/get", "resources/read"})  # without requestState: a new call
 STREAMS: Final = frozenset({"subscriptions/listen"})  # long-lived: a drain does not wait for them
@@ -187,5 +190,7 @@ async def serve(app: web.Application, host: str, port: int, shutdown_seconds: fl
             watcher.cancel()
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(signum)
+        await site.stop()  # no new connections: a balancer that still sends here gets a refusal it may retry
+        await asyncio.sleep(SETTLE_SECONDS)
     finally:
         await runner.cleanup()
