@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.cli import main
-from tests.conftest import TASKS, ProxyProcess, Upstream, modern_body, modern_headers, parse_sse
+from tests.conftest import ROOT, TASKS, ProxyProcess, Upstream, modern_body, modern_headers, parse_sse
 
 DECLARING: dict[str, Any] = {"extensions": {TASKS: {}}}
 ELICIT: dict[str, Any] = {"elicitation": {}}
@@ -254,3 +255,34 @@ async def test_a_second_sigterm_ends_the_drain_at_once(
     assert await exited(proxy) == 0
     assert time.monotonic() - started < 15
     assert any(event["event"] == "drain_cut_short" for event in proxy.events())
+
+
+async def test_a_stdio_server_outlives_the_drain_and_is_stopped_after_it(
+    tmp_path: Path,
+    processes: list[ProxyProcess],
+    http: aiohttp.ClientSession,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    command = [sys.executable, "-m", "tests.upstream", "--stdio"]
+    stdio = {"url": None, "command": command, "cwd": str(ROOT), "connect_timeout_seconds": 20}
+    proxy = ProxyProcess(tmp_path, "", upstream=stdio, tasks={"tools": TOOLS, "drain_seconds": 30})
+    processes.append(proxy)
+    await proxy.start()
+    assert proxy.process is not None
+    _, _, created = await post(
+        http, proxy.url, "tools/call", {"name": "sleep", "arguments": {"seconds": 2}}, capabilities=DECLARING
+    )
+    task_id = created["result"]["taskId"]
+    sync_call = asyncio.get_running_loop().create_task(
+        post(http, proxy.url, "tools/call", {"name": "sleep", "arguments": {"seconds": 2}})
+    )
+    await until(lambda: metric(http, proxy.url.removesuffix("/mcp"), "mcp_tasks_proxy_drain_calls_left"), "calls")
+    os.kill(proxy.process.pid, signal.SIGTERM)
+    status, _, answer = await sync_call
+    assert status == 200
+    assert answer["result"]["content"][0]["text"] == "slept 2"  # the server process still ran it
+    assert await exited(proxy) == 0
+    events = proxy.events()
+    names = [event["event"] for event in events]
+    assert names.index("drain_finished") < names.index("upstream_process_exited")
+    assert await stored_status(tmp_path / "ops.db", task_id, capsys) == "completed"
