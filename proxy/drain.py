@@ -59,8 +59,8 @@ class Drain:
         ).set_function(lambda: 1.0 if self.draining else 0.0)
         Gauge(
             "mcp_tasks_proxy_drain_calls_left",
-            "What a drain waits for: open calls (tasks, synchronous calls, parked MRTR rounds) and requests in "
-            "flight that are not listen or legacy GET streams",
+            "What a drain waits for: open calls (tasks, synchronous calls, parked MRTR rounds) plus requests in "
+            "flight that are not listen or legacy GET streams (a synchronous call counts in both)",
             registry=registry,
         ).set_function(self.left)
 
