@@ -173,24 +173,25 @@ async def serve(app: web.Application, host: str, port: int, shutdown_seconds: fl
         handler_cancellation=True,  # A client that closes its stream cancels its request (2026-07-28 cancellation).
         shutdown_timeout=shutdown_seconds,
     )
-    await runner.setup()
     drain = app[DRAIN]
     loop = asyncio.get_running_loop()
+    # From the start: a SIGTERM during start-up (store, recovery) is a drain with nothing to wait for.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, drain.begin, signum)
+    loop.add_signal_handler(signal.SIGHUP, drain.live.reload, "sighup")
+    watcher = loop.create_task(drain.live.watch(), name="config-watch")
     try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        print(f"======== Running on {site.name} ========", file=sys.stderr, flush=True)
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, drain.begin, signum)
-        loop.add_signal_handler(signal.SIGHUP, drain.live.reload, "sighup")
-        watcher = loop.create_task(drain.live.watch(), name="config-watch")
+        await runner.setup()
         try:
+            site = web.TCPSite(runner, host, port)
+            await site.start()
+            print(f"======== Running on {site.name} ========", file=sys.stderr, flush=True)
             await drain.stopped.wait()
+            await site.stop()  # no new connections: a balancer that still sends here gets a refusal it may retry
+            await asyncio.sleep(SETTLE_SECONDS)
         finally:
-            watcher.cancel()
-            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(signum)
-        await site.stop()  # no new connections: a balancer that still sends here gets a refusal it may retry
-        await asyncio.sleep(SETTLE_SECONDS)
+            await runner.cleanup()
     finally:
-        await runner.cleanup()
+        watcher.cancel()
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(signum)

@@ -143,7 +143,11 @@ async def test_a_draining_replica_serves_what_it_holds_refuses_new_calls_and_exi
     init_status, init_headers, _ = await legacy(http, proxy.url, "initialize", None)
     assert init_status == 200
     legacy_session = init_headers["Mcp-Session-Id"]
-    await until(lambda: metric(http, base, "mcp_tasks_proxy_drain_calls_left"), "the sync call runs")
+
+    async def all_running() -> bool:  # two tasks and the parked round, plus the sync call as a call and a request
+        return await metric(http, base, "mcp_tasks_proxy_drain_calls_left") >= 5
+
+    await until(all_running, "the sync call runs")
 
     sent = time.monotonic()
     os.kill(proxy.process.pid, signal.SIGTERM)
@@ -276,7 +280,11 @@ async def test_a_stdio_server_outlives_the_drain_and_is_stopped_after_it(
     sync_call = asyncio.get_running_loop().create_task(
         post(http, proxy.url, "tools/call", {"name": "sleep", "arguments": {"seconds": 2}})
     )
-    await until(lambda: metric(http, proxy.url.removesuffix("/mcp"), "mcp_tasks_proxy_drain_calls_left"), "calls")
+
+    async def both_running() -> bool:  # the task, plus the sync call as a call and a request
+        return await metric(http, proxy.url.removesuffix("/mcp"), "mcp_tasks_proxy_drain_calls_left") >= 3
+
+    await until(both_running, "the task and the sync call run")
     os.kill(proxy.process.pid, signal.SIGTERM)
     status, _, answer = await sync_call
     assert status == 200
