@@ -111,6 +111,11 @@ async def test_sighup_applies_a_new_policy_to_new_calls_while_a_call_in_flight_k
     (old_hash,) = [labels for (name, labels) in before if name == "mcp_tasks_proxy_config_info"]
     in_flight = asyncio.get_running_loop().create_task(sleep_call(http, proxy.url, 2))
 
+    async def started() -> bool:  # its call exists: its policy was decided under the old config
+        return (await metrics(http, proxy))[("mcp_tasks_proxy_drain_calls_left", "")] >= 2
+
+    await until(started, "the call in flight started")
+
     # An edit the file watcher cannot see (same inode, size and mtime): only SIGHUP reloads it.
     stat = proxy.config.stat()
     text = proxy.config.read_text()
