@@ -6,22 +6,37 @@
 # MCP_TASKS_PROXY_<SECTION>__<FIELD> environment variables, or mount another file over
 # /etc/mcp-tasks-proxy/proxy.yaml. Keep the task database on a volume at /var/lib/mcp-tasks-proxy.
 
+# BASE: the Debian-based image with Python >= 3.11 both stages start from (the venv links to its interpreter,
+# so the two must be the same). `make image-test` builds it locally with mmdebstrap (Debian bookworm plus
+# python3, python3-venv and passwd) because no container registry is reachable there.
+ARG BASE=python:3.12-slim
+
 # --- build: a self-contained virtual environment with the proxy and its dependencies ---------------------
-FROM python:3.12-slim AS build
+FROM ${BASE} AS build
+
+# WHEELS: empty (the default) installs the proxy and its dependencies from the package index, over the
+# build's network. A directory of the build context instead (e.g. WHEELS=wheels, filled on the build host
+# with `pip wheel . --wheel-dir wheels`) installs only from the wheels there, with no network at all: this
+# is how `make image-test` builds where the index is reached only through TLS the image does not trust.
+# The wheels must suit BASE's Python; they are mounted for the one RUN, never copied into an image
+# (RUN --mount: BuildKit, Docker's default builder since 23.0, or podman/buildah).
+ARG WHEELS=
 
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 
-RUN python -m venv /opt/venv
+RUN python3 -m venv /opt/venv
 
 WORKDIR /src
 # Only what the wheel is built from: the package metadata, the readme it embeds, and the package itself.
 COPY pyproject.toml README.md ./
 COPY proxy/ ./proxy/
-RUN /opt/venv/bin/pip install --no-cache-dir .
+RUN --mount=type=bind,target=/context \
+    if [ -z "$WHEELS" ]; then /opt/venv/bin/pip install --no-cache-dir . ; \
+    else /opt/venv/bin/pip install --no-cache-dir --no-index --find-links "/context/$WHEELS" mcp-tasks-proxy ; fi
 
 # --- runtime: the venv on a clean base, run as an unprivileged user ---------------------------------------
-FROM python:3.12-slim
+FROM ${BASE}
 
 LABEL org.opencontainers.image.title="mcp-tasks-proxy" \
       org.opencontainers.image.description="Sidecar reverse proxy that serves a legacy MCP server as an MCP 2026-07-28 server with durable tasks." \

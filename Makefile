@@ -10,7 +10,7 @@ SUITE := conformance/node_modules/@modelcontextprotocol/conformance/dist/index.j
 UPSTREAM_PORT ?= 9000
 PORT ?= 8080
 
-.PHONY: install run test unit conformance bench check lint typecheck format clean docker
+.PHONY: install run test unit conformance bench check lint typecheck format clean docker image-test
 
 install: $(STAMP)
 
@@ -59,7 +59,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) conformance/node_modules conformance/out .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) conformance/node_modules conformance/out .mypy_cache .ruff_cache .pytest_cache image/wheels build/image
 
 ## docker: the container image, tagged mcp-tasks-proxy:<version from pyproject.toml> and :latest
 VERSION = $(shell sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml)
@@ -68,3 +68,11 @@ docker:
 	@command -v docker >/dev/null 2>&1 || { echo "make docker: the docker CLI is not installed (see https://docs.docker.com/get-docker/)" >&2; exit 1; }
 	@test -n "$(VERSION)" || { echo "make docker: no version = \"...\" line found in pyproject.toml" >&2; exit 1; }
 	docker build -t mcp-tasks-proxy:$(VERSION) -t mcp-tasks-proxy:latest .
+
+## image-test: build the Dockerfile with podman and run the image for real (slow: not part of `make test`).
+## Installs podman, runc and mmdebstrap from Debian when missing, makes the base image locally (no registry),
+## builds the proxy's wheels on the host, then smoke-tests the image; prints the build time, image size,
+## time to ready and idle RSS. REBUILD_BASE=1 makes the base image again.
+image-test: $(STAMP)
+	PYTHON=$(abspath $(BIN)/python) image/build.sh
+	$(BIN)/python -m tests.image_smoke

@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.run import MODERN_VERSION, TASKS, Process, Row, start_proxy, start_upstream
+from benchmarks.harness import MODERN_VERSION, TASKS, Process, Row, start_proxy, start_upstream
 from tests import pg
 
 LEASE_SECONDS = 5.0

@@ -18,8 +18,7 @@ from typing import Any
 
 import psycopg
 
-from benchmarks.loadgen import HttpClient
-from benchmarks.run import (
+from benchmarks.harness import (
     ModernClient,
     Process,
     Row,
@@ -28,6 +27,7 @@ from benchmarks.run import (
     push_row,
     start_proxy,
 )
+from benchmarks.loadgen import HttpClient
 from tests import pg
 
 LEASE_SECONDS = 5.0

@@ -7,7 +7,7 @@
 3. Runs the same gates again against a second proxy in front of the same fixture as a stdio server
    (`serve -- python -m tests.upstream --stdio`): the proxy serves legacy clients itself there.
 4. Runs the `tasks-*` and `input-required-result-*` scenarios once more, each on its own, through a
-   round-robin balancer (`tests/balancer.py`: every request to the next replica, no stickiness) in front of
+   round-robin balancer (`tests/support/balancer.py`: every request to the next replica, no stickiness) in front of
    two proxy replicas on one PostgreSQL database, each with its own HTTP upstream. PostgreSQL is the server
    named by MCP_TASKS_PROXY_TEST_PG, else a throwaway one (`tests/pg.py`).
 5. Fails when a gated scenario has a failing check not listed in `baseline.yaml` (for that kind of upstream),
@@ -137,7 +137,7 @@ def start_proxy(
 
 def start_balancer(backends: list[str], log: Path) -> tuple[subprocess.Popen[str], str]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "tests.balancer", "--port", "0", *backends],
+        [sys.executable, "-m", "tests.support.balancer", "--port", "0", *backends],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=log.open("w"),

@@ -47,6 +47,7 @@ from proxy.errors import (
     UpstreamError,
 )
 from proxy.front import Front
+from proxy.legacy import LegacyFront
 from proxy.live_config import LiveConfig
 from proxy.observability import Metrics
 from proxy.policy import named_tools
@@ -54,12 +55,8 @@ from proxy.principals import Principals, deployment_key
 from proxy.tasks.push import TaskWatchers
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import StoreError, TaskStore, open_store
-from proxy.upstream.kinds import SessionKind
-from proxy.upstream.passthrough import LegacyRelay, PassThrough
-from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.session import UpstreamLink
-from proxy.upstream.stdio_legacy import StdioLegacyServer
-from proxy.upstream.stdio_link import StdioLink
+from proxy.upstream.kinds import session_kind
+from proxy.upstream.pool import SessionPool
 from proxy.wire import jsonrpc
 from proxy.wire.envelope import Caller, is_modern, validate_modern
 from proxy.wire.jsonrpc import Notification, Response
@@ -69,8 +66,8 @@ log = structlog.get_logger(__name__)
 CONFIG: Final = web.AppKey("config", Config)  # as started: what a reload cannot change is read here
 LIVE: Final = web.AppKey("live", LiveConfig)  # the config in force: what may change live is read through it
 FRONT: Final = web.AppKey("front", Front)
-PASSTHROUGH: Final = web.AppKey("passthrough", LegacyRelay)
-UPSTREAM: Final = web.AppKey("upstream", UpstreamClient)
+PASSTHROUGH: Final = web.AppKey("passthrough", LegacyFront)
+UPSTREAM: Final = web.AppKey("upstream", SessionPool)
 STORE: Final = web.AppKey("store", TaskStore)
 RUNNER: Final = web.AppKey("runner", TaskRunner)
 STOPPING: Final = web.AppKey("stopping", list[bool])
@@ -220,27 +217,14 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
 # --- lifecycle ---------------------------------------------------------------------------------------
 
 
-def upstream_kind(config: Config, http: aiohttp.ClientSession, metrics: Metrics | None) -> SessionKind:
-    """Stdio server processes the proxy runs when `upstream.command` is set, else Streamable HTTP sessions."""
-    if config.upstream.command:
-        return StdioLink(config.upstream, metrics, max_result_bytes=config.limits.max_result_bytes)
-    return UpstreamLink(
-        config.upstream, http, config.security.principal_header, metrics, config.limits.max_result_bytes
-    )
-
-
 async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     # The store first: a database in use by another process stops the start before anything else is opened.
     store = await open_store(config.store, max_records=config.tasks.max_records)
     app[STORE] = store
-    connector = aiohttp.TCPConnector(limit=0)
-    http = aiohttp.ClientSession(connector=connector, auto_decompress=True)
-    relay_http = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), auto_decompress=False, skip_auto_headers=("User-Agent",)
-    )
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
     metrics = app.get(METRICS)
-    upstream = UpstreamClient(upstream_kind(config, http, metrics))
+    upstream = SessionPool(session_kind(config, http, metrics))
     app[UPSTREAM] = upstream
     runner = TaskRunner(config, store, upstream, Principals(deployment_key(config)), metrics=metrics)
     app[RUNNER] = runner
@@ -252,18 +236,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     front = app[FRONT] = Front(config, upstream, runner, watchers)
     app[DRAIN].open_calls = lambda: runner.open_calls
     app[LIVE].subscribe(lambda new: follow_config(new, runner, front))
-    legacy: StdioLegacyServer | None = None
-    if isinstance(upstream.kind, StdioLink):  # a stdio server: the proxy serves legacy clients itself
-        legacy = StdioLegacyServer(upstream.kind, upstream, config.upstream, config.security.principal_header)
-        app[PASSTHROUGH] = legacy
-    else:
-        app[PASSTHROUGH] = PassThrough(
-            config.upstream.url,
-            relay_http,
-            config.upstream.headers,
-            config.upstream.connect_timeout_seconds,
-            config.upstream.call_timeout_seconds,
-        )
+    legacy = app[PASSTHROUGH] = upstream.legacy_front()  # relayed, or served by the proxy (the kind decides)
     try:
         await runner.start()  # restart recovery happens before the first request is served
         upstream.warm_up()
@@ -271,17 +244,15 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     finally:
         await runner.close()
         await store.close()
-        if legacy is not None:
-            await legacy.close()
+        await legacy.close()
         await upstream.close()
         await http.close()
-        await relay_http.close()
 
 
 def follow_config(new: Config, runner: TaskRunner, front: Front) -> None:
     """What the runner and the front keep of the config, swapped for a live reload: new calls decide with the
     new policies and limits; a call in flight keeps the Decision it started with."""
-    runner.config, runner.inputs, runner.limits = new.tasks, new.inputs, new.limits
+    runner.follow(new)
     front.config = new
     front.listens.limits = new.limits
 

@@ -31,7 +31,7 @@ class _VersionAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, help="show the version and exit", **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
-        from proxy.upstream.kinds import PROXY_VERSION
+        from proxy.upstream.session import PROXY_VERSION
 
         print(f"{parser.prog} {PROXY_VERSION}")  # on stdout, as argparse's own version action does
         parser.exit()

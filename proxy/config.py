@@ -1,8 +1,10 @@
 """Configuration: frozen pydantic models, loaded from one YAML file plus environment overrides.
 
-Owns the shape of the config file and its validation; every field has a default and a description
-(the README's configuration reference is checked against these descriptions by a test).
-Imports nothing from the rest of the proxy.
+Owns the shape of the config file and its validation: a pure description (the files it names are read by
+`keyfiles.py`, which `load_config` asks). Every field has a default and a description (the README's
+configuration reference is checked against these descriptions by a test). The upstream is a union of two
+kinds, told apart by which of `url` and `command` is set; only upstream/ looks at which. Imports only
+`keyfiles` from the rest of the proxy.
 """
 
 from __future__ import annotations
@@ -10,15 +12,26 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 from urllib.parse import parse_qs, urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
+from proxy import keyfiles
+
 ENV_PREFIX = "MCP_TASKS_PROXY_"
-MIN_SECRET_BYTES = 32  # the key that signs MRTR requestState (inputs.secret_file)
 
 
 class _Frozen(BaseModel):
@@ -54,18 +67,59 @@ class ListenConfig(_Frozen):
         return value
 
 
-class UpstreamConfig(_Frozen):
-    """The legacy server: over Streamable HTTP (`url`) or as a stdio program the proxy runs (`command`).
+class _UpstreamCommon(_Frozen):
+    connect_timeout_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="Time allowed to open a TCP connection to the upstream before it counts as down. With "
+        "`command`: how long a new server process has to answer `initialize`, and how long a request waits for a "
+        "process when `max_processes` are busy.",
+    )
+    call_timeout_seconds: float = Field(
+        3600.0,
+        gt=0,
+        description="Longest time one upstream request may run; bounds a hung upstream call.",
+    )
+    protocol_version: Literal["2025-11-25", "2025-06-18", "2025-03-26"] = Field(
+        "2025-11-25",
+        description="Protocol version the proxy offers in its own upstream `initialize` (the upstream may answer "
+        "with an older one, which is then used).",
+    )
 
-    Exactly one of the two is set; an empty value (or null) means not set."""
+
+class HttpUpstreamConfig(_UpstreamCommon):
+    """A legacy server over Streamable HTTP (`url`)."""
 
     url: str = Field(
-        "",
         description="Streamable HTTP endpoint of the legacy MCP server (2025-06-18 or 2025-11-25). Exactly one of "
         "`url` and `command` is set; empty: not set.",
     )
+    headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra headers sent on every upstream request (e.g. a static API key the upstream needs); "
+        "they replace a client's header of the same name.",
+    )
+    max_sessions: int = Field(
+        64,
+        gt=0,
+        description="With `url`: idle upstream sessions kept for reuse: each caller's shared session, and the "
+        "sessions lent to calls whose clients can answer questions. Beyond this the least recently used idle "
+        "session is ended with DELETE. Sessions in use are bounded by the call limits instead.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url_is_http(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return value
+
+
+class StdioUpstreamConfig(_UpstreamCommon):
+    """A legacy server that speaks stdio, run by the proxy (`command`)."""
+
     command: list[Annotated[str, Field(min_length=1)]] = Field(
-        default_factory=list,
+        min_length=1,
         description="Instead of `url`: the argv of a legacy MCP server that speaks stdio (e.g. `[uvx, "
         "mcp-server-fetch]`), started and supervised by the proxy. Empty: not set.",
     )
@@ -102,61 +156,42 @@ class UpstreamConfig(_Frozen):
         description="With `command`: stopping a server closes its stdin and waits this long, then sends SIGTERM "
         "(to its whole process group) and waits as long again, then sends SIGKILL.",
     )
-    headers: dict[str, str] = Field(
-        default_factory=dict,
-        description="Extra headers sent on every upstream request (e.g. a static API key the upstream needs); "
-        "they replace a client's header of the same name.",
-    )
-    connect_timeout_seconds: float = Field(
-        5.0,
-        gt=0,
-        description="Time allowed to open a TCP connection to the upstream before it counts as down. With "
-        "`command`: how long a new server process has to answer `initialize`, and how long a request waits for a "
-        "process when `max_processes` are busy.",
-    )
-    call_timeout_seconds: float = Field(
-        3600.0,
-        gt=0,
-        description="Longest time one upstream request may run; bounds a hung upstream call.",
-    )
-    max_sessions: int = Field(
-        64,
-        gt=0,
-        description="With `url`: idle upstream sessions kept for reuse: each caller's shared session, and the "
-        "sessions lent to calls whose clients can answer questions. Beyond this the least recently used idle "
-        "session is ended with DELETE. Sessions in use are bounded by the call limits instead.",
-    )
-    protocol_version: Literal["2025-11-25", "2025-06-18", "2025-03-26"] = Field(
-        "2025-11-25",
-        description="Protocol version the proxy offers in its own upstream `initialize` (the upstream may answer "
-        "with an older one, which is then used).",
-    )
 
-    @field_validator("url", "command", mode="before")
-    @classmethod
-    def _null_is_unset(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is None:
-            return "" if info.field_name == "url" else []
+
+# The upstream section of the file is flat: which of `url` and `command` is set says the kind, and the settings
+# of the other kind (the example file shows them all) are left out.
+_UPSTREAM_KINDS: Final[dict[str, type[_UpstreamCommon]]] = {"http": HttpUpstreamConfig, "stdio": StdioUpstreamConfig}
+
+
+def _upstream_kind(value: Any) -> str | None:
+    if isinstance(value, _UpstreamCommon):
+        return "stdio" if isinstance(value, StdioUpstreamConfig) else "http"
+    if not isinstance(value, Mapping):
+        return None
+    return "stdio" if value.get("command") else "http" if value.get("url") else None
+
+
+def _one_kind(value: Any) -> Any:
+    """Exactly one of `url` and `command` is set (empty or null: not set); the fields of the other kind go."""
+    if not isinstance(value, Mapping):
         return value
+    url, command = value.get("url"), value.get("command")
+    if bool(url) == bool(command):
+        raise PydanticCustomError(
+            "upstream_kind",
+            "set exactly one of upstream.url (a Streamable HTTP server) and upstream.command (a stdio server); {which}",
+            {"which": "both are set" if url else "neither is set"},
+        )
+    kind = _UPSTREAM_KINDS[_upstream_kind(value) or "http"]
+    foreign = set().union(*(model.model_fields for model in _UPSTREAM_KINDS.values())) - set(kind.model_fields)
+    return {key: item for key, item in value.items() if key not in foreign}
 
-    @field_validator("url")
-    @classmethod
-    def _url_is_http(cls, value: str) -> str:
-        if value and not value.startswith(("http://", "https://")):
-            raise ValueError("must be an http:// or https:// URL")
-        return value
 
-    @model_validator(mode="after")
-    def _one_kind(self) -> UpstreamConfig:
-        if bool(self.url) == bool(self.command):
-            which = "both are set" if self.url else "neither is set"
-            raise PydanticCustomError(
-                "upstream_kind",
-                "set exactly one of upstream.url (a Streamable HTTP server) and upstream.command (a stdio "
-                "server); {which}",
-                {"which": which},
-            )
-        return self
+UpstreamConfig = Annotated[
+    Annotated[HttpUpstreamConfig, Tag("http")] | Annotated[StdioUpstreamConfig, Tag("stdio")],
+    Discriminator(_upstream_kind),
+    BeforeValidator(_one_kind),
+]
 
 
 class SecurityConfig(_Frozen):
@@ -204,13 +239,6 @@ class SecurityConfig(_Frozen):
         "408 and its connection is closed, so a client that announces a large body and trickles it (or sends "
         "none) cannot hold a connection. 30 s takes `max_body_bytes` of 4 MiB at 140 KB/s.",
     )
-
-    @field_validator("key_file")
-    @classmethod
-    def _key_is_usable(cls, value: str | None) -> str | None:
-        if value is not None:
-            read_secret(value)
-        return value
 
     @field_validator("allowed_hosts")
     @classmethod
@@ -298,30 +326,11 @@ class StoreConfig(_Frozen):
             )
         return value
 
-    @field_validator("password_file")
-    @classmethod
-    def _password_is_readable(cls, value: str | None) -> str | None:
-        """Checked when the config is loaded (also by `check-config`), so a missing mount fails at start."""
-        if value is not None:
-            read_password(value)
-        return value
-
     @model_validator(mode="after")
     def _password_needs_url(self) -> StoreConfig:
         if self.password_file is not None and self.url is None:
             raise ValueError("store.password_file is only used with store.url (PostgreSQL)")
         return self
-
-
-def read_password(path: str) -> str:
-    """The password in a file, without its line ending; ValueError if unreadable or empty."""
-    try:
-        password = Path(path).read_text(encoding="utf-8").rstrip("\r\n")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    if not password:
-        raise ValueError(f"{path} is empty")
-    return password
 
 
 TaskMode = Literal["forbidden", "optional", "required"]
@@ -441,25 +450,6 @@ class InputsConfig(_Frozen):
         "Unset: a random key per process, so a state is only valid on the process that issued it.",
     )
 
-    @field_validator("secret_file")
-    @classmethod
-    def _secret_is_usable(cls, value: str | None) -> str | None:
-        """Checked when the config is loaded (also by `check-config`), so a missing mount fails at start."""
-        if value is not None:
-            read_secret(value)
-        return value
-
-
-def read_secret(path: str) -> bytes:
-    """The bytes of a key file, surrounding whitespace removed; ValueError if unreadable or too short."""
-    try:
-        secret = Path(path).read_bytes().strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"{path} holds {len(secret)} bytes; at least {MIN_SECRET_BYTES} needed")
-    return secret
-
 
 class ObservabilityConfig(_Frozen):
     metrics: bool = Field(
@@ -500,6 +490,15 @@ class LimitsConfig(_Frozen):
         description="How long an answer may wait for a client that does not read it; then the connection is closed "
         "and its buffers are freed.",
     )
+    legacy_replay_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=0,
+        description="With a stdio upstream: per legacy (2025-11-25) client session, the bytes of SSE events kept "
+        "so that a client whose stream broke resumes it with `Last-Event-ID` (oldest dropped first). The default "
+        "equals the default `max_result_bytes`, so the largest answer the proxy passes can be replayed whole; in "
+        "all at most `upstream.max_processes` times this, held only by sessions that sent that much. 0: no "
+        "event ids, priming events or resumption, and an answer with nothing before it comes as plain JSON.",
+    )
     max_listen_streams: int = Field(
         256, gt=0, description="`subscriptions/listen` streams open at once; one more gets HTTP 503 (`data.limit`)."
     )
@@ -527,7 +526,10 @@ class Config(_Frozen):
     listen: ListenConfig = Field(default_factory=ListenConfig, description="Where the proxy listens.")
     # Validated even when the section is missing, so that "neither url nor command" is reported with its path.
     upstream: UpstreamConfig = Field(
-        default_factory=lambda: {}, validate_default=True, description="The legacy MCP server."
+        default_factory=lambda: {},
+        validate_default=True,
+        description="The legacy MCP server: over Streamable HTTP (`url`) or a stdio program the proxy runs "
+        "(`command`); exactly one of the two is set.",
     )
     security: SecurityConfig = Field(default_factory=SecurityConfig, description="Request admission.")
     discovery: DiscoveryConfig = Field(
@@ -612,7 +614,10 @@ def _merge(base: dict[str, Any], overrides: Mapping[str, Mapping[str, Any]]) -> 
 def _format_errors(exc: ValidationError) -> list[str]:
     problems = []
     for error in exc.errors():
-        path = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        loc = error["loc"]
+        if loc[:1] == ("upstream",) and len(loc) > 1 and loc[1] in _UPSTREAM_KINDS:
+            loc = loc[:1] + loc[2:]  # the kind is not a level of the file
+        path = ".".join(str(part) for part in loc) or "(top level)"
         problems.append(f"{path}: {error['msg']}")
     return problems
 
@@ -659,7 +664,13 @@ def parse_config(
     data = _merge(data, _env_overrides(environ))
     if overrides:
         data = _merge(data, overrides)
+    config: Config | None = None
+    problems: list[str] = []
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(source, _format_errors(exc)) from None
+        problems = _format_errors(exc)
+    problems += keyfiles.problems(data)  # the files it names, read apart from the schema
+    if config is None or problems:
+        raise ConfigError(source, problems)
+    return config

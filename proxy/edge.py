@@ -22,9 +22,9 @@ from aiohttp import web
 
 from proxy.errors import ProxyError, RequestId, http_status
 from proxy.observability import Metrics, method_label
-from proxy.upstream.sse import KEEPALIVE, frame
 from proxy.wire import jsonrpc
 from proxy.wire.jsonrpc import JSON
+from proxy.wire.sse import KEEPALIVE, frame
 
 log = structlog.get_logger(__name__)
 

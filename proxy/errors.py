@@ -150,13 +150,22 @@ class UpstreamError(ProxyError):
     default_message = "Upstream MCP server unavailable"
 
 
+class UpstreamUnreachableError(UpstreamError):
+    """The upstream could not be reached at all: no connection, or a stdio server that cannot be started now."""
+
+
 class UpstreamRefusedError(UpstreamError):
-    """The upstream answered a request with an HTTP error status and no JSON-RPC answer (e.g. 400 or 404 for a
-    session it does not know); `upstream_status` is that status."""
+    """The upstream refused a request at the transport level, with no JSON-RPC answer (an HTTP error status);
+    `upstream_status` is that status, for logs only: callers tell refusals apart by their class."""
 
     def __init__(self, message: str, upstream_status: int, detail: str | None = None) -> None:
         super().__init__(message, detail=detail)
         self.upstream_status = upstream_status
+
+
+class UpstreamSessionGoneError(UpstreamRefusedError):
+    """The upstream no longer knows the session (or the task) a request named: it refused it as unknown (HTTP
+    400, 404 or 410). Work that lived in that session is lost."""
 
 
 class ResultTooLargeError(UpstreamError):

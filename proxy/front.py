@@ -24,8 +24,9 @@ from proxy.errors import (
 from proxy.listen import ListenStreams
 from proxy.policy import decide
 from proxy.tasks.push import TaskWatchers
+from proxy.tasks.request import UpstreamRequest
 from proxy.tasks.runner import TaskRunner
-from proxy.tasks.waiting import WaitingCalls
+from proxy.tasks.waiting import WaitingRequests
 from proxy.upstream.events import (
     UpstreamErrorResponse,
     UpstreamNotification,
@@ -33,8 +34,8 @@ from proxy.upstream.events import (
     UpstreamServerRequest,
     refusal,
 )
-from proxy.upstream.kinds import Session, SessionCall
-from proxy.upstream.pool import UpstreamClient
+from proxy.upstream.pool import SessionPool
+from proxy.upstream.session import RequestStream, Session
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
 from proxy.wire.envelope import (
@@ -55,12 +56,12 @@ Handler = Callable[["Front", ModernRequest, Caller, Channel], Awaitable[JSON]]
 
 
 class Front:
-    def __init__(self, config: Config, upstream: UpstreamClient, runner: TaskRunner, watchers: TaskWatchers) -> None:
+    def __init__(self, config: Config, upstream: SessionPool, runner: TaskRunner, watchers: TaskWatchers) -> None:
         self.config = config
         self.upstream = upstream
         self.runner = runner
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
-        self.calls = WaitingCalls(runner, self.cache)
+        self.calls = WaitingRequests(runner.calls, self.cache)
         self.listens = ListenStreams(config, upstream, runner, watchers)
 
     async def dispatch(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
@@ -85,27 +86,26 @@ class Front:
         """The tool's policy and this request's own declaration of the Tasks extension decide sync, task, window
         or -32021 (a task only ever goes to a request that declared the extension). Every tools/call runs as a
         runner call, so an upstream question can become an MRTR round or a task's inputRequests."""
-        name = str(request.params["name"])
-        initialize_result = await self.upstream.initialize_result(caller.principal, self.cache[0])
-        specs = await self.upstream.param_headers(caller.principal, name)
-        upstream_support = await self.upstream.task_support(caller.principal, name)  # the upstream's own tasks
-        check_param_headers(caller.headers, request.params.get("arguments"), specs)
-        server_info = translate.implementation(initialize_result)
+        upstream = UpstreamRequest.of(request, caller)
+        facts = await self.upstream.tool_facts(caller.principal, upstream.name, self.cache[0])
+        check_param_headers(caller.headers, request.params.get("arguments"), facts.param_headers)
+        server_info = translate.implementation(facts.initialize_result)
         if "requestState" in request.params:
-            return await self.calls.resume(request, caller, channel, server_info)
+            return await self.calls.resume(upstream, caller, channel, server_info)
         decision = decide(
-            self.config.tasks, name, declares_tasks=request.declares_tasks, upstream_support=upstream_support
+            self.config.tasks, upstream.name, declares_tasks=request.declares_tasks, upstream_support=facts.task_support
         )
-        return await self.calls.call(request, caller, channel, decision, server_info)
+        return await self.calls.call(upstream, caller, channel, decision, server_info)
 
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """`prompts/get` and `resources/read`: synchronous, but an upstream question is an MRTR round (the only
         methods besides tools/call that may answer `input_required`)."""
         initialize_result = await self.upstream.initialize_result(caller.principal, self.cache[0])
         server_info = translate.implementation(initialize_result)
+        upstream = UpstreamRequest.of(request, caller)
         if "requestState" in request.params:
-            return await self.calls.resume(request, caller, channel, server_info)
-        return await self.calls.call(request, caller, channel, None, server_info)
+            return await self.calls.resume(upstream, caller, channel, server_info)
+        return await self.calls.call(upstream, caller, channel, None, server_info)
 
     def _task_id(self, request: ModernRequest) -> str:
         """A client that did not declare the Tasks extension gets -32021 first (even for an unknown id), then
@@ -122,7 +122,7 @@ class Front:
         return task_id
 
     async def task_get(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        record = await self.runner.observe(self._task_id(request), caller)
+        record = await self.runner.operations.observe(self._task_id(request), caller)
         return result_message(request.id, wire_tasks.get_task_result(record, self.upstream.server_info))
 
     async def task_update(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
@@ -132,20 +132,19 @@ class Front:
         responses = request.params.get("inputResponses")
         if not isinstance(responses, dict):
             raise InvalidParamsError("Invalid params: inputResponses must be an object")
-        await self.runner.update(task_id, caller, responses)
+        await self.runner.operations.update(task_id, caller, responses)
         return result_message(request.id, wire_tasks.ack_result(self.upstream.server_info))
 
     async def task_cancel(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        await self.runner.cancel(self._task_id(request), caller)
+        await self.runner.operations.cancel(self._task_id(request), caller)
         return result_message(request.id, wire_tasks.ack_result(self.upstream.server_info))
 
     async def forward(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Relay one request through the principal's shared upstream session and translate the outcome."""
-        headers = translate.trace_headers(request.meta, caller.headers)
-        params = translate.upstream_params(request.params)
+        upstream = UpstreamRequest.of(request, caller)
         async with (
             self.upstream.use(caller.principal) as session,
-            session.call(request.method, params, headers) as call,
+            session.call(upstream.method, upstream.params, upstream.headers) as call,
         ):
             try:
                 return await self._drive(request, session, call, channel)
@@ -155,7 +154,7 @@ class Front:
                 await asyncio.shield(self._cancel(call, "client disconnected"))
                 raise
 
-    async def _drive(self, request: ModernRequest, session: Session, call: SessionCall, channel: Channel) -> JSON:
+    async def _drive(self, request: ModernRequest, session: Session, call: RequestStream, channel: Channel) -> JSON:
         server_info = self.upstream.server_info
         async for event in call.events():
             if isinstance(event, UpstreamNotification):
@@ -170,7 +169,7 @@ class Front:
                 result = event.result if isinstance(event, UpstreamResult) else None
                 error = event.error if isinstance(event, UpstreamErrorResponse) else None
                 return translate.final_message(request.id, request.method, result, error, server_info, self.cache)
-        raise AssertionError("UpstreamCall.events() ends with a final event or raises")  # pragma: no cover
+        raise AssertionError("RequestStream.events() ends with a final event or raises")  # pragma: no cover
 
     async def _refuse(self, request: ModernRequest, session: Session, question: UpstreamServerRequest) -> JSON | None:
         """Only tools/call, prompts/get and resources/read may ask a 2026-07-28 client for input (as MRTR or a
@@ -196,7 +195,7 @@ class Front:
         )
         return error_message(request.id, {"code": codes.INTERNAL_ERROR, "message": message})
 
-    async def _cancel(self, call: SessionCall, reason: str) -> None:
+    async def _cancel(self, call: RequestStream, reason: str) -> None:
         try:
             await call.cancel(reason)
         except UpstreamError as exc:  # best effort: the call is being abandoned either way

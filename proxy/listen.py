@@ -24,8 +24,8 @@ from proxy.config import Config
 from proxy.errors import CallerLimitError, InvalidParamsError, MissingCapabilityError, TaskLimitError, UpstreamError
 from proxy.tasks.push import ListenInbox, TaskWatchers
 from proxy.tasks.runner import TaskRunner
-from proxy.upstream.kinds import Session, principal_key
-from proxy.upstream.pool import UpstreamClient
+from proxy.upstream.pool import SessionPool
+from proxy.upstream.session import Session, principal_key
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
 from proxy.wire.envelope import Caller, Channel, ModernRequest
@@ -39,7 +39,7 @@ PROGRESS_COALESCE_SECONDS: Final = 0.2  # a task whose status stays the same is 
 
 
 class ListenStreams:
-    def __init__(self, config: Config, upstream: UpstreamClient, runner: TaskRunner, watchers: TaskWatchers) -> None:
+    def __init__(self, config: Config, upstream: SessionPool, runner: TaskRunner, watchers: TaskWatchers) -> None:
         self.limits = config.limits
         self.upstream = upstream
         self.runner = runner
@@ -91,7 +91,8 @@ class _Stream:
         self.request = request
         self.channel = channel
         self.session = session
-        self.owner = self.runner.principals.key_of(caller.principal)
+        self.tasks = self.runner.operations
+        self.owner = self.tasks.owner(caller)
         self.tag = {translate.SUBSCRIPTION_ID_META_KEY: request.id}
         self.inbox = ListenInbox()
         self.sent: dict[str, tuple[str, int, float]] = {}  # task id → (status, lastUpdatedAt, when) last sent
@@ -101,13 +102,13 @@ class _Stream:
         initialize_result = await self.session.ensure_initialized()
         capabilities = initialize_result.get("capabilities")
         honoured = translate.honoured_filter(wanted, capabilities if isinstance(capabilities, dict) else {})
-        self.session.subscribe(self.inbox)
+        self.session.listen_streams.subscribe(self.inbox)
         subscribed: list[str] = []
         settled: list[TaskRecord] = []
         try:
             for uri in honoured.get("resourceSubscriptions", []):
                 try:
-                    await self.session.subscribe_resource(uri)
+                    await self.session.listen_streams.subscribe_resource(uri)
                     subscribed.append(uri)
                 except UpstreamError as exc:
                     log.info("upstream_resource_subscribe_refused", error=exc.message)
@@ -123,7 +124,7 @@ class _Stream:
                 await self._send(record)
             await self._loop(honoured)
         finally:
-            self.session.unsubscribe(self.inbox)
+            self.session.listen_streams.unsubscribe(self.inbox)
             self.streams.watchers.drop(self.inbox)
             for uri in subscribed:
                 await asyncio.shield(self._unsubscribe(uri))
@@ -148,10 +149,7 @@ class _Stream:
         return honoured, settled
 
     async def _read(self, task_id: str) -> TaskRecord | None:
-        record = await self.runner.store.get(task_id, principal=self.owner)
-        if record is None or record.expired(self.runner.clock()):
-            return None
-        return record
+        return await self.tasks.peek(task_id, self.owner)
 
     async def _loop(self, honoured: JSON) -> None:
         while True:
@@ -191,7 +189,7 @@ class _Stream:
         await self._send(record)
 
     async def _send(self, record: TaskRecord) -> None:
-        task: dict[str, Any] = wire_tasks.detailed_task(self.runner.paced(record))
+        task: dict[str, Any] = wire_tasks.detailed_task(self.tasks.paced(record))
         message = notification_message("notifications/tasks", {"_meta": self.tag, **task})
         await self.channel.notify(message, required=True)
         self.sent[record.task_id] = (record.status.value, record.updated_at_ms, time.monotonic())
@@ -200,6 +198,6 @@ class _Stream:
 
     async def _unsubscribe(self, uri: str) -> None:
         try:
-            await self.session.unsubscribe_resource(uri)
+            await self.session.listen_streams.unsubscribe_resource(uri)
         except UpstreamError as exc:  # best effort: the subscription ends either way
             log.info("upstream_resource_unsubscribe_failed", error=exc.message)

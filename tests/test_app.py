@@ -16,7 +16,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app import host_allowed, origin_allowed
-from tests.conftest import DECLARING, SCHEMA_DIR, ModernSchema, Upstream, modern_body, modern_headers, read_messages
+from tests.support.processes import Upstream
+from tests.support.schemas import SCHEMA_DIR, ModernSchema
+from tests.support.wire import DECLARING, modern_body, modern_headers, read_messages
 
 Client = TestClient[web.Request, web.Application]
 SCHEMA = ModernSchema(SCHEMA_DIR / "mcp-2026-07-28.schema.json")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from proxy.cli import flag_overrides, main, parse_args
-from proxy.config import load_config
+from proxy.config import HttpUpstreamConfig, StdioUpstreamConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "config" / "proxy.example.yaml"
@@ -23,12 +23,14 @@ def test_everything_after_the_double_dash_is_the_server_command_verbatim() -> No
 
 def test_the_server_command_replaces_the_files_url_and_a_url_flag_replaces_its_command(tmp_path: Path) -> None:
     config = load_config(EXAMPLE, environ={}, overrides=flag_overrides(parse_args(["serve", "--", "uvx", "srv"])))
-    assert (config.upstream.url, config.upstream.command) == ("", ["uvx", "srv"])
+    assert isinstance(config.upstream, StdioUpstreamConfig)
+    assert config.upstream.command == ["uvx", "srv"]
     stdio = tmp_path / "stdio.yaml"
     stdio.write_text("upstream: {command: [uvx, srv], env: {A: b}}\n")
     args = parse_args(["serve", "--config", str(stdio), "--upstream", "http://127.0.0.1:1/mcp"])
     config = load_config(args.config, environ={}, overrides=flag_overrides(args))
-    assert (config.upstream.url, config.upstream.command) == ("http://127.0.0.1:1/mcp", [])
+    assert isinstance(config.upstream, HttpUpstreamConfig)
+    assert config.upstream.url == "http://127.0.0.1:1/mcp"
     assert parse_args(["serve"]).server_command == []
 
 

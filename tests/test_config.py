@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import pytest
 from pydantic import BaseModel
 
 from proxy.cli import main
-from proxy.config import Config, ConfigError, UpstreamConfig, load_config, read_password
-from proxy.upstream.stdio import INHERITED_ENV_VARS
+from proxy.config import Config, ConfigError, HttpUpstreamConfig, StdioUpstreamConfig, load_config
+from proxy.keyfiles import read_password
+from proxy.upstream.stdio.process import INHERITED_ENV_VARS
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "config" / "proxy.example.yaml"
@@ -29,28 +31,40 @@ def test_the_example_shows_every_field_and_loads() -> None:
         assert re.search(rf"^\s+{field}:", text, re.MULTILINE), f"{path} missing from the example"
 
 
-def _sections() -> list[tuple[str, type[BaseModel]]]:
+def _models(annotation: object) -> list[type[BaseModel]]:
+    """The section models behind a field's type: the model itself, or each kind of a union (`upstream`)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if get_origin(annotation) is Annotated:
+        return _models(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, UnionType):
+        return [model for member in get_args(annotation) for model in _models(member)]
+    return []
+
+
+def _sections() -> list[tuple[str, list[type[BaseModel]]]]:
     sections = []
     for name, field in Config.model_fields.items():
-        annotation = field.annotation
-        assert isinstance(annotation, type)
-        assert issubclass(annotation, BaseModel)
-        sections.append((name, annotation))
+        models = _models(field.annotation)
+        assert models, name
+        sections.append((name, models))
     return sections
 
 
 def _fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str | None]]:
-    """Every leaf field as (dotted path, description); nested sections (e.g. `tasks.default`) are walked."""
-    found: list[tuple[str, str | None]] = []
+    """Every leaf field as (dotted path, description); nested sections (e.g. `tasks.default`) and each kind of a
+    union section (`upstream`) are walked, a field the kinds share counted once."""
+    found: dict[str, str | None] = {}
     for name, field in model.model_fields.items():
         path = f"{prefix}{name}"
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        models = _models(field.annotation)
+        if models:
             assert field.description, f"{path} has no description"
-            found.extend(_fields(annotation, f"{path}."))
+            for section in models:
+                found.update(_fields(section, f"{path}."))
         else:
-            found.append((path, field.description))
-    return found
+            found[path] = field.description
+    return list(found.items())
 
 
 def test_every_field_has_a_description_and_is_in_the_readme() -> None:
@@ -87,6 +101,7 @@ def test_env_overrides_and_flags(tmp_path: Path) -> None:
     }
     config = load_config(path, environ=environ, overrides={"listen": {"host": "::1"}})
     assert config.listen.port == 9999
+    assert isinstance(config.upstream, HttpUpstreamConfig)
     assert config.upstream.url == "http://b:2/mcp"
     assert config.security.allowed_hosts == ["a", "b"]
     assert config.listen.host == "::1"  # flags beat the environment
@@ -197,7 +212,7 @@ def test_a_stdio_upstream_loads_with_its_settings_and_null_clears_the_url(tmp_pa
     with pytest.raises(ConfigError, match="both are set"):
         load_config(path, environ={})
     upstream = load_config(path, environ={"MCP_TASKS_PROXY_UPSTREAM__URL": "null"}).upstream
-    assert upstream.url == ""
+    assert isinstance(upstream, StdioUpstreamConfig)  # the url's own settings are gone with it
     assert upstream.command == ["npx", "-y", "@modelcontextprotocol/server-everything"]
     assert (upstream.env, upstream.cwd, upstream.max_processes, upstream.max_line_bytes) == (
         {"API_KEY": "abc"},
@@ -207,7 +222,9 @@ def test_a_stdio_upstream_loads_with_its_settings_and_null_clears_the_url(tmp_pa
     )
     assert (upstream.process_idle_seconds, upstream.stop_grace_seconds) == (300.0, 5.0)
     environ = {"MCP_TASKS_PROXY_UPSTREAM__URL": "", "MCP_TASKS_PROXY_UPSTREAM__COMMAND": "[uvx, mcp-server-fetch]"}
-    assert load_config(path, environ=environ).upstream.command == ["uvx", "mcp-server-fetch"]
+    switched = load_config(path, environ=environ).upstream
+    assert isinstance(switched, StdioUpstreamConfig)
+    assert switched.command == ["uvx", "mcp-server-fetch"]
 
 
 def test_stdio_settings_are_checked(tmp_path: Path) -> None:
@@ -222,7 +239,7 @@ def test_stdio_settings_are_checked(tmp_path: Path) -> None:
 
 
 def test_the_env_description_names_every_inherited_variable() -> None:
-    description = UpstreamConfig.model_fields["env"].description
+    description = StdioUpstreamConfig.model_fields["env"].description
     assert description is not None
     for name in INHERITED_ENV_VARS:
         assert name in description, name

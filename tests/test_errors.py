@@ -22,7 +22,7 @@ from proxy.errors import (
     UpstreamError,
     UpstreamTimeoutError,
 )
-from tests.conftest import ModernSchema
+from tests.support.schemas import ModernSchema
 
 CASES: list[tuple[ProxyError, int, int]] = [
     (ParseError(), -32700, 400),

@@ -11,7 +11,7 @@ import http.client
 import json
 import random
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,66 +22,14 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from proxy.app import UPSTREAM
-from tests.conftest import (
-    DECLARING,
-    TASKS,
-    ClientFactory,
-    ProxyProcess,
-    Tasks,
-    Upstream,
-    key_file,
-    policies,
-    result_text,
-)
+from tests.support.clients import ClientFactory, Tasks, meta, rpc, task_state, task_until
+from tests.support.processes import ProxyProcess, Upstream, key_file
+from tests.support.waiting import until
+from tests.support.wire import DECLARING, TASKS, policies, result_text
 
 pytestmark = pytest.mark.faults
 
 ELICIT_TASKS: dict[str, Any] = {**DECLARING, "elicitation": {}}
-
-
-def meta(capabilities: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
-        "io.modelcontextprotocol/clientCapabilities": capabilities,
-    }
-
-
-async def rpc(
-    session: aiohttp.ClientSession, url: str, method: str, params: dict[str, Any], capabilities: dict[str, Any]
-) -> tuple[int, dict[str, Any]]:
-    body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": {**params, "_meta": meta(capabilities)}}
-    headers = {
-        "Content-Type": "application/json",
-        "Accept": "application/json, text/event-stream",
-        "MCP-Protocol-Version": "2026-07-28",
-        "Mcp-Method": method,
-    }
-    name = params.get("taskId", params.get("name"))
-    if isinstance(name, str):
-        headers["Mcp-Name"] = name
-    async with session.post(url, json=body, headers=headers) as response:
-        text = await response.text()
-        status = response.status
-    last = [line for line in text.splitlines() if line.startswith("data:")] or [text]
-    message: dict[str, Any] = json.loads(last[-1].removeprefix("data:").strip())
-    return status, message
-
-
-async def task_state(session: aiohttp.ClientSession, url: str, task_id: str) -> dict[str, Any]:
-    status, message = await rpc(session, url, "tasks/get", {"taskId": task_id}, DECLARING)
-    assert status == 200, message
-    result: dict[str, Any] = message["result"]
-    return result
-
-
-async def until(session: aiohttp.ClientSession, url: str, task_id: str, done: Callable[[dict[str, Any]], bool]) -> Any:
-    deadline = asyncio.get_running_loop().time() + 20
-    while True:
-        task = await task_state(session, url, task_id)
-        if done(task):
-            return task
-        assert asyncio.get_running_loop().time() < deadline, task
-        await asyncio.sleep(0.05)
 
 
 # --- a killed proxy --------------------------------------------------------------------------------------------
@@ -116,10 +64,10 @@ async def test_kill_9_loses_nothing_committed(
             return task_id
 
         done = await create("echo", {"text": "kept"})
-        await until(session, first.url, done, lambda task: task["status"] == "completed")
+        await task_until(session, first.url, done, lambda task: task["status"] == "completed")
         working = await create("sleep", {"seconds": 30})
         waiting = await create("ask_name", {})
-        await until(session, first.url, waiting, lambda task: task["status"] == "input_required")
+        await task_until(session, first.url, waiting, lambda task: task["status"] == "input_required")
         rerun = await create("counted", {"key": "kill-9", "seconds": 0.5})
         await asyncio.to_thread(first.stop)  # SIGKILL
 
@@ -130,7 +78,7 @@ async def test_kill_9_loses_nothing_committed(
             failed = await task_state(session, second.url, task_id)
             assert failed["status"] == "failed"
             assert "restarted" in failed["error"]["message"]
-        again = await until(session, second.url, rerun, lambda task: task["status"] == "completed")
+        again = await task_until(session, second.url, rerun, lambda task: task["status"] == "completed")
         assert result_text(again) in ("1", "2")  # sent again; the first run may or may not have reached the upstream
         kept = await task_state(session, second.url, done)
         assert result_text(kept) == "kept"
@@ -154,10 +102,7 @@ async def test_an_upstream_killed_mid_call_fails_clearly_and_the_proxy_recovers(
         sync_client.call("slow_compute", {"seconds": 30, "label": "cut"}, capabilities={})
     )
     pool = client.client.app[UPSTREAM]
-    deadline = asyncio.get_running_loop().time() + 10
-    while pool.calls_in_flight < 2:  # both calls are open upstream
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.02)
+    await until(lambda: pool.calls_in_flight >= 2, "both calls are open upstream")
     assert own_upstream.process is not None
     port = own_upstream.port
     own_upstream.process.kill()

@@ -17,9 +17,9 @@ import structlog.testing
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from tests.conftest import modern_body, modern_headers, read_messages
-from tests.test_flow_legacy_stdio import HEADERS, INITIALIZE, children, until
-from tests.test_flow_stdio import stdio_upstream
+from tests.support.processes import children, stdio_upstream
+from tests.support.waiting import until
+from tests.support.wire import HEADERS, INITIALIZE, modern_body, modern_headers, read_messages
 
 pytestmark = pytest.mark.faults
 
@@ -66,13 +66,14 @@ async def call(client: Client, tool: str = "echo", arguments: dict[str, Any] | N
 
 async def until_answered(client: Client, wanted: Callable[[int, Any], bool], what: str) -> tuple[int, Any]:
     """Call again (each call answered within the bound) until an answer is the wanted one."""
-    deadline = asyncio.get_running_loop().time() + ANSWER_BOUND_SECONDS
-    while True:
-        status, message = await call(client)
-        if wanted(status, message):
-            return status, message
-        assert asyncio.get_running_loop().time() < deadline, f"never {what}; last: {status} {message}"
-        await asyncio.sleep(0.1)
+    last: list[tuple[int, Any]] = []
+
+    async def answered() -> tuple[int, Any] | None:
+        last[:] = [await call(client)]
+        return last[0] if wanted(*last[0]) else None
+
+    answer: tuple[int, Any] = await until(answered, lambda: f"never {what}; last: {last}", ANSWER_BOUND_SECONDS)
+    return answer
 
 
 def error_text(message: Any) -> str:

@@ -17,8 +17,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import DECLARING, ProxyProcess, Upstream, modern_body, modern_headers
-from tests.test_faults import rpc, until
+from tests.support.clients import rpc, task_until
+from tests.support.processes import ProxyProcess, Upstream
+from tests.support.wire import DECLARING, modern_body, modern_headers
 
 pytestmark = pytest.mark.faults
 
@@ -131,14 +132,16 @@ async def test_answers_over_the_cap_are_never_held_and_slow_readers_are_dropped(
 
         status, message = await rpc(session, proxy.url, "tools/call", too_big, DECLARING)  # as a task
         assert status == 200, message
-        failed = await until(session, proxy.url, message["result"]["taskId"], lambda task: task["status"] != "working")
+        failed = await task_until(
+            session, proxy.url, message["result"]["taskId"], lambda task: task["status"] != "working"
+        )
         assert failed["status"] == "failed"
         assert failed["error"]["data"] == {"limit": "max_result_bytes", "max": CAP}
 
         fits = {"name": "big_text", "arguments": {"size": UNDER_CAP}}
         status, message = await rpc(session, proxy.url, "tools/call", fits, DECLARING)
         task_id = message["result"]["taskId"]
-        done = await until(session, proxy.url, task_id, lambda task: task["status"] == "completed")
+        done = await task_until(session, proxy.url, task_id, lambda task: task["status"] == "completed")
         answer_bytes = len(json.dumps(done))
         pollers = [non_reading_poll(proxy.port, task_id) for _ in range(3)]
         await asyncio.sleep(WRITE_TIMEOUT_SECONDS + 1)  # never read meanwhile

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,10 @@ from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.cli import main
-from tests.conftest import ROOT, TASKS, ProxyProcess, Upstream, modern_body, modern_headers, parse_sse
+from tests.support.processes import ROOT, ProxyProcess, Upstream
+from tests.support.waiting import until
+from tests.support.wire import DECLARING, modern_body, modern_headers, parse_sse
 
-DECLARING: dict[str, Any] = {"extensions": {TASKS: {}}}
 ELICIT: dict[str, Any] = {"elicitation": {}}
 TOOLS: dict[str, Any] = {"sleep": {"sync_window_ms": 0}}  # a declaring client's sleep is a task at once
 LEGACY_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
@@ -34,16 +35,6 @@ LEGACY_HEADERS = {"Content-Type": "application/json", "Accept": "application/jso
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
-
-
-async def until(check: Callable[[], Awaitable[Any]], what: str, timeout_seconds: float = 15) -> Any:
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        value = await check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"not within {timeout_seconds} s: {what}"
-        await asyncio.sleep(0.05)
 
 
 async def post(

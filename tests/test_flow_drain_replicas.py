@@ -15,8 +15,8 @@ import pytest
 
 from proxy.tasks.replicas import TAKEN_OVER
 from tests import pg
-from tests.cluster import Cluster, client
-from tests.conftest import ModernSchema, SchemaValidator
+from tests.support.cluster import Cluster, client
+from tests.support.schemas import ModernSchema, SchemaValidator
 
 DRAIN_SECONDS = 5.0
 TOOLS = {"sleep": {"mode": "required"}}

@@ -8,14 +8,16 @@ alone that question is refused, on a lent one it is the call's; neither may dist
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from tests.conftest import DECLARING, ModernSchema, SchemaValidator, Tasks, policies, result_text
-from tests.test_flow_stdio import TASKING, stdio_upstream
+from tests.support.clients import Tasks
+from tests.support.processes import stdio_upstream
+from tests.support.schemas import ModernSchema, SchemaValidator
+from tests.support.waiting import until
+from tests.support.wire import DECLARING, TASKING, policies, result_text
 
 SLOW_TOOL = "trigger-long-running-operation"
 ELICITING_TOOL = "trigger-elicitation-request"
@@ -41,10 +43,12 @@ async def tool_names(client: Tasks) -> set[str]:
 
 async def test_list_call_task_and_elicitation(everything: Tasks) -> None:
     client = everything
-    deadline = asyncio.get_running_loop().time() + 10
-    while ELICITING_TOOL not in (names := await tool_names(client)):  # registered once `initialized` arrived
-        assert asyncio.get_running_loop().time() < deadline, names
-        await asyncio.sleep(0.1)
+
+    async def listed() -> set[str] | None:  # the eliciting tool is registered once `initialized` arrived
+        names = await tool_names(client)
+        return names if ELICITING_TOOL in names else None
+
+    names = await until(listed, f"{ELICITING_TOOL} never listed")
     assert {"echo", SLOW_TOOL} <= names
 
     assert await client.text("echo", {"message": "hi"}) == "Echo: hi"

@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 
 from proxy.app import UPSTREAM
-from tests.conftest import DECLARING, ClientFactory, Tasks, Upstream, policies, result_text, upstream_calls_open
+from tests.support.clients import ClientFactory, Tasks, upstream_calls_open
+from tests.support.processes import Upstream
+from tests.support.wire import DECLARING, policies, result_text
 
 EVERY_INPUT: dict[str, Any] = {"elicitation": {}, "sampling": {}, "roots": {}}
 TASKING: dict[str, Any] = {**EVERY_INPUT, **DECLARING}

@@ -16,17 +16,11 @@ import structlog.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.tasks.state import MAX_OUTSTANDING_INPUTS
-from tests.conftest import (
-    DECLARING,
-    ClientFactory,
-    ModernSchema,
-    SchemaValidator,
-    Tasks,
-    Upstream,
-    key_file,
-    policies,
-    result_text,
-)
+from tests.support.clients import ClientFactory, Tasks
+from tests.support.processes import Upstream, key_file
+from tests.support.schemas import ModernSchema, SchemaValidator
+from tests.support.waiting import until
+from tests.support.wire import DECLARING, policies, result_text
 
 ELICIT: dict[str, Any] = {"elicitation": {}}
 EVERY_INPUT: dict[str, Any] = {"elicitation": {}, "sampling": {}, "roots": {}}
@@ -59,10 +53,11 @@ async def cancelled_upstream_calls(client: Tasks) -> int:
 
 
 async def wait_for_cancellations(client: Tasks, count: int) -> None:
-    deadline = asyncio.get_running_loop().time() + 10
-    while await cancelled_upstream_calls(client) < count:
-        assert asyncio.get_running_loop().time() < deadline, "the upstream never saw notifications/cancelled"
-        await asyncio.sleep(0.05)
+
+    async def seen() -> bool:
+        return await cancelled_upstream_calls(client) >= count
+
+    await until(seen, "the upstream never saw notifications/cancelled")
 
 
 # --- inside a task -----------------------------------------------------------------------------------------

@@ -10,72 +10,20 @@ import json
 from typing import Any
 
 import aiohttp
-import mcp.types as mt
 from aiohttp import web
 from aiohttp.test_utils import TestClient
-from mcp import ClientSession
-from mcp.client.streamable_http import streamable_http_client
-from mcp.shared.context import RequestContext
-from mcp.shared.exceptions import McpError
-from pydantic import AnyUrl
 
-from tests.conftest import Upstream
+from tests.support.processes import Upstream
+from tests.support.schemas import LEGACY_SCHEMA, SchemaValidator
+from tests.support.sdk import run_session
+from tests.support.wire import parse_sse
 
 Client = TestClient[web.Request, web.Application]
 
 
-async def _elicit(context: RequestContext[ClientSession, Any], params: mt.ElicitRequestParams) -> mt.ElicitResult:
-    return mt.ElicitResult(action="accept", content={"name": "Grace"})
-
-
-async def _sample(
-    context: RequestContext[ClientSession, Any], params: mt.CreateMessageRequestParams
-) -> mt.CreateMessageResult:
-    return mt.CreateMessageResult(
-        role="assistant", content=mt.TextContent(type="text", text="sampled!"), model="test-model"
-    )
-
-
-async def _run_session(url: str) -> dict[str, Any]:
-    """What a legacy client observes in one session; compared between direct and proxied runs."""
-    seen: list[float] = []
-
-    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
-        seen.append(progress)
-
-    async with (
-        streamable_http_client(url) as (read, write, get_session_id),
-        ClientSession(read, write, elicitation_callback=_elicit, sampling_callback=_sample) as session,
-    ):
-        init = await session.initialize()
-        tools = await session.list_tools()
-        greet = await session.call_tool("greet", {"name": "Ada"})
-        asked = await session.call_tool("ask_name", {})
-        sampled = await session.call_tool("sample", {"prompt": "hi"})
-        slept = await session.call_tool("sleep", {"seconds": 0.3}, progress_callback=on_progress)
-        try:
-            await session.call_tool("raise_error", {"message": "bad", "code": -32000})
-        except McpError as exc:
-            error = exc.error
-        resource = await session.read_resource(AnyUrl("test://static-text"))
-        assert get_session_id() is not None
-    return {
-        "protocol": init.protocolVersion,
-        "server": init.serverInfo.name,
-        "tools": sorted(tool.name for tool in tools.tools),
-        "greet": greet.model_dump(mode="json"),
-        "asked": asked.model_dump(mode="json"),
-        "sampled": sampled.model_dump(mode="json"),
-        "slept": slept.model_dump(mode="json"),
-        "progress_seen": bool(seen),
-        "error": error.model_dump(mode="json"),
-        "resource": resource.model_dump(mode="json"),
-    }
-
-
 async def test_sdk_client_sees_the_same_through_the_proxy(proxy: Client, upstream: Upstream) -> None:
-    direct = await _run_session(upstream.url)
-    proxied = await _run_session(str(proxy.make_url("/mcp")))
+    direct = await run_session(upstream.url)
+    proxied = await run_session(str(proxy.make_url("/mcp")))
     assert proxied == direct
     assert proxied["asked"]["content"][0]["text"] == "Hello, Grace"  # elicitation answered across the proxy
     assert proxied["sampled"]["content"][0]["text"] == "sampled!"
@@ -140,3 +88,23 @@ async def test_legacy_get_without_session_is_relayed(proxy: Client, upstream: Up
             proxied_seen = (proxied.status, await proxied.text())
     assert proxied_seen == direct_seen
     assert direct_seen[0] >= 400
+
+
+async def test_what_a_legacy_client_gets_through_the_proxy_is_valid_2025_11_25(proxy: Client) -> None:
+    """The initialize result, a tool's result and the error for a body that is not JSON, checked against the
+    published 2025-11-25 schema (vendored in tests/schema/)."""
+    schema = SchemaValidator(LEGACY_SCHEMA)
+    async with aiohttp.ClientSession() as http:
+        proxied = await _raw_exchange(http, str(proxy.make_url("/mcp")))
+
+    def message(body: str) -> Any:
+        [only] = parse_sse(body) if body.lstrip().startswith(("event:", "data:")) else [json.loads(body)]
+        return only
+
+    initialized, called, refused = message(proxied[0][2]), message(proxied[3][2]), message(proxied[4][2])
+    schema.validate(initialized, "JSONRPCResultResponse")
+    schema.validate(initialized["result"], "InitializeResult")
+    schema.validate(called, "JSONRPCResultResponse")
+    schema.validate(called["result"], "CallToolResult")
+    schema.validate(refused, "JSONRPCErrorResponse")
+    assert refused["error"]["code"] == -32700  # parse error

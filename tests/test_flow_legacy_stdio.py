@@ -1,5 +1,5 @@
 """End to end: legacy (2025-11-25) clients in front of a stdio upstream, served by the proxy's own Streamable
-HTTP server (`proxy/upstream/stdio_legacy.py`): one server process per legacy session.
+HTTP server (`proxy/legacy/stdio_server.py`): one server process per legacy session.
 
 The client is the mcp 1.x SDK's own Streamable HTTP client: it must see what it sees talking to the same
 fixture over HTTP directly (tools, calls, an elicitation and a sampling request answered across the proxy,
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -21,37 +19,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app import PASSTHROUGH
-from proxy.upstream.stdio_legacy import StdioLegacyServer
-from tests.conftest import Upstream
-from tests.test_flow_legacy import _run_session
-from tests.test_flow_stdio import stdio_upstream
+from proxy.legacy.stdio_server import StdioLegacyServer
+from tests.support.processes import Upstream, children, stdio_upstream
+from tests.support.sdk import run_session
+from tests.support.waiting import until
+from tests.support.wire import HEADERS, INITIALIZE, parse_sse
 
 Client = TestClient[web.Request, web.Application]
-HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
-INITIALIZE: dict[str, Any] = {
-    "jsonrpc": "2.0",
-    "id": 1,
-    "method": "initialize",
-    "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}},
-}
-
-
-def children() -> set[int]:
-    """Direct children of this test process (the proxy runs in it, so its server processes are among them)."""
-    found: set[int] = set()
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        try:
-            found.update(int(pid) for pid in (task / "children").read_text().split())
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return found
-
-
-async def until(condition: Callable[[], bool], what: str, timeout_seconds: float = 10) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_seconds
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, what
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
@@ -68,8 +42,8 @@ def legacy_server(client: Client) -> StdioLegacyServer:
 
 async def test_sdk_client_sees_what_it_sees_over_http(stdio_proxy: Client, upstream: Upstream) -> None:
     before = children()
-    direct = await _run_session(upstream.url)
-    proxied = await _run_session(str(stdio_proxy.make_url("/mcp")))
+    direct = await run_session(upstream.url)
+    proxied = await run_session(str(stdio_proxy.make_url("/mcp")))
     assert proxied == direct
     assert proxied["asked"]["content"][0]["text"] == "Hello, Grace"  # the elicitation crossed the proxy
     assert proxied["sampled"]["content"][0]["text"] == "sampled!"
@@ -93,8 +67,9 @@ async def test_raw_session_lifecycle(stdio_proxy: Client) -> None:
     call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "echo", "arguments": {"text": "é"}}}
     async with http.post(url, json=call, headers=session) as r:
         assert r.status == 200
-        assert r.headers["Content-Type"].startswith("application/json")
-        assert json.loads(await r.text())["result"]["content"][0]["text"] == "é"
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        [echoed] = parse_sse(await r.text())
+        assert echoed["result"]["content"][0]["text"] == "é"
     other = {**session, "Authorization": "Bearer someone-else"}
     async with http.post(url, json=call, headers=other) as r:  # bound to the principal that opened it
         assert r.status == 404

@@ -7,11 +7,12 @@ caller is answered from the latest InitializeResult, without an upstream session
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from proxy.app import UPSTREAM
-from tests.conftest import ClientFactory, Tasks, modern_body, modern_headers, policies, upstream_calls_open
+from tests.support.clients import ClientFactory, Tasks, upstream_calls_open
+from tests.support.waiting import until
+from tests.support.wire import modern_body, modern_headers, policies
 
 ELICIT: dict[str, Any] = {"elicitation": {}}
 
@@ -49,10 +50,11 @@ async def test_listen_streams_are_capped_per_caller_and_in_total(tasks_client: C
     status, message = await refused("c")
     assert (status, message["error"]["data"]) == (503, {"limit": "max_listen_streams", "max": 3})
     opened.pop(0).close()  # one of a's streams ends: a may open one again
-    deadline = asyncio.get_running_loop().time() + 5
-    while await listen("a") != 200:  # until the proxy has seen it go
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.05)
+
+    async def reopened() -> bool:
+        return await listen("a") == 200
+
+    await until(reopened, "the proxy never saw a's stream go", 5)
     for response in opened:
         response.close()
 

@@ -4,27 +4,20 @@ and standalone upstream requests on that stream answered instead of left hanging
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient
 
-from proxy.upstream.sse import SSEParser
-from tests.conftest import TASKS, ModernSchema, Upstream, modern_body, modern_headers, read_messages
+from tests.support.clients import upstream_calls_open
+from tests.support.processes import Upstream
+from tests.support.schemas import ModernSchema
+from tests.support.waiting import until
+from tests.support.wire import SUBSCRIPTION_ID, TASKS, modern_body, modern_headers, read_messages, sse_messages
 
 Client = TestClient[web.Request, web.Application]
-SUBSCRIPTION_ID = "io.modelcontextprotocol/subscriptionId"
 DEADLINE_SECONDS = 10.0
-
-
-async def sse_messages(response: ClientResponse) -> AsyncIterator[dict[str, Any]]:
-    parser = SSEParser()
-    async for chunk in response.content.iter_any():
-        for event in parser.feed(chunk):
-            if event.data.strip():
-                yield json.loads(event.data)
 
 
 async def next_message(stream: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
@@ -103,17 +96,20 @@ async def test_listen_ends_gracefully_at_shutdown(
     assert final["result"]["_meta"][SUBSCRIPTION_ID] == 42
 
 
-async def test_standalone_upstream_requests_are_answered_not_left_hanging(proxy: Client) -> None:
+async def test_a_standalone_question_nobody_can_own_is_refused_not_left_hanging(proxy: Client) -> None:
     """The SDK sends list_roots() without a related request on the GET stream. This client declared nothing it
-    could be asked, so its call shares the caller's upstream session, where a question naming no request is
-    nobody's: the upstream is refused at once and the tool ends with what it makes of that, instead of
-    waiting for its timeout. (A client that declared `roots` has a session of its own and is asked:
-    test_flow_get_stream.py.)"""
+    could be asked, so its call shares the caller's upstream session; with another call running there the
+    question could be either's: the upstream is refused at once and the tool ends with what it makes of that,
+    instead of waiting for its timeout. (Alone there, the call is told what it lacks: test_flow_capabilities.py;
+    a client that declared `roots` has a session of its own and is asked: test_flow_get_stream.py.)"""
     await call(proxy, "greet", {"name": "warm-up"})  # the session (and its GET stream) exists
+    sleeping = asyncio.get_running_loop().create_task(call(proxy, "sleep", {"seconds": 2}))
+    await upstream_calls_open(proxy, 1)
     message = await asyncio.wait_for(call(proxy, "list_roots_standalone"), DEADLINE_SECONDS)
     text = message["result"]["content"][0]["text"]
     assert text.startswith("roots refused:")
     assert "cannot be relayed" in text
+    assert "result" in await sleeping
 
 
 async def test_listen_survives_an_upstream_restart(make_proxy: Callable[..., Any], own_upstream: Upstream) -> None:
@@ -127,13 +123,13 @@ async def test_listen_survives_an_upstream_restart(make_proxy: Callable[..., Any
     port = own_upstream.port
     own_upstream.stop()
     own_upstream.start(port)
-    deadline = asyncio.get_running_loop().time() + DEADLINE_SECONDS
-    while True:  # until the new upstream process holds the renewed subscription
-        result = await call(client, "update_resource", {"uri": uri})
-        if "result" in result and result["result"]["content"][0]["text"] == "notified 1 subscriber(s)":
-            break
-        assert asyncio.get_running_loop().time() < deadline, f"subscription not renewed: {result}"
-        await asyncio.sleep(0.2)
+    last: dict[str, Any] = {}
+
+    async def renewed() -> bool:  # the new upstream process holds the renewed subscription
+        last.update(await call(client, "update_resource", {"uri": uri}))
+        return "result" in last and last["result"]["content"][0]["text"] == "notified 1 subscriber(s)"
+
+    await until(renewed, lambda: f"subscription not renewed: {last}", DEADLINE_SECONDS)
     updated = await next_message(stream)
     assert (updated["method"], updated["params"]["uri"]) == ("notifications/resources/updated", uri)
     response.close()

@@ -10,8 +10,7 @@ import asyncio
 import json
 import os
 import signal
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import TASKS, ProxyProcess, Upstream, modern_body, modern_headers, parse_sse
+from tests.support.processes import ProxyProcess, Upstream
+from tests.support.waiting import until
+from tests.support.wire import DECLARING, modern_body, modern_headers, parse_sse
 
-DECLARING: dict[str, Any] = {"extensions": {TASKS: {}}}
 RELOADS = "mcp_tasks_proxy_config_reloads_total"
 
 
@@ -30,16 +30,6 @@ RELOADS = "mcp_tasks_proxy_config_reloads_total"
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
-
-
-async def until(check: Callable[[], Awaitable[Any]], what: str, timeout_seconds: float = 15) -> Any:
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        value = await check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"not within {timeout_seconds} s: {what}"
-        await asyncio.sleep(0.05)
 
 
 async def sleep_call(http: aiohttp.ClientSession, url: str, seconds: float) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """End to end: a 2026-07-28 client → the proxy (real HTTP) → a real legacy upstream (mcp 1.x, own process).
 
-Every message the proxy sends is validated against shared/schema/mcp-2026-07-28.schema.json.
+Every message the proxy sends is validated against tests/schema/mcp-2026-07-28.schema.json.
 """
 
 from __future__ import annotations
@@ -15,14 +15,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app import UPSTREAM
-from tests.conftest import (
-    ModernSchema,
-    Upstream,
-    modern_body,
-    modern_headers,
-    post_and_leave,
-    read_messages,
-)
+from tests.support.clients import post_and_leave
+from tests.support.processes import Upstream
+from tests.support.schemas import ModernSchema
+from tests.support.waiting import until
+from tests.support.wire import modern_body, modern_headers, read_messages
 
 Client = TestClient[web.Request, web.Application]
 
@@ -231,12 +228,15 @@ async def cancelled_upstream_ids(proxy: Client, schema: ModernSchema) -> list[An
     return ids
 
 
-async def test_client_disconnect_cancels_the_upstream_call(proxy: Client, modern_schema: ModernSchema) -> None:
+async def test_client_disconnect_cancels_the_upstream_call(
+    proxy: Client, upstream: Upstream, modern_schema: ModernSchema
+) -> None:
     before = await cancelled_upstream_ids(proxy, modern_schema)
     await post_and_leave(
         proxy,
         modern_body("tools/call", {"name": "sleep", "arguments": {"seconds": 30}}),
         modern_headers("tools/call", "sleep"),
+        upstream.url,
     )
     await wait_for_new_cancellation(proxy, modern_schema, before)
 
@@ -257,10 +257,11 @@ async def test_closing_a_progress_stream_cancels_the_upstream_call(proxy: Client
 
 
 async def wait_for_new_cancellation(proxy: Client, schema: ModernSchema, before: list[Any]) -> None:
-    deadline = asyncio.get_running_loop().time() + 10
-    while len(await cancelled_upstream_ids(proxy, schema)) <= len(before):
-        assert asyncio.get_running_loop().time() < deadline, "the upstream never saw notifications/cancelled"
-        await asyncio.sleep(0.1)
+
+    async def seen() -> bool:
+        return len(await cancelled_upstream_ids(proxy, schema)) > len(before)
+
+    await until(seen, "the upstream never saw notifications/cancelled")
 
 
 # --- upstream sessions --------------------------------------------------------------------------------

@@ -17,7 +17,10 @@ from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.cli import main
-from tests.conftest import TASKS, ProxyProcess, Upstream, free_port, modern_body, modern_headers, parse_sse
+from tests.support.processes import ProxyProcess, Upstream, free_port
+from tests.support.sdk import calls_started, until_started_upstream
+from tests.support.waiting import until
+from tests.support.wire import TASKS, modern_body, modern_headers, parse_sse
 
 Client = TestClient[web.Request, web.Application]
 DECLARING: dict[str, Any] = {"extensions": {TASKS: {}}}
@@ -82,10 +85,11 @@ async def test_readiness_follows_the_upstream(make_proxy: Callable[..., Any], ow
     assert any(reason.startswith("upstream:") for reason in body["reasons"])
     assert (await client.get("/healthz")).status == 200  # alive all the same: no restart loop
     own_upstream.start(port)
-    deadline = asyncio.get_running_loop().time() + 10
-    while (await client.get("/readyz")).status != 200:
-        assert asyncio.get_running_loop().time() < deadline, "readiness never came back"
-        await asyncio.sleep(0.1)
+
+    async def ready_again() -> bool:
+        return (await client.get("/readyz")).status == 200
+
+    await until(ready_again, "readiness never came back")
 
 
 # --- metrics ----------------------------------------------------------------------------------------------
@@ -116,10 +120,11 @@ async def test_metrics_count_requests_tasks_upstream_and_store(
     await call(client, url, "sleep", {"seconds": 0}, capabilities={"extensions": {TASKS: {}}})
     await call(client, url, "raise_error", {"message": "x", "code": -32000})
     await client.post("/mcp", data=b"{not json", headers=modern_headers("tools/call"))
-    deadline = asyncio.get_running_loop().time() + 10
-    while (await task_get(client, url, task_id))["result"]["status"] != "completed":
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.05)
+
+    async def completed() -> bool:
+        return bool((await task_get(client, url, task_id))["result"]["status"] == "completed")
+
+    await until(completed, "the task never completed")
     response = await client.get("/metrics")
     assert response.headers["Content-Type"].startswith("text/plain")
     found = samples(await response.text())
@@ -175,8 +180,9 @@ async def test_sigterm_lets_a_sync_call_finish_within_the_drain_and_keeps_a_long
         headers={"Authorization": "Bearer ops-secret-token"},
     )
     task_id = created["result"]["taskId"]
+    before = await calls_started(own_upstream.url, "sleep")
     sync_call = asyncio.get_running_loop().create_task(call(http, first.url, "sleep", {"seconds": 1.5}))
-    await asyncio.sleep(0.5)  # the sync call is running upstream
+    await until_started_upstream(own_upstream.url, "sleep", before)  # the sync call is running upstream
     exit_code = await first.terminate()
     finished = await sync_call
     assert finished["result"]["content"][0]["text"] == "slept 1.5"  # completed within the drain
@@ -221,8 +227,9 @@ async def test_sigterm_cancels_a_sync_call_that_outlives_the_drain_and_the_grace
     )
     processes.append(proxy)
     await proxy.start()
+    before = await calls_started(own_upstream.url, "sleep")
     sync_call = asyncio.get_running_loop().create_task(call(http, proxy.url, "sleep", {"seconds": 30}))
-    await asyncio.sleep(0.5)
+    await until_started_upstream(own_upstream.url, "sleep", before)
     started = asyncio.get_running_loop().time()
     assert await proxy.terminate() == 0
     assert asyncio.get_running_loop().time() - started < 15  # not the 30 s of the call
@@ -249,10 +256,11 @@ async def test_tasks_cli_reads_a_live_database(
     )
     created = await call(client, "/mcp", "echo", {"text": "cli"}, capabilities=DECLARING)
     task_id = created["result"]["taskId"]
-    deadline = asyncio.get_running_loop().time() + 10
-    while (await task_get(client, "/mcp", task_id))["result"]["status"] != "completed":
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.05)
+
+    async def completed() -> bool:
+        return bool((await task_get(client, "/mcp", task_id))["result"]["status"] == "completed")
+
+    await until(completed, "the task never completed")
     capsys.readouterr()
     assert await asyncio.to_thread(main, ["tasks", "show", task_id, "--db", str(database)]) == 0
     shown = json.loads(capsys.readouterr().out)

@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
 
-from tests.conftest import DECLARING, ClientFactory, SchemaValidator, Tasks, modern_body, modern_headers, policies
-from tests.test_flow_listen import SUBSCRIPTION_ID, sse_messages
+from tests.support.clients import ClientFactory, Tasks
+from tests.support.schemas import SchemaValidator
+from tests.support.wire import DECLARING, SUBSCRIPTION_ID, modern_body, modern_headers, policies, sse_messages
 
 ELICIT_TASKS: dict[str, Any] = {**DECLARING, "elicitation": {}}
 ARRIVAL_BOUND_MS = 100

@@ -22,18 +22,11 @@ import pytest
 
 from proxy.tasks.replicas import TAKEN_OVER, TAKEN_OVER_RERUN
 from tests import pg
-from tests.cluster import Cluster, Replica, RoundRobin, client
-from tests.conftest import (
-    DECLARING,
-    ModernSchema,
-    SchemaValidator,
-    Tasks,
-    modern_body,
-    modern_headers,
-    read_messages,
-    result_text,
-)
-from tests.test_flow_listen import sse_messages
+from tests.support.clients import Tasks
+from tests.support.cluster import Cluster, Replica, RoundRobin, client
+from tests.support.schemas import ModernSchema, SchemaValidator
+from tests.support.waiting import until
+from tests.support.wire import DECLARING, modern_body, modern_headers, read_messages, result_text, sse_messages
 
 LEASE_SECONDS = 3.0
 ELICIT: dict[str, Any] = {"elicitation": {}}
@@ -80,17 +73,6 @@ def clients(
         return client(session, replicas, modern_schema, tasks_schema)
 
     return make
-
-
-async def until(check: Callable[[], Any], what: str, timeout_seconds: float = 15) -> Any:
-    """Poll the coroutine function `check` until it returns something truthy, within the deadline."""
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        value = await check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"not within {timeout_seconds} s: {what}"
-        await asyncio.sleep(0.05)
 
 
 async def cancelled_upstream_calls(pinned: Tasks) -> int:
@@ -295,14 +277,11 @@ async def test_kill_9_of_a_replica_with_100_tasks_in_flight(
     doomed = [task_id for task_id, (replica, _) in created.items() if replica == 0]
     assert len(doomed) >= 33
     cluster.replicas[0].signal(signal.SIGKILL)
-    killed_at = time.monotonic()
 
     def resolved(records: dict[str, dict[str, Any]]) -> bool:
         return all(row["status"] in TERMINAL or row["status_message"] == TAKEN_OVER_RERUN for row in records.values())
 
-    while not resolved(cluster.records(doomed)):
-        assert time.monotonic() - killed_at < LEASE_SECONDS + 5, "the survivors did not take over in time"
-        await asyncio.sleep(0.05)
+    await until(lambda: resolved(cluster.records(doomed)), "the survivors did not take over in time", LEASE_SECONDS + 5)
     survivors, _ = clients(cluster, [1, 2])
     for task_id, (_, tool) in created.items():  # nothing lost: every task answers on the survivors
         task = await survivors.task(task_id)
@@ -347,9 +326,11 @@ async def test_a_replica_paused_past_its_lease_writes_nothing_to_tasks_it_no_lon
     cluster.replicas[0].signal(signal.SIGSTOP)
     stopped_at = time.monotonic()
     try:
-        while {row["owner"] for row in cluster.records(task_ids).values()} & paused_owner:
-            assert time.monotonic() - stopped_at < LEASE_SECONDS + 5, "the survivors did not take over in time"
-            await asyncio.sleep(0.05)
+
+        def taken_over() -> bool:
+            return not {row["owner"] for row in cluster.records(task_ids).values()} & paused_owner
+
+        await until(taken_over, "the survivors did not take over in time", LEASE_SECONDS + 5)
         assert time.monotonic() - stopped_at > 1  # longer than its upstream calls: their results wait for it
     finally:
         cluster.replicas[0].signal(signal.SIGCONT)

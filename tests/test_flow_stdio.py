@@ -17,31 +17,13 @@ from typing import Any
 
 import pytest
 
-from proxy.app import UPSTREAM
-from proxy.upstream.stdio_session import StdioSession
-from tests.conftest import (
-    DECLARING,
-    ROOT,
-    ModernSchema,
-    SchemaValidator,
-    Tasks,
-    Upstream,
-    modern_body,
-    modern_headers,
-    parse_sse,
-    policies,
-    result_text,
-)
+from tests.support.clients import Tasks
+from tests.support.processes import Upstream, stdio_sessions, stdio_upstream
+from tests.support.schemas import ModernSchema, SchemaValidator
+from tests.support.waiting import until
+from tests.support.wire import DECLARING, TASKING, modern_body, modern_headers, parse_sse, policies, result_text
 
-STDIO_FIXTURE = [sys.executable, "-m", "tests.upstream", "--stdio"]
 ELICIT: dict[str, Any] = {"elicitation": {}}
-TASKING: dict[str, Any] = {**DECLARING, "elicitation": {}}
-
-
-def stdio_upstream(command: list[str] | None = None, **fields: Any) -> dict[str, Any]:
-    """The `upstream` config section for a stdio server (the fixture by default), run from the repository root;
-    its start imports the mcp SDK, slow on a busy 2-core machine, hence the generous start timeout."""
-    return {"url": None, "command": command or STDIO_FIXTURE, "cwd": str(ROOT), "connect_timeout_seconds": 20, **fields}
 
 
 Start = Callable[..., Awaitable[Tasks]]
@@ -72,12 +54,6 @@ def start_proxy(
         return Tasks(client, modern_schema, tasks_schema)
 
     return start
-
-
-def stdio_sessions(client: Tasks) -> list[StdioSession]:
-    sessions = client.client.app[UPSTREAM].sessions()
-    assert all(isinstance(session, StdioSession) for session in sessions)
-    return [session for session in sessions if isinstance(session, StdioSession)]
 
 
 async def cancelled_ids(client: Tasks) -> list[int]:
@@ -148,10 +124,11 @@ async def test_a_cancelled_task_is_cancelled_upstream(start_proxy: Start) -> Non
     status, _ = await client.post("tasks/cancel", {"taskId": task_id})
     assert status == 200
     assert (await client.task(task_id))["status"] == "cancelled"
-    deadline = asyncio.get_running_loop().time() + 10
-    while len(await cancelled_ids(client)) <= len(before):  # notifications/cancelled reached the server
-        assert asyncio.get_running_loop().time() < deadline, "the upstream never saw notifications/cancelled"
-        await asyncio.sleep(0.05)
+
+    async def seen() -> bool:  # notifications/cancelled reached the server
+        return len(await cancelled_ids(client)) > len(before)
+
+    await until(seen, "the upstream never saw notifications/cancelled")
 
 
 async def test_an_upstream_killed_mid_task_fails_it_and_the_next_call_works(

@@ -1,6 +1,6 @@
 """End to end: durable tasks (SEP-2663) for a 2026-07-28 client in front of a real legacy upstream.
 
-Every task message the proxy sends is validated against shared/schema/tasks-extension-2026-07-28.schema.json.
+Every task message the proxy sends is validated against tests/schema/tasks-extension-2026-07-28.schema.json.
 Waiting is by polling with a deadline, never by a fixed sleep.
 """
 
@@ -18,24 +18,21 @@ import pytest
 from proxy.app import CONFIG, FRONT, STORE
 from proxy.policy import decide
 from proxy.tasks import waiting as waiting_module
+from proxy.tasks.request import UpstreamRequest
 from proxy.tasks.store import SqliteTaskStore
 from proxy.wire.envelope import Caller, validate_modern
-from tests.conftest import (
+from tests.support.clients import ClientFactory, Tasks, post_and_leave, upstream_calls_open
+from tests.support.processes import Upstream, key_file
+from tests.support.schemas import ModernSchema, SchemaValidator
+from tests.support.waiting import until
+from tests.support.wire import (
     DECLARING,
     TASKS,
-    ClientFactory,
-    ModernSchema,
-    SchemaValidator,
-    Tasks,
-    Upstream,
-    key_file,
     modern_body,
     modern_headers,
     parse_sse,
     policies,
-    post_and_leave,
     result_text,
-    upstream_calls_open,
 )
 
 # --- the decision: sync, task or -32021, from the policy and this request's declaration ---------------
@@ -129,6 +126,7 @@ async def test_wait_client_disconnect_cancels_the_upstream_call(
         client.client,
         modern_body("tools/call", {"name": "sleep", "arguments": {"seconds": 30}}),
         modern_headers("tools/call", "sleep"),
+        own_upstream.url,
     )
     await wait_for_upstream_cancellation(client)
     stats = await client.client.app[STORE].stats()
@@ -144,6 +142,7 @@ async def test_leaving_during_the_window_cancels_the_call_and_stores_nothing(
         client.client,
         modern_body("tools/call", {"name": "sleep", "arguments": {"seconds": 30}}, capabilities=DECLARING),
         modern_headers("tools/call", "sleep"),
+        own_upstream.url,
     )
     await wait_for_upstream_cancellation(client)
     assert (await client.client.app[STORE].stats())["records"] == 0
@@ -172,24 +171,26 @@ async def test_a_client_leaving_during_creation_leaves_no_orphan_record(tasks_cl
     decision = decide(app[CONFIG].tasks, "counted", declares_tasks=True)
     await client.text("echo", {"text": "warm"})  # the upstream session exists
     creating = asyncio.get_running_loop().create_task(
-        app[FRONT].calls.call(request, Caller(), Silent(), decision, None)
+        app[FRONT].calls.call(UpstreamRequest.of(request, Caller()), Caller(), Silent(), decision, None)
     )
     await asyncio.sleep(0)  # creation has begun
     creating.cancel()
     with pytest.raises(asyncio.CancelledError):
         await creating
-    deadline = asyncio.get_running_loop().time() + 10
-    while (await app[STORE].stats())["completed"] != 1:
-        assert asyncio.get_running_loop().time() < deadline, await app[STORE].stats()
-        await asyncio.sleep(0.05)
+
+    async def completed() -> bool:
+        return bool((await app[STORE].stats())["completed"] == 1)
+
+    await until(completed, "the orphaned call's task never completed")
     assert await client.text("call_count", {"key": "orphan"}) == "1"
 
 
 async def wait_for_upstream_cancellation(client: Tasks, count: int = 1) -> None:
-    deadline = asyncio.get_running_loop().time() + 10
-    while len(json.loads(await client.text("cancelled_requests", {}))) < count:
-        assert asyncio.get_running_loop().time() < deadline, "the upstream never saw notifications/cancelled"
-        await asyncio.sleep(0.05)
+
+    async def seen() -> bool:
+        return len(json.loads(await client.text("cancelled_requests", {}))) >= count
+
+    await until(seen, "the upstream never saw notifications/cancelled")
 
 
 # --- outcomes: a tool error completes, a JSON-RPC error fails -------------------------------------------
@@ -228,13 +229,12 @@ async def test_trace_context_and_principal_reach_the_upstream_from_a_task(tasks_
     client = await tasks_client(tasks=policies(whoami={"mode": "required"}))
     traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     task_id = await client.create("whoami", headers={"traceparent": traceparent, "Authorization": "Bearer traced"})
-    deadline = asyncio.get_running_loop().time() + 10
-    while True:
+
+    async def completed() -> dict[str, Any] | None:
         _, message = await client.get(task_id, headers={"Authorization": "Bearer traced"})
-        if message["result"]["status"] == "completed":
-            break
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.05)
+        return message if message["result"]["status"] == "completed" else None
+
+    message = await until(completed, "the task never completed")
     seen = json.loads(result_text(message["result"]))
     assert seen == {"authorization": "Bearer traced", "traceparent": traceparent}
 
@@ -285,10 +285,11 @@ async def test_cancel_while_the_upstream_post_is_in_flight_still_reaches_it(
     """Regression: a call abandoned before the upstream's response headers arrived was never cancelled."""
     client = await tasks_client(json_upstream.url, tasks=policies(counted={"mode": "required"}))
     task_id = await client.create("counted", {"key": "in-flight", "seconds": 30})
-    deadline = asyncio.get_running_loop().time() + 10
-    while await client.text("call_count", {"key": "in-flight"}) != "1":  # the upstream is running it
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.05)
+
+    async def running() -> bool:  # the upstream is running it
+        return await client.text("call_count", {"key": "in-flight"}) == "1"
+
+    await until(running, "the upstream never ran the call")
     await client.post("tasks/cancel", {"taskId": task_id})
     await wait_for_upstream_cancellation(client)
 
@@ -400,14 +401,15 @@ async def test_settled_task_stays_readable_for_its_ttl_then_goes(tasks_client: C
     client = await tasks_client(tasks=policies(echo={"mode": "required", "ttl_ms": 2000}))
     task_id = await client.create("echo", {"text": "x"})
     assert (await client.settled(task_id))["status"] == "completed"
-    deadline = asyncio.get_running_loop().time() + 10
-    while True:
+
+    async def gone() -> dict[str, Any] | None:
         _, message = await client.get(task_id)
         if "error" in message:
-            break
+            return message
         assert message["result"]["status"] == "completed"
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.1)
+        return None
+
+    message = await until(gone, "the task outlived its ttl")
     assert message["error"]["code"] == -32602
     assert await client.client.app[STORE].get(task_id) is None  # purged from the file too
 
@@ -486,11 +488,12 @@ async def test_restart_fails_or_reruns_interrupted_tasks(
     assert "restarted" in failed["statusMessage"]
     status, message = await second.get(rerun, headers={"Authorization": "Bearer a"})
     assert status == 200
-    deadline = asyncio.get_running_loop().time() + 15
-    while message["result"]["status"] != "completed":
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.1)
+
+    async def rerun_completed() -> dict[str, Any] | None:
         _, message = await second.get(rerun, headers={"Authorization": "Bearer a"})
+        return message if message["result"]["status"] == "completed" else None
+
+    message = await until(rerun_completed, "the re-run task never completed", 15)
     assert result_text(message["result"]) == "2"  # the call was sent again
     kept = await second.task(done)
     assert kept["status"] == "completed"  # nothing committed is lost

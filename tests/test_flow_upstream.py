@@ -8,7 +8,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from tests.conftest import Upstream, modern_body, modern_headers, read_messages
+from tests.support.processes import Upstream
+from tests.support.wire import modern_body, modern_headers, read_messages
 
 Client = TestClient[web.Request, web.Application]
 

@@ -15,11 +15,12 @@ import pytest
 
 from proxy.app import STORE
 from proxy.wire.tasks import TaskRecord
-from tests.conftest import DECLARING, TASKS, ClientFactory, Tasks, Upstream, policies, read_messages, result_text
 from tests.reference_server import EverythingServer
-from tests.test_upstream_legacy_tasks import connect, text
+from tests.support.clients import ClientFactory, Tasks
+from tests.support.processes import Upstream
+from tests.support.sdk import connect, text
+from tests.support.wire import ELICITING, TASKS, policies, read_messages, result_text
 
-ELICITING: dict[str, Any] = {**DECLARING, "elicitation": {}}
 TERMINAL = ("completed", "failed", "cancelled")
 
 

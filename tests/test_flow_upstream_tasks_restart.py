@@ -18,17 +18,11 @@ from typing import Any, cast
 import aiohttp
 import pytest
 
-from tests.conftest import (
-    Client,
-    ModernSchema,
-    ProxyProcess,
-    SchemaValidator,
-    Tasks,
-    Upstream,
-    result_text,
-)
 from tests.reference_server import EverythingServer
-from tests.test_flow_upstream_tasks import ELICITING
+from tests.support.clients import Client, Tasks
+from tests.support.processes import ProxyProcess, Upstream
+from tests.support.schemas import ModernSchema, SchemaValidator
+from tests.support.wire import ELICITING, result_text
 
 pytestmark = pytest.mark.faults
 

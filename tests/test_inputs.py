@@ -15,7 +15,7 @@ from itsdangerous import URLSafeSerializer
 from proxy.errors import InvalidParamsError
 from proxy.tasks import inputs
 from proxy.tasks.inputs import RequestStateSigner, StateClaims
-from tests.conftest import SCHEMA_DIR, SchemaValidator
+from tests.support.schemas import SCHEMA_DIR, SchemaValidator
 
 SECRET = b"k" * 32
 CLAIMS = StateClaims(

@@ -69,7 +69,6 @@ from proxy.tasks.commands import (
     WriteInputs,
     WriteProgress,
 )
-from proxy.tasks.followed import UPSTREAM_CANCELLED, FollowedTask
 from proxy.tasks.inputs import PendingInput
 from proxy.tasks.state import (
     CLIENT_LEFT,
@@ -79,6 +78,7 @@ from proxy.tasks.state import (
     TASK_REFUSED,
     CallState,
 )
+from proxy.tasks.upstream_task import UPSTREAM_CANCELLED, UpstreamTask
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
 from proxy.wire.legacy_tasks import LegacyTask
 from proxy.wire.tasks import TaskStatus, internal_error
@@ -131,13 +131,42 @@ def settled(status: TaskStatus, **fields: Any) -> Settle:
     return Settle(status, **fields)
 
 
+# --- preludes: the steps that bring a call to a state, named once and shared by the rows ----------------------
+
+Steps = list[tuple[Event, list[Command]]]
+
+SYNC_STARTED: Steps = [(Start(), [StartCall()])]
+SYNC_ASKED: Steps = [*SYNC_STARTED, (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)])]  # a question gathered
+SYNC_PARKING: Steps = [*SYNC_ASKED, (TimerFired(Timer.GATHER), [Park(1)])]  # its round is being parked
+SYNC_PARKED: Steps = [  # the client got the round (input_required) and the call waits for its retry
+    *SYNC_PARKING,
+    (
+        Parked(),
+        [Reply(ReplyInputRequired({"elicitation-1": ELICIT_REQUEST}, 1)), SetTimer(Timer.PARK, PARK_TTL_MS)],
+    ),
+]
+STORING: Steps = [(Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)])]  # a task's record being written first
+TASK_STARTED: Steps = [*STORING, (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)])]
+TASK_ASKING: Steps = [  # a running task whose question is written to its record (input_required)
+    *TASK_STARTED,
+    (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS), HoldSlot(False)]),
+    (TimerFired(Timer.GATHER), [WriteInputs({"elicitation-1": ELICIT_REQUEST}, 1)]),
+]
+WAIT_STARTED: Steps = [*STORING, (Committed("t1"), [StartCall(), HoldSlot(True)])]  # poll-to-sync, running
+WINDOW_STARTED: Steps = [(Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)])]
+WINDOW_OVER: Steps = [  # still running when the window closed: its record is being written
+    *WINDOW_STARTED,
+    (TimerFired(Timer.WINDOW), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+]
+
+
 PLAYBOOKS = [
     # --- synchronous calls -------------------------------------------------------------------------------
     Playbook(
         "a synchronous call answers with its result",
         SYNC_CALL,
         [
-            (Start(), [StartCall()]),
+            *SYNC_STARTED,
             (Ended(OK), [Reply(ReplyOutcome(OK))]),
         ],
         Mode.WAITING,
@@ -147,7 +176,7 @@ PLAYBOOKS = [
         "a JSON-RPC error and a lost upstream are the waiting client's answer too",
         SYNC,
         [
-            (Start(), [StartCall()]),
+            *SYNC_STARTED,
             (Ended(LOST), [Reply(ReplyOutcome(LOST))]),
         ],
         Mode.WAITING,
@@ -157,16 +186,7 @@ PLAYBOOKS = [
         "a question is an MRTR round; the retry's answer goes upstream and the call goes on",
         SYNC,
         [
-            (Start(), [StartCall()]),
-            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
-            (TimerFired(Timer.GATHER), [Park(1)]),
-            (
-                Parked(),
-                [
-                    Reply(ReplyInputRequired({"elicitation-1": ELICIT_REQUEST}, 1)),
-                    SetTimer(Timer.PARK, PARK_TTL_MS),
-                ],
-            ),
+            *SYNC_PARKED,
             (Resumed({"elicitation-1": ANSWER}), [Unpark(), ClearTimer(Timer.PARK), Answer(7, ANSWER)]),
             (Ended(OK), [Reply(ReplyOutcome(OK))]),
         ],
@@ -177,8 +197,7 @@ PLAYBOOKS = [
         "questions a retry left unanswered are asked again in the next round",
         SYNC,
         [
-            (Start(), [StartCall()]),
-            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
+            *SYNC_ASKED,
             (Asked(ROOTS), []),  # gathered with the first
             (TimerFired(Timer.GATHER), [Park(1)]),
             (
@@ -202,16 +221,7 @@ PLAYBOOKS = [
         "a call that ended while parked answers the retry with its outcome",
         SYNC,
         [
-            (Start(), [StartCall()]),
-            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
-            (TimerFired(Timer.GATHER), [Park(1)]),
-            (
-                Parked(),
-                [
-                    Reply(ReplyInputRequired({"elicitation-1": ELICIT_REQUEST}, 1)),
-                    SetTimer(Timer.PARK, PARK_TTL_MS),
-                ],
-            ),
+            *SYNC_PARKED,
             (Ended(OK), []),  # still parked: the retry gets the outcome
             (
                 Resumed({"elicitation-1": ANSWER}),
@@ -225,7 +235,7 @@ PLAYBOOKS = [
         "a question the client did not declare is refused upstream and the client gets -32021",
         SYNC,
         [
-            (Start(), [StartCall()]),
+            *SYNC_STARTED,
             (Asked(ROOTS), [Refuse("r1", "roots/list", "undeclared"), SetTimer(Timer.GATHER, GATHER_MS)]),
             (TimerFired(Timer.GATHER), [Reply(ReplyMissing({"roots": {}}))]),
             (Ended(OK), []),
@@ -238,7 +248,7 @@ PLAYBOOKS = [
         "a request that is not a question (an unknown method) is refused as not found",
         SYNC,
         [
-            (Start(), [StartCall()]),
+            *SYNC_STARTED,
             (
                 Asked(UpstreamServerRequest(3, "experimental/thing", None)),
                 [Refuse(3, "experimental/thing", "not_input")],
@@ -251,7 +261,7 @@ PLAYBOOKS = [
         "a question asked after the call ended is refused",
         SYNC,
         [
-            (Start(), [StartCall()]),
+            *SYNC_STARTED,
             (Ended(OK), [Reply(ReplyOutcome(OK))]),
             (Asked(ELICIT), [Refuse(7, "elicitation/create", "ended")]),
         ],
@@ -262,7 +272,7 @@ PLAYBOOKS = [
         "a client that leaves stops the call upstream",
         SYNC,
         [
-            (Start(), [StartCall()]),
+            *SYNC_STARTED,
             (ClientLeft(), [CancelCall(CLIENT_LEFT)]),
             (Asked(ELICIT), [Refuse(7, "elicitation/create", "ended")]),
         ],
@@ -273,9 +283,7 @@ PLAYBOOKS = [
         "beyond inputs.max_parked the questions are declined and the client gets the limit error",
         SYNC,
         [
-            (Start(), [StartCall()]),
-            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
-            (TimerFired(Timer.GATHER), [Park(1)]),
+            *SYNC_PARKING,
             (
                 ParkRefused(LIMIT),
                 [Reply(ReplyError(LIMIT)), Refuse(7, "elicitation/create", "detached")],
@@ -289,16 +297,7 @@ PLAYBOOKS = [
         "a parked call nobody resumes is cancelled upstream when its state expires",
         SYNC,
         [
-            (Start(), [StartCall()]),
-            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
-            (TimerFired(Timer.GATHER), [Park(1)]),
-            (
-                Parked(),
-                [
-                    Reply(ReplyInputRequired({"elicitation-1": ELICIT_REQUEST}, 1)),
-                    SetTimer(Timer.PARK, PARK_TTL_MS),
-                ],
-            ),
+            *SYNC_PARKED,
             (TimerFired(Timer.PARK), [Unpark(), CancelCall(PARKED_EXPIRED)]),
         ],
         Mode.DETACHED,
@@ -308,7 +307,7 @@ PLAYBOOKS = [
         "progress reaches a waiting client that asked for it",
         SYNC,
         [
-            (Start(), [StartCall()]),
+            *SYNC_STARTED,
             (Notified(PROGRESS, 0), [Relay({**PROGRESS, "params": {"progressToken": "mine", "progress": 1}})]),
         ],
         Mode.WAITING,
@@ -319,8 +318,7 @@ PLAYBOOKS = [
         "a task is committed before its call starts, and its result settles it",
         TASK,
         [
-            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
-            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            *TASK_STARTED,
             (Notified(PROGRESS, 1_000), [WriteProgress("1")]),
             (Notified(PROGRESS, 1_100), []),  # within 200 ms of the last write
             (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE), HoldSlot(False)]),
@@ -332,8 +330,7 @@ PLAYBOOKS = [
         "a JSON-RPC error fails the task with that error",
         TASK,
         [
-            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
-            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            *TASK_STARTED,
             (
                 Ended(RPC_ERROR),
                 [
@@ -353,7 +350,7 @@ PLAYBOOKS = [
         "a task refused by a limit never reaches the upstream",
         TASK,
         [
-            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            *STORING,
             (
                 CommitRefused(FULL),
                 [Reply(ReplyError(FULL))],
@@ -366,10 +363,7 @@ PLAYBOOKS = [
         "a task's questions go to its record, the slot is freed, and answers bring it back",
         TASK,
         [
-            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
-            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
-            (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS), HoldSlot(False)]),
-            (TimerFired(Timer.GATHER), [WriteInputs({"elicitation-1": ELICIT_REQUEST}, 1)]),
+            *TASK_ASKING,
             (Answered({"elicitation-1": ANSWER}), [Answer(7, ANSWER), WriteInputs({}, 1), HoldSlot(True)]),
         ],
         Mode.TASK,
@@ -379,8 +373,7 @@ PLAYBOOKS = [
         "an upstream asking more than MAX_OUTSTANDING_INPUTS at once is refused beyond it",
         TASK,
         [
-            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
-            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            *TASK_STARTED,
             (Asked(UpstreamServerRequest(0, "roots/list", None)), [SetTimer(Timer.GATHER, GATHER_MS), HoldSlot(False)]),
             *[(Asked(UpstreamServerRequest(n, "roots/list", None)), []) for n in range(1, MAX_OUTSTANDING_INPUTS)],
             (Asked(UpstreamServerRequest(99, "roots/list", None)), [Refuse(99, "roots/list", "too_many")]),
@@ -392,8 +385,7 @@ PLAYBOOKS = [
         "a task stopped from outside (cancel, expiry, shutdown) is abandoned upstream",
         TASK,
         [
-            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
-            (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
+            *TASK_STARTED,
             (Stop("cancelled by the client"), [CancelCall("cancelled by the client"), HoldSlot(False)]),
             (Ended(OK), []),  # abandoned: how its stream ended changes nothing
         ],
@@ -404,7 +396,7 @@ PLAYBOOKS = [
         "a client that leaves while its task is stored does not stop the task",
         TASK,
         [
-            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            *STORING,
             (ClientLeft(), []),
             (Committed("t1"), [StartCall(), HoldSlot(True)]),
         ],
@@ -424,7 +416,7 @@ PLAYBOOKS = [
         "a call that ends within the window is an ordinary result",
         WINDOW,
         [
-            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            *WINDOW_STARTED,
             (Ended(OK), [ClearTimer(Timer.WINDOW), Reply(ReplyOutcome(OK))]),
         ],
         Mode.WAITING,
@@ -434,8 +426,7 @@ PLAYBOOKS = [
         "a call still running after the window becomes a task continuing the same call",
         WINDOW,
         [
-            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
-            (TimerFired(Timer.WINDOW), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            *WINDOW_OVER,
             (Committed("t1"), [Reply(ReplyTask()), HoldSlot(True)]),
             (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE), HoldSlot(False)]),
         ],
@@ -446,7 +437,7 @@ PLAYBOOKS = [
         "a question during the window makes the call a task at once, carrying the question",
         WINDOW,
         [
-            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            *WINDOW_STARTED,
             (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
             (
                 TimerFired(Timer.GATHER),
@@ -464,8 +455,7 @@ PLAYBOOKS = [
         "a call that ends while its record is written settles the new task at once",
         WINDOW,
         [
-            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
-            (TimerFired(Timer.WINDOW), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            *WINDOW_OVER,
             (Ended(OK), []),
             (
                 Committed("t1"),
@@ -479,8 +469,7 @@ PLAYBOOKS = [
         "a window call whose task cannot be created is stopped and the client gets the error",
         WINDOW,
         [
-            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
-            (TimerFired(Timer.WINDOW), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            *WINDOW_OVER,
             (
                 CommitRefused(BROKEN),
                 [Reply(ReplyError(BROKEN)), CancelCall(TASK_REFUSED)],
@@ -494,8 +483,7 @@ PLAYBOOKS = [
         "poll-to-sync runs an internal task and answers the waiting client with its outcome",
         WAIT,
         [
-            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
-            (Committed("t1"), [StartCall(), HoldSlot(True)]),
+            *WAIT_STARTED,
             (Notified(PROGRESS, 0), [Relay({**PROGRESS, "params": {"progressToken": "mine", "progress": 1}})]),
             (
                 Ended(OK),
@@ -513,7 +501,7 @@ PLAYBOOKS = [
         "a poll-to-sync client that leaves while its task is stored leaves nobody to read it: cancelled",
         WAIT,
         [
-            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            *STORING,
             (ClientLeft(), []),
             (Committed("t1"), [settled(TaskStatus.CANCELLED, status_message=CLIENT_LEFT)]),
         ],
@@ -524,8 +512,7 @@ PLAYBOOKS = [
         "a poll-to-sync client told it lacks a capability leaves its task cancelled",
         WAIT,
         [
-            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
-            (Committed("t1"), [StartCall(), HoldSlot(True)]),
+            *WAIT_STARTED,
             (Asked(ROOTS), [Refuse("r1", "roots/list", "undeclared"), SetTimer(Timer.GATHER, GATHER_MS)]),
             (
                 TimerFired(Timer.GATHER),
@@ -545,8 +532,7 @@ PLAYBOOKS = [
         "a poll-to-sync task expired from outside tells its waiting client why",
         WAIT,
         [
-            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
-            (Committed("t1"), [StartCall(), HoldSlot(True)]),
+            *WAIT_STARTED,
             (
                 Stop("expired", {"code": -32603, "message": "expired"}),
                 [
@@ -564,7 +550,7 @@ PLAYBOOKS = [
         "resolve-input-first asks in MRTR rounds, then the resumed call becomes a task after a window",
         INPUT_FIRST,
         [
-            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            *WINDOW_STARTED,
             (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
             (TimerFired(Timer.GATHER), [ClearTimer(Timer.WINDOW), Park(1)]),
             (
@@ -588,7 +574,7 @@ PLAYBOOKS = [
         "a required tool that resolved its input and ended within the window still answers with a task",
         INPUT_FIRST,
         [
-            (Start(), [StartCall(), SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            *WINDOW_STARTED,
             (Ended(OK), [ClearTimer(Timer.WINDOW), CreateRecord(TaskStatus.WORKING, {}, 0)]),
             (
                 Committed("t1"),
@@ -603,21 +589,8 @@ PLAYBOOKS = [
 
 # --- from other replicas of a shared store ---------------------------------------------------------------------
 
-TASK_STARTED: list[tuple[Event, list[Command]]] = [
-    (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
-    (Committed("t1"), [StartCall(), Reply(ReplyTask()), HoldSlot(True)]),
-]
-TASK_ASKING: list[tuple[Event, list[Command]]] = [
-    *TASK_STARTED,
-    (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS), HoldSlot(False)]),
-    (TimerFired(Timer.GATHER), [WriteInputs({"elicitation-1": ELICIT_REQUEST}, 1)]),
-]
 CANCELLED = "cancelled by the client"
 EXPIRED = {"code": -32603, "message": "expired"}
-WAIT_STARTED: list[tuple[Event, list[Command]]] = [
-    (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
-    (Committed("t1"), [StartCall(), HoldSlot(True)]),
-]
 
 PLAYBOOKS += [
     Playbook(
@@ -724,7 +697,7 @@ PLAYBOOKS += [
         "a lease lost while the record is committed: the client is told and the call never starts",
         TASK,
         [
-            (Start(), [CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            *STORING,
             (LeaseLost(), [Reply(ReplyOutcome(UpstreamErrorResponse(internal_error(LEASE_LOST))))]),
             (Committed("t1"), []),
         ],
@@ -877,11 +850,19 @@ def status(state: str, message: str | None = None) -> Notified:
     return Notified({"jsonrpc": "2.0", "method": "notifications/tasks/status", "params": params}, 0.0)
 
 
-CREATED_AND_STORED: list[tuple[Event, list[Command]]] = [
-    (Start(), [START_UPSTREAM]),
+UP_STARTED: Steps = [(Start(), [START_UPSTREAM])]  # the call sent to the upstream as a task
+UP_TASK_STARTED: Steps = [  # the upstream created its task, then the proxy's record
+    *UP_STARTED,
     (CREATED, [*FOLLOWING, record_of_upstream()]),
     (Committed("t1"), [Reply(ReplyTask()), HoldSlot(True)]),
 ]
+UP_WAIT_STARTED: Steps = [  # poll-to-sync on the upstream's task, its record written
+    *UP_STARTED,
+    (CREATED, [*FOLLOWING, record_of_upstream()]),
+    (Committed("t1"), [HoldSlot(True)]),
+]
+UP_WINDOW_STARTED: Steps = [*UP_STARTED, (CREATED, [*FOLLOWING, SetTimer(Timer.WINDOW, WINDOW_MS)])]
+
 LOST_TASK = {
     "code": -32603,
     "message": "Upstream task lost: the upstream no longer knows this task (or the session it ran in)",
@@ -902,7 +883,7 @@ UPSTREAM_PLAYBOOKS = [
         "the upstream creates its task, then the record (within its ttl); a tool result from tasks/result completes it",
         UP_TASK,
         [
-            *CREATED_AND_STORED,
+            *UP_TASK_STARTED,
             (status("working", "Analyzing"), [WriteProgress("Analyzing"), SetTimer(Timer.POLL, POLL_MS)]),
             (status("working", "Analyzing"), [SetTimer(Timer.POLL, POLL_MS)]),  # nothing new to write
             (Notified(PROGRESS, 1.0), []),  # the upstream's own statusMessage says more than its progress
@@ -916,7 +897,7 @@ UPSTREAM_PLAYBOOKS = [
         "an upstream silent for its pollInterval is asked with tasks/get, again when that fails",
         UP_TASK,
         [
-            *CREATED_AND_STORED,
+            *UP_TASK_STARTED,
             (TimerFired(Timer.POLL), [PollUpstreamTask()]),
             (UpstreamTaskPolled(None), [SetTimer(Timer.POLL, POLL_MS)]),
             (TimerFired(Timer.POLL), [PollUpstreamTask()]),
@@ -932,7 +913,7 @@ UPSTREAM_PLAYBOOKS = [
         "a tool error is a completed task with isError, even when the upstream called it failed",
         UP_TASK,
         [
-            *CREATED_AND_STORED,
+            *UP_TASK_STARTED,
             (status("failed", "tool failed"), [WriteProgress("tool failed")]),
             (
                 Ended(TOOL_ERROR),
@@ -950,7 +931,7 @@ UPSTREAM_PLAYBOOKS = [
         "a JSON-RPC error of a task not known to have ended is read after its status is asked",
         UP_TASK,
         [
-            *CREATED_AND_STORED,
+            *UP_TASK_STARTED,
             (Ended(UpstreamErrorResponse(FAILED_ERROR)), [PollUpstreamTask()]),
             (
                 UpstreamTaskPolled(LegacyTask("up-1", "failed", "boom")),
@@ -964,7 +945,7 @@ UPSTREAM_PLAYBOOKS = [
         "the mcp 1.x SDK's empty answer for a failed task is a failure with its statusMessage",
         UP_TASK,
         [
-            *CREATED_AND_STORED,
+            *UP_TASK_STARTED,
             (status("failed", "boom"), [WriteProgress("boom")]),
             (Ended(EMPTY), [ClearTimer(Timer.POLL), failed_with(FAILED_ERROR), HoldSlot(False)]),
         ],
@@ -975,7 +956,7 @@ UPSTREAM_PLAYBOOKS = [
         "an empty answer for a completed task is an empty result",
         UP_TASK,
         [
-            *CREATED_AND_STORED,
+            *UP_TASK_STARTED,
             (status("completed"), []),
             (
                 Ended(EMPTY),
@@ -993,7 +974,7 @@ UPSTREAM_PLAYBOOKS = [
         "a task the upstream cancelled is cancelled",
         UP_TASK,
         [
-            *CREATED_AND_STORED,
+            *UP_TASK_STARTED,
             (status("cancelled"), []),
             (
                 Ended(RPC_ERROR),
@@ -1011,7 +992,7 @@ UPSTREAM_PLAYBOOKS = [
         "a task the upstream no longer knows fails, and its tasks/result is let go",
         UP_TASK,
         [
-            *CREATED_AND_STORED,
+            *UP_TASK_STARTED,
             (
                 UpstreamTaskPolled(None, known=False),
                 [ReleaseCall(), ClearTimer(Timer.POLL), failed_with(LOST_TASK), HoldSlot(False)],
@@ -1024,7 +1005,7 @@ UPSTREAM_PLAYBOOKS = [
         "a question on tasks/result is an inputRequest; its upstream id is kept and the answer goes there",
         UP_TASK,
         [
-            *CREATED_AND_STORED,
+            *UP_TASK_STARTED,
             (Asked(ELICIT_IN_TASK), [SetTimer(Timer.GATHER, GATHER_MS), HoldSlot(False)]),
             (TimerFired(Timer.GATHER), [WriteInputs({"elicitation-1": ELICIT_REQUEST}, 1, {"elicitation-1": "q-1"})]),
             (Answered({"elicitation-1": ANSWER}), [Answer("q-1", ANSWER), WriteInputs({}, 1, {}), HoldSlot(True)]),
@@ -1036,7 +1017,7 @@ UPSTREAM_PLAYBOOKS = [
         "tasks/cancel of the proxy's task is tasks/cancel upstream",
         UP_TASK,
         [
-            *CREATED_AND_STORED,
+            *UP_TASK_STARTED,
             (Stop("cancelled"), [ClearTimer(Timer.POLL), CancelUpstreamTask("cancelled"), HoldSlot(False)]),
         ],
         Mode.DETACHED,
@@ -1046,7 +1027,7 @@ UPSTREAM_PLAYBOOKS = [
         "a shutdown leaves the upstream's task running (and its session open) for the next start",
         UP_TASK,
         [
-            *CREATED_AND_STORED,
+            *UP_TASK_STARTED,
             (ShutDown("stopping"), [ClearTimer(Timer.POLL), ReleaseCall(keep_session=True), HoldSlot(False)]),
         ],
         Mode.DETACHED,
@@ -1056,7 +1037,7 @@ UPSTREAM_PLAYBOOKS = [
         "a lost lease leaves the upstream's task running, to be followed again if the task is still this replica's",
         UP_TASK,
         [
-            *CREATED_AND_STORED,
+            *UP_TASK_STARTED,
             (LeaseLost(), [ClearTimer(Timer.POLL), ReleaseCall(keep_session=True), HoldSlot(False)]),
             (status("working", "Still at it"), []),  # nothing more is written for it
         ],
@@ -1067,9 +1048,7 @@ UPSTREAM_PLAYBOOKS = [
         "a shutdown cancels a poll-to-sync task the upstream runs: nobody could read it afterwards",
         UP_WAIT,
         [
-            (Start(), [START_UPSTREAM]),
-            (CREATED, [*FOLLOWING, record_of_upstream()]),
-            (Committed("t1"), [HoldSlot(True)]),
+            *UP_WAIT_STARTED,
             (
                 ShutDown("stopping"),
                 [
@@ -1087,9 +1066,7 @@ UPSTREAM_PLAYBOOKS = [
         "poll-to-sync: the client is answered with the outcome of the upstream's task",
         UP_WAIT,
         [
-            (Start(), [START_UPSTREAM]),
-            (CREATED, [*FOLLOWING, record_of_upstream()]),
-            (Committed("t1"), [HoldSlot(True)]),
+            *UP_WAIT_STARTED,
             (Asked(ELICIT_IN_TASK), [Refuse("q-1", "elicitation/create", "undeclared")]),  # the task goes on
             (
                 Ended(OK),
@@ -1109,8 +1086,7 @@ UPSTREAM_PLAYBOOKS = [
         "a window call of the upstream's task that ends within the window answers synchronously",
         UP_WINDOW,
         [
-            (Start(), [START_UPSTREAM]),
-            (CREATED, [*FOLLOWING, SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            *UP_WINDOW_STARTED,
             (Ended(OK), [ClearTimer(Timer.WINDOW), ClearTimer(Timer.POLL), Reply(ReplyOutcome(OK))]),
         ],
         Mode.WAITING,
@@ -1120,8 +1096,7 @@ UPSTREAM_PLAYBOOKS = [
         "a window call still running after the window becomes the proxy's task, carrying the upstream's id",
         UP_WINDOW,
         [
-            (Start(), [START_UPSTREAM]),
-            (CREATED, [*FOLLOWING, SetTimer(Timer.WINDOW, WINDOW_MS)]),
+            *UP_WINDOW_STARTED,
             (TimerFired(Timer.WINDOW), [record_of_upstream()]),
             (Committed("t1"), [Reply(ReplyTask()), HoldSlot(True)]),
         ],
@@ -1132,7 +1107,7 @@ UPSTREAM_PLAYBOOKS = [
         "a question before the upstream's task exists waits for its id to make the record",
         UP_WINDOW,
         [
-            (Start(), [START_UPSTREAM]),
+            *UP_STARTED,
             (Asked(ELICIT), [SetTimer(Timer.GATHER, GATHER_MS)]),
             (TimerFired(Timer.GATHER), []),
             (
@@ -1154,7 +1129,7 @@ UPSTREAM_PLAYBOOKS = [
     Playbook(
         "an upstream that answers the task-augmented call with a plain result answers the client with it",
         UP_TASK,
-        [(Start(), [START_UPSTREAM]), (Ended(OK), [Reply(ReplyOutcome(OK))])],
+        [*UP_STARTED, (Ended(OK), [Reply(ReplyOutcome(OK))])],
         Mode.WAITING,
         finished=True,
     ),
@@ -1162,7 +1137,7 @@ UPSTREAM_PLAYBOOKS = [
         "a task the upstream created after its call was abandoned is cancelled there",
         UP_WINDOW,
         [
-            (Start(), [START_UPSTREAM]),
+            *UP_STARTED,
             (ClientLeft(), [CancelCall(CLIENT_LEFT)]),
             (CREATED, [CancelUpstreamTask(CLIENT_LEFT)]),
         ],
@@ -1179,7 +1154,7 @@ def test_upstream_task_playbook(playbook: Playbook) -> None:
 
 def test_after_a_restart_the_upstreams_task_is_followed_again_with_its_questions() -> None:
     state = CallState(UP_TASK, EVERY_INPUT, GATHER_MS, PARK_TTL_MS, task_id="t1")
-    state.upstream_task = FollowedTask("up-1")
+    state.upstream_task = UpstreamTask("up-1")
     state.inputs = {"elicitation-1": PendingInput("q-1", "elicitation/create", ELICIT_REQUEST)}
     state.inputs_written = False
     state.issued = 1

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from proxy.upstream.passthrough import BUFFERED_BODY_MAX_BYTES
+from proxy.legacy.passthrough import BUFFERED_BODY_MAX_BYTES
 
 LEGACY_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
 BIG = BUFFERED_BODY_MAX_BYTES + 12_345

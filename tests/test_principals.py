@@ -20,19 +20,10 @@ import structlog.testing
 from proxy.app import create_app
 from proxy.config import ConfigError, load_config
 from proxy.principals import Principals, SealError, deployment_key
-from tests.conftest import (
-    ModernSchema,
-    SchemaValidator,
-    Tasks,
-    Upstream,
-    key_file,
-    modern_body,
-    modern_headers,
-    policies,
-    proxy_config,
-    read_messages,
-    upstream_calls_open,
-)
+from tests.support.clients import Tasks, upstream_calls_open
+from tests.support.processes import Upstream, key_file, proxy_config
+from tests.support.schemas import ModernSchema, SchemaValidator
+from tests.support.wire import modern_body, modern_headers, policies, read_messages
 
 KEY = b"k" * 32
 URL = "http://127.0.0.1:9/mcp"

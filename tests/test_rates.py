@@ -1,10 +1,10 @@
-"""upstream/rates.py: token bucket, stderr line sampler and restart backoff, driven by explicit times (no loop)."""
+"""upstream/stdio/rates.py: token bucket, stderr line sampler and restart backoff, driven by explicit times."""
 
 from __future__ import annotations
 
 import pytest
 
-from proxy.upstream.rates import Backoff, LineSampler, TokenBucket
+from proxy.upstream.stdio.rates import Backoff, LineSampler, TokenBucket
 
 
 def test_the_bucket_allows_a_burst_then_refills_at_its_rate() -> None:

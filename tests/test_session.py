@@ -1,19 +1,23 @@
-"""upstream/session.py: the proxy's own upstream sessions, against a real legacy server (no mocks)."""
+"""upstream/http/: the proxy's own Streamable HTTP sessions, against a real legacy server (no mocks)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
-from proxy.config import UpstreamConfig
-from proxy.errors import UpstreamError
-from proxy.upstream.kinds import principal_key
-from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.session import UpstreamLink
-from tests.conftest import Upstream
+from proxy.config import HttpUpstreamConfig
+from proxy.errors import UpstreamRefusedError, UpstreamSessionGoneError, UpstreamUnreachableError
+from proxy.upstream.http.kind import HttpKind
+from proxy.upstream.pool import SessionPool
+from proxy.upstream.session import principal_key
+from tests.support.processes import Upstream
+from tests.support.waiting import until
 
 
 @pytest.fixture
@@ -22,9 +26,9 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-def make_client(upstream: Upstream, http: aiohttp.ClientSession, max_sessions: int = 8) -> UpstreamClient:
-    return UpstreamClient(
-        UpstreamLink(UpstreamConfig(url=upstream.url, max_sessions=max_sessions), http, "authorization", None)
+def make_client(upstream: Upstream, http: aiohttp.ClientSession, max_sessions: int = 8) -> SessionPool:
+    return SessionPool(
+        HttpKind(HttpUpstreamConfig(url=upstream.url, max_sessions=max_sessions), http, "authorization", None)
     )
 
 
@@ -54,17 +58,14 @@ async def test_idle_sessions_are_evicted_busy_ones_kept(upstream: Upstream, http
         assert client.idle_sessions == 1
         async for _ in running.events():
             pass
-    deadline = asyncio.get_running_loop().time() + 5
-    while second.session_id is not None:  # ended with DELETE
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.02)
+    await until(lambda: second.session_id is None, "the evicted session was not ended with DELETE", 5)
     await client.close()
 
 
-async def test_unreachable_upstream_is_an_upstream_error(http: aiohttp.ClientSession) -> None:
-    config = UpstreamConfig(url="http://127.0.0.1:9/mcp", connect_timeout_seconds=1)
-    client = UpstreamClient(UpstreamLink(config, http, "authorization", None))
-    with pytest.raises(UpstreamError, match="unavailable"):
+async def test_unreachable_upstream_is_an_unreachable_error(http: aiohttp.ClientSession) -> None:
+    config = HttpUpstreamConfig(url="http://127.0.0.1:9/mcp", connect_timeout_seconds=1)
+    client = SessionPool(HttpKind(config, http, "authorization", None))
+    with pytest.raises(UpstreamUnreachableError, match="unavailable"):
         await client.session(None).ensure_initialized()
     await client.close()
 
@@ -75,3 +76,118 @@ def test_principal_keys_are_hashes() -> None:
     assert "secret" not in key
     assert len(key) == 64
     assert key != principal_key("Bearer other")
+
+
+async def refusing_upstream(request: web.Request) -> web.Response:
+    """A stateless server that initializes, then refuses `tools/list` as an unknown session would (400) and
+    `prompts/list` with a plain server error (500), neither with a JSON-RPC answer."""
+    message = await request.json()
+    if message.get("method") == "initialize":
+        result = {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "serverInfo": {"name": "refusing", "version": "1"},
+        }
+        return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": result})
+    if "id" not in message:
+        return web.Response(status=202)
+    return web.Response(status=400 if message["method"] == "tools/list" else 500, text="no")
+
+
+async def test_a_refusal_says_by_its_type_whether_the_upstream_forgot_the_session(
+    http: aiohttp.ClientSession,
+) -> None:
+    app = web.Application()
+    app.router.add_post("/mcp", refusing_upstream)
+    async with TestServer(app, host="127.0.0.1") as server:
+        client = SessionPool(
+            HttpKind(HttpUpstreamConfig(url=str(server.make_url("/mcp"))), http, "authorization", None)
+        )
+        session = client.session(None)
+        with pytest.raises(UpstreamSessionGoneError, match="HTTP 400"):
+            await session.request("tools/list", None)
+        with pytest.raises(UpstreamRefusedError, match="HTTP 500") as refused:
+            await session.request("prompts/list", None)
+        assert not isinstance(refused.value, UpstreamSessionGoneError)
+        await client.close()
+
+
+STOP: web.AppKey[asyncio.Event] = web.AppKey("stop", asyncio.Event)
+
+
+class Inbox:
+    """A listen stream's inbox: what the session's GET stream delivered."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, object]] = []
+
+    def offer(self, message: dict[str, object] | None) -> None:
+        if message is not None:
+            self.messages.append(message)
+
+    def texts(self) -> list[object]:
+        return [message["params"]["data"] for message in self.messages]  # type: ignore[index]
+
+
+def get_stream_upstream(big_bytes: int) -> web.Application:
+    """A stateful server whose first GET stream sends one notification of `big_bytes` and stays open; every
+    later GET stream sends `reconnected` (so whether the proxy read the stream again is visible)."""
+    opened: list[int] = []
+
+    async def post(request: web.Request) -> web.Response:
+        message = await request.json()
+        if message.get("method") == "initialize":
+            result = {"protocolVersion": "2025-11-25", "capabilities": {}, "serverInfo": {"name": "s", "version": "1"}}
+            response = {"jsonrpc": "2.0", "id": message["id"], "result": result}
+            return web.json_response(response, headers={"Mcp-Session-Id": "kept-session"})
+        return web.Response(status=202)
+
+    async def get(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Mcp-Session-Id") != "kept-session":
+            return web.Response(status=404)
+        opened.append(1)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        data = "x" * big_bytes if len(opened) == 1 else "reconnected"
+        message = {"jsonrpc": "2.0", "method": "notifications/message", "params": {"data": data}}
+        await response.write(f"data: {json.dumps(message)}\n\n".encode())
+        await request.app[STOP].wait()  # open until the test ends
+        return response
+
+    app = web.Application()
+    app[STOP] = asyncio.Event()
+    app.router.add_post("/mcp", post)
+    app.router.add_get("/mcp", get)
+    return app
+
+
+@pytest.mark.parametrize("adopted", [False, True], ids=["initialized", "adopted-after-restart"])
+async def test_a_get_stream_message_over_max_result_bytes_is_dropped(
+    http: aiohttp.ClientSession, adopted: bool
+) -> None:
+    """A message on the GET stream larger than `limits.max_result_bytes` is never held whole: it is dropped and
+    the stream read again, on a session this process initialized and on one it adopted after a restart."""
+    cap = 10_000
+    app = get_stream_upstream(big_bytes=4 * cap)
+    async with TestServer(app, host="127.0.0.1") as server:
+        try:
+            config = HttpUpstreamConfig(url=str(server.make_url("/mcp")))
+            client = SessionPool(HttpKind(config, http, "authorization", None, max_result_bytes=cap))
+            session = client.session(None)
+            inbox = Inbox()
+            session.listen_streams.subscribe(inbox)
+            if adopted:
+                await session.adopt("kept-session")
+            else:
+                await session.ensure_initialized()
+            deadline = asyncio.get_running_loop().time() + 10
+            while "reconnected" not in inbox.texts():
+                assert asyncio.get_running_loop().time() < deadline, (
+                    f"the stream was not read again: {inbox.texts()!r:.80}"
+                )
+                await asyncio.sleep(0.02)
+            assert inbox.texts() == ["reconnected"]  # the large message never reached a listener
+            session.detach()
+            await client.close()
+        finally:
+            app[STOP].set()  # the GET handlers return, so the server stops at once

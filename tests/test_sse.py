@@ -1,10 +1,10 @@
-"""upstream/sse.py: the incremental SSE parser, fed as the network delivers (any split)."""
+"""wire/sse.py: the incremental SSE parser, fed as the network delivers (any split)."""
 
 from __future__ import annotations
 
 import pytest
 
-from proxy.upstream.sse import EventTooLargeError, SSEEvent, SSEParser, frame
+from proxy.wire.sse import EventTooLargeError, SSEEvent, SSEParser, frame
 
 STREAM = (
     b": comment\n"

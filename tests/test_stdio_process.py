@@ -1,4 +1,4 @@
-"""upstream/stdio.py against real server processes: the mcp 1.x fixture over stdio and the faulty servers of
+"""upstream/stdio/process.py against real server processes: the mcp 1.x fixture over stdio and the faulty servers of
 tests/upstream/faulty_stdio.py. Every test ends with no child process and no member of a server's process
 group left (counted in /proc)."""
 
@@ -17,7 +17,7 @@ import pytest
 import structlog
 
 from proxy.errors import UpstreamError
-from proxy.upstream.stdio import (
+from proxy.upstream.stdio.process import (
     INHERITED_ENV_VARS,
     STDERR_LINE_CHARS,
     ProcessExit,
@@ -25,6 +25,7 @@ from proxy.upstream.stdio import (
     StdioProcess,
     child_environment,
 )
+from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = [sys.executable, "-m", "tests.upstream", "--stdio"]
@@ -122,15 +123,8 @@ async def spawn() -> AsyncIterator[Spawn]:
     assert children() == before, "a server process was left behind (or not reaped)"
 
 
-async def until(condition: Callable[[], bool], what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + TIMEOUT_SECONDS
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, what
-        await asyncio.sleep(0.02)
-
-
 async def group_ends(pgid: int, what: str) -> None:
-    await until(lambda: not group_members(pgid), what)
+    await until(lambda: not group_members(pgid), what, TIMEOUT_SECONDS)
 
 
 def text_of(response: dict[str, Any]) -> str:
@@ -179,7 +173,7 @@ async def test_messages_arrive_in_order_and_the_whole_process_group_ends_with_th
         await server.process.send(message)
     received = [await server.next() for _ in sent]
     assert received == sent
-    await until(lambda: len(group_members(server.process.pid)) == 2, "sleep and cat both run")
+    await until(lambda: len(group_members(server.process.pid)) == 2, "sleep and cat both run", TIMEOUT_SECONDS)
     exited = await server.process.stop(5.0)
     assert exited.returncode == 0
     await group_ends(server.process.pid, "the background sleep outlived the server")
@@ -249,7 +243,11 @@ async def test_garbage_lines_are_logged_by_prefix_and_skipped(spawn: Spawn) -> N
 async def test_a_server_that_never_answers_is_stopped_by_sigterm(spawn: Spawn) -> None:
     with structlog.testing.capture_logs() as events:
         server = await spawn(faulty("no-initialize"))
-        await until(lambda: any(e.get("line") == "ready" for e in events), "the server says it is ready on stderr")
+        await until(
+            lambda: any(e.get("line") == "ready" for e in events),
+            "the server says it is ready on stderr",
+            TIMEOUT_SECONDS,
+        )
     await server.process.send({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": INITIALIZE})
     started = asyncio.get_running_loop().time()
     exited = await server.process.stop(0.5)  # closing stdin does not end it: SIGTERM after 0.5 s does
@@ -263,7 +261,11 @@ async def test_a_server_that_never_answers_is_stopped_by_sigterm(spawn: Spawn) -
 async def test_a_server_that_ignores_sigterm_is_killed(spawn: Spawn) -> None:
     with structlog.testing.capture_logs() as events:
         server = await spawn(faulty("no-initialize", "--ignore-sigterm"))
-        await until(lambda: any(e.get("line") == "ready" for e in events), "the server says it is ready on stderr")
+        await until(
+            lambda: any(e.get("line") == "ready" for e in events),
+            "the server says it is ready on stderr",
+            TIMEOUT_SECONDS,
+        )
     exited = await server.process.stop(0.3)
     assert exited.returncode == -signal.SIGKILL
     assert str(exited) == "killed by SIGKILL"
@@ -284,7 +286,7 @@ async def test_a_stderr_flood_stays_within_the_log_budget_and_the_server_keeps_a
         def suppressed() -> int:
             return sum(e["lines"] for e in events if e["event"] == "upstream_stderr_suppressed")
 
-        await until(lambda: suppressed() > 50_000, "megabytes of stderr were read")
+        await until(lambda: suppressed() > 50_000, "megabytes of stderr were read", TIMEOUT_SECONDS)
         exited = await server.process.stop(2.0)
         elapsed = asyncio.get_running_loop().time() - started
     assert exited.requested

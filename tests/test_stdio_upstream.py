@@ -13,12 +13,13 @@ import pytest
 
 from proxy.app import UPSTREAM
 from proxy.cli import main
-from proxy.config import load_config
-from proxy.upstream.stdio_session import StdioSession
-from tests.conftest import DECLARING, ROOT, ModernSchema, ProxyProcess, SchemaValidator, Tasks, policies, result_text
-from tests.test_faults import rpc
-from tests.test_flow_legacy_stdio import children, until
-from tests.test_flow_stdio import STDIO_FIXTURE, stdio_sessions, stdio_upstream
+from proxy.config import StdioUpstreamConfig, load_config
+from proxy.upstream.stdio.session import StdioSession
+from tests.support.clients import Tasks, rpc
+from tests.support.processes import ROOT, STDIO_FIXTURE, ProxyProcess, children, stdio_sessions, stdio_upstream
+from tests.support.schemas import ModernSchema, SchemaValidator
+from tests.support.waiting import until
+from tests.support.wire import DECLARING, policies, result_text
 
 ELICIT: dict[str, Any] = {"elicitation": {}}
 
@@ -47,7 +48,7 @@ async def test_calls_that_can_ask_get_a_process_of_their_own_the_others_share_on
     assert not [session for session in stdio_sessions(client) if session.in_flight and session is not shared]
     _, message = await client.call("ask_name", capabilities=ELICIT)  # parked: an MRTR round
     assert message["result"]["resultType"] == "input_required"
-    [own] = [session for session in stdio_sessions(client) if session.lessee is not None]
+    [own] = [session for session in stdio_sessions(client) if session.lent]
     assert own is not shared  # lent to that call alone: its questions are the call's
     assert own.pid not in (None, shared.pid)
     [warm] = pool.spare_sessions(None)  # a spare started meanwhile, for this caller's next such call
@@ -157,7 +158,7 @@ def test_the_example_configs_are_valid(capsys: pytest.CaptureFixture[str]) -> No
     assert examples
     for example in examples:
         assert main(["check-config", str(example)]) == 0, capsys.readouterr().err
-        assert load_config(example, environ={}).upstream.command
+        assert isinstance(load_config(example, environ={}).upstream, StdioUpstreamConfig)
 
 
 async def test_a_question_over_the_result_limit_never_reaches_the_client_and_the_call_ends(

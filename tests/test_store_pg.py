@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import psycopg
@@ -31,17 +31,10 @@ from proxy.tasks.store.pg_schema import MIGRATIONS
 from proxy.tasks.store.postgres import PostgresTaskStore
 from proxy.wire.jsonrpc import RawJSON
 from proxy.wire.tasks import TaskStatus
-from tests.test_store import make_record, next_change
+from tests.support.records import make_record, next_change
+from tests.support.waiting import until
 
 DEADLINE_SECONDS = 10.0
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
-    """Poll `check` until it holds, within the deadline."""
-    deadline = time.monotonic() + DEADLINE_SECONDS
-    while not await check():
-        assert time.monotonic() < deadline, f"not within {DEADLINE_SECONDS} s: {what}"
-        await asyncio.sleep(0.02)
 
 
 async def rows(dsn: str, sql: str, params: list[object] | None = None) -> list[tuple[object, ...]]:
@@ -149,7 +142,7 @@ async def test_a_dead_replicas_tasks_are_taken_over_by_exactly_one_survivor(
     await dead.notify_replica("replica-a", "mrtr", "parked-1", {})
 
     assert await b.take_over("replica-a", fence_b) == []  # still within its lease
-    await eventually(lambda: _expired(b, "replica-a"), "replica-a's lease expires")
+    await until(lambda: _expired(b, "replica-a"), "replica-a's lease expires")
     taken_b, taken_c = await asyncio.gather(b.take_over("replica-a", fence_b), c.take_over("replica-a", fence_c))
 
     winner, loser = (taken_b, taken_c) if taken_b else (taken_c, taken_b)
@@ -183,7 +176,7 @@ async def test_a_replica_without_a_lease_cannot_take_over(replicas: list[Postgre
     a, b, _ = replicas
     await a.create(make_record("task_orphan", owner="never-leased"))
     paused = await b.renew_lease("replica-b", 0.2)
-    await eventually(lambda: _expired(b, "replica-b"), "replica-b's own lease expires")
+    await until(lambda: _expired(b, "replica-b"), "replica-b's own lease expires")
     with pytest.raises(FencedError, match="replica-b holds no lease"):
         await b.take_over("never-leased", paused)
     got = await a.get("task_orphan")
@@ -197,7 +190,7 @@ async def test_fencing_refuses_a_stale_owners_writes(replicas: list[PostgresTask
     stale = await a.renew_lease("replica-a", 0.3)
     await a.create(make_record("task_a", owner="replica-a"))
     assert await a.set_status_message("task_a", "1/2", now_ms=2_000, fence=stale) is not None
-    await eventually(lambda: _expired(b, "replica-a"), "replica-a's lease expires")
+    await until(lambda: _expired(b, "replica-a"), "replica-a's lease expires")
 
     with pytest.raises(FencedError):  # lapsed, not yet taken over: still refused
         await a.settle("task_a", TaskStatus.COMPLETED, now_ms=3_000, result={}, fence=stale)

@@ -20,7 +20,7 @@ import pytest
 from proxy.tasks.store import SqliteTaskStore, StoreError, StoreLockedError
 from proxy.tasks.store import sqlite_schema as schema
 from proxy.wire.tasks import TaskStatus
-from tests.test_store import hold_creations, make_record
+from tests.support.records import hold_creations, make_record
 
 ROOT = Path(__file__).resolve().parent.parent
 

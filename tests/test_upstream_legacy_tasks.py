@@ -8,75 +8,22 @@ and over stdio.
 
 from __future__ import annotations
 
-import asyncio
-import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import mcp.types as mt
 import pytest
 from mcp import ClientSession, StdioServerParameters
-from mcp.client.experimental.tasks import ExperimentalClientFeatures
-from mcp.client.session import ElicitationFnT
 from mcp.client.stdio import stdio_client
-from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.context import RequestContext
 from mcp.shared.exceptions import McpError
-from mcp.shared.session import RequestResponder
 
-from tests.conftest import Upstream
 from tests.reference_server import EverythingServer
+from tests.support.processes import Upstream
+from tests.support.sdk import READ_TIMEOUT, Connection, connect, text
+from tests.support.waiting import until
 
 RELATED_TASK = "io.modelcontextprotocol/related-task"
 TERMINAL = {"completed", "failed", "cancelled"}
-READ_TIMEOUT = timedelta(seconds=20)  # a lost answer fails the test instead of hanging it
-
-
-@dataclass
-class Connection:
-    session: ClientSession
-    init: mt.InitializeResult
-    tasks: ExperimentalClientFeatures
-    notifications: list[mt.ServerNotification] = field(default_factory=list)
-
-    def seen(self, kind: type[Any]) -> list[Any]:
-        return [note.root for note in self.notifications if isinstance(note.root, kind)]
-
-
-@asynccontextmanager
-async def connect(url: str, elicit: ElicitationFnT | None = None) -> AsyncIterator[Connection]:
-    """One SDK client session; every server notification it receives is kept on the connection."""
-    notifications: list[mt.ServerNotification] = []
-
-    async def on_message(
-        message: RequestResponder[mt.ServerRequest, mt.ClientResult] | mt.ServerNotification | Exception,
-    ) -> None:
-        if isinstance(message, mt.ServerNotification):
-            notifications.append(message)
-
-    async with (
-        streamable_http_client(url) as (read, write, _),
-        ClientSession(read, write, READ_TIMEOUT, elicitation_callback=elicit, message_handler=on_message) as session,
-    ):
-        init = await session.initialize()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # mcp 1.x marks the experimental tasks API so
-            tasks = session.experimental
-        yield Connection(session, init, tasks, notifications)
-
-
-async def until(check: Callable[[], Awaitable[Any]], what: str, timeout_seconds: float = 15) -> Any:
-    """Poll `check` until it returns something truthy, failing after the deadline."""
-    deadline = asyncio.get_running_loop().time() + timeout_seconds
-    while True:
-        value = await check()
-        if value:
-            return value
-        assert asyncio.get_running_loop().time() < deadline, f"never happened: {what}"
-        await asyncio.sleep(0.05)
 
 
 async def status_reaches(conn: Connection, task_id: str, statuses: set[str]) -> mt.GetTaskResult:
@@ -86,10 +33,6 @@ async def status_reaches(conn: Connection, task_id: str, statuses: set[str]) -> 
 
     result: mt.GetTaskResult = await until(check, f"task {task_id} in {statuses}")
     return result
-
-
-def text(result: mt.CallToolResult) -> str:
-    return "".join(block.text for block in result.content if isinstance(block, mt.TextContent))
 
 
 # --- the fixture upstream with --legacy-tasks -------------------------------------------------------------

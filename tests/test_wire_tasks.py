@@ -27,7 +27,7 @@ from proxy.wire.tasks import (
     new_task_id,
     progress_status_message,
 )
-from tests.conftest import SCHEMA_DIR, SchemaValidator
+from tests.support.schemas import SCHEMA_DIR, SchemaValidator
 
 SCHEMA = SchemaValidator(SCHEMA_DIR / "tasks-extension-2026-07-28.schema.json")
 SERVER_INFO_KEY = "io.modelcontextprotocol/serverInfo"

@@ -1,1 +1,2 @@
-"""Durable tasks: the SQLite store and the runner that owns every background coroutine."""
+"""Durable tasks: the call machine, the executor of its commands and its effects, the services beside
+them, and the store."""

@@ -1,85 +1,195 @@
-"""One call as the runner carries it out: the machine's state beside what carrying out its commands needs
-(the upstream session and request, timers, the waiting client's reply and stream, the lease its record is
-written under). Asyncio objects live here, never in the machine's state. Also what every part of the runner
-(`runner.py` and the classes mixed into it) may use of the others (`RunnerParts`). Imports the state, the
-command vocabulary, the store and the upstream kinds protocol; nothing that does I/O.
+"""Starting and resuming calls for waiting requests: a new call from the front's upstream request, an MRTR
+retry that takes the call parked for its round (here, or forwarded to the live replica that holds it, with a
+stand-in call here whose reply is that replica's answer), a waiting request that went away, and every call
+stopped at shutdown. Imports the table, the parking, the replica link and `remote.py`; no effect beyond those.
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
-import time
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Final
 
-from proxy.tasks import pacing
-from proxy.tasks.commands import Event, ReplyKind, Timer
+import structlog
+
+from proxy.config import InputsConfig, TasksConfig
+from proxy.errors import InvalidParamsError, ProxyError
+from proxy.policy import SYNC_CALL, Decision, decide
+from proxy.principals import Principals
+from proxy.tasks import inputs, remote
+from proxy.tasks.commands import ClientLeft, ReplyError, ReplyTask, Resumed, ShutDown, Start
+from proxy.tasks.effects.slots import Parking
+from proxy.tasks.live_call import LiveCall
+from proxy.tasks.ports import Feed, Spawner
 from proxy.tasks.replicas import Ask, ReplicaLink
+from proxy.tasks.request import UpstreamRequest
 from proxy.tasks.state import CallState
-from proxy.tasks.store import Fence, TaskStore
-from proxy.upstream.kinds import Session, SessionCall
-from proxy.wire.envelope import Channel
+from proxy.tasks.store import StoreError, TaskStore
+from proxy.tasks.table import CallTable
+from proxy.wire.envelope import Caller, Channel
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord
 
+log = structlog.get_logger(__name__)
 
-def wall_clock_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-@dataclass(eq=False)
-class Call:
-    """One call: the machine's state, and what carrying out its commands needs (asyncio objects live here)."""
-
-    state: CallState
-    method: str  # tools/call, prompts/get or resources/read
-    name: str  # the tool or prompt name, or the resource URI
-    principal: str | None  # the caller's principal header, sent upstream with the call
-    caller: str  # its keyed hash: owns the task, and the caller's share of the limits is counted under it
-    params: JSON  # the upstream params
-    headers: dict[str, str]  # trace context for the upstream request
-    digest: str  # of the client's params: an MRTR retry must repeat the same request
-    call_id: str = field(default_factory=lambda: secrets.token_urlsafe(16))  # names the parked call in state
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one event at a time
-    reply: asyncio.Future[ReplyKind] | None = None  # the waiting request's answer
-    channel: Channel | None = None  # the waiting request's stream (notifications before the answer)
-    request_state: str = ""  # the signed requestState of the current MRTR round
-    record: TaskRecord | None = None  # as committed
-    timers: dict[Timer, asyncio.TimerHandle] = field(default_factory=dict)
-    pump: asyncio.Task[None] | None = None  # reads the upstream call
-    session: Session | None = None
-    upstream: SessionCall | None = None
-    created_at: float = field(default_factory=time.perf_counter)
-    fence: Fence | None = None  # the lease the task's record is written under (None: no task yet)
-    ask: Ask | None = None  # set on a stand-in for a call parked on another replica (a forwarded MRTR retry)
+SHUTTING_DOWN: Final = "the proxy is shutting down"
+STORE_FAILED: Final = "Internal error: the task store failed"
+HOLDER_GONE: Final = (
+    "Invalid params: requestState belongs to a call held by another proxy process, which is not running; "
+    "send the request again without it"
+)
 
 
-_T = TypeVar("_T")
+class CallStarter:
+    def __init__(
+        self,
+        config: TasksConfig,
+        inputs_config: InputsConfig,
+        principals: Principals,
+        table: CallTable,
+        parking: Parking,
+        feed: Feed,
+        spawner: Spawner,
+        replicas: ReplicaLink,
+        store: TaskStore,
+        paced: Callable[[TaskRecord], TaskRecord],
+    ) -> None:
+        self.config = config
+        self.inputs = inputs_config
+        self.principals = principals
+        self.table = table
+        self.parking = parking
+        self.feed = feed
+        self.spawner = spawner
+        self.replicas = replicas
+        self.store = store
+        self.paced = paced
+        self._progress_tokens = 0
 
+    def state(
+        self, decision: Decision, capabilities: JSON, progress_token: str | int | None, log_level: str | None
+    ) -> CallState:
+        return CallState(
+            decision=decision,
+            capabilities=capabilities,
+            gather_ms=self.inputs.gather_ms,
+            park_ttl_ms=self.inputs.request_state_ttl_ms,
+            progress_token=progress_token,
+            log_level=log_level,
+        )
 
-class RunnerParts:
-    """What the runner's parts share: `TaskRunner` provides it; the classes mixed into it declare here, for
-    the type checker, what they use of each other."""
+    async def begin(self, upstream: UpstreamRequest, caller: Caller, decision: Decision, channel: Channel) -> LiveCall:
+        """A new call for a waiting request; its reply arrives on `call.reply`."""
+        params = upstream.params
+        if decision.may_become_task:
+            meta = dict(params.get("_meta") or {})
+            if "progressToken" not in meta:
+                # Ask the upstream for progress even when the client did not: it becomes the statusMessage.
+                self._progress_tokens += 1
+                meta["progressToken"] = f"mcp-tasks-proxy-{self._progress_tokens}"
+            params = {**params, "_meta": meta}
+        request = upstream.request
+        state = self.state(decision, request.client_capabilities, request.progress_token, request.log_level)
+        call = LiveCall(
+            state=state,
+            method=upstream.method,
+            name=upstream.name,
+            principal=caller.principal,
+            caller=self.principals.key_of(caller.principal),
+            params=params,
+            headers=upstream.headers,
+            digest=upstream.digest,
+            channel=channel,
+        )
+        call.reply = asyncio.get_running_loop().create_future()
+        self.table.add(call)
+        await self.feed.submit(call, Start())
+        return call
 
-    clock: Callable[[], int]
-    store: TaskStore
-    replicas: ReplicaLink
-    durations: pacing.DurationEstimates
-    process_id: str
-    _calls: set[Call]  # every call not finished yet
-    _tasks: dict[str, Call]  # task id → its call, for tasks whose upstream call runs here
-    _adopting: asyncio.Lock  # take-overs and a lapsed lease's recovery, one at a time
-    _durations_loaded_at: float
+    async def resume(
+        self, upstream: UpstreamRequest, caller: Caller, responses: Mapping[str, Any], channel: Channel
+    ) -> LiveCall:
+        """An MRTR retry: the `requestState` must be genuine, unexpired, the caller's, for this method and
+        these params, and name a call parked for this round (here, or on the live replica that issued it: the
+        retry is forwarded there); its answers must fit the questions. Else -32602, and the call stays parked
+        for a corrected retry."""
+        request = upstream.request
+        state = request.params.get("requestState")
+        if not isinstance(state, str):
+            raise InvalidParamsError("Invalid params: requestState must be a string")
+        claims = self.parking.signer.verify(state, self.parking.clock())
+        if (
+            claims.principal != self.principals.key_of(caller.principal)
+            or claims.method != request.method
+            or claims.digest != upstream.digest
+        ):
+            raise InvalidParamsError("Invalid params: requestState was issued for another request")
+        if claims.owner != self.parking.process_id:
+            return await self._forward(upstream, caller, claims, state, responses, channel)
+        call, answers = self.parking.take(claims, responses)
+        call.reply = asyncio.get_running_loop().create_future()
+        call.channel = channel
+        log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, answered=sorted(answers))
+        await self.feed.submit(call, Resumed(answers, request.progress_token, request.log_level))
+        return call
 
-    if TYPE_CHECKING:
+    async def _forward(
+        self,
+        upstream: UpstreamRequest,
+        caller: Caller,
+        claims: inputs.StateClaims,
+        state: str,
+        responses: Mapping[str, Any],
+        channel: Channel,
+    ) -> LiveCall:
+        """An MRTR retry for a call parked on another replica: sent there (through the store), and a stand-in
+        call here whose reply is what that replica's call answers (its notifications reach `channel` too)."""
+        if not await self.store.replica_alive(claims.owner):
+            raise InvalidParamsError(HOLDER_GONE)
+        request = upstream.request
+        decision = (
+            decide(self.config, upstream.name, declares_tasks=request.declares_tasks)
+            if request.method == "tools/call"
+            else SYNC_CALL
+        )
+        standin = self.state(decision, request.client_capabilities, request.progress_token, request.log_level)
+        key = self.principals.key_of(caller.principal)
+        call = LiveCall(standin, request.method, upstream.name, caller.principal, key, {}, {}, claims.digest)
+        call.channel = channel
+        call.reply = asyncio.get_running_loop().create_future()
+        origin = self.parking.process_id
+        payload = remote.resume_payload(state, responses, request.progress_token, request.log_level, origin)
+        call.ask = await self.replicas.ask(claims.owner, remote.RESUME, payload, on_note=channel.notify)
+        self.spawner.spawn(self._await_forwarded(call, call.ask), f"forwarded-{call.ask.key}")
+        log.info("mrtr_forwarded", method=call.method, name=call.name, round=claims.round, to=claims.owner)
+        return call
 
-        def spawn(self, coroutine: Coroutine[Any, Any, _T], name: str) -> asyncio.Task[_T]:
-            raise NotImplementedError
+    async def _await_forwarded(self, call: LiveCall, ask: Ask) -> None:
+        try:
+            reply, call.request_state, task_id = remote.decode_reply(await ask.reply)
+            if task_id is not None:
+                call.record = await self.store.get(task_id)
+                if call.record is None:
+                    reply = ReplyError(ProxyError("Internal error: the task the call became is gone"))
+                else:
+                    reply = ReplyTask(self.paced(call.record))
+        except (ProxyError, StoreError) as exc:
+            reply = ReplyError(exc if isinstance(exc, ProxyError) else ProxyError(STORE_FAILED, detail=str(exc)))
+        if call.reply is not None and not call.reply.done():
+            call.reply.set_result(reply)
 
-        async def dispatch(self, call: Call, event: Event) -> None:
-            raise NotImplementedError
+    def client_left(self, call: LiveCall) -> None:
+        """The waiting request went away (its handler is being cancelled): tell the call, in the background."""
+        if call.ask is not None:  # a stand-in: the replica holding the call is told
+            self.replicas.abandon(call.ask)
+            return
+        call.channel = None
+        self.spawner.spawn(self.feed.dispatch(call, ClientLeft()), f"client-left-{call.call_id}")
 
-        async def submit(self, call: Call, event: Event) -> None:
-            raise NotImplementedError
+    async def shut_down(self) -> None:
+        """Every running call is cancelled upstream; its record stays live (failed or re-run per `on_restart`
+        at the next start, or by another replica at once)."""
+        calls = self.table.calls()
+        await asyncio.gather(
+            *(self.feed.dispatch(call, ShutDown(SHUTTING_DOWN)) for call in calls), return_exceptions=True
+        )

@@ -1,7 +1,7 @@
-"""What the call machine (`machine.py`) and the runner that carries it out (`runner.py`) say to each other.
+"""What the call machine (`machine.py`) and the executor that carries it out (`executor.py`) say to each other.
 
-Events go into `machine.handle`; commands come out, and the runner executes them in order. Some commands are
-answered by an event the runner feeds back (`CreateRecord` → `Committed` / `CommitRefused`, `Park` → `Parked`
+Events go into `machine.handle`; commands come out, and the executor carries them out in order. Some commands
+are answered by an event it feeds back (`CreateRecord` → `Committed` / `CommitRefused`, `Park` → `Parked`
 / `ParkRefused`, `PollUpstreamTask` → `UpstreamTaskPolled`). `Reply` answers the request a client is waiting
 on. A call the upstream runs as its own 2025-11-25 task (`StartCall(upstream_task=True)`) follows that task
 instead of a held request: `UpstreamTaskCreated`, then `FollowUpstreamTask` (its `tasks/result` stream brings
@@ -21,7 +21,7 @@ from proxy.errors import ProxyError
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.legacy_tasks import LegacyTask
-from proxy.wire.tasks import TaskStatus
+from proxy.wire.tasks import TaskRecord, TaskStatus
 
 # How the upstream call ended: its result, its JSON-RPC error, or lost (the ProxyError says how).
 CallOutcome = UpstreamResult | UpstreamErrorResponse | ProxyError
@@ -336,7 +336,10 @@ class ReplyOutcome:
 
 @dataclass(frozen=True, slots=True)
 class ReplyTask:
-    """The `CreateTaskResult` of the record just committed."""
+    """The `CreateTaskResult` of the record just committed. The machine leaves `record` out; the client side
+    puts it in (paced) as the reply goes out, so nobody waiting reads it back."""
+
+    record: TaskRecord | None = None
 
 
 @dataclass(frozen=True, slots=True)

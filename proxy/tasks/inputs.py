@@ -23,8 +23,8 @@ from itsdangerous import BadSignature, URLSafeSerializer
 from mcp_types import CreateMessageResult, ElicitResult, ListRootsResult
 from mcp_types._types import CreateMessageResultWithTools
 
-from proxy.config import MIN_SECRET_BYTES, read_secret
 from proxy.errors import InvalidParamsError
+from proxy.keyfiles import MIN_SECRET_BYTES, read_secret
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.translate import INPUT_METHODS, LEGACY_META_KEYS, required_capability
 

@@ -3,7 +3,7 @@
 A call is a `tools/call`, `prompts/get` or `resources/read` whose upstream request runs in the background,
 so that it can outlive the HTTP request that started it: a synchronous call, a sync window that turns into a
 task, a task, a poll-to-sync call, or a synchronous call parked between MRTR rounds. Every change of mode
-happens here, from the policy's `Decision`; the runner (`runner.py`) carries out the commands and feeds back
+happens here, from the policy's `Decision`; the executor (`executor.py`) carries out the commands and feeds back
 what came of them (`Committed`, `Parked`, ...). No asyncio, no I/O, no clock: times arrive with the events.
 With several replicas on one store, a task's call runs on the replica that owns it; what other replicas learn
 reaches it as events too (`RemoteCancel`, `RemoteAnswers`), and so does the loss of its lease (`LeaseLost`).
@@ -16,7 +16,7 @@ stream brings the questions (`Asked`) and the outcome (`Ended`), its status come
 (`UpstreamTaskPolled`); a cancel is `tasks/cancel`, and a shutdown leaves it running for the next start.
 
 The state it keeps is `state.py`; the steps its handlers share are `steps.py`. Imports those, the policy, the
-input-bridging rules (`inputs.py`), the followed upstream task (`followed.py`), the upstream event types and
+input-bridging rules (`inputs.py`), the upstream task (`upstream_task.py`), the upstream event types and
 the wire; nothing that does I/O.
 """
 
@@ -70,7 +70,6 @@ from proxy.tasks.commands import (
     UpstreamTaskPolled,
     WriteProgress,
 )
-from proxy.tasks.followed import FollowedTask
 from proxy.tasks.inputs import PendingInput
 from proxy.tasks.state import (
     CLIENT_LEFT,
@@ -81,6 +80,7 @@ from proxy.tasks.state import (
     TASK_REFUSED,
     CallState,
 )
+from proxy.tasks.upstream_task import UpstreamTask
 from proxy.upstream.events import UpstreamErrorResponse
 from proxy.wire import legacy_tasks, translate
 from proxy.wire import tasks as wire_tasks
@@ -89,7 +89,7 @@ from proxy.wire.legacy_tasks import LegacyTask
 
 
 def handle(state: CallState, event: Event) -> list[Command]:
-    """Feed one event to the call; returns what the runner must do, in order."""
+    """Feed one event to the call; returns what the executor must carry out, in order."""
     commands = _HANDLERS[type(event)](state, event)
     if state.fenced:  # whatever a later event would write, a call that lost its lease writes nothing
         commands = [command for command in commands if not isinstance(command, STORE_WRITES)]
@@ -117,7 +117,7 @@ def resumable(state: CallState, round_: int) -> bool:
 
 
 def finished(state: CallState) -> bool:
-    """Nothing more can happen to the call: the runner may forget it."""
+    """Nothing more can happen to the call: the executor may forget it."""
     return not state.running and not state.committing and state.mode is not Mode.PARKED and not state.client_waiting
 
 
@@ -210,13 +210,13 @@ def _notified(state: CallState, event: Notified) -> list[Command]:
 
 
 def _ended(state: CallState, event: Ended) -> list[Command]:
-    followed = state.upstream_task
-    if followed is None or not followed.following or not state.running:
+    upstream_task = state.upstream_task
+    if upstream_task is None or not upstream_task.following or not state.running:
         return _end(state, event.outcome)
-    followed.following = False  # tasks/result answered: the upstream's task is over
-    outcome = followed.outcome(event.outcome)
+    upstream_task.following = False  # tasks/result answered: the upstream's task is over
+    outcome = upstream_task.outcome(event.outcome)
     if outcome is None:  # an answer that is no tool result, and the task's status is not known yet
-        followed.final = event.outcome
+        upstream_task.final = event.outcome
         return [PollUpstreamTask()]
     return _end(state, outcome)
 
@@ -353,11 +353,11 @@ def _shut_down(state: CallState, event: ShutDown) -> list[Command]:
     """A task the upstream runs itself keeps running there: the proxy only stops following it, and the next
     start follows it again on the same upstream session (the record keeps the questions and their ids).
     Anything else stops as with `Stop`; so does a poll-to-sync task, which nobody could read after a restart."""
-    followed = state.upstream_task
-    if followed is None or state.task_id is None or not state.running or state.decision.holds_client:
+    upstream_task = state.upstream_task
+    if upstream_task is None or state.task_id is None or not state.running or state.decision.holds_client:
         return _stop(state, Stop(event.reason))
     state.running = False
-    followed.following = False
+    upstream_task.following = False
     state.mode = Mode.DETACHED
     state.inputs.clear()
     return [*steps.clear_poll(state), ReleaseCall(keep_session=True)]
@@ -367,11 +367,11 @@ def _upstream_task_created(state: CallState, event: UpstreamTaskCreated) -> list
     """The upstream runs the call as its own task: follow it (its tasks/result, and tasks/get when it is silent).
     A task at once (or poll-to-sync) gets its record now; a window starts now; questions already gathered for a
     window call make it a task now."""
-    followed = state.upstream_task = FollowedTask.created(event.task, event.at_ms)
+    upstream_task = state.upstream_task = UpstreamTask.created(event.task, event.at_ms)
     if not state.running:  # abandoned while the upstream was creating it: nobody will follow it
-        followed.following = False
+        upstream_task.following = False
         return [CancelUpstreamTask(CLIENT_LEFT)]
-    commands: list[Command] = [FollowUpstreamTask(), SetTimer(Timer.POLL, followed.poll_interval_ms)]
+    commands: list[Command] = [FollowUpstreamTask(), SetTimer(Timer.POLL, upstream_task.poll_interval_ms)]
     if state.mode is not Mode.WAITING or not state.client_waiting or state.committing or state.task_id is not None:
         return commands
     decision = state.decision
@@ -383,38 +383,38 @@ def _upstream_task_created(state: CallState, event: UpstreamTaskCreated) -> list
 
 
 def _upstream_task_polled(state: CallState, event: UpstreamTaskPolled) -> list[Command]:
-    followed = state.upstream_task
-    if followed is None or not state.running:
+    upstream_task = state.upstream_task
+    if upstream_task is None or not state.running:
         return []
     if not event.known:  # the upstream dropped the task (or its whole session)
-        if followed.final is not None:
-            return _end(state, followed.forgotten())  # tasks/result answered: nothing left to stop
-        followed.following = False
-        return [ReleaseCall(), *_end(state, followed.forgotten())]
+        if upstream_task.final is not None:
+            return _end(state, upstream_task.forgotten())  # tasks/result answered: nothing left to stop
+        upstream_task.following = False
+        return [ReleaseCall(), *_end(state, upstream_task.forgotten())]
     if event.task is None:  # not reachable this time: ask again later
-        return [SetTimer(Timer.POLL, followed.poll_interval_ms)]
+        return [SetTimer(Timer.POLL, upstream_task.poll_interval_ms)]
     return _upstream_status(state, event.task)
 
 
 def _upstream_status(state: CallState, task: LegacyTask) -> list[Command]:
-    """A status report of the followed task: a new statusMessage reaches the record; the outcome still comes
+    """A status report of the upstream task: a new statusMessage reaches the record; the outcome still comes
     from tasks/result (unless it already came and waited for this status). Silence for the upstream's
     pollInterval is met with tasks/get."""
-    followed = state.upstream_task
-    if followed is None or not state.running:
+    upstream_task = state.upstream_task
+    if upstream_task is None or not state.running:
         return []
-    changed = followed.seen(task)
-    if followed.final is not None:
-        outcome = followed.outcome(followed.final)
+    changed = upstream_task.seen(task)
+    if upstream_task.final is not None:
+        outcome = upstream_task.outcome(upstream_task.final)
         if outcome is not None:
-            followed.final = None
+            upstream_task.final = None
             return _end(state, outcome)
-        return [SetTimer(Timer.POLL, followed.poll_interval_ms)]
+        return [SetTimer(Timer.POLL, upstream_task.poll_interval_ms)]
     commands: list[Command] = []
-    if changed and state.task_id is not None and state.mode is not Mode.DETACHED and followed.status_message:
-        commands.append(WriteProgress(followed.status_message))
+    if changed and state.task_id is not None and state.mode is not Mode.DETACHED and upstream_task.status_message:
+        commands.append(WriteProgress(upstream_task.status_message))
     if not task.terminal:
-        commands.append(SetTimer(Timer.POLL, followed.poll_interval_ms))
+        commands.append(SetTimer(Timer.POLL, upstream_task.poll_interval_ms))
     return commands
 
 

@@ -6,7 +6,7 @@ PostgreSQL several replicas share the store. Each renews a lease (`store.lease_s
 as a task's owner carries the lease's fence, so a replica whose lease lapsed (paused, cut off) can no longer
 change a task. A replica whose lease ran out is dead: at each sweep a survivor takes over its live tasks. What
 other replicas record for a task (a cancel settles it; answers are a message to its owner) wakes the owner
-through the feed. This module carries messages and reports what happened to its owner (the runner, through
+through the feed. This module carries messages and reports what happened to its owner (the replica inbox, through
 `ReplicaOwner`); what a call does about it is the call machine's. Imports the store and `remote.py`; never the
 runner, aiohttp or the front.
 """
@@ -44,7 +44,7 @@ _T = TypeVar("_T")
 
 
 class ReplicaOwner(Protocol):
-    """What the replica link reports to (the runner). Each report returns at once: the owner starts whatever
+    """What the replica link reports to (`replica_inbox.py`). Each report returns at once: the owner starts whatever
     work it needs in the background, except take-overs, which the sweep waits for."""
 
     def spawn(self, coroutine: Coroutine[Any, Any, _T], name: str) -> asyncio.Task[_T]: ...

@@ -1,6 +1,6 @@
 """The state of one call and the words its lifecycle uses: what the machine (`machine.py`) keeps between
 events, and the reasons it gives when it stops a call. Plain data; imports the policy, the input rules, the
-followed upstream task, the command vocabulary and the wire."""
+upstream task it follows, the command vocabulary and the wire."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Final
 
 from proxy.policy import Decision
 from proxy.tasks.commands import CallOutcome, Mode
-from proxy.tasks.followed import FollowedTask
 from proxy.tasks.inputs import PendingInput
+from proxy.tasks.upstream_task import UpstreamTask
 from proxy.wire.jsonrpc import JSON
 
 MAX_OUTSTANDING_INPUTS: Final = 64  # open questions per call; an upstream asking more at once is refused
@@ -45,7 +45,7 @@ class CallState:
     round: int = 0  # MRTR rounds so far; a requestState is good for exactly one round
     holds_slot: bool = False  # counts against `tasks.max_running`
     progress_written_at_ms: float = float("-inf")
-    upstream_task: FollowedTask | None = None  # the upstream's own task this call follows, once created
+    upstream_task: UpstreamTask | None = None  # the upstream's own task this call follows, once created
     fenced: bool = False  # the lease on the task was lost: nothing more is written for it
 
     def input_requests(self) -> JSON:

@@ -28,11 +28,11 @@ from proxy.tasks.commands import (
     Timer,
     WriteInputs,
 )
-from proxy.tasks.followed import UPSTREAM_CANCELLED
 from proxy.tasks.state import (
     CLIENT_LEFT,
     CallState,
 )
+from proxy.tasks.upstream_task import UPSTREAM_CANCELLED
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
@@ -74,17 +74,17 @@ def create_record(state: CallState) -> list[Command]:
     state.committing = True
     state.inputs_written = True
     status = TaskStatus.INPUT_REQUIRED if state.inputs else TaskStatus.WORKING
-    followed = state.upstream_task
-    if followed is None:
+    upstream_task = state.upstream_task
+    if upstream_task is None:
         return [*clear_window(state), CreateRecord(status, state.input_requests(), state.issued)]
     record = CreateRecord(
         status,
         state.input_requests(),
         state.issued,
-        upstream_task_id=followed.task_id,
-        upstream_expires_at_ms=followed.expires_at_ms,
+        upstream_task_id=upstream_task.task_id,
+        upstream_expires_at_ms=upstream_task.expires_at_ms,
         upstream_input_ids=state.upstream_input_ids(),
-        status_message=followed.status_message,
+        status_message=upstream_task.status_message,
     )
     return [*clear_window(state), record]
 

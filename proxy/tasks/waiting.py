@@ -2,8 +2,9 @@
 reply into the request's JSON-RPC answer.
 
 What the reply is (the result, a `CreateTaskResult`, an MRTR `InputRequiredResult`, -32021, a limit error) is
-decided by the call's machine (`machine.py`) and carried out by the runner; this module only waits and
-translates. A request that goes away while waiting tells the call so. No aiohttp.
+decided by the call's machine (`machine.py`) and carried out by the executor; this module only waits and
+translates (a task reply carries its record). A request that goes away while waiting tells the call so.
+Imports the call starter and the upstream request; no aiohttp.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from mcp_types import SERVER_INFO_META_KEY
 from proxy.errors import InvalidParamsError, MissingCapabilityError, ProxyError
 from proxy.policy import SYNC_CALL, Decision, Outcome
 from proxy.tasks import inputs
-from proxy.tasks.calls import Call
+from proxy.tasks.calls import CallStarter
 from proxy.tasks.commands import ReplyError, ReplyInputRequired, ReplyKind, ReplyMissing, ReplyOutcome, ReplyTask
-from proxy.tasks.runner import TaskRunner
+from proxy.tasks.live_call import LiveCall
+from proxy.tasks.request import UpstreamRequest
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
@@ -28,20 +30,21 @@ from proxy.wire.jsonrpc import JSON, result_message
 KEEPALIVE_SECONDS: Final = 15.0  # SSE comment while a poll-to-sync client waits for its internal task
 
 
-class WaitingCalls:
-    def __init__(self, runner: TaskRunner, cache: tuple[int, str]) -> None:
-        self.runner = runner
+class WaitingRequests:
+    def __init__(self, calls: CallStarter, cache: tuple[int, str]) -> None:
+        self.calls = calls
         self.cache = cache
 
     async def call(
         self,
-        request: ModernRequest,
+        upstream: UpstreamRequest,
         caller: Caller,
         channel: Channel,
         decision: Decision | None,
         server_info: JSON | None,
     ) -> JSON:
         """A fresh call: `decision` is the tool's (tools/call) or None (prompts/get, resources/read)."""
+        request = upstream.request
         decision = decision if decision is not None else SYNC_CALL
         if decision.outcome is Outcome.REJECT:
             raise MissingCapabilityError(
@@ -49,25 +52,28 @@ class WaitingCalls:
                 f"Missing required client capability: tool {request.params.get('name')!r} runs only as a task; "
                 f"declare the {TASKS_EXTENSION} extension",
             )
-        call = await self.runner.begin(request, caller, decision, channel)
+        call = await self.calls.begin(upstream, caller, decision, channel)
         return await self._answer(call, request, channel, server_info)
 
-    async def resume(self, request: ModernRequest, caller: Caller, channel: Channel, server_info: JSON | None) -> JSON:
+    async def resume(
+        self, upstream: UpstreamRequest, caller: Caller, channel: Channel, server_info: JSON | None
+    ) -> JSON:
         """An MRTR retry with `inputResponses` and the `requestState` of the round it answers."""
+        request = upstream.request
         responses = request.params.get("inputResponses")
         if responses is None:
             responses = {}
         if not isinstance(responses, dict):
             raise InvalidParamsError("Invalid params: inputResponses must be an object")
-        call = await self.runner.resume(request, caller, responses, channel)
+        call = await self.calls.resume(upstream, caller, responses, channel)
         return await self._answer(call, request, channel, server_info)
 
-    async def _answer(self, call: Call, request: ModernRequest, channel: Channel, server_info: JSON | None) -> JSON:
+    async def _answer(self, call: LiveCall, request: ModernRequest, channel: Channel, server_info: JSON | None) -> JSON:
         assert call.reply is not None
         try:
             reply = await self._wait(call.reply, channel if call.state.decision.holds_client else None)
         except BaseException:
-            self.runner.client_left(call)  # the request went away while waiting: the call is told
+            self.calls.client_left(call)  # the request went away while waiting: the call is told
             raise
         return self._message(reply, call, request, server_info)
 
@@ -81,7 +87,7 @@ class WaitingCalls:
             except TimeoutError:
                 await keepalive.keepalive(open_stream=True)
 
-    def _message(self, reply: ReplyKind, call: Call, request: ModernRequest, server_info: JSON | None) -> JSON:
+    def _message(self, reply: ReplyKind, call: LiveCall, request: ModernRequest, server_info: JSON | None) -> JSON:
         if isinstance(reply, ReplyOutcome):
             outcome = reply.outcome
             if isinstance(outcome, ProxyError):
@@ -91,9 +97,8 @@ class WaitingCalls:
             return translate.final_message(request.id, request.method, result, error, server_info, self.cache)
         if isinstance(reply, ReplyTask):
             # No requestState or inputRequests on a CreateTaskResult, even after MRTR rounds.
-            assert call.record is not None
-            record = self.runner.paced(call.record)
-            return result_message(request.id, wire_tasks.create_task_result(record, server_info))
+            assert reply.record is not None
+            return result_message(request.id, wire_tasks.create_task_result(reply.record, server_info))
         if isinstance(reply, ReplyInputRequired):
             result = inputs.input_required_result(reply.input_requests, call.request_state)
             if server_info:

@@ -1,4 +1,5 @@
-"""The proxy as a legacy MCP client: all I/O towards the upstream server (sessions of either kind, Streamable
-HTTP or stdio processes, calls, GET stream, the pool), and what legacy clients get (the pass-through, or the
-proxy's own server for a stdio upstream). Only this package and `app.py` import aiohttp.
+"""The proxy as a legacy MCP client, and only that: all I/O towards the upstream server. What a session is
+(`session.py`, `lending.py`, `link.py`), the pool (`pool.py`, which knows no kind), and the two kinds laid out
+alike (`http/`, `stdio/`; `kinds.py` picks one from the configuration). The servers legacy clients get are in
+`proxy/legacy/`, SSE framing in `proxy/wire/sse.py`. Never imports tasks, the store or the front.
 """

@@ -1,7 +1,7 @@
 """The proxy's own upstream sessions (not the pass-through of legacy clients): which session serves a request.
 
-One pool for every kind of upstream session (`kinds.py`): a `SessionKind` makes the sessions and says, in its
-`PoolLimits`, how they are bounded.
+One pool for every kind of upstream session (`session.py`): a `SessionKind` makes the sessions and says, in
+its `PoolLimits`, how they are bounded. The pool knows no kind.
 
 - `use(principal)`: the principal's shared session, for requests that cannot ask the client anything (lists,
   discover, completion, listen streams). A legacy server may bind a session to a token, so sessions are never
@@ -11,16 +11,19 @@ One pool for every kind of upstream session (`kinds.py`): a `SessionKind` makes 
   upstream may send that question naming no request (an HTTP session's GET stream; anything on a stdio
   process); on a leased session it can only be the lessee's, so it goes to `sink`. Where sessions are costly
   (`share_quiet_calls`: stdio processes) a call whose client could not answer anyway (`asks=False`) runs on
-  the principal's shared session instead, and its questions are refused.
+  the principal's shared session instead, unless it was seen asking before (`question_owners.py`).
 - `adopt(principal, session_id, sink)`: the same, on a session an earlier proxy process initialized (it holds a
   task the upstream runs itself, resumed after a restart): no `initialize`.
 - `keep(session)`: a session whose upstream work outlives this process is let go without ending that work.
+
+The pool lends a session (`Session.lend`) and takes it back (`Session.take_back`); it writes no session's
+fields.
 
 List changes and resource updates seen on a lent session reach the principal's listen streams too. Sessions
 nobody uses are kept for reuse, least recently used first out: beyond `max_idle` idle sessions the oldest is
 closed; a lent session idle for `idle_seconds` is closed. With `max_open`, a new session beyond it first
 closes an idle one, else waits (bounded) for one to come free and then fails with UpstreamLimitError. Imports
-the kinds protocol; the sessions know nothing of the pool.
+the session protocols; the sessions know nothing of the pool.
 """
 
 from __future__ import annotations
@@ -29,12 +32,16 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import structlog
 
 from proxy.errors import ProxyError, UpstreamLimitError
+from proxy.legacy import LegacyFront
 from proxy.upstream.events import UpstreamNotification
-from proxy.upstream.kinds import Session, SessionKind, Sink, principal_key
+from proxy.upstream.lending import Sink
+from proxy.upstream.question_owners import QuestionOwners
+from proxy.upstream.session import Session, SessionKind, principal_key
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader
 from proxy.wire.jsonrpc import JSON
@@ -42,7 +49,18 @@ from proxy.wire.jsonrpc import JSON
 log = structlog.get_logger(__name__)
 
 
-class UpstreamClient:
+@dataclass(frozen=True, slots=True)
+class ToolFacts:
+    """What the front needs to know of a tool before its call starts (`SessionPool.tool_facts`)."""
+
+    initialize_result: JSON
+    param_headers: tuple[ParamHeader, ...]
+    task_support: legacy_tasks.TaskSupport | None  # how the upstream runs it as its own task, or None
+
+
+class SessionPool:
+    """Which upstream session serves a request (see the module doc)."""
+
     def __init__(self, kind: SessionKind) -> None:
         self.kind = kind
         self.limits = kind.limits
@@ -58,6 +76,7 @@ class UpstreamClient:
         self._reclaiming: set[Session] = set()  # asked to give up, not back yet
         self._idle_timers: dict[Session, asyncio.TimerHandle] = {}
         self._changed = asyncio.Event()  # set (and replaced) whenever a session comes free or is closed
+        self.questions = QuestionOwners()  # whose call a question naming no request is
 
     @property
     def server_info(self) -> JSON | None:
@@ -92,25 +111,36 @@ class UpstreamClient:
 
     @asynccontextmanager
     async def lease(
-        self, principal: str | None, sink: Sink, *, asks: bool = True, reclaim: Callable[[], bool] | None = None
+        self,
+        principal: str | None,
+        sink: Sink,
+        *,
+        asks: bool = True,
+        reclaim: Callable[[], bool] | None = None,
+        asker: str | None = None,
     ) -> AsyncIterator[Session]:
         """A session of the principal for one call alone, initialized before it is handed out; its unsolicited
         traffic goes to `sink` until the lease ends. `asks`: the call's client could answer a question; a call
-        whose client could not runs on the principal's shared session instead (what the server sends there
-        unasked is refused: no call holds it). `reclaim`: when bounded sessions run out, the pool may ask the
-        lessee to give its session up; it returns whether it will (e.g. a call parked between MRTR rounds, which
-        ends as if nobody had retried)."""
-        if self.limits.share_quiet_calls and (not asks or self.limits.max_open == 1):
+        whose client could not runs on the principal's shared session instead, unless its `asker` (method and
+        name) was seen asking before (`question_owners.py`); there a question naming no request is the call's
+        while no other call runs there, else it is refused. `reclaim`: when bounded sessions run out, the pool
+        may ask the lessee to give its session up; it returns whether it will (e.g. a call parked between MRTR
+        rounds, which ends as if nobody had retried)."""
+        sink = self.questions.learning(asker, sink)
+        if self.limits.share_quiet_calls and (
+            self.limits.max_open == 1 or not (asks or self.questions.asked_before(asker))
+        ):
             async with self.use(principal) as session:
                 await session.ensure_initialized()
-                yield session
+                with self.questions.sharing(session, sink, self._notifications_of(principal_key(principal))):
+                    yield session
             return
         key = principal_key(principal)
         session = await self._lendable(principal, key)
         async with self._lent_to(session, key, reclaim):
             self._keep_one_warm(principal, key)
             await session.ensure_initialized()
-            session.lessee = sink
+            session.lend(sink, self._notifications_of(key))
             yield session
 
     @asynccontextmanager
@@ -129,12 +159,11 @@ class UpstreamClient:
         session = self._make(principal)
         async with self._lent_to(session, key, None):
             await session.adopt(session_id)
-            session.lessee = sink
+            session.lend(sink, self._notifications_of(key))
             yield session
 
     @asynccontextmanager
     async def _lent_to(self, session: Session, key: str, reclaim: Callable[[], bool] | None) -> AsyncIterator[None]:
-        session.on_notification = lambda notification: self._to_shared(key, notification)
         self._take(session)
         self._lent.add(session)
         if reclaim is not None:
@@ -142,7 +171,7 @@ class UpstreamClient:
         try:
             yield
         finally:
-            session.lessee = None
+            session.take_back()
             self._lent.discard(session)
             self._reclaims.pop(session, None)
             self._reclaiming.discard(session)
@@ -152,7 +181,7 @@ class UpstreamClient:
     def keep(self, session: Session) -> None:
         """The session holds upstream work a later proxy process resumes (a task the upstream runs itself): when
         its use ends it is let go without ending that work (no DELETE)."""
-        session.kept = True
+        session.keep()
 
     async def _lendable(self, principal: str | None, key: str) -> Session:
         """A spare session of the principal, else a new one (waiting for room when the kind is bounded)."""
@@ -204,12 +233,16 @@ class UpstreamClient:
             loop = asyncio.get_running_loop()
             self._idle_timers[session] = loop.call_later(self.limits.idle_seconds, self._close, session)
 
-    def _to_shared(self, key: str, notification: UpstreamNotification) -> None:
-        """A list change or resource update seen on a lent session reaches the principal's listen streams,
-        which read its shared session."""
-        shared = self._shared.get(key)
-        if shared is not None:
-            shared.deliver(notification)
+    def _notifications_of(self, key: str) -> Callable[[UpstreamNotification], None]:
+        """Where notifications seen on a session lent to the principal go: a list change or resource update
+        reaches the principal's listen streams, which read its shared session."""
+
+        def to_shared(notification: UpstreamNotification) -> None:
+            shared = self._shared.get(key)
+            if shared is not None:
+                shared.listen_streams.deliver(notification)
+
+        return to_shared
 
     def _make(self, principal: str | None) -> Session:
         session = self.kind.new(principal)
@@ -241,7 +274,7 @@ class UpstreamClient:
         if session.kept:
             self._close(session)  # a kept session's close only lets go of it (see `Session.detach`)
             return
-        if session.subscriptions:
+        if session.listen_streams.subscriptions:
             return  # a listen stream still reads it (it ends with its own use)
         if spare:
             if session.initialize_result is None:  # never initialized, or forgotten (or crashed) upstream
@@ -381,26 +414,28 @@ class UpstreamClient:
         async with self.use(principal) as session:
             return await session.ensure_initialized()
 
-    async def param_headers(self, principal: str | None, tool: str) -> tuple[ParamHeader, ...]:
-        """The tool's `x-mcp-header` annotations, from the shared catalog; read through the caller's shared
-        session only when the catalog cannot answer."""
-        known = self.kind.known_headers(tool)
-        if known is not None:
-            return known
-        async with self.use(principal) as session:
-            return await session.param_headers(tool)
-
-    async def task_support(self, principal: str | None, tool: str) -> legacy_tasks.TaskSupport | None:
-        """How the upstream runs `tool` as its own 2025-11-25 task, or None: from the shared catalog when the
-        latest InitializeResult and the catalog can answer, else through the caller's shared session."""
-        initialize_result = self.kind.initialize_result
-        if initialize_result is not None and not legacy_tasks.runs_tool_tasks(initialize_result):
-            return None
-        if initialize_result is not None and self.kind.known_headers(tool) is not None:
-            support = self.kind.tool_task_support.get(tool)
-            return support if support in ("optional", "required") else None
-        async with self.use(principal) as session:
-            return await session.task_support(tool)
+    async def tool_facts(self, principal: str | None, tool: str, max_age_ms: int) -> ToolFacts:
+        """What a call of `tool` needs before it starts, in one turn: the InitializeResult (at most `max_age_ms`
+        old), the tool's `x-mcp-header` annotations and how the upstream runs it as its own task. From what the
+        kind already knows; the caller's shared session is used (once) only for what it does not."""
+        initialize_result = self.kind.recent_initialize(max_age_ms)
+        headers = self.kind.known_headers(tool)
+        latest = self.kind.initialize_result  # does the upstream run tool tasks at all? (any age will do)
+        runs_tasks = latest is not None and legacy_tasks.runs_tool_tasks(latest)
+        support_known = latest is not None and (headers is not None or not runs_tasks)
+        support: legacy_tasks.TaskSupport | None = None
+        if support_known and runs_tasks:
+            known = self.kind.tool_task_support.get(tool)
+            support = known if known in ("optional", "required") else None
+        if initialize_result is None or headers is None or not support_known:
+            async with self.use(principal) as session:
+                if initialize_result is None:
+                    initialize_result = await session.ensure_initialized()
+                if headers is None:
+                    headers = await session.param_headers(tool)
+                if not support_known:
+                    support = await session.task_support(tool)
+        return ToolFacts(initialize_result, headers, support)
 
     # --- readiness and shutdown ---------------------------------------------------------------------------
 
@@ -408,10 +443,15 @@ class UpstreamClient:
         """Readiness: UpstreamError saying what failed (see the kind's `probe`)."""
         await self.kind.probe(max_age_seconds, lambda: self.use(None))
 
+    def legacy_front(self) -> LegacyFront:
+        """What serves legacy clients in front of this upstream (the kind decides); its sessions count against
+        this pool's bound where they cost as much as its own."""
+        return self.kind.legacy_front(self)
+
     def end_subscriptions(self) -> None:
         """Shutdown: every listen stream ends with its graceful result."""
         for session in self._shared.values():
-            session.end_subscriptions()
+            session.listen_streams.end()
 
     async def close(self) -> None:
         """Close every session (for stdio: every process stopped and reaped), then the kind's background work."""

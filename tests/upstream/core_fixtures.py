@@ -39,7 +39,12 @@ def register(mcp: FastMCP[Any]) -> None:
         description="Requires the client's sampling capability: samples once, then returns Success",
     )
     async def test_missing_capability(ctx: Ctx) -> types.CallToolResult:
-        answer = await sample(ctx, "Reply with any text to prove sampling works.", max_tokens=20)
+        # The SDK's default way: naming no request, so over HTTP it goes out on the session's GET stream.
+        prompt = types.TextContent(type="text", text="Reply with any text to prove sampling works.")
+        result = await ctx.session.create_message(
+            messages=[types.SamplingMessage(role="user", content=prompt)], max_tokens=20
+        )
+        answer = result.content.text if isinstance(result.content, types.TextContent) else result.content.type
         return text_result(f"Success (sampled: {answer})")
 
     @mcp.tool(

@@ -3,6 +3,7 @@
 server->client request each), ``log``, ``update_resource`` (resources/updated to subscribers) and
 ``ping_client`` (a ping on the call's stream), ``whoami`` (headers the call arrived with) and
 ``cancelled_requests`` (which tools/call ids the upstream saw cancelled via notifications/cancelled),
+``calls_started`` (how many ``sleep`` / ``counted`` calls began: a call is running upstream),
 ``counted`` / ``call_count`` (how often a call really reached the upstream), ``ask_three`` (sampling and
 roots on the GET stream, an elicitation on its own stream, all at once), ``big_text`` (a result of any size).
 """
@@ -38,6 +39,7 @@ def register(mcp: FastMCP[Any]) -> None:
         seconds: Annotated[float, Field(description="How long to sleep, in seconds", ge=0)],
         pad: Annotated[int, Field(description="Pad each progress message to this length", ge=0)] = 0,
     ) -> types.CallToolResult:
+        support.call_started("sleep")
         start = anyio.current_time()
         while (remaining := seconds - (anyio.current_time() - start)) > 0:
             await anyio.sleep(min(PROGRESS_INTERVAL_S, remaining))
@@ -133,6 +135,20 @@ def register(mcp: FastMCP[Any]) -> None:
     ) -> types.CallToolResult:
         return text_result(await support.sample(ctx, prompt))
 
+    @mcp.tool(
+        name="sample_standalone",
+        description="Samples with a plain ctx.session.create_message (naming no request: over HTTP it goes out on "
+        "the session's GET stream); returns the model's text, or what the refusal said",
+    )
+    async def sample_standalone(ctx: Ctx) -> types.CallToolResult:
+        message = types.SamplingMessage(role="user", content=types.TextContent(type="text", text="Say anything"))
+        try:
+            result = await ctx.session.create_message(messages=[message], max_tokens=20)
+        except McpError as exc:
+            return text_result(f"sampling refused: {exc.error.message}")
+        content = result.content
+        return text_result(content.text if isinstance(content, types.TextContent) else f"<{content.type}>")
+
     @mcp.tool(name="list_roots", description="Requests roots/list; returns the root URIs joined by ', '")
     async def list_roots(ctx: Ctx) -> types.CallToolResult:
         return text_result(", ".join(str(root.uri) for root in await support.list_roots(ctx)))
@@ -212,6 +228,13 @@ def register(mcp: FastMCP[Any]) -> None:
         return text_result(json.dumps(support.CANCELLED_REQUEST_IDS))
 
     @mcp.tool(
+        name="calls_started",
+        description="JSON object: how many calls of `sleep` and of `counted` this server has started, per tool",
+    )
+    async def calls_started() -> types.CallToolResult:
+        return text_result(json.dumps(support.CALLS_STARTED))
+
+    @mcp.tool(
         name="counted",
         description="Counts its calls per `key`, sleeps `seconds` (cancellable), returns the count so far",
     )
@@ -219,6 +242,7 @@ def register(mcp: FastMCP[Any]) -> None:
         key: Annotated[str, Field(description="Counter name")],
         seconds: Annotated[float, Field(description="How long to work, in seconds", ge=0)] = 0,
     ) -> types.CallToolResult:
+        support.call_started("counted")
         support.CALL_COUNTS[key] = support.CALL_COUNTS.get(key, 0) + 1
         count = support.CALL_COUNTS[key]
         await anyio.sleep(seconds)

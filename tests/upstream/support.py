@@ -37,6 +37,16 @@ CANCELLED_REQUEST_IDS: list[types.RequestId] = []
 CALL_COUNTS: dict[str, int] = {}
 """How many times the ``counted`` tool ran, per key."""
 
+CALLS_STARTED: dict[str, int] = {}
+"""How many calls of ``sleep`` and ``counted`` this server has started, per tool (tests wait on it for a call to
+be running upstream)."""
+
+
+def call_started(tool: str) -> None:
+    """Count one more call of ``tool`` started."""
+    CALLS_STARTED[tool] = CALLS_STARTED.get(tool, 0) + 1
+
+
 _log_levels: weakref.WeakKeyDictionary[ServerSession, types.LoggingLevel] = weakref.WeakKeyDictionary()
 _subscriptions: weakref.WeakKeyDictionary[ServerSession, set[str]] = weakref.WeakKeyDictionary()
 

@@ -12,15 +12,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 import psycopg
 from psycopg import sql
 
 from proxy.tasks.store.base import RESYNC, Change, StoreError
-
-if TYPE_CHECKING:
-    from proxy.tasks.store.postgres import PostgresTaskStore
 
 WAKE_SECONDS: Final = 1.0  # a waiting listener looks up this often (store closed?)
 HEARTBEAT_SECONDS: Final = 30.0  # a quiet listener checks its connection this often
@@ -28,10 +25,21 @@ RETRY_FIRST_SECONDS: Final = 0.05  # reconnection back-off: doubles from here...
 RETRY_MAX_SECONDS: Final = 2.0  # ...up to this
 
 
+class FeedSource(Protocol):
+    """What the feed needs of its store (`PostgresTaskStore`): where to connect, and the channel to LISTEN on."""
+
+    url: str
+
+    @property
+    def channel(self) -> str: ...
+
+    def connect_kwargs(self, *, application: str = ...) -> dict[str, Any]: ...
+
+
 class PgFeed:
     """The listeners of one store."""
 
-    def __init__(self, store: PostgresTaskStore) -> None:
+    def __init__(self, store: FeedSource) -> None:
         self._store = store
         self._connections: set[psycopg.AsyncConnection[Any]] = set()
         self._closed = False

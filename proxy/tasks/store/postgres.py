@@ -25,7 +25,7 @@ import psycopg
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from proxy.config import read_password
+from proxy.keyfiles import read_password
 from proxy.tasks import pacing
 from proxy.tasks.store import pg_schema as schema
 from proxy.tasks.store.base import (

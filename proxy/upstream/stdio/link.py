@@ -1,31 +1,26 @@
-"""What every process of one stdio server command shares, and the stdio kind of upstream session for the pool.
+"""What every process of one stdio server command shares: the link of the stdio kind.
 
 `StdioLink` starts the processes (argv, environment, working directory and limits from `upstream.*`), keeps the
 crash backoff (a server that keeps crashing is not started again before its time: requests get a 503 saying
 when), request ids, background work, and what the server said most recently (serverInfo; when a process last
-wrote, for readiness). Its `limits` tell the pool that processes are costly: bounded by
-`upstream.max_processes`, idle ones stopped after `upstream.process_idle_seconds`, calls that cannot ask
-sharing one. Imports the process layer, the rates and the sessions; never aiohttp, the store or tasks.
+wrote, for readiness). Imports the process layer and the rates; never a session, aiohttp, the store or tasks.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 import time
 from collections.abc import Callable, Mapping
-from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
-from proxy.config import UpstreamConfig
-from proxy.errors import UpstreamError, UpstreamTimeoutError
+from proxy.config import StdioUpstreamConfig
+from proxy.errors import UpstreamUnreachableError
 from proxy.observability import Metrics
-from proxy.upstream.kinds import LinkBase, PoolLimits, Session
-from proxy.upstream.rates import Backoff
-from proxy.upstream.stdio import ProcessExit, SizeLimit, StdioProcess, child_environment
-from proxy.upstream.stdio_session import StdioSession
+from proxy.upstream.link import LinkBase
+from proxy.upstream.stdio.process import ProcessExit, SizeLimit, StdioProcess, child_environment
+from proxy.upstream.stdio.rates import Backoff
 
 
 class StdioLink(LinkBase):
@@ -34,7 +29,7 @@ class StdioLink(LinkBase):
 
     def __init__(
         self,
-        config: UpstreamConfig,
+        config: StdioUpstreamConfig,
         metrics: Metrics | None = None,
         environ: Mapping[str, str] = os.environ,
         max_result_bytes: int | None = None,
@@ -45,25 +40,13 @@ class StdioLink(LinkBase):
         self.max_result_bytes = max_result_bytes  # a longer message is refused (the line is read: max_line_bytes)
         self.env = child_environment(config.env, environ)
         self.program = Path(config.command[0]).name
-        self.limits = PoolLimits(
-            max_idle=config.max_processes,
-            max_open=config.max_processes,
-            idle_seconds=config.process_idle_seconds,
-            share_quiet_calls=True,
-            wait_seconds=config.connect_timeout_seconds,
-            limit_name="upstream.max_processes",
-        )
         self.backoff = Backoff()
         self.retry_at = 0.0  # monotonic: while crashing, no process is started before this
         self._ids = itertools.count(1)
         self._numbers = itertools.count(1)
-        self._probe_lock = asyncio.Lock()
 
     def next_id(self) -> int:
         return next(self._ids)
-
-    def new(self, principal: str | None) -> Session:
-        return StdioSession(self, principal)
 
     async def start(
         self,
@@ -75,7 +58,7 @@ class StdioLink(LinkBase):
         Messages over `max_result_bytes` go to `on_oversized` when given."""
         wait = self.retry_at - time.monotonic()
         if wait > 0:
-            raise UpstreamError(
+            raise UpstreamUnreachableError(
                 f"Upstream stdio server {self.program} keeps crashing ({self.backoff.crashes} times in a row); "
                 f"it is started again in {wait:.1f} s",
                 http_status=503,
@@ -106,19 +89,3 @@ class StdioLink(LinkBase):
 
     def answered(self) -> None:
         self.last_answer_at = time.monotonic()
-
-    async def probe(self, max_age_seconds: float, shared: Callable[[], AbstractAsyncContextManager[Session]]) -> None:
-        """Readiness: fine when a process spoke within `max_age_seconds`; otherwise the anonymous shared
-        process (started if need be) must answer `ping` within `upstream.connect_timeout_seconds`."""
-        async with self._probe_lock:
-            last = self.last_answer_at
-            if last is not None and time.monotonic() - last <= max_age_seconds:
-                return
-            timeout = self.config.connect_timeout_seconds
-            async with shared() as session:
-                try:
-                    await asyncio.wait_for(session.request("ping", None), timeout)
-                except TimeoutError:
-                    raise UpstreamTimeoutError(
-                        f"Upstream stdio server {self.program} did not answer ping within {timeout:g} s"
-                    ) from None

@@ -22,7 +22,7 @@ close stdin, then SIGTERM, then SIGKILL).
 
 The protocol frames lines itself (no StreamReader): the exit is learnt from the child watcher, not from the
 pipes closing, so a grandchild holding stdout open cannot hang the proxy. Owns no session logic: it imports
-only proxy.errors and proxy.upstream.rates, never session, call or tasks modules.
+only proxy.errors and proxy.upstream.stdio.rates, never session, call or tasks modules.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 import structlog
 
 from proxy.errors import UpstreamError
-from proxy.upstream import rates
+from proxy.upstream.stdio import rates
 
 log = structlog.get_logger(__name__)
 

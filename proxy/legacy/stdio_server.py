@@ -8,17 +8,23 @@ against `upstream.max_processes`) and mints the session id; the client's own `in
 server sees the client's capabilities and version. Every message of the client goes to the process's stdin
 unchanged, ids included (the process has no other client), and what the process writes comes back:
 
-- a response, to the POST that waits for it: as JSON when nothing came before it, else as the last event of
-  an SSE stream;
+- a response, to the POST that waits for it: as the last event of an SSE stream when the client accepts one
+  (as JSON without an event store, when nothing came before it);
 - `notifications/progress`, to the POST whose request carries its token;
 - anything else (server→client requests, log messages, list changes; stdio says nothing of what they belong
   to): to the only POST open, else the GET stream, else the oldest POST open; with no stream open, a few are
   held for the next stream to open.
 
+With `limits.legacy_replay_bytes` (the default) the streams are resumable (`proxy/legacy/events.py`): every
+event has an id, an SSE stream opens with a priming event (an id, empty data, `retry`) for a 2025-11-25
+client, and a client whose stream broke resumes it with GET and `Last-Event-ID`: the events of that stream it
+missed, then the rest of it (a POST's answer stream ends with the answer; the GET stream goes on).
+
 DELETE ends the session (the process is stopped: it was initialized for that client and cannot serve
 another); so does `upstream.process_idle_seconds` with no stream open, and the process ending. A request
 naming an ended session gets 404, which tells the client to initialize again. A session is bound to the
-principal header that opened it. Imports aiohttp's web side, the process layer and the pool; never tasks.
+principal header that opened it. Imports aiohttp's web side, the stdio link and process layer, and the pool's
+`Room`; never tasks.
 """
 
 from __future__ import annotations
@@ -34,15 +40,16 @@ import structlog
 from aiohttp import web
 from mcp_types import jsonrpc as codes
 
-from proxy.config import UpstreamConfig
+from proxy.config import StdioUpstreamConfig
 from proxy.errors import InvalidRequestError, RequestId, UpstreamError, UpstreamTimeoutError
-from proxy.upstream.kinds import principal_key
-from proxy.upstream.pool import UpstreamClient
-from proxy.upstream.sse import KEEPALIVE, frame
-from proxy.upstream.stdio import ProcessExit, StdioProcess
-from proxy.upstream.stdio_link import StdioLink
-from proxy.upstream.stdio_session import MAX_QUEUED_EVENTS
+from proxy.legacy import events as legacy_events
+from proxy.legacy.events import SessionEvents, StoredEvent
+from proxy.upstream.session import Room, principal_key
+from proxy.upstream.stdio.link import StdioLink
+from proxy.upstream.stdio.process import ProcessExit, StdioProcess
+from proxy.upstream.stdio.session import MAX_QUEUED_EVENTS
 from proxy.wire.jsonrpc import JSON, Request, classify, dumps, error_message, loads
+from proxy.wire.sse import KEEPALIVE, frame
 
 log = structlog.get_logger(__name__)
 
@@ -50,6 +57,7 @@ SESSION_HEADER: Final = "Mcp-Session-Id"
 KEEPALIVE_SECONDS: Final = 15.0  # SSE comment on a quiet stream, so intermediaries keep it open
 HELD_MESSAGES: Final = 64  # messages for a client with no stream open, kept until one opens (oldest dropped)
 SSE_HEADERS: Final = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+VERSION_HEADER: Final = "MCP-Protocol-Version"
 
 
 class SessionNotFoundError(InvalidRequestError):
@@ -57,26 +65,45 @@ class SessionNotFoundError(InvalidRequestError):
     default_message = "Session not found: initialize a new session"
 
 
+Queued = tuple[StoredEvent | None, JSON]  # a message for the client, with its event when the session keeps them
+
+
 @dataclass(eq=False)
 class _Stream:
-    """Where messages for the client go: a POST waiting for the answer to `request_id`, or the GET stream."""
+    """Where messages for the client go: a POST waiting for the answer to `request_id`, or the GET stream.
+    With an event store, each message is stored as an event of stream `number` as it is routed here, whether
+    a client reads the stream right now or not (`attached`), so that it can be resumed."""
 
     request_id: RequestId | None  # None: the GET stream
     sse: bool  # the client accepts an SSE stream here
-    queue: asyncio.Queue[JSON | None] = field(default_factory=asyncio.Queue)
+    events: SessionEvents | None = None
+    number: int = legacy_events.GET_STREAM
+    attached: bool = True  # a client reads it (a POST left by its client stays open for a resume until answered)
+    answered: bool = False  # the answer to `request_id` was written
+    writer: asyncio.Task[Any] | None = None  # the request handler writing it to its client, if any
+    queue: asyncio.Queue[Queued | None] = field(default_factory=asyncio.Queue)
 
     def offer(self, message: JSON | None) -> None:
         if message is not None and "id" not in message and self.queue.qsize() >= MAX_QUEUED_EVENTS:
             return  # a client that fell this far behind loses notifications, never answers or questions
-        self.queue.put_nowait(message)
+        if message is None:
+            self.queue.put_nowait(None)
+            return
+        event = self.events.add(self.number, message) if self.events is not None and self.sse else None
+        self.queue.put_nowait((event, message))
+
+    @property
+    def resumable(self) -> bool:
+        return self.events is not None and self.sse
 
 
 class LegacySession:
     """One legacy client's session: its server process and the client's open streams."""
 
-    def __init__(self, session_id: str, principal: str) -> None:
+    def __init__(self, session_id: str, principal: str, events: SessionEvents | None = None) -> None:
         self.id = session_id
         self.principal = principal  # hashed
+        self.events = events  # None: streams are not resumable (`limits.legacy_replay_bytes` is 0)
         self.process: StdioProcess | None = None
         self.posts: dict[RequestId, _Stream] = {}  # open POSTs by request id, oldest first
         self.get: _Stream | None = None
@@ -88,10 +115,14 @@ class LegacySession:
 
     @property
     def busy(self) -> bool:
-        return bool(self.posts) or self.get is not None
+        return any(stream.attached for stream in self.posts.values()) or self.get is not None
 
-    def open(self, request_id: RequestId | None, sse: bool, progress_token: Any = None) -> _Stream:
-        stream = _Stream(request_id, sse)
+    def open(
+        self, request_id: RequestId | None, sse: bool, progress_token: Any = None, *, resumable: bool = True
+    ) -> _Stream:
+        stream = _Stream(request_id, sse, self.events if resumable else None)
+        if request_id is not None and stream.events is not None:
+            stream.number = stream.events.new_stream()
         if request_id is None:
             if self.get is not None:
                 raise InvalidRequestError("Conflict: this session's GET stream is already open", http_status=409)
@@ -109,6 +140,21 @@ class LegacySession:
                 stream.offer(self.held.popleft())
         return stream
 
+    def let_go(self, stream: _Stream) -> None:
+        """The client stopped reading `stream`: a POST not answered yet stays open for a resume (its events
+        are stored as they come, and it closes with its answer); anything else closes."""
+        if stream.resumable and stream.request_id is not None and not stream.answered and self.ended is None:
+            stream.attached = False
+            return
+        self.close(stream)
+
+    def post_stream(self, number: int) -> _Stream | None:
+        """The open POST whose answer stream is `number` (a client may resume it)."""
+        for stream in self.posts.values():
+            if stream.number == number and stream.resumable:
+                return stream
+        return None
+
     def close(self, stream: _Stream) -> None:
         if stream is self.get:
             self.get = None
@@ -125,6 +171,8 @@ class LegacySession:
             stream = self.posts.get(request_id) if isinstance(request_id, str | int) else None
             if stream is not None:
                 stream.offer(message)
+                if not stream.attached:  # stored for a resume; nothing more comes on that stream
+                    self.close(stream)
             return  # an answer nobody waits for any more (the client left): dropped
         params = message.get("params")
         if message["method"] == "notifications/progress" and isinstance(params, dict):
@@ -133,7 +181,7 @@ class LegacySession:
             if progressed is not None and self.posts[progressed].sse:
                 self.posts[progressed].offer(message)
                 return
-        sse_posts = [stream for stream in self.posts.values() if stream.sse]
+        sse_posts = [stream for stream in self.posts.values() if stream.sse and stream.attached]
         if len(sse_posts) == 1:
             sse_posts[0].offer(message)
         elif self.get is not None:
@@ -160,11 +208,19 @@ class StdioLegacyServer:
     """Serves legacy clients on the proxy's endpoint when the upstream is a stdio server (`relay()`, as the
     pass-through does for an HTTP upstream)."""
 
-    def __init__(self, link: StdioLink, pool: UpstreamClient, config: UpstreamConfig, principal_header: str) -> None:
+    def __init__(
+        self,
+        link: StdioLink,
+        room: Room,
+        config: StdioUpstreamConfig,
+        principal_header: str,
+        replay_bytes: int = 0,
+    ) -> None:
         self.link = link
-        self.pool = pool
+        self.pool = room  # each session's process counts against upstream.max_processes, as the pool's own do
         self.config = config
         self.principal_header = principal_header
+        self.replay_bytes = replay_bytes  # per session, for resumable streams; 0: none
         self.sessions: dict[str, LegacySession] = {}  # by id: the sessions clients may still use
         self.live: set[LegacySession] = set()  # sessions whose process has not exited yet (ended ones too)
 
@@ -204,16 +260,19 @@ class StdioLegacyServer:
         token = meta.get("progressToken") if isinstance(meta, dict) else None
         stream = session.open(message.id, sse, token)
         self._busy(session)
+        version = request.headers.get(VERSION_HEADER)
         try:
             await self._send(session, message.raw)
-            return await self._answer(request, stream, message.id, self.config.call_timeout_seconds, {})
+            return await self._answer(request, stream, message.id, self.config.call_timeout_seconds, {}, version)
         finally:
-            session.close(stream)
+            session.let_go(stream)
             self._idle(session)
 
     async def _initialize(self, request: web.Request, message: Request, sse: bool) -> web.StreamResponse:
         await self.pool.reserve(self._make_room)
-        session = LegacySession(secrets.token_urlsafe(24), principal_key(request.headers.get(self.principal_header)))
+        events = SessionEvents(self.replay_bytes) if self.replay_bytes else None
+        principal = principal_key(request.headers.get(self.principal_header))
+        session = LegacySession(secrets.token_urlsafe(24), principal, events)
         try:
             session.process = await self.link.start(session.route, lambda exited: self._exited(session, exited))
         except BaseException:
@@ -222,11 +281,14 @@ class StdioLegacyServer:
         self.sessions[session.id] = session
         self.live.add(session)
         log.info("legacy_session_started", upstream=session.process.name)
-        stream = session.open(message.id, sse)
+        # Answered whole, as before any stream: the session exists for the client only once it has the answer.
+        stream = session.open(message.id, sse, resumable=False)
         timeout = self.config.connect_timeout_seconds
+        version = (message.params or {}).get("protocolVersion")
+        headers = {SESSION_HEADER: session.id}
         try:
             await self._send(session, message.raw)
-            response = await self._answer(request, stream, message.id, timeout, {SESSION_HEADER: session.id})
+            response = await self._answer(request, stream, message.id, timeout, headers, version)
         except BaseException:
             self.link.spawn(self.end(session, "initialize did not succeed"), "legacy-session-end")
             raise
@@ -250,11 +312,29 @@ class StdioLegacyServer:
         request_id: RequestId,
         wait_seconds: float,
         headers: Mapping[str, str],
+        version: object,
     ) -> web.StreamResponse:
-        """The answer to one POST: JSON when nothing came before it, else an SSE stream ending with it."""
+        """The answer to one POST: an SSE stream ending with it when the session keeps events (opened at once,
+        with a priming event), else JSON when nothing came before it, else an SSE stream ending with it."""
+        response: web.StreamResponse | None = None
+        if stream.resumable:
+            response = await self._open_sse(request, headers, stream, version)
+        return await self._write(request, stream, request_id, wait_seconds, headers, response)
+
+    async def _write(
+        self,
+        request: web.Request,
+        stream: _Stream,
+        request_id: RequestId,
+        wait_seconds: float,
+        headers: Mapping[str, str],
+        response: web.StreamResponse | None,
+        seen: int = 0,
+    ) -> web.StreamResponse:
+        """What comes on `stream` until the answer to `request_id` (events up to `seen` were sent already)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_seconds
-        response: web.StreamResponse | None = None
+        stream.writer = asyncio.current_task()
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -264,50 +344,81 @@ class StdioLegacyServer:
                 if response is None:
                     raise timed_out
                 await response.write(frame(dumps(error_message(request_id, timed_out.error_object())).decode()))
+                stream.answered = True
                 await response.write_eof()
                 return response
             try:
-                message = await asyncio.wait_for(stream.queue.get(), min(KEEPALIVE_SECONDS, remaining))
+                queued = await asyncio.wait_for(stream.queue.get(), min(KEEPALIVE_SECONDS, remaining))
             except TimeoutError:
                 if remaining > KEEPALIVE_SECONDS and stream.sse:
                     response = response or await self._open_sse(request, headers)
                     await response.write(KEEPALIVE)
                 continue
-            assert message is not None  # only the GET stream is ended with None
+            assert queued is not None  # only the GET stream is ended with None
+            event, message = queued
+            if event is not None and event.seq <= seen:
+                continue  # replayed already
             final = "method" not in message and message.get("id") == request_id
             if final and response is None:
+                stream.answered = True
                 return web.Response(body=dumps(message), content_type="application/json", headers=headers)
             response = response or await self._open_sse(request, headers)
-            await response.write(frame(dumps(message).decode()))
+            await response.write(legacy_events.frame_of(event) if event else frame(dumps(message).decode()))
             if final:
+                stream.answered = True
                 await response.write_eof()
                 return response
 
-    async def _open_sse(self, request: web.Request, headers: Mapping[str, str]) -> web.StreamResponse:
+    async def _open_sse(
+        self,
+        request: web.Request,
+        headers: Mapping[str, str],
+        stream: _Stream | None = None,
+        version: object = None,
+    ) -> web.StreamResponse:
+        """An SSE response; for a resumable stream of a 2025-11-25 client it opens with a priming event."""
         response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
         await response.prepare(request)
+        if stream is not None and stream.events is not None and legacy_events.primes(version):
+            await response.write(legacy_events.priming_frame(stream.events.next_id(stream.number)))
         return response
 
     # --- GET -----------------------------------------------------------------------------------------------
 
     async def _get(self, request: web.Request) -> web.StreamResponse:
-        """The standalone stream: what the process sends that no open POST takes, until the session ends."""
+        """The standalone stream: what the process sends that no open POST takes, until the session ends. With
+        `Last-Event-ID` naming one of this session's streams: that stream resumed."""
         if "text/event-stream" not in request.headers.get("Accept", ""):
             raise InvalidRequestError("Not Acceptable: the GET stream is text/event-stream", http_status=406)
         session = self._session(request)
+        last = request.headers.get("Last-Event-ID")
+        resumed = legacy_events.position(last) if last is not None and session.events is not None else None
+        if resumed is not None and session.events is not None and session.events.known_stream(resumed[0]):
+            number, seq = resumed
+            if number != legacy_events.GET_STREAM:
+                return await self._resume_post(request, session, number, seq)
+            await _stop_writer(session.get)  # back before its old GET was seen to break: it stops first
+            replay = session.events.after(number, seq)
+        else:
+            replay = []
         stream = session.open(None, True)
+        stream.writer = asyncio.current_task()
         self._busy(session)
-        response = await self._open_sse(request, {SESSION_HEADER: session.id})
+        version = request.headers.get(VERSION_HEADER)
         try:
+            response = await self._open_sse(request, {SESSION_HEADER: session.id}, stream, version)
+            for stored in replay:
+                await response.write(legacy_events.frame_of(stored))
             while True:
                 try:
-                    message = await asyncio.wait_for(stream.queue.get(), KEEPALIVE_SECONDS)
+                    queued = await asyncio.wait_for(stream.queue.get(), KEEPALIVE_SECONDS)
                 except TimeoutError:
                     await response.write(KEEPALIVE)
                     continue
-                if message is None:
+                if queued is None:
                     break
-                await response.write(frame(dumps(message).decode()))
+                event, message = queued
+                await response.write(legacy_events.frame_of(event) if event else frame(dumps(message).decode()))
             await response.write_eof()
         except ConnectionResetError:
             pass  # the client went away
@@ -315,6 +426,44 @@ class StdioLegacyServer:
             session.close(stream)
             self._idle(session)
         return response
+
+    async def _resume_post(
+        self, request: web.Request, session: LegacySession, number: int, seq: int
+    ) -> web.StreamResponse:
+        """A POST's answer stream again, from after event `seq`: what it missed, then the rest until the answer
+        (at once when the answer came already: then only what is still held)."""
+        assert session.events is not None
+        stream = session.post_stream(number)
+        if stream is not None and stream.attached:
+            await _stop_writer(stream)  # back before its old connection was seen to break: that one stops first
+            stream = session.post_stream(number)
+        replay = session.events.after(number, seq)
+        headers = {SESSION_HEADER: session.id}
+        if stream is None:  # answered (or given up) already: what is held of it, and the stream ends
+            response = await self._open_sse(request, headers)
+            for event in replay:
+                await response.write(legacy_events.frame_of(event))
+            await response.write_eof()
+            return response
+        assert stream.request_id is not None
+        stream.attached = True
+        self._busy(session)
+        try:
+            response = await self._open_sse(request, headers, stream, request.headers.get(VERSION_HEADER))
+            for event in replay:
+                await response.write(legacy_events.frame_of(event))
+            if any(
+                legacy_events.answers(event, stream.request_id) for event in replay
+            ):  # taken, not delivered, by the old one
+                stream.answered = True
+                await response.write_eof()
+                return response
+            seen = replay[-1].seq if replay else seq
+            wait = self.config.call_timeout_seconds
+            return await self._write(request, stream, stream.request_id, wait, headers, response, seen)
+        finally:
+            session.let_go(stream)
+            self._idle(session)
 
     # --- the end of a session ----------------------------------------------------------------------------
 
@@ -366,3 +515,13 @@ class StdioLegacyServer:
         """Shutdown: every legacy session ends and its process is stopped (awaited)."""
         sessions = list(self.live)
         await asyncio.gather(*(self.end(session, "the proxy is shutting down") for session in sessions))
+
+
+async def _stop_writer(stream: _Stream | None) -> None:
+    """End the request that writes `stream` to a client, and wait until it has let go of it: a resumed stream
+    has one reader, and what the old one took and did not deliver is in the store."""
+    writer = stream.writer if stream is not None else None
+    if writer is None or writer is asyncio.current_task() or writer.done():
+        return
+    writer.cancel()
+    await asyncio.wait({writer})

@@ -25,7 +25,7 @@ UPSTREAM_FORGOT: Final = "the upstream no longer knows this task (or the session
 
 
 @dataclass(slots=True)
-class FollowedTask:
+class UpstreamTask:
     task_id: str  # the upstream's id (never shown to the client)
     status: str = "working"  # the latest legacy status seen
     status_message: str | None = None
@@ -36,7 +36,7 @@ class FollowedTask:
     cancelled: bool = False  # the upstream cancelled it (not this proxy's client)
 
     @classmethod
-    def created(cls, task: LegacyTask, at_ms: int) -> FollowedTask:
+    def created(cls, task: LegacyTask, at_ms: int) -> UpstreamTask:
         expires = None if task.ttl_ms is None else at_ms + task.ttl_ms
         return cls(
             task.task_id,

@@ -4,8 +4,8 @@ The stdio transport has exactly one client per process and carries no associatio
 session multiplexes its calls by JSON-RPC id (responses go to their call), routes `notifications/progress` by
 the progress token it put on the call (each call gets a token of its own, so calls sharing a process never
 see each other's progress), and treats everything else the server sends unasked as unsolicited: a question
-goes to the lessee while a call holds the process alone, else it is refused at once (never left waiting);
-`ping` is answered; notifications go to the lessee and to `on_notification`.
+goes to the call the process is lent to, else it is refused at once (never left waiting); `ping` is answered;
+notifications go to that call and to the listen streams (`lending.py`).
 
 A message longer than `limits.max_result_bytes` is not passed on, as over HTTP: an answer fails its call with
 that limit's error (the server has answered: there is nothing to cancel), a question is refused, a
@@ -13,8 +13,8 @@ notification dropped. The line itself is read whole, so what it may hold is boun
 
 A process that dies fails its open calls with an UpstreamError naming how it ended; the next request starts
 a fresh one, unless it keeps crashing (then `StdioLink.start` refuses with a 503 saying when it is tried
-again). What all sessions of one server command share is the `StdioLink` (`stdio_link.py`). Imports the
-process layer (`stdio.py`) and the kinds protocol; never aiohttp, the store or tasks.
+again). What all sessions of one server command share is the `StdioLink` (`link.py`). Imports the link, the
+process layer (`process.py`) and the lending; never the kind, aiohttp, the store or tasks.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import structlog
 from mcp_types import jsonrpc as codes
@@ -37,8 +37,12 @@ from proxy.upstream.events import (
     UpstreamResult,
     UpstreamServerRequest,
 )
-from proxy.upstream.kinds import CLIENT_CAPABILITIES, CLIENT_INFO, SessionFeatures, Sink
-from proxy.upstream.stdio import ProcessExit, StdioProcess
+from proxy.upstream.lending import Lending, ListenStreams, Notifications, Sink
+from proxy.upstream.session import CLIENT_CAPABILITIES, CLIENT_INFO, read_param_headers, read_task_support, request
+from proxy.upstream.stdio.link import StdioLink
+from proxy.upstream.stdio.process import ProcessExit, StdioProcess
+from proxy.wire import legacy_tasks
+from proxy.wire.envelope import ParamHeader
 from proxy.wire.jsonrpc import (
     JSON,
     Notification,
@@ -50,9 +54,6 @@ from proxy.wire.jsonrpc import (
     request_message,
     result_message,
 )
-
-if TYPE_CHECKING:
-    from proxy.upstream.stdio_link import StdioLink
 
 log = structlog.get_logger(__name__)
 
@@ -77,7 +78,7 @@ class _TooLarge:
 Inbox = asyncio.Queue[UpstreamEvent | _Gone | _TooLarge]
 
 
-class StdioCall:
+class StdioRequestStream:
     """One request open on a stdio session: its inbox, filled by the session as lines arrive."""
 
     def __init__(self, session: StdioSession, request_id: int, method: str, deadline: float) -> None:
@@ -121,27 +122,53 @@ class StdioCall:
         await self.session.notify("notifications/cancelled", {"requestId": self.request_id, "reason": reason})
 
 
-class StdioSession(SessionFeatures):
-    """One server process at a time (a fresh one after a crash), initialized by the proxy."""
+class StdioSession:
+    """One server process at a time (a fresh one after a crash), initialized by the proxy; a `Session`."""
 
     def __init__(self, link: StdioLink, principal: str | None) -> None:
-        super().__init__(link)
-        self.link: StdioLink = link
+        self.link = link
         self.principal = principal  # keys the pool only: a stdio server sees no HTTP headers
         self.session_id: str | None = None  # the running process's name
         self.protocol_version: str = link.config.protocol_version
         self.initialize_result: JSON | None = None
         self.in_flight = 0
-        self.lessee: Sink | None = None
-        self.on_notification: Callable[[UpstreamNotification], None] = self.deliver
-        self.kept = False  # a process cannot outlive the proxy: a kept session is stopped all the same
+        self.listen_streams = ListenStreams(self.request, link.tools_changed)
+        self._lending = Lending(self.listen_streams)  # a process cannot outlive the proxy: a kept one is stopped too
         self.process: StdioProcess | None = None
-        self._calls: dict[int, StdioCall] = {}  # request id (also the progress token it carries) → call
+        self._calls: dict[int, StdioRequestStream] = {}  # request id (also the progress token it carries) → call
         self._asked: set[RequestId] = set()  # the running process's questions not answered yet
         self._unsolicited: asyncio.Queue[UpstreamEvent | None] = asyncio.Queue()
         self._lock = asyncio.Lock()
         self._closed = False
         self._generation = 0  # which process callbacks still count: only the latest one's
+
+    # --- lending (the pool) ---------------------------------------------------------------------------------
+
+    @property
+    def kept(self) -> bool:
+        return self._lending.kept
+
+    @property
+    def lent(self) -> bool:
+        return self._lending.lessee is not None
+
+    def lend(self, sink: Sink, notifications: Notifications) -> None:
+        self._lending.lend(sink, notifications)
+
+    def take_back(self) -> None:
+        self._lending.take_back()
+
+    def keep(self) -> None:
+        self._lending.keep()
+
+    async def request(self, method: str, params: JSON | None) -> JSON:
+        return await request(self, method, params)
+
+    async def param_headers(self, tool: str) -> tuple[ParamHeader, ...]:
+        return await read_param_headers(self, self.link, tool)
+
+    async def task_support(self, tool: str) -> legacy_tasks.TaskSupport | None:
+        return await read_task_support(self, self.link, tool)
 
     @property
     def pid(self) -> int | None:
@@ -201,8 +228,8 @@ class StdioSession(SessionFeatures):
         self.link.initialized(result)
         self.link.backoff.reset()
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, upstream=process.name)
-        if self.resource_subscriptions:
-            self.link.spawn(self.resubscribe(), "upstream-resubscribe")
+        if self.listen_streams.resources:
+            self.link.spawn(self.listen_streams.resubscribe(), "upstream-resubscribe")
 
     async def _initialize(self) -> JSON:
         params = {
@@ -258,7 +285,7 @@ class StdioSession(SessionFeatures):
         if exited.requested:
             return
         self.link.crashed(exited.lived_seconds)
-        if self.subscriptions and not self._closed:
+        if self.listen_streams.subscriptions and not self._closed:
             self.link.spawn(self._revive(), "upstream-session-revive")
 
     async def _revive(self) -> None:
@@ -350,7 +377,7 @@ class StdioSession(SessionFeatures):
         shared process are refused (an elicitation is declined); `ping` is answered."""
         while (event := await queue.get()) is not None:
             try:
-                await self.route_unsolicited(event, UNSOLICITED_REFUSED)
+                await self._lending.route(event, self.respond, UNSOLICITED_REFUSED)
             except UpstreamError as exc:
                 log.info("upstream_answer_not_delivered", error=exc.message)
 
@@ -363,9 +390,9 @@ class StdioSession(SessionFeatures):
         await process.send(message)
 
     @contextlib.asynccontextmanager
-    async def _open(self, method: str, params: JSON | None) -> AsyncIterator[StdioCall]:
+    async def _open(self, method: str, params: JSON | None) -> AsyncIterator[StdioRequestStream]:
         request_id = self.link.next_id()
-        call = StdioCall(self, request_id, method, time.monotonic() + self.link.config.call_timeout_seconds)
+        call = StdioRequestStream(self, request_id, method, time.monotonic() + self.link.config.call_timeout_seconds)
         meta = params.get("_meta") if isinstance(params, dict) else None
         if isinstance(meta, dict) and "progressToken" in meta:
             # The server's progress names the request it belongs to: the id is the token.
@@ -382,7 +409,7 @@ class StdioSession(SessionFeatures):
         finally:
             self._calls.pop(request_id, None)
 
-    async def _cancel_unanswered(self, call: StdioCall) -> None:
+    async def _cancel_unanswered(self, call: StdioRequestStream) -> None:
         try:
             await call.cancel("request abandoned")
         except UpstreamError as exc:
@@ -391,8 +418,8 @@ class StdioSession(SessionFeatures):
     @contextlib.asynccontextmanager
     async def call(
         self, method: str, params: JSON | None, extra_headers: Mapping[str, str] | None = None
-    ) -> AsyncIterator[StdioCall]:
-        """Send one request; the StdioCall streams what comes back. HTTP headers (trace context, the principal)
+    ) -> AsyncIterator[StdioRequestStream]:
+        """Send one request; the StdioRequestStream streams what comes back. HTTP headers (trace context, the principal)
         have no place on stdio and are not sent."""
         await self.ensure_initialized()
         with self.link.measured(method):

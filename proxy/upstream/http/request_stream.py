@@ -1,9 +1,9 @@
 """One in-flight upstream request as an async stream of events.
 
-`UpstreamCall.events()` yields what the legacy server sends on the request's stream (`events.py`):
+`HttpRequestStream.events()` yields what the legacy server sends on the request's stream (`events.py`):
 notifications, server→client requests and, last, the final result or JSON-RPC error. The upstream's `ping` is
 answered here; a stream the upstream closes early is resumed (GET + Last-Event-ID, as 2025-11-25 servers
-expect). The call depends on `CallTransport`, a small protocol its session provides, never on the session
+expect). The call depends on `StreamTransport`, a small protocol its session provides, never on the session
 itself. aiohttp errors become UpstreamError.
 """
 
@@ -18,8 +18,8 @@ import structlog
 
 from proxy.errors import RequestId, ResultTooLargeError, UpstreamError, UpstreamTimeoutError
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult, UpstreamServerRequest, decode
-from proxy.upstream.sse import EventTooLargeError, SSEParser
 from proxy.wire.jsonrpc import JSON
+from proxy.wire.sse import EventTooLargeError, SSEParser
 
 log = structlog.get_logger(__name__)
 
@@ -27,7 +27,7 @@ log = structlog.get_logger(__name__)
 MAX_RESUMPTIONS: Final = 5
 
 
-class CallTransport(Protocol):
+class StreamTransport(Protocol):
     """What a call needs from the session it runs on."""
 
     async def respond(
@@ -39,10 +39,10 @@ class CallTransport(Protocol):
     async def resume(self, last_event_id: str) -> aiohttp.ClientResponse: ...
 
 
-class UpstreamCall:
+class HttpRequestStream:
     def __init__(
         self,
-        transport: CallTransport,
+        transport: StreamTransport,
         request_id: int,
         method: str,
         response: aiohttp.ClientResponse,

@@ -1,6 +1,7 @@
 """Server-Sent Events framing: an incremental parser for upstream streams and the writer's frame format.
 
-Pure (no I/O): `SSEParser.feed(bytes)` returns the events completed by those bytes, following the WHATWG
+Part of the wire: upstream/ and the benchmarks read with it, the legacy stdio server writes with it. Pure:
+`SSEParser.feed(bytes)` returns the events completed by those bytes, following the WHATWG
 event-stream rules (CR, LF or CRLF line ends; `data` lines joined by LF; comments ignored). Its cost is
 linear in the bytes fed, however they are split, and it can refuse events over a size.
 """

@@ -9,7 +9,7 @@ checks ran before; the upstream sees the proxy as its client.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Final, Protocol
+from typing import Final
 
 import aiohttp
 from aiohttp import web
@@ -73,14 +73,10 @@ def _end_to_end(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return kept
 
 
-class LegacyRelay(Protocol):
-    """Serves a legacy client's request: this pass-through for an HTTP upstream, the proxy's own Streamable
-    HTTP server for a stdio one (`stdio_legacy.py`)."""
-
-    async def relay(self, request: web.Request, body: bytes | None) -> web.StreamResponse: ...
-
-
 class PassThrough:
+    """Relays a legacy client's requests to the HTTP upstream verbatim, on an HTTP client of its own (`close`
+    closes it)."""
+
     def __init__(
         self,
         url: str,
@@ -95,6 +91,9 @@ class PassThrough:
         self.timeout = aiohttp.ClientTimeout(
             total=call_timeout_seconds, connect=connect_timeout_seconds, sock_connect=connect_timeout_seconds
         )
+
+    async def close(self) -> None:
+        await self.http.close()
 
     async def relay(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
         headers = _end_to_end(request.headers)

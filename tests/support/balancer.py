@@ -1,7 +1,7 @@
 """A round-robin HTTP load balancer for tests: each request goes to the next backend, with no stickiness of any
 kind (no cookies, no session or task affinity), as an ordinary Kubernetes Service may route them.
 
-    python -m tests.balancer --port 0 http://127.0.0.1:8081 http://127.0.0.1:8082
+    python -m tests.support.balancer --port 0 http://127.0.0.1:8081 http://127.0.0.1:8082
     # prints "ready http://127.0.0.1:<port>" once listening; SIGTERM/SIGINT -> exit 0
 
 The request (method, path, headers, body) is relayed as it came, the response streamed back as it arrives (SSE

@@ -2,7 +2,7 @@
 
 A legacy server sends what is not tied to a request there: `notifications/*/list_changed`, resource updates,
 and server→client requests made without a related request (the mcp 1.x SDK's `list_roots()`, or
-`create_message()` / `elicit()` without a related request id). The listener reconnects (with
+`create_message()` / `elicit()` without a related request id). The reader reconnects (with
 `Last-Event-ID`) when the stream drops, and hands every message, and the news that the upstream forgot the
 session, to the one callback its session gives it. It knows nothing of the session that created it.
 """
@@ -20,7 +20,7 @@ import structlog
 
 from proxy.errors import UpstreamError
 from proxy.upstream.events import UpstreamEvent, decode
-from proxy.upstream.sse import EventTooLargeError, SSEParser
+from proxy.wire.sse import EventTooLargeError, SSEParser
 
 log = structlog.get_logger(__name__)
 
@@ -39,7 +39,7 @@ OpenStream = Callable[[str | None], Awaitable[aiohttp.ClientResponse]]  # GET wi
 Spawn = Callable[[Coroutine[Any, Any, None], str], "asyncio.Task[None]"]
 
 
-class UpstreamListener:
+class GetStream:
     def __init__(
         self,
         session_id: str,

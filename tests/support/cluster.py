@@ -10,7 +10,6 @@ import itertools
 import json
 import os
 import signal
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -20,7 +19,10 @@ import aiohttp
 import psycopg
 
 from tests import pg
-from tests.conftest import Client, ModernSchema, ProxyProcess, SchemaValidator, Tasks, Upstream
+from tests.support.clients import Client, Tasks
+from tests.support.processes import ProxyProcess, Upstream
+from tests.support.schemas import ModernSchema, SchemaValidator
+from tests.support.waiting import until_sync
 
 START_SECONDS = 30.0
 DRAIN_SECONDS = 1.0  # a stopped replica drains this long at most (the drain tests choose their own)
@@ -63,11 +65,13 @@ class Replica:
     def start(self) -> None:
         """Start the proxy process and wait until it is ready (store, lease and upstream)."""
         self.proxy.process = self.proxy._spawn()
-        deadline = time.monotonic() + START_SECONDS
-        while not ready(self.proxy.port):
-            assert self.proxy.process.poll() is None, self.proxy.log.read_text()[-4000:]
-            assert time.monotonic() < deadline, "the replica did not become ready"
-            time.sleep(0.05)
+        process = self.proxy.process
+
+        def up() -> bool:
+            assert process.poll() is None, self.proxy.log.read_text()[-4000:]
+            return ready(self.proxy.port)
+
+        until_sync(up, "the replica did not become ready", START_SECONDS)
 
     @property
     def pid(self) -> int:

@@ -1,0 +1,59 @@
+"""The files the configuration names and the proxy reads: the deployment key (`security.key_file`), the key
+that signs `requestState` (`inputs.secret_file`) and the PostgreSQL password (`store.password_file`).
+
+`load_config` checks them with `problems` apart from the schema (which only describes), so an unmounted
+Secret fails `check-config` and the start, not a later request; the users read them with `read_secret` and
+`read_password`. Imports nothing from the proxy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Final
+
+MIN_SECRET_BYTES: Final = 32  # a key file's shortest usable content
+
+
+def read_password(path: str) -> str:
+    """The password in a file, without its line ending; ValueError if unreadable or empty."""
+    try:
+        password = Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not password:
+        raise ValueError(f"{path} is empty")
+    return password
+
+
+def read_secret(path: str) -> bytes:
+    """The bytes of a key file, surrounding whitespace removed; ValueError if unreadable or too short."""
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{path} holds {len(secret)} bytes; at least {MIN_SECRET_BYTES} needed")
+    return secret
+
+
+FILES: Final[tuple[tuple[str, str, Callable[[str], object]], ...]] = (
+    ("security", "key_file", read_secret),
+    ("store", "password_file", read_password),
+    ("inputs", "secret_file", read_secret),
+)
+
+
+def problems(data: Mapping[str, Any]) -> list[str]:
+    """Each named file that cannot be used, as `section.field: why`, from the configuration as it was read
+    (before or without the schema: a problem elsewhere does not hide these)."""
+    found = []
+    for section, field, read in FILES:
+        fields = data.get(section)
+        path = fields.get(field) if isinstance(fields, Mapping) else None
+        if isinstance(path, str):
+            try:
+                read(path)
+            except ValueError as exc:
+                found.append(f"{section}.{field}: {exc}")
+    return found

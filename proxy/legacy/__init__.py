@@ -1,0 +1,21 @@
+"""The servers the proxy runs for legacy (2025-06-18 / 2025-11-25) clients: the pass-through to an HTTP
+upstream (`passthrough.py`) and the proxy's own Streamable HTTP server in front of a stdio upstream
+(`stdio_server.py`). Each upstream kind says which one its legacy clients get (`SessionKind.legacy_front`).
+This package imports aiohttp's web side and the upstream pool's protocols; never tasks or the front.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from aiohttp import web
+
+
+class LegacyFront(Protocol):
+    """Serves a legacy client's request: the pass-through for an HTTP upstream, the proxy's own Streamable
+    HTTP server for a stdio one."""
+
+    async def relay(self, request: web.Request, body: bytes | None) -> web.StreamResponse: ...
+
+    async def close(self) -> None:
+        """Shutdown: end what the front holds (its sessions, its HTTP client)."""

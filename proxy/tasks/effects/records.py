@@ -1,0 +1,259 @@
+"""Task record writes for the calls run here (`CreateRecord` → `Committed` / `CommitRefused`, `WriteInputs`,
+`WriteProgress`, `Settle`), each under the lease's fence through one helper (a lost lease is `LeaseLost`), and
+the bookkeeping of every settlement this replica won (log, metrics, durations, and a note so that its own
+settlement coming back on the change feed is not taken for another replica's). Limits are checked (by the
+slots) before anything is written. Imports the store, the slots, the table and the wire; no upstream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, TypeVar
+
+import structlog
+
+from proxy.config import TasksConfig
+from proxy.errors import ProxyError, TaskLimitError
+from proxy.observability import Metrics
+from proxy.principals import Principals
+from proxy.tasks.commands import (
+    CommitRefused,
+    Committed,
+    CreateRecord,
+    LeaseLost,
+    Settle,
+    WriteInputs,
+    WriteProgress,
+)
+from proxy.tasks.durations import Durations
+from proxy.tasks.effects.slots import RunningSlots
+from proxy.tasks.live_call import LiveCall
+from proxy.tasks.store import Fence, FencedError, StoreError, StoreFullError, TaskStore
+from proxy.tasks.table import CallTable
+from proxy.wire import legacy_tasks
+from proxy.wire import tasks as wire_tasks
+from proxy.wire.jsonrpc import JSON
+from proxy.wire.tasks import TaskRecord, TaskStatus
+
+log = structlog.get_logger(__name__)
+
+OWN_SETTLEMENTS_KEPT: Final = 4096  # settlements remembered until the feed brings them back (a bound, not a need)
+
+_T = TypeVar("_T")
+
+
+class RecordWrites:
+    def __init__(
+        self,
+        config: TasksConfig,
+        store: TaskStore,
+        table: CallTable,
+        slots: RunningSlots,
+        principals: Principals,
+        durations: Durations,
+        clock: Callable[[], int],
+        process_id: str,
+        fence: Callable[[], Fence],
+        metrics: Metrics | None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.table = table
+        self.slots = slots
+        self.principals = principals
+        self.durations = durations
+        self.clock = clock
+        self.process_id = process_id
+        self.fence = fence
+        self.metrics = metrics
+        self._own: OrderedDict[str, None] = OrderedDict()  # task ids whose settlement this replica is writing
+
+    # --- the commands ------------------------------------------------------------------------------------
+
+    async def create(self, call: LiveCall, command: CreateRecord) -> Committed | CommitRefused:
+        """Limits first (nothing is written when refused), then the committed record."""
+        if command.status is TaskStatus.WORKING:
+            refused = self.slots.refusal(call)
+            if refused is not None:
+                return CommitRefused(refused)
+        decision = call.state.decision
+        policy = decision.policy
+        assert policy is not None
+        now = self.clock()
+        call.fence = self.fence()  # taken before the commit: a lease lost meanwhile stops the call
+        record = TaskRecord(
+            task_id=wire_tasks.new_task_id(),
+            principal=call.caller,
+            tool=call.name,
+            status=command.status,
+            created_at_ms=now,
+            updated_at_ms=now,
+            ttl_ms=legacy_tasks.bounded_ttl_ms(policy.ttl_ms, command.upstream_expires_at_ms, now),
+            poll_interval_ms=policy.poll_interval_ms,
+            owner=self.process_id,
+            on_restart=policy.on_restart,
+            request=call.params,
+            status_message=command.status_message,
+            input_requests=command.input_requests,
+            inputs_issued=command.issued,
+            # A re-run, and following an upstream task after a restart, present the principal again: it is kept
+            # sealed with the deployment key until the task settles.
+            rerun_principal=self.principals.seal(call.principal)
+            if call.principal and (policy.on_restart == "rerun" or command.upstream_task_id)
+            else None,
+            client_capabilities=call.state.capabilities,
+            upstream_task_id=command.upstream_task_id,
+            upstream_session_id=call.session.session_id if command.upstream_task_id and call.session else None,
+            upstream_input_ids=command.upstream_input_ids or {},
+        )
+        started = time.perf_counter()
+        self.table.add_task(record.task_id, call)  # before the commit: a committed task is never an orphan
+        try:
+            await self.store.create(record)
+        except StoreError as exc:
+            self.table.drop_task(record.task_id)
+            if isinstance(exc, StoreFullError):
+                return CommitRefused(TaskLimitError("max_records", self.config.max_records))
+            return CommitRefused(ProxyError("Internal error: the task could not be stored", detail=str(exc)))
+        call.record = record
+        log.info("task_created", task_id=record.task_id, tool=call.name, ttl_ms=record.ttl_ms)
+        if command.input_requests:
+            _log_input_required(record.task_id, call.name, command.input_requests)
+        if self.metrics is not None:
+            self.metrics.tasks_created.labels(self.metrics.tool_label(call.name)).inc()
+            path = "task" if decision.task_first else "window"
+            self.metrics.create_seconds.labels(path).observe(time.perf_counter() - started)
+        return Committed(record.task_id)
+
+    async def write_inputs(self, call: LiveCall, command: WriteInputs) -> LeaseLost | None:
+        task_id = self._task_id(call)
+        updated = await self._fenced(
+            call,
+            "task_inputs_not_stored",
+            lambda fence: self.store.set_inputs(
+                task_id,
+                command.input_requests,
+                command.issued,
+                now_ms=self.clock(),
+                fence=fence,
+                upstream_input_ids=command.upstream_input_ids,
+            ),
+        )
+        if isinstance(updated, TaskRecord) and command.input_requests:
+            _log_input_required(task_id, call.name, command.input_requests)
+        return updated if isinstance(updated, LeaseLost) else None
+
+    async def write_progress(self, call: LiveCall, command: WriteProgress) -> LeaseLost | None:
+        task_id = self._task_id(call)
+        written = await self._fenced(  # a lost progress line is not worth failing the task for: a warning
+            call,
+            "task_progress_not_stored",
+            lambda fence: self.store.set_status_message(
+                task_id, command.status_message, now_ms=self.clock(), fence=fence
+            ),
+            warn=True,
+        )
+        return written if isinstance(written, LeaseLost) else None
+
+    async def settle(self, call: LiveCall, command: Settle) -> LeaseLost | None:
+        """The first settlement wins. A lost lease: another replica owns the task now, its outcome is that
+        replica's to write; a store failure leaves the record live (its TTL, or a take-over, ends it)."""
+        task_id = self._task_id(call)
+        self._expect_own(task_id)
+        settled = await self._fenced(
+            call,
+            "task_not_settled",
+            lambda fence: self.store.settle(
+                task_id,
+                command.status,
+                now_ms=self.clock(),
+                result=command.result,
+                error=command.error,
+                status_message=command.status_message,
+                fence=fence,
+            ),
+            status=command.status.value,
+        )
+        if isinstance(settled, TaskRecord):
+            self.settled(settled)
+            return None
+        self._own.pop(task_id, None)
+        return settled
+
+    async def _fenced(
+        self,
+        call: LiveCall,
+        failure: str,
+        write: Callable[[Fence | None], Awaitable[_T]],
+        *,
+        warn: bool = False,
+        **context: Any,
+    ) -> _T | LeaseLost | None:
+        """The one way an owner writes a task record: under the call's fence. `LeaseLost` when the fence no
+        longer holds; None (logged as `failure`) when the store failed."""
+        try:
+            return await write(call.fence)
+        except FencedError:
+            return LeaseLost()
+        except StoreError as exc:
+            (log.warning if warn else log.error)(failure, task_id=call.state.task_id, error=str(exc), **context)
+            return None
+
+    def _task_id(self, call: LiveCall) -> str:
+        task_id = call.state.task_id
+        assert task_id is not None
+        return task_id
+
+    # --- settlements, whoever wrote them -----------------------------------------------------------------
+
+    async def fail(self, task_id: str, message: str, fence: Fence | None = None) -> TaskRecord | None:
+        """Settle a task `failed` with `message` (an expiry, an interrupted task), outside of its call."""
+        return await self.settle_outside(
+            task_id, TaskStatus.FAILED, message, error=wire_tasks.internal_error(message), fence=fence
+        )
+
+    async def settle_outside(
+        self, task_id: str, status: TaskStatus, message: str, *, error: JSON | None = None, fence: Fence | None = None
+    ) -> TaskRecord | None:
+        """Settle a task from outside of its call (a client's cancel, a failure); the call, if any, is the
+        caller's to stop."""
+        self._expect_own(task_id)
+        settled = await self.store.settle(
+            task_id, status, now_ms=self.clock(), error=error, status_message=message, fence=fence
+        )
+        if settled is None:
+            self._own.pop(task_id, None)
+        self.settled(settled, reason=message)
+        return settled
+
+    def settled(self, record: TaskRecord | None, **context: Any) -> None:
+        """Every settlement that won (the first) is logged and counted here, whoever settled it."""
+        if record is None:
+            return
+        log.info("task_settled", task_id=record.task_id, tool=record.tool, status=record.status.value, **context)
+        if record.status is TaskStatus.COMPLETED:
+            self.durations.completed(record)
+        if self.metrics is not None:
+            tool = self.metrics.tool_label(record.tool)
+            self.metrics.tasks_settled.labels(tool, record.status.value).inc()
+            lifetime_seconds = max(0, record.updated_at_ms - record.created_at_ms) / 1000
+            self.metrics.task_seconds.labels(tool, record.status.value).observe(lifetime_seconds)
+
+    def _expect_own(self, task_id: str) -> None:
+        """Noted before the write: the feed may bring the change back before the write returns."""
+        if self.table.task(task_id) is None:
+            return  # no call runs here for it: the feed tells this replica nothing about it
+        self._own[task_id] = None
+        while len(self._own) > OWN_SETTLEMENTS_KEPT:
+            self._own.popitem(last=False)
+
+    def own_settlement(self, task_id: str) -> bool:
+        """Was the settlement of `task_id` the feed reports this replica's own? (Asked once per settlement.)"""
+        return self._own.pop(task_id, "missing") is None
+
+
+def _log_input_required(task_id: str, tool: str, input_requests: JSON) -> None:
+    methods = sorted({str(request.get("method")) for request in input_requests.values() if isinstance(request, dict)})
+    log.info("task_input_required", task_id=task_id, tool=tool, keys=sorted(input_requests), methods=methods)

@@ -1,0 +1,135 @@
+"""The shares of what calls may hold at once, each counted and checked here only: `max_running` slots (a task
+whose call runs and asks nothing holds one: `HoldSlot`; a new working task is refused beyond the limit or the
+caller's share) and parked MRTR calls (`Park` → `Parked` with the round's signed requestState, or `ParkRefused`
+beyond `inputs.max_parked` or the caller's share; `Unpark`; an MRTR retry takes its parked call). Imports the
+input rules (signing), the machine's answer check and errors; no store, no upstream.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import structlog
+
+from proxy.config import InputsConfig, LimitsConfig
+from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskLimitError
+from proxy.tasks import inputs, machine
+from proxy.tasks.commands import HoldSlot, Park, Parked, ParkRefused, Unpark
+from proxy.tasks.live_call import LiveCall
+from proxy.wire.jsonrpc import JSON
+
+log = structlog.get_logger(__name__)
+
+ALREADY_USED = "Invalid params: requestState was already used or its call has ended; send the request again without it"
+
+
+class RunningSlots:
+    """`tasks.max_running` and `limits.max_running_per_principal`."""
+
+    def __init__(self, max_running: int, per_caller: int) -> None:
+        self.max_running = max_running
+        self.per_caller = per_caller
+        self._holders: set[LiveCall] = set()
+        self._by_caller: Counter[str] = Counter()
+
+    def refusal(self, call: LiveCall) -> ProxyError | None:
+        """Why a new working task of this call may not start now, or None."""
+        if len(self._holders) >= self.max_running:
+            return TaskLimitError("max_running", self.max_running)
+        if self._by_caller[call.caller] >= self.per_caller:
+            return CallerLimitError("max_running_per_principal", self.per_caller)
+        return None
+
+    async def hold(self, call: LiveCall, command: HoldSlot) -> None:
+        self._set(call, command.hold)
+
+    def forget(self, call: LiveCall) -> None:
+        self._set(call, False)
+
+    def _set(self, call: LiveCall, hold: bool) -> None:
+        if hold and call not in self._holders:
+            self._holders.add(call)
+            self._by_caller[call.caller] += 1
+        elif not hold and call in self._holders:
+            self._holders.discard(call)
+            self._by_caller[call.caller] -= 1
+            if not self._by_caller[call.caller]:
+                del self._by_caller[call.caller]
+
+    @property
+    def count(self) -> int:
+        return len(self._holders)
+
+
+class Parking:
+    """Calls parked between MRTR rounds, by call id; `inputs.max_parked` and the caller's share."""
+
+    def __init__(
+        self,
+        config: InputsConfig,
+        limits: LimitsConfig,
+        signer: inputs.RequestStateSigner,
+        clock: Callable[[], int],
+        process_id: str,
+    ) -> None:
+        self.config = config
+        self.per_caller = limits.max_parked_per_principal
+        self.signer = signer
+        self.clock = clock
+        self.process_id = process_id
+        self._parked: dict[str, LiveCall] = {}
+        self._by_caller: Counter[str] = Counter()
+
+    async def park(self, call: LiveCall, command: Park) -> Parked | ParkRefused:
+        if len(self._parked) >= self.config.max_parked:
+            return ParkRefused(TaskLimitError("max_parked", self.config.max_parked))
+        if self._by_caller[call.caller] >= self.per_caller:
+            return ParkRefused(CallerLimitError("max_parked_per_principal", self.per_caller))
+        claims = inputs.StateClaims(
+            call_id=call.call_id,
+            round=command.round,
+            principal=call.caller,
+            method=call.method,
+            digest=call.digest,
+            expires_at_ms=self.clock() + self.config.request_state_ttl_ms,
+            owner=self.process_id,
+        )
+        call.request_state = self.signer.sign(claims)
+        self._parked[call.call_id] = call
+        self._by_caller[call.caller] += 1
+        log.info(
+            "mrtr_input_required",
+            method=call.method,
+            name=call.name,
+            round=command.round,
+            keys=sorted(call.state.inputs),
+        )
+        return Parked()
+
+    async def unpark(self, call: LiveCall, command: Unpark) -> None:
+        self.forget(call)
+
+    def forget(self, call: LiveCall) -> None:
+        if self._parked.pop(call.call_id, None) is not None:
+            self._by_caller[call.caller] -= 1
+            if not self._by_caller[call.caller]:
+                del self._by_caller[call.caller]
+
+    def take(self, claims: inputs.StateClaims, responses: Mapping[str, Any]) -> tuple[LiveCall, dict[str, JSON]]:
+        """The call parked here for the claims' round, with the retry's answers checked (a bad answer leaves it
+        parked for a corrected retry); it is no longer parked: exactly one retry resumes a round."""
+        call = self._parked.get(claims.call_id)
+        if call is None or not machine.resumable(call.state, claims.round):
+            raise InvalidParamsError(ALREADY_USED)
+        answers = machine.answers(call.state, responses)
+        self.forget(call)
+        return call, answers
+
+    def holds(self, call: LiveCall) -> bool:
+        return self._parked.get(call.call_id) is call
+
+    @property
+    def count(self) -> int:
+        return len(self._parked)

@@ -1,0 +1,52 @@
+"""One live call: the machine's state beside what carrying out its commands needs (the upstream session and
+request, timers, the waiting client's reply and stream, the lease its record is written under). Asyncio
+objects live here, never in the machine's state. Imports the state, the command vocabulary, the store's fence
+and the upstream kinds protocol; nothing that does I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from proxy.tasks.commands import ReplyKind, Timer
+from proxy.tasks.replicas import Ask
+from proxy.tasks.state import CallState
+from proxy.tasks.store import Fence
+from proxy.upstream.session import RequestStream, Session
+from proxy.wire.envelope import Channel
+from proxy.wire.jsonrpc import JSON
+from proxy.wire.tasks import TaskRecord
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(eq=False)
+class LiveCall:
+    """One call: the machine's state, and what carrying out its commands needs (asyncio objects live here)."""
+
+    state: CallState
+    method: str  # tools/call, prompts/get or resources/read
+    name: str  # the tool or prompt name, or the resource URI
+    principal: str | None  # the caller's principal header, sent upstream with the call
+    caller: str  # its keyed hash: owns the task, and the caller's share of the limits is counted under it
+    params: JSON  # the upstream params
+    headers: dict[str, str]  # trace context for the upstream request
+    digest: str  # of the client's params: an MRTR retry must repeat the same request
+    call_id: str = field(default_factory=lambda: secrets.token_urlsafe(16))  # names the parked call in state
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one event at a time
+    reply: asyncio.Future[ReplyKind] | None = None  # the waiting request's answer
+    channel: Channel | None = None  # the waiting request's stream (notifications before the answer)
+    request_state: str = ""  # the signed requestState of the current MRTR round
+    record: TaskRecord | None = None  # as committed
+    timers: dict[Timer, asyncio.TimerHandle] = field(default_factory=dict)
+    pump: asyncio.Task[None] | None = None  # reads the upstream call
+    session: Session | None = None
+    upstream: RequestStream | None = None
+    created_at: float = field(default_factory=time.perf_counter)
+    fence: Fence | None = None  # the lease the task's record is written under (None: no task yet)
+    ask: Ask | None = None  # set on a stand-in for a call parked on another replica (a forwarded MRTR retry)

@@ -1,0 +1,199 @@
+"""Tasks whose call runs nowhere, and the periodic sweep. At start (restart recovery), when a dead replica's
+tasks are taken over, and when this replica's own lease lapsed: each live task is failed, re-run per
+`on_restart: rerun`, or (when this replica's upstream runs it) followed again on its upstream session. The
+sweep ends tasks past their TTL, purges old records and takes over dead replicas. Imports the store, the
+record writes, the table, the replica link and the machine's vocabulary; no upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Final
+
+import structlog
+
+from proxy.config import RestartAction
+from proxy.policy import Decision, Outcome, Policy
+from proxy.principals import Principals, SealError
+from proxy.tasks.commands import LeaseLost, Start, Stop
+from proxy.tasks.durations import Durations
+from proxy.tasks.effects.records import RecordWrites
+from proxy.tasks.inputs import PendingInput
+from proxy.tasks.live_call import LiveCall
+from proxy.tasks.ports import Feed
+from proxy.tasks.replicas import LEASE_LAPSED, LEASE_LAPSED_RERUN, TAKEN_OVER, TAKEN_OVER_RERUN, ReplicaLink
+from proxy.tasks.state import CallState
+from proxy.tasks.store import Fence, FencedError, StoreError, TaskStore
+from proxy.tasks.table import CallTable
+from proxy.tasks.upstream_task import UpstreamTask
+from proxy.wire import tasks as wire_tasks
+from proxy.wire.jsonrpc import JSON
+from proxy.wire.tasks import TaskRecord
+
+log = structlog.get_logger(__name__)
+
+SWEEP_INTERVAL_SECONDS: Final = 1.0  # how often expired tasks are ended and old records purged
+
+StateOf = Callable[[Decision, JSON, str | int | None, str | None], CallState]
+
+
+class Recovery:
+    def __init__(
+        self,
+        store: TaskStore,
+        replicas: ReplicaLink,
+        table: CallTable,
+        records: RecordWrites,
+        feed: Feed,
+        principals: Principals,
+        durations: Durations,
+        state_of: StateOf,
+        clock: Callable[[], int],
+        process_id: str,
+    ) -> None:
+        self.store = store
+        self.replicas = replicas
+        self.table = table
+        self.records = records
+        self.feed = feed
+        self.principals = principals
+        self.durations = durations
+        self.state_of = state_of
+        self.clock = clock
+        self.process_id = process_id
+        self._adopting = asyncio.Lock()  # take-overs and a lapsed lease's recovery, one at a time
+
+    async def recover(self) -> None:
+        """Tasks no running process owns any more. On a shared store (PostgreSQL), those of replicas whose lease
+        ran out, an earlier run of this one included once its lease lapsed or was released: taken over, so the
+        tasks of live replicas are never touched. On SQLite, every live task: the process that ran it is gone
+        (the file lock says so); a task the upstream runs itself is followed again."""
+        if self.store.shared:
+            await self.replicas.sweep()
+            return
+        async with self._adopting:
+            live = await self.store.live()
+            await self._adopt(live, wire_tasks.RESTART_MESSAGE, wire_tasks.RERUN_MESSAGE, None, follow=True)
+
+    async def taken_over(self, records: list[TaskRecord]) -> None:
+        """A dead replica's live tasks, now this replica's."""
+        async with self._adopting:
+            await self._adopt(records, TAKEN_OVER, TAKEN_OVER_RERUN, self.replicas.fence, follow=False)
+
+    async def lease_lapsed(self) -> None:
+        """The lease ran out and was taken again under a new epoch: every call started under the old one stops
+        without writing (another replica may have taken its task over), then what is still this replica's and
+        runs nowhere is recovered like a dead replica's task."""
+        async with self._adopting:
+            fence = self.replicas.fence
+            stale = [call for call in self.table.calls() if call.fence is not None and call.fence != fence]
+            for call in stale:  # each waits for its call's current event (a record being committed, say)
+                await self.feed.dispatch(call, LeaseLost())
+            running = {task_id for task_id, call in self.table.tasks().items() if call.fence == fence}
+            orphans = [record for record in await self.store.live(self.process_id) if record.task_id not in running]
+            log.warning("lease_lapsed_recovery", stopped=len(stale), recovered=len(orphans))
+            await self._adopt(orphans, LEASE_LAPSED, LEASE_LAPSED_RERUN, fence, follow=True)
+
+    async def _adopt(
+        self, records: list[TaskRecord], interrupted: str, rerun: str, fence: Fence | None, *, follow: bool
+    ) -> None:
+        """Live tasks whose call runs nowhere: failed with `interrupted`, or re-run here when their policy says
+        `on_restart: rerun` (claimed with `rerun` as their statusMessage). With `follow` (this replica's own
+        upstream ran them), a task the upstream runs itself is followed again instead; another replica's
+        upstream is out of reach, so its tasks are failed or re-run. `fence`: the tasks are this replica's
+        already (taken over); None: an earlier process's (SQLite), claimed without one."""
+        now = self.clock()
+        for record in records:
+            try:
+                if record.expired(now):
+                    await self.records.fail(record.task_id, wire_tasks.EXPIRED_MESSAGE, fence)
+                    continue
+                if follow and record.upstream_task_id is not None:
+                    message = record.status_message or wire_tasks.RESUMED_MESSAGE
+                    claimed = await self.store.claim(record.task_id, self.process_id, message, now_ms=now, fence=fence)
+                    if claimed is not None:
+                        await self._follow_again(claimed, record, fence or self.replicas.fence)
+                        continue
+                if record.on_restart == "rerun":
+                    claimed = await self.store.claim(record.task_id, self.process_id, rerun, now_ms=now, fence=fence)
+                    if claimed is not None:
+                        await self._rerun(claimed, fence or self.replicas.fence)
+                        continue
+                await self.records.fail(record.task_id, interrupted, fence)
+            except FencedError:
+                return  # our own lease lapsed meanwhile: its recovery takes what is still ours
+            log.info("task_interrupted", task_id=record.task_id, tool=record.tool, reason=interrupted)
+
+    async def _rerun(self, record: TaskRecord, fence: Fence) -> None:
+        policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, "rerun")
+        state = self.state_of(Decision(Outcome.TASK, policy), record.client_capabilities, None, None)
+        state.task_id = record.task_id
+        state.issued = record.inputs_issued  # keys stay unique across the re-run too
+        if await self._restart(record, state, fence, "not re-run"):
+            log.info("task_rerun", task_id=record.task_id, tool=record.tool)
+
+    async def _follow_again(self, record: TaskRecord, before: TaskRecord, fence: Fence) -> None:
+        """A task the upstream runs itself, left live by a previous process: followed again on its upstream
+        session, with the questions it had asked (`before`, as the record was) still answerable."""
+        assert record.upstream_task_id is not None
+        on_restart: RestartAction = "rerun" if record.on_restart == "rerun" else "fail"
+        policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, on_restart)
+        decision = Decision(Outcome.TASK, policy, upstream_task=True)
+        state = self.state_of(decision, record.client_capabilities, None, None)
+        state.task_id = record.task_id
+        state.issued = record.inputs_issued
+        state.upstream_task = UpstreamTask(
+            record.upstream_task_id, status_message=record.status_message, expires_at_ms=record.expires_at_ms
+        )
+        for key, request in before.input_requests.items():
+            upstream_id = before.upstream_input_ids.get(key)
+            if isinstance(request, dict) and isinstance(upstream_id, int | str):
+                state.inputs[key] = PendingInput(upstream_id, str(request.get("method")), request)
+        state.inputs_written = not state.inputs
+        if await self._restart(record, state, fence, "not followed again"):
+            log.info("task_resumed", task_id=record.task_id, tool=record.tool)
+
+    async def _restart(self, record: TaskRecord, state: CallState, fence: Fence, refused: str) -> bool:
+        """Start the call of a task a previous process left live, with the caller's credential kept sealed in
+        the record; a credential that no longer opens (another deployment key) fails the task instead."""
+        try:
+            principal = None if record.rerun_principal is None else self.principals.unseal(record.rerun_principal)
+        except SealError as exc:
+            await self.records.fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; {refused}: {exc}", fence)
+            return False
+        call = LiveCall(state, "tools/call", record.tool, principal, record.principal, dict(record.request), {}, "")
+        call.record = record
+        call.fence = fence
+        self.table.add(call)
+        self.table.add_task(record.task_id, call)
+        await self.feed.dispatch(call, Start())
+        return True
+
+    # --- the sweep ---------------------------------------------------------------------------------------------
+
+    async def sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_SECONDS)
+            try:
+                await self.sweep()
+            except StoreError as exc:
+                log.error("task_sweep_failed", error=str(exc))
+
+    async def sweep(self) -> None:
+        """Live tasks past their TTL fail (their calls stop, here or, through the feed, on their owner); settled
+        records past their TTL are dropped; dead replicas' tasks are taken over. On a shared store each of these
+        is done once across replicas (the store hands each expired task, and the purge, to one of them)."""
+        now = self.clock()
+        error = wire_tasks.internal_error(wire_tasks.EXPIRED_MESSAGE)
+        for record in await self.store.settle_expired(now, error=error, status_message=wire_tasks.EXPIRED_MESSAGE):
+            self.records.settled(record, reason=wire_tasks.EXPIRED_MESSAGE)
+            log.info("task_expired", task_id=record.task_id, tool=record.tool)
+            call = self.table.task(record.task_id)
+            if call is not None:
+                await self.feed.submit(call, Stop(wire_tasks.EXPIRED_MESSAGE, error))
+        purged = await self.store.purge_expired(now)
+        if purged:
+            log.info("tasks_purged", count=purged)
+        await self.replicas.sweep()
+        await self.durations.reload_if_due()

@@ -1,0 +1,165 @@
+"""What the replica link (`replicas.py`) reports, as work on the calls here: a dead replica's tasks taken over
+and a lapsed lease (both to `recovery.py`); a task settled elsewhere stops its call (`RemoteCancel`; this
+replica's own settlements coming back on the feed are ignored); answers relayed from elsewhere reach their call
+(`RemoteAnswers`); an MRTR retry forwarded by another replica resumes a call parked here, and its answer goes
+back. Decisions stay with the call machine. Imports the table, the parking, the record writes and `remote.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import structlog
+
+from proxy.errors import InvalidParamsError, ProxyError
+from proxy.tasks import remote
+from proxy.tasks.calls import CallStarter
+from proxy.tasks.commands import RemoteAnswers, RemoteCancel, ReplyError, Resumed
+from proxy.tasks.effects.records import RecordWrites
+from proxy.tasks.effects.slots import Parking
+from proxy.tasks.live_call import LiveCall
+from proxy.tasks.operations import CANCELLED_BY_CLIENT
+from proxy.tasks.ports import Feed, Spawner
+from proxy.tasks.recovery import Recovery
+from proxy.tasks.replicas import RemoteChannel, ReplicaLink
+from proxy.tasks.store import Fence, StoreError, TaskStore
+from proxy.tasks.table import CallTable
+from proxy.wire.jsonrpc import JSON
+from proxy.wire.tasks import TaskRecord, TaskStatus
+
+log = structlog.get_logger(__name__)
+
+_T = TypeVar("_T")
+
+
+class ReplicaInbox:
+    """The link's `ReplicaOwner`. Built before the link (which reports here), connected to it after."""
+
+    link: ReplicaLink
+    recovery: Recovery
+    starter: CallStarter
+
+    def __init__(
+        self,
+        spawner: Spawner,
+        table: CallTable,
+        feed: Feed,
+        parking: Parking,
+        records: RecordWrites,
+        store: TaskStore,
+        clock: Callable[[], int],
+    ) -> None:
+        self.spawner = spawner
+        self.table = table
+        self.feed = feed
+        self.parking = parking
+        self.records = records
+        self.store = store
+        self.clock = clock
+        self._served: dict[str, LiveCall] = {}  # MRTR retries forwarded by another replica, by their message key
+
+    def connect(self, link: ReplicaLink, recovery: Recovery, starter: CallStarter) -> None:
+        self.link = link
+        self.recovery = recovery
+        self.starter = starter
+
+    def spawn(self, coroutine: Coroutine[Any, Any, _T], name: str) -> asyncio.Task[_T]:
+        return self.spawner.spawn(coroutine, name)
+
+    # --- the lease, take-overs -----------------------------------------------------------------------------
+
+    def lease_changed(self, fence: Fence) -> None:
+        self.spawner.spawn(self.recovery.lease_lapsed(), "lease-lapsed")
+
+    async def taken_over(self, records: list[TaskRecord]) -> None:
+        await self.recovery.taken_over(records)
+
+    # --- what other replicas did to tasks whose call runs here -------------------------------------------------
+
+    def settled_elsewhere(self, task_id: str, status: TaskStatus) -> None:
+        """A task whose call runs here was settled by another replica (this replica's own settlement, coming
+        back on the feed, is dropped: its call knows already)."""
+        if self.records.own_settlement(task_id):
+            return
+        call = self.table.task(task_id)
+        if call is not None:
+            self.spawner.spawn(self._stop_settled(call, task_id, status), f"settled-{call.call_id}")
+
+    async def _stop_settled(self, call: LiveCall, task_id: str, status: TaskStatus) -> None:
+        reason, error = (CANCELLED_BY_CLIENT if status is TaskStatus.CANCELLED else f"settled {status.value}"), None
+        if status is TaskStatus.FAILED:  # an expiry, say: a client still waiting is told why
+            with contextlib.suppress(StoreError):
+                record = await self.store.get(task_id)
+                if record is not None:
+                    reason, error = record.status_message or reason, record.error
+        await self.feed.dispatch(call, RemoteCancel(reason, error))
+
+    def answers_arrived(self, task_id: str, answers: JSON) -> None:
+        call = self.table.task(task_id)
+        if call is None:
+            log.info("task_answers_dropped", task_id=task_id, keys=sorted(answers))
+            return
+        self.spawner.spawn(self.feed.dispatch(call, RemoteAnswers(answers)), f"answers-{call.call_id}")
+
+    def resync(self) -> None:
+        """The feed may have missed changes: every task whose call runs here is read again."""
+        task_ids = list(self.table.tasks())
+        if task_ids:
+            self.spawner.spawn(self._resync(task_ids), "resync")
+
+    async def _resync(self, task_ids: list[str]) -> None:
+        for task_id in task_ids:
+            try:
+                record = await self.store.get(task_id)
+            except StoreError:
+                return
+            if record is not None and record.status.terminal:
+                self.settled_elsewhere(task_id, record.status)
+
+    # --- MRTR rounds across replicas ---------------------------------------------------------------------------
+
+    def resume_arrived(self, key: str, payload: JSON) -> None:
+        self.spawner.spawn(self._serve_forwarded(key, payload), f"serve-{key}")
+
+    async def _serve_forwarded(self, key: str, payload: JSON) -> None:
+        """Another replica forwarded an MRTR retry for a call parked here: resume it as a local retry would, and
+        send back what the call answers (its notifications on the way)."""
+        reply_to = payload.get("replyTo")
+        if not isinstance(reply_to, str):
+            return
+        call: LiveCall | None = None
+        try:
+            state, responses, progress_token, log_level, reply_to = remote.check_resume(payload)
+            claims = self.parking.signer.verify(state, self.clock())
+            if claims.owner != self.parking.process_id:
+                raise InvalidParamsError("Invalid params: requestState belongs to a call held by another proxy process")
+            call, answers = self.parking.take(claims, responses)
+            call.reply = asyncio.get_running_loop().create_future()
+            call.channel = RemoteChannel(self.link, reply_to, key)
+            self._served[key] = call
+            log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, forwarded_by=reply_to)
+            await self.feed.submit(call, Resumed(answers, progress_token, log_level))
+            reply = await call.reply
+        except ProxyError as exc:
+            reply = ReplyError(exc)
+        finally:
+            self._served.pop(key, None)
+        request_state = call.request_state if call is not None else ""
+        task_id = call.state.task_id if call is not None else None
+        try:
+            await self.link.send(
+                reply_to, remote.REPLY, key, remote.encode_reply(reply, request_state=request_state, task_id=task_id)
+            )
+        except StoreError as exc:
+            log.warning("forwarded_reply_not_sent", to=reply_to, error=str(exc))
+
+    def waiting_client_gone(self, key: str) -> None:
+        """The client waiting on another replica for a call resumed here went away."""
+        call = self._served.pop(key, None)
+        if call is not None:
+            if call.reply is not None and not call.reply.done():
+                call.reply.cancel()  # nobody waits for the answer any more
+            self.starter.client_left(call)

@@ -1,0 +1,76 @@
+"""The Streamable HTTP kind of upstream session for the pool: sessions are cheap, so every call whose client
+could answer a question gets one of its own and idle ones are kept up to `upstream.max_sessions`; readiness
+starts a throwaway session when the upstream has been quiet; legacy clients are relayed verbatim
+(`legacy/passthrough.py`). Imports the HTTP link and session and the pass-through; never the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Final
+
+import aiohttp
+
+from proxy.config import HttpUpstreamConfig
+from proxy.errors import UpstreamTimeoutError
+from proxy.legacy import LegacyFront
+from proxy.legacy.passthrough import PassThrough
+from proxy.observability import Metrics
+from proxy.upstream.http.link import HttpLink
+from proxy.upstream.http.session import HttpSession
+from proxy.upstream.session import PoolLimits, Room, Session
+
+PROBE_TIMEOUT_SECONDS: Final = 2.0  # a readiness probe's initialize; kubelet's own timeout is short too
+
+
+class HttpKind(HttpLink):
+    """Makes HTTP sessions and says how the pool bounds them."""
+
+    def __init__(
+        self,
+        config: HttpUpstreamConfig,
+        http: aiohttp.ClientSession,
+        principal_header: str,
+        metrics: Metrics | None,
+        max_result_bytes: int | None = None,
+    ) -> None:
+        super().__init__(config, http, principal_header, metrics, max_result_bytes)
+        # A call whose client could answer a question gets a session of its own (its GET stream is the call's);
+        # the others share the principal's session, so a thousand quiet tasks are not a thousand sessions.
+        self.limits = PoolLimits(max_idle=config.max_sessions, share_quiet_calls=True)
+        self._probe_lock = asyncio.Lock()
+
+    def new(self, principal: str | None) -> Session:
+        return HttpSession(self, principal)
+
+    async def probe(self, max_age_seconds: float, shared: Callable[[], AbstractAsyncContextManager[Session]]) -> None:
+        """Readiness: fine when the upstream answered within `max_age_seconds`; otherwise a fresh `initialize`
+        on a throwaway session (ended with DELETE) must succeed within PROBE_TIMEOUT_SECONDS. Raises
+        UpstreamError saying what failed. Concurrent probes share one attempt."""
+        async with self._probe_lock:
+            last = self.last_answer_at
+            if last is not None and time.monotonic() - last <= max_age_seconds:
+                return
+            session = HttpSession(self, None)
+            try:
+                await asyncio.wait_for(session.initialize(listen=False), PROBE_TIMEOUT_SECONDS)
+            except TimeoutError:
+                raise UpstreamTimeoutError(
+                    f"Upstream did not answer initialize within {PROBE_TIMEOUT_SECONDS:g} s"
+                ) from None
+            finally:
+                await session.close()
+
+    def legacy_front(self, room: Room) -> LegacyFront:
+        """Legacy clients are relayed verbatim, on an HTTP client of their own (no automatic headers, no
+        decompression: the bytes pass as they are)."""
+        relay_http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), auto_decompress=False, skip_auto_headers=("User-Agent",)
+        )
+        config = self.config
+        return PassThrough(
+            config.url, relay_http, config.headers, config.connect_timeout_seconds, config.call_timeout_seconds
+        )

@@ -1,0 +1,367 @@
+"""The proxy as a legacy MCP client over Streamable HTTP: one session, one POST per request, re-initialize
+when the upstream forgot the session.
+
+A session owns `initialize` + `notifications/initialized`, the `Mcp-Session-Id` and negotiated
+`MCP-Protocol-Version` headers, its GET stream (`get_stream.py`) and where what arrives there goes
+(`lending.py`): to the call the session is lent to, to `subscriptions/listen` inboxes, or refused. What every
+session shares (the HTTP client, the URL, timeouts, request ids, the upstream's latest serverInfo) is the
+`HttpLink` (`link.py`). aiohttp failures become typed UpstreamErrors. Imports aiohttp; never the store, the
+front or the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Final
+
+import aiohttp
+import structlog
+
+from proxy.errors import (
+    RequestId,
+    ResultTooLargeError,
+    UpstreamError,
+    UpstreamRefusedError,
+    UpstreamSessionGoneError,
+    UpstreamTimeoutError,
+    UpstreamUnreachableError,
+)
+from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
+from proxy.upstream.http.get_stream import GetStream, SessionGone, StreamEvent
+from proxy.upstream.http.link import HttpLink
+from proxy.upstream.http.request_stream import HttpRequestStream, read_body
+from proxy.upstream.lending import Lending, ListenStreams, Notifications, Sink
+from proxy.upstream.session import (
+    CLIENT_CAPABILITIES,
+    CLIENT_INFO,
+    read_param_headers,
+    read_task_support,
+    request,
+)
+from proxy.wire import legacy_tasks
+from proxy.wire.envelope import ParamHeader
+from proxy.wire.jsonrpc import JSON, dumps, error_message, notification_message, request_message, result_message
+from proxy.wire.sse import EventTooLargeError
+
+log = structlog.get_logger(__name__)
+
+SESSION_GONE_STATUSES: Final = frozenset({400, 404, 410})  # the upstream does not know the session (or the task)
+STANDALONE_REFUSED: Final = "cannot be relayed to 2026-07-28 clients: no call of theirs holds this upstream session"
+
+
+class HttpSession:
+    """One Streamable HTTP session of the upstream (see the module doc); a `Session`."""
+
+    def __init__(self, link: HttpLink, principal: str | None) -> None:
+        self.link = link
+        self.principal = principal
+        self.session_id: str | None = None
+        self.protocol_version: str = link.config.protocol_version
+        self.initialize_result: JSON | None = None
+        self.in_flight = 0  # calls open on this session right now
+        self.listen_streams = ListenStreams(self.request, link.tools_changed)
+        self._lending = Lending(self.listen_streams)  # the call the session is lent to gets its GET-stream traffic
+        self._get_stream: GetStream | None = None
+        self._lock = asyncio.Lock()
+
+    # --- lending (the pool) ---------------------------------------------------------------------------------
+
+    @property
+    def kept(self) -> bool:
+        """It holds upstream work a later proxy process resumes: never ended with DELETE."""
+        return self._lending.kept
+
+    @property
+    def lent(self) -> bool:
+        return self._lending.lessee is not None
+
+    def lend(self, sink: Sink, notifications: Notifications) -> None:
+        self._lending.lend(sink, notifications)
+
+    def take_back(self) -> None:
+        self._lending.take_back()
+
+    def keep(self) -> None:
+        self._lending.keep()
+
+    async def request(self, method: str, params: JSON | None) -> JSON:
+        return await request(self, method, params)
+
+    async def param_headers(self, tool: str) -> tuple[ParamHeader, ...]:
+        return await read_param_headers(self, self.link, tool)
+
+    async def task_support(self, tool: str) -> legacy_tasks.TaskSupport | None:
+        return await read_task_support(self, self.link, tool)
+
+    # --- headers and plumbing -------------------------------------------------------------------------
+
+    def headers(self, extra: Mapping[str, str] | None = None, *, initialized: bool = True) -> dict[str, str]:
+        """Headers of a request on this session. The operator's `upstream.headers` come after the caller's
+        principal header, so a configured credential wins (as it does on the pass-through)."""
+        headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+        if self.principal:
+            headers[self.link.principal_header] = self.principal
+        headers.update(self.link.config.headers)
+        if initialized:
+            headers["MCP-Protocol-Version"] = self.protocol_version
+            if self.session_id is not None:
+                headers["Mcp-Session-Id"] = self.session_id
+        if extra:
+            headers.update(extra)
+        return headers
+
+    def stream_headers(self, last_event_id: str | None) -> dict[str, str]:
+        """Headers of a GET that opens (or resumes) an SSE stream of this session."""
+        headers = self.headers({"Accept": "text/event-stream"})
+        headers.pop("Content-Type", None)
+        if last_event_id is not None:
+            headers["Last-Event-ID"] = last_event_id
+        return headers
+
+    async def _post(self, message: JSON, headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+        link = self.link
+        try:
+            response = await link.http.post(link.url, data=dumps(message), headers=headers, timeout=link.timeout)
+        except TimeoutError:
+            raise UpstreamTimeoutError("Upstream MCP server did not answer in time") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamUnreachableError("Upstream MCP server unavailable", detail=str(exc)) from None
+        if response.status < 500:
+            link.last_answer_at = time.monotonic()  # the upstream is there and speaks HTTP (readiness)
+        return response
+
+    # --- lifecycle --------------------------------------------------------------------------------------
+
+    async def ensure_initialized(self) -> JSON:
+        if self.initialize_result is not None:
+            return self.initialize_result
+        async with self._lock:
+            if self.initialize_result is None:
+                await self.initialize()
+            assert self.initialize_result is not None
+            return self.initialize_result
+
+    async def initialize(self, *, listen: bool = True) -> None:
+        self.session_id = None
+        request_id = self.link.next_id()
+        params = {
+            "protocolVersion": self.link.config.protocol_version,
+            "capabilities": CLIENT_CAPABILITIES,
+            "clientInfo": CLIENT_INFO,
+        }
+        response = await self._post(request_message(request_id, "initialize", params), self.headers(initialized=False))
+        session_id = response.headers.get("Mcp-Session-Id")
+        if response.status >= 400:
+            body = await response.text()
+            response.release()
+            raise UpstreamError(f"Upstream refused initialize: HTTP {response.status}", detail=body[:200])
+        call = HttpRequestStream(self, request_id, "initialize", response, self.link.max_result_bytes)
+        result: JSON | None = None
+        async for event in call.events():
+            if isinstance(event, UpstreamResult):
+                result = event.result
+            elif isinstance(event, UpstreamErrorResponse):
+                raise UpstreamError(f"Upstream refused initialize: {event.error.get('message')}")
+        if result is None or not isinstance(result.get("protocolVersion"), str):
+            raise UpstreamError("Upstream sent an invalid InitializeResult")
+        self.session_id = session_id
+        self.protocol_version = result["protocolVersion"]
+        await self.notify("notifications/initialized", None)
+        self.initialize_result = result
+        self.link.initialized(result)
+        if listen and session_id is not None:  # a stateless upstream has no standalone stream
+            await self._listen(session_id)
+        log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
+        if self.listen_streams.resources:
+            # Not awaited here: initialize runs under the session lock, and these requests may need it.
+            self.link.spawn(self.listen_streams.resubscribe(), "upstream-resubscribe")
+
+    async def _open_stream(self, last_event_id: str | None) -> aiohttp.ClientResponse:
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.link.config.connect_timeout_seconds)
+        return await self.link.http.get(self.link.url, headers=self.stream_headers(last_event_id), timeout=timeout)
+
+    async def _listen(self, session_id: str) -> None:
+        """Read the session's GET stream (from now on, in the background), each message bounded by
+        `limits.max_result_bytes` as any other upstream answer is."""
+        self._stop_listening()
+        self._get_stream = GetStream(session_id, self._open_stream, self._on_stream, self.link.max_result_bytes)
+        await self._get_stream.start(self.link.spawn, self.link.config.connect_timeout_seconds)
+
+    def _stop_listening(self) -> None:
+        if self._get_stream is not None:
+            self._get_stream.stop()
+            self._get_stream = None
+
+    async def _reinitialize(self, stale_session_id: str | None) -> None:
+        """A 404 for a request that carried the session id means the upstream forgot the session."""
+        async with self._lock:
+            # Someone else may have re-initialized already (keep theirs), or forgotten the session (start one).
+            if self.session_id == stale_session_id or self.initialize_result is None:
+                log.info("upstream_session_expired")
+                self.initialize_result = None
+                await self.initialize()
+
+    async def adopt(self, session_id: str) -> None:
+        """Take over a session an earlier proxy process initialized, which holds a task the upstream still runs:
+        no `initialize` (that would start another session), its GET stream opened again. Should the upstream
+        have forgotten it, a request answered 404 starts a new session as usual."""
+        self._stop_listening()
+        self.session_id = session_id
+        self.protocol_version = self.link.config.protocol_version  # tasks exist only from 2025-11-25 on
+        self.initialize_result = {}  # initialized, by someone else: its InitializeResult is not known here
+        await self._listen(session_id)
+        log.info("upstream_session_adopted")
+
+    def detach(self) -> None:
+        """Let go of the session without ending it (no DELETE): the upstream keeps it, and the work in it, for
+        the next proxy process."""
+        self._stop_listening()
+        self.session_id = None
+        self.initialize_result = None
+
+    async def revive(self) -> None:
+        """Start a new session now (not at the next request), so listen streams keep receiving."""
+        try:
+            await self.ensure_initialized()
+        except UpstreamError as exc:
+            log.warning("upstream_session_revive_failed", error=exc.message)
+
+    def forget(self, stale_session_id: str) -> None:
+        """The upstream no longer knows this session id: the next request initializes a new session."""
+        if self.session_id == stale_session_id:
+            self._stop_listening()
+            self.session_id = None
+            self.initialize_result = None
+
+    async def close(self) -> None:
+        """End the upstream session with DELETE (the server may answer 405; that is fine); a kept session is only
+        let go (`detach`)."""
+        self._stop_listening()
+        if self.kept:
+            self.detach()
+        if self.session_id is None:
+            return
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with self.link.http.delete(
+                self.link.url, headers=self.headers(), timeout=aiohttp.ClientTimeout(total=2)
+            ):
+                pass
+        self.session_id = None
+        self.initialize_result = None
+
+    # --- the GET stream ---------------------------------------------------------------------------------------
+
+    async def _on_stream(self, event: StreamEvent) -> None:
+        """Everything on the GET stream of a leased session is its lessee's; on a shared session nobody can tell
+        whose a question is, so it is refused (an elicitation is declined). Notifications also reach listen
+        subscribers (`lending.py`)."""
+        if isinstance(event, SessionGone):
+            # With listen streams waiting, start a new session now; otherwise the next request does. (Not from
+            # the GET stream's task: initializing stops the old reader, i.e. cancels it.)
+            self.forget(event.session_id)
+            if self.listen_streams.subscriptions:
+                self.link.spawn(self.revive(), "upstream-session-revive")
+            return
+        await self._lending.route(event, self.respond, f"outside a request {STANDALONE_REFUSED}")
+
+    # --- requests ------------------------------------------------------------------------------------------
+
+    async def resume(self, last_event_id: str) -> aiohttp.ClientResponse:
+        """Continue a request's SSE stream the upstream closed early (GET + Last-Event-ID)."""
+        headers = self.stream_headers(last_event_id)
+        sent_with = self.session_id
+        try:
+            response = await self.link.http.get(self.link.url, headers=headers, timeout=self.link.timeout)
+        except aiohttp.ClientError as exc:
+            raise UpstreamError("Upstream stream could not be resumed", detail=str(exc)) from None
+        content_type = response.content_type
+        if response.status == 200 and content_type == "text/event-stream":
+            return response
+        response.release()
+        if response.status == 404 and sent_with is not None:
+            self.forget(sent_with)  # the session is gone: the next request initializes a new one
+        raise UpstreamError(f"Upstream lost the call: resuming its stream answered HTTP {response.status}")
+
+    @contextlib.asynccontextmanager
+    async def call(
+        self, method: str, params: JSON | None, extra_headers: Mapping[str, str] | None = None
+    ) -> AsyncIterator[HttpRequestStream]:
+        """Send one request upstream; the HttpRequestStream streams what comes back. Leaving the context closes it."""
+        await self.ensure_initialized()
+        with self.link.measured(method):
+            request_id = self.link.next_id()
+            message = request_message(request_id, method, params)
+            for attempt in range(2):
+                sent_with = self.session_id
+                try:
+                    response = await self._post(message, self.headers(extra_headers))
+                except asyncio.CancelledError:
+                    # Abandoned while the POST was on its way: the upstream may already run it.
+                    await asyncio.shield(self._cancel_unanswered(request_id))
+                    raise
+                if response.status == 404 and sent_with is not None and attempt == 0:
+                    response.release()
+                    await self._reinitialize(sent_with)
+                    continue
+                break
+            if response.status >= 400:
+                await _raise_unless_answer(response, request_id, method, self.link.max_result_bytes)
+            upstream_call = HttpRequestStream(self, request_id, method, response, self.link.max_result_bytes)
+            self.in_flight += 1
+            try:
+                yield upstream_call
+            finally:
+                self.in_flight -= 1
+                response.close()
+
+    async def _cancel_unanswered(self, request_id: int) -> None:
+        try:
+            await self.notify("notifications/cancelled", {"requestId": request_id, "reason": "request abandoned"})
+        except UpstreamError as exc:
+            log.info("upstream_cancel_failed", error=exc.message)
+
+    async def notify(self, method: str, params: JSON | None) -> None:
+        response = await self._post(notification_message(method, params), self.headers())
+        response.release()
+
+    async def respond(self, request_id: RequestId, *, result: JSON | None = None, error: JSON | None = None) -> None:
+        """Answer a server→client request (a JSON-RPC response POSTed with the session id)."""
+        message = result_message(request_id, result or {}) if error is None else error_message(request_id, error)
+        response = await self._post(message, self.headers())
+        response.release()
+
+
+async def _raise_unless_answer(
+    response: aiohttp.ClientResponse, request_id: int, method: str, max_bytes: int | None
+) -> None:
+    """An HTTP error status is fine when its body is the JSON-RPC answer to this request (some servers send
+    errors that way); anything else (a transport-level refusal) is an UpstreamRefusedError naming what it said,
+    an UpstreamSessionGoneError when the status says the upstream does not know the session."""
+    content_type = response.content_type
+    if content_type == "text/event-stream":
+        return
+    try:
+        body = await read_body(response, max_bytes)
+    except EventTooLargeError:
+        response.close()
+        raise ResultTooLargeError(max_bytes or 0) from None
+    raw = body.decode("utf-8", errors="replace")[:200]
+    said = ""  # the upstream's own JSON-RPC error message, if it sent one: the client may see that
+    if content_type == "application/json":
+        try:
+            message = json.loads(body)
+        except ValueError:
+            message = None
+        if isinstance(message, dict):
+            if message.get("id") == request_id:
+                return  # the body was read, aiohttp keeps it for HttpRequestStream
+            error = message.get("error")
+            if isinstance(error, dict) and isinstance(error.get("message"), str):
+                said = f": {error['message']}"
+    response.release()
+    refused = UpstreamSessionGoneError if response.status in SESSION_GONE_STATUSES else UpstreamRefusedError
+    raise refused(f"Upstream answered {method} with HTTP {response.status}{said}", response.status, raw)

@@ -1,0 +1,110 @@
+"""What every session of one upstream shares, whatever its kind: the link.
+
+A link holds background work (named, referenced until done, cancelled on close: the one place `upstream/`
+starts background tasks) and what the upstream said most recently: serverInfo and the whole InitializeResult
+(server/discover), the `x-mcp-header` catalog of its tools with each tool's `execution.taskSupport`, and when
+it last answered (readiness). Each kind's link (`http/link.py`, `stdio/link.py`) adds its transport. Imports
+the wire and observability; no aiohttp, no session kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Coroutine, Iterator
+from typing import Any, Final
+
+import structlog
+
+from proxy.errors import UpstreamError, UpstreamTimeoutError
+from proxy.observability import Metrics, method_label
+from proxy.wire import legacy_tasks
+from proxy.wire.envelope import ParamHeader
+from proxy.wire.jsonrpc import JSON
+from proxy.wire.translate import implementation
+
+log = structlog.get_logger(__name__)
+
+PARAM_HEADERS_REFRESH_SECONDS: Final = 5.0  # an unknown tool re-reads tools/list at most this often
+
+
+class LinkBase:
+    """Background work and what the upstream said most recently (see the module doc); the tool catalog is
+    dropped when any session hears that the tool list changed."""
+
+    metrics: Metrics | None  # set by each kind's link
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.server_info: JSON | None = None
+        self.initialize_result: JSON | None = None
+        self.initialized_at = 0.0  # monotonic time of that initialize
+        self.tool_headers: dict[str, tuple[ParamHeader, ...]] | None = None
+        self.tool_task_support: dict[str, legacy_tasks.TaskSupport | None] = {}
+        self.tool_headers_at = 0.0
+        self.last_answer_at: float | None = None  # monotonic time of the upstream's latest answer
+
+    @contextlib.contextmanager
+    def measured(self, method: str) -> Iterator[None]:
+        """One upstream request in the metrics: how long it took, and a failure by its kind."""
+        started = time.perf_counter()
+        try:
+            yield
+        except UpstreamError as exc:
+            if self.metrics is not None:
+                kind = "timeout" if isinstance(exc, UpstreamTimeoutError) else "unavailable"
+                self.metrics.upstream_errors.labels(method_label(method), kind).inc()
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.upstream_seconds.labels(method_label(method)).observe(time.perf_counter() - started)
+
+    def initialized(self, result: JSON) -> None:
+        self.server_info = implementation(result)
+        self.initialize_result = result
+        self.initialized_at = time.monotonic()
+
+    def recent_initialize(self, max_age_ms: int) -> JSON | None:
+        """The latest InitializeResult, if it is not older than `max_age_ms`."""
+        if self.initialize_result is None or (time.monotonic() - self.initialized_at) * 1000 > max_age_ms:
+            return None
+        return self.initialize_result
+
+    def known_headers(self, tool: str) -> tuple[ParamHeader, ...] | None:
+        """The tool's annotations when the cached catalog can answer (it lists the tool, or was read too recently
+        to read again); None when tools/list must be read."""
+        if self.tool_headers is None:
+            return None
+        if tool in self.tool_headers:
+            return self.tool_headers[tool]
+        if time.monotonic() - self.tool_headers_at > PARAM_HEADERS_REFRESH_SECONDS:
+            return None
+        return ()
+
+    def catalog_read(
+        self, headers: dict[str, tuple[ParamHeader, ...]], task_support: dict[str, legacy_tasks.TaskSupport | None]
+    ) -> None:
+        """A fresh tools/list, for every session."""
+        self.tool_headers = headers
+        self.tool_task_support = task_support
+        self.tool_headers_at = time.monotonic()
+
+    def tools_changed(self) -> None:
+        self.tool_headers = None
+
+    def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coroutine, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._reap)
+        return task
+
+    def _reap(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("upstream_background_task_failed", task=task.get_name(), error=repr(task.exception()))
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,73 @@
+"""The stdio kind of upstream session for the pool: one server process is one session, and processes are
+costly, so they are bounded by `upstream.max_processes`, idle ones stopped after
+`upstream.process_idle_seconds`, and calls that cannot ask share one. Readiness asks the shared process for a
+`ping`; legacy clients get the proxy's own Streamable HTTP server (`legacy/stdio_server.py`). Imports the stdio
+link and session and that server; never the pool, aiohttp, the store or tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractAsyncContextManager
+
+from proxy.config import StdioUpstreamConfig
+from proxy.errors import UpstreamTimeoutError
+from proxy.legacy import LegacyFront
+from proxy.legacy.stdio_server import StdioLegacyServer
+from proxy.observability import Metrics
+from proxy.upstream.session import PoolLimits, Room, Session
+from proxy.upstream.stdio.link import StdioLink
+from proxy.upstream.stdio.session import StdioSession
+
+
+class StdioKind(StdioLink):
+    """Makes stdio sessions (one process each) and says how the pool bounds them."""
+
+    def __init__(
+        self,
+        config: StdioUpstreamConfig,
+        metrics: Metrics | None = None,
+        environ: Mapping[str, str] = os.environ,
+        max_result_bytes: int | None = None,
+        principal_header: str = "authorization",
+        legacy_replay_bytes: int = 0,
+    ) -> None:
+        super().__init__(config, metrics, environ, max_result_bytes)
+        self.principal_header = principal_header  # binds a legacy client's session to the caller that opened it
+        self.legacy_replay_bytes = legacy_replay_bytes  # what a legacy client's session keeps for a resume
+        self.limits = PoolLimits(
+            max_idle=config.max_processes,
+            max_open=config.max_processes,
+            idle_seconds=config.process_idle_seconds,
+            share_quiet_calls=True,
+            wait_seconds=config.connect_timeout_seconds,
+            limit_name="upstream.max_processes",
+        )
+        self._probe_lock = asyncio.Lock()
+
+    def new(self, principal: str | None) -> Session:
+        return StdioSession(self, principal)
+
+    async def probe(self, max_age_seconds: float, shared: Callable[[], AbstractAsyncContextManager[Session]]) -> None:
+        """Readiness: fine when a process spoke within `max_age_seconds`; otherwise the anonymous shared
+        process (started if need be) must answer `ping` within `upstream.connect_timeout_seconds`."""
+        async with self._probe_lock:
+            last = self.last_answer_at
+            if last is not None and time.monotonic() - last <= max_age_seconds:
+                return
+            timeout = self.config.connect_timeout_seconds
+            async with shared() as session:
+                try:
+                    await asyncio.wait_for(session.request("ping", None), timeout)
+                except TimeoutError:
+                    raise UpstreamTimeoutError(
+                        f"Upstream stdio server {self.program} did not answer ping within {timeout:g} s"
+                    ) from None
+
+    def legacy_front(self, room: Room) -> LegacyFront:
+        """A stdio server has one client per process: the proxy serves legacy clients itself, one process
+        each, counted against `upstream.max_processes` through `room`."""
+        return StdioLegacyServer(self, room, self.config, self.principal_header, replay_bytes=self.legacy_replay_bytes)

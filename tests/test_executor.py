@@ -1,0 +1,435 @@
+"""tasks/executor.py and tasks/effects/: what carries out the call machine's commands, on a real SQLite store
+and, where the upstream must misbehave in ways a real server will not (a pump that crashes), a stand-in pool.
+
+Each effect is driven alone with a recording `Feed`; the playbooks through the whole executor check what the
+machine is answered with (`Committed` / `CommitRefused`, `Parked` / `ParkRefused`) and how a crash ends a
+call: a plain message for the client, the exception only in the log-only detail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, cast, get_args
+
+import pytest
+
+from proxy.config import Config
+from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskLimitError
+from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
+from proxy.principals import Principals
+from proxy.tasks import inputs
+from proxy.tasks.background import Background
+from proxy.tasks.commands import (
+    ClearTimer,
+    ClientLeft,
+    Command,
+    CommitRefused,
+    Committed,
+    CreateRecord,
+    Event,
+    HoldSlot,
+    Park,
+    Parked,
+    ParkRefused,
+    Relay,
+    RemoteCancel,
+    Reply,
+    ReplyOutcome,
+    ReplyTask,
+    SetTimer,
+    Start,
+    Timer,
+    TimerFired,
+)
+from proxy.tasks.durations import Durations
+from proxy.tasks.effects.client import ClientSide
+from proxy.tasks.effects.pump import CRASHED
+from proxy.tasks.effects.records import RecordWrites
+from proxy.tasks.effects.slots import Parking, RunningSlots
+from proxy.tasks.effects.timers import Timers
+from proxy.tasks.live_call import LiveCall, wall_clock_ms
+from proxy.tasks.replica_inbox import ReplicaInbox
+from proxy.tasks.replicas import ReplicaLink
+from proxy.tasks.runner import TaskRunner
+from proxy.tasks.state import CallState
+from proxy.tasks.store import Fence, SqliteTaskStore
+from proxy.tasks.table import CallTable
+from proxy.upstream.events import UpstreamEvent, UpstreamResult
+from proxy.upstream.pool import SessionPool
+from proxy.wire.jsonrpc import JSON
+from proxy.wire.tasks import TaskRecord, TaskStatus
+from tests.support.processes import proxy_config
+
+KEY = os.urandom(32)
+TASK_POLICY = Policy("required", 0, 60_000, 1000, "fail")
+A_TASK = Decision(Outcome.TASK, TASK_POLICY)
+UPSTREAM_RUN = Decision(Outcome.TASK, TASK_POLICY, upstream_task=True)
+CRASH = "boom: <internal state of the proxy>"
+
+
+class RecordingFeed:
+    """A `Feed` that only records what the effect under test feeds back."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[LiveCall, Event]] = []
+
+    async def dispatch(self, call: LiveCall, event: Event) -> None:
+        self.events.append((call, event))
+
+    async def submit(self, call: LiveCall, event: Event) -> None:
+        self.events.append((call, event))
+
+    def of(self, call: LiveCall) -> list[Event]:
+        return [event for fed, event in self.events if fed is call]
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_seconds: float = 10) -> None:
+    deadline = time.monotonic() + timeout_seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def until_async(condition: Callable[[], Awaitable[bool]], what: str, timeout_seconds: float = 10) -> None:
+    deadline = time.monotonic() + timeout_seconds
+    while not await condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def make_call(decision: Decision = A_TASK, caller: str = "caller-a", name: str = "tool") -> LiveCall:
+    state = CallState(decision=decision, capabilities={}, gather_ms=0, park_ttl_ms=60_000)
+    return LiveCall(state, "tools/call", name, None, caller, {"name": name, "arguments": {}}, {}, "digest")
+
+
+def config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
+    return proxy_config("http://127.0.0.1:9/mcp", tmp_path, **sections)
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqliteTaskStore]:
+    opened = await SqliteTaskStore.open(tmp_path / "executor.db", max_records=2, synchronous="normal")
+    yield opened
+    await opened.close()
+
+
+class Parts:
+    """The record-writing side as the runner builds it, with a recording feed and no upstream."""
+
+    def __init__(self, store: SqliteTaskStore, tmp_path: Path, max_running: int = 1, per_caller: int = 1) -> None:
+        self.store = store
+        self.background = Background()
+        self.table = CallTable()
+        self.durations = Durations(store, wall_clock_ms, self.background)
+        self.slots = RunningSlots(max_running, per_caller)
+        self.link: ReplicaLink | None = None
+        self.records = RecordWrites(
+            config(tmp_path).tasks,
+            store,
+            self.table,
+            self.slots,
+            Principals(KEY),
+            self.durations,
+            wall_clock_ms,
+            "replica-1",
+            lambda: self.link.fence if self.link is not None else Fence("replica-1", 0),
+            None,
+        )
+
+    async def committed(self, call: LiveCall) -> str:
+        answer = await self.records.create(call, CreateRecord(TaskStatus.WORKING, {}, 0))
+        assert isinstance(answer, Committed), answer
+        call.state.task_id = answer.task_id
+        return answer.task_id
+
+
+# --- records and slots: Committed / CommitRefused ----------------------------------------------------------
+
+
+async def test_a_working_task_beyond_max_running_is_refused_before_anything_is_written(
+    store: SqliteTaskStore,
+    tmp_path: Path,
+) -> None:
+    parts = Parts(store, tmp_path, max_running=1, per_caller=5)
+    first, second = make_call(), make_call()
+    task_id = await parts.committed(first)
+    await parts.slots.hold(first, HoldSlot(True))
+
+    refused = await parts.records.create(second, CreateRecord(TaskStatus.WORKING, {}, 0))
+
+    assert isinstance(refused, CommitRefused)
+    assert isinstance(refused.error, TaskLimitError)
+    assert (await store.stats())["working"] == 1  # only the first record was written
+    assert parts.table.task(task_id) is first
+    parts.slots.forget(first)  # the first call finished: its slot is free again
+    assert isinstance(await parts.records.create(second, CreateRecord(TaskStatus.WORKING, {}, 0)), Committed)
+
+
+async def test_the_callers_share_of_running_slots_is_counted_per_caller(store: SqliteTaskStore, tmp_path: Path) -> None:
+    parts = Parts(store, tmp_path, max_running=10, per_caller=1)
+    mine, also_mine = make_call(caller="a"), make_call(caller="a")
+    theirs = make_call(caller="b")
+    await parts.slots.hold(mine, HoldSlot(True))
+
+    refused = await parts.records.create(also_mine, CreateRecord(TaskStatus.WORKING, {}, 0))
+
+    assert isinstance(refused, CommitRefused)
+    assert isinstance(refused.error, CallerLimitError)
+    assert isinstance(await parts.records.create(theirs, CreateRecord(TaskStatus.WORKING, {}, 0)), Committed)
+    assert parts.slots.count == 1
+
+
+async def test_a_full_store_refuses_the_commit_and_forgets_the_task_id(store: SqliteTaskStore, tmp_path: Path) -> None:
+    parts = Parts(store, tmp_path, max_running=10, per_caller=10)
+    await parts.committed(make_call())
+    await parts.committed(make_call())  # max_records = 2, both live: nothing can be evicted
+    third = make_call()
+
+    refused = await parts.records.create(third, CreateRecord(TaskStatus.WORKING, {}, 0))
+
+    assert isinstance(refused, CommitRefused)
+    assert refused.error.data == {"limit": "max_records", "max": parts.records.config.max_records}
+    assert len(parts.table.tasks()) == 2  # the refused task's id was taken out again
+    assert third.record is None
+
+
+# --- parking: Parked / ParkRefused -------------------------------------------------------------------------
+
+
+def parking(tmp_path: Path, max_parked: int, per_caller: int) -> Parking:
+    settings = config(tmp_path, inputs={"max_parked": max_parked}, limits={"max_parked_per_principal": per_caller})
+    signer = inputs.RequestStateSigner(inputs.load_secret(None))
+    return Parking(settings.inputs, settings.limits, signer, wall_clock_ms, "replica-1")
+
+
+async def test_a_parked_call_gets_a_request_state_that_takes_it_back_exactly_once(tmp_path: Path) -> None:
+    parked = parking(tmp_path, max_parked=1, per_caller=1)
+    call, other = make_call(caller="a"), make_call(caller="b")
+
+    assert await parked.park(call, Park(1)) == Parked()
+    refused = await parked.park(other, Park(1))
+
+    assert isinstance(refused, ParkRefused)
+    assert isinstance(refused.error, TaskLimitError)
+    claims = parked.signer.verify(call.request_state, wall_clock_ms())
+    assert (claims.call_id, claims.round, claims.owner) == (call.call_id, 1, "replica-1")
+    call.state.mode = call.state.mode.PARKED  # as the machine leaves a parked call
+    call.state.round = 1
+    taken, answers = parked.take(claims, {})
+    assert (taken, answers, parked.count) == (call, {}, 0)
+    with pytest.raises(InvalidParamsError):
+        parked.take(claims, {})  # a requestState is good for one retry
+
+
+async def test_a_callers_share_of_parked_calls_refuses_that_caller_only(tmp_path: Path) -> None:
+    parked = parking(tmp_path, max_parked=10, per_caller=1)
+    assert await parked.park(make_call(caller="a"), Park(1)) == Parked()
+
+    refused = await parked.park(make_call(caller="a"), Park(1))
+
+    assert isinstance(refused, ParkRefused)
+    assert isinstance(refused.error, CallerLimitError)
+    assert await parked.park(make_call(caller="b"), Park(1)) == Parked()
+    assert parked.count == 2
+
+
+# --- timers and the client's side, each with a recording feed ------------------------------------------------
+
+
+async def test_a_timer_fires_into_the_feed_and_a_cleared_one_never_does() -> None:
+    feed, background = RecordingFeed(), Background()
+    timers = Timers(feed, background)
+    call = make_call()
+
+    await timers.set(call, SetTimer(Timer.PARK, 1))
+    await timers.clear(call, ClearTimer(Timer.PARK))
+    await timers.set(call, SetTimer(Timer.GATHER, 30))
+    await until(lambda: bool(feed.of(call)), "the gather timer to fire")
+
+    assert feed.of(call) == [TimerFired(Timer.GATHER)]
+    assert call.timers == {}
+    await background.close(1)
+
+
+async def test_a_task_reply_carries_its_record_as_the_client_sees_it(store: SqliteTaskStore, tmp_path: Path) -> None:
+    parts = Parts(store, tmp_path)
+    call = make_call()
+    await parts.committed(call)
+    call.reply = asyncio.get_running_loop().create_future()
+    shown: list[TaskRecord] = []
+
+    def paced(record: TaskRecord) -> TaskRecord:
+        shown.append(record)
+        return record
+
+    await ClientSide(paced).reply(call, Reply(ReplyTask()))
+
+    assert call.reply.result() == ReplyTask(call.record)
+    assert shown == [call.record]
+
+
+async def test_a_relay_to_a_broken_stream_tells_the_call_its_client_left() -> None:
+    class Broken:
+        async def notify(self, message: JSON, *, required: bool = False) -> None:
+            raise ConnectionResetError
+
+        async def keepalive(self, *, open_stream: bool = False) -> None:
+            return None
+
+    call = make_call()
+    call.channel = Broken()
+
+    assert (
+        await ClientSide(lambda record: record).relay(call, Relay({"method": "notifications/progress"})) == ClientLeft()
+    )
+    assert call.channel is None
+
+
+# --- the replica inbox: its own settlements come back on the feed and are dropped --------------------------
+
+
+async def test_a_replica_ignores_its_own_settlement_on_the_feed_but_not_another_replicas(
+    store: SqliteTaskStore,
+    tmp_path: Path,
+) -> None:
+    parts = Parts(store, tmp_path, max_running=10, per_caller=10)
+    feed = RecordingFeed()
+    signer = inputs.RequestStateSigner(inputs.load_secret(None))
+    limits = config(tmp_path)
+    parked = Parking(limits.inputs, limits.limits, signer, wall_clock_ms, "replica-1")
+    inbox = ReplicaInbox(parts.background, parts.table, feed, parked, parts.records, store, wall_clock_ms)
+    parts.link = ReplicaLink(store, "replica-1", 30, inbox)
+    await parts.link.start()
+    own, elsewhere = make_call(), make_call()
+    own_task, elsewhere_task = await parts.committed(own), await parts.committed(elsewhere)
+
+    await parts.records.settle_outside(own_task, TaskStatus.CANCELLED, "cancelled here")
+    await store.settle(elsewhere_task, TaskStatus.CANCELLED, now_ms=wall_clock_ms(), status_message="there")
+    await until(lambda: bool(feed.of(elsewhere)), "the other replica's settlement to reach its call")
+
+    assert feed.of(elsewhere) == [RemoteCancel("cancelled by the client")]
+    assert feed.of(own) == []  # its change came first on the feed, and was dropped
+    await parts.link.close()
+    await parts.background.close(1)
+
+
+# --- a pump that crashes, through the whole executor ---------------------------------------------------------
+
+
+class FakeUpstreamCall:
+    def __init__(self, events: list[UpstreamEvent]) -> None:
+        self._events = events
+
+    async def events(self) -> AsyncIterator[UpstreamEvent]:
+        for event in self._events:
+            yield event
+
+    async def cancel(self, reason: str) -> None:
+        return None
+
+
+class CrashingSession:
+    """Answers a task-augmented tools/call with a CreateTaskResult; crashes (a bug, not an upstream failure)
+    on `crash_on`."""
+
+    session_id = "session-1"
+
+    def __init__(self, crash_on: str) -> None:
+        self.crash_on = crash_on
+        self.methods: list[str] = []
+
+    @asynccontextmanager
+    async def call(self, method: str, params: JSON, headers: dict[str, str]) -> AsyncIterator[FakeUpstreamCall]:
+        self.methods.append(method)
+        if method == self.crash_on:
+            raise RuntimeError(CRASH)
+        yield FakeUpstreamCall([UpstreamResult({"task": {"taskId": "up-1", "status": "working"}})])
+
+    async def respond(self, upstream_id: int | str, *, result: JSON | None, error: JSON | None = None) -> None:
+        return None
+
+
+class FakePool:
+    def __init__(self, session: CrashingSession) -> None:
+        self.session = session
+
+    @asynccontextmanager
+    async def lease(self, principal: str | None, sink: Any, **options: Any) -> AsyncIterator[CrashingSession]:
+        yield self.session
+
+    def keep(self, session: Any) -> None:
+        return None
+
+
+@asynccontextmanager
+async def runner_on(tmp_path: Path, store: SqliteTaskStore, session: CrashingSession) -> AsyncIterator[TaskRunner]:
+    pool = cast(SessionPool, FakePool(session))
+    runner = TaskRunner(config(tmp_path), store, pool, Principals(KEY))
+    await runner.start()
+    try:
+        yield runner
+    finally:
+        await runner.close()
+
+
+async def started(runner: TaskRunner, decision: Decision) -> LiveCall:
+    call = make_call(decision, caller=runner.principals.key_of(None))
+    call.state = runner.calls.state(decision, {}, None, None)
+    call.reply = asyncio.get_running_loop().create_future()
+    runner.table.add(call)
+    await runner.executor.submit(call, Start())
+    return call
+
+
+async def test_a_crashing_held_request_ends_the_call_with_a_plain_message(
+    tmp_path: Path, store: SqliteTaskStore
+) -> None:
+    session = CrashingSession(crash_on="tools/call")
+    async with runner_on(tmp_path, store, session) as runner:
+        call = await started(runner, SYNC_CALL)
+        assert call.reply is not None
+        reply = await asyncio.wait_for(call.reply, 10)
+
+    assert isinstance(reply, ReplyOutcome)
+    assert isinstance(reply.outcome, ProxyError)
+    assert reply.outcome.message == CRASHED
+    assert CRASH in str(reply.outcome.detail)  # the exception is for the log only
+
+
+async def test_a_crashing_pump_of_an_upstream_run_task_fails_it_without_a_python_repr(
+    tmp_path: Path, store: SqliteTaskStore
+) -> None:
+    session = CrashingSession(crash_on="tasks/result")  # the task is created, following it crashes
+    async with runner_on(tmp_path, store, session) as runner:
+        call = await started(runner, UPSTREAM_RUN)
+        assert call.reply is not None
+        reply = await asyncio.wait_for(call.reply, 10)
+        assert isinstance(reply, ReplyTask)
+        assert reply.record is not None
+        task_id = reply.record.task_id
+
+        async def failed() -> bool:
+            record = await store.get(task_id)
+            return record is not None and record.status is TaskStatus.FAILED
+
+        await until_async(failed, "the task to fail")
+        record = await store.get(task_id)
+
+    assert record is not None
+    assert record.error is not None
+    assert session.methods[:2] == ["tools/call", "tasks/result"]
+    assert record.error["message"] == CRASHED
+    assert record.status_message is not None
+    for shown in (record.status_message, record.error["message"]):
+        assert "RuntimeError" not in shown
+        assert CRASH not in shown
+
+
+async def test_every_command_the_machine_can_give_has_an_effect(tmp_path: Path, store: SqliteTaskStore) -> None:
+    async with runner_on(tmp_path, store, CrashingSession(crash_on="")) as runner:
+        assert set(runner.executor.effects) == set(get_args(Command))

@@ -1,0 +1,82 @@
+"""No import circles in the proxy or the benchmarks: every import between their modules counts, those under
+`if TYPE_CHECKING:` and inside functions included, so the layers in docs/architecture.md can be read one way."""
+
+from __future__ import annotations
+
+import ast
+from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("proxy", "benchmarks")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(tree: ast.Module, name: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The project modules `name` imports, anywhere in its text."""
+    found: set[str] = set()
+    package = name if is_package else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from a import b` names module a.b when there is one, else something defined in a
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # `import a.b.c` of a package's attribute: its module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {module_name(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+    modules = set(paths)
+    return {
+        name: imported(ast.parse(path.read_text(encoding="utf-8")), name, path.name == "__init__.py", modules)
+        for name, path in paths.items()
+    }
+
+
+def test_the_graph_sees_imports_of_every_form() -> None:
+    graph = import_graph()
+    assert "proxy.upstream.pool" in graph["proxy.app"]  # from a.b import C
+    assert "proxy.wire.jsonrpc" in graph["proxy.app"]  # from a import module
+    assert "proxy.config" in graph["proxy.upstream.http.link"]
+    assert all(target.startswith(PACKAGES) for targets in graph.values() for target in targets)
+
+
+def circles(graph: dict[str, set[str]]) -> list[str]:
+    """Every circle, each named once: after one is found, its first import is set aside and the search goes on."""
+    graph = {name: set(targets) for name, targets in graph.items()}
+    found: list[str] = []
+    while True:
+        try:
+            TopologicalSorter(graph).prepare()
+        except CycleError as exc:
+            cycle: list[str] = exc.args[1]
+            found.append(" imports ".join(reversed(cycle)))
+            graph[cycle[1]].discard(cycle[0])  # graphlib lists a circle backwards: cycle[1] imports cycle[0]
+        else:
+            return found
+
+
+def test_the_search_finds_a_circle_behind_type_checking() -> None:
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from proxy.b import B\n"
+    graph = {"proxy.a": imported(ast.parse(source), "proxy.a", False, {"proxy.a", "proxy.b"}), "proxy.b": {"proxy.a"}}
+    assert len(circles(graph)) == 1
+
+
+def test_no_import_circles() -> None:
+    assert circles(import_graph()) == []
