@@ -234,7 +234,9 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     watchers = TaskWatchers(store)
     runner.spawn(watchers.run(), "task-feed")
     front = app[FRONT] = Front(config, upstream, runner, watchers)
-    app[DRAIN].open_calls = lambda: runner.open_calls
+    drain = app[DRAIN]
+    drain.open_calls = lambda: runner.open_calls
+    runner.follow_drain(lambda: drain.draining)
     app[LIVE].subscribe(lambda new: follow_config(new, runner, front))
     legacy = app[PASSTHROUGH] = upstream.legacy_front()  # relayed, or served by the proxy (the kind decides)
     try:

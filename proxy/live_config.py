@@ -41,6 +41,7 @@ FIXED: Final = (
     "tasks.max_records",
     "observability.metrics",
     "limits.max_result_bytes",
+    "limits.legacy_replay_bytes",
 )
 
 APPLIED: Final = "applied"

@@ -7,10 +7,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel
 
+from proxy.app import FRONT, RUNNER, create_app
 from proxy.config import Config, load_config
 from proxy.live_config import APPLIED, FIXED, FIXED_KEY, INVALID, UNCHANGED, LiveConfig, changed_fields, is_fixed
+from tests.support.processes import Upstream
 
 BASE: dict[str, object] = {"upstream": {"url": "http://127.0.0.1:9/mcp"}, "store": {"path": "tasks.db"}}
 
@@ -86,3 +89,31 @@ def test_a_missing_file_is_refused(live: LiveConfig) -> None:
     Path(live.path).unlink()
     assert live.reload("test") == INVALID
     assert live.current is before
+
+
+async def test_a_reload_reaches_every_part_that_decides_new_calls(tmp_path: Path, upstream: Upstream) -> None:
+    """The policies, the running and parking limits, the MRTR timings and the listen limits a new call meets."""
+    path = tmp_path / "proxy.yaml"
+    base: dict[str, object] = {"upstream": {"url": upstream.url}, "store": {"path": str(tmp_path / "tasks.db")}}
+    _write(path, base)
+    live = LiveConfig(load_config(path, environ={}), str(path), environ={})
+    app = create_app(live.current, live)
+    async with TestClient(TestServer(app, host="127.0.0.1")):  # started: the runner and the front exist
+        _write(
+            path,
+            {
+                **base,
+                "tasks": {"max_running": 7, "tools": {"sleep": {"mode": "required"}}},
+                "inputs": {"max_parked": 9, "gather_ms": 123},
+                "limits": {"max_running_per_principal": 5, "max_parked_per_principal": 4, "max_listen_streams": 3},
+            },
+        )
+        assert live.reload("test") == APPLIED
+        runner, front = app[RUNNER], app[FRONT]
+        assert runner.calls.config.tools["sleep"].mode == "required"
+        assert runner.records.config.max_running == 7
+        assert (runner.slots.max_running, runner.slots.per_caller) == (7, 5)
+        assert (runner.parking.config.max_parked, runner.parking.per_caller) == (9, 4)
+        assert runner.calls.inputs.gather_ms == 123
+        assert front.config.tasks.tools["sleep"].mode == "required"
+        assert front.listens.limits.max_listen_streams == 3

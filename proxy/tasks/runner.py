@@ -190,6 +190,10 @@ class TaskRunner:
         )
         self.parking.config, self.parking.per_caller = config.inputs, config.limits.max_parked_per_principal
 
+    def follow_drain(self, draining: Callable[[], bool]) -> None:
+        """`draining()` says whether this replica drains after SIGTERM: then its sweep takes nothing over."""
+        self.recovery.draining = draining
+
     def lease_problem(self) -> str | None:
         return self.replicas.lease_problem()
 
