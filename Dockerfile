@@ -71,8 +71,9 @@ USER 10001
 HEALTHCHECK --interval=30s --timeout=5s --start-period=10s --retries=3 \
     CMD ["mcp-tasks-proxy", "probe", "http://127.0.0.1:8080/healthz"]
 
-# SIGTERM: stop accepting, let synchronous calls finish within listen.shutdown_grace_seconds, then exit.
-# Give `docker stop` more time than that (`docker stop -t 30`).
+# SIGTERM drains: /readyz turns 503, new calls get 503 with Retry-After, running tasks and calls go on to
+# their end and the process exits 0 as soon as none runs, within tasks.drain_seconds (20 s); what is still
+# open then gets listen.shutdown_grace_seconds (3 s). Give `docker stop` more than both (`docker stop -t 40`).
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["mcp-tasks-proxy"]
 CMD ["serve", "--config", "/etc/mcp-tasks-proxy/proxy.yaml"]

@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.deploy import deploy_rows
 from benchmarks.harness import (
     ROOT,
     LegacyClient,
@@ -296,7 +297,7 @@ def print_table(rows: list[Row]) -> None:
         print(f"{row.name.ljust(width)}  {met:<4} {row.figure}   [{row.target}]")
 
 
-GROUPS = ("sdk", "lean", "replicas", "scale", "store", "tracing")
+GROUPS = ("sdk", "lean", "replicas", "scale", "store", "tracing", "deploy")
 
 
 async def run(quick: bool, groups: tuple[str, ...] = GROUPS, tracing_baseline: str = "main") -> list[Row]:
@@ -326,6 +327,8 @@ async def run(quick: bool, groups: tuple[str, ...] = GROUPS, tracing_baseline: s
             upstream.stop()
     if "replicas" in groups:
         rows += await replica_rows(start_upstream, workdir, quick)
+    if "deploy" in groups:
+        rows += await deploy_rows(workdir, quick)
     if "scale" in groups or "store" in groups:
         upstream = await start_upstream()  # an upstream of its own, without the earlier rows' leftovers
         try:

@@ -21,8 +21,10 @@ from yarl import URL
 
 from proxy import tracing
 from proxy.config import Config
+from proxy.drain import DRAIN, Drain, drainz, track
 from proxy.edge import (
     CHANNEL,
+    DRAINZ,
     ERA,
     HEALTHZ,
     JSONRPC_ERROR,
@@ -49,6 +51,7 @@ from proxy.errors import (
 from proxy.front import Front
 from proxy.jwt_identity import JwtIdentity
 from proxy.legacy import LegacyFront
+from proxy.live_config import LiveConfig
 from proxy.observability import Metrics
 from proxy.policy import named_tools
 from proxy.principals import Principals, deployment_key
@@ -64,7 +67,8 @@ from proxy.wire.jsonrpc import Notification, Response
 
 log = structlog.get_logger(__name__)
 
-CONFIG: Final = web.AppKey("config", Config)
+CONFIG: Final = web.AppKey("config", Config)  # as started: what a reload cannot change is read here
+LIVE: Final = web.AppKey("live", LiveConfig)  # the config in force: what may change live is read through it
 FRONT: Final = web.AppKey("front", Front)
 PASSTHROUGH: Final = web.AppKey("passthrough", LegacyFront)
 RELAY: Final = web.AppKey("relay", OriginRelay)
@@ -138,7 +142,7 @@ async def admission(request: web.Request, handler: Handler) -> web.StreamRespons
         return await handler(request)
     if (name := not_utf8_header(request.headers)) is not None:
         raise InvalidRequestError(f"Invalid Request: the value of the {name} header is not UTF-8")
-    security = request.app[CONFIG].security
+    security = request.app[LIVE].current.security
     if not host_allowed(request.headers.get("Host"), security.allowed_hosts):
         raise ForbiddenError("Forbidden: Host header not allowed")
     origin = request.headers.get("Origin")
@@ -166,7 +170,7 @@ async def relay_unrouted(request: web.Request, handler: Handler) -> web.StreamRe
 async def _read_body(request: web.Request) -> bytes:
     """The whole body, within `security.body_read_timeout_seconds` (both eras: legacy bodies are read before they
     are relayed) and `security.max_body_bytes`."""
-    security = request.app[CONFIG].security
+    security = request.app[LIVE].current.security
     try:
         async with asyncio.timeout(security.body_read_timeout_seconds):
             return await request.read()
@@ -192,11 +196,13 @@ async def handle_mcp(request: web.Request) -> web.StreamResponse:
             request[ERA] = "modern"
             raise
         request[ERA] = "legacy"
+        request.app[DRAIN].check_legacy(request, None)
         return await _relay(request, body, None)
     if not is_modern(request.headers, decoded):
         request[ERA] = "legacy"
         if isinstance(decoded, dict) and isinstance(decoded.get("method"), str):
             request[MCP_METHOD] = decoded["method"]
+        request.app[DRAIN].check_legacy(request, decoded)
         return await _relay(request, body, decoded)
     request[ERA] = "modern"
     with tracing.server_span(request.headers, decoded, era="modern", peer=request.remote):
@@ -224,7 +230,8 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
         raise InvalidRequestError("Invalid Request: a 2026-07-28 server sends no requests, so it takes no responses")
     request[MCP_METHOD] = message.method
     modern = validate_modern(request.headers, message.id, message.method, message.params)
-    config = request.app[CONFIG]
+    request.app[DRAIN].check_modern(modern)
+    config = request.app[LIVE].current
     principal = request.headers.get(config.security.principal_header) or None  # empty counts as none
     if principal is None and config.security.anonymous == "refuse":
         raise UnauthorizedError(
@@ -263,9 +270,13 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics.lease_held.set_function(lambda: runner.lease_problem() is None)
     watchers = TaskWatchers(store)
     runner.spawn(watchers.run(), "task-feed")
-    app[FRONT] = front = Front(config, upstream, runner, watchers)
+    front = app[FRONT] = Front(config, upstream, runner, watchers)
     if metrics is not None:
         metrics.listen_streams.set_function(lambda: front.listens.open_streams)
+    drain = app[DRAIN]
+    drain.open_calls = lambda: runner.open_calls
+    runner.follow_drain(lambda: drain.draining)
+    app[LIVE].subscribe(lambda new: follow_config(new, runner, front))
     legacy = app[PASSTHROUGH] = upstream.legacy_front()  # relayed, or served by the proxy (the kind decides)
     app[RELAY] = OriginRelay.of(config.relay, legacy)  # other paths: to the upstream's origin, when it has one
     try:
@@ -278,6 +289,14 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         await legacy.close()
         await upstream.close()
         await http.close()
+
+
+def follow_config(new: Config, runner: TaskRunner, front: Front) -> None:
+    """What the runner and the front keep of the config, swapped for a live reload: new calls decide with the
+    new policies and limits; a call in flight keeps the Decision it started with."""
+    runner.follow(new)
+    front.config = new
+    front.listens.limits = new.limits
 
 
 async def end_listen_streams(app: web.Application) -> None:
@@ -301,7 +320,9 @@ async def readyz(request: web.Request) -> web.Response:
     upstream answered recently (else a fresh `initialize` must succeed). 503 with the reasons otherwise."""
     app = request.app
     reasons: list[str] = []
-    if app[STOPPING]:
+    if app[DRAIN].draining:
+        reasons.append("draining")
+    elif app[STOPPING]:
         reasons.append("shutting down")
     else:
         try:
@@ -315,7 +336,7 @@ async def readyz(request: web.Request) -> web.Response:
         if lease is not None:
             reasons.append(f"lease: {lease}")
         try:
-            await app[UPSTREAM].probe(app[CONFIG].observability.readiness_max_age_seconds)
+            await app[UPSTREAM].probe(app[LIVE].current.observability.readiness_max_age_seconds)
         except UpstreamError as exc:
             reasons.append(f"upstream: {exc.message}")
     if reasons:
@@ -355,7 +376,10 @@ def ipaddress_is_loopback(host: str) -> bool:
         return False
 
 
-def create_app(config: Config) -> web.Application:
+def create_app(config: Config, live: LiveConfig | None = None) -> web.Application:
+    """The app for `config`; `live` is the holder reloads swap (a fresh one, with no file, when not given)."""
+    live = live if live is not None else LiveConfig(config)
+    drain = Drain(live, config.listen.path)
     if config.security.anonymous == "allow" and not ipaddress_is_loopback(config.listen.host):
         log.warning(
             "anonymous_callers_allowed",
@@ -366,9 +390,11 @@ def create_app(config: Config) -> web.Application:
         )
     app = web.Application(
         client_max_size=config.security.max_body_bytes,
-        middlewares=[error_edge, admission, relay_unrouted],
+        middlewares=[error_edge, track(drain), admission, relay_unrouted],
     )
     app[CONFIG] = config
+    app[LIVE] = live
+    app[DRAIN] = drain
     app[STOPPING] = []
     app.cleanup_ctx.append(upstream_ctx)
     if config.security.jwt is not None:
@@ -382,7 +408,10 @@ def create_app(config: Config) -> web.Application:
     app.router.add_route("*", config.listen.path, handle_mcp)
     app.router.add_get(HEALTHZ, healthz)
     app.router.add_get(READYZ, readyz)
+    app.router.add_get(DRAINZ, drainz)
     if config.observability.metrics:
-        app[METRICS] = Metrics(named_tools(config.tasks))
+        metrics = app[METRICS] = Metrics(named_tools(config.tasks))
+        drain.register_metrics(metrics.registry)
+        live.register_metrics(metrics.registry)
         app.router.add_get(METRICS_PATH, metrics_endpoint)
     return app

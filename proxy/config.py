@@ -50,10 +50,11 @@ class ListenConfig(_Frozen):
     )
 
     shutdown_grace_seconds: float = Field(
-        20.0,
+        3.0,
         ge=0,
-        description="On SIGTERM: stop accepting, let synchronous calls finish for this long, then cancel them. "
-        "Keep it below the pod's terminationGracePeriodSeconds.",
+        description="After the drain (`tasks.drain_seconds`): requests still open (calls the drain did not see "
+        "end, legacy streams) get this long, then are cancelled. The drain plus this, plus a few seconds to close, "
+        "stays below the pod's terminationGracePeriodSeconds.",
     )
 
     @field_validator("path")
@@ -61,7 +62,7 @@ class ListenConfig(_Frozen):
     def _path_is_absolute(cls, value: str) -> str:
         if not value.startswith("/"):
             raise ValueError("must start with '/'")
-        if value in ("/healthz", "/readyz", "/metrics"):
+        if value in ("/healthz", "/readyz", "/metrics", "/drainz"):
             raise ValueError(f"{value} is the proxy's own probe/metrics path")
         return value
 
@@ -516,6 +517,15 @@ class TasksConfig(_Frozen):
         description="Task records kept; at the limit the oldest settled records are evicted first, and a new "
         "task is refused only when every record is still live.",
     )
+    drain_seconds: float = Field(
+        20.0,
+        ge=0,
+        description="On SIGTERM: how long the replica drains. It turns unready, refuses new calls with 503 and "
+        "`Retry-After`, serves its tasks, MRTR retries and listen streams, and exits as soon as nothing of its own "
+        "runs. What still runs after this long is left as at any stop (another replica or the next start fails or "
+        "re-runs it per `on_restart`). 20 s leaves room for the final shutdown within Kubernetes' default "
+        "terminationGracePeriodSeconds of 30.",
+    )
 
 
 class InputsConfig(_Frozen):
@@ -731,14 +741,27 @@ def load_config(
 
     Raises ConfigError with every problem found, each prefixed by its field path.
     """
-    environ = os.environ if environ is None else environ
-    source = str(path) if path is not None else "<defaults>"
-    data: dict[str, Any] = {}
+    text: str | None = None
     if path is not None:
         try:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
-            raise ConfigError(source, [f"cannot read: {exc.strerror}"]) from None
+            raise ConfigError(str(path), [f"cannot read: {exc.strerror}"]) from None
+        except UnicodeDecodeError:
+            raise ConfigError(str(path), ["cannot read: not UTF-8 text"]) from None
+    return parse_config(text, str(path) if path is not None else "<defaults>", environ, overrides)
+
+
+def parse_config(
+    text: str | None,
+    source: str,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Config:
+    """`load_config` for a file's text already read (None: no file), e.g. by a reload that hashed it."""
+    environ = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    if text is not None:
         try:
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as exc:

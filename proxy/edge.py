@@ -39,7 +39,8 @@ RPC_ID: Final = web.RequestKey[RequestId]("rpc_id")  # the JSON-RPC id of a mode
 HEALTHZ: Final = "/healthz"
 READYZ: Final = "/readyz"
 METRICS_PATH: Final = "/metrics"
-OPS_PATHS: Final = frozenset({HEALTHZ, READYZ, METRICS_PATH})
+DRAINZ: Final = "/drainz"  # answers once a drain is over: what the legacy container's preStop hook waits on
+OPS_PATHS: Final = frozenset({HEALTHZ, READYZ, METRICS_PATH, DRAINZ})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

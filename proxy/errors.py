@@ -263,3 +263,17 @@ class UpstreamLimitError(ProxyError):
             f"Limit reached: {limit} = {maximum}, all busy for {waited_seconds:g} s; try again later",
             data={"limit": limit.rpartition(".")[2], "max": maximum},
         )
+
+
+class DrainingError(ProxyError):
+    """A new call reached a replica that drains after SIGTERM (a balancer's endpoint list is a moment behind):
+    -32603 with `data.reason: draining`, HTTP 503 and `Retry-After`, so the client or the balancer sends it to
+    another replica. Nothing was started or stored."""
+
+    code = jsonrpc.INTERNAL_ERROR
+    http_status = 503
+    default_message = "This proxy replica is shutting down; send the request again (another replica serves it)"
+    headers: ClassVar[Mapping[str, str]] = {"Retry-After": "1"}
+
+    def __init__(self, *, request_id: RequestId | None = None) -> None:
+        super().__init__(data={"reason": "draining"}, request_id=request_id)

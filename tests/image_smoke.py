@@ -2,7 +2,8 @@
 
 Starts the image as a sidecar would run (its own network namespace shared with the example legacy server,
 non-root, read-only root file system, no capabilities), drives it with a 2026-07-28 client over HTTP, runs
-the image's own HEALTHCHECK, stops it with SIGTERM, and prints the figures. Exits non-zero on any failure.
+the image's own HEALTHCHECK, stops it with SIGTERM while a task runs (the drain: the task completes, then
+the process exits 0), and prints the figures. Exits non-zero on any failure.
 Imports nothing from proxy/: the image is tested from outside, as an operator sees it.
 """
 
@@ -32,6 +33,7 @@ REQUIRED_TOOL = "slow_compute"  # tests/upstream's task fixture; given `mode: re
 UPSTREAM_TIMEOUT_S = 60
 READY_TIMEOUT_S = 90
 TASK_TIMEOUT_S = 60
+DRAIN_TASK_S = 3.0  # the task SIGTERM arrives during; well within the image's drain (tasks.drain_seconds, 20 s)
 STOP_TIMEOUT_S = 30
 
 
@@ -194,9 +196,9 @@ class Smoke:
         check(state.startswith("running"), f"the proxy container is {state}")
         return await client.status("/readyz") == 200
 
-    def logs(self) -> str:
+    def logs(self, tail: int | None = 3000) -> str:
         done = self.podman.run("logs", self.proxy, check_rc=False)
-        return (done.stdout + done.stderr)[-3000:]
+        return (done.stdout + done.stderr)[-tail if tail else 0 :]
 
     def assert_confined(self) -> None:
         """Non-root, read-only root file system, writable data directory: checked inside the running container."""
@@ -244,14 +246,30 @@ class Smoke:
         check("label=image" in text, f"task result: {last}")
         self.figures["task to completion"] = f"{seconds:.2f} s"
 
-    def stop(self) -> None:
-        """SIGTERM, as `podman stop` and the kubelet send it: the proxy exits by itself, with 0."""
+    async def stop(self, client: Client) -> None:
+        """SIGTERM while a task runs, as `podman stop` and the kubelet send it: the proxy turns unready, drains
+        (the task goes on to complete), then exits by itself, with 0."""
+        arguments = {"seconds": DRAIN_TASK_S, "label": "drain"}
+        created = await client.rpc("tools/call", {"name": REQUIRED_TOOL, "arguments": arguments}, REQUIRED_TOOL)
+        check(created.get("resultType") == "task", f"a required tool did not become a task: {created}")
+        task_id = created["taskId"]
         sent = time.time()
         self.podman.run("kill", "--signal", "TERM", self.proxy)
+
+        async def unready() -> bool:
+            return await client.status("/readyz") == 503
+
+        await poll("/readyz 503 while the task drains", DRAIN_TASK_S, unready)
         code = self.podman.run("wait", self.proxy, timeout=STOP_TIMEOUT_S).stdout.strip()
         check(code == "0", f"exit code {code} after SIGTERM:\n{self.logs()}")
+        events = [json.loads(line) for line in self.logs(None).splitlines() if line.startswith("{")]
+        settled = [event.get("status") for event in events if event.get("event") == "task_settled"]
+        mine = [event for event in events if event.get("task_id") == task_id and event.get("event") == "task_settled"]
+        check([event.get("status") for event in mine] == ["completed"], f"the task did not complete: {settled}")
+        drained = [event.get("reason") for event in events if event.get("event") == "drain_finished"]
+        check(drained == ["idle"], f"the drain did not end with nothing left to run: {drained}")
         finished = int(self.podman.out("inspect", "--format", "{{.State.FinishedAt.UnixNano}}", self.proxy))
-        self.figures["SIGTERM to exit (idle)"] = f"{finished / 1e9 - sent:.2f} s"
+        self.figures[f"SIGTERM to exit (a {DRAIN_TASK_S:g} s task running)"] = f"{finished / 1e9 - sent:.2f} s"
 
 
 def stop_process(process: subprocess.Popen[bytes]) -> None:
@@ -295,9 +313,9 @@ async def run(work: Path, image: str) -> dict[str, str]:
                 smoke.healthcheck()
                 await smoke.smoke(client)
                 figures["idle RSS after the smoke test"] = f"{rss_kib(podman.pid(smoke.proxy)) / 1024:.1f} MiB"
+                await smoke.stop(client)
             except (SmokeError, aiohttp.ClientError, TimeoutError) as error:
                 raise SmokeError(f"{error}\n--- proxy log ---\n{smoke.logs()}") from error
-        smoke.stop()
         figures.update(smoke.figures)
     return figures
 
@@ -312,7 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     except SmokeError as error:
         print(f"image-test: FAILED: {error}", file=sys.stderr)
         return 1
-    print("image-test: passed: server/discover, a required tool's task to completion, the HEALTHCHECK, SIGTERM exit 0")
+    print(
+        "image-test: passed: server/discover, a required tool's task to completion, the HEALTHCHECK, "
+        "SIGTERM while a task runs: the task completes, exit 0"
+    )
     width = max(map(len, figures))
     for name, value in figures.items():
         print(f"  {name:<{width}}  {value}")

@@ -36,7 +36,7 @@ from proxy.config import Config, HttpUpstreamConfig, load_config
 from tests.support.processes import ROOT, Upstream, free_port
 from tests.support.waiting import until_sync
 
-KUBERNETES_VERSION = "1.30"  # the oldest minor the example supports (its preStop `sleep` action is beta there)
+KUBERNETES_VERSION = "1.30"  # the oldest minor the example supports
 KUBE_DIR = ROOT / "config" / "kubernetes"
 DOCKER_CONFIG = ROOT / "config" / "docker.yaml"
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1"}
@@ -489,9 +489,26 @@ def test_configmap_config_is_valid_and_matches_the_pod(tmp_path: Path, capsys: p
     }
 
 
-def test_pod_stops_after_the_proxy_shutdown_grace(tmp_path: Path) -> None:
-    grace = _proxy_config(tmp_path).listen.shutdown_grace_seconds
-    assert _by_kind("Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace
+CLOSE_SECONDS = 10  # after the drain and the grace: upstream cancellations, the lease, the database
+
+
+def _stops_in_time(deployment: dict[str, Any], config: Config) -> None:
+    """The pod's grace holds the proxy's drain, its shutdown grace and the close; the legacy container's preStop
+    waits on the proxy's /drainz (on the proxy's port), so the legacy server outlives the drain."""
+    spec = deployment["spec"]["template"]["spec"]
+    needed = config.tasks.drain_seconds + config.listen.shutdown_grace_seconds + CLOSE_SECONDS
+    assert spec["terminationGracePeriodSeconds"] >= needed
+    (proxy,) = [c for c in spec["containers"] if c["name"] == _proxy_container()["name"]]
+    (legacy,) = [c for c in spec["containers"] if c["name"] != proxy["name"]]
+    assert "lifecycle" not in proxy, "the proxy gets SIGTERM at once and drains"
+    wait = legacy["lifecycle"]["preStop"]["httpGet"]
+    assert wait["path"] == "/drainz"
+    assert wait["port"] in (config.listen.port, *(port["name"] for port in proxy["ports"]))
+    assert "host" not in wait, "the kubelet calls the pod's IP, where the proxy listens"
+
+
+def test_pod_stops_after_the_proxy_drain_and_the_legacy_server_waits_for_it(tmp_path: Path) -> None:
+    _stops_in_time(_by_kind("Deployment"), _proxy_config(tmp_path))
 
 
 def test_proxy_container_runs_the_image_locked_down() -> None:
@@ -707,6 +724,20 @@ def _mounted_file(path: str) -> tuple[str, str]:
         (item,) = [item for item in secret["items"] if item["path"] == relative]
         return secret["secretName"], item["key"]
     raise AssertionError(f"{path} is in no mounted Secret")
+
+
+def test_the_replicated_pods_stop_after_the_drain_and_the_legacy_server_waits_for_it(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("k" * 64)
+    config_file = tmp_path / "proxy.yaml"
+    config_file.write_text(_replicated_kind("ConfigMap")["data"][_config_arg().name].replace(KEY_FILE, str(key)))
+    config = load_config(config_file, environ={})
+    _stops_in_time(_replicated_kind("Deployment"), config)
+    # While one pod drains, a rollout keeps every other pod serving (surge, not unavailability), and the budget
+    # counts the draining pod, so voluntary evictions wait for its drain.
+    rollout = _replicated_kind("Deployment")["spec"]["strategy"]["rollingUpdate"]
+    assert (rollout["maxUnavailable"], rollout["maxSurge"]) == (0, 1)
+    assert _replicated_kind("PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
 
 
 def test_the_replicated_pods_read_the_store_and_the_shared_key_from_secrets(tmp_path: Path) -> None:

@@ -159,14 +159,15 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-async def test_sigterm_lets_a_sync_call_finish_and_keeps_tasks_for_the_next_start(
+async def test_sigterm_lets_a_sync_call_finish_within_the_drain_and_keeps_a_longer_task_for_the_next_start(
     tmp_path: Path,
     own_upstream: Upstream,
     processes: list[ProxyProcess],
     http: aiohttp.ClientSession,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    sections = {"listen": {"shutdown_grace_seconds": 10}, "tasks": {"tools": {"counted": {"mode": "required"}}}}
+    # The sync call ends within the drain; the task outlives it and is left for the next start.
+    sections = {"tasks": {"tools": {"counted": {"mode": "required"}}, "drain_seconds": 5}}
     first = ProxyProcess(tmp_path, own_upstream.url, **sections)
     processes.append(first)
     await first.start()
@@ -184,7 +185,7 @@ async def test_sigterm_lets_a_sync_call_finish_and_keeps_tasks_for_the_next_star
     await until_started_upstream(own_upstream.url, "sleep", before)  # the sync call is running upstream
     exit_code = await first.terminate()
     finished = await sync_call
-    assert finished["result"]["content"][0]["text"] == "slept 1.5"  # completed within the grace period
+    assert finished["result"]["content"][0]["text"] == "slept 1.5"  # completed within the drain
     assert exit_code == 0
     events = first.events()
     assert any(
@@ -214,14 +215,16 @@ async def test_sigterm_lets_a_sync_call_finish_and_keeps_tasks_for_the_next_star
     assert await second.terminate() == 0
 
 
-async def test_sigterm_cancels_a_sync_call_that_outlives_the_grace(
+async def test_sigterm_cancels_a_sync_call_that_outlives_the_drain_and_the_grace(
     tmp_path: Path,
     own_upstream: Upstream,
     processes: list[ProxyProcess],
     http: aiohttp.ClientSession,
     make_proxy: Callable[..., Any],
 ) -> None:
-    proxy = ProxyProcess(tmp_path, own_upstream.url, listen={"shutdown_grace_seconds": 0.5})
+    proxy = ProxyProcess(
+        tmp_path, own_upstream.url, listen={"shutdown_grace_seconds": 0.5}, tasks={"drain_seconds": 0.5}
+    )
     processes.append(proxy)
     await proxy.start()
     before = await calls_started(own_upstream.url, "sleep")

@@ -47,7 +47,10 @@ class Proxies:
         self.schemas = (core, tasks)
 
     async def start(self) -> ProxyProcess:
-        process = ProxyProcess(self.tmp_path, self.upstream_url, store={"path": str(self.database)})
+        # No drain: a stop leaves what runs for the next start, the path these tests follow.
+        process = ProxyProcess(
+            self.tmp_path, self.upstream_url, store={"path": str(self.database)}, tasks={"drain_seconds": 0}
+        )
         self.processes.append(process)
         await process.start()
         return process

@@ -1,7 +1,8 @@
 """Tasks whose call runs nowhere, and the periodic sweep. At start (restart recovery), when a dead replica's
 tasks are taken over, and when this replica's own lease lapsed: each live task is failed, re-run per
 `on_restart: rerun`, or (when this replica's upstream runs it) followed again on its upstream session. The
-sweep ends tasks past their TTL, purges old records and takes over dead replicas. Imports the store, the
+sweep ends tasks past their TTL, purges old records and takes over dead replicas, except while this replica
+drains (it would only leave them again at its exit). Imports the store, the
 record writes, the table, the replica link and the machine's vocabulary; no upstream.
 """
 
@@ -63,6 +64,7 @@ class Recovery:
         self.clock = clock
         self.process_id = process_id
         self._adopting = asyncio.Lock()  # take-overs and a lapsed lease's recovery, one at a time
+        self.draining: Callable[[], bool] = lambda: False  # set by the app (`TaskRunner.follow_drain`)
 
     async def recover(self) -> None:
         """Tasks no running process owns any more. On a shared store (PostgreSQL), those of replicas whose lease
@@ -70,7 +72,7 @@ class Recovery:
         tasks of live replicas are never touched. On SQLite, every live task: the process that ran it is gone
         (the file lock says so); a task the upstream runs itself is followed again."""
         if self.store.shared:
-            await self.replicas.sweep()
+            await self.replicas.sweep(take_over=not self.draining())
             return
         async with self._adopting:
             live = await self.store.live()
@@ -183,7 +185,9 @@ class Recovery:
     async def sweep(self) -> None:
         """Live tasks past their TTL fail (their calls stop, here or, through the feed, on their owner); settled
         records past their TTL are dropped; dead replicas' tasks are taken over. On a shared store each of these
-        is done once across replicas (the store hands each expired task, and the purge, to one of them)."""
+        is done once across replicas (the store hands each expired task, and the purge, to one of them). A draining
+        replica takes no dead replica's tasks over: they would outlive its drain and be left again (failed, or re-run
+        twice); a replica that serves on takes them."""
         now = self.clock()
         error = wire_tasks.internal_error(wire_tasks.EXPIRED_MESSAGE)
         for record in await self.store.settle_expired(now, error=error, status_message=wire_tasks.EXPIRED_MESSAGE):
@@ -195,5 +199,5 @@ class Recovery:
         purged = await self.store.purge_expired(now)
         if purged:
             log.info("tasks_purged", count=purged)
-        await self.replicas.sweep()
+        await self.replicas.sweep(take_over=not self.draining())
         await self.durations.reload_if_due()

@@ -145,10 +145,11 @@ class ReplicaLink:
 
     # --- taking over dead replicas ------------------------------------------------------------------------
 
-    async def sweep(self) -> None:
-        """Take over the live tasks of replicas whose lease ran out (one survivor gets each replica's tasks);
-        give up on requests to replicas that died while a client here waited."""
-        for dead in await self.store.expired_replicas():
+    async def sweep(self, take_over: bool = True) -> None:
+        """Take over the live tasks of replicas whose lease ran out (one survivor gets each replica's tasks),
+        unless `take_over` is False (this replica drains); give up on requests to replicas that died while a
+        client here waited."""
+        for dead in await self.store.expired_replicas() if take_over else []:
             if dead == self.replica_id:
                 continue  # our own lease lapsed: the next renewal says so
             try:

@@ -180,12 +180,32 @@ class TaskRunner:
         await self.replicas.close()
         await self.background.close(SHUTDOWN_GRACE_SECONDS)
 
+    def follow(self, config: Config) -> None:
+        """A live reload: the services that decide new calls read the new policies, limits and inputs settings;
+        a call in flight keeps the Decision and the timings it started with (its CallState)."""
+        self.calls.config, self.calls.inputs = config.tasks, config.inputs
+        self.records.config = config.tasks
+        self.slots.max_running, self.slots.per_caller = (
+            config.tasks.max_running,
+            config.limits.max_running_per_principal,
+        )
+        self.parking.config, self.parking.per_caller = config.inputs, config.limits.max_parked_per_principal
+
+    def follow_drain(self, draining: Callable[[], bool]) -> None:
+        """`draining()` says whether this replica drains after SIGTERM: then its sweep takes nothing over."""
+        self.recovery.draining = draining
+
     def lease_problem(self) -> str | None:
         return self.replicas.lease_problem()
 
     @property
     def running(self) -> int:
         return self.slots.count
+
+    @property
+    def open_calls(self) -> int:
+        """Calls not finished yet (tasks, synchronous calls, parked MRTR rounds): what a drain waits for."""
+        return self.table.count
 
     @property
     def parked(self) -> int:

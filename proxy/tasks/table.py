@@ -35,3 +35,7 @@ class CallTable:
 
     def tasks(self) -> dict[str, LiveCall]:
         return dict(self._by_task)
+
+    @property
+    def count(self) -> int:
+        return len(self._calls)

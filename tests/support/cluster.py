@@ -25,6 +25,7 @@ from tests.support.schemas import ModernSchema, SchemaValidator
 from tests.support.waiting import until_sync
 
 START_SECONDS = 30.0
+DRAIN_SECONDS = 1.0  # a stopped replica drains this long at most (the drain tests choose their own)
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
@@ -39,7 +40,16 @@ def ready(port: int) -> bool:
 class Replica:
     """One pod: a proxy process and its own upstream."""
 
-    def __init__(self, workdir: Path, dsn: str, key: Path, lease_seconds: float, tools: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        dsn: str,
+        key: Path,
+        lease_seconds: float,
+        tools: dict[str, Any],
+        *,
+        drain_seconds: float = DRAIN_SECONDS,
+    ) -> None:
         self.upstream = Upstream()
         self.upstream.start()
         self.proxy = ProxyProcess(
@@ -48,7 +58,7 @@ class Replica:
             store={"url": pg.as_url(dsn), "lease_seconds": lease_seconds},
             inputs={"secret_file": str(key)},
             upstream={"call_timeout_seconds": 120},
-            tasks={"tools": tools},
+            tasks={"tools": tools, "drain_seconds": drain_seconds},
         )
         self.start()
 
@@ -85,7 +95,16 @@ class Replica:
 
 
 class Cluster:
-    def __init__(self, workdir: Path, dsn: str, count: int, lease_seconds: float, tools: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        dsn: str,
+        count: int,
+        lease_seconds: float,
+        tools: dict[str, Any],
+        *,
+        drain_seconds: float = DRAIN_SECONDS,
+    ) -> None:
         self.dsn = dsn
         self.lease_seconds = lease_seconds
         key = workdir / "request-state.key"
@@ -93,7 +112,7 @@ class Cluster:
         self.replicas: list[Replica] = []
         try:
             for _ in range(count):
-                self.replicas.append(Replica(workdir, dsn, key, lease_seconds, tools))
+                self.replicas.append(Replica(workdir, dsn, key, lease_seconds, tools, drain_seconds=drain_seconds))
         except BaseException:
             self.stop()
             raise

@@ -1,0 +1,197 @@
+"""Drain on SIGTERM: the state readiness, admission and `/drainz` read, and the process's serve loop.
+
+On SIGTERM (or SIGINT) the replica turns unready, refuses new work with 503 + Retry-After, serves what it
+holds (task lookups and updates, MRTR retries, listen streams, legacy sessions), and stops as soon as nothing of
+its own runs, at the latest after `tasks.drain_seconds`. A second signal ends the drain at once. SIGHUP reloads
+the config (`live_config.py`). Imports aiohttp's web side, the config holder, the errors and the wire; nothing
+of the tasks (the app hands it a count of open calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Final
+
+import structlog
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+from prometheus_client import CollectorRegistry, Gauge
+
+from proxy.edge import MCP_METHOD, Handler
+from proxy.errors import DrainingError
+from proxy.live_config import LiveConfig
+from proxy.wire.envelope import ModernRequest
+
+log = structlog.get_logger(__name__)
+
+CHECK_SECONDS: Final = 0.05  # how often a drain looks whether anything of its own still runs
+# Connections accepted just before the listener closed get this long for their request to arrive, so it is
+# answered (a new call with 503 and Retry-After) rather than cut as an idle connection.
+SETTLE_SECONDS: Final = 0.1
+DRAINZ_MARGIN_SECONDS: Final = 5.0  # /drainz waits this much past the drain (SIGTERM may reach it later)
+NEW_WORK: Final = frozenset({"tools/call", "prompts/get", "resources/read"})  # without requestState: a new call
+STREAMS: Final = frozenset({"subscriptions/listen"})  # long-lived: a drain does not wait for them
+SESSION_HEADER: Final = "Mcp-Session-Id"
+
+
+class Drain:
+    """Whether this replica drains, and what a drain still waits for: the runner's open calls (tasks,
+    synchronous calls, parked MRTR rounds) and requests in flight that are not long-lived streams."""
+
+    def __init__(self, live: LiveConfig, mcp_path: str) -> None:
+        self.live = live
+        self.mcp_path = mcp_path
+        self.draining = False
+        self.open_calls: Callable[[], int] = lambda: 0  # set by the app once the runner exists
+        self.requests: dict[int, web.Request] = {}  # by id(): a request is not hashable
+        self._began = 0.0
+        self._watcher: asyncio.Task[None] | None = None
+        self.drained = asyncio.Event()  # nothing of its own runs any more, or the drain ran out
+        self.stopped = asyncio.Event()  # the serve loop stops the app
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        Gauge(
+            "mcp_tasks_proxy_draining", "1 while this replica drains after SIGTERM, else 0", registry=registry
+        ).set_function(lambda: 1.0 if self.draining else 0.0)
+        Gauge(
+            "mcp_tasks_proxy_drain_calls_left",
+            "What a drain waits for: open calls (tasks, synchronous calls, parked MRTR rounds) plus requests in "
+            "flight that are not listen or legacy GET streams (a synchronous call counts in both)",
+            registry=registry,
+        ).set_function(self.left)
+
+    def left(self) -> int:
+        streams = sum(
+            1 for request in self.requests.values() if request.method == "GET" or request.get(MCP_METHOD) in STREAMS
+        )
+        return self.open_calls() + len(self.requests) - streams
+
+    # --- the drain itself -------------------------------------------------------------------------------
+
+    def begin(self, signum: int) -> None:
+        """The first signal starts the drain; a second one ends it now."""
+        if self.draining:
+            log.warning("drain_cut_short", signal=signal.Signals(signum).name, calls_left=self.left())
+            self._finish("signal")
+            return
+        self.draining = True
+        self._began = time.monotonic()
+        seconds = self.live.current.tasks.drain_seconds
+        log.info("drain_started", signal=signal.Signals(signum).name, drain_seconds=seconds, calls_left=self.left())
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(seconds), name="drain")
+
+    async def _watch(self, seconds: float) -> None:
+        deadline = self._began + seconds
+        while (left := self.left()) > 0:
+            if time.monotonic() >= deadline:
+                log.warning("drain_timed_out", drain_seconds=seconds, calls_left=left)
+                self._finish("timeout")
+                return
+            await asyncio.sleep(CHECK_SECONDS)
+        self._finish("idle")
+
+    def _finish(self, why: str) -> None:
+        if not self.drained.is_set():
+            log.info("drain_finished", reason=why, seconds=round(time.monotonic() - self._began, 3))
+            self.drained.set()
+        self.stopped.set()
+
+    # --- admission while draining -----------------------------------------------------------------------
+
+    def check_modern(self, request: ModernRequest) -> None:
+        """A new call (tools/call, prompts/get, resources/read without requestState) starts work this replica
+        could not finish: refused so the client or the balancer sends it to another replica. Lookups, task
+        operations, MRTR retries and listen streams are served."""
+        if self.draining and request.method in NEW_WORK and "requestState" not in request.params:
+            raise DrainingError(request_id=request.id)
+
+    def check_legacy(self, request: web.Request, decoded: object) -> None:
+        """A legacy request without `Mcp-Session-Id` opens a new session (or is sessionless): refused while
+        draining. A request of an existing session goes on to the legacy server as before."""
+        if not self.draining or request.method != "POST" or request.headers.get(SESSION_HEADER):
+            return
+        request_id = decoded.get("id") if isinstance(decoded, dict) else None
+        raise DrainingError(request_id=request_id if isinstance(request_id, int | str) else None)
+
+
+def track(drain: Drain) -> Middleware:
+    """A middleware counting this replica's requests in flight to the MCP endpoint (what a drain waits for)."""
+
+    @web.middleware
+    async def tracked(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path != drain.mcp_path:
+            return await handler(request)
+        drain.requests[id(request)] = request
+        try:
+            return await handler(request)
+        finally:
+            del drain.requests[id(request)]
+
+    return tracked
+
+
+# --- /drainz: what the legacy container's preStop waits on ------------------------------------------------
+
+
+async def drainz(request: web.Request) -> web.Response:
+    """Answers 200 once this replica's drain is over (nothing of its own runs any more, or the drain ran out);
+    until then it waits, up to `?wait=SECONDS` (default: `tasks.drain_seconds` + 5 s, since the preStop hook
+    may call before SIGTERM reaches the proxy), then answers 503 with the state."""
+    drain: Drain = request.app[DRAIN]
+    default = drain.live.current.tasks.drain_seconds + DRAINZ_MARGIN_SECONDS
+    try:
+        wait = float(request.query.get("wait", default))
+    except ValueError:
+        wait = default
+    try:
+        async with asyncio.timeout(max(0.0, wait)):
+            await drain.drained.wait()
+    except TimeoutError:
+        state = "draining" if drain.draining else "serving"
+        return web.json_response({"status": state, "callsLeft": drain.left()}, status=503)
+    return web.json_response({"status": "drained", "callsLeft": drain.left()})
+
+
+DRAIN: Final = web.AppKey("drain", Drain)
+
+
+# --- the serve loop --------------------------------------------------------------------------------------
+
+
+async def serve(app: web.Application, host: str, port: int, shutdown_seconds: float) -> None:
+    """Serve `app` until its drain ends: SIGTERM/SIGINT drain, SIGHUP reloads the config. Then requests still
+    open get `shutdown_seconds`, listen streams end, and the app's cleanup stops the runner, the store and
+    (last) stdio servers."""
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        access_log=None,
+        handler_cancellation=True,  # A client that closes its stream cancels its request (2026-07-28 cancellation).
+        shutdown_timeout=shutdown_seconds,
+    )
+    drain = app[DRAIN]
+    loop = asyncio.get_running_loop()
+    # From the start: a SIGTERM during start-up (store, recovery) is a drain with nothing to wait for.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, drain.begin, signum)
+    loop.add_signal_handler(signal.SIGHUP, drain.live.reload, "sighup")
+    watcher = loop.create_task(drain.live.watch(), name="config-watch")
+    try:
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, host, port)
+            await site.start()
+            print(f"======== Running on {site.name} ========", file=sys.stderr, flush=True)
+            await drain.stopped.wait()
+            await site.stop()  # no new connections: a balancer that still sends here gets a refusal it may retry
+            await asyncio.sleep(SETTLE_SECONDS)
+        finally:
+            await runner.cleanup()
+    finally:
+        watcher.cancel()
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(signum)
