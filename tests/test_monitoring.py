@@ -70,7 +70,7 @@ async def test_every_metric_the_dashboard_and_the_rules_name_is_exported(tasks_c
     assert response.status == 200
     declared, sampled = exported(await response.text())
     named = named_metrics()
-    assert len(named) >= 15
+    assert len(named) >= 20
     missing = {name: sorted(where) for name, where in named.items() if name not in declared}
     assert missing == {}
     # After this traffic the core series have samples, not only declarations.
@@ -83,6 +83,11 @@ async def test_every_metric_the_dashboard_and_the_rules_name_is_exported(tasks_c
         "mcp_tasks_proxy_store_up",
         "mcp_tasks_proxy_lease_held",
         "mcp_tasks_proxy_upstream_sessions",
+        "mcp_tasks_proxy_draining",
+        "mcp_tasks_proxy_drain_calls_left",
+        "mcp_tasks_proxy_config_reloads_total",
+        "mcp_tasks_proxy_config_last_reload_success_timestamp_seconds",
+        "mcp_tasks_proxy_config_info",
     ):
         assert name in sampled, name
 
