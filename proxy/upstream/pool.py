@@ -424,8 +424,9 @@ class SessionPool:
         """What a call of `tool` needs before it starts, in one turn: the InitializeResult (at most `max_age_ms`
         old), the tool's `x-mcp-header` annotations and how the upstream runs it as its own task. From what the
         kind already knows; the caller's shared session is used (once) only for what it does not. When the
-        upstream requires credentials (`kind.auth`), all through the caller's shared session, initialized first:
-        the upstream has accepted this caller's credential before anything learned from it answers."""
+        upstream requires credentials (`kind.auth`), all through the caller's shared session, initialized first,
+        and from the caller's own tool catalog: the upstream has accepted this caller's credential before
+        anything learned from it answers, and what it showed another caller never does."""
         if not await self.kind.auth.shared():
             return await self._own_tool_facts(principal, tool)
         initialize_result = self.kind.recent_initialize(max_age_ms)
