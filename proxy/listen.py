@@ -6,8 +6,9 @@ declared the Tasks extension, `notifications/tasks` for each change of the tasks
 own, unexpired ones: other ids are left out without a trace), each carrying the complete task as `tasks/get`
 returns it. A task already settled is sent once at once. Progress-only changes of one task are sent at most
 every PROGRESS_COALESCE_SECONDS, with the latest state. The stream ends with its graceful result at shutdown,
-or when it falls behind (the client polls, or listens again). Caps: streams in total and per caller, task ids
-per stream. Imports the runner, the upstream pool and the wire; never aiohttp.
+or when it falls behind (the client polls, or listens again). Caps: streams in total and per caller (the owner
+of its tasks: every token of one `security.jwt` owner counts alike), task ids per stream. Imports the runner, the
+upstream pool and the wire; never aiohttp.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from proxy.errors import CallerLimitError, InvalidParamsError, MissingCapability
 from proxy.tasks.push import ListenInbox, TaskWatchers
 from proxy.tasks.runner import TaskRunner
 from proxy.upstream.pool import SessionPool
-from proxy.upstream.session import Session, principal_key
+from proxy.upstream.session import Session
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
 from proxy.wire.envelope import Caller, Channel, ModernRequest
@@ -45,7 +46,7 @@ class ListenStreams:
         self.upstream = upstream
         self.runner = runner
         self.watchers = watchers
-        self._open: Counter[str] = Counter()  # open streams per caller
+        self._open: Counter[str] = Counter()  # open streams per caller (the owner of its tasks)
 
     @property
     def open_streams(self) -> int:
@@ -55,7 +56,7 @@ class ListenStreams:
         wanted = request.params.get("notifications")
         wanted = wanted if isinstance(wanted, dict) else {}
         task_ids = self._task_ids(request, wanted)
-        caller_key = principal_key(caller.principal)
+        caller_key = self.runner.operations.owner(caller)  # a verified JWT counts as its owner, not the token
         if sum(self._open.values()) >= self.limits.max_listen_streams:
             raise TaskLimitError("max_listen_streams", self.limits.max_listen_streams)
         if self._open[caller_key] >= self.limits.max_listen_streams_per_principal:

@@ -330,3 +330,59 @@ async def test_the_proxys_own_paths_are_never_relayed_even_when_switched_off(
     async with client.get("/metrics", headers={"Host": "attacker.example"}) as response:
         assert response.status == 404
         assert response.headers.get("X-Echo") is None
+
+
+async def test_each_caller_has_its_own_tool_catalog_behind_the_param_header_check(
+    oauth_proxy: Client, issuer: Issuer
+) -> None:
+    """The server lists `scoped_report` (with an `x-mcp-header` annotation) only to a token with the reports
+    scope. The header check follows the caller's own catalog, whichever caller read the upstream's last."""
+    reporter = issuer.token("carol", scope="mcp reports")
+    plain = issuer.token("dave")
+    call = {"name": "scoped_report", "arguments": {"tenant": "acme"}}
+    for _ in range(2):  # each caller again after the other's catalog was read
+        status, _, message = await modern(oauth_proxy, "tools/call", call, name="scoped_report", auth=reporter)
+        assert status == 400, message
+        assert "Mcp-Param-Tenant" in message["error"]["message"]
+        status, _, message = await modern(oauth_proxy, "tools/call", call, name="scoped_report", auth=plain)
+        assert status == 200, message
+        assert message["result"]["content"][0]["text"] == "report for acme"
+    headers = {"Authorization": f"Bearer {reporter}", "Mcp-Param-Tenant": "acme"}
+    body = modern_body("tools/call", call, capabilities=TASKS, request_id=8)
+    async with oauth_proxy.post(
+        "/mcp", json=body, headers=modern_headers("tools/call", "scoped_report", **headers)
+    ) as r:
+        assert r.status == 200
+        assert (await read_messages(r))[-1]["result"]["content"][0]["text"] == "report for acme"
+    for token, listed in ((reporter, True), (plain, False)):
+        status, _, message = await modern(oauth_proxy, "tools/list", auth=token)
+        assert status == 200
+        assert any(tool["name"] == "scoped_report" for tool in message["result"]["tools"]) is listed
+
+
+@pytest.fixture(scope="module")
+def oauth_task_upstream(issuer: Issuer) -> Iterator[Upstream]:
+    """The resource server that also runs 2025-11-25 tasks; it lists `legacy_task_required` (a tool it runs
+    only as its own task) to tokens with the reports scope only."""
+    server = Upstream("--auth", str(issuer.jwks_path), ISSUER, "http://127.0.0.1:9/mcp", "--legacy-tasks")
+    server.start()
+    yield server
+    server.stop()
+
+
+async def test_each_caller_has_its_own_task_support_facts(
+    make_proxy: Any, oauth_task_upstream: Upstream, issuer: Issuer
+) -> None:
+    """For a caller that did not declare the Tasks extension, a tool the server lists to it as task-only is
+    refused by the proxy (-32021); a caller the server does not list it to gets the server's own answer."""
+    client: Client = await make_proxy(oauth_task_upstream.url)
+    reporter = issuer.token("carol", scope="mcp reports")
+    plain = issuer.token("dave")
+    call = {"name": "legacy_task_required", "arguments": {"seconds": 0}}
+    body = modern_body("tools/call", call, capabilities={}, request_id=9)
+    for _ in range(2):  # each caller again after the other's catalog was read
+        for token, task_only in ((reporter, True), (plain, False)):
+            headers = modern_headers("tools/call", "legacy_task_required", Authorization=f"Bearer {token}")
+            async with client.post("/mcp", json=body, headers=headers) as response:
+                message = (await read_messages(response))[-1]
+            assert (message["error"]["code"] == -32021) is task_only, message

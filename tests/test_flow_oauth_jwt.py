@@ -67,18 +67,21 @@ async def keys(issuer: Issuer) -> AsyncIterator[tuple[KeySetServer, str]]:
     await server.close()
 
 
-@pytest.fixture
-async def jwt_proxy(make_proxy: Any, jwt_upstream: Upstream, keys: tuple[KeySetServer, str], tmp_path: Path) -> Client:
-    jwt_config = {
-        "jwks_url": keys[1],
+def _jwt_config(keys_url: str) -> dict[str, Any]:
+    return {
+        "jwks_url": keys_url,
         "issuer": [ISSUER, "https://other-issuer.example"],
         "audience": AUDIENCE,
         "jwks_refetch_seconds": 3600,
         "jwks_timeout_seconds": 0.5,
     }
+
+
+@pytest.fixture
+async def jwt_proxy(make_proxy: Any, jwt_upstream: Upstream, keys: tuple[KeySetServer, str], tmp_path: Path) -> Client:
     client: Client = await make_proxy(
         jwt_upstream.url,
-        security={"jwt": jwt_config, "key_file": str(_key(tmp_path))},
+        security={"jwt": _jwt_config(keys[1]), "key_file": str(_key(tmp_path))},
         tasks={"tools": {"sleep": {"mode": "required"}}},
     )
     return client
@@ -243,3 +246,53 @@ async def test_unknown_key_ids_cost_at_most_one_refetch_per_interval(
         assert status == 401
         assert 'error="invalid_token"' in headers["WWW-Authenticate"]
     assert served.fetches == 2  # one refetch for the first unknown kid, then none within jwks_refetch_seconds
+
+
+async def test_an_expired_jwt_gets_401_on_discover_even_after_its_owner_filled_the_cache(
+    jwt_proxy: Client, issuer: Issuer
+) -> None:
+    valid = issuer.token("erin", aud=AUDIENCE)
+    status, _, message = await modern(jwt_proxy, "server/discover", authorization=f"Bearer {valid}")
+    assert status == 200, message
+    assert message["result"]["capabilities"]["tools"] is not None
+    expired = issuer.token("erin", aud=AUDIENCE, lifetime=-300)
+    status, headers, message = await modern(jwt_proxy, "server/discover", authorization=f"Bearer {expired}")
+    assert status == 401, message
+    assert 'error="invalid_token"' in headers["WWW-Authenticate"]
+    assert "result" not in message
+
+
+async def test_listen_streams_are_counted_per_owner_not_per_token(
+    make_proxy: Any, jwt_upstream: Upstream, keys: tuple[KeySetServer, str], tmp_path: Path, issuer: Issuer
+) -> None:
+    """Two tokens of one owner (a client that refreshed its token) share the owner's listen streams."""
+    client: Client = await make_proxy(
+        jwt_upstream.url,
+        security={"jwt": _jwt_config(keys[1]), "key_file": str(_key(tmp_path))},
+        limits={"max_listen_streams_per_principal": 2},
+    )
+    body = modern_body("subscriptions/listen", {"notifications": {"toolsListChanged": True}}, request_id="l")
+    opened: list[Any] = []
+
+    async def listen(token: str) -> tuple[int, dict[str, Any] | None]:
+        headers = modern_headers("subscriptions/listen", Authorization=f"Bearer {token}")
+        response = await client.post("/mcp", json=body, headers=headers)
+        if response.status != 200:
+            return response.status, (await read_messages(response))[-1]
+        await response.content.readline()  # the acknowledgement has started the stream
+        opened.append(response)
+        return 200, None
+
+    try:
+        first = issuer.token("frank", aud=AUDIENCE, jti="1")
+        refreshed = issuer.token("frank", aud=AUDIENCE, jti="2")
+        assert (await listen(first))[0] == 200
+        assert (await listen(refreshed))[0] == 200
+        status, message = await listen(issuer.token("frank", aud=AUDIENCE, jti="3"))
+        assert status == 429, message
+        assert message is not None
+        assert message["error"]["data"] == {"limit": "max_listen_streams_per_principal", "max": 2}
+        assert (await listen(issuer.token("grace", aud=AUDIENCE)))[0] == 200  # another owner has a share of its own
+    finally:
+        for response in opened:
+            response.close()

@@ -2,8 +2,9 @@
 
 A link holds background work (named, referenced until done, cancelled on close: the one place `upstream/`
 starts background tasks) and what the upstream said most recently: serverInfo and the whole InitializeResult
-(server/discover), the `x-mcp-header` catalog of its tools with each tool's `execution.taskSupport`, when
-it last answered (readiness), and whether what it said may serve every caller (`auth.py`). Each kind's link
+(server/discover), the `x-mcp-header` catalog of its tools with each tool's `execution.taskSupport`
+(`ToolCatalog`; the pool keeps one per caller when the catalog may not be shared), when it last answered
+(readiness), and whether what it said may serve every caller (`auth.py`). Each kind's link
 (`http/link.py`, `stdio/link.py`) adds its transport. Imports the wire, observability and the auth decision; no
 aiohttp, no session kind.
 """
@@ -31,9 +32,42 @@ log = structlog.get_logger(__name__)
 PARAM_HEADERS_REFRESH_SECONDS: Final = 5.0  # an unknown tool re-reads tools/list at most this often
 
 
+class ToolCatalog:
+    """One read of the upstream's tools/list: each tool's `x-mcp-header` annotations and `execution.taskSupport`.
+    Stale once any session heard that the tool list changed (the link's `tools_generation` moved on)."""
+
+    def __init__(self) -> None:
+        self.headers: dict[str, tuple[ParamHeader, ...]] | None = None
+        self.task_support: dict[str, legacy_tasks.TaskSupport | None] = {}
+        self.read_at = 0.0
+        self.generation = 0
+
+    def known_headers(self, tool: str, generation: int) -> tuple[ParamHeader, ...] | None:
+        """The tool's annotations when this catalog can answer (it lists the tool, or was read too recently to
+        read again); None when tools/list must be read."""
+        if self.headers is None or generation != self.generation:
+            return None
+        if tool in self.headers:
+            return self.headers[tool]
+        if time.monotonic() - self.read_at > PARAM_HEADERS_REFRESH_SECONDS:
+            return None
+        return ()
+
+    def read(
+        self,
+        headers: dict[str, tuple[ParamHeader, ...]],
+        task_support: dict[str, legacy_tasks.TaskSupport | None],
+        generation: int,
+    ) -> None:
+        self.headers = headers
+        self.task_support = task_support
+        self.read_at = time.monotonic()
+        self.generation = generation
+
+
 class LinkBase:
-    """Background work and what the upstream said most recently (see the module doc); the tool catalog is
-    dropped when any session hears that the tool list changed."""
+    """Background work and what the upstream said most recently (see the module doc); every tool catalog goes
+    stale when any session hears that the tool list changed."""
 
     metrics: Metrics | None  # set by each kind's link
 
@@ -42,9 +76,8 @@ class LinkBase:
         self.server_info: JSON | None = None
         self.initialize_result: JSON | None = None
         self.initialized_at = 0.0  # monotonic time of that initialize
-        self.tool_headers: dict[str, tuple[ParamHeader, ...]] | None = None
-        self.tool_task_support: dict[str, legacy_tasks.TaskSupport | None] = {}
-        self.tool_headers_at = 0.0
+        self.catalog = ToolCatalog()  # shared by every caller's sessions (the pool decides when it may serve)
+        self.tools_generation = 0  # moves on whenever any session hears that the tool list changed
         self.last_answer_at: float | None = None  # monotonic time of the upstream's latest answer
         self.auth = UpstreamAuth()  # a kind whose upstream can ask for credentials replaces it
 
@@ -77,26 +110,17 @@ class LinkBase:
         return self.initialize_result
 
     def known_headers(self, tool: str) -> tuple[ParamHeader, ...] | None:
-        """The tool's annotations when the cached catalog can answer (it lists the tool, or was read too recently
-        to read again); None when tools/list must be read."""
-        if self.tool_headers is None:
-            return None
-        if tool in self.tool_headers:
-            return self.tool_headers[tool]
-        if time.monotonic() - self.tool_headers_at > PARAM_HEADERS_REFRESH_SECONDS:
-            return None
-        return ()
+        """The tool's annotations when the shared catalog can answer; None when tools/list must be read."""
+        return self.catalog.known_headers(tool, self.tools_generation)
 
     def catalog_read(
         self, headers: dict[str, tuple[ParamHeader, ...]], task_support: dict[str, legacy_tasks.TaskSupport | None]
     ) -> None:
         """A fresh tools/list, for every session."""
-        self.tool_headers = headers
-        self.tool_task_support = task_support
-        self.tool_headers_at = time.monotonic()
+        self.catalog.read(headers, task_support, self.tools_generation)
 
     def tools_changed(self) -> None:
-        self.tool_headers = None
+        self.tools_generation += 1
 
     def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coroutine, name=name)

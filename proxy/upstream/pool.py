@@ -40,8 +40,9 @@ from proxy.errors import ProxyError, UpstreamLimitError
 from proxy.legacy import LegacyFront
 from proxy.upstream.events import UpstreamNotification
 from proxy.upstream.lending import Sink
+from proxy.upstream.link import ToolCatalog
 from proxy.upstream.question_owners import QuestionOwners
-from proxy.upstream.session import Session, SessionKind, principal_key
+from proxy.upstream.session import Session, SessionKind, principal_key, read_tools
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader
 from proxy.wire.jsonrpc import JSON
@@ -65,6 +66,7 @@ class SessionPool:
         self.kind = kind
         self.limits = kind.limits
         self._shared: dict[str, Session] = {}  # principal key → its shared session
+        self._catalogs: dict[str, ToolCatalog] = {}  # principal key → its own tools (kept with its shared session)
         self._spare: dict[str, list[Session]] = {}  # principal key → idle sessions to lease
         self._users: dict[Session, int] = {}
         self._idle: OrderedDict[Session, str] = OrderedDict()  # idle session → its principal key, oldest first
@@ -360,6 +362,7 @@ class SessionPool:
         for shared_key, shared in list(self._shared.items()):
             if shared is session:
                 del self._shared[shared_key]
+                self._catalogs.pop(shared_key, None)
         for spare_key in [key] if key is not None else list(self._spare):
             spare = self._spare.get(spare_key)
             if spare is not None and session in spare:
@@ -421,13 +424,11 @@ class SessionPool:
         """What a call of `tool` needs before it starts, in one turn: the InitializeResult (at most `max_age_ms`
         old), the tool's `x-mcp-header` annotations and how the upstream runs it as its own task. From what the
         kind already knows; the caller's shared session is used (once) only for what it does not. When the
-        upstream requires credentials (`kind.auth`), all through the caller's shared session, initialized first:
-        the upstream has accepted this caller's credential before anything learned from it answers."""
+        upstream requires credentials (`kind.auth`), all through the caller's shared session, initialized first,
+        and from the caller's own tool catalog: the upstream has accepted this caller's credential before
+        anything learned from it answers, and what it showed another caller never does."""
         if not await self.kind.auth.shared():
-            async with self.use(principal) as session:
-                own_initialize = await session.ensure_initialized()
-                own_headers = await session.param_headers(tool)
-                return ToolFacts(own_initialize, own_headers, await session.task_support(tool))
+            return await self._own_tool_facts(principal, tool)
         initialize_result = self.kind.recent_initialize(max_age_ms)
         headers = self.kind.known_headers(tool)
         latest = self.kind.initialize_result  # does the upstream run tool tasks at all? (any age will do)
@@ -435,7 +436,7 @@ class SessionPool:
         support_known = latest is not None and (headers is not None or not runs_tasks)
         support: legacy_tasks.TaskSupport | None = None
         if support_known and runs_tasks:
-            known = self.kind.tool_task_support.get(tool)
+            known = self.kind.catalog.task_support.get(tool)
             support = known if known in ("optional", "required") else None
         if initialize_result is None or headers is None or not support_known:
             async with self.use(principal) as session:
@@ -445,6 +446,27 @@ class SessionPool:
                     headers = await session.param_headers(tool)
                 if not support_known:
                     support = await session.task_support(tool)
+        return ToolFacts(initialize_result, headers, support)
+
+    async def _own_tool_facts(self, principal: str | None, tool: str) -> ToolFacts:
+        """`tool_facts` when the upstream requires credentials: the caller's own InitializeResult and tool catalog
+        (a server may show each caller other tools, with other annotations), read through its shared session and
+        kept while that session is."""
+        key = principal_key(principal)
+        async with self.use(principal) as session:
+            initialize_result = await session.ensure_initialized()
+            catalog = self._catalogs.get(key) or ToolCatalog()
+            generation = self.kind.tools_generation
+            headers = catalog.known_headers(tool, generation)
+            if headers is None:
+                catalog.read(*await read_tools(session), generation)
+                headers = catalog.known_headers(tool, generation) or ()
+            if self._shared.get(key) is session:  # not closed meanwhile: the catalog lives as long as it does
+                self._catalogs[key] = catalog
+        support: legacy_tasks.TaskSupport | None = None
+        if legacy_tasks.runs_tool_tasks(initialize_result):
+            known = catalog.task_support.get(tool)
+            support = known if known in ("optional", "required") else None
         return ToolFacts(initialize_result, headers, support)
 
     # --- readiness and shutdown ---------------------------------------------------------------------------
@@ -469,6 +491,7 @@ class SessionPool:
             timer.cancel()
         sessions = list(self._open)
         self._shared.clear()
+        self._catalogs.clear()
         self._spare.clear()
         self._idle.clear()
         self._idle_timers.clear()

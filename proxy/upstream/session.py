@@ -5,8 +5,8 @@ An upstream session is the proxy's own legacy client connection to the server: a
 (`http/session.py`) or one stdio server process (`stdio/session.py`). The runner, the front and the pool see
 only the `Session` protocol below, and the requests it opens as `RequestStream`s. A `SessionKind` makes the
 sessions of one kind, says how the pool must bound them (`PoolLimits`) and which server legacy clients get
-(`legacy_front`). `request`, `read_param_headers` and `read_task_support` are what both kinds do alike on top
-of their own `call()`. Imports the event types, the link, the lending, the auth decision and the wire; no
+(`legacy_front`). `request`, `read_tools`, `read_param_headers` and `read_task_support` are what both kinds do
+alike on top of their own `call()`. Imports the event types, the link, the lending, the auth decision and the wire; no
 aiohttp, no session kind, not the pool.
 """
 
@@ -25,7 +25,7 @@ from proxy.legacy import LegacyFront
 from proxy.upstream.auth import UpstreamAuth
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult
 from proxy.upstream.lending import ListenStreams, Notifications, Sink
-from proxy.upstream.link import LinkBase
+from proxy.upstream.link import LinkBase, ToolCatalog
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader, param_headers
 from proxy.wire.jsonrpc import JSON
@@ -152,7 +152,8 @@ class SessionKind(Protocol):
     limits: PoolLimits
     server_info: JSON | None
     initialize_result: JSON | None
-    tool_task_support: dict[str, legacy_tasks.TaskSupport | None]
+    catalog: ToolCatalog  # the tool catalog every caller shares (when `auth` says it may)
+    tools_generation: int  # moves on when the tool list changed: every catalog read before is stale
     auth: UpstreamAuth  # whether what one caller's session learned may serve another
 
     def recent_initialize(self, max_age_ms: int) -> JSON | None: ...
@@ -188,12 +189,11 @@ async def request(session: Session, method: str, params: JSON | None) -> JSON:
     raise UpstreamError(f"Upstream did not answer {method}")  # pragma: no cover - events() raises first
 
 
-async def read_param_headers(session: Session, link: LinkBase, tool: str) -> tuple[ParamHeader, ...]:
-    """The `x-mcp-header` annotations of `tool`: from the link's catalog when it can answer, else read from the
-    session's tools/list (and cached for every session, with each tool's `execution.taskSupport`)."""
-    known = link.known_headers(tool)
-    if known is not None:
-        return known
+async def read_tools(
+    session: Session,
+) -> tuple[dict[str, tuple[ParamHeader, ...]], dict[str, legacy_tasks.TaskSupport | None]]:
+    """The session's whole tools/list (at most MAX_TOOL_PAGES pages): each tool's `x-mcp-header` annotations and
+    its `execution.taskSupport`."""
     catalog: dict[str, tuple[ParamHeader, ...]] = {}
     task_support: dict[str, legacy_tasks.TaskSupport | None] = {}
     cursor: str | None = None
@@ -206,6 +206,16 @@ async def read_param_headers(session: Session, link: LinkBase, tool: str) -> tup
         cursor = page.get("nextCursor") if isinstance(page.get("nextCursor"), str) else None
         if cursor is None:
             break
+    return catalog, task_support
+
+
+async def read_param_headers(session: Session, link: LinkBase, tool: str) -> tuple[ParamHeader, ...]:
+    """The `x-mcp-header` annotations of `tool`: from the link's shared catalog when it can answer, else read from
+    the session's tools/list (and cached for every session, with each tool's `execution.taskSupport`)."""
+    known = link.known_headers(tool)
+    if known is not None:
+        return known
+    catalog, task_support = await read_tools(session)
     link.catalog_read(catalog, task_support)
     return catalog.get(tool, ())
 
@@ -218,5 +228,5 @@ async def read_task_support(session: Session, link: LinkBase, tool: str) -> lega
     if not legacy_tasks.runs_tool_tasks(initialize_result):
         return None
     await read_param_headers(session, link, tool)
-    support = link.tool_task_support.get(tool)
+    support = link.catalog.task_support.get(tool)
     return support if support in ("optional", "required") else None

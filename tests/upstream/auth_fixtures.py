@@ -3,24 +3,31 @@ verifier that accepts JWTs signed by a key of a JSON Web Key Set file from one i
 `AuthSettings`, which answer 401/403 with `WWW-Authenticate: Bearer ... resource_metadata=...` and serve the
 RFC 9728 protected-resource metadata. Tokens carry their scopes in `scope`; the SDK refuses a token without
 the required one with 403 `insufficient_scope`. Also one plain route besides the MCP endpoint (`/echo`), which
-answers what it received, for the relay of other paths.
+answers what it received, for the relay of other paths; and tools that tools/list shows only to a token with
+the `reports` scope, so two callers see different catalogs: `scoped_report` (its `tenant` argument carries an
+`x-mcp-header` annotation) and, with `--legacy-tasks`, `legacy_task_required`. A call by name is served to any
+accepted token, as servers often do.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import jwt
+from mcp import types
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.fastmcp import FastMCP
-from pydantic import AnyHttpUrl
+from pydantic import AnyHttpUrl, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 REQUIRED_SCOPE = "mcp"
+REPORTS_SCOPE = "reports"  # the scope that lists SCOPED_TOOLS
+SCOPED_TOOLS = ("scoped_report", "legacy_task_required")  # the second only exists with --legacy-tasks
 
 
 class JwksTokenVerifier:
@@ -77,3 +84,29 @@ def register_echo(mcp: FastMCP[Any]) -> None:
         )
 
     mcp.custom_route("/echo", methods=["GET", "POST"])(echo)
+
+
+def register_scoped_tool(mcp: FastMCP[Any]) -> None:
+    """`scoped_report`, and the tools/list filter that shows SCOPED_TOOLS only to a token with REPORTS_SCOPE (the
+    scopes of the HTTP request that carried this tools/list, not of the token that opened the session). Wraps
+    whatever tools/list handler is installed, so call it after the other fixtures are registered."""
+
+    @mcp.tool(description="A report for one tenant; listed only to callers with the reports scope")
+    def scoped_report(
+        tenant: Annotated[str, Field(description="Whose report", json_schema_extra={"x-mcp-header": "Tenant"})],
+    ) -> str:
+        return f"report for {tenant}"
+
+    low = mcp._mcp_server
+    inner_list = low.request_handlers[types.ListToolsRequest]
+
+    async def list_tools(req: types.ListToolsRequest) -> types.ServerResult:
+        result = await inner_list(req)
+        assert isinstance(result.root, types.ListToolsResult)
+        request = low.request_context.request
+        user = getattr(request, "user", None)
+        if not (isinstance(user, AuthenticatedUser) and REPORTS_SCOPE in user.scopes):
+            result.root.tools = [tool for tool in result.root.tools if tool.name not in SCOPED_TOOLS]
+        return result
+
+    low.request_handlers[types.ListToolsRequest] = list_tools
