@@ -612,7 +612,10 @@ class LimitsConfig(_Frozen):
         256, gt=0, description="`subscriptions/listen` streams open at once; one more gets HTTP 503 (`data.limit`)."
     )
     max_listen_streams_per_principal: int = Field(
-        16, gt=0, description="`subscriptions/listen` streams one caller may hold open; one more gets HTTP 429."
+        16,
+        gt=0,
+        description="`subscriptions/listen` streams one caller may hold open; one more gets HTTP 429. With "
+        "`security.jwt` the caller is the token's owner (issuer and claim), so every token of one owner counts alike.",
     )
     max_listen_task_ids: int = Field(
         256, gt=0, description="`taskIds` one `subscriptions/listen` stream may follow; more get HTTP 429."
