@@ -76,7 +76,7 @@ class Front:
 
     async def discover(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Synthesized from the upstream's InitializeResult, reused for as long as clients may cache it."""
-        initialize_result = await self.upstream.initialize_result(caller.principal, self.cache[0])
+        initialize_result = await self.upstream.facts.initialize_result(caller.principal, self.cache[0])
         return result_message(request.id, translate.discover_result(initialize_result, self.cache))
 
     async def listen(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
@@ -87,7 +87,7 @@ class Front:
         or -32021 (a task only ever goes to a request that declared the extension). Every tools/call runs as a
         runner call, so an upstream question can become an MRTR round or a task's inputRequests."""
         upstream = UpstreamRequest.of(request, caller)
-        facts = await self.upstream.tool_facts(caller.principal, upstream.name, self.cache[0])
+        facts = await self.upstream.facts.tool_facts(caller.principal, upstream.name, self.cache[0])
         check_param_headers(caller.headers, request.params.get("arguments"), facts.param_headers)
         server_info = translate.implementation(facts.initialize_result)
         if "requestState" in request.params:
@@ -100,7 +100,7 @@ class Front:
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """`prompts/get` and `resources/read`: synchronous, but an upstream question is an MRTR round (the only
         methods besides tools/call that may answer `input_required`)."""
-        initialize_result = await self.upstream.initialize_result(caller.principal, self.cache[0])
+        initialize_result = await self.upstream.facts.initialize_result(caller.principal, self.cache[0])
         server_info = translate.implementation(initialize_result)
         upstream = UpstreamRequest.of(request, caller)
         if "requestState" in request.params:

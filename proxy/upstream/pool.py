@@ -32,31 +32,19 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import structlog
 
 from proxy.errors import ProxyError, UpstreamLimitError
 from proxy.legacy import LegacyFront
 from proxy.upstream.events import UpstreamNotification
+from proxy.upstream.facts import ToolFactsReader
 from proxy.upstream.lending import Sink
-from proxy.upstream.link import ToolCatalog
 from proxy.upstream.question_owners import QuestionOwners
-from proxy.upstream.session import Session, SessionKind, principal_key, read_tools
-from proxy.wire import legacy_tasks
-from proxy.wire.envelope import ParamHeader
+from proxy.upstream.session import Session, SessionKind, principal_key
 from proxy.wire.jsonrpc import JSON
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ToolFacts:
-    """What the front needs to know of a tool before its call starts (`SessionPool.tool_facts`)."""
-
-    initialize_result: JSON
-    param_headers: tuple[ParamHeader, ...]
-    task_support: legacy_tasks.TaskSupport | None  # how the upstream runs it as its own task, or None
 
 
 class SessionPool:
@@ -66,7 +54,8 @@ class SessionPool:
         self.kind = kind
         self.limits = kind.limits
         self._shared: dict[str, Session] = {}  # principal key → its shared session
-        self._catalogs: dict[str, ToolCatalog] = {}  # principal key → its own tools (kept with its shared session)
+        # what a call needs to know before it starts (its tool's facts), kept with the principal's shared session
+        self.facts = ToolFactsReader(kind, self.use, lambda key, session: self._shared.get(key) is session)
         self._spare: dict[str, list[Session]] = {}  # principal key → idle sessions to lease
         self._users: dict[Session, int] = {}
         self._idle: OrderedDict[Session, str] = OrderedDict()  # idle session → its principal key, oldest first
@@ -362,7 +351,7 @@ class SessionPool:
         for shared_key, shared in list(self._shared.items()):
             if shared is session:
                 del self._shared[shared_key]
-                self._catalogs.pop(shared_key, None)
+                self.facts.forget(shared_key)
         for spare_key in [key] if key is not None else list(self._spare):
             spare = self._spare.get(spare_key)
             if spare is not None and session in spare:
@@ -406,69 +395,6 @@ class SessionPool:
         """Sessions the pool holds: shared ones, leased ones and spare ones (not those still closing)."""
         return len(self._open) - len(self._closing)
 
-    # --- what needs no session of the caller's own when a recent answer will do ---------------------------
-
-    async def initialize_result(self, principal: str | None, max_age_ms: int) -> JSON:
-        """The upstream's InitializeResult: the latest one any session got, when it is at most `max_age_ms` old
-        (server/discover opens no session per caller), else from the caller's shared session. When the upstream
-        requires credentials (`kind.auth`), always the caller's own: a caller the upstream refuses gets its
-        refusal, never what another caller's session learned."""
-        if await self.kind.auth.shared():
-            recent = self.kind.recent_initialize(max_age_ms)
-            if recent is not None:
-                return recent
-        async with self.use(principal) as session:
-            return await session.ensure_initialized()
-
-    async def tool_facts(self, principal: str | None, tool: str, max_age_ms: int) -> ToolFacts:
-        """What a call of `tool` needs before it starts, in one turn: the InitializeResult (at most `max_age_ms`
-        old), the tool's `x-mcp-header` annotations and how the upstream runs it as its own task. From what the
-        kind already knows; the caller's shared session is used (once) only for what it does not. When the
-        upstream requires credentials (`kind.auth`), all through the caller's shared session, initialized first,
-        and from the caller's own tool catalog: the upstream has accepted this caller's credential before
-        anything learned from it answers, and what it showed another caller never does."""
-        if not await self.kind.auth.shared():
-            return await self._own_tool_facts(principal, tool)
-        initialize_result = self.kind.recent_initialize(max_age_ms)
-        headers = self.kind.known_headers(tool)
-        latest = self.kind.initialize_result  # does the upstream run tool tasks at all? (any age will do)
-        runs_tasks = latest is not None and legacy_tasks.runs_tool_tasks(latest)
-        support_known = latest is not None and (headers is not None or not runs_tasks)
-        support: legacy_tasks.TaskSupport | None = None
-        if support_known and runs_tasks:
-            known = self.kind.catalog.task_support.get(tool)
-            support = known if known in ("optional", "required") else None
-        if initialize_result is None or headers is None or not support_known:
-            async with self.use(principal) as session:
-                if initialize_result is None:
-                    initialize_result = await session.ensure_initialized()
-                if headers is None:
-                    headers = await session.param_headers(tool)
-                if not support_known:
-                    support = await session.task_support(tool)
-        return ToolFacts(initialize_result, headers, support)
-
-    async def _own_tool_facts(self, principal: str | None, tool: str) -> ToolFacts:
-        """`tool_facts` when the upstream requires credentials: the caller's own InitializeResult and tool catalog
-        (a server may show each caller other tools, with other annotations), read through its shared session and
-        kept while that session is."""
-        key = principal_key(principal)
-        async with self.use(principal) as session:
-            initialize_result = await session.ensure_initialized()
-            catalog = self._catalogs.get(key) or ToolCatalog()
-            generation = self.kind.tools_generation
-            headers = catalog.known_headers(tool, generation)
-            if headers is None:
-                catalog.read(*await read_tools(session), generation)
-                headers = catalog.known_headers(tool, generation) or ()
-            if self._shared.get(key) is session:  # not closed meanwhile: the catalog lives as long as it does
-                self._catalogs[key] = catalog
-        support: legacy_tasks.TaskSupport | None = None
-        if legacy_tasks.runs_tool_tasks(initialize_result):
-            known = catalog.task_support.get(tool)
-            support = known if known in ("optional", "required") else None
-        return ToolFacts(initialize_result, headers, support)
-
     # --- readiness and shutdown ---------------------------------------------------------------------------
 
     async def probe(self, max_age_seconds: float) -> None:
@@ -491,7 +417,7 @@ class SessionPool:
             timer.cancel()
         sessions = list(self._open)
         self._shared.clear()
-        self._catalogs.clear()
+        self.facts.clear()
         self._spare.clear()
         self._idle.clear()
         self._idle_timers.clear()
