@@ -316,7 +316,7 @@ class HttpSession:
                 yield upstream_call
             finally:
                 self.in_flight -= 1
-                response.close()
+                upstream_call.close()
 
     async def _cancel_unanswered(self, request_id: int) -> None:
         try:
