@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import asyncio
+
     from proxy.config import Config, ConfigError
 
 EXIT_CONFIG_ERROR = 2
@@ -137,14 +139,18 @@ def _report(error: ConfigError) -> int:
 
 
 def serve(config: Config) -> None:
+    import structlog
     from aiohttp import web
 
     from proxy.app import create_app
     from proxy.observability import configure_logging
 
     configure_logging(config.logging)
+    loop = new_event_loop(config.listen.event_loop)
+    structlog.get_logger(__name__).info("event_loop", loop=f"{type(loop).__module__}.{type(loop).__name__}")
     web.run_app(
         create_app(config),
+        loop=loop,
         host=config.listen.host,
         port=config.listen.port,
         print=lambda message: print(message, file=sys.stderr, flush=True),
@@ -153,6 +159,21 @@ def serve(config: Config) -> None:
         # SIGTERM: stop accepting, give running handlers this long, then cancel them; cleanup closes the store.
         shutdown_timeout=config.listen.shutdown_grace_seconds,
     )
+
+
+def new_event_loop(choice: str) -> asyncio.AbstractEventLoop:
+    """uvloop's loop when asked for (or, with `auto`, when it is installed), else the standard one."""
+    import asyncio
+
+    if choice != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                raise SystemExit("mcp-tasks-proxy: listen.event_loop is uvloop, but uvloop is not installed") from None
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
 
 
 def _database(args: argparse.Namespace) -> str:

@@ -55,6 +55,11 @@ class ListenConfig(_Frozen):
         description="On SIGTERM: stop accepting, let synchronous calls finish for this long, then cancel them. "
         "Keep it below the pod's terminationGracePeriodSeconds.",
     )
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto",
+        description="The event loop `proxy serve` runs on: `uvloop` (installed by default where it builds; faster "
+        "sockets and callbacks), the standard `asyncio` loop, or `auto`: uvloop when it is installed.",
+    )
 
     @field_validator("path")
     @classmethod

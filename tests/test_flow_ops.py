@@ -214,6 +214,29 @@ async def test_sigterm_lets_a_sync_call_finish_and_keeps_tasks_for_the_next_star
     assert await second.terminate() == 0
 
 
+@pytest.mark.parametrize(
+    ("choice", "loop"), [("uvloop", "uvloop.Loop"), ("asyncio", "asyncio.unix_events._UnixSelectorEventLoop")]
+)
+async def test_the_proxy_serves_on_uvloop_and_on_the_standard_loop(
+    tmp_path: Path,
+    own_upstream: Upstream,
+    processes: list[ProxyProcess],
+    http: aiohttp.ClientSession,
+    choice: str,
+    loop: str,
+) -> None:
+    tasks = {"tools": {"counted": {"mode": "required"}}}
+    proxy = ProxyProcess(tmp_path, own_upstream.url, listen={"event_loop": choice}, tasks=tasks)
+    processes.append(proxy)
+    await proxy.start()
+    answered = await asyncio.gather(*(call(http, proxy.url, "echo", {"text": f"on {choice} {n}"}) for n in range(5)))
+    assert [message["result"]["content"][0]["text"] for message in answered] == [f"on {choice} {n}" for n in range(5)]
+    created = await call(http, proxy.url, "counted", {"key": choice, "seconds": 0}, capabilities=DECLARING)
+    assert created["result"]["resultType"] == "task"
+    assert [event["loop"] for event in proxy.events() if event["event"] == "event_loop"] == [loop]
+    assert await proxy.terminate() == 0
+
+
 async def test_sigterm_cancels_a_sync_call_that_outlives_the_grace(
     tmp_path: Path,
     own_upstream: Upstream,
