@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.cli import main
-from tests.support.processes import ProxyProcess, Upstream, free_port
+from tests.support.processes import ProxyProcess, Upstream, free_port, stdio_upstream
 from tests.support.sdk import calls_started, until_started_upstream
 from tests.support.waiting import until
 from tests.support.wire import TASKS, modern_body, modern_headers, parse_sse
@@ -214,8 +214,11 @@ async def test_sigterm_lets_a_sync_call_finish_and_keeps_tasks_for_the_next_star
     assert await second.terminate() == 0
 
 
+UVLOOP, STANDARD = "uvloop.Loop", "asyncio.unix_events._UnixSelectorEventLoop"
+
+
 @pytest.mark.parametrize(
-    ("choice", "loop"), [("uvloop", "uvloop.Loop"), ("asyncio", "asyncio.unix_events._UnixSelectorEventLoop")]
+    ("choice", "loop", "stdio"), [("uvloop", UVLOOP, False), ("asyncio", STANDARD, False), ("uvloop", UVLOOP, True)]
 )
 async def test_the_proxy_serves_on_uvloop_and_on_the_standard_loop(
     tmp_path: Path,
@@ -224,9 +227,13 @@ async def test_the_proxy_serves_on_uvloop_and_on_the_standard_loop(
     http: aiohttp.ClientSession,
     choice: str,
     loop: str,
+    stdio: bool,
 ) -> None:
-    tasks = {"tools": {"counted": {"mode": "required"}}}
-    proxy = ProxyProcess(tmp_path, own_upstream.url, listen={"event_loop": choice}, tasks=tasks)
+    """Synchronous calls and a durable task, in front of an HTTP upstream and of a stdio server the proxy runs."""
+    sections: dict[str, Any] = {"listen": {"event_loop": choice}, "tasks": {"tools": {"counted": {"mode": "required"}}}}
+    if stdio:
+        sections["upstream"] = stdio_upstream()
+    proxy = ProxyProcess(tmp_path, own_upstream.url, **sections)
     processes.append(proxy)
     await proxy.start()
     answered = await asyncio.gather(*(call(http, proxy.url, "echo", {"text": f"on {choice} {n}"}) for n in range(5)))
