@@ -6,6 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+ANCHOR_STAMP := .venv-anchor/.installed
 SUITE := conformance/node_modules/@modelcontextprotocol/conformance/dist/index.js
 UPSTREAM_PORT ?= 9000
 PORT ?= 8080
@@ -50,8 +51,14 @@ conformance: $(STAMP) $(SUITE)
 	$(BIN)/python conformance/run.py
 
 ## bench: the benchmark table (ratios against baselines measured in the same run), also benchmarks/results/latest.json
-bench: $(STAMP)
+bench: $(STAMP) $(ANCHOR_STAMP)
 	$(BIN)/python -m benchmarks.run
+
+# The task rows' anchor, FastMCP + fastmcp-tasks, in an environment of its own (it needs the mcp 2.x SDK).
+$(ANCHOR_STAMP): benchmarks/anchor-requirements.txt
+	$(PYTHON) -m venv .venv-anchor
+	.venv-anchor/bin/pip install --quiet -r benchmarks/anchor-requirements.txt
+	touch $(ANCHOR_STAMP)
 
 ## check: lint, format check, types, tests
 check: lint typecheck test
@@ -68,7 +75,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) conformance/node_modules conformance/out .mypy_cache .ruff_cache .pytest_cache image/wheels build/image
+	rm -rf $(VENV) .venv-anchor conformance/node_modules conformance/out .mypy_cache .ruff_cache .pytest_cache image/wheels build/image
 
 ## docker: the container image, tagged mcp-tasks-proxy:<version from pyproject.toml> and :latest
 VERSION = $(shell sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml)

@@ -86,10 +86,8 @@ class Process:
                 self.process.wait()
 
 
-def spawn(arguments: list[str]) -> subprocess.Popen[Any]:
-    return subprocess.Popen(
-        [sys.executable, *arguments], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+def spawn(arguments: list[str], python: str = sys.executable) -> subprocess.Popen[Any]:
+    return subprocess.Popen([python, *arguments], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 async def start_upstream(sdk: bool = False) -> Process:

@@ -50,6 +50,10 @@ class _Parsing:
         self.complete = True
 
 
+class _Closed(ConnectionError):
+    """Not a byte of an answer came: a kept-alive connection the server closed while it was idle."""
+
+
 class _Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
@@ -59,10 +63,17 @@ class _Connection:
         self.writer.write(request)
         parsing = _Parsing()
         parser = httptools.HttpResponseParser(parsing)
+        received = False
         while not parsing.complete:
-            chunk = await self.reader.read(65536)
+            try:
+                chunk = await self.reader.read(65536)
+            except ConnectionResetError:
+                chunk = b""
             if not chunk:
+                if not received:
+                    raise _Closed("the server closed the connection before answering")
                 raise ConnectionError("the server closed the connection mid-response")
+            received = True
             parser.feed_data(chunk)
         response = Response(parser.get_status_code(), parsing.headers, bytes(parsing.body))
         # (llhttp has reset its state by now; HTTP/1.1 keeps the connection unless the server says close)
@@ -85,22 +96,30 @@ class HttpClient:
         self._idle: list[_Connection] = []
 
     async def post(self, body: bytes, headers: dict[str, str]) -> Response:
-        connection = (
-            self._idle.pop() if self._idle else _Connection(*await asyncio.open_connection(self.host, self.port))
-        )
         lines = [f"POST {self.target} HTTP/1.1", f"Host: {self.host}:{self.port}", f"Content-Length: {len(body)}"]
         lines += [f"{name}: {value}" for name, value in headers.items()]
         request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
-        try:
-            response, keep_alive = await connection.exchange(request)
-        except BaseException:
-            connection.close()
-            raise
+        while True:
+            reused = bool(self._idle)
+            connection = self._idle.pop() if reused else await self._open()
+            try:
+                response, keep_alive = await connection.exchange(request)
+                break
+            except _Closed:
+                connection.close()
+                if not reused:  # a fresh connection closed unanswered is the server's refusal; an idle one, its
+                    raise  # keep-alive running out (as HTTP clients do, the request goes on a new connection)
+            except BaseException:
+                connection.close()
+                raise
         if keep_alive:
             self._idle.append(connection)
         else:
             connection.close()
         return response
+
+    async def _open(self) -> _Connection:
+        return _Connection(*await asyncio.open_connection(self.host, self.port))
 
     def close(self) -> None:
         while self._idle:

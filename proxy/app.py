@@ -59,6 +59,7 @@ from proxy.relay import OriginRelay
 from proxy.tasks.push import TaskWatchers
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import StoreError, TaskStore, open_store
+from proxy.upstream.http.link import upstream_connector
 from proxy.upstream.kinds import session_kind
 from proxy.upstream.pool import SessionPool
 from proxy.wire import jsonrpc
@@ -255,7 +256,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     # The store first: a database in use by another process stops the start before anything else is opened.
     store = await open_store(config.store, max_records=config.tasks.max_records)
     app[STORE] = store
-    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
+    http = aiohttp.ClientSession(connector=upstream_connector(), auto_decompress=True)
     metrics = app.get(METRICS)
     upstream = SessionPool(session_kind(config, http, metrics))
     app[UPSTREAM] = upstream

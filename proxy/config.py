@@ -56,6 +56,11 @@ class ListenConfig(_Frozen):
         "end, legacy streams) get this long, then are cancelled. The drain plus this, plus a few seconds to close, "
         "stays below the pod's terminationGracePeriodSeconds.",
     )
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto",
+        description="The event loop `proxy serve` runs on: `uvloop` (installed by default where it builds; faster "
+        "sockets and callbacks), the standard `asyncio` loop, or `auto`: uvloop when it is installed.",
+    )
 
     @field_validator("path")
     @classmethod

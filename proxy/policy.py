@@ -90,14 +90,15 @@ class Decision:
 SYNC_CALL: Final = Decision(Outcome.SYNC, None)  # prompts/get and resources/read: synchronous, may ask (MRTR)
 
 
+_NO_ENTRY: Final = ToolPolicyConfig()  # a tool the policy does not name: the defaults (frozen, made once)
+
+
 def policy_for(tasks: TasksConfig, tool: str) -> Policy:
     entry = tasks.tools.get(tool)
     if entry is None:
         globs = ((pattern, glob_entry) for pattern, glob_entry in tasks.tools.items() if _is_glob(pattern))
         entry = next((glob_entry for pattern, glob_entry in globs if fnmatchcase(tool, pattern)), None)
-    if entry is None:
-        entry = ToolPolicyConfig()
-    return _merged(entry, tasks)
+    return _merged(entry if entry is not None else _NO_ENTRY, tasks)
 
 
 def _is_glob(pattern: str) -> bool:

@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.cli import main
-from tests.support.processes import ProxyProcess, Upstream, free_port
+from tests.support.processes import ProxyProcess, Upstream, free_port, stdio_upstream
 from tests.support.sdk import calls_started, until_started_upstream
 from tests.support.waiting import until
 from tests.support.wire import TASKS, modern_body, modern_headers, parse_sse
@@ -213,6 +213,36 @@ async def test_sigterm_lets_a_sync_call_finish_within_the_drain_and_keeps_a_long
     assert "restarted" in message["result"]["error"]["message"]
     assert any(event["event"] == "task_interrupted" and event["task_id"] == task_id for event in second.events())
     assert await second.terminate() == 0
+
+
+UVLOOP, STANDARD = "uvloop.Loop", "asyncio.unix_events._UnixSelectorEventLoop"
+
+
+@pytest.mark.parametrize(
+    ("choice", "loop", "stdio"), [("uvloop", UVLOOP, False), ("asyncio", STANDARD, False), ("uvloop", UVLOOP, True)]
+)
+async def test_the_proxy_serves_on_uvloop_and_on_the_standard_loop(
+    tmp_path: Path,
+    own_upstream: Upstream,
+    processes: list[ProxyProcess],
+    http: aiohttp.ClientSession,
+    choice: str,
+    loop: str,
+    stdio: bool,
+) -> None:
+    """Synchronous calls and a durable task, in front of an HTTP upstream and of a stdio server the proxy runs."""
+    sections: dict[str, Any] = {"listen": {"event_loop": choice}, "tasks": {"tools": {"counted": {"mode": "required"}}}}
+    if stdio:
+        sections["upstream"] = stdio_upstream()
+    proxy = ProxyProcess(tmp_path, own_upstream.url, **sections)
+    processes.append(proxy)
+    await proxy.start()
+    answered = await asyncio.gather(*(call(http, proxy.url, "echo", {"text": f"on {choice} {n}"}) for n in range(5)))
+    assert [message["result"]["content"][0]["text"] for message in answered] == [f"on {choice} {n}" for n in range(5)]
+    created = await call(http, proxy.url, "counted", {"key": choice, "seconds": 0}, capabilities=DECLARING)
+    assert created["result"]["resultType"] == "task"
+    assert [event["loop"] for event in proxy.events() if event["event"] == "event_loop"] == [loop]
+    assert await proxy.terminate() == 0
 
 
 async def test_sigterm_cancels_a_sync_call_that_outlives_the_drain_and_the_grace(

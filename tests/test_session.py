@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestServer
 from proxy.config import HttpUpstreamConfig
 from proxy.errors import UpstreamRefusedError, UpstreamSessionGoneError, UpstreamUnreachableError
 from proxy.upstream.http.kind import HttpKind
+from proxy.upstream.http.link import upstream_connector
 from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import principal_key
 from tests.support.processes import Upstream
@@ -191,3 +192,25 @@ async def test_a_get_stream_message_over_max_result_bytes_is_dropped(
             await client.close()
         finally:
             app[STOP].set()  # the GET handlers return, so the server stops at once
+
+
+async def test_calls_answered_on_sse_streams_reuse_their_connections(upstream: Upstream) -> None:
+    """The fixture answers each request on an SSE stream it ends after the answer: the stream is read to its end,
+    so its connection serves the next request instead of a new one being opened each time."""
+    opened: list[object] = []
+
+    async def on_open(*_: object) -> None:
+        opened.append(object())
+
+    tracing = aiohttp.TraceConfig()
+    tracing.on_connection_create_end.append(on_open)
+    async with aiohttp.ClientSession(connector=upstream_connector(), trace_configs=[tracing]) as http:
+        client = make_client(upstream, http)
+        session = client.session(None)
+        await session.request("tools/list", None)  # initialize, its GET stream, a first call
+        before = len(opened)
+        for _ in range(20):
+            result = await session.request("tools/call", {"name": "echo", "arguments": {"text": "x"}})
+            assert result["content"][0]["text"] == "x"
+        assert len(opened) - before <= 5, f"{len(opened) - before} connections opened for 20 calls"
+        await client.close()

@@ -22,7 +22,7 @@ from proxy.legacy import LegacyFront
 from proxy.legacy.passthrough import PassThrough
 from proxy.observability import Metrics
 from proxy.upstream.auth import AuthMode, UpstreamAuth
-from proxy.upstream.http.link import HttpLink
+from proxy.upstream.http.link import HttpLink, upstream_connector
 from proxy.upstream.http.session import HttpSession
 from proxy.upstream.session import PoolLimits, Room, Session
 
@@ -79,7 +79,7 @@ class HttpKind(HttpLink):
         """Legacy clients are relayed verbatim, on an HTTP client of their own (no automatic headers, no
         decompression: the bytes pass as they are)."""
         relay_http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), auto_decompress=False, skip_auto_headers=("User-Agent",)
+            connector=upstream_connector(), auto_decompress=False, skip_auto_headers=("User-Agent",)
         )
         config = self.config
         return PassThrough(

@@ -26,6 +26,13 @@ log = structlog.get_logger(__name__)
 # How often a closed upstream SSE stream is resumed with GET + Last-Event-ID before the call counts as lost.
 MAX_RESUMPTIONS: Final = 5
 
+# After its answer, an SSE stream's end is read in the background (servers close it right after the answer)
+# so that its connection goes back to the pool instead of being closed: at most this long and this much.
+DRAIN_SECONDS: Final = 5.0
+DRAIN_MAX_BYTES: Final = 1 << 16
+
+_draining: set[asyncio.Task[None]] = set()  # strong references until each drain ends
+
 
 class StreamTransport(Protocol):
     """What a call needs from the session it runs on."""
@@ -54,15 +61,19 @@ class HttpRequestStream:
         self.max_bytes = max_bytes  # the largest answer (or stream message) read; larger ones are refused
         self._response = response
         self.finished = False
+        self._let_go_of: aiohttp.ClientResponse | None = None  # the response given back (or to the drain)
+        self._handed_off = False  # the response is the background drain's now: `close` leaves it alone
 
     async def events(self) -> AsyncIterator[UpstreamEvent]:
         """Everything the upstream says about this request, the final result or error last."""
         try:
             async for event in self._events():
-                yield event
                 if isinstance(event, UpstreamResult | UpstreamErrorResponse):
                     self.finished = True
+                    self._let_go()  # before the answer is handed on: its reader may never ask for more
+                    yield event
                     return
+                yield event
         except EventTooLargeError:
             assert self.max_bytes is not None
             await self._abandon("the answer is larger than the proxy's limit")
@@ -72,8 +83,30 @@ class HttpRequestStream:
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"Upstream connection lost during {self.method}", detail=str(exc)) from None
         finally:
-            self._response.release()
+            self._let_go()
         raise UpstreamError(f"Upstream closed the stream of {self.method} without answering")
+
+    def _let_go(self) -> None:
+        """Give the connection back to the pool: at once when the body was read to its end, after a background
+        read of the rest when an answered SSE stream is still open, closed otherwise."""
+        response = self._response
+        if self._let_go_of is response:
+            return
+        self._let_go_of = response
+        if response.content.at_eof() or response.connection is None:
+            response.release()
+        elif self.finished and response.content_type == "text/event-stream":
+            self._handed_off = True
+            task = asyncio.get_running_loop().create_task(_drain(response))
+            _draining.add(task)
+            task.add_done_callback(_draining.discard)
+        else:
+            response.close()  # an unread body: the connection cannot carry another request
+
+    def close(self) -> None:
+        """The call is over: its connection is closed unless it went back to the pool (or is on its way)."""
+        if not self._handed_off:
+            self._response.close()
 
     async def _events(self) -> AsyncIterator[UpstreamEvent]:
         response = self._response
@@ -131,6 +164,22 @@ class HttpRequestStream:
             await self.transport.notify("notifications/cancelled", {"requestId": self.request_id, "reason": reason})
         finally:
             self._response.close()
+
+
+async def _drain(response: aiohttp.ClientResponse) -> None:
+    """Read an answered SSE stream to its end (bounded in time and bytes), then release its connection."""
+    size = 0
+    try:
+        async with asyncio.timeout(DRAIN_SECONDS):
+            while size <= DRAIN_MAX_BYTES:
+                chunk = await response.content.readany()
+                if not chunk:
+                    response.release()
+                    return
+                size += len(chunk)
+    except (aiohttp.ClientError, TimeoutError):
+        pass
+    response.close()
 
 
 async def read_body(response: aiohttp.ClientResponse, max_bytes: int | None) -> bytes:

@@ -330,7 +330,7 @@ class HttpSession:
                 yield upstream_call
             finally:
                 self.in_flight -= 1
-                response.close()
+                upstream_call.close()
 
     def _refused(self, response: aiohttp.ClientResponse, method: str) -> UpstreamAuthError:
         """The upstream refused this session's credential: the caller is told, with the server's challenge."""

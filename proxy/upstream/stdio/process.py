@@ -34,7 +34,7 @@ import os
 import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import structlog
 
@@ -109,8 +109,9 @@ class _Pipes(asyncio.SubprocessProtocol):
         self.owner = owner
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # Runs before subprocess_exec() returns, and before any other callback (even an immediate exit).
-        assert isinstance(transport, asyncio.SubprocessTransport)
+        # Runs before subprocess_exec() returns, and before any other callback (even an immediate exit). A
+        # subprocess transport (uvloop's does not derive from asyncio's class, hence a cast, not a check).
+        transport = cast(asyncio.SubprocessTransport, transport)
         self.owner._transport = transport
         self.owner.pid = transport.get_pid()
 
@@ -244,9 +245,7 @@ class StdioProcess:
 
     def _stdin(self) -> asyncio.WriteTransport:
         assert self._transport is not None
-        stdin = self._transport.get_pipe_transport(0)
-        assert isinstance(stdin, asyncio.WriteTransport)
-        return stdin
+        return cast(asyncio.WriteTransport, self._transport.get_pipe_transport(0))  # stdin (as with the transport)
 
     def _check_writable(self) -> None:
         if self.exited is not None:
