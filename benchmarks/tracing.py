@@ -71,6 +71,7 @@ async def _spans_received(receiver: Process) -> int:
 
 
 SAMPLED: Final = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
+NEVER_SAMPLED: Final = {"OTEL_TRACES_SAMPLER": "always_off"}
 
 
 async def on_off_row(upstream: Process, workdir: Path, quick: bool, sampler: dict[str, str], what: str) -> Row:
@@ -100,7 +101,7 @@ async def on_off_row(upstream: Process, workdir: Path, quick: bool, sampler: dic
         f"throughput {ratio:.2f}x off (p50 {via.percentile(0.5):.2f} vs {base.percentile(0.5):.2f} ms);"
         f" proxy CPU {cpu_on:.2f} vs {cpu_off:.2f} ms/call; {exports} export requests received",
         f">= {TARGET_ON}x",
-        ratio >= TARGET_ON and exports > 0,
+        ratio >= TARGET_ON and (exports > 0 or sampler is NEVER_SAMPLED),
         {
             "throughput_ratio": ratio,
             "off_rps": base.rate,
@@ -170,6 +171,7 @@ async def tracing_rows(upstream: Process, quick: bool, baseline_ref: str) -> lis
     return [
         await on_off_row(upstream, workdir, quick, {}, "every request"),
         await on_off_row(upstream, workdir, quick, SAMPLED, "10 % of traces sampled"),
+        await on_off_row(upstream, workdir, quick, NEVER_SAMPLED, "no trace sampled"),
         await off_vs_baseline_row(upstream, workdir, quick, baseline_ref),
     ]
 

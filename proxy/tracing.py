@@ -175,8 +175,8 @@ _SERVER_OFF: Final = contextlib.nullcontext(_OFF)  # reusable: tracing off alloc
 
 def reply_outcome(message: Mapping[str, Any]) -> None:
     """The outcome of the answer about to leave, on the current (SERVER) span."""
-    if _tracer is not None:
-        ServerSpan(trace.get_current_span()).reply(message)
+    if _tracer is not None and (span := trace.get_current_span()).is_recording():
+        ServerSpan(span).reply(message)
 
 
 def _failed(span: Span, error_type: str) -> None:
@@ -216,54 +216,24 @@ def _server_span(
     meta: Mapping[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
     from_headers = _carried(headers)
     from_meta = _carried(meta)
-    parent = from_meta or from_headers
-    links: list[Link] = []
-    if from_meta is not None and from_headers is not None:
-        other = trace.get_current_span(from_headers).get_span_context()
-        if other != trace.get_current_span(from_meta).get_span_context():
-            links.append(Link(other, {"mcp.link": "http_trace_context"}))
-    attributes: dict[str, Any] = {"network.transport": "tcp", "network.protocol.name": "http", "mcp.era": era}
-    if peer:
-        attributes["client.address"] = peer
-    target: str | None = None
-    if method is None:
-        name = http_method  # a legacy GET stream or DELETE: no JSON-RPC message
-        attributes["http.request.method"] = http_method
-    else:
-        attributes["mcp.method.name"] = method
-        target, more = target_of(method, params)
-        attributes.update(more)
-        name = _span_name(method, target)
-        if (request_id := decoded.get("id")) is not None:
-            attributes["jsonrpc.request.id"] = str(request_id)
-        if method in TASK_METHODS and (task_id := _str(params.get("taskId"))) is not None:
-            attributes[TASK_ID] = task_id
-            if (created := _created.get(task_id)) is not None:
-                links.append(Link(created, {"mcp.link": "task_created"}))
-    version = headers.get("MCP-Protocol-Version") or _str(meta.get(PROTOCOL_VERSION_META_KEY))
-    if version is None and method == "initialize":
-        version = _str(params.get("protocolVersion"))
-    if version:
-        attributes["mcp.protocol.version"] = version
-    if era == "legacy" and (session_id := headers.get("Mcp-Session-Id")):
-        attributes["mcp.session.id"] = session_id
-    copied = {key: value for key, value in attributes.items() if key.startswith(("gen_ai.", "mcp.method", "mcp.proto"))}
-    token = _request_target.set((method, target, http_method, copied))
+    # Started bare: an unsampled span costs the sampler's decision and the context it carries onwards, nothing
+    # more. Its name, attributes and links are worked out only when it records.
+    span = tracer.start_span(
+        method or http_method,
+        context=from_meta or from_headers,
+        kind=SpanKind.SERVER,
+        record_exception=False,
+        set_status_on_exception=False,
+    )
+    token = None
+    if span.is_recording():
+        token = _describe_server_span(span, headers, decoded, method, params, meta, era, http_method, peer)
+        if from_meta is not None and from_headers is not None:
+            other = trace.get_current_span(from_headers).get_span_context()
+            if other != trace.get_current_span(from_meta).get_span_context():
+                span.add_link(other, {"mcp.link": "http_trace_context"})
     try:
-        with tracer.start_as_current_span(
-            name,
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes=attributes,
-            links=links,
-            record_exception=False,
-            set_status_on_exception=False,
-        ) as span:
-            # The request's own log line (written by the error edge, after this span) names it too.
-            context = span.get_span_context()
-            structlog.contextvars.bind_contextvars(
-                trace_id=format(context.trace_id, "032x"), span_id=format(context.span_id, "016x")
-            )
+        with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False):
             try:
                 yield ServerSpan(span)
             except ProxyError as error:
@@ -276,7 +246,55 @@ def _server_span(
                 _failed(span, type(error).__qualname__)
                 raise
     finally:
-        _request_target.reset(token)
+        if token is not None:
+            _request_target.reset(token)
+
+
+def _describe_server_span(
+    span: Span,
+    headers: Mapping[str, str],
+    decoded: Mapping[str, Any],
+    method: str | None,
+    params: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    era: str,
+    http_method: str,
+    peer: str | None,
+) -> contextvars.Token[tuple[str | None, str | None, str, dict[str, Any]]]:
+    """Name, attributes and links of a recording SERVER span; what spans below it copy."""
+    attributes: dict[str, Any] = {"network.transport": "tcp", "network.protocol.name": "http", "mcp.era": era}
+    if peer:
+        attributes["client.address"] = peer
+    target: str | None = None
+    if method is None:  # a legacy GET stream or DELETE: no JSON-RPC message
+        attributes["http.request.method"] = http_method
+    else:
+        attributes["mcp.method.name"] = method
+        target, more = target_of(method, params)
+        attributes.update(more)
+        if target:
+            span.update_name(_span_name(method, target))
+        if (request_id := decoded.get("id")) is not None:
+            attributes["jsonrpc.request.id"] = str(request_id)
+        if method in TASK_METHODS and (task_id := _str(params.get("taskId"))) is not None:
+            attributes[TASK_ID] = task_id
+            if (created := _created.get(task_id)) is not None:
+                span.add_link(created, {"mcp.link": "task_created"})
+    version = headers.get("MCP-Protocol-Version") or _str(meta.get(PROTOCOL_VERSION_META_KEY))
+    if version is None and method == "initialize":
+        version = _str(params.get("protocolVersion"))
+    if version:
+        attributes["mcp.protocol.version"] = version
+    if era == "legacy" and (session_id := headers.get("Mcp-Session-Id")):
+        attributes["mcp.session.id"] = session_id
+    span.set_attributes(attributes)
+    # The request's own log line (written by the error edge, after this span) names it too.
+    context = span.get_span_context()
+    structlog.contextvars.bind_contextvars(
+        trace_id=format(context.trace_id, "032x"), span_id=format(context.span_id, "016x")
+    )
+    copied = {key: value for key, value in attributes.items() if key.startswith(("gen_ai.", "mcp.method", "mcp.proto"))}
+    return _request_target.set((method, target, http_method, copied))
 
 
 # --- upstream requests ---------------------------------------------------------------------------------------
@@ -334,6 +352,26 @@ def client_span(
 def _client_span(
     tracer: trace.Tracer, method: str | None, params: Any, transport: str, protocol_version: str | None
 ) -> Iterator[ClientSpan]:
+    span = tracer.start_span(
+        method or "POST", kind=SpanKind.CLIENT, record_exception=False, set_status_on_exception=False
+    )
+    recording = span.is_recording()
+    if recording:  # an unsampled span: its context goes upstream, nothing is worked out for it
+        _describe_client_span(span, method, params, transport, protocol_version)
+    with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False):
+        try:
+            yield ClientSpan(span)
+        except BaseException as error:
+            _failed(span, type(error).__qualname__)
+            raise
+        finally:
+            if recording and (task_id := _work_task.get(None)) is not None and (known := task_id()) is not None:
+                span.set_attribute(TASK_ID, known)
+
+
+def _describe_client_span(
+    span: Span, method: str | None, params: Any, transport: str, protocol_version: str | None
+) -> None:
     attributes: dict[str, Any] = {"network.transport": transport}
     if transport == "tcp":
         attributes["network.protocol.name"] = "http"
@@ -342,32 +380,16 @@ def _client_span(
         attributes.update(copied)
         if relayed is None:
             attributes["http.request.method"] = http_method
-        name = _span_name(relayed or http_method, target)
+        span.update_name(_span_name(relayed or http_method, target))
     else:
         target, more = target_of(method, params if isinstance(params, dict) else {})
         attributes["mcp.method.name"] = method
         attributes.update(more)
-        name = _span_name(method, target)
+        if target:
+            span.update_name(_span_name(method, target))
     if protocol_version:
         attributes["mcp.protocol.version"] = protocol_version
-    with tracer.start_as_current_span(
-        name,
-        kind=SpanKind.CLIENT,
-        attributes=attributes,
-        record_exception=False,
-        set_status_on_exception=False,
-    ) as span:
-        try:
-            yield ClientSpan(span)
-        except ProxyError as error:
-            _failed(span, type(error).__qualname__)
-            raise
-        except BaseException as error:
-            _failed(span, type(error).__qualname__)
-            raise
-        finally:
-            if (task_id := _work_task.get(None)) is not None and (known := task_id()) is not None:
-                span.set_attribute(TASK_ID, known)
+    span.set_attributes(attributes)
 
 
 def relayed(
@@ -411,9 +433,9 @@ def task_created(task_id: str) -> None:
     if _tracer is None:
         return
     span = trace.get_current_span()
-    context = span.get_span_context()
-    if not context.is_valid:
+    if not span.is_recording():  # an unsampled trace: nothing to link to later
         return
+    context = span.get_span_context()
     span.set_attribute(TASK_ID, task_id)
     span.add_event("task_created", {TASK_ID: task_id})
     _created[task_id] = context
@@ -446,9 +468,12 @@ def linked(work: Coroutine[Any, Any, None], name: str, task_id: str) -> Coroutin
 
 
 async def _linked(tracer: trace.Tracer, work: Coroutine[Any, Any, None], name: str, task_id: str) -> None:
-    with tracer.start_as_current_span(
-        name, context=Context(), kind=SpanKind.INTERNAL, attributes={TASK_ID: task_id}, links=created_link(task_id)
-    ):
+    span = tracer.start_span(name, context=Context(), kind=SpanKind.INTERNAL)
+    if span.is_recording():
+        span.set_attribute(TASK_ID, task_id)
+        for link in created_link(task_id):
+            span.add_link(link.context, link.attributes)
+    with trace.use_span(span, end_on_exit=True):
         await work
 
 
