@@ -83,6 +83,22 @@ def _exporter(environ: Mapping[str, str]) -> SpanExporter:
     return OTLPSpanExporter()  # endpoint, headers, timeout, compression: from OTEL_EXPORTER_OTLP_*
 
 
+# Batching when OTEL_BSP_* leave it unsaid: the SDK's queue (2048 spans) fills within a second at a thousand
+# calls a second (two spans each) and then drops spans; bigger batches mean fewer export requests.
+MAX_QUEUE_SIZE: Final = 16_384
+MAX_EXPORT_BATCH_SIZE: Final = 2048
+
+
+def _batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
+    environ = os.environ  # where the SDK reads OTEL_BSP_* from
+    if environ.get("OTEL_BSP_MAX_QUEUE_SIZE") or environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE"):
+        try:
+            return BatchSpanProcessor(exporter)  # the operator's sizes, read by the SDK
+        except ValueError as error:  # e.g. a batch bigger than the queue
+            raise TracingConfigError(f"OTEL_BSP_*: {error}") from error
+    return BatchSpanProcessor(exporter, max_queue_size=MAX_QUEUE_SIZE, max_export_batch_size=MAX_EXPORT_BATCH_SIZE)
+
+
 def configure(environ: Mapping[str, str] | None = None, processor: SpanProcessor | None = None) -> bool:
     """Turn tracing on as the OTEL_* environment says (service name, resource attributes, sampler, batch
     processor and exporter settings are the SDK's own), or with `processor` (tests). Returns whether it is on."""
@@ -91,7 +107,7 @@ def configure(environ: Mapping[str, str] | None = None, processor: SpanProcessor
     if processor is None:
         if not wanted(environ):
             return False
-        processor = BatchSpanProcessor(_exporter(environ))
+        processor = _batch_processor(_exporter(environ))
     attributes: dict[str, str] = {}
     if not environ.get("OTEL_SERVICE_NAME") and "service.name=" not in environ.get("OTEL_RESOURCE_ATTRIBUTES", ""):
         attributes[SERVICE_NAME] = DEFAULT_SERVICE_NAME
@@ -260,8 +276,8 @@ def _describe_server_span(
     era: str,
     http_method: str,
     peer: str | None,
-) -> contextvars.Token[tuple[str | None, str | None, str, dict[str, Any]]]:
-    """Name, attributes and links of a recording SERVER span; what spans below it copy."""
+) -> contextvars.Token[tuple[str | None, str | None, str, dict[str, Any]]] | None:
+    """Name, attributes and links of a recording SERVER span; for a legacy request, what spans below it copy."""
     attributes: dict[str, Any] = {"network.transport": "tcp", "network.protocol.name": "http", "mcp.era": era}
     if peer:
         attributes["client.address"] = peer
@@ -293,6 +309,8 @@ def _describe_server_span(
     structlog.contextvars.bind_contextvars(
         trace_id=format(context.trace_id, "032x"), span_id=format(context.span_id, "016x")
     )
+    if era != "legacy":
+        return None  # only the legacy pass-through's CLIENT span copies what the SERVER span knows
     copied = {key: value for key, value in attributes.items() if key.startswith(("gen_ai.", "mcp.method", "mcp.proto"))}
     return _request_target.set((method, target, http_method, copied))
 

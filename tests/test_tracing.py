@@ -108,6 +108,44 @@ async def test_every_helper_passes_through_when_tracing_is_off() -> None:
     assert tracing.add_trace_ids(None, "info", {"event": "x"}) == {"event": "x"}
 
 
+def test_an_unsampled_request_records_nothing_yet_passes_its_trace_upstream() -> None:
+    exporter = InMemorySpanExporter()
+    tracing.configure({}, SimpleSpanProcessor(exporter))
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    unsampled = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-00"}  # the client chose not to sample it
+    message = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "echo"}}
+    with tracing.server_span(unsampled, message, era="modern") as server:
+        with tracing.client_span("tools/call", message["params"], transport="tcp") as upstream:
+            sent = upstream.headers({"traceparent": "the client's"})
+        tracing.task_created("task-1")
+        server.reply({"error": {"code": -32602}})
+    assert sent is not None
+    version, sent_trace, _, flags = sent["traceparent"].split("-")
+    assert (version, sent_trace, flags) == ("00", trace_id, "00")
+    assert exporter.get_finished_spans() == ()
+    assert tracing.created_link("task-1") == []
+
+
+def test_spans_are_exported_in_big_batches_unless_the_environment_sizes_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OTEL_BSP_MAX_QUEUE_SIZE", raising=False)
+    monkeypatch.delenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", raising=False)
+    assert tracing.configure({"OTEL_TRACES_EXPORTER": "console"})
+    tracing.shutdown()
+    processor = tracing._batch_processor(InMemorySpanExporter())
+    assert processor._batch_processor._max_queue_size == tracing.MAX_QUEUE_SIZE
+    assert processor._batch_processor._max_export_batch_size == tracing.MAX_EXPORT_BATCH_SIZE
+    processor.shutdown()  # type: ignore[no-untyped-call]  # the SDK leaves it unannotated
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "64")
+    processor = tracing._batch_processor(InMemorySpanExporter())
+    assert processor._batch_processor._max_export_batch_size == 64
+    processor.shutdown()  # type: ignore[no-untyped-call]  # the SDK leaves it unannotated
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "10")  # smaller than the batch: the SDK refuses it
+    with pytest.raises(tracing.TracingConfigError):
+        tracing.configure({"OTEL_TRACES_EXPORTER": "console"})
+
+
 def test_log_lines_carry_the_active_spans_ids() -> None:
     exporter = InMemorySpanExporter()
     tracing.configure({}, SimpleSpanProcessor(exporter))
