@@ -363,6 +363,11 @@ def client_span(
     the request the current SERVER span relays (the legacy pass-through)."""
     if _tracer is None:
         return _CLIENT_OFF
+    current = trace.get_current_span()
+    if not current.is_recording() and current.get_span_context().is_valid:
+        # Below an unsampled span no sampler the OTEL_* environment can name records a child: the upstream gets
+        # the unsampled context as it is, with no span started for it.
+        return contextlib.nullcontext(ClientSpan(current))
     return _client_span(_tracer, method, params, transport, protocol_version)
 
 
