@@ -115,7 +115,7 @@ async def test_a_tool_the_upstream_runs_optionally_follows_the_policys_window(
     tasks_client: ClientFactory, legacy_task_upstream: Upstream
 ) -> None:
     client = await tasks_client(
-        legacy_task_upstream.url, tasks=policies(legacy_task_optional={"mode": "optional", "sync_window_ms": 400})
+        legacy_task_upstream.url, tasks=policies(legacy_task_optional={"mode": "optional", "sync_window_ms": 1000})
     )
     status, quick = await client.call("legacy_task_optional", {"seconds": 0})
     assert status == 200
