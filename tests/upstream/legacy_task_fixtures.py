@@ -28,7 +28,7 @@ from mcp.server.experimental.task_support import TaskSupport
 from mcp.server.fastmcp import FastMCP
 from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import McpError
-from mcp.shared.experimental.tasks.helpers import RELATED_TASK_METADATA_KEY
+from mcp.shared.experimental.tasks.helpers import RELATED_TASK_METADATA_KEY, is_terminal
 from mcp.shared.experimental.tasks.in_memory_task_store import InMemoryTaskStore
 from mcp.shared.experimental.tasks.message_queue import InMemoryTaskMessageQueue
 
@@ -345,12 +345,24 @@ def _install(low: Server[Any, Any]) -> None:
     low.request_handlers[types.GetTaskPayloadRequest] = task_result
 
 
+class _TaskStore(InMemoryTaskStore):
+    """The SDK's in-memory store, without its lost wake-up. Its tasks/result reads the task, sends what is
+    queued (which yields), and only then creates the event it waits on; a task that ended in between is never
+    announced again, and tasks/result hung until the client's tasks/get. A finished task is not waited for."""
+
+    async def wait_for_update(self, task_id: str) -> None:
+        task = await self.get_task(task_id)  # no suspension point from here to the event's creation
+        if task is not None and is_terminal(task.status):
+            return
+        await super().wait_for_update(task_id)
+
+
 def enable(mcp: FastMCP[Any]) -> None:
     """Turn on the SDK's experimental Tasks on ``mcp`` and add the ``legacy_task_*`` tools."""
     low = mcp._mcp_server
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # mcp 1.x marks the experimental tasks API deprecated
         experimental = low.experimental
-    support = experimental.enable_tasks(store=InMemoryTaskStore(), queue=InMemoryTaskMessageQueue())
+    support = experimental.enable_tasks(store=_TaskStore(), queue=InMemoryTaskMessageQueue())
     support.__class__ = _PerSessionTaskSupport  # same fields; only where the session's work runs differs
     _install(low)
