@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
+import sys
+from asyncio.subprocess import PIPE
 from pathlib import Path
 from typing import Any
 
@@ -44,32 +45,44 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+_WATCH = """
+import http.client, json, sys, threading, time
+port, latencies, stop = int(sys.argv[1]), [], threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+while not stop.is_set():
+    started = time.perf_counter()
+    connection.request("GET", "/healthz")
+    response = connection.getresponse()
+    response.read()
+    if response.status != 200:
+        sys.exit(f"/healthz answered {response.status}")
+    latencies.append(time.perf_counter() - started)
+    time.sleep(0.02)
+print(json.dumps(latencies))
+"""
+
+
 class HealthWatch:
-    """Polls /healthz every 20 ms meanwhile and keeps how long each answer took."""
+    """Polls /healthz every 20 ms meanwhile and keeps how long each answer took. The probe runs in a process of
+    its own, so what the test itself does meanwhile (decoding a multi-megabyte answer) never delays it."""
 
     def __init__(self, port: int) -> None:
-        self.url = f"http://127.0.0.1:{port}/healthz"
+        self.port = port
         self.latencies: list[float] = []
-        self._task: asyncio.Task[None] | None = None
+        self._process: asyncio.subprocess.Process | None = None
 
     async def __aenter__(self) -> HealthWatch:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _WATCH, str(self.port), stdin=PIPE, stdout=PIPE
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _run(self) -> None:
-        async with aiohttp.ClientSession() as session:
-            while True:
-                started = time.perf_counter()
-                async with session.get(self.url) as response:
-                    assert response.status == 200
-                    await response.read()
-                self.latencies.append(time.perf_counter() - started)
-                await asyncio.sleep(0.02)
+        assert self._process is not None
+        out, _ = await asyncio.wait_for(self._process.communicate(b""), 30)
+        assert self._process.returncode == 0, "the /healthz probe failed"
+        self.latencies = json.loads(out)
 
     def check(self) -> None:
         assert len(self.latencies) > 10
