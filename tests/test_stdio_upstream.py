@@ -48,7 +48,7 @@ async def test_calls_that_can_ask_get_a_process_of_their_own_the_others_share_on
     assert not [session for session in stdio_sessions(client) if session.in_flight and session is not shared]
     _, message = await client.call("ask_name", capabilities=ELICIT)  # parked: an MRTR round
     assert message["result"]["resultType"] == "input_required"
-    [own] = [session for session in stdio_sessions(client) if session.lent]
+    [own] = [session for session in stdio_sessions(client) if session.lending.lent]
     assert own is not shared  # lent to that call alone: its questions are the call's
     assert own.pid not in (None, shared.pid)
     [warm] = pool.spare_sessions(None)  # a spare started meanwhile, for this caller's next such call

@@ -119,6 +119,11 @@ class Lending:
         still go where the lease sent them, so a list change seen later reaches the principal's streams."""
         self.lessee = None
 
+    @property
+    def lent(self) -> bool:
+        """A call holds the session alone right now."""
+        return self.lessee is not None
+
     def keep(self) -> None:
         self.kept = True
 

@@ -16,8 +16,8 @@ its `PoolLimits`, how they are bounded. The pool knows no kind.
   task the upstream runs itself, resumed after a restart): no `initialize`.
 - `keep(session)`: a session whose upstream work outlives this process is let go without ending that work.
 
-The pool lends a session (`Session.lend`) and takes it back (`Session.take_back`); it writes no session's
-fields.
+The pool lends a session (`Session.lending.lend`) and takes it back (`Session.lending.take_back`); it writes no
+session's fields.
 
 List changes and resource updates seen on a lent session reach the principal's listen streams too. Sessions
 nobody uses are kept for reuse, least recently used first out: beyond `max_idle` idle sessions the oldest is
@@ -131,7 +131,7 @@ class SessionPool:
         async with self._lent_to(session, key, reclaim):
             self._keep_one_warm(principal, key)
             await session.ensure_initialized()
-            session.lend(sink, self._notifications_of(key))
+            session.lending.lend(sink, self._notifications_of(key))
             yield session
 
     @asynccontextmanager
@@ -150,7 +150,7 @@ class SessionPool:
         session = self._make(principal)
         async with self._lent_to(session, key, None):
             await session.adopt(session_id)
-            session.lend(sink, self._notifications_of(key))
+            session.lending.lend(sink, self._notifications_of(key))
             yield session
 
     @asynccontextmanager
@@ -162,7 +162,7 @@ class SessionPool:
         try:
             yield
         finally:
-            session.take_back()
+            session.lending.take_back()
             self._lent.discard(session)
             self._reclaims.pop(session, None)
             self._reclaiming.discard(session)
@@ -172,7 +172,7 @@ class SessionPool:
     def keep(self, session: Session) -> None:
         """The session holds upstream work a later proxy process resumes (a task the upstream runs itself): when
         its use ends it is let go without ending that work (no DELETE)."""
-        session.keep()
+        session.lending.keep()
 
     async def _lendable(self, principal: str | None, key: str) -> Session:
         """A spare session of the principal, else a new one (waiting for room when the kind is bounded)."""
@@ -262,7 +262,7 @@ class SessionPool:
             self._users[session] = users
             return
         self._users.pop(session, None)
-        if session.kept:
+        if session.lending.kept:
             self._close(session)  # a kept session's close only lets go of it (see `Session.detach`)
             return
         if session.listen_streams.subscriptions:

@@ -90,6 +90,6 @@ class QuestionOwners:
         notifications keep going to the principal's listen streams either way."""
         sharers = self._sharers.get(session, [])
         if len(sharers) == 1:
-            session.lend(sharers[0], notifications)
+            session.lending.lend(sharers[0], notifications)
         else:
-            session.take_back()
+            session.lending.take_back()

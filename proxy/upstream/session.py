@@ -24,7 +24,7 @@ from proxy.errors import RequestId, UpstreamError
 from proxy.legacy import LegacyFront
 from proxy.upstream.auth import UpstreamAuth
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult
-from proxy.upstream.lending import ListenStreams, Notifications, Sink
+from proxy.upstream.lending import Lending, ListenStreams
 from proxy.upstream.link import LinkBase, ToolCatalog
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader, param_headers
@@ -65,8 +65,8 @@ class RequestStream(Protocol):
 
 class Session(Protocol):
     """One upstream session, of whichever kind. What arrives unasked (a question naming no request, a
-    notification) goes to the call it is lent to (`lend`, until `take_back`), else is refused (questions);
-    notifications also reach the listen streams (`listen_streams`)."""
+    notification) goes to the call it is lent to (`lending.lend`, until `lending.take_back`), else is refused
+    (questions); notifications also reach the listen streams (`listen_streams`)."""
 
     principal: str | None
     session_id: str | None
@@ -74,20 +74,7 @@ class Session(Protocol):
     initialize_result: JSON | None
     in_flight: int  # calls open on this session right now
     listen_streams: ListenStreams
-
-    @property
-    def kept(self) -> bool:
-        """It holds upstream work a later proxy process resumes: let go without ending it."""
-
-    @property
-    def lent(self) -> bool:
-        """A call holds the session alone right now."""
-
-    def lend(self, sink: Sink, notifications: Notifications) -> None: ...
-
-    def take_back(self) -> None: ...
-
-    def keep(self) -> None: ...
+    lending: Lending  # who holds the session alone, where its unasked traffic goes, whether it is kept
 
     async def ensure_initialized(self) -> JSON: ...
 

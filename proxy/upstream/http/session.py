@@ -39,7 +39,7 @@ from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
 from proxy.upstream.http.get_stream import GetStream, SessionGone, StreamEvent
 from proxy.upstream.http.link import HttpLink
 from proxy.upstream.http.request_stream import HttpRequestStream, read_body
-from proxy.upstream.lending import Lending, ListenStreams, Notifications, Sink
+from proxy.upstream.lending import Lending, ListenStreams
 from proxy.upstream.session import (
     CLIENT_CAPABILITIES,
     CLIENT_INFO,
@@ -69,29 +69,9 @@ class HttpSession:
         self.initialize_result: JSON | None = None
         self.in_flight = 0  # calls open on this session right now
         self.listen_streams = ListenStreams(self.request, link.tools_changed)
-        self._lending = Lending(self.listen_streams)  # the call the session is lent to gets its GET-stream traffic
+        self.lending = Lending(self.listen_streams)  # the call the session is lent to gets its GET-stream traffic
         self._get_stream: GetStream | None = None
         self._lock = asyncio.Lock()
-
-    # --- lending (the pool) ---------------------------------------------------------------------------------
-
-    @property
-    def kept(self) -> bool:
-        """It holds upstream work a later proxy process resumes: never ended with DELETE."""
-        return self._lending.kept
-
-    @property
-    def lent(self) -> bool:
-        return self._lending.lessee is not None
-
-    def lend(self, sink: Sink, notifications: Notifications) -> None:
-        self._lending.lend(sink, notifications)
-
-    def take_back(self) -> None:
-        self._lending.take_back()
-
-    def keep(self) -> None:
-        self._lending.keep()
 
     async def request(self, method: str, params: JSON | None) -> JSON:
         return await request(self, method, params)
@@ -250,7 +230,7 @@ class HttpSession:
         """End the upstream session with DELETE (the server may answer 405; that is fine); a kept session is only
         let go (`detach`)."""
         self._stop_listening()
-        if self.kept:
+        if self.lending.kept:  # holds upstream work a later proxy process resumes: never ended with DELETE
             self.detach()
         if self.session_id is None:
             return
@@ -275,7 +255,7 @@ class HttpSession:
             if self.listen_streams.subscriptions:
                 self.link.spawn(self.revive(), "upstream-session-revive")
             return
-        await self._lending.route(event, self.respond, f"outside a request {STANDALONE_REFUSED}")
+        await self.lending.route(event, self.respond, f"outside a request {STANDALONE_REFUSED}")
 
     # --- requests ------------------------------------------------------------------------------------------
 

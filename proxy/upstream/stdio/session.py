@@ -38,7 +38,7 @@ from proxy.upstream.events import (
     UpstreamResult,
     UpstreamServerRequest,
 )
-from proxy.upstream.lending import Lending, ListenStreams, Notifications, Sink
+from proxy.upstream.lending import Lending, ListenStreams
 from proxy.upstream.session import CLIENT_CAPABILITIES, CLIENT_INFO, read_param_headers, read_task_support, request
 from proxy.upstream.stdio.link import StdioLink
 from proxy.upstream.stdio.process import ProcessExit, StdioProcess
@@ -134,7 +134,7 @@ class StdioSession:
         self.initialize_result: JSON | None = None
         self.in_flight = 0
         self.listen_streams = ListenStreams(self.request, link.tools_changed)
-        self._lending = Lending(self.listen_streams)  # a process cannot outlive the proxy: a kept one is stopped too
+        self.lending = Lending(self.listen_streams)  # a process cannot outlive the proxy: a kept one is stopped too
         self.process: StdioProcess | None = None
         self._calls: dict[int, StdioRequestStream] = {}  # request id (also the progress token it carries) → call
         self._asked: set[RequestId] = set()  # the running process's questions not answered yet
@@ -142,25 +142,6 @@ class StdioSession:
         self._lock = asyncio.Lock()
         self._closed = False
         self._generation = 0  # which process callbacks still count: only the latest one's
-
-    # --- lending (the pool) ---------------------------------------------------------------------------------
-
-    @property
-    def kept(self) -> bool:
-        return self._lending.kept
-
-    @property
-    def lent(self) -> bool:
-        return self._lending.lessee is not None
-
-    def lend(self, sink: Sink, notifications: Notifications) -> None:
-        self._lending.lend(sink, notifications)
-
-    def take_back(self) -> None:
-        self._lending.take_back()
-
-    def keep(self) -> None:
-        self._lending.keep()
 
     async def request(self, method: str, params: JSON | None) -> JSON:
         return await request(self, method, params)
@@ -378,7 +359,7 @@ class StdioSession:
         shared process are refused (an elicitation is declined); `ping` is answered."""
         while (event := await queue.get()) is not None:
             try:
-                await self._lending.route(event, self.respond, UNSOLICITED_REFUSED)
+                await self.lending.route(event, self.respond, UNSOLICITED_REFUSED)
             except UpstreamError as exc:
                 log.info("upstream_answer_not_delivered", error=exc.message)
 
