@@ -23,8 +23,9 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.harness import MODERN_VERSION, TASKS, Process, Row, start_proxy, start_upstream
+from benchmarks.harness import TASKS, Process, Row, start_proxy, start_upstream
 from tests import pg
+from tests.support.wire import modern_body, modern_headers
 
 LEASE_SECONDS = 5.0
 STALE_SECONDS = 0.5  # how long the endpoint list still names a replica after its SIGTERM
@@ -83,19 +84,8 @@ class Balancer:
 
     async def post(self, method: str, params: dict[str, Any], *, declares: bool, name: str) -> dict[str, Any]:
         capabilities: dict[str, Any] = {"extensions": {TASKS: {}}} if declares else {}
-        meta = {
-            "io.modelcontextprotocol/protocolVersion": MODERN_VERSION,
-            "io.modelcontextprotocol/clientCapabilities": capabilities,
-        }
-        request = {"jsonrpc": "2.0", "id": next(self.ids), "method": method, "params": {**params, "_meta": meta}}
-        body = json.dumps(request)
-        headers = {
-            "Content-Type": "application/json",
-            "Accept": "application/json, text/event-stream",
-            "MCP-Protocol-Version": MODERN_VERSION,
-            "Mcp-Method": method,
-            "Mcp-Name": name,
-        }
+        body = json.dumps(modern_body(method, params, request_id=next(self.ids), capabilities=capabilities))
+        headers = modern_headers(method, name)
         for _ in range(4):
             url = self.urls[next(self._turn) % len(self.urls)]
             try:

@@ -25,6 +25,7 @@ import aiohttp
 
 from benchmarks.loadgen import HttpClient
 from proxy.wire.sse import SSEParser
+from tests.support.wire import modern_body, modern_headers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,7 +36,6 @@ TASKS = "io.modelcontextprotocol/tasks"
 LEGACY_VERSION = "2025-11-25"
 
 
-MODERN_VERSION = "2026-07-28"
 
 
 def free_port() -> int:
@@ -186,19 +186,8 @@ class ModernClient:
 
     async def post(self, method: str, params: dict[str, Any], name: str | None = None) -> dict[str, Any]:
         self.ids += 1
-        meta = {
-            "io.modelcontextprotocol/protocolVersion": MODERN_VERSION,
-            "io.modelcontextprotocol/clientCapabilities": self.capabilities,
-        }
-        body = {"jsonrpc": "2.0", "id": self.ids, "method": method, "params": {**params, "_meta": meta}}
-        headers = {
-            "Content-Type": "application/json",
-            "Accept": "application/json, text/event-stream",
-            "MCP-Protocol-Version": MODERN_VERSION,
-            "Mcp-Method": method,
-        }
-        if name is not None:
-            headers["Mcp-Name"] = name
+        body = modern_body(method, params, request_id=self.ids, capabilities=self.capabilities)
+        headers = modern_headers(method, name)
         message: dict[str, Any] = (await self.http.post(json.dumps(body).encode(), headers)).json()
         if "error" in message:
             raise RuntimeError(f"{method}: {message['error']}")
@@ -352,17 +341,9 @@ def _settled_ms_ago(task: dict[str, Any]) -> float:
 
 
 async def _follow(http: aiohttp.ClientSession, url: str, task_id: str) -> float:
-    meta = {
-        "io.modelcontextprotocol/protocolVersion": MODERN_VERSION,
-        "io.modelcontextprotocol/clientCapabilities": {"extensions": {TASKS: {}}},
-    }
-    params = {"notifications": {"taskIds": [task_id]}, "_meta": meta}
-    body = {"jsonrpc": "2.0", "id": "push", "method": "subscriptions/listen", "params": params}
-    headers = {
-        "Accept": "application/json, text/event-stream",
-        "MCP-Protocol-Version": MODERN_VERSION,
-        "Mcp-Method": "subscriptions/listen",
-    }
+    params = {"notifications": {"taskIds": [task_id]}}
+    body = modern_body("subscriptions/listen", params, request_id="push", capabilities={"extensions": {TASKS: {}}})
+    headers = modern_headers("subscriptions/listen")
     parser = SSEParser()
     async with http.post(url, json=body, headers=headers) as response:
         async for chunk in response.content.iter_any():
