@@ -36,8 +36,6 @@ TASKS = "io.modelcontextprotocol/tasks"
 LEGACY_VERSION = "2025-11-25"
 
 
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

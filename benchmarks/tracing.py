@@ -29,6 +29,7 @@ from benchmarks.harness import (
     ModernClient,
     Process,
     Row,
+    Sample,
     free_port,
     interleaved,
     measure,
@@ -70,6 +71,28 @@ async def _spans_received(receiver: Process) -> int:
         return int(await response.text())
 
 
+async def side_by_side(
+    base: Process, via: Process, quick: bool, settle_seconds: float = 0
+) -> tuple[Sample, Sample, float, float]:
+    """Both proxies warmed, then modern sync echo batches interleaved at concurrency 16: each side's sample and
+    its proxy CPU per call (ms), read `settle_seconds` after the last batch."""
+    clients = ModernClient(base.url), ModernClient(via.url)
+    try:
+        for client in clients:
+            await measure(client.echo, 50, 16)
+        cpu = (base.cpu_seconds(), via.cpu_seconds())
+        base_sample, via_sample = await interleaved(
+            clients[0].echo, clients[1].echo, count=600 if quick else 3000, concurrency=16
+        )
+        await asyncio.sleep(settle_seconds)
+        base_cpu = (base.cpu_seconds() - cpu[0]) * 1000 / base_sample.count
+        via_cpu = (via.cpu_seconds() - cpu[1]) * 1000 / via_sample.count
+        return base_sample, via_sample, base_cpu, via_cpu
+    finally:
+        for client in clients:
+            client.close()
+
+
 SAMPLED: Final = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
 NEVER_SAMPLED: Final = {"OTEL_TRACES_SAMPLER": "always_off"}
 
@@ -79,19 +102,10 @@ async def on_off_row(upstream: Process, workdir: Path, quick: bool, sampler: dic
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_SERVICE_NAME": "bench", "OTEL_BSP_SCHEDULE_DELAY": "500"}
     traced = await start_traced_proxy(upstream, workdir, "traced", {**otel, **sampler})
     plain = await start_traced_proxy(upstream, workdir, "untraced", {})
-    on, off = ModernClient(traced.url), ModernClient(plain.url)
     try:
-        await measure(on.echo, 50, 16)
-        await measure(off.echo, 50, 16)
-        cpu_before = (plain.cpu_seconds(), traced.cpu_seconds())
-        base, via = await interleaved(off.echo, on.echo, count=600 if quick else 3000, concurrency=16)
-        await asyncio.sleep(1.5)  # a batch or two of the exporter
-        cpu_off = (plain.cpu_seconds() - cpu_before[0]) * 1000 / base.count
-        cpu_on = (traced.cpu_seconds() - cpu_before[1]) * 1000 / via.count
+        base, via, cpu_off, cpu_on = await side_by_side(plain, traced, quick, settle_seconds=1.5)  # an export or two
         exports = await _spans_received(receiver)
     finally:
-        on.close()
-        off.close()
         traced.stop()
         plain.stop()
         receiver.stop()
@@ -135,17 +149,9 @@ async def off_vs_baseline_row(upstream: Process, workdir: Path, quick: bool, ref
         return Row(name, f"not measured: {ref} cannot be read from git", f">= {TARGET_OFF}x", None, {})
     current = await start_traced_proxy(upstream, workdir, "current", {})
     baseline = await start_traced_proxy(upstream, workdir, "baseline", {}, cwd=tree)
-    now, before = ModernClient(current.url), ModernClient(baseline.url)
     try:
-        await measure(now.echo, 50, 16)
-        await measure(before.echo, 50, 16)
-        cpu_before = (baseline.cpu_seconds(), current.cpu_seconds())
-        base, via = await interleaved(before.echo, now.echo, count=600 if quick else 3000, concurrency=16)
-        cpu_base = (baseline.cpu_seconds() - cpu_before[0]) * 1000 / base.count
-        cpu_now = (current.cpu_seconds() - cpu_before[1]) * 1000 / via.count
+        base, via, cpu_base, cpu_now = await side_by_side(baseline, current, quick)
     finally:
-        now.close()
-        before.close()
         current.stop()
         baseline.stop()
     ratio = via.rate / base.rate
