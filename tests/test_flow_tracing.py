@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from proxy import tracing
+from proxy import tracing, tracing_setup
 from tests import pg
 from tests.support.clients import Client, ClientFactory, Tasks
 from tests.support.processes import key_file, stdio_upstream
@@ -36,9 +36,9 @@ META_TRACEPARENT = f"00-{META_TRACE}-{META_SPAN}-01"
 @pytest.fixture
 def spans() -> Iterator[InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    assert tracing.configure(environ={}, processor=SimpleSpanProcessor(exporter))
+    assert tracing_setup.configure(environ={}, processor=SimpleSpanProcessor(exporter))
     yield exporter
-    tracing.shutdown()
+    tracing_setup.shutdown()
 
 
 @pytest.fixture(params=["http", "stdio"])
