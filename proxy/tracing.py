@@ -263,9 +263,11 @@ def client_span(
     if _tracer is None:
         return _CLIENT_OFF
     current = trace.get_current_span()
-    if not current.is_recording() and current.get_span_context().is_valid:
+    context = current.get_span_context()
+    if context.is_valid and not context.trace_flags.sampled and not current.is_recording():
         # Below an unsampled span no sampler the OTEL_* environment can name records a child: the upstream gets
-        # the unsampled context as it is, with no span started for it.
+        # the unsampled context as it is, with no span started for it. (A sampled span that has ended, the
+        # request that created a task, still parents the upstream requests of the task's work.)
         return contextlib.nullcontext(ClientSpan(current))
     return _client_span(_tracer, method, params, transport, protocol_version)
 

@@ -21,9 +21,17 @@ from opentelemetry.trace import SpanKind, StatusCode
 from proxy import tracing, tracing_setup
 from tests import pg
 from tests.support.clients import Client, ClientFactory, Tasks
-from tests.support.processes import key_file, stdio_upstream
+from tests.support.processes import Upstream, key_file, stdio_upstream
 from tests.support.waiting import until
-from tests.support.wire import DECLARING, modern_body, modern_headers, policies, read_messages, result_text
+from tests.support.wire import (
+    DECLARING,
+    TASKING,
+    modern_body,
+    modern_headers,
+    policies,
+    read_messages,
+    result_text,
+)
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -85,6 +93,11 @@ def hex_trace(span: ReadableSpan) -> str:
 
 def parent_of(span: ReadableSpan) -> str | None:
     return None if span.parent is None else format(span.parent.span_id, "016x")
+
+
+def server(spans: list[ReadableSpan]) -> ReadableSpan:
+    [found] = [span for span in spans if span.kind is SpanKind.SERVER]
+    return found
 
 
 async def test_one_trace_from_the_client_through_the_proxy_to_the_upstream(
@@ -352,3 +365,28 @@ async def test_a_push_is_an_event_on_the_listen_streams_span(
     assert pushed[-1].attributes is not None
     assert pushed[-1].attributes["mcp.task.status"] == "completed"
     assert listen.status.status_code is not StatusCode.ERROR  # the client closing its stream is no failure
+
+
+async def test_upstream_requests_sent_after_the_creating_request_ended_are_client_spans_in_its_trace(
+    spans: InMemorySpanExporter, tasks_client: ClientFactory, legacy_task_upstream: Upstream
+) -> None:
+    """A task the upstream runs itself waits for an answer; meanwhile the proxy polls the upstream's task with
+    tasks/get at its poll interval, after the request that created the task ended: each poll is a CLIENT span
+    of the task, in the creating trace."""
+    client = await tasks_client(legacy_task_upstream.url)
+    headers = {"traceparent": CLIENT_TRACEPARENT}
+    task_id = await client.create("legacy_task_elicit", capabilities=TASKING, headers=headers)
+    await client.until(task_id, lambda task: task["status"] == "input_required")
+    polls = await eventually(spans, "tasks/get", kind=SpanKind.CLIENT)
+    answer = {"elicitation-1": {"action": "accept", "content": {"name": "Bo"}}}
+    status, ack = await client.post("tasks/update", {"taskId": task_id, "inputResponses": answer})
+    assert status == 200, ack
+    assert result_text(await client.settled(task_id)) == "Hello, Bo!"
+    created = server(await eventually(spans, "tools/call legacy_task_elicit", 2))
+    for poll in polls:
+        assert hex_trace(poll) == CLIENT_TRACE
+        assert poll.attributes is not None
+        assert poll.attributes[tracing.TASK_ID] == task_id
+        assert poll.start_time is not None
+        assert created.end_time is not None
+        assert poll.start_time > created.end_time
