@@ -1,7 +1,8 @@
 """Trace context in and out of the proxy, and what spans are named after: the context a client's request
 carries (HTTP headers, `params._meta`), the current context written into what goes upstream (headers,
-`_meta`, a relayed request's headers), and the low-cardinality target of a span name. No span is started
-here and nothing is kept. Imports the OpenTelemetry API only; `tracing` builds the spans with these.
+`_meta`, a relayed request's headers), a span context as the W3C traceparent a task record keeps and back,
+and the low-cardinality target of a span name. No span is started here and nothing is kept. Imports the
+OpenTelemetry API only; `tracing` builds the spans with these.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from typing import Any, Final
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
+from opentelemetry.trace import SpanContext
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 TRACE_KEYS: Final = ("traceparent", "tracestate", "baggage")  # W3C keys, in HTTP headers and in `_meta`
+_W3C: Final = TraceContextTextMapPropagator()  # a stored context is W3C, whatever OTEL_PROPAGATORS says
 
 
 def text(value: object) -> str | None:
@@ -65,3 +69,16 @@ def replace_with_current(carrier: MutableMapping[str, str]) -> None:
         if key in carrier:
             del carrier[key]  # every value of it, on a multidict
     propagate.inject(carrier)
+
+
+def traceparent_of(context: SpanContext) -> str:
+    """`context` as a W3C traceparent (what a task record keeps of the span that created it)."""
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+
+
+def span_context_of(traceparent: str | None) -> SpanContext | None:
+    """The span context a stored W3C traceparent names, if a valid one."""
+    if not traceparent:
+        return None
+    context = trace.get_current_span(_W3C.extract({"traceparent": traceparent})).get_span_context()
+    return context if context.is_valid else None

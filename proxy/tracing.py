@@ -14,14 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, MutableMapping
 from typing import Any, Final, TypeVar
 
 import structlog
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from proxy.errors import ProxyError
 from proxy.trace_context import (
@@ -29,19 +28,19 @@ from proxy.trace_context import (
     headers_with_current,
     params_with_current,
     replace_with_current,
+    span_context_of,
     span_name,
     target_of,
     text,
+    traceparent_of,
 )
 
 _T = TypeVar("_T")
 TASK_METHODS: Final = frozenset({"tasks/get", "tasks/update", "tasks/cancel", "tasks/result"})
 TASK_ID: Final = "mcp.task.id"  # no semantic convention names a task id yet
-REMEMBERED_TASKS: Final = 10_000  # creating span contexts kept for links from tasks/get|update|cancel
 PROTOCOL_VERSION_META_KEY: Final = "io.modelcontextprotocol/protocolVersion"
 
 _tracer: trace.Tracer | None = None  # None: tracing is off
-_created: OrderedDict[str, SpanContext] = OrderedDict()  # task id -> the span that created it (bounded)
 # The task id of the call whose background work runs in this context (read when its CLIENT spans end).
 _work_task: contextvars.ContextVar[Callable[[], str | None]] = contextvars.ContextVar("mcp_background_task")
 # What the current request is about, for spans below it that only see bytes (the legacy pass-through).
@@ -55,7 +54,6 @@ def install(tracer: trace.Tracer | None) -> None:
     """Turn tracing on with `tracer` (`tracing_setup` builds it from the OTEL_* environment), or off with None."""
     global _tracer
     _tracer = tracer
-    _created.clear()
 
 
 def enabled() -> bool:
@@ -110,12 +108,17 @@ def _failed(span: Span, error_type: str) -> None:
 
 
 def server_span(
-    headers: Mapping[str, str], message: object, *, era: str, http_method: str = "POST", peer: str | None = None
+    headers: Mapping[str, str],
+    message: object,
+    *,
+    era: str,
+    http_method: str = "POST",
+    peer: str | None = None,
 ) -> contextlib.AbstractContextManager[ServerSpan]:
     """The SERVER span of one request. Its parent is the client's trace context from `params._meta` when
     there is one there (the MCP conventions' carrier), else from the HTTP headers; when both are present and
-    differ, the HTTP one becomes a link. `tasks/*` spans carry the task id and link to the span that created
-    the task, when this process remembers it."""
+    differ, the HTTP one becomes a link. `tasks/*` spans carry the task id (`task_read` links them to the span
+    that created the task)."""
     if _tracer is None:
         return _SERVER_OFF
     return _server_span(_tracer, headers, message, era, http_method, peer)
@@ -199,9 +202,7 @@ def _describe_server_span(
         if (request_id := decoded.get("id")) is not None:
             attributes["jsonrpc.request.id"] = str(request_id)
         if method in TASK_METHODS and (task_id := text(params.get("taskId"))) is not None:
-            attributes[TASK_ID] = task_id
-            if (created := _created.get(task_id)) is not None:
-                span.add_link(created, {"mcp.link": "task_created"})
+            attributes[TASK_ID] = task_id  # the link to the creating span comes once the record is read
     version = headers.get("MCP-Protocol-Version") or text(meta.get(PROTOCOL_VERSION_META_KEY))
     if version is None and method == "initialize":
         version = text(params.get("protocolVersion"))
@@ -350,24 +351,40 @@ async def _background(work: Coroutine[Any, Any, None], task_id: Callable[[], str
 
 
 def task_created(task_id: str) -> None:
-    """The current span created the task: it carries the id, and later tasks/* spans link to it."""
+    """The current span created the task: it carries the id (and a `task_created` event)."""
     if _tracer is None:
         return
     span = trace.get_current_span()
-    if not span.is_recording():  # an unsampled trace: nothing to link to later
+    if span.is_recording():
+        span.set_attribute(TASK_ID, task_id)
+        span.add_event("task_created", {TASK_ID: task_id})
+
+
+def creating_context() -> str | None:
+    """The current span's context as a W3C traceparent, stored with the task it creates (whatever
+    OTEL_PROPAGATORS says): later spans about the task link to it, on any replica and after a restart, and work
+    resumed after a restart goes on in its trace. Unsampled too, so that resumed work stays unsampled."""
+    if _tracer is None:
+        return None
+    context = trace.get_current_span().get_span_context()
+    return traceparent_of(context) if context.is_valid else None
+
+
+def _link_created(span: Span, traceparent: str | None) -> None:
+    """A link from `span` to the span that created the task, when that one was sampled (recorded)."""
+    created = span_context_of(traceparent)
+    if created is not None and created.trace_flags.sampled:
+        span.add_link(created, {"mcp.link": "task_created"})
+
+
+def task_read(traceparent: str | None) -> None:
+    """The current request (tasks/get, tasks/update, tasks/cancel) read the record of a task created under
+    `traceparent`: its span links to the creating span."""
+    if _tracer is None:
         return
-    context = span.get_span_context()
-    span.set_attribute(TASK_ID, task_id)
-    span.add_event("task_created", {TASK_ID: task_id})
-    _created[task_id] = context
-    while len(_created) > REMEMBERED_TASKS:
-        _created.popitem(last=False)
-
-
-def created_link(task_id: str) -> list[Link]:
-    """A link to the span that created `task_id`, if this process remembers it."""
-    context = _created.get(task_id) if _tracer is not None else None
-    return [] if context is None else [Link(context, {"mcp.link": "task_created"})]
+    span = trace.get_current_span()
+    if span.is_recording():
+        _link_created(span, traceparent)
 
 
 def event(name: str, attributes: Mapping[str, str | int | bool]) -> None:
@@ -380,22 +397,60 @@ def event(name: str, attributes: Mapping[str, str | int | bool]) -> None:
         span.add_event(name, attributes)
 
 
-def linked(work: Coroutine[Any, Any, None], name: str, task_id: str) -> Coroutine[Any, Any, None]:
+def linked(
+    work: Coroutine[Any, Any, None], name: str, task_id: str, traceparent: str | None
+) -> Coroutine[Any, Any, None]:
     """`work` done here for a task on another's behalf (a cancel or an answer that reached the task's owner
-    through the store, from another replica) inside an INTERNAL span linked to the span that created the task."""
+    through the store, from another replica) inside an INTERNAL span of its own trace, linked to the span that
+    created the task (`traceparent`, as stored with it)."""
     if _tracer is None:
         return work
-    return _linked(_tracer, work, name, task_id)
+    return _linked(_tracer, work, name, task_id, traceparent)
 
 
-async def _linked(tracer: trace.Tracer, work: Coroutine[Any, Any, None], name: str, task_id: str) -> None:
+async def _linked(
+    tracer: trace.Tracer, work: Coroutine[Any, Any, None], name: str, task_id: str, traceparent: str | None
+) -> None:
     span = tracer.start_span(name, context=Context(), kind=SpanKind.INTERNAL)
     if span.is_recording():
         span.set_attribute(TASK_ID, task_id)
-        for link in created_link(task_id):
-            span.add_link(link.context, link.attributes)
-    with trace.use_span(span, end_on_exit=True):
+        _link_created(span, traceparent)
+    with _current(span):
         await work
+
+
+def resumed(name: str, task_id: str, traceparent: str | None) -> contextlib.AbstractContextManager[None]:
+    """While the work of a task a previous process or a dead replica left is started again here: an INTERNAL
+    span `name`, child of the span that created the task (`traceparent`, as stored), so that the task goes on
+    in its creating trace and the upstream CLIENT spans of the resumed work are its children. A task stored
+    without a context (created with tracing off) starts a trace of its own."""
+    if _tracer is None:
+        return contextlib.nullcontext()
+    return _resumed(_tracer, name, task_id, traceparent)
+
+
+@contextlib.contextmanager
+def _resumed(tracer: trace.Tracer, name: str, task_id: str, traceparent: str | None) -> Iterator[None]:
+    created = span_context_of(traceparent)
+    parent = Context() if created is None else trace.set_span_in_context(trace.NonRecordingSpan(created), Context())
+    span = tracer.start_span(name, context=parent, kind=SpanKind.INTERNAL)
+    if span.is_recording():
+        span.set_attribute(TASK_ID, task_id)
+    with _current(span):
+        yield
+
+
+@contextlib.contextmanager
+def _current(span: Span) -> Iterator[None]:
+    """`span` current until it ends; a failure names its exception class only (a message may quote content)."""
+    with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False):
+        try:
+            yield
+        except asyncio.CancelledError:
+            raise  # stopped (a shutdown, a lease lost): no failure of its own
+        except BaseException as error:
+            _failed(span, type(error).__qualname__)
+            raise
 
 
 # --- logs -------------------------------------------------------------------------------------------------

@@ -103,12 +103,21 @@ async def test_every_helper_passes_through_when_tracing_is_off() -> None:
 
     coroutine = work()
     assert tracing.background(coroutine, lambda: None) is coroutine
-    assert tracing.linked(coroutine, "x", "task") is coroutine
+    assert (
+        tracing.linked(coroutine, "x", "task", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01") is coroutine
+    )
     await coroutine
+    assert tracing.creating_context() is None  # nothing is stored with a task
+    tracing.task_read("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    with tracing.resumed("task re-run", "task", None) as nothing:
+        assert nothing is None
     assert tracing.add_trace_ids(None, "info", {"event": "x"}) == {"event": "x"}
 
 
 def test_an_unsampled_request_records_nothing_yet_passes_its_trace_upstream() -> None:
+    """Also for a task it creates: the unsampled context is stored with the task, so work resumed after a
+    restart stays unsampled (yet passes its trace upstream), and later requests about the task link to nothing
+    (the creating span was never recorded)."""
     exporter = InMemorySpanExporter()
     tracing_setup.configure({}, SimpleSpanProcessor(exporter))
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -118,12 +127,32 @@ def test_an_unsampled_request_records_nothing_yet_passes_its_trace_upstream() ->
         with tracing.client_span("tools/call", message["params"], transport="tcp") as upstream:
             sent = upstream.headers({"traceparent": "the client's"})
         tracing.task_created("task-1")
+        stored = tracing.creating_context()
         server.reply({"error": {"code": -32602}})
     assert sent is not None
     version, sent_trace, _, flags = sent["traceparent"].split("-")
     assert (version, sent_trace, flags) == ("00", trace_id, "00")
     assert exporter.get_finished_spans() == ()
-    assert tracing.created_link("task-1") == []
+    assert stored is not None
+    version, stored_trace, _, flags = stored.split("-")
+    assert (version, stored_trace, flags) == ("00", trace_id, "00")
+
+    with (
+        tracing.resumed("task re-run", "task-1", stored),
+        tracing.client_span("tools/call", message["params"], transport="tcp") as upstream,
+    ):
+        resent = upstream.headers(None)
+    assert resent is not None
+    version, resent_trace, _, flags = resent["traceparent"].split("-")
+    assert (version, resent_trace, flags) == ("00", trace_id, "00")
+    assert exporter.get_finished_spans() == ()
+
+    get = {"jsonrpc": "2.0", "id": 2, "method": "tasks/get", "params": {"taskId": "task-1"}}
+    with tracing.server_span({}, get, era="modern"):  # a trace of its own, sampled
+        tracing.task_read(stored)
+    [read] = exporter.get_finished_spans()
+    assert read.name == "tasks/get"
+    assert list(read.links) == []
 
 
 def test_spans_are_exported_in_big_batches_unless_the_environment_sizes_them(
