@@ -114,14 +114,16 @@ def server_span(
     era: str,
     http_method: str = "POST",
     peer: str | None = None,
+    start_time: int | None = None,
 ) -> contextlib.AbstractContextManager[ServerSpan]:
-    """The SERVER span of one request. Its parent is the client's trace context from `params._meta` when
-    there is one there (the MCP conventions' carrier), else from the HTTP headers; when both are present and
-    differ, the HTTP one becomes a link. `tasks/*` spans carry the task id (`task_read` links them to the span
-    that created the task)."""
+    """The SERVER span of one request (`message` None: no JSON-RPC message was read, the span is named after
+    `http_method`), from `start_time` (epoch ns) if given. Its parent is the client's trace context from
+    `params._meta` when there is one there (the MCP conventions' carrier), else from the HTTP headers; when
+    both are present and differ, the HTTP one becomes a link. `tasks/*` spans carry the task id (`task_read`
+    links them to the span that created the task)."""
     if _tracer is None:
         return _SERVER_OFF
-    return _server_span(_tracer, headers, message, era, http_method, peer)
+    return _server_span(_tracer, headers, message, era, http_method, peer, start_time)
 
 
 @contextlib.contextmanager
@@ -132,6 +134,7 @@ def _server_span(
     era: str,
     http_method: str,
     peer: str | None,
+    start_time: int | None,
 ) -> Iterator[ServerSpan]:
     decoded: Mapping[str, Any] = message if isinstance(message, dict) else {}
     method = text(decoded.get("method"))
@@ -147,6 +150,7 @@ def _server_span(
         method or http_method,
         context=from_meta or from_headers,
         kind=SpanKind.SERVER,
+        start_time=start_time,
         record_exception=False,
         set_status_on_exception=False,
     )
@@ -191,7 +195,7 @@ def _describe_server_span(
     if peer:
         attributes["client.address"] = peer
     target: str | None = None
-    if method is None:  # a legacy GET stream or DELETE: no JSON-RPC message
+    if method is None:  # no JSON-RPC message: a GET, a DELETE, a body not read or not JSON
         attributes["http.request.method"] = http_method
     else:
         attributes["mcp.method.name"] = method

@@ -2,7 +2,8 @@
 Streamable HTTP and over stdio. One trace runs from the client's context through the proxy's SERVER span, a
 call's background work and the CLIENT span to what the upstream received; tasks/* spans carry the task id and
 link to the span that created the task, also on another replica and after a restart, where the task's work
-goes on in its creating trace; nothing the client sent as content ends up in a span.
+goes on in its creating trace; requests refused before any JSON-RPC message was read have their SERVER span
+too; nothing the client sent as content ends up in a span.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tests.support.processes import Upstream, key_file, stdio_upstream
 from tests.support.waiting import until
 from tests.support.wire import (
     DECLARING,
+    HEADERS,
     TASKING,
     modern_body,
     modern_headers,
@@ -504,3 +506,56 @@ async def test_upstream_requests_sent_after_the_creating_request_ended_are_clien
         assert poll.start_time is not None
         assert created.end_time is not None
         assert poll.start_time > created.end_time
+
+
+MODERN_GET = {"MCP-Protocol-Version": "2026-07-28", "traceparent": CLIENT_TRACEPARENT}
+MODERN_POST = modern_headers("tools/call", "echo", traceparent=CLIENT_TRACEPARENT)
+LEGACY_POST = {**HEADERS, "traceparent": CLIENT_TRACEPARENT}
+TOO_LARGE = json.dumps(modern_body("tools/call", {"name": "echo", "arguments": {"text": "x" * 2000}})).encode()
+
+
+@pytest.mark.parametrize(
+    ("http_method", "headers", "body", "status", "error_type", "era"),
+    [
+        ("GET", MODERN_GET, None, 405, "-32600", "modern"),
+        ("DELETE", MODERN_GET, None, 405, "-32600", "modern"),
+        ("POST", modern_headers("tools/list", traceparent=CLIENT_TRACEPARENT), b"{not json", 400, "-32700", "modern"),
+        (
+            "POST",
+            modern_headers("tools/call", "echo", traceparent=CLIENT_TRACEPARENT),
+            TOO_LARGE,
+            413,
+            "-32600",
+            "modern",
+        ),
+        ("POST", {**HEADERS, "traceparent": CLIENT_TRACEPARENT}, TOO_LARGE, 413, "-32600", "legacy"),
+    ],
+    ids=["modern-get-405", "modern-delete-405", "modern-not-json", "modern-too-large", "legacy-too-large"],
+)
+async def test_a_request_refused_before_its_message_is_read_has_a_server_span_naming_the_error(
+    spans: InMemorySpanExporter,
+    make_proxy: Any,
+    upstream: Upstream,
+    http_method: str,
+    headers: dict[str, str],
+    body: bytes | None,
+    status: int,
+    error_type: str,
+    era: str,
+) -> None:
+    client: Client = await make_proxy(upstream.url, security={"max_body_bytes": 1024})
+    async with client.request(http_method, "/mcp", headers=headers, data=body) as response:
+        assert response.status == status
+        message = await response.json()
+    assert str(message["error"]["code"]) == error_type
+    [span] = await eventually(spans, http_method, kind=SpanKind.SERVER)
+    assert parent_of(span) == CLIENT_SPAN
+    assert hex_trace(span) == CLIENT_TRACE
+    assert span.attributes is not None
+    assert span.attributes["mcp.era"] == era
+    assert span.attributes["http.request.method"] == http_method
+    assert span.attributes["error.type"] == error_type
+    assert span.attributes["rpc.response.status_code"] == error_type
+    assert span.attributes["client.address"] == "127.0.0.1"
+    assert "mcp.method.name" not in span.attributes
+    assert span.status.status_code is StatusCode.ERROR
