@@ -11,6 +11,7 @@ import asyncio
 import ipaddress
 import time
 from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractContextManager
 from typing import Final
 
 import aiohttp
@@ -45,6 +46,7 @@ from proxy.errors import (
     MethodNotAllowedError,
     ParseError,
     PayloadTooLargeError,
+    ProxyError,
     UnauthorizedError,
     UpstreamError,
 )
@@ -182,39 +184,53 @@ async def _read_body(request: web.Request) -> bytes:
 
 
 async def handle_mcp(request: web.Request) -> web.StreamResponse:
+    """Every request gets its SERVER span, from its arrival here (its body read included), refused ones too."""
+    arrived = time.time_ns() if tracing.enabled() else None
     if request.method != "POST":
         if request.method in ("GET", "DELETE") and is_modern(request.headers, None):
             # A modern client has no GET stream and no session to delete.
             request[ERA] = "modern"
-            raise MethodNotAllowedError()
+            with _server_span(request, None, "modern", arrived):
+                raise MethodNotAllowedError()
         request[ERA] = "legacy"
-        return await _relay(request, None, None)
-    body = await _read_body(request)
+        return await _relay(request, None, None, arrived)
+    try:
+        body = await _read_body(request)
+    except ProxyError:  # too large, or not in time: the era as the headers tell it
+        with _server_span(request, None, "modern" if is_modern(request.headers, None) else "legacy", arrived):
+            raise
     try:
         decoded = jsonrpc.loads(body)
     except ParseError:
         if is_modern(request.headers, None):
             request[ERA] = "modern"
-            raise
+            with _server_span(request, None, "modern", arrived):
+                raise
         request[ERA] = "legacy"
         request.app[DRAIN].check_legacy(request, None)
-        return await _relay(request, body, None)
+        return await _relay(request, body, None, arrived)
     if not is_modern(request.headers, decoded):
         request[ERA] = "legacy"
         if isinstance(decoded, dict) and isinstance(decoded.get("method"), str):
             request[MCP_METHOD] = decoded["method"]
         request.app[DRAIN].check_legacy(request, decoded)
-        return await _relay(request, body, decoded)
+        return await _relay(request, body, decoded, arrived)
     request[ERA] = "modern"
-    with tracing.server_span(request.headers, decoded, era="modern", peer=request.remote):
+    with _server_span(request, decoded, "modern", arrived):
         return await serve_modern(request, decoded)
 
 
-async def _relay(request: web.Request, body: bytes | None, decoded: object) -> web.StreamResponse:
+def _server_span(
+    request: web.Request, decoded: object, era: str, arrived: int | None
+) -> AbstractContextManager[tracing.ServerSpan]:
+    return tracing.server_span(
+        request.headers, decoded, era=era, http_method=request.method, peer=request.remote, start_time=arrived
+    )
+
+
+async def _relay(request: web.Request, body: bytes | None, decoded: object, arrived: int | None) -> web.StreamResponse:
     """A legacy client's request, in its SERVER span."""
-    with tracing.server_span(
-        request.headers, decoded, era="legacy", http_method=request.method, peer=request.remote
-    ) as span:
+    with _server_span(request, decoded, "legacy", arrived) as span:
         response = await request.app[PASSTHROUGH].relay(request, body)
         span.status(response.status)
         return response

@@ -146,7 +146,7 @@ def serve(config: Config, path: str | None = None, overrides: dict[str, dict[str
 
     import structlog
 
-    from proxy import tracing
+    from proxy import tracing_setup
     from proxy.app import create_app
     from proxy.drain import serve as serve_app
     from proxy.live_config import LiveConfig
@@ -167,7 +167,7 @@ def serve(config: Config, path: str | None = None, overrides: dict[str, dict[str
     # Everything is closed: the interpreter's last collections need not walk every object the imports made
     # (about 0.3 s of CPU, most of an idle stop).
     gc.freeze()
-    tracing.shutdown()  # exports the spans still buffered
+    tracing_setup.shutdown()  # exports the spans still buffered
 
 
 def new_event_loop(choice: str) -> asyncio.AbstractEventLoop:
@@ -283,15 +283,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "tasks":
         return tasks_command(args)
-    from proxy import tracing
+    from proxy import tracing_setup
 
     overrides = flag_overrides(args)
     try:
         config = load_config(args.config, overrides=overrides)
-        tracing.configure()  # from the OTEL_* environment; off when it names no exporter or endpoint
+        tracing_setup.configure()  # from the OTEL_* environment; off when it names no exporter or endpoint
     except ConfigError as error:
         return _report(error)
-    except tracing.TracingConfigError as error:  # an unsupported OTEL_* setting stops the start, as config does
+    except tracing_setup.TracingConfigError as error:  # an unsupported OTEL_* setting stops the start, as config does
         return _report(ConfigError("OTEL_* environment", [str(error)]))
     serve(config, args.config, overrides)
     return 0

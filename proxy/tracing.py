@@ -1,10 +1,12 @@
-"""OpenTelemetry tracing: set up from the standard OTEL_* environment, and the spans of the MCP semantic
-conventions (https://opentelemetry.io/docs/specs/semconv/gen-ai/mcp/): a SERVER span per request, a CLIENT
-span per upstream request (its context goes upstream), the background work of a call, events for questions,
-answers, MRTR rounds and push. Off (every helper a no-op returning at its first line) unless configured.
+"""OpenTelemetry tracing: the spans of the MCP semantic conventions
+(https://opentelemetry.io/docs/specs/semconv/gen-ai/mcp/): a SERVER span per request, a CLIENT span per
+upstream request (its context goes upstream), the background work of a call, events for questions, answers,
+MRTR rounds and push. Off (every helper a no-op returning at its first line) until `tracing_setup` installs a
+tracer from the OTEL_* environment.
 
 Never recorded: argument values, results, question or answer content, header values, credentials. Imports
-OpenTelemetry, structlog and `errors`; nothing of aiohttp, the front, the tasks or the upstream.
+the OpenTelemetry API (not the SDK), structlog, `errors` and `trace_context` (the context in and out); nothing
+of aiohttp, the front, the tasks or the upstream.
 """
 
 from __future__ import annotations
@@ -12,32 +14,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import os
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, MutableMapping
 from typing import Any, Final, TypeVar
 
 import structlog
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from proxy.errors import ProxyError
+from proxy.trace_context import (
+    carried,
+    headers_with_current,
+    params_with_current,
+    replace_with_current,
+    span_context_of,
+    span_name,
+    target_of,
+    text,
+    traceparent_of,
+)
 
 _T = TypeVar("_T")
-DEFAULT_SERVICE_NAME: Final = "mcp-tasks-proxy"
-TRACE_KEYS: Final = ("traceparent", "tracestate", "baggage")  # W3C keys, in HTTP headers and in `_meta`
 TASK_METHODS: Final = frozenset({"tasks/get", "tasks/update", "tasks/cancel", "tasks/result"})
 TASK_ID: Final = "mcp.task.id"  # no semantic convention names a task id yet
-REMEMBERED_TASKS: Final = 10_000  # creating span contexts kept for links from tasks/get|update|cancel
 PROTOCOL_VERSION_META_KEY: Final = "io.modelcontextprotocol/protocolVersion"
 
 _tracer: trace.Tracer | None = None  # None: tracing is off
-_provider: TracerProvider | None = None
-_created: OrderedDict[str, SpanContext] = OrderedDict()  # task id -> the span that created it (bounded)
 # The task id of the call whose background work runs in this context (read when its CLIENT spans end).
 _work_task: contextvars.ContextVar[Callable[[], str | None]] = contextvars.ContextVar("mcp_background_task")
 # What the current request is about, for spans below it that only see bytes (the legacy pass-through).
@@ -47,83 +50,10 @@ _request_target: contextvars.ContextVar[tuple[str | None, str | None, str, dict[
 )
 
 
-class TracingConfigError(Exception):
-    """The OTEL_* environment asks for something this build cannot do."""
-
-
-# --- set-up ------------------------------------------------------------------------------------------------
-
-
-def wanted(environ: Mapping[str, str]) -> bool:
-    """Tracing is on when an OTLP endpoint or a traces exporter is configured, and the SDK is not disabled."""
-    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return False
-    exporter = environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    if exporter:
-        return exporter != "none"
-    return bool(environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
-
-
-def _exporter(environ: Mapping[str, str]) -> SpanExporter:
-    name = environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() or "otlp"
-    if name == "console":
-        return ConsoleSpanExporter()
-    if name != "otlp":
-        raise TracingConfigError(f"OTEL_TRACES_EXPORTER={name}: only otlp, console and none are supported")
-    protocol = (
-        environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or ""
-    ).strip()
-    if protocol not in ("", "http/protobuf"):
-        raise TracingConfigError(
-            f"OTLP protocol {protocol!r} is not supported: this build exports http/protobuf only "
-            "(set OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf and the collector's HTTP port, usually 4318)"
-        )
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    return OTLPSpanExporter()  # endpoint, headers, timeout, compression: from OTEL_EXPORTER_OTLP_*
-
-
-# Batching when OTEL_BSP_* leave it unsaid: the SDK's queue (2048 spans) fills within a second at a thousand
-# calls a second (two spans each) and then drops spans; bigger batches mean fewer export requests.
-MAX_QUEUE_SIZE: Final = 16_384
-MAX_EXPORT_BATCH_SIZE: Final = 2048
-
-
-def _batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
-    environ = os.environ  # where the SDK reads OTEL_BSP_* from
-    if environ.get("OTEL_BSP_MAX_QUEUE_SIZE") or environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE"):
-        try:
-            return BatchSpanProcessor(exporter)  # the operator's sizes, read by the SDK
-        except ValueError as error:  # e.g. a batch bigger than the queue
-            raise TracingConfigError(f"OTEL_BSP_*: {error}") from error
-    return BatchSpanProcessor(exporter, max_queue_size=MAX_QUEUE_SIZE, max_export_batch_size=MAX_EXPORT_BATCH_SIZE)
-
-
-def configure(environ: Mapping[str, str] | None = None, processor: SpanProcessor | None = None) -> bool:
-    """Turn tracing on as the OTEL_* environment says (service name, resource attributes, sampler, batch
-    processor and exporter settings are the SDK's own), or with `processor` (tests). Returns whether it is on."""
-    global _tracer, _provider
-    environ = os.environ if environ is None else environ
-    if processor is None:
-        if not wanted(environ):
-            return False
-        processor = _batch_processor(_exporter(environ))
-    attributes: dict[str, str] = {}
-    if not environ.get("OTEL_SERVICE_NAME") and "service.name=" not in environ.get("OTEL_RESOURCE_ATTRIBUTES", ""):
-        attributes[SERVICE_NAME] = DEFAULT_SERVICE_NAME
-    _provider = TracerProvider(resource=Resource.create(attributes))
-    _provider.add_span_processor(processor)
-    _tracer = _provider.get_tracer("mcp_tasks_proxy")
-    return True
-
-
-def shutdown() -> None:
-    """Export what is still buffered, then turn tracing off."""
-    global _tracer, _provider
-    if _provider is not None:
-        _provider.shutdown()
-    _tracer = _provider = None
-    _created.clear()
+def install(tracer: trace.Tracer | None) -> None:
+    """Turn tracing on with `tracer` (`tracing_setup` builds it from the OTEL_* environment), or off with None."""
+    global _tracer
+    _tracer = tracer
 
 
 def enabled() -> bool:
@@ -131,32 +61,6 @@ def enabled() -> bool:
 
 
 # --- reading requests ----------------------------------------------------------------------------------------
-
-
-def _str(value: object) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def target_of(method: str, params: Mapping[str, Any]) -> tuple[str | None, dict[str, str]]:
-    """The low-cardinality target of the span name, and its attributes (tool or prompt name only: a resource
-    URI may name anything and stays out)."""
-    if method == "tools/call" and (name := _str(params.get("name"))) is not None:
-        return name, {"gen_ai.tool.name": name, "gen_ai.operation.name": "execute_tool"}
-    if method == "prompts/get" and (name := _str(params.get("name"))) is not None:
-        return name, {"gen_ai.prompt.name": name}
-    return None, {}
-
-
-def _carried(carrier: Mapping[str, Any]) -> Context | None:
-    """The trace context a carrier (HTTP headers or `_meta`) holds, if a valid one."""
-    if carrier.get("traceparent") is None:
-        return None
-    found = propagate.extract(carrier={key: value for key in TRACE_KEYS if isinstance(value := carrier.get(key), str)})
-    return found if trace.get_current_span(found).get_span_context().is_valid else None
-
-
-def _span_name(method: str, target: str | None) -> str:
-    return f"{method} {target}" if target else method
 
 
 class ServerSpan:
@@ -204,15 +108,22 @@ def _failed(span: Span, error_type: str) -> None:
 
 
 def server_span(
-    headers: Mapping[str, str], message: object, *, era: str, http_method: str = "POST", peer: str | None = None
+    headers: Mapping[str, str],
+    message: object,
+    *,
+    era: str,
+    http_method: str = "POST",
+    peer: str | None = None,
+    start_time: int | None = None,
 ) -> contextlib.AbstractContextManager[ServerSpan]:
-    """The SERVER span of one request. Its parent is the client's trace context from `params._meta` when
-    there is one there (the MCP conventions' carrier), else from the HTTP headers; when both are present and
-    differ, the HTTP one becomes a link. `tasks/*` spans carry the task id and link to the span that created
-    the task, when this process remembers it."""
+    """The SERVER span of one request (`message` None: no JSON-RPC message was read, the span is named after
+    `http_method`), from `start_time` (epoch ns) if given. Its parent is the client's trace context from
+    `params._meta` when there is one there (the MCP conventions' carrier), else from the HTTP headers; when
+    both are present and differ, the HTTP one becomes a link. `tasks/*` spans carry the task id (`task_read`
+    links them to the span that created the task)."""
     if _tracer is None:
         return _SERVER_OFF
-    return _server_span(_tracer, headers, message, era, http_method, peer)
+    return _server_span(_tracer, headers, message, era, http_method, peer, start_time)
 
 
 @contextlib.contextmanager
@@ -223,21 +134,23 @@ def _server_span(
     era: str,
     http_method: str,
     peer: str | None,
+    start_time: int | None,
 ) -> Iterator[ServerSpan]:
     decoded: Mapping[str, Any] = message if isinstance(message, dict) else {}
-    method = _str(decoded.get("method"))
+    method = text(decoded.get("method"))
     raw_params = decoded.get("params")
     params: Mapping[str, Any] = raw_params if isinstance(raw_params, dict) else {}
     raw_meta = params.get("_meta")
     meta: Mapping[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
-    from_headers = _carried(headers)
-    from_meta = _carried(meta)
+    from_headers = carried(headers)
+    from_meta = carried(meta)
     # Started bare: an unsampled span costs the sampler's decision and the context it carries onwards, nothing
     # more. Its name, attributes and links are worked out only when it records.
     span = tracer.start_span(
         method or http_method,
         context=from_meta or from_headers,
         kind=SpanKind.SERVER,
+        start_time=start_time,
         record_exception=False,
         set_status_on_exception=False,
     )
@@ -282,23 +195,21 @@ def _describe_server_span(
     if peer:
         attributes["client.address"] = peer
     target: str | None = None
-    if method is None:  # a legacy GET stream or DELETE: no JSON-RPC message
+    if method is None:  # no JSON-RPC message: a GET, a DELETE, a body not read or not JSON
         attributes["http.request.method"] = http_method
     else:
         attributes["mcp.method.name"] = method
         target, more = target_of(method, params)
         attributes.update(more)
         if target:
-            span.update_name(_span_name(method, target))
+            span.update_name(span_name(method, target))
         if (request_id := decoded.get("id")) is not None:
             attributes["jsonrpc.request.id"] = str(request_id)
-        if method in TASK_METHODS and (task_id := _str(params.get("taskId"))) is not None:
-            attributes[TASK_ID] = task_id
-            if (created := _created.get(task_id)) is not None:
-                span.add_link(created, {"mcp.link": "task_created"})
-    version = headers.get("MCP-Protocol-Version") or _str(meta.get(PROTOCOL_VERSION_META_KEY))
+        if method in TASK_METHODS and (task_id := text(params.get("taskId"))) is not None:
+            attributes[TASK_ID] = task_id  # the link to the creating span comes once the record is read
+    version = headers.get("MCP-Protocol-Version") or text(meta.get(PROTOCOL_VERSION_META_KEY))
     if version is None and method == "initialize":
-        version = _str(params.get("protocolVersion"))
+        version = text(params.get("protocolVersion"))
     if version:
         attributes["mcp.protocol.version"] = version
     if era == "legacy" and (session_id := headers.get("Mcp-Session-Id")):
@@ -330,21 +241,14 @@ class ClientSpan:
         """HTTP headers for the request: this span's context replaces the client's. Off: `extra` as it is."""
         if self.span is None:
             return extra
-        headers = {key: value for key, value in (extra or {}).items() if key.lower() not in TRACE_KEYS}
-        propagate.inject(headers)
-        return headers
+        return headers_with_current(extra)
 
     def params(self, params: Any, *, always: bool) -> Any:
         """Params with this span's context in `_meta` (always for stdio; over HTTP only where the client had put
         its own, so the upstream never sees two parents). Off: `params` as they are."""
         if self.span is None or not isinstance(params, dict):
             return params
-        meta = params.get("_meta")
-        if not always and not (isinstance(meta, dict) and any(key in meta for key in TRACE_KEYS)):
-            return params
-        carrier = {key: value for key, value in (meta or {}).items() if key not in TRACE_KEYS}
-        propagate.inject(carrier)
-        return {**params, "_meta": carrier}
+        return params_with_current(params, always=always)
 
     def request(self, request_id: int | str, session_id: str | None = None) -> None:
         if self.span is not None:
@@ -364,9 +268,11 @@ def client_span(
     if _tracer is None:
         return _CLIENT_OFF
     current = trace.get_current_span()
-    if not current.is_recording() and current.get_span_context().is_valid:
+    context = current.get_span_context()
+    if context.is_valid and not context.trace_flags.sampled and not current.is_recording():
         # Below an unsampled span no sampler the OTEL_* environment can name records a child: the upstream gets
-        # the unsampled context as it is, with no span started for it.
+        # the unsampled context as it is, with no span started for it. (A sampled span that has ended, the
+        # request that created a task, still parents the upstream requests of the task's work.)
         return contextlib.nullcontext(ClientSpan(current))
     return _client_span(_tracer, method, params, transport, protocol_version)
 
@@ -403,13 +309,13 @@ def _describe_client_span(
         attributes.update(copied)
         if relayed is None:
             attributes["http.request.method"] = http_method
-        span.update_name(_span_name(relayed or http_method, target))
+        span.update_name(span_name(relayed or http_method, target))
     else:
         target, more = target_of(method, params if isinstance(params, dict) else {})
         attributes["mcp.method.name"] = method
         attributes.update(more)
         if target:
-            span.update_name(_span_name(method, target))
+            span.update_name(span_name(method, target))
     if protocol_version:
         attributes["mcp.protocol.version"] = protocol_version
     span.set_attributes(attributes)
@@ -427,10 +333,7 @@ def relayed(
 
 async def _relayed(carrier: MutableMapping[str, str], send: Callable[..., Awaitable[_T]], args: Any, kwargs: Any) -> _T:
     with client_span(None, None, transport="tcp"):
-        for key in TRACE_KEYS:
-            if key in carrier:
-                del carrier[key]  # every value of it, on a multidict
-        propagate.inject(carrier)
+        replace_with_current(carrier)
         return await send(*args, **kwargs)
 
 
@@ -452,24 +355,40 @@ async def _background(work: Coroutine[Any, Any, None], task_id: Callable[[], str
 
 
 def task_created(task_id: str) -> None:
-    """The current span created the task: it carries the id, and later tasks/* spans link to it."""
+    """The current span created the task: it carries the id (and a `task_created` event)."""
     if _tracer is None:
         return
     span = trace.get_current_span()
-    if not span.is_recording():  # an unsampled trace: nothing to link to later
+    if span.is_recording():
+        span.set_attribute(TASK_ID, task_id)
+        span.add_event("task_created", {TASK_ID: task_id})
+
+
+def creating_context() -> str | None:
+    """The current span's context as a W3C traceparent, stored with the task it creates (whatever
+    OTEL_PROPAGATORS says): later spans about the task link to it, on any replica and after a restart, and work
+    resumed after a restart goes on in its trace. Unsampled too, so that resumed work stays unsampled."""
+    if _tracer is None:
+        return None
+    context = trace.get_current_span().get_span_context()
+    return traceparent_of(context) if context.is_valid else None
+
+
+def _link_created(span: Span, traceparent: str | None) -> None:
+    """A link from `span` to the span that created the task, when that one was sampled (recorded)."""
+    created = span_context_of(traceparent)
+    if created is not None and created.trace_flags.sampled:
+        span.add_link(created, {"mcp.link": "task_created"})
+
+
+def task_read(traceparent: str | None) -> None:
+    """The current request (tasks/get, tasks/update, tasks/cancel) read the record of a task created under
+    `traceparent`: its span links to the creating span."""
+    if _tracer is None:
         return
-    context = span.get_span_context()
-    span.set_attribute(TASK_ID, task_id)
-    span.add_event("task_created", {TASK_ID: task_id})
-    _created[task_id] = context
-    while len(_created) > REMEMBERED_TASKS:
-        _created.popitem(last=False)
-
-
-def created_link(task_id: str) -> list[Link]:
-    """A link to the span that created `task_id`, if this process remembers it."""
-    context = _created.get(task_id) if _tracer is not None else None
-    return [] if context is None else [Link(context, {"mcp.link": "task_created"})]
+    span = trace.get_current_span()
+    if span.is_recording():
+        _link_created(span, traceparent)
 
 
 def event(name: str, attributes: Mapping[str, str | int | bool]) -> None:
@@ -482,22 +401,60 @@ def event(name: str, attributes: Mapping[str, str | int | bool]) -> None:
         span.add_event(name, attributes)
 
 
-def linked(work: Coroutine[Any, Any, None], name: str, task_id: str) -> Coroutine[Any, Any, None]:
+def linked(
+    work: Coroutine[Any, Any, None], name: str, task_id: str, traceparent: str | None
+) -> Coroutine[Any, Any, None]:
     """`work` done here for a task on another's behalf (a cancel or an answer that reached the task's owner
-    through the store, from another replica) inside an INTERNAL span linked to the span that created the task."""
+    through the store, from another replica) inside an INTERNAL span of its own trace, linked to the span that
+    created the task (`traceparent`, as stored with it)."""
     if _tracer is None:
         return work
-    return _linked(_tracer, work, name, task_id)
+    return _linked(_tracer, work, name, task_id, traceparent)
 
 
-async def _linked(tracer: trace.Tracer, work: Coroutine[Any, Any, None], name: str, task_id: str) -> None:
+async def _linked(
+    tracer: trace.Tracer, work: Coroutine[Any, Any, None], name: str, task_id: str, traceparent: str | None
+) -> None:
     span = tracer.start_span(name, context=Context(), kind=SpanKind.INTERNAL)
     if span.is_recording():
         span.set_attribute(TASK_ID, task_id)
-        for link in created_link(task_id):
-            span.add_link(link.context, link.attributes)
-    with trace.use_span(span, end_on_exit=True):
+        _link_created(span, traceparent)
+    with _current(span):
         await work
+
+
+def resumed(name: str, task_id: str, traceparent: str | None) -> contextlib.AbstractContextManager[None]:
+    """While the work of a task a previous process or a dead replica left is started again here: an INTERNAL
+    span `name`, child of the span that created the task (`traceparent`, as stored), so that the task goes on
+    in its creating trace and the upstream CLIENT spans of the resumed work are its children. A task stored
+    without a context (created with tracing off) starts a trace of its own."""
+    if _tracer is None:
+        return contextlib.nullcontext()
+    return _resumed(_tracer, name, task_id, traceparent)
+
+
+@contextlib.contextmanager
+def _resumed(tracer: trace.Tracer, name: str, task_id: str, traceparent: str | None) -> Iterator[None]:
+    created = span_context_of(traceparent)
+    parent = Context() if created is None else trace.set_span_in_context(trace.NonRecordingSpan(created), Context())
+    span = tracer.start_span(name, context=parent, kind=SpanKind.INTERNAL)
+    if span.is_recording():
+        span.set_attribute(TASK_ID, task_id)
+    with _current(span):
+        yield
+
+
+@contextlib.contextmanager
+def _current(span: Span) -> Iterator[None]:
+    """`span` current until it ends; a failure names its exception class only (a message may quote content)."""
+    with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False):
+        try:
+            yield
+        except asyncio.CancelledError:
+            raise  # stopped (a shutdown, a lease lost): no failure of its own
+        except BaseException as error:
+            _failed(span, type(error).__qualname__)
+            raise
 
 
 # --- logs -------------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Tracing end to end: the SDK's in-memory exporter behind the real proxy, the mcp 1.x fixture upstream over
 Streamable HTTP and over stdio. One trace runs from the client's context through the proxy's SERVER span, a
 call's background work and the CLIENT span to what the upstream received; tasks/* spans carry the task id and
-link to the span that created the task; nothing the client sent as content ends up in a span.
+link to the span that created the task, also on another replica and after a restart, where the task's work
+goes on in its creating trace; requests refused before any JSON-RPC message was read have their SERVER span
+too; nothing the client sent as content ends up in a span.
 """
 
 from __future__ import annotations
@@ -18,12 +20,21 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from proxy import tracing
+from proxy import tracing, tracing_setup
 from tests import pg
-from tests.support.clients import Client, ClientFactory, Tasks
-from tests.support.processes import key_file, stdio_upstream
+from tests.support.clients import Client, ClientFactory, Tasks, upstream_calls_open
+from tests.support.processes import Upstream, key_file, stdio_upstream
 from tests.support.waiting import until
-from tests.support.wire import DECLARING, modern_body, modern_headers, policies, read_messages, result_text
+from tests.support.wire import (
+    DECLARING,
+    HEADERS,
+    TASKING,
+    modern_body,
+    modern_headers,
+    policies,
+    read_messages,
+    result_text,
+)
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -36,9 +47,9 @@ META_TRACEPARENT = f"00-{META_TRACE}-{META_SPAN}-01"
 @pytest.fixture
 def spans() -> Iterator[InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    assert tracing.configure(environ={}, processor=SimpleSpanProcessor(exporter))
+    assert tracing_setup.configure(environ={}, processor=SimpleSpanProcessor(exporter))
     yield exporter
-    tracing.shutdown()
+    tracing_setup.shutdown()
 
 
 @pytest.fixture(params=["http", "stdio"])
@@ -85,6 +96,16 @@ def hex_trace(span: ReadableSpan) -> str:
 
 def parent_of(span: ReadableSpan) -> str | None:
     return None if span.parent is None else format(span.parent.span_id, "016x")
+
+
+def links_of(span: ReadableSpan) -> list[tuple[str, str]]:
+    """(trace id, span id) of each span `span` links to."""
+    return [(format(link.context.trace_id, "032x"), format(link.context.span_id, "016x")) for link in span.links]
+
+
+def server(spans: list[ReadableSpan]) -> ReadableSpan:
+    [found] = [span for span in spans if span.kind is SpanKind.SERVER]
+    return found
 
 
 async def test_one_trace_from_the_client_through_the_proxy_to_the_upstream(
@@ -321,8 +342,10 @@ async def test_a_cancel_from_another_replica_is_linked_work_on_the_owner(
     assert [(link.context.trace_id, link.context.span_id) for link in relayed.links] == [
         (created.context.trace_id, created.context.span_id)
     ]
-    cancels = await eventually(spans, "tasks/cancel")
-    assert all(span.attributes is not None and span.attributes[tracing.TASK_ID] == task_id for span in cancels)
+    [cancel] = await eventually(spans, "tasks/cancel")
+    assert cancel.attributes is not None
+    assert cancel.attributes[tracing.TASK_ID] == task_id
+    assert links_of(cancel) == [(hex_trace(created), hex_span(created))]  # from the record: B never saw it created
     [work] = await eventually(spans, "tools/call sleep", kind=SpanKind.CLIENT)
     assert hex_trace(work) == CLIENT_TRACE
     assert work.attributes is not None
@@ -352,3 +375,187 @@ async def test_a_push_is_an_event_on_the_listen_streams_span(
     assert pushed[-1].attributes is not None
     assert pushed[-1].attributes["mcp.task.status"] == "completed"
     assert listen.status.status_code is not StatusCode.ERROR  # the client closing its stream is no failure
+
+
+async def test_an_answer_from_another_replica_is_linked_work_on_the_owner(
+    spans: InMemorySpanExporter, tasks_client: ClientFactory, pg_dsn: str, tmp_path: Path
+) -> None:
+    """Two replicas on one PostgreSQL database: the task's question is answered on B (tasks/update), the answer
+    reaches the owner A through the store; A's work on it is a span of its own trace linked to the span that
+    created the task, where the answer's delivery upstream shows. B's tasks/get and tasks/update spans link to
+    the creating span too, read from the task's record."""
+    sections: dict[str, Any] = {
+        "store": {"url": pg.as_url(pg_dsn), "lease_seconds": 3},
+        "inputs": {"secret_file": key_file(tmp_path)},
+        "tasks": policies(ask_name={"mode": "required"}),
+    }
+    owner = await tasks_client(**sections)
+    other = await tasks_client(**sections)
+    task_id = await owner.create("ask_name", capabilities=TASKING, headers={"traceparent": CLIENT_TRACEPARENT})
+    task = await other.until(task_id, lambda task: task["status"] == "input_required")
+    [key] = task["inputRequests"]
+    answer = {key: {"action": "accept", "content": {"name": "Ada"}}}
+    status, ack = await other.post("tasks/update", {"taskId": task_id, "inputResponses": answer})
+    assert status == 200, ack
+    assert result_text(await owner.settled(task_id)) == "Hello, Ada"
+    created = server(await eventually(spans, "tools/call ask_name"))
+    assert hex_trace(created) == CLIENT_TRACE
+    creation = (hex_trace(created), hex_span(created))
+    [relayed] = await eventually(spans, "task answers relayed")
+    assert relayed.kind is SpanKind.INTERNAL
+    assert relayed.attributes is not None
+    assert relayed.attributes[tracing.TASK_ID] == task_id
+    assert links_of(relayed) == [creation]
+    assert hex_trace(relayed) != CLIENT_TRACE  # linked work, in a trace of its own
+    assert "input_answered" in [event.name for event in relayed.events]  # the answer went upstream there
+    [update] = await eventually(spans, "tasks/update")
+    assert update.attributes is not None
+    assert update.attributes[tracing.TASK_ID] == task_id
+    assert links_of(update) == [creation]
+    for get in await eventually(spans, "tasks/get"):
+        assert links_of(get) == [creation]
+
+
+async def test_after_a_restart_a_task_links_to_its_creation_and_its_rerun_stays_in_the_creating_trace(
+    spans: InMemorySpanExporter, tasks_client: ClientFactory, own_upstream: Upstream, tmp_path: Path
+) -> None:
+    """The creating span's context is stored with the task: the next process (nothing of the first in memory)
+    links tasks/get to it, and re-runs the call below a `task re-run` span that is its child."""
+    sections: dict[str, Any] = {
+        "store": {"path": str(tmp_path / "restart.db")},
+        "security": {"key_file": key_file(tmp_path)},
+        "tasks": policies(counted={"mode": "required", "on_restart": "rerun"}),
+    }
+    first = await tasks_client(own_upstream.url, **sections)
+    arguments = {"key": "traced-rerun", "seconds": 1.0}
+    task_id = await first.create("counted", arguments, headers={"traceparent": CLIENT_TRACEPARENT})
+    await upstream_calls_open(first.client, 1)
+    await first.client.close()  # the process goes away with the call still running
+    created = server(await eventually(spans, "tools/call counted"))
+    assert hex_trace(created) == CLIENT_TRACE
+
+    second = await tasks_client(own_upstream.url, **sections)
+    done = await second.settled(task_id)
+    assert done["status"] == "completed"
+    assert result_text(done) == "2"  # the call was sent again
+    [rerun] = await eventually(spans, "task re-run")
+    assert rerun.kind is SpanKind.INTERNAL
+    assert rerun.attributes is not None
+    assert rerun.attributes[tracing.TASK_ID] == task_id
+    assert hex_trace(rerun) == CLIENT_TRACE
+    assert parent_of(rerun) == hex_span(created)
+    works = await eventually(spans, "tools/call counted", 3)  # the SERVER span, the first run, the re-run
+    [again] = [span for span in works if span.kind is SpanKind.CLIENT and parent_of(span) == hex_span(rerun)]
+    assert hex_trace(again) == CLIENT_TRACE
+    assert again.attributes is not None
+    assert again.attributes[tracing.TASK_ID] == task_id
+    gets = await eventually(spans, "tasks/get")
+    assert gets
+    for get in gets:
+        assert links_of(get) == [(hex_trace(created), hex_span(created))]
+
+
+async def test_a_task_the_upstream_runs_is_followed_again_in_its_creating_trace_after_a_restart(
+    spans: InMemorySpanExporter, tasks_client: ClientFactory, legacy_task_upstream: Upstream, tmp_path: Path
+) -> None:
+    """The next process follows the upstream's task below a `task followed again` span, child of the span that
+    created the task; its upstream requests are that span's children, in the creating trace."""
+    sections: dict[str, Any] = {"store": {"path": str(tmp_path / "follow.db")}}
+    first = await tasks_client(legacy_task_upstream.url, **sections)
+    task_id = await first.create("legacy_task_required", {"seconds": 2}, headers={"traceparent": CLIENT_TRACEPARENT})
+    await first.until(task_id, lambda task: task.get("statusMessage") == "step 1/4")
+    await first.client.close()  # the upstream's task runs on, for the next process to follow
+    # The span that created the task: the upstream request whose answer was the upstream's task.
+    named = await eventually(spans, "tools/call legacy_task_required", 2)
+    [created] = [span for span in named if "task_created" in [event.name for event in span.events]]
+    assert parent_of(created) == hex_span(server(named))
+
+    second = await tasks_client(legacy_task_upstream.url, **sections)
+    done = await second.settled(task_id)
+    assert done["status"] == "completed", done
+    [followed] = await eventually(spans, "task followed again")
+    assert followed.attributes is not None
+    assert followed.attributes[tracing.TASK_ID] == task_id
+    assert hex_trace(followed) == CLIENT_TRACE
+    assert parent_of(followed) == hex_span(created)
+    below = [span for span in spans.get_finished_spans() if parent_of(span) == hex_span(followed)]
+    assert below
+    assert all(span.kind is SpanKind.CLIENT and hex_trace(span) == CLIENT_TRACE for span in below)
+
+
+async def test_upstream_requests_sent_after_the_creating_request_ended_are_client_spans_in_its_trace(
+    spans: InMemorySpanExporter, tasks_client: ClientFactory, legacy_task_upstream: Upstream
+) -> None:
+    """A task the upstream runs itself waits for an answer; meanwhile the proxy polls the upstream's task with
+    tasks/get at its poll interval, after the request that created the task ended: each poll is a CLIENT span
+    of the task, in the creating trace."""
+    client = await tasks_client(legacy_task_upstream.url)
+    headers = {"traceparent": CLIENT_TRACEPARENT}
+    task_id = await client.create("legacy_task_elicit", capabilities=TASKING, headers=headers)
+    await client.until(task_id, lambda task: task["status"] == "input_required")
+    polls = await eventually(spans, "tasks/get", kind=SpanKind.CLIENT)
+    answer = {"elicitation-1": {"action": "accept", "content": {"name": "Bo"}}}
+    status, ack = await client.post("tasks/update", {"taskId": task_id, "inputResponses": answer})
+    assert status == 200, ack
+    assert result_text(await client.settled(task_id)) == "Hello, Bo!"
+    created = server(await eventually(spans, "tools/call legacy_task_elicit", 2))
+    for poll in polls:
+        assert hex_trace(poll) == CLIENT_TRACE
+        assert poll.attributes is not None
+        assert poll.attributes[tracing.TASK_ID] == task_id
+        assert poll.start_time is not None
+        assert created.end_time is not None
+        assert poll.start_time > created.end_time
+
+
+MODERN_GET = {"MCP-Protocol-Version": "2026-07-28", "traceparent": CLIENT_TRACEPARENT}
+MODERN_POST = modern_headers("tools/call", "echo", traceparent=CLIENT_TRACEPARENT)
+LEGACY_POST = {**HEADERS, "traceparent": CLIENT_TRACEPARENT}
+TOO_LARGE = json.dumps(modern_body("tools/call", {"name": "echo", "arguments": {"text": "x" * 2000}})).encode()
+
+
+@pytest.mark.parametrize(
+    ("http_method", "headers", "body", "status", "error_type", "era"),
+    [
+        ("GET", MODERN_GET, None, 405, "-32600", "modern"),
+        ("DELETE", MODERN_GET, None, 405, "-32600", "modern"),
+        ("POST", modern_headers("tools/list", traceparent=CLIENT_TRACEPARENT), b"{not json", 400, "-32700", "modern"),
+        (
+            "POST",
+            modern_headers("tools/call", "echo", traceparent=CLIENT_TRACEPARENT),
+            TOO_LARGE,
+            413,
+            "-32600",
+            "modern",
+        ),
+        ("POST", {**HEADERS, "traceparent": CLIENT_TRACEPARENT}, TOO_LARGE, 413, "-32600", "legacy"),
+    ],
+    ids=["modern-get-405", "modern-delete-405", "modern-not-json", "modern-too-large", "legacy-too-large"],
+)
+async def test_a_request_refused_before_its_message_is_read_has_a_server_span_naming_the_error(
+    spans: InMemorySpanExporter,
+    make_proxy: Any,
+    upstream: Upstream,
+    http_method: str,
+    headers: dict[str, str],
+    body: bytes | None,
+    status: int,
+    error_type: str,
+    era: str,
+) -> None:
+    client: Client = await make_proxy(upstream.url, security={"max_body_bytes": 1024})
+    async with client.request(http_method, "/mcp", headers=headers, data=body) as response:
+        assert response.status == status
+        message = await response.json()
+    assert str(message["error"]["code"]) == error_type
+    [span] = await eventually(spans, http_method, kind=SpanKind.SERVER)
+    assert parent_of(span) == CLIENT_SPAN
+    assert hex_trace(span) == CLIENT_TRACE
+    assert span.attributes is not None
+    assert span.attributes["mcp.era"] == era
+    assert span.attributes["http.request.method"] == http_method
+    assert span.attributes["error.type"] == error_type
+    assert span.attributes["rpc.response.status_code"] == error_type
+    assert span.attributes["client.address"] == "127.0.0.1"
+    assert "mcp.method.name" not in span.attributes
+    assert span.status.status_code is StatusCode.ERROR

@@ -111,6 +111,7 @@ async def test_create_get_round_trips_every_field(store: TaskStore, backend: Bac
         upstream_task_id="0b3d2565:aa4e86b6",
         upstream_session_id="session-1",
         upstream_input_ids={"key-1": "task-0b3d-140668836600304", "key-2": 0},
+        traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
     )
     bare = make_record("task_bare", ttl_ms=None)
     await store.create(full)
@@ -125,7 +126,7 @@ async def test_create_get_round_trips_every_field(store: TaskStore, backend: Bac
     got_bare = await store.get("task_bare")
     assert got_bare == bare
     assert got_bare is not None
-    assert (got_bare.ttl_ms, got_bare.result, got_bare.input_requests) == (None, None, {})
+    assert (got_bare.ttl_ms, got_bare.result, got_bare.input_requests, got_bare.traceparent) == (None, None, {}, None)
     assert await store.get("task_unknown") is None
 
     rows = await backend.rows("SELECT task_id, expires_at_ms, request, result FROM tasks ORDER BY task_id")
@@ -171,11 +172,13 @@ def test_record_from_row_decodes_json_and_status() -> None:
         "upstream_task_id": "up-1",
         "upstream_session_id": "s-1",
         "upstream_input_ids": '{"elicitation-1":"task-q-1"}',
+        "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
     }
     record = record_from_row(row)
     assert record.client_capabilities == {"elicitation": {}}
     assert (record.upstream_task_id, record.upstream_session_id) == ("up-1", "s-1")
     assert record.upstream_input_ids == {"elicitation-1": "task-q-1"}
+    assert record.traceparent == "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     assert record.status is TaskStatus.FAILED
     assert (record.request, record.error, record.result, record.inputs_issued) == ({"a": 1}, {"code": 1}, None, 4)
 
@@ -290,6 +293,20 @@ async def test_a_task_the_upstream_runs_keeps_its_upstream_ids_until_it_settles(
     assert settled is not None
     assert settled.upstream_input_ids == {}
     assert (settled.upstream_task_id, settled.upstream_session_id) == ("up-1", "s-1")
+
+
+async def test_the_creating_trace_context_stays_with_the_task_through_take_over_and_settlement(
+    store: TaskStore,
+) -> None:
+    created = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    await store.create(make_record("task_traced", traceparent=created))
+    claimed = await store.claim("task_traced", "proxy-2", "re-running", now_ms=2_000)
+    assert claimed is not None
+    assert claimed.traceparent == created  # a task resumed elsewhere goes on in the trace that created it
+    settled = await store.settle("task_traced", TaskStatus.CANCELLED, now_ms=3_000)
+    assert settled is not None
+    assert settled.traceparent == created  # a tasks/get of the settled task still links to its creation
+    assert await store.get("task_traced") == settled
 
 
 async def test_settle_rejects_live_status(store: TaskStore) -> None:

@@ -116,6 +116,7 @@ async def test_replicas_that_start_at_once_migrate_once(pg_dsn: str) -> None:
             ("0002_create_replicas_and_messages",),
             ("0003_create_tool_durations",),
             ("0004_add_upstream_task",),
+            ("0005_add_traceparent",),
         ]
         await stores[0].create(make_record("task_a"))
         assert await stores[3].get("task_a") is not None
@@ -352,3 +353,27 @@ async def test_a_database_of_the_previous_version_gains_the_upstream_task_column
         assert (new.upstream_task_id, new.upstream_session_id) == ("up-1", "s-1")
     finally:
         await store.close()
+
+
+async def test_a_database_of_the_previous_version_gains_the_trace_context_column(pg_dsn: str) -> None:
+    """A database written before the creating trace context was stored: the migration adds its column, once,
+    every older record reads as created with tracing off, and new records keep their context."""
+    created = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    store = await PostgresTaskStore.open(pg_dsn, max_records=10)
+    await store.create(make_record("task_old", upstream_task_id="up-1"))
+    await store.close()
+    await rows(pg_dsn, "DELETE FROM schema_migrations WHERE name = '0005_add_traceparent'")
+    await rows(pg_dsn, "ALTER TABLE tasks DROP COLUMN traceparent")
+
+    store = await PostgresTaskStore.open(pg_dsn, max_records=10)
+    try:
+        old = await store.get("task_old")
+        assert old is not None
+        assert (old.traceparent, old.upstream_task_id) == (None, "up-1")
+        await store.create(make_record("task_new", traceparent=created))
+        new = await store.get("task_new")
+        assert new is not None
+        assert new.traceparent == created
+    finally:
+        await store.close()
+    assert await rows(pg_dsn, "SELECT count(*) FROM schema_migrations WHERE name = '0005_add_traceparent'") == [(1,)]

@@ -122,6 +122,7 @@ async def test_durable_across_reopen(db_path: Path) -> None:
         ("mcp-tasks-proxy", "0003_add_client_capabilities"),
         ("mcp-tasks-proxy", "0004_create_messages_and_tool_durations"),
         ("mcp-tasks-proxy", "0005_add_upstream_task"),
+        ("mcp-tasks-proxy", "0006_add_traceparent"),
     ]
     assert raw_rows(db_path, "PRAGMA journal_mode") == [("wal",)]
     indexes = {row[0] for row in raw_rows(db_path, "SELECT name FROM sqlite_master WHERE type = 'index'")}
@@ -316,5 +317,30 @@ async def test_a_database_of_the_previous_version_gains_the_upstream_task_column
         assert old is not None
         assert (old.upstream_task_id, old.upstream_session_id, old.upstream_input_ids) == (None, None, {})
         assert old.input_requests == {"k": {"method": "roots/list"}}
+    finally:
+        await store.close()
+
+
+async def test_a_database_of_the_previous_version_gains_the_trace_context_column(db_path: Path) -> None:
+    """A file written before the creating trace context was stored: the migration adds its column, every older
+    record reads as created with tracing off, and new records keep their context."""
+    created = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    store = await SqliteTaskStore.open(db_path, max_records=10)
+    await store.create(make_record("task_old", upstream_task_id="up-1"))
+    await store.close()
+    with sqlite3.connect(db_path) as conn:  # back to the schema before the migration
+        conn.execute("DELETE FROM _sqlite_migrations WHERE name = '0006_add_traceparent'")
+        conn.execute("ALTER TABLE tasks DROP COLUMN traceparent")
+    assert "traceparent" not in {row[1] for row in raw_rows(db_path, "PRAGMA table_info(tasks)")}
+
+    store = await SqliteTaskStore.open(db_path, max_records=10)
+    try:
+        old = await store.get("task_old")
+        assert old is not None
+        assert (old.traceparent, old.upstream_task_id) == (None, "up-1")
+        await store.create(make_record("task_new", traceparent=created))
+        new = await store.get("task_new")
+        assert new is not None
+        assert new.traceparent == created
     finally:
         await store.close()

@@ -19,7 +19,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from proxy import cli, tracing
+from proxy import cli, tracing, tracing_setup
 from proxy.config import LoggingConfig
 from proxy.observability import configure_logging
 from tests.support.processes import ProxyProcess, Upstream
@@ -29,7 +29,7 @@ from tests.support.wire import modern_body, modern_headers, read_messages
 @pytest.fixture(autouse=True)
 def tracing_off_after() -> Iterator[None]:
     yield
-    tracing.shutdown()
+    tracing_setup.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -45,7 +45,7 @@ def tracing_off_after() -> Iterator[None]:
     ],
 )
 def test_tracing_is_on_only_when_an_exporter_is_configured(environ: dict[str, str], on: bool) -> None:
-    assert tracing.wanted(environ) is on
+    assert tracing_setup.wanted(environ) is on
 
 
 @pytest.mark.parametrize(
@@ -57,8 +57,8 @@ def test_tracing_is_on_only_when_an_exporter_is_configured(environ: dict[str, st
     ],
 )
 def test_what_this_build_cannot_export_is_refused(environ: dict[str, str]) -> None:
-    with pytest.raises(tracing.TracingConfigError):
-        tracing.configure(environ)
+    with pytest.raises(tracing_setup.TracingConfigError):
+        tracing_setup.configure(environ)
     assert not tracing.enabled()
 
 
@@ -73,15 +73,15 @@ def test_an_unsupported_protocol_stops_the_start_like_a_config_error(
 
 def test_the_service_is_named_unless_the_environment_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     exporter = InMemorySpanExporter()
-    assert tracing.configure({}, SimpleSpanProcessor(exporter))
+    assert tracing_setup.configure({}, SimpleSpanProcessor(exporter))
     with tracing.client_span("ping", None, transport="tcp"):
         pass
     [span] = exporter.get_finished_spans()
-    assert span.resource.attributes["service.name"] == tracing.DEFAULT_SERVICE_NAME
-    tracing.shutdown()
+    assert span.resource.attributes["service.name"] == tracing_setup.DEFAULT_SERVICE_NAME
+    tracing_setup.shutdown()
     monkeypatch.setenv("OTEL_SERVICE_NAME", "billing-proxy")
     exporter = InMemorySpanExporter()
-    assert tracing.configure({"OTEL_SERVICE_NAME": "billing-proxy"}, SimpleSpanProcessor(exporter))
+    assert tracing_setup.configure({"OTEL_SERVICE_NAME": "billing-proxy"}, SimpleSpanProcessor(exporter))
     with tracing.client_span("ping", None, transport="tcp"):
         pass
     [span] = exporter.get_finished_spans()
@@ -103,14 +103,23 @@ async def test_every_helper_passes_through_when_tracing_is_off() -> None:
 
     coroutine = work()
     assert tracing.background(coroutine, lambda: None) is coroutine
-    assert tracing.linked(coroutine, "x", "task") is coroutine
+    assert (
+        tracing.linked(coroutine, "x", "task", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01") is coroutine
+    )
     await coroutine
+    assert tracing.creating_context() is None  # nothing is stored with a task
+    tracing.task_read("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    with tracing.resumed("task re-run", "task", None) as nothing:
+        assert nothing is None
     assert tracing.add_trace_ids(None, "info", {"event": "x"}) == {"event": "x"}
 
 
 def test_an_unsampled_request_records_nothing_yet_passes_its_trace_upstream() -> None:
+    """Also for a task it creates: the unsampled context is stored with the task, so work resumed after a
+    restart stays unsampled (yet passes its trace upstream), and later requests about the task link to nothing
+    (the creating span was never recorded)."""
     exporter = InMemorySpanExporter()
-    tracing.configure({}, SimpleSpanProcessor(exporter))
+    tracing_setup.configure({}, SimpleSpanProcessor(exporter))
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     unsampled = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-00"}  # the client chose not to sample it
     message = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "echo"}}
@@ -118,12 +127,32 @@ def test_an_unsampled_request_records_nothing_yet_passes_its_trace_upstream() ->
         with tracing.client_span("tools/call", message["params"], transport="tcp") as upstream:
             sent = upstream.headers({"traceparent": "the client's"})
         tracing.task_created("task-1")
+        stored = tracing.creating_context()
         server.reply({"error": {"code": -32602}})
     assert sent is not None
     version, sent_trace, _, flags = sent["traceparent"].split("-")
     assert (version, sent_trace, flags) == ("00", trace_id, "00")
     assert exporter.get_finished_spans() == ()
-    assert tracing.created_link("task-1") == []
+    assert stored is not None
+    version, stored_trace, _, flags = stored.split("-")
+    assert (version, stored_trace, flags) == ("00", trace_id, "00")
+
+    with (
+        tracing.resumed("task re-run", "task-1", stored),
+        tracing.client_span("tools/call", message["params"], transport="tcp") as upstream,
+    ):
+        resent = upstream.headers(None)
+    assert resent is not None
+    version, resent_trace, _, flags = resent["traceparent"].split("-")
+    assert (version, resent_trace, flags) == ("00", trace_id, "00")
+    assert exporter.get_finished_spans() == ()
+
+    get = {"jsonrpc": "2.0", "id": 2, "method": "tasks/get", "params": {"taskId": "task-1"}}
+    with tracing.server_span({}, get, era="modern"):  # a trace of its own, sampled
+        tracing.task_read(stored)
+    [read] = exporter.get_finished_spans()
+    assert read.name == "tasks/get"
+    assert list(read.links) == []
 
 
 def test_spans_are_exported_in_big_batches_unless_the_environment_sizes_them(
@@ -131,24 +160,24 @@ def test_spans_are_exported_in_big_batches_unless_the_environment_sizes_them(
 ) -> None:
     monkeypatch.delenv("OTEL_BSP_MAX_QUEUE_SIZE", raising=False)
     monkeypatch.delenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", raising=False)
-    assert tracing.configure({"OTEL_TRACES_EXPORTER": "console"})
-    tracing.shutdown()
-    processor = tracing._batch_processor(InMemorySpanExporter())
-    assert processor._batch_processor._max_queue_size == tracing.MAX_QUEUE_SIZE
-    assert processor._batch_processor._max_export_batch_size == tracing.MAX_EXPORT_BATCH_SIZE
+    assert tracing_setup.configure({"OTEL_TRACES_EXPORTER": "console"})
+    tracing_setup.shutdown()
+    processor = tracing_setup._batch_processor(InMemorySpanExporter())
+    assert processor._batch_processor._max_queue_size == tracing_setup.MAX_QUEUE_SIZE
+    assert processor._batch_processor._max_export_batch_size == tracing_setup.MAX_EXPORT_BATCH_SIZE
     processor.shutdown()  # type: ignore[no-untyped-call]  # the SDK leaves it unannotated
     monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "64")
-    processor = tracing._batch_processor(InMemorySpanExporter())
+    processor = tracing_setup._batch_processor(InMemorySpanExporter())
     assert processor._batch_processor._max_export_batch_size == 64
     processor.shutdown()  # type: ignore[no-untyped-call]  # the SDK leaves it unannotated
     monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "10")  # smaller than the batch: the SDK refuses it
-    with pytest.raises(tracing.TracingConfigError):
-        tracing.configure({"OTEL_TRACES_EXPORTER": "console"})
+    with pytest.raises(tracing_setup.TracingConfigError):
+        tracing_setup.configure({"OTEL_TRACES_EXPORTER": "console"})
 
 
 def test_log_lines_carry_the_active_spans_ids() -> None:
     exporter = InMemorySpanExporter()
-    tracing.configure({}, SimpleSpanProcessor(exporter))
+    tracing_setup.configure({}, SimpleSpanProcessor(exporter))
     assert tracing.add_trace_ids(None, "info", {"event": "outside"}) == {"event": "outside"}
     with tracing.client_span("ping", None, transport="tcp"):
         fields = dict(tracing.add_trace_ids(None, "info", {"event": "inside"}))

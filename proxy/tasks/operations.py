@@ -1,8 +1,9 @@
 """The task operations the front and the listen streams use, which need no call: `tasks/get` (the caller's
 own unexpired task, paced; a listen stream's quieter read), `tasks/update` (answers to its call, here or
 through its owner) and `tasks/cancel` (settled `cancelled`, its call stopped here or by its owner through the
-feed). A live task seen past its TTL is failed then and there. Imports the store, the record writes
-(settlements), the table and the replica link.
+feed). A live task seen past its TTL is failed then and there. The span of each of these requests links to
+the span that created the task, as its record keeps it. Imports the store, the record writes (settlements),
+the table, the replica link and tracing.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, Final
 
 import structlog
 
+from proxy import tracing
 from proxy.errors import InvalidParamsError
 from proxy.principals import Principals
 from proxy.tasks import machine, remote
@@ -69,6 +71,7 @@ class TaskOperations:
         record = await self.store.get(task_id, principal=self.principals.key_of(caller.principal))
         if record is None:
             raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
+        tracing.task_read(record.traceparent)  # the request's span links to the one that created the task
         if record.expired(self.clock()):
             if record.status.terminal:
                 await self.store.delete(task_id)  # past its TTL a settled record goes (the sweep would drop it too)

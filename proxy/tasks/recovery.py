@@ -2,8 +2,9 @@
 tasks are taken over, and when this replica's own lease lapsed: each live task is failed, re-run per
 `on_restart: rerun`, or (when this replica's upstream runs it) followed again on its upstream session. The
 sweep ends tasks past their TTL, purges old records and takes over dead replicas, except while this replica
-drains (it would only leave them again at its exit). Imports the store, the
-record writes, the table, the replica link and the machine's vocabulary; no upstream.
+drains (it would only leave them again at its exit). A task's work started again goes on in the trace that
+created it. Imports the store, the record writes, the table, the replica link, the machine's vocabulary and
+tracing; no upstream.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Final
 
 import structlog
 
+from proxy import tracing
 from proxy.config import RestartAction
 from proxy.policy import Decision, Outcome, Policy
 from proxy.principals import Principals, SealError
@@ -132,7 +134,7 @@ class Recovery:
         state = self.state_of(Decision(Outcome.TASK, policy), record.client_capabilities, None, None)
         state.task_id = record.task_id
         state.issued = record.inputs_issued  # keys stay unique across the re-run too
-        if await self._restart(record, state, fence, "not re-run"):
+        if await self._restart(record, state, fence, "not re-run", "task re-run"):
             log.info("task_rerun", task_id=record.task_id, tool=record.tool)
 
     async def _follow_again(self, record: TaskRecord, before: TaskRecord, fence: Fence) -> None:
@@ -153,12 +155,13 @@ class Recovery:
             if isinstance(request, dict) and isinstance(upstream_id, int | str):
                 state.inputs[key] = PendingInput(upstream_id, str(request.get("method")), request)
         state.inputs_written = not state.inputs
-        if await self._restart(record, state, fence, "not followed again"):
+        if await self._restart(record, state, fence, "not followed again", "task followed again"):
             log.info("task_resumed", task_id=record.task_id, tool=record.tool)
 
-    async def _restart(self, record: TaskRecord, state: CallState, fence: Fence, refused: str) -> bool:
+    async def _restart(self, record: TaskRecord, state: CallState, fence: Fence, refused: str, span: str) -> bool:
         """Start the call of a task a previous process left live, with the caller's credential kept sealed in
-        the record; a credential that no longer opens (another deployment key) fails the task instead."""
+        the record; a credential that no longer opens (another deployment key) fails the task instead. Its work
+        goes on in the trace that created the task, below a span named `span`."""
         try:
             principal = None if record.rerun_principal is None else self.principals.unseal(record.rerun_principal)
         except SealError as exc:
@@ -169,7 +172,8 @@ class Recovery:
         call.fence = fence
         self.table.add(call)
         self.table.add_task(record.task_id, call)
-        await self.feed.dispatch(call, Start())
+        with tracing.resumed(span, record.task_id, record.traceparent):
+            await self.feed.dispatch(call, Start())  # the call's work starts in the span's context
         return True
 
     # --- the sweep ---------------------------------------------------------------------------------------------

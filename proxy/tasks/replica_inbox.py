@@ -88,7 +88,9 @@ class ReplicaInbox:
             return
         call = self.table.task(task_id)
         if call is not None:
-            work = tracing.linked(self._stop_settled(call, task_id, status), "task settled elsewhere", task_id)
+            work = tracing.linked(
+                self._stop_settled(call, task_id, status), "task settled elsewhere", task_id, _traceparent(call)
+            )
             self.spawner.spawn(work, f"settled-{call.call_id}")
 
     async def _stop_settled(self, call: LiveCall, task_id: str, status: TaskStatus) -> None:
@@ -105,7 +107,9 @@ class ReplicaInbox:
         if call is None:
             log.info("task_answers_dropped", task_id=task_id, keys=sorted(answers))
             return
-        work = tracing.linked(self.feed.dispatch(call, RemoteAnswers(answers)), "task answers relayed", task_id)
+        work = tracing.linked(
+            self.feed.dispatch(call, RemoteAnswers(answers)), "task answers relayed", task_id, _traceparent(call)
+        )
         self.spawner.spawn(work, f"answers-{call.call_id}")
 
     def resync(self) -> None:
@@ -167,3 +171,8 @@ class ReplicaInbox:
             if call.reply is not None and not call.reply.done():
                 call.reply.cancel()  # nobody waits for the answer any more
             self.starter.client_left(call)
+
+
+def _traceparent(call: LiveCall) -> str | None:
+    """The trace context the task of `call` was created under, as its record keeps it."""
+    return None if call.record is None else call.record.traceparent

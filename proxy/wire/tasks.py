@@ -78,6 +78,10 @@ class TaskRecord:
     A task the upstream runs itself (2025-11-25 Tasks) keeps the upstream's task id, the upstream session it
     lives in (tasks are scoped to their session) and, by key, the upstream JSON-RPC ids of its outstanding
     questions: a restarted proxy follows it again there and can still deliver the answers.
+
+    `traceparent` is the W3C trace context of the span that created the task, when tracing was on (never
+    sent to a client): the spans of later requests about the task link to it, and a task resumed after a
+    restart, or taken over by another replica, goes on in that trace.
     """
 
     task_id: str
@@ -101,6 +105,7 @@ class TaskRecord:
     upstream_task_id: str | None = None
     upstream_session_id: str | None = None
     upstream_input_ids: JSON = field(default_factory=dict)
+    traceparent: str | None = None
 
     @property
     def expires_at_ms(self) -> int | None:

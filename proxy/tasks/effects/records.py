@@ -108,6 +108,7 @@ class RecordWrites:
             upstream_task_id=command.upstream_task_id,
             upstream_session_id=call.session.session_id if command.upstream_task_id and call.session else None,
             upstream_input_ids=command.upstream_input_ids or {},
+            traceparent=tracing.creating_context(),  # later spans about the task link to it, on any replica
         )
         started = time.perf_counter()
         self.table.add_task(record.task_id, call)  # before the commit: a committed task is never an orphan

@@ -224,6 +224,7 @@ COLUMNS: Final = (
     "upstream_task_id",
     "upstream_session_id",
     "upstream_input_ids",
+    "traceparent",
 )
 STATUS_KEYS: Final = tuple(status.value for status in TaskStatus)
 LIVE_SQL: Final = ", ".join(f"'{status.value}'" for status in sorted(LIVE))
@@ -279,6 +280,7 @@ def record_from_row(row: Mapping[str, Any]) -> TaskRecord:
         upstream_task_id=row["upstream_task_id"],
         upstream_session_id=row["upstream_session_id"],
         upstream_input_ids=decode(row["upstream_input_ids"]),
+        traceparent=row["traceparent"],
     )
 
 
@@ -316,6 +318,7 @@ def row_from_record(record: TaskRecord) -> dict[str, Any]:
         "upstream_task_id": record.upstream_task_id,
         "upstream_session_id": record.upstream_session_id,
         "upstream_input_ids": encode(record.upstream_input_ids),
+        "traceparent": record.traceparent,
     }
 
 

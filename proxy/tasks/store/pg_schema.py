@@ -122,6 +122,14 @@ MIGRATIONS: Final[tuple[tuple[str, str], ...]] = (
         ALTER TABLE tasks ADD COLUMN upstream_input_ids text NOT NULL DEFAULT '{}';
         """,
     ),
+    (
+        # The W3C traceparent of the span that created the task (tracing on): later tasks/* spans link to it on
+        # any replica and after a restart, and a task resumed elsewhere goes on in its trace. Older records: NULL.
+        "0005_add_traceparent",
+        """
+        ALTER TABLE tasks ADD COLUMN traceparent text;
+        """,
+    ),
 )
 
 

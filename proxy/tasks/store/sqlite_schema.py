@@ -98,6 +98,13 @@ def _add_upstream_task(db: Database) -> None:
     tasks.add_column("upstream_input_ids", str, not_null_default="{}")
 
 
+@MIGRATIONS(name="0006_add_traceparent")
+def _add_traceparent(db: Database) -> None:
+    """The W3C traceparent of the span that created the task (tracing on): later tasks/* spans link to it on any
+    replica and after a restart, and a task resumed after a restart goes on in its trace. Older records: NULL."""
+    db.table("tasks").add_column("traceparent", str)
+
+
 INSERT_SQL: Final = f"INSERT INTO tasks ({', '.join(COLUMNS)}) VALUES ({', '.join(':' + column for column in COLUMNS)})"
 # One indexed walk per settled status, then the oldest of those few candidates: a single
 # `status IN (...) ORDER BY updated_at_ms` would sort every settled record on each create at capacity.
