@@ -143,15 +143,26 @@ def not_utf8_header(headers: Mapping[str, str]) -> str | None:
 async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.method == "GET" and request.path in OPS_PATHS:
         return await handler(request)
+    refusal = _refusal(request)
+    if refusal is None:
+        return await handler(request)
+    if tracing.enabled():  # refused before anything was read: its SERVER span names the error
+        with _server_span(request, None, "modern" if is_modern(request.headers, None) else "legacy", None):
+            raise refusal
+    raise refusal
+
+
+def _refusal(request: web.Request) -> ProxyError | None:
+    """Why the request is refused before it is read (a header that is not UTF-8, a Host or Origin not allowed)."""
     if (name := not_utf8_header(request.headers)) is not None:
-        raise InvalidRequestError(f"Invalid Request: the value of the {name} header is not UTF-8")
+        return InvalidRequestError(f"Invalid Request: the value of the {name} header is not UTF-8")
     security = request.app[LIVE].current.security
     if not host_allowed(request.headers.get("Host"), security.allowed_hosts):
-        raise ForbiddenError("Forbidden: Host header not allowed")
+        return ForbiddenError("Forbidden: Host header not allowed")
     origin = request.headers.get("Origin")
     if origin is not None and not origin_allowed(origin, security.allowed_hosts, security.allowed_origins):
-        raise ForbiddenError("Forbidden: Origin not allowed")
-    return await handler(request)
+        return ForbiddenError("Forbidden: Origin not allowed")
+    return None
 
 
 @web.middleware
@@ -163,8 +174,12 @@ async def relay_unrouted(request: web.Request, handler: Handler) -> web.StreamRe
     if request.path in OPS_PATHS:  # e.g. /metrics switched off: still the proxy's (and exempt from the Host check)
         return await handler(request)
     request[ERA] = "relayed"
-    body = await _read_body(request) if request.body_exists else None
-    return await request.app[RELAY].relay(request, body)
+    arrived = time.time_ns() if tracing.enabled() else None
+    with _server_span(request, None, "relayed", arrived) as span:
+        body = await _read_body(request) if request.body_exists else None
+        response = await request.app[RELAY].relay(request, body)
+        span.status(response.status)
+        return response
 
 
 # --- the MCP endpoint ---------------------------------------------------------------------------------

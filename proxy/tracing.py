@@ -220,8 +220,8 @@ def _describe_server_span(
     structlog.contextvars.bind_contextvars(
         trace_id=format(context.trace_id, "032x"), span_id=format(context.span_id, "016x")
     )
-    if era != "legacy":
-        return None  # only the legacy pass-through's CLIENT span copies what the SERVER span knows
+    if era == "modern":
+        return None  # only a relayed request's CLIENT span (legacy, or another path) copies what the SERVER span knows
     copied = {key: value for key, value in attributes.items() if key.startswith(("gen_ai.", "mcp.method", "mcp.proto"))}
     return _request_target.set((method, target, http_method, copied))
 

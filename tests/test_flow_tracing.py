@@ -529,8 +529,18 @@ TOO_LARGE = json.dumps(modern_body("tools/call", {"name": "echo", "arguments": {
             "modern",
         ),
         ("POST", {**HEADERS, "traceparent": CLIENT_TRACEPARENT}, TOO_LARGE, 413, "-32600", "legacy"),
+        ("POST", {**MODERN_POST, "Origin": "http://evil.example"}, b"{}", 403, "-32600", "modern"),
+        ("POST", {**LEGACY_POST, "Host": "evil.example"}, b"{}", 403, "-32600", "legacy"),
     ],
-    ids=["modern-get-405", "modern-delete-405", "modern-not-json", "modern-too-large", "legacy-too-large"],
+    ids=[
+        "modern-get-405",
+        "modern-delete-405",
+        "modern-not-json",
+        "modern-too-large",
+        "legacy-too-large",
+        "modern-origin-forbidden",
+        "legacy-host-forbidden",
+    ],
 )
 async def test_a_request_refused_before_its_message_is_read_has_a_server_span_naming_the_error(
     spans: InMemorySpanExporter,
@@ -559,3 +569,25 @@ async def test_a_request_refused_before_its_message_is_read_has_a_server_span_na
     assert span.attributes["client.address"] == "127.0.0.1"
     assert "mcp.method.name" not in span.attributes
     assert span.status.status_code is StatusCode.ERROR
+
+
+async def test_a_request_relayed_to_the_upstreams_origin_has_a_server_span_with_a_client_span_below_it(
+    spans: InMemorySpanExporter, proxy: Client
+) -> None:
+    """A path the proxy does not serve (OAuth metadata, say) goes to the upstream's origin: one SERVER span named
+    after the HTTP method, its CLIENT span below it."""
+    headers = {"traceparent": CLIENT_TRACEPARENT}
+    async with proxy.get("/.well-known/oauth-protected-resource/mcp", headers=headers) as response:
+        status = response.status
+        await response.read()
+    named = await eventually(spans, "GET", 2)
+    [server_span] = [span for span in named if span.kind is SpanKind.SERVER]
+    [relayed] = [span for span in named if span.kind is SpanKind.CLIENT]
+    assert parent_of(server_span) == CLIENT_SPAN
+    assert parent_of(relayed) == hex_span(server_span)
+    assert server_span.attributes is not None
+    assert server_span.attributes["mcp.era"] == "relayed"
+    assert server_span.attributes["http.request.method"] == "GET"
+    assert relayed.attributes is not None
+    assert relayed.attributes["http.request.method"] == "GET"
+    assert (server_span.status.status_code is StatusCode.ERROR) == (status >= 500)
