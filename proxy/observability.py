@@ -18,13 +18,25 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from proxy import tracing
 from proxy.config import LoggingConfig
 
+# The least level a line needs to be written: NOTSET (every line, structlog's own default) until
+# `configure_logging` sets it, and again on every live reload.
+_min_level = logging.NOTSET
+
+
+def logs_at(level: int) -> bool:
+    """Whether a line of `level` is written. Lines written for every request ask first, so one whose level is
+    off costs this comparison: its fields are not gathered and structlog is not called."""
+    return level >= _min_level
+
 
 def configure_logging(config: LoggingConfig) -> None:
+    global _min_level
     level = logging.getLevelNamesMapping()[config.level.upper()]
     console = config.format == "console" or (config.format == "auto" and sys.stderr.isatty())
     renderer: structlog.types.Processor = (
         structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()) if console else structlog.processors.JSONRenderer()
     )
+    output = structlog.WriteLogger(sys.stderr)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -35,9 +47,11 @@ def configure_logging(config: LoggingConfig) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One writer for every line (structlog would make one per call otherwise, loggers not being cached).
+        logger_factory=lambda *_: output,
         cache_logger_on_first_use=False,  # a live reload may change the level: loggers must see the new one
     )
+    _min_level = level
     # aiohttp's own access log repeats what the request log line says.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 

@@ -394,6 +394,31 @@ async def test_an_error_after_notifications_went_out_is_the_streams_last_event(
     assert last["error"]["data"] == {"requiredCapabilities": {"elicitation": {}}}
 
 
+LEGACY_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+INITIALIZE = {
+    "jsonrpc": "2.0",
+    "id": 7,
+    "method": "initialize",
+    "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}},
+}
+
+
+@pytest.mark.parametrize("level", ["info", "warning"])
+async def test_a_request_line_per_request_at_info_and_none_below(
+    request: pytest.FixtureRequest, make_proxy: Callable[..., Any], upstream: Upstream, level: str
+) -> None:
+    if level == "warning":
+        request.getfixturevalue("quiet_logs")
+    client: Client = await make_proxy(upstream.url)
+    with structlog.testing.capture_logs() as events:
+        response = await client.post("/mcp", json=INITIALIZE, headers=LEGACY_HEADERS)
+        await response.read()
+        response = await client.post("/mcp", json=modern_body("tools/list"), headers=modern_headers("tools/list"))
+        await response.read()
+    lines = [(event["era"], event["mcp_method"], event["status"]) for event in events if event["event"] == "request"]
+    assert lines == ([("legacy", "initialize", 200), ("modern", "tools/list", 200)] if level == "info" else [])
+
+
 SECRET = "hunter2-do-not-log"
 
 
