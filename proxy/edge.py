@@ -142,8 +142,7 @@ def _count(request: web.Request, status: int, duration_seconds: float) -> None:
         outcome = "jsonrpc_error"
     else:
         outcome = "ok"
-    metrics.requests.labels(era, method, outcome).inc()
-    metrics.request_seconds.labels(era, method).observe(duration_seconds)
+    metrics.request_done(era, method, outcome, duration_seconds)
 
 
 def _count_limit(request: web.Request, error: ProxyError) -> None:
