@@ -1,14 +1,17 @@
 """The aiohttp application: routes, admission, classification, lifecycle, health and metrics.
 
 One endpoint serves both eras: each POST is classified (docs/architecture.md), legacy traffic goes to the
-pass-through, modern requests to `Front`. Every ProxyError raised anywhere below becomes an answer in one
-place, the error edge (`edge.py`).
+pass-through, modern requests to `Front`. A legacy POST is read as JSON only when something needs what it
+says (its method for the metrics and the request log line, its trace context, its id while draining); else
+it is relayed unread, its bytes having shown that it cannot be modern. Every ProxyError raised anywhere below
+becomes an answer in one place, the error edge (`edge.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Final
@@ -52,7 +55,7 @@ from proxy.front import Front
 from proxy.jwt_identity import JwtIdentity
 from proxy.legacy import LegacyFront
 from proxy.live_config import LiveConfig
-from proxy.observability import Metrics
+from proxy.observability import Metrics, logs_at
 from proxy.policy import named_tools
 from proxy.principals import Principals, deployment_key
 from proxy.relay import OriginRelay
@@ -63,7 +66,7 @@ from proxy.upstream.http.link import upstream_connector
 from proxy.upstream.kinds import session_kind
 from proxy.upstream.pool import SessionPool
 from proxy.wire import jsonrpc
-from proxy.wire.envelope import Caller, is_modern, validate_modern
+from proxy.wire.envelope import Caller, is_modern, may_carry_version_key, validate_modern
 from proxy.wire.jsonrpc import Notification, Response
 
 log = structlog.get_logger(__name__)
@@ -190,24 +193,43 @@ async def handle_mcp(request: web.Request) -> web.StreamResponse:
         request[ERA] = "legacy"
         return await _relay(request, None, None)
     body = await _read_body(request)
+    modern_header = is_modern(request.headers, None)
+    if not modern_header and not may_carry_version_key(body):
+        return await _legacy_post(request, body, None, decoded=False)  # legacy by its bytes: not decoded here
     try:
         decoded = jsonrpc.loads(body)
     except ParseError:
-        if is_modern(request.headers, None):
+        if modern_header:
             request[ERA] = "modern"
             raise
-        request[ERA] = "legacy"
-        request.app[DRAIN].check_legacy(request, None)
-        return await _relay(request, body, None)
+        return await _legacy_post(request, body, None, decoded=True)
     if not is_modern(request.headers, decoded):
-        request[ERA] = "legacy"
-        if isinstance(decoded, dict) and isinstance(decoded.get("method"), str):
-            request[MCP_METHOD] = decoded["method"]
-        request.app[DRAIN].check_legacy(request, decoded)
-        return await _relay(request, body, decoded)
+        return await _legacy_post(request, body, decoded, decoded=True)
     request[ERA] = "modern"
     with tracing.server_span(request.headers, decoded, era="modern", peer=request.remote):
         return await serve_modern(request, decoded)
+
+
+def _reads_legacy_messages(request: web.Request) -> bool:
+    """Whether anything needs what a legacy POST says (its method, id or trace context): the request metrics,
+    the request log line, tracing, or a drain (which refuses a new session with the request's id)."""
+    return METRICS in request.app or logs_at(logging.INFO) or tracing.enabled() or request.app[DRAIN].draining
+
+
+async def _legacy_post(request: web.Request, body: bytes, message: object, *, decoded: bool) -> web.StreamResponse:
+    """A legacy client's POST, relayed as it came. Its body is read as JSON only when something needs what it
+    says (`_reads_legacy_messages`); `decoded` tells whether `message` is that reading already (None for a body
+    that is not JSON)."""
+    request[ERA] = "legacy"
+    if not decoded and _reads_legacy_messages(request):
+        try:
+            message = jsonrpc.loads(body)
+        except ParseError:
+            message = None  # relayed all the same: the upstream answers it
+    if isinstance(message, dict) and isinstance(message.get("method"), str):
+        request[MCP_METHOD] = message["method"]
+    request.app[DRAIN].check_legacy(request, message)
+    return await _relay(request, body, message)
 
 
 async def _relay(request: web.Request, body: bytes | None, decoded: object) -> web.StreamResponse:
