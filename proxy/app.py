@@ -176,6 +176,8 @@ async def _read_body(request: web.Request) -> bytes:
     are relayed) and `security.max_body_bytes`."""
     security = request.app[LIVE].current.security
     try:
+        if request.content.is_eof():  # all of it came with the headers (most bodies): nothing to wait for
+            return await request.read()
         async with asyncio.timeout(security.body_read_timeout_seconds):
             return await request.read()
     except TimeoutError:
