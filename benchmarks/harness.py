@@ -14,6 +14,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -84,8 +85,12 @@ class Process:
                 self.process.wait()
 
 
-def spawn(arguments: list[str], python: str = sys.executable) -> subprocess.Popen[Any]:
-    return subprocess.Popen([python, *arguments], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def spawn(arguments: list[str], python: str = sys.executable, cwd: Path = ROOT) -> subprocess.Popen[Any]:
+    """`python` with `arguments`, run from `cwd` (another commit's tree: its packages come first)."""
+    env = None if cwd == ROOT else {**os.environ, "PYTHONPATH": str(cwd)}
+    return subprocess.Popen(
+        [python, *arguments], cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
 
 
 async def start_upstream(sdk: bool = False) -> Process:
@@ -131,16 +136,32 @@ async def start_proxy(
     name: str,
     database: Path | None = None,
     store: dict[str, Any] | None = None,
+    cwd: Path = ROOT,
     **sections: Any,
 ) -> Process:
-    """A proxy process on a free port; its store is the SQLite file `database` (default: one of its own in
-    `workdir`), or the `store` section given."""
+    """A proxy process on a free port, run from the code in `cwd`; its store is the SQLite file `database`
+    (default: one of its own in `workdir`), or the `store` section given."""
     port = free_port()
     store = store or {"path": str(database or workdir / f"{name}.db")}
     config = proxy_config(upstream, workdir, name, port, store, **sections)
-    process = spawn(["-m", "proxy", "serve", "--config", str(config)])
+    process = spawn(["-m", "proxy", "serve", "--config", str(config)], cwd=cwd)
     await wait_for_port(port, process)
     return Process(process, f"http://127.0.0.1:{port}/mcp")
+
+
+def baseline_tree(ref: str, workdir: Path) -> Path | None:
+    """The `proxy` package of `ref`, unpacked into `workdir` (None when `ref` cannot be read: no git checkout)."""
+    target = workdir / f"baseline-{ref.replace('/', '-')}"
+    try:
+        archive = subprocess.run(["git", "archive", ref, "proxy"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    target.mkdir(parents=True, exist_ok=True)
+    archive_path = target / "proxy.tar"
+    archive_path.write_bytes(archive)
+    with tarfile.open(archive_path) as tar:
+        tar.extractall(target, filter="data")
+    return target
 
 
 class LegacyClient:

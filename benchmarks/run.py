@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.baseline import baseline_rows
 from benchmarks.deploy import deploy_rows
 from benchmarks.harness import (
     ROOT,
@@ -387,10 +388,12 @@ def print_table(rows: list[Row]) -> None:
         print(f"{row.name.ljust(width)}  {met:<4} {row.figure}   [{row.target}]")
 
 
-GROUPS = ("sdk", "lean", "replicas", "scale", "store", "tracing", "deploy")
+GROUPS = ("sdk", "lean", "replicas", "scale", "store", "tracing", "deploy", "baseline")
 
 
-async def run(quick: bool, groups: tuple[str, ...] = GROUPS, tracing_baseline: str = "main") -> list[Row]:
+async def run(
+    quick: bool, groups: tuple[str, ...] = GROUPS, tracing_baseline: str = "main", baseline: str = "main"
+) -> list[Row]:
     workdir = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-bench-"))
     rows: list[Row] = []
     if "sdk" in groups:
@@ -440,6 +443,16 @@ async def run(quick: bool, groups: tuple[str, ...] = GROUPS, tracing_baseline: s
             rows += await tracing_rows(upstream, quick, tracing_baseline)
         finally:
             upstream.stop()
+    if "baseline" in groups:
+        for sdk, label, kinds in (
+            (False, LEAN_LABEL, ("pass-through", "modern")),
+            (True, SDK_LABEL, ("pass-through",)),
+        ):
+            upstream = await start_upstream(sdk=sdk)
+            try:
+                rows += await baseline_rows(upstream, label, quick, baseline, kinds)
+            finally:
+                upstream.stop()
     return rows
 
 
@@ -468,13 +481,18 @@ def main() -> int:
         default="main",
         help="git ref whose proxy the `tracing` group compares the current one (tracing off) with",
     )
+    parser.add_argument(
+        "--baseline",
+        default="main",
+        help="git ref whose proxy the `baseline` group compares the current one with (pass-through and modern calls)",
+    )
     args = parser.parse_args()
     groups = tuple(group.strip() for group in args.only.split(","))
     unknown = set(groups) - set(GROUPS)
     if unknown:
         parser.error(f"unknown row groups: {', '.join(sorted(unknown))}")
     started = time.monotonic()
-    rows = asyncio.run(run(args.quick, groups, args.tracing_baseline))
+    rows = asyncio.run(run(args.quick, groups, args.tracing_baseline, args.baseline))
     print_table(rows)
     if set(groups) != set(GROUPS):
         return 0

@@ -16,7 +16,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 from typing import Any, Final
@@ -30,6 +29,7 @@ from benchmarks.harness import (
     Process,
     Row,
     Sample,
+    baseline_tree,
     free_port,
     interleaved,
     measure,
@@ -127,24 +127,9 @@ async def on_off_row(upstream: Process, workdir: Path, quick: bool, sampler: dic
     )
 
 
-def _baseline_tree(ref: str, workdir: Path) -> Path | None:
-    """The `proxy` package of `ref`, unpacked into `workdir` (None when `ref` cannot be read: no git checkout)."""
-    target = workdir / f"baseline-{ref.replace('/', '-')}"
-    try:
-        archive = subprocess.run(["git", "archive", ref, "proxy"], cwd=ROOT, capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    target.mkdir(parents=True, exist_ok=True)
-    archive_path = target / "proxy.tar"
-    archive_path.write_bytes(archive)
-    with tarfile.open(archive_path) as tar:
-        tar.extractall(target, filter="data")
-    return target
-
-
 async def off_vs_baseline_row(upstream: Process, workdir: Path, quick: bool, ref: str) -> Row:
     name = f"modern sync tools/call, tracing off vs the proxy of {ref}, lean upstream, concurrency 16"
-    tree = _baseline_tree(ref, workdir)
+    tree = baseline_tree(ref, workdir)
     if tree is None:
         return Row(name, f"not measured: {ref} cannot be read from git", f">= {TARGET_OFF}x", None, {})
     current = await start_traced_proxy(upstream, workdir, "current", {})

@@ -1,14 +1,17 @@
 """The aiohttp application: routes, admission, classification, lifecycle, health and metrics.
 
 One endpoint serves both eras: each POST is classified (docs/architecture.md), legacy traffic goes to the
-pass-through, modern requests to `Front`. Every ProxyError raised anywhere below becomes an answer in one
-place, the error edge (`edge.py`).
+pass-through, modern requests to `Front`. A legacy POST is read as JSON only when something needs what it
+says (its method for the metrics and the request log line, its trace context, its id while draining); else
+it is relayed unread, its bytes having shown that it cannot be modern. Every ProxyError raised anywhere below
+becomes an answer in one place, the error edge (`edge.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractContextManager
@@ -54,7 +57,7 @@ from proxy.front import Front
 from proxy.jwt_identity import JwtIdentity
 from proxy.legacy import LegacyFront
 from proxy.live_config import LiveConfig
-from proxy.observability import Metrics
+from proxy.observability import Metrics, logs_at
 from proxy.policy import named_tools
 from proxy.principals import Principals, deployment_key
 from proxy.relay import OriginRelay
@@ -65,7 +68,7 @@ from proxy.upstream.http.link import upstream_connector
 from proxy.upstream.kinds import session_kind
 from proxy.upstream.pool import SessionPool
 from proxy.wire import jsonrpc
-from proxy.wire.envelope import Caller, is_modern, validate_modern
+from proxy.wire.envelope import Caller, is_modern, may_carry_version_key, validate_modern
 from proxy.wire.jsonrpc import Notification, Response
 
 log = structlog.get_logger(__name__)
@@ -190,6 +193,8 @@ async def _read_body(request: web.Request) -> bytes:
     are relayed) and `security.max_body_bytes`."""
     security = request.app[LIVE].current.security
     try:
+        if request.content.is_eof():  # all of it came with the headers (most bodies): nothing to wait for
+            return await request.read()
         async with asyncio.timeout(security.body_read_timeout_seconds):
             return await request.read()
     except TimeoutError:
@@ -214,22 +219,19 @@ async def handle_mcp(request: web.Request) -> web.StreamResponse:
     except ProxyError:  # too large, or not in time: the era as the headers tell it
         with _server_span(request, None, "modern" if is_modern(request.headers, None) else "legacy", arrived):
             raise
+    modern_header = is_modern(request.headers, None)
+    if not modern_header and not may_carry_version_key(body):
+        return await _legacy_post(request, body, None, arrived, decoded=False)  # legacy by its bytes: not decoded
     try:
         decoded = jsonrpc.loads(body)
     except ParseError:
-        if is_modern(request.headers, None):
+        if modern_header:
             request[ERA] = "modern"
             with _server_span(request, None, "modern", arrived):
                 raise
-        request[ERA] = "legacy"
-        request.app[DRAIN].check_legacy(request, None)
-        return await _relay(request, body, None, arrived)
+        return await _legacy_post(request, body, None, arrived, decoded=True)
     if not is_modern(request.headers, decoded):
-        request[ERA] = "legacy"
-        if isinstance(decoded, dict) and isinstance(decoded.get("method"), str):
-            request[MCP_METHOD] = decoded["method"]
-        request.app[DRAIN].check_legacy(request, decoded)
-        return await _relay(request, body, decoded, arrived)
+        return await _legacy_post(request, body, decoded, arrived, decoded=True)
     request[ERA] = "modern"
     with _server_span(request, decoded, "modern", arrived):
         return await serve_modern(request, decoded)
@@ -241,6 +243,30 @@ def _server_span(
     return tracing.server_span(
         request.headers, decoded, era=era, http_method=request.method, peer=request.remote, start_time=arrived
     )
+
+
+def _reads_legacy_messages(request: web.Request) -> bool:
+    """Whether anything needs what a legacy POST says (its method, id or trace context): the request metrics,
+    the request log line, tracing, or a drain (which refuses a new session with the request's id)."""
+    return METRICS in request.app or logs_at(logging.INFO) or tracing.enabled() or request.app[DRAIN].draining
+
+
+async def _legacy_post(
+    request: web.Request, body: bytes, message: object, arrived: int | None, *, decoded: bool
+) -> web.StreamResponse:
+    """A legacy client's POST, relayed as it came. Its body is read as JSON only when something needs what it
+    says (`_reads_legacy_messages`); `decoded` tells whether `message` is that reading already (None for a body
+    that is not JSON)."""
+    request[ERA] = "legacy"
+    if not decoded and _reads_legacy_messages(request):
+        try:
+            message = jsonrpc.loads(body)
+        except ParseError:
+            message = None  # relayed all the same: the upstream answers it
+    if isinstance(message, dict) and isinstance(message.get("method"), str):
+        request[MCP_METHOD] = message["method"]
+    request.app[DRAIN].check_legacy(request, message)
+    return await _relay(request, body, message, arrived)
 
 
 async def _relay(request: web.Request, body: bytes | None, decoded: object, arrived: int | None) -> web.StreamResponse:

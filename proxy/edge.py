@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -21,7 +22,7 @@ import structlog
 from aiohttp import web
 
 from proxy.errors import ProxyError, RequestId, http_status
-from proxy.observability import Metrics, method_label
+from proxy.observability import Metrics, logs_at, method_label
 from proxy.wire import jsonrpc
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.sse import KEEPALIVE, frame
@@ -81,18 +82,18 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
         return response
     finally:
         duration = time.perf_counter() - started
-        fields = {
-            "http_method": request.method,
-            "path": request.path,
-            "era": request.get(ERA, "-"),
-            "mcp_method": request.get(MCP_METHOD, "-"),
-            "status": status,
-            "duration_ms": round(duration * 1000, 2),
-        }
-        if request.path in OPS_PATHS:
-            log.debug("request", **fields)  # a probe every few seconds would drown the useful lines
-        else:
-            log.info("request", **fields)
+        ops = request.path in OPS_PATHS  # a probe every few seconds would drown the useful lines: debug
+        if logs_at(logging.DEBUG if ops else logging.INFO):
+            (log.debug if ops else log.info)(
+                "request",
+                http_method=request.method,
+                path=request.path,
+                era=request.get(ERA, "-"),
+                mcp_method=request.get(MCP_METHOD, "-"),
+                status=status,
+                duration_ms=round(duration * 1000, 2),
+            )
+        if not ops:
             _count(request, status, duration)
         structlog.contextvars.unbind_contextvars("request_id", "trace_id", "span_id")  # ids bound by tracing
 
@@ -141,8 +142,7 @@ def _count(request: web.Request, status: int, duration_seconds: float) -> None:
         outcome = "jsonrpc_error"
     else:
         outcome = "ok"
-    metrics.requests.labels(era, method, outcome).inc()
-    metrics.request_seconds.labels(era, method).observe(duration_seconds)
+    metrics.request_done(era, method, outcome, duration_seconds)
 
 
 def _count_limit(request: web.Request, error: ProxyError) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterable
-from typing import Final
+from typing import Final, Generic, TypeVar
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -18,13 +18,25 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from proxy import tracing
 from proxy.config import LoggingConfig
 
+# The least level a line needs to be written: NOTSET (every line, structlog's own default) until
+# `configure_logging` sets it, and again on every live reload.
+_min_level = logging.NOTSET
+
+
+def logs_at(level: int) -> bool:
+    """Whether a line of `level` is written. Lines written for every request ask first, so one whose level is
+    off costs this comparison: its fields are not gathered and structlog is not called."""
+    return level >= _min_level
+
 
 def configure_logging(config: LoggingConfig) -> None:
+    global _min_level
     level = logging.getLevelNamesMapping()[config.level.upper()]
     console = config.format == "console" or (config.format == "auto" and sys.stderr.isatty())
     renderer: structlog.types.Processor = (
         structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()) if console else structlog.processors.JSONRenderer()
     )
+    output = structlog.WriteLogger(sys.stderr)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -35,9 +47,11 @@ def configure_logging(config: LoggingConfig) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One writer for every line (structlog would make one per call otherwise, loggers not being cached).
+        logger_factory=lambda *_: output,
         cache_logger_on_first_use=False,  # a live reload may change the level: loggers must see the new one
     )
+    _min_level = level
     # aiohttp's own access log repeats what the request log line says.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
@@ -82,6 +96,28 @@ def method_label(method: str | None) -> str:
     if method is None:
         return "-"
     return method if method in KNOWN_METHODS else OTHER
+
+
+_M = TypeVar("_M", Counter, Gauge, Histogram)
+
+
+class Children(Generic[_M]):
+    """The children of a labelled metric, each asked of prometheus_client once: `labels()` checks its values,
+    builds their key and takes a lock on every call, a child kept here costs one dict lookup. For label values
+    of a bounded set only (every label of `Metrics` is bounded), as a child is kept for good; and for metrics
+    whose children are never removed (none of the proxy's are)."""
+
+    __slots__ = ("_children", "_metric")
+
+    def __init__(self, metric: _M) -> None:
+        self._metric: _M = metric
+        self._children: dict[tuple[str, ...], _M] = {}
+
+    def __call__(self, *values: str) -> _M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
 
 
 class Metrics:
@@ -203,6 +239,35 @@ class Metrics:
             "How long the last scrape's read of the task store took (its counts and size)",
             registry=self.registry,
         )
+
+        # What every request, upstream request and task counts: its labelled children, each looked up once.
+        self._requests = Children(self.requests)
+        self._request_seconds = Children(self.request_seconds)
+        self._upstream_seconds = Children(self.upstream_seconds)
+        self._tasks_created = Children(self.tasks_created)
+        self._create_seconds = Children(self.create_seconds)
+        self._tasks_settled = Children(self.tasks_settled)
+        self._task_seconds = Children(self.task_seconds)
+
+    def request_done(self, era: str, method: str, outcome: str, seconds: float) -> None:
+        """One request answered: `era`, `method` (a `method_label`) and `outcome` are of bounded sets."""
+        self._requests(era, method, outcome).inc()
+        self._request_seconds(era, method).observe(seconds)
+
+    def upstream_request_done(self, method: str, seconds: float) -> None:
+        """One upstream request ended, after `seconds`; `method` is a `method_label`."""
+        self._upstream_seconds(method).observe(seconds)
+
+    def task_created(self, tool: str, path: str, seconds: float) -> None:
+        """A task created for `tool` (any name: counted as its `tool_label`) by `path` (task or window)."""
+        self._tasks_created(self.tool_label(tool)).inc()
+        self._create_seconds(path).observe(seconds)
+
+    def task_settled(self, tool: str, status: str, lifetime_seconds: float) -> None:
+        """A task of `tool` (any name: counted as its `tool_label`) settled as `status`."""
+        label = self.tool_label(tool)
+        self._tasks_settled(label, status).inc()
+        self._task_seconds(label, status).observe(lifetime_seconds)
 
     def tool_label(self, tool: str) -> str:
         """Tool names only when the operator listed them in `tasks.tools`; anything else is `other`."""

@@ -12,10 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from proxy import observability
 from proxy.app import create_app
+from proxy.config import LoggingConfig
+from proxy.observability import configure_logging
 from tests import pg
 from tests.reference_server import EverythingServer, stdio_argv
 from tests.support.clients import ClientFactory, Tasks
@@ -63,6 +67,17 @@ async def make_proxy(
 async def proxy(make_proxy: Callable[..., Any], upstream: Upstream) -> TestClient[web.Request, web.Application]:
     client: TestClient[web.Request, web.Application] = await make_proxy(upstream.url)
     return client
+
+
+@pytest.fixture
+def quiet_logs(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The process's logging as `logging.level: warning` configures it (no request lines, nothing below
+    warning), restored after the test."""
+    saved = structlog.get_config()
+    monkeypatch.setattr(observability, "_min_level", observability._min_level)
+    configure_logging(LoggingConfig(level="warning"))
+    yield
+    structlog.configure(**saved)
 
 
 @pytest.fixture(scope="session")

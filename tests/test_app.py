@@ -16,9 +16,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app import host_allowed, origin_allowed
+from proxy.drain import DRAIN
 from tests.support.processes import Upstream
 from tests.support.schemas import SCHEMA_DIR, ModernSchema
-from tests.support.wire import DECLARING, modern_body, modern_headers, read_messages
+from tests.support.wire import DECLARING, modern_body, modern_headers, modern_meta, read_messages
 
 Client = TestClient[web.Request, web.Application]
 SCHEMA = ModernSchema(SCHEMA_DIR / "mcp-2026-07-28.schema.json")
@@ -392,6 +393,89 @@ async def test_an_error_after_notifications_went_out_is_the_streams_last_event(
     modern_schema.validate(last, "JSONRPCErrorResponse")
     assert (last["id"], last["error"]["code"]) == ("s-1", -32021)
     assert last["error"]["data"] == {"requiredCapabilities": {"elicitation": {}}}
+
+
+# --- legacy POSTs: classified by their bytes, read as JSON only when something reads them -------------------
+
+LEGACY_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+
+
+def legacy_message(method: str, request_id: int, params: dict[str, Any]) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
+
+
+INITIALIZE = legacy_message(
+    "initialize", 7, {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+)
+
+
+@pytest.fixture(params=["read", "unread"])
+async def legacy_proxy(request: pytest.FixtureRequest, make_proxy: Callable[..., Any], upstream: Upstream) -> Client:
+    """A proxy whose legacy POSTs are read as JSON (the request metrics and log lines name their method, as by
+    default), or one where nothing reads them (metrics off, logging at warning): they are relayed unread."""
+    if request.param == "unread":
+        request.getfixturevalue("quiet_logs")
+        client: Client = await make_proxy(upstream.url, observability={"metrics": False})
+        return client
+    client = await make_proxy(upstream.url)
+    return client
+
+
+async def test_a_legacy_session_is_relayed_whether_or_not_its_messages_are_read(legacy_proxy: Client) -> None:
+    response = await legacy_proxy.post("/mcp", json=INITIALIZE, headers=LEGACY_HEADERS)
+    assert response.status == 200
+    session = {**LEGACY_HEADERS, "Mcp-Session-Id": response.headers["Mcp-Session-Id"]}
+    assert (await read_messages(response))[-1]["result"]["protocolVersion"] == "2025-11-25"
+    initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    assert (await legacy_proxy.post("/mcp", json=initialized, headers=session)).status == 202
+    text = 'a\nline with "quotes" and a \\ backslash'  # escapes in the body: decoded to classify it
+    for number, arguments in enumerate(({"text": "plain"}, {"text": text})):
+        call = legacy_message("tools/call", 8 + number, {"name": "echo", "arguments": arguments})
+        response = await legacy_proxy.post("/mcp", json=call, headers=session)
+        assert response.status == 200
+        [answer] = await read_messages(response)
+        assert (answer["id"], answer["result"]["content"][0]["text"]) == (8 + number, arguments["text"])
+    response = await legacy_proxy.post("/mcp", data=b"{not json", headers=session)
+    assert response.status == 400  # the upstream's own answer to what it cannot parse
+    assert (await response.json())["error"]["code"] == -32700
+
+
+async def test_a_version_key_spelled_with_escapes_still_makes_a_request_modern(legacy_proxy: Client) -> None:
+    """The key found only after decoding (here `\\/` for its slash): the request is a modern one (which must
+    carry MCP-Protocol-Version), not a legacy one relayed upstream."""
+    meta = json.dumps({"_meta": modern_meta()}).replace("/", "\\/")
+    raw = f'{{"jsonrpc":"2.0","id":3,"method":"tools/list","params":{meta}}}'.encode()
+    status, message = await post(legacy_proxy, None, LEGACY_HEADERS, raw=raw)
+    assert (status, message["id"], message["error"]["code"]) == (400, 3, -32020)
+    assert "MCP-Protocol-Version header is required" in message["error"]["message"]
+
+
+async def test_a_draining_proxy_refuses_a_new_legacy_session_with_the_requests_id(legacy_proxy: Client) -> None:
+    drain = legacy_proxy.app[DRAIN]
+    drain.draining = True
+    try:
+        response = await legacy_proxy.post("/mcp", json=INITIALIZE, headers=LEGACY_HEADERS)
+    finally:
+        drain.draining = False
+    assert (response.status, response.headers["Retry-After"]) == (503, "1")
+    message = await response.json()
+    assert (message["id"], message["error"]["data"]) == (7, {"reason": "draining"})
+
+
+@pytest.mark.parametrize("level", ["info", "warning"])
+async def test_a_request_line_per_request_at_info_and_none_below(
+    request: pytest.FixtureRequest, make_proxy: Callable[..., Any], upstream: Upstream, level: str
+) -> None:
+    if level == "warning":
+        request.getfixturevalue("quiet_logs")
+    client: Client = await make_proxy(upstream.url)
+    with structlog.testing.capture_logs() as events:
+        response = await client.post("/mcp", json=INITIALIZE, headers=LEGACY_HEADERS)
+        await response.read()
+        response = await client.post("/mcp", json=modern_body("tools/list"), headers=modern_headers("tools/list"))
+        await response.read()
+    lines = [(event["era"], event["mcp_method"], event["status"]) for event in events if event["event"] == "request"]
+    assert lines == ([("legacy", "initialize", 200), ("modern", "tools/list", 200)] if level == "info" else [])
 
 
 SECRET = "hunter2-do-not-log"

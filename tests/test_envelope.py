@@ -4,15 +4,20 @@ then the version)."""
 from __future__ import annotations
 
 import base64
+import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.errors import HeaderMismatchError, InvalidParamsError, ProxyError, UnsupportedVersionError
 from proxy.wire.envelope import (
     check_param_headers,
     decode_header_value,
     is_modern,
+    may_carry_version_key,
     param_headers,
     validate_modern,
     validate_params,
@@ -57,6 +62,82 @@ def test_initialize_without_headers_is_legacy() -> None:
     body = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": "2025-11-25"}}
     assert not is_modern({}, body)
     assert not is_modern({}, [body])
+
+
+KEY = "io.modelcontextprotocol/protocolVersion"
+
+
+def _escaped(text: str, escape: Callable[[str], bool]) -> str:
+    """`text` as a JSON string whose characters `escape` picks are written as `\\uXXXX` (a `/` as `\\/`)."""
+    parts = []
+    for char in text:
+        if not escape(char):
+            parts.append(char)
+        elif char == "/":
+            parts.append("\\/")
+        else:
+            parts.append(f"\\u{ord(char):04x}")
+    return '"' + "".join(parts) + '"'
+
+
+@pytest.mark.parametrize(
+    ("body", "may"),
+    [
+        (b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo","arguments":{"text":"x"}}}', False),
+        (b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"arguments":{"text":"a\\nb \\"q\\""}}}', False),
+        (b"not json at all", False),
+        (json.dumps({"params": {"_meta": META}}).encode(), True),
+        (json.dumps({"params": {"arguments": {"note": KEY}}}).encode(), True),  # the name anywhere: decode to tell
+        (b'{"params":{"_meta":{' + _escaped(KEY, lambda c: c == "/").encode() + b':"2026-07-28"}}}', True),
+        (b'{"params":{"_meta":{' + _escaped(KEY, lambda c: True).encode() + b':"2026-07-28"}}}', True),
+        (b'{"params":{"_meta":{' + _escaped(KEY, lambda c: c == "V").encode() + b':"2026-07-28"}}}', True),
+        (b'{"params":{"text":"C:\\\\users"}}', True),  # an escaped backslash before a `u`: decoded, to be safe
+    ],
+    ids=["plain", "escapes", "not-json", "meta", "named", "slash-escaped", "all-escaped", "one-escaped", "backslash-u"],
+)
+def test_a_body_without_the_version_key_or_an_escape_that_could_spell_it_is_legacy_by_its_bytes(
+    body: bytes, may: bool
+) -> None:
+    assert may_carry_version_key(body) is may
+    if not may:
+        assert not is_modern({}, _decoded_or_none(body))
+
+
+def _decoded_or_none(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=8))
+_VALUES = st.recursive(
+    _SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+)
+
+
+@given(
+    params=st.dictionaries(st.text(max_size=6), _VALUES, max_size=3),
+    with_key=st.booleans(),
+    escape=st.sets(st.characters(codec="ascii")),
+    ensure_ascii=st.booleans(),
+)
+@settings(max_examples=300, deadline=None)
+def test_no_body_whose_decoding_is_modern_is_legacy_by_its_bytes(
+    params: dict[str, Any], with_key: bool, escape: set[str], ensure_ascii: bool
+) -> None:
+    """Whatever the message, and however its keys and strings are escaped, a body that decodes to a modern
+    request is never judged legacy from its bytes (the bytes test may only err towards decoding)."""
+    if with_key:
+        params = {**params, "_meta": {KEY: "2026-07-28"}}
+    message = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": params}
+    text = json.dumps(message, ensure_ascii=ensure_ascii)
+    # The same JSON with the picked characters of the key escaped in another way.
+    text = text.replace(json.dumps(KEY), _escaped(KEY, lambda char: char in escape))
+    body = text.encode()
+    assert json.loads(body) == message
+    if is_modern({}, json.loads(body)):
+        assert may_carry_version_key(body)
 
 
 # --- validation order and codes -------------------------------------------------------------------------

@@ -107,6 +107,29 @@ def value(found: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str
     return found.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+async def legacy_session_calls(client: Client, calls: int) -> None:
+    """A 2025-11-25 session through the proxy: initialize, notifications/initialized, `calls` tools/call and
+    one request of a method the metrics do not know."""
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    params = {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+    response = await client.post(
+        "/mcp", json={"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": params}, headers=headers
+    )
+    assert response.status == 200
+    headers["Mcp-Session-Id"] = response.headers["Mcp-Session-Id"]
+    await response.read()
+    messages: list[dict[str, Any]] = [{"jsonrpc": "2.0", "method": "notifications/initialized"}]
+    messages += [
+        {"jsonrpc": "2.0", "id": n, "method": "tools/call", "params": {"name": "echo", "arguments": {"text": "l"}}}
+        for n in range(1, calls + 1)
+    ]
+    messages.append({"jsonrpc": "2.0", "id": "x", "method": "vendor/unknown", "params": {}})
+    for message in messages:
+        response = await client.post("/mcp", json=message, headers=headers)
+        assert response.status in (200, 202), await response.text()
+        await response.read()
+
+
 async def test_metrics_count_requests_tasks_upstream_and_store(
     make_proxy: Callable[..., Any], upstream: Upstream
 ) -> None:
@@ -120,6 +143,7 @@ async def test_metrics_count_requests_tasks_upstream_and_store(
     await call(client, url, "sleep", {"seconds": 0}, capabilities={"extensions": {TASKS: {}}})
     await call(client, url, "raise_error", {"message": "x", "code": -32000})
     await client.post("/mcp", data=b"{not json", headers=modern_headers("tools/call"))
+    await legacy_session_calls(client, 3)
 
     async def completed() -> bool:
         return bool((await task_get(client, url, task_id))["result"]["status"] == "completed")
@@ -133,6 +157,12 @@ async def test_metrics_count_requests_tasks_upstream_and_store(
     assert value(found, f"{prefix}requests_total", era="modern", method="tools/call", outcome="jsonrpc_error") >= 1
     assert value(found, f"{prefix}requests_total", era="modern", method="tasks/get", outcome="ok") >= 1
     assert value(found, f"{prefix}requests_total", era="modern", method="-", outcome="client_error") >= 1
+    # Legacy POSTs are counted by the method their body names, each one once (the children are kept).
+    assert value(found, f"{prefix}requests_total", era="legacy", method="initialize", outcome="ok") == 1
+    assert value(found, f"{prefix}requests_total", era="legacy", method="notifications/initialized", outcome="ok") == 1
+    assert value(found, f"{prefix}requests_total", era="legacy", method="tools/call", outcome="ok") == 3
+    assert value(found, f"{prefix}request_duration_seconds_count", era="legacy", method="tools/call") == 3
+    assert value(found, f"{prefix}requests_total", era="legacy", method="other", outcome="ok") == 1
     assert value(found, f"{prefix}tasks_created_total", tool="echo") == 1
     assert value(found, f"{prefix}tasks_settled_total", tool="echo", status="completed") == 1
     assert value(found, f"{prefix}task_duration_seconds_count", tool="echo", status="completed") == 1

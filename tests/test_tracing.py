@@ -19,7 +19,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from proxy import cli, tracing, tracing_setup
+from proxy import cli, observability, tracing, tracing_setup
 from proxy.config import LoggingConfig
 from proxy.observability import configure_logging
 from tests.support.processes import ProxyProcess, Upstream
@@ -188,8 +188,9 @@ def test_log_lines_carry_the_active_spans_ids() -> None:
 
 
 @pytest.fixture
-def restore_logging() -> Iterator[None]:
+def restore_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     saved = structlog.get_config()
+    monkeypatch.setattr(observability, "_min_level", observability._min_level)  # what configure_logging sets
     yield
     structlog.configure(**saved)
 

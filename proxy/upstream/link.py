@@ -96,7 +96,7 @@ class LinkBase:
             raise
         finally:
             if self.metrics is not None:
-                self.metrics.upstream_seconds.labels(method_label(method)).observe(time.perf_counter() - started)
+                self.metrics.upstream_request_done(method_label(method), time.perf_counter() - started)
 
     def initialized(self, result: JSON) -> None:
         self.server_info = implementation(result)

@@ -1,8 +1,8 @@
 """The 2026-07-28 request envelope: era classification, `_meta` and routing-header validation.
 
-SANS-IO: takes header mappings and decoded JSON, returns a `ModernRequest` or raises a ProxyError with the
-code the spec names (a missing `_meta` field, an unserved version, a routing header that is missing or
-differs from the body). Param shapes are checked with the `mcp_types` surface validators. Must not import
+SANS-IO: takes header mappings, body bytes and decoded JSON, returns a `ModernRequest` or raises a ProxyError
+with the code the spec names (a missing `_meta` field, an unserved version, a routing header that is missing
+or differs from the body). Param shapes are checked with the `mcp_types` surface validators. Must not import
 aiohttp, asyncio or the store.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
@@ -108,6 +109,19 @@ def is_modern(headers: Mapping[str, str], message: Any) -> bool:
         if key.lower() == PROTOCOL_VERSION_HEADER:
             return value.strip() not in HANDSHAKE_PROTOCOL_VERSIONS
     return False
+
+
+_VERSION_KEY_BYTES: Final = PROTOCOL_VERSION_META_KEY.encode()
+# The only JSON escapes that can spell a character of that key (letters, `.` and `/`) in another way.
+_KEY_ESCAPE: Final = re.compile(rb"\\[u/]")
+
+
+def may_carry_version_key(body: bytes) -> bool:
+    """Whether `body` may hold the 2026 `_meta` version key anywhere, judged from its bytes alone: the key's
+    name is in them, or an escape (`\\uXXXX`, `\\/`) that could spell it otherwise. False is certain, so such
+    a body is classified by its headers alone and need not be decoded (`is_modern` cannot find the key in it);
+    True only means it must be decoded to tell."""
+    return _VERSION_KEY_BYTES in body or (b"\\" in body and _KEY_ESCAPE.search(body) is not None)
 
 
 def decode_header_value(value: str) -> str:

@@ -86,6 +86,10 @@ def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+# Made once: `json.loads` with hooks builds a decoder and its scanner on every call.
+_DECODER: Final = json.JSONDecoder(parse_float=_finite, parse_constant=_not_json)
+
+
 def loads(body: bytes) -> Any:
     """Decode a client's body, accepting only what can be relayed as JSON again. A ParseError for:
 
@@ -96,7 +100,7 @@ def loads(body: bytes) -> Any:
     - nesting deeper than MAX_DEPTH arrays and objects.
     """
     try:
-        decoded = json.loads(body.decode("utf-8-sig"), parse_float=_finite, parse_constant=_not_json)
+        decoded = _DECODER.decode(body.decode("utf-8-sig"))
     except (UnicodeDecodeError, ValueError):
         raise ParseError() from None
     except RecursionError:

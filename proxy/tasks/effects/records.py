@@ -125,9 +125,8 @@ class RecordWrites:
         if command.input_requests:
             _log_input_required(record.task_id, call.name, command.input_requests)
         if self.metrics is not None:
-            self.metrics.tasks_created.labels(self.metrics.tool_label(call.name)).inc()
             path = "task" if decision.task_first else "window"
-            self.metrics.create_seconds.labels(path).observe(time.perf_counter() - started)
+            self.metrics.task_created(call.name, path, time.perf_counter() - started)
         return Committed(record.task_id)
 
     async def write_inputs(self, call: LiveCall, command: WriteInputs) -> LeaseLost | None:
@@ -239,10 +238,8 @@ class RecordWrites:
         if record.status is TaskStatus.COMPLETED:
             self.durations.completed(record)
         if self.metrics is not None:
-            tool = self.metrics.tool_label(record.tool)
-            self.metrics.tasks_settled.labels(tool, record.status.value).inc()
             lifetime_seconds = max(0, record.updated_at_ms - record.created_at_ms) / 1000
-            self.metrics.task_seconds.labels(tool, record.status.value).observe(lifetime_seconds)
+            self.metrics.task_settled(record.tool, record.status.value, lifetime_seconds)
 
     def _expect_own(self, task_id: str) -> None:
         """Noted before the write: the feed may bring the change back before the write returns."""
