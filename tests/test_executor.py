@@ -52,7 +52,7 @@ from proxy.tasks.effects.pump import CRASHED
 from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.effects.slots import Parking, RunningSlots
 from proxy.tasks.effects.timers import Timers
-from proxy.tasks.live_call import LiveCall, wall_clock_ms
+from proxy.tasks.live_call import LiveCall, known, wall_clock_ms
 from proxy.tasks.replica_inbox import ReplicaInbox
 from proxy.tasks.replicas import ReplicaLink
 from proxy.tasks.runner import TaskRunner
@@ -104,7 +104,7 @@ async def until_async(condition: Callable[[], Awaitable[bool]], what: str, timeo
 
 def make_call(decision: Decision = A_TASK, caller: str = "caller-a", name: str = "tool") -> LiveCall:
     state = CallState(decision=decision, capabilities={}, gather_ms=0, park_ttl_ms=60_000)
-    return LiveCall(state, "tools/call", name, None, caller, {"name": name, "arguments": {}}, {}, "digest")
+    return LiveCall(state, "tools/call", name, None, caller, {"name": name, "arguments": {}}, {}, known("digest"))
 
 
 def config(tmp_path: Path, **sections: dict[str, Any]) -> Config:

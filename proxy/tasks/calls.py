@@ -20,7 +20,7 @@ from proxy.principals import Principals
 from proxy.tasks import inputs, remote
 from proxy.tasks.commands import ClientLeft, ReplyError, ReplyTask, Resumed, ShutDown, Start
 from proxy.tasks.effects.slots import Parking
-from proxy.tasks.live_call import LiveCall
+from proxy.tasks.live_call import LiveCall, known
 from proxy.tasks.ports import Feed, Spawner
 from proxy.tasks.replicas import Ask, ReplicaLink
 from proxy.tasks.request import UpstreamRequest
@@ -99,7 +99,7 @@ class CallStarter:
             caller=self.principals.key_of(caller.principal),
             params=params,
             headers=upstream.headers,
-            digest=upstream.digest,
+            digest_of=lambda: upstream.digest,
             channel=channel,
         )
         call.reply = asyncio.get_running_loop().create_future()
@@ -156,7 +156,7 @@ class CallStarter:
         )
         standin = self.state(decision, request.client_capabilities, request.progress_token, request.log_level)
         key = self.principals.key_of(caller.principal)
-        call = LiveCall(standin, request.method, upstream.name, caller.principal, key, {}, {}, claims.digest)
+        call = LiveCall(standin, request.method, upstream.name, caller.principal, key, {}, {}, known(claims.digest))
         call.channel = channel
         call.reply = asyncio.get_running_loop().create_future()
         origin = self.parking.process_id

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from proxy.tasks.commands import ReplyKind, Timer
 from proxy.tasks.replicas import Ask
@@ -19,6 +21,11 @@ from proxy.upstream.session import RequestStream, Session
 from proxy.wire.envelope import Channel
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord
+
+
+def known(digest: str) -> Callable[[], str]:
+    """A digest already known (from a requestState's claims; empty for a re-run task, which no retry resumes)."""
+    return lambda: digest
 
 
 def wall_clock_ms() -> int:
@@ -36,7 +43,7 @@ class LiveCall:
     caller: str  # its keyed hash: owns the task, and the caller's share of the limits is counted under it
     params: JSON  # the upstream params
     headers: dict[str, str]  # trace context for the upstream request
-    digest: str  # of the client's params: an MRTR retry must repeat the same request
+    digest_of: Callable[[], str]  # works out `digest`, which only an MRTR round needs (see below)
     call_id: str = field(default_factory=lambda: secrets.token_urlsafe(16))  # names the parked call in state
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one event at a time
     reply: asyncio.Future[ReplyKind] | None = None  # the waiting request's answer
@@ -50,3 +57,9 @@ class LiveCall:
     created_at: float = field(default_factory=time.perf_counter)
     fence: Fence | None = None  # the lease the task's record is written under (None: no task yet)
     ask: Ask | None = None  # set on a stand-in for a call parked on another replica (a forwarded MRTR retry)
+
+    @cached_property
+    def digest(self) -> str:
+        """Of the client's params: an MRTR retry must repeat the same request. Hashed the first time a round
+        needs it, not for every call (most never ask anything)."""
+        return self.digest_of()

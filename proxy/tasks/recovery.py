@@ -23,7 +23,7 @@ from proxy.tasks.commands import LeaseLost, Start, Stop
 from proxy.tasks.durations import Durations
 from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.inputs import PendingInput
-from proxy.tasks.live_call import LiveCall
+from proxy.tasks.live_call import LiveCall, known
 from proxy.tasks.ports import Feed
 from proxy.tasks.replicas import LEASE_LAPSED, LEASE_LAPSED_RERUN, TAKEN_OVER, TAKEN_OVER_RERUN, ReplicaLink
 from proxy.tasks.state import CallState
@@ -167,7 +167,8 @@ class Recovery:
         except SealError as exc:
             await self.records.fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; {refused}: {exc}", fence)
             return False
-        call = LiveCall(state, "tools/call", record.tool, principal, record.principal, dict(record.request), {}, "")
+        params = dict(record.request)
+        call = LiveCall(state, "tools/call", record.tool, principal, record.principal, params, {}, known(""))
         call.record = record
         call.fence = fence
         self.table.add(call)
