@@ -31,7 +31,7 @@ from proxy.tasks.store.pg_schema import MIGRATIONS
 from proxy.tasks.store.postgres import PostgresTaskStore
 from proxy.wire.jsonrpc import RawJSON
 from proxy.wire.tasks import TaskStatus
-from tests.support.records import make_record, next_change
+from tests.support.records import check_trace_context_migrated, make_record, next_change
 from tests.support.waiting import until
 
 DEADLINE_SECONDS = 10.0
@@ -358,7 +358,6 @@ async def test_a_database_of_the_previous_version_gains_the_upstream_task_column
 async def test_a_database_of_the_previous_version_gains_the_trace_context_column(pg_dsn: str) -> None:
     """A database written before the creating trace context was stored: the migration adds its column, once,
     every older record reads as created with tracing off, and new records keep their context."""
-    created = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     store = await PostgresTaskStore.open(pg_dsn, max_records=10)
     await store.create(make_record("task_old", upstream_task_id="up-1"))
     await store.close()
@@ -367,13 +366,7 @@ async def test_a_database_of_the_previous_version_gains_the_trace_context_column
 
     store = await PostgresTaskStore.open(pg_dsn, max_records=10)
     try:
-        old = await store.get("task_old")
-        assert old is not None
-        assert (old.traceparent, old.upstream_task_id) == (None, "up-1")
-        await store.create(make_record("task_new", traceparent=created))
-        new = await store.get("task_new")
-        assert new is not None
-        assert new.traceparent == created
+        await check_trace_context_migrated(store)
     finally:
         await store.close()
     assert await rows(pg_dsn, "SELECT count(*) FROM schema_migrations WHERE name = '0005_add_traceparent'") == [(1,)]

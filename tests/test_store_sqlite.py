@@ -20,7 +20,7 @@ import pytest
 from proxy.tasks.store import SqliteTaskStore, StoreError, StoreLockedError
 from proxy.tasks.store import sqlite_schema as schema
 from proxy.wire.tasks import TaskStatus
-from tests.support.records import hold_creations, make_record
+from tests.support.records import check_trace_context_migrated, hold_creations, make_record
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -324,7 +324,6 @@ async def test_a_database_of_the_previous_version_gains_the_upstream_task_column
 async def test_a_database_of_the_previous_version_gains_the_trace_context_column(db_path: Path) -> None:
     """A file written before the creating trace context was stored: the migration adds its column, every older
     record reads as created with tracing off, and new records keep their context."""
-    created = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     store = await SqliteTaskStore.open(db_path, max_records=10)
     await store.create(make_record("task_old", upstream_task_id="up-1"))
     await store.close()
@@ -335,12 +334,6 @@ async def test_a_database_of_the_previous_version_gains_the_trace_context_column
 
     store = await SqliteTaskStore.open(db_path, max_records=10)
     try:
-        old = await store.get("task_old")
-        assert old is not None
-        assert (old.traceparent, old.upstream_task_id) == (None, "up-1")
-        await store.create(make_record("task_new", traceparent=created))
-        new = await store.get("task_new")
-        assert new is not None
-        assert new.traceparent == created
+        await check_trace_context_migrated(store)
     finally:
         await store.close()

@@ -70,3 +70,18 @@ async def next_change(changes: AsyncIterator[Change], *, skip_resync: bool = Tru
             if change.kind != RESYNC or not skip_resync:
                 return change
     raise AssertionError("the feed ended")
+
+
+CREATING_TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+async def check_trace_context_migrated(store: TaskStore) -> None:
+    """On a store just migrated to keep the creating trace context: `task_old`, written before (with
+    upstream_task_id `up-1`), reads as created with tracing off; a new record keeps its context."""
+    old = await store.get("task_old")
+    assert old is not None
+    assert (old.traceparent, old.upstream_task_id) == (None, "up-1")
+    await store.create(make_record("task_new", traceparent=CREATING_TRACEPARENT))
+    new = await store.get("task_new")
+    assert new is not None
+    assert new.traceparent == CREATING_TRACEPARENT
