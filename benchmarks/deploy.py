@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import signal
 import statistics
 import time
@@ -23,8 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.harness import TASKS, Process, Row, start_proxy, start_upstream
-from tests import pg
+from benchmarks.harness import TASKS, Process, Row, shared_store, start_proxy, start_upstream
 from tests.support.wire import modern_body, modern_headers
 
 LEASE_SECONDS = 5.0
@@ -110,34 +108,23 @@ def _last_data(text: str) -> str:
 
 
 async def rolling_restart_row(workdir: Path, quick: bool) -> Row:
-    server = await asyncio.to_thread(pg.start_throwaway, durable=True)
-    processes: list[Process] = []
-    try:
-        dsn = pg.as_url(server.dsn(await asyncio.to_thread(server.create_database)))
-        key = workdir / "deploy-request-state.key"
-        key.write_text(os.urandom(32).hex())
-        upstreams = [await start_upstream() for _ in range(2)]
-        processes += upstreams
+    async with shared_store(workdir) as ground:
 
         async def replica(number: int, name: str) -> Process:
             started = await start_proxy(
-                upstreams[number].url,
+                ground.upstreams[number].url,
                 workdir,
                 name,
-                store={"url": dsn, "lease_seconds": LEASE_SECONDS},
-                inputs={"secret_file": str(key)},
+                store={"url": ground.dsn, "lease_seconds": LEASE_SECONDS},
+                inputs={"secret_file": str(ground.key)},
                 tasks={"tools": SLEEP_TOOL, "max_running": 20_000, "drain_seconds": DRAIN_SECONDS},
             )
-            processes.append(started)
+            ground.processes.append(started)
             await _ready(started.url)
             return started
 
         first, second = await replica(0, "deploy-a"), await replica(1, "deploy-b")
         return await _roll(first, second, lambda: replica(0, "deploy-a2"), quick)
-    finally:
-        for process in processes:
-            process.stop()
-        await asyncio.to_thread(server.stop)
 
 
 async def _roll(first: Process, second: Process, replace: Any, quick: bool) -> Row:

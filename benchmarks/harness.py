@@ -16,7 +16,8 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -26,6 +27,7 @@ import aiohttp
 
 from benchmarks.loadgen import HttpClient
 from proxy.wire.sse import SSEParser
+from tests import pg
 from tests.support.wire import modern_body, modern_headers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,6 +102,36 @@ async def start_upstream(sdk: bool = False) -> Process:
     process = spawn(["-m", module, "--port", str(port)])
     await wait_for_port(port, process)
     return Process(process, f"http://127.0.0.1:{port}/mcp")
+
+
+@dataclass
+class SharedStore:
+    """What rows with several replicas stand on: a throwaway PostgreSQL database (fsync on), the request-state
+    key the replicas share, two upstreams, and every process started for the rows (stopped at the end)."""
+
+    dsn: str
+    key: Path
+    upstreams: list[Process]
+    processes: list[Process]
+
+
+@asynccontextmanager
+async def shared_store(
+    workdir: Path, start: Callable[[], Awaitable[Process]] = start_upstream
+) -> AsyncIterator[SharedStore]:
+    server = await asyncio.to_thread(pg.start_throwaway, durable=True)
+    processes: list[Process] = []
+    try:
+        dsn = pg.as_url(server.dsn(await asyncio.to_thread(server.create_database)))
+        key = workdir / "request-state.key"
+        key.write_text(os.urandom(32).hex())
+        upstreams = [await start() for _ in range(2)]
+        processes += upstreams
+        yield SharedStore(dsn, key, upstreams, processes)
+    finally:
+        for process in processes:
+            process.stop()
+        await asyncio.to_thread(server.stop)
 
 
 def proxy_config(

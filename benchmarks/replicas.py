@@ -10,7 +10,6 @@ receives `notifications/cancelled`, and the take-over of a replica killed with -
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import time
 from pathlib import Path
@@ -25,10 +24,10 @@ from benchmarks.harness import (
     creation_rows,
     measure,
     push_row,
+    shared_store,
     start_proxy,
 )
 from benchmarks.loadgen import HttpClient
-from tests import pg
 
 LEASE_SECONDS = 5.0
 
@@ -157,14 +156,8 @@ async def takeover_row(doomed: Process, dsn: str, quick: bool) -> Row:
 
 
 async def replica_rows(start_upstream: Any, workdir: Path, quick: bool) -> list[Row]:
-    server = await asyncio.to_thread(pg.start_throwaway, durable=True)
-    processes: list[Process] = []
-    try:
-        dsn = pg.as_url(server.dsn(await asyncio.to_thread(server.create_database)))
-        key = workdir / "request-state.key"
-        key.write_text(os.urandom(32).hex())
-        upstreams = [await start_upstream() for _ in range(2)]
-        processes += upstreams
+    async with shared_store(workdir, start_upstream) as ground:
+        dsn, key, upstreams, processes = ground.dsn, ground.key, ground.upstreams, ground.processes
         owner = await start_replica(upstreams[0], workdir, "replica-a", dsn, key)
         processes.append(owner)
         other = await start_replica(upstreams[1], workdir, "replica-b", dsn, key)
@@ -179,7 +172,3 @@ async def replica_rows(start_upstream: Any, workdir: Path, quick: bool) -> list[
         processes.append(doomed)
         rows.append(await takeover_row(doomed, dsn, quick))
         return rows
-    finally:
-        for process in processes:
-            process.stop()
-        await asyncio.to_thread(server.stop)
