@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import structlog
 from aiohttp import web
@@ -99,6 +100,13 @@ def tasks_client(
         return Tasks(client, modern_schema, tasks_schema)
 
     return start
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """A plain HTTP client for tests that talk to a proxy process or an upstream themselves."""
+    async with aiohttp.ClientSession() as session:
+        yield session
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +28,6 @@ from tests.support.wire import DECLARING, modern_body, modern_headers, parse_sse
 ELICIT: dict[str, Any] = {"elicitation": {}}
 TOOLS: dict[str, Any] = {"sleep": {"sync_window_ms": 0}}  # a declaring client's sleep is a task at once
 LEGACY_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def post(
@@ -85,6 +78,11 @@ async def exited(proxy: ProxyProcess, timeout_seconds: float = 60) -> int:
     return await asyncio.to_thread(proxy.process.wait, timeout_seconds)
 
 
+def drain_reasons(proxy: ProxyProcess) -> list[str]:
+    """Why each drain of the proxy's process ended, as its log says (`idle`: nothing of its own ran any more)."""
+    return [event["reason"] for event in proxy.events() if event["event"] == "drain_finished"]
+
+
 async def test_an_idle_proxy_exits_0_at_once_on_sigterm(
     tmp_path: Path, upstream: Upstream, processes: list[ProxyProcess]
 ) -> None:
@@ -96,8 +94,7 @@ async def test_an_idle_proxy_exits_0_at_once_on_sigterm(
     os.kill(proxy.process.pid, signal.SIGTERM)
     assert await exited(proxy) == 0
     assert time.monotonic() - started < 5  # measured well under 1 s alone (benchmarks: sigterm_idle)
-    finished = [event for event in proxy.events() if event["event"] == "drain_finished"]
-    assert [event["reason"] for event in finished] == ["idle"]
+    assert drain_reasons(proxy) == ["idle"]
 
 
 async def test_a_draining_replica_serves_what_it_holds_refuses_new_calls_and_exits_when_done(
@@ -190,8 +187,7 @@ async def test_a_draining_replica_serves_what_it_holds_refuses_new_calls_and_exi
     assert "result" in ended[-1]  # the listen stream ended with its result
     for task_id in tasks:
         assert await stored_status(tmp_path / "ops.db", task_id, capsys) == "completed"
-    finished = [event for event in proxy.events() if event["event"] == "drain_finished"]
-    assert [event["reason"] for event in finished] == ["idle"]
+    assert drain_reasons(proxy) == ["idle"]
 
 
 async def test_a_task_longer_than_the_drain_is_left_as_at_any_stop(

@@ -10,12 +10,11 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,12 +23,6 @@ from tests.support.waiting import until
 from tests.support.wire import DECLARING, modern_body, modern_headers, parse_sse
 
 RELOADS = "mcp_tasks_proxy_config_reloads_total"
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def sleep_call(http: aiohttp.ClientSession, url: str, seconds: float) -> dict[str, Any]:

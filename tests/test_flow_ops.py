@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -181,12 +181,6 @@ async def test_metrics_can_be_turned_off(make_proxy: Callable[..., Any], upstrea
 
 
 # --- a real process: logs, CLI, SIGTERM -----------------------------------------------------------------
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def test_sigterm_lets_a_sync_call_finish_within_the_drain_and_keeps_a_longer_task_for_the_next_start(

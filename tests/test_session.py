@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -19,12 +18,6 @@ from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import principal_key
 from tests.support.processes import Upstream
 from tests.support.waiting import until
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 def make_client(upstream: Upstream, http: aiohttp.ClientSession, max_sessions: int = 8) -> SessionPool:
