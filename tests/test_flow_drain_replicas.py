@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
@@ -45,17 +45,11 @@ def long_drain(tmp_path_factory: pytest.TempPathFactory, pg_server: pg.PgServer)
         replicas.stop()
 
 
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as http:
-        yield http
-
-
 async def test_the_other_replica_answers_for_a_draining_replicas_tasks(
-    pair: Cluster, session: aiohttp.ClientSession, modern_schema: ModernSchema, tasks_schema: SchemaValidator
+    pair: Cluster, http: aiohttp.ClientSession, modern_schema: ModernSchema, tasks_schema: SchemaValidator
 ) -> None:
-    draining, _ = client(session, [pair.replicas[0]], modern_schema, tasks_schema)
-    other, _ = client(session, [pair.replicas[1]], modern_schema, tasks_schema)
+    draining, _ = client(http, [pair.replicas[0]], modern_schema, tasks_schema)
+    other, _ = client(http, [pair.replicas[1]], modern_schema, tasks_schema)
     short = await draining.create("sleep", {"seconds": 2})
     cancelled = await draining.create("sleep", {"seconds": 60})
     longer = await draining.create("sleep", {"seconds": 60})
@@ -87,11 +81,11 @@ async def test_the_other_replica_answers_for_a_draining_replicas_tasks(
 
 
 async def test_a_draining_replica_takes_no_dead_replicas_tasks_over_and_a_serving_one_does(
-    long_drain: Cluster, session: aiohttp.ClientSession, modern_schema: ModernSchema, tasks_schema: SchemaValidator
+    long_drain: Cluster, http: aiohttp.ClientSession, modern_schema: ModernSchema, tasks_schema: SchemaValidator
 ) -> None:
     drainer, dying = long_drain.replicas
-    draining, _ = client(session, [drainer], modern_schema, tasks_schema)
-    on_dying, _ = client(session, [dying], modern_schema, tasks_schema)
+    draining, _ = client(http, [drainer], modern_schema, tasks_schema)
+    on_dying, _ = client(http, [dying], modern_schema, tasks_schema)
     held = await draining.create("sleep", {"seconds": 60})  # keeps the drain going
     orphan = await on_dying.create("sleep", {"seconds": 60})
     owners = long_drain.records([held, orphan])

@@ -13,7 +13,7 @@ import asyncio
 import json
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,24 +53,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, pg_server: pg.PgServer) ->
         replicas.stop()
 
 
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as http:
-        yield http
-
-
 Clients = Callable[..., tuple[Tasks, RoundRobin]]
 
 
 @pytest.fixture
 def clients(
-    session: aiohttp.ClientSession, modern_schema: ModernSchema, tasks_schema: SchemaValidator
+    http: aiohttp.ClientSession, modern_schema: ModernSchema, tasks_schema: SchemaValidator
 ) -> Callable[[Cluster, list[int] | None], tuple[Tasks, RoundRobin]]:
     """`clients(cluster)`: round-robin over every replica; `clients(cluster, [i])`: replica i only."""
 
     def make(of: Cluster, only: list[int] | None = None) -> tuple[Tasks, RoundRobin]:
         replicas = of.replicas if only is None else [of.replicas[index] for index in only]
-        return client(session, replicas, modern_schema, tasks_schema)
+        return client(http, replicas, modern_schema, tasks_schema)
 
     return make
 
@@ -360,20 +354,20 @@ async def test_a_replica_paused_past_its_lease_writes_nothing_to_tasks_it_no_lon
 
 
 async def test_a_forwarded_rounds_progress_reaches_the_client_on_the_replica_it_asked(
-    cluster: Cluster, session: aiohttp.ClientSession, modern_schema: ModernSchema
+    cluster: Cluster, http: aiohttp.ClientSession, modern_schema: ModernSchema
 ) -> None:
     """The call runs on the replica that parked it; the progress it reports after the retry's answers is
     relayed to the retry's stream on the other replica, tagged with the retry's own progressToken."""
     params: dict[str, Any] = {"name": "ask_then_progress", "arguments": {}}
     body = modern_body("tools/call", params, capabilities=ELICIT, progressToken="first-token")
-    async with session.post(
+    async with http.post(
         cluster.replicas[0].proxy.url, json=body, headers=modern_headers("tools/call", "ask_then_progress")
     ) as response:
         [asked] = await read_messages(response)
     state = asked["result"]["requestState"]
     retry = {**params, "inputResponses": {"elicitation-1": accept(name="Ada")}, "requestState": state}
     body = modern_body("tools/call", retry, capabilities=ELICIT, progressToken="retry-token")
-    async with session.post(
+    async with http.post(
         cluster.replicas[1].proxy.url, json=body, headers=modern_headers("tools/call", "ask_then_progress")
     ) as response:
         messages = await read_messages(response)
@@ -386,7 +380,7 @@ async def test_a_forwarded_rounds_progress_reaches_the_client_on_the_replica_it_
 
 @pytest.mark.faults
 async def test_readiness_reports_the_store_and_the_lease_when_postgresql_goes_away(
-    tmp_path: Path, session: aiohttp.ClientSession
+    tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     """/readyz writes to PostgreSQL and checks the lease: with the database gone, the replica leaves the
     Service (503) naming the store, and once its lease has run out, the lease too."""
@@ -398,12 +392,12 @@ async def test_readiness_reports_the_store_and_the_lease_when_postgresql_goes_aw
         key.write_text("k" * 64)
         replica = await asyncio.to_thread(Replica, tmp_path, dsn, key, 1.0, {})
         url = f"http://127.0.0.1:{replica.proxy.port}/readyz"
-        async with session.get(url) as response:
+        async with http.get(url) as response:
             assert response.status == 200, await response.text()
         await asyncio.to_thread(server.stop)
 
         async def reasons() -> list[str]:
-            async with session.get(url) as response:
+            async with http.get(url) as response:
                 body = await response.json()
                 return list(body.get("reasons", [])) if response.status == 503 else []
 
@@ -422,7 +416,7 @@ async def test_readiness_reports_the_store_and_the_lease_when_postgresql_goes_aw
 
 
 async def test_a_task_running_on_one_replica_is_pushed_to_a_listener_on_another(
-    cluster: Cluster, clients: Clients, session: aiohttp.ClientSession, tasks_schema: SchemaValidator
+    cluster: Cluster, clients: Clients, http: aiohttp.ClientSession, tasks_schema: SchemaValidator
 ) -> None:
     """The store's feed carries every replica's status writes: a client following its task on replica 2 hears
     each change of the task replica 0 runs, as `tasks/get` on any replica returns it."""
@@ -433,7 +427,7 @@ async def test_a_task_running_on_one_replica_is_pushed_to_a_listener_on_another(
         "subscriptions/listen", {"notifications": {"taskIds": [task_id]}}, request_id="X1", capabilities=DECLARING
     )
     headers = modern_headers("subscriptions/listen")
-    async with session.post(cluster.replicas[2].proxy.url, json=body, headers=headers) as response:
+    async with http.post(cluster.replicas[2].proxy.url, json=body, headers=headers) as response:
         assert response.status == 200
         stream = sse_messages(response)
         ack = await asyncio.wait_for(anext(stream), 10)
