@@ -319,6 +319,28 @@ async def interleaved(
     return totals
 
 
+async def side_by_side(
+    base: Process, via: Process, quick: bool, settle_seconds: float = 0
+) -> tuple[Sample, Sample, float, float]:
+    """Both proxies warmed, then modern sync echo batches interleaved at concurrency 16: each side's sample and
+    its proxy CPU per call (ms), read `settle_seconds` after the last batch."""
+    clients = ModernClient(base.url), ModernClient(via.url)
+    try:
+        for client in clients:
+            await measure(client.echo, 50, 16)
+        cpu = (base.cpu_seconds(), via.cpu_seconds())
+        base_sample, via_sample = await interleaved(
+            clients[0].echo, clients[1].echo, count=600 if quick else 3000, concurrency=16
+        )
+        await asyncio.sleep(settle_seconds)
+        base_cpu = (base.cpu_seconds() - cpu[0]) * 1000 / base_sample.count
+        via_cpu = (via.cpu_seconds() - cpu[1]) * 1000 / via_sample.count
+        return base_sample, via_sample, base_cpu, via_cpu
+    finally:
+        for client in clients:
+            client.close()
+
+
 @dataclass
 class Row:
     name: str

@@ -40,6 +40,7 @@ from benchmarks.harness import (
     interleaved,
     measure,
     push_row,
+    side_by_side,
     spawn,
     start_proxy,
     start_upstream,
@@ -132,12 +133,7 @@ async def stdio_row(http_proxy: Process, workdir: Path, quick: bool) -> Row:
     the same call through a proxy in front of the same fixture over HTTP."""
     proxy = await start_proxy([sys.executable, "-m", "tests.upstream", "--stdio"], workdir, "stdio")
     try:
-        via_http, via_stdio = ModernClient(http_proxy.url), ModernClient(proxy.url)
-        await measure(via_stdio.echo, 50, 16)  # warm-up (the server process starts)
-        await measure(via_http.echo, 50, 16)
-        cpu_before = proxy.cpu_seconds()
-        base, via = await interleaved(via_http.echo, via_stdio.echo, count=600 if quick else 3000, concurrency=16)
-        cpu_ms = (proxy.cpu_seconds() - cpu_before) * 1000 / via.count
+        base, via, _, cpu_ms = await side_by_side(http_proxy, proxy, quick)  # its warm-up starts the server process
     finally:
         proxy.stop()
     ratio = via.rate / base.rate
