@@ -10,6 +10,7 @@ kinds, told apart by which of `url` and `command` is set; only upstream/ looks a
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
@@ -32,6 +33,7 @@ from pydantic_core import PydanticCustomError
 from proxy import keyfiles
 
 ENV_PREFIX = "MCP_TASKS_PROXY_"
+_HEADER_NAME: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # an HTTP token (RFC 9110, section 5.6.2)
 
 
 class _Frozen(BaseModel):
@@ -117,6 +119,16 @@ class HttpUpstreamConfig(_UpstreamCommon):
     def _url_is_http(cls, value: str) -> str:
         if not value.startswith(("http://", "https://")):
             raise ValueError("must be an http:// or https:// URL")
+        return value
+
+    @field_validator("headers")
+    @classmethod
+    def _headers_are_http(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, text in value.items():
+            if not _HEADER_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not an HTTP header name (letters, digits and !#$%&'*+-.^_`|~)")
+            if any(character in text for character in "\r\n\0"):
+                raise ValueError(f"the value of {name} has a line break or NUL, which HTTP headers cannot carry")
         return value
 
 

@@ -9,7 +9,7 @@ checks ran before; the upstream sees the proxy as its client.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Final
+from typing import Any, Final, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -18,6 +18,7 @@ from yarl import URL
 
 from proxy import tracing
 from proxy.errors import UpstreamError, UpstreamTimeoutError
+from proxy.upstream.http.lean import LeanClient
 
 CUT_SHORT: Final = "Upstream MCP server closed the connection in the middle of its answer"
 
@@ -74,9 +75,32 @@ def _end_to_end(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return kept
 
 
+class _Body(Protocol):
+    def read_nowait(self) -> bytes: ...
+    async def readany(self) -> bytes: ...
+    def at_eof(self) -> bool: ...
+
+
+class _Answer(Protocol):
+    """An upstream answer as both HTTP clients give it: aiohttp's `ClientResponse` and the lean client's."""
+
+    @property
+    def status(self) -> int: ...
+    @property
+    def reason(self) -> str | None: ...
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+    @property
+    def content(self) -> _Body: ...
+    async def read(self) -> bytes: ...
+    def release(self) -> Any: ...
+    def close(self) -> None: ...
+
+
 class PassThrough:
-    """Relays a legacy client's requests to the HTTP upstream verbatim, on an HTTP client of its own (`close`
-    closes it)."""
+    """Relays a legacy client's requests to the HTTP upstream verbatim, on HTTP clients of its own (`close`
+    closes them): POSTs, the hot path, through the lean client when the upstream is plain HTTP, everything else
+    (GET streams, DELETE, HEAD, an https upstream) through aiohttp's."""
 
     def __init__(
         self,
@@ -88,12 +112,15 @@ class PassThrough:
     ) -> None:
         self.url = URL(url)  # parsed once, not per request
         self.http = http
+        self.lean = LeanClient.of(self.url, connect_timeout_seconds, call_timeout_seconds)
         self.extra_headers = dict(extra_headers)
         self.timeout = aiohttp.ClientTimeout(
             total=call_timeout_seconds, connect=connect_timeout_seconds, sock_connect=connect_timeout_seconds
         )
 
     async def close(self) -> None:
+        if self.lean is not None:
+            await self.lean.close()
         await self.http.close()
 
     async def relay(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
@@ -105,18 +132,23 @@ class PassThrough:
         _add_forwarded(headers, request)
         for name, value in self.extra_headers.items():
             headers[name] = value
+        upstream: _Answer
         try:
-            upstream = await tracing.relayed(  # a CLIENT span until the answer's headers are in
-                headers,
-                self.http.request,
-                request.method,
-                url,
-                headers=headers,
-                skip_auto_headers=NO_AUTO_HEADERS,
-                data=body if body else None,
-                timeout=self.timeout,
-                allow_redirects=False,
-            )
+            if self.lean is not None and request.method == "POST":  # every URL relayed is on the upstream's origin
+                # (a CLIENT span until the answer's headers are in)
+                upstream = await tracing.relayed(headers, self.lean.post, url.raw_path_qs, headers.items(), body or b"")
+            else:
+                upstream = await tracing.relayed(
+                    headers,
+                    self.http.request,
+                    request.method,
+                    url,
+                    headers=headers,
+                    skip_auto_headers=NO_AUTO_HEADERS,
+                    data=body if body else None,
+                    timeout=self.timeout,
+                    allow_redirects=False,
+                )
         except TimeoutError:
             raise UpstreamTimeoutError() from None
         except aiohttp.ClientError as exc:
@@ -130,7 +162,7 @@ class PassThrough:
         return await _streamed(request, upstream, headers, size)
 
 
-async def _buffered(upstream: aiohttp.ClientResponse, headers: CIMultiDict[str]) -> web.Response:
+async def _buffered(upstream: _Answer, headers: CIMultiDict[str]) -> web.Response:
     """A plain (JSON) answer of known, bounded size: read whole, then sent with its headers in one write."""
     try:
         body = await upstream.read()  # releases the connection for reuse once the body is in
@@ -141,7 +173,7 @@ async def _buffered(upstream: aiohttp.ClientResponse, headers: CIMultiDict[str])
 
 
 async def _streamed(
-    request: web.Request, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str], size: int | None
+    request: web.Request, upstream: _Answer, headers: CIMultiDict[str], size: int | None
 ) -> web.StreamResponse:
     """SSE or a large body: each chunk goes out as it arrives, never buffered. Headers leave with the first
     chunk when it came in with them, and the last chunk with the end of the body when that is known."""
@@ -185,7 +217,7 @@ async def _streamed(
     return response
 
 
-def _is_event_stream(upstream: aiohttp.ClientResponse) -> bool:
+def _is_event_stream(upstream: _Answer) -> bool:
     return upstream.headers.get("Content-Type", "").lower().startswith("text/event-stream")
 
 

@@ -77,9 +77,13 @@ class HttpKind(HttpLink):
 
     def legacy_front(self, room: Room) -> LegacyFront:
         """Legacy clients are relayed verbatim, on an HTTP client of their own (no automatic headers, no
-        decompression: the bytes pass as they are)."""
+        decompression: the bytes pass as they are; no cookie jar: each client's own Cookie header goes up, and
+        a cookie the upstream sets reaches that client only, never another client's request)."""
         relay_http = aiohttp.ClientSession(
-            connector=upstream_connector(), auto_decompress=False, skip_auto_headers=("User-Agent",)
+            connector=upstream_connector(),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         config = self.config
         return PassThrough(

@@ -1,0 +1,218 @@
+"""The legacy relay's lean upstream client (POSTs to a plain-HTTP upstream), against real servers on loopback:
+connections kept and reused, given up when the upstream closes them, answers of every framing relayed whole,
+interim answers skipped, the call timeout kept, no cookie shared between clients, and flow control on a large
+answer nobody reads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from yarl import URL
+
+from proxy.config import ConfigError, load_config
+from proxy.upstream.http.lean import HIGH_WATER_BYTES, LeanClient
+
+LEGACY_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+CALL = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "echo"}}
+
+
+@asynccontextmanager
+async def serve(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]], **server: Any
+) -> AsyncIterator[TestServer]:
+    app = web.Application()
+    app.router.add_route("*", "/mcp", handler)
+    test_server = TestServer(app, host="127.0.0.1")
+    await test_server.start_server(**server)
+    try:
+        yield test_server
+    finally:
+        await test_server.close()
+
+
+class Peers:
+    """An upstream that notes the client port each tools/call came from (the proxy's own requests, such as its
+    readiness probe, go on clients of their own)."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        assert request.transport is not None
+        if (await request.json()).get("method") == "tools/call":
+            self.seen.append(request.transport.get_extra_info("peername")[1])
+        return web.json_response({"jsonrpc": "2.0", "id": 1, "result": {}})
+
+
+@pytest.fixture
+async def peers() -> AsyncIterator[tuple[Peers, TestServer]]:
+    upstream = Peers()
+    async with serve(upstream.handle) as server:
+        yield upstream, server
+
+
+async def test_consecutive_calls_share_one_upstream_connection(
+    make_proxy: Callable[..., Any], peers: tuple[Peers, TestServer]
+) -> None:
+    upstream, server = peers
+    proxy = await make_proxy(str(server.make_url("/mcp")))
+    for _ in range(5):
+        response = await proxy.post("/mcp", json=CALL, headers=LEGACY_HEADERS)
+        assert response.status == 200
+    assert len(upstream.seen) == 5
+    assert len(set(upstream.seen)) == 1, upstream.seen
+
+
+async def test_a_connection_the_upstream_closed_while_idle_is_not_used_again(
+    make_proxy: Callable[..., Any],
+) -> None:
+    """An upstream whose keep-alive (0.1 s) is shorter than the proxy's: the next call, after it closed the idle
+    connection, goes out on a new one and succeeds."""
+    upstream = Peers()
+    async with serve(upstream.handle, keepalive_timeout=0.1) as server:
+        proxy = await make_proxy(str(server.make_url("/mcp")))
+        for _ in range(3):
+            response = await proxy.post("/mcp", json=CALL, headers=LEGACY_HEADERS)
+            assert response.status == 200, await response.text()
+            await asyncio.sleep(0.4)
+        assert len(set(upstream.seen)) == 3
+
+
+async def raw_upstream(answer: bytes, close: bool) -> tuple[asyncio.Server, str]:
+    """A socket server that reads one request and writes `answer` as it is (then closes, if `close`)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            (int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")),
+            0,
+        )
+        await reader.readexactly(length)
+        writer.write(answer)
+        await writer.drain()
+        if close:
+            writer.close()
+        else:
+            await reader.read()  # until the proxy closes its side
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}/mcp"
+
+
+BODY = json.dumps({"jsonrpc": "2.0", "id": 1, "result": {"content": [{"type": "text", "text": "x" * 3000}]}}).encode()
+
+
+@pytest.mark.parametrize(
+    ("answer", "close"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n" + BODY, True),
+        (b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + BODY, True),
+        (
+            b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n"
+            b"HTTP/1.1 200 Fine\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(BODY)}\r\n\r\n".encode()
+            + BODY,
+            False,
+        ),
+    ],
+    ids=["ended-by-close", "http-1.0", "after-an-interim-answer"],
+)
+async def test_answers_of_every_framing_are_relayed_whole(
+    make_proxy: Callable[..., Any], answer: bytes, close: bool
+) -> None:
+    server, url = await raw_upstream(answer, close)
+    try:
+        proxy = await make_proxy(url)
+        response = await proxy.post("/mcp", json=CALL, headers=LEGACY_HEADERS)
+        assert response.status == 200
+        assert await response.read() == BODY
+        assert "Link" not in response.headers  # the interim answer's headers are not the final one's
+    finally:
+        server.close()
+
+
+async def test_an_upstream_that_never_answers_is_timed_out(make_proxy: Callable[..., Any]) -> None:
+    async def hang(request: web.Request) -> web.Response:
+        await asyncio.sleep(30)
+        return web.Response()
+
+    async with serve(hang) as server:
+        proxy = await make_proxy(str(server.make_url("/mcp")), upstream={"call_timeout_seconds": 0.3})
+        response = await asyncio.wait_for(proxy.post("/mcp", json=CALL, headers=LEGACY_HEADERS), 10)
+        assert response.status == 504
+        assert "timed out" in (await response.json())["error"]["message"]
+
+
+@pytest.mark.parametrize("method", ["POST", "GET"])
+async def test_a_cookie_the_upstream_sets_for_one_client_never_reaches_it_with_anothers_request(
+    make_proxy: Callable[..., Any], method: str
+) -> None:
+    """The upstream sets a cookie in its answer to client A: A gets the Set-Cookie; client B's next request
+    reaches the upstream with B's own Cookie header only (an HTTP client's cookie jar would have added A's)."""
+    received: list[str | None] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        if request.method == "GET" or (await request.json()).get("method") == "tools/call":
+            received.append(request.headers.get("Cookie"))
+        response = web.json_response({"jsonrpc": "2.0", "id": 1, "result": {}})
+        response.set_cookie("secret", "of-client-a")
+        return response
+
+    async with serve(handle) as server:
+        proxy = await make_proxy(f"http://localhost:{server.port}/mcp")  # a host name: jars ignore IP addresses
+        send = proxy.post if method == "POST" else proxy.get
+        first = await send("/mcp", json=CALL, headers=LEGACY_HEADERS)
+        assert "secret=of-client-a" in first.headers["Set-Cookie"]
+        proxy.session.cookie_jar.clear()  # client B: a client with nothing of A's
+        second = await send("/mcp", json=CALL, headers={**LEGACY_HEADERS, "Cookie": "mine=b"})
+        assert second.status == 200
+        assert received == [None, "mine=b"]
+
+
+async def test_a_large_answer_nobody_reads_stops_being_read_from_the_upstream() -> None:
+    """Flow control: past HIGH_WATER_BYTES unread, the client stops reading the socket, so the upstream's own
+    write buffer fills instead of the proxy's memory; read on, the whole answer arrives intact."""
+    size = 16 * HIGH_WATER_BYTES
+    written = asyncio.get_running_loop().create_future()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        writer.write(f"HTTP/1.1 200 OK\r\nContent-Length: {size}\r\n\r\n".encode())
+        for _ in range(size // 65536):
+            writer.write(b"y" * 65536)
+        written.set_result(writer)
+        await writer.drain()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = LeanClient(URL(f"http://127.0.0.1:{port}/mcp"), 5, 30)
+    try:
+        response = await client.post("/mcp", [("Content-Type", "application/json")], b"{}")
+        writer = await asyncio.wait_for(written, 10)
+        await asyncio.sleep(0.5)  # time for the client to read whatever it would
+        assert writer.transport.get_write_buffer_size() > size // 2  # still with the upstream: not read
+        assert response._buffered <= HIGH_WATER_BYTES + 262144  # the client holds about HIGH_WATER_BYTES
+        body = await asyncio.wait_for(response.read(), 30)
+        assert body == b"y" * size
+    finally:
+        await client.close()
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"X-Api-Key": "a\r\nInjected: yes"}, {"Bad Name": "v"}, {"X-Api-Key": "nul\0"}],
+    ids=["line-break", "space-in-name", "nul"],
+)
+def test_extra_upstream_headers_must_be_valid_http(headers: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match="header"):
+        load_config(None, environ={}, overrides={"upstream": {"url": "http://127.0.0.1:1/mcp", "headers": headers}})
