@@ -1,10 +1,10 @@
 """Benchmark rows for tracing (the `tracing` group of `make bench`): what OpenTelemetry costs the proxy.
 
-Two proxies in front of one lean upstream, one with tracing on (`OTEL_EXPORTER_OTLP_ENDPOINT` pointing at a
-local OTLP/HTTP receiver in its own process, so every span is really encoded and posted), one without; modern
-synchronous `tools/call` batches interleaved at concurrency 16. Then tracing off against the proxy of another
-commit (`--tracing-baseline`, default `main`), run from a `git archive` of it: with tracing off the hooks must
-cost nothing measurable.
+Two proxies in front of one lean upstream (and, for every request traced, of the mcp 1.x SDK server too), one
+with tracing on (`OTEL_EXPORTER_OTLP_ENDPOINT` pointing at a local OTLP/HTTP receiver in its own process, so
+every span is really encoded and posted), one without; modern synchronous `tools/call` batches interleaved at
+concurrency 16. Then tracing off against the proxy of another commit (`--tracing-baseline`, default `main`),
+run from a `git archive` of it: with tracing off the hooks must cost nothing measurable.
 
     python -m benchmarks.tracing --receiver PORT   # the receiver alone: POST /v1/traces, GET /count
 """
@@ -30,6 +30,7 @@ from benchmarks.harness import (
     free_port,
     proxy_config,
     side_by_side,
+    start_upstream,
     wait_for_port,
 )
 
@@ -71,7 +72,9 @@ SAMPLED: Final = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACE
 NEVER_SAMPLED: Final = {"OTEL_TRACES_SAMPLER": "always_off"}
 
 
-async def on_off_row(upstream: Process, workdir: Path, quick: bool, sampler: dict[str, str], what: str) -> Row:
+async def on_off_row(
+    upstream: Process, workdir: Path, quick: bool, sampler: dict[str, str], what: str, label: str = "lean upstream"
+) -> Row:
     receiver = await start_receiver()
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_SERVICE_NAME": "bench", "OTEL_BSP_SCHEDULE_DELAY": "500"}
     traced = await start_traced_proxy(upstream, workdir, "traced", {**otel, **sampler})
@@ -85,7 +88,7 @@ async def on_off_row(upstream: Process, workdir: Path, quick: bool, sampler: dic
         receiver.stop()
     ratio = via.rate / base.rate
     return Row(
-        f"modern sync tools/call, tracing on ({what}, OTLP/HTTP to a local receiver) vs off, lean upstream, c=16",
+        f"modern sync tools/call, tracing on ({what}, OTLP/HTTP to a local receiver) vs off, {label}, c=16",
         f"throughput {ratio:.2f}x off (p50 {via.percentile(0.5):.2f} vs {base.percentile(0.5):.2f} ms);"
         f" proxy CPU {cpu_on:.2f} vs {cpu_off:.2f} ms/call; {exports} export requests received",
         f">= {TARGET_ON}x",
@@ -132,13 +135,21 @@ async def off_vs_baseline_row(upstream: Process, workdir: Path, quick: bool, ref
 
 
 async def tracing_rows(upstream: Process, quick: bool, baseline_ref: str) -> list[Row]:
+    """In front of the lean upstream (the proxy's own cost laid bare: the worst case), then every request traced
+    in front of the mcp 1.x SDK server, what legacy servers run (the server's own CPU beside the proxy's)."""
     workdir = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-bench-tracing-"))
-    return [
+    rows = [
         await on_off_row(upstream, workdir, quick, {}, "every request"),
         await on_off_row(upstream, workdir, quick, SAMPLED, "10 % of traces sampled"),
         await on_off_row(upstream, workdir, quick, NEVER_SAMPLED, "no trace sampled"),
         await off_vs_baseline_row(upstream, workdir, quick, baseline_ref),
     ]
+    sdk = await start_upstream(sdk=True)
+    try:
+        rows.append(await on_off_row(sdk, workdir, quick, {}, "every request", "mcp 1.x SDK upstream"))
+    finally:
+        sdk.stop()
+    return rows
 
 
 # --- the receiver ------------------------------------------------------------------------------------------------

@@ -216,3 +216,48 @@ async def test_a_large_answer_nobody_reads_stops_being_read_from_the_upstream() 
 def test_extra_upstream_headers_must_be_valid_http(headers: dict[str, str]) -> None:
     with pytest.raises(ConfigError, match="header"):
         load_config(None, environ={}, overrides={"upstream": {"url": "http://127.0.0.1:1/mcp", "headers": headers}})
+
+
+async def test_an_answer_let_go_twice_leaves_the_connection_to_the_next_request(
+    peers: tuple[Peers, TestServer],
+) -> None:
+    """Released after its body was read, then closed by a caller that cleans up whatever it had: the connection
+    is already back in the pool (or carrying the next request), and the second let-go leaves it alone."""
+    upstream, server = peers
+    client = LeanClient(URL(str(server.make_url("/mcp"))), 5, 30)
+    body = json.dumps(CALL).encode()
+    try:
+        first = await client.post("/mcp", [("Content-Type", "application/json")], body)
+        assert json.loads(await first.text())["result"] == {}
+        first.release()
+        second = await client.post("/mcp", [("Content-Type", "application/json")], body)
+        first.close()  # late, after the connection went on to carry the second request
+        assert json.loads(await second.read())["result"] == {}
+        third = await client.post("/mcp", [("Content-Type", "application/json")], body)
+        assert json.loads(await third.read())["result"] == {}
+        assert len(upstream.seen) == 3
+        assert len(set(upstream.seen)) == 1  # one connection throughout: the late close did not end it
+    finally:
+        await client.close()
+
+
+async def test_a_host_and_a_length_among_the_configured_headers_are_sent_once(make_proxy: Callable[..., Any]) -> None:
+    """`upstream.headers` naming Host (a virtual host behind the upstream's address) and Content-Length: the
+    upstream gets one Host, the configured one, and one Content-Length, the body's own."""
+    received: list[list[tuple[str, str]]] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        if (await request.json()).get("method") == "tools/call":
+            received.append([(name.decode().lower(), value.decode()) for name, value in request.raw_headers])
+        return web.json_response({"jsonrpc": "2.0", "id": 1, "result": {}})
+
+    async with serve(handle) as server:
+        configured = {"Host": "virtual.example", "Content-Length": "999", "X-Api-Key": "k"}
+        proxy = await make_proxy(str(server.make_url("/mcp")), upstream={"headers": configured})
+        body = json.dumps(CALL).encode()
+        response = await proxy.post("/mcp", data=body, headers=LEGACY_HEADERS)
+        assert response.status == 200
+        [headers] = received
+        assert [value for name, value in headers if name == "host"] == ["virtual.example"]
+        assert [value for name, value in headers if name == "content-length"] == [str(len(body))]
+        assert ("x-api-key", "k") in headers

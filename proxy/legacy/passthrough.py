@@ -9,7 +9,7 @@ checks ran before; the upstream sees the proxy as its client.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Final, Protocol
+from typing import Final
 
 import aiohttp
 from aiohttp import web
@@ -18,7 +18,7 @@ from yarl import URL
 
 from proxy import tracing
 from proxy.errors import UpstreamError, UpstreamTimeoutError
-from proxy.upstream.http.lean import LeanClient
+from proxy.upstream.http.lean import HttpAnswer, LeanClient
 
 CUT_SHORT: Final = "Upstream MCP server closed the connection in the middle of its answer"
 
@@ -75,28 +75,6 @@ def _end_to_end(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return kept
 
 
-class _Body(Protocol):
-    def read_nowait(self) -> bytes: ...
-    async def readany(self) -> bytes: ...
-    def at_eof(self) -> bool: ...
-
-
-class _Answer(Protocol):
-    """An upstream answer as both HTTP clients give it: aiohttp's `ClientResponse` and the lean client's."""
-
-    @property
-    def status(self) -> int: ...
-    @property
-    def reason(self) -> str | None: ...
-    @property
-    def headers(self) -> Mapping[str, str]: ...
-    @property
-    def content(self) -> _Body: ...
-    async def read(self) -> bytes: ...
-    def release(self) -> Any: ...
-    def close(self) -> None: ...
-
-
 class PassThrough:
     """Relays a legacy client's requests to the HTTP upstream verbatim, on HTTP clients of its own (`close`
     closes them): POSTs, the hot path, through the lean client when the upstream is plain HTTP, everything else
@@ -132,7 +110,7 @@ class PassThrough:
         _add_forwarded(headers, request)
         for name, value in self.extra_headers.items():
             headers[name] = value
-        upstream: _Answer
+        upstream: HttpAnswer
         try:
             if self.lean is not None and request.method == "POST":  # every URL relayed is on the upstream's origin
                 # (a CLIENT span until the answer's headers are in)
@@ -162,7 +140,7 @@ class PassThrough:
         return await _streamed(request, upstream, headers, size)
 
 
-async def _buffered(upstream: _Answer, headers: CIMultiDict[str]) -> web.Response:
+async def _buffered(upstream: HttpAnswer, headers: CIMultiDict[str]) -> web.Response:
     """A plain (JSON) answer of known, bounded size: read whole, then sent with its headers in one write."""
     try:
         body = await upstream.read()  # releases the connection for reuse once the body is in
@@ -173,7 +151,7 @@ async def _buffered(upstream: _Answer, headers: CIMultiDict[str]) -> web.Respons
 
 
 async def _streamed(
-    request: web.Request, upstream: _Answer, headers: CIMultiDict[str], size: int | None
+    request: web.Request, upstream: HttpAnswer, headers: CIMultiDict[str], size: int | None
 ) -> web.StreamResponse:
     """SSE or a large body: each chunk goes out as it arrives, never buffered. Headers leave with the first
     chunk when it came in with them, and the last chunk with the end of the body when that is known."""
@@ -217,7 +195,7 @@ async def _streamed(
     return response
 
 
-def _is_event_stream(upstream: _Answer) -> bool:
+def _is_event_stream(upstream: HttpAnswer) -> bool:
     return upstream.headers.get("Content-Type", "").lower().startswith("text/event-stream")
 
 

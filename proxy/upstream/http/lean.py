@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Iterable
-from typing import Final, cast
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any, Final, Protocol, cast
 
 import aiohttp
 import httptools
@@ -35,12 +35,44 @@ KEEPALIVE_SECONDS: Final = 4.0
 # Unread body bytes past which the upstream socket stops being read until the relay has caught up.
 HIGH_WATER_BYTES: Final = 1 << 20
 LOW_WATER_BYTES: Final = HIGH_WATER_BYTES // 4
+_FRAMING: Final = frozenset({"content-length", "transfer-encoding"})
+
+
+class AnswerBody(Protocol):
+    def read_nowait(self) -> bytes: ...
+    async def readany(self) -> bytes: ...
+    def at_eof(self) -> bool: ...
+    def iter_any(self) -> AsyncIterator[bytes]: ...
+
+
+class HttpAnswer(Protocol):
+    """An upstream's answer as both of the proxy's HTTP clients give it (aiohttp's `ClientResponse`, and
+    `LeanResponse` below): what the relay and the upstream sessions read of it."""
+
+    @property
+    def status(self) -> int: ...
+    @property
+    def reason(self) -> str | None: ...
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+    @property
+    def content_type(self) -> str: ...
+    @property
+    def content_length(self) -> int | None: ...
+    @property
+    def connection(self) -> object | None: ...
+    @property
+    def content(self) -> AnswerBody: ...
+    async def read(self) -> bytes: ...
+    async def text(self) -> str: ...
+    def release(self) -> Any: ...
+    def close(self) -> None: ...
 
 
 class LeanResponse:
     """One answer: status, reason and headers once they are in, then the body as it arrives (`read_nowait`,
-    `readany`, `at_eof`, `read`, as aiohttp's `ClientResponse.content`). `release()` after the whole body hands the
-    connection back for reuse; `close()` gives it up."""
+    `readany`, `iter_any`, `at_eof`, `read`, as aiohttp's `ClientResponse.content`). `release()` after the whole
+    body hands the connection back for reuse; `close()` gives it up."""
 
     def __init__(self, connection: _Connection, loop: asyncio.AbstractEventLoop) -> None:
         self.status = 0
@@ -55,6 +87,7 @@ class LeanResponse:
         self._eof = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._let_go = False  # released or closed
 
     # --- fed by the connection ---
 
@@ -115,6 +148,29 @@ class LeanResponse:
     def at_eof(self) -> bool:
         return self._eof and not self._chunks
 
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        while chunk := await self.readany():
+            yield chunk
+
+    @property
+    def content_type(self) -> str:
+        """The media type, lowercased, without parameters (aiohttp's default when there is none)."""
+        value = self.headers.get("Content-Type")
+        return value.partition(";")[0].strip().lower() if value else "application/octet-stream"
+
+    @property
+    def content_length(self) -> int | None:
+        value = self.headers.get("Content-Length")
+        return int(value) if value is not None and value.isdigit() else None
+
+    @property
+    def connection(self) -> object | None:
+        """The connection while the body is still coming; None once it has all arrived."""
+        return None if self._eof else self._connection
+
+    async def text(self) -> str:
+        return (await self.read()).decode("utf-8", "replace")
+
     async def read(self) -> bytes:
         """The whole body; the connection goes back to the pool once it is in."""
         parts = []
@@ -128,10 +184,16 @@ class LeanResponse:
         return b"".join(parts)
 
     def release(self) -> None:
-        self._connection.finished(self)
+        """The connection goes back to the pool if the body was read whole (closed otherwise); once only: after
+        that the connection may be carrying another request, which `release` and `close` leave alone."""
+        if not self._let_go:
+            self._let_go = True
+            self._connection.finished(self)
 
     def close(self) -> None:
-        self._connection.abort()
+        if not self._let_go:
+            self._let_go = True
+            self._connection.abort()
 
 
 class _Connection(asyncio.Protocol):
@@ -302,15 +364,25 @@ class LeanClient:
         return cls(url, connect_timeout_seconds, total_timeout_seconds)
 
     async def post(self, target: str, headers: Iterable[tuple[str, str]], body: bytes) -> LeanResponse:
-        """POSTs `body` to `target` (path and query, encoded) with `headers` (no Host or Content-Length: set
-        here); returns once the answer's headers are in. Raises aiohttp's `ClientError`s or `TimeoutError`."""
+        """POSTs `body` to `target` (path and query, encoded) with `headers` (Host: the URL's unless they name
+        one; Content-Length: set here); returns once the answer's headers are in. Raises aiohttp's `ClientError`s
+        or `TimeoutError`."""
         if self._closed:
             raise aiohttp.ClientConnectionError("the proxy's upstream client is closed")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.total_timeout
         connection = self._checkout(loop.time()) or await self._connect(loop)
-        head = [f"POST {target} HTTP/1.1\r\nHost: {self.host_header}\r\n"]
-        head += [f"{name}: {value}\r\n" for name, value in headers]
+        host = self.host_header
+        head = [""]
+        for name, value in headers:
+            lowered = name.lower()
+            if lowered in _FRAMING:  # the body's length is this client's to say
+                continue
+            if lowered == "host":  # a Host of the caller's (an operator's `upstream.headers`) replaces the URL's
+                host = value
+                continue
+            head.append(f"{name}: {value}\r\n")
+        head[0] = f"POST {target} HTTP/1.1\r\nHost: {host}\r\n"
         head.append(f"Content-Length: {len(body)}\r\n\r\n")
         response = LeanResponse(connection, loop)
         connection.start(response, "".join(head).encode("utf-8", "surrogateescape") + body, deadline)

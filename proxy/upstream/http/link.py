@@ -13,6 +13,7 @@ from yarl import URL
 
 from proxy.config import HttpUpstreamConfig
 from proxy.observability import Metrics
+from proxy.upstream.http.lean import LeanClient
 from proxy.upstream.link import LinkBase
 
 # Idle upstream connections are kept this long for the next request: under the keep-alive of common servers
@@ -47,6 +48,9 @@ class HttpLink(LinkBase):
         self.principal_header = principal_header
         self.metrics = metrics
         self.url = URL(config.url)  # parsed once, not per request
+        # A plain-HTTP upstream gets the sessions' POSTs (requests, answers, notifications) on the lean client;
+        # GET streams, DELETE and an https upstream use `http`.
+        self.lean = LeanClient.of(self.url, config.connect_timeout_seconds, config.call_timeout_seconds)
         self.timeout = aiohttp.ClientTimeout(
             total=config.call_timeout_seconds,
             connect=config.connect_timeout_seconds,
@@ -56,3 +60,8 @@ class HttpLink(LinkBase):
 
     def next_id(self) -> int:
         return next(self._ids)
+
+    async def close(self) -> None:
+        await super().close()
+        if self.lean is not None:
+            await self.lean.close()

@@ -18,6 +18,7 @@ import structlog
 
 from proxy.errors import RequestId, ResultTooLargeError, UpstreamError, UpstreamTimeoutError
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult, UpstreamServerRequest, decode
+from proxy.upstream.http.lean import HttpAnswer
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.sse import EventTooLargeError, SSEParser
 
@@ -43,7 +44,7 @@ class StreamTransport(Protocol):
 
     async def notify(self, method: str, params: JSON | None) -> None: ...
 
-    async def resume(self, last_event_id: str) -> aiohttp.ClientResponse: ...
+    async def resume(self, last_event_id: str) -> HttpAnswer: ...
 
 
 class HttpRequestStream:
@@ -52,7 +53,7 @@ class HttpRequestStream:
         transport: StreamTransport,
         request_id: int,
         method: str,
-        response: aiohttp.ClientResponse,
+        response: HttpAnswer,
         max_bytes: int | None = None,
     ) -> None:
         self.transport = transport
@@ -61,7 +62,7 @@ class HttpRequestStream:
         self.max_bytes = max_bytes  # the largest answer (or stream message) read; larger ones are refused
         self._response = response
         self.finished = False
-        self._let_go_of: aiohttp.ClientResponse | None = None  # the response given back (or to the drain)
+        self._let_go_of: HttpAnswer | None = None  # the response given back (or to the drain)
         self._handed_off = False  # the response is the background drain's now: `close` leaves it alone
 
     async def events(self) -> AsyncIterator[UpstreamEvent]:
@@ -166,7 +167,7 @@ class HttpRequestStream:
             self._response.close()
 
 
-async def _drain(response: aiohttp.ClientResponse) -> None:
+async def _drain(response: HttpAnswer) -> None:
     """Read an answered SSE stream to its end (bounded in time and bytes), then release its connection."""
     size = 0
     try:
@@ -182,7 +183,7 @@ async def _drain(response: aiohttp.ClientResponse) -> None:
     response.close()
 
 
-async def read_body(response: aiohttp.ClientResponse, max_bytes: int | None) -> bytes:
+async def read_body(response: HttpAnswer, max_bytes: int | None) -> bytes:
     """A plain answer's body, read whole only when it fits `max_bytes` (checked as it arrives, whatever
     Content-Length says); EventTooLargeError otherwise."""
     if max_bytes is None:

@@ -22,6 +22,7 @@ from typing import Final
 
 import aiohttp
 import structlog
+from multidict import CIMultiDict
 
 from proxy import tracing
 from proxy.errors import (
@@ -37,6 +38,7 @@ from proxy.errors import (
 )
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
 from proxy.upstream.http.get_stream import GetStream, SessionGone, StreamEvent
+from proxy.upstream.http.lean import HttpAnswer
 from proxy.upstream.http.link import HttpLink
 from proxy.upstream.http.request_stream import HttpRequestStream, read_body
 from proxy.upstream.lending import Lending, ListenStreams
@@ -84,10 +86,11 @@ class HttpSession:
 
     # --- headers and plumbing -------------------------------------------------------------------------
 
-    def headers(self, extra: Mapping[str, str] | None = None, *, initialized: bool = True) -> dict[str, str]:
+    def headers(self, extra: Mapping[str, str] | None = None, *, initialized: bool = True) -> CIMultiDict[str]:
         """Headers of a request on this session. The operator's `upstream.headers` come after the caller's
-        principal header, so a configured credential wins (as it does on the pass-through)."""
-        headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+        principal header, so a configured credential wins (as it does on the pass-through); names are matched
+        whatever their case, so each header is sent once."""
+        headers = CIMultiDict({"Accept": "application/json, text/event-stream", "Content-Type": "application/json"})
         if self.principal:
             headers[self.link.principal_header] = self.principal
         headers.update(self.link.config.headers)
@@ -99,7 +102,7 @@ class HttpSession:
             headers.update(extra)
         return headers
 
-    def stream_headers(self, last_event_id: str | None) -> dict[str, str]:
+    def stream_headers(self, last_event_id: str | None) -> CIMultiDict[str]:
         """Headers of a GET that opens (or resumes) an SSE stream of this session."""
         headers = self.headers({"Accept": "text/event-stream"})
         headers.pop("Content-Type", None)
@@ -107,10 +110,14 @@ class HttpSession:
             headers["Last-Event-ID"] = last_event_id
         return headers
 
-    async def _post(self, message: JSON, headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+    async def _post(self, message: JSON, headers: Mapping[str, str]) -> HttpAnswer:
         link = self.link
+        response: HttpAnswer
         try:
-            response = await link.http.post(link.url, data=dumps(message), headers=headers, timeout=link.timeout)
+            if link.lean is not None:
+                response = await link.lean.post(link.url.raw_path_qs, headers.items(), dumps(message))
+            else:
+                response = await link.http.post(link.url, data=dumps(message), headers=headers, timeout=link.timeout)
         except TimeoutError:
             raise UpstreamTimeoutError("Upstream MCP server did not answer in time") from None
         except aiohttp.ClientError as exc:
@@ -312,7 +319,7 @@ class HttpSession:
                 self.in_flight -= 1
                 upstream_call.close()
 
-    def _refused(self, response: aiohttp.ClientResponse, method: str) -> UpstreamAuthError:
+    def _refused(self, response: HttpAnswer, method: str) -> UpstreamAuthError:
         """The upstream refused this session's credential: the caller is told, with the server's challenge."""
         self.link.auth.saw_refusal()
         challenge = response.headers.get("WWW-Authenticate")
@@ -337,9 +344,7 @@ class HttpSession:
         response.release()
 
 
-async def _raise_unless_answer(
-    response: aiohttp.ClientResponse, request_id: int, method: str, max_bytes: int | None
-) -> None:
+async def _raise_unless_answer(response: HttpAnswer, request_id: int, method: str, max_bytes: int | None) -> None:
     """An HTTP error status is fine when its body is the JSON-RPC answer to this request (some servers send
     errors that way); anything else (a transport-level refusal) is an UpstreamRefusedError naming what it said,
     an UpstreamSessionGoneError when the status says the upstream does not know the session."""
