@@ -313,7 +313,10 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     # The store first: a database in use by another process stops the start before anything else is opened.
     store = await open_store(config.store, max_records=config.tasks.max_records)
     app[STORE] = store
-    http = aiohttp.ClientSession(connector=upstream_connector(), auto_decompress=True)
+    # No shared cookie jar: what the upstream sets is kept per upstream session (`upstream/http/session.py`).
+    http = aiohttp.ClientSession(
+        connector=upstream_connector(), auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar()
+    )
     metrics = app.get(METRICS)
     upstream = SessionPool(session_kind(config, http, metrics))
     app[UPSTREAM] = upstream

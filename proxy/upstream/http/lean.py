@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Final, Protocol, cast
 
 import aiohttp
@@ -54,7 +54,7 @@ class HttpAnswer(Protocol):
     @property
     def reason(self) -> str | None: ...
     @property
-    def headers(self) -> Mapping[str, str]: ...
+    def headers(self) -> CIMultiDictProxy[str]: ...
     @property
     def content_type(self) -> str: ...
     @property

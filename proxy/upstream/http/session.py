@@ -74,6 +74,7 @@ class HttpSession:
         self.lending = Lending(self.listen_streams)  # the call the session is lent to gets its GET-stream traffic
         self._get_stream: GetStream | None = None
         self._lock = asyncio.Lock()
+        self._cookies: aiohttp.CookieJar | None = None  # what the upstream set on this session (made on the first)
 
     async def request(self, method: str, params: JSON | None) -> JSON:
         return await request(self, method, params)
@@ -91,6 +92,8 @@ class HttpSession:
         principal header, so a configured credential wins (as it does on the pass-through); names are matched
         whatever their case, so each header is sent once."""
         headers = CIMultiDict({"Accept": "application/json, text/event-stream", "Content-Type": "application/json"})
+        if self._cookies is not None and (cookies := self._cookies.filter_cookies(self.link.url)):
+            headers["Cookie"] = "; ".join(f"{morsel.key}={morsel.coded_value}" for morsel in cookies.values())
         if self.principal:
             headers[self.link.principal_header] = self.principal
         headers.update(self.link.config.headers)
@@ -110,6 +113,14 @@ class HttpSession:
             headers["Last-Event-ID"] = last_event_id
         return headers
 
+    def _keep_cookies(self, response: HttpAnswer) -> None:
+        """Cookies the upstream sets are this session's: sent on its later requests (a load balancer's affinity
+        cookie keeps the session on its server), never on another session's, so never another caller's."""
+        if "Set-Cookie" in response.headers:
+            if self._cookies is None:
+                self._cookies = aiohttp.CookieJar(unsafe=True)  # a sidecar's upstream is an IP address
+            self._cookies.update_cookies_from_headers(response.headers.getall("Set-Cookie"), self.link.url)
+
     async def _post(self, message: JSON, headers: Mapping[str, str]) -> HttpAnswer:
         link = self.link
         response: HttpAnswer
@@ -124,6 +135,7 @@ class HttpSession:
             raise UpstreamUnreachableError("Upstream MCP server unavailable", detail=str(exc)) from None
         if response.status < 500:
             link.last_answer_at = time.monotonic()  # the upstream is there and speaks HTTP (readiness)
+        self._keep_cookies(response)
         return response
 
     # --- lifecycle --------------------------------------------------------------------------------------
@@ -178,7 +190,9 @@ class HttpSession:
 
     async def _open_stream(self, last_event_id: str | None) -> aiohttp.ClientResponse:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.link.config.connect_timeout_seconds)
-        return await self.link.http.get(self.link.url, headers=self.stream_headers(last_event_id), timeout=timeout)
+        response = await self.link.http.get(self.link.url, headers=self.stream_headers(last_event_id), timeout=timeout)
+        self._keep_cookies(response)
+        return response
 
     async def _listen(self, session_id: str) -> None:
         """Read the session's GET stream (from now on, in the background), each message bounded by
@@ -274,6 +288,7 @@ class HttpSession:
             response = await self.link.http.get(self.link.url, headers=headers, timeout=self.link.timeout)
         except aiohttp.ClientError as exc:
             raise UpstreamError("Upstream stream could not be resumed", detail=str(exc)) from None
+        self._keep_cookies(response)
         content_type = response.content_type
         if response.status == 200 and content_type == "text/event-stream":
             return response
