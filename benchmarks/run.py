@@ -28,6 +28,7 @@ from pathlib import Path
 
 from benchmarks.baseline import baseline_rows
 from benchmarks.deploy import deploy_rows
+from benchmarks.floor import floor_rows
 from benchmarks.harness import (
     ROOT,
     LegacyClient,
@@ -384,7 +385,7 @@ def print_table(rows: list[Row]) -> None:
         print(f"{row.name.ljust(width)}  {met:<4} {row.figure}   [{row.target}]")
 
 
-GROUPS = ("sdk", "lean", "replicas", "scale", "store", "tracing", "deploy", "baseline")
+GROUPS = ("sdk", "lean", "floor", "replicas", "scale", "store", "tracing", "deploy", "baseline")
 
 
 async def run(
@@ -420,6 +421,13 @@ async def run(
         finally:
             proxy.stop()
             upstream.stop()
+    if "floor" in groups:
+        for sdk, label in ((True, SDK_LABEL), (False, LEAN_LABEL)):
+            upstream = await start_upstream(sdk=sdk)
+            try:
+                rows += await floor_rows(upstream, label, workdir, quick)
+            finally:
+                upstream.stop()
     if "replicas" in groups:
         rows += await replica_rows(start_upstream, workdir, quick)
     if "deploy" in groups:
