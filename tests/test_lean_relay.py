@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -261,3 +262,62 @@ async def test_a_host_and_a_length_among_the_configured_headers_are_sent_once(ma
         assert [value for name, value in headers if name == "host"] == ["virtual.example"]
         assert [value for name, value in headers if name == "content-length"] == [str(len(body))]
         assert ("x-api-key", "k") in headers
+
+
+async def test_a_client_that_leaves_mid_stream_closes_the_upstream_connection(
+    make_proxy: Callable[..., Any],
+) -> None:
+    """A legacy client reads the first event of a streamed answer and goes away: the proxy gives up the
+    upstream connection too, so the upstream sees its client leave (as it would directly) instead of writing
+    into a connection nobody reads until the call timeout."""
+    upstream_saw_the_end = asyncio.Event()
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        finished = False
+        try:
+            for number in range(1000):
+                await stream.write(f"event: message\ndata: {number}\n\n".encode())
+                await asyncio.sleep(0.02)
+            finished = True
+        finally:  # its write failing, or (the test server cancels handlers whose client left) cancelled
+            if not finished:
+                upstream_saw_the_end.set()
+        return stream
+
+    async with serve(endless) as server:
+        proxy = await make_proxy(str(server.make_url("/mcp")))
+        assert proxy.port is not None
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        body = json.dumps(CALL).encode()
+        writer.write(
+            b"POST /mcp HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Accept: application/json, text/event-stream\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        )
+        assert b"data: 0" in await asyncio.wait_for(reader.readuntil(b"data: 0"), 10)
+        writer.close()
+        await writer.wait_closed()
+        await asyncio.wait_for(upstream_saw_the_end.wait(), 10)
+
+
+async def test_the_call_timeout_also_bounds_an_answer_whose_body_stalls(make_proxy: Callable[..., Any]) -> None:
+    """The upstream sends its headers and one event, then nothing: at `call_timeout_seconds` the proxy gives the
+    answer up, and the client's stream ends cut (its headers were out), not held open until the upstream wakes."""
+
+    async def stalls(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        await stream.write(b"event: message\ndata: 0\n\n")
+        await asyncio.sleep(30)
+        return stream
+
+    async with serve(stalls) as server:
+        proxy = await make_proxy(str(server.make_url("/mcp")), upstream={"call_timeout_seconds": 0.5})
+        response = await proxy.post("/mcp", json=CALL, headers=LEGACY_HEADERS)
+        assert response.status == 200
+        assert await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5) == b"event: message\ndata: 0\n\n"
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await asyncio.wait_for(response.read(), 5)
