@@ -104,7 +104,8 @@ class HttpUpstreamConfig(_UpstreamCommon):
     headers: dict[str, str] = Field(
         default_factory=dict,
         description="Extra headers sent on every upstream request (e.g. a static API key the upstream needs); "
-        "they replace a client's header of the same name.",
+        "they replace a client's header of the same name, whatever its case. Names are HTTP tokens and values "
+        "hold no line break; a `Host` here replaces the URL's (a virtual host), a `Content-Length` is ignored.",
     )
     max_sessions: int = Field(
         64,
