@@ -2,12 +2,12 @@
 to one plain-HTTP origin over pooled keep-alive connections, each request written in one `write` and each
 answer framed by httptools (llhttp, the C parser uvicorn uses). Imports no other part of the proxy.
 
-Why these do not go through aiohttp's client, which the proxy uses for everything else: a POST cost 165 to 275
-µs of CPU in aiohttp's client against 58 to 125 µs with httptools (one process, 3,000 sequential POSTs to the
-lean benchmark upstream, seven runs), the largest single share of the hop (README, Benchmarks). A relayed
-request needs little of what aiohttp's client does: no cookie jar (a shared one would hand one client's cookies
-to the next), no redirects, no decompression, no proxies, no TLS (an `https` upstream keeps aiohttp's client),
-and the body is already in hand. What it does need is here:
+Why these do not go through aiohttp's client, which the proxy uses for everything else: a POST costs 171 to 196
+µs of CPU in aiohttp's client against 77 to 88 µs in this one (`python -m benchmarks.clients`, two runs), the
+largest single share of the hop (README, Benchmarks). A relayed request needs little of what aiohttp's client
+does: no cookie jar (a shared one would hand one client's cookies to the next), no redirects, no decompression,
+no proxies, no TLS (an `https` upstream keeps aiohttp's client), and the body is already in hand. What it does
+need is here:
 - the answer's status, reason and headers as sent (repeated names kept), 1xx interim answers skipped;
 - the body handed on chunk by chunk as it arrives, whatever its framing (Content-Length, chunked, or up to the
   connection's end), with flow control: past HIGH_WATER_BYTES unread, the upstream socket is not read;
