@@ -18,17 +18,16 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable
 
-import aiohttp
 from yarl import URL
 
 from benchmarks.harness import LegacyClient, start_upstream
+from proxy.legacy.passthrough import NO_AUTO_HEADERS
 from proxy.upstream.http.lean import LeanClient
-from proxy.upstream.http.link import upstream_connector
+from proxy.upstream.http.link import relay_client
 
 BODY = json.dumps(
     {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "echo", "arguments": {"text": "x"}}}
 ).encode()
-SKIP = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
 
 
 async def _cpu_per_call(send: Callable[[], Awaitable[None]], calls: int) -> float:
@@ -45,16 +44,11 @@ async def run(calls: int, rounds: int) -> None:
     headers = dict(session.headers)
     session.close()
     url = URL(upstream.url)
-    http = aiohttp.ClientSession(
-        connector=upstream_connector(),
-        auto_decompress=False,
-        skip_auto_headers=("User-Agent",),
-        cookie_jar=aiohttp.DummyCookieJar(),
-    )
+    http = relay_client()
     lean = LeanClient(url, 5, 60)
 
     async def through_aiohttp() -> None:
-        async with http.post(url, data=BODY, headers=headers, skip_auto_headers=SKIP) as response:
+        async with http.post(url, data=BODY, headers=headers, skip_auto_headers=NO_AUTO_HEADERS) as response:
             await response.read()
 
     async def through_lean() -> None:

@@ -22,7 +22,7 @@ from proxy.legacy import LegacyFront
 from proxy.legacy.passthrough import PassThrough
 from proxy.observability import Metrics
 from proxy.upstream.auth import AuthMode, UpstreamAuth
-from proxy.upstream.http.link import HttpLink, upstream_connector
+from proxy.upstream.http.link import HttpLink, relay_client
 from proxy.upstream.http.session import HttpSession
 from proxy.upstream.session import PoolLimits, Room, Session
 
@@ -76,15 +76,8 @@ class HttpKind(HttpLink):
                 await self._anonymous_initialize()
 
     def legacy_front(self, room: Room) -> LegacyFront:
-        """Legacy clients are relayed verbatim, on an HTTP client of their own (no automatic headers, no
-        decompression: the bytes pass as they are; no cookie jar: each client's own Cookie header goes up, and
-        a cookie the upstream sets reaches that client only, never another client's request)."""
-        relay_http = aiohttp.ClientSession(
-            connector=upstream_connector(),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
+        """Legacy clients are relayed verbatim, on an HTTP client of their own (`relay_client`)."""
+        relay_http = relay_client()
         config = self.config
         return PassThrough(
             config.url, relay_http, config.headers, config.connect_timeout_seconds, config.call_timeout_seconds

@@ -31,12 +31,15 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-# Idle connections are kept this long (as the proxy's aiohttp clients do: under uvicorn's and Node's 5 s).
+# Idle upstream connections are kept this long for the next request (here and in the proxy's aiohttp clients):
+# under the keep-alive of common servers (uvicorn and Node close idle connections after 5 s), so the proxy gives
+# one up before the server does and never sends a request on a connection the server is closing.
 KEEPALIVE_SECONDS: Final = 4.0
 # Unread body bytes past which the upstream socket stops being read until the relay has caught up.
 HIGH_WATER_BYTES: Final = 1 << 20
 LOW_WATER_BYTES: Final = HIGH_WATER_BYTES // 4
 _FRAMING: Final = frozenset({"content-length", "transfer-encoding"})
+_NO_HEADERS: Final[CIMultiDictProxy[str]] = CIMultiDictProxy(CIMultiDict())  # until the answer's are in
 
 
 class AnswerBody(Protocol):
@@ -78,7 +81,7 @@ class LeanResponse:
     def __init__(self, connection: _Connection, loop: asyncio.AbstractEventLoop) -> None:
         self.status = 0
         self.reason: str | None = None
-        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+        self.headers: CIMultiDictProxy[str] = _NO_HEADERS
         self.content = self  # the body is read off the response itself
         self._connection = connection
         self._loop = loop
@@ -360,9 +363,10 @@ class LeanClient:
     @classmethod
     def of(cls, url: URL, connect_timeout_seconds: float, total_timeout_seconds: float) -> LeanClient | None:
         """The client for `url`, or None when it is not plain HTTP (an https upstream stays on aiohttp's)."""
-        if url.scheme != "http" or url.host is None or url.port is None:
+        try:
+            return cls(url, connect_timeout_seconds, total_timeout_seconds)
+        except ValueError:
             return None
-        return cls(url, connect_timeout_seconds, total_timeout_seconds)
 
     async def post(self, target: str, headers: Iterable[tuple[str, str]], body: bytes) -> LeanResponse:
         """POSTs `body` to `target` (path and query, encoded) with `headers` (Host: the URL's unless they name
@@ -371,8 +375,8 @@ class LeanClient:
         if self._closed:
             raise aiohttp.ClientConnectionError("the proxy's upstream client is closed")
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.total_timeout
-        connection = self._checkout(loop.time()) or await self._connect(loop)
+        now = loop.time()
+        connection = self._checkout(now) or await self._connect(loop)
         host = self.host_header
         head = [""]
         for name, value in headers:
@@ -386,7 +390,7 @@ class LeanClient:
         head[0] = f"POST {target} HTTP/1.1\r\nHost: {host}\r\n"
         head.append(f"Content-Length: {len(body)}\r\n\r\n")
         response = LeanResponse(connection, loop)
-        connection.start(response, "".join(head).encode("utf-8", "surrogateescape") + body, deadline)
+        connection.start(response, "".join(head).encode("utf-8", "surrogateescape") + body, now + self.total_timeout)
         try:
             await response._headers_in
         except BaseException:

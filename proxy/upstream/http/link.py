@@ -6,27 +6,34 @@ Imports aiohttp's client side and the config; never a session.
 from __future__ import annotations
 
 import itertools
-from typing import Final
 
 import aiohttp
 from yarl import URL
 
 from proxy.config import HttpUpstreamConfig
 from proxy.observability import Metrics
-from proxy.upstream.http.lean import LeanClient
+from proxy.upstream.http.lean import KEEPALIVE_SECONDS, LeanClient
 from proxy.upstream.link import LinkBase
-
-# Idle upstream connections are kept this long for the next request: under the keep-alive of common servers
-# (uvicorn and Node close idle connections after 5 s), so the proxy gives one up before the server does and
-# never sends a request on a connection the server is closing.
-KEEPALIVE_SECONDS: Final = 4.0
 
 
 def upstream_connector() -> aiohttp.TCPConnector:
     """The connection pool of an HTTP client to the upstream: no count limit of its own (the proxy's limits on
     calls and tasks bound the requests in flight, and a limit here would queue them unseen), idle connections
-    kept for KEEPALIVE_SECONDS."""
+    kept for KEEPALIVE_SECONDS, as the lean client keeps its own."""
     return aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS)
+
+
+def relay_client() -> aiohttp.ClientSession:
+    """The aiohttp client legacy clients' requests are relayed on (GET streams, DELETE, HEAD, an https upstream):
+    no automatic headers, no decompression (the bytes pass as they are), and no cookie jar (each client's own
+    Cookie header goes up, and a cookie the upstream sets reaches that client only, never another client's
+    request)."""
+    return aiohttp.ClientSession(
+        connector=upstream_connector(),
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent",),
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
 
 
 class HttpLink(LinkBase):
