@@ -318,18 +318,23 @@ async def test_tracing_off_leaves_the_clients_context_as_it_was(tasks_client: Cl
     assert seen["headers"]["traceparent"] == CLIENT_TRACEPARENT
 
 
+async def two_replicas(tasks_client: ClientFactory, pg_dsn: str, tmp_path: Path, tool: str) -> tuple[Tasks, Tasks]:
+    """Two proxies on one PostgreSQL database, sharing the request-state key, `tool` a task-only tool: the first
+    to own a task, the second to act on it."""
+    sections: dict[str, Any] = {
+        "store": {"url": pg.as_url(pg_dsn), "lease_seconds": 3},
+        "inputs": {"secret_file": key_file(tmp_path)},
+        "tasks": policies(**{tool: {"mode": "required"}}),
+    }
+    return await tasks_client(**sections), await tasks_client(**sections)
+
+
 async def test_a_cancel_from_another_replica_is_linked_work_on_the_owner(
     spans: InMemorySpanExporter, tasks_client: ClientFactory, pg_dsn: str, tmp_path: Path
 ) -> None:
     """Two replicas on one PostgreSQL database: a tasks/cancel on B reaches the owner A through the store; A's
     work on it is a span linked to the span that created the task, and B's tasks/cancel span names the task."""
-    sections: dict[str, Any] = {
-        "store": {"url": pg.as_url(pg_dsn), "lease_seconds": 3},
-        "inputs": {"secret_file": key_file(tmp_path)},
-        "tasks": policies(sleep={"mode": "required"}),
-    }
-    owner = await tasks_client(**sections)
-    other = await tasks_client(**sections)
+    owner, other = await two_replicas(tasks_client, pg_dsn, tmp_path, "sleep")
     task_id = await owner.create("sleep", {"seconds": 30}, headers={"traceparent": CLIENT_TRACEPARENT})
     await owner.until(task_id, lambda task: "statusMessage" in task)  # the owner's upstream runs it
     status, message = await other.post("tasks/cancel", {"taskId": task_id})
@@ -384,13 +389,7 @@ async def test_an_answer_from_another_replica_is_linked_work_on_the_owner(
     reaches the owner A through the store; A's work on it is a span of its own trace linked to the span that
     created the task, where the answer's delivery upstream shows. B's tasks/get and tasks/update spans link to
     the creating span too, read from the task's record."""
-    sections: dict[str, Any] = {
-        "store": {"url": pg.as_url(pg_dsn), "lease_seconds": 3},
-        "inputs": {"secret_file": key_file(tmp_path)},
-        "tasks": policies(ask_name={"mode": "required"}),
-    }
-    owner = await tasks_client(**sections)
-    other = await tasks_client(**sections)
+    owner, other = await two_replicas(tasks_client, pg_dsn, tmp_path, "ask_name")
     task_id = await owner.create("ask_name", capabilities=TASKING, headers={"traceparent": CLIENT_TRACEPARENT})
     task = await other.until(task_id, lambda task: task["status"] == "input_required")
     [key] = task["inputRequests"]
