@@ -47,6 +47,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # The `request_id` of log lines: unique per process (counter) and across processes (random prefix).
 REQUEST_ID_PREFIX: Final = secrets.token_hex(4) + "-"
+HEADERS_ALLOWANCE: Final = 8192  # bytes: more than the headers of any answer the proxy writes
 _request_numbers = itertools.count(1)
 
 
@@ -186,6 +187,16 @@ class HttpChannel:
             log.info("client_not_reading", timeout_seconds=self.write_timeout_seconds)
             raise ConnectionResetError("the client did not read its answer in time") from None
 
+    def _fits(self, size: int) -> bool:
+        """Whether a write of `size` bytes (and the headers) can never pause for the client: nothing is buffered
+        for it yet (so its transport is not paused) and they stay under the high-water mark, so they go to the
+        socket or its buffer at once and there is nothing to bound (the common small answer)."""
+        transport = self.request.transport
+        if transport is None or transport.is_closing() or transport.get_write_buffer_size() > 0:
+            return False
+        _, high = transport.get_write_buffer_limits()
+        return size + HEADERS_ALLOWANCE < high
+
     async def _open(self) -> web.StreamResponse:
         if self.stream is None:
             self.stream = web.StreamResponse(
@@ -206,7 +217,10 @@ class HttpChannel:
             status = http_status(message.get("error"))
             response = json_response(message, status)
             await response.prepare(self.request)
-            await self._bounded(response.write_eof())
+            if self._fits(response.content_length or 0):
+                await response.write_eof()  # cannot wait for the client (below): no timer to set and cancel
+            else:
+                await self._bounded(response.write_eof())
             return response
         await self._bounded(self.stream.write(frame(jsonrpc.dumps(message).decode())))
         await self._bounded(self.stream.write_eof())

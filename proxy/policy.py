@@ -93,7 +93,26 @@ SYNC_CALL: Final = Decision(Outcome.SYNC, None)  # prompts/get and resources/rea
 _NO_ENTRY: Final = ToolPolicyConfig()  # a tool the policy does not name: the defaults (frozen, made once)
 
 
+# Resolved policies of the config in force, by tool name: resolving walks the globs and builds a Policy, on every
+# call otherwise. One config at a time (a reload brings a new, frozen TasksConfig, and the cache starts afresh);
+# at most _CACHED names (a client may name any tool: past that, the cache starts afresh too).
+_CACHED: Final = 1024
+_resolved: tuple[TasksConfig | None, dict[str, Policy]] = (None, {})
+
+
 def policy_for(tasks: TasksConfig, tool: str) -> Policy:
+    global _resolved
+    config, policies = _resolved
+    if config is not tasks or len(policies) >= _CACHED:
+        policies = {}
+        _resolved = (tasks, policies)
+    policy = policies.get(tool)
+    if policy is None:
+        policy = policies[tool] = _resolve(tasks, tool)
+    return policy
+
+
+def _resolve(tasks: TasksConfig, tool: str) -> Policy:
     entry = tasks.tools.get(tool)
     if entry is None:
         globs = ((pattern, glob_entry) for pattern, glob_entry in tasks.tools.items() if _is_glob(pattern))

@@ -19,6 +19,7 @@ from proxy.wire.jsonrpc import (
     error_message,
     loads,
     parse,
+    read,
 )
 
 
@@ -163,3 +164,39 @@ def test_dumps_with_raw_json_and_a_lone_surrogate() -> None:
 def test_dumps_still_refuses_what_is_not_json() -> None:
     with pytest.raises(TypeError):
         dumps({"x": object()})
+
+
+@pytest.mark.parametrize("number", [2**63, 2**64, 2**70, -(2**63) - 1, -(2**80), 10**30])
+def test_integers_past_64_bits_are_read_and_written_whole(number: int) -> None:
+    """Ids and values of any size keep every digit both ways, from a client and from an upstream (a fast JSON
+    library reads some of them as floats: those take the standard library's path)."""
+    text = f'{{"jsonrpc":"2.0","id":1,"result":{{"n":{number}}}}}'.encode()
+    assert loads(text)["result"]["n"] == number
+    assert read(text)["result"]["n"] == number
+    assert dumps({"n": number, "s": "é"}) == f'{{"n":{number},"s":"é"}}'.encode()
+
+
+def test_what_an_upstream_sends_is_read_as_the_standard_library_reads_it() -> None:
+    """An upstream's text with a NaN or a lone surrogate is still read (relayed as it is, not refused); a NaN is
+    written back as null, which JSON has, and a lone surrogate as its escape."""
+    assert read('{"a":"\\ud800","b":[1,2.5,"é"]}') == {"a": "\ud800", "b": [1, 2.5, "é"]}
+    value = read(b'{"x":NaN}')["x"]
+    assert value != value  # NaN
+    assert dumps({"x": value}) == b'{"x":null}'
+    with pytest.raises(json.JSONDecodeError, match="Expecting value"):
+        read(b'{"a":')
+
+
+def test_dumps_refuses_what_is_not_json() -> None:
+    """A value that is not JSON (a bug) fails loudly, as with the standard library, instead of being written in
+    some form of a library's choosing."""
+    import dataclasses
+    import datetime
+
+    @dataclasses.dataclass
+    class Point:
+        x: int
+
+    for value in (Point(1), datetime.datetime(2026, 1, 1), {1, 2}):
+        with pytest.raises(TypeError):
+            dumps({"v": value})

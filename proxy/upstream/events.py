@@ -8,14 +8,13 @@ JSON-RPC error. SANS-IO: no aiohttp, no asyncio; imports only the wire layer.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Final
 
 from mcp_types import jsonrpc as codes
 
 from proxy.errors import InvalidRequestError, RequestId, UpstreamError
-from proxy.wire.jsonrpc import JSON, Notification, Request, Response, classify
+from proxy.wire.jsonrpc import JSON, Notification, Request, Response, classify, read
 from proxy.wire.translate import INPUT_METHODS
 
 
@@ -61,7 +60,7 @@ def decode(data: str | bytes, request_id: RequestId | None, during: str) -> Upst
     messages that are none of the three kinds, are None. A malformed message is an UpstreamError naming
     `during` (what the proxy was doing)."""
     try:
-        message = classify(json.loads(data))
+        message = classify(read(data))
     except ValueError:
         raise UpstreamError(f"Upstream sent a malformed message during {during}") from None
     except InvalidRequestError as exc:

@@ -134,7 +134,7 @@ def decode_header_value(value: str) -> str:
             return base64.b64decode(encoded, validate=True).decode("utf-8")
         except (binascii.Error, UnicodeDecodeError):
             raise ValueError("undecodable base64 header value") from None
-    if any(not (0x20 <= ord(char) < 0x7F) for char in value):
+    if not (value.isascii() and value.isprintable()):  # for ASCII, printable is exactly 0x20-0x7E
         raise ValueError("header value has characters outside visible ASCII")
     return value
 

@@ -217,12 +217,23 @@ def discover_result(initialize_result: JSON, cache: tuple[int, str]) -> JSON:
     return result
 
 
+# The last InitializeResult `implementation` read, and what it found: every modern call asks for the same one.
+_implementation: tuple[JSON | None, JSON | None] = (None, None)
+
+
 def implementation(initialize_result: JSON) -> JSON | None:
-    """The upstream's serverInfo, if it is a valid Implementation (name and version strings)."""
+    """The upstream's serverInfo, if it is a valid Implementation (name and version strings): a copy, made once
+    per InitializeResult (the same copy each time after that; nothing writes to it)."""
+    global _implementation
+    source, found = _implementation
+    if source is initialize_result:
+        return found
     info = initialize_result.get("serverInfo")
+    found = None
     if isinstance(info, dict) and isinstance(info.get("name"), str) and isinstance(info.get("version"), str):
-        return copy.deepcopy(info)
-    return None
+        found = copy.deepcopy(info)
+    _implementation = (initialize_result, found)
+    return found
 
 
 def relay_notification(message: JSON, progress_token: str | int | None, log_level: str | None) -> JSON | None:
