@@ -95,19 +95,20 @@ _DECODER: Final = json.JSONDecoder(parse_float=_finite, parse_constant=_not_json
 
 # Nineteen digits in a row: maybe an integer beyond 64 bits, which orjson would read as a float (losing digits).
 # Such a text (rare: ids and values that big, or a long digit run in a string) is read by the standard library.
-_LONG_DIGITS: Final = re.compile(rb"\d{19}")
+_LONG_DIGITS: Final = re.compile(rb"[0-9]{19}")
+_LONG_DIGITS_TEXT: Final = re.compile(r"[0-9]{19}")
 
 
 def read(data: bytes | str) -> Any:
-    """A JSON text as Python values, as `json.loads` reads it (integers of any size, `NaN`, lone surrogates):
-    for what an upstream sends, relayed as it is. Raises ValueError for what is not JSON."""
-    raw = data.encode() if isinstance(data, str) else data
-    if _LONG_DIGITS.search(raw) is None:
+    """A JSON text as Python values, as `json.loads` reads it (integers of any size, `NaN`, lone surrogates; bytes
+    that are not UTF-8 as U+FFFD): for what an upstream sends, relayed as it is. ValueError if it is not JSON."""
+    long_digits = _LONG_DIGITS.search(data) if isinstance(data, bytes) else _LONG_DIGITS_TEXT.search(data)
+    if long_digits is None:
         try:
-            return orjson.loads(raw)
+            return orjson.loads(data)
         except orjson.JSONDecodeError:
             pass  # the standard library says what is wrong, or reads what orjson refuses (NaN, a lone surrogate)
-    return json.loads(data)
+    return json.loads(data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data)
 
 
 def loads(body: bytes) -> Any:

@@ -114,7 +114,7 @@ class HttpRequestStream:
         content_type = response.content_type
         if content_type == "application/json":
             body = await read_body(response, self.max_bytes)
-            event = decode(body.decode("utf-8", errors="replace"), self.request_id, self.method)
+            event = decode(body, self.request_id, self.method)  # bytes that are not UTF-8 read as U+FFFD
             if event is not None:
                 yield event
             return
