@@ -95,17 +95,23 @@ _DECODER: Final = json.JSONDecoder(parse_float=_finite, parse_constant=_not_json
 
 # Nineteen digits in a row: maybe an integer beyond 64 bits, which orjson would read as a float (losing digits).
 # Such a text (rare: ids and values that big, or a long digit run in a string) is read by the standard library.
-_LONG_DIGITS: Final = re.compile(rb"[0-9]{19}")
-_LONG_DIGITS_TEXT: Final = re.compile(r"[0-9]{19}")
+# Found by mapping every digit to "0" and every other byte to " ", then a substring search: about 1 ns a byte,
+# where a regular expression such as [0-9]{19} takes ten times that on a text with no digits (a large result).
+_DIGITS_AS_ZERO: Final = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x20 for byte in range(256))
+_NINETEEN_DIGITS: Final = b"0" * 19
+
+
+def _long_digit_run(raw: bytes) -> bool:
+    return _NINETEEN_DIGITS in raw.translate(_DIGITS_AS_ZERO)
 
 
 def read(data: bytes | str) -> Any:
     """A JSON text as Python values, as `json.loads` reads it (integers of any size, `NaN`, lone surrogates; bytes
     that are not UTF-8 as U+FFFD): for what an upstream sends, relayed as it is. ValueError if it is not JSON."""
-    long_digits = _LONG_DIGITS.search(data) if isinstance(data, bytes) else _LONG_DIGITS_TEXT.search(data)
-    if long_digits is None:
+    raw = data if isinstance(data, bytes) else data.encode("utf-8", errors="surrogatepass")
+    if not _long_digit_run(raw):
         try:
-            return orjson.loads(data)
+            return orjson.loads(raw)  # a lone surrogate (passed above) is not UTF-8: refused, read below
         except orjson.JSONDecodeError:
             pass  # the standard library says what is wrong, or reads what orjson refuses (NaN, a lone surrogate)
     return json.loads(data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data)
@@ -136,7 +142,7 @@ def _strict(body: bytes) -> Any:
     """orjson refuses everything `loads` refuses (NaN, infinities, lone surrogates, bad UTF-8) and reads the rest
     as the standard library does, except a leading BOM and integers past 64 bits: those, and whatever orjson
     refuses (so that the error is the same as ever), take the standard library's path."""
-    if _LONG_DIGITS.search(body) is None:
+    if not _long_digit_run(body):
         try:
             return orjson.loads(body)
         except orjson.JSONDecodeError:
