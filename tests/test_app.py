@@ -532,3 +532,20 @@ async def test_error_answers_name_no_internal_address(make_proxy: Callable[..., 
     assert ":9" not in text
     [rejected] = [event for event in events if event["event"] == "request_rejected"]
     assert "127.0.0.1" in rejected["detail"]  # the operator's log says what happened
+
+
+def test_once_started_the_collector_leaves_start_up_objects_alone_and_collects_young_ones_less_often() -> None:
+    """What the start made is frozen out of the cyclic collector's way, and the youngest generation is collected
+    every YOUNG_COLLECTION allocations; the older generations keep their thresholds."""
+    import gc
+
+    from proxy.drain import YOUNG_COLLECTION, settle_collector
+
+    thresholds = gc.get_threshold()
+    try:
+        settle_collector()
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (YOUNG_COLLECTION, *thresholds[1:])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)

@@ -433,3 +433,14 @@ async def test_a_crashing_pump_of_an_upstream_run_task_fails_it_without_a_python
 async def test_every_command_the_machine_can_give_has_an_effect(tmp_path: Path, store: SqliteTaskStore) -> None:
     async with runner_on(tmp_path, store, CrashingSession(crash_on="")) as runner:
         assert set(runner.executor.effects) == set(get_args(Command))
+
+
+def test_call_ids_are_unique_url_safe_and_as_long_as_before() -> None:
+    """Call ids are drawn from the OS's random source a block at a time: across several blocks none repeats,
+    and each is the 22 URL-safe characters of 16 random bytes."""
+    from proxy.tasks.live_call import new_call_id
+
+    ids = [new_call_id() for _ in range(2000)]
+    assert len(set(ids)) == len(ids)
+    alphabet = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+    assert all(len(call_id) == 22 and set(call_id) <= alphabet for call_id in ids)

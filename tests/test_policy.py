@@ -391,3 +391,22 @@ def test_a_tool_the_upstream_runs_no_task_for_is_decided_as_before(support: Any)
         with_support = decide(config, tool, declares_tasks=declares, upstream_support=support)
         assert with_support == decide(config, tool, declares_tasks=declares)
         assert with_support.upstream_task is False
+
+
+def test_a_new_config_brings_its_own_policies_though_the_last_ones_are_kept() -> None:
+    """Resolved policies are kept for the config in force only: after a reload (a new TasksConfig) the same
+    tool gets the new config's policy, and a config used again after another gets its own once more."""
+    before = tasks_config({"report": {"mode": "required"}})
+    after = tasks_config({"report": {"mode": "forbidden"}})
+    assert policy_for(before, "report").mode == "required"
+    assert policy_for(before, "report") is policy_for(before, "report")  # kept, not built per call
+    assert policy_for(after, "report").mode == "forbidden"
+    assert policy_for(before, "report").mode == "required"
+
+
+def test_any_number_of_tool_names_keeps_the_answers_right() -> None:
+    """A client may name any tool: past the cache's bound every name still gets its own policy."""
+    config = tasks_config({"batch_*": {"mode": "required"}})
+    for index in range(3000):
+        assert policy_for(config, f"batch_{index}").mode == "required"
+        assert policy_for(config, f"other_{index}").mode == "optional"
