@@ -8,8 +8,7 @@ call's session may be reclaimed), tracing, the upstream pool and event types; no
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 
 import structlog
 
@@ -50,8 +49,7 @@ class HeldRequest:
         running = pump.run(self.feed, call, self._session(call), send)
         call.pump = self.spawner.spawn(running, f"upstream-{call.call_id}")
 
-    @asynccontextmanager
-    async def _session(self, call: LiveCall) -> AsyncIterator[Session]:
+    def _session(self, call: LiveCall) -> AbstractAsyncContextManager[Session]:
         """A call whose client could answer a question (it declared elicitation, sampling or roots) gets an
         upstream session of its own while it runs: whatever the upstream sends on that session's GET stream (a
         question naming no request) is this call's, never a guess; so does a call of a tool seen asking before.
@@ -62,8 +60,7 @@ class HeldRequest:
         reclaim = lambda: self._reclaim(call)  # noqa: E731 - bound to this call
         asker = f"{call.method} {call.name}"  # a call of it seen asking before gets a session of its own too
         sink = pump.sink(self.feed, call)
-        async with self.pool.lease(call.principal, sink, asks=asks, reclaim=reclaim, asker=asker) as session:
-            yield session
+        return self.pool.lease(call.principal, sink, asks=asks, reclaim=reclaim, asker=asker)
 
     def _reclaim(self, call: LiveCall) -> bool:
         """The pool has no upstream session left to lend (stdio processes are bounded) and asks for this call's:
