@@ -101,19 +101,28 @@ _DIGITS_AS_ZERO: Final = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x20 for byte i
 _NINETEEN_DIGITS: Final = b"0" * 19
 
 
-def _long_digit_run(raw: bytes) -> bool:
-    return _NINETEEN_DIGITS in raw.translate(_DIGITS_AS_ZERO)
+_NOT_READ: Final = object()
+
+
+def _fast(raw: bytes) -> Any:
+    """What orjson reads from `raw`, or _NOT_READ when the standard library must read it: a long digit run (above),
+    or anything orjson refuses (then the standard library says what is wrong, or reads what orjson does not:
+    a BOM, NaN, a lone surrogate)."""
+    if _NINETEEN_DIGITS in raw.translate(_DIGITS_AS_ZERO):
+        return _NOT_READ
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return _NOT_READ
 
 
 def read(data: bytes | str) -> Any:
     """A JSON text as Python values, as `json.loads` reads it (integers of any size, `NaN`, lone surrogates; bytes
     that are not UTF-8 as U+FFFD): for what an upstream sends, relayed as it is. ValueError if it is not JSON."""
-    raw = data if isinstance(data, bytes) else data.encode("utf-8", errors="surrogatepass")
-    if not _long_digit_run(raw):
-        try:
-            return orjson.loads(raw)  # a lone surrogate (passed above) is not UTF-8: refused, read below
-        except orjson.JSONDecodeError:
-            pass  # the standard library says what is wrong, or reads what orjson refuses (NaN, a lone surrogate)
+    # A lone surrogate passes into the bytes, which are then not UTF-8: orjson refuses them, json.loads reads them.
+    value = _fast(data if isinstance(data, bytes) else data.encode("utf-8", errors="surrogatepass"))
+    if value is not _NOT_READ:
+        return value
     return json.loads(data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data)
 
 
@@ -142,12 +151,8 @@ def _strict(body: bytes) -> Any:
     """orjson refuses everything `loads` refuses (NaN, infinities, lone surrogates, bad UTF-8) and reads the rest
     as the standard library does, except a leading BOM and integers past 64 bits: those, and whatever orjson
     refuses (so that the error is the same as ever), take the standard library's path."""
-    if not _long_digit_run(body):
-        try:
-            return orjson.loads(body)
-        except orjson.JSONDecodeError:
-            pass
-    return _DECODER.decode(body.decode("utf-8-sig"))
+    value = _fast(body)
+    return _DECODER.decode(body.decode("utf-8-sig")) if value is _NOT_READ else value
 
 
 def _check_value(value: Any, *, surrogates: bool) -> None:

@@ -22,7 +22,7 @@ close stdin, then SIGTERM, then SIGKILL).
 
 The protocol frames lines itself (no StreamReader): the exit is learnt from the child watcher, not from the
 pipes closing, so a grandchild holding stdout open cannot hang the proxy. Owns no session logic: it imports
-only proxy.errors and proxy.upstream.stdio.rates, never session, call or tasks modules.
+only proxy.errors, proxy.upstream.stdio.rates and the wire's JSON writer, never session, call or tasks modules.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import structlog
 
 from proxy.errors import UpstreamError
 from proxy.upstream.stdio import rates
+from proxy.wire.jsonrpc import dumps
 
 log = structlog.get_logger(__name__)
 
@@ -71,15 +72,6 @@ def child_environment(configured: Mapping[str, str], parent: Mapping[str, str]) 
     }
     env.update(configured)
     return env
-
-
-def _encode(message: dict[str, Any]) -> bytes:
-    """One line: compact JSON (its strings escape any newline), UTF-8, `\\n`-terminated."""
-    text = json.dumps(message, separators=(",", ":"), ensure_ascii=False)
-    try:
-        return text.encode() + b"\n"
-    except UnicodeEncodeError:  # a lone surrogate (from a JSON escape like \ud800): send it escaped
-        return json.dumps(message, separators=(",", ":")).encode() + b"\n"
 
 
 @dataclass(frozen=True)
@@ -235,7 +227,8 @@ class StdioProcess:
         """Write one message as one line of compact JSON and wait while the pipe is full (backpressure).
 
         Raises UpstreamError when the server is gone, is being stopped, or closed its stdin."""
-        line = _encode(message if isinstance(message, dict) else dict(message))
+        # One line: compact JSON (its strings escape any newline; a lone surrogate is sent escaped), `\n`-ended.
+        line = dumps(message if isinstance(message, dict) else dict(message)) + b"\n"
         async with self._write_lock:
             self._check_writable()
             stdin = self._stdin()
