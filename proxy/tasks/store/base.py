@@ -28,6 +28,18 @@ class StoreLockedError(StoreError):
     """Another mcp-tasks-proxy process (or another open store in this one) holds the SQLite database file."""
 
 
+class StoreUnavailableError(StoreError):
+    """The store cannot be reached or cannot commit right now: PostgreSQL down, frozen, failing over or past its
+    deadline; SQLite's disk full, its file system read-only, or an I/O error. Transient, unlike the other
+    `StoreError`s: a request that needs the store is answered 503 with `Retry-After`, and a settlement that hits
+    it is kept and written again later, never dropped. `kind` names the backend ("sqlite" or "postgres")."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"the task store ({kind}) is unavailable: {reason}")
+        self.kind = kind
+        self.reason = reason
+
+
 class FencedError(StoreError):
     """A write carried a `Fence` that no longer holds: the task is live but not owned under that lease (another
     replica took it over, or the writer's lease lapsed). The writer must stop working on the task."""
