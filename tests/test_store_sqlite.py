@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
-from proxy.tasks.store import SqliteTaskStore, StoreError, StoreLockedError
+from proxy.tasks.store import SqliteTaskStore, StoreError, StoreLockedError, StoreUnavailableError
 from proxy.tasks.store import sqlite_schema as schema
 from proxy.wire.tasks import TaskStatus
+from tests.support.disks import fill, small_tmpfs
 from tests.support.records import check_trace_context_migrated, hold_creations, make_record
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -337,3 +338,37 @@ async def test_a_database_of_the_previous_version_gains_the_trace_context_column
         await check_trace_context_migrated(store)
     finally:
         await store.close()
+
+
+async def test_a_full_disk_refuses_commits_as_unavailable_serves_reads_and_recovers_when_space_returns() -> None:
+    """SQLITE_FULL (https://www.sqlite.org/rescode.html#full) is transient for the store: creation, a settlement
+    and the readiness write raise StoreUnavailableError("sqlite", "disk full"); reads are still served; once
+    space returns the same writer thread and connection commit again, and the file passes integrity_check."""
+    with small_tmpfs("4m") as directory:
+        path = directory / "tasks.db"
+        store = await SqliteTaskStore.open(path, max_records=100)
+        try:
+            await store.create(make_record("task_before"))
+            filler = fill(directory)
+            with pytest.raises(StoreUnavailableError) as created:
+                await store.create(make_record("task_during"))
+            assert (created.value.kind, created.value.reason) == ("sqlite", "disk full")
+            with pytest.raises(StoreUnavailableError):
+                await store.settle("task_before", TaskStatus.COMPLETED, now_ms=2_000, result={"content": []})
+            with pytest.raises(StoreUnavailableError):
+                await store.check_writable(2_000)
+            record = await store.get("task_before")
+            assert record is not None
+            assert record.status is TaskStatus.WORKING
+            assert await store.get("task_during") is None
+
+            filler.unlink()
+            await store.check_writable(3_000)
+            await store.create(make_record("task_after"))
+            settled = await store.settle("task_before", TaskStatus.COMPLETED, now_ms=3_000, result={"content": []})
+            assert settled is not None
+            assert settled.status is TaskStatus.COMPLETED
+            assert (await store.stats())["records"] == 2
+        finally:
+            await store.close()
+        assert raw_rows(path, "PRAGMA integrity_check") == [("ok",)]

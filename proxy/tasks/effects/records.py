@@ -1,8 +1,10 @@
 """Task record writes for the calls run here (`CreateRecord` → `Committed` / `CommitRefused`, `WriteInputs`,
-`WriteProgress`, `Settle`), each under the lease's fence through one helper (a lost lease is `LeaseLost`), and
-the bookkeeping of every settlement this replica won (log, metrics, durations, and a note so that its own
-settlement coming back on the change feed is not taken for another replica's). Limits are checked (by the
-slots) before anything is written. Imports the store, the slots, the table, the wire and tracing; no upstream.
+`WriteProgress`, `Settle`), each under the lease's fence through one helper (a lost lease is `LeaseLost`; a
+store that is unavailable keeps the write in the outbox, retried in order), and the bookkeeping of every
+settlement this replica won (log, metrics, durations, and a note so that its own settlement coming back on the
+change feed is not taken for another replica's). Limits are checked (by the slots, and the outbox's bound)
+before anything is written. Imports the store, the slots, the outbox, the table, the wire and tracing; no
+upstream.
 """
 
 from __future__ import annotations
@@ -10,13 +12,13 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import structlog
 
 from proxy import tracing
 from proxy.config import TasksConfig
-from proxy.errors import ProxyError, TaskLimitError
+from proxy.errors import ProxyError, StoreUnavailableAnswerError, TaskLimitError
 from proxy.observability import Metrics
 from proxy.principals import Principals
 from proxy.tasks.commands import (
@@ -29,9 +31,10 @@ from proxy.tasks.commands import (
     WriteProgress,
 )
 from proxy.tasks.durations import Durations
+from proxy.tasks.effects.outbox import Kind, Outbox, Written
 from proxy.tasks.effects.slots import RunningSlots
 from proxy.tasks.live_call import LiveCall
-from proxy.tasks.store import Fence, FencedError, StoreError, StoreFullError, TaskStore
+from proxy.tasks.store import Fence, FencedError, StoreError, StoreFullError, StoreUnavailableError, TaskStore
 from proxy.tasks.table import CallTable
 from proxy.wire import legacy_tasks
 from proxy.wire import tasks as wire_tasks
@@ -41,8 +44,6 @@ from proxy.wire.tasks import TaskRecord, TaskStatus
 log = structlog.get_logger(__name__)
 
 OWN_SETTLEMENTS_KEPT: Final = 4096  # settlements remembered until the feed brings them back (a bound, not a need)
-
-_T = TypeVar("_T")
 
 
 class RecordWrites:
@@ -58,8 +59,10 @@ class RecordWrites:
         process_id: str,
         fence: Callable[[], Fence],
         metrics: Metrics | None,
+        outbox: Outbox,
     ) -> None:
         self.config = config
+        self.outbox = outbox
         self.store = store
         self.table = table
         self.slots = slots
@@ -79,6 +82,8 @@ class RecordWrites:
             refused = self.slots.refusal(call)
             if refused is not None:
                 return CommitRefused(refused)
+        if self.outbox.full:  # a new task would add its writes to the ones the store has not taken yet
+            return CommitRefused(TaskLimitError("store.max_pending_settlements", self.outbox.limit))
         decision = call.state.decision
         policy = decision.policy
         assert policy is not None
@@ -116,6 +121,8 @@ class RecordWrites:
             await self.store.create(record)
         except StoreError as exc:
             self.table.drop_task(record.task_id)
+            if isinstance(exc, StoreUnavailableError):
+                return CommitRefused(StoreUnavailableAnswerError(exc.kind, exc.reason, detail=str(exc)))
             if isinstance(exc, StoreFullError):
                 return CommitRefused(TaskLimitError("max_records", self.config.max_records))
             return CommitRefused(ProxyError("Internal error: the task could not be stored", detail=str(exc)))
@@ -131,6 +138,11 @@ class RecordWrites:
 
     async def write_inputs(self, call: LiveCall, command: WriteInputs) -> LeaseLost | None:
         task_id = self._task_id(call)
+
+        def written(record: TaskRecord | None) -> None:
+            if record is not None and command.input_requests:
+                _log_input_required(task_id, call.name, command.input_requests)
+
         updated = await self._fenced(
             call,
             "task_inputs_not_stored",
@@ -142,9 +154,9 @@ class RecordWrites:
                 fence=fence,
                 upstream_input_ids=command.upstream_input_ids,
             ),
+            kind="inputs",
+            written=written,
         )
-        if isinstance(updated, TaskRecord) and command.input_requests:
-            _log_input_required(task_id, call.name, command.input_requests)
         return updated if isinstance(updated, LeaseLost) else None
 
     async def write_progress(self, call: LiveCall, command: WriteProgress) -> LeaseLost | None:
@@ -155,15 +167,24 @@ class RecordWrites:
             lambda fence: self.store.set_status_message(
                 task_id, command.status_message, now_ms=self.clock(), fence=fence
             ),
+            kind="progress",
+            written=_nothing,
             warn=True,
         )
         return written if isinstance(written, LeaseLost) else None
 
     async def settle(self, call: LiveCall, command: Settle) -> LeaseLost | None:
         """The first settlement wins. A lost lease: another replica owns the task now, its outcome is that
-        replica's to write; a store failure leaves the record live (its TTL, or a take-over, ends it)."""
+        replica's to write; a store that is unavailable: the outbox writes it once the store is back; any other
+        store failure leaves the record live (its TTL, or a take-over, ends it)."""
         task_id = self._task_id(call)
         self._expect_own(task_id)
+
+        def written(record: TaskRecord | None) -> None:
+            if record is None:
+                self._own.pop(task_id, None)  # settled meanwhile (a cancel, its TTL): that settlement won
+            self.settled(record)
+
         settled = await self._fenced(
             call,
             "task_not_settled",
@@ -176,29 +197,42 @@ class RecordWrites:
                 status_message=command.status_message,
                 fence=fence,
             ),
+            kind="settle",
+            written=written,
             status=command.status.value,
         )
         if isinstance(settled, TaskRecord):
             self.settled(settled)
             return None
-        self._own.pop(task_id, None)
+        if not self.outbox.holds(task_id):
+            self._own.pop(task_id, None)
         return settled
 
     async def _fenced(
         self,
         call: LiveCall,
         failure: str,
-        write: Callable[[Fence | None], Awaitable[_T]],
+        write: Callable[[Fence | None], Awaitable[TaskRecord | None]],
         *,
+        kind: Kind,
+        written: Written,
         warn: bool = False,
         **context: Any,
-    ) -> _T | LeaseLost | None:
-        """The one way an owner writes a task record: under the call's fence. `LeaseLost` when the fence no
-        longer holds; None (logged as `failure`) when the store failed."""
+    ) -> TaskRecord | LeaseLost | None:
+        """The one way an owner writes a task record: under the call's fence, after the writes of the task the
+        outbox still holds. `LeaseLost` when the fence no longer holds; None when the write waits in the
+        outbox (`written` runs once it is written) or (logged as `failure`) when the store failed for good."""
+        task_id = self._task_id(call)
+        if self.outbox.holds(task_id):  # earlier writes of this task wait: this one goes after them
+            self.outbox.keep(task_id, kind, lambda: call.fence, write, written, "earlier writes wait")
+            return None
         try:
             return await write(call.fence)
         except FencedError:
             return LeaseLost()
+        except StoreUnavailableError as exc:
+            self.outbox.keep(task_id, kind, lambda: call.fence, write, written, exc.reason)
+            return None
         except StoreError as exc:
             (log.warning if warn else log.error)(failure, task_id=call.state.task_id, error=str(exc), **context)
             return None
@@ -252,6 +286,10 @@ class RecordWrites:
     def own_settlement(self, task_id: str) -> bool:
         """Was the settlement of `task_id` the feed reports this replica's own? (Asked once per settlement.)"""
         return self._own.pop(task_id, "missing") is None
+
+
+def _nothing(record: TaskRecord | None) -> None:
+    """A progress line written late needs no bookkeeping."""
 
 
 def _log_input_required(task_id: str, tool: str, input_requests: JSON) -> None:
