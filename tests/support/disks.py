@@ -60,3 +60,56 @@ def fill(directory: Path) -> Path:
 def free_bytes(directory: Path) -> int:
     stats = os.statvfs(directory)
     return stats.f_bavail * stats.f_frsize
+
+
+@contextlib.contextmanager
+def ext4_on_loop(size: str = "16M") -> Iterator[tuple[Path, Path, str]]:
+    """A fresh ext4 file system in an image file, loop-mounted with `errors=remount-ro` (what a production
+    volume does when its disk fails): (mount directory, image, loop device name). Skips where it cannot be
+    mounted or its error trigger is missing."""
+    workspace = Path(tempfile.mkdtemp(prefix="proxy-ext4-"))
+    image, directory = workspace / "disk.img", workspace / "mnt"
+    directory.mkdir()
+    try:
+        subprocess.run(["truncate", "-s", size, str(image)], check=True)
+        made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, text=True, check=False)
+        if made.returncode != 0:
+            pytest.skip(f"cannot make an ext4 file system here: {made.stderr.strip()}")
+        mounted = subprocess.run(
+            ["mount", "-o", "loop,errors=remount-ro", str(image), str(directory)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot loop-mount an ext4 image here: {mounted.stderr.strip()}")
+        try:
+            source = subprocess.run(
+                ["findmnt", "-n", "-o", "SOURCE", str(directory)], capture_output=True, text=True, check=True
+            )
+            device = Path(source.stdout.strip()).name
+            if not Path(f"/sys/fs/ext4/{device}/trigger_fs_error").exists():
+                pytest.skip("this kernel has no ext4 error trigger")
+            yield directory, image, device
+        finally:
+            subprocess.run(["umount", "-l", str(directory)], capture_output=True, check=False)
+    finally:
+        with contextlib.suppress(OSError):
+            image.unlink()
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+        with contextlib.suppress(OSError):
+            workspace.rmdir()
+
+
+def fail_file_system(device: str) -> None:
+    """Make the kernel record an ext4 error on `device`: with `errors=remount-ro` it turns the file system
+    read-only at once (emergency read-only), open files included; writes then fail with EROFS."""
+    Path(f"/sys/fs/ext4/{device}/trigger_fs_error").write_text("proxy fault test\n")
+
+
+def remount_checked(directory: Path, image: Path) -> None:
+    """Unmount, repair (`e2fsck -fy`, as an operator would) and mount the image again, writable."""
+    subprocess.run(["umount", str(directory)], check=True)
+    subprocess.run(["e2fsck", "-fy", str(image)], capture_output=True, check=False)  # 1: errors were corrected
+    subprocess.run(["mount", "-o", "loop", str(image), str(directory)], check=True)
