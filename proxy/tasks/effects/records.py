@@ -43,6 +43,8 @@ from proxy.wire.tasks import TaskRecord, TaskStatus
 
 log = structlog.get_logger(__name__)
 
+OwnerWrite = WriteInputs | WriteProgress | Settle
+_KINDS: Final[dict[type, Kind]] = {Settle: "settle", WriteInputs: "inputs", WriteProgress: "progress"}
 OWN_SETTLEMENTS_KEPT: Final = 4096  # settlements remembered until the feed brings them back (a bound, not a need)
 
 
@@ -138,11 +140,6 @@ class RecordWrites:
 
     async def write_inputs(self, call: LiveCall, command: WriteInputs) -> LeaseLost | None:
         task_id = self._task_id(call)
-
-        def written(record: TaskRecord | None) -> None:
-            if record is not None and command.input_requests:
-                _log_input_required(task_id, call.name, command.input_requests)
-
         updated = await self._fenced(
             call,
             "task_inputs_not_stored",
@@ -154,9 +151,10 @@ class RecordWrites:
                 fence=fence,
                 upstream_input_ids=command.upstream_input_ids,
             ),
-            kind="inputs",
-            written=written,
+            command,
         )
+        if isinstance(updated, TaskRecord) and command.input_requests:
+            _log_input_required(task_id, call.name, command.input_requests)
         return updated if isinstance(updated, LeaseLost) else None
 
     async def write_progress(self, call: LiveCall, command: WriteProgress) -> LeaseLost | None:
@@ -167,8 +165,7 @@ class RecordWrites:
             lambda fence: self.store.set_status_message(
                 task_id, command.status_message, now_ms=self.clock(), fence=fence
             ),
-            kind="progress",
-            written=_nothing,
+            command,
             warn=True,
         )
         return written if isinstance(written, LeaseLost) else None
@@ -179,12 +176,6 @@ class RecordWrites:
         store failure leaves the record live (its TTL, or a take-over, ends it)."""
         task_id = self._task_id(call)
         self._expect_own(task_id)
-
-        def written(record: TaskRecord | None) -> None:
-            if record is None:
-                self._own.pop(task_id, None)  # settled meanwhile (a cancel, its TTL): that settlement won
-            self.settled(record)
-
         settled = await self._fenced(
             call,
             "task_not_settled",
@@ -197,8 +188,7 @@ class RecordWrites:
                 status_message=command.status_message,
                 fence=fence,
             ),
-            kind="settle",
-            written=written,
+            command,
             status=command.status.value,
         )
         if isinstance(settled, TaskRecord):
@@ -213,29 +203,55 @@ class RecordWrites:
         call: LiveCall,
         failure: str,
         write: Callable[[Fence | None], Awaitable[TaskRecord | None]],
+        command: OwnerWrite,
         *,
-        kind: Kind,
-        written: Written,
         warn: bool = False,
         **context: Any,
     ) -> TaskRecord | LeaseLost | None:
         """The one way an owner writes a task record: under the call's fence, after the writes of the task the
         outbox still holds. `LeaseLost` when the fence no longer holds; None when the write waits in the
-        outbox (`written` runs once it is written) or (logged as `failure`) when the store failed for good."""
+        outbox or (logged as `failure`) when the store failed for good."""
         task_id = self._task_id(call)
         if self.outbox.holds(task_id):  # earlier writes of this task wait: this one goes after them
-            self.outbox.keep(task_id, kind, lambda: call.fence, write, written, "earlier writes wait")
+            self._keep(call, write, command, "earlier writes wait")
             return None
         try:
             return await write(call.fence)
         except FencedError:
             return LeaseLost()
         except StoreUnavailableError as exc:
-            self.outbox.keep(task_id, kind, lambda: call.fence, write, written, exc.reason)
+            self._keep(call, write, command, exc.reason)
             return None
         except StoreError as exc:
             (log.warning if warn else log.error)(failure, task_id=call.state.task_id, error=str(exc), **context)
             return None
+
+    def _keep(
+        self,
+        call: LiveCall,
+        write: Callable[[Fence | None], Awaitable[TaskRecord | None]],
+        command: OwnerWrite,
+        reason: str,
+    ) -> None:
+        """Into the outbox, with the bookkeeping its late write needs (built only here: the normal path
+        allocates nothing for it). Retried under the call's fence as it is then."""
+        task_id = self._task_id(call)
+        written: Written = _nothing
+        if isinstance(command, Settle):
+
+            def written(record: TaskRecord | None) -> None:
+                if record is None:
+                    self._own.pop(task_id, None)  # settled meanwhile (a cancel, its TTL): that settlement won
+                self.settled(record)
+
+        elif isinstance(command, WriteInputs) and command.input_requests:
+            requests = command.input_requests
+
+            def written(record: TaskRecord | None) -> None:
+                if record is not None:
+                    _log_input_required(task_id, call.name, requests)
+
+        self.outbox.keep(task_id, _KINDS[type(command)], lambda: call.fence, write, written, reason)
 
     def _task_id(self, call: LiveCall) -> str:
         task_id = call.state.task_id
