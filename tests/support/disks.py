@@ -17,24 +17,33 @@ import pytest
 CHUNK_BYTES = 64 * 1024
 
 
+def _run_or_skip(command: list[str], what: str) -> None:
+    """Run a system command the test needs; skip the test (root only, or a missing tool) when it fails."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        pytest.skip(f"cannot {what} here: {exc}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot {what} here: {done.stderr.strip() or done.returncode}")
+
+
+@contextlib.contextmanager
+def _unmounted_after(directory: Path) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        # Lazy: a file the proxy still holds open must not keep the mount (and the test run) hanging.
+        subprocess.run(["umount", "-l", str(directory)], capture_output=True, check=False)
+
+
 @contextlib.contextmanager
 def small_tmpfs(size: str = "4m") -> Iterator[Path]:
     """A fresh tmpfs of `size` (mount's syntax) on a new directory; skips the test when it cannot be mounted."""
     directory = Path(tempfile.mkdtemp(prefix="proxy-tmpfs-"))
     try:
-        mounted = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(directory)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if mounted.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
-        try:
+        _run_or_skip(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(directory)], "mount a tmpfs")
+        with _unmounted_after(directory):
             yield directory
-        finally:
-            # Lazy: a file the proxy still holds open must not keep the mount (and the test run) hanging.
-            subprocess.run(["umount", "-l", str(directory)], capture_output=True, check=False)
     finally:
         with contextlib.suppress(OSError):
             directory.rmdir()
@@ -72,18 +81,9 @@ def ext4_on_loop(size: str = "16M") -> Iterator[tuple[Path, Path, str]]:
     directory.mkdir()
     try:
         subprocess.run(["truncate", "-s", size, str(image)], check=True)
-        made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, text=True, check=False)
-        if made.returncode != 0:
-            pytest.skip(f"cannot make an ext4 file system here: {made.stderr.strip()}")
-        mounted = subprocess.run(
-            ["mount", "-o", "loop,errors=remount-ro", str(image), str(directory)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if mounted.returncode != 0:
-            pytest.skip(f"cannot loop-mount an ext4 image here: {mounted.stderr.strip()}")
-        try:
+        _run_or_skip(["mkfs.ext4", "-q", "-F", str(image)], "make an ext4 file system")
+        _run_or_skip(["mount", "-o", "loop,errors=remount-ro", str(image), str(directory)], "loop-mount ext4")
+        with _unmounted_after(directory):
             source = subprocess.run(
                 ["findmnt", "-n", "-o", "SOURCE", str(directory)], capture_output=True, text=True, check=True
             )
@@ -91,8 +91,6 @@ def ext4_on_loop(size: str = "16M") -> Iterator[tuple[Path, Path, str]]:
             if not Path(f"/sys/fs/ext4/{device}/trigger_fs_error").exists():
                 pytest.skip("this kernel has no ext4 error trigger")
             yield directory, image, device
-        finally:
-            subprocess.run(["umount", "-l", str(directory)], capture_output=True, check=False)
     finally:
         with contextlib.suppress(OSError):
             image.unlink()
