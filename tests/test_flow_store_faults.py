@@ -1,11 +1,14 @@
 """A SQLite store whose disk fills up while tasks run, against a real proxy process and the real legacy fixture
 upstream: creation is refused with 503 and `Retry-After` while full, readiness is 503, existing tasks are still
 read; once space returns, every task whose CreateTaskResult was sent ends with its own result (none dropped,
-none left `working`) and the file passes `PRAGMA integrity_check`."""
+none left `working`) and the file passes `PRAGMA integrity_check`. At shutdown, a drain waits for the results
+the disk holds back; what the store still refuses at the end is logged by task id."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import sqlite3
 import time
 from pathlib import Path
@@ -55,6 +58,37 @@ async def pending_settlements(http: aiohttp.ClientSession, proxy: ProxyProcess) 
             if line.startswith("mcp_tasks_proxy_store_pending_settlements "):
                 return float(line.split()[1])
     raise AssertionError("no pending-settlements gauge")
+
+
+def events(proxy: ProxyProcess, name: str) -> list[dict[str, Any]]:
+    return [event for event in proxy.events() if event.get("event") == name]
+
+
+def stored(database: Path) -> dict[str, tuple[str, str | None]]:
+    """Every task in the file: its status and its result."""
+    with sqlite3.connect(database) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        return {
+            task_id: (status, result)
+            for task_id, status, result in conn.execute("SELECT task_id, status, result FROM tasks")
+        }
+
+
+async def held_back(http: aiohttp.ClientSession, proxy: ProxyProcess, disk: Path, count: int) -> tuple[Path, list[str]]:
+    """`count` tasks of 1 s started, the disk filled meanwhile, and every result waiting for the store."""
+    task_ids = []
+    for _ in range(count):
+        status, message, _ = await create(http, proxy.url, 1)
+        assert status == 200, message
+        task_ids.append(message["result"]["taskId"])
+    filler = await asyncio.to_thread(fill, disk)
+    await until(lambda: pending(proxy, task_ids), "every result waits for the store", 20)
+    return filler, task_ids
+
+
+def pending(proxy: ProxyProcess, task_ids: list[str]) -> bool:
+    waiting = {event.get("task_id") for event in events(proxy, "settlement_pending") if event.get("write") == "settle"}
+    return set(task_ids) <= waiting
 
 
 def settled_or_pending(proxy: ProxyProcess, task_ids: list[str]) -> bool:
@@ -153,3 +187,70 @@ async def test_a_full_disk_refuses_new_tasks_and_loses_no_result_once_space_retu
 
 async def _is(status: Any, expected: int) -> bool:
     return bool(await status == expected)
+
+
+async def test_a_drain_waits_for_the_results_a_full_disk_holds_back(
+    tmp_path: Path, upstream: Upstream, processes: list[ProxyProcess]
+) -> None:
+    """SIGTERM while results wait for the disk: the drain counts their tasks as work of its own, so once space
+    returns they are written and the proxy exits 0 with every task completed in the file."""
+    with small_tmpfs("4m") as disk:
+        database = disk / "tasks.db"
+        proxy = ProxyProcess(
+            tmp_path,
+            upstream.url,
+            store={"path": str(database)},
+            tasks={**policies(sleep={"mode": "required"}), "drain_seconds": 60},
+        )
+        processes.append(proxy)
+        await proxy.start()
+        async with aiohttp.ClientSession() as http:
+            filler, task_ids = await held_back(http, proxy, disk, 3)
+        assert proxy.process is not None
+        proxy.process.send_signal(signal.SIGTERM)
+        await until(lambda: events(proxy, "drain_started"), "the drain started")
+        assert events(proxy, "drain_started")[0]["calls_left"] >= len(task_ids)
+        assert proxy.process.poll() is None  # still draining: its results are not written yet
+        filler.unlink()
+        assert await asyncio.to_thread(proxy.process.wait, 30) == 0
+        assert events(proxy, "settlement_lost") == []
+        tasks = stored(database)
+        for task_id in task_ids:
+            status, result = tasks[task_id]
+            assert status == "completed"
+            assert result is not None
+            assert json.loads(result)["content"][0]["text"] == "slept 1"
+
+
+async def test_results_the_store_still_refuses_at_shutdown_are_logged_by_task_id_and_fail_at_the_next_start(
+    tmp_path: Path, upstream: Upstream, processes: list[ProxyProcess]
+) -> None:
+    with small_tmpfs("4m") as disk:
+        database = disk / "tasks.db"
+        sections: dict[str, Any] = {
+            "store": {"path": str(database)},
+            "tasks": {**policies(sleep={"mode": "required"}), "drain_seconds": 1},
+        }
+        proxy = ProxyProcess(tmp_path, upstream.url, **sections)
+        processes.append(proxy)
+        await proxy.start()
+        async with aiohttp.ClientSession() as http:
+            filler, task_ids = await held_back(http, proxy, disk, 2)
+        # The disk is still full: the drain runs out, one last try fails, the WAL is left for the next start.
+        assert await proxy.terminate() == 0
+        lost = events(proxy, "settlement_lost")
+        assert sorted(event["task_id"] for event in lost) == sorted(task_ids)
+        assert all(event["writes"][-1] == "settle" for event in lost), lost
+        assert "slept 1" not in proxy.log.read_text()  # the result value is never logged
+
+        filler.unlink()
+        assert {stored(database)[task_id][0] for task_id in task_ids} == {"working"}
+        again = ProxyProcess(tmp_path, upstream.url, **sections)
+        processes.append(again)
+        await again.start()
+        async with aiohttp.ClientSession() as http:
+            for task_id in task_ids:
+                task = await task_state(http, again.url, task_id)
+                assert task["status"] == "failed"
+                assert "restarted" in task["error"]["message"]
+        assert await again.terminate() == 0

@@ -165,6 +165,11 @@ class SqliteWriter:
                 try:
                     if checkpoint:
                         db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+                except sqlite3.Error as exc:
+                    # A full disk or a read-only file system cannot take the checkpoint: the WAL stays and the
+                    # next open replays it, as after a crash. Anything else is the error to report.
+                    if not isinstance(translated(exc, ""), StoreUnavailableError):
+                        raise
                 finally:
                     db.close()
         finally:
