@@ -176,3 +176,17 @@ async def test_at_shutdown_what_the_store_still_refuses_is_given_up_by_task_id(
     assert record is not None
     assert record.status is TaskStatus.WORKING
     filler.unlink()  # the store's own close checkpoints its WAL
+
+
+async def test_writes_refenced_after_a_lease_renewal_are_written_under_the_new_fence(
+    store: SqliteTaskStore, disk: Path
+) -> None:
+    """Writes kept under a fence that no longer holds are tried under the one a renewed lease hands out."""
+    outbox, log = Outbox(10, None), Log()
+    filler = fill(disk)
+    log.keep(outbox, "task_c", "settle", settle(store, "task_c", TaskStatus.COMPLETED, result={"content": []}))
+    assert outbox.task_ids() == ["task_c"]
+    outbox.refence("task_c", Fence("replica-2", 2))  # task_c is replica-2's: the kept fence (replica-1) fails
+    filler.unlink()
+    assert await outbox.try_all() is True
+    assert log.written == [("task_c", "settle", TaskStatus.COMPLETED)]

@@ -106,6 +106,18 @@ class Outbox:
         log.warning("settlement_pending", task_id=task_id, write=kind, pending=self._count, reason=reason)
         self._wake.set()
 
+    def task_ids(self) -> list[str]:
+        """The tasks with writes waiting, oldest first: their calls have ended, so a lease check that looks at
+        the running calls must look here too."""
+        return list(self._tasks)
+
+    def refence(self, task_id: str, fence: Fence) -> None:
+        """A lease renewed under a new epoch still owns `task_id` (no survivor took it): its waiting writes are
+        tried under `fence` from now on instead of the fence of the call that made them."""
+        entry = self._tasks.get(task_id)
+        if entry is not None:
+            entry.fence = lambda: fence
+
     # --- writing them -----------------------------------------------------------------------------------------
 
     async def run_forever(self) -> None:
