@@ -386,6 +386,7 @@ async def readyz(request: web.Request) -> web.Response:
     elif app[STOPPING]:
         reasons.append("shutting down")
     else:
+        store_reasons = len(reasons)
         try:
             async with asyncio.timeout(READY_STORE_SECONDS):
                 await app[STORE].check_writable(app[RUNNER].clock())
@@ -393,6 +394,8 @@ async def readyz(request: web.Request) -> web.Response:
             reasons.append(f"store: {exc}")
         except TimeoutError:
             reasons.append(f"store: no committed write within {READY_STORE_SECONDS:g} s")
+        if METRICS in app:  # the store's health as the probe found it (the outbox also sets it as it writes)
+            app[METRICS].store_available.set(0 if len(reasons) > store_reasons else 1)
         lease = app[RUNNER].lease_problem()
         if lease is not None:
             reasons.append(f"lease: {lease}")

@@ -434,6 +434,16 @@ class StoreConfig(_Frozen):
         description="With PostgreSQL: how long a replica's lease lasts unless renewed. A replica that stops "
         "renewing it (killed, paused, cut off) loses its running tasks to a survivor after this long.",
     )
+    max_pending_settlements: int = Field(
+        1024,
+        ge=1,
+        description="Task record writes (results, errors, questions, progress) kept in memory while the store "
+        "cannot take them (unavailable: PostgreSQL away, SQLite's disk full or read-only), written again with "
+        "backoff in order per task. Results are never dropped: at this many, a progress-only write is dropped "
+        "(the next one or the result replaces it) and new tasks are refused (503, `data.limit`) so nothing new "
+        "adds to them, while the calls already running still settle here. The default matches "
+        "`tasks.max_running`: every task running when the store went away can settle.",
+    )
 
     @field_validator("url")
     @classmethod

@@ -277,3 +277,27 @@ class DrainingError(ProxyError):
 
     def __init__(self, *, request_id: RequestId | None = None) -> None:
         super().__init__(data={"reason": "draining"}, request_id=request_id)
+
+
+class StoreUnavailableAnswerError(ProxyError):
+    """The task store cannot commit right now (PostgreSQL away, SQLite's disk full, read-only or failing): a
+    request that must write to it is refused before anything reaches the upstream. HTTP 503 with `Retry-After`
+    (RFC 9110 §15.6.4, §10.2.3): the condition is the store's and passes; `data.store` names the backend.
+
+    503 rather than 507 Insufficient Storage (RFC 4918 §11.5) also for a full disk: 507 says the request itself
+    needs more room than there is, and clients and load balancers retry 503 alone."""
+
+    code = jsonrpc.INTERNAL_ERROR
+    http_status = 503
+    default_message = "Task store unavailable"
+    headers: ClassVar[Mapping[str, str]] = {"Retry-After": "5"}
+
+    def __init__(
+        self, store: str, reason: str, *, request_id: RequestId | None = None, detail: str | None = None
+    ) -> None:
+        super().__init__(
+            f"The task store is unavailable ({reason}); try again later",
+            data={"store": store, "reason": reason},
+            request_id=request_id,
+            detail=detail,
+        )

@@ -239,6 +239,15 @@ class Metrics:
             "How long the last scrape's read of the task store took (its counts and size)",
             registry=self.registry,
         )
+        self.store_available = Gauge(
+            f"{prefix}_store_available", "1 while the task store can commit, else 0", registry=self.registry
+        )
+        self.store_available.set(1)  # the proxy does not start without a store that commits
+        self.store_pending_settlements = Gauge(
+            f"{prefix}_store_pending_settlements",
+            "Task record writes (results, errors, questions, progress) waiting for the store to take them",
+            registry=self.registry,
+        )
 
         # What every request, upstream request and task counts: its labelled children, each looked up once.
         self._requests = Children(self.requests)

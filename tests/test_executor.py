@@ -48,6 +48,7 @@ from proxy.tasks.commands import (
 )
 from proxy.tasks.durations import Durations
 from proxy.tasks.effects.client import ClientSide
+from proxy.tasks.effects.outbox import Outbox
 from proxy.tasks.effects.pump import CRASHED
 from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.effects.slots import Parking, RunningSlots
@@ -128,6 +129,7 @@ class Parts:
         self.durations = Durations(store, wall_clock_ms, self.background)
         self.slots = RunningSlots(max_running, per_caller)
         self.link: ReplicaLink | None = None
+        self.outbox = Outbox(8, None)
         self.records = RecordWrites(
             config(tmp_path).tasks,
             store,
@@ -139,6 +141,7 @@ class Parts:
             "replica-1",
             lambda: self.link.fence if self.link is not None else Fence("replica-1", 0),
             None,
+            self.outbox,
         )
 
     async def committed(self, call: LiveCall) -> str:
@@ -182,6 +185,28 @@ async def test_the_callers_share_of_running_slots_is_counted_per_caller(store: S
     assert isinstance(refused.error, CallerLimitError)
     assert isinstance(await parts.records.create(theirs, CreateRecord(TaskStatus.WORKING, {}, 0)), Committed)
     assert parts.slots.count == 1
+
+
+async def test_while_the_outbox_is_at_its_limit_a_new_task_is_refused_before_anything_is_written(
+    store: SqliteTaskStore, tmp_path: Path
+) -> None:
+    parts = Parts(store, tmp_path, max_running=10, per_caller=10)
+    parts.outbox.limit = 1
+    waiting = make_call()
+    await parts.committed(waiting)
+
+    async def never_written(fence: Fence | None) -> TaskRecord | None:
+        raise AssertionError("not tried in this test")
+
+    parts.outbox.keep("task-x", "settle", lambda: None, never_written, lambda record: None, "disk full")
+
+    refused = await parts.records.create(make_call(), CreateRecord(TaskStatus.WORKING, {}, 0))
+
+    assert isinstance(refused, CommitRefused)
+    assert refused.error.status == 503
+    assert refused.error.data == {"limit": "store.max_pending_settlements", "max": 1}
+    assert (await store.stats())["records"] == 1
+    assert parts.outbox.holds(waiting.state.task_id or "") is False  # a task with nothing waiting writes directly
 
 
 async def test_a_full_store_refuses_the_commit_and_forgets_the_task_id(store: SqliteTaskStore, tmp_path: Path) -> None:

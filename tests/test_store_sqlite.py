@@ -5,6 +5,7 @@ share is in test_store.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import signal
@@ -17,9 +18,11 @@ from typing import Any
 
 import pytest
 
-from proxy.tasks.store import SqliteTaskStore, StoreError, StoreLockedError
+from proxy.tasks.store import SqliteTaskStore, StoreError, StoreLockedError, StoreUnavailableError
 from proxy.tasks.store import sqlite_schema as schema
+from proxy.tasks.store.sqlite_writer import translated
 from proxy.wire.tasks import TaskStatus
+from tests.support.disks import ext4_on_loop, fail_file_system, fill, remount_checked, small_tmpfs
 from tests.support.records import check_trace_context_migrated, hold_creations, make_record
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -337,3 +340,85 @@ async def test_a_database_of_the_previous_version_gains_the_trace_context_column
         await check_trace_context_migrated(store)
     finally:
         await store.close()
+
+
+async def test_a_full_disk_refuses_commits_as_unavailable_serves_reads_and_recovers_when_space_returns() -> None:
+    """SQLITE_FULL (https://www.sqlite.org/rescode.html#full) is transient for the store: creation, a settlement
+    and the readiness write raise StoreUnavailableError("sqlite", "disk full"); reads are still served; once
+    space returns the same writer thread and connection commit again, and the file passes integrity_check."""
+    with small_tmpfs("4m") as directory:
+        path = directory / "tasks.db"
+        store = await SqliteTaskStore.open(path, max_records=100)
+        try:
+            await store.create(make_record("task_before"))
+            filler = fill(directory)
+            with pytest.raises(StoreUnavailableError) as created:
+                await store.create(make_record("task_during"))
+            assert (created.value.kind, created.value.reason) == ("sqlite", "disk full")
+            with pytest.raises(StoreUnavailableError):
+                await store.settle("task_before", TaskStatus.COMPLETED, now_ms=2_000, result={"content": []})
+            with pytest.raises(StoreUnavailableError):
+                await store.check_writable(2_000)
+            record = await store.get("task_before")
+            assert record is not None
+            assert record.status is TaskStatus.WORKING
+            assert await store.get("task_during") is None
+
+            filler.unlink()
+            await store.check_writable(3_000)
+            await store.create(make_record("task_after"))
+            settled = await store.settle("task_before", TaskStatus.COMPLETED, now_ms=3_000, result={"content": []})
+            assert settled is not None
+            assert settled.status is TaskStatus.COMPLETED
+            assert (await store.stats())["records"] == 2
+        finally:
+            await store.close()
+        assert raw_rows(path, "PRAGMA integrity_check") == [("ok",)]
+
+
+async def test_a_file_system_turned_read_only_refuses_commits_as_unavailable_and_keeps_the_file_intact() -> None:
+    """A disk error makes ext4 (`errors=remount-ro`) read-only under the open database: SQLite's writes fail
+    with SQLITE_IOERR (https://www.sqlite.org/rescode.html#ioerr), which the store raises as
+    StoreUnavailableError; the writer thread keeps answering (the same error, no hang), reads are served, and
+    after the operator's repair and remount the file passes integrity_check with every committed record."""
+    with ext4_on_loop() as (directory, image, device):
+        path = directory / "tasks.db"
+        store = await SqliteTaskStore.open(path, max_records=100)
+        try:
+            await store.create(make_record("task_before"))
+            fail_file_system(device)
+            for _ in range(2):
+                with pytest.raises(StoreUnavailableError) as refused:
+                    await store.check_writable(2_000)
+                assert refused.value.reason in ("I/O error", "read-only file system")
+            with pytest.raises(StoreUnavailableError):
+                await store.create(make_record("task_during"))
+            with pytest.raises(StoreUnavailableError):
+                await store.settle("task_before", TaskStatus.COMPLETED, now_ms=2_000, result={"content": []})
+            record = await store.get("task_before")
+            assert record is not None
+            assert record.status is TaskStatus.WORKING
+        finally:
+            with contextlib.suppress(StoreError):  # its last checkpoint cannot be written either
+                await store.close()
+        remount_checked(directory, image)
+        assert raw_rows(path, "PRAGMA integrity_check") == [("ok",)]
+        assert raw_rows(path, "SELECT task_id, status FROM tasks") == [("task_before", "working")]
+
+
+async def test_sqlite_refusing_a_write_as_read_only_is_unavailable_not_a_failure(db_path: Path) -> None:
+    """SQLITE_READONLY (https://www.sqlite.org/rescode.html#readonly), raised by a real connection that may not
+    write, is translated as transient like a full disk."""
+    store = await SqliteTaskStore.open(db_path, max_records=10)
+    await store.close()
+    conn = sqlite3.connect(db_path)
+    conn.execute("PRAGMA query_only = 1")
+    try:
+        with pytest.raises(sqlite3.Error) as raised:
+            conn.execute("DELETE FROM tasks")
+    finally:
+        conn.close()
+    error = translated(raised.value, "refused")
+    assert isinstance(error, StoreUnavailableError)
+    assert (error.kind, error.reason) == ("sqlite", "read-only file system")
+    assert type(translated(sqlite3.OperationalError("no such table: x"), "refused")) is StoreError

@@ -27,6 +27,7 @@ from proxy.tasks.calls import CallStarter
 from proxy.tasks.durations import Durations
 from proxy.tasks.effects.client import ClientSide
 from proxy.tasks.effects.held import HeldRequest, QuestionCounter
+from proxy.tasks.effects.outbox import Outbox
 from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.effects.slots import Parking, RunningSlots
 from proxy.tasks.effects.timers import Timers
@@ -73,6 +74,8 @@ class TaskRunner:
         observers: list[Observer] = [QuestionCounter(metrics)]  # counted when metrics are on; traced
         self.executor = Executor(self.background, self._forget, observers)
         feed = self.executor
+        self.outbox = Outbox(config.store.max_pending_settlements, metrics)
+        self._outbox_worker: asyncio.Task[None] | None = None
         self.records = RecordWrites(
             config.tasks,
             store,
@@ -84,6 +87,7 @@ class TaskRunner:
             self.process_id,
             lambda: self.replicas.fence,
             metrics,
+            self.outbox,
         )
         self.timers = Timers(feed, self.background)
         held = HeldRequest(feed, self.background, upstream, self.parking)
@@ -171,12 +175,19 @@ class TaskRunner:
         await self.durations.load()
         await self.recovery.recover()
         self.spawn(self.recovery.sweep_forever(), "task-sweeper")
+        self._outbox_worker = self.spawn(self.outbox.run_forever(), "settlement-outbox")
 
     async def close(self) -> None:
         """Shutdown: running calls are cancelled upstream; their records stay live and are failed or re-run
         per `on_restart` at the next start, or by another replica at once (the lease is released); nothing
-        committed is lost or rewritten here."""
+        committed is lost or rewritten here. Settlements still waiting for the store are tried once more, under
+        the lease, and those it does not take are logged by task id."""
         await self.calls.shut_down()
+        worker, self._outbox_worker = self._outbox_worker, None
+        if worker is not None:  # stopped first: the last round must be the only one writing
+            worker.cancel()
+            await asyncio.wait([worker])
+        await self.outbox.close()
         await self.replicas.close()
         await self.background.close(SHUTDOWN_GRACE_SECONDS)
 
@@ -204,8 +215,9 @@ class TaskRunner:
 
     @property
     def open_calls(self) -> int:
-        """Calls not finished yet (tasks, synchronous calls, parked MRTR rounds): what a drain waits for."""
-        return self.table.count
+        """Calls not finished yet (tasks, synchronous calls, parked MRTR rounds) and tasks whose settlement
+        waits for the store: what a drain waits for."""
+        return self.table.count + self.outbox.tasks
 
     @property
     def parked(self) -> int:

@@ -1,8 +1,10 @@
 """Task record writes for the calls run here (`CreateRecord` → `Committed` / `CommitRefused`, `WriteInputs`,
-`WriteProgress`, `Settle`), each under the lease's fence through one helper (a lost lease is `LeaseLost`), and
-the bookkeeping of every settlement this replica won (log, metrics, durations, and a note so that its own
-settlement coming back on the change feed is not taken for another replica's). Limits are checked (by the
-slots) before anything is written. Imports the store, the slots, the table, the wire and tracing; no upstream.
+`WriteProgress`, `Settle`), each under the lease's fence through one helper (a lost lease is `LeaseLost`; a
+store that is unavailable keeps the write in the outbox, retried in order), and the bookkeeping of every
+settlement this replica won (log, metrics, durations, and a note so that its own settlement coming back on the
+change feed is not taken for another replica's). Limits are checked (by the slots, and the outbox's bound)
+before anything is written. Imports the store, the slots, the outbox, the table, the wire and tracing; no
+upstream.
 """
 
 from __future__ import annotations
@@ -10,13 +12,13 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import structlog
 
 from proxy import tracing
 from proxy.config import TasksConfig
-from proxy.errors import ProxyError, TaskLimitError
+from proxy.errors import ProxyError, StoreUnavailableAnswerError, TaskLimitError
 from proxy.observability import Metrics
 from proxy.principals import Principals
 from proxy.tasks.commands import (
@@ -29,9 +31,10 @@ from proxy.tasks.commands import (
     WriteProgress,
 )
 from proxy.tasks.durations import Durations
+from proxy.tasks.effects.outbox import Kind, Outbox, Written
 from proxy.tasks.effects.slots import RunningSlots
 from proxy.tasks.live_call import LiveCall
-from proxy.tasks.store import Fence, FencedError, StoreError, StoreFullError, TaskStore
+from proxy.tasks.store import Fence, FencedError, StoreError, StoreFullError, StoreUnavailableError, TaskStore
 from proxy.tasks.table import CallTable
 from proxy.wire import legacy_tasks
 from proxy.wire import tasks as wire_tasks
@@ -40,9 +43,9 @@ from proxy.wire.tasks import TaskRecord, TaskStatus
 
 log = structlog.get_logger(__name__)
 
+OwnerWrite = WriteInputs | WriteProgress | Settle
+_KINDS: Final[dict[type, Kind]] = {Settle: "settle", WriteInputs: "inputs", WriteProgress: "progress"}
 OWN_SETTLEMENTS_KEPT: Final = 4096  # settlements remembered until the feed brings them back (a bound, not a need)
-
-_T = TypeVar("_T")
 
 
 class RecordWrites:
@@ -58,8 +61,10 @@ class RecordWrites:
         process_id: str,
         fence: Callable[[], Fence],
         metrics: Metrics | None,
+        outbox: Outbox,
     ) -> None:
         self.config = config
+        self.outbox = outbox
         self.store = store
         self.table = table
         self.slots = slots
@@ -79,6 +84,8 @@ class RecordWrites:
             refused = self.slots.refusal(call)
             if refused is not None:
                 return CommitRefused(refused)
+        if self.outbox.full:  # a new task would add its writes to the ones the store has not taken yet
+            return CommitRefused(TaskLimitError("store.max_pending_settlements", self.outbox.limit))
         decision = call.state.decision
         policy = decision.policy
         assert policy is not None
@@ -116,6 +123,8 @@ class RecordWrites:
             await self.store.create(record)
         except StoreError as exc:
             self.table.drop_task(record.task_id)
+            if isinstance(exc, StoreUnavailableError):
+                return CommitRefused(StoreUnavailableAnswerError(exc.kind, exc.reason, detail=str(exc)))
             if isinstance(exc, StoreFullError):
                 return CommitRefused(TaskLimitError("max_records", self.config.max_records))
             return CommitRefused(ProxyError("Internal error: the task could not be stored", detail=str(exc)))
@@ -142,6 +151,7 @@ class RecordWrites:
                 fence=fence,
                 upstream_input_ids=command.upstream_input_ids,
             ),
+            command,
         )
         if isinstance(updated, TaskRecord) and command.input_requests:
             _log_input_required(task_id, call.name, command.input_requests)
@@ -155,13 +165,15 @@ class RecordWrites:
             lambda fence: self.store.set_status_message(
                 task_id, command.status_message, now_ms=self.clock(), fence=fence
             ),
+            command,
             warn=True,
         )
         return written if isinstance(written, LeaseLost) else None
 
     async def settle(self, call: LiveCall, command: Settle) -> LeaseLost | None:
         """The first settlement wins. A lost lease: another replica owns the task now, its outcome is that
-        replica's to write; a store failure leaves the record live (its TTL, or a take-over, ends it)."""
+        replica's to write; a store that is unavailable: the outbox writes it once the store is back; any other
+        store failure leaves the record live (its TTL, or a take-over, ends it)."""
         task_id = self._task_id(call)
         self._expect_own(task_id)
         settled = await self._fenced(
@@ -176,32 +188,70 @@ class RecordWrites:
                 status_message=command.status_message,
                 fence=fence,
             ),
+            command,
             status=command.status.value,
         )
         if isinstance(settled, TaskRecord):
             self.settled(settled)
             return None
-        self._own.pop(task_id, None)
+        if not self.outbox.holds(task_id):
+            self._own.pop(task_id, None)
         return settled
 
     async def _fenced(
         self,
         call: LiveCall,
         failure: str,
-        write: Callable[[Fence | None], Awaitable[_T]],
+        write: Callable[[Fence | None], Awaitable[TaskRecord | None]],
+        command: OwnerWrite,
         *,
         warn: bool = False,
         **context: Any,
-    ) -> _T | LeaseLost | None:
-        """The one way an owner writes a task record: under the call's fence. `LeaseLost` when the fence no
-        longer holds; None (logged as `failure`) when the store failed."""
+    ) -> TaskRecord | LeaseLost | None:
+        """The one way an owner writes a task record: under the call's fence, after the writes of the task the
+        outbox still holds. `LeaseLost` when the fence no longer holds; None when the write waits in the
+        outbox or (logged as `failure`) when the store failed for good."""
+        task_id = self._task_id(call)
+        if self.outbox.holds(task_id):  # earlier writes of this task wait: this one goes after them
+            self._keep(call, write, command, "earlier writes wait")
+            return None
         try:
             return await write(call.fence)
         except FencedError:
             return LeaseLost()
+        except StoreUnavailableError as exc:
+            self._keep(call, write, command, exc.reason)
+            return None
         except StoreError as exc:
             (log.warning if warn else log.error)(failure, task_id=call.state.task_id, error=str(exc), **context)
             return None
+
+    def _keep(
+        self,
+        call: LiveCall,
+        write: Callable[[Fence | None], Awaitable[TaskRecord | None]],
+        command: OwnerWrite,
+        reason: str,
+    ) -> None:
+        """Into the outbox, with the bookkeeping its late write needs (built only here: the normal path
+        allocates nothing for it). Retried under the call's fence as it is then."""
+        task_id = self._task_id(call)
+        written: Written = _nothing
+        if isinstance(command, Settle):
+
+            def written(record: TaskRecord | None) -> None:
+                if record is None:
+                    self._own.pop(task_id, None)  # settled meanwhile (a cancel, its TTL): that settlement won
+                self.settled(record)
+
+        elif isinstance(command, WriteInputs) and command.input_requests:
+            requests = command.input_requests
+
+            def written(record: TaskRecord | None) -> None:
+                if record is not None:
+                    _log_input_required(task_id, call.name, requests)
+
+        self.outbox.keep(task_id, _KINDS[type(command)], lambda: call.fence, write, written, reason)
 
     def _task_id(self, call: LiveCall) -> str:
         task_id = call.state.task_id
@@ -252,6 +302,10 @@ class RecordWrites:
     def own_settlement(self, task_id: str) -> bool:
         """Was the settlement of `task_id` the feed reports this replica's own? (Asked once per settlement.)"""
         return self._own.pop(task_id, "missing") is None
+
+
+def _nothing(record: TaskRecord | None) -> None:
+    """A progress line written late needs no bookkeeping."""
 
 
 def _log_input_required(task_id: str, tool: str, input_requests: JSON) -> None:

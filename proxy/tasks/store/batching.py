@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
 
-from proxy.tasks.store.base import StoreError
+from proxy.tasks.store.base import StoreError, StoreUnavailableError
 from proxy.wire.tasks import TaskRecord
 
 # Commits every record given in one transaction; one outcome per record (None: committed). May raise: then
@@ -63,6 +63,8 @@ class CreationBatcher:
             queued, self._queued = self._queued, []
         try:
             errors = self._commit_all([record for record, _ in queued])
+        except StoreUnavailableError as exc:  # transient: each caller gets it as such (503, retried)
+            errors = [caused(StoreUnavailableError(exc.kind, exc.reason), exc) for _ in queued]
         # The whole batch is rolled back and each caller gets the error. Anything at all, not only the
         # database's errors: the callers wait on this answer and nothing else would ever give them one.
         except Exception as exc:  # noqa: BLE001

@@ -35,7 +35,7 @@ from proxy.tasks.store.base import (
 )
 from proxy.tasks.store.batching import CreationBatcher
 from proxy.tasks.store.feed import LocalFeed
-from proxy.tasks.store.sqlite_writer import SqliteWriter, connect, rows, wall_ms
+from proxy.tasks.store.sqlite_writer import SqliteWriter, connect, rows, translated, wall_ms
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
 
@@ -288,7 +288,7 @@ class SqliteTaskStore(LiveWrites):
         try:
             return work()
         except sqlite3.Error as exc:
-            raise StoreError(f"task store {self.path}: {what} failed: {exc}") from exc
+            raise translated(exc, f"task store {self.path}: {what} failed: {exc}") from exc
 
     async def _shutdown(self, *, checkpoint: bool) -> None:
         self._closed = True

@@ -29,6 +29,7 @@ from proxy.tasks.store.base import (
     StoreError,
     StoreFullError,
     StoreLockedError,
+    StoreUnavailableError,
     decode,
     records_from_rows,
     row_from_record,
@@ -37,6 +38,24 @@ from proxy.tasks.store.batching import caused
 from proxy.wire.tasks import LIVE, TaskRecord, TaskStatus
 
 _MIN_SQLITE_VERSION: Final = (3, 35, 0)  # UPDATE ... RETURNING
+
+# SQLite's primary result codes (the low byte of an extended one) that mean the file cannot take a commit right
+# now, though nothing is wrong with it: they pass when space returns or the file system is writable again. The
+# transaction is rolled back and the connection stays usable (https://www.sqlite.org/rescode.html).
+_UNAVAILABLE: Final = {
+    sqlite3.SQLITE_FULL: "disk full",
+    sqlite3.SQLITE_READONLY: "read-only file system",
+    sqlite3.SQLITE_IOERR: "I/O error",
+}
+
+
+def translated(exc: sqlite3.Error, message: str) -> StoreError:
+    """A driver error as the store's: StoreUnavailableError for a full disk, a read-only file system or an I/O
+    error (transient: retried, answered 503), else StoreError with `message`."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    reason = None if code is None else _UNAVAILABLE.get(code & 0xFF)
+    error = StoreError(message) if reason is None else StoreUnavailableError("sqlite", reason)
+    return caused(error, exc)
 
 
 # The database holds tool arguments and results, and the files are the proxy's alone: owner-only modes whatever the
@@ -146,6 +165,11 @@ class SqliteWriter:
                 try:
                     if checkpoint:
                         db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+                except sqlite3.Error as exc:
+                    # A full disk or a read-only file system cannot take the checkpoint: the WAL stays and the
+                    # next open replays it, as after a crash. Anything else is the error to report.
+                    if not isinstance(translated(exc, ""), StoreUnavailableError):
+                        raise
                 finally:
                     db.close()
         finally:
@@ -159,6 +183,12 @@ class SqliteWriter:
 
     def create_all(self, records: list[TaskRecord]) -> list[StoreError | None]:
         """One group commit; each record in its own savepoint, so a record that fails takes back only itself."""
+        try:
+            return self._create_all(records)
+        except sqlite3.Error as exc:  # the group's COMMIT (a full disk...): every record of it failed
+            raise translated(exc, f"task store {self.path}: create failed: {exc}") from exc
+
+    def _create_all(self, records: list[TaskRecord]) -> list[StoreError | None]:
         db = self.db()
         errors: list[StoreError | None] = []
         count = self._record_count
