@@ -34,12 +34,19 @@ def test_the_example_shows_every_field_and_loads() -> None:
         assert re.search(rf"{shown}{field}:", text, re.MULTILINE), f"{path} missing from the example"
 
 
+# Sections keyed by a name the user picks (`jobs`, by start tool): their entries' fields, under this placeholder.
+KEYED = {"jobs": "<start_tool>"}
+
+
 def _optional_sections(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """Dotted paths of the sections whose default is `null` (e.g. `security.jwt`)."""
+    """Dotted paths of the sections whose default is `null` (e.g. `security.jwt`), or no entry (`jobs`)."""
     found = []
     for name, field in model.model_fields.items():
         models = _models(field.annotation)
-        if models and field.default is None:
+        if not prefix and name in KEYED:
+            found.append(name)
+            models = _models(get_args(field.annotation)[1])
+        elif models and field.default is None:
             found.append(f"{prefix}{name}")
         for section in models:
             found.extend(_optional_sections(section, f"{prefix}{name}."))
@@ -60,7 +67,7 @@ def _models(annotation: object) -> list[type[BaseModel]]:
 def _sections() -> list[tuple[str, list[type[BaseModel]]]]:
     sections = []
     for name, field in Config.model_fields.items():
-        models = _models(field.annotation)
+        models = _models(get_args(field.annotation)[1] if name in KEYED else field.annotation)
         assert models, name
         sections.append((name, models))
     return sections
@@ -73,6 +80,8 @@ def _fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str | N
     for name, field in model.model_fields.items():
         path = f"{prefix}{name}"
         models = _models(field.annotation)
+        if not prefix and name in KEYED:  # each entry is one model: walked once, under the placeholder
+            models, path = _models(get_args(field.annotation)[1]), f"{name}.{KEYED[name]}"
         if models:
             assert field.description, f"{path} has no description"
             for section in models:
