@@ -114,6 +114,53 @@ def test_tool_policies_resolve_and_report_errors(tmp_path: Path) -> None:
     assert "fine" not in problems
 
 
+def test_jobs_are_checked_with_each_error_at_its_field_path(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.yaml"
+    path.write_text(
+        "upstream: {url: http://a:1/mcp}\n"
+        "jobs:\n"
+        "  start_render:\n"
+        "    job_id: 'structuredContent.[['\n"
+        "    status: {tool: render_status, arguments: {id: '{jobid}'}, state: json.state, states: {done: finished}}\n"
+        "    cancel: {tool: cancel_render, arguments: {ids: ['{job_id}', {deep: '{other}'}]}}\n"
+        "    poll_interval_ms: 10\n"
+        "  fine:\n"
+        "    job_id: json.id\n"
+        "    status: {tool: fine_status, state: json.state, states: {done: completed}}\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, environ={})
+    problems = caught.value.problems
+    assert any(p.startswith("jobs.start_render.job_id: not a JMESPath expression") for p in problems), problems
+    assert "jobs.start_render.status.arguments: a template may name only job_id, not 'jobid'" in problems
+    assert "jobs.start_render.cancel.arguments: a template may name only job_id, not 'other'" in problems
+    assert any(p.startswith("jobs.start_render.status.states.done:") for p in problems), problems
+    assert any(p.startswith("jobs.start_render.poll_interval_ms:") for p in problems), problems
+    assert not [p for p in problems if p.startswith("jobs.fine")]
+    assert len(problems) == 5
+
+
+def test_a_job_family_defaults_to_passing_the_id_as_job_id() -> None:
+    config = load_config(
+        None,
+        environ={},
+        overrides={
+            "upstream": {"url": SIDECAR_URL},
+            "jobs": {
+                "go": {"job_id": "json.id", "status": {"tool": "st", "state": "json.s", "states": {"ok": "completed"}}}
+            },
+        },
+    )
+    job = config.jobs["go"]
+    assert (job.status.arguments, job.poll_interval_ms, job.hide_helpers, job.shared) == (
+        {"job_id": "{job_id}"},
+        2000,
+        False,
+        False,
+    )
+    assert (job.result, job.cancel, job.helpers()) == (None, None, frozenset({"st"}))
+
+
 def test_env_overrides_and_flags(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("listen: {port: 9999}\nupstream: {url: http://a:1/mcp}\n")
