@@ -46,8 +46,16 @@ _jobs: dict[str, _Job] = {}
 _counts = {"starts": 0, "status_calls": 0, "cancels": 0}
 
 
-def _job(job_id: str) -> _Job | None:
-    return _jobs.get(job_id)
+def _counted(counter: str, job_id: str) -> _Job | types.CallToolResult:
+    """Count the call; the job, or the error answer for an id this server never gave."""
+    _counts[counter] += 1
+    job = _jobs.get(job_id)
+    return job if job is not None else text_result(f"no such job: {job_id}", is_error=True)
+
+
+def _structured(text: str, content: dict[str, Any]) -> types.CallToolResult:
+    """A result with a prose text block and its structuredContent."""
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], structuredContent=content)
 
 
 def register(mcp: FastMCP[Any]) -> None:
@@ -70,17 +78,13 @@ def register(mcp: FastMCP[Any]) -> None:
         _jobs[job_id] = _Job(time.monotonic(), seconds, outcome, flaky)
         if answer == "text":
             return text_result(json.dumps({"job_id": job_id}))
-        return types.CallToolResult(
-            content=[types.TextContent(type="text", text=f"Render {job_id} started")],
-            structuredContent={"job_id": job_id},
-        )
+        return _structured(f"Render {job_id} started", {"job_id": job_id})
 
     @mcp.tool(name="render_status", description="The render job's state and progress, as JSON text")
     async def render_status(job_id: Annotated[str, Field(description="The job's id")]) -> types.CallToolResult:
-        _counts["status_calls"] += 1
-        job = _job(job_id)
-        if job is None:
-            return text_result(f"no such job: {job_id}", is_error=True)
+        job = _counted("status_calls", job_id)
+        if not isinstance(job, _Job):
+            return job
         job.status_calls += 1
         if job.flaky and job.status_calls % 2 == 1:
             return text_result("the status backend is unavailable, try again", is_error=True)
@@ -92,20 +96,16 @@ def register(mcp: FastMCP[Any]) -> None:
 
     @mcp.tool(name="render_result", description="A finished render job's output")
     async def render_result(job_id: Annotated[str, Field(description="The job's id")]) -> types.CallToolResult:
-        job = _job(job_id)
+        job = _jobs.get(job_id)
         if job is None or job.state()[0] != "done":
             return text_result(f"{job_id} has no output", is_error=True)
-        return types.CallToolResult(
-            content=[types.TextContent(type="text", text=f"rendered {job_id}")],
-            structuredContent={"job_id": job_id, "frames": 24},
-        )
+        return _structured(f"rendered {job_id}", {"job_id": job_id, "frames": 24})
 
     @mcp.tool(name="cancel_render", description="Stops a render job")
     async def cancel_render(job_id: Annotated[str, Field(description="The job's id")]) -> types.CallToolResult:
-        _counts["cancels"] += 1
-        job = _job(job_id)
-        if job is None:
-            return text_result(f"no such job: {job_id}", is_error=True)
+        job = _counted("cancels", job_id)
+        if not isinstance(job, _Job):
+            return job
         job.cancelled = True
         return text_result(f"{job_id} cancelled")
 

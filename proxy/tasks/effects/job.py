@@ -20,16 +20,7 @@ import structlog
 
 from proxy.config import JobConfig, JobToolConfig
 from proxy.errors import ResultTooLargeError, UpstreamError
-from proxy.tasks.commands import (
-    CancelUpstreamTask,
-    Ended,
-    FollowUpstreamTask,
-    PollUpstreamTask,
-    ReleaseCall,
-    StartCall,
-    UpstreamTaskCreated,
-    UpstreamTaskPolled,
-)
+from proxy.tasks import commands as c
 from proxy.tasks.effects import pump
 from proxy.tasks.job import JOB_CANCELLED, JobReport, JobSpec, backoff_ms
 from proxy.tasks.live_call import LiveCall
@@ -63,12 +54,12 @@ class JobEffect:
 
     # --- the commands ------------------------------------------------------------------------------------
 
-    async def start(self, call: LiveCall, command: StartCall) -> None:
+    async def start(self, call: LiveCall, command: c.StartCall) -> None:
         spec = self.specs.get(call.name)
 
         async def send(session: Session) -> None:
             if spec is None:
-                await self.feed.dispatch(call, Ended(UpstreamErrorResponse(wire_tasks.internal_error(SPEC_GONE))))
+                await self.feed.dispatch(call, c.Ended(UpstreamErrorResponse(wire_tasks.internal_error(SPEC_GONE))))
                 return
             async with session.call(call.method, call.params, call.headers) as upstream:
                 call.upstream = upstream
@@ -92,19 +83,19 @@ class JobEffect:
             failed = (
                 answer if answer.result.get("isError") is True else UpstreamErrorResponse(spec.no_job_id(answer.result))
             )
-            await self.feed.dispatch(call, Ended(failed))
+            await self.feed.dispatch(call, c.Ended(failed))
             return
         log.info("job_started", tool=call.name, job_id=job_id)
         job = LegacyTask(job_id, "working", poll_interval_ms=spec.poll_interval_ms)
-        await self.feed.dispatch(call, UpstreamTaskCreated(job, self.clock_ms()))
+        await self.feed.dispatch(call, c.UpstreamTaskCreated(job, self.clock_ms()))
 
-    async def follow_job(self, call: LiveCall, command: FollowUpstreamTask) -> None:
+    async def follow_job(self, call: LiveCall, command: c.FollowUpstreamTask) -> None:
         """Nothing to open: the status tool is called at each poll."""
 
-    async def poll(self, call: LiveCall, command: PollUpstreamTask) -> None:
+    async def poll(self, call: LiveCall, command: c.PollUpstreamTask) -> None:
         self.spawner.spawn(self._poll(call), f"job-poll-{call.call_id}")
 
-    async def cancel(self, call: LiveCall, command: CancelUpstreamTask) -> None:
+    async def cancel(self, call: LiveCall, command: c.CancelUpstreamTask) -> None:
         spec = self.specs.get(call.name)
         job = call.state.upstream_task
         if spec is None or spec.config.cancel is None or job is None:
@@ -117,7 +108,7 @@ class JobEffect:
         if isinstance(answer, UpstreamErrorResponse) or answer.result.get("isError") is True:
             log.info("job_cancel_refused", task_id=call.state.task_id, tool=call.name)
 
-    async def release(self, call: LiveCall, command: ReleaseCall) -> None:
+    async def release(self, call: LiveCall, command: c.ReleaseCall) -> None:
         """Nothing is held between polls; a poll in flight finds the call stopped."""
 
     # --- a poll ----------------------------------------------------------------------------------------------
@@ -128,7 +119,7 @@ class JobEffect:
         if job is None or not call.state.running:
             return
         if spec is None:
-            await self.feed.dispatch(call, Ended(UpstreamErrorResponse(wire_tasks.internal_error(SPEC_GONE))))
+            await self.feed.dispatch(call, c.Ended(UpstreamErrorResponse(wire_tasks.internal_error(SPEC_GONE))))
             return
         try:
             answer = await self._call(call, spec.config.status, job.task_id)
@@ -139,7 +130,7 @@ class JobEffect:
                 await self._ended(call, spec, job.task_id, report, answer)
                 return
         except ResultTooLargeError as exc:  # the outcome cannot be taken: the task fails with the limit
-            await self.feed.dispatch(call, Ended(exc))
+            await self.feed.dispatch(call, c.Ended(exc))
             return
         except UpstreamError as exc:
             log.info("job_poll_failed", task_id=call.state.task_id, tool=call.name, error=exc.message)
@@ -149,7 +140,7 @@ class JobEffect:
             polled = LegacyTask(job.task_id, "working", poll_interval_ms=interval_ms)
         else:
             polled = LegacyTask(job.task_id, "working", report.message, poll_interval_ms=spec.poll_interval_ms)
-        await self.feed.dispatch(call, UpstreamTaskPolled(polled))
+        await self.feed.dispatch(call, c.UpstreamTaskPolled(polled))
 
     async def _ended(
         self,
@@ -169,8 +160,8 @@ class JobEffect:
         elif report.status == "cancelled":
             outcome = UpstreamErrorResponse(wire_tasks.internal_error(JOB_CANCELLED))
         log.info("job_ended", task_id=call.state.task_id, tool=call.name, status=report.status)
-        await self.feed.dispatch(call, UpstreamTaskPolled(LegacyTask(job_id, report.status, report.message)))
-        await self.feed.dispatch(call, Ended(outcome))
+        await self.feed.dispatch(call, c.UpstreamTaskPolled(LegacyTask(job_id, report.status, report.message)))
+        await self.feed.dispatch(call, c.Ended(outcome))
 
     async def _call(self, call: LiveCall, tool: JobToolConfig, job_id: str) -> UpstreamResult | UpstreamErrorResponse:
         """One helper tool's call on the principal's shared session, for its answer; a question it asks is
