@@ -116,6 +116,8 @@ class Front:
     async def list_tools(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """The upstream's tools, less the helpers of job families with `hide_helpers` (the proxy drives them)."""
         message = await self.forward(request, caller, channel)
+        if not self.config.jobs:
+            return message
         hidden = frozenset().union(*(job.helpers() for job in self.config.jobs.values() if job.hide_helpers))
         result = message.get("result")
         if hidden and isinstance(result, dict) and isinstance(result.get("tools"), list):
