@@ -132,3 +132,17 @@ async def test_a_legacy_client_passes_through_untouched_and_sees_every_tool(task
     [answer] = await read_messages(await http.post("/mcp", json=listing, headers=session))
     names = {tool["name"] for tool in answer["result"]["tools"]}
     assert {"start_render", "render_status", "render_result", "cancel_render"} <= names
+
+
+async def test_a_state_the_config_does_not_map_keeps_the_task_working_and_shows_in_its_status_message(
+    tasks_client: ClientFactory,
+) -> None:
+    unmapped = {"done": "completed", "failed": "failed", "cancelled": "cancelled"}  # no `running`
+    job = render_job()["start_render"]
+    client = await jobs_client(tasks_client, status={**job["status"], "states": unmapped})
+    task_id = await client.create("start_render", {"seconds": 1.5})
+    working = await client.until(task_id, lambda task: str(task.get("statusMessage", "")).startswith("running: "))
+    assert working["status"] == "working"
+    assert working["statusMessage"].endswith("%")
+    done = await client.settled(task_id)
+    assert done["status"] == "completed", done
