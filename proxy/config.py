@@ -556,6 +556,111 @@ class TasksConfig(_Frozen):
     )
 
 
+_TEMPLATE_FIELD: Final = re.compile(r"\{([^{}]*)\}")
+JobState = Literal["working", "completed", "failed", "cancelled"]
+
+
+def _jmespath(expression: str) -> str:
+    """A JMESPath expression (jmespath.org/specification.html) that compiles; the error says where it breaks."""
+    import jmespath  # config validation only: the calls compile their own copy (proxy/tasks/job.py)
+    from jmespath.exceptions import JMESPathError
+
+    try:
+        jmespath.compile(expression)
+    except JMESPathError as exc:
+        raise PydanticCustomError(
+            "jmespath", "not a JMESPath expression: {error}", {"error": " ".join(str(exc).split())}
+        ) from None
+    return expression
+
+
+def _job_template(value: Any) -> Any:
+    """Tool arguments whose strings may name `{job_id}` (and nothing else), at any depth."""
+    if isinstance(value, str):
+        for name in _TEMPLATE_FIELD.findall(value):
+            if name != "job_id":
+                raise PydanticCustomError(
+                    "job_template", "a template may name only job_id, not '{name}'", {"name": name}
+                )
+    elif isinstance(value, dict):
+        for item in value.values():
+            _job_template(item)
+    elif isinstance(value, list):
+        for item in value:
+            _job_template(item)
+    return value
+
+
+Expression = Annotated[str, BeforeValidator(_jmespath)]
+JobArguments = Annotated[dict[str, Any], BeforeValidator(_job_template)]
+
+
+class JobToolConfig(_Frozen):
+    """A helper tool of the job family, called with the job's id."""
+
+    tool: str = Field(min_length=1, description="The upstream tool's name.")
+    arguments: JobArguments = Field(
+        default_factory=lambda: {"job_id": "{job_id}"},
+        description='Its arguments; every `"{job_id}"` in a string is replaced by the job\'s id. The default passes '
+        "it as `job_id`.",
+    )
+
+
+class JobStatusConfig(JobToolConfig):
+    """The status tool, and how to read its answer. Expressions are JMESPath over the upstream's
+    `CallToolResult`, plus `json`: its first text block parsed as JSON, when it parses."""
+
+    state: Expression = Field(description="Where the job's state is in the status result (e.g. `json.state`).")
+    states: dict[str, JobState] = Field(
+        min_length=1,
+        description="The upstream's states, each mapped to the task's: `working`, `completed`, `failed` or "
+        "`cancelled`. A state not named here keeps the task `working` and is shown in its statusMessage.",
+    )
+    message: Expression | None = Field(
+        None, description="Optional: where a progress text is; it becomes the task's statusMessage."
+    )
+    error: Expression | None = Field(None, description="Optional: where a failed job's message is.")
+
+
+class JobConfig(_Frozen):
+    """A legacy job family (start / status / result / cancel tools) served as one tool whose call is a task the
+    proxy follows by polling the status tool; keyed by the start tool's name."""
+
+    job_id: Expression = Field(
+        description="Where the job's id is in the start tool's result (e.g. `structuredContent.job_id`, "
+        "`json.id`). A result without one fails the call with that result."
+    )
+    status: JobStatusConfig = Field(description="The status tool, polled until the job's state maps to an end.")
+    result: JobToolConfig | None = Field(
+        None,
+        description="Optional: the tool whose answer is a completed job's result; without it, the last status "
+        "result is.",
+    )
+    cancel: JobToolConfig | None = Field(
+        None, description="Optional: the tool `tasks/cancel` calls; without it, a cancel only ends the task here."
+    )
+    poll_interval_ms: int = Field(
+        2000,
+        ge=100,
+        description="How often the status tool is called; after failed polls the interval grows (up to 30 s), "
+        "never below this. 2 s keeps a job's progress fresh at one small call per job.",
+    )
+    hide_helpers: bool = Field(
+        False,
+        description="Leave the status, result and cancel tools out of modern clients' tools/list (the proxy "
+        "drives them). Legacy clients still see every tool.",
+    )
+    shared: bool = Field(
+        False,
+        description="The job lives in a backend every replica's upstream shares: a replica taking a dead "
+        "replica's task over polls the same job on. Off: taken-over job tasks fail or re-run per `on_restart`.",
+    )
+
+    def helpers(self) -> frozenset[str]:
+        named = (self.status, self.result, self.cancel)
+        return frozenset(helper.tool for helper in named if helper is not None)
+
+
 class InputsConfig(_Frozen):
     """Input bridging: the upstream's mid-call elicitation, sampling and roots requests."""
 
@@ -687,6 +792,11 @@ class Config(_Frozen):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Log output.")
     limits: LimitsConfig = Field(
         default_factory=LimitsConfig, description="Bounds on upstream answers, slow readers and each caller's share."
+    )
+    jobs: dict[str, JobConfig] = Field(
+        default_factory=dict,
+        description="Legacy job families, keyed by the start tool's name: a modern client's call of that tool is "
+        "one task the proxy drives through the family's status, result and cancel tools.",
     )
 
     @model_validator(mode="after")

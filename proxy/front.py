@@ -22,7 +22,7 @@ from proxy.errors import (
     UpstreamError,
 )
 from proxy.listen import ListenStreams
-from proxy.policy import decide
+from proxy.policy import decide, decide_job
 from proxy.tasks.push import TaskWatchers
 from proxy.tasks.request import UpstreamRequest
 from proxy.tasks.runner import TaskRunner
@@ -92,9 +92,15 @@ class Front:
         server_info = translate.implementation(facts.initialize_result)
         if "requestState" in request.params:
             return await self.calls.resume(upstream, caller, channel, server_info)
-        decision = decide(
-            self.config.tasks, upstream.name, declares_tasks=request.declares_tasks, upstream_support=facts.task_support
-        )
+        if upstream.name in self.config.jobs:  # a legacy job family's start tool: a task the proxy follows
+            decision = decide_job(self.config.tasks, upstream.name, declares_tasks=request.declares_tasks)
+        else:
+            decision = decide(
+                self.config.tasks,
+                upstream.name,
+                declares_tasks=request.declares_tasks,
+                upstream_support=facts.task_support,
+            )
         return await self.calls.call(upstream, caller, channel, decision, server_info)
 
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
@@ -106,6 +112,18 @@ class Front:
         if "requestState" in request.params:
             return await self.calls.resume(upstream, caller, channel, server_info)
         return await self.calls.call(upstream, caller, channel, None, server_info)
+
+    async def list_tools(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        """The upstream's tools, less the helpers of job families with `hide_helpers` (the proxy drives them)."""
+        message = await self.forward(request, caller, channel)
+        if not self.config.jobs:
+            return message
+        hidden = frozenset().union(*(job.helpers() for job in self.config.jobs.values() if job.hide_helpers))
+        result = message.get("result")
+        if hidden and isinstance(result, dict) and isinstance(result.get("tools"), list):
+            tools = [tool for tool in result["tools"] if not (isinstance(tool, dict) and tool.get("name") in hidden)]
+            message = {**message, "result": {**result, "tools": tools}}
+        return message
 
     def _task_id(self, request: ModernRequest) -> str:
         """A client that did not declare the Tasks extension gets -32021 first (even for an unknown id), then
@@ -204,7 +222,7 @@ class Front:
 
 METHODS: Final[Mapping[str, Handler]] = {
     "server/discover": Front.discover,
-    "tools/list": Front.forward,
+    "tools/list": Front.list_tools,
     "tools/call": Front.call_tool,
     "prompts/list": Front.forward,
     "prompts/get": Front.input_capable,

@@ -49,6 +49,7 @@ class Decision:
     outcome: Outcome
     policy: Policy | None  # None for prompts/get and resources/read, which have no tool policy
     upstream_task: bool = False  # the upstream runs the call as its own task, which the proxy follows
+    job: bool = False  # ... a legacy job (`jobs:`): started by its start tool, followed through its status tool
 
     @property
     def task_first(self) -> bool:
@@ -163,6 +164,14 @@ def decide(
     if upstream_support in ("optional", "required") and decision.may_become_task:
         return replace(decision, upstream_task=True)
     return decision
+
+
+def decide_job(tasks: TasksConfig, tool: str, *, declares_tasks: bool) -> Decision:
+    """A `jobs:` start tool: always a task the proxy follows (the job outlives any one request). A client that
+    declared the Tasks extension gets the task; any other gets the job's final result on its request
+    (poll-to-sync), as it would have by driving the status tool itself."""
+    policy = replace(policy_for(tasks, tool), mode="required")
+    return Decision(Outcome.TASK if declares_tasks else Outcome.WAIT, policy, upstream_task=True, job=True)
 
 
 def _decide(tasks: TasksConfig, policy: Policy, declares_tasks: bool) -> Decision:

@@ -34,12 +34,19 @@ def test_the_example_shows_every_field_and_loads() -> None:
         assert re.search(rf"{shown}{field}:", text, re.MULTILINE), f"{path} missing from the example"
 
 
+# Sections keyed by a name the user picks (`jobs`, by start tool): their entries' fields, under this placeholder.
+KEYED = {"jobs": "<start_tool>"}
+
+
 def _optional_sections(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """Dotted paths of the sections whose default is `null` (e.g. `security.jwt`)."""
+    """Dotted paths of the sections whose default is `null` (e.g. `security.jwt`), or no entry (`jobs`)."""
     found = []
     for name, field in model.model_fields.items():
         models = _models(field.annotation)
-        if models and field.default is None:
+        if not prefix and name in KEYED:
+            found.append(name)
+            models = _models(get_args(field.annotation)[1])
+        elif models and field.default is None:
             found.append(f"{prefix}{name}")
         for section in models:
             found.extend(_optional_sections(section, f"{prefix}{name}."))
@@ -60,7 +67,7 @@ def _models(annotation: object) -> list[type[BaseModel]]:
 def _sections() -> list[tuple[str, list[type[BaseModel]]]]:
     sections = []
     for name, field in Config.model_fields.items():
-        models = _models(field.annotation)
+        models = _models(get_args(field.annotation)[1] if name in KEYED else field.annotation)
         assert models, name
         sections.append((name, models))
     return sections
@@ -73,6 +80,8 @@ def _fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str | N
     for name, field in model.model_fields.items():
         path = f"{prefix}{name}"
         models = _models(field.annotation)
+        if not prefix and name in KEYED:  # each entry is one model: walked once, under the placeholder
+            models, path = _models(get_args(field.annotation)[1]), f"{name}.{KEYED[name]}"
         if models:
             assert field.description, f"{path} has no description"
             for section in models:
@@ -103,6 +112,53 @@ def test_tool_policies_resolve_and_report_errors(tmp_path: Path) -> None:
     for expected in ("tasks.tools.slow.mode", "tasks.tools.slow.sync_window_ms", "tasks.undeclared_required"):
         assert expected in problems
     assert "fine" not in problems
+
+
+def test_jobs_are_checked_with_each_error_at_its_field_path(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.yaml"
+    path.write_text(
+        "upstream: {url: http://a:1/mcp}\n"
+        "jobs:\n"
+        "  start_render:\n"
+        "    job_id: 'structuredContent.[['\n"
+        "    status: {tool: render_status, arguments: {id: '{jobid}'}, state: json.state, states: {done: finished}}\n"
+        "    cancel: {tool: cancel_render, arguments: {ids: ['{job_id}', {deep: '{other}'}]}}\n"
+        "    poll_interval_ms: 10\n"
+        "  fine:\n"
+        "    job_id: json.id\n"
+        "    status: {tool: fine_status, state: json.state, states: {done: completed}}\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, environ={})
+    problems = caught.value.problems
+    assert any(p.startswith("jobs.start_render.job_id: not a JMESPath expression") for p in problems), problems
+    assert "jobs.start_render.status.arguments: a template may name only job_id, not 'jobid'" in problems
+    assert "jobs.start_render.cancel.arguments: a template may name only job_id, not 'other'" in problems
+    assert any(p.startswith("jobs.start_render.status.states.done:") for p in problems), problems
+    assert any(p.startswith("jobs.start_render.poll_interval_ms:") for p in problems), problems
+    assert not [p for p in problems if p.startswith("jobs.fine")]
+    assert len(problems) == 5
+
+
+def test_a_job_family_defaults_to_passing_the_id_as_job_id() -> None:
+    config = load_config(
+        None,
+        environ={},
+        overrides={
+            "upstream": {"url": SIDECAR_URL},
+            "jobs": {
+                "go": {"job_id": "json.id", "status": {"tool": "st", "state": "json.s", "states": {"ok": "completed"}}}
+            },
+        },
+    )
+    job = config.jobs["go"]
+    assert (job.status.arguments, job.poll_interval_ms, job.hide_helpers, job.shared) == (
+        {"job_id": "{job_id}"},
+        2000,
+        False,
+        False,
+    )
+    assert (job.result, job.cancel, job.helpers()) == (None, None, frozenset({"st"}))
 
 
 def test_env_overrides_and_flags(tmp_path: Path) -> None:

@@ -1169,3 +1169,154 @@ def test_after_a_restart_the_upstreams_task_is_followed_again_with_its_questions
         WriteInputs({}, 1, {}),
         HoldSlot(True),
     ]
+
+
+# --- a legacy job (`jobs:` config): started by its start tool, followed by polling its status tool -----------------
+
+JOB_TASK = Decision(Outcome.TASK, policy("required"), upstream_task=True, job=True)
+JOB_WAIT = Decision(Outcome.WAIT, policy("required"), upstream_task=True, job=True)
+JOB_POLL_MS = 2000
+JOB_CREATED = UpstreamTaskCreated(LegacyTask("render-1", "working", poll_interval_ms=JOB_POLL_MS), 1_000)
+JOB_FOLLOWING: list[Command] = [FollowUpstreamTask(), SetTimer(Timer.POLL, JOB_POLL_MS)]
+JOB_RECORD = CreateRecord(TaskStatus.WORKING, {}, 0, job_id="render-1")  # the job's id, no upstream task id
+OUT_OF_MEMORY = {"code": -32603, "message": "render-1: out of memory"}
+
+
+def job_polled(status: str, message: str | None = None, interval_ms: int | None = JOB_POLL_MS) -> UpstreamTaskPolled:
+    return UpstreamTaskPolled(LegacyTask("render-1", status, message, poll_interval_ms=interval_ms))
+
+
+JOB_STARTED: Steps = [
+    (Start(), [START_UPSTREAM]),  # the start tool, which answers the job's id
+    (JOB_CREATED, [*JOB_FOLLOWING, JOB_RECORD]),
+    (Committed("t1"), [Reply(ReplyTask()), HoldSlot(True)]),
+]
+
+JOB_PLAYBOOKS = [
+    Playbook(
+        "a job's id makes the task; each poll of its status tool shows its progress; the result tool's answer "
+        "completes it",
+        JOB_TASK,
+        [
+            *JOB_STARTED,
+            (TimerFired(Timer.POLL), [PollUpstreamTask()]),
+            (job_polled("working", "queued: 0%"), [WriteProgress("queued: 0%"), SetTimer(Timer.POLL, JOB_POLL_MS)]),
+            (TimerFired(Timer.POLL), [PollUpstreamTask()]),
+            (job_polled("working", "queued: 0%"), [SetTimer(Timer.POLL, JOB_POLL_MS)]),  # nothing new to write
+            (TimerFired(Timer.POLL), [PollUpstreamTask()]),
+            (job_polled("completed", "100%", None), [WriteProgress("100%")]),  # no more polls
+            (Ended(OK), [ClearTimer(Timer.POLL), settled(TaskStatus.COMPLETED, result=DONE), HoldSlot(False)]),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a failed poll is asked again later, at the longer interval it brings",
+        JOB_TASK,
+        [
+            *JOB_STARTED,
+            (TimerFired(Timer.POLL), [PollUpstreamTask()]),
+            (job_polled("working", None, 4000), [SetTimer(Timer.POLL, 4000)]),
+            (TimerFired(Timer.POLL), [PollUpstreamTask()]),
+            (job_polled("working", "10%"), [WriteProgress("10%"), SetTimer(Timer.POLL, JOB_POLL_MS)]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a job whose state maps to failed fails the task with its error",
+        JOB_TASK,
+        [
+            *JOB_STARTED,
+            (job_polled("failed", "50%", None), [WriteProgress("50%")]),
+            (
+                Ended(UpstreamErrorResponse(OUT_OF_MEMORY)),
+                [ClearTimer(Timer.POLL), failed_with(OUT_OF_MEMORY), HoldSlot(False)],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a job whose state maps to cancelled ends the task cancelled by the upstream",
+        JOB_TASK,
+        [
+            *JOB_STARTED,
+            (job_polled("cancelled", None, None), []),
+            (
+                Ended(UpstreamErrorResponse(internal_error("the job was cancelled upstream"))),
+                [
+                    ClearTimer(Timer.POLL),
+                    settled(TaskStatus.CANCELLED, status_message=UPSTREAM_CANCELLED),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a cancelled job task calls the cancel tool; a poll answered after it changes nothing",
+        JOB_TASK,
+        [
+            *JOB_STARTED,
+            (Stop("cancelled"), [ClearTimer(Timer.POLL), CancelUpstreamTask("cancelled"), HoldSlot(False)]),
+            (job_polled("working", "10%"), []),
+            (Ended(OK), []),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a start tool that answers no job id answers the call with that error, and no task is made",
+        JOB_TASK,
+        [(Start(), [START_UPSTREAM]), (Ended(RPC_ERROR), [Reply(ReplyOutcome(RPC_ERROR))])],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a client without the extension waits for the job's result (poll-to-sync)",
+        JOB_WAIT,
+        [
+            (Start(), [START_UPSTREAM]),
+            (JOB_CREATED, [*JOB_FOLLOWING, JOB_RECORD]),
+            (Committed("t1"), [HoldSlot(True)]),
+            (job_polled("completed", None, None), []),
+            (
+                Ended(OK),
+                [
+                    ClearTimer(Timer.POLL),
+                    settled(TaskStatus.COMPLETED, result=DONE),
+                    Reply(ReplyOutcome(OK)),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a shutdown leaves the job running upstream, to be polled again by the next start",
+        JOB_TASK,
+        [
+            *JOB_STARTED,
+            (ShutDown("stopping"), [ClearTimer(Timer.POLL), ReleaseCall(keep_session=True), HoldSlot(False)]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+]
+
+
+@pytest.mark.parametrize("playbook", JOB_PLAYBOOKS, ids=[playbook.name for playbook in JOB_PLAYBOOKS])
+def test_job_playbook(playbook: Playbook) -> None:
+    test_playbook(playbook)
+
+
+def test_after_a_restart_a_job_is_polled_again_at_once_and_never_started_again() -> None:
+    state = CallState(JOB_TASK, {}, GATHER_MS, PARK_TTL_MS, task_id="t1")
+    state.upstream_task = UpstreamTask("render-1", poll_interval_ms=JOB_POLL_MS)
+    commands = machine.handle(state, Start())
+    assert commands == [FollowUpstreamTask(), PollUpstreamTask(), HoldSlot(True)]
+    assert not [command for command in commands if isinstance(command, StartCall)]
+    assert state.mode is Mode.TASK

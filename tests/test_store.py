@@ -112,6 +112,7 @@ async def test_create_get_round_trips_every_field(store: TaskStore, backend: Bac
         upstream_session_id="session-1",
         upstream_input_ids={"key-1": "task-0b3d-140668836600304", "key-2": 0},
         traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        job_id="render-1",
     )
     bare = make_record("task_bare", ttl_ms=None)
     await store.create(full)
@@ -127,6 +128,7 @@ async def test_create_get_round_trips_every_field(store: TaskStore, backend: Bac
     assert got_bare == bare
     assert got_bare is not None
     assert (got_bare.ttl_ms, got_bare.result, got_bare.input_requests, got_bare.traceparent) == (None, None, {}, None)
+    assert (got_full.job_id, got_bare.job_id) == ("render-1", None)
     assert await store.get("task_unknown") is None
 
     rows = await backend.rows("SELECT task_id, expires_at_ms, request, result FROM tasks ORDER BY task_id")
@@ -173,8 +175,10 @@ def test_record_from_row_decodes_json_and_status() -> None:
         "upstream_session_id": "s-1",
         "upstream_input_ids": '{"elicitation-1":"task-q-1"}',
         "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "job_id": "render-7",
     }
     record = record_from_row(row)
+    assert record.job_id == "render-7"
     assert record.client_capabilities == {"elicitation": {}}
     assert (record.upstream_task_id, record.upstream_session_id) == ("up-1", "s-1")
     assert record.upstream_input_ids == {"elicitation-1": "task-q-1"}
@@ -275,6 +279,17 @@ async def test_settle_clears_input_requests_and_rerun_principal(store: TaskStore
     )
     assert (settled.input_requests, settled.rerun_principal, settled.inputs_issued) == ({}, None, 1)
     assert settled.updated_at_ms == 9_000
+
+
+async def test_a_jobs_id_is_kept_through_progress_claim_and_settlement(store: TaskStore) -> None:
+    await store.create(make_record("task_job", job_id="render-3"))
+    await store.set_status_message("task_job", "40%", now_ms=2_000)
+    claimed = await store.claim("task_job", "proxy-2", "resumed", now_ms=3_000)
+    assert claimed is not None
+    assert claimed.job_id == "render-3"  # polled again, never started again
+    settled = await store.settle("task_job", TaskStatus.COMPLETED, now_ms=4_000, result={"content": []})
+    assert settled is not None
+    assert settled.job_id == "render-3"
 
 
 async def test_a_task_the_upstream_runs_keeps_its_upstream_ids_until_it_settles(store: TaskStore) -> None:

@@ -215,6 +215,7 @@ class CreateRecord:
     upstream_expires_at_ms: int | None = None
     upstream_input_ids: JSON | None = None
     status_message: str | None = None
+    job_id: str | None = None  # a legacy job's id (`jobs:`), in place of an upstream task id
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,7 @@
 """Tasks whose call runs nowhere, and the periodic sweep. At start (restart recovery), when a dead replica's
 tasks are taken over, and when this replica's own lease lapsed: each live task is failed, re-run per
-`on_restart: rerun`, or (when this replica's upstream runs it) followed again on its upstream session. The
+`on_restart: rerun`, or (when this replica's upstream runs it) followed again on its upstream session; a legacy
+job (`jobs:`) is polled again (another replica's only with `shared: true`), or failed, never started twice. The
 sweep ends tasks past their TTL, purges old records and takes over dead replicas, except while this replica
 drains (it would only leave them again at its exit). A task's work started again goes on in the trace that
 created it. Imports the store, the record writes, the table, the replica link, the machine's vocabulary and
@@ -10,7 +11,7 @@ tracing; no upstream.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Final
 
 import structlog
@@ -23,6 +24,7 @@ from proxy.tasks.commands import LeaseLost, Start, Stop
 from proxy.tasks.durations import Durations
 from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.inputs import PendingInput
+from proxy.tasks.job import JobSpec
 from proxy.tasks.live_call import LiveCall, known
 from proxy.tasks.ports import Feed
 from proxy.tasks.replicas import LEASE_LAPSED, LEASE_LAPSED_RERUN, TAKEN_OVER, TAKEN_OVER_RERUN, ReplicaLink
@@ -67,6 +69,7 @@ class Recovery:
         self.process_id = process_id
         self._adopting = asyncio.Lock()  # take-overs and a lapsed lease's recovery, one at a time
         self.draining: Callable[[], bool] = lambda: False  # set by the app (`TaskRunner.follow_drain`)
+        self.jobs: Callable[[], Mapping[str, JobSpec]] = dict  # the `jobs:` config in force (set by the runner)
 
     async def recover(self) -> None:
         """Tasks no running process owns any more. On a shared store (PostgreSQL), those of replicas whose lease
@@ -113,6 +116,11 @@ class Recovery:
                 if record.expired(now):
                     await self.records.fail(record.task_id, wire_tasks.EXPIRED_MESSAGE, fence)
                     continue
+                if record.job_id is not None:
+                    if not await self._poll_again(record, fence, follow=follow):
+                        await self.records.fail(record.task_id, interrupted, fence)  # never started twice
+                        log.info("task_interrupted", task_id=record.task_id, tool=record.tool, reason=interrupted)
+                    continue
                 if follow and record.upstream_task_id is not None:
                     message = record.status_message or wire_tasks.RESUMED_MESSAGE
                     claimed = await self.store.claim(record.task_id, self.process_id, message, now_ms=now, fence=fence)
@@ -136,6 +144,30 @@ class Recovery:
         state.issued = record.inputs_issued  # keys stay unique across the re-run too
         if await self._restart(record, state, fence, "not re-run", "task re-run"):
             log.info("task_rerun", task_id=record.task_id, tool=record.tool)
+
+    async def _poll_again(self, record: TaskRecord, fence: Fence | None, *, follow: bool) -> bool:
+        """A legacy job (`jobs:`) left live: polled again here when this replica's upstream ran it (`follow`)
+        or every replica's upstream shares it (`shared: true`); False when it is not (or its entry is gone)."""
+        assert record.job_id is not None
+        spec = self.jobs().get(record.tool)
+        if spec is None or not (follow or spec.config.shared):
+            return False
+        message = record.status_message or wire_tasks.RESUMED_MESSAGE
+        now = self.clock()
+        claimed = await self.store.claim(record.task_id, self.process_id, message, now_ms=now, fence=fence)
+        if claimed is None:
+            return True  # settled meanwhile: nothing to poll
+        on_restart: RestartAction = "rerun" if record.on_restart == "rerun" else "fail"
+        policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, on_restart)
+        state = self.state_of(Decision(Outcome.TASK, policy, upstream_task=True, job=True), {}, None, None)
+        state.task_id = record.task_id
+        state.issued = record.inputs_issued
+        state.upstream_task = UpstreamTask(
+            record.job_id, status_message=record.status_message, poll_interval_ms=spec.poll_interval_ms
+        )
+        if await self._restart(claimed, state, fence or self.replicas.fence, "not polled again", "job polled again"):
+            log.info("job_resumed", task_id=record.task_id, tool=record.tool)
+        return True
 
     async def _follow_again(self, record: TaskRecord, before: TaskRecord, fence: Fence) -> None:
         """A task the upstream runs itself, left live by a previous process: followed again on its upstream

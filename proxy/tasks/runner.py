@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Final, TypeVar
 
 import structlog
@@ -27,6 +27,7 @@ from proxy.tasks.calls import CallStarter
 from proxy.tasks.durations import Durations
 from proxy.tasks.effects.client import ClientSide
 from proxy.tasks.effects.held import HeldRequest, QuestionCounter
+from proxy.tasks.effects.job import JobEffect
 from proxy.tasks.effects.outbox import Outbox
 from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.effects.slots import Parking, RunningSlots
@@ -35,6 +36,7 @@ from proxy.tasks.effects.upstream_task import UpstreamTaskEffect
 from proxy.tasks.executor import Executor, Observer
 from proxy.tasks.live_call import LiveCall, wall_clock_ms
 from proxy.tasks.operations import TaskOperations
+from proxy.tasks.ports import Effect
 from proxy.tasks.recovery import Recovery
 from proxy.tasks.replica_inbox import ReplicaInbox
 from proxy.tasks.replicas import ReplicaLink
@@ -47,6 +49,18 @@ log = structlog.get_logger(__name__)
 SHUTDOWN_GRACE_SECONDS: Final = 5.0  # how long close() waits for cancelled calls to tell the upstream
 
 _T = TypeVar("_T")
+_C = TypeVar("_C", bound=c.Command)
+
+
+def by_kind(
+    job: Callable[[LiveCall, _C], Awaitable[None]], upstream_task: Callable[[LiveCall, _C], Awaitable[None]]
+) -> Effect:
+    """A command about a task the upstream runs: carried out the job family's way for a `jobs:` call."""
+
+    async def carry_out(call: LiveCall, command: Any) -> None:
+        await (job if call.state.decision.job else upstream_task)(call, command)
+
+    return carry_out
 
 
 class TaskRunner:
@@ -92,10 +106,15 @@ class TaskRunner:
         self.timers = Timers(feed, self.background)
         held = HeldRequest(feed, self.background, upstream, self.parking)
         upstream_task = UpstreamTaskEffect(feed, self.background, upstream, clock)
+        self.jobs = jobs = JobEffect(feed, self.background, upstream, clock)
+        jobs.follow(config.jobs)
         client = ClientSide(self.durations.paced)
 
         async def start_call(call: LiveCall, command: c.StartCall) -> None:
-            await (upstream_task.start if command.upstream_task else held.start)(call, command)
+            if not command.upstream_task:
+                await held.start(call, command)
+            else:
+                await (jobs.start if call.state.decision.job else upstream_task.start)(call, command)
 
         self.executor.install(
             {
@@ -103,10 +122,10 @@ class TaskRunner:
                 c.Answer: held.answer,
                 c.Refuse: held.refuse,
                 c.CancelCall: held.cancel,
-                c.FollowUpstreamTask: upstream_task.follow,
-                c.PollUpstreamTask: upstream_task.poll,
-                c.CancelUpstreamTask: upstream_task.cancel,
-                c.ReleaseCall: upstream_task.release,
+                c.FollowUpstreamTask: by_kind(jobs.follow_job, upstream_task.follow),
+                c.PollUpstreamTask: by_kind(jobs.poll, upstream_task.poll),
+                c.CancelUpstreamTask: by_kind(jobs.cancel, upstream_task.cancel),
+                c.ReleaseCall: by_kind(jobs.release, upstream_task.release),
                 c.CreateRecord: self.records.create,
                 c.WriteInputs: self.records.write_inputs,
                 c.WriteProgress: self.records.write_progress,
@@ -149,6 +168,7 @@ class TaskRunner:
             clock,
             self.process_id,
         )
+        self.recovery.jobs = lambda: jobs.specs
         inbox.connect(self.replicas, self.recovery, self.calls)
 
     def _forget(self, call: LiveCall) -> None:
@@ -176,6 +196,8 @@ class TaskRunner:
         await self.recovery.recover()
         self.spawn(self.recovery.sweep_forever(), "task-sweeper")
         self._outbox_worker = self.spawn(self.outbox.run_forever(), "settlement-outbox")
+        if self.jobs.specs:
+            self.spawn(self.jobs.check_tools(), "job-tools-check")
 
     async def close(self) -> None:
         """Shutdown: running calls are cancelled upstream; their records stay live and are failed or re-run
@@ -196,6 +218,7 @@ class TaskRunner:
         a call in flight keeps the Decision and the timings it started with (its CallState)."""
         self.calls.config, self.calls.inputs = config.tasks, config.inputs
         self.records.config = config.tasks
+        self.jobs.follow(config.jobs)
         self.slots.max_running, self.slots.per_caller = (
             config.tasks.max_running,
             config.limits.max_running_per_principal,

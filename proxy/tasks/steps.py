@@ -77,6 +77,11 @@ def create_record(state: CallState) -> list[Command]:
     upstream_task = state.upstream_task
     if upstream_task is None:
         return [*clear_window(state), CreateRecord(status, state.input_requests(), state.issued)]
+    if state.decision.job:  # a legacy job: its id is kept, to poll it again after a restart
+        job = CreateRecord(
+            status, {}, state.issued, status_message=upstream_task.status_message, job_id=upstream_task.task_id
+        )
+        return [*clear_window(state), job]
     record = CreateRecord(
         status,
         state.input_requests(),

@@ -106,6 +106,7 @@ class TaskRecord:
     upstream_session_id: str | None = None
     upstream_input_ids: JSON = field(default_factory=dict)
     traceparent: str | None = None
+    job_id: str | None = None  # a legacy job's id (`jobs:` config): polled through its status tool
 
     @property
     def expires_at_ms(self) -> int | None:

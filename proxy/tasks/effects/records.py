@@ -109,13 +109,14 @@ class RecordWrites:
             # A re-run, and following an upstream task after a restart, present the principal again: it is kept
             # sealed with the deployment key until the task settles.
             rerun_principal=self.principals.seal(call.principal)
-            if call.principal and (policy.on_restart == "rerun" or command.upstream_task_id)
+            if call.principal and (policy.on_restart == "rerun" or command.upstream_task_id or command.job_id)
             else None,
             client_capabilities=call.state.capabilities,
             upstream_task_id=command.upstream_task_id,
             upstream_session_id=call.session.session_id if command.upstream_task_id and call.session else None,
             upstream_input_ids=command.upstream_input_ids or {},
             traceparent=tracing.creating_context(),  # later spans about the task link to it, on any replica
+            job_id=command.job_id,
         )
         started = time.perf_counter()
         self.table.add_task(record.task_id, call)  # before the commit: a committed task is never an orphan

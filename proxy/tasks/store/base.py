@@ -237,6 +237,7 @@ COLUMNS: Final = (
     "upstream_session_id",
     "upstream_input_ids",
     "traceparent",
+    "job_id",
 )
 STATUS_KEYS: Final = tuple(status.value for status in TaskStatus)
 LIVE_SQL: Final = ", ".join(f"'{status.value}'" for status in sorted(LIVE))
@@ -293,6 +294,7 @@ def record_from_row(row: Mapping[str, Any]) -> TaskRecord:
         upstream_session_id=row["upstream_session_id"],
         upstream_input_ids=decode(row["upstream_input_ids"]),
         traceparent=row["traceparent"],
+        job_id=row["job_id"],
     )
 
 
@@ -331,6 +333,7 @@ def row_from_record(record: TaskRecord) -> dict[str, Any]:
         "upstream_session_id": record.upstream_session_id,
         "upstream_input_ids": encode(record.upstream_input_ids),
         "traceparent": record.traceparent,
+        "job_id": record.job_id,
     }
 
 

@@ -130,6 +130,14 @@ MIGRATIONS: Final[tuple[tuple[str, str], ...]] = (
         ALTER TABLE tasks ADD COLUMN traceparent text;
         """,
     ),
+    (
+        # A legacy job's id (`jobs:` config): a restarted proxy, or a replica taking the task over, polls the same
+        # job again, never starting it twice. Older records and other tasks: NULL.
+        "0006_add_jobs",
+        """
+        ALTER TABLE tasks ADD COLUMN job_id text;
+        """,
+    ),
 )
 
 

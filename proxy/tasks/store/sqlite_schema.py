@@ -105,6 +105,13 @@ def _add_traceparent(db: Database) -> None:
     db.table("tasks").add_column("traceparent", str)
 
 
+@MIGRATIONS(name="0007_add_jobs")
+def _add_jobs(db: Database) -> None:
+    """A legacy job's id (`jobs:` config): a restarted proxy polls the same job again, never starting it twice.
+    Older records and other tasks: NULL."""
+    db.table("tasks").add_column("job_id", str)
+
+
 INSERT_SQL: Final = f"INSERT INTO tasks ({', '.join(COLUMNS)}) VALUES ({', '.join(':' + column for column in COLUMNS)})"
 # One indexed walk per settled status, then the oldest of those few candidates: a single
 # `status IN (...) ORDER BY updated_at_ms` would sort every settled record on each create at capacity.
