@@ -207,6 +207,8 @@ PURGE_SQL: Final = (
     "DELETE FROM tasks WHERE task_id IN (SELECT task_id FROM tasks"
     f" WHERE expires_at_ms <= %s AND status IN ({TERMINAL_SQL}) LIMIT %s)"
 )
+SETTLED_BEFORE_SQL: Final = f"FROM tasks WHERE status IN ({TERMINAL_SQL}) AND updated_at_ms < %s"
+PURGE_SETTLED_SQL: Final = f"DELETE FROM tasks WHERE task_id IN (SELECT task_id {SETTLED_BEFORE_SQL} LIMIT %s)"
 PURGE_MESSAGES_SQL: Final = "DELETE FROM messages WHERE created_at <= clock_timestamp() - make_interval(secs => %s)"
 TRIM_DURATIONS_SQL: Final = (
     "DELETE FROM tool_durations WHERE tool IN"

@@ -38,9 +38,11 @@ from proxy.tasks.store.base import (
     LiveWrites,
     Message,
     StoreError,
+    TaskQuery,
     check_kind,
     decode,
     encode,
+    query_sql,
     records_from_rows,
 )
 from proxy.tasks.store.pg_create import PgCreator
@@ -72,11 +74,13 @@ class PostgresTaskStore(LiveWrites):
         pool_size: int,
         connect_timeout_seconds: float,
         read_only: bool,
+        migrate: bool = True,
     ) -> None:
         if max_records < 1:
             raise ValueError(f"max_records must be at least 1, got {max_records}")
         self.url = url
         self.read_only = read_only
+        self._migrate = migrate and not read_only
         self._max_records = max_records
         self._password_file = password_file
         self._connect_timeout = connect_timeout_seconds
@@ -105,8 +109,10 @@ class PostgresTaskStore(LiveWrites):
         pool_size: int = 10,
         connect_timeout_seconds: float = 5.0,
         read_only: bool = False,
+        migrate: bool = True,
     ) -> PostgresTaskStore:
-        """Connect, migrate the schema (unless read-only), open the pool; StoreError if the database is unusable."""
+        """Connect, migrate the schema (unless read-only, or `migrate` is False: an operator's CLI leaves the
+        schema to the proxies), open the pool; StoreError if the database is unusable."""
         store = cls(
             url,
             max_records=max_records,
@@ -114,6 +120,7 @@ class PostgresTaskStore(LiveWrites):
             pool_size=pool_size,
             connect_timeout_seconds=connect_timeout_seconds,
             read_only=read_only,
+            migrate=migrate,
         )
         try:
             await store._open()
@@ -147,7 +154,7 @@ class PostgresTaskStore(LiveWrites):
             raise StoreError(f"cannot connect to the task store {self.url}: {exc}") from exc
         try:
             async with conn:
-                if not self.read_only:
+                if self._migrate:
                     await schema.migrate(conn)
                 cursor = await conn.execute("SELECT current_schema() AS name, to_regclass('tasks') AS tasks")
                 row = await cursor.fetchone()
@@ -283,6 +290,34 @@ class PostgresTaskStore(LiveWrites):
             counts[row["status"]] = int(row["n"])
         counts["records"] = sum(counts.values())
         return counts
+
+    # -- operators -------------------------------------------------------------------------------------------
+
+    async def list_tasks(self, query: TaskQuery) -> list[TaskRecord]:
+        sql, params = query_sql(query, "%s")
+        return records_from_rows(await self._rows("list", sql, params, write=False))
+
+    async def cancel_task(self, task_id: str, status_message: str, *, now_ms: int) -> TaskRecord | None:
+        """An unfenced settlement, as a client's cancel on another replica: its notification tells the owner."""
+        return await self.settle(task_id, TaskStatus.CANCELLED, now_ms=now_ms, status_message=status_message)
+
+    async def purge_settled(self, updated_before_ms: int, *, dry_run: bool) -> int:
+        if dry_run:
+            sql = f"SELECT count(*) AS n {schema.SETTLED_BEFORE_SQL}"
+            return int((await self._rows("purge count", sql, [updated_before_ms], write=False))[0]["n"])
+        total = 0
+        async with self._connection("purge") as conn:
+            while True:
+                async with conn.transaction():
+                    await conn.execute(schema.LOCK_COUNT_SQL)
+                    purged = (await conn.execute(schema.PURGE_SETTLED_SQL, [updated_before_ms, PURGE_CHUNK])).rowcount
+                total += purged
+                if purged < PURGE_CHUNK:
+                    return total
+
+    async def pending_messages(self, replica_id: str) -> bool:
+        sql = "SELECT 1 FROM messages WHERE recipient = %s LIMIT 1"
+        return bool(await self._rows("pending_messages", sql, [replica_id], write=False))
 
     async def check_writable(self, now_ms: int) -> None:
         """Commit one tiny write (readiness): StoreError when the database does not take writes (down, a standby)."""
