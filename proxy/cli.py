@@ -197,7 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{args.file}: ok")
         return 0
     if args.command == "tasks":
-        return operator_cli.tasks_command(args)
+        try:
+            return operator_cli.tasks_command(args)
+        except ConfigError as error:
+            return report_config_error(error)
     from proxy import tracing_setup
 
     overrides = flag_overrides(args)

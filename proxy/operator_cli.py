@@ -248,18 +248,14 @@ async def _cancel(store: TaskStore, task_id: str, where: str) -> tuple[int, str,
 
 
 def tasks_command(args: argparse.Namespace) -> int:
+    """Run one `tasks` command; its exit code. ConfigError (an unusable `--config`) propagates."""
     import asyncio
 
-    from proxy.config import ConfigError
     from proxy.tasks.store import StoreError
 
+    config, max_records = _store_config(args)  # ConfigError: the caller reports it, as for every command
     try:
-        config, max_records = _store_config(args)
         code, out, err = asyncio.run(_run(args, config, max_records))
-    except ConfigError as error:
-        from proxy.cli import report_config_error
-
-        return report_config_error(error)
     except (StoreError, ValueError) as error:
         lines = str(error).strip().splitlines() or [type(error).__name__]
         print(f"mcp-tasks-proxy: {lines[0]}", file=sys.stderr)  # one line: libpq's errors run over several
