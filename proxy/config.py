@@ -535,6 +535,20 @@ class TasksConfig(_Frozen):
         description="Task records kept; at the limit the oldest settled records are evicted first, and a new "
         "task is refused only when every record is still live.",
     )
+    tombstone_seconds: float = Field(
+        86_400.0,
+        ge=0,
+        description="How long a deleted record (its TTL ran out, or an operator purged it) leaves a tombstone, so "
+        "that `tasks/get`, `tasks/update` and `tasks/cancel` of it answer that it expired (and when) instead of "
+        '"not found", to its own principal only. A day covers a client that was away overnight; after that an '
+        "id is unknown again. 0: no tombstones.",
+    )
+    max_tombstones: int = Field(
+        100_000,
+        ge=0,
+        description="Tombstones kept at most (about 100 bytes each: 10 MB at the default); the oldest go first, "
+        "trimmed once a minute.",
+    )
     drain_seconds: float = Field(
         20.0,
         ge=0,

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from proxy.config import StoreConfig
+    from proxy.config import StoreConfig, TasksConfig
     from proxy.tasks.store import TaskStore
     from proxy.wire.tasks import TaskRecord
 
@@ -84,14 +84,15 @@ def add_parser(commands: Any) -> None:
         source.add_argument("--config", metavar="FILE", help="a proxy config file (its store is read)")
 
 
-def _store_config(args: argparse.Namespace) -> tuple[StoreConfig, int]:
-    """The store to open and its max_records: `--db`'s SQLite file, or the config's store as `serve` reads it."""
+def _store_config(args: argparse.Namespace) -> tuple[StoreConfig, TasksConfig]:
+    """The store to open and the task settings: `--db`'s SQLite file (default settings), or the config's store
+    as `serve` reads it."""
     from proxy.config import StoreConfig, TasksConfig, load_config
 
     if args.db is not None:
-        return StoreConfig(path=str(args.db)), TasksConfig().max_records
+        return StoreConfig(path=str(args.db)), TasksConfig()
     config = load_config(args.config)
-    return config.store, config.tasks.max_records
+    return config.store, config.tasks
 
 
 def _where(config: StoreConfig) -> str:
@@ -197,12 +198,12 @@ async def _show(store: TaskStore, task_id: str) -> dict[str, Any] | None:
     }
 
 
-async def _run(args: argparse.Namespace, config: StoreConfig, max_records: int) -> tuple[int, str, str]:
+async def _run(args: argparse.Namespace, config: StoreConfig, tasks: TasksConfig) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of one command against the open store."""
     import json
 
     command = args.tasks_command
-    store = await _open(config, max_records, write=command in ("cancel", "purge"))
+    store = await _open(config, tasks.max_records, write=command in ("cancel", "purge"))
     try:
         if command == "list":
             page = await _list(store, args)
@@ -221,7 +222,11 @@ async def _run(args: argparse.Namespace, config: StoreConfig, max_records: int) 
             return 0, json.dumps({"database": _where(config), "sizeBytes": size, **counts}, indent=2), ""
         if command == "cancel":
             return await _cancel(store, args.task_id, _where(config))
-        matched = await store.purge_settled(_now_ms() - int(args.older_than * 1000), dry_run=not args.yes)
+        now_ms = _now_ms()
+        tombstone_at_ms = now_ms if tasks.tombstone_seconds > 0 else None  # a client asking later learns why
+        matched = await store.purge_settled(
+            now_ms - int(args.older_than * 1000), dry_run=not args.yes, tombstone_at_ms=tombstone_at_ms
+        )
         note = "" if args.yes else "dry run: nothing deleted (add --yes to delete them)"
         return (
             0,
@@ -253,9 +258,9 @@ def tasks_command(args: argparse.Namespace) -> int:
 
     from proxy.tasks.store import StoreError
 
-    config, max_records = _store_config(args)  # ConfigError: the caller reports it, as for every command
+    config, tasks = _store_config(args)  # ConfigError: the caller reports it, as for every command
     try:
-        code, out, err = asyncio.run(_run(args, config, max_records))
+        code, out, err = asyncio.run(_run(args, config, tasks))
     except (StoreError, ValueError) as error:
         lines = str(error).strip().splitlines() or [type(error).__name__]
         print(f"mcp-tasks-proxy: {lines[0]}", file=sys.stderr)  # one line: libpq's errors run over several

@@ -16,7 +16,9 @@ import pytest
 
 from proxy.tasks.store import (
     CANCEL,
+    EXPIRED,
     INPUT,
+    PURGED,
     RESYNC,
     STATUS,
     Change,
@@ -26,6 +28,7 @@ from proxy.tasks.store import (
     StoreFullError,
     TaskQuery,
     TaskStore,
+    Tombstone,
     page_key,
     parse_page_key,
     record_from_row,
@@ -861,3 +864,38 @@ async def test_an_operator_store_opens_only_an_existing_sqlite_database(tmp_path
     with pytest.raises(StoreError, match="no such file"):
         await SqliteTaskStore.open(tmp_path / "absent.db", max_records=1, operator=True)
     assert not (tmp_path / "absent.db").exists()
+
+
+# --- tombstones: what is left of a deleted record, for its own principal only -------------------------------
+
+
+async def test_deleted_records_leave_tombstones_only_their_own_principal_can_read(store: TaskStore) -> None:
+    for index in range(3):
+        await store.create(make_record(f"task_{index}", created_at_ms=1_000, ttl_ms=1_000, principal="alice"))
+        await store.settle(f"task_{index}", TaskStatus.COMPLETED, now_ms=1_500)
+    await store.create(make_record("task_quiet", created_at_ms=1_000, ttl_ms=1_000, principal="alice"))
+    await store.settle("task_quiet", TaskStatus.COMPLETED, now_ms=1_500)
+
+    assert await store.delete("task_0", tombstone_at_ms=2_100)  # a read found it past its TTL
+    assert await store.purge_expired(2_200, tombstones=True) == 3
+    assert await store.tombstone("task_0", "alice") == Tombstone("task_0", EXPIRED, 2_100, 2_000)
+    assert await store.tombstone("task_1", "alice") == Tombstone("task_1", EXPIRED, 2_200, 2_000)
+    assert await store.tombstone("task_1", "mallory") is None  # another principal learns nothing
+    assert await store.tombstone("task_never", "alice") is None
+
+    await store.create(make_record("task_old", principal="bob"))
+    await store.settle("task_old", TaskStatus.FAILED, now_ms=2_000)
+    assert await store.purge_settled(3_000, dry_run=False, tombstone_at_ms=3_100) == 1
+    assert await store.tombstone("task_old", "bob") == Tombstone("task_old", PURGED, 3_100, 61_000)
+
+    await store.create(make_record("task_untracked", created_at_ms=1_000, ttl_ms=1_000))
+    await store.settle("task_untracked", TaskStatus.COMPLETED, now_ms=1_500)
+    assert await store.purge_expired(5_000) == 1  # without tombstones: none left
+    assert await store.tombstone("task_untracked", "principal-hash") is None
+
+    # Trimmed by age (older than the cut-off) and by count (the newest `keep` stay).
+    assert await store.trim_tombstones(2_150, keep=100) == 1  # task_0
+    assert await store.tombstone("task_0", "alice") is None
+    assert await store.trim_tombstones(0, keep=1) == 3
+    assert await store.tombstone("task_old", "bob") is not None  # the newest
+    assert await store.tombstone("task_2", "alice") is None

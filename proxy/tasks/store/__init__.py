@@ -9,7 +9,9 @@ from __future__ import annotations
 from proxy.config import StoreConfig
 from proxy.tasks.store.base import (
     CANCEL,
+    EXPIRED,
     INPUT,
+    PURGED,
     RESYNC,
     STATUS,
     Change,
@@ -22,6 +24,7 @@ from proxy.tasks.store.base import (
     StoreUnavailableError,
     TaskQuery,
     TaskStore,
+    Tombstone,
     page_key,
     parse_page_key,
     record_from_row,
@@ -31,7 +34,9 @@ from proxy.tasks.store.sqlite import SqliteTaskStore
 
 __all__ = [
     "CANCEL",
+    "EXPIRED",
     "INPUT",
+    "PURGED",
     "RESYNC",
     "STATUS",
     "Change",
@@ -46,6 +51,7 @@ __all__ = [
     "StoreUnavailableError",
     "TaskQuery",
     "TaskStore",
+    "Tombstone",
     "open_store",
     "page_key",
     "parse_page_key",

@@ -106,6 +106,22 @@ class Message:
     payload: JSON
 
 
+EXPIRED: Final = "expired"  # a tombstone's reason: the record's ttlMs ran out and the sweep (or a read) dropped it
+PURGED: Final = "purged"  # a tombstone's reason: an operator's `tasks purge` deleted it
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """What is left of a deleted record for a while: why it went and when, so that a caller asking for its own
+    task later learns it expired rather than that it never existed. Kept per task id AND principal hash: it
+    answers only the principal whose task it was."""
+
+    task_id: str
+    reason: str
+    gone_at_ms: int
+    expired_at_ms: int | None
+
+
 MAX_LIST_LIMIT: Final = 1000  # records one `list_tasks` page holds at most
 
 
@@ -198,9 +214,21 @@ class TaskStore(Protocol):
 
     async def settle_expired(self, now_ms: int, *, error: JSON, status_message: str) -> list[TaskRecord]: ...
 
-    async def purge_expired(self, now_ms: int) -> int: ...
+    async def purge_expired(self, now_ms: int, *, tombstones: bool = False) -> int:
+        """Settled records past their TTL (with `tombstones`, each leaves an EXPIRED tombstone)."""
+        ...
 
-    async def delete(self, task_id: str) -> bool: ...
+    async def delete(self, task_id: str, *, tombstone_at_ms: int | None = None) -> bool:
+        """The record gone; with `tombstone_at_ms`, an EXPIRED tombstone of that time left in its place."""
+        ...
+
+    async def tombstone(self, task_id: str, principal: str) -> Tombstone | None:
+        """The tombstone of `principal`'s deleted task `task_id`, or None (never another principal's)."""
+        ...
+
+    async def trim_tombstones(self, gone_before_ms: int, keep: int) -> int:
+        """Tombstones older than `gone_before_ms` deleted, and the oldest beyond the newest `keep`; how many."""
+        ...
 
     async def stats(self) -> dict[str, int]: ...
 
@@ -216,9 +244,9 @@ class TaskStore(Protocol):
         polls for); the settled record, or None when the task is not live."""
         ...
 
-    async def purge_settled(self, updated_before_ms: int, *, dry_run: bool) -> int:
+    async def purge_settled(self, updated_before_ms: int, *, dry_run: bool, tombstone_at_ms: int | None = None) -> int:
         """Settled records last changed before `updated_before_ms`: how many there are, deleted unless
-        `dry_run`. Live tasks are never touched."""
+        `dry_run` (with `tombstone_at_ms`, each leaves a PURGED tombstone). Live tasks are never touched."""
         ...
 
     async def pending_messages(self, replica_id: str) -> bool:

@@ -29,8 +29,10 @@ from proxy.keyfiles import read_password
 from proxy.tasks import pacing
 from proxy.tasks.store import pg_schema as schema
 from proxy.tasks.store.base import (
+    EXPIRED,
     LIVE_SQL,
     MESSAGE_RETENTION_MS,
+    PURGED,
     STATUS_KEYS,
     Change,
     Fence,
@@ -39,6 +41,7 @@ from proxy.tasks.store.base import (
     Message,
     StoreError,
     TaskQuery,
+    Tombstone,
     check_kind,
     decode,
     encode,
@@ -257,10 +260,12 @@ class PostgresTaskStore(LiveWrites):
             if len(chunk) < 1000:
                 return sorted(settled, key=lambda record: (record.expires_at_ms or 0, record.task_id))
 
-    async def purge_expired(self, now_ms: int) -> int:
+    async def purge_expired(self, now_ms: int, *, tombstones: bool = False) -> int:
         """Settled records past their TTL, in chunks; also stale messages and forgotten tools. One replica at a
         time sweeps (an advisory lock): another one finding it taken returns 0 at once."""
         total = 0
+        params = {"now_ms": now_ms, "chunk": PURGE_CHUNK, "reason": EXPIRED}
+        sql = schema.bury_sql(schema.EXPIRED_WHERE, tombstones)
         async with self._connection("purge_expired") as conn:
             while True:
                 async with conn.transaction():
@@ -270,7 +275,7 @@ class PostgresTaskStore(LiveWrites):
                     if not (await cursor.fetchone() or {}).get("got"):
                         return total
                     await conn.execute(schema.LOCK_COUNT_SQL)
-                    purged = (await conn.execute(schema.PURGE_SQL, [now_ms, PURGE_CHUNK])).rowcount
+                    purged = (await conn.execute(sql, params)).rowcount
                     if total == 0:
                         await conn.execute(schema.PURGE_MESSAGES_SQL, [MESSAGE_RETENTION_MS / 1000])
                         await conn.execute(schema.TRIM_DURATIONS_SQL, [pacing.MAX_TOOLS])
@@ -278,10 +283,23 @@ class PostgresTaskStore(LiveWrites):
                 if purged < PURGE_CHUNK:
                     return total
 
-    async def delete(self, task_id: str) -> bool:
+    async def delete(self, task_id: str, *, tombstone_at_ms: int | None = None) -> bool:
+        sql = schema.bury_sql(schema.ONE_WHERE, tombstone_at_ms is not None)
+        params = {"task_id": task_id, "reason": EXPIRED, "now_ms": tombstone_at_ms}
         async with self._connection(f"delete {task_id}") as conn, conn.transaction():
             await conn.execute(schema.LOCK_COUNT_SQL)
-            return (await conn.execute("DELETE FROM tasks WHERE task_id = %s", [task_id])).rowcount > 0
+            return (await conn.execute(sql, params)).rowcount > 0
+
+    async def tombstone(self, task_id: str, principal: str) -> Tombstone | None:
+        rows = await self._rows(f"tombstone {task_id}", schema.TOMBSTONE_SQL, [task_id, principal], write=False)
+        if not rows:
+            return None
+        row = rows[0]
+        return Tombstone(row["task_id"], row["reason"], int(row["gone_at_ms"]), row["expired_at_ms"])
+
+    async def trim_tombstones(self, gone_before_ms: int, keep: int) -> int:
+        async with self._connection("trim_tombstones") as conn:
+            return (await conn.execute(schema.TRIM_TOMBSTONES_SQL, [gone_before_ms, keep])).rowcount
 
     async def stats(self) -> dict[str, int]:
         counts = dict.fromkeys(STATUS_KEYS, 0)
@@ -301,16 +319,17 @@ class PostgresTaskStore(LiveWrites):
         """An unfenced settlement, as a client's cancel on another replica: its notification tells the owner."""
         return await self.settle(task_id, TaskStatus.CANCELLED, now_ms=now_ms, status_message=status_message)
 
-    async def purge_settled(self, updated_before_ms: int, *, dry_run: bool) -> int:
+    async def purge_settled(self, updated_before_ms: int, *, dry_run: bool, tombstone_at_ms: int | None = None) -> int:
+        params = {"before_ms": updated_before_ms, "chunk": PURGE_CHUNK, "reason": PURGED, "now_ms": tombstone_at_ms}
         if dry_run:
-            sql = f"SELECT count(*) AS n {schema.SETTLED_BEFORE_SQL}"
-            return int((await self._rows("purge count", sql, [updated_before_ms], write=False))[0]["n"])
+            return int((await self._rows("purge count", schema.COUNT_SETTLED_BEFORE_SQL, params, write=False))[0]["n"])
+        sql = schema.bury_sql(schema.SETTLED_BEFORE_WHERE, tombstone_at_ms is not None)
         total = 0
         async with self._connection("purge") as conn:
             while True:
                 async with conn.transaction():
                     await conn.execute(schema.LOCK_COUNT_SQL)
-                    purged = (await conn.execute(schema.PURGE_SETTLED_SQL, [updated_before_ms, PURGE_CHUNK])).rowcount
+                    purged = (await conn.execute(sql, params)).rowcount
                 total += purged
                 if purged < PURGE_CHUNK:
                     return total

@@ -21,7 +21,9 @@ from sqlite_utils import Database
 
 from proxy.tasks.store import sqlite_schema as schema
 from proxy.tasks.store.base import (
+    EXPIRED,
     LIVE_SQL,
+    PURGED,
     STATUS,
     STATUS_KEYS,
     TERMINAL_SQL,
@@ -31,6 +33,7 @@ from proxy.tasks.store.base import (
     Message,
     StoreError,
     TaskQuery,
+    Tombstone,
     check_kind,
     encode,
     query_sql,
@@ -169,15 +172,31 @@ class SqliteTaskStore(LiveWrites):
                 settled.append(done)
         return settled
 
-    async def purge_expired(self, now_ms: int) -> int:
+    async def purge_expired(self, now_ms: int, *, tombstones: bool = False) -> int:
         """Settled records past their TTL; also messages nobody took within an hour, and forgotten tools."""
-        return await self._write("purge_expired", lambda: self._writer_state.purge(now_ms))
+        reason = EXPIRED if tombstones else None
+        return await self._write("purge_expired", lambda: self._writer_state.purge(now_ms, reason))
 
-    async def delete(self, task_id: str) -> bool:
+    async def delete(self, task_id: str, *, tombstone_at_ms: int | None = None) -> bool:
+        reason = None if tombstone_at_ms is None else EXPIRED
         deleted = await self._write(
-            f"delete {task_id}", lambda: self._writer_state.delete("DELETE FROM tasks WHERE task_id = ?", [task_id])
+            f"delete {task_id}",
+            lambda: self._writer_state.bury("FROM tasks WHERE task_id = ?", [task_id], reason, tombstone_at_ms or 0),
         )
         return deleted > 0
+
+    async def tombstone(self, task_id: str, principal: str) -> Tombstone | None:
+        def run() -> Tombstone | None:
+            row = self._reader_conn().execute(schema.TOMBSTONE_SQL, [task_id, principal]).fetchone()
+            return None if row is None else Tombstone(*row)
+
+        return await self._read(f"tombstone {task_id}", run)
+
+    async def trim_tombstones(self, gone_before_ms: int, keep: int) -> int:
+        return await self._write(
+            "trim_tombstones",
+            lambda: self._writer_state.execute_count(schema.TRIM_TOMBSTONES_SQL, [gone_before_ms, keep]),
+        )
 
     async def stats(self) -> dict[str, int]:
         def run() -> dict[str, int]:
@@ -207,11 +226,14 @@ class SqliteTaskStore(LiveWrites):
             self._feed.publish(Change(STATUS, record.task_id, record.owner, record.status))
         return record
 
-    async def purge_settled(self, updated_before_ms: int, *, dry_run: bool) -> int:
+    async def purge_settled(self, updated_before_ms: int, *, dry_run: bool, tombstone_at_ms: int | None = None) -> int:
         where = f"FROM tasks WHERE status IN ({TERMINAL_SQL}) AND updated_at_ms < ?"
         if dry_run:
             return await self._read("purge count", lambda: self._count(f"SELECT COUNT(*) {where}", updated_before_ms))
-        return await self._write("purge", lambda: self._writer_state.delete(f"DELETE {where}", [updated_before_ms]))
+        reason = None if tombstone_at_ms is None else PURGED
+        return await self._write(
+            "purge", lambda: self._writer_state.bury(where, [updated_before_ms], reason, tombstone_at_ms or 0)
+        )
 
     def _count(self, sql: str, value: int) -> int:
         (found,) = self._reader_conn().execute(sql, [value]).fetchone()

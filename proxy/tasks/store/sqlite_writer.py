@@ -219,16 +219,25 @@ class SqliteWriter:
                 raise FencedError(f"task {task_id} is owned by {row[0]}, not {fence.owner}")
         return records[0] if records else None
 
-    def delete(self, sql: str, params: list[Any]) -> int:
+    def execute_count(self, sql: str, params: list[Any]) -> int:
+        """One statement in its own transaction; the rows it changed."""
         db = self.db()
         with db.atomic():
-            deleted = db.execute(sql, params).rowcount
+            return int(db.execute(sql, params).rowcount)
+
+    def bury(self, where: str, params: list[Any], reason: str | None, now_ms: int) -> int:
+        """`DELETE {where}`; with a `reason`, each deleted record leaves a tombstone, in the same transaction."""
+        db = self.db()
+        with db.atomic():
+            if reason is not None:
+                db.execute(schema.BURY_SQL + where, [reason, now_ms, *params])
+            deleted = db.execute(f"DELETE {where}", params).rowcount
         self._record_count -= deleted
         return deleted
 
-    def purge(self, now_ms: int) -> int:
+    def purge(self, now_ms: int, reason: str | None) -> int:
         """Settled records past their TTL; also messages nobody took within an hour, and forgotten tools."""
-        purged = self.delete(schema.PURGE_SQL, [now_ms])
+        purged = self.bury(schema.PURGE_WHERE, [now_ms], reason, now_ms)
         db = self.db()
         with db.atomic():
             db.execute(schema.PURGE_MESSAGES_SQL, [wall_ms() - MESSAGE_RETENTION_MS])
