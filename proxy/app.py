@@ -24,9 +24,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from yarl import URL
 
 from proxy import tracing
+from proxy.audit import subject
 from proxy.config import Config
 from proxy.drain import DRAIN, Drain, drainz, track
 from proxy.edge import (
+    AUDIT,
+    AUDITED,
     CHANNEL,
     DRAINZ,
     ERA,
@@ -287,6 +290,7 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     if isinstance(message, Response):
         raise InvalidRequestError("Invalid Request: a 2026-07-28 server sends no requests, so it takes no responses")
     request[MCP_METHOD] = message.method
+    audited = _audited(request, message.method, message.params) if AUDIT in request.app else None
     modern = validate_modern(request.headers, message.id, message.method, message.params)
     request.app[DRAIN].check_modern(modern)
     config = request.app[LIVE].current
@@ -298,11 +302,41 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     if principal is not None and JWT in request.app:
         principal = await request.app[JWT].credential(principal)  # a JWT that fails is refused here (401)
     caller = Caller(principal=principal, headers=request.headers)
+    if audited is not None:
+        audited.update(subject=subject(principal), principal=request.app[RUNNER].principals.key_of(principal) or None)
     channel = request[CHANNEL] = HttpChannel(request, config.limits.write_timeout_seconds)
     reply = await request.app[FRONT].dispatch(modern, caller, channel)
     request[JSONRPC_ERROR] = "error" in reply
+    if audited is not None:
+        _audit_outcome(audited, reply)
     tracing.reply_outcome(reply)
     return await channel.finish(reply)
+
+
+_AUDITED_NAME_CHARS: Final = 256  # of a tool name or resource URI in an audit line
+
+
+def _audited(request: web.Request, method: str, params: object) -> dict[str, object]:
+    """What the audit line of a modern request names: its tool (prompt, resource) or task. Never an argument."""
+    audited: dict[str, object] = {}
+    request[AUDITED] = audited
+    if isinstance(params, dict):
+        for key, field in (("name", "tool"), ("uri", "tool"), ("taskId", "task_id")):
+            value = params.get(key)
+            if isinstance(value, str):
+                audited[field] = value[:_AUDITED_NAME_CHARS]
+    return audited
+
+
+def _audit_outcome(audited: dict[str, object], reply: Mapping[str, object]) -> None:
+    """The reply's outcome: its `resultType` (complete, task, input_required), or `error` with its code."""
+    error, result = reply.get("error"), reply.get("result")
+    if isinstance(error, dict):
+        audited.update(outcome="error", code=error.get("code"))
+    elif isinstance(result, dict):
+        audited["outcome"] = result.get("resultType", "complete")
+        if result.get("resultType") == "task" and isinstance(result.get("taskId"), str):
+            audited["task_id"] = result["taskId"]
 
 
 # --- lifecycle ---------------------------------------------------------------------------------------
@@ -322,6 +356,10 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     app[UPSTREAM] = upstream
     runner = TaskRunner(config, store, upstream, Principals(deployment_key(config)), metrics=metrics)
     app[RUNNER] = runner
+    audit = runner.audit
+    if audit is not None:
+        app[AUDIT] = audit
+        app[LIVE].on_sighup(audit.reopen)  # a new file after a rotation
     if metrics is not None:
         metrics.tasks_running.set_function(lambda: runner.running)
         metrics.calls_parked.set_function(lambda: runner.parked)

@@ -613,6 +613,20 @@ class LoggingConfig(_Frozen):
     )
 
 
+class AuditConfig(_Frozen):
+    """The audit log: who called what, when, with which outcome. Never an argument value, a result or a
+    credential."""
+
+    path: str | None = Field(
+        None,
+        description="Where the audit log goes: a file (JSON lines, appended, created 0600), or `-` for stdout. One "
+        "line per modern request and per task transition: time, principal (the JWT subject, else the keyed "
+        "principal hash), method, tool, task id, outcome, duration, replica. Unset: no audit log (nothing is "
+        "done per call). The file is reopened on SIGHUP (logrotate's `create` + `postrotate kill -HUP`); "
+        "`copytruncate` works too (writes append at the end).",
+    )
+
+
 class LimitsConfig(_Frozen):
     """Bounds on what one upstream answer, one slow reader or one caller may hold: memory and shares of the
     proxy stay bounded by configuration, whatever clients and the upstream send."""
@@ -689,6 +703,7 @@ class Config(_Frozen):
         default_factory=ObservabilityConfig, description="Health probes and metrics."
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Log output.")
+    audit: AuditConfig = Field(default_factory=AuditConfig, description="The audit log (off unless a path is set).")
     limits: LimitsConfig = Field(
         default_factory=LimitsConfig, description="Bounds on upstream answers, slow readers and each caller's share."
     )
