@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from yarl import URL
 
 from proxy import tracing
+from proxy.admin import Admin
 from proxy.audit import subject
 from proxy.config import Config
 from proxy.drain import DRAIN, Drain, drainz, track
@@ -86,6 +87,7 @@ UPSTREAM: Final = web.AppKey("upstream", SessionPool)
 STORE: Final = web.AppKey("store", TaskStore)
 RUNNER: Final = web.AppKey("runner", TaskRunner)
 STOPPING: Final = web.AppKey("stopping", list[bool])
+ADMIN: Final = web.AppKey("admin", Admin)  # the operators' listener, when `admin.port` is set
 READY_STORE_SECONDS: Final = 2.0  # /readyz: a store that takes longer to commit a write counts as down
 
 
@@ -378,11 +380,17 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     app[LIVE].subscribe(lambda new: follow_config(new, runner, front))
     legacy = app[PASSTHROUGH] = upstream.legacy_front()  # relayed, or served by the proxy (the kind decides)
     app[RELAY] = OriginRelay.of(config.relay, legacy)  # other paths: to the upstream's origin, when it has one
+    admin = Admin(config.admin, store, runner.clock) if config.admin.port is not None else None
     try:
         await runner.start()  # restart recovery happens before the first request is served
+        if admin is not None:
+            await admin.start()
+            app[ADMIN] = admin
         upstream.warm_up()
         yield
     finally:
+        if admin is not None:
+            await admin.stop()
         await runner.close()
         await store.close()
         await legacy.close()

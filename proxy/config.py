@@ -627,6 +627,39 @@ class AuditConfig(_Frozen):
     )
 
 
+class AdminConfig(_Frozen):
+    """The operators' listener: a second port, never the MCP one, off unless `port` is set."""
+
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the admin listener binds to. Loopback by default: reach it with `kubectl port-forward` "
+        "or an SSH tunnel, never through the MCP port's ingress.",
+    )
+    port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Port of the admin listener (`GET /admin/` page, `/admin/tasks` API). Unset: no listener.",
+    )
+    token_file: str | None = Field(
+        None,
+        description="File holding the admin bearer token (at least 32 characters: letters, digits, `-._~`; e.g. "
+        "`openssl rand -hex 32`). Required with `port`. Compared in constant time; a browser signs in once with "
+        "`/admin/?token=…` (`mcp-tasks-proxy tasks admin-url`), which sets an HttpOnly SameSite=Strict cookie.",
+    )
+    show_results: bool = Field(
+        False,
+        description="Show task results and errors on the admin page and API. Off: only state, tool, age and "
+        "status message (never arguments, results or credentials).",
+    )
+
+    @model_validator(mode="after")
+    def _a_port_needs_a_token(self) -> AdminConfig:
+        if self.port is not None and self.token_file is None:
+            raise ValueError("admin.port needs admin.token_file (the bearer token operators sign in with)")
+        return self
+
+
 class LimitsConfig(_Frozen):
     """Bounds on what one upstream answer, one slow reader or one caller may hold: memory and shares of the
     proxy stay bounded by configuration, whatever clients and the upstream send."""
@@ -704,9 +737,18 @@ class Config(_Frozen):
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Log output.")
     audit: AuditConfig = Field(default_factory=AuditConfig, description="The audit log (off unless a path is set).")
+    admin: AdminConfig = Field(
+        default_factory=AdminConfig, description="The operators' listener (off unless a port is set)."
+    )
     limits: LimitsConfig = Field(
         default_factory=LimitsConfig, description="Bounds on upstream answers, slow readers and each caller's share."
     )
+
+    @model_validator(mode="after")
+    def _the_admin_port_is_not_the_mcp_port(self) -> Config:
+        if self.admin.port is not None and self.admin.port == self.listen.port:
+            raise PydanticCustomError("admin_port", "admin.port must differ from listen.port (the MCP port)")
+        return self
 
     @model_validator(mode="after")
     def _a_deployment_key_where_one_is_needed(self) -> Config:

@@ -10,31 +10,19 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import re
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Final
 
+from proxy import task_views
+
 if TYPE_CHECKING:
     from proxy.config import StoreConfig, TasksConfig
     from proxy.tasks.store import TaskStore
-    from proxy.wire.tasks import TaskRecord
 
 EXIT_NOT_FOUND: Final = 1  # also: the store cannot be reached
-OPERATOR_CANCEL_MESSAGE: Final = "cancelled by an operator"
-_UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-_DURATION: Final = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")
-_STATUSES: Final = ("working", "input_required", "completed", "failed", "cancelled")
 _AGE_UNITS: Final = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
 _MESSAGE_CHARS: Final = 60  # of a statusMessage in the table (the JSON has all of it)
-
-
-def duration_seconds(text: str) -> float:
-    """`90`, `90s`, `15m`, `2h`, `7d`, `1w`, or several at once (`1h30m`) → seconds (argparse type)."""
-    parts = _DURATION.findall(text)
-    if not text or "".join(number + unit for number, unit in parts) != text:
-        raise argparse.ArgumentTypeError(f"not a duration (like 90s, 15m, 2h, 7d): {text!r}")
-    return sum(float(number) * _UNITS[unit or "s"] for number, unit in parts)
 
 
 def add_parser(commands: Any) -> None:
@@ -48,11 +36,15 @@ def add_parser(commands: Any) -> None:
     listing = sub.add_parser(
         "list", help="tasks, newest first", description="List task records, newest first, one page at a time."
     )
-    listing.add_argument("--status", action="append", choices=_STATUSES, help="only this status (repeatable)")
+    listing.add_argument("--status", action="append", choices=task_views.STATUSES, help="only this status (repeatable)")
     listing.add_argument("--tool", help="only tasks of this tool")
     listing.add_argument("--principal", metavar="HASH", help="only tasks of this principal hash (as `show` prints)")
-    listing.add_argument("--older-than", type=duration_seconds, metavar="DUR", help="created more than DUR ago")
-    listing.add_argument("--younger-than", type=duration_seconds, metavar="DUR", help="created less than DUR ago")
+    listing.add_argument(
+        "--older-than", type=task_views.duration_argument, metavar="DUR", help="created more than DUR ago"
+    )
+    listing.add_argument(
+        "--younger-than", type=task_views.duration_argument, metavar="DUR", help="created less than DUR ago"
+    )
     listing.add_argument("--limit", type=int, default=50, help="records per page, 1-1000 (default 50)")
     listing.add_argument("--after", metavar="KEY", help="the page after KEY (printed at the end of a full page)")
     listing.add_argument("--json", action="store_true", help="JSON instead of a table")
@@ -76,8 +68,14 @@ def add_parser(commands: Any) -> None:
         description="Delete settled (completed, failed, cancelled) records last changed more than DUR ago. "
         "A dry run unless --yes; live tasks are never touched.",
     )
-    purge.add_argument("--older-than", type=duration_seconds, metavar="DUR", required=True)
+    purge.add_argument("--older-than", type=task_views.duration_argument, metavar="DUR", required=True)
     purge.add_argument("--yes", action="store_true", help="delete them (without it: only count them)")
+    url = sub.add_parser(
+        "admin-url",
+        help="the admin page's sign-in URL",
+        description="Print the URL that signs a browser in to the admin page (it holds the admin token).",
+    )
+    url.add_argument("--config", metavar="FILE", required=True, help="a proxy config file with admin.port set")
     for command in (listing, show, stats, cancel, purge):
         source = command.add_mutually_exclusive_group(required=True)
         source.add_argument("--db", metavar="PATH", help="the SQLite task database")
@@ -117,24 +115,6 @@ def _age(seconds: int) -> str:
     return f"{max(0, seconds)}s"
 
 
-def summary(record: TaskRecord, now_ms: int) -> dict[str, Any]:
-    """A record as a listing shows it: never its request (the arguments) or its result."""
-    from proxy.wire.tasks import iso_timestamp
-
-    return {
-        "taskId": record.task_id,
-        "status": record.status.value,
-        "tool": record.tool,
-        "principalHash": record.principal,
-        "owner": record.owner,
-        "createdAt": iso_timestamp(record.created_at_ms),
-        "lastUpdatedAt": iso_timestamp(record.updated_at_ms),
-        "ageSeconds": max(0, now_ms - record.created_at_ms) // 1000,
-        "ttlMs": record.ttl_ms,
-        "statusMessage": record.status_message,
-    }
-
-
 def _table(rows: list[dict[str, Any]]) -> str:
     header = ("TASK", "STATUS", "TOOL", "AGE", "MESSAGE")
     lines = [
@@ -160,22 +140,18 @@ def _one_line(text: str) -> str:
 
 
 async def _list(store: TaskStore, args: argparse.Namespace) -> dict[str, Any]:
-    from proxy.tasks.store import TaskQuery, page_key, parse_page_key
-    from proxy.wire.tasks import TaskStatus
-
     now_ms = _now_ms()
-    query = TaskQuery(
-        statuses=frozenset(TaskStatus(status) for status in args.status or ()),
+    query = task_views.query(
+        now_ms,
+        statuses=args.status or (),
         tool=args.tool,
         principal=args.principal,
-        created_before_ms=None if args.older_than is None else now_ms - int(args.older_than * 1000),
-        created_after_ms=None if args.younger_than is None else now_ms - int(args.younger_than * 1000),
-        after=None if args.after is None else parse_page_key(args.after),
+        older_than_seconds=args.older_than,
+        younger_than_seconds=args.younger_than,
         limit=args.limit,
+        after=args.after,
     )
-    records = await store.list_tasks(query)
-    full = len(records) == query.limit
-    return {"tasks": [summary(record, now_ms) for record in records], "next": page_key(records[-1]) if full else None}
+    return task_views.page(await store.list_tasks(query), query, now_ms)
 
 
 async def _show(store: TaskStore, task_id: str) -> dict[str, Any] | None:
@@ -242,7 +218,7 @@ async def _run(args: argparse.Namespace, config: StoreConfig, tasks: TasksConfig
 async def _cancel(store: TaskStore, task_id: str, where: str) -> tuple[int, str, str]:
     import json
 
-    cancelled = await store.cancel_task(task_id, OPERATOR_CANCEL_MESSAGE, now_ms=_now_ms())
+    cancelled = await store.cancel_task(task_id, task_views.OPERATOR_CANCEL_MESSAGE, now_ms=_now_ms())
     if cancelled is not None:
         return 0, json.dumps({"taskId": task_id, "status": cancelled.status.value, "owner": cancelled.owner}), ""
     record = await store.get(task_id)
@@ -252,12 +228,27 @@ async def _cancel(store: TaskStore, task_id: str, where: str) -> tuple[int, str,
     return 0, shown, f"task {task_id} was already {record.status.value}: left as it is"
 
 
+def _admin_url(path: str) -> int:
+    from proxy.admin import admin_url
+    from proxy.config import load_config
+    from proxy.keyfiles import read_token
+
+    admin = load_config(path).admin
+    if admin.port is None or admin.token_file is None:
+        print(f"mcp-tasks-proxy: {path} sets no admin.port: there is no admin listener", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    print(admin_url(admin, read_token(admin.token_file)))
+    return 0
+
+
 def tasks_command(args: argparse.Namespace) -> int:
     """Run one `tasks` command; its exit code. ConfigError (an unusable `--config`) propagates."""
     import asyncio
 
     from proxy.tasks.store import StoreError
 
+    if args.tasks_command == "admin-url":
+        return _admin_url(args.config)
     config, tasks = _store_config(args)  # ConfigError: the caller reports it, as for every command
     try:
         code, out, err = asyncio.run(_run(args, config, tasks))
