@@ -292,7 +292,7 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     if isinstance(message, Response):
         raise InvalidRequestError("Invalid Request: a 2026-07-28 server sends no requests, so it takes no responses")
     request[MCP_METHOD] = message.method
-    audited = _audited(request, message.method, message.params) if AUDIT in request.app else None
+    audited = _audited(request, message.method, message.params) if request.app.get(AUDIT) is not None else None
     modern = validate_modern(request.headers, message.id, message.method, message.params)
     request.app[DRAIN].check_modern(modern)
     config = request.app[LIVE].current
