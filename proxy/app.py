@@ -24,9 +24,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from yarl import URL
 
 from proxy import tracing
+from proxy.admin import Admin
+from proxy.audit import subject
 from proxy.config import Config
 from proxy.drain import DRAIN, Drain, drainz, track
 from proxy.edge import (
+    AUDIT,
+    AUDITED,
     CHANNEL,
     DRAINZ,
     ERA,
@@ -83,6 +87,7 @@ UPSTREAM: Final = web.AppKey("upstream", SessionPool)
 STORE: Final = web.AppKey("store", TaskStore)
 RUNNER: Final = web.AppKey("runner", TaskRunner)
 STOPPING: Final = web.AppKey("stopping", list[bool])
+ADMIN: Final = web.AppKey("admin", Admin)  # the operators' listener, when `admin.port` is set
 READY_STORE_SECONDS: Final = 2.0  # /readyz: a store that takes longer to commit a write counts as down
 
 
@@ -287,6 +292,7 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     if isinstance(message, Response):
         raise InvalidRequestError("Invalid Request: a 2026-07-28 server sends no requests, so it takes no responses")
     request[MCP_METHOD] = message.method
+    audited = _audited(request, message.method, message.params) if request.app.get(AUDIT) is not None else None
     modern = validate_modern(request.headers, message.id, message.method, message.params)
     request.app[DRAIN].check_modern(modern)
     config = request.app[LIVE].current
@@ -298,11 +304,41 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     if principal is not None and JWT in request.app:
         principal = await request.app[JWT].credential(principal)  # a JWT that fails is refused here (401)
     caller = Caller(principal=principal, headers=request.headers)
+    if audited is not None:
+        audited.update(subject=subject(principal), principal=request.app[RUNNER].principals.key_of(principal) or None)
     channel = request[CHANNEL] = HttpChannel(request, config.limits.write_timeout_seconds)
     reply = await request.app[FRONT].dispatch(modern, caller, channel)
     request[JSONRPC_ERROR] = "error" in reply
+    if audited is not None:
+        _audit_outcome(audited, reply)
     tracing.reply_outcome(reply)
     return await channel.finish(reply)
+
+
+_AUDITED_NAME_CHARS: Final = 256  # of a tool name or resource URI in an audit line
+
+
+def _audited(request: web.Request, method: str, params: object) -> dict[str, object]:
+    """What the audit line of a modern request names: its tool (prompt, resource) or task. Never an argument."""
+    audited: dict[str, object] = {}
+    request[AUDITED] = audited
+    if isinstance(params, dict):
+        for key, field in (("name", "tool"), ("uri", "tool"), ("taskId", "task_id")):
+            value = params.get(key)
+            if isinstance(value, str):
+                audited[field] = value[:_AUDITED_NAME_CHARS]
+    return audited
+
+
+def _audit_outcome(audited: dict[str, object], reply: Mapping[str, object]) -> None:
+    """The reply's outcome: its `resultType` (complete, task, input_required), or `error` with its code."""
+    error, result = reply.get("error"), reply.get("result")
+    if isinstance(error, dict):
+        audited.update(outcome="error", code=error.get("code"))
+    elif isinstance(result, dict):
+        audited["outcome"] = result.get("resultType", "complete")
+        if result.get("resultType") == "task" and isinstance(result.get("taskId"), str):
+            audited["task_id"] = result["taskId"]
 
 
 # --- lifecycle ---------------------------------------------------------------------------------------
@@ -322,6 +358,10 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     app[UPSTREAM] = upstream
     runner = TaskRunner(config, store, upstream, Principals(deployment_key(config)), metrics=metrics)
     app[RUNNER] = runner
+    audit = runner.audit
+    if audit is not None:
+        app[AUDIT] = audit
+        app[LIVE].on_sighup(audit.reopen)  # a new file after a rotation
     if metrics is not None:
         metrics.tasks_running.set_function(lambda: runner.running)
         metrics.calls_parked.set_function(lambda: runner.parked)
@@ -340,11 +380,17 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     app[LIVE].subscribe(lambda new: follow_config(new, runner, front))
     legacy = app[PASSTHROUGH] = upstream.legacy_front()  # relayed, or served by the proxy (the kind decides)
     app[RELAY] = OriginRelay.of(config.relay, legacy)  # other paths: to the upstream's origin, when it has one
+    admin = Admin(config.admin, store, runner.clock) if config.admin.port is not None else None
     try:
         await runner.start()  # restart recovery happens before the first request is served
+        if admin is not None:
+            await admin.start()
+            app[ADMIN] = admin
         upstream.warm_up()
         yield
     finally:
+        if admin is not None:
+            await admin.stop()
         await runner.close()
         await store.close()
         await legacy.close()

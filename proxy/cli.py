@@ -1,8 +1,8 @@
-"""Command line: argv → config → logging → serve | check-config | tasks show | tasks stats | probe.
+"""Command line: argv → config → logging → serve | check-config | tasks … | probe.
 
 `serve` runs the proxy (`serve … -- CMD ARGS` names a stdio server instead of an upstream URL);
-`check-config FILE` validates (errors all at once, exit code 2); `tasks show ID` and `tasks stats` read the task
-database read-only (safe while the proxy runs); `probe [URL]` is the container HEALTHCHECK (exit 0 on HTTP
+`check-config FILE` validates (errors all at once, exit code 2); `tasks list|show|stats|cancel|purge` work on
+the store the config names (`operator_cli.py`); `probe [URL]` is the container HEALTHCHECK (exit 0 on HTTP
 200). Every command has `--help`; `--version` prints the version.
 
 Imports only the standard library at module level: the probe runs every 30 s in the image and must not load
@@ -16,13 +16,14 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from proxy import operator_cli
+
 if TYPE_CHECKING:
     import asyncio
 
     from proxy.config import Config, ConfigError
 
 EXIT_CONFIG_ERROR = 2
-EXIT_NOT_FOUND = 1
 DEFAULT_PROBE_URL = "http://127.0.0.1:8080/healthz"
 
 
@@ -67,23 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("file", metavar="FILE")
 
-    tasks = commands.add_parser(
-        "tasks",
-        help="look at the task database",
-        description="Read the task database (read-only; safe while the proxy runs).",
-    )
-    tasks_commands = tasks.add_subparsers(dest="tasks_command", required=True, metavar="COMMAND")
-    show = tasks_commands.add_parser(
-        "show", help="one task as JSON", description="Print one task record as JSON (exit 1 if there is none)."
-    )
-    show.add_argument("task_id", metavar="ID")
-    stats = tasks_commands.add_parser(
-        "stats", help="counts by status", description="Print the number of task records by status as JSON."
-    )
-    for command in (show, stats):
-        source = command.add_mutually_exclusive_group(required=True)
-        source.add_argument("--db", metavar="PATH", help="the SQLite task database")
-        source.add_argument("--config", metavar="FILE", help="a proxy config file (its store.path is read)")
+    operator_cli.add_parser(commands)
 
     probe = commands.add_parser(
         "probe",
@@ -131,7 +116,7 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return overrides
 
 
-def _report(error: ConfigError) -> int:
+def report_config_error(error: ConfigError) -> int:
     print(f"mcp-tasks-proxy: invalid configuration ({error.source}):", file=sys.stderr)
     for problem in error.problems:
         print(f"  - {problem}", file=sys.stderr)
@@ -185,76 +170,6 @@ def new_event_loop(choice: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-def _database(args: argparse.Namespace) -> str:
-    if args.db is not None:
-        return str(args.db)
-    from proxy.config import load_config
-
-    return load_config(args.config).store.path
-
-
-async def _show(path: str, task_id: str) -> dict[str, Any] | None:
-    from proxy.tasks.store import SqliteTaskStore
-    from proxy.wire.jsonrpc import RawJSON
-    from proxy.wire.tasks import detailed_task
-
-    store = await SqliteTaskStore.open(path, max_records=1, read_only=True)
-    try:
-        record = await store.get(task_id)
-    finally:
-        await store.close()
-    if record is None:
-        return None
-    task = detailed_task(record)
-    if isinstance(task.get("result"), RawJSON):
-        task["result"] = task["result"].value()  # shown indented, like the rest
-    return {
-        **task,
-        "tool": record.tool,
-        "owner": record.owner,
-        "onRestart": record.on_restart,
-        "principalHash": record.principal,
-        "inputsIssued": record.inputs_issued,
-    }
-
-
-async def _stats(path: str) -> dict[str, Any]:
-    from proxy.tasks.store import SqliteTaskStore
-
-    store = await SqliteTaskStore.open(path, max_records=1, read_only=True)
-    try:
-        counts = await store.stats()
-        size = await store.size_bytes()
-    finally:
-        await store.close()
-    return {"database": path, "sizeBytes": size, **counts}
-
-
-def tasks_command(args: argparse.Namespace) -> int:
-    import asyncio
-    import json
-
-    from proxy.config import ConfigError
-    from proxy.tasks.store import StoreError
-
-    try:
-        path = _database(args)
-        if args.tasks_command == "show":
-            shown = asyncio.run(_show(path, args.task_id))
-            if shown is None:
-                print(f"mcp-tasks-proxy: no task {args.task_id!r} in {path}", file=sys.stderr)
-                return EXIT_NOT_FOUND
-            print(json.dumps(shown, indent=2, ensure_ascii=False))
-        else:
-            print(json.dumps(asyncio.run(_stats(path)), indent=2))
-    except ConfigError as error:
-        return _report(error)
-    except StoreError as error:
-        print(f"mcp-tasks-proxy: {error}", file=sys.stderr)
-        return EXIT_NOT_FOUND
-    return 0
-
-
 def probe_command(url: str, timeout_seconds: float) -> int:
     import urllib.error
     import urllib.request
@@ -278,11 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             load_config(args.file)
         except ConfigError as error:
-            return _report(error)
+            return report_config_error(error)
         print(f"{args.file}: ok")
         return 0
     if args.command == "tasks":
-        return tasks_command(args)
+        try:
+            return operator_cli.tasks_command(args)
+        except ConfigError as error:
+            return report_config_error(error)
     from proxy import tracing_setup
 
     overrides = flag_overrides(args)
@@ -290,9 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config, overrides=overrides)
         tracing_setup.configure()  # from the OTEL_* environment; off when it names no exporter or endpoint
     except ConfigError as error:
-        return _report(error)
+        return report_config_error(error)
     except tracing_setup.TracingConfigError as error:  # an unsupported OTEL_* setting stops the start, as config does
-        return _report(ConfigError("OTEL_* environment", [str(error)]))
+        return report_config_error(ConfigError("OTEL_* environment", [str(error)]))
     serve(config, args.config, overrides)
     return 0
 

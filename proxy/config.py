@@ -545,6 +545,20 @@ class TasksConfig(_Frozen):
         description="Task records kept; at the limit the oldest settled records are evicted first, and a new "
         "task is refused only when every record is still live.",
     )
+    tombstone_seconds: float = Field(
+        86_400.0,
+        ge=0,
+        description="How long a deleted record (its TTL ran out, or an operator purged it) leaves a tombstone, so "
+        "that `tasks/get`, `tasks/update` and `tasks/cancel` of it answer that it expired (and when) instead of "
+        '"not found", to its own principal only. A day covers a client that was away overnight; after that an '
+        "id is unknown again. 0: no tombstones.",
+    )
+    max_tombstones: int = Field(
+        100_000,
+        ge=0,
+        description="Tombstones kept at most (about 100 bytes each: 10 MB at the default); the oldest go first, "
+        "trimmed once a minute.",
+    )
     drain_seconds: float = Field(
         20.0,
         ge=0,
@@ -714,6 +728,53 @@ class LoggingConfig(_Frozen):
     )
 
 
+class AuditConfig(_Frozen):
+    """The audit log: who called what, when, with which outcome. Never an argument value, a result or a
+    credential."""
+
+    path: str | None = Field(
+        None,
+        description="Where the audit log goes: a file (JSON lines, appended, created 0600), or `-` for stdout. One "
+        "line per modern request and per task transition: time, principal (the JWT subject, else the keyed "
+        "principal hash), method, tool, task id, outcome, duration, replica. Unset: no audit log (nothing is "
+        "done per call). The file is reopened on SIGHUP (logrotate's `create` + `postrotate kill -HUP`); "
+        "`copytruncate` works too (writes append at the end).",
+    )
+
+
+class AdminConfig(_Frozen):
+    """The operators' listener: a second port, never the MCP one, off unless `port` is set."""
+
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the admin listener binds to. Loopback by default: reach it with `kubectl port-forward` "
+        "or an SSH tunnel, never through the MCP port's ingress.",
+    )
+    port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Port of the admin listener (`GET /admin/` page, `/admin/tasks` API). Unset: no listener.",
+    )
+    token_file: str | None = Field(
+        None,
+        description="File holding the admin bearer token (at least 32 characters: letters, digits, `-._~`; e.g. "
+        "`openssl rand -hex 32`). Required with `port`. Compared in constant time; a browser signs in once with "
+        "`/admin/?token=…` (`mcp-tasks-proxy tasks admin-url`), which sets an HttpOnly SameSite=Strict cookie.",
+    )
+    show_results: bool = Field(
+        False,
+        description="Show task results and errors on the admin page and API. Off: only state, tool, age and "
+        "status message (never arguments, results or credentials).",
+    )
+
+    @model_validator(mode="after")
+    def _a_port_needs_a_token(self) -> AdminConfig:
+        if self.port is not None and self.token_file is None:
+            raise ValueError("admin.port needs admin.token_file (the bearer token operators sign in with)")
+        return self
+
+
 class LimitsConfig(_Frozen):
     """Bounds on what one upstream answer, one slow reader or one caller may hold: memory and shares of the
     proxy stay bounded by configuration, whatever clients and the upstream send."""
@@ -790,6 +851,10 @@ class Config(_Frozen):
         default_factory=ObservabilityConfig, description="Health probes and metrics."
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Log output.")
+    audit: AuditConfig = Field(default_factory=AuditConfig, description="The audit log (off unless a path is set).")
+    admin: AdminConfig = Field(
+        default_factory=AdminConfig, description="The operators' listener (off unless a port is set)."
+    )
     limits: LimitsConfig = Field(
         default_factory=LimitsConfig, description="Bounds on upstream answers, slow readers and each caller's share."
     )
@@ -798,6 +863,12 @@ class Config(_Frozen):
         description="Legacy job families, keyed by the start tool's name: a modern client's call of that tool is "
         "one task the proxy drives through the family's status, result and cancel tools.",
     )
+
+    @model_validator(mode="after")
+    def _the_admin_port_is_not_the_mcp_port(self) -> Config:
+        if self.admin.port is not None and self.admin.port == self.listen.port:
+            raise PydanticCustomError("admin_port", "admin.port must differ from listen.port (the MCP port)")
+        return self
 
     @model_validator(mode="after")
     def _a_deployment_key_where_one_is_needed(self) -> Config:

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from proxy.edge import MCP_METHOD, Handler
 from proxy.errors import DrainingError
-from proxy.live_config import LiveConfig
+from proxy.live_config import SIGHUP_TRIGGER, LiveConfig
 from proxy.wire.envelope import ModernRequest
 
 log = structlog.get_logger(__name__)
@@ -192,7 +192,7 @@ async def serve(app: web.Application, host: str, port: int, shutdown_seconds: fl
     # From the start: a SIGTERM during start-up (store, recovery) is a drain with nothing to wait for.
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, drain.begin, signum)
-    loop.add_signal_handler(signal.SIGHUP, drain.live.reload, "sighup")
+    loop.add_signal_handler(signal.SIGHUP, drain.live.reload, SIGHUP_TRIGGER)
     watcher = loop.create_task(drain.live.watch(), name="config-watch")
     try:
         await runner.setup()

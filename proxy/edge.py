@@ -21,6 +21,7 @@ from typing import Final
 import structlog
 from aiohttp import web
 
+from proxy.audit import AuditLog
 from proxy.errors import ProxyError, RequestId, http_status
 from proxy.observability import Metrics, logs_at, method_label
 from proxy.wire import jsonrpc
@@ -34,6 +35,9 @@ ERA: Final = web.RequestKey("era", str)
 MCP_METHOD: Final = web.RequestKey("mcp_method", str)
 JSONRPC_ERROR: Final = web.RequestKey("jsonrpc_error", bool)
 RPC_ID: Final = web.RequestKey[RequestId]("rpc_id")  # the JSON-RPC id of a modern request, once read
+AUDIT: Final = web.AppKey("audit", AuditLog)  # set only when `audit.path` is
+# What a modern request's audit line says, gathered while it is served (only with an audit log).
+AUDITED: Final = web.RequestKey("audited", dict[str, object])
 
 # Probes and scrapes come from kubelet and Prometheus with the pod IP as Host: these GETs skip the Host/Origin
 # allow-list (they carry no MCP traffic and reveal no tokens or arguments). Everything else is checked.
@@ -59,12 +63,14 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
     structlog.contextvars.bind_contextvars(request_id=log_id)
     started = time.perf_counter()
     status = 500
+    refusal: int | None = None  # the JSON-RPC code of a ProxyError answered here
     try:
         response = await handler(request)
         status = response.status
         return response
     except ProxyError as error:
         log.info("request_rejected", code=error.code, reason=error.message, detail=error.detail)
+        refusal = error.code
         _count_limit(request, error)
         response = await _error_answer(request, error)
         status = response.status
@@ -96,6 +102,9 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
             )
         if not ops:
             _count(request, status, duration)
+        audit = request.app.get(AUDIT)
+        if audit is not None and request.get(ERA) == "modern":
+            _audit(audit, request, status, refusal, duration)
         structlog.contextvars.unbind_contextvars("request_id", "trace_id", "span_id")  # ids bound by tracing
 
 
@@ -144,6 +153,29 @@ def _count(request: web.Request, status: int, duration_seconds: float) -> None:
     else:
         outcome = "ok"
     metrics.request_done(era, method, outcome, duration_seconds)
+
+
+def _audit(audit: AuditLog, request: web.Request, status: int, refusal: int | None, duration_seconds: float) -> None:
+    """The request's audit line: what serving it gathered (`AUDITED`), and how it ended."""
+    gathered = request.get(AUDITED, {})
+    outcome = gathered.get("outcome") or (
+        "refused" if refusal is not None else "disconnected" if status == 499 else "-"
+    )
+    audit.write(
+        {
+            "kind": "request",
+            "request_id": structlog.contextvars.get_contextvars().get("request_id"),
+            "subject": gathered.get("subject"),
+            "principal": gathered.get("principal"),
+            "method": request.get(MCP_METHOD, "-"),
+            "tool": gathered.get("tool"),
+            "task_id": gathered.get("task_id"),
+            "outcome": outcome,
+            "code": refusal if refusal is not None else gathered.get("code"),
+            "status": status,
+            "duration_ms": round(duration_seconds * 1000, 2),
+        }
+    )
 
 
 def _count_limit(request: web.Request, error: ProxyError) -> None:

@@ -37,8 +37,18 @@ def read_secret(path: str) -> bytes:
     return secret
 
 
+def read_token(path: str) -> str:
+    """A bearer token in a file (`read_secret`'s rules), as text that fits an Authorization header and a URL
+    query unescaped: visible ASCII letters, digits and `-._~` only; ValueError otherwise."""
+    token = read_secret(path)
+    if not all(chr(byte).isalnum() or chr(byte) in "-._~" for byte in token) or not token.isascii():
+        raise ValueError(f"{path} must hold only ASCII letters, digits and -._~ (e.g. openssl rand -hex 32)")
+    return token.decode("ascii")
+
+
 FILES: Final[tuple[tuple[str, str, Callable[[str], object]], ...]] = (
     ("security", "key_file", read_secret),
+    ("admin", "token_file", read_token),
     ("store", "password_file", read_password),
     ("inputs", "secret_file", read_secret),
 )

@@ -48,6 +48,7 @@ FIXED: Final = (
 )
 
 APPLIED: Final = "applied"
+SIGHUP_TRIGGER: Final = "sighup"  # the `trigger` of a reload that SIGHUP asked for
 UNCHANGED: Final = "unchanged"
 INVALID: Final = "invalid"  # not readable, not YAML, empty, or not a valid config
 FIXED_KEY: Final = "fixed_key"
@@ -103,6 +104,7 @@ class LiveConfig:
         self.overrides = overrides
         self.environ = environ
         self._subscribers: list[Callable[[Config], None]] = []
+        self._on_sighup: list[Callable[[], None]] = []
         self._seen = _fingerprint(path) if path is not None else None
         self.last_good = time.time()
         self._reloads: Counter | None = None
@@ -115,6 +117,10 @@ class LiveConfig:
     def subscribe(self, apply: Callable[[Config], None]) -> None:
         """`apply(new)` runs at each swap, right after `current` changed (for what a component keeps)."""
         self._subscribers.append(apply)
+
+    def on_sighup(self, reopen: Callable[[], None]) -> None:
+        """`reopen()` runs at each SIGHUP, whether the config changed or not (a log file rotated away)."""
+        self._on_sighup.append(reopen)
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         self._reloads = Counter(
@@ -144,6 +150,9 @@ class LiveConfig:
     def reload(self, trigger: str) -> str:
         """Load the file again and swap it in if it may be; returns the result (also counted and logged)."""
         result = self._reload(trigger)
+        if trigger == SIGHUP_TRIGGER:
+            for reopen in self._on_sighup:
+                reopen()
         if self._reloads is not None:
             self._reloads.labels(result).inc()
         return result

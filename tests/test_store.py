@@ -16,7 +16,9 @@ import pytest
 
 from proxy.tasks.store import (
     CANCEL,
+    EXPIRED,
     INPUT,
+    PURGED,
     RESYNC,
     STATUS,
     Change,
@@ -24,7 +26,11 @@ from proxy.tasks.store import (
     SqliteTaskStore,
     StoreError,
     StoreFullError,
+    TaskQuery,
     TaskStore,
+    Tombstone,
+    page_key,
+    parse_page_key,
     record_from_row,
 )
 from proxy.tasks.store.postgres import PostgresTaskStore
@@ -744,3 +750,167 @@ async def test_a_lookup_by_another_principal_finds_nothing(store: TaskStore) -> 
     assert await store.get("task_big", principal="another-hash") is None
     assert await store.get("task_missing", principal="principal-hash") is None
     assert await store.get("task_big", principal="principal-hash") == settled
+
+
+# --- operators: listing, cancel, purge ---------------------------------------------------------------------
+
+
+async def test_list_tasks_filters_newest_first_and_pages_without_request_or_result(store: TaskStore) -> None:
+    for index in range(5):
+        await store.create(
+            make_record(
+                f"task_{index}",
+                created_at_ms=1_000 + index * 100,
+                tool="slow_tool" if index % 2 else "other_tool",
+                principal="alice" if index < 3 else "bob",
+                request={"name": "slow_tool", "arguments": {"secret": "s3cret"}},
+            )
+        )
+    await store.settle("task_4", TaskStatus.COMPLETED, now_ms=5_000, result={"content": [], "x": "big"})
+
+    every = await store.list_tasks(TaskQuery())
+    assert [record.task_id for record in every] == ["task_4", "task_3", "task_2", "task_1", "task_0"]
+    assert all(record.result is None and record.request == {} for record in every)  # never read for a listing
+    assert every[0].status is TaskStatus.COMPLETED
+
+    async def ids(**query: Any) -> list[str]:
+        return [record.task_id for record in await store.list_tasks(TaskQuery(**query))]
+
+    assert await ids(statuses=frozenset({TaskStatus.WORKING})) == ["task_3", "task_2", "task_1", "task_0"]
+    assert await ids(statuses=frozenset({TaskStatus.WORKING, TaskStatus.COMPLETED}), tool="slow_tool") == [
+        "task_3",
+        "task_1",
+    ]
+    assert await ids(principal="bob") == ["task_4", "task_3"]
+    assert await ids(created_before_ms=1_200, created_after_ms=1_000) == ["task_1"]  # both ends exclusive
+    first = await store.list_tasks(TaskQuery(limit=2))
+    assert [record.task_id for record in first] == ["task_4", "task_3"]
+    after = parse_page_key(page_key(first[-1]))
+    assert await ids(limit=2, after=after) == ["task_2", "task_1"]
+    assert await ids(limit=2, after=(1_000, "task_0")) == []
+    with pytest.raises(ValueError, match="limit"):
+        TaskQuery(limit=0)
+
+
+async def test_an_operators_cancel_settles_a_live_task_once(store: TaskStore) -> None:
+    await store.create(make_record("task_live", status=TaskStatus.INPUT_REQUIRED, input_requests={"k": {}}))
+    await store.create(make_record("task_done"))
+    await store.settle("task_done", TaskStatus.COMPLETED, now_ms=2_000)
+
+    cancelled = await store.cancel_task("task_live", "cancelled by an operator", now_ms=3_000)
+    assert cancelled is not None
+    assert (cancelled.status, cancelled.status_message, cancelled.input_requests) == (
+        TaskStatus.CANCELLED,
+        "cancelled by an operator",
+        {},
+    )
+    assert cancelled.updated_at_ms == 3_000
+    assert await store.cancel_task("task_live", "again", now_ms=4_000) is None  # the first settle won
+    assert await store.cancel_task("task_done", "late", now_ms=4_000) is None
+    done = await store.get("task_done")
+    assert done is not None
+    assert done.status is TaskStatus.COMPLETED
+    assert await store.cancel_task("task_missing", "x", now_ms=4_000) is None
+
+
+async def test_purge_settled_counts_on_a_dry_run_and_deletes_only_old_settled_records(store: TaskStore) -> None:
+    await store.create(make_record("task_old_done", created_at_ms=1_000))
+    await store.create(make_record("task_new_done", created_at_ms=1_000))
+    await store.create(make_record("task_old_live", created_at_ms=1_000))
+    await store.settle("task_old_done", TaskStatus.FAILED, now_ms=2_000)
+    await store.settle("task_new_done", TaskStatus.CANCELLED, now_ms=9_000)
+
+    assert await store.purge_settled(5_000, dry_run=True) == 1
+    assert await store.get("task_old_done") is not None  # a dry run deletes nothing
+    assert await store.purge_settled(5_000, dry_run=False) == 1
+    assert await store.get("task_old_done") is None
+    assert {record.task_id for record in await store.list_tasks(TaskQuery())} == {"task_new_done", "task_old_live"}
+    assert (await store.stats())["records"] == 2
+    assert await store.purge_settled(5_000, dry_run=False) == 0
+
+
+async def test_pending_messages_tells_whether_a_replica_has_mail(store: TaskStore) -> None:
+    await store.create(make_record("task_a", owner="proxy-1"))
+    assert not await store.pending_messages("proxy-1")
+    await store.notify_owner("task_a", CANCEL, {})
+    assert await store.pending_messages("proxy-1")
+    assert not await store.pending_messages("proxy-2")
+    await store.take_messages("proxy-1")
+    assert not await store.pending_messages("proxy-1")
+
+
+async def test_an_operator_store_works_beside_the_store_that_runs_the_tasks(backend: Backend) -> None:
+    """The CLI's cancel and purge open the store beside a running proxy (on SQLite: without its file lock)
+    and never migrate it; a cancel leaves the running owner a CANCEL message it can poll for on SQLite."""
+    running = await backend.open(max_records=3)
+    try:
+        await running.create(make_record("task_run", owner="proxy-1"))
+        for index in range(2):
+            await running.create(make_record(f"task_done_{index}"))
+            await running.settle(f"task_done_{index}", TaskStatus.COMPLETED, now_ms=2_000)
+        operator = await open_operator(backend)
+        try:
+            cancelled = await operator.cancel_task("task_run", "cancelled by an operator", now_ms=3_000)
+            assert cancelled is not None
+            assert cancelled.status is TaskStatus.CANCELLED
+            assert await operator.purge_settled(2_500, dry_run=False) == 2
+        finally:
+            await operator.close()
+        seen = await running.get("task_run")
+        assert seen is not None
+        assert seen.status is TaskStatus.CANCELLED
+        if not running.shared:  # PostgreSQL's owner hears the settlement itself (its notification)
+            assert [message.kind for message in await running.take_messages("proxy-1")] == [CANCEL]
+        # The running store still creates up to its limit after records vanished under it.
+        for index in range(2):
+            await running.create(make_record(f"task_more_{index}"))
+        assert (await running.stats())["records"] == 3
+    finally:
+        await running.close()
+
+
+async def open_operator(backend: Backend) -> TaskStore:
+    if backend.dsn is not None:
+        return await PostgresTaskStore.open(backend.dsn, max_records=100, migrate=False)
+    return await SqliteTaskStore.open(backend.path, max_records=100, operator=True)
+
+
+async def test_an_operator_store_opens_only_an_existing_sqlite_database(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="no such file"):
+        await SqliteTaskStore.open(tmp_path / "absent.db", max_records=1, operator=True)
+    assert not (tmp_path / "absent.db").exists()
+
+
+# --- tombstones: what is left of a deleted record, for its own principal only -------------------------------
+
+
+async def test_deleted_records_leave_tombstones_only_their_own_principal_can_read(store: TaskStore) -> None:
+    for index in range(3):
+        await store.create(make_record(f"task_{index}", created_at_ms=1_000, ttl_ms=1_000, principal="alice"))
+        await store.settle(f"task_{index}", TaskStatus.COMPLETED, now_ms=1_500)
+    await store.create(make_record("task_quiet", created_at_ms=1_000, ttl_ms=1_000, principal="alice"))
+    await store.settle("task_quiet", TaskStatus.COMPLETED, now_ms=1_500)
+
+    assert await store.delete("task_0", tombstone_at_ms=2_100)  # a read found it past its TTL
+    assert await store.purge_expired(2_200, tombstones=True) == 3
+    assert await store.tombstone("task_0", "alice") == Tombstone("task_0", EXPIRED, 2_100, 2_000)
+    assert await store.tombstone("task_1", "alice") == Tombstone("task_1", EXPIRED, 2_200, 2_000)
+    assert await store.tombstone("task_1", "mallory") is None  # another principal learns nothing
+    assert await store.tombstone("task_never", "alice") is None
+
+    await store.create(make_record("task_old", principal="bob"))
+    await store.settle("task_old", TaskStatus.FAILED, now_ms=2_000)
+    assert await store.purge_settled(3_000, dry_run=False, tombstone_at_ms=3_100) == 1
+    assert await store.tombstone("task_old", "bob") == Tombstone("task_old", PURGED, 3_100, 61_000)
+
+    await store.create(make_record("task_untracked", created_at_ms=1_000, ttl_ms=1_000))
+    await store.settle("task_untracked", TaskStatus.COMPLETED, now_ms=1_500)
+    assert await store.purge_expired(5_000) == 1  # without tombstones: none left
+    assert await store.tombstone("task_untracked", "principal-hash") is None
+
+    # Trimmed by age (older than the cut-off) and by count (the newest `keep` stay).
+    assert await store.trim_tombstones(2_150, keep=100) == 1  # task_0
+    assert await store.tombstone("task_0", "alice") is None
+    assert await store.trim_tombstones(0, keep=1) == 3
+    assert await store.tombstone("task_old", "bob") is not None  # the newest
+    assert await store.tombstone("task_2", "alice") is None

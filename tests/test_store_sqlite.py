@@ -103,8 +103,9 @@ async def test_a_duplicate_id_carries_sqlites_integrity_error(store: SqliteTaskS
 
 
 async def test_expiry_queries_walk_the_expiry_index(store: SqliteTaskStore, db_path: Path) -> None:
-    for sql in (schema.EXPIRED_LIVE_SQL, schema.PURGE_SQL):
-        plan = " ".join(str(row[-1]) for row in raw_rows(db_path, f"EXPLAIN QUERY PLAN {sql}", (0,)))
+    purge, bury = f"DELETE {schema.PURGE_WHERE}", schema.BURY_SQL + schema.PURGE_WHERE  # with tombstones: bury
+    for sql, params in ((schema.EXPIRED_LIVE_SQL, (0,)), (purge, (0,)), (bury, ("expired", 0, 0))):
+        plan = " ".join(str(row[-1]) for row in raw_rows(db_path, f"EXPLAIN QUERY PLAN {sql}", params))
         assert "idx_tasks_expires_at_ms" in plan
 
 
@@ -127,6 +128,7 @@ async def test_durable_across_reopen(db_path: Path) -> None:
         ("mcp-tasks-proxy", "0005_add_upstream_task"),
         ("mcp-tasks-proxy", "0006_add_traceparent"),
         ("mcp-tasks-proxy", "0007_add_jobs"),
+        ("mcp-tasks-proxy", "0008_create_tombstones"),
     ]
     assert raw_rows(db_path, "PRAGMA journal_mode") == [("wal",)]
     indexes = {row[0] for row in raw_rows(db_path, "SELECT name FROM sqlite_master WHERE type = 'index'")}

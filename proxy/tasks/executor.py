@@ -14,7 +14,8 @@ from proxy.tasks.commands import Command, Event
 from proxy.tasks.live_call import LiveCall
 from proxy.tasks.ports import Effect, Spawner
 
-Observer = Callable[[Event, list[Command]], None]  # sees each event with the commands it brought (metrics)
+# Sees each event of a call with the commands it brought (metrics, the audit trail).
+Observer = Callable[[LiveCall, Event, list[Command]], None]
 
 
 class Executor:
@@ -37,7 +38,7 @@ class Executor:
                 current = pending.pop(0)
                 commands = machine.handle(call.state, current)
                 for observe in self.observers:
-                    observe(current, commands)
+                    observe(call, current, commands)
                 for command in commands:
                     follow_up = await self.effects[type(command)](call, command)
                     if follow_up is not None:

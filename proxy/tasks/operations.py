@@ -21,7 +21,7 @@ from proxy.tasks.commands import Answered, Stop
 from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.ports import Feed
 from proxy.tasks.replicas import ReplicaLink
-from proxy.tasks.store import TaskStore
+from proxy.tasks.store import EXPIRED, TaskStore
 from proxy.tasks.table import CallTable
 from proxy.wire import tasks as wire_tasks
 from proxy.wire.envelope import Caller
@@ -66,21 +66,41 @@ class TaskOperations:
         return record
 
     async def observe(self, task_id: str, caller: Caller) -> TaskRecord:
-        """The caller's own, unexpired task, or -32602 (the same for an unknown, foreign or expired id, so
-        ids cannot be probed). A live task seen past its TTL is failed now (and its call stopped)."""
-        record = await self.store.get(task_id, principal=self.principals.key_of(caller.principal))
+        """The caller's own, unexpired task, or -32602 (the same "not found" for an unknown or a foreign id, so
+        ids cannot be probed; "expired" for the caller's own task whose record is gone, while its tombstone
+        lasts). A live task seen past its TTL is failed now (and its call stopped)."""
+        owner = self.principals.key_of(caller.principal)
+        record = await self.store.get(task_id, principal=owner)
         if record is None:
-            raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
+            raise await self._gone(task_id, owner)
         tracing.task_read(record.traceparent)  # the request's span links to the one that created the task
-        if record.expired(self.clock()):
+        now = self.clock()
+        if record.expired(now):
             if record.status.terminal:
-                await self.store.delete(task_id)  # past its TTL a settled record goes (the sweep would drop it too)
-                raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
+                # Past its TTL a settled record goes (the sweep would drop it too), leaving its tombstone.
+                tombstones = self.records.config.tombstone_seconds > 0
+                await self.store.delete(task_id, tombstone_at_ms=now if tombstones else None)
+                if not tombstones:
+                    raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
+                message, data = wire_tasks.gone_error(task_id, EXPIRED, now, record.expires_at_ms)
+                raise InvalidParamsError(message, data=data)
             expired = await self.expire(record) or await self.store.get(task_id)
             if expired is None:
                 raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
             return expired
         return self.paced(record)
+
+    async def _gone(self, task_id: str, owner: str) -> InvalidParamsError:
+        """-32602 for an id the caller has no record of: "expired" (or "deleted by an operator") when the caller's
+        own task left a tombstone within `tasks.tombstone_seconds`, else "not found" (unknown, or another
+        principal's: the tombstone is looked up by id and principal, so nothing of others' tasks shows)."""
+        if self.records.config.tombstone_seconds <= 0:
+            return InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
+        tombstone = await self.store.tombstone(task_id, owner)
+        if tombstone is None or self.clock() - tombstone.gone_at_ms > self.records.config.tombstone_seconds * 1000:
+            return InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
+        message, data = wire_tasks.gone_error(task_id, tombstone.reason, tombstone.gone_at_ms, tombstone.expired_at_ms)
+        return InvalidParamsError(message, data=data)
 
     async def update(self, task_id: str, caller: Caller, responses: Mapping[str, Any]) -> None:
         """Answers for the task's outstanding questions go upstream; the ack does not wait for the state change.

@@ -38,6 +38,7 @@ from proxy.wire.tasks import TaskRecord
 
 log = structlog.get_logger(__name__)
 
+TOMBSTONE_TRIM_MS: Final = 60_000  # tombstones past tasks.tombstone_seconds or max_tombstones go this often
 SWEEP_INTERVAL_SECONDS: Final = 1.0  # how often expired tasks are ended and old records purged
 
 StateOf = Callable[[Decision, JSON, str | int | None, str | None], CallState]
@@ -67,6 +68,7 @@ class Recovery:
         self.state_of = state_of
         self.clock = clock
         self.process_id = process_id
+        self._tombstones_trimmed_ms = 0  # the clock when the sweep last trimmed the tombstones
         self._adopting = asyncio.Lock()  # take-overs and a lapsed lease's recovery, one at a time
         self.draining: Callable[[], bool] = lambda: False  # set by the app (`TaskRunner.follow_drain`)
         self.jobs: Callable[[], Mapping[str, JobSpec]] = dict  # the `jobs:` config in force (set by the runner)
@@ -233,8 +235,15 @@ class Recovery:
             call = self.table.task(record.task_id)
             if call is not None:
                 await self.feed.submit(call, Stop(wire_tasks.EXPIRED_MESSAGE, error))
-        purged = await self.store.purge_expired(now)
+        config = self.records.config
+        purged = await self.store.purge_expired(now, tombstones=config.tombstone_seconds > 0)
         if purged:
             log.info("tasks_purged", count=purged)
+        if now - self._tombstones_trimmed_ms >= TOMBSTONE_TRIM_MS:
+            self._tombstones_trimmed_ms = now
+            cut_off = now - int(config.tombstone_seconds * 1000)
+            trimmed = await self.store.trim_tombstones(cut_off, config.max_tombstones)
+            if trimmed:
+                log.info("tombstones_trimmed", count=trimmed)
         await self.replicas.sweep(take_over=not self.draining())
         await self.durations.reload_if_due()

@@ -24,7 +24,7 @@ from typing import Any, Final, Protocol, TypeVar
 import structlog
 
 from proxy.tasks import remote
-from proxy.tasks.store import INPUT, RESYNC, STATUS, Change, Fence, FencedError, Message, StoreError, TaskStore
+from proxy.tasks.store import CANCEL, INPUT, RESYNC, STATUS, Change, Fence, FencedError, Message, StoreError, TaskStore
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
 
@@ -38,6 +38,9 @@ RENEWALS_PER_LEASE: Final = 3  # the lease is renewed this often within its own 
 FEED_RETRY_SECONDS: Final = 1.0  # after the change feed failed to start
 NOTE_TIMEOUT_SECONDS: Final = 5.0  # a waiting client that does not take a relayed notification in time misses it
 SUBSCRIBE_TIMEOUT_SECONDS: Final = 30.0
+# On SQLite the change feed is this process's own: what another process (an operator's `tasks cancel`) leaves
+# in the store is looked for this often, with one indexed read.
+MESSAGE_POLL_SECONDS: Final = 1.0
 ANSWERS_ACK_SECONDS: Final = 2.0  # how long a tasks/update waits for the owner to take the answers it relayed
 
 _T = TypeVar("_T")
@@ -101,6 +104,8 @@ class ReplicaLink:
         self.owner.spawn(self._lease_forever(), "replica-lease")
         self.owner.spawn(self._feed_forever(), "replica-feed")
         self.owner.spawn(self._take_forever(), "replica-messages")
+        if not self.store.shared:
+            self.owner.spawn(self._poll_forever(), "replica-message-poll")
         async with asyncio.timeout(SUBSCRIBE_TIMEOUT_SECONDS):
             await self._subscribed.wait()
 
@@ -257,12 +262,23 @@ class ReplicaLink:
             for message in messages:
                 await self._route(message)
 
+    async def _poll_forever(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(MESSAGE_POLL_SECONDS)
+            try:
+                if await self.store.pending_messages(self.replica_id):
+                    self._wake.set()
+            except StoreError as exc:
+                log.warning("messages_not_polled", error=str(exc))
+
     async def _route(self, message: Message) -> None:
         payload = message.payload if isinstance(message.payload, dict) else {}
         if message.kind == INPUT:
             answers = payload.get("answers")
             if isinstance(answers, dict):
                 self.owner.answers_arrived(message.key, answers)
+        elif message.kind == CANCEL:  # an operator's cancel from another process: the record is settled already
+            self.owner.settled_elsewhere(message.key, TaskStatus.CANCELLED)
         elif message.kind == remote.RESUME:
             self.owner.resume_arrived(message.key, payload)
         elif message.kind == remote.LEFT:

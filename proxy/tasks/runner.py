@@ -17,11 +17,13 @@ from typing import Any, Final, TypeVar
 
 import structlog
 
+from proxy.audit import AuditLog
 from proxy.config import Config
 from proxy.observability import Metrics
 from proxy.principals import Principals
 from proxy.tasks import commands as c
 from proxy.tasks import inputs
+from proxy.tasks.audit_trail import AuditTrail
 from proxy.tasks.background import Background
 from proxy.tasks.calls import CallStarter
 from proxy.tasks.durations import Durations
@@ -86,6 +88,9 @@ class TaskRunner:
         self.slots = RunningSlots(config.tasks.max_running, config.limits.max_running_per_principal)
         self.parking = Parking(config.inputs, config.limits, signer, clock, self.process_id)
         observers: list[Observer] = [QuestionCounter(metrics)]  # counted when metrics are on; traced
+        self.audit = None if config.audit.path is None else AuditLog(config.audit.path, self.process_id)
+        if self.audit is not None:
+            observers.append(AuditTrail(self.audit))
         self.executor = Executor(self.background, self._forget, observers)
         feed = self.executor
         self.outbox = Outbox(config.store.max_pending_settlements, metrics)
@@ -212,6 +217,8 @@ class TaskRunner:
         await self.outbox.close()
         await self.replicas.close()
         await self.background.close(SHUTDOWN_GRACE_SECONDS)
+        if self.audit is not None:
+            self.audit.close()
 
     def follow(self, config: Config) -> None:
         """A live reload: the services that decide new calls read the new policies, limits and inputs settings;

@@ -37,7 +37,8 @@ LIVE: Final = frozenset({TaskStatus.WORKING, TaskStatus.INPUT_REQUIRED})
 # What a client that did not declare the Tasks extension lacks, as `data.requiredCapabilities` of -32021.
 REQUIRED_CAPABILITY: Final[JSON] = {"extensions": {TASKS_EXTENSION: {}}}
 
-# Unknown, expired and other principals' ids get the same -32602 answer, so ids cannot be probed.
+# Unknown ids and other principals' ids get the same -32602 answer, so ids cannot be probed. The caller's own
+# task that is gone (expired, purged) says so while its tombstone lasts (`gone_error`), with the same code.
 NOT_FOUND_MESSAGE: Final = "Failed to retrieve task: Task not found"
 
 RESTART_MESSAGE: Final = "interrupted: the proxy restarted while the upstream call was running"
@@ -55,6 +56,16 @@ def new_task_id() -> str:
 def iso_timestamp(epoch_ms: int) -> str:
     """ISO 8601 in UTC with milliseconds, e.g. `2026-08-01T10:00:00.000Z`."""
     return datetime.fromtimestamp(epoch_ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def gone_error(task_id: str, reason: str, gone_at_ms: int, expired_at_ms: int | None) -> tuple[str, JSON]:
+    """The message and `data` of the -32602 for the caller's own task whose record is gone: `expired` (its
+    ttlMs ran out at `expired_at_ms`) or `purged` (an operator deleted it at `gone_at_ms`)."""
+    data: JSON = {"taskId": task_id, "reason": reason, "deletedAt": iso_timestamp(gone_at_ms)}
+    if reason == "expired" and expired_at_ms is not None:
+        data["expiredAt"] = iso_timestamp(expired_at_ms)
+        return f"Failed to retrieve task: Task has expired (at {data['expiredAt']}, its ttlMs)", data
+    return f"Failed to retrieve task: Task was deleted by an operator (at {data['deletedAt']})", data
 
 
 def internal_error(message: str) -> JSON:

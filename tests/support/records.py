@@ -27,8 +27,8 @@ def make_record(
 ) -> TaskRecord:
     return TaskRecord(
         task_id=task_id,
-        principal="principal-hash",
-        tool="slow_tool",
+        principal=fields.pop("principal", "principal-hash"),
+        tool=fields.pop("tool", "slow_tool"),
         status=status,
         created_at_ms=created_at_ms,
         updated_at_ms=created_at_ms if updated_at_ms is None else updated_at_ms,

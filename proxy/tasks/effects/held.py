@@ -120,7 +120,7 @@ class QuestionCounter:
     def __init__(self, metrics: Metrics | None) -> None:
         self.metrics = metrics
 
-    def __call__(self, event: Event, commands: list[Command]) -> None:
+    def __call__(self, call: LiveCall, event: Event, commands: list[Command]) -> None:
         if not isinstance(event, Asked):
             return
         question = event.question

@@ -9,7 +9,9 @@ from __future__ import annotations
 from proxy.config import StoreConfig
 from proxy.tasks.store.base import (
     CANCEL,
+    EXPIRED,
     INPUT,
+    PURGED,
     RESYNC,
     STATUS,
     Change,
@@ -20,7 +22,11 @@ from proxy.tasks.store.base import (
     StoreFullError,
     StoreLockedError,
     StoreUnavailableError,
+    TaskQuery,
     TaskStore,
+    Tombstone,
+    page_key,
+    parse_page_key,
     record_from_row,
 )
 from proxy.tasks.store.feed import LocalFeed
@@ -28,7 +34,9 @@ from proxy.tasks.store.sqlite import SqliteTaskStore
 
 __all__ = [
     "CANCEL",
+    "EXPIRED",
     "INPUT",
+    "PURGED",
     "RESYNC",
     "STATUS",
     "Change",
@@ -41,14 +49,22 @@ __all__ = [
     "StoreFullError",
     "StoreLockedError",
     "StoreUnavailableError",
+    "TaskQuery",
     "TaskStore",
+    "Tombstone",
     "open_store",
+    "page_key",
+    "parse_page_key",
     "record_from_row",
 ]
 
 
-async def open_store(config: StoreConfig, *, max_records: int, read_only: bool = False) -> TaskStore:
-    """The configured store, open: PostgreSQL when `store.url` is set, else the SQLite file `store.path`."""
+async def open_store(
+    config: StoreConfig, *, max_records: int, read_only: bool = False, operator: bool = False
+) -> TaskStore:
+    """The configured store, open: PostgreSQL when `store.url` is set, else the SQLite file `store.path` (a
+    relative path from the working directory, for `serve` and the CLI alike). `operator`: the CLI's writes
+    beside running proxies (no schema migration; on SQLite, no file lock and an existing file only)."""
     if config.url is not None:
         from proxy.tasks.store.postgres import PostgresTaskStore
 
@@ -59,7 +75,8 @@ async def open_store(config: StoreConfig, *, max_records: int, read_only: bool =
             pool_size=config.pool_size,
             connect_timeout_seconds=config.connect_timeout_seconds,
             read_only=read_only,
+            migrate=not operator,
         )
     return await SqliteTaskStore.open(
-        config.path, max_records=max_records, synchronous=config.synchronous, read_only=read_only
+        config.path, max_records=max_records, synchronous=config.synchronous, read_only=read_only, operator=operator
     )

@@ -106,6 +106,56 @@ class Message:
     payload: JSON
 
 
+EXPIRED: Final = "expired"  # a tombstone's reason: the record's ttlMs ran out and the sweep (or a read) dropped it
+PURGED: Final = "purged"  # a tombstone's reason: an operator's `tasks purge` deleted it
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """What is left of a deleted record for a while: why it went and when, so that a caller asking for its own
+    task later learns it expired rather than that it never existed. Kept per task id AND principal hash: it
+    answers only the principal whose task it was."""
+
+    task_id: str
+    reason: str
+    gone_at_ms: int
+    expired_at_ms: int | None
+
+
+MAX_LIST_LIMIT: Final = 1000  # records one `list_tasks` page holds at most
+
+
+@dataclass(frozen=True, slots=True)
+class TaskQuery:
+    """An operator's filter over the records (`list_tasks`), newest first: by status, tool, principal hash and
+    creation time (`created_before_ms` / `created_after_ms`, both exclusive); a page of at most `limit`
+    records after the page key `after` (`page_key` of the last record of the previous page)."""
+
+    statuses: frozenset[TaskStatus] = frozenset()
+    tool: str | None = None
+    principal: str | None = None
+    created_before_ms: int | None = None
+    created_after_ms: int | None = None
+    after: tuple[int, str] | None = None
+    limit: int = 50
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.limit <= MAX_LIST_LIMIT:
+            raise ValueError(f"limit must be 1-{MAX_LIST_LIMIT}, got {self.limit}")
+
+
+def page_key(record: TaskRecord) -> str:
+    """Where the page after `record` starts, as text (`parse_page_key` reads it back)."""
+    return f"{record.created_at_ms}:{record.task_id}"
+
+
+def parse_page_key(text: str) -> tuple[int, str]:
+    created, _, task_id = text.partition(":")
+    if not created.isdigit() or not task_id:
+        raise ValueError(f"not a page key (CREATED_MS:TASK_ID): {text!r}")
+    return int(created), task_id
+
+
 def check_kind(kind: str) -> None:
     if not kind or len(kind) > MAX_KIND_CHARS or kind in RESERVED_KINDS:
         raise ValueError(f"a message kind is 1-{MAX_KIND_CHARS} characters, not {sorted(RESERVED_KINDS)}: {kind!r}")
@@ -164,11 +214,45 @@ class TaskStore(Protocol):
 
     async def settle_expired(self, now_ms: int, *, error: JSON, status_message: str) -> list[TaskRecord]: ...
 
-    async def purge_expired(self, now_ms: int) -> int: ...
+    async def purge_expired(self, now_ms: int, *, tombstones: bool = False) -> int:
+        """Settled records past their TTL (with `tombstones`, each leaves an EXPIRED tombstone)."""
+        ...
 
-    async def delete(self, task_id: str) -> bool: ...
+    async def delete(self, task_id: str, *, tombstone_at_ms: int | None = None) -> bool:
+        """The record gone; with `tombstone_at_ms`, an EXPIRED tombstone of that time left in its place."""
+        ...
+
+    async def tombstone(self, task_id: str, principal: str) -> Tombstone | None:
+        """The tombstone of `principal`'s deleted task `task_id`, or None (never another principal's)."""
+        ...
+
+    async def trim_tombstones(self, gone_before_ms: int, keep: int) -> int:
+        """Tombstones older than `gone_before_ms` deleted, and the oldest beyond the newest `keep`; how many."""
+        ...
 
     async def stats(self) -> dict[str, int]: ...
+
+    # -- operators ---------------------------------------------------------------------------------------------
+
+    async def list_tasks(self, query: TaskQuery) -> list[TaskRecord]:
+        """One page of the records `query` selects, newest first, without their request and result."""
+        ...
+
+    async def cancel_task(self, task_id: str, status_message: str, *, now_ms: int) -> TaskRecord | None:
+        """An operator's cancel: the live task settled `cancelled`, and its owner told to stop the call (on
+        PostgreSQL by the settlement's own notification, on SQLite by a CANCEL message the running proxy
+        polls for); the settled record, or None when the task is not live."""
+        ...
+
+    async def purge_settled(self, updated_before_ms: int, *, dry_run: bool, tombstone_at_ms: int | None = None) -> int:
+        """Settled records last changed before `updated_before_ms`: how many there are, deleted unless
+        `dry_run` (with `tombstone_at_ms`, each leaves a PURGED tombstone). Live tasks are never touched."""
+        ...
+
+    async def pending_messages(self, replica_id: str) -> bool:
+        """Are messages waiting for `replica_id`? (A read; on SQLite the proxy asks this to notice what the CLI,
+        another process, posted.)"""
+        ...
 
     async def check_writable(self, now_ms: int) -> None: ...
 
@@ -243,6 +327,37 @@ STATUS_KEYS: Final = tuple(status.value for status in TaskStatus)
 LIVE_SQL: Final = ", ".join(f"'{status.value}'" for status in sorted(LIVE))
 TERMINAL_SQL: Final = ", ".join(f"'{status.value}'" for status in sorted(TERMINAL))
 MESSAGE_RETENTION_MS: Final = 3_600_000  # a message its replica never took (it died, nobody took over) goes
+
+
+# Every column but the two that can be large and hold what callers sent and got: a listing reads neither.
+LIST_COLUMNS: Final = ", ".join(
+    {"request": "'{}' AS request", "result": "NULL AS result"}.get(column, column) for column in COLUMNS
+)
+
+
+def query_sql(query: TaskQuery, mark: str) -> tuple[str, list[Any]]:
+    """`list_tasks` as one SELECT with `mark` as the driver's placeholder (`?` or `%s`), and its parameters."""
+    clauses: list[str] = []
+    params: list[Any] = []
+    if query.statuses:
+        clauses.append(f"status IN ({', '.join(mark for _ in query.statuses)})")
+        params.extend(sorted(status.value for status in query.statuses))
+    for column, value in (("tool", query.tool), ("principal", query.principal)):
+        if value is not None:
+            clauses.append(f"{column} = {mark}")
+            params.append(value)
+    if query.created_before_ms is not None:
+        clauses.append(f"created_at_ms < {mark}")
+        params.append(query.created_before_ms)
+    if query.created_after_ms is not None:
+        clauses.append(f"created_at_ms > {mark}")
+        params.append(query.created_after_ms)
+    if query.after is not None:
+        clauses.append(f"(created_at_ms < {mark} OR (created_at_ms = {mark} AND task_id < {mark}))")
+        params.extend([query.after[0], query.after[0], query.after[1]])
+    where = f" WHERE {' AND '.join(clauses)}" if clauses else ""
+    sql = f"SELECT {LIST_COLUMNS} FROM tasks{where} ORDER BY created_at_ms DESC, task_id DESC LIMIT {mark}"
+    return sql, [*params, query.limit]
 
 
 def encode(value: Any) -> str:

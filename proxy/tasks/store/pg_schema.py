@@ -138,6 +138,21 @@ MIGRATIONS: Final[tuple[tuple[str, str], ...]] = (
         ALTER TABLE tasks ADD COLUMN job_id text;
         """,
     ),
+    (
+        # What is left of a deleted record for a while (`tasks.tombstone_seconds`): why it went and when,
+        # answered only to the principal whose task it was.
+        "0007_create_tombstones",
+        """
+        CREATE TABLE tombstones (
+            task_id text PRIMARY KEY,
+            principal text NOT NULL,
+            reason text NOT NULL,
+            expired_at_ms bigint,
+            gone_at_ms bigint NOT NULL
+        );
+        CREATE INDEX tombstones_gone_at ON tombstones (gone_at_ms);
+        """,
+    ),
 )
 
 
@@ -211,10 +226,40 @@ SETTLE_EXPIRED_SQL: Final = (
     f" WHERE tasks.task_id = due.task_id AND tasks.status IN ({LIVE_SQL}) RETURNING tasks.*)"
     f" SELECT changed.*, {NOTIFY_STATUS} FROM changed"
 )
-PURGE_SQL: Final = (
-    "DELETE FROM tasks WHERE task_id IN (SELECT task_id FROM tasks"
-    f" WHERE expires_at_ms <= %s AND status IN ({TERMINAL_SQL}) LIMIT %s)"
+# What the deletes of records select, with named parameters (`bury_sql` makes each its DELETE).
+EXPIRED_WHERE: Final = f"FROM tasks WHERE expires_at_ms <= %(now_ms)s AND status IN ({TERMINAL_SQL}) LIMIT %(chunk)s"
+SETTLED_BEFORE_WHERE: Final = (
+    f"FROM tasks WHERE status IN ({TERMINAL_SQL}) AND updated_at_ms < %(before_ms)s LIMIT %(chunk)s"
 )
+ONE_WHERE: Final = "FROM tasks WHERE task_id = %(task_id)s"
+COUNT_SETTLED_BEFORE_SQL: Final = (
+    f"SELECT count(*) AS n FROM tasks WHERE status IN ({TERMINAL_SQL}) AND updated_at_ms < %(before_ms)s"
+)
+# The DELETE wrapped so that each deleted record leaves a tombstone, in the same statement.
+_BURY_SQL: Final = (
+    "WITH gone AS (DELETE FROM tasks WHERE task_id IN (SELECT task_id {where}) RETURNING task_id, principal,"
+    " expires_at_ms) INSERT INTO tombstones (task_id, principal, reason, expired_at_ms, gone_at_ms)"
+    " SELECT task_id, principal, %(reason)s, expires_at_ms, %(now_ms)s FROM gone ON CONFLICT (task_id) DO UPDATE"
+    " SET principal = excluded.principal, reason = excluded.reason, expired_at_ms = excluded.expired_at_ms,"
+    " gone_at_ms = excluded.gone_at_ms"
+)
+TOMBSTONE_SQL: Final = (
+    "SELECT task_id, reason, gone_at_ms, expired_at_ms FROM tombstones WHERE task_id = %s AND principal = %s"
+)
+TRIM_TOMBSTONES_SQL: Final = (
+    "DELETE FROM tombstones WHERE gone_at_ms < %s OR task_id IN"
+    " (SELECT task_id FROM tombstones ORDER BY gone_at_ms DESC, task_id OFFSET %s)"
+)
+
+
+def bury_sql(where: str, tombstones: bool) -> str:
+    """The DELETE of the records `where` selects; with `tombstones`, each leaves one (parameters `reason` and
+    `now_ms`)."""
+    if tombstones:
+        return _BURY_SQL.format(where=where)
+    return f"DELETE FROM tasks WHERE task_id IN (SELECT task_id {where})"
+
+
 PURGE_MESSAGES_SQL: Final = "DELETE FROM messages WHERE created_at <= clock_timestamp() - make_interval(secs => %s)"
 TRIM_DURATIONS_SQL: Final = (
     "DELETE FROM tool_durations WHERE tool IN"

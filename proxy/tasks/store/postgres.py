@@ -29,8 +29,10 @@ from proxy.keyfiles import read_password
 from proxy.tasks import pacing
 from proxy.tasks.store import pg_schema as schema
 from proxy.tasks.store.base import (
+    EXPIRED,
     LIVE_SQL,
     MESSAGE_RETENTION_MS,
+    PURGED,
     STATUS_KEYS,
     Change,
     Fence,
@@ -38,9 +40,12 @@ from proxy.tasks.store.base import (
     LiveWrites,
     Message,
     StoreError,
+    TaskQuery,
+    Tombstone,
     check_kind,
     decode,
     encode,
+    query_sql,
     records_from_rows,
 )
 from proxy.tasks.store.pg_create import PgCreator
@@ -72,11 +77,13 @@ class PostgresTaskStore(LiveWrites):
         pool_size: int,
         connect_timeout_seconds: float,
         read_only: bool,
+        migrate: bool = True,
     ) -> None:
         if max_records < 1:
             raise ValueError(f"max_records must be at least 1, got {max_records}")
         self.url = url
         self.read_only = read_only
+        self._migrate = migrate and not read_only
         self._max_records = max_records
         self._password_file = password_file
         self._connect_timeout = connect_timeout_seconds
@@ -105,8 +112,10 @@ class PostgresTaskStore(LiveWrites):
         pool_size: int = 10,
         connect_timeout_seconds: float = 5.0,
         read_only: bool = False,
+        migrate: bool = True,
     ) -> PostgresTaskStore:
-        """Connect, migrate the schema (unless read-only), open the pool; StoreError if the database is unusable."""
+        """Connect, migrate the schema (unless read-only, or `migrate` is False: an operator's CLI leaves the
+        schema to the proxies), open the pool; StoreError if the database is unusable."""
         store = cls(
             url,
             max_records=max_records,
@@ -114,6 +123,7 @@ class PostgresTaskStore(LiveWrites):
             pool_size=pool_size,
             connect_timeout_seconds=connect_timeout_seconds,
             read_only=read_only,
+            migrate=migrate,
         )
         try:
             await store._open()
@@ -147,7 +157,7 @@ class PostgresTaskStore(LiveWrites):
             raise StoreError(f"cannot connect to the task store {self.url}: {exc}") from exc
         try:
             async with conn:
-                if not self.read_only:
+                if self._migrate:
                     await schema.migrate(conn)
                 cursor = await conn.execute("SELECT current_schema() AS name, to_regclass('tasks') AS tasks")
                 row = await cursor.fetchone()
@@ -250,10 +260,12 @@ class PostgresTaskStore(LiveWrites):
             if len(chunk) < 1000:
                 return sorted(settled, key=lambda record: (record.expires_at_ms or 0, record.task_id))
 
-    async def purge_expired(self, now_ms: int) -> int:
+    async def purge_expired(self, now_ms: int, *, tombstones: bool = False) -> int:
         """Settled records past their TTL, in chunks; also stale messages and forgotten tools. One replica at a
         time sweeps (an advisory lock): another one finding it taken returns 0 at once."""
         total = 0
+        params = {"now_ms": now_ms, "chunk": PURGE_CHUNK, "reason": EXPIRED}
+        sql = schema.bury_sql(schema.EXPIRED_WHERE, tombstones)
         async with self._connection("purge_expired") as conn:
             while True:
                 async with conn.transaction():
@@ -263,7 +275,7 @@ class PostgresTaskStore(LiveWrites):
                     if not (await cursor.fetchone() or {}).get("got"):
                         return total
                     await conn.execute(schema.LOCK_COUNT_SQL)
-                    purged = (await conn.execute(schema.PURGE_SQL, [now_ms, PURGE_CHUNK])).rowcount
+                    purged = (await conn.execute(sql, params)).rowcount
                     if total == 0:
                         await conn.execute(schema.PURGE_MESSAGES_SQL, [MESSAGE_RETENTION_MS / 1000])
                         await conn.execute(schema.TRIM_DURATIONS_SQL, [pacing.MAX_TOOLS])
@@ -271,10 +283,23 @@ class PostgresTaskStore(LiveWrites):
                 if purged < PURGE_CHUNK:
                     return total
 
-    async def delete(self, task_id: str) -> bool:
+    async def delete(self, task_id: str, *, tombstone_at_ms: int | None = None) -> bool:
+        sql = schema.bury_sql(schema.ONE_WHERE, tombstone_at_ms is not None)
+        params = {"task_id": task_id, "reason": EXPIRED, "now_ms": tombstone_at_ms}
         async with self._connection(f"delete {task_id}") as conn, conn.transaction():
             await conn.execute(schema.LOCK_COUNT_SQL)
-            return (await conn.execute("DELETE FROM tasks WHERE task_id = %s", [task_id])).rowcount > 0
+            return (await conn.execute(sql, params)).rowcount > 0
+
+    async def tombstone(self, task_id: str, principal: str) -> Tombstone | None:
+        rows = await self._rows(f"tombstone {task_id}", schema.TOMBSTONE_SQL, [task_id, principal], write=False)
+        if not rows:
+            return None
+        row = rows[0]
+        return Tombstone(row["task_id"], row["reason"], int(row["gone_at_ms"]), row["expired_at_ms"])
+
+    async def trim_tombstones(self, gone_before_ms: int, keep: int) -> int:
+        async with self._connection("trim_tombstones") as conn:
+            return (await conn.execute(schema.TRIM_TOMBSTONES_SQL, [gone_before_ms, keep])).rowcount
 
     async def stats(self) -> dict[str, int]:
         counts = dict.fromkeys(STATUS_KEYS, 0)
@@ -283,6 +308,35 @@ class PostgresTaskStore(LiveWrites):
             counts[row["status"]] = int(row["n"])
         counts["records"] = sum(counts.values())
         return counts
+
+    # -- operators -------------------------------------------------------------------------------------------
+
+    async def list_tasks(self, query: TaskQuery) -> list[TaskRecord]:
+        sql, params = query_sql(query, "%s")
+        return records_from_rows(await self._rows("list", sql, params, write=False))
+
+    async def cancel_task(self, task_id: str, status_message: str, *, now_ms: int) -> TaskRecord | None:
+        """An unfenced settlement, as a client's cancel on another replica: its notification tells the owner."""
+        return await self.settle(task_id, TaskStatus.CANCELLED, now_ms=now_ms, status_message=status_message)
+
+    async def purge_settled(self, updated_before_ms: int, *, dry_run: bool, tombstone_at_ms: int | None = None) -> int:
+        params = {"before_ms": updated_before_ms, "chunk": PURGE_CHUNK, "reason": PURGED, "now_ms": tombstone_at_ms}
+        if dry_run:
+            return int((await self._rows("purge count", schema.COUNT_SETTLED_BEFORE_SQL, params, write=False))[0]["n"])
+        sql = schema.bury_sql(schema.SETTLED_BEFORE_WHERE, tombstone_at_ms is not None)
+        total = 0
+        async with self._connection("purge") as conn:
+            while True:
+                async with conn.transaction():
+                    await conn.execute(schema.LOCK_COUNT_SQL)
+                    purged = (await conn.execute(sql, params)).rowcount
+                total += purged
+                if purged < PURGE_CHUNK:
+                    return total
+
+    async def pending_messages(self, replica_id: str) -> bool:
+        sql = "SELECT 1 FROM messages WHERE recipient = %s LIMIT 1"
+        return bool(await self._rows("pending_messages", sql, [replica_id], write=False))
 
     async def check_writable(self, now_ms: int) -> None:
         """Commit one tiny write (readiness): StoreError when the database does not take writes (down, a standby)."""

@@ -21,17 +21,24 @@ from sqlite_utils import Database
 
 from proxy.tasks.store import sqlite_schema as schema
 from proxy.tasks.store.base import (
+    EXPIRED,
     LIVE_SQL,
+    PURGED,
     STATUS,
     STATUS_KEYS,
+    TERMINAL_SQL,
     Change,
     Fence,
     LiveWrites,
     Message,
     StoreError,
+    TaskQuery,
+    Tombstone,
     check_kind,
     encode,
+    query_sql,
     records_from_rows,
+    settle_values,
 )
 from proxy.tasks.store.batching import CreationBatcher
 from proxy.tasks.store.feed import LocalFeed
@@ -44,6 +51,16 @@ _MIN_SQLITE_VERSION: Final = (3, 35, 0)  # UPDATE ... RETURNING
 _EPOCH: Final = 1  # the one process holds the file lock: its lease never lapses
 
 
+def _live_update(
+    task_id: str, values: Mapping[str, Any], now_ms: int, fence: Fence | None
+) -> tuple[str, dict[str, Any]]:
+    """The conditional UPDATE ... RETURNING of a live task (a settled one never changes), and its parameters."""
+    assignments = ", ".join([*(f"{name} = :{name}" for name in values), "updated_at_ms = :now_ms"])
+    fenced = " AND owner = :fence_owner" if fence is not None else ""
+    sql = f"UPDATE tasks SET {assignments} WHERE task_id = :task_id AND status IN ({LIVE_SQL}){fenced} RETURNING *"
+    return sql, {**values, "now_ms": now_ms, "task_id": task_id, "fence_owner": fence and fence.owner}
+
+
 class SqliteTaskStore(LiveWrites):
     """Task records in one SQLite file. Methods are coroutines; the SQLite work runs in the store's two threads.
 
@@ -53,7 +70,13 @@ class SqliteTaskStore(LiveWrites):
     path: Path
 
     def __init__(
-        self, path: Path, *, max_records: int, synchronous: Literal["normal", "full"], read_only: bool
+        self,
+        path: Path,
+        *,
+        max_records: int,
+        synchronous: Literal["normal", "full"],
+        read_only: bool,
+        operator: bool = False,
     ) -> None:
         """Use `await SqliteTaskStore.open(...)`; this only sets up the threads."""
         if max_records < 1:
@@ -62,6 +85,7 @@ class SqliteTaskStore(LiveWrites):
             raise ValueError(f"synchronous must be 'normal' or 'full', got {synchronous!r}")
         self.path = path
         self.read_only = read_only
+        self.operator = operator
         self._closed = False
         self._close_done = asyncio.Event()
         self._writer: ThreadPoolExecutor | None = (
@@ -83,11 +107,16 @@ class SqliteTaskStore(LiveWrites):
         max_records: int,
         synchronous: Literal["normal", "full"] = "full",
         read_only: bool = False,
+        operator: bool = False,
     ) -> SqliteTaskStore:
-        store = cls(Path(path), max_records=max_records, synchronous=synchronous, read_only=read_only)
+        """`operator`: the CLI's cancel and purge beside a running proxy (no file lock, no migration, an
+        existing file only); `read_only`: reads only (safe while the proxy runs)."""
+        store = cls(
+            Path(path), max_records=max_records, synchronous=synchronous, read_only=read_only, operator=operator
+        )
         try:
             if not read_only:
-                await store._write("open", store._writer_state.open)
+                await store._write("open", store._writer_state.open_beside if operator else store._writer_state.open)
             await store._read("open", store._open_reader)
         except BaseException:
             with contextlib.suppress(StoreError):  # the open failure is the error to report
@@ -118,11 +147,7 @@ class SqliteTaskStore(LiveWrites):
         self, task_id: str, values: Mapping[str, Any], now_ms: int, fence: Fence | None
     ) -> TaskRecord | None:
         """Change a live task (a settled one never changes); the record as it is now, or None."""
-        assignments = ", ".join([*(f"{name} = :{name}" for name in values), "updated_at_ms = :now_ms"])
-        fenced = " AND owner = :fence_owner" if fence is not None else ""
-        sql = f"UPDATE tasks SET {assignments} WHERE task_id = :task_id AND status IN ({LIVE_SQL}){fenced} RETURNING *"
-        params = {**values, "now_ms": now_ms, "task_id": task_id, "fence_owner": fence and fence.owner}
-
+        sql, params = _live_update(task_id, values, now_ms, fence)
         record = await self._write(f"update {task_id}", lambda: self._writer_state.change(sql, params, task_id, fence))
         if record is not None:
             self._feed.publish(Change(STATUS, record.task_id, record.owner, record.status))
@@ -147,15 +172,31 @@ class SqliteTaskStore(LiveWrites):
                 settled.append(done)
         return settled
 
-    async def purge_expired(self, now_ms: int) -> int:
+    async def purge_expired(self, now_ms: int, *, tombstones: bool = False) -> int:
         """Settled records past their TTL; also messages nobody took within an hour, and forgotten tools."""
-        return await self._write("purge_expired", lambda: self._writer_state.purge(now_ms))
+        reason = EXPIRED if tombstones else None
+        return await self._write("purge_expired", lambda: self._writer_state.purge(now_ms, reason))
 
-    async def delete(self, task_id: str) -> bool:
+    async def delete(self, task_id: str, *, tombstone_at_ms: int | None = None) -> bool:
+        reason = None if tombstone_at_ms is None else EXPIRED
         deleted = await self._write(
-            f"delete {task_id}", lambda: self._writer_state.delete("DELETE FROM tasks WHERE task_id = ?", [task_id])
+            f"delete {task_id}",
+            lambda: self._writer_state.bury("FROM tasks WHERE task_id = ?", [task_id], reason, tombstone_at_ms or 0),
         )
         return deleted > 0
+
+    async def tombstone(self, task_id: str, principal: str) -> Tombstone | None:
+        def run() -> Tombstone | None:
+            row = self._reader_conn().execute(schema.TOMBSTONE_SQL, [task_id, principal]).fetchone()
+            return None if row is None else Tombstone(*row)
+
+        return await self._read(f"tombstone {task_id}", run)
+
+    async def trim_tombstones(self, gone_before_ms: int, keep: int) -> int:
+        return await self._write(
+            "trim_tombstones",
+            lambda: self._writer_state.execute_count(schema.TRIM_TOMBSTONES_SQL, [gone_before_ms, keep]),
+        )
 
     async def stats(self) -> dict[str, int]:
         def run() -> dict[str, int]:
@@ -166,6 +207,43 @@ class SqliteTaskStore(LiveWrites):
             return counts
 
         return await self._read("stats", run)
+
+    # -- operators -------------------------------------------------------------------------------------------
+
+    async def list_tasks(self, query: TaskQuery) -> list[TaskRecord]:
+        sql, params = query_sql(query, "?")
+        return await self._read("list", lambda: self._select(sql, params))
+
+    async def cancel_task(self, task_id: str, status_message: str, *, now_ms: int) -> TaskRecord | None:
+        """Settled here; the proxy that runs the call (another process when this is an operator's store) finds
+        the CANCEL message at its next poll. In the proxy itself the settlement's change tells the owner."""
+        values = settle_values(TaskStatus.CANCELLED, None, None, status_message)
+        sql, params = _live_update(task_id, values, now_ms, None)
+        record = await self._write(
+            f"cancel {task_id}", lambda: self._writer_state.cancel(sql, params, task_id, tell_owner=self.operator)
+        )
+        if record is not None:
+            self._feed.publish(Change(STATUS, record.task_id, record.owner, record.status))
+        return record
+
+    async def purge_settled(self, updated_before_ms: int, *, dry_run: bool, tombstone_at_ms: int | None = None) -> int:
+        where = f"FROM tasks WHERE status IN ({TERMINAL_SQL}) AND updated_at_ms < ?"
+        if dry_run:
+            return await self._read("purge count", lambda: self._count(f"SELECT COUNT(*) {where}", updated_before_ms))
+        reason = None if tombstone_at_ms is None else PURGED
+        return await self._write(
+            "purge", lambda: self._writer_state.bury(where, [updated_before_ms], reason, tombstone_at_ms or 0)
+        )
+
+    def _count(self, sql: str, value: int) -> int:
+        (found,) = self._reader_conn().execute(sql, [value]).fetchone()
+        return int(found)
+
+    async def pending_messages(self, replica_id: str) -> bool:
+        sql = "SELECT 1 FROM messages WHERE recipient = ? LIMIT 1"
+        return await self._read(
+            "pending_messages", lambda: bool(self._reader_conn().execute(sql, [replica_id]).fetchall())
+        )
 
     async def check_writable(self, now_ms: int) -> None:
         """Commit one tiny write (readiness): raises StoreError when the file no longer takes writes."""

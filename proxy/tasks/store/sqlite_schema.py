@@ -110,6 +110,15 @@ def _add_jobs(db: Database) -> None:
     """A legacy job's id (`jobs:` config): a restarted proxy polls the same job again, never starting it twice.
     Older records and other tasks: NULL."""
     db.table("tasks").add_column("job_id", str)
+@MIGRATIONS(name="0008_create_tombstones")
+def _create_tombstones(db: Database) -> None:
+    """What is left of a deleted record for a while (`tasks.tombstone_seconds`): why it went and when, answered
+    only to the principal whose task it was."""
+    db.execute(
+        "CREATE TABLE tombstones (task_id TEXT PRIMARY KEY, principal TEXT NOT NULL, reason TEXT NOT NULL,"
+        " expired_at_ms INTEGER, gone_at_ms INTEGER NOT NULL)"
+    )
+    db.execute("CREATE INDEX idx_tombstones_gone_at_ms ON tombstones (gone_at_ms)")
 
 
 INSERT_SQL: Final = f"INSERT INTO tasks ({', '.join(COLUMNS)}) VALUES ({', '.join(':' + column for column in COLUMNS)})"
@@ -128,7 +137,18 @@ EVICT_SQL: Final = (
 EXPIRED_LIVE_SQL: Final = (
     f"SELECT * FROM tasks WHERE expires_at_ms <= ? AND +status IN ({LIVE_SQL}) ORDER BY expires_at_ms, task_id"
 )
-PURGE_SQL: Final = f"DELETE FROM tasks WHERE expires_at_ms <= ? AND +status IN ({TERMINAL_SQL})"
+PURGE_WHERE: Final = f"FROM tasks WHERE expires_at_ms <= ? AND +status IN ({TERMINAL_SQL})"
+BURY_SQL: Final = (
+    "INSERT OR REPLACE INTO tombstones (task_id, principal, reason, expired_at_ms, gone_at_ms)"
+    " SELECT task_id, principal, ?, expires_at_ms, ? "
+)
+TOMBSTONE_SQL: Final = (
+    "SELECT task_id, reason, gone_at_ms, expired_at_ms FROM tombstones WHERE task_id = ? AND principal = ?"
+)
+TRIM_TOMBSTONES_SQL: Final = (
+    "DELETE FROM tombstones WHERE gone_at_ms < ? OR task_id IN"
+    " (SELECT task_id FROM tombstones ORDER BY gone_at_ms DESC, task_id LIMIT -1 OFFSET ?)"
+)
 HEALTH_SQL: Final = "INSERT OR REPLACE INTO health (id, checked_at_ms) VALUES (1, ?)"
 NOTIFY_OWNER_SQL: Final = (
     "INSERT INTO messages (recipient, kind, key, payload, created_at_ms)"

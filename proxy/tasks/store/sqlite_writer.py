@@ -22,6 +22,7 @@ from sqlite_utils import Database
 from proxy.tasks import pacing
 from proxy.tasks.store import sqlite_schema as schema
 from proxy.tasks.store.base import (
+    CANCEL,
     MESSAGE_RETENTION_MS,
     Fence,
     FencedError,
@@ -101,9 +102,11 @@ def _private_database(path: Path) -> None:
         _owner_only(path.with_name(path.name + suffix))
 
 
-def connect(path: Path, *, read_only: bool) -> Database:
-    # A URI, so that `?` or `#` in a path cannot be read as URI syntax; mode=ro makes the reader read-only.
-    conn = sqlite3.connect(f"file:{quote(str(path))}{'?mode=ro' if read_only else ''}", uri=True)
+def connect(path: Path, *, read_only: bool, existing: bool = False) -> Database:
+    # A URI, so that `?` or `#` in a path cannot be read as URI syntax; mode=ro makes the reader read-only, and
+    # mode=rw opens only a file that exists.
+    mode = "?mode=ro" if read_only else "?mode=rw" if existing else ""
+    conn = sqlite3.connect(f"file:{quote(str(path))}{mode}", uri=True)
     db = Database(conn, execute_plugins=False)
     db.execute("PRAGMA busy_timeout=5000")
     return db
@@ -128,6 +131,7 @@ class SqliteWriter:
         self._db: Database | None = None
         self._lock_fd: int | None = None
         self._record_count = 0
+        self._data_version = 0  # PRAGMA data_version when the count was last read
 
     def db(self) -> Database:
         if self._db is None:
@@ -157,6 +161,23 @@ class SqliteWriter:
         db.execute(f"PRAGMA synchronous={self._synchronous.upper()}")
         schema.MIGRATIONS.apply(db)
         (self._record_count,) = db.execute("SELECT COUNT(*) FROM tasks").fetchone()
+        self._written_elsewhere()
+
+    def _written_elsewhere(self) -> bool:
+        """Has another connection (an operator's `tasks purge`, beside this proxy) committed since the count was
+        read? SQLite's `data_version` changes only then; asked only at the `max_records` boundary."""
+        (version,) = self.db().execute("PRAGMA data_version").fetchone()
+        changed: bool = version != self._data_version
+        self._data_version = version
+        return changed
+
+    def open_beside(self) -> None:
+        """An operator's connection (the CLI's cancel and purge): to an existing database, without the file lock,
+        so it works beside the proxy that holds it (SQLite's own locking orders the two writers). No migration:
+        the proxy owns the schema."""
+        if not self.path.is_file():
+            raise StoreError(f"cannot open the task store {self.path}: no such file")
+        self._db = connect(self.path, read_only=False, existing=True)
 
     def close(self, checkpoint: bool) -> None:
         db, self._db = self._db, None
@@ -197,6 +218,8 @@ class SqliteWriter:
                 try:
                     with db.atomic():
                         evicted = 0
+                        if count >= self._max_records and self._written_elsewhere():
+                            (count,) = db.execute("SELECT COUNT(*) FROM tasks").fetchone()  # an operator purged
                         if count >= self._max_records:
                             needed = count - self._max_records + 1
                             evicted = db.execute(schema.EVICT_SQL, {"count": needed}).rowcount
@@ -226,21 +249,41 @@ class SqliteWriter:
                 raise FencedError(f"task {task_id} is owned by {row[0]}, not {fence.owner}")
         return records[0] if records else None
 
-    def delete(self, sql: str, params: list[Any]) -> int:
+    def execute_count(self, sql: str, params: list[Any]) -> int:
+        """One statement in its own transaction; the rows it changed."""
         db = self.db()
         with db.atomic():
-            deleted = db.execute(sql, params).rowcount
+            return int(db.execute(sql, params).rowcount)
+
+    def bury(self, where: str, params: list[Any], reason: str | None, now_ms: int) -> int:
+        """`DELETE {where}`; with a `reason`, each deleted record leaves a tombstone, in the same transaction."""
+        db = self.db()
+        with db.atomic():
+            if reason is not None:
+                db.execute(schema.BURY_SQL + where, [reason, now_ms, *params])
+            deleted = db.execute(f"DELETE {where}", params).rowcount
         self._record_count -= deleted
         return deleted
 
-    def purge(self, now_ms: int) -> int:
+    def purge(self, now_ms: int, reason: str | None) -> int:
         """Settled records past their TTL; also messages nobody took within an hour, and forgotten tools."""
-        purged = self.delete(schema.PURGE_SQL, [now_ms])
+        purged = self.bury(schema.PURGE_WHERE, [now_ms], reason, now_ms)
         db = self.db()
         with db.atomic():
             db.execute(schema.PURGE_MESSAGES_SQL, [wall_ms() - MESSAGE_RETENTION_MS])
             db.execute(schema.TRIM_DURATIONS_SQL, [pacing.MAX_TOOLS])
         return purged
+
+    def cancel(self, sql: str, params: dict[str, Any], task_id: str, tell_owner: bool) -> TaskRecord | None:
+        """Settle a live task `cancelled` and, with `tell_owner`, leave its owner a CANCEL message, in one
+        transaction (the owner is another process: it polls for its messages)."""
+        db = self.db()
+        with db.atomic():
+            if tell_owner:
+                message = {"kind": CANCEL, "key": task_id, "payload": "{}", "now_ms": wall_ms()}
+                db.execute(schema.NOTIFY_OWNER_SQL, message).fetchall()
+            records = records_from_rows(rows(db.execute(sql, params)))
+        return records[0] if records else None
 
     def messages(self, sql: str, params: dict[str, Any] | list[Any]) -> list[Message]:
         """Messages inserted or taken by one statement, oldest first."""
