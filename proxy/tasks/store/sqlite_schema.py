@@ -110,6 +110,8 @@ def _add_jobs(db: Database) -> None:
     """A legacy job's id (`jobs:` config): a restarted proxy polls the same job again, never starting it twice.
     Older records and other tasks: NULL."""
     db.table("tasks").add_column("job_id", str)
+
+
 @MIGRATIONS(name="0008_create_tombstones")
 def _create_tombstones(db: Database) -> None:
     """What is left of a deleted record for a while (`tasks.tombstone_seconds`): why it went and when, answered
