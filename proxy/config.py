@@ -87,6 +87,22 @@ class _UpstreamCommon(_Frozen):
         gt=0,
         description="Longest time one upstream request may run; bounds a hung upstream call.",
     )
+    max_concurrent_calls: int = Field(
+        0,
+        ge=0,
+        description="Upstream requests of calls (tools/call, prompts/get, resources/read) this replica sends at "
+        "once; more wait in a fair queue (round robin across callers, first come first served within one). A "
+        "declaring client's call that has to wait becomes a task at once (`statusMessage` `queued: N ahead`); "
+        "another caller waits up to `max_queue_wait_ms`. MRTR retries and `tasks/update` answers never wait: "
+        "their call holds its slot already. 0: no cap (the upstream gets whatever arrives), and no queue.",
+    )
+    max_queue_wait_ms: int = Field(
+        30_000,
+        gt=0,
+        description="With `max_concurrent_calls`: how long a synchronous call (a client that did not declare the "
+        "tasks extension, or a `forbidden` tool) waits in the queue; then it gets 503 with `Retry-After`, never "
+        "having reached the upstream. 30 s stays within the 60 s request timeout common in MCP clients.",
+    )
     protocol_version: Literal["2025-11-25", "2025-06-18", "2025-03-26"] = Field(
         "2025-11-25",
         description="Protocol version the proxy offers in its own upstream `initialize` (the upstream may answer "

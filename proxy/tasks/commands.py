@@ -39,6 +39,7 @@ class Timer(StrEnum):
     WINDOW = "window"  # the sync window: a call still running then becomes a task
     PARK = "park"  # a parked call nobody resumes in time is cancelled
     POLL = "poll"  # an upstream-owned task silent for its pollInterval is asked for its status (tasks/get)
+    QUEUE = "queue"  # a synchronous call queued for an upstream slot waits this long, then gets 503
 
 
 # --- events ------------------------------------------------------------------------------------------------
@@ -168,6 +169,22 @@ class LeaseLost:
     the call stops, the upstream is told, and nothing more is written for it."""
 
 
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """The call's upstream request waits for a slot (`upstream.max_concurrent_calls`): `ahead` calls are before
+    it in the fair queue. A synchronous caller waits up to `wait_ms`, then gets `refusal` (503 with the
+    queue's own estimate of when to come back)."""
+
+    ahead: int
+    wait_ms: int
+    refusal: ProxyError
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The queued call got its upstream slot: its request is being sent."""
+
+
 Event = (
     Start
     | Asked
@@ -188,6 +205,8 @@ Event = (
     | RemoteCancel
     | RemoteAnswers
     | LeaseLost
+    | Queued
+    | Admitted
 )
 
 # --- commands ----------------------------------------------------------------------------------------------

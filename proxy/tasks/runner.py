@@ -25,6 +25,7 @@ from proxy.tasks import inputs
 from proxy.tasks.background import Background
 from proxy.tasks.calls import CallStarter
 from proxy.tasks.durations import Durations
+from proxy.tasks.effects.admission import Admission
 from proxy.tasks.effects.client import ClientSide
 from proxy.tasks.effects.held import HeldRequest, QuestionCounter
 from proxy.tasks.effects.records import RecordWrites
@@ -86,7 +87,11 @@ class TaskRunner:
             metrics,
         )
         self.timers = Timers(feed, self.background)
-        held = HeldRequest(feed, self.background, upstream, self.parking)
+        caps = config.upstream
+        self.admission = (
+            Admission(caps.max_concurrent_calls, caps.max_queue_wait_ms, feed) if caps.max_concurrent_calls else None
+        )
+        held = HeldRequest(feed, self.background, upstream, self.parking, self.admission)
         upstream_task = UpstreamTaskEffect(feed, self.background, upstream, clock)
         client = ClientSide(self.durations.paced)
 

@@ -197,3 +197,8 @@ def failure_status_message(error: JSON) -> str:
     text = message if isinstance(message, str) and message else "the upstream call failed"
     has_code = isinstance(code, int) and not isinstance(code, bool)
     return f"{text} (JSON-RPC error {code})" if has_code else text
+
+
+def queued_status_message(ahead: int) -> str:
+    """The `statusMessage` of a task whose call waits for an upstream slot, with its place: `queued: 3 ahead`."""
+    return f"queued: {ahead} ahead"

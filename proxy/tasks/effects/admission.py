@@ -1,0 +1,134 @@
+"""The upstream's concurrency cap (`upstream.max_concurrent_calls`, per replica): a call whose upstream request
+is sent holds a slot until that request ends; the others wait in a fair queue, round robin across callers and
+first come first served within one, so that one caller's burst cannot starve another. A call learns that it
+waits (`Queued`, with its place) and when it goes (`Admitted`); one that leaves the queue (cancelled, its client
+gone) frees its place. Imports the ports, the command vocabulary and errors; no store, no upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Final, TypeVar
+
+from proxy.errors import QueueTimeoutError
+from proxy.tasks.commands import Admitted, Queued
+from proxy.tasks.live_call import LiveCall
+from proxy.tasks.ports import Feed
+
+_T = TypeVar("_T")
+
+FIRST_HOLD_SECONDS: Final = 1.0  # the estimate of one call's hold time before any call ended
+HOLD_SMOOTHING: Final = 0.2  # weight of the latest call's hold time in the running estimate
+
+Waiter = tuple[LiveCall, "asyncio.Future[None]"]
+WaitObserver = Callable[[LiveCall, float], None]  # a queued call admitted after so many seconds
+
+
+class Admission:
+    def __init__(self, max_concurrent: int, max_wait_ms: int, feed: Feed) -> None:
+        self.max_concurrent = max_concurrent
+        self.max_wait_ms = max_wait_ms
+        self.feed = feed
+        self.on_waited: WaitObserver | None = None
+        self._holders: dict[LiveCall, float] = {}  # since when (monotonic seconds) each holds its slot
+        self._queues: dict[str, deque[Waiter]] = {}  # by caller, in the order of the round
+        self._hold_seconds = FIRST_HOLD_SECONDS
+
+    @asynccontextmanager
+    async def slot(self, call: LiveCall, inner: AbstractAsyncContextManager[_T]) -> AsyncIterator[_T]:
+        """`inner` (the call's upstream session) entered once the call holds a slot, which it keeps until it
+        leaves; a call with no free slot waits its turn first."""
+        try:
+            if len(self._holders) < self.max_concurrent and not self._queues:
+                self._holders[call] = time.monotonic()
+            else:
+                queued_at = time.monotonic()
+                await self._wait(call)
+                if self.on_waited is not None:
+                    self.on_waited(call, time.monotonic() - queued_at)
+                await self.feed.dispatch(call, Admitted())
+            async with inner as entered:
+                yield entered
+        finally:
+            self._release(call)
+
+    async def _wait(self, call: LiveCall) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue = self._queues.get(call.caller)
+        ahead = self._ahead(call.caller, len(queue) if queue is not None else 0)
+        if queue is None:
+            queue = self._queues[call.caller] = deque()
+        entry: Waiter = (call, waiter)
+        queue.append(entry)
+        try:
+            await self.feed.dispatch(call, Queued(ahead, self.max_wait_ms, self._refusal(ahead)))
+            await waiter
+        except BaseException:
+            if call not in self._holders:  # not granted (its cancel cancels `waiter` too): its place goes
+                waiter.cancel()
+                self._leave(call.caller, entry)
+            raise
+
+    def _ahead(self, caller: str, place: int) -> int:
+        """Calls admitted before the one at `place` (0: first) of `caller`'s queue: those before it there, and in
+        each round until its turn, one of every other caller still waiting (callers earlier in the round get one
+        turn more)."""
+        ahead = place
+        earlier = True
+        for other, queue in self._queues.items():
+            if other == caller:
+                earlier = False
+                continue
+            ahead += min(len(queue), place + 1 if earlier else place)
+        return ahead
+
+    def _refusal(self, ahead: int) -> QueueTimeoutError:
+        """What a synchronous caller that waits its whole budget is told: come back when the calls before it
+        should be done, by the running estimate of one call's hold time."""
+        retry_after_seconds = max(1, math.ceil(self._hold_seconds * (ahead + 1) / self.max_concurrent))
+        return QueueTimeoutError(self.max_concurrent, self.max_wait_ms, retry_after_seconds)
+
+    def _leave(self, caller: str, entry: Waiter) -> None:
+        queue = self._queues.get(caller)
+        if queue is None:
+            return
+        try:
+            queue.remove(entry)
+        except ValueError:
+            return
+        if not queue:
+            del self._queues[caller]
+
+    def _release(self, call: LiveCall) -> None:
+        since = self._holders.pop(call, None)
+        if since is None:
+            return
+        held_seconds = time.monotonic() - since
+        self._hold_seconds += HOLD_SMOOTHING * (held_seconds - self._hold_seconds)
+        self._grant()
+
+    def _grant(self) -> None:
+        """Free slots go round the callers that wait: the first in the round gets one and goes to its end."""
+        while len(self._holders) < self.max_concurrent and self._queues:
+            caller = next(iter(self._queues))
+            queue = self._queues.pop(caller)
+            call, waiter = queue.popleft()
+            if queue:
+                self._queues[caller] = queue
+            if waiter.done():
+                continue
+            self._holders[call] = time.monotonic()
+            waiter.set_result(None)
+
+    def depth(self) -> int:
+        """Calls waiting for a slot."""
+        return sum(len(queue) for queue in self._queues.values())
+
+    @property
+    def held(self) -> int:
+        return len(self._holders)

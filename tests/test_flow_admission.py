@@ -1,0 +1,168 @@
+"""End to end: `upstream.max_concurrent_calls` against the real legacy fixture. The upstream never holds more
+calls than the cap; the calls beyond it wait in a queue that is fair between callers (round robin, first come
+first served within one); a declaring client's call that has to wait becomes a task at once (`queued: N
+ahead`), a queued task cancelled never reaches the upstream, and a synchronous call that waits its whole budget
+gets 503 with `Retry-After` (RFC 9110 §10.2.3) having never reached the upstream. An MRTR retry needs no slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from datetime import datetime
+from typing import Any
+
+from tests.support.clients import TERMINAL, ClientFactory, Tasks
+from tests.support.processes import Upstream
+from tests.support.sdk import held_at_once
+from tests.support.wire import modern_body, modern_headers, policies
+
+ELICIT: dict[str, Any] = {"elicitation": {}}
+HOLD_SECONDS = 0.2
+
+
+def as_caller(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {name}"}
+
+
+def settled_at(task: dict[str, Any]) -> float:
+    """When the task settled (its lastUpdatedAt), epoch seconds."""
+    return datetime.fromisoformat(task["lastUpdatedAt"].replace("Z", "+00:00")).timestamp()
+
+
+def another(client: Tasks) -> Tasks:
+    """A client of the same proxy with its own request ids, for requests sent at once."""
+    return Tasks(client.client, client.core, client.tasks)
+
+
+async def count_of(client: Tasks, key: str) -> int:
+    """How often `counted` ran upstream with `key` (asked through the proxy: this call takes a slot too)."""
+    return int(await client.text("call_count", {"key": key}))
+
+
+async def test_a_burst_from_two_callers_never_exceeds_the_cap_and_the_lighter_caller_is_not_starved(
+    tasks_client: ClientFactory, upstream: Upstream
+) -> None:
+    client = await tasks_client(upstream={"max_concurrent_calls": 2}, tasks=policies(held={"mode": "required"}))
+    await held_at_once(upstream.url, reset=True)
+    began = time.time()
+    heavy = await asyncio.gather(
+        *(
+            another(client).create("held", {"tag": f"heavy-{n}", "seconds": HOLD_SECONDS}, headers=as_caller("heavy"))
+            for n in range(20)
+        )
+    )
+    light = [
+        await client.create("held", {"tag": f"light-{n}", "seconds": HOLD_SECONDS}, headers=as_caller("light"))
+        for n in range(4)
+    ]
+    queued = await client.until(
+        light[-1], lambda task: str(task.get("statusMessage", "")).startswith("queued: "), headers=as_caller("light")
+    )
+    assert queued["status"] == "working"
+    finished: dict[str, list[float]] = {"heavy": [], "light": []}
+    for caller, task_ids in (("heavy", heavy), ("light", light)):
+        for task_id in task_ids:
+            task = await client.until(task_id, lambda task: task["status"] in TERMINAL, 30, headers=as_caller(caller))
+            assert task["status"] == "completed", task
+            finished[caller].append(settled_at(task) - began)
+    counts = await held_at_once(upstream.url)
+    assert counts["most"] == 2  # the cap held exactly, and was used
+    order = sorted((at, caller) for caller, times in finished.items() for at in times)
+    light_places = [place for place, (_, caller) in enumerate(order) if caller == "light"]
+    print(
+        "completion seconds after the burst began: "
+        f"heavy {sorted(round(at, 2) for at in finished['heavy'])}, "
+        f"light {sorted(round(at, 2) for at in finished['light'])}; light's places {light_places}"
+    )
+    # Round robin: the light caller's 4 calls, queued behind 18 of the heavy caller's, alternate with them (first
+    # come first served would have put them last, at places 20-23).
+    assert max(light_places) <= 14, order
+    assert max(finished["light"]) < max(finished["heavy"])
+
+
+async def test_a_declaring_call_that_would_wait_becomes_a_task_at_once_whatever_its_window(
+    tasks_client: ClientFactory,
+) -> None:
+    client = await tasks_client(
+        upstream={"max_concurrent_calls": 1},
+        tasks=policies(held={"sync_window_ms": 60_000}, sleep={"mode": "required"}),
+    )
+    first = await client.create("sleep", {"seconds": 2}, headers=as_caller("a"))
+    status, message = await client.call("held", {"tag": "second", "seconds": 0}, headers=as_caller("b"))
+    assert status == 200
+    assert message["result"]["resultType"] == "task"  # not 60 s of window: it waits as a task
+    second = message["result"]["taskId"]
+    task = await client.until(second, lambda task: "statusMessage" in task, headers=as_caller("b"))
+    assert (task["status"], task["statusMessage"]) == ("working", "queued: 0 ahead")
+    done = await client.until(second, lambda task: task["status"] in TERMINAL, 20, headers=as_caller("b"))
+    assert done["status"] == "completed"
+    assert await client.until(first, lambda task: task["status"] in TERMINAL, 20, headers=as_caller("a"))
+
+
+async def test_a_queued_task_cancelled_ends_cancelled_and_never_reaches_the_upstream(
+    tasks_client: ClientFactory,
+) -> None:
+    client = await tasks_client(
+        upstream={"max_concurrent_calls": 1}, tasks=policies(held={"mode": "required"}, counted={"mode": "required"})
+    )
+    key = uuid.uuid4().hex
+    running = await client.create("held", {"tag": "running", "seconds": 1})
+    queued = await client.create("counted", {"key": key})
+    await client.until(queued, lambda task: str(task.get("statusMessage", "")).startswith("queued: "))
+    status, ack = await client.post("tasks/cancel", {"taskId": queued})
+    assert (status, ack["result"]["resultType"]) == (200, "complete")
+    assert (await client.settled(queued))["status"] == "cancelled"
+    assert (await client.settled(running))["status"] == "completed"
+    assert await count_of(client, key) == 0  # the slot came free and the cancelled call never took it
+
+
+async def test_a_synchronous_call_waits_its_turn_within_its_budget(tasks_client: ClientFactory) -> None:
+    client = await tasks_client(upstream={"max_concurrent_calls": 1}, tasks=policies(sleep={"mode": "required"}))
+    running = await client.create("sleep", {"seconds": 0.5})
+    assert await client.text("held", {"tag": "waited", "seconds": 0}) == "waited"
+    assert (await client.settled(running))["status"] == "completed"
+
+
+async def test_a_synchronous_call_behind_a_full_queue_gets_503_with_retry_after_and_never_runs(
+    tasks_client: ClientFactory,
+) -> None:
+    client = await tasks_client(
+        upstream={"max_concurrent_calls": 1, "max_queue_wait_ms": 300}, tasks=policies(held={"mode": "required"})
+    )
+    key = uuid.uuid4().hex
+    running = await client.create("held", {"tag": "running", "seconds": 2})
+    params = {"name": "counted", "arguments": {"key": key}}
+    response = await client.client.post(
+        "/mcp",
+        json=modern_body("tools/call", params, request_id=1, capabilities={}),
+        headers=modern_headers("tools/call", "counted"),
+    )
+    message = await response.json()
+    assert response.status == 503
+    assert int(response.headers["Retry-After"]) >= 1
+    error = message["error"]
+    assert error["code"] == -32603
+    assert error["data"]["limit"] == "max_concurrent_calls"
+    assert error["data"]["retryAfterMs"] == int(response.headers["Retry-After"]) * 1000
+    assert (await client.settled(running))["status"] == "completed"
+    assert await count_of(client, key) == 0
+
+
+async def test_an_mrtr_retry_needs_no_slot_while_new_work_waits(tasks_client: ClientFactory) -> None:
+    client = await tasks_client(upstream={"max_concurrent_calls": 1}, tasks=policies(held={"mode": "required"}))
+    params = {"name": "ask_name", "arguments": {}}
+    _, parked = await client.post("tools/call", params, capabilities=ELICIT)
+    assert parked["result"]["resultType"] == "input_required"  # the parked call holds the only slot
+    behind = await client.create("held", {"tag": "behind", "seconds": 0})
+    await client.until(behind, lambda task: str(task.get("statusMessage", "")).startswith("queued: "))
+    (key,) = parked["result"]["inputRequests"]
+    retry = {
+        **params,
+        "inputResponses": {key: {"action": "accept", "content": {"name": "Ada"}}},
+        "requestState": parked["result"]["requestState"],
+    }
+    _, answered = await client.post("tools/call", retry, capabilities=ELICIT)
+    assert answered["result"]["content"][0]["text"] == "Hello, Ada"
+    assert (await client.settled(behind))["status"] == "completed"
