@@ -11,12 +11,15 @@ import asyncio
 import time
 import uuid
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
-from tests.support.clients import TERMINAL, ClientFactory, Tasks
-from tests.support.processes import Upstream
-from tests.support.sdk import held_at_once
-from tests.support.wire import modern_body, modern_headers, policies
+import aiohttp
+
+from tests.support.clients import TERMINAL, ClientFactory, Tasks, rpc, task_until
+from tests.support.processes import ProxyProcess, Upstream, key_file
+from tests.support.sdk import held_at_once, until_started_upstream
+from tests.support.wire import DECLARING, modern_body, modern_headers, policies, result_text
 
 ELICIT: dict[str, Any] = {"elicitation": {}}
 HOLD_SECONDS = 0.2
@@ -166,3 +169,43 @@ async def test_an_mrtr_retry_needs_no_slot_while_new_work_waits(tasks_client: Cl
     _, answered = await client.post("tools/call", retry, capabilities=ELICIT)
     assert answered["result"]["content"][0]["text"] == "Hello, Ada"
     assert (await client.settled(behind))["status"] == "completed"
+
+
+async def test_tasks_queued_when_the_proxy_is_killed_run_after_the_restart_in_order(
+    processes: list[ProxyProcess], own_upstream: Upstream, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    sections = {
+        "upstream": {"max_concurrent_calls": 1},
+        "security": {"key_file": key_file(tmp_path)},
+        "tasks": policies(sleep={"mode": "required"}, counted={"mode": "required"}),  # on_restart: fail
+    }
+    first = ProxyProcess(tmp_path, own_upstream.url, **sections)
+    processes.append(first)
+    await first.start()
+    key = uuid.uuid4().hex
+
+    async def create(proxy: ProxyProcess, tool: str, arguments: dict[str, Any]) -> str:
+        status, message = await rpc(http, proxy.url, "tools/call", {"name": tool, "arguments": arguments}, DECLARING)
+        assert (status, message["result"]["resultType"]) == (200, "task"), message
+        task_id: str = message["result"]["taskId"]
+        return task_id
+
+    running = await create(first, "sleep", {"seconds": 5})
+    await until_started_upstream(own_upstream.url, "sleep", 0)
+    queued = [await create(first, "counted", {"key": key}) for _ in range(3)]
+    for place, task_id in enumerate(queued):
+        task = await task_until(http, first.url, task_id, lambda task: "statusMessage" in task)
+        assert task["statusMessage"] == f"queued: {place} ahead"
+    first.stop()  # kill -9: nothing is written on the way out
+
+    second = ProxyProcess(tmp_path, own_upstream.url, **sections)
+    processes.append(second)
+    await second.start()
+    failed = await task_until(http, second.url, running, lambda task: task["status"] != "working")
+    assert failed["status"] == "failed"  # it had reached the upstream: on_restart says fail
+    results = []
+    for task_id in queued:
+        done = await task_until(http, second.url, task_id, lambda task: task["status"] in TERMINAL)
+        assert done["status"] == "completed", done  # never failed: it had never reached the upstream
+        results.append(result_text(done))
+    assert results == ["1", "2", "3"]  # each ran once, in the order they were queued

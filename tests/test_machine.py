@@ -70,6 +70,7 @@ from proxy.tasks.commands import (
     UpstreamTaskPolled,
     WriteInputs,
     WriteProgress,
+    WriteQueue,
 )
 from proxy.tasks.inputs import PendingInput
 from proxy.tasks.state import (
@@ -1187,8 +1188,8 @@ QUEUE_PLAYBOOKS = [
         TASK,
         [
             *TASK_STARTED,
-            (Queued(3, QUEUE_WAIT_MS, BUSY), [WriteProgress("queued: 3 ahead")]),
-            (Admitted(), [WriteProgress(STARTED)]),
+            (Queued(3, QUEUE_WAIT_MS, BUSY), [WriteQueue(True, "queued: 3 ahead")]),
+            (Admitted(), [WriteQueue(False, STARTED)]),
             (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE), HoldSlot(False)]),
         ],
         Mode.TASK,
@@ -1199,7 +1200,7 @@ QUEUE_PLAYBOOKS = [
         TASK,
         [
             *TASK_STARTED,
-            (Queued(0, QUEUE_WAIT_MS, BUSY), [WriteProgress("queued: 0 ahead")]),
+            (Queued(0, QUEUE_WAIT_MS, BUSY), [WriteQueue(True, "queued: 0 ahead")]),
             (Stop(CANCELLED_BY_CLIENT), [CancelCall(CANCELLED_BY_CLIENT), HoldSlot(False)]),
         ],
         Mode.DETACHED,
@@ -1211,8 +1212,8 @@ QUEUE_PLAYBOOKS = [
         [
             *WINDOW_STARTED,
             (Queued(1, QUEUE_WAIT_MS, BUSY), [ClearTimer(Timer.WINDOW), CreateRecord(TaskStatus.WORKING, {}, 0)]),
-            (Committed("t1"), [Reply(ReplyTask()), WriteProgress("queued: 1 ahead"), HoldSlot(True)]),
-            (Admitted(), [WriteProgress(STARTED)]),
+            (Committed("t1"), [Reply(ReplyTask()), WriteQueue(True, "queued: 1 ahead"), HoldSlot(True)]),
+            (Admitted(), [WriteQueue(False, STARTED)]),
         ],
         Mode.TASK,
         finished=False,
@@ -1269,8 +1270,8 @@ QUEUE_PLAYBOOKS = [
         WAIT,
         [
             *WAIT_STARTED,
-            (Queued(2, QUEUE_WAIT_MS, BUSY), [WriteProgress("queued: 2 ahead")]),
-            (Admitted(), [WriteProgress(STARTED)]),
+            (Queued(2, QUEUE_WAIT_MS, BUSY), [WriteQueue(True, "queued: 2 ahead")]),
+            (Admitted(), [WriteQueue(False, STARTED)]),
             (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE), Reply(ReplyOutcome(OK)), HoldSlot(False)]),
         ],
         Mode.WAITING,
@@ -1281,4 +1282,23 @@ QUEUE_PLAYBOOKS = [
 
 @pytest.mark.parametrize("playbook", QUEUE_PLAYBOOKS, ids=[playbook.name for playbook in QUEUE_PLAYBOOKS])
 def test_queue_playbook(playbook: Playbook) -> None:
+    test_playbook(playbook)
+
+
+def test_a_task_queued_at_a_restart_waits_for_its_slot_again() -> None:
+    """Recovery starts a task that was still queued when the process stopped (it never reached the upstream) like
+    a re-run: it queues again, its record says so, and says when it started."""
+    playbook = Playbook(
+        "queued at restart",
+        TASK,
+        [
+            (Start(), [StartCall(), HoldSlot(True)]),
+            (Queued(4, QUEUE_WAIT_MS, BUSY), [WriteQueue(True, "queued: 4 ahead")]),
+            (Admitted(), [WriteQueue(False, STARTED)]),
+            (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE), HoldSlot(False)]),
+        ],
+        Mode.TASK,
+        finished=True,
+        task_id="t1",
+    )
     test_playbook(playbook)

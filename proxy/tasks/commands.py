@@ -347,6 +347,16 @@ class HoldSlot:
     hold: bool
 
 
+@dataclass(frozen=True, slots=True)
+class WriteQueue:
+    """The task record says its call waits for an upstream slot (`queued`, its place in `status_message`), or
+    that it got one: a task still queued when the process stopped never reached the upstream, and runs at the
+    next start whatever its `on_restart`."""
+
+    queued: bool
+    status_message: str
+
+
 # What the waiting client's request is answered with:
 @dataclass(frozen=True, slots=True)
 class ReplyOutcome:
@@ -390,7 +400,7 @@ class Reply:
 
 
 # The commands that write the task record: none comes out of a call that lost its lease.
-STORE_WRITES: Final = (CreateRecord, WriteInputs, WriteProgress, Settle)
+STORE_WRITES: Final = (CreateRecord, WriteInputs, WriteProgress, Settle, WriteQueue)
 
 Command = (
     StartCall
@@ -412,4 +422,5 @@ Command = (
     | PollUpstreamTask
     | CancelUpstreamTask
     | ReleaseCall
+    | WriteQueue
 )

@@ -71,6 +71,7 @@ from proxy.tasks.commands import (
     UpstreamTaskCreated,
     UpstreamTaskPolled,
     WriteProgress,
+    WriteQueue,
 )
 from proxy.tasks.inputs import PendingInput
 from proxy.tasks.state import (
@@ -484,7 +485,7 @@ def _write_queued(state: CallState) -> list[Command]:
     if state.fenced or state.mode is Mode.DETACHED:
         return []
     state.queue_written = True
-    return [WriteProgress(wire_tasks.queued_status_message(state.queued_ahead))]
+    return [WriteQueue(True, wire_tasks.queued_status_message(state.queued_ahead))]
 
 
 def _admitted(state: CallState, event: Admitted) -> list[Command]:
@@ -496,7 +497,7 @@ def _admitted(state: CallState, event: Admitted) -> list[Command]:
         commands.append(ClearTimer(Timer.QUEUE))
     if state.queue_written and state.running and state.mode is not Mode.DETACHED:
         state.queue_written = False
-        commands.append(WriteProgress(STARTED))
+        commands.append(WriteQueue(False, STARTED))
     return commands
 
 

@@ -119,6 +119,7 @@ class TaskRunner:
                 c.Park: self.parking.park,
                 c.Unpark: self.parking.unpark,
                 c.HoldSlot: self.slots.hold,
+                c.WriteQueue: self.records.write_queue,
             }
         )
         inbox = ReplicaInbox(self.background, self.table, feed, self.parking, self.records, store, clock)

@@ -79,6 +79,10 @@ class TaskRecord:
     lives in (tasks are scoped to their session) and, by key, the upstream JSON-RPC ids of its outstanding
     questions: a restarted proxy follows it again there and can still deliver the answers.
 
+    `queued_at_ms` is set while the task's call waits for an upstream slot (`upstream.max_concurrent_calls`):
+    such a task never reached the upstream, so a restarted proxy runs it (in the order of these times) whatever
+    its `on_restart`.
+
     `traceparent` is the W3C trace context of the span that created the task, when tracing was on (never
     sent to a client): the spans of later requests about the task link to it, and a task resumed after a
     restart, or taken over by another replica, goes on in that trace.
@@ -106,6 +110,7 @@ class TaskRecord:
     upstream_session_id: str | None = None
     upstream_input_ids: JSON = field(default_factory=dict)
     traceparent: str | None = None
+    queued_at_ms: int | None = None  # set while its call waits for an upstream slot: it never reached the upstream
 
     @property
     def expires_at_ms(self) -> int | None:

@@ -146,6 +146,17 @@ class TaskStore(Protocol):
         self, task_id: str, owner: str, status_message: str, *, now_ms: int, fence: Fence | None = None
     ) -> TaskRecord | None: ...
 
+    async def set_queued(
+        self,
+        task_id: str,
+        queued_at_ms: int | None,
+        status_message: str,
+        *,
+        rerun_principal: str | None,
+        now_ms: int,
+        fence: Fence | None = None,
+    ) -> TaskRecord | None: ...
+
     async def settle(
         self,
         task_id: str,
@@ -237,6 +248,7 @@ COLUMNS: Final = (
     "upstream_session_id",
     "upstream_input_ids",
     "traceparent",
+    "queued_at_ms",
 )
 STATUS_KEYS: Final = tuple(status.value for status in TaskStatus)
 LIVE_SQL: Final = ", ".join(f"'{status.value}'" for status in sorted(LIVE))
@@ -293,6 +305,7 @@ def record_from_row(row: Mapping[str, Any]) -> TaskRecord:
         upstream_session_id=row["upstream_session_id"],
         upstream_input_ids=decode(row["upstream_input_ids"]),
         traceparent=row["traceparent"],
+        queued_at_ms=row["queued_at_ms"],
     )
 
 
@@ -331,6 +344,7 @@ def row_from_record(record: TaskRecord) -> dict[str, Any]:
         "upstream_session_id": record.upstream_session_id,
         "upstream_input_ids": encode(record.upstream_input_ids),
         "traceparent": record.traceparent,
+        "queued_at_ms": record.queued_at_ms,
     }
 
 
@@ -405,6 +419,22 @@ class LiveWrites:
     ) -> TaskRecord | None:
         """A live task taken over by `owner` to be run again from the start: `working`, no questions."""
         return await self._update(task_id, claim_values(owner, status_message), now_ms, fence)
+
+    async def set_queued(
+        self,
+        task_id: str,
+        queued_at_ms: int | None,
+        status_message: str,
+        *,
+        rerun_principal: str | None,
+        now_ms: int,
+        fence: Fence | None = None,
+    ) -> TaskRecord | None:
+        """The live task's call waits for an upstream slot since `queued_at_ms` (its place is in the
+        statusMessage), or, with None, got one; while it waits, the sealed principal a run after a restart
+        presents upstream is kept (`rerun_principal`), as for an `on_restart: rerun` task."""
+        values = {"queued_at_ms": queued_at_ms, "status_message": status_message, "rerun_principal": rerun_principal}
+        return await self._update(task_id, values, now_ms, fence)
 
     async def settle(
         self,

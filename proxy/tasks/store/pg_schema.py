@@ -130,6 +130,14 @@ MIGRATIONS: Final[tuple[tuple[str, str], ...]] = (
         ALTER TABLE tasks ADD COLUMN traceparent text;
         """,
     ),
+    (
+        # When the task's call began to wait for an upstream slot (`upstream.max_concurrent_calls`), while it
+        # waits: such a task never reached the upstream and runs at the next start, in this order.
+        "0006_add_admission_queue",
+        """
+        ALTER TABLE tasks ADD COLUMN queued_at_ms bigint;
+        """,
+    ),
 )
 
 
@@ -163,6 +171,7 @@ _TYPES: Final = {
     "expires_at_ms": "bigint",
     "poll_interval_ms": "bigint",
     "inputs_issued": "integer",
+    "queued_at_ms": "bigint",
 }
 # Every record of a batch in one statement (one trigger run), as one array per column.
 INSERT_SQL: Final = (
