@@ -660,6 +660,14 @@ class LimitsConfig(_Frozen):
         description="Tasks whose upstream call runs at once for one caller (its share of `tasks.max_running`); one "
         "more gets -32603 with `data.limit` (HTTP 429), so one caller cannot starve the others.",
     )
+    calls_per_minute_per_principal: int = Field(
+        0,
+        ge=0,
+        description="`tools/call` requests one caller may start per minute (a fixed window from the start of "
+        "each UTC minute); one more gets HTTP 429 with `Retry-After` and the `RateLimit-Policy`/`RateLimit` "
+        "fields. MRTR retries are the same call and do not count. On PostgreSQL the count is kept in the store, "
+        "so the limit holds across every replica; on SQLite (one process) it is kept in that process. 0: no quota.",
+    )
     max_parked_per_principal: int = Field(
         256,
         gt=0,

@@ -16,9 +16,11 @@ from typing import Any
 
 import aiohttp
 
+from tests import pg
 from tests.support.clients import TERMINAL, ClientFactory, Tasks, rpc, task_until
 from tests.support.processes import ProxyProcess, Upstream, key_file
 from tests.support.sdk import held_at_once, until_started_upstream
+from tests.support.waiting import until
 from tests.support.wire import DECLARING, modern_body, modern_headers, policies, result_text
 
 ELICIT: dict[str, Any] = {"elicitation": {}}
@@ -209,3 +211,69 @@ async def test_tasks_queued_when_the_proxy_is_killed_run_after_the_restart_in_or
         assert done["status"] == "completed", done  # never failed: it had never reached the upstream
         results.append(result_text(done))
     assert results == ["1", "2", "3"]  # each ran once, in the order they were queued
+
+
+# --- quotas: limits.calls_per_minute_per_principal ------------------------------------------------------------
+
+
+async def early_in_a_minute() -> None:
+    """The quota's window is the UTC minute: start a test's calls where the window has 45 s left or more, so
+    they all fall in one window."""
+
+    def early() -> bool:
+        return time.time() % 60 < 15
+
+    await until(early, "no minute began", 65)
+
+
+async def refused_call(client: Tasks, caller: str) -> tuple[int, dict[str, str], dict[str, Any]]:
+    response = await client.client.post(
+        "/mcp",
+        json=modern_body("tools/call", {"name": "echo", "arguments": {"text": "x"}}, request_id=1, capabilities={}),
+        headers={**modern_headers("tools/call", "echo"), **as_caller(caller)},
+    )
+    message = await response.json()
+    return response.status, dict(response.headers), message
+
+
+async def test_a_caller_past_its_quota_gets_429_with_retry_after_and_the_ratelimit_fields(
+    tasks_client: ClientFactory,
+) -> None:
+    client = await tasks_client(limits={"calls_per_minute_per_principal": 2})
+    await early_in_a_minute()
+    for _ in range(2):
+        status, message = await client.call("echo", {"text": "x"}, capabilities={}, headers=as_caller("busy"))
+        assert status == 200, message
+    status, headers, message = await refused_call(client, "busy")
+    assert status == 429
+    retry_after = int(headers["Retry-After"])
+    assert 1 <= retry_after <= 60
+    assert headers["RateLimit-Policy"] == '"calls";q=2;w=60'
+    assert headers["RateLimit"] == f'"calls";r=0;t={retry_after}'
+    client.core.validate(message, "JSONRPCErrorResponse")
+    assert message["error"]["code"] == -32603
+    assert message["error"]["data"] == {
+        "limit": "calls_per_minute_per_principal",
+        "max": 2,
+        "retryAfterMs": retry_after * 1000,
+    }
+    status, _ = await client.call("echo", {"text": "x"}, capabilities={}, headers=as_caller("other"))
+    assert status == 200  # each caller has its own quota
+
+
+async def test_two_replicas_on_postgresql_share_a_callers_quota(
+    tasks_client: ClientFactory, pg_dsn: str, tmp_path: Path
+) -> None:
+    sections: dict[str, Any] = {
+        "store": {"url": pg.as_url(pg_dsn), "lease_seconds": 3},
+        "security": {"key_file": key_file(tmp_path)},  # replicas share the key: a caller is one caller on both
+        "limits": {"calls_per_minute_per_principal": 3},
+    }
+    first, second = await tasks_client(**sections), await tasks_client(**sections)
+    await early_in_a_minute()
+    for replica in (first, second, first):
+        status, message = await replica.call("echo", {"text": "x"}, capabilities={}, headers=as_caller("shared"))
+        assert status == 200, message
+    for replica in (second, first):
+        status, _, message = await refused_call(replica, "shared")
+        assert status == 429, message  # three calls in all, on either replica

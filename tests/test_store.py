@@ -752,3 +752,24 @@ async def test_a_queued_task_keeps_its_place_through_a_claim_until_it_gets_its_s
     settled = await store.settle("task_q", TaskStatus.CANCELLED, now_ms=5_000)
     assert settled is not None
     assert await store.set_queued("task_q", 6_000, "queued: 0 ahead", rerun_principal=None, now_ms=6_000) is None
+
+
+async def test_calls_are_counted_per_key_and_window(backend: Backend) -> None:
+    """The quota's count: per key, starting afresh in each window. On PostgreSQL it is in the database, so a
+    second store (another replica) adds to the same count; on SQLite it is the one process's own."""
+    store = await backend.open()
+    try:
+        assert [await store.count_call("principal:a", 60_000) for _ in range(3)] == [1, 2, 3]
+        assert await store.count_call("principal:b", 60_000) == 1
+        if backend.dsn is not None:
+            other = await backend.open()
+            try:
+                assert await other.count_call("principal:a", 60_000) == 4  # shared by the replicas
+            finally:
+                await other.close()
+        assert await store.count_call("principal:a", 120_000) == 1  # the next window starts afresh
+    finally:
+        await store.close()
+    if backend.dsn is not None:
+        windows = await backend.rows("SELECT key, window_start_ms, calls FROM quota_windows ORDER BY key")
+        assert windows == [("principal:a", 120_000, 1)]  # the windows before the current one are dropped

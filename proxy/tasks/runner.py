@@ -35,6 +35,7 @@ from proxy.tasks.effects.upstream_task import UpstreamTaskEffect
 from proxy.tasks.executor import Executor, Observer
 from proxy.tasks.live_call import LiveCall, wall_clock_ms
 from proxy.tasks.operations import TaskOperations
+from proxy.tasks.quotas import Quotas
 from proxy.tasks.recovery import Recovery
 from proxy.tasks.replica_inbox import ReplicaInbox
 from proxy.tasks.replicas import ReplicaLink
@@ -68,6 +69,7 @@ class TaskRunner:
         self.background = Background()
         self.table = CallTable()
         self.durations = Durations(store, clock, self.background)
+        self.quotas = Quotas(store, clock)
         signer = inputs.RequestStateSigner(inputs.load_secret(config.inputs.secret_file))
         self.slots = RunningSlots(config.tasks.max_running, config.limits.max_running_per_principal)
         self.parking = Parking(config.inputs, config.limits, signer, clock, self.process_id)

@@ -221,6 +221,10 @@ class TaskStore(Protocol):
 
     async def duration_estimates(self) -> dict[str, float]: ...
 
+    # -- quota windows ---------------------------------------------------------------------------------------------
+
+    async def count_call(self, key: str, window_start_ms: int) -> int: ...
+
 
 # -- the row codec and SQL shared by both stores -------------------------------------------------------------------
 
@@ -450,3 +454,19 @@ class LiveWrites:
         """Only a live task settles, so the first settle wins (on whichever replica) and a terminal state never
         changes."""
         return await self._update(task_id, settle_values(status, result, error, status_message), now_ms, fence)
+
+
+class WindowCounts:
+    """Calls counted per key in the current quota window, in this process's memory (a backend that one process
+    holds alone): nothing is written per call, and a new window starts every count afresh."""
+
+    def __init__(self) -> None:
+        self._window_start_ms: int | None = None
+        self._counts: dict[str, int] = {}
+
+    def count(self, key: str, window_start_ms: int) -> int:
+        if window_start_ms != self._window_start_ms:
+            self._window_start_ms = window_start_ms
+            self._counts = {}
+        calls = self._counts[key] = self._counts.get(key, 0) + 1
+        return calls
