@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests import pg
 from tests.support.clients import TERMINAL, ClientFactory, Tasks, rpc, task_until
@@ -85,6 +86,14 @@ async def test_a_burst_from_two_callers_never_exceeds_the_cap_and_the_lighter_ca
     # come first served would have put them last, at places 20-23).
     assert max(light_places) <= 14, order
     assert max(finished["light"]) < max(finished["heavy"])
+    response = await client.client.get("/metrics")
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(await response.text())
+        for sample in family.samples
+    }
+    assert samples[("mcp_tasks_proxy_queued_calls", (("tool", "held"),))] == 0  # every queued call left the queue
+    assert samples[("mcp_tasks_proxy_queue_wait_seconds_count", ())] >= 18  # 22 queued behind the first 2 or so
 
 
 async def test_a_declaring_call_that_would_wait_becomes_a_task_at_once_whatever_its_window(

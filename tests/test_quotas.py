@@ -32,8 +32,7 @@ async def store(tmp_path: Path) -> AsyncIterator[SqliteTaskStore]:
 
 async def test_the_call_past_the_quota_waits_for_the_window_to_roll_over(store: SqliteTaskStore) -> None:
     clock = Clock(1_700_000_080_500)  # 40.5 s into a UTC minute
-    refused: list[str] = []
-    quotas = Quotas(store, clock, refused.append)
+    quotas = Quotas(store, clock)
     for _ in range(3):
         await quotas.charge("caller-a", 3)
     with pytest.raises(RateLimitedError) as caught:
@@ -46,7 +45,6 @@ async def test_the_call_past_the_quota_waits_for_the_window_to_roll_over(store: 
         "RateLimit-Policy": '"calls";q=3;w=60',
         "RateLimit": '"calls";r=0;t=20',
     }
-    assert refused == ["calls_per_minute_per_principal"]
     await quotas.charge("caller-b", 3)  # another caller has its own count
     clock.now_ms = 1_700_000_099_999  # the last millisecond of the window: still refused, for at least 1 s
     with pytest.raises(RateLimitedError) as caught:

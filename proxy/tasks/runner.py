@@ -91,7 +91,9 @@ class TaskRunner:
         self.timers = Timers(feed, self.background)
         caps = config.upstream
         self.admission = (
-            Admission(caps.max_concurrent_calls, caps.max_queue_wait_ms, feed) if caps.max_concurrent_calls else None
+            Admission(caps.max_concurrent_calls, caps.max_queue_wait_ms, feed, metrics)
+            if caps.max_concurrent_calls
+            else None
         )
         held = HeldRequest(feed, self.background, upstream, self.parking, self.admission)
         upstream_task = UpstreamTaskEffect(feed, self.background, upstream, clock)

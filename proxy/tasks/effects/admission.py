@@ -11,11 +11,12 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Final, TypeVar
 
 from proxy.errors import QueueTimeoutError
+from proxy.observability import Metrics
 from proxy.tasks.commands import Admitted, Queued
 from proxy.tasks.live_call import LiveCall
 from proxy.tasks.ports import Feed
@@ -26,15 +27,14 @@ FIRST_HOLD_SECONDS: Final = 1.0  # the estimate of one call's hold time before a
 HOLD_SMOOTHING: Final = 0.2  # weight of the latest call's hold time in the running estimate
 
 Waiter = tuple[LiveCall, "asyncio.Future[None]"]
-WaitObserver = Callable[[LiveCall, float], None]  # a queued call admitted after so many seconds
 
 
 class Admission:
-    def __init__(self, max_concurrent: int, max_wait_ms: int, feed: Feed) -> None:
+    def __init__(self, max_concurrent: int, max_wait_ms: int, feed: Feed, metrics: Metrics | None = None) -> None:
         self.max_concurrent = max_concurrent
         self.max_wait_ms = max_wait_ms
         self.feed = feed
-        self.on_waited: WaitObserver | None = None
+        self.metrics = metrics  # the queue's depth by tool, and how long queued calls waited
         self._holders: dict[LiveCall, float] = {}  # since when (monotonic seconds) each holds its slot
         self._queues: dict[str, deque[Waiter]] = {}  # by caller, in the order of the round
         self._hold_seconds = FIRST_HOLD_SECONDS
@@ -49,8 +49,8 @@ class Admission:
             else:
                 queued_at = time.monotonic()
                 await self._wait(call)
-                if self.on_waited is not None:
-                    self.on_waited(call, time.monotonic() - queued_at)
+                if self.metrics is not None:
+                    self.metrics.queue_wait_seconds.observe(time.monotonic() - queued_at)
                 await self.feed.dispatch(call, Admitted())
             async with inner as entered:
                 yield entered
@@ -65,6 +65,7 @@ class Admission:
             queue = self._queues[call.caller] = deque()
         entry: Waiter = (call, waiter)
         queue.append(entry)
+        self._count(call, 1)
         try:
             await self.feed.dispatch(call, Queued(ahead, self.max_wait_ms, self._refusal(ahead)))
             await waiter
@@ -101,6 +102,7 @@ class Admission:
             queue.remove(entry)
         except ValueError:
             return
+        self._count(entry[0], -1)
         if not queue:
             del self._queues[caller]
 
@@ -118,12 +120,17 @@ class Admission:
             caller = next(iter(self._queues))
             queue = self._queues.pop(caller)
             call, waiter = queue.popleft()
+            self._count(call, -1)
             if queue:
                 self._queues[caller] = queue
             if waiter.done():
                 continue
             self._holders[call] = time.monotonic()
             waiter.set_result(None)
+
+    def _count(self, call: LiveCall, change: int) -> None:
+        if self.metrics is not None:
+            self.metrics.queued_calls.labels(self.metrics.tool_label(call.name)).inc(change)
 
     def depth(self) -> int:
         """Calls waiting for a slot."""
