@@ -279,20 +279,14 @@ class DrainingError(ProxyError):
         super().__init__(data={"reason": "draining"}, request_id=request_id)
 
 
-class QueueTimeoutError(ProxyError):
+class QueueTimeoutError(UpstreamLimitError):
     """A synchronous call waited its whole `upstream.max_queue_wait_ms` for an upstream slot
     (`upstream.max_concurrent_calls`) and never reached the upstream: -32603 with `data.limit`, HTTP 503 with
-    `Retry-After` (RFC 9110 §10.2.3): the upstream is busy, which is temporary. Nothing was sent upstream."""
-
-    code = jsonrpc.INTERNAL_ERROR
-    http_status = 503
-    default_message = "The upstream is busy"
+    `Retry-After` (RFC 9110 §10.2.3) and `data.retryAfterMs`: the upstream is busy, which is temporary."""
 
     def __init__(self, maximum: int, waited_ms: int, retry_after_seconds: int) -> None:
-        super().__init__(
-            f"Limit reached: max_concurrent_calls = {maximum}, queued for {waited_ms} ms; try again later",
-            data={"limit": "max_concurrent_calls", "max": maximum, "retryAfterMs": retry_after_seconds * 1000},
-        )
+        super().__init__("upstream.max_concurrent_calls", maximum, waited_ms / 1000)
+        self.data = {**self.data, "retryAfterMs": retry_after_seconds * 1000}
         self.retry_after_seconds = retry_after_seconds
 
     def response_headers(self) -> Mapping[str, str]:
