@@ -7,7 +7,9 @@ on. A call the upstream runs as its own 2025-11-25 task (`StartCall(upstream_tas
 instead of a held request: `UpstreamTaskCreated`, then `FollowUpstreamTask` (its `tasks/result` stream brings
 the questions and the outcome), `PollUpstreamTask` (`tasks/get`) and `CancelUpstreamTask`. Three events come
 from other replicas of a shared store (`RemoteCancel`, `RemoteAnswers`) or from losing the right to write
-(`LeaseLost`). Plain frozen data; imports only the upstream event types, errors and the wire.
+(`LeaseLost`). With `upstream.max_concurrent_calls`, a call whose upstream request waits for a slot learns so
+(`Queued`, its place) and when it goes (`Admitted`); a task's record says it is queued (`WriteQueue`). Plain
+frozen data; imports only the upstream event types, errors and the wire.
 """
 
 from __future__ import annotations

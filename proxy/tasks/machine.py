@@ -15,6 +15,10 @@ stream brings the questions (`Asked`) and the outcome (`Ended`), its status come
 `notifications/tasks/status` or, when it is silent for its pollInterval, from `tasks/get`
 (`UpstreamTaskPolled`); a cancel is `tasks/cancel`, and a shutdown leaves it running for the next start.
 
+With a concurrency cap (`upstream.max_concurrent_calls`) the upstream request may wait for a slot (`Queued`):
+a call that may become a task becomes one at once and its record says it is queued; a synchronous call waits
+up to the queue's budget (`Timer.QUEUE`), then gets the queue's refusal (503); `Admitted` says it goes.
+
 The state it keeps is `state.py`; the steps its handlers share are `steps.py`. Imports those, the policy, the
 input-bridging rules (`inputs.py`), the upstream task (`upstream_task.py`), the upstream event types and
 the wire; nothing that does I/O.

@@ -11,8 +11,8 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
 from typing import Final, TypeVar
 
 from proxy.errors import QueueTimeoutError
@@ -39,23 +39,25 @@ class Admission:
         self._queues: dict[str, deque[Waiter]] = {}  # by caller, in the order of the round
         self._hold_seconds = FIRST_HOLD_SECONDS
 
-    @asynccontextmanager
-    async def slot(self, call: LiveCall, inner: AbstractAsyncContextManager[_T]) -> AsyncIterator[_T]:
+    def slot(self, call: LiveCall, inner: AbstractAsyncContextManager[_T]) -> AbstractAsyncContextManager[_T]:
         """`inner` (the call's upstream session) entered once the call holds a slot, which it keeps until it
         leaves; a call with no free slot waits its turn first."""
+        return _Slot(self, call, inner)
+
+    async def take(self, call: LiveCall) -> None:
+        """The call holds a slot once this returns (at once when one is free and nobody waits)."""
+        if len(self._holders) < self.max_concurrent and not self._queues:
+            self._holders[call] = time.monotonic()
+            return
         try:
-            if len(self._holders) < self.max_concurrent and not self._queues:
-                self._holders[call] = time.monotonic()
-            else:
-                queued_at = time.monotonic()
-                await self._wait(call)
-                if self.metrics is not None:
-                    self.metrics.queue_wait_seconds.observe(time.monotonic() - queued_at)
-                await self.feed.dispatch(call, Admitted())
-            async with inner as entered:
-                yield entered
-        finally:
-            self._release(call)
+            queued_at = time.monotonic()
+            await self._wait(call)
+            if self.metrics is not None:
+                self.metrics.queue_wait_seconds.observe(time.monotonic() - queued_at)
+            await self.feed.dispatch(call, Admitted())
+        except BaseException:
+            self.release(call)  # granted as it was cancelled: the slot goes to the next
+            raise
 
     async def _wait(self, call: LiveCall) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -106,13 +108,13 @@ class Admission:
         if not queue:
             del self._queues[caller]
 
-    def _release(self, call: LiveCall) -> None:
+    def release(self, call: LiveCall) -> None:
         since = self._holders.pop(call, None)
         if since is None:
             return
-        held_seconds = time.monotonic() - since
-        self._hold_seconds += HOLD_SMOOTHING * (held_seconds - self._hold_seconds)
-        self._grant()
+        self._hold_seconds += HOLD_SMOOTHING * (time.monotonic() - since - self._hold_seconds)
+        if self._queues:
+            self._grant()
 
     def _grant(self) -> None:
         """Free slots go round the callers that wait: the first in the round gets one and goes to its end."""
@@ -139,3 +141,34 @@ class Admission:
     @property
     def held(self) -> int:
         return len(self._holders)
+
+
+class _Slot(AbstractAsyncContextManager[_T]):
+    """A slot held around the call's upstream session (a class, not a generator: it is on every call's path)."""
+
+    __slots__ = ("_admission", "_call", "_inner")
+
+    def __init__(self, admission: Admission, call: LiveCall, inner: AbstractAsyncContextManager[_T]) -> None:
+        self._admission = admission
+        self._call = call
+        self._inner = inner
+
+    async def __aenter__(self) -> _T:
+        admission = self._admission
+        if len(admission._holders) < admission.max_concurrent and not admission._queues:
+            admission._holders[self._call] = time.monotonic()  # a free slot, nobody waits: no coroutine more
+        else:
+            await admission.take(self._call)
+        try:
+            return await self._inner.__aenter__()
+        except BaseException:
+            self._admission.release(self._call)
+            raise
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> bool | None:
+        try:
+            return await self._inner.__aexit__(kind, error, trace)
+        finally:
+            self._admission.release(self._call)
