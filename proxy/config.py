@@ -523,6 +523,14 @@ class ToolPolicyConfig(_Frozen):
     poll_interval_ms: int | None = Field(None, gt=0, description="As `tasks.default.poll_interval_ms`, for this tool.")
     on_restart: RestartAction | None = Field(None, description="As `tasks.default.on_restart`, for this tool.")
     resolve_input_first: bool | None = Field(None, description="As `tasks.default.resolve_input_first`, for this tool.")
+    max_concurrent: int | None = Field(
+        None,
+        gt=0,
+        description="Upstream requests of this tool's calls this replica sends at once, below "
+        "`upstream.max_concurrent_calls` (for a tool the upstream handles worse than the rest); more wait in the "
+        "same fair queue. null: only the upstream's cap. A cap set by a live reload applies once any cap was set "
+        "at start.",
+    )
 
 
 class TasksConfig(_Frozen):

@@ -284,8 +284,10 @@ class QueueTimeoutError(UpstreamLimitError):
     (`upstream.max_concurrent_calls`) and never reached the upstream: -32603 with `data.limit`, HTTP 503 with
     `Retry-After` (RFC 9110 §10.2.3) and `data.retryAfterMs`: the upstream is busy, which is temporary."""
 
-    def __init__(self, maximum: int, waited_ms: int, retry_after_seconds: int) -> None:
-        super().__init__("upstream.max_concurrent_calls", maximum, waited_ms / 1000)
+    def __init__(
+        self, maximum: int, waited_ms: int, retry_after_seconds: int, limit: str = "upstream.max_concurrent_calls"
+    ) -> None:
+        super().__init__(limit, maximum, waited_ms / 1000)
         self.data = {**self.data, "retryAfterMs": retry_after_seconds * 1000}
         self.retry_after_seconds = retry_after_seconds
 

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from proxy.policy import SYNC_CALL
+from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
 from proxy.tasks.background import Background
 from proxy.tasks.commands import Admitted, Event, Queued
 from proxy.tasks.effects.admission import Admission
@@ -37,9 +37,12 @@ class RecordingFeed:
         await self.dispatch(call, event)
 
 
-def a_call(caller: str, name: str) -> LiveCall:
-    state = CallState(decision=SYNC_CALL, capabilities={}, gather_ms=0, park_ttl_ms=1)
-    return LiveCall(state, "tools/call", name, caller, caller, {}, {}, known(""))
+def a_call(caller: str, name: str, *, tool_cap: int | None = None, tool: str | None = None) -> LiveCall:
+    decision = SYNC_CALL
+    if tool_cap is not None:  # the tool's own cap, `tasks.tools.<name>.max_concurrent`
+        decision = Decision(Outcome.SYNC, Policy("forbidden", 0, None, 1000, "fail", max_concurrent=tool_cap))
+    state = CallState(decision=decision, capabilities={}, gather_ms=0, park_ttl_ms=1)
+    return LiveCall(state, "tools/call", tool or name, caller, caller, {}, {}, known(""))
 
 
 class Upstream:
@@ -142,3 +145,25 @@ async def test_a_synchronous_caller_is_told_when_to_come_back() -> None:
     assert queued.refusal.data == {"limit": "max_concurrent_calls", "max": 1, "retryAfterMs": 1000}
     done.set()
     await asyncio.gather(*runs)
+
+
+async def test_a_tool_with_a_cap_of_its_own_waits_while_other_tools_go_on() -> None:
+    feed = RecordingFeed()
+    admission = Admission(3, 1000, feed)
+    upstream = Upstream()
+    done = asyncio.Event()
+    first = a_call("a", "slow-1", tool_cap=1, tool="slow")
+    second = a_call("a", "slow-2", tool_cap=1, tool="slow")
+    other = a_call("b", "fast")
+    runs = [
+        BACKGROUND.spawn(run(admission, upstream, call, done), f"run-{n}") for n, call in enumerate((first, second))
+    ]
+    await until(lambda: admission.depth() == 1, "the second call of the slow tool never queued", 5)
+    assert admission.held == 1  # two slots are free, but not for the slow tool
+    runs.append(BACKGROUND.spawn(run(admission, upstream, other, done), "run-other"))
+    await until(lambda: admission.held == 2, "the other tool's call never got a free slot", 5)
+    assert [name for name, event in feed.events if isinstance(event, Queued)] == ["slow"]  # only the slow one
+    done.set()
+    await asyncio.gather(*runs)
+    assert upstream.order == ["slow", "fast", "slow"]  # the other tool did not wait behind the slow one
+    assert admission.held == 0

@@ -286,3 +286,17 @@ async def test_two_replicas_on_postgresql_share_a_callers_quota(
     for replica in (second, first):
         status, _, message = await refused_call(replica, "shared")
         assert status == 429, message  # three calls in all, on either replica
+
+
+async def test_a_tool_with_a_cap_of_its_own_runs_one_at_a_time_while_other_tools_go_on(
+    tasks_client: ClientFactory, upstream: Upstream
+) -> None:
+    client = await tasks_client(tasks=policies(held={"mode": "required", "max_concurrent": 1}))  # no upstream cap
+    await held_at_once(upstream.url, reset=True)
+    task_ids = await asyncio.gather(
+        *(another(client).create("held", {"tag": f"held-{n}", "seconds": HOLD_SECONDS}) for n in range(4))
+    )
+    assert await client.text("echo", {"text": "not held back"}) == "not held back"
+    for task_id in task_ids:
+        assert (await client.settled(task_id))["status"] == "completed"
+    assert (await held_at_once(upstream.url))["most"] == 1

@@ -11,6 +11,7 @@ Imports all of those, the store and the upstream pool; never aiohttp's web side 
 from __future__ import annotations
 
 import asyncio
+import sys
 import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any, Final, TypeVar
@@ -90,9 +91,10 @@ class TaskRunner:
         )
         self.timers = Timers(feed, self.background)
         caps = config.upstream
+        tool_caps = any(entry.max_concurrent for entry in config.tasks.tools.values())
         self.admission = (
-            Admission(caps.max_concurrent_calls, caps.max_queue_wait_ms, feed, metrics)
-            if caps.max_concurrent_calls
+            Admission(caps.max_concurrent_calls or sys.maxsize, caps.max_queue_wait_ms, feed, metrics)
+            if caps.max_concurrent_calls or tool_caps
             else None
         )
         held = HeldRequest(feed, self.background, upstream, self.parking, self.admission)

@@ -1,8 +1,9 @@
 """The upstream's concurrency cap (`upstream.max_concurrent_calls`, per replica): a call whose upstream request
 is sent holds a slot until that request ends; the others wait in a fair queue, round robin across callers and
-first come first served within one, so that one caller's burst cannot starve another. A call learns that it
-waits (`Queued`, with its place) and when it goes (`Admitted`); one that leaves the queue (cancelled, its client
-gone) frees its place. Imports the ports, the command vocabulary and errors; no store, no upstream.
+first come first served within one, so that one caller's burst cannot starve another. A tool may have a lower
+cap of its own (`tasks.tools.<name>.max_concurrent`): its calls wait in the same queue while other tools' calls
+go on. A call learns that it waits (`Queued`, with its place) and when it goes (`Admitted`); one that leaves
+the queue (cancelled, its client gone) frees its place. Imports the ports, the command vocabulary and errors; no store, no upstream.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Admission:
         self.metrics = metrics  # the queue's depth by tool, and how long queued calls waited
         self._holders: dict[LiveCall, float] = {}  # since when (monotonic seconds) each holds its slot
         self._queues: dict[str, deque[Waiter]] = {}  # by caller, in the order of the round
+        self._by_tool: dict[str, int] = {}  # holders of each tool that has a cap of its own
         self._hold_seconds = FIRST_HOLD_SECONDS
 
     def slot(self, call: LiveCall, inner: AbstractAsyncContextManager[_T]) -> AbstractAsyncContextManager[_T]:
@@ -44,10 +46,20 @@ class Admission:
         leaves; a call with no free slot waits its turn first."""
         return _Slot(self, call, inner)
 
+    def free(self, call: LiveCall) -> bool:
+        """The call's tool is under its own cap (`tasks.tools.<name>.max_concurrent`), or has none."""
+        cap = _tool_cap(call)
+        return cap is None or self._by_tool.get(call.name, 0) < cap
+
+    def hold(self, call: LiveCall) -> None:
+        self._holders[call] = time.monotonic()
+        if _tool_cap(call) is not None:
+            self._by_tool[call.name] = self._by_tool.get(call.name, 0) + 1
+
     async def take(self, call: LiveCall) -> None:
         """The call holds a slot once this returns (at once when one is free and nobody waits)."""
-        if len(self._holders) < self.max_concurrent and not self._queues:
-            self._holders[call] = time.monotonic()
+        if len(self._holders) < self.max_concurrent and not self._queues and self.free(call):
+            self.hold(call)
             return
         try:
             queued_at = time.monotonic()
@@ -68,8 +80,11 @@ class Admission:
         entry: Waiter = (call, waiter)
         queue.append(entry)
         self._count(call, 1)
+        self._grant()  # a slot may be free for this call's tool while the calls before it wait for theirs
+        if waiter.done():
+            return
         try:
-            await self.feed.dispatch(call, Queued(ahead, self.max_wait_ms, self._refusal(ahead)))
+            await self.feed.dispatch(call, Queued(ahead, self.max_wait_ms, self._refusal(call, ahead)))
             await waiter
         except BaseException:
             if call not in self._holders:  # not granted (its cancel cancels `waiter` too): its place goes
@@ -90,11 +105,15 @@ class Admission:
             ahead += min(len(queue), place + 1 if earlier else place)
         return ahead
 
-    def _refusal(self, ahead: int) -> QueueTimeoutError:
+    def _refusal(self, call: LiveCall, ahead: int) -> QueueTimeoutError:
         """What a synchronous caller that waits its whole budget is told: come back when the calls before it
-        should be done, by the running estimate of one call's hold time."""
-        retry_after_seconds = max(1, math.ceil(self._hold_seconds * (ahead + 1) / self.max_concurrent))
-        return QueueTimeoutError(self.max_concurrent, self.max_wait_ms, retry_after_seconds)
+        should be done, by the running estimate of one call's hold time; it names the tighter cap."""
+        cap = _tool_cap(call)
+        limit, maximum = "upstream.max_concurrent_calls", self.max_concurrent
+        if cap is not None and cap < maximum:
+            limit, maximum = f"tasks.tools.{call.name}.max_concurrent", cap
+        retry_after_seconds = max(1, math.ceil(self._hold_seconds * (ahead + 1) / maximum))
+        return QueueTimeoutError(maximum, self.max_wait_ms, retry_after_seconds, limit)
 
     def _leave(self, caller: str, entry: Waiter) -> None:
         queue = self._queues.get(caller)
@@ -112,14 +131,19 @@ class Admission:
         since = self._holders.pop(call, None)
         if since is None:
             return
+        if _tool_cap(call) is not None:
+            self._by_tool[call.name] -= 1
         self._hold_seconds += HOLD_SMOOTHING * (time.monotonic() - since - self._hold_seconds)
         if self._queues:
             self._grant()
 
     def _grant(self) -> None:
-        """Free slots go round the callers that wait: the first in the round gets one and goes to its end."""
+        """Free slots go round the callers that wait: the first in the round whose next call's tool is under
+        its own cap gets one and goes to the end of the round."""
         while len(self._holders) < self.max_concurrent and self._queues:
-            caller = next(iter(self._queues))
+            caller = self._next_caller()
+            if caller is None:
+                return  # every caller's next call waits for its tool
             queue = self._queues.pop(caller)
             call, waiter = queue.popleft()
             self._count(call, -1)
@@ -127,8 +151,15 @@ class Admission:
                 self._queues[caller] = queue
             if waiter.done():
                 continue
-            self._holders[call] = time.monotonic()
+            self.hold(call)
             waiter.set_result(None)
+
+    def _next_caller(self) -> str | None:
+        for caller, queue in self._queues.items():
+            call, waiter = queue[0]
+            if waiter.done() or self.free(call):
+                return caller
+        return None
 
     def _count(self, call: LiveCall, change: int) -> None:
         if self.metrics is not None:
@@ -143,6 +174,11 @@ class Admission:
         return len(self._holders)
 
 
+def _tool_cap(call: LiveCall) -> int | None:
+    policy = call.state.decision.policy
+    return policy.max_concurrent if policy is not None else None
+
+
 class _Slot(AbstractAsyncContextManager[_T]):
     """A slot held around the call's upstream session (a class, not a generator: it is on every call's path)."""
 
@@ -155,8 +191,8 @@ class _Slot(AbstractAsyncContextManager[_T]):
 
     async def __aenter__(self) -> _T:
         admission = self._admission
-        if len(admission._holders) < admission.max_concurrent and not admission._queues:
-            admission._holders[self._call] = time.monotonic()  # a free slot, nobody waits: no coroutine more
+        if len(admission._holders) < admission.max_concurrent and not admission._queues and admission.free(self._call):
+            admission.hold(self._call)  # a free slot, nobody waits: no coroutine more
         else:
             await admission.take(self._call)
         try:
