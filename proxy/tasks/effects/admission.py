@@ -3,7 +3,8 @@ is sent holds a slot until that request ends; the others wait in a fair queue, r
 first come first served within one, so that one caller's burst cannot starve another. A tool may have a lower
 cap of its own (`tasks.tools.<name>.max_concurrent`): its calls wait in the same queue while other tools' calls
 go on. A call learns that it waits (`Queued`, with its place) and when it goes (`Admitted`); one that leaves
-the queue (cancelled, its client gone) frees its place. Imports the ports, the command vocabulary and errors; no store, no upstream.
+the queue (cancelled, its client gone) frees its place. Imports the ports, the command vocabulary, errors and
+the metrics; no store, no upstream.
 """
 
 from __future__ import annotations
