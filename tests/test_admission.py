@@ -10,6 +10,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
+
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
 from proxy.tasks.background import Background
 from proxy.tasks.commands import Admitted, Event, Queued
@@ -42,6 +44,7 @@ def a_call(caller: str, name: str, *, tool_cap: int | None = None, tool: str | N
     if tool_cap is not None:  # the tool's own cap, `tasks.tools.<name>.max_concurrent`
         decision = Decision(Outcome.SYNC, Policy("forbidden", 0, None, 1000, "fail", max_concurrent=tool_cap))
     state = CallState(decision=decision, capabilities={}, gather_ms=0, park_ttl_ms=1)
+    state.started = state.running = True  # as the machine left it when it asked for the upstream request
     return LiveCall(state, "tools/call", tool or name, caller, caller, {}, {}, known(""))
 
 
@@ -166,4 +169,30 @@ async def test_a_tool_with_a_cap_of_its_own_waits_while_other_tools_go_on() -> N
     done.set()
     await asyncio.gather(*runs)
     assert upstream.order == ["slow", "fast", "slow"]  # the other tool did not wait behind the slow one
+    assert admission.held == 0
+
+
+async def test_a_call_abandoned_by_its_own_queued_event_leaves_the_queue_and_never_runs() -> None:
+    """E.g. a window call whose task could not be created (`CommitRefused` within the `Queued` event): the
+    machine abandons it, and it must not take a slot later."""
+
+    class AbandoningFeed(RecordingFeed):
+        async def dispatch(self, call: LiveCall, event: Event) -> None:
+            await super().dispatch(call, event)
+            if isinstance(event, Queued):
+                call.state.running = False
+
+    feed = AbandoningFeed()
+    admission = Admission(1, 1000, feed)
+    upstream = Upstream()
+    done = asyncio.Event()
+    first, abandoned = a_call("a", "first"), a_call("b", "abandoned")
+    running = BACKGROUND.spawn(run(admission, upstream, first, done), "first")
+    await until(lambda: admission.held == 1, "the first call never took its slot", 5)
+    with pytest.raises(asyncio.CancelledError):
+        await run(admission, upstream, abandoned, done)
+    assert admission.depth() == 0
+    done.set()
+    await running
+    assert upstream.order == ["first"]
     assert admission.held == 0

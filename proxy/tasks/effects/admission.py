@@ -68,6 +68,8 @@ class Admission:
             if self.metrics is not None:
                 self.metrics.queue_wait_seconds.observe(time.monotonic() - queued_at)
             await self.feed.dispatch(call, Admitted())
+            if not call.state.running:  # abandoned meanwhile from within its own events (its lease was lost)
+                raise asyncio.CancelledError
         except BaseException:
             self.release(call)  # granted as it was cancelled: the slot goes to the next
             raise
@@ -86,6 +88,8 @@ class Admission:
             return
         try:
             await self.feed.dispatch(call, Queued(ahead, self.max_wait_ms, self._refusal(call, ahead)))
+            if not call.state.running:  # abandoned from within that event: it leaves the queue
+                raise asyncio.CancelledError
             await waiter
         except BaseException:
             if call not in self._holders:  # not granted (its cancel cancels `waiter` too): its place goes
