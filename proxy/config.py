@@ -87,6 +87,22 @@ class _UpstreamCommon(_Frozen):
         gt=0,
         description="Longest time one upstream request may run; bounds a hung upstream call.",
     )
+    max_concurrent_calls: int = Field(
+        0,
+        ge=0,
+        description="Upstream requests of calls (tools/call, prompts/get, resources/read) this replica sends at "
+        "once; more wait in a fair queue (round robin across callers, first come first served within one). A "
+        "declaring client's call that has to wait becomes a task at once (`statusMessage` `queued: N ahead`); "
+        "another caller waits up to `max_queue_wait_ms`. MRTR retries and `tasks/update` answers never wait: "
+        "their call holds its slot already. 0: no cap (the upstream gets whatever arrives), and no queue.",
+    )
+    max_queue_wait_ms: int = Field(
+        30_000,
+        gt=0,
+        description="With `max_concurrent_calls`: how long a synchronous call (a client that did not declare the "
+        "tasks extension, or a `forbidden` tool) waits in the queue; then it gets 503 with `Retry-After`, never "
+        "having reached the upstream. 30 s stays within the 60 s request timeout common in MCP clients.",
+    )
     protocol_version: Literal["2025-11-25", "2025-06-18", "2025-03-26"] = Field(
         "2025-11-25",
         description="Protocol version the proxy offers in its own upstream `initialize` (the upstream may answer "
@@ -517,6 +533,14 @@ class ToolPolicyConfig(_Frozen):
     poll_interval_ms: int | None = Field(None, gt=0, description="As `tasks.default.poll_interval_ms`, for this tool.")
     on_restart: RestartAction | None = Field(None, description="As `tasks.default.on_restart`, for this tool.")
     resolve_input_first: bool | None = Field(None, description="As `tasks.default.resolve_input_first`, for this tool.")
+    max_concurrent: int | None = Field(
+        None,
+        gt=0,
+        description="Upstream requests of this tool's calls this replica sends at once, below "
+        "`upstream.max_concurrent_calls` (for a tool the upstream handles worse than the rest); more wait in the "
+        "same fair queue. null: only the upstream's cap. A cap set by a live reload applies once any cap was set "
+        "at start.",
+    )
 
 
 class TasksConfig(_Frozen):
@@ -819,6 +843,14 @@ class LimitsConfig(_Frozen):
         gt=0,
         description="Tasks whose upstream call runs at once for one caller (its share of `tasks.max_running`); one "
         "more gets -32603 with `data.limit` (HTTP 429), so one caller cannot starve the others.",
+    )
+    calls_per_minute_per_principal: int = Field(
+        0,
+        ge=0,
+        description="`tools/call` requests one caller may start per minute (a fixed window from the start of "
+        "each UTC minute); one more gets HTTP 429 with `Retry-After` and the `RateLimit-Policy`/`RateLimit` "
+        "fields. MRTR retries are the same call and do not count. On PostgreSQL the count is kept in the store, "
+        "so the limit holds across every replica; on SQLite (one process) it is kept in that process. 0: no quota.",
     )
     max_parked_per_principal: int = Field(
         256,

@@ -301,3 +301,42 @@ class StoreUnavailableAnswerError(ProxyError):
             request_id=request_id,
             detail=detail,
         )
+
+
+class QueueTimeoutError(UpstreamLimitError):
+    """A synchronous call waited its whole `upstream.max_queue_wait_ms` for an upstream slot
+    (`upstream.max_concurrent_calls`) and never reached the upstream: -32603 with `data.limit`, HTTP 503 with
+    `Retry-After` (RFC 9110 §10.2.3) and `data.retryAfterMs`: the upstream is busy, which is temporary."""
+
+    def __init__(
+        self, maximum: int, waited_ms: int, retry_after_seconds: int, limit: str = "upstream.max_concurrent_calls"
+    ) -> None:
+        super().__init__(limit, maximum, waited_ms / 1000)
+        self.data = {**self.data, "retryAfterMs": retry_after_seconds * 1000}
+        self.retry_after_seconds = retry_after_seconds
+
+    def response_headers(self) -> Mapping[str, str]:
+        return {"Retry-After": str(self.retry_after_seconds)}
+
+
+class RateLimitedError(CallerLimitError):
+    """A caller used up its calls of the current window (`limits.calls_per_minute_per_principal`): HTTP 429
+    with `Retry-After` (RFC 9110 §10.2.3) and the `RateLimit-Policy` / `RateLimit` fields of
+    draft-ietf-httpapi-ratelimit-headers; the JSON-RPC error carries `data.retryAfterMs` as the draft SEP
+    "Standardize Rate-Limiting Errors" proposes, with the code of every other limit (-32603): the -32020…-32099
+    range is the specification's, and it defines no rate-limit code yet."""
+
+    POLICY: ClassVar[str] = "calls"  # the policy's name in both fields
+
+    def __init__(self, limit: str, maximum: int, window_seconds: int, retry_after_seconds: int) -> None:
+        super().__init__(limit, maximum)
+        self.data = {"limit": limit, "max": maximum, "retryAfterMs": retry_after_seconds * 1000}
+        self.window_seconds = window_seconds
+        self.retry_after_seconds = retry_after_seconds
+
+    def response_headers(self) -> Mapping[str, str]:
+        return {
+            "Retry-After": str(self.retry_after_seconds),
+            "RateLimit-Policy": f'"{self.POLICY}";q={self.data["max"]};w={self.window_seconds}',
+            "RateLimit": f'"{self.POLICY}";r=0;t={self.retry_after_seconds}',
+        }

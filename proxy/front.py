@@ -85,7 +85,11 @@ class Front:
     async def call_tool(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """The tool's policy and this request's own declaration of the Tasks extension decide sync, task, window
         or -32021 (a task only ever goes to a request that declared the extension). Every tools/call runs as a
-        runner call, so an upstream question can become an MRTR round or a task's inputRequests."""
+        runner call, so an upstream question can become an MRTR round or a task's inputRequests. A caller past
+        its quota is refused first (an MRTR retry is the same call, not counted again)."""
+        per_minute = self.config.limits.calls_per_minute_per_principal
+        if per_minute and "requestState" not in request.params:
+            await self.runner.quotas.charge(self.runner.principals.key_of(caller.principal), per_minute)
         upstream = UpstreamRequest.of(request, caller)
         facts = await self.upstream.facts.tool_facts(caller.principal, upstream.name, self.cache[0])
         check_param_headers(caller.headers, request.params.get("arguments"), facts.param_headers)

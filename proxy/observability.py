@@ -231,6 +231,18 @@ class Metrics:
             ["status"],
             registry=self.registry,
         )
+        self.queued_calls = Gauge(
+            f"{prefix}_queued_calls",
+            "Calls waiting for an upstream slot (upstream.max_concurrent_calls), by tool",
+            ["tool"],
+            registry=self.registry,
+        )
+        self.queue_wait_seconds = Histogram(
+            f"{prefix}_queue_wait_seconds",
+            "How long a call waited for an upstream slot before its request was sent (calls that waited only)",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600),
+            registry=self.registry,
+        )
         self.store_up = Gauge(
             f"{prefix}_store_up", "1 when the task store answered the last scrape, else 0", registry=self.registry
         )

@@ -27,6 +27,7 @@ class Policy:
     poll_interval_ms: int
     on_restart: RestartAction
     resolve_input_first: bool = False
+    max_concurrent: int | None = None  # the tool's own cap on upstream requests at once (None: the upstream's)
 
 
 class Outcome(StrEnum):
@@ -142,6 +143,7 @@ def _merged(entry: ToolPolicyConfig, tasks: TasksConfig) -> Policy:
         resolve_input_first=(
             entry.resolve_input_first if entry.resolve_input_first is not None else default.resolve_input_first
         ),
+        max_concurrent=entry.max_concurrent,
     )
 
 

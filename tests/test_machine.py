@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 
-from proxy.errors import ProxyError, TaskLimitError, UpstreamError
+from proxy.errors import ProxyError, QueueTimeoutError, TaskLimitError, UpstreamError
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
 from proxy.tasks import machine, steps
 from proxy.tasks.commands import (
     STORE_WRITES,
+    Admitted,
     Answer,
     Answered,
     Asked,
@@ -43,6 +44,7 @@ from proxy.tasks.commands import (
     Parked,
     ParkRefused,
     PollUpstreamTask,
+    Queued,
     Refuse,
     Relay,
     ReleaseCall,
@@ -68,6 +70,7 @@ from proxy.tasks.commands import (
     UpstreamTaskPolled,
     WriteInputs,
     WriteProgress,
+    WriteQueue,
 )
 from proxy.tasks.inputs import PendingInput
 from proxy.tasks.state import (
@@ -75,6 +78,8 @@ from proxy.tasks.state import (
     LEASE_LOST,
     MAX_OUTSTANDING_INPUTS,
     PARKED_EXPIRED,
+    QUEUE_TIMED_OUT,
+    STARTED,
     TASK_REFUSED,
     CallState,
 )
@@ -1320,3 +1325,131 @@ def test_after_a_restart_a_job_is_polled_again_at_once_and_never_started_again()
     assert commands == [FollowUpstreamTask(), PollUpstreamTask(), HoldSlot(True)]
     assert not [command for command in commands if isinstance(command, StartCall)]
     assert state.mode is Mode.TASK
+
+
+# --- the upstream's concurrency cap: a call whose upstream request waits for a slot ------------------------
+
+QUEUE_WAIT_MS = 30_000
+BUSY = QueueTimeoutError(2, QUEUE_WAIT_MS, 4)
+CANCELLED_BY_CLIENT = "cancelled by the client"
+
+QUEUE_PLAYBOOKS = [
+    Playbook(
+        "a queued task says its place, and that it started once it got its slot",
+        TASK,
+        [
+            *TASK_STARTED,
+            (Queued(3, QUEUE_WAIT_MS, BUSY), [WriteQueue(True, "queued: 3 ahead")]),
+            (Admitted(), [WriteQueue(False, STARTED)]),
+            (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE), HoldSlot(False)]),
+        ],
+        Mode.TASK,
+        finished=True,
+    ),
+    Playbook(
+        "a queued task cancelled leaves the queue and never reaches the upstream",
+        TASK,
+        [
+            *TASK_STARTED,
+            (Queued(0, QUEUE_WAIT_MS, BUSY), [WriteQueue(True, "queued: 0 ahead")]),
+            (Stop(CANCELLED_BY_CLIENT), [CancelCall(CANCELLED_BY_CLIENT), HoldSlot(False)]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a window call that has to wait becomes a task at once, whose record says it is queued",
+        WINDOW,
+        [
+            *WINDOW_STARTED,
+            (Queued(1, QUEUE_WAIT_MS, BUSY), [ClearTimer(Timer.WINDOW), CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Committed("t1"), [Reply(ReplyTask()), WriteQueue(True, "queued: 1 ahead"), HoldSlot(True)]),
+            (Admitted(), [WriteQueue(False, STARTED)]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a window call admitted while its record is written shows no queue",
+        WINDOW,
+        [
+            *WINDOW_STARTED,
+            (Queued(1, QUEUE_WAIT_MS, BUSY), [ClearTimer(Timer.WINDOW), CreateRecord(TaskStatus.WORKING, {}, 0)]),
+            (Admitted(), []),
+            (Committed("t1"), [Reply(ReplyTask()), HoldSlot(True)]),
+        ],
+        Mode.TASK,
+        finished=False,
+    ),
+    Playbook(
+        "a synchronous call waits its turn within its budget, then runs",
+        SYNC,
+        [
+            *SYNC_STARTED,
+            (Queued(1, QUEUE_WAIT_MS, BUSY), [SetTimer(Timer.QUEUE, QUEUE_WAIT_MS)]),
+            (Admitted(), [ClearTimer(Timer.QUEUE)]),
+            (Ended(OK), [Reply(ReplyOutcome(OK))]),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+    Playbook(
+        "a synchronous call that waits its whole budget gets the 503 and leaves the queue",
+        SYNC,
+        [
+            *SYNC_STARTED,
+            (Queued(5, QUEUE_WAIT_MS, BUSY), [SetTimer(Timer.QUEUE, QUEUE_WAIT_MS)]),
+            (TimerFired(Timer.QUEUE), [Reply(ReplyError(BUSY)), CancelCall(QUEUE_TIMED_OUT)]),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a synchronous caller that leaves takes its call out of the queue",
+        SYNC,
+        [
+            *SYNC_STARTED,
+            (Queued(0, QUEUE_WAIT_MS, BUSY), [SetTimer(Timer.QUEUE, QUEUE_WAIT_MS)]),
+            (ClientLeft(), [CancelCall(CLIENT_LEFT)]),
+            (TimerFired(Timer.QUEUE), []),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a poll-to-sync task queued keeps its client waiting, with no budget",
+        WAIT,
+        [
+            *WAIT_STARTED,
+            (Queued(2, QUEUE_WAIT_MS, BUSY), [WriteQueue(True, "queued: 2 ahead")]),
+            (Admitted(), [WriteQueue(False, STARTED)]),
+            (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE), Reply(ReplyOutcome(OK)), HoldSlot(False)]),
+        ],
+        Mode.WAITING,
+        finished=True,
+    ),
+]
+
+
+@pytest.mark.parametrize("playbook", QUEUE_PLAYBOOKS, ids=[playbook.name for playbook in QUEUE_PLAYBOOKS])
+def test_queue_playbook(playbook: Playbook) -> None:
+    test_playbook(playbook)
+
+
+def test_a_task_queued_at_a_restart_waits_for_its_slot_again() -> None:
+    """Recovery starts a task that was still queued when the process stopped (it never reached the upstream) like
+    a re-run: it queues again, its record says so, and says when it started."""
+    playbook = Playbook(
+        "queued at restart",
+        TASK,
+        [
+            (Start(), [StartCall(), HoldSlot(True)]),
+            (Queued(4, QUEUE_WAIT_MS, BUSY), [WriteQueue(True, "queued: 4 ahead")]),
+            (Admitted(), [WriteQueue(False, STARTED)]),
+            (Ended(OK), [settled(TaskStatus.COMPLETED, result=DONE), HoldSlot(False)]),
+        ],
+        Mode.TASK,
+        finished=True,
+        task_id="t1",
+    )
+    test_playbook(playbook)

@@ -119,6 +119,7 @@ async def test_create_get_round_trips_every_field(store: TaskStore, backend: Bac
         upstream_input_ids={"key-1": "task-0b3d-140668836600304", "key-2": 0},
         traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
         job_id="render-1",
+        queued_at_ms=1_700_000_000_200,
     )
     bare = make_record("task_bare", ttl_ms=None)
     await store.create(full)
@@ -182,9 +183,11 @@ def test_record_from_row_decodes_json_and_status() -> None:
         "upstream_input_ids": '{"elicitation-1":"task-q-1"}',
         "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
         "job_id": "render-7",
+        "queued_at_ms": 5,
     }
     record = record_from_row(row)
     assert record.job_id == "render-7"
+    assert record.queued_at_ms == 5
     assert record.client_capabilities == {"elicitation": {}}
     assert (record.upstream_task_id, record.upstream_session_id) == ("up-1", "s-1")
     assert record.upstream_input_ids == {"elicitation-1": "task-q-1"}
@@ -914,3 +917,44 @@ async def test_deleted_records_leave_tombstones_only_their_own_principal_can_rea
     assert await store.trim_tombstones(0, keep=1) == 3
     assert await store.tombstone("task_old", "bob") is not None  # the newest
     assert await store.tombstone("task_2", "alice") is None
+
+
+async def test_a_queued_task_keeps_its_place_through_a_claim_until_it_gets_its_slot(store: TaskStore) -> None:
+    await store.create(make_record("task_q", created_at_ms=1_000))
+    queued = await store.set_queued("task_q", 2_000, "queued: 3 ahead", rerun_principal="sealed", now_ms=2_000)
+    assert queued is not None
+    assert (queued.queued_at_ms, queued.status, queued.status_message) == (2_000, TaskStatus.WORKING, "queued: 3 ahead")
+    assert queued.rerun_principal == "sealed"  # a run after a restart presents the caller again
+    assert queued.updated_at_ms == 2_000
+    claimed = await store.claim("task_q", "proxy-2", "re-running", now_ms=3_000)
+    assert claimed is not None
+    assert claimed.queued_at_ms == 2_000  # still never reached the upstream
+    started = await store.set_queued("task_q", None, "started", rerun_principal=None, now_ms=4_000)
+    assert started is not None
+    assert (started.queued_at_ms, started.status_message, started.rerun_principal) == (None, "started", None)
+    assert await store.get("task_q") == started
+    assert [record.queued_at_ms for record in await store.live()] == [None]
+    settled = await store.settle("task_q", TaskStatus.CANCELLED, now_ms=5_000)
+    assert settled is not None
+    assert await store.set_queued("task_q", 6_000, "queued: 0 ahead", rerun_principal=None, now_ms=6_000) is None
+
+
+async def test_calls_are_counted_per_key_and_window(backend: Backend) -> None:
+    """The quota's count: per key, starting afresh in each window. On PostgreSQL it is in the database, so a
+    second store (another replica) adds to the same count; on SQLite it is the one process's own."""
+    store = await backend.open()
+    try:
+        assert [await store.count_call("principal:a", 60_000) for _ in range(3)] == [1, 2, 3]
+        assert await store.count_call("principal:b", 60_000) == 1
+        if backend.dsn is not None:
+            other = await backend.open()
+            try:
+                assert await other.count_call("principal:a", 60_000) == 4  # shared by the replicas
+            finally:
+                await other.close()
+        assert await store.count_call("principal:a", 120_000) == 1  # the next window starts afresh
+    finally:
+        await store.close()
+    if backend.dsn is not None:
+        windows = await backend.rows("SELECT key, window_start_ms, calls FROM quota_windows ORDER BY key")
+        assert windows == [("principal:a", 120_000, 1)]  # the windows before the current one are dropped

@@ -129,6 +129,7 @@ async def test_durable_across_reopen(db_path: Path) -> None:
         ("mcp-tasks-proxy", "0006_add_traceparent"),
         ("mcp-tasks-proxy", "0007_add_jobs"),
         ("mcp-tasks-proxy", "0008_create_tombstones"),
+        ("mcp-tasks-proxy", "0009_add_admission_queue"),
     ]
     assert raw_rows(db_path, "PRAGMA journal_mode") == [("wal",)]
     indexes = {row[0] for row in raw_rows(db_path, "SELECT name FROM sqlite_master WHERE type = 'index'")}

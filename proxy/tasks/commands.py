@@ -7,7 +7,9 @@ on. A call the upstream runs as its own 2025-11-25 task (`StartCall(upstream_tas
 instead of a held request: `UpstreamTaskCreated`, then `FollowUpstreamTask` (its `tasks/result` stream brings
 the questions and the outcome), `PollUpstreamTask` (`tasks/get`) and `CancelUpstreamTask`. Three events come
 from other replicas of a shared store (`RemoteCancel`, `RemoteAnswers`) or from losing the right to write
-(`LeaseLost`). Plain frozen data; imports only the upstream event types, errors and the wire.
+(`LeaseLost`). With `upstream.max_concurrent_calls`, a call whose upstream request waits for a slot learns so
+(`Queued`, its place) and when it goes (`Admitted`); a task's record says it is queued (`WriteQueue`). Plain
+frozen data; imports only the upstream event types, errors and the wire.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Timer(StrEnum):
     WINDOW = "window"  # the sync window: a call still running then becomes a task
     PARK = "park"  # a parked call nobody resumes in time is cancelled
     POLL = "poll"  # an upstream-owned task silent for its pollInterval is asked for its status (tasks/get)
+    QUEUE = "queue"  # a synchronous call queued for an upstream slot waits this long, then gets 503
 
 
 # --- events ------------------------------------------------------------------------------------------------
@@ -168,6 +171,22 @@ class LeaseLost:
     the call stops, the upstream is told, and nothing more is written for it."""
 
 
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """The call's upstream request waits for a slot (`upstream.max_concurrent_calls`): `ahead` calls are before
+    it in the fair queue. A synchronous caller waits up to `wait_ms`, then gets `refusal` (503 with the
+    queue's own estimate of when to come back)."""
+
+    ahead: int
+    wait_ms: int
+    refusal: ProxyError
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The queued call got its upstream slot: its request is being sent."""
+
+
 Event = (
     Start
     | Asked
@@ -188,6 +207,8 @@ Event = (
     | RemoteCancel
     | RemoteAnswers
     | LeaseLost
+    | Queued
+    | Admitted
 )
 
 # --- commands ----------------------------------------------------------------------------------------------
@@ -329,6 +350,16 @@ class HoldSlot:
     hold: bool
 
 
+@dataclass(frozen=True, slots=True)
+class WriteQueue:
+    """The task record says its call waits for an upstream slot (`queued`, its place in `status_message`), or
+    that it got one: a task still queued when the process stopped never reached the upstream, and runs at the
+    next start whatever its `on_restart`."""
+
+    queued: bool
+    status_message: str
+
+
 # What the waiting client's request is answered with:
 @dataclass(frozen=True, slots=True)
 class ReplyOutcome:
@@ -372,7 +403,7 @@ class Reply:
 
 
 # The commands that write the task record: none comes out of a call that lost its lease.
-STORE_WRITES: Final = (CreateRecord, WriteInputs, WriteProgress, Settle)
+STORE_WRITES: Final = (CreateRecord, WriteInputs, WriteProgress, Settle, WriteQueue)
 
 Command = (
     StartCall
@@ -394,4 +425,5 @@ Command = (
     | PollUpstreamTask
     | CancelUpstreamTask
     | ReleaseCall
+    | WriteQueue
 )

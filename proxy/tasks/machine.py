@@ -15,6 +15,10 @@ stream brings the questions (`Asked`) and the outcome (`Ended`), its status come
 `notifications/tasks/status` or, when it is silent for its pollInterval, from `tasks/get`
 (`UpstreamTaskPolled`); a cancel is `tasks/cancel`, and a shutdown leaves it running for the next start.
 
+With a concurrency cap (`upstream.max_concurrent_calls`) the upstream request may wait for a slot (`Queued`):
+a call that may become a task becomes one at once and its record says it is queued; a synchronous call waits
+up to the queue's budget (`Timer.QUEUE`), then gets the queue's refusal (503); `Admitted` says it goes.
+
 The state it keeps is `state.py`; the steps its handlers share are `steps.py`. Imports those, the policy, the
 input-bridging rules (`inputs.py`), the upstream task (`upstream_task.py`), the upstream event types and
 the wire; nothing that does I/O.
@@ -29,6 +33,7 @@ from proxy.errors import InvalidParamsError
 from proxy.tasks import inputs, steps
 from proxy.tasks.commands import (
     STORE_WRITES,
+    Admitted,
     Answered,
     Asked,
     CallOutcome,
@@ -48,6 +53,7 @@ from proxy.tasks.commands import (
     Parked,
     ParkRefused,
     PollUpstreamTask,
+    Queued,
     Refuse,
     Relay,
     ReleaseCall,
@@ -69,6 +75,7 @@ from proxy.tasks.commands import (
     UpstreamTaskCreated,
     UpstreamTaskPolled,
     WriteProgress,
+    WriteQueue,
 )
 from proxy.tasks.inputs import PendingInput
 from proxy.tasks.state import (
@@ -77,6 +84,8 @@ from proxy.tasks.state import (
     MAX_OUTSTANDING_INPUTS,
     PARKED_EXPIRED,
     PROGRESS_WRITE_INTERVAL_MS,
+    QUEUE_TIMED_OUT,
+    STARTED,
     TASK_REFUSED,
     CallState,
 )
@@ -253,6 +262,8 @@ def _timer_fired(state: CallState, event: TimerFired) -> list[Command]:
         return []
     if event.timer is Timer.POLL:
         return [PollUpstreamTask()] if state.running and state.upstream_task is not None else []
+    if event.timer is Timer.QUEUE:
+        return _queue_timed_out(state)
     if state.mode is not Mode.PARKED:
         return []
     state.mode = Mode.DETACHED  # nobody resumed the parked call in time
@@ -280,6 +291,8 @@ def _committed(state: CallState, event: Committed) -> list[Command]:
             commands += steps.release(state, ReplyTask())
     if not state.inputs_written and state.running:
         commands += steps.write_inputs(state)
+    if state.queued and not state.queue_written and state.running:
+        commands += _write_queued(state)
     if state.started and not state.running and state.mode is not Mode.DETACHED:
         commands.append(
             steps.task_settlement(state, state.outcome)
@@ -453,6 +466,55 @@ def _lease_lost(state: CallState, event: LeaseLost) -> list[Command]:
     return _shut_down(state, ShutDown(LEASE_LOST))
 
 
+def _queued(state: CallState, event: Queued) -> list[Command]:
+    """The upstream request waits for a slot (`upstream.max_concurrent_calls`). A call that may become a task
+    (its client declared the extension) becomes one at once, whatever its window, and its record says it is
+    queued and its place; a task says so too. A synchronous caller waits its turn up to the queue's budget."""
+    if not state.running:
+        return []
+    state.queued = True
+    state.queued_ahead = event.ahead
+    if state.task_id is not None:
+        return _write_queued(state)
+    if state.committing or state.mode is not Mode.WAITING or not state.client_waiting:
+        return []  # a record being written says it once it is there (`Committed`)
+    if state.decision.may_become_task and not state.decision.holds_client:
+        return steps.create_record(state)
+    state.queue_refusal = event.refusal
+    state.queue_timer_set = True
+    return [SetTimer(Timer.QUEUE, event.wait_ms)]
+
+
+def _write_queued(state: CallState) -> list[Command]:
+    if state.fenced or state.mode is Mode.DETACHED:
+        return []
+    state.queue_written = True
+    return [WriteQueue(True, wire_tasks.queued_status_message(state.queued_ahead))]
+
+
+def _admitted(state: CallState, event: Admitted) -> list[Command]:
+    """The queued call got its slot and its request goes upstream now; a task's record says it started."""
+    state.queued = False
+    commands: list[Command] = []
+    if state.queue_timer_set:
+        state.queue_timer_set = False
+        commands.append(ClearTimer(Timer.QUEUE))
+    if state.queue_written and state.running and state.mode is not Mode.DETACHED:
+        state.queue_written = False
+        commands.append(WriteQueue(False, STARTED))
+    return commands
+
+
+def _queue_timed_out(state: CallState) -> list[Command]:
+    """A synchronous caller waited its whole budget: 503 with Retry-After, and its call leaves the queue (it
+    never reached the upstream)."""
+    state.queue_timer_set = False
+    refusal = state.queue_refusal
+    if not state.queued or not state.client_waiting or state.mode is not Mode.WAITING or refusal is None:
+        return []
+    return [*steps.release(state, ReplyError(refusal)), *steps.detach(state, QUEUE_TIMED_OUT, cancel=True)]
+
+
 _HANDLERS: Final[dict[type[Any], Callable[[CallState, Any], list[Command]]]] = {
     Start: _start,
     Asked: _asked,
@@ -473,4 +535,6 @@ _HANDLERS: Final[dict[type[Any], Callable[[CallState, Any], list[Command]]]] = {
     RemoteCancel: _remote_cancel,
     RemoteAnswers: _remote_answers,
     LeaseLost: _lease_lost,
+    Queued: _queued,
+    Admitted: _admitted,
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Final
 
 import structlog
@@ -40,8 +41,15 @@ log = structlog.get_logger(__name__)
 
 TOMBSTONE_TRIM_MS: Final = 60_000  # tombstones past tasks.tombstone_seconds or max_tombstones go this often
 SWEEP_INTERVAL_SECONDS: Final = 1.0  # how often expired tasks are ended and old records purged
+REQUEUED: Final = "queued again after a restart: it had not reached the upstream"
 
 StateOf = Callable[[Decision, JSON, str | int | None, str | None], CallState]
+
+
+def _queue_order(record: TaskRecord) -> tuple[bool, int]:
+    """Calls that had started first (as created), then those still queued, in the order they were queued."""
+    queued = record.queued_at_ms is not None
+    return queued, record.queued_at_ms if record.queued_at_ms is not None else record.created_at_ms
 
 
 class Recovery:
@@ -110,10 +118,12 @@ class Recovery:
         """Live tasks whose call runs nowhere: failed with `interrupted`, or re-run here when their policy says
         `on_restart: rerun` (claimed with `rerun` as their statusMessage). With `follow` (this replica's own
         upstream ran them), a task the upstream runs itself is followed again instead; another replica's
-        upstream is out of reach, so its tasks are failed or re-run. `fence`: the tasks are this replica's
-        already (taken over); None: an earlier process's (SQLite), claimed without one."""
+        upstream is out of reach, so its tasks are failed or re-run. A task whose call was still queued for an
+        upstream slot never reached the upstream: it runs again whatever its `on_restart`, after the re-runs of
+        calls that had started, in the order it was queued. `fence`: the tasks are this replica's already (taken
+        over); None: an earlier process's (SQLite), claimed without one."""
         now = self.clock()
-        for record in records:
+        for record in sorted(records, key=_queue_order):
             try:
                 if record.expired(now):
                     await self.records.fail(record.task_id, wire_tasks.EXPIRED_MESSAGE, fence)
@@ -129,6 +139,11 @@ class Recovery:
                     if claimed is not None:
                         await self._follow_again(claimed, record, fence or self.replicas.fence)
                         continue
+                if record.queued_at_ms is not None:
+                    claimed = await self._requeue(record, now, fence)
+                    if claimed is not None:
+                        await self._rerun(claimed, fence or self.replicas.fence)
+                        continue
                 if record.on_restart == "rerun":
                     claimed = await self.store.claim(record.task_id, self.process_id, rerun, now_ms=now, fence=fence)
                     if claimed is not None:
@@ -139,8 +154,24 @@ class Recovery:
                 return  # our own lease lapsed meanwhile: its recovery takes what is still ours
             log.info("task_interrupted", task_id=record.task_id, tool=record.tool, reason=interrupted)
 
+    async def _requeue(self, record: TaskRecord, now: int, fence: Fence | None) -> TaskRecord | None:
+        """A task claimed to run here that was queued and never reached the upstream; its mark goes (it is put
+        again when its call waits for a slot here), and its sealed principal stays only if its policy re-runs."""
+        claimed = await self.store.claim(record.task_id, self.process_id, REQUEUED, now_ms=now, fence=fence)
+        if claimed is None:
+            return None
+        kept = claimed.rerun_principal if claimed.on_restart == "rerun" else None
+        cleared = await self.store.set_queued(
+            record.task_id, None, REQUEUED, rerun_principal=kept, now_ms=now, fence=fence or self.replicas.fence
+        )
+        if cleared is None:
+            return None
+        log.info("task_requeued", task_id=record.task_id, tool=record.tool)
+        return replace(cleared, rerun_principal=claimed.rerun_principal)
+
     async def _rerun(self, record: TaskRecord, fence: Fence) -> None:
-        policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, "rerun")
+        on_restart: RestartAction = "rerun" if record.on_restart == "rerun" else "fail"
+        policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, on_restart)
         state = self.state_of(Decision(Outcome.TASK, policy), record.client_capabilities, None, None)
         state.task_id = record.task_id
         state.issued = record.inputs_issued  # keys stay unique across the re-run too

@@ -11,6 +11,7 @@ Imports all of those, the store and the upstream pool; never aiohttp's web side 
 from __future__ import annotations
 
 import asyncio
+import sys
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Final, TypeVar
@@ -27,6 +28,7 @@ from proxy.tasks.audit_trail import AuditTrail
 from proxy.tasks.background import Background
 from proxy.tasks.calls import CallStarter
 from proxy.tasks.durations import Durations
+from proxy.tasks.effects.admission import Admission
 from proxy.tasks.effects.client import ClientSide
 from proxy.tasks.effects.held import HeldRequest, QuestionCounter
 from proxy.tasks.effects.job import JobEffect
@@ -39,6 +41,7 @@ from proxy.tasks.executor import Executor, Observer
 from proxy.tasks.live_call import LiveCall, wall_clock_ms
 from proxy.tasks.operations import TaskOperations
 from proxy.tasks.ports import Effect
+from proxy.tasks.quotas import Quotas
 from proxy.tasks.recovery import Recovery
 from proxy.tasks.replica_inbox import ReplicaInbox
 from proxy.tasks.replicas import ReplicaLink
@@ -84,6 +87,7 @@ class TaskRunner:
         self.background = Background()
         self.table = CallTable()
         self.durations = Durations(store, clock, self.background)
+        self.quotas = Quotas(store, clock)
         signer = inputs.RequestStateSigner(inputs.load_secret(config.inputs.secret_file))
         self.slots = RunningSlots(config.tasks.max_running, config.limits.max_running_per_principal)
         self.parking = Parking(config.inputs, config.limits, signer, clock, self.process_id)
@@ -109,7 +113,14 @@ class TaskRunner:
             self.outbox,
         )
         self.timers = Timers(feed, self.background)
-        held = HeldRequest(feed, self.background, upstream, self.parking)
+        caps = config.upstream
+        tool_caps = any(entry.max_concurrent for entry in config.tasks.tools.values())
+        self.admission = (
+            Admission(caps.max_concurrent_calls or sys.maxsize, caps.max_queue_wait_ms, feed, metrics)
+            if caps.max_concurrent_calls or tool_caps
+            else None
+        )
+        held = HeldRequest(feed, self.background, upstream, self.parking, self.admission)
         upstream_task = UpstreamTaskEffect(feed, self.background, upstream, clock)
         self.jobs = jobs = JobEffect(feed, self.background, upstream, clock)
         jobs.follow(config.jobs)
@@ -142,6 +153,7 @@ class TaskRunner:
                 c.Park: self.parking.park,
                 c.Unpark: self.parking.unpark,
                 c.HoldSlot: self.slots.hold,
+                c.WriteQueue: self.records.write_queue,
             }
         )
         inbox = ReplicaInbox(self.background, self.table, feed, self.parking, self.records, store, clock)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
+from proxy.errors import ProxyError
 from proxy.policy import Decision
 from proxy.tasks.commands import CallOutcome, Mode
 from proxy.tasks.inputs import PendingInput
@@ -19,6 +20,8 @@ CLIENT_LEFT: Final = "client disconnected"
 PARKED_EXPIRED: Final = "the client did not retry within inputs.request_state_ttl_ms"
 TASK_REFUSED: Final = "the task could not be created"
 LEASE_LOST: Final = "interrupted: this replica lost its lease on the task"
+QUEUE_TIMED_OUT: Final = "the call waited too long for an upstream slot"
+STARTED: Final = "started"  # the statusMessage of a queued task once it got its upstream slot
 
 
 @dataclass(slots=True)
@@ -47,6 +50,11 @@ class CallState:
     progress_written_at_ms: float = float("-inf")
     upstream_task: UpstreamTask | None = None  # the upstream's own task this call follows, once created
     fenced: bool = False  # the lease on the task was lost: nothing more is written for it
+    queued: bool = False  # the upstream request waits for a slot (`upstream.max_concurrent_calls`)
+    queued_ahead: int = 0  # calls before it in the queue when it was queued
+    queue_written: bool = False  # the task record says it is queued
+    queue_timer_set: bool = False
+    queue_refusal: ProxyError | None = None  # what a synchronous caller that waited too long is told
 
     def input_requests(self) -> JSON:
         return {key: pending.request for key, pending in self.inputs.items()}

@@ -90,6 +90,10 @@ class TaskRecord:
     lives in (tasks are scoped to their session) and, by key, the upstream JSON-RPC ids of its outstanding
     questions: a restarted proxy follows it again there and can still deliver the answers.
 
+    `queued_at_ms` is set while the task's call waits for an upstream slot (`upstream.max_concurrent_calls`):
+    such a task never reached the upstream, so a restarted proxy runs it (in the order of these times) whatever
+    its `on_restart`.
+
     `traceparent` is the W3C trace context of the span that created the task, when tracing was on (never
     sent to a client): the spans of later requests about the task link to it, and a task resumed after a
     restart, or taken over by another replica, goes on in that trace.
@@ -118,6 +122,7 @@ class TaskRecord:
     upstream_input_ids: JSON = field(default_factory=dict)
     traceparent: str | None = None
     job_id: str | None = None  # a legacy job's id (`jobs:` config): polled through its status tool
+    queued_at_ms: int | None = None  # set while its call waits for an upstream slot: it never reached the upstream
 
     @property
     def expires_at_ms(self) -> int | None:
@@ -209,3 +214,8 @@ def failure_status_message(error: JSON) -> str:
     text = message if isinstance(message, str) and message else "the upstream call failed"
     has_code = isinstance(code, int) and not isinstance(code, bool)
     return f"{text} (JSON-RPC error {code})" if has_code else text
+
+
+def queued_status_message(ahead: int) -> str:
+    """The `statusMessage` of a task whose call waits for an upstream slot, with its place: `queued: 3 ahead`."""
+    return f"queued: {ahead} ahead"

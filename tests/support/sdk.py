@@ -130,3 +130,11 @@ async def until_started_upstream(url: str, tool: str, more_than: int, timeout_se
             return counts.get(tool, 0) > more_than
 
         await until(started, f"the upstream never started another {tool} call", timeout_seconds)
+
+
+async def held_at_once(url: str, *, reset: bool = False) -> dict[str, int]:
+    """The fixture upstream's `held` calls running now and the most that ran at once (`now`, `most`), asked
+    directly; `reset` starts the most afresh."""
+    async with connect(url) as conn:
+        counts: dict[str, int] = json.loads(text(await conn.session.call_tool("held_at_once", {"reset": reset})))
+    return counts

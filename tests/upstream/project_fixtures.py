@@ -299,3 +299,34 @@ def register(mcp: FastMCP[Any]) -> None:
     @mcp.tool(name="big_text", description="Returns one text block of `size` characters (for size limits)")
     async def big_text(size: Annotated[int, Field(description="Characters of text", ge=0)]) -> types.CallToolResult:
         return text_result("x" * size)
+
+    @mcp.tool(
+        name="held",
+        description="Holds the call for `seconds` (cancellable) while counting the `held` calls running at once; "
+        "returns `tag`",
+    )
+    async def held(
+        tag: Annotated[str, Field(description="Returned as the result's text")],
+        seconds: Annotated[float, Field(description="How long to hold the call, in seconds", ge=0)] = 0,
+    ) -> types.CallToolResult:
+        support.call_started("held")
+        support.HELD["now"] += 1
+        support.HELD["most"] = max(support.HELD["most"], support.HELD["now"])
+        try:
+            await anyio.sleep(seconds)
+        finally:
+            support.HELD["now"] -= 1
+        return text_result(tag)
+
+    @mcp.tool(
+        name="held_at_once",
+        description="JSON object: how many `held` calls run now and the most that ever ran at once; `reset` "
+        "starts the most afresh",
+    )
+    async def held_at_once(
+        reset: Annotated[bool, Field(description="Start counting the most afresh")] = False,
+    ) -> types.CallToolResult:
+        counts = dict(support.HELD)
+        if reset:
+            support.HELD["most"] = support.HELD["now"]
+        return text_result(json.dumps(counts))

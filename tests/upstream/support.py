@@ -42,6 +42,10 @@ CALLS_STARTED: dict[str, int] = {}
 be running upstream)."""
 
 
+HELD: dict[str, int] = {"now": 0, "most": 0}
+"""The ``held`` calls running now, and the most that ever ran at once (``held_at_once`` reads and resets it)."""
+
+
 def call_started(tool: str) -> None:
     """Count one more call of ``tool`` started."""
     CALLS_STARTED[tool] = CALLS_STARTED.get(tool, 0) + 1

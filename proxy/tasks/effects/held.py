@@ -1,8 +1,9 @@
 """The held upstream request of a call (`StartCall`, `Answer`, `Refuse`, `CancelCall`): sent on a session
 leased for the call (of its own when its client could answer a question), its events fed to the call by the
-pump, its questions answered or refused, and `notifications/cancelled` when it is abandoned. Also counts the
-questions relayed and refused (questions and answers are span events too). Imports the pump, the slots (a parked
-call's session may be reclaimed), tracing, the upstream pool and event types; not the store.
+pump, its questions answered or refused, and `notifications/cancelled` when it is abandoned; with a cap, the
+request waits for its slot first (`admission.py`). Also counts the questions relayed and refused (questions and
+answers are span events too). Imports the pump, the slots (a parked call's session may be reclaimed), the
+admission queue, tracing, the upstream pool and event types; not the store.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from proxy.observability import Metrics
 from proxy.tasks import inputs
 from proxy.tasks.commands import Answer, Asked, CancelCall, Command, Event, Refuse, StartCall, Timer, TimerFired
 from proxy.tasks.effects import pump
+from proxy.tasks.effects.admission import Admission
 from proxy.tasks.effects.slots import Parking
 from proxy.tasks.live_call import LiveCall
 from proxy.tasks.ports import Feed, Spawner
@@ -31,11 +33,14 @@ log = structlog.get_logger(__name__)
 
 
 class HeldRequest:
-    def __init__(self, feed: Feed, spawner: Spawner, pool: SessionPool, parking: Parking) -> None:
+    def __init__(
+        self, feed: Feed, spawner: Spawner, pool: SessionPool, parking: Parking, admission: Admission | None = None
+    ) -> None:
         self.feed = feed
         self.spawner = spawner
         self.pool = pool
         self.parking = parking
+        self.admission = admission  # `upstream.max_concurrent_calls`; None: no cap
 
     async def start(self, call: LiveCall, command: StartCall) -> None:
         """Send the upstream request and feed what comes back to the machine, until its final event (or until
@@ -46,7 +51,10 @@ class HeldRequest:
                 call.upstream = upstream
                 await pump.stream(self.feed, call, upstream, until=lambda: not call.state.running)
 
-        running = pump.run(self.feed, call, self._session(call), send)
+        session = self._session(call)
+        if self.admission is not None:  # the request waits for a slot (and holds it until it ends)
+            session = self.admission.slot(call, session)
+        running = pump.run(self.feed, call, session, send)
         call.pump = self.spawner.spawn(running, f"upstream-{call.call_id}")
 
     def _session(self, call: LiveCall) -> AbstractAsyncContextManager[Session]:

@@ -22,7 +22,7 @@ from proxy.wire.tasks import TaskRecord
 
 log = structlog.get_logger(__name__)
 
-Kind = Literal["progress", "inputs", "settle"]
+Kind = Literal["progress", "queue", "inputs", "settle"]
 Write = Callable[[Fence | None], Awaitable[TaskRecord | None]]
 Written = Callable[[TaskRecord | None], None]
 

@@ -29,6 +29,7 @@ from proxy.tasks.commands import (
     Settle,
     WriteInputs,
     WriteProgress,
+    WriteQueue,
 )
 from proxy.tasks.durations import Durations
 from proxy.tasks.effects.outbox import Kind, Outbox, Written
@@ -43,8 +44,13 @@ from proxy.wire.tasks import TaskRecord, TaskStatus
 
 log = structlog.get_logger(__name__)
 
-OwnerWrite = WriteInputs | WriteProgress | Settle
-_KINDS: Final[dict[type, Kind]] = {Settle: "settle", WriteInputs: "inputs", WriteProgress: "progress"}
+OwnerWrite = WriteInputs | WriteProgress | WriteQueue | Settle
+_KINDS: Final[dict[type, Kind]] = {
+    Settle: "settle",
+    WriteInputs: "inputs",
+    WriteProgress: "progress",
+    WriteQueue: "queue",  # a queued mark or its end: never dropped (a started task must not look queued)
+}
 OWN_SETTLEMENTS_KEPT: Final = 4096  # settlements remembered until the feed brings them back (a bound, not a need)
 
 
@@ -165,6 +171,26 @@ class RecordWrites:
             "task_progress_not_stored",
             lambda fence: self.store.set_status_message(
                 task_id, command.status_message, now_ms=self.clock(), fence=fence
+            ),
+            command,
+            warn=True,
+        )
+        return written if isinstance(written, LeaseLost) else None
+
+    async def write_queue(self, call: LiveCall, command: WriteQueue) -> LeaseLost | None:
+        """Queued since now, or no longer; a store failure leaves it as it was (a warning): at worst a task that
+        started is re-run after a restart although its `on_restart` says fail, or one queued is failed."""
+        task_id = self._task_id(call)
+        now_ms = self.clock()
+        queued_at_ms = now_ms if command.queued else None
+        policy = call.state.decision.policy
+        keep = command.queued or (policy is not None and policy.on_restart == "rerun")
+        sealed = self.principals.seal(call.principal) if keep and call.principal else None
+        written = await self._fenced(
+            call,
+            "task_queue_not_stored",
+            lambda fence: self.store.set_queued(
+                task_id, queued_at_ms, command.status_message, rerun_principal=sealed, now_ms=now_ms, fence=fence
             ),
             command,
             warn=True,

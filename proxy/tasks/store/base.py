@@ -196,6 +196,17 @@ class TaskStore(Protocol):
         self, task_id: str, owner: str, status_message: str, *, now_ms: int, fence: Fence | None = None
     ) -> TaskRecord | None: ...
 
+    async def set_queued(
+        self,
+        task_id: str,
+        queued_at_ms: int | None,
+        status_message: str,
+        *,
+        rerun_principal: str | None,
+        now_ms: int,
+        fence: Fence | None = None,
+    ) -> TaskRecord | None: ...
+
     async def settle(
         self,
         task_id: str,
@@ -294,6 +305,10 @@ class TaskStore(Protocol):
 
     async def duration_estimates(self) -> dict[str, float]: ...
 
+    # -- quota windows ---------------------------------------------------------------------------------------------
+
+    async def count_call(self, key: str, window_start_ms: int) -> int: ...
+
 
 # -- the row codec and SQL shared by both stores -------------------------------------------------------------------
 
@@ -322,6 +337,7 @@ COLUMNS: Final = (
     "upstream_input_ids",
     "traceparent",
     "job_id",
+    "queued_at_ms",
 )
 STATUS_KEYS: Final = tuple(status.value for status in TaskStatus)
 LIVE_SQL: Final = ", ".join(f"'{status.value}'" for status in sorted(LIVE))
@@ -410,6 +426,7 @@ def record_from_row(row: Mapping[str, Any]) -> TaskRecord:
         upstream_input_ids=decode(row["upstream_input_ids"]),
         traceparent=row["traceparent"],
         job_id=row["job_id"],
+        queued_at_ms=row["queued_at_ms"],
     )
 
 
@@ -449,6 +466,7 @@ def row_from_record(record: TaskRecord) -> dict[str, Any]:
         "upstream_input_ids": encode(record.upstream_input_ids),
         "traceparent": record.traceparent,
         "job_id": record.job_id,
+        "queued_at_ms": record.queued_at_ms,
     }
 
 
@@ -524,6 +542,22 @@ class LiveWrites:
         """A live task taken over by `owner` to be run again from the start: `working`, no questions."""
         return await self._update(task_id, claim_values(owner, status_message), now_ms, fence)
 
+    async def set_queued(
+        self,
+        task_id: str,
+        queued_at_ms: int | None,
+        status_message: str,
+        *,
+        rerun_principal: str | None,
+        now_ms: int,
+        fence: Fence | None = None,
+    ) -> TaskRecord | None:
+        """The live task's call waits for an upstream slot since `queued_at_ms` (its place is in the
+        statusMessage), or, with None, got one; while it waits, the sealed principal a run after a restart
+        presents upstream is kept (`rerun_principal`), as for an `on_restart: rerun` task."""
+        values = {"queued_at_ms": queued_at_ms, "status_message": status_message, "rerun_principal": rerun_principal}
+        return await self._update(task_id, values, now_ms, fence)
+
     async def settle(
         self,
         task_id: str,
@@ -538,3 +572,19 @@ class LiveWrites:
         """Only a live task settles, so the first settle wins (on whichever replica) and a terminal state never
         changes."""
         return await self._update(task_id, settle_values(status, result, error, status_message), now_ms, fence)
+
+
+class WindowCounts:
+    """Calls counted per key in the current quota window, in this process's memory (a backend that one process
+    holds alone): nothing is written per call, and a new window starts every count afresh."""
+
+    def __init__(self) -> None:
+        self._window_start_ms: int | None = None
+        self._counts: dict[str, int] = {}
+
+    def count(self, key: str, window_start_ms: int) -> int:
+        if window_start_ms != self._window_start_ms:
+            self._window_start_ms = window_start_ms
+            self._counts = {}
+        calls = self._counts[key] = self._counts.get(key, 0) + 1
+        return calls

@@ -153,6 +153,26 @@ MIGRATIONS: Final[tuple[tuple[str, str], ...]] = (
         CREATE INDEX tombstones_gone_at ON tombstones (gone_at_ms);
         """,
     ),
+    (
+        # When the task's call began to wait for an upstream slot (`upstream.max_concurrent_calls`), while it
+        # waits: such a task never reached the upstream and runs at the next start, in this order.
+        "0008_add_admission_queue",
+        """
+        ALTER TABLE tasks ADD COLUMN queued_at_ms bigint;
+        """,
+    ),
+    (
+        # `limits.calls_per_minute_per_principal`: calls per caller (key) and window, shared by every replica.
+        "0009_create_quota_windows",
+        """
+        CREATE TABLE quota_windows (
+            key text NOT NULL,
+            window_start_ms bigint NOT NULL,
+            calls bigint NOT NULL,
+            PRIMARY KEY (key, window_start_ms)
+        );
+        """,
+    ),
 )
 
 
@@ -186,6 +206,7 @@ _TYPES: Final = {
     "expires_at_ms": "bigint",
     "poll_interval_ms": "bigint",
     "inputs_issued": "integer",
+    "queued_at_ms": "bigint",
 }
 # Every record of a batch in one statement (one trigger run), as one array per column.
 INSERT_SQL: Final = (
@@ -193,6 +214,11 @@ INSERT_SQL: Final = (
     + ", ".join(f"%({column})s::{_TYPES.get(column, 'text')}[]" for column in COLUMNS)
     + ")"
 )
+COUNT_CALL_SQL: Final = (
+    "INSERT INTO quota_windows (key, window_start_ms, calls) VALUES (%(key)s, %(window_start_ms)s, 1)"
+    " ON CONFLICT (key, window_start_ms) DO UPDATE SET calls = quota_windows.calls + 1 RETURNING calls"
+)
+PURGE_QUOTA_SQL: Final = "DELETE FROM quota_windows WHERE window_start_ms < %s"
 LOCK_COUNT_SQL: Final = "SELECT records FROM task_count WHERE id = 1 FOR UPDATE"
 EXISTING_SQL: Final = "SELECT task_id FROM tasks WHERE task_id = ANY(%s)"
 # How many settled records could be evicted, counted only as far as a batch could need.

@@ -101,6 +101,7 @@ class PostgresTaskStore(LiveWrites):
         )
         self._creator = PgCreator(url, lambda: self.connect_kwargs(application="mcp-tasks-proxy-creator"), max_records)
         self._feed = PgFeed(self)
+        self._quota_window_ms: int | None = None  # the latest quota window counted here
 
     @classmethod
     async def open(
@@ -451,3 +452,14 @@ class PostgresTaskStore(LiveWrites):
     async def duration_estimates(self) -> dict[str, float]:
         rows = await self._rows("duration_estimates", "SELECT tool, estimate_ms FROM tool_durations", write=False)
         return {row["tool"]: float(row["estimate_ms"]) for row in rows}
+
+    async def count_call(self, key: str, window_start_ms: int) -> int:
+        """One more call of `key` in the quota window starting at `window_start_ms`, counted in the database so
+        that every replica shares the count; the calls so far. The first count of a new window here also drops
+        the windows before it (one statement a minute per replica)."""
+        if window_start_ms != self._quota_window_ms:
+            self._quota_window_ms = window_start_ms
+            await self._rows("purge quota windows", schema.PURGE_QUOTA_SQL, [window_start_ms])
+        params = {"key": key, "window_start_ms": window_start_ms}
+        rows = await self._rows(f"count_call {key}", schema.COUNT_CALL_SQL, params)
+        return int(rows[0]["calls"])

@@ -34,6 +34,7 @@ from proxy.tasks.store.base import (
     StoreError,
     TaskQuery,
     Tombstone,
+    WindowCounts,
     check_kind,
     encode,
     query_sql,
@@ -96,6 +97,7 @@ class SqliteTaskStore(LiveWrites):
         self._batcher = CreationBatcher(self._writer_state.create_all, str(path))
         self._feed = LocalFeed()
         self._leases: set[str] = set()  # replicas of this process holding a lease
+        self._quota_windows = WindowCounts()  # this process holds the file alone: counted in its memory
         # Owned by the reader thread:
         self._reader_db: Database | None = None
 
@@ -342,6 +344,13 @@ class SqliteTaskStore(LiveWrites):
             return {tool: float(estimate) for tool, estimate in rows}
 
         return await self._read("duration_estimates", run)
+
+    async def count_call(self, key: str, window_start_ms: int) -> int:
+        """One more call of `key` in the quota window starting at `window_start_ms`; the calls so far. Kept in
+        this process (the only one that may open the file), never written."""
+        if self._closed:
+            raise StoreError(f"count_call: the task store {self.path} is closed")
+        return self._quota_windows.count(key, window_start_ms)
 
     # -- thread dispatch -----------------------------------------------------------------------------------
 

@@ -123,6 +123,13 @@ def _create_tombstones(db: Database) -> None:
     db.execute("CREATE INDEX idx_tombstones_gone_at_ms ON tombstones (gone_at_ms)")
 
 
+@MIGRATIONS(name="0009_add_admission_queue")
+def _add_admission_queue(db: Database) -> None:
+    """When the task's call began to wait for an upstream slot (`upstream.max_concurrent_calls`), while it waits:
+    such a task never reached the upstream and runs at the next start, in this order. Older records: NULL."""
+    db.table("tasks").add_column("queued_at_ms", int)
+
+
 INSERT_SQL: Final = f"INSERT INTO tasks ({', '.join(COLUMNS)}) VALUES ({', '.join(':' + column for column in COLUMNS)})"
 # One indexed walk per settled status, then the oldest of those few candidates: a single
 # `status IN (...) ORDER BY updated_at_ms` would sort every settled record on each create at capacity.
