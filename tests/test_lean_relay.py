@@ -229,7 +229,7 @@ async def test_an_answer_let_go_twice_leaves_the_connection_to_the_next_request(
     body = json.dumps(CALL).encode()
     try:
         first = await client.post("/mcp", [("Content-Type", "application/json")], body)
-        assert json.loads(await first.text())["result"] == {}
+        assert json.loads(await first.read())["result"] == {}
         first.release()
         second = await client.post("/mcp", [("Content-Type", "application/json")], body)
         first.close()  # late, after the connection went on to carry the second request
