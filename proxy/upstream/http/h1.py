@@ -86,7 +86,10 @@ class RequestWriter:
     Transfer-Encoding are dropped (the length is said here), a Host of the caller's replaces the origin's."""
 
     def __init__(self, host: str) -> None:
-        self.host = check_value("Host", host)
+        try:
+            self.host = check_value("Host", host)
+        except FieldError as exc:
+            raise H1RequestError(str(exc)) from None
         self._names: set[str] = set()  # names already found valid
 
     def request(self, method: str, target: str, headers: Iterable[tuple[str, str]], body: bytes) -> bytes:
