@@ -16,7 +16,7 @@ from proxy.upstream.http.h1 import (
     ResponseHead,
     ResponseReader,
 )
-from tests.support.h1 import Recorder, read
+from tests.support.h1 import End, Recorder, read
 
 JSON_BODY = b'{"jsonrpc":"2.0","id":1,"result":{}}'
 BY_LENGTH = (
@@ -221,7 +221,7 @@ def test_a_204_or_304_has_no_body(status: int) -> None:
 def test_every_split_of_the_bytes_gives_the_same_events(answer: bytes) -> None:
     """However the reads cut the bytes (one byte at a time, or in two pieces at any boundary), the events are the
     same."""
-    end = "close" if answer is UNTIL_CLOSE else "keep"
+    end: End = "close" if answer is UNTIL_CLOSE else "keep"
     whole = read([answer], end=end)[0].merged()
     assert read([answer[i : i + 1] for i in range(len(answer))], end=end)[0].merged() == whole
     for cut in range(1, len(answer)):
