@@ -257,7 +257,7 @@ async def erring_pool(client: str, directory: Path) -> AsyncIterator[tuple[Sessi
     server_tls, client_tls = loopback_contexts(directory)
     app = erring_upstream()
     server = TestServer(app, host="127.0.0.1")
-    await server.start_server(**({"ssl": server_tls} if client == "aiohttp" else {}))
+    await server.start_server(ssl=server_tls if client == "aiohttp" else None)
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client_tls))
     config = HttpUpstreamConfig(url=str(server.make_url("/mcp")))
     kind = HttpKind(config, http, "authorization", None, max_result_bytes=1 << 20)  # (read as it arrives)
