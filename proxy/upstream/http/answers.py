@@ -1,11 +1,8 @@
-"""An upstream's HTTP answer as the proxy reads it, whichever of its two clients fetched it, and the one place
-where both clients' failures become the proxy's `Upstream*Error`s.
-
-`Answer` is the proxy's own shape (the lean client's `LeanAnswer` is one; `AiohttpAnswer` wraps aiohttp's
-`ClientResponse`, the client of GET streams, DELETE and an https upstream). `CLIENT_FAILURES` is what either
-client raises; `failure()` translates it. `checked_headers()` holds what goes onto aiohttp's wire to the same
-checks the lean client applies (`proxy.wire.fields`). Imports aiohttp's client side, the lean client and the error tree.
-"""
+"""An upstream's HTTP answer as the proxy reads it, from either client, and the one place where both clients'
+failures become `Upstream*Error`s: `Answer` (the lean client's `LeanAnswer` is one; `AiohttpAnswer` wraps
+aiohttp's response: GET streams, DELETE, an https upstream), `CLIENT_FAILURES` and `failure()`, and
+`checked_headers()`, the wire checks (`proxy.wire.fields`) for what aiohttp writes. Imports aiohttp's client
+side, the HTTP/1.1 core's errors and the error tree; never a session."""
 
 from __future__ import annotations
 
