@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final, NamedTuple, Protocol
 
 import httptools
 
-from proxy.wire.fields import FieldError, check_name, check_target, check_value, is_safe_value
+from proxy.wire.fields import FieldError, check_name, check_target, check_value
 
 # --- errors: the client's own -----------------------------------------------------------------------------------
 
@@ -106,8 +106,9 @@ class RequestWriter:
                     check_name(name)
                     if len(names) < _NAMES_KEPT:
                         names.add(name)
-                if not is_safe_value(value):
-                    check_value(name, value)  # raises, naming the header
+                # (`is_safe_value`'s own common case, spared a call per header; anything else is decided there)
+                if not (value.isprintable() and (not value or (value[0] != " " and value[-1] != " "))):
+                    check_value(name, value)  # raises, naming the header, unless the expression accepts it
                 lowered = name.lower()
                 if lowered in _FRAMING:
                     continue
@@ -125,9 +126,9 @@ class RequestWriter:
 # --- responses ------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class ResponseHead:
-    """A final answer's status line and headers, as sent (repeated names kept, in order)."""
+class ResponseHead(NamedTuple):
+    """A final answer's status line and headers, as sent (repeated names kept, in order). (A tuple: made once
+    per call, and a tuple is the cheapest value to make.)"""
 
     status: int
     reason: str
@@ -144,6 +145,7 @@ class Sink(Protocol):
 
 
 _IDLE, _HEAD, _BODY = 0, 1, 2  # no answer awaited; reading a head; reading a final answer's body
+_FRAMING_NAME_LENGTHS: Final = frozenset({len("content-length"), len("transfer-encoding")})
 
 
 class ResponseReader:
@@ -166,7 +168,8 @@ class ResponseReader:
         self._status_bytes = 0
         self._header_count = 0
         self._until_close = False
-        self._chunked = False
+        self._chunked = False  # Transfer-Encoding: chunked
+        self._length = False  # a Content-Length
         self._chunk_headers = 0  # chunk-size lines completed during this feed
         self._body_bytes = 0  # body bytes delivered during this feed
         self._framing_bytes = 0  # chunked framing read since the last chunk-size line ended
@@ -176,12 +179,10 @@ class ResponseReader:
         if self._state != _IDLE:
             raise H1ProtocolError("a request was written while the previous answer is still being read")
         self._state = _HEAD
-        self.keep_alive = False
+        self.keep_alive = self._chunked = self._length = False
         self._reason.clear()
         self._headers = []
         self._head_bytes = self._status_bytes = self._header_count = 0
-        self._framing_bytes = 0
-        self._chunked = self._until_close = False
 
     @property
     def answered(self) -> bool:
@@ -204,8 +205,10 @@ class ResponseReader:
         self._feed(data)
 
     def _feed(self, data: bytes) -> None:
-        in_body = self._state == _BODY  # (a read that ends a head is bounded by the head's budget instead)
-        self._chunk_headers = self._body_bytes = 0
+        # (a read that ends a head is bounded by the head's budget instead)
+        in_chunks = self._chunked and self._state == _BODY
+        if in_chunks:
+            self._chunk_headers = self._body_bytes = 0
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -215,7 +218,7 @@ class ResponseReader:
             if error is not None:
                 raise error from None
             raise H1ProtocolError(f"the upstream's answer is not valid HTTP/1.1: {exc}") from None
-        if in_body and self._chunked and self._state == _BODY:
+        if in_chunks and self._state == _BODY:
             framing = len(data) - self._body_bytes
             self._framing_bytes = framing if self._chunk_headers else self._framing_bytes + framing
             if self._framing_bytes > self._limits.max_chunk_line_bytes:  # to within one read
@@ -252,13 +255,22 @@ class ResponseReader:
         self._reason += status
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        limits = self._limits
         self._header_count += 1
-        if self._header_count > self._limits.max_headers:
-            self._fail(H1LimitError("max_headers", self._limits.max_headers))
-        if len(name) + len(value) + 4 > self._limits.max_header_line_bytes:
-            self._fail(H1LimitError("max_header_line_bytes", self._limits.max_header_line_bytes))
-        if self._state == _HEAD:  # (trailers are counted against the same limits, and dropped)
-            self._headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
+        if self._header_count > limits.max_headers:
+            self._fail(H1LimitError("max_headers", limits.max_headers))
+        if len(name) + len(value) + 4 > limits.max_header_line_bytes:
+            self._fail(H1LimitError("max_header_line_bytes", limits.max_header_line_bytes))
+        if self._state != _HEAD:
+            return  # trailers are counted against the same limits, and dropped
+        text = value.decode("utf-8", "surrogateescape")
+        if len(name) in _FRAMING_NAME_LENGTHS:
+            lowered = name.lower()
+            if lowered == b"content-length":
+                self._length = True
+            elif lowered == b"transfer-encoding" and "chunked" in text.lower():
+                self._chunked = True
+        self._headers.append((name.decode("latin-1"), text))
 
     def on_headers_complete(self) -> None:
         if self._state != _HEAD:
@@ -269,24 +281,15 @@ class ResponseReader:
             self._reason.clear()
             self._headers = []
             self._status_bytes = self._header_count = 0
+            self._chunked = self._length = False
             return
         headers = self._headers
         self._headers = []
         self._state = _BODY
-        self.keep_alive = parser.should_keep_alive()
-        self._chunked = False
-        length = False
-        for name, value in headers:
-            lowered = name.lower()
-            if lowered == "transfer-encoding":
-                self._chunked = self._chunked or "chunked" in value.lower()
-            elif lowered == "content-length":
-                length = True
-        if self._chunked and length:  # RFC 9112 §6.3: chunked wins; the connection is not reused after
-            self.keep_alive = False
-        self._until_close = not self._chunked and not length and status not in (204, 304)
-        if self._until_close:
-            self.keep_alive = False
+        chunked = self._chunked
+        self._until_close = not chunked and not self._length and status not in (204, 304)
+        # RFC 9112 §6.3: with both, chunked wins, and the connection is not reused after
+        self.keep_alive = not self._until_close and not (chunked and self._length) and parser.should_keep_alive()
         self._sink.on_head(ResponseHead(status, self._reason.decode("latin-1"), headers, parser.get_http_version()))
 
     def on_chunk_header(self) -> None:
