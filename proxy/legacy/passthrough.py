@@ -17,7 +17,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy import tracing
-from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, failure
+from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, checked_headers, failure
 from proxy.upstream.http.lean import LeanClient
 
 # Plain answers up to this size are read whole and sent in one write; larger ones and SSE are streamed.
@@ -120,7 +120,7 @@ class PassThrough:
                         self.http.request,
                         request.method,
                         url,
-                        headers=headers,
+                        headers=checked_headers(headers),  # (the lean client checks what it writes itself)
                         skip_auto_headers=NO_AUTO_HEADERS,
                         data=body if body else None,
                         timeout=self.timeout,
