@@ -158,6 +158,17 @@ class UpstreamUnreachableError(UpstreamError):
     """The upstream could not be reached at all: no connection, or a stdio server that cannot be started now."""
 
 
+class UpstreamRequestInvalidError(UpstreamError):
+    """A request the proxy refused to write upstream: a header name or value, or the request target, would not
+    be valid on the wire (a CR, LF, NUL or other control character, a name that is not a token; RFC 9110 §5.5,
+    RFC 9112 §3.2). Nothing of it was sent. The value came with the request, so the caller is told (-32602,
+    HTTP 400); the message names the header, never its value."""
+
+    code = jsonrpc.INVALID_PARAMS
+    http_status = 400
+    default_message = "Request not sent upstream: a header or the request target is not valid HTTP"
+
+
 class UpstreamRefusedError(UpstreamError):
     """The upstream refused a request at the transport level, with no JSON-RPC answer (an HTTP error status);
     `upstream_status` is that status, for logs only: callers tell refusals apart by their class."""

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from proxy.wire import fields
 from proxy.wire.fields import FieldError, check_field, check_name, check_target, check_value, is_safe_value
 
 
@@ -65,3 +68,10 @@ def test_an_origin_form_target_is_valid(target: str) -> None:
 def test_a_target_with_spaces_controls_or_no_leading_slash_is_refused(target: str) -> None:
     with pytest.raises(FieldError):
         check_target(target)
+
+
+@settings(max_examples=2000)
+@given(st.text() | st.text(st.characters(max_codepoint=0xFF)))
+def test_the_fast_path_and_the_expression_agree_on_every_value(value: str) -> None:
+    """`is_safe_value` takes a shortcut for printable text; it must accept exactly what the expression accepts."""
+    assert is_safe_value(value) is (fields._VALUE.fullmatch(value) is not None)

@@ -9,7 +9,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import pytest
@@ -18,10 +18,15 @@ from aiohttp.test_utils import TestServer
 from yarl import URL
 
 from proxy.config import ConfigError, load_config
+from proxy.upstream.http.h1 import H1ConnectionError, H1LimitError, H1RequestError
 from proxy.upstream.http.lean import HIGH_WATER_BYTES, LeanClient
+from tests.support.clients import meta
+from tests.support.h1 import RawUpstream
 
 LEGACY_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
 CALL = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "echo"}}
+MODERN_CALL = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": meta({})}}
+MODERN_HEADERS = {**LEGACY_HEADERS, "MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/list"}
 
 
 @asynccontextmanager
@@ -229,7 +234,7 @@ async def test_an_answer_let_go_twice_leaves_the_connection_to_the_next_request(
     body = json.dumps(CALL).encode()
     try:
         first = await client.post("/mcp", [("Content-Type", "application/json")], body)
-        assert json.loads(await first.text())["result"] == {}
+        assert json.loads(await first.read())["result"] == {}
         first.release()
         second = await client.post("/mcp", [("Content-Type", "application/json")], body)
         first.close()  # late, after the connection went on to carry the second request
@@ -321,3 +326,91 @@ async def test_the_call_timeout_also_bounds_an_answer_whose_body_stalls(make_pro
         assert await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5) == b"event: message\ndata: 0\n\n"
         with pytest.raises(aiohttp.ClientPayloadError):
             await asyncio.wait_for(response.read(), 5)
+
+
+# --- what the client writes, and what it refuses to read (RFC 9110 §5.5, RFC 9112 §3.2 and §6.3) ---
+
+
+async def test_a_header_that_could_split_the_request_is_refused_before_anything_is_sent() -> None:
+    """The request fails with the client's own error; the upstream sees no connection, no byte."""
+    upstream = await RawUpstream([b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"], end="keep").start()
+    client = LeanClient(URL(upstream.url), 5, 30)
+    try:
+        for value in ("a\r\nX-Injected: yes", "a\nb", "a\x00b", "x\r\n\r\nPOST /admin HTTP/1.1\r\nHost: up"):
+            with pytest.raises(H1RequestError):
+                await client.post("/mcp", [("traceparent", value)], b"{}")
+        with pytest.raises(H1RequestError):
+            await client.post("/mcp\r\nX-Injected: yes", [], b"{}")
+        assert upstream.connections == 0
+        answer = await client.post("/mcp", [("traceparent", "fine")], b"{}")  # the client still works
+        assert (answer.status, await answer.read()) == (200, b"")
+        assert upstream.requests[0].startswith(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:")
+    finally:
+        await client.close()
+        await upstream.stop()
+
+
+@pytest.mark.parametrize(
+    ("answer", "limit"),
+    [
+        ([b"HTTP/1.1 200 " + b"x" * (1 << 20) + b"\r\n\r\n"], "max_status_line_bytes"),
+        ([b"HTTP/1.1 200 OK\r\n" + b"X-A: b\r\n" * 10_000 + b"\r\n"], "max_headers"),
+    ],
+    ids=["1-MB-status-line", "10000-headers"],
+)
+async def test_a_hostile_head_is_refused_at_its_cap_with_a_gateway_error(
+    make_proxy: Callable[..., Any], answer: list[bytes], limit: str
+) -> None:
+    """Directly: the client's own limit error. Through the proxy: a JSON-RPC gateway error (502) that names the
+    limit, for the legacy relay and for the proxy's own sessions."""
+    upstream = await RawUpstream(answer).start()
+    client = LeanClient(URL(upstream.url), 5, 30)
+    try:
+        with pytest.raises(H1LimitError) as refused:
+            await client.post("/mcp", [], b"{}")
+        assert refused.value.limit == limit
+        proxy = await make_proxy(upstream.url)
+        response = await proxy.post("/mcp", json=CALL, headers=LEGACY_HEADERS)
+        assert response.status == 502
+        error = (await response.json())["error"]
+        assert error["code"] == -32603
+        assert error["data"]["limit"] == limit
+        modern = await proxy.post("/mcp", json=MODERN_CALL, headers=MODERN_HEADERS)
+        assert modern.status == 502
+        assert (await modern.json())["error"]["data"]["limit"] == limit
+    finally:
+        await client.close()
+        await upstream.stop()
+
+
+@pytest.mark.parametrize(
+    ("head", "end", "whole"),
+    [
+        (b"HTTP/1.1 200 OK\r\n\r\n", "close", True),  # ends with the connection: a clean close is the end
+        (b"HTTP/1.1 200 OK\r\n\r\n", "reset", False),  # ... a reset is not
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", "close", False),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n", "close", False),
+    ],
+    ids=["until-close-closed", "until-close-reset", "content-length-closed", "chunked-closed"],
+)
+async def test_a_connection_that_ends_mid_body_is_taken_as_the_end_only_when_it_frames_the_body(
+    head: bytes, end: Literal["close", "reset"], whole: bool
+) -> None:
+    hold = asyncio.Event()  # the upstream ends the connection only once the client has the first bytes
+    upstream = await RawUpstream([head + b"hello"], end=end, hold=hold).start()
+    client = LeanClient(URL(upstream.url), 5, 30)
+    try:
+        answer = await client.post("/mcp", [], b"{}")
+        assert await answer.next_chunk() == b"hello"
+        hold.set()
+        if whole:
+            assert await answer.next_chunk() == b""
+            assert answer.ended
+        else:
+            with pytest.raises(H1ConnectionError) as cut:
+                await answer.read()
+            assert cut.value.answered
+            assert not answer.ended
+    finally:
+        await client.close()
+        await upstream.stop()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -11,12 +14,19 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from proxy.config import HttpUpstreamConfig
-from proxy.errors import UpstreamRefusedError, UpstreamSessionGoneError, UpstreamUnreachableError
+from proxy.errors import (
+    UpstreamRefusedError,
+    UpstreamRequestInvalidError,
+    UpstreamSessionGoneError,
+    UpstreamUnreachableError,
+)
+from proxy.upstream.events import UpstreamErrorResponse
 from proxy.upstream.http.kind import HttpKind
 from proxy.upstream.http.link import upstream_connector
 from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import principal_key
 from tests.support.processes import Upstream
+from tests.support.tls import loopback_contexts
 from tests.support.waiting import until
 
 
@@ -207,3 +217,90 @@ async def test_calls_answered_on_sse_streams_reuse_their_connections(upstream: U
             assert result["content"][0]["text"] == "x"
         assert len(opened) - before <= 5, f"{len(opened) - before} connections opened for 20 calls"
         await client.close()
+
+
+SEEN: web.AppKey[list[object]] = web.AppKey("seen", list)
+
+
+def erring_upstream() -> web.Application:
+    """A stateful server that answers `tools/call` with HTTP 500: for the tool `json-error` with the JSON-RPC
+    error answering the request in the body (as some servers send errors), for any other with an HTML page.
+    Notes the methods it was sent."""
+
+    async def post(request: web.Request) -> web.Response:
+        message = await request.json()
+        request.app[SEEN].append(message.get("method"))
+        if message.get("method") == "initialize":
+            result = {"protocolVersion": "2025-11-25", "capabilities": {}, "serverInfo": {"name": "s", "version": "1"}}
+            response = {"jsonrpc": "2.0", "id": message["id"], "result": result}
+            return web.json_response(response, headers={"Mcp-Session-Id": "erring"})
+        if "id" not in message:
+            return web.Response(status=202)
+        if message["params"]["name"] == "json-error":
+            error = {"code": -32050, "message": "the backend is down"}
+            return web.json_response({"jsonrpc": "2.0", "id": message["id"], "error": error}, status=500)
+        return web.Response(status=500, text="<html>oops</html>", content_type="text/html")
+
+    async def get(request: web.Request) -> web.Response:
+        return web.Response(status=405)  # no standalone stream
+
+    app = web.Application()
+    app[SEEN] = []
+    app.router.add_post("/mcp", post)
+    app.router.add_get("/mcp", get)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def erring_pool(client: str, directory: Path) -> AsyncIterator[tuple[SessionPool, web.Application]]:
+    """A pool of sessions to `erring_upstream`, over plain HTTP (the lean client) or https (aiohttp's)."""
+    server_tls, client_tls = loopback_contexts(directory)
+    app = erring_upstream()
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server(ssl=server_tls if client == "aiohttp" else None)
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client_tls))
+    config = HttpUpstreamConfig(url=str(server.make_url("/mcp")))
+    kind = HttpKind(config, http, "authorization", None, max_result_bytes=1 << 20)  # (read as it arrives)
+    assert (kind.lean is None) is (client == "aiohttp")
+    pool = SessionPool(kind)
+    try:
+        yield pool, app
+    finally:
+        await pool.close()
+        await http.close()
+        await server.close()
+
+
+CLIENTS = pytest.mark.parametrize("client", ["lean", "aiohttp"], ids=["http-lean-client", "https-aiohttp-client"])
+
+
+@CLIENTS
+async def test_an_error_status_keeps_its_json_rpc_body_as_the_upstreams_error(client: str, tmp_path: Path) -> None:
+    """An HTTP 500 whose body is the JSON-RPC error answering the request reaches the caller as that error (its
+    code and message), on either HTTP client; a 500 without one is the gateway's refusal."""
+    async with erring_pool(client, tmp_path) as (pool, _):
+        session = pool.session(None)
+        async with session.call("tools/call", {"name": "json-error", "arguments": {}}) as call:
+            events = [event async for event in call.events()]
+        assert events == [UpstreamErrorResponse({"code": -32050, "message": "the backend is down"})]
+        with pytest.raises(UpstreamRefusedError, match="HTTP 500"):
+            async with session.call("tools/call", {"name": "html-error", "arguments": {}}):
+                pass
+
+
+@CLIENTS
+@pytest.mark.parametrize("value", ["a\r\nX-Injected: yes", "a\nb", "a\x00b"], ids=["CRLF", "LF", "NUL"])
+async def test_a_header_value_that_could_split_the_request_is_refused_on_either_client(
+    client: str, value: str, tmp_path: Path
+) -> None:
+    """RFC 9110 §5.5: the request is refused with -32602 (the value came with it), and nothing of it reaches
+    the upstream."""
+    async with erring_pool(client, tmp_path) as (pool, app):
+        session = pool.session(None)
+        await session.ensure_initialized()
+        with pytest.raises(UpstreamRequestInvalidError, match="traceparent") as refused:
+            async with session.call("tools/call", {"name": "x"}, {"traceparent": value}):
+                pass
+        assert refused.value.code == -32602
+        assert refused.value.status == 400
+        assert "tools/call" not in app[SEEN]

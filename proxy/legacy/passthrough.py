@@ -17,10 +17,8 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy import tracing
-from proxy.errors import UpstreamError, UpstreamTimeoutError
-from proxy.upstream.http.lean import HttpAnswer, LeanClient
-
-CUT_SHORT: Final = "Upstream MCP server closed the connection in the middle of its answer"
+from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, checked_headers, failure
+from proxy.upstream.http.lean import LeanClient
 
 # Plain answers up to this size are read whole and sent in one write; larger ones and SSE are streamed.
 BUFFERED_BODY_MAX_BYTES: Final = 1 << 20
@@ -110,27 +108,27 @@ class PassThrough:
         _add_forwarded(headers, request)
         for name, value in self.extra_headers.items():
             headers[name] = value
-        upstream: HttpAnswer
+        upstream: Answer
         try:
             if self.lean is not None and request.method == "POST":  # every URL relayed is on the upstream's origin
                 # (a CLIENT span until the answer's headers are in)
                 upstream = await tracing.relayed(headers, self.lean.post, url.raw_path_qs, headers.items(), body or b"")
             else:
-                upstream = await tracing.relayed(
-                    headers,
-                    self.http.request,
-                    request.method,
-                    url,
-                    headers=headers,
-                    skip_auto_headers=NO_AUTO_HEADERS,
-                    data=body if body else None,
-                    timeout=self.timeout,
-                    allow_redirects=False,
+                upstream = AiohttpAnswer(
+                    await tracing.relayed(
+                        headers,
+                        self.http.request,
+                        request.method,
+                        url,
+                        headers=checked_headers(headers),  # (the lean client checks what it writes itself)
+                        skip_auto_headers=NO_AUTO_HEADERS,
+                        data=body if body else None,
+                        timeout=self.timeout,
+                        allow_redirects=False,
+                    )
                 )
-        except TimeoutError:
-            raise UpstreamTimeoutError() from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamError("Upstream MCP server unavailable", detail=str(exc)) from None
+        except CLIENT_FAILURES as exc:
+            raise failure(exc) from None
         headers = _end_to_end(upstream.headers)
         length = upstream.headers.get("Content-Length")
         size = int(length) if length is not None and length.isdigit() else None
@@ -140,27 +138,27 @@ class PassThrough:
         return await _streamed(request, upstream, headers, size)
 
 
-async def _buffered(upstream: HttpAnswer, headers: CIMultiDict[str]) -> web.Response:
+async def _buffered(upstream: Answer, headers: CIMultiDict[str]) -> web.Response:
     """A plain (JSON) answer of known, bounded size: read whole, then sent with its headers in one write."""
     try:
         body = await upstream.read()  # releases the connection for reuse once the body is in
-    except (aiohttp.ClientError, TimeoutError):
+    except CLIENT_FAILURES as exc:
         upstream.close()
-        raise UpstreamError(CUT_SHORT) from None
+        raise failure(exc) from None
     return web.Response(status=upstream.status, reason=upstream.reason, headers=headers, body=body)
 
 
 async def _streamed(
-    request: web.Request, upstream: HttpAnswer, headers: CIMultiDict[str], size: int | None
+    request: web.Request, upstream: Answer, headers: CIMultiDict[str], size: int | None
 ) -> web.StreamResponse:
     """SSE or a large body: each chunk goes out as it arrives, never buffered. Headers leave with the first
     chunk when it came in with them, and the last chunk with the end of the body when that is known."""
     complete = False
     try:
-        first = upstream.content.read_nowait()  # what arrived with the headers, if anything
-    except aiohttp.ClientError:
+        first = upstream.ready()  # what arrived with the headers, if anything
+    except CLIENT_FAILURES as exc:
         upstream.close()
-        raise UpstreamError(CUT_SHORT) from None
+        raise failure(exc) from None
     response = (_HeadersWithFirstChunk if first else web.StreamResponse)(status=upstream.status, reason=upstream.reason)
     response.headers.extend(headers)
     if size is not None:
@@ -170,16 +168,16 @@ async def _streamed(
         chunk = first
         while True:
             if not chunk:
-                chunk = await upstream.content.readany()
+                chunk = await upstream.next_chunk()
                 if not chunk:
                     break
-            if upstream.content.at_eof():
+            if upstream.ended:
                 break
             await response.write(chunk)
             chunk = b""
         await response.write_eof(chunk)  # the last chunk, if any, and the end in one write
         complete = True
-    except (aiohttp.ClientError, TimeoutError):
+    except CLIENT_FAILURES:
         # The upstream dropped mid-body and the headers are out: the client's connection is closed without the
         # body's end, so it sees a cut stream, as it would directly (not a well-ended, shorter one).
         if request.transport is not None:
@@ -195,7 +193,7 @@ async def _streamed(
     return response
 
 
-def _is_event_stream(upstream: HttpAnswer) -> bool:
+def _is_event_stream(upstream: Answer) -> bool:
     return upstream.headers.get("Content-Type", "").lower().startswith("text/event-stream")
 
 

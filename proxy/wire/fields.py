@@ -38,7 +38,7 @@ def check_name(name: str) -> str:
 def check_value(name: str, value: str) -> str:
     """`value` if it may be written as the value of header `name`; raises FieldError otherwise (the message
     names the header, never the value, which may be a credential)."""
-    if _VALUE.fullmatch(value) is None:
+    if not is_safe_value(value):
         raise FieldError(f"the value of header {name[:64]!r} holds a control character or surrounding whitespace")
     return value
 
@@ -57,4 +57,9 @@ def check_target(target: str) -> str:
 
 def is_safe_value(value: str) -> bool:
     """Whether `value` may be written as a header value (`check_value` without the error)."""
+    # The common case first, in C and about three times as fast as the expression: printable text (no control
+    # character at all, not even tab) that neither starts nor ends with a space is a valid value. Anything else
+    # (a tab, a control character, a character Python does not call printable) is decided by the expression.
+    if value.isprintable() and (not value or (value[0] != " " and value[-1] != " ")):
+        return True
     return _VALUE.fullmatch(value) is not None

@@ -1,6 +1,7 @@
-"""The upstream client of the hot path (legacy POSTs relayed, and the POSTs of the proxy's own sessions): POSTs
-to one plain-HTTP origin over pooled keep-alive connections, each request written in one `write` and each
-answer framed by httptools (llhttp, the C parser uvicorn uses). Imports no other part of the proxy.
+"""The upstream client of the hot path (legacy POSTs relayed, and the POSTs of the proxy's own sessions), the I/O
+layer around the sans-IO core of `h1.py`: POSTs to one plain-HTTP origin over pooled keep-alive connections,
+each request written in one `write` once every part of it passed the wire checks. Raises the core's own errors
+(`H1Error`); `answers.py` translates them. Imports the core only.
 
 Why these do not go through aiohttp's client, which the proxy uses for everything else: a POST costs 171 to 196
 µs of CPU in aiohttp's client against 77 to 88 µs in this one (`python -m benchmarks.clients`, two runs), the
@@ -8,28 +9,37 @@ largest single share of the hop (README, Benchmarks). A relayed request needs li
 does: no cookie jar (a shared one would hand one client's cookies to the next), no redirects, no decompression,
 no proxies, no TLS (an `https` upstream keeps aiohttp's client), and the body is already in hand. What it does
 need is here:
-- the answer's status, reason and headers as sent (repeated names kept), 1xx interim answers skipped;
+- the answer's status, reason and headers as sent (repeated names kept), 1xx interim answers skipped, each part
+  of the head bounded (`h1.Limits`);
 - the body handed on chunk by chunk as it arrives, whatever its framing (Content-Length, chunked, or up to the
-  connection's end), with flow control: past HIGH_WATER_BYTES unread, the upstream socket is not read;
+  connection's end, where a reset is an error, never the end), with flow control: past HIGH_WATER_BYTES
+  unread, the upstream socket is not read;
 - the connect timeout, and one deadline for the whole exchange (headers and body), as aiohttp's `total`;
 - connections reused only after a complete answer the upstream let stay open, given up after KEEPALIVE_SECONDS
   idle (under common servers' own keep-alive), closed when the reader gives up (the upstream sees its client
-  leave, as it would directly);
-- errors as aiohttp's client raises them (`ClientError` subclasses, `TimeoutError`), so the relay maps both
-  clients' failures by the same rules.
+  leave, as it would directly).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
-from typing import Any, Final, Protocol, cast
+from collections.abc import Iterable
+from typing import Final, cast
 
-import aiohttp
-import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
+
+from proxy.upstream.http.h1 import (
+    DEFAULT_LIMITS,
+    H1ConnectionError,
+    H1Error,
+    H1TimeoutError,
+    Limits,
+    RequestWriter,
+    ResponseHead,
+    ResponseReader,
+)
 
 # Idle upstream connections are kept this long for the next request (here and in the proxy's aiohttp clients):
 # under the keep-alive of common servers (uvicorn and Node close idle connections after 5 s), so the proxy gives
@@ -38,66 +48,36 @@ KEEPALIVE_SECONDS: Final = 4.0
 # Unread body bytes past which the upstream socket stops being read until the relay has caught up.
 HIGH_WATER_BYTES: Final = 1 << 20
 LOW_WATER_BYTES: Final = HIGH_WATER_BYTES // 4
-_FRAMING: Final = frozenset({"content-length", "transfer-encoding"})
 _NO_HEADERS: Final[CIMultiDictProxy[str]] = CIMultiDictProxy(CIMultiDict())  # until the answer's are in
 
 
-class AnswerBody(Protocol):
-    def read_nowait(self) -> bytes: ...
-    async def readany(self) -> bytes: ...
-    def at_eof(self) -> bool: ...
-    def iter_any(self) -> AsyncIterator[bytes]: ...
-
-
-class HttpAnswer(Protocol):
-    """An upstream's answer as both of the proxy's HTTP clients give it (aiohttp's `ClientResponse`, and
-    `LeanResponse` below): what the relay and the upstream sessions read of it."""
-
-    @property
-    def status(self) -> int: ...
-    @property
-    def reason(self) -> str | None: ...
-    @property
-    def headers(self) -> CIMultiDictProxy[str]: ...
-    @property
-    def content_type(self) -> str: ...
-    @property
-    def content_length(self) -> int | None: ...
-    @property
-    def connection(self) -> object | None: ...
-    @property
-    def content(self) -> AnswerBody: ...
-    async def read(self) -> bytes: ...
-    async def text(self) -> str: ...
-    def release(self) -> Any: ...
-    def close(self) -> None: ...
-
-
-class LeanResponse:
-    """One answer: status, reason and headers once they are in, then the body as it arrives (`read_nowait`,
-    `readany`, `iter_any`, `at_eof`, `read`, as aiohttp's `ClientResponse.content`). `release()` after the whole
-    body hands the connection back for reuse; `close()` gives it up."""
+class LeanAnswer:
+    """One answer: status, reason and headers once they are in, then the body as it arrives (`ready`,
+    `next_chunk`, `read`). `release()` after the whole body hands the connection back for reuse; `close()`
+    gives it up. Reads raise what ended the answer (an `H1Error`) once what arrived before it is read."""
 
     def __init__(self, connection: _Connection, loop: asyncio.AbstractEventLoop) -> None:
         self.status = 0
         self.reason: str | None = None
         self.headers: CIMultiDictProxy[str] = _NO_HEADERS
-        self.content = self  # the body is read off the response itself
         self._connection = connection
         self._loop = loop
-        self._headers_in: asyncio.Future[None] = loop.create_future()
+        self._head_in: asyncio.Future[None] = loop.create_future()
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
         self._eof = False
-        self._error: BaseException | None = None
+        self._error: H1Error | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._let_go = False  # released or closed
 
     # --- fed by the connection ---
 
-    def _got_headers(self) -> None:
-        if not self._headers_in.done():
-            self._headers_in.set_result(None)
+    def _got_head(self, head: ResponseHead) -> None:
+        self.status = head.status
+        self.reason = head.reason or None
+        self.headers = CIMultiDictProxy(CIMultiDict(head.headers))
+        if not self._head_in.done():
+            self._head_in.set_result(None)
 
     def _feed(self, chunk: bytes) -> None:
         self._chunks.append(chunk)
@@ -110,13 +90,13 @@ class LeanResponse:
         self._eof = True
         self._wake()
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: H1Error) -> None:
         if self._eof or self._error is not None:
             return
         self._error = error
-        if not self._headers_in.done():
-            self._headers_in.set_exception(error)
-            self._headers_in.exception()  # retrieved: nobody may be waiting any more
+        if not self._head_in.done():
+            self._head_in.set_exception(error)
+            self._head_in.exception()  # retrieved: nobody may be waiting any more
         self._wake()
 
     def _wake(self) -> None:
@@ -126,7 +106,30 @@ class LeanResponse:
 
     # --- read by the relay ---
 
-    def read_nowait(self) -> bytes:
+    @property
+    def media_type(self) -> str:
+        """The media type, lowercased, without parameters (application/octet-stream when none is given, RFC
+        9110 §8.3)."""
+        value = self.headers.get("Content-Type")
+        return value.partition(";")[0].strip().lower() if value else "application/octet-stream"
+
+    @property
+    def length(self) -> int | None:
+        """The Content-Length the upstream announced, if any."""
+        value = self.headers.get("Content-Length")
+        return int(value) if value is not None and value.isdigit() else None
+
+    @property
+    def received(self) -> bool:
+        """Whether the whole body has arrived (some of it may be unread)."""
+        return self._eof
+
+    @property
+    def ended(self) -> bool:
+        """Whether the whole body has arrived and been read."""
+        return self._eof and not self._chunks
+
+    def ready(self) -> bytes:
         """What has arrived and not been read (b"" if nothing); raises what ended the answer once that is read."""
         if not self._chunks:
             if self._error is not None:
@@ -139,7 +142,7 @@ class LeanResponse:
         self._buffered = 0
         return chunk
 
-    async def readany(self) -> bytes:
+    async def next_chunk(self) -> bytes:
         """The next bytes of the body, waiting for some; b"" at its end."""
         while not self._chunks and not self._eof and self._error is None:
             self._waiter = self._loop.create_future()
@@ -147,39 +150,13 @@ class LeanResponse:
                 await self._waiter
             finally:
                 self._waiter = None
-        return self.read_nowait()
-
-    def at_eof(self) -> bool:
-        return self._eof and not self._chunks
-
-    async def iter_any(self) -> AsyncIterator[bytes]:
-        while chunk := await self.readany():
-            yield chunk
-
-    @property
-    def content_type(self) -> str:
-        """The media type, lowercased, without parameters (aiohttp's default when there is none)."""
-        value = self.headers.get("Content-Type")
-        return value.partition(";")[0].strip().lower() if value else "application/octet-stream"
-
-    @property
-    def content_length(self) -> int | None:
-        value = self.headers.get("Content-Length")
-        return int(value) if value is not None and value.isdigit() else None
-
-    @property
-    def connection(self) -> object | None:
-        """The connection while the body is still coming; None once it has all arrived."""
-        return None if self._eof else self._connection
-
-    async def text(self) -> str:
-        return (await self.read()).decode("utf-8", "replace")
+        return self.ready()
 
     async def read(self) -> bytes:
         """The whole body; the connection goes back to the pool once it is in."""
         parts = []
         try:
-            while chunk := await self.readany():
+            while chunk := await self.next_chunk():
                 parts.append(chunk)
         except BaseException:
             self.close()  # cut short or given up: the connection cannot carry another request
@@ -188,7 +165,7 @@ class LeanResponse:
         return b"".join(parts)
 
     def release(self) -> None:
-        """The connection goes back to the pool if the body was read whole (closed otherwise); once only: after
+        """The connection goes back to the pool if the answer arrived whole (closed otherwise); once only: after
         that the connection may be carrying another request, which `release` and `close` leave alone."""
         if not self._let_go:
             self._let_go = True
@@ -201,28 +178,23 @@ class LeanResponse:
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection to the upstream and the httptools parser of the answers on it."""
+    """One keep-alive connection to the upstream: the transport, the core's reader of the answers on it (whose
+    events it hands to the answer being read), the exchange's deadline."""
 
     def __init__(self, client: LeanClient) -> None:
         self.client = client
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.response: LeanResponse | None = None  # the answer being parsed; None between answers
+        self.reader = ResponseReader(self, client.limits)
+        self.answer: LeanAnswer | None = None  # the answer being read; None between answers
         self.closed = False
-        self.reusable = False
         self.idle_since = 0.0
         self._deadline: asyncio.TimerHandle | None = None
-        self._reason = bytearray()
-        self._headers: list[tuple[str, str]] = []
-        self._until_close = False  # no Content-Length, not chunked: the body ends with the connection
 
-    def start(self, response: LeanResponse, request: bytes, deadline: float) -> None:
+    def start(self, answer: LeanAnswer, request: bytes, deadline: float) -> None:
         assert self.transport is not None
-        self.response = response
-        self.reusable = False
-        self._reason.clear()
-        self._headers.clear()
-        self._deadline = response._loop.call_at(deadline, self._timed_out)
+        self.answer = answer
+        self.reader.expect()
+        self._deadline = answer._loop.call_at(deadline, self._timed_out)
         self.transport.write(request)
 
     # --- asyncio.Protocol ---
@@ -231,105 +203,68 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # (uvloop's transports do not subclass asyncio's)
 
     def data_received(self, data: bytes) -> None:
-        if self.response is None:  # bytes nobody asked for: the connection cannot carry another request
-            self.abort()
-            return
         try:
-            self.parser.feed_data(data)
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            self._end(aiohttp.ClientPayloadError(f"the upstream's answer is not valid HTTP: {exc}"))
+            self.reader.feed(data)
+        except H1Error as exc:
+            self._end(exc)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.client.forget(self)
-        if self.response is not None:
-            if self._until_close and self.response.status:
-                self._complete()  # the connection's end is the body's end; nothing is reused
-            elif self.response.status:
-                self._end(aiohttp.ClientPayloadError("the upstream closed the connection mid-answer"))
-            else:
-                self._end(aiohttp.ServerDisconnectedError("the upstream closed the connection before answering"))
+        if self.answer is not None:
+            try:  # an abortive close (ECONNRESET) never ends an answer, whatever its framing
+                self.reader.closed(reset=exc is not None)
+            except H1Error as error:
+                self._end(error)
 
-    # --- httptools callbacks ---
+    # --- the core's events (h1.Sink) ---
 
-    def on_message_begin(self) -> None:
-        if self.response is None:  # an answer to no request: the connection is not reused
-            self.reusable = False
+    def on_head(self, head: ResponseHead) -> None:
+        if self.answer is not None:
+            self.answer._got_head(head)
 
-    def on_status(self, status: bytes) -> None:
-        self._reason += status
+    def on_data(self, data: bytes) -> None:
+        if self.answer is not None:
+            self.answer._feed(data)
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
-
-    def on_headers_complete(self) -> None:
-        response = self.response
-        status = self.parser.get_status_code()
-        if response is None:
-            return
-        if 100 <= status < 200:  # an interim answer (100 Continue, 103 Early Hints): the final one follows
-            self._reason.clear()
-            self._headers.clear()
-            return
-        headers: CIMultiDict[str] = CIMultiDict(self._headers)
-        self._headers = []
-        response.status = status
-        response.reason = self._reason.decode("latin-1") or None
-        response.headers = CIMultiDictProxy(headers)
-        self.reusable = self.parser.should_keep_alive()
-        self._until_close = (
-            "Content-Length" not in headers
-            and "chunked" not in headers.get("Transfer-Encoding", "").lower()
-            and status not in (204, 304)
-        )
-        response._got_headers()
-
-    def on_body(self, body: bytes) -> None:
-        if self.response is not None:
-            self.response._feed(body)
-
-    def on_message_complete(self) -> None:
-        if self.response is not None and self.response.status:  # not the end of an interim answer
-            self._complete()
+    def on_end(self) -> None:
+        answer = self.answer
+        self.answer = None
+        self._cancel_deadline()
+        if answer is not None:
+            answer._feed_eof()
 
     # --- ends ---
 
-    def _complete(self) -> None:
-        response = self.response
-        assert response is not None
-        self.response = None
-        self._cancel_deadline()
-        self._reason.clear()
-        response._feed_eof()
-
-    def _end(self, error: BaseException) -> None:
+    def _end(self, error: H1Error) -> None:
         """The answer cannot complete: its reader gets `error`, and the connection is closed."""
-        response = self.response
-        self.response = None
-        self._cancel_deadline()
-        if response is not None:
-            response._fail(error)
+        answer = self.answer
+        self.answer = None
+        if answer is not None:
+            answer._fail(error)
         self.abort()
 
     def _timed_out(self) -> None:
         self._deadline = None
-        self._end(TimeoutError())
+        self._end(H1TimeoutError("the upstream did not answer within the call timeout"))
 
     def _cancel_deadline(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
 
-    def finished(self, response: LeanResponse) -> None:
-        """`response` was read whole (or not, then the connection cannot be reused)."""
-        if self.response is response or not response.at_eof() or not self.reusable or self.closed:
+    def finished(self, answer: LeanAnswer) -> None:
+        """`answer`'s reader is done with it: the connection is reused when it arrived whole on a connection
+        the upstream keeps open, closed otherwise."""
+        if self.answer is answer or not answer.received or not self.reader.keep_alive or self.closed:
             self.abort()
         else:
             self.client.check_in(self)
 
     def abort(self) -> None:
         self._cancel_deadline()
-        self.reusable = False
+        self.answer = None
+        self.reader.keep_alive = False
         if not self.closed and self.transport is not None:
             self.closed = True
             self.transport.close()
@@ -348,11 +283,18 @@ class LeanClient:
     """POSTs to the origin of one `http://` URL over a pool of keep-alive connections (no count limit: the
     proxy's own limits bound what is in flight). `close()` closes every connection."""
 
-    def __init__(self, url: URL, connect_timeout_seconds: float, total_timeout_seconds: float) -> None:
-        if url.scheme != "http" or url.host is None or url.port is None:
+    def __init__(
+        self,
+        url: URL,
+        connect_timeout_seconds: float,
+        total_timeout_seconds: float,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
+        if url.scheme != "http" or url.host is None or url.raw_host is None or url.port is None:
             raise ValueError(f"the lean client sends to plain http:// URLs only, not {url}")
         self.host, self.port = url.host, url.port
-        self.host_header = url.raw_host if url.is_default_port() else f"{url.raw_host}:{url.port}"
+        self.writer = RequestWriter(url.raw_host if url.is_default_port() else f"{url.raw_host}:{url.port}")
+        self.limits = limits
         self.connect_timeout = connect_timeout_seconds
         self.total_timeout = total_timeout_seconds
         self._idle: list[_Connection] = []
@@ -368,35 +310,25 @@ class LeanClient:
         except ValueError:
             return None
 
-    async def post(self, target: str, headers: Iterable[tuple[str, str]], body: bytes) -> LeanResponse:
+    async def post(self, target: str, headers: Iterable[tuple[str, str]], body: bytes) -> LeanAnswer:
         """POSTs `body` to `target` (path and query, encoded) with `headers` (Host: the URL's unless they name
-        one; Content-Length: set here); returns once the answer's headers are in. Raises aiohttp's `ClientError`s
-        or `TimeoutError`."""
+        one; Content-Length: set here); returns once the answer's head is in. Raises `H1RequestError` (before
+        anything is sent or connected), `H1ConnectionError`, `H1ProtocolError`, `H1LimitError`,
+        `H1TimeoutError`."""
+        request = self.writer.request("POST", target, headers, body)
         if self._closed:
-            raise aiohttp.ClientConnectionError("the proxy's upstream client is closed")
+            raise H1ConnectionError("the proxy's upstream client is closed")
         loop = asyncio.get_running_loop()
         now = loop.time()
         connection = self._checkout(now) or await self._connect(loop)
-        host = self.host_header
-        head = [""]
-        for name, value in headers:
-            lowered = name.lower()
-            if lowered in _FRAMING:  # the body's length is this client's to say
-                continue
-            if lowered == "host":  # a Host of the caller's (an operator's `upstream.headers`) replaces the URL's
-                host = value
-                continue
-            head.append(f"{name}: {value}\r\n")
-        head[0] = f"POST {target} HTTP/1.1\r\nHost: {host}\r\n"
-        head.append(f"Content-Length: {len(body)}\r\n\r\n")
-        response = LeanResponse(connection, loop)
-        connection.start(response, "".join(head).encode("utf-8", "surrogateescape") + body, now + self.total_timeout)
+        answer = LeanAnswer(connection, loop)
+        connection.start(answer, request, now + self.total_timeout)
         try:
-            await response._headers_in
+            await answer._head_in
         except BaseException:
             connection.abort()  # cancelled or failed: the upstream sees its client leave
             raise
-        return response
+        return answer
 
     def _checkout(self, now: float) -> _Connection | None:
         while self._idle:
@@ -410,8 +342,10 @@ class LeanClient:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, connection = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
+        except TimeoutError:
+            raise H1TimeoutError(f"no connection to {self.host}:{self.port} within the connect timeout") from None
         except OSError as exc:
-            raise aiohttp.ClientConnectionError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
+            raise H1ConnectionError(f"cannot connect to {self.host}:{self.port}: {exc}") from None
         self._open.add(connection)
         return connection
 

@@ -4,7 +4,7 @@
 notifications, server→client requests and, last, the final result or JSON-RPC error. The upstream's `ping` is
 answered here; a stream the upstream closes early is resumed (GET + Last-Event-ID, as 2025-11-25 servers
 expect). The call depends on `StreamTransport`, a small protocol its session provides, never on the session
-itself. aiohttp errors become UpstreamError.
+itself. Either HTTP client's failures become UpstreamErrors (`answers.py`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Final, Protocol
 
-import aiohttp
 import structlog
 
-from proxy.errors import RequestId, ResultTooLargeError, UpstreamError, UpstreamTimeoutError
+from proxy.errors import RequestId, ResultTooLargeError, UpstreamError
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult, UpstreamServerRequest, decode
-from proxy.upstream.http.lean import HttpAnswer
+from proxy.upstream.http.answers import CLIENT_FAILURES, Answer, chunks, failure
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.sse import EventTooLargeError, SSEParser
 
@@ -44,7 +43,7 @@ class StreamTransport(Protocol):
 
     async def notify(self, method: str, params: JSON | None) -> None: ...
 
-    async def resume(self, last_event_id: str) -> HttpAnswer: ...
+    async def resume(self, last_event_id: str) -> Answer: ...
 
 
 class HttpRequestStream:
@@ -53,16 +52,18 @@ class HttpRequestStream:
         transport: StreamTransport,
         request_id: int,
         method: str,
-        response: HttpAnswer,
+        response: Answer,
         max_bytes: int | None = None,
+        body: bytes | None = None,
     ) -> None:
         self.transport = transport
         self.request_id = request_id
         self.method = method
         self.max_bytes = max_bytes  # the largest answer (or stream message) read; larger ones are refused
         self._response = response
+        self._body = body  # the JSON answer, when it was read already (under an HTTP error status)
         self.finished = False
-        self._let_go_of: HttpAnswer | None = None  # the response given back (or to the drain)
+        self._let_go_of: Answer | None = None  # the response given back (or to the drain)
         self._handed_off = False  # the response is the background drain's now: `close` leaves it alone
 
     async def events(self) -> AsyncIterator[UpstreamEvent]:
@@ -79,10 +80,8 @@ class HttpRequestStream:
             assert self.max_bytes is not None
             await self._abandon("the answer is larger than the proxy's limit")
             raise ResultTooLargeError(self.max_bytes) from None
-        except TimeoutError:
-            raise UpstreamTimeoutError(f"Upstream {self.method} timed out") from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamError(f"Upstream connection lost during {self.method}", detail=str(exc)) from None
+        except CLIENT_FAILURES as exc:
+            raise failure(exc, self.method) from None
         finally:
             self._let_go()
         raise UpstreamError(f"Upstream closed the stream of {self.method} without answering")
@@ -94,9 +93,9 @@ class HttpRequestStream:
         if self._let_go_of is response:
             return
         self._let_go_of = response
-        if response.content.at_eof() or response.connection is None:
+        if response.received:
             response.release()
-        elif self.finished and response.content_type == "text/event-stream":
+        elif self.finished and response.media_type == "text/event-stream":
             self._handed_off = True
             task = asyncio.get_running_loop().create_task(_drain(response))
             _draining.add(task)
@@ -111,9 +110,9 @@ class HttpRequestStream:
 
     async def _events(self) -> AsyncIterator[UpstreamEvent]:
         response = self._response
-        content_type = response.content_type
-        if content_type == "application/json":
-            body = await read_body(response, self.max_bytes)
+        content_type = response.media_type
+        if self._body is not None or content_type == "application/json":
+            body = self._body if self._body is not None else await read_body(response, self.max_bytes)
             event = decode(body, self.request_id, self.method)  # bytes that are not UTF-8 read as U+FFFD
             if event is not None:
                 yield event
@@ -125,7 +124,7 @@ class HttpRequestStream:
         retry_ms = 0
         while True:
             parser = SSEParser(self.max_bytes)
-            async for chunk in response.content.iter_any():
+            async for chunk in chunks(response):
                 for sse in parser.feed(chunk):
                     if sse.id is not None:
                         last_event_id = sse.id
@@ -167,34 +166,34 @@ class HttpRequestStream:
             self._response.close()
 
 
-async def _drain(response: HttpAnswer) -> None:
+async def _drain(response: Answer) -> None:
     """Read an answered SSE stream to its end (bounded in time and bytes), then release its connection."""
     size = 0
     try:
         async with asyncio.timeout(DRAIN_SECONDS):
             while size <= DRAIN_MAX_BYTES:
-                chunk = await response.content.readany()
+                chunk = await response.next_chunk()
                 if not chunk:
                     response.release()
                     return
                 size += len(chunk)
-    except (aiohttp.ClientError, TimeoutError):
+    except CLIENT_FAILURES:
         pass
     response.close()
 
 
-async def read_body(response: HttpAnswer, max_bytes: int | None) -> bytes:
+async def read_body(response: Answer, max_bytes: int | None) -> bytes:
     """A plain answer's body, read whole only when it fits `max_bytes` (checked as it arrives, whatever
     Content-Length says); EventTooLargeError otherwise."""
     if max_bytes is None:
         return await response.read()
-    if response.content_length is not None and response.content_length > max_bytes:
-        raise EventTooLargeError(f"Content-Length {response.content_length}")
-    chunks: list[bytes] = []
+    if response.length is not None and response.length > max_bytes:
+        raise EventTooLargeError(f"Content-Length {response.length}")
+    parts: list[bytes] = []
     size = 0
-    async for chunk in response.content.iter_any():
+    async for chunk in chunks(response):
         size += len(chunk)
         if size > max_bytes:
             raise EventTooLargeError(f"over {max_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        parts.append(chunk)
+    return b"".join(parts)

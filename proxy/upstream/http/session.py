@@ -5,7 +5,8 @@ A session owns `initialize` + `notifications/initialized`, the `Mcp-Session-Id` 
 `MCP-Protocol-Version` headers, its GET stream (`get_stream.py`) and where what arrives there goes
 (`lending.py`): to the call the session is lent to, to `subscriptions/listen` inboxes, or refused. What every
 session shares (the HTTP client, the URL, timeouts, request ids, the upstream's latest serverInfo) is the
-`HttpLink` (`link.py`). aiohttp failures become typed UpstreamErrors; a 401 or 403 is the caller's credential
+`HttpLink` (`link.py`). Either HTTP client's failures become typed UpstreamErrors (`answers.py`); an error
+status keeps its body when that is the JSON-RPC answer; a 401 or 403 is the caller's credential
 refused (UpstreamAuthError, with the server's `WWW-Authenticate`), never a session gone; each request is a
 CLIENT span whose context the upstream receives. Imports aiohttp and tracing; never the store, the front or the
 pool.
@@ -18,7 +19,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Mapping
-from typing import Final
+from typing import Final, NamedTuple
 
 import aiohttp
 import structlog
@@ -33,12 +34,10 @@ from proxy.errors import (
     UpstreamError,
     UpstreamRefusedError,
     UpstreamSessionGoneError,
-    UpstreamTimeoutError,
-    UpstreamUnreachableError,
 )
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
+from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, checked_headers, failure
 from proxy.upstream.http.get_stream import GetStream, SessionGone, StreamEvent
-from proxy.upstream.http.lean import HttpAnswer
 from proxy.upstream.http.link import HttpLink
 from proxy.upstream.http.request_stream import HttpRequestStream, read_body
 from proxy.upstream.lending import Lending, ListenStreams
@@ -113,7 +112,7 @@ class HttpSession:
             headers["Last-Event-ID"] = last_event_id
         return headers
 
-    def _keep_cookies(self, response: HttpAnswer) -> None:
+    def _keep_cookies(self, response: Answer | aiohttp.ClientResponse) -> None:
         """Cookies the upstream sets are this session's: sent on its later requests (a load balancer's affinity
         cookie keeps the session on its server), never on another session's, so never another caller's."""
         if "Set-Cookie" in response.headers:
@@ -121,18 +120,19 @@ class HttpSession:
                 self._cookies = aiohttp.CookieJar(unsafe=True)  # a sidecar's upstream is an IP address
             self._cookies.update_cookies_from_headers(response.headers.getall("Set-Cookie"), self.link.url)
 
-    async def _post(self, message: JSON, headers: Mapping[str, str]) -> HttpAnswer:
+    async def _post(self, message: JSON, headers: Mapping[str, str]) -> Answer:
         link = self.link
-        response: HttpAnswer
+        response: Answer
         try:
-            if link.lean is not None:
+            if link.lean is not None:  # (checks what it writes itself)
                 response = await link.lean.post(link.url.raw_path_qs, headers.items(), dumps(message))
             else:
-                response = await link.http.post(link.url, data=dumps(message), headers=headers, timeout=link.timeout)
-        except TimeoutError:
-            raise UpstreamTimeoutError("Upstream MCP server did not answer in time") from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamUnreachableError("Upstream MCP server unavailable", detail=str(exc)) from None
+                headers = checked_headers(headers)
+                response = AiohttpAnswer(
+                    await link.http.post(link.url, data=dumps(message), headers=headers, timeout=link.timeout)
+                )
+        except CLIENT_FAILURES as exc:
+            raise failure(exc) from None
         if response.status < 500:
             link.last_answer_at = time.monotonic()  # the upstream is there and speaks HTTP (readiness)
         self._keep_cookies(response)
@@ -161,11 +161,15 @@ class HttpSession:
         session_id = response.headers.get("Mcp-Session-Id")
         if response.status in AUTH_STATUSES:
             raise self._refused(response, "initialize")
+        body: bytes | None = None
         if response.status >= 400:
-            body = await response.text()
-            response.release()
-            raise UpstreamError(f"Upstream refused initialize: HTTP {response.status}", detail=body[:200])
-        call = HttpRequestStream(self, request_id, "initialize", response, self.link.max_result_bytes)
+            answer = await _answer_despite_status(response, request_id, self.link.max_result_bytes)
+            if isinstance(answer, _Refusal):
+                raise UpstreamError(
+                    f"Upstream refused initialize: HTTP {response.status}{answer.said}", detail=answer.raw
+                )
+            body = answer
+        call = HttpRequestStream(self, request_id, "initialize", response, self.link.max_result_bytes, body)
         result: JSON | None = None
         async for event in call.events():
             if isinstance(event, UpstreamResult):
@@ -190,7 +194,8 @@ class HttpSession:
 
     async def _open_stream(self, last_event_id: str | None) -> aiohttp.ClientResponse:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.link.config.connect_timeout_seconds)
-        response = await self.link.http.get(self.link.url, headers=self.stream_headers(last_event_id), timeout=timeout)
+        headers = checked_headers(self.stream_headers(last_event_id))
+        response = await self.link.http.get(self.link.url, headers=headers, timeout=timeout)
         self._keep_cookies(response)
         return response
 
@@ -255,9 +260,9 @@ class HttpSession:
             self.detach()
         if self.session_id is None:
             return
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+        with contextlib.suppress(*CLIENT_FAILURES, UpstreamError):
             async with self.link.http.delete(
-                self.link.url, headers=self.headers(), timeout=aiohttp.ClientTimeout(total=2)
+                self.link.url, headers=checked_headers(self.headers()), timeout=aiohttp.ClientTimeout(total=2)
             ):
                 pass
         self.session_id = None
@@ -280,17 +285,18 @@ class HttpSession:
 
     # --- requests ------------------------------------------------------------------------------------------
 
-    async def resume(self, last_event_id: str) -> aiohttp.ClientResponse:
+    async def resume(self, last_event_id: str) -> Answer:
         """Continue a request's SSE stream the upstream closed early (GET + Last-Event-ID)."""
-        headers = self.stream_headers(last_event_id)
+        headers = checked_headers(self.stream_headers(last_event_id))
         sent_with = self.session_id
         try:
-            response = await self.link.http.get(self.link.url, headers=headers, timeout=self.link.timeout)
-        except aiohttp.ClientError as exc:
+            response = AiohttpAnswer(
+                await self.link.http.get(self.link.url, headers=headers, timeout=self.link.timeout)
+            )
+        except CLIENT_FAILURES as exc:
             raise UpstreamError("Upstream stream could not be resumed", detail=str(exc)) from None
         self._keep_cookies(response)
-        content_type = response.content_type
-        if response.status == 200 and content_type == "text/event-stream":
+        if response.status == 200 and response.media_type == "text/event-stream":
             return response
         response.release()
         if response.status == 404 and sent_with is not None:
@@ -324,9 +330,10 @@ class HttpSession:
                 break
             if response.status in AUTH_STATUSES:
                 raise self._refused(response, method)
+            body: bytes | None = None
             if response.status >= 400:
-                await _raise_unless_answer(response, request_id, method, self.link.max_result_bytes)
-            upstream_call = HttpRequestStream(self, request_id, method, response, self.link.max_result_bytes)
+                body = await _raise_unless_answer(response, request_id, method, self.link.max_result_bytes)
+            upstream_call = HttpRequestStream(self, request_id, method, response, self.link.max_result_bytes, body)
             self.in_flight += 1
             try:
                 yield upstream_call
@@ -334,7 +341,7 @@ class HttpSession:
                 self.in_flight -= 1
                 upstream_call.close()
 
-    def _refused(self, response: HttpAnswer, method: str) -> UpstreamAuthError:
+    def _refused(self, response: Answer, method: str) -> UpstreamAuthError:
         """The upstream refused this session's credential: the caller is told, with the server's challenge."""
         self.link.auth.saw_refusal()
         challenge = response.headers.get("WWW-Authenticate")
@@ -359,31 +366,50 @@ class HttpSession:
         response.release()
 
 
-async def _raise_unless_answer(response: HttpAnswer, request_id: int, method: str, max_bytes: int | None) -> None:
-    """An HTTP error status is fine when its body is the JSON-RPC answer to this request (some servers send
-    errors that way); anything else (a transport-level refusal) is an UpstreamRefusedError naming what it said,
-    an UpstreamSessionGoneError when the status says the upstream does not know the session."""
-    content_type = response.content_type
-    if content_type == "text/event-stream":
-        return
+class _Refusal(NamedTuple):
+    """An HTTP error status whose body is no JSON-RPC answer to the request: what it said, for the error."""
+
+    raw: str  # the body's start, for the log
+    said: str  # ": <the upstream's own JSON-RPC error message>" when it sent one, else ""
+
+
+async def _answer_despite_status(response: Answer, request_id: int, max_bytes: int | None) -> bytes | _Refusal | None:
+    """What an answer with an HTTP error status holds: None for an SSE stream (read as the request's stream),
+    the body when it is the JSON-RPC answer to `request_id` (some servers send errors that way: it is read once,
+    here, and handed to the request's stream), a `_Refusal` otherwise (the response released)."""
+    if response.media_type == "text/event-stream":
+        return None
     try:
         body = await read_body(response, max_bytes)
     except EventTooLargeError:
         response.close()
         raise ResultTooLargeError(max_bytes or 0) from None
-    raw = body.decode("utf-8", errors="replace")[:200]
+    except CLIENT_FAILURES as exc:
+        response.close()
+        raise failure(exc) from None
     said = ""  # the upstream's own JSON-RPC error message, if it sent one: the client may see that
-    if content_type == "application/json":
+    if response.media_type == "application/json":
         try:
             message = json.loads(body)
         except ValueError:
             message = None
         if isinstance(message, dict):
-            if message.get("id") == request_id:
-                return  # the body was read, aiohttp keeps it for HttpRequestStream
+            if message.get("id") == request_id and ("result" in message or "error" in message):
+                return body
             error = message.get("error")
             if isinstance(error, dict) and isinstance(error.get("message"), str):
                 said = f": {error['message']}"
     response.release()
+    return _Refusal(body.decode("utf-8", errors="replace")[:200], said)
+
+
+async def _raise_unless_answer(response: Answer, request_id: int, method: str, max_bytes: int | None) -> bytes | None:
+    """An HTTP error status is fine when its body is the JSON-RPC answer to this request (returned, to be read
+    as the request's stream) or an SSE stream (None); anything else (a transport-level refusal) is an
+    UpstreamRefusedError naming what it said, an UpstreamSessionGoneError when the status says the upstream does
+    not know the session."""
+    answer = await _answer_despite_status(response, request_id, max_bytes)
+    if not isinstance(answer, _Refusal):
+        return answer
     refused = UpstreamSessionGoneError if response.status in SESSION_GONE_STATUSES else UpstreamRefusedError
-    raise refused(f"Upstream answered {method} with HTTP {response.status}{said}", response.status, raw)
+    raise refused(f"Upstream answered {method} with HTTP {response.status}{answer.said}", response.status, answer.raw)

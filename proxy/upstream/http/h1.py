@@ -1,0 +1,305 @@
+"""The HTTP/1.1 client's protocol core, sans-IO in the manner of h11: a request (method, target, headers, body)
+becomes bytes, every name and value checked by `proxy.wire.fields` before anything is written; bytes read back
+become a response's events (its head, body data, its end), each part of the head bounded as h11's
+`max_incomplete_event_size` bounds it. Parsing is llhttp's (httptools: bytes fed, callbacks), the caps are
+enforced here. No sockets, no event loop, no aiohttp: `lean.py` does the I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final, NamedTuple, Protocol
+
+import httptools
+
+from proxy.wire.fields import FieldError, check_name, check_target, check_value
+
+# --- errors: the client's own -----------------------------------------------------------------------------------
+
+
+class H1Error(Exception):
+    """Anything that ends an exchange on the HTTP/1.1 client: the connection cannot carry another request."""
+
+
+class H1RequestError(H1Error):
+    """A request this client refuses to write (a header name or value, the Host or the target fails the wire
+    checks of RFC 9110 §5 and RFC 9112 §3.2): nothing of it was written. Its message names the header, never the
+    value."""
+
+
+class H1ProtocolError(H1Error):
+    """The answer is not valid HTTP/1.1 (RFC 9112), or came when no request was waiting for one."""
+
+
+class H1LimitError(H1ProtocolError):
+    """A part of the answer's head (status line, a header line, the count of headers, the whole head, a chunk-size
+    line or the trailers) is larger than the client's limit: refused before it is held whole."""
+
+    def __init__(self, limit: str, maximum: int) -> None:
+        super().__init__(f"the upstream's answer is over the client's limit {limit} = {maximum}")
+        self.limit = limit
+        self.maximum = maximum
+
+
+class H1ConnectionError(H1Error):
+    """The connection could not be made, or ended before the answer did (closed or reset before the head, in
+    it, or in a body framed by Content-Length or chunked; reset in a body that ends with the connection).
+    `answered` says whether the answer's head had arrived."""
+
+    def __init__(self, message: str, *, answered: bool = False) -> None:
+        super().__init__(message)
+        self.answered = answered
+
+
+class H1TimeoutError(H1Error):
+    """The exchange's deadline passed (connect, or the whole answer)."""
+
+
+# --- limits -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """How large each incomplete part of an answer may grow (bytes, CRLF included) before it is refused: the
+    same bounds as aiohttp's client (8 KiB lines) and h11 (64 KiB heads), with room for large cookies."""
+
+    max_status_line_bytes: int = 8 * 1024
+    max_header_line_bytes: int = 16 * 1024  # a Set-Cookie or WWW-Authenticate may be long; 16 KiB is ample
+    max_headers: int = 256  # aiohttp's client allows far more; no MCP server sends a tenth of this
+    max_head_bytes: int = 64 * 1024  # every head of one exchange, interim (1xx) answers included
+    max_chunk_line_bytes: int = 4 * 1024  # a chunk-size line with its extensions, or the trailer section
+
+
+DEFAULT_LIMITS: Final = Limits()
+
+# --- requests -------------------------------------------------------------------------------------------------
+
+_FRAMING: Final = frozenset({"content-length", "transfer-encoding"})  # the body's length is the client's to say
+_METHODS: Final = frozenset({"GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH"})
+_NAMES_KEPT: Final = 512  # header names seen valid, kept so that each is checked once (names are no secrets)
+
+
+class RequestWriter:
+    """Turns requests into bytes for one origin. Every header name is a token, every value (Host included) a
+    valid field value, the target origin-form (`proxy.wire.fields`); the caller's Content-Length and
+    Transfer-Encoding are dropped (the length is said here), a Host of the caller's replaces the origin's."""
+
+    def __init__(self, host: str) -> None:
+        try:
+            self.host = check_value("Host", host)
+        except FieldError as exc:
+            raise H1RequestError(str(exc)) from None
+        self._names: set[str] = set()  # names already found valid
+
+    def request(self, method: str, target: str, headers: Iterable[tuple[str, str]], body: bytes) -> bytes:
+        """The request's bytes; raises H1RequestError (and writes nothing) when a part fails the checks."""
+        names = self._names
+        host = self.host
+        head = [""]
+        try:
+            if method not in _METHODS:
+                check_name(method)
+            check_target(target)
+            for name, value in headers:
+                if name not in names:
+                    check_name(name)
+                    if len(names) < _NAMES_KEPT:
+                        names.add(name)
+                # (`is_safe_value`'s own common case, spared a call per header; anything else is decided there)
+                if not (value.isprintable() and (not value or (value[0] != " " and value[-1] != " "))):
+                    check_value(name, value)  # raises, naming the header, unless the expression accepts it
+                lowered = name.lower()
+                if lowered in _FRAMING:
+                    continue
+                if lowered == "host":  # a Host of the caller's (an operator's `upstream.headers`) replaces ours
+                    host = value
+                    continue
+                head.append(f"{name}: {value}\r\n")
+        except FieldError as exc:
+            raise H1RequestError(str(exc)) from None
+        head[0] = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"
+        head.append(f"Content-Length: {len(body)}\r\n\r\n")
+        return "".join(head).encode("utf-8", "surrogateescape") + body
+
+
+# --- responses ------------------------------------------------------------------------------------------------
+
+
+class ResponseHead(NamedTuple):
+    """A final answer's status line and headers, as sent (repeated names kept, in order). (A tuple: made once
+    per call, and a tuple is the cheapest value to make.)"""
+
+    status: int
+    reason: str
+    headers: list[tuple[str, str]]
+    http_version: str
+
+
+class Sink(Protocol):
+    """Where a reader's events go, in order: one head, any data, then the end."""
+
+    def on_head(self, head: ResponseHead) -> None: ...
+    def on_data(self, data: bytes) -> None: ...
+    def on_end(self) -> None: ...
+
+
+_IDLE, _HEAD, _BODY = 0, 1, 2  # no answer awaited; reading a head; reading a final answer's body
+_FRAMING_NAME_LENGTHS: Final = frozenset({len("content-length"), len("transfer-encoding")})
+
+
+class ResponseReader:
+    """Reads the answers on one connection, one per request written: `expect()` after each request, then
+    `feed()` the bytes as they arrive and `closed()` when the connection ends. Raises H1ProtocolError,
+    H1LimitError or H1ConnectionError; after one, the connection must be closed. Interim (1xx) answers are
+    skipped (RFC 9110 §15.2); the body is framed by chunked, Content-Length or the connection's end (RFC 9112
+    §6.3). `keep_alive` says, after the end, whether the connection may carry another request."""
+
+    def __init__(self, sink: Sink, limits: Limits = DEFAULT_LIMITS) -> None:
+        self._sink = sink
+        self._limits = limits
+        self._parser = httptools.HttpResponseParser(self)
+        self._state = _IDLE
+        self._error: H1Error | None = None  # raised in a callback, raised again by `feed`
+        self.keep_alive = False
+        self._reason = bytearray()
+        self._headers: list[tuple[str, str]] = []
+        self._head_bytes = 0
+        self._status_bytes = 0
+        self._header_count = 0
+        self._until_close = False
+        self._chunked = False  # Transfer-Encoding: chunked
+        self._length = False  # a Content-Length
+        self._chunk_headers = 0  # chunk-size lines completed during this feed
+        self._body_bytes = 0  # body bytes delivered during this feed
+        self._framing_bytes = 0  # chunked framing read since the last chunk-size line ended
+
+    def expect(self) -> None:
+        """A request was written: its answer comes next."""
+        if self._state != _IDLE:
+            raise H1ProtocolError("a request was written while the previous answer is still being read")
+        self._state = _HEAD
+        self.keep_alive = self._chunked = self._length = False
+        self._reason.clear()
+        self._headers = []
+        self._head_bytes = self._status_bytes = self._header_count = 0
+
+    @property
+    def answered(self) -> bool:
+        """Whether the awaited answer's head has arrived (or no answer is awaited)."""
+        return self._state != _HEAD
+
+    def feed(self, data: bytes) -> None:
+        """Bytes read from the connection."""
+        if self._state == _HEAD:
+            room = self._limits.max_head_bytes - self._head_bytes
+            if len(data) > room:  # only what fits the head's budget is parsed while a head is being read
+                self._feed(data[:room])
+                if self._state == _HEAD:
+                    raise H1LimitError("max_head_bytes", self._limits.max_head_bytes)
+                data = data[room:]
+            else:
+                self._head_bytes += len(data)
+        elif self._state == _IDLE:
+            raise H1ProtocolError("the upstream sent bytes no request asked for")
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        # (a read that ends a head is bounded by the head's budget instead)
+        in_chunks = self._chunked and self._state == _BODY
+        if in_chunks:
+            self._chunk_headers = self._body_bytes = 0
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            raise H1ProtocolError("the upstream switched protocols; this client speaks HTTP/1.1 only") from None
+        except httptools.HttpParserError as exc:
+            error, self._error = self._error, None
+            if error is not None:
+                raise error from None
+            raise H1ProtocolError(f"the upstream's answer is not valid HTTP/1.1: {exc}") from None
+        if in_chunks and self._state == _BODY:
+            framing = len(data) - self._body_bytes
+            self._framing_bytes = framing if self._chunk_headers else self._framing_bytes + framing
+            if self._framing_bytes > self._limits.max_chunk_line_bytes:  # to within one read
+                raise H1LimitError("max_chunk_line_bytes", self._limits.max_chunk_line_bytes)
+
+    def closed(self, *, reset: bool = False) -> None:
+        """The connection ended, cleanly or (`reset`) abortively. Ends a body framed by the connection's end;
+        anything else cut short is an H1ConnectionError, never taken as the answer's end."""
+        state, self._state = self._state, _IDLE
+        self.keep_alive = False
+        if state == _HEAD:
+            raise H1ConnectionError("the upstream closed the connection before answering")
+        if state == _BODY:
+            if self._until_close and not reset:
+                self._sink.on_end()
+                return
+            how = "reset" if reset else "closed"
+            raise H1ConnectionError(f"the upstream {how} the connection in the middle of its answer", answered=True)
+
+    def _fail(self, error: H1Error) -> None:
+        self._error = error
+        raise error
+
+    # --- httptools callbacks ---
+
+    def on_message_begin(self) -> None:
+        if self._state != _HEAD:
+            self._fail(H1ProtocolError("the upstream sent an answer no request asked for"))
+
+    def on_status(self, status: bytes) -> None:
+        self._status_bytes += len(status)
+        if self._status_bytes > self._limits.max_status_line_bytes:
+            self._fail(H1LimitError("max_status_line_bytes", self._limits.max_status_line_bytes))
+        self._reason += status
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        limits = self._limits
+        self._header_count += 1
+        if self._header_count > limits.max_headers:
+            self._fail(H1LimitError("max_headers", limits.max_headers))
+        if len(name) + len(value) + 4 > limits.max_header_line_bytes:
+            self._fail(H1LimitError("max_header_line_bytes", limits.max_header_line_bytes))
+        if self._state != _HEAD:
+            return  # trailers are counted against the same limits, and dropped
+        text = value.decode("utf-8", "surrogateescape")
+        if len(name) in _FRAMING_NAME_LENGTHS:
+            lowered = name.lower()
+            if lowered == b"content-length":
+                self._length = True
+            elif lowered == b"transfer-encoding" and "chunked" in text.lower():
+                self._chunked = True
+        self._headers.append((name.decode("latin-1"), text))
+
+    def on_headers_complete(self) -> None:
+        if self._state != _HEAD:
+            return
+        parser = self._parser
+        status = parser.get_status_code()
+        if status < 200:  # an interim answer (100 Continue, 103 Early Hints): the final one follows
+            self._reason.clear()
+            self._headers = []
+            self._status_bytes = self._header_count = 0
+            self._chunked = self._length = False
+            return
+        headers = self._headers
+        self._headers = []
+        self._state = _BODY
+        chunked = self._chunked
+        self._until_close = not chunked and not self._length and status not in (204, 304)
+        # RFC 9112 §6.3: with both, chunked wins, and the connection is not reused after
+        self.keep_alive = not self._until_close and not (chunked and self._length) and parser.should_keep_alive()
+        self._sink.on_head(ResponseHead(status, self._reason.decode("latin-1"), headers, parser.get_http_version()))
+
+    def on_chunk_header(self) -> None:
+        self._chunk_headers += 1
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        self._sink.on_data(body)
+
+    def on_message_complete(self) -> None:
+        if self._state == _BODY:
+            self._state = _IDLE
+            self._sink.on_end()
