@@ -23,6 +23,7 @@ from proxy.errors import (
 )
 from proxy.listen import ListenStreams
 from proxy.policy import decide
+from proxy.tasks import idempotency
 from proxy.tasks.push import TaskWatchers
 from proxy.tasks.request import UpstreamRequest
 from proxy.tasks.runner import TaskRunner
@@ -63,6 +64,9 @@ class Front:
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
         self.calls = WaitingRequests(runner.calls, self.cache)
         self.listens = ListenStreams(config, upstream, runner, watchers)
+        self.keys = idempotency.IdempotencyKeys(
+            runner.store, runner.principals, runner.process_id, runner.spawn, runner.clock, runner.metrics
+        )
 
     async def dispatch(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Serve one modern request; returns the JSON-RPC response message (result or error)."""
@@ -85,7 +89,9 @@ class Front:
     async def call_tool(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """The tool's policy and this request's own declaration of the Tasks extension decide sync, task, window
         or -32021 (a task only ever goes to a request that declared the extension). Every tools/call runs as a
-        runner call, so an upstream question can become an MRTR round or a task's inputRequests."""
+        runner call, so an upstream question can become an MRTR round or a task's inputRequests. With an
+        `Idempotency-Key` (not on an MRTR retry, which its requestState binds already) the key's record decides
+        whether it runs (`tasks/idempotency.py`)."""
         upstream = UpstreamRequest.of(request, caller)
         facts = await self.upstream.facts.tool_facts(caller.principal, upstream.name, self.cache[0])
         check_param_headers(caller.headers, request.params.get("arguments"), facts.param_headers)
@@ -95,7 +101,17 @@ class Front:
         decision = decide(
             self.config.tasks, upstream.name, declares_tasks=request.declares_tasks, upstream_support=facts.task_support
         )
-        return await self.calls.call(upstream, caller, channel, decision, server_info)
+        key = caller.headers.get(idempotency.HEADER)  # without one, nothing more is done than this lookup
+        if key is None or not self.config.idempotency.enabled:
+            return await self.calls.call(upstream, caller, channel, decision, server_info)
+        return await self.keys.serve(
+            self.config.idempotency,
+            key,
+            request,
+            caller,
+            channel,
+            lambda keyed: self.calls.call(upstream, caller, keyed, decision, server_info),
+        )
 
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """`prompts/get` and `resources/read`: synchronous, but an upstream question is an MRTR round (the only

@@ -204,5 +204,8 @@ class Recovery:
         purged = await self.store.purge_expired(now)
         if purged:
             log.info("tasks_purged", count=purged)
+        keys = await self.store.purge_keys(now)  # Idempotency-Key records past idempotency.retention_seconds
+        if keys:
+            log.info("idempotency_keys_purged", count=keys)
         await self.replicas.sweep(take_over=not self.draining())
         await self.durations.reload_if_due()

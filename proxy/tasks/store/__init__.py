@@ -18,12 +18,13 @@ from proxy.tasks.store.base import (
     Message,
     StoreError,
     StoreFullError,
-    StoreUnavailableError,
     StoreLockedError,
+    StoreUnavailableError,
     TaskStore,
     record_from_row,
 )
 from proxy.tasks.store.feed import LocalFeed
+from proxy.tasks.store.keys import KeyRecord
 from proxy.tasks.store.sqlite import SqliteTaskStore
 
 __all__ = [
@@ -34,13 +35,14 @@ __all__ = [
     "Change",
     "Fence",
     "FencedError",
+    "KeyRecord",
     "LocalFeed",
     "Message",
     "SqliteTaskStore",
     "StoreError",
     "StoreFullError",
-    "StoreUnavailableError",
     "StoreLockedError",
+    "StoreUnavailableError",
     "TaskStore",
     "open_store",
     "record_from_row",
