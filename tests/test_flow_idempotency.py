@@ -227,3 +227,37 @@ async def test_a_busy_key_is_409_past_the_join_timeout(tasks_client: ClientFacto
     assert (status, message["error"]["code"]) == (409, -32600)
     assert text_of((await first)[1]) == "1"
     assert await client.text("call_count", {"key": counter}) == "1"
+
+
+async def test_a_legacy_client_s_calls_pass_through_untouched(tasks_client: ClientFactory) -> None:
+    """A 2025-11-25 client's requests are relayed as they came: the header does not make its repeat a replay."""
+    client = await tasks_client(tasks=SYNC)
+    counter = fresh("legacy")
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    init = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}},
+    }
+    async with client.client.post("/mcp", json=init, headers=headers) as response:
+        session = {
+            **headers,
+            "Mcp-Session-Id": response.headers["Mcp-Session-Id"],
+            "MCP-Protocol-Version": "2025-11-25",
+        }
+    async with client.client.post(
+        "/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=session
+    ):
+        pass
+    call = {
+        "jsonrpc": "2.0",
+        "id": 2,
+        "method": "tools/call",
+        "params": {"name": "counted", "arguments": {"key": counter}},
+    }
+    texts = []
+    for _ in range(2):
+        async with client.client.post("/mcp", json=call, headers=keyed('"legacy"', **session)) as response:
+            texts.append(text_of((await read_messages(response))[-1]))
+    assert texts == ["1", "2"]
