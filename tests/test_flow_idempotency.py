@@ -19,7 +19,7 @@ from tests.support.clients import ClientFactory, Tasks, post_and_leave
 from tests.support.processes import ProxyProcess, Upstream
 from tests.support.sdk import calls_started, until_started_upstream
 from tests.support.waiting import until
-from tests.support.wire import modern_body, modern_headers, policies, read_messages
+from tests.support.wire import HEADERS, INITIALIZE, modern_body, modern_headers, policies, read_messages
 
 SYNC = policies(counted={"mode": "forbidden"}, tool_error={"mode": "forbidden"})
 
@@ -233,16 +233,9 @@ async def test_a_legacy_client_s_calls_pass_through_untouched(tasks_client: Clie
     """A 2025-11-25 client's requests are relayed as they came: the header does not make its repeat a replay."""
     client = await tasks_client(tasks=SYNC)
     counter = fresh("legacy")
-    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
-    init = {
-        "jsonrpc": "2.0",
-        "id": 1,
-        "method": "initialize",
-        "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}},
-    }
-    async with client.client.post("/mcp", json=init, headers=headers) as response:
+    async with client.client.post("/mcp", json=INITIALIZE, headers=HEADERS) as response:
         session = {
-            **headers,
+            **HEADERS,
             "Mcp-Session-Id": response.headers["Mcp-Session-Id"],
             "MCP-Protocol-Version": "2025-11-25",
         }

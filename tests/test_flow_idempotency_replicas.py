@@ -30,9 +30,11 @@ TOOLS: dict[str, Any] = {"counted": {"mode": "forbidden"}, "sleep": {"mode": "re
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, pg_server: pg.PgServer) -> Iterator[Cluster]:
     with pg_server.database() as dsn:
-        replicas = Cluster(tmp_path_factory.mktemp("keys"), dsn, 2, LEASE_SECONDS, TOOLS)
-        yield replicas
-        replicas.stop()
+        pair = Cluster(tmp_path_factory.mktemp("keys"), dsn, 2, LEASE_SECONDS, TOOLS)
+        try:
+            yield pair
+        finally:
+            pair.stop()
 
 
 @pytest.fixture

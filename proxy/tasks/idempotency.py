@@ -12,6 +12,7 @@ import hashlib
 import json
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
 import structlog
@@ -178,22 +179,17 @@ class DetachableChannel:
                 self.channel = None
 
 
+@dataclass(frozen=True)
 class IdempotencyKeys:
-    def __init__(
-        self,
-        store: TaskStore,
-        principals: Principals,
-        process_id: str,
-        spawn: Callable[[Coroutine[Any, Any, JSON | ProxyError], str], asyncio.Task[JSON | ProxyError]],
-        clock: Callable[[], int],
-        metrics: Metrics | None,
-    ) -> None:
-        self.store = store
-        self.principals = principals
-        self.process_id = process_id  # the owner of the keys this process runs (its replica id)
-        self.spawn = spawn
-        self.clock = clock
-        self.metrics = metrics
+    """Serves keyed calls; `process_id` is the owner of the keys this process runs (its replica id), and
+    `spawn` starts a named background coroutine the runner owns."""
+
+    store: TaskStore
+    principals: Principals
+    process_id: str
+    spawn: Callable[[Coroutine[Any, Any, JSON | ProxyError], str], asyncio.Task[JSON | ProxyError]]
+    clock: Callable[[], int]
+    metrics: Metrics | None
 
     async def serve(
         self,
