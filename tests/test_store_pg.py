@@ -117,6 +117,7 @@ async def test_replicas_that_start_at_once_migrate_once(pg_dsn: str) -> None:
             ("0003_create_tool_durations",),
             ("0004_add_upstream_task",),
             ("0005_add_traceparent",),
+            ("0006_create_idempotency_keys",),
         ]
         await stores[0].create(make_record("task_a"))
         assert await stores[3].get("task_a") is not None

@@ -123,6 +123,7 @@ async def test_durable_across_reopen(db_path: Path) -> None:
         ("mcp-tasks-proxy", "0004_create_messages_and_tool_durations"),
         ("mcp-tasks-proxy", "0005_add_upstream_task"),
         ("mcp-tasks-proxy", "0006_add_traceparent"),
+        ("mcp-tasks-proxy", "0007_create_idempotency_keys"),
     ]
     assert raw_rows(db_path, "PRAGMA journal_mode") == [("wal",)]
     indexes = {row[0] for row in raw_rows(db_path, "SELECT name FROM sqlite_master WHERE type = 'index'")}
