@@ -65,7 +65,13 @@ class Front:
         self.calls = WaitingRequests(runner.calls, self.cache)
         self.listens = ListenStreams(config, upstream, runner, watchers)
         self.keys = idempotency.IdempotencyKeys(
-            runner.store, runner.principals, runner.process_id, runner.spawn, runner.clock, runner.metrics
+            runner.store,
+            runner.principals,
+            runner.process_id,
+            runner.spawn,
+            runner.clock,
+            runner.metrics,
+            lambda: runner.closing,
         )
 
     async def dispatch(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:

@@ -215,6 +215,34 @@ async def test_outcomes_survive_a_kill_of_the_proxy(
     assert any(event.get("idempotency") == "replayed" for event in proxy.events() if event.get("event") == "request")
 
 
+async def test_a_call_stopped_by_a_shutdown_is_not_replayed_as_send_again(
+    tmp_path: Path, upstream: Upstream, processes: list[ProxyProcess], http: aiohttp.ClientSession
+) -> None:
+    """SIGTERM past the drain: what the call answers then is the shutdown's, no outcome of the upstream's (it was
+    told to cancel); after the restart the repeat hears that the outcome is unknown, and nothing runs again."""
+    proxy = ProxyProcess(tmp_path, upstream.url, tasks={**SYNC, "drain_seconds": 0.2})
+    processes.append(proxy)
+    await proxy.start()
+    counter = fresh("shutdown")
+    body = modern_body("tools/call", {"name": "counted", "arguments": {"key": counter, "seconds": 30}}, capabilities={})
+    headers = keyed('"stopped"', **modern_headers("tools/call", "counted"))
+
+    async def call() -> tuple[int, dict[str, Any]]:
+        async with http.post(proxy.url, json=body, headers=headers) as response:
+            return response.status, (await read_messages(response))[-1]
+
+    before = await calls_started(upstream.url, "counted")
+    first = asyncio.get_running_loop().create_task(call())
+    await until_started_upstream(upstream.url, "counted", before)
+    assert await proxy.terminate() == 0
+    await asyncio.gather(first, return_exceptions=True)  # told it shuts down, or cut off by the exit
+    await proxy.start()
+    status, message = await call()
+    assert status == 500
+    assert message["error"]["data"] == {"idempotencyKey": "interrupted"}
+    assert await calls_started(upstream.url, "counted") == before + 1
+
+
 async def test_a_busy_key_is_409_past_the_join_timeout(tasks_client: ClientFactory, upstream: Upstream) -> None:
     client = await tasks_client(tasks=SYNC, idempotency={"join_timeout_seconds": 0.2})
     counter = fresh("busy")

@@ -92,7 +92,11 @@ class Harness:
 
     def __init__(self, store: SqliteTaskStore, process_id: str = "replica-a") -> None:
         self.metrics = Metrics()
-        self.keys = IdempotencyKeys(store, Principals(b"k" * 32), process_id, self.spawn, lambda: 1_000, self.metrics)
+        self.closing = False
+        principals = Principals(b"k" * 32)
+        self.keys = IdempotencyKeys(
+            store, principals, process_id, self.spawn, lambda: 1_000, self.metrics, lambda: self.closing
+        )
         self.runs = 0
         self.answer: JSON | Exception = {"content": [], "resultType": "complete"}
         self.release = asyncio.Event()
@@ -197,6 +201,19 @@ async def test_a_first_request_whose_process_died_is_interrupted_not_run_again(s
     assert caught.value.error_object()["data"] == {"idempotencyKey": "interrupted"}
     assert harness.runs == 0
     assert harness.counted("interrupted") == 1
+
+
+async def test_an_answer_given_while_the_proxy_shuts_down_records_an_unknown_outcome(store: SqliteTaskStore) -> None:
+    """The shutdown's own answer ("the proxy is shutting down") is not the upstream's outcome: a repeat is told the
+    outcome is unknown, never to send the same key again."""
+    harness = Harness(store)
+    harness.closing = True
+    harness.answer = {"content": [{"type": "text", "text": "the proxy is shutting down"}], "isError": True}
+    await harness.call()
+    with pytest.raises(ReplayedError) as caught:
+        await harness.call()
+    assert caught.value.error_object()["data"] == {"idempotencyKey": "interrupted"}
+    assert harness.runs == 1
 
 
 async def test_a_first_request_running_past_the_join_timeout_is_busy(store: SqliteTaskStore) -> None:

@@ -190,6 +190,7 @@ class IdempotencyKeys:
     spawn: Callable[[Coroutine[Any, Any, JSON | ProxyError], str], asyncio.Task[JSON | ProxyError]]
     clock: Callable[[], int]
     metrics: Metrics | None
+    closing: Callable[[], bool] = lambda: False  # the runner shuts down: answers are the shutdown's own
 
     async def serve(
         self,
@@ -240,7 +241,9 @@ class IdempotencyKeys:
         try:
             message = await run(channel)
         except ProxyError as error:
-            if records_failure(error):
+            if self.closing():
+                await self._settle(claim, json.dumps(INTERRUPTED))
+            elif records_failure(error):
                 await self._settle(claim, json.dumps({"proxyError": error.error_object(), "status": error.status}))
             else:
                 await self._release(claim)
@@ -248,7 +251,9 @@ class IdempotencyKeys:
         except BaseException:
             await self._release(claim)
             raise
-        await self._settle(claim, outcome_of(message))
+        # A call stopped by a shutdown answers that the proxy shuts down: not the upstream's outcome, which is
+        # unknown (the upstream was told to cancel), so a repeat is told so rather than to send again.
+        await self._settle(claim, json.dumps(INTERRUPTED) if self.closing() else outcome_of(message))
         return message
 
     async def _settle(self, claim: KeyRecord, outcome: str) -> None:

@@ -64,6 +64,7 @@ class TaskRunner:
         self.metrics = metrics  # also counted outside tasks/ (the listen streams' pushes)
         self.secret_file = config.inputs.secret_file
         self.process_id = uuid.uuid4().hex  # the `owner` of every task this process runs
+        self.closing = False  # close() began: what calls answer now is the shutdown's, not their upstream's
         self.background = Background()
         self.table = CallTable()
         self.durations = Durations(store, clock, self.background)
@@ -176,6 +177,7 @@ class TaskRunner:
         """Shutdown: running calls are cancelled upstream; their records stay live and are failed or re-run
         per `on_restart` at the next start, or by another replica at once (the lease is released); nothing
         committed is lost or rewritten here."""
+        self.closing = True
         await self.calls.shut_down()
         await self.replicas.close()
         await self.background.close(SHUTDOWN_GRACE_SECONDS)
