@@ -406,6 +406,29 @@ class DiscoveryConfig(_Frozen):
     )
 
 
+class IdempotencyConfig(_Frozen):
+    enabled: bool = Field(
+        True,
+        description="Honour the `Idempotency-Key` request header on 2026-07-28 `tools/call` "
+        "(draft-ietf-httpapi-idempotency-key-header): a repeat of a call with the same key does not run the tool "
+        "again. `false`: the header is ignored and every call runs.",
+    )
+    retention_seconds: float = Field(
+        86_400.0,
+        gt=0,
+        description="How long a key's record (and the outcome replayed for it) is kept after the first request. "
+        "24 h, as Stripe keeps its keys: long past any client's retries of one operation (minutes, an agent's "
+        "restart), short enough that the table stays small.",
+    )
+    join_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="How long a repeat that arrives while the first request still runs waits for its outcome "
+        "(it joins it: one upstream call); past that it is answered HTTP 409 and may retry. Below a gateway's "
+        "usual 60 s cut-off.",
+    )
+
+
 class StoreConfig(_Frozen):
     path: str = Field(
         "mcp-tasks-proxy.db",
@@ -875,6 +898,9 @@ class Config(_Frozen):
         default_factory=DiscoveryConfig, description="Caching hints on discover and list results."
     )
     store: StoreConfig = Field(default_factory=StoreConfig, description="The task database.")
+    idempotency: IdempotencyConfig = Field(
+        default_factory=IdempotencyConfig, description="Idempotency-Key on tools/call: repeats do no work twice."
+    )
     tasks: TasksConfig = Field(default_factory=TasksConfig, description="Tool policies and task limits.")
     inputs: InputsConfig = Field(
         default_factory=InputsConfig, description="Upstream questions relayed as inputRequests (tasks and MRTR)."

@@ -105,7 +105,8 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
         audit = request.app.get(AUDIT)
         if audit is not None and request.get(ERA) == "modern":
             _audit(audit, request, status, refusal, duration)
-        structlog.contextvars.unbind_contextvars("request_id", "trace_id", "span_id")  # ids bound by tracing
+        # Ids bound by tracing, and how an Idempotency-Key answered (tasks/idempotency.py):
+        structlog.contextvars.unbind_contextvars("request_id", "trace_id", "span_id", "idempotency")
 
 
 async def _error_answer(request: web.Request, error: ProxyError) -> web.StreamResponse:

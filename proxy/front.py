@@ -23,6 +23,7 @@ from proxy.errors import (
 )
 from proxy.listen import ListenStreams
 from proxy.policy import decide, decide_job
+from proxy.tasks import idempotency
 from proxy.tasks.push import TaskWatchers
 from proxy.tasks.request import UpstreamRequest
 from proxy.tasks.runner import TaskRunner
@@ -63,6 +64,15 @@ class Front:
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
         self.calls = WaitingRequests(runner.calls, self.cache)
         self.listens = ListenStreams(config, upstream, runner, watchers)
+        self.keys = idempotency.IdempotencyKeys(
+            runner.store,
+            runner.principals,
+            runner.process_id,
+            runner.spawn,
+            runner.clock,
+            runner.metrics,
+            lambda: runner.closing,
+        )
 
     async def dispatch(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Serve one modern request; returns the JSON-RPC response message (result or error)."""
@@ -86,7 +96,9 @@ class Front:
         """The tool's policy and this request's own declaration of the Tasks extension decide sync, task, window
         or -32021 (a task only ever goes to a request that declared the extension). Every tools/call runs as a
         runner call, so an upstream question can become an MRTR round or a task's inputRequests. A caller past
-        its quota is refused first (an MRTR retry is the same call, not counted again)."""
+        its quota is refused first (an MRTR retry is the same call, not counted again). With an `Idempotency-Key`
+        (not on an MRTR retry, which its requestState binds already) the key's record decides whether it runs
+        (`tasks/idempotency.py`)."""
         per_minute = self.config.limits.calls_per_minute_per_principal
         if per_minute and "requestState" not in request.params:
             await self.runner.quotas.charge(self.runner.principals.key_of(caller.principal), per_minute)
@@ -105,7 +117,17 @@ class Front:
                 declares_tasks=request.declares_tasks,
                 upstream_support=facts.task_support,
             )
-        return await self.calls.call(upstream, caller, channel, decision, server_info)
+        key = caller.headers.get(idempotency.HEADER)  # without one, nothing more is done than this lookup
+        if key is None or not self.config.idempotency.enabled:
+            return await self.calls.call(upstream, caller, channel, decision, server_info)
+        return await self.keys.serve(
+            self.config.idempotency,
+            key,
+            request,
+            caller,
+            channel,
+            lambda keyed: self.calls.call(upstream, caller, keyed, decision, server_info),
+        )
 
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """`prompts/get` and `resources/read`: synchronous, but an upstream question is an MRTR round (the only

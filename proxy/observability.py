@@ -225,6 +225,15 @@ class Metrics:
         self.listen_streams = Gauge(
             f"{prefix}_listen_streams", "subscriptions/listen streams open", registry=self.registry
         )
+        self.idempotent_calls = Counter(
+            f"{prefix}_idempotent_calls_total",
+            "tools/call requests with an Idempotency-Key, by what the key did: first (ran), replayed (a recorded "
+            "outcome answered), joined (waited for the first, still running), conflict (422: another request), "
+            "busy (409: the first ran past the join timeout), interrupted (the first's process died), released "
+            "(refused before the upstream saw it: the key is free again)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.task_notifications = Counter(
             f"{prefix}_task_notifications_total",
             "notifications/tasks pushed to listen streams, by the task's status",

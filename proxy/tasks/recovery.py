@@ -276,5 +276,8 @@ class Recovery:
             trimmed = await self.store.trim_tombstones(cut_off, config.max_tombstones)
             if trimmed:
                 log.info("tombstones_trimmed", count=trimmed)
+        keys = await self.store.purge_keys(now)  # Idempotency-Key records past idempotency.retention_seconds
+        if keys:
+            log.info("idempotency_keys_purged", count=keys)
         await self.replicas.sweep(take_over=not self.draining())
         await self.durations.reload_if_due()

@@ -84,6 +84,7 @@ class TaskRunner:
         self.metrics = metrics  # also counted outside tasks/ (the listen streams' pushes)
         self.secret_file = config.inputs.secret_file
         self.process_id = uuid.uuid4().hex  # the `owner` of every task this process runs
+        self.closing = False  # close() began: what calls answer now is the shutdown's, not their upstream's
         self.background = Background()
         self.table = CallTable()
         self.durations = Durations(store, clock, self.background)
@@ -221,6 +222,7 @@ class TaskRunner:
         per `on_restart` at the next start, or by another replica at once (the lease is released); nothing
         committed is lost or rewritten here. Settlements still waiting for the store are tried once more, under
         the lease, and those it does not take are logged by task id."""
+        self.closing = True
         await self.calls.shut_down()
         worker, self._outbox_worker = self._outbox_worker, None
         if worker is not None:  # stopped first: the last round must be the only one writing

@@ -30,6 +30,7 @@ from proxy.tasks.store.base import (
     record_from_row,
 )
 from proxy.tasks.store.feed import LocalFeed
+from proxy.tasks.store.keys import KeyRecord
 from proxy.tasks.store.sqlite import SqliteTaskStore
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "Change",
     "Fence",
     "FencedError",
+    "KeyRecord",
     "LocalFeed",
     "Message",
     "SqliteTaskStore",

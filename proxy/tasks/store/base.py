@@ -12,6 +12,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
+from proxy.tasks.store.keys import KeyRecord
 from proxy.wire.jsonrpc import JSON, RawJSON
 from proxy.wire.tasks import LIVE, TERMINAL, TaskRecord, TaskStatus
 
@@ -308,6 +309,28 @@ class TaskStore(Protocol):
     # -- quota windows ---------------------------------------------------------------------------------------------
 
     async def count_call(self, key: str, window_start_ms: int) -> int: ...
+
+    # -- idempotency keys (draft-ietf-httpapi-idempotency-key-header) -----------------------------------------
+
+    async def claim_key(self, record: KeyRecord) -> KeyRecord | None:
+        """Claim `record.key` in `record.scope` for `record.owner`, running: None when this claim won it (at
+        once, across replicas: the primary key decides), else the record that holds it. A record past its
+        retention counts as free and is replaced."""
+        ...
+
+    async def get_key(self, scope: str, key: str) -> KeyRecord | None: ...
+
+    async def settle_key(self, record: KeyRecord, outcome: str) -> bool:
+        """Record the outcome of a running key held by `record.owner`; False when it is not (any more)."""
+        ...
+
+    async def release_key(self, record: KeyRecord) -> None:
+        """Forget a running key held by `record.owner` (its request was refused before the upstream saw it)."""
+        ...
+
+    async def purge_keys(self, now_ms: int) -> int:
+        """Keys past their retention; how many."""
+        ...
 
 
 # -- the row codec and SQL shared by both stores -------------------------------------------------------------------

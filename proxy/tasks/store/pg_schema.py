@@ -173,6 +173,23 @@ MIGRATIONS: Final[tuple[tuple[str, str], ...]] = (
         );
         """,
     ),
+    (
+        # Idempotency-Key records: one per caller (scope) and key, claimed atomically by the primary key.
+        "0010_create_idempotency_keys",
+        """
+        CREATE TABLE idempotency_keys (
+            scope text NOT NULL,
+            key text NOT NULL,
+            fingerprint text NOT NULL,
+            owner text NOT NULL,
+            created_at_ms bigint NOT NULL,
+            expires_at_ms bigint NOT NULL,
+            outcome text,
+            PRIMARY KEY (scope, key)
+        );
+        CREATE INDEX idempotency_keys_expiry ON idempotency_keys (expires_at_ms);
+        """,
+    ),
 )
 
 

@@ -27,6 +27,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from proxy.keyfiles import read_password
 from proxy.tasks import pacing
+from proxy.tasks.store import keys
 from proxy.tasks.store import pg_schema as schema
 from proxy.tasks.store.base import (
     EXPIRED,
@@ -463,3 +464,31 @@ class PostgresTaskStore(LiveWrites):
         params = {"key": key, "window_start_ms": window_start_ms}
         rows = await self._rows(f"count_call {key}", schema.COUNT_CALL_SQL, params)
         return int(rows[0]["calls"])
+
+    # -- idempotency keys ----------------------------------------------------------------------------------------
+
+    async def claim_key(self, record: keys.KeyRecord) -> keys.KeyRecord | None:
+        """One INSERT ... ON CONFLICT: of two replicas claiming at once, exactly one wins (the other waits for its
+        commit and reads the winner's record)."""
+        while True:
+            if await self._rows("claim_key", keys.pg(keys.CLAIM_SQL), keys.key_params(record)):
+                return None
+            holder = await self.get_key(record.scope, record.key)
+            if holder is not None:
+                return holder  # else swept between the two statements: claim again
+
+    async def get_key(self, scope: str, key: str) -> keys.KeyRecord | None:
+        found = await self._rows("get_key", keys.pg(keys.GET_SQL), {"scope": scope, "key": key}, write=False)
+        return keys.key_from_row(found[0]) if found else None
+
+    async def settle_key(self, record: keys.KeyRecord, outcome: str) -> bool:
+        params = {**keys.key_params(record), "outcome": outcome}
+        async with self._connection("settle_key") as conn:
+            return (await conn.execute(keys.pg(keys.SETTLE_SQL), params)).rowcount > 0
+
+    async def release_key(self, record: keys.KeyRecord) -> None:
+        await self._rows("release_key", keys.pg(keys.RELEASE_SQL), keys.key_params(record))
+
+    async def purge_keys(self, now_ms: int) -> int:
+        async with self._connection("purge_keys") as conn:
+            return (await conn.execute(keys.pg(keys.PURGE_SQL), {"now_ms": now_ms})).rowcount

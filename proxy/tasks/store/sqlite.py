@@ -19,6 +19,7 @@ from typing import Any, Final, Literal, TypeVar
 
 from sqlite_utils import Database
 
+from proxy.tasks.store import keys
 from proxy.tasks.store import sqlite_schema as schema
 from proxy.tasks.store.base import (
     EXPIRED,
@@ -351,6 +352,42 @@ class SqliteTaskStore(LiveWrites):
         if self._closed:
             raise StoreError(f"count_call: the task store {self.path} is closed")
         return self._quota_windows.count(key, window_start_ms)
+
+    # -- idempotency keys ----------------------------------------------------------------------------------------
+
+    async def claim_key(self, record: keys.KeyRecord) -> keys.KeyRecord | None:
+        def run() -> keys.KeyRecord | None:
+            db = self._writer_state.db()
+            with db.atomic():  # the one writer thread: the claim and the read of the holder see one state
+                if db.execute(keys.CLAIM_SQL, keys.key_params(record)).fetchall():
+                    return None
+                found = rows(db.execute(keys.GET_SQL, {"scope": record.scope, "key": record.key}))
+            return keys.key_from_row(found[0])
+
+        return await self._write("claim_key", run)
+
+    async def get_key(self, scope: str, key: str) -> keys.KeyRecord | None:
+        def run() -> keys.KeyRecord | None:
+            found = rows(self._reader_conn().execute(keys.GET_SQL, {"scope": scope, "key": key}))
+            return keys.key_from_row(found[0]) if found else None
+
+        return await self._read("get_key", run)
+
+    async def settle_key(self, record: keys.KeyRecord, outcome: str) -> bool:
+        params = {**keys.key_params(record), "outcome": outcome}
+        return await self._write("settle_key", lambda: self._keys_changed(keys.SETTLE_SQL, params)) > 0
+
+    async def release_key(self, record: keys.KeyRecord) -> None:
+        await self._write("release_key", lambda: self._keys_changed(keys.RELEASE_SQL, keys.key_params(record)))
+
+    async def purge_keys(self, now_ms: int) -> int:
+        return await self._write("purge_keys", lambda: self._keys_changed(keys.PURGE_SQL, {"now_ms": now_ms}))
+
+    def _keys_changed(self, sql: str, params: dict[str, Any]) -> int:
+        """Writer thread: one statement on the keys table, committed; the rows it changed."""
+        db = self._writer_state.db()
+        with db.atomic():
+            return db.execute(sql, params).rowcount
 
     # -- thread dispatch -----------------------------------------------------------------------------------
 

@@ -130,6 +130,17 @@ def _add_admission_queue(db: Database) -> None:
     db.table("tasks").add_column("queued_at_ms", int)
 
 
+@MIGRATIONS(name="0010_create_idempotency_keys")
+def _create_idempotency_keys(db: Database) -> None:
+    """Idempotency-Key records: one per caller (scope) and key, claimed atomically by the primary key."""
+    db.execute(
+        "CREATE TABLE idempotency_keys (scope TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL,"
+        " owner TEXT NOT NULL, created_at_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL, outcome TEXT,"
+        " PRIMARY KEY (scope, key))"
+    )
+    db.execute("CREATE INDEX idx_idempotency_keys_expires_at_ms ON idempotency_keys (expires_at_ms)")
+
+
 INSERT_SQL: Final = f"INSERT INTO tasks ({', '.join(COLUMNS)}) VALUES ({', '.join(':' + column for column in COLUMNS)})"
 # One indexed walk per settled status, then the oldest of those few candidates: a single
 # `status IN (...) ORDER BY updated_at_ms` would sort every settled record on each create at capacity.
