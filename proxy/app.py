@@ -50,6 +50,7 @@ from proxy.errors import (
     ParseError,
     PayloadTooLargeError,
     ProxyError,
+    TaskStoreUnavailableError,
     UnauthorizedError,
     UpstreamError,
 )
@@ -63,7 +64,7 @@ from proxy.principals import Principals, deployment_key
 from proxy.relay import OriginRelay
 from proxy.tasks.push import TaskWatchers
 from proxy.tasks.runner import TaskRunner
-from proxy.tasks.store import StoreError, TaskStore, open_store
+from proxy.tasks.store import StoreError, StoreUnavailableError, TaskStore, open_store
 from proxy.upstream.http.link import upstream_connector
 from proxy.upstream.kinds import session_kind
 from proxy.upstream.pool import SessionPool
@@ -299,7 +300,10 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
         principal = await request.app[JWT].credential(principal)  # a JWT that fails is refused here (401)
     caller = Caller(principal=principal, headers=request.headers)
     channel = request[CHANNEL] = HttpChannel(request, config.limits.write_timeout_seconds)
-    reply = await request.app[FRONT].dispatch(modern, caller, channel)
+    try:
+        reply = await request.app[FRONT].dispatch(modern, caller, channel)
+    except StoreUnavailableError as exc:  # the store is away for now: 503 + Retry-After, never a hang or a 500
+        raise TaskStoreUnavailableError(exc.kind, detail=exc.reason) from exc
     request[JSONRPC_ERROR] = "error" in reply
     tracing.reply_outcome(reply)
     return await channel.finish(reply)
@@ -329,6 +333,8 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics.upstream_sessions_idle.set_function(lambda: upstream.idle_sessions)
         metrics.upstream_calls_in_flight.set_function(lambda: upstream.calls_in_flight)
         metrics.lease_held.set_function(lambda: runner.lease_problem() is None)
+        metrics.store_available.set_function(lambda: store.health.available)
+        store.health.listener = metrics.store_operation_failed
     watchers = TaskWatchers(store)
     runner.spawn(watchers.run(), "task-feed")
     front = app[FRONT] = Front(config, upstream, runner, watchers)

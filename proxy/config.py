@@ -434,6 +434,15 @@ class StoreConfig(_Frozen):
         description="With PostgreSQL: how long a replica's lease lasts unless renewed. A replica that stops "
         "renewing it (killed, paused, cut off) loses its running tasks to a survivor after this long.",
     )
+    timeout_seconds: float = Field(
+        5.0,
+        gt=0,
+        le=300,
+        description="With PostgreSQL: the deadline of every store operation (waiting for a pooled connection, "
+        "connecting, the statement itself). Past it the store counts as unavailable: the request that needed it "
+        "is answered 503 with `Retry-After` instead of hanging. 5 s is hundreds of times a healthy commit and "
+        "well inside the 30-60 s clients and load balancers wait for an answer.",
+    )
 
     @field_validator("url")
     @classmethod

@@ -277,3 +277,19 @@ class DrainingError(ProxyError):
 
     def __init__(self, *, request_id: RequestId | None = None) -> None:
         super().__init__(data={"reason": "draining"}, request_id=request_id)
+
+
+class TaskStoreUnavailableError(ProxyError):
+    """The task store cannot be reached or cannot commit right now (PostgreSQL down, frozen or failing over; a full
+    disk): -32603 with `data.store` naming the backend, HTTP 503 with `Retry-After` (RFC 9110 §15.6.4), since the
+    condition is temporary and the request may be sent again as it was. Nothing was started upstream."""
+
+    code = jsonrpc.INTERNAL_ERROR
+    http_status = 503
+    default_message = "Internal error: the task store is unavailable; try again later"
+    # A restart or a failover takes seconds to minutes: a client retrying every 2 s is served soon after the
+    # store is back without flooding it meanwhile.
+    headers: ClassVar[Mapping[str, str]] = {"Retry-After": "2"}
+
+    def __init__(self, store: str, *, detail: str | None = None, request_id: RequestId | None = None) -> None:
+        super().__init__(data={"store": store, "reason": "store_unavailable"}, detail=detail, request_id=request_id)

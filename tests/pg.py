@@ -113,6 +113,7 @@ class PgServer:
         self.process = process
         self.base = base  # a throwaway server's directory (data and log), removed by stop()
         self.log = None if base is None else base / "postgres.log"
+        self.launch: Launch | None = None  # how a throwaway server was started: halt() and start() use it again
 
     def dsn(self, dbname: str) -> str:
         return make_conninfo(self.admin_dsn, dbname=dbname)
@@ -137,16 +138,72 @@ class PgServer:
             self.drop_database(name)
 
     def stop(self) -> None:
+        self.halt()
+        if self.base is not None:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+    def halt(self) -> None:
+        """Stop the server and keep its data: PostgreSQL's fast shutdown (every session ended, a checkpoint)."""
         process, self.process = self.process, None
         if process is not None and process.poll() is None:
+            _signal_all(process.pid, signal.SIGCONT)  # a frozen server cannot shut down
             process.send_signal(signal.SIGINT)  # PostgreSQL's fast shutdown: sessions ended, a checkpoint, exit
             try:
                 process.wait(STOP_TIMEOUT_SECONDS)
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)  # the postmaster and every backend (its own session)
                 process.wait()
-        if self.base is not None:
-            shutil.rmtree(self.base, ignore_errors=True)
+
+    def start(self) -> None:
+        """Start a halted throwaway server again on its data directory and port; returns once it accepts."""
+        assert self.launch is not None, "only a throwaway server starts again"
+        assert self.process is None, "halt() it first"
+        self.process = self.launch.spawn()
+        _wait_ready(self)
+
+    def freeze(self) -> None:
+        """SIGSTOP the postmaster and every backend: connections stay open and nothing answers (a partition)."""
+        assert self.process is not None
+        _signal_all(self.process.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.process is not None
+        _signal_all(self.process.pid, signal.SIGCONT)
+
+
+def _signal_all(postmaster: int, signum: signal.Signals) -> None:
+    """The postmaster and its children (each backend calls setsid(): no one process group holds them all)."""
+    pids = [postmaster]
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat_file.read_text().rpartition(")")[2].split()[1]) == postmaster:  # field 4: the parent
+                pids.append(int(stat_file.parent.name))
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+class Launch:
+    """The command line of a throwaway server, kept to start it again on the same data directory and port."""
+
+    def __init__(self, args: list[str], log: Path, owner: tuple[int, int] | None) -> None:
+        self.args = args
+        self.log = log
+        self.owner = owner
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        user, group = self.owner if self.owner is not None else (None, None)
+        with self.log.open("ab") as out:
+            return subprocess.Popen(
+                self.args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                user=user,
+                group=group,
+                extra_groups=None if self.owner is None else [],
+            )
 
 
 def _run_as() -> tuple[int, int] | None:
@@ -231,19 +288,10 @@ def _init_and_start(
         port = _free_port()
         args = [str(bin_dir / "postgres"), "-D", str(data), "-p", str(port)]
         args += [f"-c{name}={value}" for name, value in settings.items()]
-        with log.open("ab") as out:
-            process = subprocess.Popen(
-                args,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-                user=user,
-                group=group,
-                extra_groups=None if owner is None else [],
-            )
-        server = PgServer(f"postgresql://postgres@127.0.0.1:{port}/postgres", process)
+        launch = Launch(args, log, owner)
+        server = PgServer(f"postgresql://postgres@127.0.0.1:{port}/postgres", launch.spawn())
         server.log = log
+        server.launch = launch
         try:
             _wait_ready(server)
         except PgServerError:

@@ -16,7 +16,7 @@ import structlog
 
 from proxy import tracing
 from proxy.config import TasksConfig
-from proxy.errors import ProxyError, TaskLimitError
+from proxy.errors import ProxyError, TaskLimitError, TaskStoreUnavailableError
 from proxy.observability import Metrics
 from proxy.principals import Principals
 from proxy.tasks.commands import (
@@ -31,7 +31,7 @@ from proxy.tasks.commands import (
 from proxy.tasks.durations import Durations
 from proxy.tasks.effects.slots import RunningSlots
 from proxy.tasks.live_call import LiveCall
-from proxy.tasks.store import Fence, FencedError, StoreError, StoreFullError, TaskStore
+from proxy.tasks.store import Fence, FencedError, StoreError, StoreFullError, StoreUnavailableError, TaskStore
 from proxy.tasks.table import CallTable
 from proxy.wire import legacy_tasks
 from proxy.wire import tasks as wire_tasks
@@ -118,6 +118,8 @@ class RecordWrites:
             self.table.drop_task(record.task_id)
             if isinstance(exc, StoreFullError):
                 return CommitRefused(TaskLimitError("max_records", self.config.max_records))
+            if isinstance(exc, StoreUnavailableError):
+                return CommitRefused(TaskStoreUnavailableError(exc.kind, detail=exc.reason))
             return CommitRefused(ProxyError("Internal error: the task could not be stored", detail=str(exc)))
         call.record = record
         log.info("task_created", task_id=record.task_id, tool=call.name, ttl_ms=record.ttl_ms)

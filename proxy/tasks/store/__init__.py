@@ -18,8 +18,9 @@ from proxy.tasks.store.base import (
     Message,
     StoreError,
     StoreFullError,
-    StoreUnavailableError,
+    StoreHealth,
     StoreLockedError,
+    StoreUnavailableError,
     TaskStore,
     record_from_row,
 )
@@ -39,8 +40,9 @@ __all__ = [
     "SqliteTaskStore",
     "StoreError",
     "StoreFullError",
-    "StoreUnavailableError",
+    "StoreHealth",
     "StoreLockedError",
+    "StoreUnavailableError",
     "TaskStore",
     "open_store",
     "record_from_row",
@@ -58,6 +60,7 @@ async def open_store(config: StoreConfig, *, max_records: int, read_only: bool =
             password_file=config.password_file,
             pool_size=config.pool_size,
             connect_timeout_seconds=config.connect_timeout_seconds,
+            timeout_seconds=config.timeout_seconds,
             read_only=read_only,
         )
     return await SqliteTaskStore.open(

@@ -7,7 +7,7 @@ driver, aiohttp, the runner or the front.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -38,6 +38,27 @@ class StoreUnavailableError(StoreError):
         super().__init__(f"the task store ({kind}) is unavailable: {reason}")
         self.kind = kind
         self.reason = reason
+
+
+FailureListener = Callable[[str, str], None]  # (operation, reason label) of each operation the store could not do
+
+
+class StoreHealth:
+    """What a store knows of its own availability, for readiness and metrics. `available` turns False at the
+    first operation that met `StoreUnavailableError` and True again at the next one that succeeded; each failure
+    is reported to `listener` as (operation, reason label: `timeout`, `connection`, `read_only`, ...)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.available = True
+        self.listener: FailureListener | None = None
+
+    def failed(self, operation: str, reason: str, detail: str) -> StoreUnavailableError:
+        """Note a failure; the error to raise for it."""
+        self.available = False
+        if self.listener is not None:
+            self.listener(operation, reason)
+        return StoreUnavailableError(self.kind, f"{operation}: {detail}")
 
 
 class FencedError(StoreError):
@@ -171,6 +192,11 @@ class TaskStore(Protocol):
     async def stats(self) -> dict[str, int]: ...
 
     async def check_writable(self, now_ms: int) -> None: ...
+
+    @property
+    def health(self) -> StoreHealth:
+        """Whether the store took its latest operation, and who hears of each failure (metrics)."""
+        ...
 
     async def size_bytes(self) -> int: ...
 

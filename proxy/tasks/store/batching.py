@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
 
-from proxy.tasks.store.base import StoreError
+from proxy.tasks.store.base import StoreError, StoreUnavailableError
 from proxy.wire.tasks import TaskRecord
 
 # Commits every record given in one transaction; one outcome per record (None: committed). May raise: then
@@ -65,6 +65,8 @@ class CreationBatcher:
             errors = self._commit_all([record for record, _ in queued])
         # The whole batch is rolled back and each caller gets the error. Anything at all, not only the
         # database's errors: the callers wait on this answer and nothing else would ever give them one.
+        except StoreUnavailableError as exc:  # the store is away: each caller is told so (a 503, not a 500)
+            errors = [exc for _ in queued]
         except Exception as exc:  # noqa: BLE001
             errors = [caused(StoreError(f"task store {self._describe}: create failed: {exc}"), exc) for _ in queued]
         return [(committed, error) for (_, committed), error in zip(queued, errors, strict=True)]
