@@ -83,6 +83,7 @@ class TaskRunner:
             clock,
             self.process_id,
             lambda: self.replicas.fence,
+            lambda task_id: self.replicas.reclaim(task_id),
             metrics,
         )
         self.timers = Timers(feed, self.background)

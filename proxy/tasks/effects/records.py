@@ -57,6 +57,7 @@ class RecordWrites:
         clock: Callable[[], int],
         process_id: str,
         fence: Callable[[], Fence],
+        reclaim: Callable[[str], Awaitable[Fence | None]],
         metrics: Metrics | None,
     ) -> None:
         self.config = config
@@ -68,6 +69,7 @@ class RecordWrites:
         self.clock = clock
         self.process_id = process_id
         self.fence = fence
+        self.reclaim = reclaim  # a refused write: is the task still ours under a renewed lease? (`ReplicaLink`)
         self.metrics = metrics
         self._own: OrderedDict[str, None] = OrderedDict()  # task ids whose settlement this replica is writing
 
@@ -195,10 +197,21 @@ class RecordWrites:
         warn: bool = False,
         **context: Any,
     ) -> _T | LeaseLost | None:
-        """The one way an owner writes a task record: under the call's fence. `LeaseLost` when the fence no
-        longer holds; None (logged as `failure`) when the store failed."""
+        """The one way an owner writes a task record: under the call's fence. A write the fence refuses is tried
+        once more when the task is still this replica's under its renewed lease (the lease lapsed, nobody took
+        the task over: `ReplicaLink.reclaim`); `LeaseLost` when another replica owns it; None (logged as
+        `failure`) when the store failed."""
+        refused = call.fence
         try:
-            return await write(call.fence)
+            try:
+                return await write(refused)
+            except FencedError:
+                fence = await self.reclaim(self._task_id(call))
+                if fence is None or fence == refused:
+                    return LeaseLost()
+                log.info("task_lease_resumed", task_id=call.state.task_id, epoch=fence.epoch)
+                call.fence = fence
+                return await write(fence)
         except FencedError:
             return LeaseLost()
         except StoreError as exc:
@@ -250,6 +263,10 @@ class RecordWrites:
         self._own[task_id] = None
         while len(self._own) > OWN_SETTLEMENTS_KEPT:
             self._own.popitem(last=False)
+
+    def still_writing(self, task_id: str) -> bool:
+        """Is a settlement of `task_id` by its call here under way? Then the task is not an orphan to recover."""
+        return task_id in self._own
 
     def own_settlement(self, task_id: str) -> bool:
         """Was the settlement of `task_id` the feed reports this replica's own? (Asked once per settlement.)"""
