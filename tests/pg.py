@@ -52,6 +52,8 @@ _COMMON = {
 def as_url(dsn: str) -> str:
     """A DSN (URL or key=value form) as the `postgresql://` URL `store.url` takes (no password: none is needed
     by the admin role of a test server, and `store.url` refuses one)."""
+    if dsn.startswith("postgresql://") and "password" not in conninfo_to_dict(dsn):
+        return dsn  # already one (a multi-host URL stays as it is)
     parts = conninfo_to_dict(dsn)
     user = f"{parts['user']}@" if parts.get("user") else ""
     return f"postgresql://{user}{parts.get('host', '127.0.0.1')}:{parts.get('port', 5432)}/{parts.get('dbname', '')}"
@@ -281,7 +283,9 @@ def _init_and_start(
         raise PgServerError(f"initdb failed ({initdb.returncode}){hint}: {initdb.stderr.strip()}")
     # The admin role needs no password; every other role must give its own (tests of password files).
     (data / "pg_hba.conf").write_text(
-        "host all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n", encoding="utf-8"
+        "host all postgres 127.0.0.1/32 trust\nhost replication postgres 127.0.0.1/32 trust\n"
+        "host all all 127.0.0.1/32 scram-sha-256\n",
+        encoding="utf-8",
     )
     settings = {**_COMMON, **({} if durable else _FAST)}
     for attempt in range(3):  # a free port can be taken by someone else before postgres binds it
@@ -302,6 +306,51 @@ def _init_and_start(
         server.base = base
         return server
     raise AssertionError("unreachable")
+
+
+def start_standby(primary: PgServer) -> PgServer:
+    """A streaming standby of a throwaway `primary` (pg_basebackup -R) on a free port, started; its directory is
+    removed by stop(). `promote()` makes it the primary (a failover)."""
+    launch = primary.launch
+    assert launch is not None, "a standby of a throwaway server only"
+    bin_dir = Path(launch.args[0]).parent
+    base = Path(tempfile.mkdtemp(prefix=PREFIX))
+    if launch.owner is not None:
+        os.chown(base, *launch.owner)
+    user, group = launch.owner if launch.owner is not None else (None, None)
+    source = conninfo_to_dict(primary.admin_dsn)
+    try:
+        backup = subprocess.run(
+            [
+                *(str(bin_dir / "pg_basebackup"), "-D", str(base / "data"), "-R", "-X", "stream", "-c", "fast"),
+                *("-h", str(source["host"]), "-p", str(source["port"]), "-U", "postgres"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT_SECONDS,
+            check=False,
+            user=user,
+            group=group,
+            extra_groups=None if launch.owner is None else [],
+        )
+        if backup.returncode != 0:
+            raise PgServerError(f"pg_basebackup failed ({backup.returncode}): {backup.stderr.strip()}")
+        port = _free_port()
+        args = [str(bin_dir / "postgres"), "-D", str(base / "data"), "-p", str(port), *launch.args[5:]]
+        standby_launch = Launch(args, base / "postgres.log", launch.owner)
+        standby = PgServer(f"postgresql://postgres@127.0.0.1:{port}/postgres", standby_launch.spawn(), base)
+        standby.launch = standby_launch
+        _wait_ready(standby)
+        return standby
+    except BaseException:
+        shutil.rmtree(base, ignore_errors=True)
+        raise
+
+
+def promote(server: PgServer) -> None:
+    """End recovery on a standby: it takes writes from now on (`pg_promote()` waits until it does)."""
+    with psycopg.connect(server.admin_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_promote(true, 30)")
 
 
 def _wait_ready(server: PgServer) -> None:

@@ -51,6 +51,7 @@ async def server() -> AsyncIterator[pg.PgServer]:
 
 @pytest.fixture
 async def dsn(server: pg.PgServer) -> str:
+    """A database of its own on the test's server."""
     return server.dsn(await asyncio.to_thread(server.create_database))
 
 
@@ -275,3 +276,42 @@ async def test_a_replica_cut_off_from_postgresql_loses_its_tasks_to_the_survivor
         timeline.show()
     finally:
         await road.close()
+
+
+async def test_a_failover_to_a_promoted_standby_through_a_multi_host_url_costs_no_task(
+    server: pg.PgServer,
+    replicas: Start,
+    http: aiohttp.ClientSession,
+    modern_schema: ModernSchema,
+    tasks_schema: SchemaValidator,
+) -> None:
+    """A primary and its streaming standby behind `host=a,b` with `target_session_attrs=read-write` (the libpq
+    URL form): the primary stops, the standby is promoted, and the replica follows to it by itself; every task
+    completes with its own result and the replica serves on."""
+    database = await asyncio.to_thread(server.create_database)
+    standby = await asyncio.to_thread(pg.start_standby, server)
+    try:
+        hosts = ",".join(pg.as_url(each.admin_dsn).split("@", 1)[1].split("/", 1)[0] for each in (server, standby))
+        replica = await replicas(f"postgresql://postgres@{hosts}/{database}?target_session_attrs=read-write")
+        rr, _ = client(http, [replica], modern_schema, tasks_schema)
+        seconds = OUTAGE_SECONDS + 4
+        tasks = await start_tasks(rr, seconds, "failover")
+        timeline = Timeline("failover to a promoted standby")
+        await asyncio.to_thread(server.halt)
+        timeline.mark("outage start")
+        await answered_unavailable(http, replica.proxy.url, next(iter(tasks)), modern_schema, timeline)
+        await asyncio.sleep(max(0.0, OUTAGE_SECONDS - (time.monotonic() - timeline.started)))  # the fault's length
+        await asyncio.to_thread(pg.promote, standby)
+        timeline.mark("store back")
+
+        async def created() -> str | None:
+            status, message = await rr.call("slow_compute", {"seconds": 0, "label": "after"})
+            return str(message["result"]["taskId"]) if status == 200 else None
+
+        fresh = await until(created, "the replica creates tasks on the new primary", 15)
+        timeline.mark("first task created after")
+        await all_completed(rr, tasks, seconds, timeline)
+        assert result_text(await rr.settled(fresh)) == "slow_compute finished: label=after seconds=0"
+        timeline.show()
+    finally:
+        await asyncio.to_thread(standby.stop)

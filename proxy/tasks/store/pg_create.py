@@ -101,8 +101,8 @@ class PgCreator:
                     rows = [row_from_record(record) for record in accepted]
                     conn.execute(schema.INSERT_SQL, {name: [row[name] for row in rows] for name in rows[0]})
         except psycopg.Error as exc:
-            if conn.broken:
-                self._conn = None
+            if conn.broken or isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):  # dead, or demoted
+                self._close_connection()
             raise self._failed(exc) from exc
         return errors
 

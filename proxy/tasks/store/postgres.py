@@ -260,6 +260,9 @@ class PostgresTaskStore(LiveWrites):
                     continue
                 try:
                     return await work(conn)
+                except psycopg.errors.ReadOnlySqlTransaction:
+                    await conn.close()  # a primary demoted by a failover: never handed out again
+                    raise
                 except psycopg.OperationalError:
                     tries -= 1
                     if tries == 0 or not conn.broken:
