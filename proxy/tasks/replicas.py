@@ -142,14 +142,25 @@ class ReplicaLink:
                 log.warning("lease_lost", replica=self.replica_id, epoch=fence.epoch)
                 self.owner.lease_changed(fence)
 
+    async def held_fence(self) -> Fence:
+        """The fence a new task's writes carry. A lease not renewed for half its length may have lapsed (the store
+        was away): it is renewed first, since a survivor would take over at once a task created under a lapsed
+        lease. On the normal path, a clock read. StoreError when the store is away."""
+        if time.monotonic() - self._renewed_at > self.lease_seconds / 2:
+            await self._renew_once(time.monotonic())
+        return self._fence
+
+    async def _renew_once(self, asked: float) -> None:
+        """Renew, unless a renewal began since `asked` (writes refused at once share one)."""
+        async with self._reclaiming:
+            if self._renewed_at < asked:
+                await self._renew()
+
     async def reclaim(self, task_id: str) -> Fence | None:
         """A write for `task_id` was refused by its fence: renew the lease now (a new epoch if it lapsed) and say
         whether the task is still this replica's. The fence to write under again, or None when another replica
         owns the task (or it ended): then its call stops without writing. StoreError when the store is away."""
-        asked = time.monotonic()
-        async with self._reclaiming:
-            if self._renewed_at < asked:  # no renewal began since the write was refused
-                await self._renew()
+        await self._renew_once(time.monotonic())
         record = await self.store.get(task_id)
         if record is None or record.status.terminal or record.owner != self.replica_id:
             return None

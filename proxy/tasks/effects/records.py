@@ -56,7 +56,7 @@ class RecordWrites:
         durations: Durations,
         clock: Callable[[], int],
         process_id: str,
-        fence: Callable[[], Fence],
+        fence: Callable[[], Awaitable[Fence]],
         reclaim: Callable[[str], Awaitable[Fence | None]],
         metrics: Metrics | None,
     ) -> None:
@@ -68,7 +68,7 @@ class RecordWrites:
         self.durations = durations
         self.clock = clock
         self.process_id = process_id
-        self.fence = fence
+        self.fence = fence  # the lease's fence for a new task, renewed first when it may have lapsed
         self.reclaim = reclaim  # a refused write: is the task still ours under a renewed lease? (`ReplicaLink`)
         self.metrics = metrics
         self._own: OrderedDict[str, None] = OrderedDict()  # task ids whose settlement this replica is writing
@@ -85,7 +85,10 @@ class RecordWrites:
         policy = decision.policy
         assert policy is not None
         now = self.clock()
-        call.fence = self.fence()  # taken before the commit: a lease lost meanwhile stops the call
+        try:  # taken before the commit: a lease lost meanwhile stops the call
+            call.fence = await self.fence()
+        except StoreUnavailableError as exc:
+            return CommitRefused(TaskStoreUnavailableError(exc.kind, detail=exc.reason))
         record = TaskRecord(
             task_id=wire_tasks.new_task_id(),
             principal=call.caller,

@@ -21,7 +21,7 @@ import psycopg
 from proxy.tasks.store import pg_schema as schema
 from proxy.tasks.store.base import StoreError, StoreFullError, StoreHealth, row_from_record
 from proxy.tasks.store.batching import CreationBatcher
-from proxy.tasks.store.pg_health import quiet, unavailable_reason
+from proxy.tasks.store.pg_health import cut, quiet, unavailable_reason
 from proxy.wire.tasks import TaskRecord
 
 
@@ -51,6 +51,9 @@ class PgCreator:
             async with asyncio.timeout(self.timeout_seconds):
                 await self._batcher.create(self.executor, record)
         except TimeoutError:
+            conn = self._conn
+            if conn is not None and not conn.closed:
+                cut(conn.fileno())  # the thread's statement fails now, and the batches queued behind it can go
             # The batch may still commit once the database answers: the record then runs nowhere, and the
             # lease's recovery or its TTL ends it (nobody was told its id).
             detail = f"not committed within {self.timeout_seconds:g} s (store.timeout_seconds)"

@@ -1,11 +1,16 @@
 """What tells that PostgreSQL is away for now, shared by the pool's side (`postgres.py`) and the creator thread
-(`pg_create.py`): which of psycopg's errors are transient (StoreUnavailableError, with a reason label), and
-whether an idle connection's socket stayed quiet. Depends on psycopg only; no store, no aiohttp.
+(`pg_create.py`): which of psycopg's errors are transient (StoreUnavailableError, with a reason label), whether
+an idle connection's socket stayed quiet, and the deadline's watchdog, which ends a connection that a statement
+holds past it. Depends on psycopg only; no store, no aiohttp.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import select
+import socket
 from typing import Final
 
 import psycopg
@@ -37,3 +42,33 @@ def quiet(fileno: int) -> bool:
     poller = select.poll()
     poller.register(fileno, select.POLLIN | select.POLLERR | select.POLLHUP)
     return not poller.poll(0)
+
+
+def cut(fileno: int) -> None:
+    """End a connection's TCP stream at once, both ways: a read waiting on it returns, the connection breaks
+    (psycopg raises OperationalError at once, no cancel request sent to a server that cannot answer it)."""
+    with contextlib.suppress(OSError):
+        sock = socket.socket(fileno=os.dup(fileno))
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.close()
+
+
+class Watchdog:
+    """Cuts a connection still in use at the deadline (a frozen or vanished server): the statement fails at once
+    instead of the caller waiting, or cancelling into psycopg's own clean-up (a cancel request and a wait, 10 s).
+    On the normal path it costs one timer, cancelled."""
+
+    __slots__ = ("_handle", "fired")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, deadline: float, fileno: int) -> None:
+        self.fired = False
+        self._handle = loop.call_at(deadline, self._fire, fileno)
+
+    def _fire(self, fileno: int) -> None:
+        self.fired = True
+        cut(fileno)
+
+    def cancel(self) -> None:
+        self._handle.cancel()

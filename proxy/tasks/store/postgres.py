@@ -52,7 +52,7 @@ from proxy.tasks.store.base import (
 )
 from proxy.tasks.store.pg_create import PgCreator
 from proxy.tasks.store.pg_feed import PgFeed
-from proxy.tasks.store.pg_health import KIND, operation_of, quiet, unavailable_reason
+from proxy.tasks.store.pg_health import KIND, Watchdog, operation_of, quiet, unavailable_reason
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import LIVE, TaskRecord, TaskStatus
 
@@ -220,16 +220,13 @@ class PostgresTaskStore(LiveWrites):
             raise StoreError(f"{what}: the task store {self.url} is open read-only")
 
     async def _run(self, what: str, work: Callable[[Conn], Awaitable[_T]], *, write: bool = True) -> _T:
-        """`work` on a pooled connection, within the store's deadline. psycopg's errors become StoreError naming
-        `what`: StoreUnavailableError when the database is away (or the deadline passed). The work runs shielded:
-        a caller past its deadline leaves at once, while psycopg ends the statement (or its connection) behind it.
-        A read (`write=False`) whose connection broke under it is done once more on another connection."""
+        """`work` on a pooled connection, within the store's deadline (the wait for a connection and the work
+        together). psycopg's errors become StoreError naming `what`: StoreUnavailableError when the database is
+        away or the deadline passed. A read (`write=False`) whose connection broke under it is done once more."""
         self._check_open(what, write=write)
+        deadline = asyncio.get_running_loop().time() + self.timeout_seconds
         try:
-            async with asyncio.timeout(self.timeout_seconds):
-                outcome = await asyncio.shield(self._outcome(work, retry=not write))
-            if outcome[1] is not None:
-                raise outcome[1]
+            result = await self._on_connection(work, retry=not write, deadline=deadline)
         except TimeoutError:
             detail = f"no answer within {self.timeout_seconds:g} s (store.timeout_seconds)"
             raise self._health.failed(operation_of(what), "timeout", detail) from None
@@ -239,34 +236,31 @@ class PostgresTaskStore(LiveWrites):
                 raise StoreError(f"task store {self.url}: {what} failed: {exc}") from exc
             raise self._health.failed(operation_of(what), reason, str(exc)) from exc
         self._health.available = True
-        return outcome[0]
+        return result
 
-    async def _outcome(
-        self, work: Callable[[Conn], Awaitable[_T]], *, retry: bool
-    ) -> tuple[_T, None] | tuple[None, psycopg.Error | StoreError]:
-        """The work's result or its error, as a value: a caller gone past its deadline leaves nothing unread."""
-        try:
-            return await self._on_connection(work, retry=retry), None
-        except (psycopg.Error, StoreError) as exc:
-            return None, exc
-
-    async def _on_connection(self, work: Callable[[Conn], Awaitable[_T]], *, retry: bool) -> _T:
-        """`work` on the first usable pooled connection (the deadline bounds the search: each unusable one is
-        replaced by the pool at once); a read whose connection broke under it goes once more on another."""
+    async def _on_connection(self, work: Callable[[Conn], Awaitable[_T]], *, retry: bool, deadline: float) -> _T:
+        """`work` on the first usable pooled connection (each unusable one is replaced by the pool at once),
+        cut by the watchdog at the deadline; a read whose connection broke under it goes once more on another."""
+        loop = asyncio.get_running_loop()
         tries = 2 if retry else 1
         while True:
-            async with self._pool.connection() as conn:
-                if not await _usable(conn):
-                    continue
+            async with self._pool.connection(timeout=max(0.0, deadline - loop.time())) as conn:
+                watchdog = Watchdog(loop, deadline, conn.fileno())
                 try:
+                    if not await _usable(conn):
+                        continue
                     return await work(conn)
                 except psycopg.errors.ReadOnlySqlTransaction:
                     await conn.close()  # a primary demoted by a failover: never handed out again
                     raise
                 except psycopg.OperationalError:
+                    if watchdog.fired:
+                        raise TimeoutError from None
                     tries -= 1
                     if tries == 0 or not conn.broken:
                         raise
+                finally:
+                    watchdog.cancel()
 
     async def _rows(self, what: str, sql: str, params: Any = None, *, write: bool = True) -> list[DictRow]:
         async def run(conn: Conn) -> list[DictRow]:
