@@ -264,12 +264,11 @@ def start_throwaway(*, durable: bool = False) -> PgServer:
         raise
 
 
-def _init_and_start(
-    bin_dir: Path, owner: tuple[int, int] | None, base: Path, data: Path, log: Path, durable: bool
-) -> PgServer:
+def _run_as_owner(args: list[str], owner: tuple[int, int] | None) -> subprocess.CompletedProcess[str]:
+    """One of the wheel's tools, as the server's user (bounded; its output captured)."""
     user, group = owner if owner is not None else (None, None)
-    initdb = subprocess.run(
-        [str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", *INITDB_OPTIONS],
+    return subprocess.run(
+        args,
         capture_output=True,
         text=True,
         timeout=START_TIMEOUT_SECONDS,
@@ -277,6 +276,14 @@ def _init_and_start(
         user=user,
         group=group,
         extra_groups=None if owner is None else [],
+    )
+
+
+def _init_and_start(
+    bin_dir: Path, owner: tuple[int, int] | None, base: Path, data: Path, log: Path, durable: bool
+) -> PgServer:
+    initdb = _run_as_owner(
+        [str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", *INITDB_OPTIONS], owner
     )
     if initdb.returncode != 0:
         hint = "" if owner is None else f" (it runs as `nobody`: {base} must be reachable by that user)"
@@ -317,21 +324,14 @@ def start_standby(primary: PgServer) -> PgServer:
     base = Path(tempfile.mkdtemp(prefix=PREFIX))
     if launch.owner is not None:
         os.chown(base, *launch.owner)
-    user, group = launch.owner if launch.owner is not None else (None, None)
     source = conninfo_to_dict(primary.admin_dsn)
     try:
-        backup = subprocess.run(
+        backup = _run_as_owner(
             [
                 *(str(bin_dir / "pg_basebackup"), "-D", str(base / "data"), "-R", "-X", "stream", "-c", "fast"),
                 *("-h", str(source["host"]), "-p", str(source["port"]), "-U", "postgres"),
             ],
-            capture_output=True,
-            text=True,
-            timeout=START_TIMEOUT_SECONDS,
-            check=False,
-            user=user,
-            group=group,
-            extra_groups=None if launch.owner is None else [],
+            launch.owner,
         )
         if backup.returncode != 0:
             raise PgServerError(f"pg_basebackup failed ({backup.returncode}): {backup.stderr.strip()}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +41,8 @@ STORE: dict[str, Any] = {"timeout_seconds": TIMEOUT_SECONDS, "connect_timeout_se
 
 
 @pytest.fixture
-async def server() -> AsyncIterator[pg.PgServer]:
-    started = await asyncio.to_thread(pg.start_throwaway)
-    try:
-        yield started
-    finally:
-        await asyncio.to_thread(started.stop)
+def server(own_pg_server: pg.PgServer) -> pg.PgServer:
+    return own_pg_server
 
 
 @pytest.fixture
@@ -55,23 +51,45 @@ async def dsn(server: pg.PgServer) -> str:
     return server.dsn(await asyncio.to_thread(server.create_database))
 
 
-Start = Callable[[str], Awaitable[Replica]]
+class Outage:
+    """What each test drives: replicas on a database of the test's server, and clients of them."""
+
+    def __init__(
+        self, workdir: Path, http: aiohttp.ClientSession, modern_schema: ModernSchema, tasks: SchemaValidator
+    ) -> None:
+        self.workdir = workdir
+        self.http = http
+        self.schema = modern_schema
+        self.tasks_schema = tasks
+        self.key = workdir / "request-state.key"
+        self.key.write_text("k" * 64)
+        self.started: list[Replica] = []
+
+    async def start(self, dsn: str) -> Replica:
+        replica = await asyncio.to_thread(Replica, self.workdir, dsn, self.key, LEASE_SECONDS, TOOLS, store=STORE)
+        self.started.append(replica)
+        return replica
+
+    def client(self, replica: Replica) -> Tasks:
+        return client(self.http, [replica], self.schema, self.tasks_schema)[0]
+
+    async def running(self, dsn: str, seconds: float, prefix: str) -> tuple[Replica, Tasks, dict[str, str]]:
+        """A replica on `dsn` with `TASKS` tasks of `seconds` running on it."""
+        replica = await self.start(dsn)
+        rr = self.client(replica)
+        return replica, rr, await start_tasks(rr, seconds, prefix)
+
+    async def unavailable(self, replica: Replica, tasks: dict[str, str], timeline: Timeline) -> None:
+        await answered_unavailable(self.http, replica.proxy.url, next(iter(tasks)), self.schema, timeline)
 
 
 @pytest.fixture
-async def replicas(tmp_path: Path) -> AsyncIterator[Start]:
-    """`await start(dsn)`: a replica on that database (its own upstream), stopped after the test."""
-    started: list[Replica] = []
-    key = tmp_path / "request-state.key"
-    key.write_text("k" * 64)
-
-    async def start(dsn: str) -> Replica:
-        replica = await asyncio.to_thread(Replica, tmp_path, dsn, key, LEASE_SECONDS, TOOLS, store=STORE)
-        started.append(replica)
-        return replica
-
-    yield start
-    for replica in started:
+async def outage(
+    tmp_path: Path, http: aiohttp.ClientSession, modern_schema: ModernSchema, tasks_schema: SchemaValidator
+) -> AsyncIterator[Outage]:
+    bench = Outage(tmp_path, http, modern_schema, tasks_schema)
+    yield bench
+    for replica in bench.started:
         await asyncio.to_thread(replica.stop)
 
 
@@ -153,24 +171,18 @@ def events(replica: Replica, name: str) -> list[dict[str, Any]]:
 async def test_a_postgresql_restart_costs_latency_never_a_task(
     dsn: str,
     server: pg.PgServer,
-    replicas: Start,
-    http: aiohttp.ClientSession,
-    modern_schema: ModernSchema,
-    tasks_schema: SchemaValidator,
+    outage: Outage,
 ) -> None:
     """Stopped for twice the lease while tasks run: 503 + Retry-After meanwhile, every task completes with its own
     result once the database is back (the lapsed lease resumed, nothing stopped), and the replica serves again
     without a restart."""
-    start = replicas
-    replica = await start(dsn)
-    rr, _ = client(http, [replica], modern_schema, tasks_schema)
     seconds = OUTAGE_SECONDS + 4
-    tasks = await start_tasks(rr, seconds, "restart")
+    replica, rr, tasks = await outage.running(dsn, seconds, "restart")
     timeline = Timeline("PostgreSQL stopped")
     await asyncio.to_thread(server.halt)
     timeline.mark("outage start")
-    await answered_unavailable(http, replica.proxy.url, next(iter(tasks)), modern_schema, timeline)
-    await until(lambda: store_unavailable(http, replica.proxy.url), "readiness names the store", 10)
+    await outage.unavailable(replica, tasks, timeline)
+    await until(lambda: store_unavailable(outage.http, replica.proxy.url), "readiness names the store", 10)
     await asyncio.sleep(max(0.0, OUTAGE_SECONDS - (time.monotonic() - timeline.started)))  # the fault's length
     await asyncio.to_thread(server.start)
     timeline.mark("store back")
@@ -190,23 +202,17 @@ async def test_a_postgresql_restart_costs_latency_never_a_task(
 async def test_a_frozen_postgresql_is_answered_within_the_deadline_and_fails_nothing(
     dsn: str,
     server: pg.PgServer,
-    replicas: Start,
-    http: aiohttp.ClientSession,
-    modern_schema: ModernSchema,
-    tasks_schema: SchemaValidator,
+    outage: Outage,
 ) -> None:
     """SIGSTOP (what a partition looks like: connections open, nothing answers) for twice the lease: answers
     within the deadline, and after the thaw every task the upstream completes is completed."""
-    start = replicas
-    replica = await start(dsn)
-    rr, _ = client(http, [replica], modern_schema, tasks_schema)
     seconds = OUTAGE_SECONDS + 4
-    tasks = await start_tasks(rr, seconds, "frozen")
+    replica, rr, tasks = await outage.running(dsn, seconds, "frozen")
     timeline = Timeline("PostgreSQL frozen")
     server.freeze()
     try:
         timeline.mark("outage start")
-        await answered_unavailable(http, replica.proxy.url, next(iter(tasks)), modern_schema, timeline)
+        await outage.unavailable(replica, tasks, timeline)
         await asyncio.sleep(max(0.0, OUTAGE_SECONDS - (time.monotonic() - timeline.started)))  # the freeze lasts
     finally:
         server.thaw()
@@ -220,30 +226,24 @@ async def test_a_frozen_postgresql_is_answered_within_the_deadline_and_fails_not
 async def test_a_replica_cut_off_from_postgresql_loses_its_tasks_to_the_survivor_and_serves_once_healed(
     dsn: str,
     server: pg.PgServer,
-    replicas: Start,
-    http: aiohttp.ClientSession,
-    modern_schema: ModernSchema,
-    tasks_schema: SchemaValidator,
+    outage: Outage,
 ) -> None:
     """Fencing stays the arbiter: the survivor takes the cut-off replica's tasks over (failed as interrupted,
     their policy says so) and no write of the cut-off replica reaches them, though its upstream completes the
     calls; once the cut heals, its next tools/call works at once (no connection dead in the cut is used)."""
-    start = replicas
     host, port = "127.0.0.1", int(pg.as_url(dsn).rsplit(":", 1)[1].split("/", 1)[0])
     road = TcpCut(host, port)
     local_port = await road.start()
     try:
         cut_dsn = pg.as_url(dsn).replace(f":{port}/", f":{local_port}/")
-        survivor = await start(dsn)
-        cut_off = await start(cut_dsn)
-        rr, _ = client(http, [cut_off], modern_schema, tasks_schema)
-        other, _ = client(http, [survivor], modern_schema, tasks_schema)
+        survivor = await outage.start(dsn)
+        other = outage.client(survivor)
         seconds = OUTAGE_SECONDS + 3
-        tasks = await start_tasks(rr, seconds, "cut")
+        cut_off, rr, tasks = await outage.running(cut_dsn, seconds, "cut")
         timeline = Timeline("one replica cut off")
         road.cut()
         timeline.mark("outage start")
-        await answered_unavailable(http, cut_off.proxy.url, next(iter(tasks)), modern_schema, timeline)
+        await outage.unavailable(cut_off, tasks, timeline)
 
         async def taken_over() -> bool:
             found = [await other.task(task_id) for task_id in tasks]
@@ -280,10 +280,7 @@ async def test_a_replica_cut_off_from_postgresql_loses_its_tasks_to_the_survivor
 
 async def test_a_failover_to_a_promoted_standby_through_a_multi_host_url_costs_no_task(
     server: pg.PgServer,
-    replicas: Start,
-    http: aiohttp.ClientSession,
-    modern_schema: ModernSchema,
-    tasks_schema: SchemaValidator,
+    outage: Outage,
 ) -> None:
     """A primary and its streaming standby behind `host=a,b` with `target_session_attrs=read-write` (the libpq
     URL form): the primary stops, the standby is promoted, and the replica follows to it by itself; every task
@@ -292,14 +289,13 @@ async def test_a_failover_to_a_promoted_standby_through_a_multi_host_url_costs_n
     standby = await asyncio.to_thread(pg.start_standby, server)
     try:
         hosts = ",".join(pg.as_url(each.admin_dsn).split("@", 1)[1].split("/", 1)[0] for each in (server, standby))
-        replica = await replicas(f"postgresql://postgres@{hosts}/{database}?target_session_attrs=read-write")
-        rr, _ = client(http, [replica], modern_schema, tasks_schema)
         seconds = OUTAGE_SECONDS + 4
-        tasks = await start_tasks(rr, seconds, "failover")
+        url = f"postgresql://postgres@{hosts}/{database}?target_session_attrs=read-write"
+        replica, rr, tasks = await outage.running(url, seconds, "failover")
         timeline = Timeline("failover to a promoted standby")
         await asyncio.to_thread(server.halt)
         timeline.mark("outage start")
-        await answered_unavailable(http, replica.proxy.url, next(iter(tasks)), modern_schema, timeline)
+        await outage.unavailable(replica, tasks, timeline)
         await asyncio.sleep(max(0.0, OUTAGE_SECONDS - (time.monotonic() - timeline.started)))  # the fault's length
         await asyncio.to_thread(pg.promote, standby)
         timeline.mark("store back")

@@ -29,12 +29,8 @@ pytestmark = pytest.mark.faults
 
 
 @pytest.fixture
-async def server() -> AsyncIterator[pg.PgServer]:
-    started = await asyncio.to_thread(pg.start_throwaway)
-    try:
-        yield started
-    finally:
-        await asyncio.to_thread(started.stop)
+def server(own_pg_server: pg.PgServer) -> pg.PgServer:
+    return own_pg_server
 
 
 @pytest.fixture
