@@ -21,7 +21,7 @@ import psycopg
 from proxy.tasks.store import pg_schema as schema
 from proxy.tasks.store.base import StoreError, StoreFullError, StoreHealth, row_from_record
 from proxy.tasks.store.batching import CreationBatcher
-from proxy.tasks.store.pg_health import cut, quiet, unavailable_reason
+from proxy.tasks.store.pg_health import cut, deadline_seconds, quiet, unavailable_reason
 from proxy.wire.tasks import TaskRecord
 
 
@@ -47,8 +47,9 @@ class PgCreator:
         self._conn: psycopg.Connection[Any] | None = None  # owned by the thread
 
     async def create(self, record: TaskRecord) -> None:
+        timeout = deadline_seconds(self.timeout_seconds, self.health.available)
         try:
-            async with asyncio.timeout(self.timeout_seconds):
+            async with asyncio.timeout(timeout):
                 await self._batcher.create(self.executor, record)
         except TimeoutError:
             conn = self._conn
@@ -56,7 +57,7 @@ class PgCreator:
                 cut(conn.fileno())  # the thread's statement fails now, and the batches queued behind it can go
             # The batch may still commit once the database answers: the record then runs nowhere, and the
             # lease's recovery or its TTL ends it (nobody was told its id).
-            detail = f"not committed within {self.timeout_seconds:g} s (store.timeout_seconds)"
+            detail = f"not committed within {timeout:g} s (store.timeout_seconds, shorter while it is away)"
             raise self.health.failed("create", "timeout", detail) from None
         self.health.available = True
 

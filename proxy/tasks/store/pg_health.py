@@ -17,6 +17,10 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 KIND: Final = "postgres"
+# While the store is known to be away (its latest operation failed), an operation waits this long at most: a
+# request during an outage is answered at once rather than after the whole deadline each time, and a healthy
+# database answers the first one after its return well within it (then the full deadline applies again).
+AWAY_TIMEOUT_SECONDS: Final = 1.0
 
 
 def unavailable_reason(exc: psycopg.Error) -> str | None:
@@ -72,3 +76,8 @@ class Watchdog:
 
     def cancel(self) -> None:
         self._handle.cancel()
+
+
+def deadline_seconds(timeout_seconds: float, available: bool) -> float:
+    """The deadline of the next operation: the configured one, shorter while the store is known away."""
+    return timeout_seconds if available else min(timeout_seconds, AWAY_TIMEOUT_SECONDS)

@@ -52,7 +52,7 @@ from proxy.tasks.store.base import (
 )
 from proxy.tasks.store.pg_create import PgCreator
 from proxy.tasks.store.pg_feed import PgFeed
-from proxy.tasks.store.pg_health import KIND, Watchdog, operation_of, quiet, unavailable_reason
+from proxy.tasks.store.pg_health import KIND, Watchdog, deadline_seconds, operation_of, quiet, unavailable_reason
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import LIVE, TaskRecord, TaskStatus
 
@@ -224,11 +224,12 @@ class PostgresTaskStore(LiveWrites):
         together). psycopg's errors become StoreError naming `what`: StoreUnavailableError when the database is
         away or the deadline passed. A read (`write=False`) whose connection broke under it is done once more."""
         self._check_open(what, write=write)
-        deadline = asyncio.get_running_loop().time() + self.timeout_seconds
+        timeout = deadline_seconds(self.timeout_seconds, self._health.available)
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
             result = await self._on_connection(work, retry=not write, deadline=deadline)
         except TimeoutError:
-            detail = f"no answer within {self.timeout_seconds:g} s (store.timeout_seconds)"
+            detail = f"no answer within {timeout:g} s (store.timeout_seconds, shorter while it is away)"
             raise self._health.failed(operation_of(what), "timeout", detail) from None
         except psycopg.Error as exc:
             reason = unavailable_reason(exc)
