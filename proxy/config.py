@@ -440,8 +440,9 @@ class StoreConfig(_Frozen):
         le=300,
         description="With PostgreSQL: the deadline of every store operation (waiting for a pooled connection, "
         "connecting, the statement itself). Past it the store counts as unavailable: the request that needed it "
-        "is answered 503 with `Retry-After` instead of hanging. 5 s is hundreds of times a healthy commit and "
-        "well inside the 30-60 s clients and load balancers wait for an answer.",
+        "is answered 503 with `Retry-After` instead of hanging; while it stays away, operations wait 1 s at most. 5 s "
+        "is hundreds of times a healthy commit and well inside the 30-60 s clients and load balancers wait for an "
+        "answer.",
     )
 
     @field_validator("url")
