@@ -54,6 +54,7 @@ from proxy.errors import (
     ParseError,
     PayloadTooLargeError,
     ProxyError,
+    TaskStoreUnavailableError,
     UnauthorizedError,
     UpstreamError,
 )
@@ -67,7 +68,7 @@ from proxy.principals import Principals, deployment_key
 from proxy.relay import OriginRelay
 from proxy.tasks.push import TaskWatchers
 from proxy.tasks.runner import TaskRunner
-from proxy.tasks.store import StoreError, TaskStore, open_store
+from proxy.tasks.store import StoreError, StoreUnavailableError, TaskStore, open_store
 from proxy.upstream.http.link import upstream_connector
 from proxy.upstream.kinds import session_kind
 from proxy.upstream.pool import SessionPool
@@ -307,7 +308,10 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     if audited is not None:
         audited.update(subject=subject(principal), principal=request.app[RUNNER].principals.key_of(principal) or None)
     channel = request[CHANNEL] = HttpChannel(request, config.limits.write_timeout_seconds)
-    reply = await request.app[FRONT].dispatch(modern, caller, channel)
+    try:
+        reply = await request.app[FRONT].dispatch(modern, caller, channel)
+    except StoreUnavailableError as exc:  # the store is away for now: 503 + Retry-After, never a hang or a 500
+        raise TaskStoreUnavailableError(exc.kind, exc.reason, detail=str(exc)) from exc
     request[JSONRPC_ERROR] = "error" in reply
     if audited is not None:
         _audit_outcome(audited, reply)
@@ -369,6 +373,8 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics.upstream_sessions_idle.set_function(lambda: upstream.idle_sessions)
         metrics.upstream_calls_in_flight.set_function(lambda: upstream.calls_in_flight)
         metrics.lease_held.set_function(lambda: runner.lease_problem() is None)
+        metrics.store_available.set_function(lambda: store.health.available)
+        store.health.listener = metrics.store_operation_failed
     watchers = TaskWatchers(store)
     runner.spawn(watchers.run(), "task-feed")
     front = app[FRONT] = Front(config, upstream, runner, watchers)
@@ -432,7 +438,6 @@ async def readyz(request: web.Request) -> web.Response:
     elif app[STOPPING]:
         reasons.append("shutting down")
     else:
-        store_reasons = len(reasons)
         try:
             async with asyncio.timeout(READY_STORE_SECONDS):
                 await app[STORE].check_writable(app[RUNNER].clock())
@@ -440,8 +445,6 @@ async def readyz(request: web.Request) -> web.Response:
             reasons.append(f"store: {exc}")
         except TimeoutError:
             reasons.append(f"store: no committed write within {READY_STORE_SECONDS:g} s")
-        if METRICS in app:  # the store's health as the probe found it (the outbox also sets it as it writes)
-            app[METRICS].store_available.set(0 if len(reasons) > store_reasons else 1)
         lease = app[RUNNER].lease_problem()
         if lease is not None:
             reasons.append(f"lease: {lease}")

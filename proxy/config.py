@@ -483,6 +483,16 @@ class StoreConfig(_Frozen):
         "adds to them, while the calls already running still settle here. The default matches "
         "`tasks.max_running`: every task running when the store went away can settle.",
     )
+    timeout_seconds: float = Field(
+        5.0,
+        gt=0,
+        le=300,
+        description="With PostgreSQL: the deadline of every store operation (waiting for a pooled connection, "
+        "connecting, the statement itself). Past it the store counts as unavailable: the request that needed it "
+        "is answered 503 with `Retry-After` instead of hanging; while it stays away, operations wait 1 s at most. 5 s "
+        "is hundreds of times a healthy commit and well inside the 30-60 s clients and load balancers wait for an "
+        "answer.",
+    )
 
     @field_validator("url")
     @classmethod

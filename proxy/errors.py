@@ -290,30 +290,6 @@ class DrainingError(ProxyError):
         super().__init__(data={"reason": "draining"}, request_id=request_id)
 
 
-class StoreUnavailableAnswerError(ProxyError):
-    """The task store cannot commit right now (PostgreSQL away, SQLite's disk full, read-only or failing): a
-    request that must write to it is refused before anything reaches the upstream. HTTP 503 with `Retry-After`
-    (RFC 9110 §15.6.4, §10.2.3): the condition is the store's and passes; `data.store` names the backend.
-
-    503 rather than 507 Insufficient Storage (RFC 4918 §11.5) also for a full disk: 507 says the request itself
-    needs more room than there is, and clients and load balancers retry 503 alone."""
-
-    code = jsonrpc.INTERNAL_ERROR
-    http_status = 503
-    default_message = "Task store unavailable"
-    headers: ClassVar[Mapping[str, str]] = {"Retry-After": "5"}
-
-    def __init__(
-        self, store: str, reason: str, *, request_id: RequestId | None = None, detail: str | None = None
-    ) -> None:
-        super().__init__(
-            f"The task store is unavailable ({reason}); try again later",
-            data={"store": store, "reason": reason},
-            request_id=request_id,
-            detail=detail,
-        )
-
-
 class QueueTimeoutError(UpstreamLimitError):
     """A synchronous call waited its whole `upstream.max_queue_wait_ms` for an upstream slot
     (`upstream.max_concurrent_calls`) and never reached the upstream: -32603 with `data.limit`, HTTP 503 with
@@ -351,3 +327,31 @@ class RateLimitedError(CallerLimitError):
             "RateLimit-Policy": f'"{self.POLICY}";q={self.data["max"]};w={self.window_seconds}',
             "RateLimit": f'"{self.POLICY}";r=0;t={self.retry_after_seconds}',
         }
+
+
+class TaskStoreUnavailableError(ProxyError):
+    """The task store cannot be reached or cannot commit right now (PostgreSQL down, frozen or failing over;
+    SQLite's disk full, its file system read-only, an I/O error): a request that needs the store is refused before
+    anything reaches the upstream. -32603 with `data.store` naming the backend and `data.reason` the backend's
+    word for it, HTTP 503 with `Retry-After` (RFC 9110 §15.6.4, §10.2.3), since the condition is temporary and
+    the request may be sent again as it was.
+
+    503 rather than 507 Insufficient Storage (RFC 4918 §11.5) also for a full disk: 507 says the request itself
+    needs more room than there is, and clients and load balancers retry 503 alone."""
+
+    code = jsonrpc.INTERNAL_ERROR
+    http_status = 503
+    default_message = "Internal error: the task store is unavailable; try again later"
+    # A restart or a failover takes seconds to minutes: a client retrying every 2 s is served soon after the
+    # store is back without flooding it meanwhile.
+    headers: ClassVar[Mapping[str, str]] = {"Retry-After": "2"}
+
+    def __init__(
+        self, store: str, reason: str, *, detail: str | None = None, request_id: RequestId | None = None
+    ) -> None:
+        super().__init__(
+            f"Internal error: the task store is unavailable ({reason}); try again later",
+            data={"store": store, "reason": reason},
+            detail=detail,
+            request_id=request_id,
+        )

@@ -255,15 +255,24 @@ class Metrics:
         self.store_up = Gauge(
             f"{prefix}_store_up", "1 when the task store answered the last scrape, else 0", registry=self.registry
         )
+        self.store_available = Gauge(
+            f"{prefix}_store_available",
+            "1 while the task store takes this replica's operations (its latest one succeeded), 0 while it is "
+            "unavailable (down, frozen, failing over, a full disk): requests that need it are answered 503",
+            registry=self.registry,
+        )
+        self.store_operation_errors = Counter(
+            f"{prefix}_store_operation_errors_total",
+            "Task store operations that failed because the store was unavailable, by operation (get, update, "
+            "create, renew_lease, ...) and reason (timeout: past store.timeout_seconds; connection; read_only)",
+            ["operation", "reason"],
+            registry=self.registry,
+        )
         self.store_read_seconds = Gauge(
             f"{prefix}_store_read_seconds",
             "How long the last scrape's read of the task store took (its counts and size)",
             registry=self.registry,
         )
-        self.store_available = Gauge(
-            f"{prefix}_store_available", "1 while the task store can commit, else 0", registry=self.registry
-        )
-        self.store_available.set(1)  # the proxy does not start without a store that commits
         self.store_pending_settlements = Gauge(
             f"{prefix}_store_pending_settlements",
             "Task record writes (results, errors, questions, progress) waiting for the store to take them",
@@ -298,6 +307,10 @@ class Metrics:
         label = self.tool_label(tool)
         self._tasks_settled(label, status).inc()
         self._task_seconds(label, status).observe(lifetime_seconds)
+
+    def store_operation_failed(self, operation: str, reason: str) -> None:
+        """A store operation met an unavailable store (labels of bounded sets: the store's operation names)."""
+        self.store_operation_errors.labels(operation, reason).inc()
 
     def tool_label(self, tool: str) -> str:
         """Tool names only when the operator listed them in `tasks.tools`; anything else is `other`."""

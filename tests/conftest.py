@@ -7,6 +7,7 @@ these fixtures hand out live in tests/support/; test modules import them from th
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -164,3 +165,13 @@ def pg_dsn(pg_server: pg.PgServer) -> Iterator[str]:
     """A fresh, empty database of its own for one test (dropped afterwards)."""
     with pg_server.database() as dsn:
         yield dsn
+
+
+@pytest.fixture
+async def own_pg_server() -> AsyncIterator[pg.PgServer]:
+    """A throwaway server of one test alone, which it may stop, start, freeze or fail over."""
+    started = await asyncio.to_thread(pg.start_throwaway)
+    try:
+        yield started
+    finally:
+        await asyncio.to_thread(started.stop)

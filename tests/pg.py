@@ -52,6 +52,8 @@ _COMMON = {
 def as_url(dsn: str) -> str:
     """A DSN (URL or key=value form) as the `postgresql://` URL `store.url` takes (no password: none is needed
     by the admin role of a test server, and `store.url` refuses one)."""
+    if dsn.startswith("postgresql://") and "password" not in conninfo_to_dict(dsn):
+        return dsn  # already one (a multi-host URL stays as it is)
     parts = conninfo_to_dict(dsn)
     user = f"{parts['user']}@" if parts.get("user") else ""
     return f"postgresql://{user}{parts.get('host', '127.0.0.1')}:{parts.get('port', 5432)}/{parts.get('dbname', '')}"
@@ -113,6 +115,7 @@ class PgServer:
         self.process = process
         self.base = base  # a throwaway server's directory (data and log), removed by stop()
         self.log = None if base is None else base / "postgres.log"
+        self.launch: Launch | None = None  # how a throwaway server was started: halt() and start() use it again
 
     def dsn(self, dbname: str) -> str:
         return make_conninfo(self.admin_dsn, dbname=dbname)
@@ -137,16 +140,72 @@ class PgServer:
             self.drop_database(name)
 
     def stop(self) -> None:
+        self.halt()
+        if self.base is not None:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+    def halt(self) -> None:
+        """Stop the server and keep its data: PostgreSQL's fast shutdown (every session ended, a checkpoint)."""
         process, self.process = self.process, None
         if process is not None and process.poll() is None:
+            _signal_all(process.pid, signal.SIGCONT)  # a frozen server cannot shut down
             process.send_signal(signal.SIGINT)  # PostgreSQL's fast shutdown: sessions ended, a checkpoint, exit
             try:
                 process.wait(STOP_TIMEOUT_SECONDS)
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)  # the postmaster and every backend (its own session)
                 process.wait()
-        if self.base is not None:
-            shutil.rmtree(self.base, ignore_errors=True)
+
+    def start(self) -> None:
+        """Start a halted throwaway server again on its data directory and port; returns once it accepts."""
+        assert self.launch is not None, "only a throwaway server starts again"
+        assert self.process is None, "halt() it first"
+        self.process = self.launch.spawn()
+        _wait_ready(self)
+
+    def freeze(self) -> None:
+        """SIGSTOP the postmaster and every backend: connections stay open and nothing answers (a partition)."""
+        assert self.process is not None
+        _signal_all(self.process.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.process is not None
+        _signal_all(self.process.pid, signal.SIGCONT)
+
+
+def _signal_all(postmaster: int, signum: signal.Signals) -> None:
+    """The postmaster and its children (each backend calls setsid(): no one process group holds them all)."""
+    pids = [postmaster]
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat_file.read_text().rpartition(")")[2].split()[1]) == postmaster:  # field 4: the parent
+                pids.append(int(stat_file.parent.name))
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+class Launch:
+    """The command line of a throwaway server, kept to start it again on the same data directory and port."""
+
+    def __init__(self, args: list[str], log: Path, owner: tuple[int, int] | None) -> None:
+        self.args = args
+        self.log = log
+        self.owner = owner
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        user, group = self.owner if self.owner is not None else (None, None)
+        with self.log.open("ab") as out:
+            return subprocess.Popen(
+                self.args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                user=user,
+                group=group,
+                extra_groups=None if self.owner is None else [],
+            )
 
 
 def _run_as() -> tuple[int, int] | None:
@@ -205,12 +264,11 @@ def start_throwaway(*, durable: bool = False) -> PgServer:
         raise
 
 
-def _init_and_start(
-    bin_dir: Path, owner: tuple[int, int] | None, base: Path, data: Path, log: Path, durable: bool
-) -> PgServer:
+def _run_as_owner(args: list[str], owner: tuple[int, int] | None) -> subprocess.CompletedProcess[str]:
+    """One of the wheel's tools, as the server's user (bounded; its output captured)."""
     user, group = owner if owner is not None else (None, None)
-    initdb = subprocess.run(
-        [str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", *INITDB_OPTIONS],
+    return subprocess.run(
+        args,
         capture_output=True,
         text=True,
         timeout=START_TIMEOUT_SECONDS,
@@ -219,31 +277,32 @@ def _init_and_start(
         group=group,
         extra_groups=None if owner is None else [],
     )
+
+
+def _init_and_start(
+    bin_dir: Path, owner: tuple[int, int] | None, base: Path, data: Path, log: Path, durable: bool
+) -> PgServer:
+    initdb = _run_as_owner(
+        [str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", *INITDB_OPTIONS], owner
+    )
     if initdb.returncode != 0:
         hint = "" if owner is None else f" (it runs as `nobody`: {base} must be reachable by that user)"
         raise PgServerError(f"initdb failed ({initdb.returncode}){hint}: {initdb.stderr.strip()}")
     # The admin role needs no password; every other role must give its own (tests of password files).
     (data / "pg_hba.conf").write_text(
-        "host all postgres 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n", encoding="utf-8"
+        "host all postgres 127.0.0.1/32 trust\nhost replication postgres 127.0.0.1/32 trust\n"
+        "host all all 127.0.0.1/32 scram-sha-256\n",
+        encoding="utf-8",
     )
     settings = {**_COMMON, **({} if durable else _FAST)}
     for attempt in range(3):  # a free port can be taken by someone else before postgres binds it
         port = _free_port()
         args = [str(bin_dir / "postgres"), "-D", str(data), "-p", str(port)]
         args += [f"-c{name}={value}" for name, value in settings.items()]
-        with log.open("ab") as out:
-            process = subprocess.Popen(
-                args,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-                user=user,
-                group=group,
-                extra_groups=None if owner is None else [],
-            )
-        server = PgServer(f"postgresql://postgres@127.0.0.1:{port}/postgres", process)
+        launch = Launch(args, log, owner)
+        server = PgServer(f"postgresql://postgres@127.0.0.1:{port}/postgres", launch.spawn())
         server.log = log
+        server.launch = launch
         try:
             _wait_ready(server)
         except PgServerError:
@@ -254,6 +313,44 @@ def _init_and_start(
         server.base = base
         return server
     raise AssertionError("unreachable")
+
+
+def start_standby(primary: PgServer) -> PgServer:
+    """A streaming standby of a throwaway `primary` (pg_basebackup -R) on a free port, started; its directory is
+    removed by stop(). `promote()` makes it the primary (a failover)."""
+    launch = primary.launch
+    assert launch is not None, "a standby of a throwaway server only"
+    bin_dir = Path(launch.args[0]).parent
+    base = Path(tempfile.mkdtemp(prefix=PREFIX))
+    if launch.owner is not None:
+        os.chown(base, *launch.owner)
+    source = conninfo_to_dict(primary.admin_dsn)
+    try:
+        backup = _run_as_owner(
+            [
+                *(str(bin_dir / "pg_basebackup"), "-D", str(base / "data"), "-R", "-X", "stream", "-c", "fast"),
+                *("-h", str(source["host"]), "-p", str(source["port"]), "-U", "postgres"),
+            ],
+            launch.owner,
+        )
+        if backup.returncode != 0:
+            raise PgServerError(f"pg_basebackup failed ({backup.returncode}): {backup.stderr.strip()}")
+        port = _free_port()
+        args = [str(bin_dir / "postgres"), "-D", str(base / "data"), "-p", str(port), *launch.args[5:]]
+        standby_launch = Launch(args, base / "postgres.log", launch.owner)
+        standby = PgServer(f"postgresql://postgres@127.0.0.1:{port}/postgres", standby_launch.spawn(), base)
+        standby.launch = standby_launch
+        _wait_ready(standby)
+        return standby
+    except BaseException:
+        shutil.rmtree(base, ignore_errors=True)
+        raise
+
+
+def promote(server: PgServer) -> None:
+    """End recovery on a standby: it takes writes from now on (`pg_promote()` waits until it does)."""
+    with psycopg.connect(server.admin_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_promote(true, 30)")
 
 
 def _wait_ready(server: PgServer) -> None:

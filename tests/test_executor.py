@@ -139,10 +139,17 @@ class Parts:
             self.durations,
             wall_clock_ms,
             "replica-1",
-            lambda: self.link.fence if self.link is not None else Fence("replica-1", 0),
+            self.fence,
+            self.reclaim,
             None,
             self.outbox,
         )
+
+    async def fence(self) -> Fence:
+        return Fence("replica-1", 0) if self.link is None else await self.link.held_fence()
+
+    async def reclaim(self, task_id: str) -> Fence | None:
+        return None if self.link is None else await self.link.reclaim(task_id)
 
     async def committed(self, call: LiveCall) -> str:
         answer = await self.records.create(call, CreateRecord(TaskStatus.WORKING, {}, 0))

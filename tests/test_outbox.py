@@ -66,6 +66,7 @@ async def test_writes_wait_in_order_per_task_with_growing_waits_and_are_written_
     store: SqliteTaskStore, disk: Path
 ) -> None:
     metrics = Metrics()
+    metrics.store_available.set_function(lambda: store.health.available)  # as the app wires it
     outbox, log, background = Outbox(100, metrics), Log(), Background()
     filler = fill(disk)
     log.keep(outbox, "task_a", "progress", progress(store, "task_a", "step 1"))

@@ -1,8 +1,9 @@
 """Tasks whose call runs nowhere, and the periodic sweep. At start (restart recovery), when a dead replica's
 tasks are taken over, and when this replica's own lease lapsed: each live task is failed, re-run per
 `on_restart: rerun`, or (when this replica's upstream runs it) followed again on its upstream session; a legacy
-job (`jobs:`) is polled again (another replica's only with `shared: true`), or failed, never started twice. The
-sweep ends tasks past their TTL, purges old records and takes over dead replicas, except while this replica
+job (`jobs:`) is polled again (another replica's only with `shared: true`), or failed, never started twice; a
+call whose lease lapsed while its task stayed this replica's runs on (`lease_lapsed`, the rule in `replicas.py`).
+The sweep ends tasks past their TTL, purges old records and takes over dead replicas, except while this replica
 drains (it would only leave them again at its exit). A task's work started again goes on in the trace that
 created it. Imports the store, the record writes, the table, the replica link, the machine's vocabulary and
 tracing; no upstream.
@@ -99,17 +100,35 @@ class Recovery:
             await self._adopt(records, TAKEN_OVER, TAKEN_OVER_RERUN, self.replicas.fence, follow=False)
 
     async def lease_lapsed(self) -> None:
-        """The lease ran out and was taken again under a new epoch: every call started under the old one stops
-        without writing (another replica may have taken its task over), then what is still this replica's and
-        runs nowhere is recovered like a dead replica's task."""
+        """The lease ran out and was taken again under a new epoch (the store was away, or this replica was
+        paused or cut off). The store tells what changed: a call whose task it still shows as this replica's
+        (nobody took it over, and nobody can while the new lease holds) is resumed under the new fence; a call
+        whose task another replica took, or that ended meanwhile, stops without writing. Then what is still
+        this replica's and runs nowhere is recovered like a dead replica's task."""
         async with self._adopting:
             fence = self.replicas.fence
+            try:
+                live = await self.store.live(self.process_id)
+            except StoreError as exc:  # away again: each call's next write asks the fence itself
+                log.warning("lease_lapsed_recovery_deferred", error=str(exc))
+                return
+            mine = {record.task_id for record in live}
             stale = [call for call in self.table.calls() if call.fence is not None and call.fence != fence]
-            for call in stale:  # each waits for its call's current event (a record being committed, say)
-                await self.feed.dispatch(call, LeaseLost())
+            resumed = 0
+            for call in stale:
+                task_id = call.state.task_id
+                if task_id is None or task_id in mine:  # no record yet (its creation is not fenced), or still ours
+                    call.fence = fence
+                    resumed += 1
+                else:  # each waits for its call's current event (a record being committed, say)
+                    await self.feed.dispatch(call, LeaseLost())
             running = {task_id for task_id, call in self.table.tasks().items() if call.fence == fence}
-            orphans = [record for record in await self.store.live(self.process_id) if record.task_id not in running]
-            log.warning("lease_lapsed_recovery", stopped=len(stale), recovered=len(orphans))
+            orphans = [
+                record
+                for record in live
+                if record.task_id not in running and not self.records.still_writing(record.task_id)
+            ]
+            log.warning("lease_lapsed_recovery", resumed=resumed, stopped=len(stale) - resumed, recovered=len(orphans))
             await self._adopt(orphans, LEASE_LAPSED, LEASE_LAPSED_RERUN, fence, follow=True)
 
     async def _adopt(

@@ -4,7 +4,13 @@ and takes from other replicas, and the take-over of dead replicas' tasks.
 With SQLite the process is the only replica: the lease never lapses and the feed carries its own changes. With
 PostgreSQL several replicas share the store. Each renews a lease (`store.lease_seconds`); every write it makes
 as a task's owner carries the lease's fence, so a replica whose lease lapsed (paused, cut off) can no longer
-change a task. A replica whose lease ran out is dead: at each sweep a survivor takes over its live tasks. What
+change a task. A replica whose lease ran out is dead: at each sweep a survivor takes over its live tasks.
+A lapsed lease is resumed, not surrendered: once the store answers again, the replica renews (a new epoch) and
+asks the store what changed. A task it still shows as this replica's was taken over by nobody (a take-over moves
+the owner, and none can happen while the new lease holds): its call keeps running and writes under the new
+fence. A task a survivor took (its owner is the survivor now) is stopped here without writing. So a store
+outage that every replica saw costs no task, and a replica cut off while others reached the store loses its
+tasks to them, its late writes refused by the fence. What
 other replicas record for a task (a cancel settles it; answers are a message to its owner) wakes the owner
 through the feed. This module carries messages and reports what happened to its owner (the replica inbox, through
 `ReplicaOwner`); what a call does about it is the call machine's. Imports the store and `remote.py`; never the
@@ -87,6 +93,7 @@ class ReplicaLink:
         self.owner = owner
         self._fence = Fence(replica_id, 0)
         self._renewed_at = float("-inf")  # monotonic start of the last successful renewal
+        self._reclaiming = asyncio.Lock()  # writes refused at once (after an outage) share one renewal
         self._subscribed = asyncio.Event()
         self._wake = asyncio.Event()  # messages may be waiting
         self._asks: dict[str, Ask] = {}
@@ -139,6 +146,30 @@ class ReplicaLink:
             if lapsed:  # the lease ran out in between: tasks may have been taken over
                 log.warning("lease_lost", replica=self.replica_id, epoch=fence.epoch)
                 self.owner.lease_changed(fence)
+
+    async def held_fence(self) -> Fence:
+        """The fence a new task's writes carry. A lease not renewed for half its length may have lapsed (the store
+        was away): it is renewed first, since a survivor would take over at once a task created under a lapsed
+        lease. On the normal path, a clock read. StoreError when the store is away."""
+        if time.monotonic() - self._renewed_at > self.lease_seconds / 2:
+            await self._renew_once(time.monotonic())
+        return self._fence
+
+    async def _renew_once(self, asked: float) -> None:
+        """Renew, unless a renewal began since `asked` (writes refused at once share one)."""
+        async with self._reclaiming:
+            if self._renewed_at < asked:
+                await self._renew()
+
+    async def reclaim(self, task_id: str) -> Fence | None:
+        """A write for `task_id` was refused by its fence: renew the lease now (a new epoch if it lapsed) and say
+        whether the task is still this replica's. The fence to write under again, or None when another replica
+        owns the task (or it ended): then its call stops without writing. StoreError when the store is away."""
+        await self._renew_once(time.monotonic())
+        record = await self.store.get(task_id)
+        if record is None or record.status.terminal or record.owner != self.replica_id:
+            return None
+        return self._fence
 
     async def _lease_forever(self) -> None:
         while not self._closed:

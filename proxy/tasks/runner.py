@@ -109,7 +109,8 @@ class TaskRunner:
             self.durations,
             clock,
             self.process_id,
-            lambda: self.replicas.fence,
+            lambda: self.replicas.held_fence(),
+            lambda task_id: self.replicas.reclaim(task_id),
             metrics,
             self.outbox,
         )

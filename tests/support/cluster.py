@@ -49,13 +49,14 @@ class Replica:
         tools: dict[str, Any],
         *,
         drain_seconds: float = DRAIN_SECONDS,
+        store: dict[str, Any] | None = None,
     ) -> None:
         self.upstream = Upstream()
         self.upstream.start()
         self.proxy = ProxyProcess(
             workdir,
             self.upstream.url,
-            store={"url": pg.as_url(dsn), "lease_seconds": lease_seconds},
+            store={"url": pg.as_url(dsn), "lease_seconds": lease_seconds, **(store or {})},
             inputs={"secret_file": str(key)},
             upstream={"call_timeout_seconds": 120},
             tasks={"tools": tools, "drain_seconds": drain_seconds},

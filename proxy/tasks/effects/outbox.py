@@ -141,9 +141,7 @@ class Outbox:
                 pending = entry.trying = entry.queue[0]
                 try:
                     record = await pending.write(entry.fence())
-                except StoreUnavailableError:
-                    if self.metrics is not None:
-                        self.metrics.store_available.set(0)
+                except StoreUnavailableError:  # the store's health notes it (store_available)
                     return False
                 except FencedError:
                     log.info("settlement_dropped", task_id=task_id, write=pending.kind, reason="fenced")
@@ -153,8 +151,6 @@ class Outbox:
                     log.error("task_not_settled", task_id=task_id, write=pending.kind, error=str(exc))
                     self._pop(task_id, entry)
                 else:
-                    if self.metrics is not None:
-                        self.metrics.store_available.set(1)
                     self._pop(task_id, entry)
                     if pending.kind == "settle":
                         waited = round(time.monotonic() - pending.kept_at, 3)

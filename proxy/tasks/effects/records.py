@@ -18,7 +18,7 @@ import structlog
 
 from proxy import tracing
 from proxy.config import TasksConfig
-from proxy.errors import ProxyError, StoreUnavailableAnswerError, TaskLimitError
+from proxy.errors import ProxyError, TaskLimitError, TaskStoreUnavailableError
 from proxy.observability import Metrics
 from proxy.principals import Principals
 from proxy.tasks.commands import (
@@ -65,7 +65,8 @@ class RecordWrites:
         durations: Durations,
         clock: Callable[[], int],
         process_id: str,
-        fence: Callable[[], Fence],
+        fence: Callable[[], Awaitable[Fence]],
+        reclaim: Callable[[str], Awaitable[Fence | None]],
         metrics: Metrics | None,
         outbox: Outbox,
     ) -> None:
@@ -78,7 +79,8 @@ class RecordWrites:
         self.durations = durations
         self.clock = clock
         self.process_id = process_id
-        self.fence = fence
+        self.fence = fence  # the lease's fence for a new task, renewed first when it may have lapsed
+        self.reclaim = reclaim  # a refused write: is the task still ours under a renewed lease? (`ReplicaLink`)
         self.metrics = metrics
         self._own: OrderedDict[str, None] = OrderedDict()  # task ids whose settlement this replica is writing
 
@@ -96,7 +98,10 @@ class RecordWrites:
         policy = decision.policy
         assert policy is not None
         now = self.clock()
-        call.fence = self.fence()  # taken before the commit: a lease lost meanwhile stops the call
+        try:  # taken before the commit: a lease lost meanwhile stops the call
+            call.fence = await self.fence()
+        except StoreUnavailableError as exc:
+            return CommitRefused(TaskStoreUnavailableError(exc.kind, exc.reason, detail=str(exc)))
         record = TaskRecord(
             task_id=wire_tasks.new_task_id(),
             principal=call.caller,
@@ -131,7 +136,7 @@ class RecordWrites:
         except StoreError as exc:
             self.table.drop_task(record.task_id)
             if isinstance(exc, StoreUnavailableError):
-                return CommitRefused(StoreUnavailableAnswerError(exc.kind, exc.reason, detail=str(exc)))
+                return CommitRefused(TaskStoreUnavailableError(exc.kind, exc.reason, detail=str(exc)))
             if isinstance(exc, StoreFullError):
                 return CommitRefused(TaskLimitError("max_records", self.config.max_records))
             return CommitRefused(ProxyError("Internal error: the task could not be stored", detail=str(exc)))
@@ -236,14 +241,25 @@ class RecordWrites:
         **context: Any,
     ) -> TaskRecord | LeaseLost | None:
         """The one way an owner writes a task record: under the call's fence, after the writes of the task the
-        outbox still holds. `LeaseLost` when the fence no longer holds; None when the write waits in the
-        outbox or (logged as `failure`) when the store failed for good."""
+        outbox still holds. A write the fence refuses is tried once more when the task is still this replica's
+        under its renewed lease (the lease lapsed, nobody took the task over: `ReplicaLink.reclaim`); `LeaseLost`
+        when another replica owns it; None when the write waits in the outbox (the store is unavailable) or
+        (logged as `failure`) when the store failed for good."""
         task_id = self._task_id(call)
         if self.outbox.holds(task_id):  # earlier writes of this task wait: this one goes after them
             self._keep(call, write, command, "earlier writes wait")
             return None
+        refused = call.fence
         try:
-            return await write(call.fence)
+            try:
+                return await write(refused)
+            except FencedError:
+                fence = await self.reclaim(self._task_id(call))
+                if fence is None or fence == refused:
+                    return LeaseLost()
+                log.info("task_lease_resumed", task_id=call.state.task_id, epoch=fence.epoch)
+                call.fence = fence
+                return await write(fence)
         except FencedError:
             return LeaseLost()
         except StoreUnavailableError as exc:
@@ -325,6 +341,11 @@ class RecordWrites:
         self._own[task_id] = None
         while len(self._own) > OWN_SETTLEMENTS_KEPT:
             self._own.popitem(last=False)
+
+    def still_writing(self, task_id: str) -> bool:
+        """Is a settlement of `task_id` by its call here under way, or waiting in the outbox for the store? Then
+        the task is not an orphan to recover (its result would lose to an "interrupted" failure)."""
+        return task_id in self._own or self.outbox.holds(task_id)
 
     def own_settlement(self, task_id: str) -> bool:
         """Was the settlement of `task_id` the feed reports this replica's own? (Asked once per settlement.)"""

@@ -20,6 +20,7 @@ from proxy.tasks.store.base import (
     Message,
     StoreError,
     StoreFullError,
+    StoreHealth,
     StoreLockedError,
     StoreUnavailableError,
     TaskQuery,
@@ -49,6 +50,7 @@ __all__ = [
     "SqliteTaskStore",
     "StoreError",
     "StoreFullError",
+    "StoreHealth",
     "StoreLockedError",
     "StoreUnavailableError",
     "TaskQuery",
@@ -76,6 +78,7 @@ async def open_store(
             password_file=config.password_file,
             pool_size=config.pool_size,
             connect_timeout_seconds=config.connect_timeout_seconds,
+            timeout_seconds=config.timeout_seconds,
             read_only=read_only,
             migrate=not operator,
         )

@@ -7,7 +7,7 @@ driver, aiohttp, the runner or the front.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -35,10 +35,32 @@ class StoreUnavailableError(StoreError):
     `StoreError`s: a request that needs the store is answered 503 with `Retry-After`, and a settlement that hits
     it is kept and written again later, never dropped. `kind` names the backend ("sqlite" or "postgres")."""
 
-    def __init__(self, kind: str, reason: str) -> None:
-        super().__init__(f"the task store ({kind}) is unavailable: {reason}")
+    def __init__(self, kind: str, reason: str, *, detail: str | None = None) -> None:
+        super().__init__(f"the task store ({kind}) is unavailable: {detail or reason}")
         self.kind = kind
-        self.reason = reason
+        self.reason = reason  # a short word that may be told to clients ("timeout", "disk full", ...)
+        self.detail = detail  # what the driver said (hosts, paths): for the proxy's log only
+
+
+FailureListener = Callable[[str, str], None]  # (operation, reason label) of each operation the store could not do
+
+
+class StoreHealth:
+    """What a store knows of its own availability, for readiness and metrics. `available` turns False at the
+    first operation that met `StoreUnavailableError` and True again at the next one that succeeded; each failure
+    is reported to `listener` as (operation, reason label: `timeout`, `connection`, `read_only`, ...)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.available = True
+        self.listener: FailureListener | None = None
+
+    def failed(self, operation: str, reason: str, detail: str) -> StoreUnavailableError:
+        """Note a failure; the error to raise for it."""
+        self.available = False
+        if self.listener is not None:
+            self.listener(operation, reason)
+        return StoreUnavailableError(self.kind, reason, detail=f"{operation}: {detail}")
 
 
 class FencedError(StoreError):
@@ -267,6 +289,11 @@ class TaskStore(Protocol):
         ...
 
     async def check_writable(self, now_ms: int) -> None: ...
+
+    @property
+    def health(self) -> StoreHealth:
+        """Whether the store took its latest operation, and who hears of each failure (metrics)."""
+        ...
 
     async def size_bytes(self) -> int: ...
 

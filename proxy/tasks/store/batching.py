@@ -63,10 +63,10 @@ class CreationBatcher:
             queued, self._queued = self._queued, []
         try:
             errors = self._commit_all([record for record, _ in queued])
-        except StoreUnavailableError as exc:  # transient: each caller gets it as such (503, retried)
-            errors = [caused(StoreUnavailableError(exc.kind, exc.reason), exc) for _ in queued]
         # The whole batch is rolled back and each caller gets the error. Anything at all, not only the
         # database's errors: the callers wait on this answer and nothing else would ever give them one.
+        except StoreUnavailableError as exc:  # transient: each caller is told so (a 503, retried), not a 500
+            errors = [caused(StoreUnavailableError(exc.kind, exc.reason, detail=exc.detail), exc) for _ in queued]
         except Exception as exc:  # noqa: BLE001
             errors = [caused(StoreError(f"task store {self._describe}: create failed: {exc}"), exc) for _ in queued]
         return [(committed, error) for (_, committed), error in zip(queued, errors, strict=True)]

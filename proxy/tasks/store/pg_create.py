@@ -3,8 +3,10 @@
 A batch is one transaction in two round trips (pipeline mode): lock the count row, find duplicate ids and
 evictable records; then evict, insert and COMMIT. The count row's lock serializes creators across replicas,
 so at `max_records` each record evicts exactly one settled record or is refused. The batch never runs in a
-caller's coroutine (see `batching.py`), so a caller that leaves cannot cut it short. Depends on psycopg and
-the store's `base`, `batching` and `pg_schema`; used by `postgres.py` only.
+caller's coroutine (see `batching.py`), so a caller that leaves cannot cut it short; a caller waits for it
+at most the store's deadline (StoreUnavailableError). A connection the server closed or wrote to since the last
+batch (a restart, a cut) is replaced before the next one. Depends on psycopg and the store's `base`,
+`batching` and `pg_schema`; used by `postgres.py` only.
 """
 
 from __future__ import annotations
@@ -17,16 +19,26 @@ from typing import Any
 import psycopg
 
 from proxy.tasks.store import pg_schema as schema
-from proxy.tasks.store.base import StoreError, StoreFullError, row_from_record
+from proxy.tasks.store.base import StoreError, StoreFullError, StoreHealth, row_from_record
 from proxy.tasks.store.batching import CreationBatcher
+from proxy.tasks.store.pg_health import cut, deadline_seconds, quiet, unavailable_reason
 from proxy.wire.tasks import TaskRecord
 
 
 class PgCreator:
     """The creator thread, its connection (opened on first use, again after it broke) and its batches."""
 
-    def __init__(self, url: str, connect_kwargs: Callable[[], dict[str, Any]], max_records: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        connect_kwargs: Callable[[], dict[str, Any]],
+        max_records: int,
+        timeout_seconds: float,
+        health: StoreHealth,
+    ) -> None:
         self.url = url
+        self.timeout_seconds = timeout_seconds
+        self.health = health
         self._connect_kwargs = connect_kwargs
         self._max_records = max_records
         self._closed = False
@@ -35,7 +47,19 @@ class PgCreator:
         self._conn: psycopg.Connection[Any] | None = None  # owned by the thread
 
     async def create(self, record: TaskRecord) -> None:
-        await self._batcher.create(self.executor, record)
+        timeout = deadline_seconds(self.timeout_seconds, self.health.available)
+        try:
+            async with asyncio.timeout(timeout):
+                await self._batcher.create(self.executor, record)
+        except TimeoutError:
+            conn = self._conn
+            if conn is not None and not conn.closed:
+                cut(conn.fileno())  # the thread's statement fails now, and the batches queued behind it can go
+            # The batch may still commit once the database answers: the record then runs nowhere, and the
+            # lease's recovery or its TTL ends it (nobody was told its id).
+            detail = f"not committed within {timeout:g} s (store.timeout_seconds, shorter while it is away)"
+            raise self.health.failed("create", "timeout", detail) from None
+        self.health.available = True
 
     async def close(self) -> None:
         self._closed = True
@@ -44,6 +68,9 @@ class PgCreator:
 
     def _connection(self) -> psycopg.Connection[Any]:
         conn = self._conn
+        if conn is not None and not conn.closed and (conn.broken or not quiet(conn.fileno())):
+            conn.close()  # the server closed it or said something while it sat idle: a restart, a cut
+            conn = None
         if conn is None or conn.closed:
             conn = self._conn = psycopg.Connection.connect(self.url, **self._connect_kwargs())
         return conn
@@ -57,7 +84,10 @@ class PgCreator:
         """One batch: each record committed, or refused on its own (a duplicate id, no room), as in SQLite."""
         if self._closed:
             raise StoreError("the store is closed")
-        conn = self._connection()
+        try:
+            conn = self._connection()
+        except psycopg.Error as exc:
+            raise self._failed(exc) from exc
         try:
             with conn.pipeline(), conn.transaction():
                 counted = conn.execute(schema.LOCK_COUNT_SQL)
@@ -74,11 +104,17 @@ class PgCreator:
                 if accepted:
                     rows = [row_from_record(record) for record in accepted]
                     conn.execute(schema.INSERT_SQL, {name: [row[name] for row in rows] for name in rows[0]})
-        except psycopg.Error:
-            if conn.broken:
-                self._conn = None
-            raise
+        except psycopg.Error as exc:
+            if conn.broken or isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):  # dead, or demoted
+                self._close_connection()
+            raise self._failed(exc) from exc
         return errors
+
+    def _failed(self, exc: psycopg.Error) -> StoreError:
+        reason = unavailable_reason(exc)
+        if reason is None:
+            return StoreError(f"task store {self.url}: create failed: {exc}")
+        return self.health.failed("create", reason, str(exc))
 
     def _admit(
         self, records: list[TaskRecord], count: int, taken: set[str], can_evict: int

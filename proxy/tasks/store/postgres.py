@@ -11,15 +11,21 @@ barely does (a few rows per call), and needs a separate stub package and its own
 
 Creations go through one thread with its own connection (`pg_create.py`); everything else runs on the loop
 through the pool, mostly one statement (one implicit transaction) per call, with its change notification in
-the same statement. Depends on psycopg, psycopg_pool and the store's `base`, `pg_create`, `pg_schema`,
-`pg_feed`; it must not import aiohttp, the runner or the front.
+the same statement. Every operation has a deadline (`store.timeout_seconds`: the pooled connection, the
+connection itself and the statement); past it, or when the database cannot be reached or takes no writes (a
+standby), it raises `StoreUnavailableError`. A pooled connection that the server closed or wrote to while idle
+(a restart's notice, a cut) is checked before it is handed out, and a read that met a connection broken in a cut
+is tried once more on a fresh one; a multi-host URL (`host=a,b` with `target_session_attrs=read-write`) follows a
+failover, since libpq picks the primary for each new connection. Depends on psycopg, psycopg_pool and the
+store's `base`, `pg_create`, `pg_schema`, `pg_feed`; it must not import aiohttp, the runner or the front.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
-from typing import Any, Final
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, Final, TypeVar
 
 import psycopg
 from psycopg.rows import DictRow, dict_row
@@ -41,6 +47,7 @@ from proxy.tasks.store.base import (
     LiveWrites,
     Message,
     StoreError,
+    StoreHealth,
     TaskQuery,
     Tombstone,
     check_kind,
@@ -51,12 +58,29 @@ from proxy.tasks.store.base import (
 )
 from proxy.tasks.store.pg_create import PgCreator
 from proxy.tasks.store.pg_feed import PgFeed
+from proxy.tasks.store.pg_health import KIND, Watchdog, deadline_seconds, operation_of, quiet, unavailable_reason
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import LIVE, TaskRecord, TaskStatus
 
 PURGE_CHUNK: Final = 1000  # settled records deleted per transaction (creations wait for the count lock meanwhile)
-POOL_WAIT_SECONDS: Final = 30.0  # a call waits this long for a free pooled connection, then fails
 _KEEPALIVE: Final = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
+_T = TypeVar("_T")
+Conn = psycopg.AsyncConnection[DictRow]
+
+
+async def _usable(conn: Conn) -> bool:
+    """Is a pooled connection fit for use? One the server wrote to or closed while it sat idle (a shutdown's
+    notice, a connection cut) is checked with a round trip; a quiet one (the normal case) costs one poll. One
+    that fails is broken now: the pool drops it when it is given back and opens another at once."""
+    if conn.closed or conn.broken:
+        return False
+    if quiet(conn.fileno()):
+        return True
+    try:
+        await AsyncConnectionPool.check_connection(conn)
+    except psycopg.Error:
+        return False
+    return True
 
 
 def _messages(rows: list[DictRow]) -> list[Message]:
@@ -77,6 +101,7 @@ class PostgresTaskStore(LiveWrites):
         password_file: str | None,
         pool_size: int,
         connect_timeout_seconds: float,
+        timeout_seconds: float,
         read_only: bool,
         migrate: bool = True,
     ) -> None:
@@ -88,6 +113,8 @@ class PostgresTaskStore(LiveWrites):
         self._max_records = max_records
         self._password_file = password_file
         self._connect_timeout = connect_timeout_seconds
+        self.timeout_seconds = timeout_seconds
+        self._health = StoreHealth(KIND)
         self._closed = False
         self._channel = ""  # set at open: one NOTIFY channel per schema
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[DictRow]] = AsyncConnectionPool(
@@ -97,10 +124,20 @@ class PostgresTaskStore(LiveWrites):
             min_size=1,
             max_size=pool_size,
             open=False,
-            timeout=POOL_WAIT_SECONDS,
+            timeout=timeout_seconds,
+            # A connection slot that cannot reconnect for this long is given up, and the next request that finds
+            # the pool empty starts a fresh attempt at once: the pool's back-off (1, 2, 4, ... s) never keeps a
+            # replica waiting long after its database is back.
+            reconnect_timeout=timeout_seconds,
             name="mcp-tasks-proxy",
         )
-        self._creator = PgCreator(url, lambda: self.connect_kwargs(application="mcp-tasks-proxy-creator"), max_records)
+        self._creator = PgCreator(
+            url,
+            lambda: self.connect_kwargs(application="mcp-tasks-proxy-creator"),
+            max_records,
+            timeout_seconds,
+            self._health,
+        )
         self._feed = PgFeed(self)
         self._quota_window_ms: int | None = None  # the latest quota window counted here
 
@@ -113,6 +150,7 @@ class PostgresTaskStore(LiveWrites):
         password_file: str | None = None,
         pool_size: int = 10,
         connect_timeout_seconds: float = 5.0,
+        timeout_seconds: float = 5.0,
         read_only: bool = False,
         migrate: bool = True,
     ) -> PostgresTaskStore:
@@ -124,6 +162,7 @@ class PostgresTaskStore(LiveWrites):
             password_file=password_file,
             pool_size=pool_size,
             connect_timeout_seconds=connect_timeout_seconds,
+            timeout_seconds=timeout_seconds,
             read_only=read_only,
             migrate=migrate,
         )
@@ -141,6 +180,9 @@ class PostgresTaskStore(LiveWrites):
             "row_factory": dict_row,
             "application_name": application,
             "connect_timeout": max(1, round(self._connect_timeout)),
+            # Data the server does not acknowledge for this long (a partition, a host gone) breaks the
+            # connection, so that nothing waits on it past the store's deadline for long.
+            "tcp_user_timeout": round(1000 * max(self._connect_timeout, self.timeout_seconds)),
             **_KEEPALIVE,
         }
         if self._password_file is not None:
@@ -177,6 +219,10 @@ class PostgresTaskStore(LiveWrites):
     def channel(self) -> str:
         return self._channel
 
+    @property
+    def health(self) -> StoreHealth:
+        return self._health
+
     # -- plumbing --------------------------------------------------------------------------------------------
 
     def _check_open(self, what: str, *, write: bool) -> None:
@@ -185,20 +231,56 @@ class PostgresTaskStore(LiveWrites):
         if write and self.read_only:
             raise StoreError(f"{what}: the task store {self.url} is open read-only")
 
-    @contextlib.asynccontextmanager
-    async def _connection(self, what: str, *, write: bool = True) -> AsyncIterator[psycopg.AsyncConnection[DictRow]]:
-        """A pooled connection; psycopg's errors become StoreError naming `what`."""
+    async def _run(self, what: str, work: Callable[[Conn], Awaitable[_T]], *, write: bool = True) -> _T:
+        """`work` on a pooled connection, within the store's deadline (the wait for a connection and the work
+        together). psycopg's errors become StoreError naming `what`: StoreUnavailableError when the database is
+        away or the deadline passed. A read (`write=False`) whose connection broke under it is done once more."""
         self._check_open(what, write=write)
+        timeout = deadline_seconds(self.timeout_seconds, self._health.available)
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
-            async with self._pool.connection() as conn:
-                yield conn
+            result = await self._on_connection(work, retry=not write, deadline=deadline)
+        except TimeoutError:
+            detail = f"no answer within {timeout:g} s (store.timeout_seconds, shorter while it is away)"
+            raise self._health.failed(operation_of(what), "timeout", detail) from None
         except psycopg.Error as exc:
-            raise StoreError(f"task store {self.url}: {what} failed: {exc}") from exc
+            reason = unavailable_reason(exc)
+            if reason is None:
+                raise StoreError(f"task store {self.url}: {what} failed: {exc}") from exc
+            raise self._health.failed(operation_of(what), reason, str(exc)) from exc
+        self._health.available = True
+        return result
+
+    async def _on_connection(self, work: Callable[[Conn], Awaitable[_T]], *, retry: bool, deadline: float) -> _T:
+        """`work` on the first usable pooled connection (each unusable one is replaced by the pool at once),
+        cut by the watchdog at the deadline; a read whose connection broke under it goes once more on another."""
+        loop = asyncio.get_running_loop()
+        tries = 2 if retry else 1
+        while True:
+            async with self._pool.connection(timeout=max(0.0, deadline - loop.time())) as conn:
+                watchdog = Watchdog(loop, deadline, conn.fileno())
+                try:
+                    if not await _usable(conn):
+                        continue
+                    return await work(conn)
+                except psycopg.errors.ReadOnlySqlTransaction:
+                    await conn.close()  # a primary demoted by a failover: never handed out again
+                    raise
+                except psycopg.OperationalError:
+                    if watchdog.fired:
+                        raise TimeoutError from None
+                    tries -= 1
+                    if tries == 0 or not conn.broken:
+                        raise
+                finally:
+                    watchdog.cancel()
 
     async def _rows(self, what: str, sql: str, params: Any = None, *, write: bool = True) -> list[DictRow]:
-        async with self._connection(what, write=write) as conn:
+        async def run(conn: Conn) -> list[DictRow]:
             cursor = await conn.execute(sql, params)
             return await cursor.fetchall() if cursor.description is not None else []
+
+        return await self._run(what, run, write=write)
 
     # -- records ---------------------------------------------------------------------------------------------
 
@@ -229,7 +311,8 @@ class PostgresTaskStore(LiveWrites):
         params = {**values, "now_ms": now_ms, "task_id": task_id, "channel": self._channel}
         if fence is not None:
             params.update(fence_owner=fence.owner, fence_epoch=fence.epoch)
-        async with self._connection(f"update {task_id}") as conn:
+
+        async def run(conn: Conn) -> list[DictRow]:
             rows = await (await conn.execute(sql, params)).fetchall()
             if not rows and fence is not None:
                 cursor = await conn.execute("SELECT owner, status FROM tasks WHERE task_id = %s", [task_id])
@@ -238,7 +321,9 @@ class PostgresTaskStore(LiveWrites):
                     raise FencedError(
                         f"task {task_id} is owned by {row['owner']}, not {fence.owner} (epoch {fence.epoch})"
                     )
-        records = records_from_rows(rows)
+            return rows
+
+        records = records_from_rows(await self._run(f"update {task_id}", run))
         return records[0] if records else None
 
     async def live(self, owner: str | None = None) -> list[TaskRecord]:
@@ -268,29 +353,39 @@ class PostgresTaskStore(LiveWrites):
         total = 0
         params = {"now_ms": now_ms, "chunk": PURGE_CHUNK, "reason": EXPIRED}
         sql = schema.bury_sql(schema.EXPIRED_WHERE, tombstones)
-        async with self._connection("purge_expired") as conn:
-            while True:
+        while True:  # each chunk within the deadline
+
+            async def chunk(conn: Conn, first: bool = total == 0) -> int | None:
                 async with conn.transaction():
                     cursor = await conn.execute(
                         f"SELECT pg_try_advisory_xact_lock({schema.LOCK_SPACE}, {schema.PURGE_LOCK}) AS got"
                     )
                     if not (await cursor.fetchone() or {}).get("got"):
-                        return total
+                        return None
                     await conn.execute(schema.LOCK_COUNT_SQL)
                     purged = (await conn.execute(sql, params)).rowcount
-                    if total == 0:
+                    if first:
                         await conn.execute(schema.PURGE_MESSAGES_SQL, [MESSAGE_RETENTION_MS / 1000])
                         await conn.execute(schema.TRIM_DURATIONS_SQL, [pacing.MAX_TOOLS])
-                total += purged
-                if purged < PURGE_CHUNK:
-                    return total
+                return purged
+
+            purged = await self._run("purge_expired", chunk)
+            if purged is None:
+                return total
+            total += purged
+            if purged < PURGE_CHUNK:
+                return total
 
     async def delete(self, task_id: str, *, tombstone_at_ms: int | None = None) -> bool:
         sql = schema.bury_sql(schema.ONE_WHERE, tombstone_at_ms is not None)
         params = {"task_id": task_id, "reason": EXPIRED, "now_ms": tombstone_at_ms}
-        async with self._connection(f"delete {task_id}") as conn, conn.transaction():
-            await conn.execute(schema.LOCK_COUNT_SQL)
-            return (await conn.execute(sql, params)).rowcount > 0
+
+        async def run(conn: Conn) -> bool:
+            async with conn.transaction():
+                await conn.execute(schema.LOCK_COUNT_SQL)
+                return (await conn.execute(sql, params)).rowcount > 0
+
+        return await self._run(f"delete {task_id}", run)
 
     async def tombstone(self, task_id: str, principal: str) -> Tombstone | None:
         rows = await self._rows(f"tombstone {task_id}", schema.TOMBSTONE_SQL, [task_id, principal], write=False)
@@ -300,8 +395,10 @@ class PostgresTaskStore(LiveWrites):
         return Tombstone(row["task_id"], row["reason"], int(row["gone_at_ms"]), row["expired_at_ms"])
 
     async def trim_tombstones(self, gone_before_ms: int, keep: int) -> int:
-        async with self._connection("trim_tombstones") as conn:
+        async def run(conn: Conn) -> int:
             return (await conn.execute(schema.TRIM_TOMBSTONES_SQL, [gone_before_ms, keep])).rowcount
+
+        return await self._run("trim_tombstones", run)
 
     async def stats(self) -> dict[str, int]:
         counts = dict.fromkeys(STATUS_KEYS, 0)
@@ -327,22 +424,26 @@ class PostgresTaskStore(LiveWrites):
             return int((await self._rows("purge count", schema.COUNT_SETTLED_BEFORE_SQL, params, write=False))[0]["n"])
         sql = schema.bury_sql(schema.SETTLED_BEFORE_WHERE, tombstone_at_ms is not None)
         total = 0
-        async with self._connection("purge") as conn:
-            while True:
-                async with conn.transaction():
-                    await conn.execute(schema.LOCK_COUNT_SQL)
-                    purged = (await conn.execute(sql, params)).rowcount
-                total += purged
-                if purged < PURGE_CHUNK:
-                    return total
+
+        async def chunk(conn: Conn) -> int:
+            async with conn.transaction():
+                await conn.execute(schema.LOCK_COUNT_SQL)
+                return (await conn.execute(sql, params)).rowcount
+
+        while True:  # each chunk within the deadline
+            purged = await self._run("purge", chunk)
+            total += purged
+            if purged < PURGE_CHUNK:
+                return total
 
     async def pending_messages(self, replica_id: str) -> bool:
         sql = "SELECT 1 FROM messages WHERE recipient = %s LIMIT 1"
         return bool(await self._rows("pending_messages", sql, [replica_id], write=False))
 
     async def check_writable(self, now_ms: int) -> None:
-        """Commit one tiny write (readiness): StoreError when the database does not take writes (down, a standby)."""
-        await self._rows("health check", schema.HEALTH_SQL, [now_ms])
+        """Commit one tiny write (readiness): StoreUnavailableError when the database does not take writes now
+        (down, frozen, a standby)."""
+        await self._rows("check_writable", schema.HEALTH_SQL, [now_ms])
 
     async def size_bytes(self) -> int:
         sql = "SELECT pg_total_relation_size('tasks') + pg_total_relation_size('messages') AS size"
@@ -392,25 +493,30 @@ class PostgresTaskStore(LiveWrites):
         """The live tasks of `dead_replica` (its lease expired or missing) now owned by `fence.owner`, with their
         pending messages; its lease row goes. Exactly one caller gets them; the others get []. FencedError when
         the caller's own lease does not hold."""
-        async with self._connection(f"take over {dead_replica}") as conn, conn.transaction():
-            if await (await conn.execute(schema.LEASE_HELD_SQL, [fence.owner, fence.epoch])).fetchone() is None:
-                raise FencedError(f"{fence.owner} holds no lease of epoch {fence.epoch}: it cannot take over")
-            lock = f"SELECT pg_try_advisory_xact_lock({schema.REPLICA_LOCK_SPACE}, hashtext(%s)) AS got"
-            if not (await (await conn.execute(lock, [dead_replica])).fetchone() or {}).get("got"):
-                return []  # another survivor is taking it over right now
-            alive = "SELECT expires_at > clock_timestamp() AS alive FROM replicas WHERE replica_id = %s FOR UPDATE"
-            row = await (await conn.execute(alive, [dead_replica])).fetchone()
-            if row is not None and row["alive"]:
-                return []  # it renewed in time
-            params = {"owner": fence.owner, "dead": dead_replica, "channel": self._channel}
-            moved = records_from_rows(await (await conn.execute(schema.TAKE_OVER_SQL, params)).fetchall())
-            ids = [record.task_id for record in moved]
-            await conn.execute(
-                "UPDATE messages SET recipient = %s WHERE recipient = %s AND key = ANY(%s)",
-                [fence.owner, dead_replica, ids],
-            )
-            await conn.execute("DELETE FROM messages WHERE recipient = %s", [dead_replica])
-            await conn.execute("DELETE FROM replicas WHERE replica_id = %s", [dead_replica])
+
+        async def run(conn: Conn) -> list[TaskRecord]:
+            async with conn.transaction():
+                if await (await conn.execute(schema.LEASE_HELD_SQL, [fence.owner, fence.epoch])).fetchone() is None:
+                    raise FencedError(f"{fence.owner} holds no lease of epoch {fence.epoch}: it cannot take over")
+                lock = f"SELECT pg_try_advisory_xact_lock({schema.REPLICA_LOCK_SPACE}, hashtext(%s)) AS got"
+                if not (await (await conn.execute(lock, [dead_replica])).fetchone() or {}).get("got"):
+                    return []  # another survivor is taking it over right now
+                alive = "SELECT expires_at > clock_timestamp() AS alive FROM replicas WHERE replica_id = %s FOR UPDATE"
+                row = await (await conn.execute(alive, [dead_replica])).fetchone()
+                if row is not None and row["alive"]:
+                    return []  # it renewed in time
+                params = {"owner": fence.owner, "dead": dead_replica, "channel": self._channel}
+                moved = records_from_rows(await (await conn.execute(schema.TAKE_OVER_SQL, params)).fetchall())
+                ids = [record.task_id for record in moved]
+                await conn.execute(
+                    "UPDATE messages SET recipient = %s WHERE recipient = %s AND key = ANY(%s)",
+                    [fence.owner, dead_replica, ids],
+                )
+                await conn.execute("DELETE FROM messages WHERE recipient = %s", [dead_replica])
+                await conn.execute("DELETE FROM replicas WHERE replica_id = %s", [dead_replica])
+            return moved
+
+        moved = await self._run(f"take_over {dead_replica}", run)
         return sorted(moved, key=lambda record: (record.created_at_ms, record.task_id))
 
     # -- messages and the change feed ------------------------------------------------------------------------
@@ -483,12 +589,17 @@ class PostgresTaskStore(LiveWrites):
 
     async def settle_key(self, record: keys.KeyRecord, outcome: str) -> bool:
         params = {**keys.key_params(record), "outcome": outcome}
-        async with self._connection("settle_key") as conn:
+
+        async def run(conn: Conn) -> bool:
             return (await conn.execute(keys.pg(keys.SETTLE_SQL), params)).rowcount > 0
+
+        return await self._run("settle_key", run)
 
     async def release_key(self, record: keys.KeyRecord) -> None:
         await self._rows("release_key", keys.pg(keys.RELEASE_SQL), keys.key_params(record))
 
     async def purge_keys(self, now_ms: int) -> int:
-        async with self._connection("purge_keys") as conn:
+        async def run(conn: Conn) -> int:
             return (await conn.execute(keys.pg(keys.PURGE_SQL), {"now_ms": now_ms})).rowcount
+
+        return await self._run("purge_keys", run)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
@@ -33,6 +33,8 @@ from proxy.tasks.store.base import (
     LiveWrites,
     Message,
     StoreError,
+    StoreHealth,
+    StoreUnavailableError,
     TaskQuery,
     Tombstone,
     WindowCounts,
@@ -89,6 +91,7 @@ class SqliteTaskStore(LiveWrites):
         self.read_only = read_only
         self.operator = operator
         self._closed = False
+        self._health = StoreHealth("sqlite")
         self._close_done = asyncio.Event()
         self._writer: ThreadPoolExecutor | None = (
             None if read_only else ThreadPoolExecutor(max_workers=1, thread_name_prefix="task-store-writer")
@@ -252,6 +255,10 @@ class SqliteTaskStore(LiveWrites):
         """Commit one tiny write (readiness): raises StoreError when the file no longer takes writes."""
         await self._write("health check", lambda: self._writer_state.health(now_ms))
 
+    @property
+    def health(self) -> StoreHealth:
+        return self._health
+
     async def size_bytes(self) -> int:
         """The database file and its WAL on disk (metrics); 0 for a file that is not there."""
 
@@ -401,12 +408,24 @@ class SqliteTaskStore(LiveWrites):
 
     async def _write(self, what: str, work: Callable[[], _T]) -> _T:
         writer = self._open_writer_thread(what)
-        return await asyncio.get_running_loop().run_in_executor(writer, self._guarded, what, work)
+        return await self._noted(what, asyncio.get_running_loop().run_in_executor(writer, self._guarded, what, work))
 
     async def _read(self, what: str, work: Callable[[], _T]) -> _T:
         if self._closed:
             raise StoreError(f"{what}: the task store {self.path} is closed")
-        return await asyncio.get_running_loop().run_in_executor(self._reader, self._guarded, what, work)
+        return await self._noted(
+            what, asyncio.get_running_loop().run_in_executor(self._reader, self._guarded, what, work)
+        )
+
+    async def _noted(self, what: str, work: Awaitable[_T]) -> _T:
+        """The outcome of an operation in the store's health (readiness, metrics)."""
+        try:
+            result = await work
+        except StoreUnavailableError as exc:
+            self._health.failed(what.split(" ", 1)[0], "unavailable", exc.reason)
+            raise
+        self._health.available = True
+        return result
 
     def _guarded(self, what: str, work: Callable[[], _T]) -> _T:
         try:

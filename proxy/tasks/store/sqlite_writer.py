@@ -55,7 +55,7 @@ def translated(exc: sqlite3.Error, message: str) -> StoreError:
     error (transient: retried, answered 503), else StoreError with `message`."""
     code = getattr(exc, "sqlite_errorcode", None)
     reason = None if code is None else _UNAVAILABLE.get(code & 0xFF)
-    error = StoreError(message) if reason is None else StoreUnavailableError("sqlite", reason)
+    error = StoreError(message) if reason is None else StoreUnavailableError("sqlite", reason, detail=message)
     return caused(error, exc)
 
 
