@@ -122,6 +122,10 @@ class Recovery:
                     resumed += 1
                 else:  # each waits for its call's current event (a record being committed, say)
                     await self.feed.dispatch(call, LeaseLost())
+            outbox = self.records.outbox
+            for task_id in outbox.task_ids():  # calls that ended, their writes waiting for the store: the same rule
+                if task_id in mine:
+                    outbox.refence(task_id, fence)
             running = {task_id for task_id, call in self.table.tasks().items() if call.fence == fence}
             orphans = [
                 record
