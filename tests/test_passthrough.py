@@ -297,3 +297,56 @@ async def test_a_client_that_asks_for_no_compression_gets_none(make_proxy: Calla
         assert json.loads(payload)["result"]["text"] == "x" * 2000
     finally:
         await server.close()
+
+
+# --- what is written: trace context parsed, every header checked -------------------------------------------
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+async def test_trace_headers_are_relayed_only_as_the_w3c_grammars_read_them(
+    make_proxy: Callable[..., Any], echo: TestServer
+) -> None:
+    """W3C Trace Context §3.2, §3.3 and W3C Baggage §3: a value that does not parse is dropped, never relayed;
+    a tracestate goes only with a valid traceparent."""
+    proxy = await make_proxy(str(echo.make_url("/mcp")))
+    valid = [("traceparent", TRACEPARENT), ("tracestate", "rojo=1"), ("tracestate", "congo=2"), ("baggage", "a=1")]
+    received = _without((await raw_request(proxy.port, "GET", [("Host", "localhost"), *valid]))["headers"])
+    assert [(name, value) for name, value in received if name in ("traceparent", "tracestate", "baggage")] == [
+        ("traceparent", TRACEPARENT),
+        ("tracestate", "rojo=1,congo=2"),
+        ("baggage", "a=1"),
+    ]
+    invalid = [("traceparent", TRACEPARENT.upper()), ("tracestate", "rojo=1"), ("baggage", 'a="quoted"')]
+    received = _without((await raw_request(proxy.port, "GET", [("Host", "localhost"), *invalid]))["headers"])
+    assert [name for name, _ in received if name in ("traceparent", "tracestate", "baggage")] == []
+
+
+@pytest.mark.parametrize("method", ["POST", "GET"])
+async def test_a_header_that_cannot_be_written_fails_the_request_before_a_byte_leaves(
+    make_proxy: Callable[..., Any], method: str
+) -> None:
+    """RFC 9110 §5.5: a field value holds no control character but tab. A configured header with one (the
+    configuration refuses only CR, LF and NUL) is never written: the client gets the proxy's own JSON-RPC error
+    (HTTP 400), on the lean client's path (POST) and aiohttp's (GET) alike, and the upstream sees no request."""
+    seen: list[str] = []
+
+    async def count(request: web.Request) -> web.Response:
+        seen.append(request.method)
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_route("*", "/mcp", count)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        proxy = await make_proxy(str(server.make_url("/mcp")), upstream={"headers": {"X-Api-Key": "key\x01"}})
+        response = await proxy.request(method, "/mcp", json=_post("plain"), headers=LEGACY_HEADERS)
+        assert response.status == 400
+        answer = await response.json()
+        assert answer["error"]["code"] == -32600
+        assert "X-Api-Key" in answer["error"]["message"]
+        assert "key\x01" not in json.dumps(answer)
+        assert seen == []
+    finally:
+        await server.close()
