@@ -23,7 +23,7 @@ from proxy import tracing
 from proxy.errors import InvalidRequestError, UpstreamError, UpstreamTimeoutError
 from proxy.upstream.http.lean import HttpAnswer, LeanClient
 from proxy.wire import trace_context
-from proxy.wire.fields import FieldError, check_field, check_target
+from proxy.wire.fields import FieldError, check_fields, check_target
 
 CUT_SHORT: Final = "Upstream MCP server closed the connection in the middle of its answer"
 
@@ -100,8 +100,7 @@ def _checked(url: URL, headers: CIMultiDict[str]) -> None:
     JSON-RPC answer, HTTP 400) and nothing is sent."""
     try:
         check_target(url.raw_path_qs)
-        for name, value in headers.items():
-            check_field(name, value)
+        check_fields(list(headers.items()))
     except FieldError as exc:
         raise InvalidRequestError(f"The request cannot be relayed upstream: {exc}") from None
 
