@@ -87,3 +87,11 @@ def test_no_text_in_data_ends_the_event_or_starts_a_field_of_its_own(data: str) 
     assert events[0].id is None
     lines = re.split(r"\r\n|\r|\n", frame(data).decode())
     assert all(line.startswith(("data: ", "event: ")) or line == "" for line in lines)
+
+
+@pytest.mark.parametrize("event_id", ["a\x00b", "a\x01b", "a\x7f", "a "])
+def test_an_id_that_could_not_be_sent_back_as_last_event_id_is_ignored(event_id: str) -> None:
+    """HTML Living Standard §9.2.6: an id holding NUL is ignored; so is one that is no valid header value (RFC
+    9110 §5.5), since the proxy sends the last id back as `Last-Event-ID` when it resumes a stream."""
+    events = _events([b"id: 1\ndata: x\n\n", f"id: {event_id}\ndata: y\n\n".encode()])
+    assert [event.id for event in events] == ["1", "1"]

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
+from proxy.wire.fields import is_safe_value
+
 
 @dataclass(frozen=True, slots=True)
 class SSEEvent:
@@ -117,7 +119,9 @@ class SSEParser:
             self._check()
         elif field == "event":
             self._event = value
-        elif field == "id" and "\0" not in value:
+        elif field == "id" and is_safe_value(value):
+            # The spec ignores an id holding NUL; the proxy also one it could not send back as `Last-Event-ID`
+            # (RFC 9110 §5.5: no control character, no surrounding whitespace) when it resumes the stream.
             self._id = value
         elif field == "retry" and value.isdigit():
             self._retry = int(value)
