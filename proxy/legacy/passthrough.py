@@ -4,8 +4,8 @@ A legacy client through the proxy must see what it sees directly: status, body a
 copied, SSE is streamed chunk by chunk as it arrives (no buffering, no decompression), hop-by-hop headers are
 dropped, and nothing is added but the conventional X-Forwarded-For/-Proto/-Host. The proxy's own Host/Origin
 checks ran before; the upstream sees the proxy as its client. Trace context is parsed, not copied (a value that
-does not parse is dropped, W3C Trace Context and Baggage), and every header is checked where it is written
-(`wire/fields.py`): one that could split a header line fails the request with the proxy's own JSON-RPC error
+does not parse is dropped, W3C Trace Context and Baggage), and what is written is checked (`wire/fields.py`,
+`_checked`): a target or header that could split a line fails the request with the proxy's own JSON-RPC error
 before a byte leaves.
 """
 
@@ -23,7 +23,7 @@ from proxy import tracing
 from proxy.errors import InvalidRequestError, UpstreamError, UpstreamTimeoutError
 from proxy.upstream.http.lean import HttpAnswer, LeanClient
 from proxy.wire import trace_context
-from proxy.wire.fields import FieldError, check_fields, check_target
+from proxy.wire.fields import FieldError, check_fields, check_target, check_value
 
 CUT_SHORT: Final = "Upstream MCP server closed the connection in the middle of its answer"
 
@@ -94,13 +94,24 @@ def _trace_parsed(headers: CIMultiDict[str]) -> None:
     headers.update(trace_context.parsed(carrier))
 
 
-def _checked(url: URL, headers: CIMultiDict[str]) -> None:
-    """Whether the request target is origin-form visible ASCII (RFC 9112 §3.2), every header name a token and
-    every value writable (RFC 9110 §5.1, §5.5); if not, the request fails with an InvalidRequestError (a
-    JSON-RPC answer, HTTP 400) and nothing is sent."""
+FORWARDED: Final = ("X-Forwarded-For", "X-Forwarded-Proto", "X-Forwarded-Host")
+
+
+def _checked(target: str, headers: CIMultiDict[str], *, every_field: bool) -> None:
+    """Whether the request target is origin-form visible ASCII (RFC 9112 §3.2) and the headers may be written
+    (RFC 9110 §5.1, §5.5); if not, the request fails with an InvalidRequestError (a JSON-RPC answer, HTTP 400)
+    and nothing is sent. `every_field`: each header, for aiohttp's client, which refuses CR and LF only;
+    otherwise the values this hop composed (X-Forwarded-*): the lean client checks every field it writes, the
+    client's own were read by an HTTP parser that refuses control characters, and the configured ones were
+    checked when the configuration loaded."""
     try:
-        check_target(url.raw_path_qs)
-        check_fields(list(headers.items()))
+        check_target(target)
+        if every_field:
+            check_fields(list(headers.items()))
+        else:
+            for name in FORWARDED:
+                if (value := headers.get(name)) is not None:
+                    check_value(name, value)
     except FieldError as exc:
         raise InvalidRequestError(f"The request cannot be relayed upstream: {exc}") from None
 
@@ -141,12 +152,15 @@ class PassThrough:
         for name, value in self.extra_headers.items():
             headers[name] = value
         _trace_parsed(headers)
-        _checked(url, headers)
+        target = url.raw_path_qs
+        lean = self.lean is not None and request.method == "POST"  # every URL relayed is on the upstream's origin
+        _checked(target, headers, every_field=not lean)
         upstream: HttpAnswer
         try:
-            if self.lean is not None and request.method == "POST":  # every URL relayed is on the upstream's origin
+            if lean:
+                assert self.lean is not None
                 # (a CLIENT span until the answer's headers are in)
-                upstream = await tracing.relayed(headers, self.lean.post, url.raw_path_qs, headers.items(), body or b"")
+                upstream = await tracing.relayed(headers, self.lean.post, target, headers.items(), body or b"")
             else:
                 upstream = await tracing.relayed(
                     headers,
