@@ -31,6 +31,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from proxy import keyfiles
+from proxy.wire.fields import is_safe_value
 
 ENV_PREFIX = "MCP_TASKS_PROXY_"
 _HEADER_NAME: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # an HTTP token (RFC 9110, section 5.6.2)
@@ -121,7 +122,8 @@ class HttpUpstreamConfig(_UpstreamCommon):
         default_factory=dict,
         description="Extra headers sent on every upstream request (e.g. a static API key the upstream needs); "
         "they replace a client's header of the same name, whatever its case. Names are HTTP tokens and values "
-        "hold no line break; a `Host` here replaces the URL's (a virtual host), a `Content-Length` is ignored.",
+        "hold no control character but tab and no surrounding whitespace; a `Host` here replaces the URL's (a "
+        "virtual host), a `Content-Length` is ignored.",
     )
     max_sessions: int = Field(
         64,
@@ -144,8 +146,11 @@ class HttpUpstreamConfig(_UpstreamCommon):
         for name, text in value.items():
             if not _HEADER_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not an HTTP header name (letters, digits and !#$%&'*+-.^_`|~)")
-            if any(character in text for character in "\r\n\0"):
-                raise ValueError(f"the value of {name} has a line break or NUL, which HTTP headers cannot carry")
+            if not is_safe_value(text):
+                raise ValueError(
+                    f"the value of {name} holds a control character (a line break, NUL, ...) or surrounding "
+                    "whitespace, which an HTTP header value cannot (RFC 9110, section 5.5)"
+                )
         return value
 
 

@@ -2,7 +2,7 @@
 carries (HTTP headers, `params._meta`), the current context written into what goes upstream (headers,
 `_meta`, a relayed request's headers), a span context as the W3C traceparent a task record keeps and back,
 and the low-cardinality target of a span name. No span is started here and nothing is kept. Imports the
-OpenTelemetry API only; `tracing` builds the spans with these.
+OpenTelemetry API and the wire's trace-context parser only; `tracing` builds the spans with these.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanContext
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-TRACE_KEYS: Final = ("traceparent", "tracestate", "baggage")  # W3C keys, in HTTP headers and in `_meta`
+from proxy.wire.trace_context import TRACE_KEYS, parsed
+
 _W3C: Final = TraceContextTextMapPropagator()  # a stored context is W3C, whatever OTEL_PROPAGATORS says
 
 
@@ -38,10 +39,11 @@ def span_name(method: str, target: str | None) -> str:
 
 
 def carried(carrier: Mapping[str, Any]) -> Context | None:
-    """The trace context a carrier (HTTP headers or `_meta`) holds, if a valid one."""
+    """The trace context a carrier (HTTP headers or `_meta`) holds, if a valid one: read from what the wire's
+    parser kept (W3C Trace Context, W3C Baggage), the same rules as with tracing off."""
     if carrier.get("traceparent") is None:
         return None
-    found = propagate.extract(carrier={key: value for key in TRACE_KEYS if isinstance(value := carrier.get(key), str)})
+    found = propagate.extract(carrier=parsed(carrier))
     return found if trace.get_current_span(found).get_span_context().is_valid else None
 
 

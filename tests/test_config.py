@@ -200,6 +200,19 @@ def test_unreadable_files(tmp_path: Path, text: str, message: str) -> None:
         load_config(path, environ={})
 
 
+@pytest.mark.parametrize("value", ["key\r\nX-Injected: yes", "key\x00", "key\x01", "key\x7f", " key", "key\t"])
+def test_an_upstream_header_value_that_cannot_be_written_stops_the_start(value: str) -> None:
+    """RFC 9110 §5.5: no control character but tab inside a value, no whitespace around it; refused with the
+    field's path when the configuration loads, never sent on a request."""
+    overrides = {"upstream": {"url": "http://127.0.0.1:1/mcp", "headers": {"X-Api-Key": value}}}
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, environ={}, overrides=overrides)
+    assert "upstream.headers" in "\n".join(caught.value.problems)
+    assert load_config(
+        None, environ={}, overrides={"upstream": {"url": "http://127.0.0.1:1/mcp", "headers": {"X-Api-Key": "a\tb"}}}
+    )
+
+
 def test_bad_env_names_are_errors() -> None:
     with pytest.raises(ConfigError, match="SECTION"):
         load_config(None, environ={"MCP_TASKS_PROXY_PORT": "1"})

@@ -7,7 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.wire import fields
-from proxy.wire.fields import FieldError, check_field, check_name, check_target, check_value, is_safe_value
+from proxy.wire.fields import (
+    FieldError,
+    check_field,
+    check_fields,
+    check_name,
+    check_target,
+    check_value,
+    is_safe_value,
+)
 
 
 @pytest.mark.parametrize("name", ["Authorization", "x-request-id", "Mcp-Session-Id", "a!#$%&'*+-.^_`|~1"])
@@ -75,3 +83,31 @@ def test_a_target_with_spaces_controls_or_no_leading_slash_is_refused(target: st
 def test_the_fast_path_and_the_expression_agree_on_every_value(value: str) -> None:
     """`is_safe_value` takes a shortcut for printable text; it must accept exactly what the expression accepts."""
     assert is_safe_value(value) is (fields._VALUE.fullmatch(value) is not None)
+
+
+_PIECES = st.text(alphabet=st.sampled_from(["a", "B", "-", ":", " ", "\t", "\n", "\r", "\x00", "\x01", "é", "\x7f"]))
+
+
+def _valid(name: str, value: str) -> bool:
+    try:
+        check_field(name, value)
+    except FieldError:
+        return False
+    return True
+
+
+@given(st.lists(st.tuples(_PIECES, _PIECES), max_size=6))
+def test_check_fields_refuses_a_block_exactly_when_one_of_its_fields_is_refused(fields: list[tuple[str, str]]) -> None:
+    """The one-pass check of a whole block says what each field's own check says, even for values holding the
+    block's separators (NUL, LF)."""
+    if all(_valid(name, value) for name, value in fields):
+        check_fields(fields)
+    else:
+        with pytest.raises(FieldError):
+            check_fields(fields)
+
+
+def test_a_value_holding_what_looks_like_a_second_field_is_refused() -> None:
+    check_fields([("Accept", "application/json"), ("X-Key", "a\tb")])
+    with pytest.raises(FieldError, match="X-Key"):
+        check_fields([("Accept", "application/json"), ("X-Key", "b\nc\x00d")])

@@ -13,8 +13,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from multidict import CIMultiDict
 
-from proxy.legacy.passthrough import BUFFERED_BODY_MAX_BYTES
+from proxy.errors import InvalidRequestError, UpstreamRequestInvalidError
+from proxy.legacy.passthrough import BUFFERED_BODY_MAX_BYTES, _checked
+from proxy.upstream.http.answers import checked_headers
+from proxy.upstream.http.h1 import H1RequestError, RequestWriter
 
 LEGACY_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
 BIG = BUFFERED_BODY_MAX_BYTES + 12_345
@@ -297,3 +301,56 @@ async def test_a_client_that_asks_for_no_compression_gets_none(make_proxy: Calla
         assert json.loads(payload)["result"]["text"] == "x" * 2000
     finally:
         await server.close()
+
+
+# --- what is written: trace context parsed, every header checked -------------------------------------------
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+async def test_trace_headers_are_relayed_only_as_the_w3c_grammars_read_them(
+    make_proxy: Callable[..., Any], echo: TestServer
+) -> None:
+    """W3C Trace Context §3.2, §3.3 and W3C Baggage §3: a value that does not parse is dropped, never relayed;
+    a tracestate goes only with a valid traceparent."""
+    proxy = await make_proxy(str(echo.make_url("/mcp")))
+    valid = [("traceparent", TRACEPARENT), ("tracestate", "rojo=1"), ("tracestate", "congo=2"), ("baggage", "a=1")]
+    received = _without((await raw_request(proxy.port, "GET", [("Host", "localhost"), *valid]))["headers"])
+    assert [(name, value) for name, value in received if name in ("traceparent", "tracestate", "baggage")] == [
+        ("traceparent", TRACEPARENT),
+        ("tracestate", "rojo=1,congo=2"),
+        ("baggage", "a=1"),
+    ]
+    invalid = [("traceparent", TRACEPARENT.upper()), ("tracestate", "rojo=1"), ("baggage", 'a="quoted"')]
+    received = _without((await raw_request(proxy.port, "GET", [("Host", "localhost"), *invalid]))["headers"])
+    assert [name for name, _ in received if name in ("traceparent", "tracestate", "baggage")] == []
+
+
+@pytest.mark.parametrize("value", ["a\x01b", "a\x7f", "a\r\nX-Injected: yes", "a\x00", " leading"])
+@pytest.mark.parametrize("writer", ["aiohttp", "lean"])
+def test_a_header_that_cannot_be_written_fails_the_relayed_request(value: str, writer: str) -> None:
+    """RFC 9110 §5.5: a field value holds no control character but tab, and no surrounding whitespace. Each
+    client checks every header where it writes it: `checked_headers` before aiohttp's client (which refuses only
+    CR and LF itself), the lean client's own writer; nothing is written, and the error never holds the value."""
+    headers: CIMultiDict[str] = CIMultiDict({"Accept": "application/json", "X-Forwarded-Host": value})
+    refused: UpstreamRequestInvalidError | H1RequestError
+    if writer == "aiohttp":
+        with pytest.raises(UpstreamRequestInvalidError, match="X-Forwarded-Host") as raised:
+            checked_headers(headers)
+        refused = raised.value
+        assert refused.http_status == 400
+        assert value not in refused.message
+        checked_headers(CIMultiDict({"Accept": "application/json", "X-Forwarded-Host": "a\tb"}))
+    else:
+        with pytest.raises(H1RequestError, match="X-Forwarded-Host") as lean:
+            RequestWriter("upstream:9000").request("POST", "/mcp", headers.items(), b"{}")
+        assert value.strip() not in str(lean.value)
+        fine = [("Accept", "application/json"), ("X-Forwarded-Host", "a\tb")]
+        assert RequestWriter("upstream:9000").request("POST", "/mcp", fine, b"{}").startswith(b"POST /mcp HTTP/1.1")
+
+
+@pytest.mark.parametrize("target", ["/mcp\r\nX-Injected: yes", "/mcp x", "mcp", "/mcp\x00"])
+def test_a_request_target_that_cannot_be_written_fails_the_relayed_request(target: str) -> None:
+    """RFC 9112 §3.2: origin-form, visible ASCII only."""
+    with pytest.raises(InvalidRequestError):
+        _checked(target)

@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestServer
 
 from proxy.config import HttpUpstreamConfig
 from proxy.errors import (
+    UpstreamError,
     UpstreamRefusedError,
     UpstreamRequestInvalidError,
     UpstreamSessionGoneError,
@@ -113,6 +114,36 @@ async def test_a_refusal_says_by_its_type_whether_the_upstream_forgot_the_sessio
         with pytest.raises(UpstreamRefusedError, match="HTTP 500") as refused:
             await session.request("prompts/list", None)
         assert not isinstance(refused.value, UpstreamSessionGoneError)
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    ("version", "session_id"),
+    [("2025-11-25\r\nX-Injected: yes", "s-1"), ("2025-11-25\x00", None)],
+)
+async def test_an_initialize_result_that_cannot_be_sent_back_as_headers_is_refused(
+    http: aiohttp.ClientSession, version: str, session_id: str | None
+) -> None:
+    """RFC 9110 §5.5: the negotiated version and the session id go back upstream as header values; one that
+    holds a control character is refused at initialize, so no later request writes it."""
+    seen: list[str] = []
+
+    async def post(request: web.Request) -> web.Response:
+        message = await request.json()
+        seen.append(message["method"])
+        result = {"protocolVersion": version, "capabilities": {}, "serverInfo": {"name": "s", "version": "1"}}
+        headers = {"Mcp-Session-Id": session_id} if session_id is not None else {}
+        return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": result}, headers=headers)
+
+    app = web.Application()
+    app.router.add_post("/mcp", post)
+    async with TestServer(app, host="127.0.0.1") as server:
+        client = SessionPool(
+            HttpKind(HttpUpstreamConfig(url=str(server.make_url("/mcp"))), http, "authorization", None)
+        )
+        with pytest.raises(UpstreamError):
+            await client.session(None).ensure_initialized()
+        assert seen == ["initialize"]  # not even notifications/initialized was sent
         await client.close()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from proxy.wire.sse import EventTooLargeError, SSEEvent, SSEParser, frame
@@ -73,3 +75,23 @@ def test_a_long_line_split_into_many_chunks_is_joined_once() -> None:
         events += parser.feed((b"data: " if start == 0 else b"") + body[start : start + 997])
     events += parser.feed(b"\r\n\r\n")
     assert [event.data for event in events] == [body.decode()]
+
+
+@pytest.mark.parametrize("data", ["a\rid: 7\rdata: injected", "a\r\n\r\nevent: injected", "a\n\ndata: injected"])
+def test_no_text_in_data_ends_the_event_or_starts_a_field_of_its_own(data: str) -> None:
+    """HTML Living Standard §9.2.5: CR, LF and CR LF all end a line; each becomes a `data:` line of the one event."""
+    parser = SSEParser()
+    events = list(parser.feed(frame(data)))
+    assert len(events) == 1
+    assert events[0].event == "message"
+    assert events[0].id is None
+    lines = re.split(r"\r\n|\r|\n", frame(data).decode())
+    assert all(line.startswith(("data: ", "event: ")) or line == "" for line in lines)
+
+
+@pytest.mark.parametrize("event_id", ["a\x00b", "a\x01b", "a\x7f", "a "])
+def test_an_id_that_could_not_be_sent_back_as_last_event_id_is_ignored(event_id: str) -> None:
+    """HTML Living Standard §9.2.6: an id holding NUL is ignored; so is one that is no valid header value (RFC
+    9110 §5.5), since the proxy sends the last id back as `Last-Event-ID` when it resumes a stream."""
+    events = _events([b"id: 1\ndata: x\n\n", f"id: {event_id}\ndata: y\n\n".encode()])
+    assert [event.id for event in events] == ["1", "1"]

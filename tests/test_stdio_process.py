@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import structlog
 
-from proxy.errors import UpstreamError
+from proxy.errors import InvalidRequestError, UpstreamError
 from proxy.upstream.stdio.process import (
     INHERITED_ENV_VARS,
     STDERR_LINE_CHARS,
@@ -25,6 +25,7 @@ from proxy.upstream.stdio.process import (
     StdioProcess,
     child_environment,
 )
+from proxy.wire.jsonrpc import RawJSON
 from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,6 +178,23 @@ async def test_messages_arrive_in_order_and_the_whole_process_group_ends_with_th
     exited = await server.process.stop(5.0)
     assert exited.returncode == 0
     await group_ends(server.process.pid, "the background sleep outlived the server")
+
+
+@pytest.mark.parametrize("break_", ["\n", "\r", "\r\n"])
+async def test_a_message_that_would_not_be_one_line_is_refused_before_a_byte_is_written(
+    spawn: Spawn, break_: str
+) -> None:
+    """MCP stdio transport: messages MUST NOT contain embedded newlines. A raw line break can only come from
+    kept JSON text spliced in as it is (whitespace between its tokens); the message is refused with the proxy's
+    own error, nothing of it reaches the server, and the server lives on."""
+    server = await spawn(["cat"])
+    smuggled = {"jsonrpc": "2.0", "method": "n", "params": {"kept": RawJSON(f'{{"a":{break_}{{"jsonrpc":"2.0"}}}}')}}
+    with pytest.raises(InvalidRequestError, match="line break"):
+        await server.process.send(smuggled)
+    after = {"jsonrpc": "2.0", "method": "n", "params": {"i": 1}}
+    await server.process.send(after)
+    assert await server.next() == after  # the first line the server read: nothing of the refused message
+    assert server.process.exited is None
 
 
 async def test_the_environment_is_the_inherited_few_plus_the_configured_and_cwd_applies(

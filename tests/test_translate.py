@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from multidict import CIMultiDict
+
 from proxy.wire.translate import (
     complete_result,
     discover_result,
@@ -13,6 +15,8 @@ from proxy.wire.translate import (
     relay_notification,
     required_capability,
     server_capabilities,
+    trace_headers,
+    upstream_params,
 )
 
 SERVER_INFO = {"name": "up", "version": "1.0"}
@@ -175,3 +179,53 @@ def test_required_capability_per_input_method() -> None:
     assert required_capability("roots/list", None) == {"roots": {}}
     assert required_capability("elicitation/create", {"message": "x"}) == {"elicitation": {}}
     assert required_capability("elicitation/create", {"mode": "url"}) == {"elicitation": {"url": {}}}
+
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+OTHER_TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def test_trace_headers_come_parsed_from_the_http_headers_else_from_meta() -> None:
+    """W3C Trace Context: a value that does not parse is dropped, never forwarded; a tracestate travels with
+    the traceparent it belongs to."""
+    headers = CIMultiDict({"TraceParent": TRACEPARENT, "tracestate": "rojo=1"})
+    meta = {"traceparent": OTHER_TRACEPARENT, "tracestate": "congo=2", "baggage": "user=alice"}
+    assert trace_headers(meta, headers) == {"traceparent": TRACEPARENT, "tracestate": "rojo=1", "baggage": "user=alice"}
+    broken = CIMultiDict({"traceparent": TRACEPARENT + "x", "tracestate": "rojo=1"})
+    assert trace_headers(meta, broken) == {
+        "traceparent": OTHER_TRACEPARENT,
+        "tracestate": "congo=2",
+        "baggage": "user=alice",
+    }
+    assert trace_headers({}, CIMultiDict()) == {}
+
+
+def test_trace_context_with_a_line_break_never_becomes_a_header() -> None:
+    injected = {
+        "traceparent": TRACEPARENT + "\r\nX-Injected: yes",
+        "tracestate": "rojo=1\nX-Injected: yes",
+        "baggage": "a=1\r\n\r\nPOST /mcp HTTP/1.1",
+    }
+    assert trace_headers(injected, CIMultiDict()) == {}
+    assert trace_headers({}, CIMultiDict({"baggage": "a=1\x00"})) == {}
+
+
+def test_the_meta_forwarded_upstream_keeps_only_trace_context_that_parses() -> None:
+    params: dict[str, Any] = {
+        "name": "echo",
+        "_meta": {
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "traceparent": TRACEPARENT + "\r\nX-Injected: yes",
+            "tracestate": "rojo=1",
+            "baggage": " user=alice ",
+            "progressToken": 7,
+        },
+    }
+    assert upstream_params(params) == {"name": "echo", "_meta": {"progressToken": 7, "baggage": "user=alice"}}
+    params["_meta"]["traceparent"] = TRACEPARENT
+    assert upstream_params(params)["_meta"] == {
+        "progressToken": 7,
+        "traceparent": TRACEPARENT,
+        "tracestate": "rojo=1",
+        "baggage": "user=alice",
+    }

@@ -3,7 +3,10 @@
 A legacy client through the proxy must see what it sees directly: status, body and end-to-end headers are
 copied, SSE is streamed chunk by chunk as it arrives (no buffering, no decompression), hop-by-hop headers are
 dropped, and nothing is added but the conventional X-Forwarded-For/-Proto/-Host. The proxy's own Host/Origin
-checks ran before; the upstream sees the proxy as its client.
+checks ran before; the upstream sees the proxy as its client. Trace context is parsed, not copied (a value that
+does not parse is dropped, W3C Trace Context and Baggage), and what is written is checked where it is written
+(`wire/fields.py`: the target here, each header by the client that writes it): a target or header that could
+split a line fails the request with the proxy's own JSON-RPC error before a byte leaves.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy import tracing
+from proxy.errors import InvalidRequestError
 from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, checked_headers, failure
 from proxy.upstream.http.lean import LeanClient
+from proxy.wire import trace_context
+from proxy.wire.fields import FieldError, check_target
 
 # Plain answers up to this size are read whole and sent in one write; larger ones and SSE are streamed.
 BUFFERED_BODY_MAX_BYTES: Final = 1 << 20
@@ -73,6 +79,30 @@ def _end_to_end(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return kept
 
 
+def _trace_parsed(headers: CIMultiDict[str]) -> None:
+    """The request's trace headers as the W3C grammars read them (W3C Trace Context §3.2, §3.3; W3C Baggage
+    §3): a value that does not parse is dropped, never relayed. Several tracestate or baggage lines are one
+    list (RFC 9110 §5.3); several traceparent lines are none (Trace Context §3.2: one traceparent)."""
+    if not trace_context.has_trace_key(headers):
+        return
+    carrier: dict[str, str] = {}
+    for key in trace_context.TRACE_KEYS:
+        values = headers.popall(key, [])
+        if values and (key != "traceparent" or len(values) == 1):
+            carrier[key] = ",".join(values)
+    headers.update(trace_context.parsed(carrier))
+
+
+def _checked(target: str) -> None:
+    """Whether the request target is origin-form visible ASCII (RFC 9112 §3.2); if not, the request fails with
+    an InvalidRequestError (a JSON-RPC answer, HTTP 400) and nothing is sent. Every header is checked by the
+    client that writes it: the lean client's writer, or `checked_headers` before aiohttp's."""
+    try:
+        check_target(target)
+    except FieldError as exc:
+        raise InvalidRequestError(f"The request cannot be relayed upstream: {exc}") from None
+
+
 class PassThrough:
     """Relays a legacy client's requests to the HTTP upstream verbatim, on HTTP clients of its own (`close`
     closes them): POSTs, the hot path, through the lean client when the upstream is plain HTTP, everything else
@@ -108,11 +138,16 @@ class PassThrough:
         _add_forwarded(headers, request)
         for name, value in self.extra_headers.items():
             headers[name] = value
+        _trace_parsed(headers)
+        target = url.raw_path_qs
+        _checked(target)
+        lean = self.lean is not None and request.method == "POST"  # every URL relayed is on the upstream's origin
         upstream: Answer
         try:
-            if self.lean is not None and request.method == "POST":  # every URL relayed is on the upstream's origin
+            if lean:
+                assert self.lean is not None
                 # (a CLIENT span until the answer's headers are in)
-                upstream = await tracing.relayed(headers, self.lean.post, url.raw_path_qs, headers.items(), body or b"")
+                upstream = await tracing.relayed(headers, self.lean.post, target, headers.items(), body or b"")
             else:
                 upstream = AiohttpAnswer(
                     await tracing.relayed(

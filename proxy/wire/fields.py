@@ -10,6 +10,8 @@ of visible characters. Each check is one compiled regular expression, so it runs
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from operator import itemgetter
 from typing import Final
 
 # RFC 9110 §5.6.2: token = 1*tchar
@@ -63,3 +65,44 @@ def is_safe_value(value: str) -> bool:
     if value.isprintable() and (not value or (value[0] != " " and value[-1] != " ")):
         return True
     return _VALUE.fullmatch(value) is not None
+
+
+# A whole header block at once, by C loops rather than a regular expression a field (which costs some 30
+# instructions a character): the names joined and the values joined are each mapped byte for byte through a
+# table (allowed -> "a", anything else -> NUL; RFC 9110 §5.6.2 tchar for names, §5.5 field-vchar, SP and HTAB
+# for values) and searched for a NUL; `strip` hands back every value itself when none has whitespace around
+# it. Text past U+00FF (it cannot be one byte) takes the per-field path, as does a block that fails, so that
+# the error names the field.
+def _table(allowed: bytes) -> bytes:
+    return bytes(0x61 if byte in allowed else 0 for byte in range(256))
+
+
+_NAME_TABLE: Final = _table(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_VALUE_TABLE: Final = _table(b"\t" + bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100)))
+_NAME_OF: Final = itemgetter(0)
+_VALUE_OF: Final = itemgetter(1)
+
+
+def check_fields(fields: Iterable[tuple[str, str]]) -> None:
+    """`check_field` for each (name, value) of `fields`; raises FieldError naming the first that fails."""
+    items = fields if isinstance(fields, list | tuple) else list(fields)
+    if _valid_block(items):
+        return
+    for name, value in items:
+        check_field(name, value)
+
+
+def _valid_block(items: list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> bool:
+    names = tuple(map(_NAME_OF, items))
+    values = tuple(map(_VALUE_OF, items))
+    try:
+        joined_names = "".join(names).encode("latin1")
+        joined_values = "".join(values).encode("latin1")
+    except UnicodeEncodeError:
+        return False
+    return (
+        0 not in joined_names.translate(_NAME_TABLE)  # an int: a bytes needle would first fail as an index
+        and 0 not in joined_values.translate(_VALUE_TABLE)
+        and all(names)
+        and tuple(map(str.strip, values)) == values
+    )

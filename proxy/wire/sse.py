@@ -8,7 +8,11 @@ linear in the bytes fed, however they are split, and it can refuse events over a
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Final
+
+from proxy.wire.fields import is_safe_value
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +119,9 @@ class SSEParser:
             self._check()
         elif field == "event":
             self._event = value
-        elif field == "id" and "\0" not in value:
+        elif field == "id" and is_safe_value(value):
+            # The spec ignores an id holding NUL; the proxy also one it could not send back as `Last-Event-ID`
+            # (RFC 9110 §5.5: no control character, no surrounding whitespace) when it resumes the stream.
             self._id = value
         elif field == "retry" and value.isdigit():
             self._retry = int(value)
@@ -138,14 +144,20 @@ class SSEParser:
         return event
 
 
+_LINE_END: Final = re.compile(r"\r\n|\r|\n")
+
+
 def frame(data: str, event: str | None = "message", event_id: str | None = None) -> bytes:
-    """One SSE event; multi-line data becomes several `data:` lines."""
+    """One SSE event; multi-line data becomes several `data:` lines. A CR is a line end to an SSE reader as
+    much as LF or CR LF (HTML Living Standard §9.2.5 "Parsing an event stream"), so it splits data lines too:
+    no text in `data` can end the event or start a field of its own. `event` and `event_id` are the proxy's own."""
     lines = []
     if event_id is not None:
         lines.append(f"id: {event_id}")
     if event:
         lines.append(f"event: {event}")
-    lines.extend(f"data: {part}" for part in data.split("\n"))
+    parts = _LINE_END.split(data) if "\r" in data else data.split("\n")  # JSON has no raw CR: the usual path
+    lines.extend(f"data: {part}" for part in parts)
     return ("\n".join(lines) + "\n\n").encode()
 
 

@@ -23,6 +23,7 @@ from mcp_types import jsonrpc as codes
 from mcp_types.methods import CACHEABLE_METHODS
 
 from proxy.errors import RequestId
+from proxy.wire import trace_context
 from proxy.wire.envelope import SUPPORTED_VERSIONS, TASKS_EXTENSION
 from proxy.wire.jsonrpc import JSON, error_message, result_message
 
@@ -281,10 +282,6 @@ def required_capability(server_request_method: str, params: Any) -> JSON:
 MODERN_META_KEYS: Final = frozenset(
     {PROTOCOL_VERSION_META_KEY, CLIENT_CAPABILITIES_META_KEY, CLIENT_INFO_META_KEY, LOG_LEVEL_META_KEY}
 )
-# Trace context travels upstream as headers (W3C), as the client sent it in `_meta`.
-TRACE_META_KEYS: Final = ("traceparent", "tracestate", "baggage")
-
-
 # Params the legacy server never sees: the envelope (filtered below), the legacy `task` opt-in (ignored by the
 # Tasks extension) and the MRTR retry fields, which the proxy answers itself.
 _NOT_FORWARDED: Final = frozenset({"_meta", "task", "inputResponses", "requestState"})
@@ -297,18 +294,26 @@ def upstream_params(params: Mapping[str, Any]) -> JSON:
     meta = params.get("_meta")
     if isinstance(meta, dict):
         kept = {key: value for key, value in meta.items() if key not in MODERN_META_KEYS}
+        if kept and trace_context.has_trace_key(kept):
+            # Trace context in `_meta` is parsed, never copied (protocol.md §3.14): what does not parse is dropped.
+            kept = {key: value for key, value in kept.items() if key not in trace_context.TRACE_KEYS}
+            kept.update(trace_context.parsed(meta))
         if kept:
             forwarded["_meta"] = kept
     return forwarded
 
 
 def trace_headers(meta: Mapping[str, Any], http_headers: Mapping[str, str]) -> dict[str, str]:
-    """Trace context for the upstream request: the request's HTTP headers, else its `_meta` keys."""
-    found: dict[str, str] = {}
-    for key in TRACE_META_KEYS:
-        value = http_headers.get(key)
-        if value is None and isinstance(meta.get(key), str):
-            value = meta[key]
-        if value is not None:
-            found[key] = value
+    """Trace context for the upstream request's HTTP headers, parsed (W3C Trace Context, W3C Baggage): the
+    request's HTTP headers, else its `_meta` keys. `traceparent` and `tracestate` come from one source, the
+    first with a valid traceparent (a tracestate belongs to its traceparent); `baggage` from the first where it
+    parses. What does not parse is dropped, never forwarded, so nothing here can split a header line."""
+    if not trace_context.has_trace_key(http_headers) and not trace_context.has_trace_key(meta):
+        return {}  # the common case: no trace context at all
+    from_headers = trace_context.parsed(http_headers)
+    from_meta = trace_context.parsed(meta)
+    found = from_headers if "traceparent" in from_headers else from_meta
+    found = {key: value for key, value in found.items() if key != "baggage"}
+    if (baggage := from_headers.get("baggage", from_meta.get("baggage"))) is not None:
+        found["baggage"] = baggage
     return found

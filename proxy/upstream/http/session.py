@@ -50,6 +50,7 @@ from proxy.upstream.session import (
 )
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader
+from proxy.wire.fields import is_safe_value
 from proxy.wire.jsonrpc import JSON, dumps, error_message, notification_message, request_message, result_message
 from proxy.wire.sse import EventTooLargeError
 
@@ -178,6 +179,9 @@ class HttpSession:
                 raise UpstreamError(f"Upstream refused initialize: {event.error.get('message')}")
         if result is None or not isinstance(result.get("protocolVersion"), str):
             raise UpstreamError("Upstream sent an invalid InitializeResult")
+        # Both go back upstream as header values on every later request of the session (RFC 9110 §5.5).
+        if not is_safe_value(result["protocolVersion"]) or (session_id is not None and not is_safe_value(session_id)):
+            raise UpstreamError("Upstream sent a protocol version or session id that cannot be sent back as a header")
         if not self.principal:
             self.link.auth.saw_anonymous_success()
         self.session_id = session_id

@@ -38,7 +38,7 @@ from typing import Any, cast
 
 import structlog
 
-from proxy.errors import UpstreamError
+from proxy.errors import InvalidRequestError, UpstreamError
 from proxy.upstream.stdio import rates
 from proxy.wire.jsonrpc import dumps
 
@@ -226,9 +226,16 @@ class StdioProcess:
     async def send(self, message: Mapping[str, Any]) -> None:
         """Write one message as one line of compact JSON and wait while the pipe is full (backpressure).
 
-        Raises UpstreamError when the server is gone, is being stopped, or closed its stdin."""
+        Raises UpstreamError when the server is gone, is being stopped, or closed its stdin; InvalidRequestError,
+        with nothing written, when the message would not be one line."""
         # One line: compact JSON (its strings escape any newline; a lone surrogate is sent escaped), `\n`-ended.
-        line = dumps(message if isinstance(message, dict) else dict(message)) + b"\n"
+        encoded = dumps(message if isinstance(message, dict) else dict(message))
+        if b"\n" in encoded or b"\r" in encoded:
+            # MCP stdio transport: "Messages are delimited by newlines, and MUST NOT contain embedded newlines";
+            # a CR is a line end to many readers. jsonrpc.dumps never writes either, but a RawJSON it splices
+            # in (text kept from elsewhere) might: such a message is refused, not split into two.
+            raise InvalidRequestError("The message cannot be sent to the stdio server: it holds a line break")
+        line = encoded + b"\n"
         async with self._write_lock:
             self._check_writable()
             stdin = self._stdin()
