@@ -4,7 +4,8 @@ and, with two replicas, one of them cut off from the database by a TCP forwarder
 
 While the store is away every request that needs it is answered within `store.timeout_seconds` with HTTP 503,
 `Retry-After` and a JSON-RPC error naming the store (RFC 9110 §15.6.4); `/healthz` stays 200. A replica whose
-lease lapsed in an outage that nobody else survived resumes its tasks (their results are written); one cut off
+lease lapsed in an outage that nobody else survived resumes its tasks (their results are written, those the
+upstream produced during the outage too: they wait in the outbox and are written once the store is back); one cut off
 while the other replica reached the store loses its tasks to it, and writes nothing to them. Each test prints
 its fault's timeline (outage start, first 503, store back, last task settled).
 """
@@ -311,3 +312,76 @@ async def test_a_failover_to_a_promoted_standby_through_a_multi_host_url_costs_n
         timeline.show()
     finally:
         await asyncio.to_thread(standby.stop)
+
+
+FINISHING_SECONDS = 2.5  # a call shorter than the outage: its upstream finishes it ~2 s into it
+LONG_OUTAGE_SECONDS = 5.0  # past the calls' end and more than twice the lease
+
+
+async def finished_in_the_outage(replica: Replica, tasks: dict[str, str], timeline: Timeline) -> None:
+    """Every call ended while the store was away: its settlement waits in the outbox (none reached the store)."""
+
+    def kept() -> set[str]:
+        return {event["task_id"] for event in events(replica, "settlement_pending") if event.get("write") == "settle"}
+
+    await until(lambda: kept() >= set(tasks), lambda: f"settlements kept: {sorted(kept())}", 15)
+    timeline.mark("calls finished")
+    assert not [event for event in events(replica, "task_settled") if event.get("task_id") in tasks]
+
+
+def written_late(replica: Replica, tasks: dict[str, str]) -> None:
+    """Each task's own settlement (its result) was written from the outbox, none failed as an orphan."""
+    late = {event["task_id"]: event for event in events(replica, "settlement_written_late")}
+    for task_id in tasks:
+        assert late[task_id]["status"] == "completed", late.get(task_id)
+    assert not [event for event in events(replica, "settlement_dropped") if event.get("task_id") in tasks]
+    assert not [event for event in events(replica, "task_interrupted") if event.get("task_id") in tasks]
+
+
+async def test_results_produced_while_postgresql_is_stopped_are_written_once_it_is_back(
+    dsn: str,
+    server: pg.PgServer,
+    outage: Outage,
+) -> None:
+    """The upstream finishes every call while PostgreSQL is stopped and the lease lapses: the results wait in the
+    outbox, and once the database is back every task is completed with its own result (never failed as
+    interrupted by the lapsed lease)."""
+    replica, rr, tasks = await outage.running(dsn, FINISHING_SECONDS, "finished")
+    timeline = Timeline("PostgreSQL stopped, calls finishing in the outage")
+    await asyncio.to_thread(server.halt)
+    timeline.mark("outage start")
+    await outage.unavailable(replica, tasks, timeline)
+    await finished_in_the_outage(replica, tasks, timeline)
+    await asyncio.sleep(max(0.0, LONG_OUTAGE_SECONDS - (time.monotonic() - timeline.started)))  # the fault's length
+    await asyncio.to_thread(server.start)
+    timeline.mark("store back")
+    await all_completed(rr, tasks, FINISHING_SECONDS, timeline)
+    timeline.show()
+    written_late(replica, tasks)
+    assert events(replica, "lease_lost"), "the lease lapsed in the outage"
+    fresh = await rr.create("slow_compute", {"seconds": 0, "label": "after"})
+    assert result_text(await rr.settled(fresh)) == "slow_compute finished: label=after seconds=0"
+
+
+async def test_results_produced_while_postgresql_is_frozen_are_written_after_the_thaw(
+    dsn: str,
+    server: pg.PgServer,
+    outage: Outage,
+) -> None:
+    """The same with a frozen server (connections open, nothing answers): each settlement times out into the
+    outbox, and after the thaw every task is completed with its own result."""
+    replica, rr, tasks = await outage.running(dsn, FINISHING_SECONDS, "finished-frozen")
+    timeline = Timeline("PostgreSQL frozen, calls finishing in the outage")
+    server.freeze()
+    try:
+        timeline.mark("outage start")
+        await outage.unavailable(replica, tasks, timeline)
+        await finished_in_the_outage(replica, tasks, timeline)
+        await asyncio.sleep(max(0.0, LONG_OUTAGE_SECONDS - (time.monotonic() - timeline.started)))  # the freeze lasts
+    finally:
+        server.thaw()
+    timeline.mark("store back")
+    await all_completed(rr, tasks, FINISHING_SECONDS, timeline)
+    timeline.show()
+    written_late(replica, tasks)
+    assert events(replica, "lease_lost"), "the lease lapsed in the outage"

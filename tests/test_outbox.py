@@ -191,3 +191,32 @@ async def test_writes_refenced_after_a_lease_renewal_are_written_under_the_new_f
     filler.unlink()
     assert await outbox.try_all() is True
     assert log.written == [("task_c", "settle", TaskStatus.COMPLETED)]
+
+
+async def test_a_refused_write_is_tried_again_under_the_fence_a_reclaim_hands_out(
+    store: SqliteTaskStore, disk: Path
+) -> None:
+    """The store came back before the lapsed lease's recovery re-fenced the writes: a write its kept fence
+    refuses is tried once more under the renewed lease's fence when the task is still this replica's (a result
+    produced in the outage is not dropped); refused again, or no longer ours, it is dropped."""
+    asked: list[str] = []
+
+    async def reclaim(task_id: str) -> Fence | None:
+        asked.append(task_id)
+        return Fence("replica-2", 2) if task_id == "task_c" else FENCE  # task_c is replica-2's (the renewed lease)
+
+    outbox, log = Outbox(10, None, reclaim), Log()
+    filler = fill(disk)
+    log.keep(outbox, "task_c", "settle", settle(store, "task_c", TaskStatus.COMPLETED, result={"content": []}))
+    filler.unlink()
+    assert await outbox.try_all() is True
+    assert asked == ["task_c"]
+    assert log.written == [("task_c", "settle", TaskStatus.COMPLETED)]
+    record = await store.get("task_c")
+    assert record is not None
+    assert record.status is TaskStatus.COMPLETED
+    await store.create(make_record("task_d", owner="replica-3"))
+    log.keep(outbox, "task_d", "settle", settle(store, "task_d", TaskStatus.COMPLETED, result={"content": []}))
+    assert await outbox.try_all() is True  # reclaim hands out the fence refused: dropped
+    assert not outbox.holds("task_d")
+    assert log.written == [("task_c", "settle", TaskStatus.COMPLETED)]

@@ -98,7 +98,9 @@ class TaskRunner:
             observers.append(AuditTrail(self.audit))
         self.executor = Executor(self.background, self._forget, observers)
         feed = self.executor
-        self.outbox = Outbox(config.store.max_pending_settlements, metrics)
+        self.outbox = Outbox(
+            config.store.max_pending_settlements, metrics, lambda task_id: self.replicas.reclaim(task_id)
+        )
         self._outbox_worker: asyncio.Task[None] | None = None
         self.records = RecordWrites(
             config.tasks,

@@ -24,6 +24,7 @@ log = structlog.get_logger(__name__)
 
 Kind = Literal["progress", "queue", "inputs", "settle"]
 Write = Callable[[Fence | None], Awaitable[TaskRecord | None]]
+Reclaim = Callable[[str], Awaitable[Fence | None]]
 Written = Callable[[TaskRecord | None], None]
 
 FIRST_RETRY_SECONDS: Final = 0.1  # a store back at once (a lock, a blip) is written to within a tenth of a second
@@ -49,9 +50,11 @@ class TaskWrites:
 
 
 class Outbox:
-    def __init__(self, limit: int, metrics: Metrics | None) -> None:
+    def __init__(self, limit: int, metrics: Metrics | None, reclaim: Reclaim | None = None) -> None:
         self.limit = limit
         self.metrics = metrics
+        # A refused write: is the task still this replica's under a renewed lease? (`ReplicaLink.reclaim`)
+        self.reclaim = reclaim
         self._tasks: OrderedDict[str, TaskWrites] = OrderedDict()  # the oldest task first
         self._count = 0  # writes waiting, over all tasks
         self._wake = asyncio.Event()
@@ -139,8 +142,20 @@ class Outbox:
             entry = self._tasks.get(task_id)
             while entry is not None and entry.queue:
                 pending = entry.trying = entry.queue[0]
+                refused = entry.fence()
                 try:
-                    record = await pending.write(entry.fence())
+                    try:
+                        record = await pending.write(refused)
+                    except FencedError:
+                        # The store is back and the lease lapsed in the outage: this write may come before the
+                        # renewal, or before the lapsed lease's recovery re-fences it. Tried once more under
+                        # the renewed lease while the task is still this replica's (as a direct write is).
+                        fence = None if self.reclaim is None else await self.reclaim(task_id)
+                        if fence is None or fence == refused:
+                            raise
+                        log.info("task_lease_resumed", task_id=task_id, epoch=fence.epoch)
+                        self.refence(task_id, fence)
+                        record = await pending.write(fence)
                 except StoreUnavailableError:  # the store's health notes it (store_available)
                     return False
                 except FencedError:
