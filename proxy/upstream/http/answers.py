@@ -21,7 +21,7 @@ from proxy.upstream.http.h1 import (
     H1RequestError,
     H1TimeoutError,
 )
-from proxy.wire.fields import FieldError, check_field
+from proxy.wire.fields import FieldError, check_fields
 
 CUT_SHORT: Final = "Upstream MCP server closed the connection in the middle of its answer"
 
@@ -139,8 +139,7 @@ def checked_headers(headers: Mapping[str, str]) -> Mapping[str, str]:
     UpstreamRequestInvalidError (nothing is sent) otherwise. For the requests aiohttp's client writes, whose own
     check looks for CR and LF only."""
     try:
-        for name, value in headers.items():
-            check_field(name, value)
+        check_fields(list(headers.items()))  # the whole block in one pass; each field on its own only to name one
     except FieldError as exc:
         raise failure(exc) from None
     return headers
