@@ -80,8 +80,8 @@ class _UpstreamCommon(_Frozen):
         5.0,
         gt=0,
         description="Time allowed to open a TCP connection to the upstream before it counts as down. With "
-        "`command`: how long a new server process has to answer `initialize`, and how long a request waits for a "
-        "process when `max_processes` are busy.",
+        "`command`: how long a request waits for a process when `max_processes` are busy, and how long the "
+        "readiness probe's `ping` may take (the start itself has `start_timeout_seconds`).",
     )
     call_timeout_seconds: float = Field(
         3600.0,
@@ -165,8 +165,20 @@ class StdioUpstreamConfig(_UpstreamCommon):
     env: dict[str, str] = Field(
         default_factory=dict,
         description="With `command`: environment variables for the server, set over the few it inherits from the "
-        "proxy (HOME, LOGNAME, PATH, SHELL, TERM, USER, LANG, LC_ALL, LC_CTYPE, TZ, TMPDIR); nothing else of the "
-        "proxy's environment reaches it.",
+        "proxy when they are set there: HOME, LOGNAME, PATH, SHELL, TERM, USER, LANG, LC_ALL, LC_CTYPE, TZ, TMPDIR; "
+        "the cache directories uvx and npx use (XDG_CACHE_HOME, XDG_CONFIG_HOME, XDG_DATA_HOME, XDG_STATE_HOME, "
+        "XDG_RUNTIME_DIR, UV_CACHE_DIR, UV_TOOL_DIR, UV_PYTHON_INSTALL_DIR, npm_config_cache, NPM_CONFIG_CACHE); "
+        "the trust store (SSL_CERT_FILE, SSL_CERT_DIR, REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE, NODE_EXTRA_CA_CERTS, "
+        "PIP_CERT, UV_NATIVE_TLS); the outbound proxy (HTTP_PROXY, HTTPS_PROXY, NO_PROXY, ALL_PROXY and http_proxy, "
+        "https_proxy, no_proxy, all_proxy). Nothing else of the proxy's environment reaches it.",
+    )
+    start_timeout_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="With `command`: how long a new server process has to answer `initialize`. `uvx` and `npx` "
+        "resolve (and may download) the server first: a warm `uvx mcp-server-fetch` takes about 6 s. While it "
+        "waits the proxy logs `upstream_process_still_starting`; past it the request gets 504 saying the server "
+        "did not answer initialize within this time.",
     )
     cwd: str | None = Field(None, description="With `command`: the server's working directory; null: the proxy's own.")
     max_processes: int = Field(
