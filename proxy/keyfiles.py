@@ -2,7 +2,8 @@
 that signs `requestState` (`inputs.secret_file`) and the PostgreSQL password (`store.password_file`).
 
 `load_config` checks them with `problems` apart from the schema (which only describes), so an unmounted
-Secret fails `check-config` and the start, not a later request; the users read them with `read_secret` and
+Secret fails the start, not a later request (`check-config` notes a file missing on its machine, unless
+`--strict`); the users read them with `read_secret` and
 `read_password`. Imports nothing from the proxy.
 """
 
