@@ -353,6 +353,10 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     # The store first: a database in use by another process stops the start before anything else is opened.
     store = await open_store(config.store, max_records=config.tasks.max_records)
     app[STORE] = store
+    if config.store.url is None:
+        log.info("store_opened", backend="sqlite", path=config.store.path)  # absolute (`parse_config`)
+    else:
+        log.info("store_opened", backend="postgresql")
     # No shared cookie jar: what the upstream sets is kept per upstream session (`upstream/http/session.py`).
     http = aiohttp.ClientSession(
         connector=upstream_connector(), auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar()

@@ -1,7 +1,8 @@
 """Command line: argv → config → logging → serve | check-config | tasks … | probe.
 
 `serve` runs the proxy (`serve … -- CMD ARGS` names a stdio server instead of an upstream URL);
-`check-config FILE` validates (errors all at once, exit code 2); `tasks list|show|stats|cancel|purge` work on
+`check-config [FILE]` validates what `serve` would run (errors all at once, exit code 2; `--print` writes it as
+YAML, credentials redacted); `tasks list|show|stats|cancel|purge` work on
 the store the config names (`operator_cli.py`); `probe [URL]` is the container HEALTHCHECK (exit 0 on HTTP
 200). Every command has `--help`; `--version` prints the version.
 
@@ -56,17 +57,27 @@ def _parser() -> argparse.ArgumentParser:
         "stdio, run by the proxy (sets upstream.command, clears upstream.url).",
     )
     serve.add_argument("--config", metavar="FILE", help="YAML config file (defaults apply without one)")
-    serve.add_argument(
-        "--upstream", metavar="URL", help="legacy MCP endpoint (sets upstream.url, clears upstream.command)"
-    )
-    serve.add_argument("--host", help="listen address (overrides listen.host)")
-    serve.add_argument("--port", type=int, help="listen port (overrides listen.port)")
-    serve.add_argument("--db", metavar="PATH", help="SQLite task database (overrides store.path)")
+    _add_serve_flags(serve)
 
     check = commands.add_parser(
-        "check-config", help="validate a config file", description="Validate a config file and exit."
+        "check-config",
+        help="validate a config file",
+        usage="%(prog)s [options] [FILE] [-- CMD ARGS...]",
+        description="Validate a config file (with the MCP_TASKS_PROXY_* environment and the flags, merged as "
+        "`serve` merges them) and exit: 0 when valid, 2 with every problem. A key file that does not exist on "
+        "this machine (a Secret mounted only in the pod) is a note, not a problem, unless --strict.",
     )
-    check.add_argument("file", metavar="FILE")
+    check.add_argument("file", metavar="FILE", nargs="?", help="YAML config file (defaults apply without one)")
+    check.add_argument(
+        "--print",
+        action="store_true",
+        help="print the effective configuration as YAML, credentials redacted (what `serve` with the same "
+        "file, environment and flags would run)",
+    )
+    check.add_argument(
+        "--strict", action="store_true", help="a key file that does not exist here is a problem (exit 2)"
+    )
+    _add_serve_flags(check)
 
     operator_cli.add_parser(commands)
 
@@ -80,6 +91,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags `serve` merges over the file and the environment (`flag_overrides`); check-config takes them
+    too, so that it checks (and prints) what serve would run."""
+    parser.add_argument(
+        "--upstream", metavar="URL", help="legacy MCP endpoint (sets upstream.url, clears upstream.command)"
+    )
+    parser.add_argument("--host", help="listen address (overrides listen.host)")
+    parser.add_argument("--port", type=int, help="listen port (overrides listen.port)")
+    parser.add_argument(
+        "--db", metavar="PATH", help="SQLite task database (overrides store.path; relative: from the working directory)"
+    )
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """argparse, plus `serve … -- CMD ARGS`: what follows the first `--` is `args.server_command` (else [])."""
     parser = _parser()
@@ -91,8 +115,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.server_command = server_command or []
     if server_command is not None:
-        if args.command != "serve":
-            parser.error("only `serve` takes a server command (after `--`)")
+        if args.command not in ("serve", "check-config"):
+            parser.error("only `serve` and `check-config` take a server command (after `--`)")
         if not server_command:
             parser.error("`--` must be followed by the server's command")
         if args.upstream is not None:
@@ -114,6 +138,37 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     if args.db is not None:
         overrides.setdefault("store", {})["path"] = args.db
     return overrides
+
+
+def effective_config(path: str | None, overrides: dict[str, dict[str, Any]], absent: list[str] | None = None) -> Config:
+    """What `serve` runs: the file, then the MCP_TASKS_PROXY_* environment, then the flags (`overrides`)."""
+    from proxy.config import load_config
+
+    return load_config(path, overrides=overrides, absent=absent)
+
+
+def check_config(args: argparse.Namespace) -> int:
+    """`check-config`: the effective configuration validated, and with --print written as YAML (credentials
+    redacted). Key files missing here are notes on stderr (exit 0) unless --strict."""
+    import yaml
+
+    from proxy.config import ConfigError, redacted
+
+    notes: list[str] = []
+    try:
+        config = effective_config(args.file, flag_overrides(args), absent=None if args.strict else notes)
+    except ConfigError as error:
+        return report_config_error(error)
+    for note in notes:
+        print(f"mcp-tasks-proxy: note: {note}", file=sys.stderr)
+    name = args.file if args.file is not None else "<defaults>"
+    if args.print:
+        print(f"# the effective configuration of {name}: the file, the MCP_TASKS_PROXY_* environment, the flags")
+        print("# (credentials shown as <redacted>); store.path is absolute")
+        print(yaml.safe_dump(redacted(config), sort_keys=False, allow_unicode=True), end="")
+    else:
+        print(f"{name}: ok" + (f" ({len(notes)} note{'s' if len(notes) > 1 else ''} above)" if notes else ""))
+    return 0
 
 
 def report_config_error(error: ConfigError) -> int:
@@ -187,15 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "probe":
         return probe_command(args.url, args.timeout)
-    from proxy.config import ConfigError, load_config
+    from proxy.config import ConfigError
 
     if args.command == "check-config":
-        try:
-            load_config(args.file)
-        except ConfigError as error:
-            return report_config_error(error)
-        print(f"{args.file}: ok")
-        return 0
+        return check_config(args)
     if args.command == "tasks":
         try:
             return operator_cli.tasks_command(args)
@@ -205,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     overrides = flag_overrides(args)
     try:
-        config = load_config(args.config, overrides=overrides)
+        config = effective_config(args.config, overrides)
         tracing_setup.configure()  # from the OTEL_* environment; off when it names no exporter or endpoint
     except ConfigError as error:
         return report_config_error(error)

@@ -34,6 +34,15 @@ from proxy import keyfiles
 from proxy.wire.fields import is_safe_value
 
 ENV_PREFIX = "MCP_TASKS_PROXY_"
+# A field whose values may be credentials (an API key header, a token in a server's environment): `redacted`
+# prints its keys only. Key material itself is never in the configuration, only the paths of its files.
+SECRET_VALUES: Final[dict[str, Any]] = {"secret": True}
+REDACTED: Final = "<redacted>"
+# Any other key named like a credential (e.g. in a job's tool arguments) is redacted too; `*_file` keys hold
+# paths, never contents, and are printed.
+_SECRET_NAME: Final = re.compile(
+    r"token|passw|secret|credential|api[-_]?key|private[-_]?key|authorization|cookie", re.I
+)
 _HEADER_NAME: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # an HTTP token (RFC 9110, section 5.6.2)
 
 
@@ -80,8 +89,8 @@ class _UpstreamCommon(_Frozen):
         5.0,
         gt=0,
         description="Time allowed to open a TCP connection to the upstream before it counts as down. With "
-        "`command`: how long a new server process has to answer `initialize`, and how long a request waits for a "
-        "process when `max_processes` are busy.",
+        "`command`: how long a request waits for a process when `max_processes` are busy, and how long the "
+        "readiness probe's `ping` may take (the start itself has `start_timeout_seconds`).",
     )
     call_timeout_seconds: float = Field(
         3600.0,
@@ -120,6 +129,7 @@ class HttpUpstreamConfig(_UpstreamCommon):
     )
     headers: dict[str, str] = Field(
         default_factory=dict,
+        json_schema_extra=SECRET_VALUES,
         description="Extra headers sent on every upstream request (e.g. a static API key the upstream needs); "
         "they replace a client's header of the same name, whatever its case. Names are HTTP tokens and values "
         "hold no control character but tab and no surrounding whitespace; a `Host` here replaces the URL's (a "
@@ -164,9 +174,22 @@ class StdioUpstreamConfig(_UpstreamCommon):
     )
     env: dict[str, str] = Field(
         default_factory=dict,
+        json_schema_extra=SECRET_VALUES,
         description="With `command`: environment variables for the server, set over the few it inherits from the "
-        "proxy (HOME, LOGNAME, PATH, SHELL, TERM, USER, LANG, LC_ALL, LC_CTYPE, TZ, TMPDIR); nothing else of the "
-        "proxy's environment reaches it.",
+        "proxy when they are set there: HOME, LOGNAME, PATH, SHELL, TERM, USER, LANG, LC_ALL, LC_CTYPE, TZ, TMPDIR; "
+        "the cache directories uvx and npx use (XDG_CACHE_HOME, XDG_CONFIG_HOME, XDG_DATA_HOME, XDG_STATE_HOME, "
+        "XDG_RUNTIME_DIR, UV_CACHE_DIR, UV_TOOL_DIR, UV_PYTHON_INSTALL_DIR, npm_config_cache, NPM_CONFIG_CACHE); "
+        "the trust store (SSL_CERT_FILE, SSL_CERT_DIR, REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE, NODE_EXTRA_CA_CERTS, "
+        "PIP_CERT, UV_NATIVE_TLS); the outbound proxy (HTTP_PROXY, HTTPS_PROXY, NO_PROXY, ALL_PROXY and http_proxy, "
+        "https_proxy, no_proxy, all_proxy). Nothing else of the proxy's environment reaches it.",
+    )
+    start_timeout_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="With `command`: how long a new server process has to answer `initialize`. `uvx` and `npx` "
+        "resolve (and may download) the server first: a warm `uvx mcp-server-fetch` takes about 6 s. While it "
+        "waits the proxy logs `upstream_process_still_starting`; past it the request gets 504 saying the server "
+        "did not answer initialize within this time.",
     )
     cwd: str | None = Field(None, description="With `command`: the server's working directory; null: the proxy's own.")
     max_processes: int = Field(
@@ -1021,10 +1044,12 @@ def load_config(
     path: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    absent: list[str] | None = None,
 ) -> Config:
     """Read the YAML file (optional), apply env overrides, then explicit overrides (CLI flags).
 
-    Raises ConfigError with every problem found, each prefixed by its field path.
+    Raises ConfigError with every problem found, each prefixed by its field path. With `absent` (check-config
+    on another machine than the pod), key files that do not exist here are notes appended to it, not problems.
     """
     text: str | None = None
     if path is not None:
@@ -1034,7 +1059,18 @@ def load_config(
             raise ConfigError(str(path), [f"cannot read: {exc.strerror}"]) from None
         except UnicodeDecodeError:
             raise ConfigError(str(path), ["cannot read: not UTF-8 text"]) from None
-    return parse_config(text, str(path) if path is not None else "<defaults>", environ, overrides)
+    return parse_config(text, str(path) if path is not None else "<defaults>", environ, overrides, absent)
+
+
+def _store_path_from(data: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """A relative `store.path` written in a file is taken from the file's directory (so the database sits where
+    the file says, whatever directory the proxy is started from); an absolute one is kept."""
+    store = data.get("store")
+    path = store.get("path") if isinstance(store, dict) else None
+    if not isinstance(path, str) or not path or Path(path).is_absolute():
+        return data
+    assert isinstance(store, dict)
+    return {**data, "store": {**store, "path": str(directory / path)}}
 
 
 def parse_config(
@@ -1042,8 +1078,12 @@ def parse_config(
     source: str,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    absent: list[str] | None = None,
 ) -> Config:
-    """`load_config` for a file's text already read (None: no file), e.g. by a reload that hashed it."""
+    """`load_config` for a file's text already read (None: no file), e.g. by a reload that hashed it.
+
+    `store.path` ends up absolute: a relative one from the file is taken from the file's directory (`source`),
+    one from the environment, a flag or the default from the working directory."""
     environ = os.environ if environ is None else environ
     data: dict[str, Any] = {}
     if text is not None:
@@ -1055,7 +1095,7 @@ def parse_config(
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(source, ["(top level): expected a mapping of sections"])
-        data = loaded
+        data = _store_path_from(loaded, Path(source).resolve().parent)
     data = _merge(data, _env_overrides(environ))
     if overrides:
         data = _merge(data, overrides)
@@ -1065,7 +1105,33 @@ def parse_config(
         config = Config.model_validate(data)
     except ValidationError as exc:
         problems = _format_errors(exc)
-    problems += keyfiles.problems(data)  # the files it names, read apart from the schema
+    problems += keyfiles.problems(data, absent)  # the files it names, read apart from the schema
+    if config is not None and not Path(config.store.path).is_absolute():
+        store = config.store.model_copy(update={"path": os.path.abspath(config.store.path)})
+        config = config.model_copy(update={"store": store})
     if config is None or problems:
         raise ConfigError(source, problems)
     return config
+
+
+def redacted(config: BaseModel) -> dict[str, Any]:
+    """The configuration as plain data (what `check-config --print` writes as YAML): every value of a
+    SECRET_VALUES field, and every string under a key named like a credential, is REDACTED; file paths stay."""
+    found: dict[str, Any] = {}
+    for name, field in type(config).model_fields.items():
+        extra = field.json_schema_extra
+        secret = isinstance(extra, dict) and extra.get("secret") is True
+        found[name] = _redacted_value(getattr(config, name), name, secret)
+    return found
+
+
+def _redacted_value(value: Any, name: str, secret: bool) -> Any:
+    if isinstance(value, BaseModel):
+        return redacted(value)
+    if isinstance(value, dict):
+        return {key: REDACTED if secret else _redacted_value(item, str(key), False) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redacted_value(item, name, secret) for item in value]
+    if secret or (isinstance(value, str) and _SECRET_NAME.search(name) and not name.endswith("_file")):
+        return REDACTED
+    return value

@@ -2,7 +2,8 @@
 that signs `requestState` (`inputs.secret_file`) and the PostgreSQL password (`store.password_file`).
 
 `load_config` checks them with `problems` apart from the schema (which only describes), so an unmounted
-Secret fails `check-config` and the start, not a later request; the users read them with `read_secret` and
+Secret fails the start, not a later request (`check-config` notes a file missing on its machine, unless
+`--strict`); the users read them with `read_secret` and
 `read_password`. Imports nothing from the proxy.
 """
 
@@ -54,14 +55,19 @@ FILES: Final[tuple[tuple[str, str, Callable[[str], object]], ...]] = (
 )
 
 
-def problems(data: Mapping[str, Any]) -> list[str]:
+def problems(data: Mapping[str, Any], absent: list[str] | None = None) -> list[str]:
     """Each named file that cannot be used, as `section.field: why`, from the configuration as it was read
-    (before or without the schema: a problem elsewhere does not hide these)."""
+    (before or without the schema: a problem elsewhere does not hide these). With `absent`, a file that does not
+    exist at all (a Secret mounted only in the pod) goes there as a note instead (`section.field: read at start:
+    file … not found here`); one that exists and is unusable is still a problem."""
     found = []
     for section, field, read in FILES:
         fields = data.get(section)
         path = fields.get(field) if isinstance(fields, Mapping) else None
         if isinstance(path, str):
+            if absent is not None and not Path(path).exists():
+                absent.append(f"{section}.{field}: read at start: file {path} not found here")
+                continue
             try:
                 read(path)
             except ValueError as exc:

@@ -117,18 +117,18 @@ def policy_for(tasks: TasksConfig, tool: str) -> Policy:
 def _resolve(tasks: TasksConfig, tool: str) -> Policy:
     entry = tasks.tools.get(tool)
     if entry is None:
-        globs = ((pattern, glob_entry) for pattern, glob_entry in tasks.tools.items() if _is_glob(pattern))
+        globs = ((pattern, glob_entry) for pattern, glob_entry in tasks.tools.items() if is_glob(pattern))
         entry = next((glob_entry for pattern, glob_entry in globs if fnmatchcase(tool, pattern)), None)
     return _merged(entry if entry is not None else _NO_ENTRY, tasks)
 
 
-def _is_glob(pattern: str) -> bool:
+def is_glob(pattern: str) -> bool:
     return any(char in pattern for char in "*?[")
 
 
 def named_tools(tasks: TasksConfig) -> frozenset[str]:
     """The tools the policy names exactly (not through a glob): the bounded set of `tool` metric labels."""
-    return frozenset(name for name in tasks.tools if not _is_glob(name))
+    return frozenset(name for name in tasks.tools if not is_glob(name))
 
 
 def _merged(entry: ToolPolicyConfig, tasks: TasksConfig) -> Policy:

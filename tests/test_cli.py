@@ -39,7 +39,8 @@ def test_the_server_command_replaces_the_files_url_and_a_url_flag_replaces_its_c
     [
         (["serve", "--"], "must be followed by the server's command"),
         (["serve", "--upstream", "http://127.0.0.1:1/mcp", "--", "uvx", "srv"], "not both"),
-        (["check-config", "p.yaml", "--", "uvx"], "only `serve` takes a server command"),
+        (["check-config", "p.yaml", "--upstream", "http://127.0.0.1:1/mcp", "--", "uvx"], "not both"),
+        (["tasks", "stats", "--db", "t.db", "--", "uvx"], "only `serve` and `check-config` take a server command"),
     ],
 )
 def test_misplaced_server_commands_are_usage_errors(

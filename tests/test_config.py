@@ -22,7 +22,9 @@ SIDECAR_URL = "http://127.0.0.1:9000/mcp"
 
 def test_the_example_shows_every_field_and_loads() -> None:
     config = load_config(EXAMPLE, environ={})
-    assert config == Config.model_validate({"upstream": {"url": SIDECAR_URL}})  # the defaults, plus a url
+    # The defaults, plus a url; the relative store.path of a file is taken from the file's directory.
+    store = {"path": str(EXAMPLE.parent / "mcp-tasks-proxy.db")}
+    assert config == Config.model_validate({"upstream": {"url": SIDECAR_URL}, "store": store})
     text = EXAMPLE.read_text()
     for section, _ in _sections():
         assert f"\n{section}:" in text, section

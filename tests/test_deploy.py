@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import io
+import itertools
 import json
 import os
 import re
@@ -31,7 +32,7 @@ import pytest
 import yaml
 
 from proxy.app import host_allowed
-from proxy.cli import main
+from proxy.cli import flag_overrides, main, parse_args
 from proxy.config import Config, HttpUpstreamConfig, load_config
 from tests.support.processes import ROOT, Upstream, free_port
 from tests.support.waiting import until_sync
@@ -396,6 +397,180 @@ def _proxy_config(tmp_path: Path) -> Config:
     return load_config(_configmap_file(tmp_path), environ={})
 
 
+# --- Kubernetes: the steps of the README's "Container image and Kubernetes" -----------------------------------
+
+
+def _kustomization(directory: Path) -> dict[str, Any]:
+    document: dict[str, Any] = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    return document
+
+
+def _rendered_image(image: str, images: list[dict[str, str]]) -> str:
+    """An image reference as kustomize's `images:` rewrites it (name matched without its tag)."""
+    name, _, tag = image.partition(":")
+    for entry in images:
+        if entry["name"] == name:
+            return f"{entry.get('newName', name)}:{entry.get('newTag', tag)}"
+    return image
+
+
+def _with_images(document: dict[str, Any], images: list[dict[str, str]]) -> dict[str, Any]:
+    if document["kind"] != "Deployment":
+        return document
+    rendered = json.loads(json.dumps(document))
+    for container in rendered["spec"]["template"]["spec"]["containers"]:
+        container["image"] = _rendered_image(container["image"], images)
+    return dict(rendered)
+
+
+@pytest.mark.parametrize("directory", [KUBE_DIR, KUBE_DIR / "replicated"], ids=["single", "replicated"])
+def test_the_kustomization_sets_every_image_the_deployment_names(directory: Path) -> None:
+    """The images are values the user sets in one place (`images:`), each a registry path with a tag."""
+    images = _kustomization(directory)["images"]
+    deployment = next(
+        document
+        for path in sorted(directory.glob("*.yaml"))
+        for document in yaml.safe_load_all(path.read_text())
+        if document is not None and document.get("kind") == "Deployment"
+    )
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    named = {container["image"].partition(":")[0] for container in containers}
+    assert named == {entry["name"] for entry in images}
+    for entry in images:
+        assert "/" in entry["newName"], entry  # a registry the cluster pulls from, not a local name
+        assert entry["newTag"], entry
+
+
+def _readme_section(title: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.index("\n## ", start + 1)
+    return text[start:end]
+
+
+def _shell_lines(block: str) -> list[str]:
+    """The commands of a shell block: continuations joined, comments and blank lines dropped."""
+    joined = re.sub(r"\\\n\s*", " ", block)
+    return [line.strip() for line in joined.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def _kubernetes_steps() -> list[str]:
+    section = _readme_section("Container image and Kubernetes")
+    steps = section[section.index("To deploy (single replica):") :]
+    blocks = re.findall(r"```sh\n(.*?)```", steps, re.DOTALL)
+    return [line for block in blocks for line in _shell_lines(block)]
+
+
+def test_the_readme_steps_create_the_secret_the_pod_mounts_with_the_key_the_config_reads() -> None:
+    mounted = _mounts()[str(Path(KEY_FILE).parent)]
+    secret, key = mounted["secret"]["secretName"], Path(KEY_FILE).name
+    creating = [line for line in _kubernetes_steps() if line.startswith("kubectl create secret generic")]
+    assert creating, "no step creates the key Secret"
+    words = shlex.split(creating[0])
+    assert words[4] == secret
+    assert any(word.startswith(f"--from-literal={key}=") for word in words), words
+    section = _readme_section("Container image and Kubernetes")
+    steps = section[section.index("To deploy (single replica):") :]
+    assert steps.index(creating[0].split(" --from")[0]) < steps.index("kubectl apply -k"), "the Secret comes first"
+
+
+def test_the_configmap_checks_on_a_machine_without_its_secret_and_strict_asks_for_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / _config_arg().name
+    path.write_text(_by_kind("ConfigMap")["data"][_config_arg().name])  # as it is: the key file is not here
+    assert main(["check-config", str(path)]) == 0
+    assert f"security.key_file: read at start: file {KEY_FILE} not found here" in capsys.readouterr().err
+    assert main(["check-config", "--strict", str(path)]) == 2
+
+
+def _port_forward_request() -> tuple[str, str, dict[str, str], str]:
+    """The README's port-forward check: (the port-forward command, the URL, the headers, the body) of its
+    curl, with `$TOKEN` as the step before it sets it."""
+    lines = _kubernetes_steps()
+    forward = next(line for line in lines if line.startswith("kubectl port-forward"))
+    token_line = next(line for line in lines if line.startswith("TOKEN="))
+    assert "openssl rand -hex 32" in token_line
+    curl = shlex.split(next(line for line in lines if line.startswith("curl ")))
+    url = next(word for word in curl if word.startswith("http"))
+    headers: dict[str, str] = {}
+    body = ""
+    for flag, value in itertools.pairwise(curl):
+        if flag == "-H":
+            name, _, field = value.partition(":")
+            headers[name.strip()] = field.strip().replace("$TOKEN", "0123456789abcdef" * 4)
+        elif flag == "-d":
+            body = value
+    return forward, url, headers, body
+
+
+async def test_the_readme_port_forward_request_is_served_by_the_configmaps_proxy(
+    tmp_path: Path, upstream: Upstream
+) -> None:
+    """The request the README sends through `kubectl port-forward` passes the ConfigMap's host check and its
+    `anonymous: refuse`, and gets discover's answer; the same request without its token gets 401."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from proxy.app import create_app
+
+    forward, url, headers, body = _port_forward_request()
+    target, ports = shlex.split(forward)[2:4]
+    local, _, remote = ports.partition(":")
+    assert target == f"deployment/{_by_kind('Deployment')['metadata']['name']}"
+    assert int(remote) == next(port["containerPort"] for port in _proxy_container()["ports"])
+    parts = urlsplit(url)
+    assert parts.port == int(local)
+    configured = _proxy_config(tmp_path)
+    assert parts.path == configured.listen.path
+    # The ConfigMap's config as the pod runs it, but for where its upstream and database are on this machine.
+    config = load_config(
+        _configmap_file(tmp_path),
+        environ={},
+        overrides={"upstream": {"url": upstream.url}, "store": {"path": str(tmp_path / "tasks.db")}},
+    )
+    assert config.security == configured.security
+    client = TestClient(TestServer(create_app(config), host="127.0.0.1"))
+    await client.start_server()
+    try:
+        sent = {**headers, "Host": parts.netloc}  # curl's Host through the port-forward
+        answer = await client.post(parts.path, data=body, headers=sent)
+        assert answer.status == 200, await answer.text()
+        assert "result" in json.loads(await answer.text())
+        anonymous = {name: value for name, value in sent.items() if name.lower() != "authorization"}
+        refused = await client.post(parts.path, data=body, headers=anonymous)
+        assert refused.status == 401
+        assert "WWW-Authenticate" in refused.headers
+    finally:
+        await client.close()
+
+
+def _container_recipe() -> list[str]:
+    """The words of the README's `podman run` recipe against a server on the host."""
+    section = _readme_section("Container image and Kubernetes")
+    blocks = re.findall(r"```sh\n(.*?)```", section, re.DOTALL)
+    line = next(line for block in blocks for line in _shell_lines(block) if line.startswith("podman run"))
+    return shlex.split(line)
+
+
+def test_the_readme_container_recipe_serves_the_published_port_and_reaches_the_host(tmp_path: Path) -> None:
+    words = _container_recipe()
+    published = words[words.index("-p") + 1]
+    host_address, host_port, container_port = published.split(":")
+    image_at = next(index for index, word in enumerate(words) if word.startswith("mcp-tasks-proxy:"))
+    args = parse_args(words[image_at + 1 :])
+    assert args.command == "serve"
+    assert args.config == "/etc/mcp-tasks-proxy/proxy.yaml"
+    assert urlsplit(args.upstream).hostname == "host.containers.internal"  # podman's name for the host
+    # The image's config file with what serve merges over it, where the image has it (config/docker.yaml).
+    config = load_config(DOCKER_CONFIG, environ={}, overrides=flag_overrides(args))
+    assert config.listen.host == "0.0.0.0"  # a published port reaches nothing on the container's loopback
+    assert config.listen.port == int(container_port)
+    assert config.upstream == HttpUpstreamConfig(url=args.upstream)
+    assert host_allowed(f"{host_address}:{host_port}", config.security.allowed_hosts)  # curl on the host
+    volume = words[words.index("-v") + 1]
+    assert volume.split(":")[1] == str(Path(config.store.path).parent)  # the tasks outlive the container
+
+
 def _mounts() -> dict[str, dict[str, Any]]:
     """mountPath → the pod volume mounted there."""
     volumes = {v["name"]: v for v in _by_kind("Deployment")["spec"]["template"]["spec"]["volumes"]}
@@ -514,7 +689,10 @@ def test_pod_stops_after_the_proxy_drain_and_the_legacy_server_waits_for_it(tmp_
 def test_proxy_container_runs_the_image_locked_down() -> None:
     container = _proxy_container()
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert container["image"].endswith(f"/mcp-tasks-proxy:{pyproject['project']['version']}")
+    version = pyproject["project"]["version"]
+    assert container["image"] == f"mcp-tasks-proxy:{version}"  # what `make docker` tags
+    rendered = _rendered_image(container["image"], _kustomization(KUBE_DIR)["images"])
+    assert rendered.endswith(f"/mcp-tasks-proxy:{version}"), rendered  # pushed to a registry, same version
     assert "command" not in container, "keep the image's ENTRYPOINT"
     assert container["args"] == _exec_form(_one("CMD"))
     uid = _image_user()
@@ -645,12 +823,12 @@ def _replicated() -> list[dict[str, Any]]:
     holds whole manifests only, so reading them is rendering them)."""
     kustomization = yaml.safe_load((REPLICATED_DIR / "kustomization.yaml").read_text())
     assert kustomization["kind"] == "Kustomization"
-    assert set(kustomization) <= {"apiVersion", "kind", "resources"}, "patches or generators: render with kustomize"
+    assert set(kustomization) <= {"apiVersion", "kind", "resources", "images"}, "patches or generators: use kustomize"
     documents = []
     for name in kustomization["resources"]:
         assert (REPLICATED_DIR / name).is_file(), f"{name}: a file of the overlay (not a directory or a parent)"
         documents += [doc for doc in yaml.safe_load_all((REPLICATED_DIR / name).read_text()) if doc is not None]
-    return documents
+    return [_with_images(document, kustomization.get("images", [])) for document in documents]
 
 
 def _replicated_kind(kind: str) -> dict[str, Any]:
@@ -780,7 +958,9 @@ def test_the_replicated_example_differs_from_the_single_replica_one_only_where_i
     replicated = yaml.safe_load(_replicated_kind("ConfigMap")["data"][_config_arg().name])
     assert {k: v for k, v in single.items() if k != "store"} == {k: v for k, v in replicated.items() if k != "store"}
     assert _replicated_kind("ConfigMap")["metadata"] == _by_kind("ConfigMap")["metadata"]
-    base, pods = _by_kind("Deployment")["spec"]["template"], _replicated_kind("Deployment")["spec"]["template"]
+    assert _kustomization(REPLICATED_DIR)["images"] == _kustomization(KUBE_DIR)["images"]
+    rendered = _with_images(_by_kind("Deployment"), _kustomization(KUBE_DIR)["images"])
+    base, pods = rendered["spec"]["template"], _replicated_kind("Deployment")["spec"]["template"]
     assert pods["metadata"] == base["metadata"]
     legacy = [c for c in base["spec"]["containers"] if c["name"] != _proxy_container()["name"]]
     assert [c for c in pods["spec"]["containers"] if c["name"] != _proxy_container()["name"]] == legacy
@@ -788,7 +968,8 @@ def test_the_replicated_example_differs_from_the_single_replica_one_only_where_i
     def without(container: dict[str, Any], *names: str) -> dict[str, Any]:
         return {k: v for k, v in container.items() if k not in names}
 
-    assert without(_replicated_proxy(), "env", "volumeMounts") == without(_proxy_container(), "env", "volumeMounts")
+    (proxy,) = [c for c in base["spec"]["containers"] if c["name"] == _proxy_container()["name"]]
+    assert without(_replicated_proxy(), "env", "volumeMounts") == without(proxy, "env", "volumeMounts")
     assert pods["spec"]["securityContext"] == base["spec"]["securityContext"]
     assert pods["spec"]["automountServiceAccountToken"] is False
 

@@ -110,7 +110,7 @@ async def test_a_server_that_writes_garbage_between_its_answers(faulty_proxy: St
 
 @pytest.mark.parametrize("options", [(), ("--ignore-sigterm",)])
 async def test_a_server_that_never_answers_initialize(faulty_proxy: Start, options: tuple[str, ...]) -> None:
-    client = await faulty_proxy("no-initialize", *options, connect_timeout_seconds=1)
+    client = await faulty_proxy("no-initialize", *options, start_timeout_seconds=1)
     _, timed_out = await until_answered(client, lambda status, message: status == 504, "a 504 for initialize")
     assert "did not answer initialize within 1 s" in error_text(timed_out)
     legacy = await asyncio.wait_for(client.post("/mcp", json=INITIALIZE, headers=HEADERS), ANSWER_BOUND_SECONDS)

@@ -193,22 +193,22 @@ async def test_the_commands_read_postgresql_when_the_config_names_it_never_a_str
     assert [task["taskId"] for task in json.loads(out)["tasks"]] == [task_id]
 
 
-async def test_a_relative_store_path_is_read_from_the_working_directory_as_serve_does(
+async def test_a_relative_store_path_in_the_file_is_read_from_the_files_directory_as_serve_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], upstream: Upstream
 ) -> None:
-    workdir = tmp_path / "work"
-    (workdir / "state").mkdir(parents=True)
-    store = await SqliteTaskStore.open(workdir / "state" / "tasks.db", max_records=10)
+    configs = tmp_path / "configs"
+    (configs / "state").mkdir(parents=True)
+    store = await SqliteTaskStore.open(configs / "state" / "tasks.db", max_records=10)
     await store.create(make_record("task_here"))
     await store.close()
-    elsewhere = tmp_path / "configs"
-    elsewhere.mkdir()
-    config = elsewhere / "proxy.yaml"
+    workdir = tmp_path / "work"
+    (workdir / "state").mkdir(parents=True)  # a database of the same relative name here is not the one read
+    config = configs / "proxy.yaml"
     config.write_text(yaml.safe_dump({"upstream": {"url": upstream.url}, "store": {"path": "state/tasks.db"}}))
     monkeypatch.chdir(workdir)
     code, out, _ = await run(capsys, "tasks", "stats", "--config", str(config))
     assert code == 0
-    assert (json.loads(out)["database"], json.loads(out)["records"]) == ("state/tasks.db", 1)
+    assert (json.loads(out)["database"], json.loads(out)["records"]) == (str(configs / "state" / "tasks.db"), 1)
 
 
 @pytest.mark.parametrize(

@@ -199,7 +199,7 @@ async def test_sigterm_lets_a_sync_call_finish_within_the_drain_and_keeps_a_long
         http,
         first.url,
         "counted",
-        {"key": "sigterm", "seconds": 30},
+        {"key": "arg-value-7f3a", "seconds": 30},
         capabilities=DECLARING,
         headers={"Authorization": "Bearer ops-secret-token"},
     )
@@ -220,7 +220,7 @@ async def test_sigterm_lets_a_sync_call_finish_within_the_drain_and_keeps_a_long
     assert request_lines
     assert {"request_id", "mcp_method", "era", "status", "duration_ms"} <= request_lines[0].keys()
     assert "ops-secret-token" not in first.log.read_text()  # tokens never reach the log
-    assert "sigterm" not in first.log.read_text()  # nor argument values
+    assert "arg-value-7f3a" not in first.log.read_text()  # nor argument values
 
     # The record survived the stop: the CLI reads it (read-only), still `working`.
     database = str(tmp_path / "ops.db")

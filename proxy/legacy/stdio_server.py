@@ -137,7 +137,7 @@ class StdioLegacyServer:
         log.info("legacy_session_started", upstream=session.process.name)
         # Answered whole, as before any stream: the session exists for the client only once it has the answer.
         stream = session.open(message.id, sse, resumable=False)
-        timeout = self.config.connect_timeout_seconds
+        timeout = self.config.start_timeout_seconds
         version = (message.params or {}).get("protocolVersion")
         headers = {SESSION_HEADER: session.id}
         try:

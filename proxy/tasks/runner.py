@@ -47,6 +47,7 @@ from proxy.tasks.replica_inbox import ReplicaInbox
 from proxy.tasks.replicas import ReplicaLink
 from proxy.tasks.store import TaskStore
 from proxy.tasks.table import CallTable
+from proxy.tasks.tool_names import check_policy_tools
 from proxy.upstream.pool import SessionPool
 
 log = structlog.get_logger(__name__)
@@ -80,6 +81,8 @@ class TaskRunner:
     ) -> None:
         self.store = store
         self.principals = principals
+        self._pool = upstream
+        self._policies = config.tasks  # at start: whether the tools they name exist upstream is checked
         self.clock = clock
         self.metrics = metrics  # also counted outside tasks/ (the listen streams' pushes)
         self.secret_file = config.inputs.secret_file
@@ -219,6 +222,8 @@ class TaskRunner:
         self._outbox_worker = self.spawn(self.outbox.run_forever(), "settlement-outbox")
         if self.jobs.specs:
             self.spawn(self.jobs.check_tools(), "job-tools-check")
+        if self._policies.tools:
+            self.spawn(check_policy_tools(self._pool, self._policies), "tool-policies-check")
 
     async def close(self) -> None:
         """Shutdown: running calls are cancelled upstream; their records stay live and are failed or re-run

@@ -169,8 +169,10 @@ def children() -> set[int]:
 
 def stdio_upstream(command: list[str] | None = None, **fields: Any) -> dict[str, Any]:
     """The `upstream` config section for a stdio server (the fixture by default), run from the repository root;
-    its start imports the mcp SDK, slow on a busy 2-core machine, hence the generous start timeout."""
-    return {"url": None, "command": command or STDIO_FIXTURE, "cwd": str(ROOT), "connect_timeout_seconds": 20, **fields}
+    its start imports the mcp SDK, slow on a busy 2-core machine, hence the generous start timeout (and wait for
+    a process at `max_processes`)."""
+    timeouts = {"start_timeout_seconds": 20, "connect_timeout_seconds": 20}
+    return {"url": None, "command": command or STDIO_FIXTURE, "cwd": str(ROOT), **timeouts, **fields}
 
 
 def stdio_sessions(client: Tasks) -> list[StdioSession]:

@@ -10,6 +10,10 @@ Plain Python, no dependencies: read JSON-RPC lines on stdin, write JSON-RPC line
 - ``stderr-flood``: well-behaved, while a thread writes megabytes of stderr lines (and some very long ones)
   until stdin closes.
 - ``huge-line``: answers initialize, then writes one line of ``--bytes`` bytes (default 20 MiB) on stdout.
+- ``slow-start``: sleeps ``--seconds`` (as ``uvx`` resolving a server does) before reading anything, then is
+  well-behaved.
+
+Every well-behaved mode also has the tool ``environment``: its text is the server's environment as JSON.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-MODES = ("exit-at-start", "garbage", "no-initialize", "stderr-flood", "huge-line")
+MODES = ("exit-at-start", "garbage", "no-initialize", "stderr-flood", "huge-line", "slow-start")
 GARBAGE = (b"this is not JSON", b"[1, 2]", b'"a string"', b"42", b"null", b"", b"\xff\xfe not UTF-8", b"x" * 1000)
 _out_lock = threading.Lock()
 
@@ -53,7 +57,14 @@ def answer(request: dict[str, Any]) -> dict[str, Any] | None:
             "serverInfo": {"name": "faulty-stdio", "version": "0"},
         }
     elif method == "tools/list":
-        result = {"tools": [{"name": "echo", "inputSchema": {"type": "object"}}]}
+        result = {
+            "tools": [
+                {"name": "echo", "inputSchema": {"type": "object"}},
+                {"name": "environment", "inputSchema": {"type": "object"}},
+            ]
+        }
+    elif method == "tools/call" and request.get("params", {}).get("name") == "environment":
+        result = {"content": [{"type": "text", "text": json.dumps(dict(os.environ))}], "isError": False}
     elif method == "tools/call":
         text = json.dumps(request.get("params", {}).get("arguments", {}), sort_keys=True)
         result = {"content": [{"type": "text", "text": text}], "isError": False}
@@ -92,9 +103,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("mode", choices=MODES)
     parser.add_argument("--ignore-sigterm", action="store_true", help="no-initialize: survive SIGTERM")
     parser.add_argument("--bytes", type=int, default=20 * 1024 * 1024, help="huge-line: the line's length")
+    parser.add_argument("--seconds", type=float, default=2.0, help="slow-start: how long it sleeps first")
     args = parser.parse_args(argv)
     if args.mode == "exit-at-start":
         return 3
+    if args.mode == "slow-start":
+        time.sleep(args.seconds)
+        serve()
+        return 0
     if args.mode == "garbage":
         serve(GARBAGE)
     elif args.mode == "no-initialize":

@@ -8,12 +8,16 @@ wrote, for readiness). Imports the process layer and the rates; never a session,
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, TypeVar
+
+import structlog
 
 from proxy.config import StdioUpstreamConfig
 from proxy.errors import UpstreamUnreachableError
@@ -21,6 +25,16 @@ from proxy.observability import Metrics
 from proxy.upstream.link import LinkBase
 from proxy.upstream.stdio.process import ProcessExit, SizeLimit, StdioProcess, child_environment
 from proxy.upstream.stdio.rates import Backoff
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+CRASHING: Final = "keeps crashing"
+STILL_STARTING_EVERY_SECONDS: Final = 10.0  # a start still waiting for `initialize` is logged this often
+
+
+def not_initialized(timeout_seconds: float) -> str:
+    return f"did not answer initialize within {timeout_seconds:g} s"
 
 
 class StdioLink(LinkBase):
@@ -42,6 +56,7 @@ class StdioLink(LinkBase):
         self.program = Path(config.command[0]).name
         self.backoff = Backoff()
         self.retry_at = 0.0  # monotonic: while crashing, no process is started before this
+        self.failure = CRASHING  # how the latest processes failed, as the backoff's 503 says it
         self._ids = itertools.count(1)
         self._numbers = itertools.count(1)
 
@@ -58,9 +73,10 @@ class StdioLink(LinkBase):
         Messages over `max_result_bytes` go to `on_oversized` when given."""
         wait = self.retry_at - time.monotonic()
         if wait > 0:
+            # Rounded up: a wait is never said to be "0.0 s".
             raise UpstreamUnreachableError(
-                f"Upstream stdio server {self.program} keeps crashing ({self.backoff.crashes} times in a row); "
-                f"it is started again in {wait:.1f} s",
+                f"Upstream stdio server {self.program} {self.failure} ({self.backoff.crashes} times in a row); "
+                f"it is started again in {math.ceil(wait * 10) / 10:.1f} s",
                 http_status=503,
             )
         config = self.config
@@ -80,12 +96,36 @@ class StdioLink(LinkBase):
             ),
         )
 
-    def crashed(self, lived_seconds: float) -> None:
-        """A process ended without the proxy asking (or never became a session). The first is restarted at
-        once; each further quick one waits longer (`Backoff`)."""
+    def crashed(self, lived_seconds: float, failure: str = CRASHING) -> None:
+        """A process ended without the proxy asking (or never became a session: `failure` says how, for the
+        503 of the backoff). The first is restarted at once; each further quick one waits longer (`Backoff`)."""
+        self.failure = failure
         delay = self.backoff.crashed(lived_seconds)
         if self.backoff.crashes > 1:
             self.retry_at = time.monotonic() + delay
 
     def answered(self) -> None:
         self.last_answer_at = time.monotonic()
+
+    async def initialized_within(self, initialize: Awaitable[T], name: str) -> T:
+        """`initialize` awaited for at most `upstream.start_timeout_seconds` (then TimeoutError). A slow start
+        is said to be one: `upstream_process_still_starting` is logged every STILL_STARTING_EVERY_SECONDS (a
+        quarter of the timeout when that is shorter) until the server answers."""
+        timeout = self.config.start_timeout_seconds
+        every = min(STILL_STARTING_EVERY_SECONDS, timeout / 4)
+
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        timer: asyncio.TimerHandle | None = None
+
+        def still_starting() -> None:
+            nonlocal timer
+            seconds = round(loop.time() - started, 1)
+            log.info("upstream_process_still_starting", upstream=name, seconds=seconds, start_timeout_seconds=timeout)
+            timer = loop.call_later(every, still_starting)
+
+        timer = loop.call_later(every, still_starting)
+        try:
+            return await asyncio.wait_for(initialize, timeout)
+        finally:
+            timer.cancel()

@@ -44,9 +44,43 @@ from proxy.wire.jsonrpc import dumps
 
 log = structlog.get_logger(__name__)
 
-# Inherited from the proxy's environment when present (the mcp SDK's list, plus locale, zone and temp dir);
-# nothing else of it (credentials, MCP_TASKS_PROXY_*) reaches the server unless `upstream.env` names it.
-INHERITED_ENV_VARS = ("HOME", "LOGNAME", "PATH", "SHELL", "TERM", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
+# Inherited from the proxy's environment when present: the mcp SDK's list, plus locale, zone and temp dir;
+# the cache and config directories `uvx` and `npx` keep their downloads in; the trust store (a corporate CA
+# bundle) and the outbound proxy that pip, uv, npm, Node, requests and curl read. Nothing else of it (credentials,
+# MCP_TASKS_PROXY_*) reaches the server unless `upstream.env` names it.
+BASIC_ENV_VARS = ("HOME", "LOGNAME", "PATH", "SHELL", "TERM", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
+CACHE_ENV_VARS = (
+    "XDG_CACHE_HOME",
+    "XDG_CONFIG_HOME",
+    "XDG_DATA_HOME",
+    "XDG_STATE_HOME",
+    "XDG_RUNTIME_DIR",
+    "UV_CACHE_DIR",
+    "UV_TOOL_DIR",
+    "UV_PYTHON_INSTALL_DIR",
+    "npm_config_cache",
+    "NPM_CONFIG_CACHE",
+)
+TRUST_ENV_VARS = (
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+    "NODE_EXTRA_CA_CERTS",
+    "PIP_CERT",
+    "UV_NATIVE_TLS",
+)
+PROXY_ENV_VARS = (
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+    "ALL_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
+    "all_proxy",
+)
+INHERITED_ENV_VARS = BASIC_ENV_VARS + CACHE_ENV_VARS + TRUST_ENV_VARS + PROXY_ENV_VARS
 STDERR_LINE_CHARS = 1000  # a logged stderr line is cut here
 MALFORMED_PREFIX_CHARS = 40  # of a skipped stdout line, only this much is logged
 DRAIN_SECONDS = 1.0  # how long the exit and the end of stdout may be apart (the two arrive separately)

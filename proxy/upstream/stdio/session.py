@@ -40,7 +40,7 @@ from proxy.upstream.events import (
 )
 from proxy.upstream.lending import Lending, ListenStreams
 from proxy.upstream.session import CLIENT_CAPABILITIES, CLIENT_INFO, read_param_headers, read_task_support, request
-from proxy.upstream.stdio.link import StdioLink
+from proxy.upstream.stdio.link import CRASHING, StdioLink, not_initialized
 from proxy.upstream.stdio.process import ProcessExit, StdioProcess
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader
@@ -193,14 +193,13 @@ class StdioSession:
         process = await self.link.start(on_message, on_exit, on_oversized)
         self.process = process
         self.link.spawn(self._answer_unsolicited(queue), f"stdio-unsolicited-{process.name}")
-        timeout = self.link.config.connect_timeout_seconds
+        started = time.monotonic()
         try:
-            result = await asyncio.wait_for(self._initialize(), timeout)
+            result = await self.link.initialized_within(self._initialize(), process.name)
         except TimeoutError:
-            await self._abandon(process)
-            raise UpstreamTimeoutError(
-                f"Upstream stdio server {process.name} did not answer initialize within {timeout:g} s"
-            ) from None
+            failure = not_initialized(self.link.config.start_timeout_seconds)
+            await self._abandon(process, failure)
+            raise UpstreamTimeoutError(f"Upstream stdio server {process.name} {failure}") from None
         except BaseException:
             await self._abandon(process)
             raise
@@ -209,7 +208,12 @@ class StdioSession:
         self.initialize_result = result
         self.link.initialized(result)
         self.link.backoff.reset()
-        log.info("upstream_session_initialized", protocol_version=self.protocol_version, upstream=process.name)
+        log.info(
+            "upstream_session_initialized",
+            protocol_version=self.protocol_version,
+            upstream=process.name,
+            start_seconds=round(time.monotonic() - started, 2),
+        )
         if self.listen_streams.resources:
             self.link.spawn(self.listen_streams.resubscribe(), "upstream-resubscribe")
 
@@ -230,11 +234,11 @@ class StdioSession:
                     return event.result
         raise UpstreamError("Upstream did not answer initialize")  # pragma: no cover - events() raises first
 
-    async def _abandon(self, process: StdioProcess) -> None:
+    async def _abandon(self, process: StdioProcess, failure: str = CRASHING) -> None:
         """A process that failed its start is stopped at once (no grace: it never became a session). Unless it
-        died by itself (already counted), that is a crash too, for the backoff."""
+        died by itself (already counted), that counts for the backoff, as `failure`."""
         if process.exited is None:
-            self.link.crashed(0.0)
+            self.link.crashed(0.0, failure)
         await asyncio.shield(process.stop(0))
 
     async def adopt(self, session_id: str) -> None:
