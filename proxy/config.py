@@ -576,8 +576,17 @@ class ToolPolicyConfig(_Frozen):
         gt=0,
         description="Upstream requests of this tool's calls this replica sends at once, below "
         "`upstream.max_concurrent_calls` (for a tool the upstream handles worse than the rest); more wait in the "
-        "same fair queue. null: only the upstream's cap. A cap set by a live reload applies once any cap was set "
-        "at start.",
+        "same fair queue. null: only the upstream's cap. A live reload changes it for the calls waiting too.",
+    )
+    calls_per_minute_per_principal: int | None = Field(
+        None,
+        gt=0,
+        description="`tools/call` requests of this tool one caller may start per minute, beside "
+        "`limits.calls_per_minute_per_principal` (which counts every tool): the same fixed UTC-minute window, "
+        "counted per tool (each tool a glob matches has its own count), shared by replicas on PostgreSQL. One "
+        "more gets HTTP 429 with `Retry-After`, `RateLimit-Policy`/`RateLimit` naming this tool's policy, and "
+        "`data.limit` `tasks.tools.<key>.calls_per_minute_per_principal`. MRTR retries do not count. null: no "
+        "quota of its own.",
     )
 
 
