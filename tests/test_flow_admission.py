@@ -288,6 +288,97 @@ async def test_two_replicas_on_postgresql_share_a_callers_quota(
         assert status == 429, message  # three calls in all, on either replica
 
 
+# --- quotas of one tool: tasks.tools.<key>.calls_per_minute_per_principal -------------------------------------
+
+ECHO_QUOTA = "tasks.tools.echo.calls_per_minute_per_principal"
+
+
+async def refusals(client: Tasks, limit: str) -> float:
+    response = await client.client.get("/metrics")
+    for family in text_string_to_metric_families(await response.text()):
+        for sample in family.samples:
+            if sample.name == "mcp_tasks_proxy_limit_refusals_total" and sample.labels == {"limit": limit}:
+                return float(sample.value)
+    return 0.0
+
+
+async def test_a_tools_quota_refuses_its_next_call_while_another_tool_still_runs(
+    tasks_client: ClientFactory,
+) -> None:
+    client = await tasks_client(tasks=policies(echo={"calls_per_minute_per_principal": 2}, sleep={"mode": "required"}))
+    await early_in_a_minute()
+    running = await client.create("sleep", {"seconds": 1}, headers=as_caller("busy"))
+    for _ in range(2):
+        status, message = await client.call("echo", {"text": "x"}, capabilities={}, headers=as_caller("busy"))
+        assert status == 200, message
+    status, headers, message = await refused_call(client, "busy")
+    assert status == 429
+    retry_after = int(headers["Retry-After"])
+    assert 1 <= retry_after <= 60
+    assert headers["RateLimit-Policy"] == '"tool:echo";q=2;w=60'  # the tool's policy, not the global `calls`
+    assert headers["RateLimit"] == f'"tool:echo";r=0;t={retry_after}'
+    client.core.validate(message, "JSONRPCErrorResponse")
+    assert message["error"]["code"] == -32603
+    assert message["error"]["data"] == {"limit": ECHO_QUOTA, "max": 2, "retryAfterMs": retry_after * 1000}
+    assert await refusals(client, ECHO_QUOTA) == 1
+    status, message = await client.call("held", {"tag": "x", "seconds": 0}, capabilities={}, headers=as_caller("busy"))
+    assert status == 200, message  # another tool of the same caller is not held back
+    assert (await client.task(running, headers=as_caller("busy")))["status"] == "working"  # ran on meanwhile
+    done = await client.until(running, lambda task: task["status"] in TERMINAL, 15, headers=as_caller("busy"))
+    assert done["status"] == "completed"
+    status, _ = await client.call("echo", {"text": "x"}, capabilities={}, headers=as_caller("other"))
+    assert status == 200  # each caller has its own quota of the tool
+
+
+async def test_the_global_and_a_tools_quota_apply_together_and_both_are_listed(
+    tasks_client: ClientFactory,
+) -> None:
+    client = await tasks_client(
+        limits={"calls_per_minute_per_principal": 3}, tasks=policies(echo={"calls_per_minute_per_principal": 1})
+    )
+    await early_in_a_minute()
+    status, message = await client.call("echo", {"text": "x"}, capabilities={}, headers=as_caller("both"))
+    assert status == 200, message
+    status, headers, message = await refused_call(client, "both")  # the tool's one call is spent
+    assert status == 429
+    retry_after = int(headers["Retry-After"])
+    assert headers["RateLimit-Policy"] == '"calls";q=3;w=60, "tool:echo";q=1;w=60'
+    assert headers["RateLimit"] == f'"calls";r=1;t={retry_after}, "tool:echo";r=0;t={retry_after}'
+    assert message["error"]["data"]["limit"] == ECHO_QUOTA
+    status, message = await client.call("held", {"tag": "x", "seconds": 0}, capabilities={}, headers=as_caller("both"))
+    assert status == 200, message  # the third call of the window: the global quota's last
+    response = await client.client.post(
+        "/mcp",
+        json=modern_body("tools/call", {"name": "held", "arguments": {"tag": "x"}}, request_id=1, capabilities={}),
+        headers={**modern_headers("tools/call", "held"), **as_caller("both")},
+    )
+    assert response.status == 429  # now the global quota: a tool without a quota of its own is refused too
+    assert response.headers["RateLimit-Policy"] == '"calls";q=3;w=60'
+    assert (await response.json())["error"]["data"]["limit"] == "calls_per_minute_per_principal"
+    assert await refusals(client, ECHO_QUOTA) == 1
+    assert await refusals(client, "calls_per_minute_per_principal") == 1
+
+
+async def test_two_replicas_on_postgresql_share_a_callers_quota_of_one_tool(
+    tasks_client: ClientFactory, pg_dsn: str, tmp_path: Path
+) -> None:
+    sections: dict[str, Any] = {
+        "store": {"url": pg.as_url(pg_dsn), "lease_seconds": 3},
+        "security": {"key_file": key_file(tmp_path)},
+        "tasks": policies(echo={"calls_per_minute_per_principal": 3}),
+    }
+    first, second = await tasks_client(**sections), await tasks_client(**sections)
+    await early_in_a_minute()
+    for replica in (first, second, first):
+        status, message = await replica.call("echo", {"text": "x"}, capabilities={}, headers=as_caller("shared"))
+        assert status == 200, message
+    for replica in (second, first):
+        status, _, message = await refused_call(replica, "shared")
+        assert status == 429, message  # three calls of the tool in all, on either replica
+        assert message["error"]["data"]["limit"] == ECHO_QUOTA
+    assert await second.text("held", {"tag": "other tool", "seconds": 0}) == "other tool"
+
+
 async def test_a_tool_with_a_cap_of_its_own_runs_one_at_a_time_while_other_tools_go_on(
     tasks_client: ClientFactory, upstream: Upstream
 ) -> None:
