@@ -8,6 +8,8 @@ gets 503 with `Retry-After` (RFC 9110 §10.2.3) having never reached the upstrea
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 import uuid
 from datetime import datetime
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests import pg
@@ -391,3 +395,150 @@ async def test_a_tool_with_a_cap_of_its_own_runs_one_at_a_time_while_other_tools
     for task_id in task_ids:
         assert (await client.settled(task_id))["status"] == "completed"
     assert (await held_at_once(upstream.url))["most"] == 1
+
+
+# --- the queued place kept up to date -------------------------------------------------------------------------
+
+
+def queued_place(task: dict[str, Any]) -> int | None:
+    message = str(task.get("statusMessage", ""))
+    if not message.startswith("queued: "):
+        return None
+    return int(message.removeprefix("queued: ").removesuffix(" ahead"))
+
+
+async def test_a_queued_tasks_place_falls_in_the_store_as_the_calls_before_it_finish(
+    tasks_client: ClientFactory, pg_dsn: str, tmp_path: Path
+) -> None:
+    shared: dict[str, Any] = {
+        "store": {"url": pg.as_url(pg_dsn), "lease_seconds": 3},
+        "security": {"key_file": key_file(tmp_path)},
+        "tasks": policies(held={"mode": "required"}),
+    }
+    queueing = await tasks_client(upstream={"max_concurrent_calls": 1}, **shared)
+    reader = await tasks_client(**shared)  # another replica: it sees only what the store holds
+    running = await queueing.create("held", {"tag": "running", "seconds": 1})
+    queued = [await queueing.create("held", {"tag": f"queued-{n}", "seconds": 1}) for n in range(4)]
+    last = queued[-1]
+    places: list[int] = []
+    while True:
+        task = await reader.task(last)
+        place = queued_place(task)
+        if place is not None and (not places or places[-1] != place):
+            places.append(place)
+        if task["status"] in TERMINAL:
+            break
+        await asyncio.sleep(0.1)
+    assert task["status"] == "completed"
+    assert result_text(task) == "queued-3"  # it ran, last
+    assert places == [3, 2, 1, 0], places  # each call that finished before it moved it up one place
+    assert (await queueing.settled(running))["status"] == "completed"
+
+
+# --- the caps read live ---------------------------------------------------------------------------------------
+
+
+async def applied_reloads(http: aiohttp.ClientSession, proxy: ProxyProcess) -> float:
+    async with http.get(proxy.url.replace("/mcp", "/metrics")) as response:
+        text = await response.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "mcp_tasks_proxy_config_reloads_total" and sample.labels == {"result": "applied"}:
+                return float(sample.value)
+    return 0.0
+
+
+async def reload_with(http: aiohttp.ClientSession, proxy: ProxyProcess, **sections: dict[str, Any]) -> None:
+    """Rewrite the proxy's config file with `sections` merged in, SIGHUP it and wait until the reload applied."""
+    before = await applied_reloads(http, proxy)
+    config: dict[str, Any] = yaml.safe_load(proxy.config.read_text())
+    for name, values in sections.items():
+        config.setdefault(name, {}).update(values)
+    proxy.config.write_text(yaml.safe_dump(config))
+    assert proxy.process is not None
+    os.kill(proxy.process.pid, signal.SIGHUP)
+
+    async def applied() -> bool:
+        return await applied_reloads(http, proxy) > before
+
+    await until(applied, "the reload applied")
+
+
+async def held_task(http: aiohttp.ClientSession, proxy: ProxyProcess, tag: str, seconds: float) -> str:
+    params = {"name": "held", "arguments": {"tag": tag, "seconds": seconds}}
+    status, message = await rpc(http, proxy.url, "tools/call", params, DECLARING)
+    assert (status, message["result"]["resultType"]) == (200, "task"), message
+    task_id: str = message["result"]["taskId"]
+    return task_id
+
+
+async def live_proxy(tmp_path: Path, server: Upstream, processes: list[ProxyProcess], **sections: Any) -> ProxyProcess:
+    proxy = ProxyProcess(tmp_path, server.url, tasks=policies(held={"mode": "required"}), **sections)
+    processes.append(proxy)
+    await proxy.start()
+    return proxy
+
+
+@pytest.mark.parametrize("new_cap", [4, 0], ids=["raised", "removed"])
+async def test_a_cap_raised_or_removed_by_a_reload_starts_the_queued_calls_at_once(
+    new_cap: int,
+    tmp_path: Path,
+    own_upstream: Upstream,
+    processes: list[ProxyProcess],
+    http: aiohttp.ClientSession,
+) -> None:
+    proxy = await live_proxy(tmp_path, own_upstream, processes, upstream={"max_concurrent_calls": 1})
+    task_ids = [await held_task(http, proxy, f"held-{n}", 4) for n in range(4)]
+    await task_until(http, proxy.url, task_ids[-1], lambda task: queued_place(task) is not None)
+    assert (await held_at_once(own_upstream.url))["now"] == 1
+    await reload_with(http, proxy, upstream={"max_concurrent_calls": new_cap})
+
+    async def all_running() -> bool:
+        return (await held_at_once(own_upstream.url))["now"] == 4
+
+    await until(all_running, "the queued calls started", 2)  # long before the first one's 4 s are up
+    for task_id in task_ids:
+        done = await task_until(http, proxy.url, task_id, lambda task: task["status"] in TERMINAL)
+        assert done["status"] == "completed", done
+
+
+async def test_a_cap_lowered_by_a_reload_lets_the_running_calls_finish_and_admits_only_below_it(
+    tmp_path: Path, own_upstream: Upstream, processes: list[ProxyProcess], http: aiohttp.ClientSession
+) -> None:
+    proxy = await live_proxy(tmp_path, own_upstream, processes, upstream={"max_concurrent_calls": 3})
+    running = [await held_task(http, proxy, f"running-{n}", 2) for n in range(3)]
+    queued = [await held_task(http, proxy, f"queued-{n}", 1.5) for n in range(3)]
+    await task_until(http, proxy.url, queued[-1], lambda task: queued_place(task) is not None)
+    await reload_with(http, proxy, upstream={"max_concurrent_calls": 1})
+    assert (await held_at_once(own_upstream.url))["now"] == 3  # none stopped, none more started
+    for task_id in running:
+        done = await task_until(http, proxy.url, task_id, lambda task: task["status"] in TERMINAL)
+        assert done["status"] == "completed", done  # the calls running went on to their end
+    await held_at_once(own_upstream.url, reset=True)  # the most from now on
+    for task_id in queued:
+        done = await task_until(http, proxy.url, task_id, lambda task: task["status"] in TERMINAL)
+        assert done["status"] == "completed", done
+    assert (await held_at_once(own_upstream.url))["most"] == 1  # the queued calls went one at a time
+
+
+@pytest.mark.parametrize(
+    "cap",
+    [{"upstream": {"max_concurrent_calls": 1}}, {"tasks": policies(held={"mode": "required", "max_concurrent": 1})}],
+    ids=["upstream", "tool"],
+)
+async def test_a_cap_set_by_a_reload_where_none_was_at_start_applies(
+    cap: dict[str, dict[str, Any]],
+    tmp_path: Path,
+    own_upstream: Upstream,
+    processes: list[ProxyProcess],
+    http: aiohttp.ClientSession,
+) -> None:
+    proxy = await live_proxy(tmp_path, own_upstream, processes)  # no cap at all: no queue
+    await reload_with(http, proxy, **cap)
+    await held_at_once(own_upstream.url, reset=True)
+    task_ids = [await held_task(http, proxy, f"held-{n}", 0.5) for n in range(3)]
+    await task_until(http, proxy.url, task_ids[-1], lambda task: queued_place(task) is not None)
+    for task_id in task_ids:
+        done = await task_until(http, proxy.url, task_id, lambda task: task["status"] in TERMINAL)
+        assert done["status"] == "completed", done
+    assert (await held_at_once(own_upstream.url))["most"] == 1
