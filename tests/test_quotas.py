@@ -6,7 +6,7 @@ shared by replicas (test_store.py, test_flow_admission.py)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -60,7 +60,7 @@ async def test_the_call_past_the_quota_waits_for_the_window_to_roll_over(store: 
         await quotas.charge("caller-a", 3)
 
 
-def tool_policies(**tools: dict[str, object]) -> TasksConfig:
+def tool_policies(**tools: Mapping[str, object]) -> TasksConfig:
     return TasksConfig.model_validate({"tools": tools})
 
 
