@@ -95,14 +95,16 @@ class _UpstreamCommon(_Frozen):
         "once; more wait in a fair queue (round robin across callers, first come first served within one). A "
         "declaring client's call that has to wait becomes a task at once (`statusMessage` `queued: N ahead`); "
         "another caller waits up to `max_queue_wait_ms`. MRTR retries and `tasks/update` answers never wait: "
-        "their call holds its slot already. 0: no cap (the upstream gets whatever arrives), and no queue.",
+        "their call holds its slot already. 0: no cap (the upstream gets whatever arrives), and no queue. A live "
+        "reload changes it for the calls waiting too (a raised or removed cap starts them at once).",
     )
     max_queue_wait_ms: int = Field(
         30_000,
         gt=0,
         description="With `max_concurrent_calls`: how long a synchronous call (a client that did not declare the "
         "tasks extension, or a `forbidden` tool) waits in the queue; then it gets 503 with `Retry-After`, never "
-        "having reached the upstream. 30 s stays within the 60 s request timeout common in MCP clients.",
+        "having reached the upstream. 30 s stays within the 60 s request timeout common in MCP clients. A live "
+        "reload changes it for calls that begin to wait from then on.",
     )
     protocol_version: Literal["2025-11-25", "2025-06-18", "2025-03-26"] = Field(
         "2025-11-25",
