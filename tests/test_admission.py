@@ -18,7 +18,7 @@ from proxy.config import TasksConfig
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
 from proxy.tasks.background import Background
 from proxy.tasks.commands import Admitted, Event, Queued, QueueMoved
-from proxy.tasks.effects.admission import POSITION_SECONDS, Admission
+from proxy.tasks.effects.admission import POSITION_SECONDS, POSITIONS_TOLD, Admission
 from proxy.tasks.live_call import LiveCall, known
 from proxy.tasks.state import CallState
 from tests.support.waiting import until
@@ -274,3 +274,21 @@ async def test_a_tool_cap_set_or_removed_live_applies_to_the_calls_running_and_w
         event.set()
     await asyncio.gather(first, *runs)
     assert admission.held == 0
+
+
+async def test_only_the_first_in_line_learn_their_new_place() -> None:
+    feed = RecordingFeed()
+    admission = Admission(1, 1000, feed)
+    upstream = Upstream()
+    done = {name: asyncio.Event() for name in ["first", *(f"q-{n}" for n in range(POSITIONS_TOLD + 3))]}
+    runs = [BACKGROUND.spawn(run(admission, upstream, a_call("a", name), done[name]), name) for name in done]
+    await until(lambda: admission.depth() == POSITIONS_TOLD + 3, "the calls never queued", 5)
+    done["first"].set()
+    await until(lambda: upstream.order[-1:] == ["q-0"], "q-0 never went", 5)
+    await until(lambda: any(isinstance(event, QueueMoved) for _, event in feed.events), "no place told", 5)
+    await asyncio.sleep(POSITION_SECONDS * 2)
+    moved = {name: event.ahead for name, event in feed.events if isinstance(event, QueueMoved)}
+    assert moved == {f"q-{n}": n - 1 for n in range(1, POSITIONS_TOLD + 1)}  # q-101 and q-102 keep theirs
+    for event in done.values():
+        event.set()
+    await asyncio.gather(*runs)

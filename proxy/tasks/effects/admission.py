@@ -235,17 +235,19 @@ class Admission:
                 await asyncio.gather(*(self.feed.dispatch(call, QueueMoved(ahead)) for call, ahead in changed))
 
     def places(self) -> list[tuple[LiveCall, int]]:
-        """The calls among the first `POSITIONS_TOLD` in line, with the calls admitted before each (a call's
-        place in its caller's queue is at most what is ahead of it, so only that many of each are looked at)."""
+        """The calls among the first `POSITIONS_TOLD` in line, with the calls admitted before each. What is ahead
+        of a call grows with its place in its caller's queue and with its caller's turn in the round (each
+        caller before it there has a call before it), so each queue is looked at only until that many are
+        ahead, and only the first `POSITIONS_TOLD` callers of the round are: a few hundred looks at most."""
         places: list[tuple[LiveCall, int]] = []
-        for caller, queue in self._queues.items():
+        for turn, (caller, queue) in enumerate(self._queues.items()):
+            if turn >= POSITIONS_TOLD:
+                break
             for place, (call, waiter) in enumerate(queue):
-                if place >= POSITIONS_TOLD:
-                    break
-                if waiter.done():
-                    continue
                 ahead = self._ahead(caller, place)
-                if ahead < POSITIONS_TOLD:
+                if ahead >= POSITIONS_TOLD:
+                    break
+                if not waiter.done():
                     places.append((call, ahead))
         return places
 
