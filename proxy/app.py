@@ -63,7 +63,7 @@ from proxy.jwt_identity import JwtIdentity
 from proxy.legacy import LegacyFront
 from proxy.live_config import LiveConfig
 from proxy.observability import Metrics, logs_at
-from proxy.policy import named_tools
+from proxy.policy import has_tool_quotas, named_tools
 from proxy.principals import Principals, deployment_key
 from proxy.relay import OriginRelay
 from proxy.tasks.push import TaskWatchers
@@ -412,7 +412,7 @@ def follow_config(new: Config, runner: TaskRunner, front: Front) -> None:
     """What the runner and the front keep of the config, swapped for a live reload: new calls decide with the
     new policies and limits; a call in flight keeps the Decision it started with."""
     runner.follow(new)
-    front.config = new
+    front.config, front.tool_quotas = new, has_tool_quotas(new.tasks)
     front.listens.limits = new.limits
 
 

@@ -104,14 +104,16 @@ class _UpstreamCommon(_Frozen):
         "once; more wait in a fair queue (round robin across callers, first come first served within one). A "
         "declaring client's call that has to wait becomes a task at once (`statusMessage` `queued: N ahead`); "
         "another caller waits up to `max_queue_wait_ms`. MRTR retries and `tasks/update` answers never wait: "
-        "their call holds its slot already. 0: no cap (the upstream gets whatever arrives), and no queue.",
+        "their call holds its slot already. 0: no cap (the upstream gets whatever arrives), and no queue. A live "
+        "reload changes it for the calls waiting too (a raised or removed cap starts them at once).",
     )
     max_queue_wait_ms: int = Field(
         30_000,
         gt=0,
         description="With `max_concurrent_calls`: how long a synchronous call (a client that did not declare the "
         "tasks extension, or a `forbidden` tool) waits in the queue; then it gets 503 with `Retry-After`, never "
-        "having reached the upstream. 30 s stays within the 60 s request timeout common in MCP clients.",
+        "having reached the upstream. 30 s stays within the 60 s request timeout common in MCP clients. A live "
+        "reload changes it for calls that begin to wait from then on.",
     )
     protocol_version: Literal["2025-11-25", "2025-06-18", "2025-03-26"] = Field(
         "2025-11-25",
@@ -599,8 +601,17 @@ class ToolPolicyConfig(_Frozen):
         gt=0,
         description="Upstream requests of this tool's calls this replica sends at once, below "
         "`upstream.max_concurrent_calls` (for a tool the upstream handles worse than the rest); more wait in the "
-        "same fair queue. null: only the upstream's cap. A cap set by a live reload applies once any cap was set "
-        "at start.",
+        "same fair queue. null: only the upstream's cap. A live reload changes it for the calls waiting too.",
+    )
+    calls_per_minute_per_principal: int | None = Field(
+        None,
+        gt=0,
+        description="`tools/call` requests of this tool one caller may start per minute, beside "
+        "`limits.calls_per_minute_per_principal` (which counts every tool): the same fixed UTC-minute window, "
+        "counted per tool (each tool a glob matches has its own count), shared by replicas on PostgreSQL. One "
+        "more gets HTTP 429 with `Retry-After`, `RateLimit-Policy`/`RateLimit` naming this tool's policy, and "
+        "`data.limit` `tasks.tools.<key>.calls_per_minute_per_principal`. MRTR retries do not count. null: no "
+        "quota of its own.",
     )
 
 

@@ -1,15 +1,19 @@
 """The ProxyError tree: every error the proxy itself raises towards a client.
 
 Each class carries its JSON-RPC code and HTTP status; `app.py` turns any ProxyError into a response in one
-place. Upstream JSON-RPC errors are data and never become ProxyErrors. Imports nothing from the proxy.
+place. Upstream JSON-RPC errors are data and never become ProxyErrors. Imports only the wire's field checks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, ClassVar
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final
 
 from mcp_types import jsonrpc
+
+from proxy.wire.fields import check_fields
 
 RequestId = int | str
 
@@ -307,26 +311,58 @@ class QueueTimeoutError(UpstreamLimitError):
 
 
 class RateLimitedError(CallerLimitError):
-    """A caller used up its calls of the current window (`limits.calls_per_minute_per_principal`): HTTP 429
-    with `Retry-After` (RFC 9110 §10.2.3) and the `RateLimit-Policy` / `RateLimit` fields of
-    draft-ietf-httpapi-ratelimit-headers; the JSON-RPC error carries `data.retryAfterMs` as the draft SEP
-    "Standardize Rate-Limiting Errors" proposes, with the code of every other limit (-32603): the -32020…-32099
-    range is the specification's, and it defines no rate-limit code yet."""
+    """A caller used up its calls of the current window (`limits.calls_per_minute_per_principal`, or a tool's
+    `tasks.tools.<key>.calls_per_minute_per_principal`): HTTP 429 with `Retry-After` (RFC 9110 §10.2.3) and the
+    `RateLimit-Policy` / `RateLimit` fields of draft-ietf-httpapi-ratelimit-headers, one item per quota that
+    applies to the call (the global one, named `calls`; a tool's, named `tool:<key>`), each with what is left of
+    it; the JSON-RPC error carries `data.retryAfterMs` as the draft SEP "Standardize Rate-Limiting Errors"
+    proposes, with the code of every other limit (-32603): the -32020…-32099 range is the specification's, and
+    it defines no rate-limit code yet."""
 
-    POLICY: ClassVar[str] = "calls"  # the policy's name in both fields
+    POLICY: ClassVar[str] = "calls"  # the global quota's name in both fields
 
-    def __init__(self, limit: str, maximum: int, window_seconds: int, retry_after_seconds: int) -> None:
+    def __init__(
+        self,
+        limit: str,
+        maximum: int,
+        window_seconds: int,
+        retry_after_seconds: int,
+        policies: Sequence[RatePolicy] | None = None,
+    ) -> None:
         super().__init__(limit, maximum)
         self.data = {"limit": limit, "max": maximum, "retryAfterMs": retry_after_seconds * 1000}
         self.window_seconds = window_seconds
         self.retry_after_seconds = retry_after_seconds
+        self.policies = tuple(policies) if policies is not None else (RatePolicy(self.POLICY, maximum, 0),)
 
     def response_headers(self) -> Mapping[str, str]:
-        return {
-            "Retry-After": str(self.retry_after_seconds),
-            "RateLimit-Policy": f'"{self.POLICY}";q={self.data["max"]};w={self.window_seconds}',
-            "RateLimit": f'"{self.POLICY}";r=0;t={self.retry_after_seconds}',
+        window, reset = self.window_seconds, self.retry_after_seconds
+        headers = {
+            "Retry-After": str(reset),
+            "RateLimit-Policy": ", ".join(f"{_sf_string(p.name)};q={p.quota};w={window}" for p in self.policies),
+            "RateLimit": ", ".join(f"{_sf_string(p.name)};r={p.remaining};t={reset}" for p in self.policies),
         }
+        check_fields(headers.items())
+        return headers
+
+
+@dataclass(frozen=True, slots=True)
+class RatePolicy:
+    """One quota that applies to a call, as the RateLimit fields name it: its quota and what is left of it."""
+
+    name: str
+    quota: int
+    remaining: int
+
+
+_SF_STRING_UNSAFE: Final = re.compile(r"[^\x20-\x7e]")
+
+
+def _sf_string(name: str) -> str:
+    """A policy name as an RFC 8941 String: printable ASCII, `\\` and `"` escaped; any other character (a tool
+    name may be any text) becomes `?`, so the field stays well formed."""
+    printable = _SF_STRING_UNSAFE.sub("?", name)
+    return '"' + printable.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 class TaskStoreUnavailableError(ProxyError):

@@ -22,7 +22,7 @@ from proxy.errors import (
     UpstreamError,
 )
 from proxy.listen import ListenStreams
-from proxy.policy import decide, decide_job
+from proxy.policy import decide, decide_job, has_tool_quotas, policy_for
 from proxy.tasks import idempotency
 from proxy.tasks.push import TaskWatchers
 from proxy.tasks.request import UpstreamRequest
@@ -59,6 +59,7 @@ Handler = Callable[["Front", ModernRequest, Caller, Channel], Awaitable[JSON]]
 class Front:
     def __init__(self, config: Config, upstream: SessionPool, runner: TaskRunner, watchers: TaskWatchers) -> None:
         self.config = config
+        self.tool_quotas = has_tool_quotas(config.tasks)  # swapped with `config` by a live reload
         self.upstream = upstream
         self.runner = runner
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
@@ -96,12 +97,15 @@ class Front:
         """The tool's policy and this request's own declaration of the Tasks extension decide sync, task, window
         or -32021 (a task only ever goes to a request that declared the extension). Every tools/call runs as a
         runner call, so an upstream question can become an MRTR round or a task's inputRequests. A caller past
-        its quota is refused first (an MRTR retry is the same call, not counted again). With an `Idempotency-Key`
-        (not on an MRTR retry, which its requestState binds already) the key's record decides whether it runs
-        (`tasks/idempotency.py`)."""
+        its quota, or its quota for the tool, is refused first (an MRTR retry is the same call, not counted
+        again). With an `Idempotency-Key` (not on an MRTR retry, which its requestState binds already) the key's
+        record decides whether it runs (`tasks/idempotency.py`)."""
         per_minute = self.config.limits.calls_per_minute_per_principal
-        if per_minute and "requestState" not in request.params:
-            await self.runner.quotas.charge(self.runner.principals.key_of(caller.principal), per_minute)
+        if (per_minute or self.tool_quotas) and "requestState" not in request.params:
+            tool = str(request.params.get("name"))
+            policy = policy_for(self.config.tasks, tool) if self.tool_quotas else None
+            counted = self.runner.principals.key_of(caller.principal)
+            await self.runner.quotas.charge(counted, per_minute, tool, policy)
         upstream = UpstreamRequest.of(request, caller)
         facts = await self.upstream.facts.tool_facts(caller.principal, upstream.name, self.cache[0])
         check_param_headers(caller.headers, request.params.get("arguments"), facts.param_headers)

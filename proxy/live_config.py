@@ -47,6 +47,10 @@ FIXED: Final = (
     "limits.legacy_replay_bytes",
 )
 
+# Under a fixed section, but read live: the upstream's concurrency cap and its queue's wait (the queue is the
+# runner's, not the upstream session's).
+RELOADABLE: Final = ("upstream.max_concurrent_calls", "upstream.max_queue_wait_ms")
+
 APPLIED: Final = "applied"
 SIGHUP_TRIGGER: Final = "sighup"  # the `trigger` of a reload that SIGHUP asked for
 UNCHANGED: Final = "unchanged"
@@ -76,6 +80,8 @@ def changed_fields(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str =
 
 
 def is_fixed(path: str) -> bool:
+    if path in RELOADABLE:
+        return False
     return any(path == fixed or path.startswith(f"{fixed}.") for fixed in FIXED)
 
 

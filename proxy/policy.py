@@ -7,7 +7,7 @@ an Outcome. Imports only the config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from fnmatch import fnmatchcase
 from typing import Final
@@ -28,6 +28,10 @@ class Policy:
     on_restart: RestartAction
     resolve_input_first: bool = False
     max_concurrent: int | None = None  # the tool's own cap on upstream requests at once (None: the upstream's)
+    calls_per_minute: int | None = None  # the tool's own quota per caller and minute (None: none)
+    # The `tasks.tools` key that named the tool (its name, or a glob; None: the default), for naming its quota;
+    # not part of what the policy is (an empty entry is the default policy).
+    entry: str | None = field(default=None, compare=False)
 
 
 class Outcome(StrEnum):
@@ -116,14 +120,24 @@ def policy_for(tasks: TasksConfig, tool: str) -> Policy:
 
 def _resolve(tasks: TasksConfig, tool: str) -> Policy:
     entry = tasks.tools.get(tool)
+    key: str | None = tool
     if entry is None:
         globs = ((pattern, glob_entry) for pattern, glob_entry in tasks.tools.items() if is_glob(pattern))
-        entry = next((glob_entry for pattern, glob_entry in globs if fnmatchcase(tool, pattern)), None)
-    return _merged(entry if entry is not None else _NO_ENTRY, tasks)
+        key, entry = next(
+            ((pattern, glob_entry) for pattern, glob_entry in globs if fnmatchcase(tool, pattern)), (None, None)
+        )
+    if entry is None:
+        return _merged(_NO_ENTRY, tasks, None)
+    return _merged(entry, tasks, key)
 
 
 def is_glob(pattern: str) -> bool:
     return any(char in pattern for char in "*?[")
+
+
+def has_tool_quotas(tasks: TasksConfig) -> bool:
+    """Some tool has a quota of its own (`tasks.tools.<key>.calls_per_minute_per_principal`)."""
+    return any(entry.calls_per_minute_per_principal for entry in tasks.tools.values())
 
 
 def named_tools(tasks: TasksConfig) -> frozenset[str]:
@@ -131,7 +145,7 @@ def named_tools(tasks: TasksConfig) -> frozenset[str]:
     return frozenset(name for name in tasks.tools if not is_glob(name))
 
 
-def _merged(entry: ToolPolicyConfig, tasks: TasksConfig) -> Policy:
+def _merged(entry: ToolPolicyConfig, tasks: TasksConfig, key: str | None) -> Policy:
     default = tasks.default
     given = entry.model_fields_set  # `ttl_ms: null` given explicitly means unlimited, not "inherit"
     return Policy(
@@ -144,6 +158,8 @@ def _merged(entry: ToolPolicyConfig, tasks: TasksConfig) -> Policy:
             entry.resolve_input_first if entry.resolve_input_first is not None else default.resolve_input_first
         ),
         max_concurrent=entry.max_concurrent,
+        calls_per_minute=entry.calls_per_minute_per_principal,
+        entry=key,
     )
 
 

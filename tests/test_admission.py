@@ -2,20 +2,23 @@
 `Feed` and a stand-in for the call's upstream session (an async context manager that records who holds it).
 The slots are never more than the cap; they go round the waiting callers (round robin), first come first
 served within one; a call's place counts the calls admitted before it; a call that leaves the queue frees its
-place, and one granted a slot as it is cancelled gives it back."""
+place, and one granted a slot as it is cancelled gives it back. A queued call learns its new place as the queue
+moves (coalesced), and caps changed by a reload apply to the calls waiting and running."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
 
+from proxy.config import TasksConfig
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
 from proxy.tasks.background import Background
-from proxy.tasks.commands import Admitted, Event, Queued
-from proxy.tasks.effects.admission import Admission
+from proxy.tasks.commands import Admitted, Event, Queued, QueueMoved
+from proxy.tasks.effects.admission import POSITION_SECONDS, POSITIONS_TOLD, Admission
 from proxy.tasks.live_call import LiveCall, known
 from proxy.tasks.state import CallState
 from tests.support.waiting import until
@@ -196,3 +199,96 @@ async def test_a_call_abandoned_by_its_own_queued_event_leaves_the_queue_and_nev
     await running
     assert upstream.order == ["first"]
     assert admission.held == 0
+
+
+async def test_queued_calls_learn_their_new_place_once_per_interval_and_only_when_it_changed() -> None:
+    feed = RecordingFeed()
+    admission = Admission(1, 1000, feed)
+    upstream = Upstream()
+    done = {name: asyncio.Event() for name in ("first", "b-0", "b-1", "b-2")}
+    runs = [BACKGROUND.spawn(run(admission, upstream, a_call("b", name), done[name]), name) for name in done]
+    await until(lambda: admission.depth() == 3, "the calls never queued", 5)
+    ahead = {name: event.ahead for name, event in feed.events if isinstance(event, Queued)}
+    assert ahead == {"b-0": 0, "b-1": 1, "b-2": 2}
+    done["b-0"].set()  # b-0 ends as soon as it goes: two moves at once, so b-2 is told 0, not 1 then 0
+    done["first"].set()
+    await until(lambda: upstream.order[-1:] == ["b-1"], "b-1 never went", 5)
+    await until(
+        lambda: [event for _, event in feed.events if isinstance(event, QueueMoved)],
+        "no new place told",
+        2 * POSITION_SECONDS + 1,
+    )
+    await asyncio.sleep(POSITION_SECONDS * 2)
+    moved = [(name, event.ahead) for name, event in feed.events if isinstance(event, QueueMoved)]
+    assert moved == [("b-2", 0)]
+    for event in done.values():
+        event.set()
+    await asyncio.gather(*runs)
+
+
+def capped(**tools: int) -> TasksConfig:
+    return TasksConfig.model_validate({"tools": {name: {"max_concurrent": cap} for name, cap in tools.items()}})
+
+
+async def test_a_cap_raised_live_admits_queued_calls_at_once_and_one_lowered_admits_only_below_it() -> None:
+    feed = RecordingFeed()
+    admission = Admission(1, 1000, feed, tasks=capped())
+    upstream = Upstream()
+    done = {f"call-{n}": asyncio.Event() for n in range(5)}
+    runs = [BACKGROUND.spawn(run(admission, upstream, a_call(name, name), done[name]), name) for name in list(done)[:4]]
+    await until(lambda: admission.depth() == 3, "the calls never queued", 5)
+    admission.reconfigure(4, 1000, capped())
+    assert (admission.held, admission.depth()) == (4, 0)  # at once, not when a call ends
+    admission.reconfigure(2, 1000, capped())
+    runs.append(BACKGROUND.spawn(run(admission, upstream, a_call("late", "call-4"), done["call-4"]), "call-4"))
+    await until(lambda: admission.depth() == 1, "the late call never queued", 5)
+    done["call-0"].set()
+    done["call-1"].set()
+    await until(lambda: admission.held == 2, "the first calls never ended", 5)
+    assert admission.depth() == 1  # two still run: not below the new cap of 2
+    done["call-2"].set()
+    await until(lambda: upstream.order[-1:] == ["call-4"], "the late call never went below the cap", 5)
+    assert admission.held == 2
+    for event in done.values():
+        event.set()
+    await asyncio.gather(*runs)
+
+
+async def test_a_tool_cap_set_or_removed_live_applies_to_the_calls_running_and_waiting() -> None:
+    feed = RecordingFeed()
+    admission = Admission(sys.maxsize, 1000, feed, tasks=capped())
+    upstream = Upstream()
+    done = {f"slow-{n}": asyncio.Event() for n in range(3)}
+
+    def slow(name: str) -> LiveCall:
+        return a_call("a", name, tool_cap=99, tool="slow")  # its own policy's cap is not the one in force
+
+    first = BACKGROUND.spawn(run(admission, upstream, slow("slow-0"), done["slow-0"]), "slow-0")
+    await until(lambda: admission.held == 1, "the first call never went", 5)
+    admission.reconfigure(sys.maxsize, 1000, capped(slow=1))  # the call running counts against the new cap
+    runs = [BACKGROUND.spawn(run(admission, upstream, slow(name), done[name]), name) for name in ("slow-1", "slow-2")]
+    await until(lambda: admission.depth() == 2, "the calls never queued behind the new cap", 5)
+    admission.reconfigure(sys.maxsize, 1000, capped())  # removed: every queued call goes
+    assert (admission.held, admission.depth()) == (3, 0)
+    for event in done.values():
+        event.set()
+    await asyncio.gather(first, *runs)
+    assert admission.held == 0
+
+
+async def test_only_the_first_in_line_learn_their_new_place() -> None:
+    feed = RecordingFeed()
+    admission = Admission(1, 1000, feed)
+    upstream = Upstream()
+    done = {name: asyncio.Event() for name in ["first", *(f"q-{n}" for n in range(POSITIONS_TOLD + 3))]}
+    runs = [BACKGROUND.spawn(run(admission, upstream, a_call("a", name), done[name]), name) for name in done]
+    await until(lambda: admission.depth() == POSITIONS_TOLD + 3, "the calls never queued", 5)
+    done["first"].set()
+    await until(lambda: upstream.order[-1:] == ["q-0"], "q-0 never went", 5)
+    await until(lambda: any(isinstance(event, QueueMoved) for _, event in feed.events), "no place told", 5)
+    await asyncio.sleep(POSITION_SECONDS * 2)
+    moved = {name: event.ahead for name, event in feed.events if isinstance(event, QueueMoved)}
+    assert moved == {f"q-{n}": n - 1 for n in range(1, POSITIONS_TOLD + 1)}  # q-101 and q-102 keep theirs
+    for event in done.values():
+        event.set()
+    await asyncio.gather(*runs)

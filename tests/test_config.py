@@ -435,3 +435,23 @@ def test_host_patterns_with_a_star_label_load() -> None:
     overrides: dict[str, dict[str, Any]] = {"upstream": {"url": SIDECAR_URL}, "security": {"allowed_hosts": hosts}}
     config = load_config(None, environ={}, overrides=overrides)
     assert config.security.allowed_hosts == hosts
+
+
+def test_check_config_refuses_a_tools_quota_that_is_no_positive_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file = tmp_path / "quota.yaml"
+    file.write_text(
+        "upstream: {url: http://a:1/mcp}\n"
+        "tasks:\n  tools:\n    render: {calls_per_minute_per_principal: 0}\n"
+        "    export: {calls_per_minute_per_principal: many}\n    fine: {calls_per_minute_per_principal: 10}\n"
+    )
+    assert main(["check-config", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert "tasks.tools.render.calls_per_minute_per_principal" in err
+    assert "tasks.tools.export.calls_per_minute_per_principal" in err
+    assert "tasks.tools.fine" not in err
+    file.write_text(
+        "upstream: {url: http://a:1/mcp}\ntasks:\n  tools:\n    fine: {calls_per_minute_per_principal: 10}\n"
+    )
+    assert main(["check-config", str(file)]) == 0

@@ -8,6 +8,8 @@ gets 503 with `Retry-After` (RFC 9110 §10.2.3) having never reached the upstrea
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 import uuid
 from datetime import datetime
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests import pg
@@ -288,6 +292,97 @@ async def test_two_replicas_on_postgresql_share_a_callers_quota(
         assert status == 429, message  # three calls in all, on either replica
 
 
+# --- quotas of one tool: tasks.tools.<key>.calls_per_minute_per_principal -------------------------------------
+
+ECHO_QUOTA = "tasks.tools.echo.calls_per_minute_per_principal"
+
+
+async def refusals(client: Tasks, limit: str) -> float:
+    response = await client.client.get("/metrics")
+    for family in text_string_to_metric_families(await response.text()):
+        for sample in family.samples:
+            if sample.name == "mcp_tasks_proxy_limit_refusals_total" and sample.labels == {"limit": limit}:
+                return float(sample.value)
+    return 0.0
+
+
+async def test_a_tools_quota_refuses_its_next_call_while_another_tool_still_runs(
+    tasks_client: ClientFactory,
+) -> None:
+    client = await tasks_client(tasks=policies(echo={"calls_per_minute_per_principal": 2}, sleep={"mode": "required"}))
+    await early_in_a_minute()
+    running = await client.create("sleep", {"seconds": 1}, headers=as_caller("busy"))
+    for _ in range(2):
+        status, message = await client.call("echo", {"text": "x"}, capabilities={}, headers=as_caller("busy"))
+        assert status == 200, message
+    status, headers, message = await refused_call(client, "busy")
+    assert status == 429
+    retry_after = int(headers["Retry-After"])
+    assert 1 <= retry_after <= 60
+    assert headers["RateLimit-Policy"] == '"tool:echo";q=2;w=60'  # the tool's policy, not the global `calls`
+    assert headers["RateLimit"] == f'"tool:echo";r=0;t={retry_after}'
+    client.core.validate(message, "JSONRPCErrorResponse")
+    assert message["error"]["code"] == -32603
+    assert message["error"]["data"] == {"limit": ECHO_QUOTA, "max": 2, "retryAfterMs": retry_after * 1000}
+    assert await refusals(client, ECHO_QUOTA) == 1
+    status, message = await client.call("held", {"tag": "x", "seconds": 0}, capabilities={}, headers=as_caller("busy"))
+    assert status == 200, message  # another tool of the same caller is not held back
+    assert (await client.task(running, headers=as_caller("busy")))["status"] == "working"  # ran on meanwhile
+    done = await client.until(running, lambda task: task["status"] in TERMINAL, 15, headers=as_caller("busy"))
+    assert done["status"] == "completed"
+    status, _ = await client.call("echo", {"text": "x"}, capabilities={}, headers=as_caller("other"))
+    assert status == 200  # each caller has its own quota of the tool
+
+
+async def test_the_global_and_a_tools_quota_apply_together_and_both_are_listed(
+    tasks_client: ClientFactory,
+) -> None:
+    client = await tasks_client(
+        limits={"calls_per_minute_per_principal": 3}, tasks=policies(echo={"calls_per_minute_per_principal": 1})
+    )
+    await early_in_a_minute()
+    status, message = await client.call("echo", {"text": "x"}, capabilities={}, headers=as_caller("both"))
+    assert status == 200, message
+    status, headers, message = await refused_call(client, "both")  # the tool's one call is spent
+    assert status == 429
+    retry_after = int(headers["Retry-After"])
+    assert headers["RateLimit-Policy"] == '"calls";q=3;w=60, "tool:echo";q=1;w=60'
+    assert headers["RateLimit"] == f'"calls";r=1;t={retry_after}, "tool:echo";r=0;t={retry_after}'
+    assert message["error"]["data"]["limit"] == ECHO_QUOTA
+    status, message = await client.call("held", {"tag": "x", "seconds": 0}, capabilities={}, headers=as_caller("both"))
+    assert status == 200, message  # the third call of the window: the global quota's last
+    response = await client.client.post(
+        "/mcp",
+        json=modern_body("tools/call", {"name": "held", "arguments": {"tag": "x"}}, request_id=1, capabilities={}),
+        headers={**modern_headers("tools/call", "held"), **as_caller("both")},
+    )
+    assert response.status == 429  # now the global quota: a tool without a quota of its own is refused too
+    assert response.headers["RateLimit-Policy"] == '"calls";q=3;w=60'
+    assert (await response.json())["error"]["data"]["limit"] == "calls_per_minute_per_principal"
+    assert await refusals(client, ECHO_QUOTA) == 1
+    assert await refusals(client, "calls_per_minute_per_principal") == 1
+
+
+async def test_two_replicas_on_postgresql_share_a_callers_quota_of_one_tool(
+    tasks_client: ClientFactory, pg_dsn: str, tmp_path: Path
+) -> None:
+    sections: dict[str, Any] = {
+        "store": {"url": pg.as_url(pg_dsn), "lease_seconds": 3},
+        "security": {"key_file": key_file(tmp_path)},
+        "tasks": policies(echo={"calls_per_minute_per_principal": 3}),
+    }
+    first, second = await tasks_client(**sections), await tasks_client(**sections)
+    await early_in_a_minute()
+    for replica in (first, second, first):
+        status, message = await replica.call("echo", {"text": "x"}, capabilities={}, headers=as_caller("shared"))
+        assert status == 200, message
+    for replica in (second, first):
+        status, _, message = await refused_call(replica, "shared")
+        assert status == 429, message  # three calls of the tool in all, on either replica
+        assert message["error"]["data"]["limit"] == ECHO_QUOTA
+    assert await second.text("held", {"tag": "other tool", "seconds": 0}) == "other tool"
+
+
 async def test_a_tool_with_a_cap_of_its_own_runs_one_at_a_time_while_other_tools_go_on(
     tasks_client: ClientFactory, upstream: Upstream
 ) -> None:
@@ -300,3 +395,150 @@ async def test_a_tool_with_a_cap_of_its_own_runs_one_at_a_time_while_other_tools
     for task_id in task_ids:
         assert (await client.settled(task_id))["status"] == "completed"
     assert (await held_at_once(upstream.url))["most"] == 1
+
+
+# --- the queued place kept up to date -------------------------------------------------------------------------
+
+
+def queued_place(task: dict[str, Any]) -> int | None:
+    message = str(task.get("statusMessage", ""))
+    if not message.startswith("queued: "):
+        return None
+    return int(message.removeprefix("queued: ").removesuffix(" ahead"))
+
+
+async def test_a_queued_tasks_place_falls_in_the_store_as_the_calls_before_it_finish(
+    tasks_client: ClientFactory, pg_dsn: str, tmp_path: Path
+) -> None:
+    shared: dict[str, Any] = {
+        "store": {"url": pg.as_url(pg_dsn), "lease_seconds": 3},
+        "security": {"key_file": key_file(tmp_path)},
+        "tasks": policies(held={"mode": "required"}),
+    }
+    queueing = await tasks_client(upstream={"max_concurrent_calls": 1}, **shared)
+    reader = await tasks_client(**shared)  # another replica: it sees only what the store holds
+    running = await queueing.create("held", {"tag": "running", "seconds": 1})
+    queued = [await queueing.create("held", {"tag": f"queued-{n}", "seconds": 1}) for n in range(4)]
+    last = queued[-1]
+    places: list[int] = []
+    while True:
+        task = await reader.task(last)
+        place = queued_place(task)
+        if place is not None and (not places or places[-1] != place):
+            places.append(place)
+        if task["status"] in TERMINAL:
+            break
+        await asyncio.sleep(0.1)
+    assert task["status"] == "completed"
+    assert result_text(task) == "queued-3"  # it ran, last
+    assert places == [3, 2, 1, 0], places  # each call that finished before it moved it up one place
+    assert (await queueing.settled(running))["status"] == "completed"
+
+
+# --- the caps read live ---------------------------------------------------------------------------------------
+
+
+async def applied_reloads(http: aiohttp.ClientSession, proxy: ProxyProcess) -> float:
+    async with http.get(proxy.url.replace("/mcp", "/metrics")) as response:
+        text = await response.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "mcp_tasks_proxy_config_reloads_total" and sample.labels == {"result": "applied"}:
+                return float(sample.value)
+    return 0.0
+
+
+async def reload_with(http: aiohttp.ClientSession, proxy: ProxyProcess, **sections: dict[str, Any]) -> None:
+    """Rewrite the proxy's config file with `sections` merged in, SIGHUP it and wait until the reload applied."""
+    before = await applied_reloads(http, proxy)
+    config: dict[str, Any] = yaml.safe_load(proxy.config.read_text())
+    for name, values in sections.items():
+        config.setdefault(name, {}).update(values)
+    proxy.config.write_text(yaml.safe_dump(config))
+    assert proxy.process is not None
+    os.kill(proxy.process.pid, signal.SIGHUP)
+
+    async def applied() -> bool:
+        return await applied_reloads(http, proxy) > before
+
+    await until(applied, "the reload applied")
+
+
+async def held_task(http: aiohttp.ClientSession, proxy: ProxyProcess, tag: str, seconds: float) -> str:
+    params = {"name": "held", "arguments": {"tag": tag, "seconds": seconds}}
+    status, message = await rpc(http, proxy.url, "tools/call", params, DECLARING)
+    assert (status, message["result"]["resultType"]) == (200, "task"), message
+    task_id: str = message["result"]["taskId"]
+    return task_id
+
+
+async def live_proxy(tmp_path: Path, server: Upstream, processes: list[ProxyProcess], **sections: Any) -> ProxyProcess:
+    proxy = ProxyProcess(tmp_path, server.url, tasks=policies(held={"mode": "required"}), **sections)
+    processes.append(proxy)
+    await proxy.start()
+    return proxy
+
+
+@pytest.mark.parametrize("new_cap", [4, 0], ids=["raised", "removed"])
+async def test_a_cap_raised_or_removed_by_a_reload_starts_the_queued_calls_at_once(
+    new_cap: int,
+    tmp_path: Path,
+    own_upstream: Upstream,
+    processes: list[ProxyProcess],
+    http: aiohttp.ClientSession,
+) -> None:
+    proxy = await live_proxy(tmp_path, own_upstream, processes, upstream={"max_concurrent_calls": 1})
+    task_ids = [await held_task(http, proxy, f"held-{n}", 4) for n in range(4)]
+    await task_until(http, proxy.url, task_ids[-1], lambda task: queued_place(task) is not None)
+    assert (await held_at_once(own_upstream.url))["now"] == 1
+    await reload_with(http, proxy, upstream={"max_concurrent_calls": new_cap})
+
+    async def all_running() -> bool:
+        return (await held_at_once(own_upstream.url))["now"] == 4
+
+    await until(all_running, "the queued calls started", 2)  # long before the first one's 4 s are up
+    for task_id in task_ids:
+        done = await task_until(http, proxy.url, task_id, lambda task: task["status"] in TERMINAL)
+        assert done["status"] == "completed", done
+
+
+async def test_a_cap_lowered_by_a_reload_lets_the_running_calls_finish_and_admits_only_below_it(
+    tmp_path: Path, own_upstream: Upstream, processes: list[ProxyProcess], http: aiohttp.ClientSession
+) -> None:
+    proxy = await live_proxy(tmp_path, own_upstream, processes, upstream={"max_concurrent_calls": 3})
+    running = [await held_task(http, proxy, f"running-{n}", 2) for n in range(3)]
+    queued = [await held_task(http, proxy, f"queued-{n}", 1.5) for n in range(3)]
+    await task_until(http, proxy.url, queued[-1], lambda task: queued_place(task) is not None)
+    await reload_with(http, proxy, upstream={"max_concurrent_calls": 1})
+    assert (await held_at_once(own_upstream.url))["now"] == 3  # none stopped, none more started
+    for task_id in running:
+        done = await task_until(http, proxy.url, task_id, lambda task: task["status"] in TERMINAL)
+        assert done["status"] == "completed", done  # the calls running went on to their end
+    await held_at_once(own_upstream.url, reset=True)  # the most from now on
+    for task_id in queued:
+        done = await task_until(http, proxy.url, task_id, lambda task: task["status"] in TERMINAL)
+        assert done["status"] == "completed", done
+    assert (await held_at_once(own_upstream.url))["most"] == 1  # the queued calls went one at a time
+
+
+@pytest.mark.parametrize(
+    "cap",
+    [{"upstream": {"max_concurrent_calls": 1}}, {"tasks": policies(held={"mode": "required", "max_concurrent": 1})}],
+    ids=["upstream", "tool"],
+)
+async def test_a_cap_set_by_a_reload_where_none_was_at_start_applies(
+    cap: dict[str, dict[str, Any]],
+    tmp_path: Path,
+    own_upstream: Upstream,
+    processes: list[ProxyProcess],
+    http: aiohttp.ClientSession,
+) -> None:
+    proxy = await live_proxy(tmp_path, own_upstream, processes)  # no cap at all: no queue
+    await reload_with(http, proxy, **cap)
+    await held_at_once(own_upstream.url, reset=True)
+    task_ids = [await held_task(http, proxy, f"held-{n}", 0.5) for n in range(3)]
+    await task_until(http, proxy.url, task_ids[-1], lambda task: queued_place(task) is not None)
+    for task_id in task_ids:
+        done = await task_until(http, proxy.url, task_id, lambda task: task["status"] in TERMINAL)
+        assert done["status"] == "completed", done
+    assert (await held_at_once(own_upstream.url))["most"] == 1

@@ -49,6 +49,8 @@ def test_changes_are_named_per_field_and_tool_maps_whole() -> None:
     assert is_fixed("upstream.headers")
     assert not is_fixed("tasks.tools")
     assert not is_fixed("security.allowed_hosts")
+    assert not is_fixed("upstream.max_concurrent_calls")  # the queue's caps are read live, under `upstream`
+    assert not is_fixed("upstream.max_queue_wait_ms")
 
 
 def test_a_good_reload_swaps_the_config_and_tells_subscribers(live: LiveConfig) -> None:

@@ -8,8 +8,8 @@ instead of a held request: `UpstreamTaskCreated`, then `FollowUpstreamTask` (its
 the questions and the outcome), `PollUpstreamTask` (`tasks/get`) and `CancelUpstreamTask`. Three events come
 from other replicas of a shared store (`RemoteCancel`, `RemoteAnswers`) or from losing the right to write
 (`LeaseLost`). With `upstream.max_concurrent_calls`, a call whose upstream request waits for a slot learns so
-(`Queued`, its place) and when it goes (`Admitted`); a task's record says it is queued (`WriteQueue`). Plain
-frozen data; imports only the upstream event types, errors and the wire.
+(`Queued`, its place; `QueueMoved`, a new place) and when it goes (`Admitted`); a task's record says it is
+queued (`WriteQueue`). Plain frozen data; imports only the upstream event types, errors and the wire.
 """
 
 from __future__ import annotations
@@ -183,6 +183,13 @@ class Queued:
 
 
 @dataclass(frozen=True, slots=True)
+class QueueMoved:
+    """The queue moved while the call waits: `ahead` calls are before it now."""
+
+    ahead: int
+
+
+@dataclass(frozen=True, slots=True)
 class Admitted:
     """The queued call got its upstream slot: its request is being sent."""
 
@@ -208,6 +215,7 @@ Event = (
     | RemoteAnswers
     | LeaseLost
     | Queued
+    | QueueMoved
     | Admitted
 )
 

@@ -17,7 +17,8 @@ stream brings the questions (`Asked`) and the outcome (`Ended`), its status come
 
 With a concurrency cap (`upstream.max_concurrent_calls`) the upstream request may wait for a slot (`Queued`):
 a call that may become a task becomes one at once and its record says it is queued; a synchronous call waits
-up to the queue's budget (`Timer.QUEUE`), then gets the queue's refusal (503); `Admitted` says it goes.
+up to the queue's budget (`Timer.QUEUE`), then gets the queue's refusal (503); `QueueMoved` brings its new
+place (a task's record says it), and `Admitted` says it goes.
 
 The state it keeps is `state.py`; the steps its handlers share are `steps.py`. Imports those, the policy, the
 input-bridging rules (`inputs.py`), the upstream task (`upstream_task.py`), the upstream event types and
@@ -54,6 +55,7 @@ from proxy.tasks.commands import (
     ParkRefused,
     PollUpstreamTask,
     Queued,
+    QueueMoved,
     Refuse,
     Relay,
     ReleaseCall,
@@ -492,6 +494,17 @@ def _write_queued(state: CallState) -> list[Command]:
     return [WriteQueue(True, wire_tasks.queued_status_message(state.queued_ahead))]
 
 
+def _queue_moved(state: CallState, event: QueueMoved) -> list[Command]:
+    """The call's place in the queue changed: a task's record says its new place (a record still being
+    written says the latest once it is there)."""
+    if not state.queued or not state.running or event.ahead == state.queued_ahead:
+        return []
+    state.queued_ahead = event.ahead
+    if not state.queue_written or state.fenced or state.mode is Mode.DETACHED:
+        return []
+    return [WriteProgress(wire_tasks.queued_status_message(event.ahead))]
+
+
 def _admitted(state: CallState, event: Admitted) -> list[Command]:
     """The queued call got its slot and its request goes upstream now; a task's record says it started."""
     state.queued = False
@@ -536,5 +549,6 @@ _HANDLERS: Final[dict[type[Any], Callable[[CallState, Any], list[Command]]]] = {
     RemoteAnswers: _remote_answers,
     LeaseLost: _lease_lost,
     Queued: _queued,
+    QueueMoved: _queue_moved,
     Admitted: _admitted,
 }

@@ -1,8 +1,12 @@
-"""Per-caller quotas (`limits.calls_per_minute_per_principal`): each `tools/call` a caller starts is counted in
-a fixed window of one minute (from the start of each UTC minute), in the store: shared by every replica on
-PostgreSQL, kept by the one process on SQLite. One beyond the quota is refused (`RateLimitedError`: 429 with
-`Retry-After` and the RateLimit fields) before anything else is done for it; the edge counts the refusal in
-`limit_refusals_total`. Imports the store protocol and errors; no upstream, no aiohttp.
+"""Per-caller quotas: each `tools/call` a caller starts is counted in a fixed window of one minute (from the
+start of each UTC minute), in the store: shared by every replica on PostgreSQL, kept by the one process on
+SQLite. Two quotas may apply to a call: the caller's over every tool (`limits.calls_per_minute_per_principal`)
+and the caller's for the one tool (`tasks.tools.<key>.calls_per_minute_per_principal`, counted per tool name,
+so each tool a glob matches has its own). One beyond either is refused (`RateLimitedError`: 429 with
+`Retry-After` and the RateLimit fields, which list every quota that applies and what is left of it) before
+anything else is done for it; the edge counts the refusal in `limit_refusals_total` by `data.limit`. Every call
+that reaches the check counts, refused or not, in each quota that applies. Imports the store protocol, the
+policy and errors; no upstream, no aiohttp.
 """
 
 from __future__ import annotations
@@ -11,11 +15,22 @@ import math
 from collections.abc import Callable
 from typing import Final
 
-from proxy.errors import RateLimitedError
+from proxy.errors import RateLimitedError, RatePolicy
+from proxy.policy import Policy
 from proxy.tasks.store import TaskStore
 
 WINDOW_MS: Final = 60_000
-LIMIT: Final = "calls_per_minute_per_principal"
+LIMIT: Final = "calls_per_minute_per_principal"  # the global quota's `data.limit`
+
+
+def tool_limit(entry: str) -> str:
+    """A tool quota's `data.limit` (and `limit_refusals_total` label): the config key that sets it."""
+    return f"tasks.tools.{entry}.{LIMIT}"
+
+
+def tool_policy_name(entry: str) -> str:
+    """A tool quota's name in the RateLimit fields, distinct from the global quota's `calls`."""
+    return f"tool:{entry}"
 
 
 class Quotas:
@@ -23,13 +38,28 @@ class Quotas:
         self.store = store
         self.clock = clock  # wall clock, epoch milliseconds: replicas share the windows
 
-    async def charge(self, caller: str, per_minute: int) -> None:
-        """Count one call of `caller` (the keyed hash of its principal); RateLimitedError beyond `per_minute`,
+    async def charge(self, caller: str, per_minute: int, tool: str | None = None, policy: Policy | None = None) -> None:
+        """Count one call of `caller` (the keyed hash of its principal) against the global quota (`per_minute`,
+        0: none) and the tool's own (`policy.calls_per_minute`, None: none); RateLimitedError beyond either,
         telling it to come back when the window ends."""
         now_ms = self.clock()
         window_start_ms = now_ms - now_ms % WINDOW_MS
-        calls = await self.store.count_call(f"principal:{caller}", window_start_ms)
-        if calls <= per_minute:
+        policies: list[RatePolicy] = []
+        refused: tuple[str, int] | None = None
+        if per_minute:
+            calls = await self.store.count_call(f"principal:{caller}", window_start_ms)
+            policies.append(RatePolicy(RateLimitedError.POLICY, per_minute, max(0, per_minute - calls)))
+            if calls > per_minute:
+                refused = (LIMIT, per_minute)
+        tool_quota = policy.calls_per_minute if policy is not None else None
+        if tool is not None and policy is not None and tool_quota is not None:
+            entry = policy.entry if policy.entry is not None else tool
+            calls = await self.store.count_call(f"tool:{tool}:principal:{caller}", window_start_ms)
+            policies.append(RatePolicy(tool_policy_name(entry), tool_quota, max(0, tool_quota - calls)))
+            if calls > tool_quota and refused is None:
+                refused = (tool_limit(entry), tool_quota)
+        if refused is None:
             return
         retry_after_seconds = max(1, math.ceil((window_start_ms + WINDOW_MS - now_ms) / 1000))
-        raise RateLimitedError(LIMIT, per_minute, WINDOW_MS // 1000, retry_after_seconds)
+        limit, maximum = refused
+        raise RateLimitedError(limit, maximum, WINDOW_MS // 1000, retry_after_seconds, policies)

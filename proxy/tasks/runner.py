@@ -120,14 +120,10 @@ class TaskRunner:
             self.outbox,
         )
         self.timers = Timers(feed, self.background)
-        caps = config.upstream
-        tool_caps = any(entry.max_concurrent for entry in config.tasks.tools.values())
-        self.admission = (
-            Admission(caps.max_concurrent_calls or sys.maxsize, caps.max_queue_wait_ms, feed, metrics)
-            if caps.max_concurrent_calls or tool_caps
-            else None
-        )
-        held = HeldRequest(feed, self.background, upstream, self.parking, self.admission)
+        self._feed = feed
+        self.admission: Admission | None = None  # made once a cap is in force (at start or by a reload)
+        self.held = held = HeldRequest(feed, self.background, upstream, self.parking)
+        self._follow_caps(config)
         upstream_task = UpstreamTaskEffect(feed, self.background, upstream, clock)
         self.jobs = jobs = JobEffect(feed, self.background, upstream, clock)
         jobs.follow(config.jobs)
@@ -253,6 +249,26 @@ class TaskRunner:
             config.limits.max_running_per_principal,
         )
         self.parking.config, self.parking.per_caller = config.inputs, config.limits.max_parked_per_principal
+        self._follow_caps(config)
+
+    def _follow_caps(self, config: Config) -> None:
+        """The upstream's cap and the tools' caps in force. With none there is no queue and no per-call work;
+        once one was in force, the queue stays (a cap removed admits every queued call at once, and the calls
+        keep being counted, so a cap set again counts the ones running)."""
+        caps = config.upstream
+        tool_caps = any(entry.max_concurrent for entry in config.tasks.tools.values())
+        if self.admission is not None:
+            self.admission.reconfigure(caps.max_concurrent_calls or sys.maxsize, caps.max_queue_wait_ms, config.tasks)
+        elif caps.max_concurrent_calls or tool_caps:
+            self.admission = Admission(
+                caps.max_concurrent_calls or sys.maxsize,
+                caps.max_queue_wait_ms,
+                self._feed,
+                self.metrics,
+                config.tasks,
+                self.background,
+            )
+            self.held.admission = self.admission
 
     def follow_drain(self, draining: Callable[[], bool]) -> None:
         """`draining()` says whether this replica drains after SIGTERM: then its sweep takes nothing over."""

@@ -2,9 +2,15 @@
 is sent holds a slot until that request ends; the others wait in a fair queue, round robin across callers and
 first come first served within one, so that one caller's burst cannot starve another. A tool may have a lower
 cap of its own (`tasks.tools.<name>.max_concurrent`): its calls wait in the same queue while other tools' calls
-go on. A call learns that it waits (`Queued`, with its place) and when it goes (`Admitted`); one that leaves
-the queue (cancelled, its client gone) frees its place. Imports the ports, the command vocabulary, errors and
-the metrics; no store, no upstream.
+go on. A call learns that it waits (`Queued`, with its place), that its place changed as the queue moved
+(`QueueMoved`), and when it goes (`Admitted`); one that leaves the queue (cancelled, its client gone) frees its
+place. The caps are those of the config in force: a live reload (`reconfigure`) that raises one starts queued
+calls at once, one that lowers it lets the running calls finish and admits new ones only below it.
+
+Places are told coalesced, not at each move: at most every `POSITION_SECONDS`, a call among the first
+`POSITIONS_TOLD` in line whose place differs from the one it was last told learns its new one (each is one
+store write for a task); a call further back keeps the place it was told until it comes that far. Imports the
+policy, the ports, the command vocabulary, errors and the metrics; no store, no upstream.
 """
 
 from __future__ import annotations
@@ -17,30 +23,54 @@ from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Final, TypeVar
 
+from proxy.config import TasksConfig
 from proxy.errors import QueueTimeoutError
 from proxy.observability import Metrics
-from proxy.tasks.commands import Admitted, Queued
+from proxy.policy import policy_for
+from proxy.tasks.commands import Admitted, Queued, QueueMoved
 from proxy.tasks.live_call import LiveCall
-from proxy.tasks.ports import Feed
+from proxy.tasks.ports import Feed, Spawner
 
 _T = TypeVar("_T")
 
 FIRST_HOLD_SECONDS: Final = 1.0  # the estimate of one call's hold time before any call ended
 HOLD_SMOOTHING: Final = 0.2  # weight of the latest call's hold time in the running estimate
+POSITION_SECONDS: Final = 0.5  # a queued call learns a new place at most this often
+POSITIONS_TOLD: Final = 100  # ... if it is among the first this many in line (each told place is a store write)
 
 Waiter = tuple[LiveCall, "asyncio.Future[None]"]
 
 
 class Admission:
-    def __init__(self, max_concurrent: int, max_wait_ms: int, feed: Feed, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        max_concurrent: int,
+        max_wait_ms: int,
+        feed: Feed,
+        metrics: Metrics | None = None,
+        tasks: TasksConfig | None = None,
+        spawner: Spawner | None = None,
+    ) -> None:
         self.max_concurrent = max_concurrent
         self.max_wait_ms = max_wait_ms
         self.feed = feed
         self.metrics = metrics  # the queue's depth by tool, and how long queued calls waited
+        self.tasks = tasks  # the tool caps in force; None: each call's own policy says its tool's cap
+        self.spawner = spawner  # runs the telling of new places (None: a task of the loop's own)
         self._holders: dict[LiveCall, float] = {}  # since when (monotonic seconds) each holds its slot
         self._queues: dict[str, deque[Waiter]] = {}  # by caller, in the order of the round
-        self._by_tool: dict[str, int] = {}  # holders of each tool that has a cap of its own
+        self._by_tool: dict[str, int] = {}  # holders of each tool (of tools/call), so a cap set later counts them
         self._hold_seconds = FIRST_HOLD_SECONDS
+        self._told: dict[LiveCall, int] = {}  # the place each queued call was last told
+        self._moved = False  # the queue changed since places were last told
+        self._telling: asyncio.Task[None] | None = None
+
+    def reconfigure(self, max_concurrent: int, max_wait_ms: int, tasks: TasksConfig) -> None:
+        """A live reload: the caps in force from now on, for the calls that wait too. A raised cap admits
+        queued calls at once; a lowered one admits none until the calls running are below it."""
+        self.max_concurrent, self.max_wait_ms, self.tasks = max_concurrent, max_wait_ms, tasks
+        if self._queues:
+            self._grant()
 
     def slot(self, call: LiveCall, inner: AbstractAsyncContextManager[_T]) -> AbstractAsyncContextManager[_T]:
         """`inner` (the call's upstream session) entered once the call holds a slot, which it keeps until it
@@ -49,12 +79,18 @@ class Admission:
 
     def free(self, call: LiveCall) -> bool:
         """The call's tool is under its own cap (`tasks.tools.<name>.max_concurrent`), or has none."""
-        cap = _tool_cap(call)
+        cap = self._tool_cap(call)
         return cap is None or self._by_tool.get(call.name, 0) < cap
+
+    def _tool_cap(self, call: LiveCall) -> int | None:
+        policy = call.state.decision.policy
+        if policy is None:  # prompts/get, resources/read: no tool policy
+            return None
+        return policy.max_concurrent if self.tasks is None else policy_for(self.tasks, call.name).max_concurrent
 
     def hold(self, call: LiveCall) -> None:
         self._holders[call] = time.monotonic()
-        if _tool_cap(call) is not None:
+        if call.state.decision.policy is not None:
             self._by_tool[call.name] = self._by_tool.get(call.name, 0) + 1
 
     async def take(self, call: LiveCall) -> None:
@@ -86,6 +122,8 @@ class Admission:
         self._grant()  # a slot may be free for this call's tool while the calls before it wait for theirs
         if waiter.done():
             return
+        self._told[call] = ahead
+        self._queue_moved()  # a new caller's turn may come before calls already waiting
         try:
             await self.feed.dispatch(call, Queued(ahead, self.max_wait_ms, self._refusal(call, ahead)))
             if not call.state.running:  # abandoned from within that event: it leaves the queue
@@ -113,7 +151,7 @@ class Admission:
     def _refusal(self, call: LiveCall, ahead: int) -> QueueTimeoutError:
         """What a synchronous caller that waits its whole budget is told: come back when the calls before it
         should be done, by the running estimate of one call's hold time; it names the tighter cap."""
-        cap = _tool_cap(call)
+        cap = self._tool_cap(call)
         limit, maximum = "upstream.max_concurrent_calls", self.max_concurrent
         if cap is not None and cap < maximum:
             limit, maximum = f"tasks.tools.{call.name}.max_concurrent", cap
@@ -129,15 +167,21 @@ class Admission:
         except ValueError:
             return
         self._count(entry[0], -1)
+        self._told.pop(entry[0], None)
         if not queue:
             del self._queues[caller]
+        self._queue_moved()
 
     def release(self, call: LiveCall) -> None:
         since = self._holders.pop(call, None)
         if since is None:
             return
-        if _tool_cap(call) is not None:
-            self._by_tool[call.name] -= 1
+        if call.state.decision.policy is not None:
+            held = self._by_tool[call.name] - 1
+            if held:
+                self._by_tool[call.name] = held
+            else:
+                del self._by_tool[call.name]
         self._hold_seconds += HOLD_SMOOTHING * (time.monotonic() - since - self._hold_seconds)
         if self._queues:
             self._grant()
@@ -152,8 +196,10 @@ class Admission:
             queue = self._queues.pop(caller)
             call, waiter = queue.popleft()
             self._count(call, -1)
+            self._told.pop(call, None)
             if queue:
                 self._queues[caller] = queue
+            self._queue_moved()
             if waiter.done():
                 continue
             self.hold(call)
@@ -166,6 +212,45 @@ class Admission:
                 return caller
         return None
 
+    # --- telling queued calls their new place -------------------------------------------------------------
+
+    def _queue_moved(self) -> None:
+        """The queue changed: the calls whose place differs learn it, coalesced (see the module's doc)."""
+        self._moved = True
+        if (self._telling is None or self._telling.done()) and self._told:
+            telling = self._tell_places()
+            if self.spawner is not None:
+                self._telling = self.spawner.spawn(telling, "queue-places")
+            else:
+                self._telling = asyncio.get_running_loop().create_task(telling, name="queue-places")
+
+    async def _tell_places(self) -> None:
+        while self._moved and self._told:
+            await asyncio.sleep(POSITION_SECONDS)
+            self._moved = False
+            changed = [(call, ahead) for call, ahead in self.places() if self._told.get(call, ahead) != ahead]
+            for call, ahead in changed:
+                self._told[call] = ahead
+            if changed:
+                await asyncio.gather(*(self.feed.dispatch(call, QueueMoved(ahead)) for call, ahead in changed))
+
+    def places(self) -> list[tuple[LiveCall, int]]:
+        """The calls among the first `POSITIONS_TOLD` in line, with the calls admitted before each. What is ahead
+        of a call grows with its place in its caller's queue and with its caller's turn in the round (each
+        caller before it there has a call before it), so each queue is looked at only until that many are
+        ahead, and only the first `POSITIONS_TOLD` callers of the round are: a few hundred looks at most."""
+        places: list[tuple[LiveCall, int]] = []
+        for turn, (caller, queue) in enumerate(self._queues.items()):
+            if turn >= POSITIONS_TOLD:
+                break
+            for place, (call, waiter) in enumerate(queue):
+                ahead = self._ahead(caller, place)
+                if ahead >= POSITIONS_TOLD:
+                    break
+                if not waiter.done():
+                    places.append((call, ahead))
+        return places
+
     def _count(self, call: LiveCall, change: int) -> None:
         if self.metrics is not None:
             self.metrics.queued_calls.labels(self.metrics.tool_label(call.name)).inc(change)
@@ -177,11 +262,6 @@ class Admission:
     @property
     def held(self) -> int:
         return len(self._holders)
-
-
-def _tool_cap(call: LiveCall) -> int | None:
-    policy = call.state.decision.policy
-    return policy.max_concurrent if policy is not None else None
 
 
 class _Slot(AbstractAsyncContextManager[_T]):
