@@ -77,7 +77,13 @@ DEFAULT_LIMITS: Final = Limits()
 
 _FRAMING: Final = frozenset({"content-length", "transfer-encoding"})  # the body's length is the client's to say
 _METHODS: Final = frozenset({"GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH"})
-_NAMES_KEPT: Final = 512  # header names seen valid, kept so that each is checked once (names are no secrets)
+_NAMES_KEPT: Final = 512  # header names seen valid, kept with their kind so that each is checked once
+_WRITTEN, _DROPPED, _HOST = 0, 1, 2  # what the writer does with a header of a name: writes, drops, takes as Host
+
+
+def _kind(name: str) -> int:
+    lowered = name.lower()
+    return _DROPPED if lowered in _FRAMING else _HOST if lowered == "host" else _WRITTEN
 
 
 class RequestWriter:
@@ -90,11 +96,11 @@ class RequestWriter:
             self.host = check_value("Host", host)
         except FieldError as exc:
             raise H1RequestError(str(exc)) from None
-        self._names: set[str] = set()  # names already found valid
+        self._kinds: dict[str, int] = {}  # names already found valid (names are no secrets), with their kind
 
     def request(self, method: str, target: str, headers: Iterable[tuple[str, str]], body: bytes) -> bytes:
         """The request's bytes; raises H1RequestError (and writes nothing) when a part fails the checks."""
-        names = self._names
+        kinds = self._kinds
         host = self.host
         head = [""]
         try:
@@ -102,18 +108,18 @@ class RequestWriter:
                 check_name(method)
             check_target(target)
             for name, value in headers:
-                if name not in names:
-                    check_name(name)
-                    if len(names) < _NAMES_KEPT:
-                        names.add(name)
-                # (`is_safe_value`'s own common case, spared a call per header; anything else is decided there)
-                if not (value.isprintable() and (not value or (value[0] != " " and value[-1] != " "))):
+                kind = kinds.get(name)  # one lookup: the name's check, once, and what to do with it
+                if kind is None:
+                    kind = _kind(check_name(name))
+                    if len(kinds) < _NAMES_KEPT:
+                        kinds[name] = kind
+                # `is_safe_value`'s common case, spared a call: printable text (a printable character that is
+                # whitespace can only be a space) with none around it; anything else is decided there.
+                if not value.isprintable() or value.strip() != value:
                     check_value(name, value)  # raises, naming the header, unless the expression accepts it
-                lowered = name.lower()
-                if lowered in _FRAMING:
-                    continue
-                if lowered == "host":  # a Host of the caller's (an operator's `upstream.headers`) replaces ours
-                    host = value
+                if kind:
+                    if kind == _HOST:  # a Host of the caller's (an operator's `upstream.headers`) replaces ours
+                        host = value
                     continue
                 head.append(f"{name}: {value}\r\n")
         except FieldError as exc:
