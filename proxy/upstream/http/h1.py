@@ -282,10 +282,11 @@ class ResponseReader:
         headers = self._headers
         if len(headers) >= self._max_headers:
             self._fail(H1LimitError("max_headers", self._max_headers))
-        if len(name) + len(value) > self._max_line:
+        size = len(name)
+        if size + len(value) > self._max_line:
             self._fail(H1LimitError("max_header_line_bytes", self._limits.max_header_line_bytes))
         text = value.decode("utf-8", "surrogateescape")
-        if len(name) in _FRAMING_NAME_LENGTHS:  # (a trailer's framing names change nothing: the body is chunked)
+        if size in _FRAMING_NAME_LENGTHS:  # (a trailer's framing names change nothing: the body is chunked)
             lowered = name.lower()
             if lowered == b"content-length":
                 self._length = True
