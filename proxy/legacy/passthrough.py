@@ -22,6 +22,7 @@ from yarl import URL
 from proxy import tracing
 from proxy.errors import InvalidRequestError
 from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, checked_headers, failure
+from proxy.upstream.http.h1 import H1RequestError
 from proxy.upstream.http.lean import LeanClient
 from proxy.wire import trace_context
 from proxy.wire.fields import FieldError, check_target
@@ -101,10 +102,11 @@ def _trace_parsed(headers: CIMultiDict[str]) -> None:
 
 
 def _checked(target: str) -> None:
-    """Whether the request target is origin-form visible ASCII (RFC 9112 §3.2), for aiohttp's client; if not,
-    the request fails with an InvalidRequestError (a JSON-RPC answer, HTTP 400) and nothing is sent. Every
-    header is checked by the client that writes it: the lean client's writer (which checks its target too), or
-    `checked_headers` before aiohttp's."""
+    """Whether the request target is origin-form visible ASCII (RFC 9112 §3.2); if not, the request fails with
+    an InvalidRequestError (a JSON-RPC answer, HTTP 400) and nothing is sent. Before aiohttp's client; the lean
+    client's writer checks the target itself, and a request it refused is checked here only to answer the same
+    error. Every header is checked by the client that writes it: the lean client's writer, or `checked_headers`
+    before aiohttp's."""
     try:
         check_target(target)
     except FieldError as exc:
@@ -168,6 +170,8 @@ class PassThrough:
                     )
                 )
         except CLIENT_FAILURES as exc:
+            if isinstance(exc, H1RequestError):  # the lean writer refused: a target is the request's own fault
+                _checked(url.raw_path_qs)
             raise failure(exc) from None
         headers = _end_to_end(upstream.headers)
         length = upstream.headers.get("Content-Length")
