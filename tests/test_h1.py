@@ -107,6 +107,19 @@ def test_a_name_checked_once_is_still_checked_with_its_next_value() -> None:
         writer.request("POST", "/mcp", [("traceparent", "bad\r\nX: y")], b"")
 
 
+def test_a_writer_drops_the_framing_and_takes_the_host_of_every_request_whatever_the_case() -> None:
+    """A name is looked up once per writer (its check, and what to do with it); the second request with the same
+    names is written by the same rules as the first."""
+    writer = RequestWriter("origin:8080")
+    headers = [("content-LENGTH", "99"), ("HOST", "named.example"), ("X-A", "1"), ("transfer-encoding", "chunked")]
+    for _ in range(2):
+        assert writer.request("POST", "/mcp", headers, b"{}") == (
+            b"POST /mcp HTTP/1.1\r\nHost: named.example\r\nX-A: 1\r\nContent-Length: 2\r\n\r\n{}"
+        )
+    with pytest.raises(H1RequestError, match="HOST"):
+        writer.request("POST", "/mcp", [("HOST", "a\r\nb")], b"")
+
+
 def test_obs_text_and_tabs_inside_a_value_are_written_as_they_came() -> None:
     """RFC 9110 §5.5: obs-text and HTAB are field content; a value read with surrogateescape goes back as its
     bytes."""
