@@ -14,9 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from yarl import URL
 
-from proxy.upstream.http.h1 import ResponseHead
 from proxy.upstream.http.lean import LeanClient
-from tests.support.h1 import RawUpstream, read
+from tests.support.h1 import RawUpstream, ResponseHead, read
 
 Read = tuple[int, str, list[tuple[str, str]], bytes]
 

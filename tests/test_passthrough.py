@@ -222,6 +222,34 @@ async def test_the_upstream_gets_the_clients_headers_and_nothing_of_the_proxys_o
     }
 
 
+@pytest.mark.parametrize("method", ["POST", "GET"])
+async def test_hop_by_hop_headers_and_those_connection_names_are_not_relayed(
+    make_proxy: Callable[..., Any], echo: TestServer, method: str
+) -> None:
+    """RFC 9110 §7.6.1: the hop-by-hop headers, whatever their case, and those the Connection header names are
+    this hop's; the others reach the upstream in their order, on both clients."""
+    proxy = await make_proxy(str(echo.make_url("/mcp")))
+    body = b'{"jsonrpc":"2.0","id":1,"method":"ping"}' if method == "POST" else b""
+    sent = [
+        ("Host", "localhost"),
+        ("X-First", "1"),
+        ("keep-alive", "timeout=5"),
+        ("Connection", "X-Private, x-other"),
+        ("X-Private", "for this hop"),
+        ("PROXY-AUTHORIZATION", "Basic abc"),
+        ("X-Other", "for this hop too"),
+        ("TE", "trailers"),
+        ("X-Last", "2"),
+    ]
+    if body:
+        sent.append(("Content-Length", str(len(body))))
+    proxied = await raw_request(proxy.port, method, sent, body)
+    assert _without(proxied["headers"], "host", "connection", "content-length", *FORWARDED) == [
+        ("x-first", "1"),
+        ("x-last", "2"),
+    ]
+
+
 async def test_accept_encoding_is_the_clients_own(make_proxy: Callable[..., Any], echo: TestServer) -> None:
     proxy = await make_proxy(str(echo.make_url("/mcp")))
     headers = [("Host", "localhost"), ("Accept-Encoding", "br"), ("Accept", "application/json, text/event-stream")]

@@ -60,9 +60,10 @@ def check_target(target: str) -> str:
 def is_safe_value(value: str) -> bool:
     """Whether `value` may be written as a header value (`check_value` without the error)."""
     # The common case first, in C and about three times as fast as the expression: printable text (no control
-    # character at all, not even tab) that neither starts nor ends with a space is a valid value. Anything else
-    # (a tab, a control character, a character Python does not call printable) is decided by the expression.
-    if value.isprintable() and (not value or (value[0] != " " and value[-1] != " ")):
+    # character at all, not even tab) that neither starts nor ends with a space is a valid value (the only
+    # printable character `strip` removes is the space). Anything else (a tab, a control character, a character
+    # Python does not call printable) is decided by the expression.
+    if value.isprintable() and value.strip() == value:
         return True
     return _VALUE.fullmatch(value) is not None
 

@@ -9,11 +9,19 @@ import socket
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
-from proxy.upstream.http.h1 import ResponseHead, ResponseReader
+from proxy.upstream.http.h1 import ResponseReader
 
 End = Literal["keep", "close", "reset"]
+
+
+class ResponseHead(NamedTuple):
+    """A final answer's head as the reader hands it to its sink."""
+
+    status: int
+    reason: str
+    headers: list[tuple[str, str]]
 
 
 class Recorder:
@@ -22,8 +30,8 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[tuple[str, object]] = []
 
-    def on_head(self, head: ResponseHead) -> None:
-        self.events.append(("head", head))
+    def on_head(self, status: int, reason: str, headers: list[tuple[str, str]]) -> None:
+        self.events.append(("head", ResponseHead(status, reason, headers)))
 
     def on_data(self, data: bytes) -> None:
         self.events.append(("data", data))

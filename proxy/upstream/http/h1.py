@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Final, NamedTuple, Protocol
+from typing import Final, NoReturn, Protocol
 
 import httptools
 
@@ -77,7 +77,13 @@ DEFAULT_LIMITS: Final = Limits()
 
 _FRAMING: Final = frozenset({"content-length", "transfer-encoding"})  # the body's length is the client's to say
 _METHODS: Final = frozenset({"GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH"})
-_NAMES_KEPT: Final = 512  # header names seen valid, kept so that each is checked once (names are no secrets)
+_NAMES_KEPT: Final = 512  # header names seen valid, kept with their kind so that each is checked once
+_WRITTEN, _DROPPED, _HOST = 0, 1, 2  # what the writer does with a header of a name: writes, drops, takes as Host
+
+
+def _kind(name: str) -> int:
+    lowered = name.lower()
+    return _DROPPED if lowered in _FRAMING else _HOST if lowered == "host" else _WRITTEN
 
 
 class RequestWriter:
@@ -90,11 +96,11 @@ class RequestWriter:
             self.host = check_value("Host", host)
         except FieldError as exc:
             raise H1RequestError(str(exc)) from None
-        self._names: set[str] = set()  # names already found valid
+        self._kinds: dict[str, int] = {}  # names already found valid (names are no secrets), with their kind
 
     def request(self, method: str, target: str, headers: Iterable[tuple[str, str]], body: bytes) -> bytes:
         """The request's bytes; raises H1RequestError (and writes nothing) when a part fails the checks."""
-        names = self._names
+        kinds = self._kinds
         host = self.host
         head = [""]
         try:
@@ -102,18 +108,18 @@ class RequestWriter:
                 check_name(method)
             check_target(target)
             for name, value in headers:
-                if name not in names:
-                    check_name(name)
-                    if len(names) < _NAMES_KEPT:
-                        names.add(name)
-                # (`is_safe_value`'s own common case, spared a call per header; anything else is decided there)
-                if not (value.isprintable() and (not value or (value[0] != " " and value[-1] != " "))):
+                kind = kinds.get(name)  # one lookup: the name's check, once, and what to do with it
+                if kind is None:
+                    kind = _kind(check_name(name))
+                    if len(kinds) < _NAMES_KEPT:
+                        kinds[name] = kind
+                # `is_safe_value`'s common case, spared a call: printable text (a printable character that is
+                # whitespace can only be a space) with none around it; anything else is decided there.
+                if not value.isprintable() or value.strip() != value:
                     check_value(name, value)  # raises, naming the header, unless the expression accepts it
-                lowered = name.lower()
-                if lowered in _FRAMING:
-                    continue
-                if lowered == "host":  # a Host of the caller's (an operator's `upstream.headers`) replaces ours
-                    host = value
+                if kind:
+                    if kind == _HOST:  # a Host of the caller's (an operator's `upstream.headers`) replaces ours
+                        host = value
                     continue
                 head.append(f"{name}: {value}\r\n")
         except FieldError as exc:
@@ -126,20 +132,11 @@ class RequestWriter:
 # --- responses ------------------------------------------------------------------------------------------------
 
 
-class ResponseHead(NamedTuple):
-    """A final answer's status line and headers, as sent (repeated names kept, in order). (A tuple: made once
-    per call, and a tuple is the cheapest value to make.)"""
-
-    status: int
-    reason: str
-    headers: list[tuple[str, str]]
-    http_version: str
-
-
 class Sink(Protocol):
-    """Where a reader's events go, in order: one head, any data, then the end."""
+    """Where a reader's events go, in order: one head (the final answer's status, reason and headers as sent,
+    repeated names kept, in order), any data, then the end."""
 
-    def on_head(self, head: ResponseHead) -> None: ...
+    def on_head(self, status: int, reason: str, headers: list[tuple[str, str]]) -> None: ...
     def on_data(self, data: bytes) -> None: ...
     def on_end(self) -> None: ...
 
@@ -149,24 +146,31 @@ _FRAMING_NAME_LENGTHS: Final = frozenset({len("content-length"), len("transfer-e
 
 
 class ResponseReader:
-    """Reads the answers on one connection, one per request written: `expect()` after each request, then
-    `feed()` the bytes as they arrive and `closed()` when the connection ends. Raises H1ProtocolError,
-    H1LimitError or H1ConnectionError; after one, the connection must be closed. Interim (1xx) answers are
-    skipped (RFC 9110 §15.2); the body is framed by chunked, Content-Length or the connection's end (RFC 9112
-    §6.3). `keep_alive` says, after the end, whether the connection may carry another request."""
+    """Reads the answers on one connection, one per request written: `expect()` after each request (naming the
+    sink of that answer's events, or keeping the last one), then `feed()` the bytes as they arrive and
+    `closed()` when the connection ends. Raises H1ProtocolError, H1LimitError or H1ConnectionError; after one,
+    the connection must be closed. Interim (1xx) answers are skipped (RFC 9110 §15.2); the body is framed by
+    chunked, Content-Length or the connection's end (RFC 9112 §6.3). `keep_alive` says, after the end, whether
+    the connection may carry another request."""
 
     def __init__(self, sink: Sink, limits: Limits = DEFAULT_LIMITS) -> None:
-        self._sink = sink
+        self.sink = sink
         self._limits = limits
+        # (each limit read once here: the callbacks below run for every header of every answer)
+        self._max_status = limits.max_status_line_bytes
+        self._max_line = limits.max_header_line_bytes - 4  # the name and value, without ": " and CRLF
+        self._max_headers = limits.max_headers
+        self._max_head = limits.max_head_bytes
+        self._max_chunk_line = limits.max_chunk_line_bytes
         self._parser = httptools.HttpResponseParser(self)
         self._state = _IDLE
         self._error: H1Error | None = None  # raised in a callback, raised again by `feed`
         self.keep_alive = False
         self._reason = bytearray()
+        # The head's headers as they arrive (their count is the count the limit bounds); after the head, a list
+        # of its own for the trailers, counted against the same limits and dropped.
         self._headers: list[tuple[str, str]] = []
         self._head_bytes = 0
-        self._status_bytes = 0
-        self._header_count = 0
         self._until_close = False
         self._chunked = False  # Transfer-Encoding: chunked
         self._length = False  # a Content-Length
@@ -174,15 +178,17 @@ class ResponseReader:
         self._body_bytes = 0  # body bytes delivered during this feed
         self._framing_bytes = 0  # chunked framing read since the last chunk-size line ended
 
-    def expect(self) -> None:
-        """A request was written: its answer comes next."""
+    def expect(self, sink: Sink | None = None) -> None:
+        """A request was written: its answer comes next, its events to `sink` (the reader's last if None)."""
         if self._state != _IDLE:
             raise H1ProtocolError("a request was written while the previous answer is still being read")
+        if sink is not None:
+            self.sink = sink
         self._state = _HEAD
         self.keep_alive = self._chunked = self._length = False
         self._reason.clear()
         self._headers = []
-        self._head_bytes = self._status_bytes = self._header_count = 0
+        self._head_bytes = 0
 
     @property
     def answered(self) -> bool:
@@ -191,38 +197,56 @@ class ResponseReader:
 
     def feed(self, data: bytes) -> None:
         """Bytes read from the connection."""
-        if self._state == _HEAD:
-            room = self._limits.max_head_bytes - self._head_bytes
-            if len(data) > room:  # only what fits the head's budget is parsed while a head is being read
-                self._feed(data[:room])
-                if self._state == _HEAD:
-                    raise H1LimitError("max_head_bytes", self._limits.max_head_bytes)
-                data = data[room:]
-            else:
-                self._head_bytes += len(data)
-        elif self._state == _IDLE:
+        state = self._state
+        if state == _HEAD:
+            head_bytes = self._head_bytes + len(data)
+            if head_bytes > self._max_head:  # only what fits the head's budget is parsed while a head is read
+                self._feed_over_budget(data)
+                return
+            self._head_bytes = head_bytes
+        elif state == _IDLE:
             raise H1ProtocolError("the upstream sent bytes no request asked for")
-        self._feed(data)
-
-    def _feed(self, data: bytes) -> None:
-        # (a read that ends a head is bounded by the head's budget instead)
-        in_chunks = self._chunked and self._state == _BODY
-        if in_chunks:
-            self._chunk_headers = self._body_bytes = 0
+        elif self._chunked:
+            self._feed_chunks(data)
+            return
+        # (a read that ends a head is bounded by the head's budget instead of the chunk-line cap)
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            raise H1ProtocolError("the upstream switched protocols; this client speaks HTTP/1.1 only") from None
-        except httptools.HttpParserError as exc:
-            error, self._error = self._error, None
-            if error is not None:
-                raise error from None
-            raise H1ProtocolError(f"the upstream's answer is not valid HTTP/1.1: {exc}") from None
-        if in_chunks and self._state == _BODY:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._refused(exc)
+
+    def _feed_over_budget(self, data: bytes) -> None:
+        room = self._max_head - self._head_bytes
+        self._head_bytes = self._max_head
+        try:
+            self._parser.feed_data(data[:room])
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._refused(exc)
+        if self._state == _HEAD:
+            raise H1LimitError("max_head_bytes", self._max_head)
+        if rest := data[room:]:
+            self.feed(rest)
+
+    def _feed_chunks(self, data: bytes) -> None:
+        """A read of a chunked body: what is not body (chunk-size lines, extensions, trailers) is bounded."""
+        self._chunk_headers = self._body_bytes = 0
+        try:
+            self._parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._refused(exc)
+        if self._state == _BODY:
             framing = len(data) - self._body_bytes
             self._framing_bytes = framing if self._chunk_headers else self._framing_bytes + framing
-            if self._framing_bytes > self._limits.max_chunk_line_bytes:  # to within one read
-                raise H1LimitError("max_chunk_line_bytes", self._limits.max_chunk_line_bytes)
+            if self._framing_bytes > self._max_chunk_line:  # to within one read
+                raise H1LimitError("max_chunk_line_bytes", self._max_chunk_line)
+
+    def _refused(self, exc: Exception) -> NoReturn:
+        if isinstance(exc, httptools.HttpParserUpgrade):
+            raise H1ProtocolError("the upstream switched protocols; this client speaks HTTP/1.1 only") from None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error from None
+        raise H1ProtocolError(f"the upstream's answer is not valid HTTP/1.1: {exc}") from None
 
     def closed(self, *, reset: bool = False) -> None:
         """The connection ended, cleanly or (`reset`) abortively. Ends a body framed by the connection's end;
@@ -233,12 +257,12 @@ class ResponseReader:
             raise H1ConnectionError("the upstream closed the connection before answering")
         if state == _BODY:
             if self._until_close and not reset:
-                self._sink.on_end()
+                self.sink.on_end()
                 return
             how = "reset" if reset else "closed"
             raise H1ConnectionError(f"the upstream {how} the connection in the middle of its answer", answered=True)
 
-    def _fail(self, error: H1Error) -> None:
+    def _fail(self, error: H1Error) -> NoReturn:
         self._error = error
         raise error
 
@@ -249,28 +273,26 @@ class ResponseReader:
             self._fail(H1ProtocolError("the upstream sent an answer no request asked for"))
 
     def on_status(self, status: bytes) -> None:
-        self._status_bytes += len(status)
-        if self._status_bytes > self._limits.max_status_line_bytes:
-            self._fail(H1LimitError("max_status_line_bytes", self._limits.max_status_line_bytes))
-        self._reason += status
+        reason = self._reason
+        reason += status
+        if len(reason) > self._max_status:
+            self._fail(H1LimitError("max_status_line_bytes", self._max_status))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        limits = self._limits
-        self._header_count += 1
-        if self._header_count > limits.max_headers:
-            self._fail(H1LimitError("max_headers", limits.max_headers))
-        if len(name) + len(value) + 4 > limits.max_header_line_bytes:
-            self._fail(H1LimitError("max_header_line_bytes", limits.max_header_line_bytes))
-        if self._state != _HEAD:
-            return  # trailers are counted against the same limits, and dropped
+        headers = self._headers
+        if len(headers) >= self._max_headers:
+            self._fail(H1LimitError("max_headers", self._max_headers))
+        size = len(name)
+        if size + len(value) > self._max_line:
+            self._fail(H1LimitError("max_header_line_bytes", self._limits.max_header_line_bytes))
         text = value.decode("utf-8", "surrogateescape")
-        if len(name) in _FRAMING_NAME_LENGTHS:
+        if size in _FRAMING_NAME_LENGTHS:  # (a trailer's framing names change nothing: the body is chunked)
             lowered = name.lower()
             if lowered == b"content-length":
                 self._length = True
             elif lowered == b"transfer-encoding" and "chunked" in text.lower():
                 self._chunked = True
-        self._headers.append((name.decode("latin-1"), text))
+        headers.append((name.decode("latin-1"), text))
 
     def on_headers_complete(self) -> None:
         if self._state != _HEAD:
@@ -280,26 +302,25 @@ class ResponseReader:
         if status < 200:  # an interim answer (100 Continue, 103 Early Hints): the final one follows
             self._reason.clear()
             self._headers = []
-            self._status_bytes = self._header_count = 0
             self._chunked = self._length = False
             return
         headers = self._headers
-        self._headers = []
+        self._headers = []  # the trailers', if any
         self._state = _BODY
         chunked = self._chunked
-        self._until_close = not chunked and not self._length and status not in (204, 304)
+        until_close = self._until_close = not chunked and not self._length and status not in (204, 304)
         # RFC 9112 §6.3: with both, chunked wins, and the connection is not reused after
-        self.keep_alive = not self._until_close and not (chunked and self._length) and parser.should_keep_alive()
-        self._sink.on_head(ResponseHead(status, self._reason.decode("latin-1"), headers, parser.get_http_version()))
+        self.keep_alive = not until_close and not (chunked and self._length) and parser.should_keep_alive()
+        self.sink.on_head(status, self._reason.decode("latin-1"), headers)
 
     def on_chunk_header(self) -> None:
         self._chunk_headers += 1
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
-        self._sink.on_data(body)
+        self.sink.on_data(body)
 
     def on_message_complete(self) -> None:
         if self._state == _BODY:
             self._state = _IDLE
-            self._sink.on_end()
+            self.sink.on_end()

@@ -37,7 +37,6 @@ from proxy.upstream.http.h1 import (
     H1TimeoutError,
     Limits,
     RequestWriter,
-    ResponseHead,
     ResponseReader,
 )
 
@@ -70,25 +69,28 @@ class LeanAnswer:
         self._waiter: asyncio.Future[None] | None = None
         self._let_go = False  # released or closed
 
-    # --- fed by the connection ---
+    # --- the reader's events (h1.Sink: the reader hands them here, not through the connection) ---
 
-    def _got_head(self, head: ResponseHead) -> None:
-        self.status = head.status
-        self.reason = head.reason or None
-        self.headers = CIMultiDictProxy(CIMultiDict(head.headers))
+    def on_head(self, status: int, reason: str, headers: list[tuple[str, str]]) -> None:
+        self.status = status
+        self.reason = reason or None
+        self.headers = CIMultiDictProxy(CIMultiDict(headers))
         if not self._head_in.done():
             self._head_in.set_result(None)
 
-    def _feed(self, chunk: bytes) -> None:
-        self._chunks.append(chunk)
-        self._buffered += len(chunk)
+    def on_data(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
         if self._buffered > HIGH_WATER_BYTES:
             self._connection.pause_reading()
         self._wake()
 
-    def _feed_eof(self) -> None:
+    def on_end(self) -> None:
         self._eof = True
+        self._connection.answered()
         self._wake()
+
+    # --- told by the connection ---
 
     def _fail(self, error: H1Error) -> None:
         if self._eof or self._error is not None:
@@ -179,12 +181,12 @@ class LeanAnswer:
 
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to the upstream: the transport, the core's reader of the answers on it (whose
-    events it hands to the answer being read), the exchange's deadline."""
+    events go to the answer being read, its sink), the exchange's deadline."""
 
     def __init__(self, client: LeanClient) -> None:
         self.client = client
         self.transport: asyncio.Transport | None = None
-        self.reader = ResponseReader(self, client.limits)
+        self.reader = ResponseReader(_DISCARDED, client.limits)
         self.answer: LeanAnswer | None = None  # the answer being read; None between answers
         self.closed = False
         self.idle_since = 0.0
@@ -193,7 +195,7 @@ class _Connection(asyncio.Protocol):
     def start(self, answer: LeanAnswer, request: bytes, deadline: float) -> None:
         assert self.transport is not None
         self.answer = answer
-        self.reader.expect()
+        self.reader.expect(answer)
         self._deadline = answer._loop.call_at(deadline, self._timed_out)
         self.transport.write(request)
 
@@ -217,22 +219,13 @@ class _Connection(asyncio.Protocol):
             except H1Error as error:
                 self._end(error)
 
-    # --- the core's events (h1.Sink) ---
-
-    def on_head(self, head: ResponseHead) -> None:
-        if self.answer is not None:
-            self.answer._got_head(head)
-
-    def on_data(self, data: bytes) -> None:
-        if self.answer is not None:
-            self.answer._feed(data)
-
-    def on_end(self) -> None:
-        answer = self.answer
+    def answered(self) -> None:
+        """The answer being read arrived whole: its deadline is over."""
         self.answer = None
-        self._cancel_deadline()
-        if answer is not None:
-            answer._feed_eof()
+        deadline = self._deadline
+        if deadline is not None:
+            deadline.cancel()
+            self._deadline = None
 
     # --- ends ---
 
@@ -264,6 +257,7 @@ class _Connection(asyncio.Protocol):
     def abort(self) -> None:
         self._cancel_deadline()
         self.answer = None
+        self.reader.sink = _DISCARDED  # nothing more reaches the answer, whatever the reader still holds
         self.reader.keep_alive = False
         if not self.closed and self.transport is not None:
             self.closed = True
@@ -277,6 +271,23 @@ class _Connection(asyncio.Protocol):
     def resume_reading(self) -> None:
         if self.transport is not None and not self.closed:
             self.transport.resume_reading()
+
+
+class _Discarded:
+    """The reader's sink while no answer is being read (events there would be a bug: the reader refuses bytes
+    no request asked for)."""
+
+    def on_head(self, status: int, reason: str, headers: list[tuple[str, str]]) -> None:
+        pass
+
+    def on_data(self, data: bytes) -> None:
+        pass
+
+    def on_end(self) -> None:
+        pass
+
+
+_DISCARDED: Final = _Discarded()
 
 
 class LeanClient:
