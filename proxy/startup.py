@@ -51,7 +51,7 @@ def shown_url(url: str) -> str:
     if not parsed.absolute:
         return "(not an absolute URL)"
     shown = str(parsed.with_user(None).with_query(None).with_fragment(None))
-    return shown + ("?…" if parsed.raw_query_string else "")
+    return shown + ("?(query not shown)" if parsed.raw_query_string else "")
 
 
 def upstream_shown(config: Config) -> str:
