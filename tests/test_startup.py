@@ -26,7 +26,8 @@ import pytest
 import yaml
 from aiohttp import web
 
-from proxy.startup import EXIT_CANNOT_LISTEN, EXIT_STORE_LOCKED, EXIT_STORE_UNAVAILABLE
+from proxy.config import load_config
+from proxy.startup import EXIT_CANNOT_LISTEN, EXIT_STORE_LOCKED, EXIT_STORE_UNAVAILABLE, start_fields
 from proxy.upstream.session import PROXY_VERSION
 from tests import pg
 from tests.support.processes import ROOT, ProxyProcess, Upstream, free_port, key_file
@@ -94,6 +95,24 @@ async def test_the_start_line_names_version_config_upstream_store_and_endpoint_w
     assert "Running on" not in log  # aiohttp's banner is off: every line of the log is JSON
     assert all(line.startswith("{") for line in log.splitlines())
     assert not [event for event in proxy.events() if event["event"] == "listening_beyond_loopback"]
+
+
+def test_the_start_line_shows_a_stdio_server_and_postgresql_without_their_secrets(tmp_path: Path) -> None:
+    config = load_config(
+        None,
+        environ={},
+        overrides={
+            "upstream": {"url": "", "command": ["/usr/local/bin/legacy-server", "--api-key", "hunter2"]},
+            "store": {"url": "postgresql://proxy@db.internal:5433/tasks"},
+            "security": {"key_file": key_file(tmp_path)},
+        },
+    )
+    fields = start_fields(config, None)
+    assert fields["config"] == "defaults"
+    assert fields["upstream"] == "stdio: legacy-server (2 arguments)"
+    assert fields["store"] == "postgresql: db.internal:5433/tasks"
+    assert "hunter2" not in json.dumps(fields)
+    assert "proxy@" not in json.dumps(fields)
 
 
 # --- start failures: one line, an exit code each ----------------------------------------------------------------
@@ -305,3 +324,34 @@ async def test_exploring_drainz_never_starts_a_drain_and_answers_within_seconds(
     assert not [event for event in proxy.events() if event["event"] == "drain_started"]
     assert proxy.process is not None
     assert proxy.process.poll() is None
+
+
+async def test_a_prestop_drainz_that_comes_just_before_sigterm_waits_for_the_drain_to_end(
+    tmp_path: Path, own_upstream: Upstream, processes: list[ProxyProcess], http: aiohttp.ClientSession
+) -> None:
+    """The Kubernetes preStop hook (`httpGet /drainz`, no query) may reach the proxy before its SIGTERM does."""
+    tools = {"sleep": {"sync_window_ms": 0}}
+    proxy = ProxyProcess(tmp_path, own_upstream.url, tasks={"tools": tools, "drain_seconds": 30})
+    processes.append(proxy)
+    await proxy.start()
+    assert proxy.process is not None
+    async with http.post(
+        proxy.url,
+        json=modern_body("tools/call", {"name": "sleep", "arguments": {"seconds": 3}}, capabilities=DECLARING),
+        headers=modern_headers("tools/call", "sleep"),
+    ) as response:
+        assert response.status == 200
+    base = proxy.url.removesuffix("/mcp")
+    pid = proxy.process.pid
+
+    async def sigterm_a_second_later() -> float:
+        await asyncio.sleep(1)
+        os.kill(pid, signal.SIGTERM)
+        return time.monotonic()
+
+    (status, body), signalled = await asyncio.wait_for(
+        asyncio.gather(get(http, f"{base}/drainz"), sigterm_a_second_later()), 30
+    )
+    assert (status, body["status"]) == (200, "drained")
+    assert time.monotonic() - signalled > 1  # it waited for the 3 s task, not only for the signal
+    assert await asyncio.to_thread(proxy.process.wait, 30) == 0
