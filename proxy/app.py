@@ -10,7 +10,6 @@ becomes an answer in one place, the error edge (`edge.py`).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -66,6 +65,7 @@ from proxy.observability import Metrics, logs_at
 from proxy.policy import named_tools
 from proxy.principals import Principals, deployment_key
 from proxy.relay import OriginRelay
+from proxy.startup import is_loopback
 from proxy.tasks.push import TaskWatchers
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import StoreError, StoreUnavailableError, TaskStore, open_store
@@ -493,21 +493,11 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def ipaddress_is_loopback(host: str) -> bool:
-    """Is the listen address reachable only from this machine (or pod)?"""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def create_app(config: Config, live: LiveConfig | None = None) -> web.Application:
     """The app for `config`; `live` is the holder reloads swap (a fresh one, with no file, when not given)."""
     live = live if live is not None else LiveConfig(config)
     drain = Drain(live, config.listen.path)
-    if config.security.anonymous == "allow" and not ipaddress_is_loopback(config.listen.host):
+    if config.security.anonymous == "allow" and not is_loopback(config.listen.host):
         log.warning(
             "anonymous_callers_allowed",
             host=config.listen.host,
