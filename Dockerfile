@@ -28,8 +28,8 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 RUN python3 -m venv /opt/venv
 
 WORKDIR /src
-# Only what the wheel is built from: the package metadata, the readme it embeds, and the package itself.
-COPY pyproject.toml README.md ./
+# Only what the wheel is built from: the package metadata, the readme and license it embeds, and the package itself.
+COPY pyproject.toml README.md LICENSE ./
 COPY proxy/ ./proxy/
 RUN --mount=type=bind,target=/context \
     if [ -z "$WHEELS" ]; then /opt/venv/bin/pip install --no-cache-dir . ; \

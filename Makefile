@@ -6,6 +6,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# `make run` needs only the proxy's runtime dependencies and the example server's SDK (the `example` extra), not
+# the dev tools: a stamp of its own. After `make install` the environment has both (a superset), so run uses it.
+RUN_STAMP := $(VENV)/.installed-run
+RUN_DIR := .run
 ANCHOR_STAMP := .venv-anchor/.installed
 SUITE := conformance/node_modules/@modelcontextprotocol/conformance/dist/index.js
 UPSTREAM_PORT ?= 9000
@@ -25,11 +29,19 @@ $(SUITE): conformance/package.json conformance/package-lock.json
 	cd conformance && npm ci --no-audit --no-fund --loglevel=error
 	touch $(SUITE)
 
-## run: the proxy on :$(PORT) in front of the bundled example legacy server on :$(UPSTREAM_PORT)
-run: $(STAMP)
+$(RUN_STAMP): pyproject.toml
+	@echo "make run: installing the runtime dependencies into $(VENV) (once; make install adds the dev tools)"
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --progress-bar on -e ".[example]"
+	touch $(RUN_STAMP)
+
+## run: the proxy on :$(PORT) in front of the bundled example legacy server on :$(UPSTREAM_PORT); its task
+## database and key live in $(RUN_DIR)/ (ignored by git and docker)
+run: $(if $(wildcard $(STAMP)),$(STAMP),$(RUN_STAMP))
+	@mkdir -p $(RUN_DIR)
 	@$(BIN)/python -m tests.upstream --host 127.0.0.1 --port $(UPSTREAM_PORT) > /dev/null & \
 	  upstream=$$!; trap 'kill $$upstream 2>/dev/null' EXIT INT TERM; \
-	  $(BIN)/python -m proxy serve --config config/proxy.example.yaml \
+	  $(BIN)/python -m proxy serve --config config/proxy.example.yaml --db $(RUN_DIR)/mcp-tasks-proxy.db \
 	    --upstream http://127.0.0.1:$(UPSTREAM_PORT)/mcp --port $(PORT)
 
 ## test: unit + flow tests, the Prometheus rule tests (when promtool is installed), then the conformance gates
@@ -75,7 +87,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .venv-anchor conformance/node_modules conformance/out .mypy_cache .ruff_cache .pytest_cache image/wheels build/image
+	rm -rf $(VENV) $(RUN_DIR) .venv-anchor conformance/node_modules conformance/out .mypy_cache .ruff_cache .pytest_cache image/wheels build/image
 
 ## docker: the container image, tagged mcp-tasks-proxy:<version from pyproject.toml> and :latest
 VERSION = $(shell sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml)

@@ -10,7 +10,6 @@ becomes an answer in one place, the error edge (`edge.py`).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -66,6 +65,7 @@ from proxy.observability import Metrics, logs_at
 from proxy.policy import has_tool_quotas, named_tools
 from proxy.principals import Principals, deployment_key
 from proxy.relay import OriginRelay
+from proxy.startup import is_loopback
 from proxy.tasks.push import TaskWatchers
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import StoreError, StoreUnavailableError, TaskStore, open_store
@@ -148,6 +148,19 @@ def not_utf8_header(headers: Mapping[str, str]) -> str | None:
     return None
 
 
+SHOWN_HOST_CHARS: Final = 253  # of a refused Host header in the 403's message (the longest DNS name)
+
+
+def host_refusal(host: str | None) -> str:
+    """The 403's message for a Host not allowed: the Host it got (printable ASCII only, at most SHOWN_HOST_CHARS;
+    anything else is replaced by `?`, so the message is always a plain JSON string) and the key that allows it."""
+    if host is None:
+        return "Forbidden: the request has no Host header (security.allowed_hosts lists the Host values served)"
+    shown = "".join(char if " " <= char <= "~" else "?" for char in host[:SHOWN_HOST_CHARS])
+    more = "…" if len(host) > SHOWN_HOST_CHARS else ""
+    return f"Forbidden: Host header not allowed: {shown!r}{more}; add its name to security.allowed_hosts to serve it"
+
+
 @web.middleware
 async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.method == "GET" and request.path in OPS_PATHS:
@@ -166,8 +179,9 @@ def _refusal(request: web.Request) -> ProxyError | None:
     if (name := not_utf8_header(request.headers)) is not None:
         return InvalidRequestError(f"Invalid Request: the value of the {name} header is not UTF-8")
     security = request.app[LIVE].current.security
-    if not host_allowed(request.headers.get("Host"), security.allowed_hosts):
-        return ForbiddenError("Forbidden: Host header not allowed")
+    host = request.headers.get("Host")
+    if not host_allowed(host, security.allowed_hosts):
+        return ForbiddenError(host_refusal(host))
     origin = request.headers.get("Origin")
     if origin is not None and not origin_allowed(origin, security.allowed_hosts, security.allowed_origins):
         return ForbiddenError("Forbidden: Origin not allowed")
@@ -483,21 +497,11 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def ipaddress_is_loopback(host: str) -> bool:
-    """Is the listen address reachable only from this machine (or pod)?"""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def create_app(config: Config, live: LiveConfig | None = None) -> web.Application:
     """The app for `config`; `live` is the holder reloads swap (a fresh one, with no file, when not given)."""
     live = live if live is not None else LiveConfig(config)
     drain = Drain(live, config.listen.path)
-    if config.security.anonymous == "allow" and not ipaddress_is_loopback(config.listen.host):
+    if config.security.anonymous == "allow" and not is_loopback(config.listen.host):
         log.warning(
             "anonymous_callers_allowed",
             host=config.listen.host,

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from proxy.config import Config, ConfigError
 
-EXIT_CONFIG_ERROR = 2
+EXIT_CONFIG_ERROR = 2  # the other start failures' codes (3, 4, 5) are in proxy/startup.py
 DEFAULT_PROBE_URL = "http://127.0.0.1:8080/healthz"
 
 
@@ -178,21 +178,23 @@ def report_config_error(error: ConfigError) -> int:
     return EXIT_CONFIG_ERROR
 
 
-def serve(config: Config, path: str | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> None:
+def serve(config: Config, path: str | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> int:
     """Run until SIGTERM's drain ends (`proxy/drain.py`); SIGHUP or a change of `path` reloads the config with
-    the same flags (`proxy/live_config.py`)."""
+    the same flags (`proxy/live_config.py`). The exit code: 0, or a start failure's own (`proxy/startup.py`)."""
     import asyncio
     import gc
 
     import structlog
 
-    from proxy import tracing_setup
+    from proxy import startup, tracing_setup
     from proxy.app import create_app
     from proxy.drain import serve as serve_app
     from proxy.live_config import LiveConfig
     from proxy.observability import configure_logging
+    from proxy.tasks.store import StoreError, StoreLockedError
 
     configure_logging(config.logging)
+    startup.warn_beyond_loopback(config)
     live = LiveConfig(config, path, overrides)
     live.subscribe(lambda new: configure_logging(new.logging))
     app = create_app(config, live)
@@ -202,12 +204,23 @@ def serve(config: Config, path: str | None = None, overrides: dict[str, dict[str
         structlog.get_logger(__name__).info("event_loop", loop=f"{type(loop).__module__}.{type(loop).__name__}")
         return loop
 
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(serve_app(app, config.listen.host, config.listen.port, config.listen.shutdown_grace_seconds))
-    # Everything is closed: the interpreter's last collections need not walk every object the imports made
-    # (about 0.3 s of CPU, most of an idle stop).
-    gc.freeze()
-    tracing_setup.shutdown()  # exports the spans still buffered
+    listen = config.listen
+    start_line = startup.start_fields(config, path)
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve_app(app, listen.host, listen.port, listen.shutdown_grace_seconds, start_line))
+    except startup.StartFailure as failure:
+        return startup.report(failure)
+    except StoreLockedError as exc:  # a second proxy on the same SQLite file
+        return startup.report(startup.StartFailure(startup.EXIT_STORE_LOCKED, "store_locked", str(exc)))
+    except StoreError as exc:  # PostgreSQL down or refusing, a SQLite file that cannot be opened
+        return startup.report(startup.StartFailure(startup.EXIT_STORE_UNAVAILABLE, "store_unavailable", str(exc)))
+    finally:
+        # Everything is closed: the interpreter's last collections need not walk every object the imports made
+        # (about 0.3 s of CPU, most of an idle stop).
+        gc.freeze()
+        tracing_setup.shutdown()  # exports the spans still buffered
+    return 0
 
 
 def new_event_loop(choice: str) -> asyncio.AbstractEventLoop:
@@ -261,8 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report_config_error(error)
     except tracing_setup.TracingConfigError as error:  # an unsupported OTEL_* setting stops the start, as config does
         return report_config_error(ConfigError("OTEL_* environment", [str(error)]))
-    serve(config, args.config, overrides)
-    return 0
+    return serve(config, args.config, overrides)
 
 
 if __name__ == "__main__":  # pragma: no cover

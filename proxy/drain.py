@@ -10,11 +10,12 @@ of the tasks (the app hands it a count of open calls).
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Final
 
 import structlog
@@ -25,6 +26,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from proxy.edge import MCP_METHOD, Handler
 from proxy.errors import DrainingError
 from proxy.live_config import SIGHUP_TRIGGER, LiveConfig
+from proxy.startup import EXIT_CANNOT_LISTEN, StartFailure
 from proxy.wire.envelope import ModernRequest
 
 log = structlog.get_logger(__name__)
@@ -34,10 +36,13 @@ CHECK_SECONDS: Final = 0.05  # how often a drain looks whether anything of its o
 # answered (a new call with 503 and Retry-After) rather than cut as an idle connection.
 SETTLE_SECONDS: Final = 0.1
 YOUNG_COLLECTION: Final = 10_000  # allocations between collections of the youngest generation (CPython: 700)
-DRAINZ_MARGIN_SECONDS: Final = 5.0  # /drainz waits this much past the drain (SIGTERM may reach it later)
+DRAINZ_MARGIN_SECONDS: Final = 5.0  # /drainz waits this much for a drain to begin (SIGTERM may reach it later)
 NEW_WORK: Final = frozenset({"tools/call", "prompts/get", "resources/read"})  # without requestState: a new call
 STREAMS: Final = frozenset({"subscriptions/listen"})  # long-lived: a drain does not wait for them
 SESSION_HEADER: Final = "Mcp-Session-Id"
+REPORT_SECONDS: Final = 5.0  # a drain logs what it still waits for this often
+WAITS_FOR: Final = "open calls (tasks, synchronous calls, parked MRTR rounds) and requests in flight"
+SECOND_SIGNAL_HINT: Final = "a second SIGINT (Ctrl-C) or SIGTERM stops now"
 
 
 class Drain:
@@ -52,6 +57,7 @@ class Drain:
         self.requests: dict[int, web.Request] = {}  # by id(): a request is not hashable
         self._began = 0.0
         self._watcher: asyncio.Task[None] | None = None
+        self.began = asyncio.Event()  # the first SIGTERM or SIGINT came
         self.drained = asyncio.Event()  # nothing of its own runs any more, or the drain ran out
         self.stopped = asyncio.Event()  # the serve loop stops the app
 
@@ -81,18 +87,41 @@ class Drain:
             self._finish("signal")
             return
         self.draining = True
+        self.began.set()
         self._began = time.monotonic()
         seconds = self.live.current.tasks.drain_seconds
-        log.info("drain_started", signal=signal.Signals(signum).name, drain_seconds=seconds, calls_left=self.left())
+        left = self.left()
+        log.info(
+            "drain_started",
+            signal=signal.Signals(signum).name,
+            drain_seconds=seconds,
+            calls_left=left,
+            waits_for=WAITS_FOR,
+            hint=SECOND_SIGNAL_HINT,
+        )
+        if left > 0 and sys.stderr.isatty():  # a person pressed Ctrl-C: say why nothing seems to happen
+            print(
+                f"mcp-tasks-proxy: draining: waiting for {left} call(s) to finish (at most {seconds:g} s); "
+                "press Ctrl-C again to stop now",
+                file=sys.stderr,
+                flush=True,
+            )
         self._watcher = asyncio.get_running_loop().create_task(self._watch(seconds), name="drain")
 
     async def _watch(self, seconds: float) -> None:
         deadline = self._began + seconds
+        next_report = self._began + REPORT_SECONDS
         while (left := self.left()) > 0:
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 log.warning("drain_timed_out", drain_seconds=seconds, calls_left=left)
                 self._finish("timeout")
                 return
+            if now >= next_report:  # a long drain is not silent: what it still waits for, and how to cut it short
+                log.info(
+                    "drain_waiting", calls_left=left, seconds_left=round(deadline - now, 1), hint=SECOND_SIGNAL_HINT
+                )
+                next_report = now + REPORT_SECONDS
             await asyncio.sleep(CHECK_SECONDS)
         self._finish("idle")
 
@@ -140,17 +169,24 @@ def track(drain: Drain) -> Middleware:
 
 
 async def drainz(request: web.Request) -> web.Response:
-    """Answers 200 once this replica's drain is over (nothing of its own runs any more, or the drain ran out);
-    until then it waits, up to `?wait=SECONDS` (default: `tasks.drain_seconds` + 5 s, since the preStop hook
-    may call before SIGTERM reaches the proxy), then answers 503 with the state."""
+    """Reports; never starts a drain (only SIGTERM or SIGINT do). Answers 200 once this replica's drain is over
+    (nothing of its own runs any more, or the drain ran out). Until then it waits, up to `?wait=SECONDS`
+    (default: `tasks.drain_seconds` + 5 s), then answers 503 with the state. A replica that is not draining
+    is given DRAINZ_MARGIN_SECONDS of that for a drain to begin (the preStop hook may call just before SIGTERM
+    reaches the proxy), then it answers 503 `serving` at once: a GET from a browser, or a legacy container
+    restarted on its own, does not wait for a drain that is not coming."""
     drain: Drain = request.app[DRAIN]
     default = drain.live.current.tasks.drain_seconds + DRAINZ_MARGIN_SECONDS
     try:
-        wait = float(request.query.get("wait", default))
+        wait = max(0.0, float(request.query.get("wait", default)))
     except ValueError:
         wait = default
+    deadline = time.monotonic() + wait
     try:
-        async with asyncio.timeout(max(0.0, wait)):
+        if not drain.draining:
+            async with asyncio.timeout(min(wait, DRAINZ_MARGIN_SECONDS)):
+                await drain.began.wait()
+        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
             await drain.drained.wait()
     except TimeoutError:
         state = "draining" if drain.draining else "serving"
@@ -176,10 +212,17 @@ def settle_collector() -> None:
     gc.set_threshold(YOUNG_COLLECTION, middle, old)
 
 
-async def serve(app: web.Application, host: str, port: int, shutdown_seconds: float) -> None:
+async def serve(
+    app: web.Application,
+    host: str,
+    port: int,
+    shutdown_seconds: float,
+    start_line: Mapping[str, object] | None = None,
+) -> None:
     """Serve `app` until its drain ends: SIGTERM/SIGINT drain, SIGHUP reloads the config. Then requests still
     open get `shutdown_seconds`, listen streams end, and the app's cleanup stops the runner, the store and
-    (last) stdio servers."""
+    (last) stdio servers. Once it listens, the `started` line: `start_line`'s fields and the endpoint. An address
+    that cannot be bound is a StartFailure (exit code 3)."""
     runner = web.AppRunner(
         app,
         handle_signals=False,
@@ -198,9 +241,12 @@ async def serve(app: web.Application, host: str, port: int, shutdown_seconds: fl
         await runner.setup()
         try:
             site = web.TCPSite(runner, host, port)
-            await site.start()
+            try:
+                await site.start()
+            except OSError as exc:
+                raise StartFailure(EXIT_CANNOT_LISTEN, _bind_reason(exc), _bind_message(host, port, exc)) from None
             settle_collector()
-            print(f"======== Running on {site.name} ========", file=sys.stderr, flush=True)
+            log.info("started", **(start_line or {}), endpoint=endpoint(runner, host, port, drain.mcp_path))
             await drain.stopped.wait()
             await site.stop()  # no new connections: a balancer that still sends here gets a refusal it may retry
             await asyncio.sleep(SETTLE_SECONDS)
@@ -210,3 +256,22 @@ async def serve(app: web.Application, host: str, port: int, shutdown_seconds: fl
         watcher.cancel()
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(signum)
+
+
+def endpoint(runner: web.AppRunner, host: str, port: int, path: str) -> str:
+    """The URL the proxy listens on (the bound port, also when `listen.port` is 0 and the system picked one)."""
+    bound = next((address[1] for address in runner.addresses if isinstance(address, tuple)), port)
+    shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"http://{shown}:{bound}{path}"
+
+
+def _bind_reason(exc: OSError) -> str:
+    return {errno.EADDRINUSE: "port_in_use", errno.EACCES: "permission_denied"}.get(exc.errno or 0, "cannot_bind")
+
+
+def _bind_message(host: str, port: int, exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return f"port {port} on {host} is in use by another process (set listen.port or --port)"
+    if exc.errno == errno.EACCES:
+        return f"no permission to listen on {host}:{port} (ports below 1024 need privileges; set listen.port)"
+    return f"cannot listen on {host}:{port}: {exc.strerror or exc} (set listen.host or --host)"

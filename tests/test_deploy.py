@@ -208,6 +208,10 @@ def test_dockerignore_keeps_environments_caches_databases_and_tests_out() -> Non
         "data/tasks.db-wal",
         "tasks.db-shm",
         "tasks.db.lock",
+        "tasks.db.key",  # the deployment key kept beside a database: a secret
+        "data/tasks.db-journal",
+        ".run/mcp-tasks-proxy.db",  # make run's state
+        ".run/mcp-tasks-proxy.db.key",
         "tests/test_app.py",
     ):
         assert _ignored(path, rules), f"{path} would be sent to the Docker daemon"

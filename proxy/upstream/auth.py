@@ -62,6 +62,6 @@ class UpstreamAuth:
         except UpstreamAuthError:
             self.saw_refusal()
         except UpstreamError as exc:  # not known yet: this caller goes through its own session, a later one asks again
-            log.info("upstream_auth_probe_failed", error=exc.message)
+            log.warning("upstream_auth_probe_failed", error=exc.message)
         else:
             self.saw_anonymous_success()

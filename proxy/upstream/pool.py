@@ -215,7 +215,7 @@ class SessionPool:
         try:
             await session.ensure_initialized()
         except ProxyError as exc:
-            log.info("upstream_session_warm_up_failed", error=exc.message)
+            log.warning("upstream_session_warm_up_failed", error=exc.message, detail=exc.detail)
             if session not in self._users and session in self._idle:
                 self._close(session)
             return

@@ -8,7 +8,6 @@ found out with an anonymous `initialize` (`upstream/auth.py`); legacy clients ar
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
@@ -17,7 +16,7 @@ from typing import Final
 import aiohttp
 
 from proxy.config import HttpUpstreamConfig
-from proxy.errors import UpstreamAuthError, UpstreamTimeoutError
+from proxy.errors import UpstreamAuthError, UpstreamError, UpstreamTimeoutError
 from proxy.legacy import LegacyFront
 from proxy.legacy.passthrough import PassThrough
 from proxy.observability import Metrics
@@ -72,8 +71,12 @@ class HttpKind(HttpLink):
             last = self.last_answer_at
             if last is not None and time.monotonic() - last <= max_age_seconds:
                 return
-            with contextlib.suppress(UpstreamAuthError):  # it answered: it wants a credential the probe lacks
+            try:
                 await self._anonymous_initialize()
+            except UpstreamAuthError:  # it answered: it wants a credential the probe lacks
+                return
+            except UpstreamError as exc:  # readiness names where it asked (the path, never the query)
+                raise UpstreamError(f"{exc.message} (initialize at {self.url.path})", detail=exc.detail) from None
 
     def legacy_front(self, room: Room) -> LegacyFront:
         """Legacy clients are relayed verbatim, on an HTTP client of their own (`relay_client`)."""

@@ -162,6 +162,10 @@ class HttpSession:
         session_id = response.headers.get("Mcp-Session-Id")
         if response.status in AUTH_STATUSES:
             raise self._refused(response, "initialize")
+        if not 200 <= response.status < 300:
+            # An upstream that will not start sessions (a wrong path: 404, a redirect) answers, but cannot serve:
+            # that answer does not count for readiness, which asks again (and so reports the refusal) at once.
+            self.link.last_answer_at = None
         body: bytes | None = None
         if response.status >= 400:
             answer = await _answer_despite_status(response, request_id, self.link.max_result_bytes)
