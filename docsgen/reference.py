@@ -11,6 +11,7 @@ Each returns Markdown that the mkdocs hook puts where a page says `<!-- referenc
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from types import NoneType, UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -84,10 +85,7 @@ def _yaml(value: Any) -> str:
 def default_text(field: FieldInfo) -> str:
     if field.is_required():
         return "(required)"
-    if field.default_factory is not None:
-        value = field.default_factory()  # type: ignore[call-arg]
-    else:
-        value = field.default
+    value = field.get_default(call_default_factory=True, validated_data={})
     if isinstance(value, str):
         return f"`{value}`" if value else '`""`'
     return f"`{_yaml(value)}`"
@@ -265,11 +263,11 @@ def cli_entries(parser: argparse.ArgumentParser) -> list[tuple[str, list[str]]]:
     found: list[tuple[str, list[str]]] = []
 
     def walk(title: str, sub: argparse.ArgumentParser) -> None:
-        names = []
+        names: list[str] = []
         for action in sub._actions:
             if isinstance(action, argparse._SubParsersAction | argparse._HelpAction):
                 continue
-            names.extend(action.option_strings or [action.metavar or action.dest])
+            names.extend(action.option_strings or [str(action.metavar or action.dest)])
         found.append((title, names))
         for name, _, child in _commands(sub):
             walk(f"{title} {name}", child)
@@ -283,8 +281,9 @@ def cli_entries(parser: argparse.ArgumentParser) -> list[tuple[str, list[str]]]:
 
 def metric_rows() -> list[tuple[str, str, list[str], str]]:
     """(exposed name, type, labels, help) of every metric a proxy app registers, sorted by name."""
-    from proxy.app import METRICS, create_app
+    from proxy.app import create_app
     from proxy.config import Config
+    from proxy.edge import METRICS
 
     app = create_app(Config.model_validate({"upstream": {"url": "http://127.0.0.1:9/mcp"}}))
     registry = app[METRICS].registry
@@ -309,4 +308,8 @@ def metrics_reference() -> str:
     return "\n".join(out) + "\n"
 
 
-GENERATORS = {"configuration": config_reference, "cli": cli_reference, "metrics": metrics_reference}
+GENERATORS: dict[str, Callable[[], str]] = {
+    "configuration": config_reference,
+    "cli": cli_reference,
+    "metrics": metrics_reference,
+}
