@@ -128,7 +128,10 @@ def _section(path: str, models: list[type[BaseModel]], level: int, out: list[str
             default = default_text(field)
         else:
             type_cell, default = type_name(field.annotation), default_text(field)
-        if kinds and len(owners) < len(models):
+        if kinds and len(owners) < len(models) and field.is_required():
+            default = "(none: setting it picks this kind)"
+        says_kind = description.lower().startswith(tuple(owners))  # "With `url`: …" already says it
+        if kinds and len(owners) < len(models) and not says_kind:
             description = f"*{', '.join(owners).capitalize()} only.* {description}"
         table.append(f"| `{key}` | {type_cell} | {default} | {description} |")
     out.extend([f"{'#' * level} `{path}`", ""])

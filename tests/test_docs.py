@@ -82,7 +82,9 @@ def test_the_reference_walks_nested_keyed_and_union_sections() -> None:
     for key in ("upstream.url", "upstream.command", "upstream.max_sessions", "tasks.tools.<tool>.mode"):
         assert key in keys, key
         assert f"| `{key}` |" in reference, key
-    assert "| `upstream.max_processes` | int | `8` | *With `command` only.*" in reference
+    assert "| `upstream.headers` | map of str to str | `{}` | *With `url` only.*" in reference
+    assert "| `upstream.max_processes` | int | `8` | With `command`: server processes" in reference
+    assert "| `upstream.url` | str | (none: setting it picks this kind) | *With `url` only.*" in reference
     assert "| `tasks.default.on_restart` | one of `fail`, `rerun` | `fail` |" in reference
 
 
