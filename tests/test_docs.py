@@ -319,33 +319,29 @@ def _fragments_in_order(expected: str, actual: str) -> bool:
     return actual.endswith(pieces[-1])
 
 
-@pytest.mark.skipif(shutil.which("curl") is None, reason="the quickstart uses curl")
-async def test_the_readme_url_quickstart_answers_as_it_says(tmp_path: Path) -> None:
-    from tests.support.processes import ProxyProcess, Upstream
-
+def _quickstart() -> tuple[str, str, str]:
+    """The README's URL quickstart: (the text before it, its shell lines, the expected output)."""
     readme = (ROOT / "README.md").read_text()
     marker = readme.index("<!-- quickstart: url -->")
     script, after = _block_after(readme, marker, "sh")
     expected, _ = _block_after(readme, after, "text")
-    assert "mcp-tasks-proxy serve --upstream http://127.0.0.1:9000/mcp" in readme[:marker]
-    upstream = Upstream()
-    upstream.start()
-    proxy = ProxyProcess(tmp_path, upstream.url)
-    try:
-        await proxy.start()
-        assert "URL=http://127.0.0.1:8080/mcp\n" in script
-        ran = await asyncio.to_thread(
-            subprocess.run,
-            ["sh", "-c", script.replace("http://127.0.0.1:8080/mcp", proxy.url)],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-    finally:
-        proxy.stop()
-        upstream.stop()
+    return readme[:marker], script, expected
+
+
+async def _run_quickstart(script: str, proxy_url: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    assert "URL=http://127.0.0.1:8080/mcp\n" in script
+    return await asyncio.to_thread(
+        subprocess.run,
+        ["sh", "-c", script.replace("http://127.0.0.1:8080/mcp", proxy_url)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def _answers_as_shown(ran: subprocess.CompletedProcess[str], expected: str) -> None:
     assert ran.returncode == 0, ran.stderr
     lines = ran.stdout.splitlines()
     wanted = expected.splitlines()
@@ -354,6 +350,64 @@ async def test_the_readme_url_quickstart_answers_as_it_says(tmp_path: Path) -> N
         assert _fragments_in_order(shape, line), f"{line}\n  does not match\n{shape}"
     task_ids = {json.loads(line)["result"]["taskId"] for line in lines[2:]}
     assert len(task_ids) == 1  # the id captured from the first answer is the one polled
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="the quickstart uses curl")
+async def test_the_readme_url_quickstart_answers_as_it_says(tmp_path: Path) -> None:
+    from tests.support.processes import ProxyProcess, Upstream
+
+    before, script, expected = _quickstart()
+    assert "mcp-tasks-proxy serve --upstream http://127.0.0.1:9000/mcp\n" in before
+    upstream = Upstream()
+    upstream.start()
+    proxy = ProxyProcess(tmp_path, upstream.url)
+    try:
+        await proxy.start()
+        ran = await _run_quickstart(script, proxy.url, tmp_path)
+    finally:
+        proxy.stop()
+        upstream.stop()
+    _answers_as_shown(ran, expected)
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="the quickstart uses curl")
+async def test_the_readme_stdio_quickstart_answers_like_the_url_one(tmp_path: Path) -> None:
+    """`serve -- CMD ARGS` with the README's example server as the command, from the repository's root."""
+    import aiohttp
+
+    from tests.support.processes import free_port
+    from tests.support.waiting import until
+
+    _, script, expected = _quickstart()
+    readme = (ROOT / "README.md").read_text()
+    assert ".venv/bin/mcp-tasks-proxy serve -- .venv/bin/python -m tests.upstream --stdio\n" in readme
+    port = free_port()
+    serve = [sys.executable, "-m", "proxy", "serve", "--port", str(port), "--db", str(tmp_path / "tasks.db")]
+    with (tmp_path / "proxy.log").open("wb") as log:
+        process = await asyncio.to_thread(
+            subprocess.Popen,
+            [*serve, "--", sys.executable, "-m", "tests.upstream", "--stdio"],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def healthy() -> bool:
+                assert process.poll() is None, (tmp_path / "proxy.log").read_text()
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/healthz") as response:
+                        return response.status == 200
+                except aiohttp.ClientError:
+                    return False
+
+            await until(healthy, "the proxy did not start", 20)
+        ran = await _run_quickstart(script, f"http://127.0.0.1:{port}/mcp", tmp_path)
+    finally:
+        process.terminate()
+        await asyncio.to_thread(process.wait, 30)
+    _answers_as_shown(ran, expected)
 
 
 def test_the_shape_check_fails_on_a_different_answer() -> None:
