@@ -15,7 +15,7 @@ SUITE := conformance/node_modules/@modelcontextprotocol/conformance/dist/index.j
 UPSTREAM_PORT ?= 9000
 PORT ?= 8080
 
-.PHONY: install run test unit rules conformance bench check lint typecheck format clean docker image-test
+.PHONY: install run test unit rules docs conformance bench check lint typecheck format clean docker image-test
 
 install: $(STAMP)
 
@@ -44,8 +44,9 @@ run: $(if $(wildcard $(STAMP)),$(STAMP),$(RUN_STAMP))
 	  $(BIN)/python -m proxy serve --config config/proxy.example.yaml --db $(RUN_DIR)/mcp-tasks-proxy.db \
 	    --upstream http://127.0.0.1:$(UPSTREAM_PORT)/mcp --port $(PORT)
 
-## test: unit + flow tests, the Prometheus rule tests (when promtool is installed), then the conformance gates
-test: unit rules conformance
+## test: unit + flow tests, the Prometheus rule tests (when promtool is installed), the docs site, then the
+## conformance gates
+test: unit rules docs conformance
 
 unit: $(STAMP) $(SUITE)
 	$(BIN)/python -m pytest -q
@@ -58,6 +59,11 @@ rules:
 	else \
 	  echo "rules: promtool not found, Prometheus rule tests SKIPPED (apt-get install prometheus)"; \
 	fi
+
+## docs: the documentation site from docs/ into site/ (mkdocs-material); warnings are errors, so a broken link
+## or anchor, or a config key without a description, fails it. The references are written from this tree's code.
+docs: $(STAMP)
+	PYTHONPATH=$(CURDIR) NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 conformance: $(STAMP) $(SUITE)
 	$(BIN)/python conformance/run.py
@@ -87,7 +93,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(RUN_DIR) .venv-anchor conformance/node_modules conformance/out .mypy_cache .ruff_cache .pytest_cache image/wheels build/image
+	rm -rf $(VENV) $(RUN_DIR) .venv-anchor conformance/node_modules conformance/out .mypy_cache .ruff_cache .pytest_cache image/wheels build/image site
 
 ## docker: the container image, tagged mcp-tasks-proxy:<version from pyproject.toml> and :latest
 VERSION = $(shell sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml)

@@ -1,0 +1,1 @@
+"""The documentation site's generated references (built by mkdocs through `docsgen/hooks.py`)."""
