@@ -401,7 +401,7 @@ def _proxy_config(tmp_path: Path) -> Config:
     return load_config(_configmap_file(tmp_path), environ={})
 
 
-# --- Kubernetes: the steps of the README's "Container image and Kubernetes" -----------------------------------
+# --- Kubernetes: the steps of the Kubernetes guide (docs/guides/kubernetes.md) ---------------------------------
 
 
 def _kustomization(directory: Path) -> dict[str, Any]:
@@ -445,11 +445,14 @@ def test_the_kustomization_sets_every_image_the_deployment_names(directory: Path
         assert entry["newTag"], entry
 
 
-def _readme_section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index(f"\n## {title}\n")
-    end = text.index("\n## ", start + 1)
-    return text[start:end]
+KUBERNETES_GUIDE = ROOT / "docs" / "guides" / "kubernetes.md"
+
+
+def _kubernetes_guide() -> str:
+    """The Kubernetes guide up to its section on building and testing the image: the recipes and the steps."""
+    text = KUBERNETES_GUIDE.read_text()
+    assert text.startswith("# Container image and Kubernetes\n"), "the guide's title moved"
+    return text[: text.index("\n## Building and testing the image\n")]
 
 
 def _shell_lines(block: str) -> list[str]:
@@ -459,13 +462,13 @@ def _shell_lines(block: str) -> list[str]:
 
 
 def _kubernetes_steps() -> list[str]:
-    section = _readme_section("Container image and Kubernetes")
+    section = _kubernetes_guide()
     steps = section[section.index("To deploy (single replica):") :]
     blocks = re.findall(r"```sh\n(.*?)```", steps, re.DOTALL)
     return [line for block in blocks for line in _shell_lines(block)]
 
 
-def test_the_readme_steps_create_the_secret_the_pod_mounts_with_the_key_the_config_reads() -> None:
+def test_the_guides_steps_create_the_secret_the_pod_mounts_with_the_key_the_config_reads() -> None:
     mounted = _mounts()[str(Path(KEY_FILE).parent)]
     secret, key = mounted["secret"]["secretName"], Path(KEY_FILE).name
     creating = [line for line in _kubernetes_steps() if line.startswith("kubectl create secret generic")]
@@ -473,7 +476,7 @@ def test_the_readme_steps_create_the_secret_the_pod_mounts_with_the_key_the_conf
     words = shlex.split(creating[0])
     assert words[4] == secret
     assert any(word.startswith(f"--from-literal={key}=") for word in words), words
-    section = _readme_section("Container image and Kubernetes")
+    section = _kubernetes_guide()
     steps = section[section.index("To deploy (single replica):") :]
     assert steps.index(creating[0].split(" --from")[0]) < steps.index("kubectl apply -k"), "the Secret comes first"
 
@@ -489,7 +492,7 @@ def test_the_configmap_checks_on_a_machine_without_its_secret_and_strict_asks_fo
 
 
 def _port_forward_request() -> tuple[str, str, dict[str, str], str]:
-    """The README's port-forward check: (the port-forward command, the URL, the headers, the body) of its
+    """The guide's port-forward check: (the port-forward command, the URL, the headers, the body) of its
     curl, with `$TOKEN` as the step before it sets it."""
     lines = _kubernetes_steps()
     forward = next(line for line in lines if line.startswith("kubectl port-forward"))
@@ -508,10 +511,10 @@ def _port_forward_request() -> tuple[str, str, dict[str, str], str]:
     return forward, url, headers, body
 
 
-async def test_the_readme_port_forward_request_is_served_by_the_configmaps_proxy(
+async def test_the_guides_port_forward_request_is_served_by_the_configmaps_proxy(
     tmp_path: Path, upstream: Upstream
 ) -> None:
-    """The request the README sends through `kubectl port-forward` passes the ConfigMap's host check and its
+    """The request the guide sends through `kubectl port-forward` passes the ConfigMap's host check and its
     `anonymous: refuse`, and gets discover's answer; the same request without its token gets 401."""
     from aiohttp.test_utils import TestClient, TestServer
 
@@ -549,14 +552,14 @@ async def test_the_readme_port_forward_request_is_served_by_the_configmaps_proxy
 
 
 def _container_recipe() -> list[str]:
-    """The words of the README's `podman run` recipe against a server on the host."""
-    section = _readme_section("Container image and Kubernetes")
+    """The words of the guide's `podman run` recipe against a server on the host."""
+    section = _kubernetes_guide()
     blocks = re.findall(r"```sh\n(.*?)```", section, re.DOTALL)
     line = next(line for block in blocks for line in _shell_lines(block) if line.startswith("podman run"))
     return shlex.split(line)
 
 
-def test_the_readme_container_recipe_serves_the_published_port_and_reaches_the_host(tmp_path: Path) -> None:
+def test_the_guides_container_recipe_serves_the_published_port_and_reaches_the_host(tmp_path: Path) -> None:
     words = _container_recipe()
     published = words[words.index("-p") + 1]
     host_address, host_port, container_port = published.split(":")
@@ -571,6 +574,7 @@ def test_the_readme_container_recipe_serves_the_published_port_and_reaches_the_h
     assert config.listen.port == int(container_port)
     assert config.upstream == HttpUpstreamConfig(url=args.upstream)
     assert host_allowed(f"{host_address}:{host_port}", config.security.allowed_hosts)  # curl on the host
+    assert not host_allowed("mcp.example.com:8080", config.security.allowed_hosts)  # other names: 403 until added
     volume = words[words.index("-v") + 1]
     assert volume.split(":")[1] == str(Path(config.store.path).parent)  # the tasks outlive the container
 
