@@ -1,10 +1,10 @@
 """Configuration: frozen pydantic models, loaded from one YAML file plus environment overrides.
 
 Owns the shape of the config file and its validation: a pure description (the files it names are read by
-`keyfiles.py`, which `load_config` asks). Every field has a default and a description (the README's
-configuration reference is checked against these descriptions by a test). The upstream is a union of two
-kinds, told apart by which of `url` and `command` is set; only upstream/ looks at which. Imports only
-`keyfiles` from the rest of the proxy.
+`keyfiles.py`, which `load_config` asks). Every field has a default and a description (the configuration
+reference, docs/reference/configuration.md, is written from these descriptions when the docs site is built).
+The upstream is a union of two kinds, told apart by which of `url` and `command` is set; only upstream/ looks
+at which. Imports only `keyfiles` from the rest of the proxy.
 """
 
 from __future__ import annotations
@@ -345,7 +345,7 @@ class SecurityConfig(_Frozen):
         description="Request header that identifies the caller; it travels upstream with the requests it "
         "causes, upstream sessions are kept per distinct value, and each task is bound to its keyed hash (another "
         "caller cannot see it). It must come from a trusted hop that authenticates the caller and overwrites what "
-        "the client sent (see the README's security section).",
+        "the client sent (see the security guide, docs/guides/security.md).",
     )
     anonymous: Literal["allow", "refuse"] = Field(
         "allow",
@@ -355,7 +355,7 @@ class SecurityConfig(_Frozen):
     )
     jwt: JwtConfig | None = Field(
         None,
-        description='Verify Bearer JWTs in `principal_header` (see the README\'s "Servers that require OAuth"): a '
+        description="Verify Bearer JWTs in `principal_header` (see the OAuth guide, docs/guides/oauth.md): a "
         "token that fails gets 401 before anything else; a valid one owns tasks as issuer + claim, so a refreshed "
         "token still reads its tasks. A value that is no JWT keeps the keyed hash of the whole value. Unset: every "
         "value is opaque.",
@@ -462,7 +462,9 @@ class IdempotencyConfig(_Frozen):
 class StoreConfig(_Frozen):
     path: str = Field(
         "mcp-tasks-proxy.db",
-        description="SQLite file that holds durable tasks; put it on a volume. One proxy process per file "
+        description="SQLite file that holds durable tasks; put it on a volume. A relative path written in the "
+        "config file is taken from that file's directory; one from `--db`, the environment or the default from "
+        "the working directory (the start logs the absolute path, `store_opened`). One proxy process per file "
         "(a second one refuses to start on a file in use). It and its -wal, -shm and .lock files are owner-only "
         "(0600); directories the proxy creates for it are 0700. Unused when `store.url` is set.",
     )

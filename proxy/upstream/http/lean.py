@@ -5,7 +5,7 @@ each request written in one `write` once every part of it passed the wire checks
 
 Why these do not go through aiohttp's client, which the proxy uses for everything else: a POST costs 171 to 196
 µs of CPU in aiohttp's client against 77 to 88 µs in this one (`python -m benchmarks.clients`, two runs), the
-largest single share of the hop (README, Benchmarks). A relayed request needs little of what aiohttp's client
+largest single share of the hop (docs/benchmarks.md). A relayed request needs little of what aiohttp's client
 does: no cookie jar (a shared one would hand one client's cookies to the next), no redirects, no decompression,
 no proxies, no TLS (an `https` upstream keeps aiohttp's client), and the body is already in hand. What it does
 need is here:
