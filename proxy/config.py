@@ -190,8 +190,8 @@ class StdioUpstreamConfig(_UpstreamCommon):
         gt=0,
         description="With `command`: how long a new server process has to answer `initialize`. `uvx` and `npx` "
         "resolve (and may download) the server first: a warm `uvx mcp-server-fetch` takes about 6 s. While it "
-        "waits the proxy logs `upstream_process_still_starting`; past it the request gets 504 saying the server "
-        "did not answer initialize within this time.",
+        "waits the proxy logs `upstream_process_still_starting` every 10 s; past it the request gets 504 saying "
+        "the server did not answer initialize within this time.",
     )
     cwd: str | None = Field(None, description="With `command`: the server's working directory; null: the proxy's own.")
     max_processes: int = Field(
