@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any, Final
 
+import psycopg
 import structlog
+from psycopg.conninfo import conninfo_to_dict
 from yarl import URL
 
 from proxy.config import Config, HttpUpstreamConfig
@@ -69,11 +71,18 @@ def store_shown(config: Config) -> str:
     store = config.store
     if store.url is None:
         return f"sqlite: {Path(store.path).resolve()}"
-    parsed = URL(store.url)
-    host = parsed.raw_host or "(local socket)"
-    port = f":{parsed.explicit_port}" if parsed.explicit_port is not None else ""
-    database = parsed.path.lstrip("/") or "(default database)"
-    return f"postgresql: {host}{port}/{database}"
+    # libpq's own parser: a URL may name several hosts (`host=a,b` for a failover), and key=value strings too.
+    try:
+        settings = conninfo_to_dict(store.url)
+    except psycopg.ProgrammingError:
+        return "postgresql: (unreadable URL)"
+    hosts = str(settings.get("host") or "(local socket)").split(",")
+    ports = str(settings.get("port") or "").split(",")
+    if len(ports) == 1:
+        ports = ports * len(hosts)  # one port for every host, as libpq reads it
+    shown = ",".join(f"{host}:{port}" if port else host for host, port in zip(hosts, ports, strict=False))
+    database = settings.get("dbname") or "(default database)"
+    return f"postgresql: {shown}/{database}"
 
 
 def start_fields(config: Config, path: str | None) -> dict[str, Any]:

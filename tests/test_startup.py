@@ -115,6 +115,20 @@ def test_the_start_line_shows_a_stdio_server_and_postgresql_without_their_secret
     assert "proxy@" not in json.dumps(fields)
 
 
+def test_the_start_line_shows_every_host_of_a_multi_host_postgresql_url(tmp_path: Path) -> None:
+    """libpq's failover form (`host=a,b` as a URL with two hosts) starts the proxy and shows each host."""
+    config = load_config(
+        None,
+        environ={},
+        overrides={
+            "upstream": {"url": "http://127.0.0.1:9/mcp"},
+            "store": {"url": "postgresql://proxy@10.0.0.1:5432,10.0.0.2:5433/tasks?target_session_attrs=read-write"},
+            "security": {"key_file": key_file(tmp_path)},
+        },
+    )
+    assert start_fields(config, None)["store"] == "postgresql: 10.0.0.1:5432,10.0.0.2:5433/tasks"
+
+
 # --- start failures: one line, an exit code each ----------------------------------------------------------------
 
 
