@@ -63,6 +63,7 @@ from proxy.tasks.commands import (
     ShutDown,
     Start,
     StartCall,
+    StartUpstreamTask,
     Stop,
     Timer,
     TimerFired,
@@ -828,7 +829,7 @@ def test_no_event_after_a_lost_lease_writes_the_record(start: str) -> None:
 UP_TASK = Decision(Outcome.TASK, policy("required"), upstream_task=True)
 UP_WINDOW = Decision(Outcome.WINDOW, policy(), upstream_task=True)
 UP_WAIT = Decision(Outcome.WAIT, policy("required"), upstream_task=True)
-START_UPSTREAM = StartCall(upstream_task=True, ttl_ms=60_000)
+START_UPSTREAM = StartUpstreamTask(ttl_ms=60_000)
 POLL_MS = 500
 CREATED = UpstreamTaskCreated(
     LegacyTask("up-1", "working", "Gathering", ttl_ms=30_000, poll_interval_ms=POLL_MS), 1_000

@@ -129,15 +129,10 @@ class TaskRunner:
         jobs.follow(config.jobs)
         client = ClientSide(self.durations.paced)
 
-        async def start_call(call: LiveCall, command: c.StartCall) -> None:
-            if not command.upstream_task:
-                await held.start(call, command)
-            else:
-                await (jobs.start if call.state.decision.job else upstream_task.start)(call, command)
-
         self.executor.install(
             {
-                c.StartCall: start_call,
+                c.StartCall: held.start,
+                c.StartUpstreamTask: by_kind(jobs.start, upstream_task.start),
                 c.Answer: held.answer,
                 c.Refuse: held.refuse,
                 c.CancelCall: held.cancel,

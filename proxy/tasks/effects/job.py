@@ -1,7 +1,7 @@
 """Carries out what a call's machine says about a legacy job (`jobs:` config), a task the upstream runs that
 the proxy follows through the job family's own tools instead of 2025-11-25 `tasks/*`.
 
-- `StartCall(upstream_task=True)` of a job call: the start tool, as a plain `tools/call`; its job id becomes
+- `StartUpstreamTask` of a job call: the start tool, as a plain `tools/call`; its job id becomes
   `UpstreamTaskCreated` (a result without one, or an error, is the call's outcome).
 - `PollUpstreamTask`: one call of the status tool, read into `UpstreamTaskPolled` (a failed or unreadable poll
   doubles the interval, up to 30 s, never below the configured one); a state that maps to an end is followed by
@@ -54,7 +54,7 @@ class JobEffect:
 
     # --- the commands ------------------------------------------------------------------------------------
 
-    async def start(self, call: LiveCall, command: c.StartCall) -> None:
+    async def start(self, call: LiveCall, command: c.StartUpstreamTask) -> None:
         spec = self.specs.get(call.name)
 
         async def send(session: Session) -> None:

@@ -1,6 +1,6 @@
 """Carries out what a call's machine says about a task the upstream runs itself (2025-11-25 Tasks).
 
-- `StartCall(upstream_task=True)`: a `tools/call` with `params.task` on a session of the call's own, whose
+- `StartUpstreamTask`: a `tools/call` with `params.task` on a session of the call's own, whose
   `CreateTaskResult` becomes `UpstreamTaskCreated`; then one `tasks/result` at a time (the mcp 1.x SDK wakes
   only one waiter per task), whose questions and outcome go to the machine, opened again when it drops or
   times out. A task resumed after a restart adopts its stored upstream session (no `initialize`) and goes
@@ -28,7 +28,7 @@ from proxy.tasks.commands import (
     FollowUpstreamTask,
     PollUpstreamTask,
     ReleaseCall,
-    StartCall,
+    StartUpstreamTask,
     UpstreamTaskCreated,
     UpstreamTaskPolled,
 )
@@ -55,7 +55,7 @@ class UpstreamTaskEffect:
 
     # --- the commands ------------------------------------------------------------------------------------
 
-    async def start(self, call: LiveCall, command: StartCall) -> None:
+    async def start(self, call: LiveCall, command: StartUpstreamTask) -> None:
         self._start_pump(call, command.ttl_ms)
 
     async def follow(self, call: LiveCall, command: FollowUpstreamTask) -> None:
