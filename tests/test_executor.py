@@ -25,6 +25,7 @@ from proxy.principals import Principals
 from proxy.tasks import inputs
 from proxy.tasks.background import Background
 from proxy.tasks.commands import (
+    CancelCall,
     ClearTimer,
     ClientLeft,
     Command,
@@ -43,6 +44,7 @@ from proxy.tasks.commands import (
     ReplyTask,
     SetTimer,
     Start,
+    StartCall,
     Timer,
     TimerFired,
 )
@@ -53,6 +55,7 @@ from proxy.tasks.effects.pump import CRASHED
 from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.effects.slots import Parking, RunningSlots
 from proxy.tasks.effects.timers import Timers
+from proxy.tasks.executor import Executor, ReentryError
 from proxy.tasks.live_call import LiveCall, known, wall_clock_ms
 from proxy.tasks.replica_inbox import ReplicaInbox
 from proxy.tasks.replicas import ReplicaLink
@@ -465,6 +468,49 @@ async def test_a_crashing_pump_of_an_upstream_run_task_fails_it_without_a_python
 async def test_every_command_the_machine_can_give_has_an_effect(tmp_path: Path, store: SqliteTaskStore) -> None:
     async with runner_on(tmp_path, store, CrashingSession(crash_on="")) as runner:
         assert set(runner.executor.effects) == set(get_args(Command))
+
+
+async def test_an_effect_that_feeds_its_own_call_raises_instead_of_waiting_for_itself() -> None:
+    """The call's lock is held while its commands are carried out: an effect feeding that same call (by
+    `dispatch` or `submit`) is refused at once; another call is fed as usual, and so is the same call after."""
+    background = Background()
+    executor = Executor(background, lambda call: None)
+    own, other = make_call(SYNC_CALL), make_call(SYNC_CALL)
+    seen: list[str] = []
+
+    async def start(call: LiveCall, command: StartCall, /) -> None:
+        if call is own:
+            for feed in (executor.dispatch, executor.submit):
+                with pytest.raises(ReentryError):
+                    await feed(own, ClientLeft())
+                seen.append(feed.__name__)
+            await executor.dispatch(other, Start())
+
+    async def cancel(call: LiveCall, command: CancelCall, /) -> None:
+        seen.append(command.reason)
+
+    executor.register(StartCall, start)
+    executor.register(CancelCall, cancel)
+    await executor.dispatch(own, Start())
+    assert seen == ["dispatch", "submit"]
+    assert other.state.started
+    assert own.state.started
+    await executor.dispatch(own, ClientLeft())  # the lock is free again: carried out, no refusal, no wait
+    assert seen == ["dispatch", "submit", "client disconnected"]
+    await background.close(1)
+
+
+def test_an_effect_is_registered_once_and_only_for_the_command_type_it_takes() -> None:
+    """`register` ties an effect to the command type it takes: one taking `StartCall` cannot be registered for
+    `Reply` (the mismatch is a type error, and the lines below carry mypy's refusal, silenced)."""
+    executor = Executor(Background(), lambda call: None)
+
+    async def start(call: LiveCall, command: StartCall, /) -> None:
+        pass
+
+    executor.register(Reply, start)  # type: ignore[misc]
+    with pytest.raises(ValueError, match="already registered"):
+        executor.register(Reply, start)  # type: ignore[misc]
 
 
 def test_call_ids_are_unique_url_safe_and_as_long_as_before() -> None:

@@ -60,10 +60,10 @@ _C = TypeVar("_C", bound=c.Command)
 
 def by_kind(
     job: Callable[[LiveCall, _C], Awaitable[None]], upstream_task: Callable[[LiveCall, _C], Awaitable[None]]
-) -> Effect:
+) -> Effect[_C]:
     """A command about a task the upstream runs: carried out the job family's way for a `jobs:` call."""
 
-    async def carry_out(call: LiveCall, command: Any) -> None:
+    async def carry_out(call: LiveCall, command: _C, /) -> None:
         await (job if call.state.decision.job else upstream_task)(call, command)
 
     return carry_out
@@ -129,31 +129,28 @@ class TaskRunner:
         jobs.follow(config.jobs)
         client = ClientSide(self.durations.paced)
 
-        self.executor.install(
-            {
-                c.StartCall: held.start,
-                c.StartUpstreamTask: by_kind(jobs.start, upstream_task.start),
-                c.Answer: held.answer,
-                c.Refuse: held.refuse,
-                c.CancelCall: held.cancel,
-                c.FollowUpstreamTask: by_kind(jobs.follow_job, upstream_task.follow),
-                c.PollUpstreamTask: by_kind(jobs.poll, upstream_task.poll),
-                c.CancelUpstreamTask: by_kind(jobs.cancel, upstream_task.cancel),
-                c.ReleaseCall: by_kind(jobs.release, upstream_task.release),
-                c.CreateRecord: self.records.create,
-                c.WriteInputs: self.records.write_inputs,
-                c.WriteProgress: self.records.write_progress,
-                c.Settle: self.records.settle,
-                c.Relay: client.relay,
-                c.Reply: client.reply,
-                c.SetTimer: self.timers.set,
-                c.ClearTimer: self.timers.clear,
-                c.Park: self.parking.park,
-                c.Unpark: self.parking.unpark,
-                c.HoldSlot: self.slots.hold,
-                c.WriteQueue: self.records.write_queue,
-            }
-        )
+        register = self.executor.register
+        register(c.StartCall, held.start)
+        register(c.StartUpstreamTask, by_kind(jobs.start, upstream_task.start))
+        register(c.Answer, held.answer)
+        register(c.Refuse, held.refuse)
+        register(c.CancelCall, held.cancel)
+        register(c.FollowUpstreamTask, by_kind(jobs.follow_job, upstream_task.follow))
+        register(c.PollUpstreamTask, by_kind(jobs.poll, upstream_task.poll))
+        register(c.CancelUpstreamTask, by_kind(jobs.cancel, upstream_task.cancel))
+        register(c.ReleaseCall, by_kind(jobs.release, upstream_task.release))
+        register(c.CreateRecord, self.records.create)
+        register(c.WriteInputs, self.records.write_inputs)
+        register(c.WriteProgress, self.records.write_progress)
+        register(c.Settle, self.records.settle)
+        register(c.Relay, client.relay)
+        register(c.Reply, client.reply)
+        register(c.SetTimer, self.timers.set)
+        register(c.ClearTimer, self.timers.clear)
+        register(c.Park, self.parking.park)
+        register(c.Unpark, self.parking.unpark)
+        register(c.HoldSlot, self.slots.hold)
+        register(c.WriteQueue, self.records.write_queue)
         inbox = ReplicaInbox(self.background, self.table, feed, self.parking, self.records, store, clock)
         self.replicas = ReplicaLink(store, self.process_id, config.store.lease_seconds, inbox)
         self.calls = CallStarter(
