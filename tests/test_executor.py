@@ -24,6 +24,7 @@ from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
 from proxy.principals import Principals
 from proxy.tasks import inputs
 from proxy.tasks.background import Background
+from proxy.tasks.calls import CallStarter
 from proxy.tasks.commands import (
     CancelCall,
     ClearTimer,
@@ -48,6 +49,7 @@ from proxy.tasks.commands import (
     Timer,
     TimerFired,
 )
+from proxy.tasks.context import TasksContext
 from proxy.tasks.durations import Durations
 from proxy.tasks.effects.client import ClientSide
 from proxy.tasks.effects.outbox import Outbox
@@ -57,6 +59,7 @@ from proxy.tasks.effects.slots import Parking, RunningSlots
 from proxy.tasks.effects.timers import Timers
 from proxy.tasks.executor import Executor, ReentryError
 from proxy.tasks.live_call import LiveCall, known, wall_clock_ms
+from proxy.tasks.recovery import Recovery
 from proxy.tasks.replica_inbox import ReplicaInbox
 from proxy.tasks.replicas import ReplicaLink
 from proxy.tasks.runner import TaskRunner
@@ -130,22 +133,22 @@ class Parts:
         self.background = Background()
         self.table = CallTable()
         self.durations = Durations(store, wall_clock_ms, self.background)
+        self.feed = RecordingFeed()
+        self.context = TasksContext(
+            store=store,
+            table=self.table,
+            principals=Principals(KEY),
+            feed=self.feed,
+            spawner=self.background,
+            clock=wall_clock_ms,
+            process_id="replica-1",
+            durations=self.durations,
+        )
         self.slots = RunningSlots(max_running, per_caller)
         self.link: ReplicaLink | None = None
         self.outbox = Outbox(8, None)
         self.records = RecordWrites(
-            config(tmp_path).tasks,
-            store,
-            self.table,
-            self.slots,
-            Principals(KEY),
-            self.durations,
-            wall_clock_ms,
-            "replica-1",
-            self.fence,
-            self.reclaim,
-            None,
-            self.outbox,
+            self.context, config(tmp_path).tasks, self.slots, self.outbox, self.fence, self.reclaim
         )
 
     async def fence(self) -> Fence:
@@ -333,13 +336,14 @@ async def test_a_replica_ignores_its_own_settlement_on_the_feed_but_not_another_
     tmp_path: Path,
 ) -> None:
     parts = Parts(store, tmp_path, max_running=10, per_caller=10)
-    feed = RecordingFeed()
+    feed = parts.feed
     signer = inputs.RequestStateSigner(inputs.load_secret(None))
     limits = config(tmp_path)
     parked = Parking(limits.inputs, limits.limits, signer, wall_clock_ms, "replica-1")
-    inbox = ReplicaInbox(parts.background, parts.table, feed, parked, parts.records, store, wall_clock_ms)
-    parts.link = ReplicaLink(store, "replica-1", 30, inbox)
-    await parts.link.start()
+    parts.link = link = ReplicaLink(store, "replica-1", 30)
+    starter = CallStarter(parts.context, limits.tasks, limits.inputs, parked, link)
+    recovery = Recovery(parts.context, link, parts.records, starter.state, dict)
+    await link.start(ReplicaInbox(parts.context, parked, parts.records, link, recovery, starter))
     own, elsewhere = make_call(), make_call()
     own_task, elsewhere_task = await parts.committed(own), await parts.committed(elsewhere)
 

@@ -27,6 +27,7 @@ from proxy.tasks import inputs
 from proxy.tasks.audit_trail import AuditTrail
 from proxy.tasks.background import Background
 from proxy.tasks.calls import CallStarter
+from proxy.tasks.context import TasksContext
 from proxy.tasks.durations import Durations
 from proxy.tasks.effects.admission import Admission
 from proxy.tasks.effects.client import ClientSide
@@ -99,25 +100,24 @@ class TaskRunner:
         self.audit = None if config.audit.path is None else AuditLog(config.audit.path, self.process_id)
         if self.audit is not None:
             observers.append(AuditTrail(self.audit))
-        self.executor = Executor(self.background, self._forget, observers)
-        feed = self.executor
-        self.outbox = Outbox(
-            config.store.max_pending_settlements, metrics, lambda task_id: self.replicas.reclaim(task_id)
+        self.executor = feed = Executor(self.background, self._forget, observers)
+        # Built in dependency order: each service gets what it needs, built before it, at construction.
+        self.replicas = ReplicaLink(store, self.process_id, config.store.lease_seconds)
+        context = TasksContext(
+            store=store,
+            table=self.table,
+            principals=principals,
+            feed=feed,
+            spawner=self.background,
+            clock=clock,
+            process_id=self.process_id,
+            durations=self.durations,
+            metrics=metrics,
         )
+        self.outbox = Outbox(config.store.max_pending_settlements, metrics, self.replicas.reclaim)
         self._outbox_worker: asyncio.Task[None] | None = None
         self.records = RecordWrites(
-            config.tasks,
-            store,
-            self.table,
-            self.slots,
-            principals,
-            self.durations,
-            clock,
-            self.process_id,
-            lambda: self.replicas.held_fence(),
-            lambda task_id: self.replicas.reclaim(task_id),
-            metrics,
-            self.outbox,
+            context, config.tasks, self.slots, self.outbox, self.replicas.held_fence, self.replicas.reclaim
         )
         self.timers = Timers(feed, self.background)
         self._feed = feed
@@ -128,7 +128,6 @@ class TaskRunner:
         self.jobs = jobs = JobEffect(feed, self.background, upstream, clock)
         jobs.follow(config.jobs)
         client = ClientSide(self.durations.paced)
-
         register = self.executor.register
         register(c.StartCall, held.start)
         register(c.StartUpstreamTask, by_kind(jobs.start, upstream_task.start))
@@ -151,37 +150,10 @@ class TaskRunner:
         register(c.Unpark, self.parking.unpark)
         register(c.HoldSlot, self.slots.hold)
         register(c.WriteQueue, self.records.write_queue)
-        inbox = ReplicaInbox(self.background, self.table, feed, self.parking, self.records, store, clock)
-        self.replicas = ReplicaLink(store, self.process_id, config.store.lease_seconds, inbox)
-        self.calls = CallStarter(
-            config.tasks,
-            config.inputs,
-            principals,
-            self.table,
-            self.parking,
-            feed,
-            self.background,
-            self.replicas,
-            store,
-            self.durations.paced,
-        )
-        self.operations = TaskOperations(
-            store, principals, self.table, self.records, feed, self.replicas, clock, self.durations.paced
-        )
-        self.recovery = Recovery(
-            store,
-            self.replicas,
-            self.table,
-            self.records,
-            feed,
-            principals,
-            self.durations,
-            self.calls.state,
-            clock,
-            self.process_id,
-        )
-        self.recovery.jobs = lambda: jobs.specs
-        inbox.connect(self.replicas, self.recovery, self.calls)
+        self.calls = CallStarter(context, config.tasks, config.inputs, self.parking, self.replicas)
+        self.operations = TaskOperations(context, self.records, self.replicas)
+        self.recovery = Recovery(context, self.replicas, self.records, self.calls.state, lambda: jobs.specs)
+        self.inbox = ReplicaInbox(context, self.parking, self.records, self.replicas, self.recovery, self.calls)
 
     def _forget(self, call: LiveCall) -> None:
         """A finished call: nothing of it is kept."""
@@ -198,7 +170,7 @@ class TaskRunner:
     async def start(self) -> None:
         """The lease and the change feed first (every owner write carries the lease's fence), the shared pacing
         estimates, restart recovery (before the first request is served), then the periodic sweep."""
-        await self.replicas.start()
+        await self.replicas.start(self.inbox)
         if self.store.shared and self.secret_file is None:
             log.warning(
                 "request_state_key_not_shared",
