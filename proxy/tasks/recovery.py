@@ -22,10 +22,10 @@ from proxy import tracing
 from proxy.config import RestartAction
 from proxy.policy import Decision, Outcome, Policy
 from proxy.principals import SealError
+from proxy.tasks import machine
 from proxy.tasks.commands import LeaseLost, Start, Stop
 from proxy.tasks.context import TasksContext
 from proxy.tasks.effects.records import RecordWrites
-from proxy.tasks.inputs import PendingInput
 from proxy.tasks.job import JobSpec
 from proxy.tasks.live_call import LiveCall, known
 from proxy.tasks.replicas import LEASE_LAPSED, LEASE_LAPSED_RERUN, TAKEN_OVER, TAKEN_OVER_RERUN, ReplicaLink
@@ -188,9 +188,8 @@ class Recovery:
     async def _rerun(self, record: TaskRecord, fence: Fence) -> None:
         on_restart: RestartAction = "rerun" if record.on_restart == "rerun" else "fail"
         policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, on_restart)
-        state = self.state_of(Decision(Outcome.TASK, policy), record.client_capabilities, None, None)
-        state.task_id = record.task_id
-        state.issued = record.inputs_issued  # keys stay unique across the re-run too
+        fresh = self.state_of(Decision(Outcome.TASK, policy), record.client_capabilities, None, None)
+        state = machine.restored(fresh, record)  # question keys stay unique across the re-run too
         if await self._restart(record, state, fence, "not re-run", "task re-run"):
             log.info("task_rerun", task_id=record.task_id, tool=record.tool)
 
@@ -210,12 +209,9 @@ class Recovery:
             return True  # settled meanwhile: nothing to poll
         on_restart: RestartAction = "rerun" if record.on_restart == "rerun" else "fail"
         policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, on_restart)
-        state = self.state_of(Decision(Outcome.TASK, policy, upstream_task=True, job=True), {}, None, None)
-        state.task_id = record.task_id
-        state.issued = record.inputs_issued
-        state.upstream_task = UpstreamTask(
-            record.job_id, status_message=record.status_message, poll_interval_ms=spec.poll_interval_ms
-        )
+        fresh = self.state_of(Decision(Outcome.TASK, policy, upstream_task=True, job=True), {}, None, None)
+        job = UpstreamTask(record.job_id, status_message=record.status_message, poll_interval_ms=spec.poll_interval_ms)
+        state = machine.restored(fresh, record, upstream_task=job)
         if await self._restart(claimed, state, fence or self.replicas.fence, "not polled again", "job polled again"):
             log.info("job_resumed", task_id=record.task_id, tool=record.tool)
         return True
@@ -227,17 +223,11 @@ class Recovery:
         on_restart: RestartAction = "rerun" if record.on_restart == "rerun" else "fail"
         policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, on_restart)
         decision = Decision(Outcome.TASK, policy, upstream_task=True)
-        state = self.state_of(decision, record.client_capabilities, None, None)
-        state.task_id = record.task_id
-        state.issued = record.inputs_issued
-        state.upstream_task = UpstreamTask(
+        fresh = self.state_of(decision, record.client_capabilities, None, None)
+        followed = UpstreamTask(
             record.upstream_task_id, status_message=record.status_message, expires_at_ms=record.expires_at_ms
         )
-        for key, request in before.input_requests.items():
-            upstream_id = before.upstream_input_ids.get(key)
-            if isinstance(request, dict) and isinstance(upstream_id, int | str):
-                state.inputs[key] = PendingInput(upstream_id, str(request.get("method")), request)
-        state.inputs_written = not state.inputs
+        state = machine.restored(fresh, record, upstream_task=followed, asked=before)
         if await self._restart(record, state, fence, "not followed again", "task followed again"):
             log.info("task_resumed", task_id=record.task_id, tool=record.tool)
 
