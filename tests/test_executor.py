@@ -58,7 +58,7 @@ from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.effects.slots import Parking, RunningSlots
 from proxy.tasks.effects.timers import Timers
 from proxy.tasks.executor import Executor, ReentryError
-from proxy.tasks.live_call import LiveCall, known, wall_clock_ms
+from proxy.tasks.live_call import LiveCall, known, new_call, wall_clock_ms
 from proxy.tasks.recovery import Recovery
 from proxy.tasks.replica_inbox import ReplicaInbox
 from proxy.tasks.replicas import ReplicaLink
@@ -111,7 +111,10 @@ async def until_async(condition: Callable[[], Awaitable[bool]], what: str, timeo
 
 def make_call(decision: Decision = A_TASK, caller: str = "caller-a", name: str = "tool") -> LiveCall:
     state = CallState(decision=decision, capabilities={}, gather_ms=0, park_ttl_ms=60_000)
-    return LiveCall(state, "tools/call", name, None, caller, {"name": name, "arguments": {}}, {}, known("digest"))
+    params = {"name": name, "arguments": {}}
+    return new_call(
+        state, method="tools/call", name=name, principal=None, caller=caller, digest_of=known("digest"), params=params
+    )
 
 
 def config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
@@ -233,7 +236,7 @@ async def test_a_full_store_refuses_the_commit_and_forgets_the_task_id(store: Sq
     assert isinstance(refused, CommitRefused)
     assert refused.error.data == {"limit": "max_records", "max": parts.records.config.max_records}
     assert len(parts.table.tasks()) == 2  # the refused task's id was taken out again
-    assert third.record is None
+    assert third.stored.record is None
 
 
 # --- parking: Parked / ParkRefused -------------------------------------------------------------------------
@@ -298,7 +301,7 @@ async def test_a_task_reply_carries_its_record_as_the_client_sees_it(store: Sqli
     parts = Parts(store, tmp_path)
     call = make_call()
     await parts.committed(call)
-    call.reply = asyncio.get_running_loop().create_future()
+    call.client.reply = asyncio.get_running_loop().create_future()
     shown: list[TaskRecord] = []
 
     def paced(record: TaskRecord) -> TaskRecord:
@@ -307,8 +310,8 @@ async def test_a_task_reply_carries_its_record_as_the_client_sees_it(store: Sqli
 
     await ClientSide(paced).reply(call, Reply(ReplyTask()))
 
-    assert call.reply.result() == ReplyTask(call.record)
-    assert shown == [call.record]
+    assert call.client.reply.result() == ReplyTask(call.stored.record)
+    assert shown == [call.stored.record]
 
 
 async def test_a_relay_to_a_broken_stream_tells_the_call_its_client_left() -> None:
@@ -320,12 +323,12 @@ async def test_a_relay_to_a_broken_stream_tells_the_call_its_client_left() -> No
             return None
 
     call = make_call()
-    call.channel = Broken()
+    call.client.channel = Broken()
 
     assert (
         await ClientSide(lambda record: record).relay(call, Relay({"method": "notifications/progress"})) == ClientLeft()
     )
-    assert call.channel is None
+    assert call.client.channel is None
 
 
 # --- the replica inbox: its own settlements come back on the feed and are dropped --------------------------
@@ -419,7 +422,7 @@ async def runner_on(tmp_path: Path, store: SqliteTaskStore, session: CrashingSes
 async def started(runner: TaskRunner, decision: Decision) -> LiveCall:
     call = make_call(decision, caller=runner.principals.key_of(None))
     call.state = runner.calls.state(decision, {}, None, None)
-    call.reply = asyncio.get_running_loop().create_future()
+    call.client.reply = asyncio.get_running_loop().create_future()
     runner.table.add(call)
     await runner.executor.submit(call, Start())
     return call
@@ -431,8 +434,8 @@ async def test_a_crashing_held_request_ends_the_call_with_a_plain_message(
     session = CrashingSession(crash_on="tools/call")
     async with runner_on(tmp_path, store, session) as runner:
         call = await started(runner, SYNC_CALL)
-        assert call.reply is not None
-        reply = await asyncio.wait_for(call.reply, 10)
+        assert call.client.reply is not None
+        reply = await asyncio.wait_for(call.client.reply, 10)
 
     assert isinstance(reply, ReplyOutcome)
     assert isinstance(reply.outcome, ProxyError)
@@ -446,8 +449,8 @@ async def test_a_crashing_pump_of_an_upstream_run_task_fails_it_without_a_python
     session = CrashingSession(crash_on="tasks/result")  # the task is created, following it crashes
     async with runner_on(tmp_path, store, session) as runner:
         call = await started(runner, UPSTREAM_RUN)
-        assert call.reply is not None
-        reply = await asyncio.wait_for(call.reply, 10)
+        assert call.client.reply is not None
+        reply = await asyncio.wait_for(call.client.reply, 10)
         assert isinstance(reply, ReplyTask)
         assert reply.record is not None
         task_id = reply.record.task_id

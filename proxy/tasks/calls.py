@@ -20,7 +20,7 @@ from proxy.tasks import inputs, remote
 from proxy.tasks.commands import ClientLeft, ReplyError, ReplyTask, Resumed, ShutDown, Start
 from proxy.tasks.context import TasksContext
 from proxy.tasks.effects.slots import Parking
-from proxy.tasks.live_call import LiveCall, known
+from proxy.tasks.live_call import LiveCall, known, new_call
 from proxy.tasks.replicas import Ask, ReplicaLink
 from proxy.tasks.request import UpstreamRequest
 from proxy.tasks.state import CallState
@@ -67,7 +67,7 @@ class CallStarter:
         )
 
     async def begin(self, upstream: UpstreamRequest, caller: Caller, decision: Decision, channel: Channel) -> LiveCall:
-        """A new call for a waiting request; its reply arrives on `call.reply`."""
+        """A new call for a waiting request; its reply arrives on `call.client.reply`."""
         params = upstream.params
         if decision.may_become_task:
             meta = dict(params.get("_meta") or {})
@@ -78,8 +78,8 @@ class CallStarter:
             params = {**params, "_meta": meta}
         request = upstream.request
         state = self.state(decision, request.client_capabilities, request.progress_token, request.log_level)
-        call = LiveCall(
-            state=state,
+        call = new_call(
+            state,
             method=upstream.method,
             name=upstream.name,
             principal=caller.principal,
@@ -89,7 +89,7 @@ class CallStarter:
             digest_of=lambda: upstream.digest,
             channel=channel,
         )
-        call.reply = asyncio.get_running_loop().create_future()
+        call.client.reply = asyncio.get_running_loop().create_future()
         self.context.table.add(call)
         await self.context.feed.submit(call, Start())
         return call
@@ -115,8 +115,8 @@ class CallStarter:
         if claims.owner != self.parking.process_id:
             return await self._forward(upstream, caller, claims, state, responses, channel)
         call, answers = self.parking.take(claims, responses)
-        call.reply = asyncio.get_running_loop().create_future()
-        call.channel = channel
+        call.client.reply = asyncio.get_running_loop().create_future()
+        call.client.channel = channel
         log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, answered=sorted(answers))
         tracing.event("mrtr_resumed", {"round": call.state.round, "answers": len(answers)})
         await self.context.feed.submit(call, Resumed(answers, request.progress_token, request.log_level))
@@ -142,10 +142,16 @@ class CallStarter:
             else SYNC_CALL
         )
         standin = self.state(decision, request.client_capabilities, request.progress_token, request.log_level)
-        key = self.context.principals.key_of(caller.principal)
-        call = LiveCall(standin, request.method, upstream.name, caller.principal, key, {}, {}, known(claims.digest))
-        call.channel = channel
-        call.reply = asyncio.get_running_loop().create_future()
+        call = new_call(
+            standin,
+            method=request.method,
+            name=upstream.name,
+            principal=caller.principal,
+            caller=self.context.principals.key_of(caller.principal),
+            digest_of=known(claims.digest),
+            channel=channel,
+        )
+        call.client.reply = asyncio.get_running_loop().create_future()
         origin = self.parking.process_id
         payload = remote.resume_payload(state, responses, request.progress_token, request.log_level, origin)
         call.ask = await self.replicas.ask(claims.owner, remote.RESUME, payload, on_note=channel.notify)
@@ -157,22 +163,22 @@ class CallStarter:
         try:
             reply, call.request_state, task_id = remote.decode_reply(await ask.reply)
             if task_id is not None:
-                call.record = await self.context.store.get(task_id)
-                if call.record is None:
+                call.stored.record = await self.context.store.get(task_id)
+                if call.stored.record is None:
                     reply = ReplyError(ProxyError("Internal error: the task the call became is gone"))
                 else:
-                    reply = ReplyTask(self.context.durations.paced(call.record))
+                    reply = ReplyTask(self.context.durations.paced(call.stored.record))
         except (ProxyError, StoreError) as exc:
             reply = ReplyError(exc if isinstance(exc, ProxyError) else ProxyError(STORE_FAILED, detail=str(exc)))
-        if call.reply is not None and not call.reply.done():
-            call.reply.set_result(reply)
+        if call.client.reply is not None and not call.client.reply.done():
+            call.client.reply.set_result(reply)
 
     def client_left(self, call: LiveCall) -> None:
         """The waiting request went away (its handler is being cancelled): tell the call, in the background."""
         if call.ask is not None:  # a stand-in: the replica holding the call is told
             self.replicas.abandon(call.ask)
             return
-        call.channel = None
+        call.client.channel = None
         self.context.spawner.spawn(self.context.feed.dispatch(call, ClientLeft()), f"client-left-{call.call_id}")
 
     async def shut_down(self) -> None:

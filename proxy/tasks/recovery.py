@@ -27,7 +27,7 @@ from proxy.tasks.commands import LeaseLost, Start, Stop
 from proxy.tasks.context import TasksContext
 from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.job import JobSpec
-from proxy.tasks.live_call import LiveCall, known
+from proxy.tasks.live_call import known, new_call
 from proxy.tasks.replicas import LEASE_LAPSED, LEASE_LAPSED_RERUN, TAKEN_OVER, TAKEN_OVER_RERUN, ReplicaLink
 from proxy.tasks.state import CallState
 from proxy.tasks.store import Fence, FencedError, StoreError
@@ -100,12 +100,16 @@ class Recovery:
                 log.warning("lease_lapsed_recovery_deferred", error=str(exc))
                 return
             mine = {record.task_id for record in live}
-            stale = [call for call in self.context.table.calls() if call.fence is not None and call.fence != fence]
+            stale = [
+                call
+                for call in self.context.table.calls()
+                if call.stored.fence is not None and call.stored.fence != fence
+            ]
             resumed = 0
             for call in stale:
                 task_id = call.state.task_id
                 if task_id is None or task_id in mine:  # no record yet (its creation is not fenced), or still ours
-                    call.fence = fence
+                    call.stored.fence = fence
                     resumed += 1
                 else:  # each waits for its call's current event (a record being committed, say)
                     await self.context.feed.dispatch(call, LeaseLost())
@@ -113,7 +117,7 @@ class Recovery:
             for task_id in outbox.task_ids():  # calls that ended, their writes waiting for the store: the same rule
                 if task_id in mine:
                     outbox.refence(task_id, fence)
-            running = {task_id for task_id, call in self.context.table.tasks().items() if call.fence == fence}
+            running = {task_id for task_id, call in self.context.table.tasks().items() if call.stored.fence == fence}
             orphans = [
                 record
                 for record in live
@@ -243,9 +247,17 @@ class Recovery:
             await self.records.fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; {refused}: {exc}", fence)
             return False
         params = dict(record.request)
-        call = LiveCall(state, "tools/call", record.tool, principal, record.principal, params, {}, known(""))
-        call.record = record
-        call.fence = fence
+        call = new_call(
+            state,
+            method="tools/call",
+            name=record.tool,
+            principal=principal,
+            caller=record.principal,
+            digest_of=known(""),
+            params=params,
+            record=record,
+            fence=fence,
+        )
         self.context.table.add(call)
         self.context.table.add_task(record.task_id, call)
         with tracing.resumed(span, record.task_id, record.traceparent):

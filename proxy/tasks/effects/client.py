@@ -18,18 +18,18 @@ class ClientSide:
 
     async def reply(self, call: LiveCall, command: Reply) -> None:
         reply = command.reply
-        if isinstance(reply, ReplyTask) and reply.record is None and call.record is not None:
-            reply = ReplyTask(self.paced(call.record))
-        if call.reply is not None and not call.reply.done():
-            call.reply.set_result(reply)
-        call.channel = None
+        if isinstance(reply, ReplyTask) and reply.record is None and call.stored.record is not None:
+            reply = ReplyTask(self.paced(call.stored.record))
+        if call.client.reply is not None and not call.client.reply.done():
+            call.client.reply.set_result(reply)
+        call.client.channel = None
 
     async def relay(self, call: LiveCall, command: Relay) -> ClientLeft | None:
-        if call.channel is None:
+        if call.client.channel is None:
             return None
         try:
-            await call.channel.notify(command.message)
+            await call.client.channel.notify(command.message)
         except ConnectionResetError:
-            call.channel = None
+            call.client.channel = None
             return ClientLeft()
         return None

@@ -48,14 +48,14 @@ class HeldRequest:
 
         async def send(session: Session) -> None:
             async with session.call(call.method, call.params, call.headers) as upstream:
-                call.upstream = upstream
+                call.upstream.stream = upstream
                 await pump.stream(self.feed, call, upstream, until=lambda: not call.state.running)
 
         session = self._session(call)
         if self.admission is not None:  # the request waits for a slot (and holds it until it ends)
             session = self.admission.slot(call, session)
         running = pump.run(self.feed, call, session, send)
-        call.pump = self.spawner.spawn(running, f"upstream-{call.call_id}")
+        call.upstream.pump = self.spawner.spawn(running, f"upstream-{call.call_id}")
 
     def _session(self, call: LiveCall) -> AbstractAsyncContextManager[Session]:
         """A call whose client could answer a question (it declared elicitation, sampling or roots) gets an
@@ -97,10 +97,10 @@ class HeldRequest:
     async def _respond(
         self, call: LiveCall, upstream_id: int | str, *, result: JSON | None, error: JSON | None = None
     ) -> None:
-        if call.session is None:
+        if call.upstream.session is None:
             return
         try:
-            await call.session.respond(upstream_id, result=result, error=error)
+            await call.upstream.session.respond(upstream_id, result=result, error=error)
             tracing.event("input_answered", {"refused": error is not None})
         except ProxyError as exc:  # the call is lost; its stream ends it with that error
             log.warning("upstream_answer_not_delivered", task_id=call.state.task_id, error=exc.message)
@@ -108,17 +108,17 @@ class HeldRequest:
     async def cancel(self, call: LiveCall, command: CancelCall) -> None:
         """The upstream is told (`notifications/cancelled`: for a legacy server a disconnect is not a cancel),
         then the pump stops. A call whose request is still on its way is cancelled by the session itself."""
-        if call.upstream is not None:
+        if call.upstream.stream is not None:
             try:
-                await call.upstream.cancel(command.reason)
+                await call.upstream.stream.cancel(command.reason)
             except ProxyError as exc:
                 log.warning("upstream_cancel_failed", task_id=call.state.task_id, error=exc.message)
         stop_pump(call)
 
 
 def stop_pump(call: LiveCall) -> None:
-    if call.pump is not None and call.pump is not asyncio.current_task():
-        call.pump.cancel()
+    if call.upstream.pump is not None and call.upstream.pump is not asyncio.current_task():
+        call.upstream.pump.cancel()
 
 
 class QuestionCounter:

@@ -84,7 +84,7 @@ class RecordWrites:
         assert policy is not None
         now = self.context.clock()
         try:  # taken before the commit: a lease lost meanwhile stops the call
-            call.fence = await self.fence()
+            call.stored.fence = await self.fence()
         except StoreUnavailableError as exc:
             return CommitRefused(TaskStoreUnavailableError(exc.kind, exc.reason, detail=str(exc)))
         record = TaskRecord(
@@ -109,7 +109,9 @@ class RecordWrites:
             else None,
             client_capabilities=call.state.capabilities,
             upstream_task_id=command.upstream_task_id,
-            upstream_session_id=call.session.session_id if command.upstream_task_id and call.session else None,
+            upstream_session_id=call.upstream.session.session_id
+            if command.upstream_task_id and call.upstream.session
+            else None,
             upstream_input_ids=command.upstream_input_ids or {},
             traceparent=tracing.creating_context(),  # later spans about the task link to it, on any replica
             job_id=command.job_id,
@@ -125,7 +127,7 @@ class RecordWrites:
             if isinstance(exc, StoreFullError):
                 return CommitRefused(TaskLimitError("max_records", self.config.max_records))
             return CommitRefused(ProxyError("Internal error: the task could not be stored", detail=str(exc)))
-        call.record = record
+        call.stored.record = record
         log.info("task_created", task_id=record.task_id, tool=call.name, ttl_ms=record.ttl_ms)
         tracing.task_created(record.task_id)
         if command.input_requests:
@@ -234,7 +236,7 @@ class RecordWrites:
         if self.outbox.holds(task_id):  # earlier writes of this task wait: this one goes after them
             self._keep(call, write, command, "earlier writes wait")
             return None
-        refused = call.fence
+        refused = call.stored.fence
         try:
             try:
                 return await write(refused)
@@ -243,7 +245,7 @@ class RecordWrites:
                 if fence is None or fence == refused:
                     return LeaseLost()
                 log.info("task_lease_resumed", task_id=call.state.task_id, epoch=fence.epoch)
-                call.fence = fence
+                call.stored.fence = fence
                 return await write(fence)
         except FencedError:
             return LeaseLost()
@@ -279,7 +281,7 @@ class RecordWrites:
                 if record is not None:
                     _log_input_required(task_id, call.name, requests)
 
-        self.outbox.keep(task_id, _KINDS[type(command)], lambda: call.fence, write, written, reason)
+        self.outbox.keep(task_id, _KINDS[type(command)], lambda: call.stored.fence, write, written, reason)
 
     def _task_id(self, call: LiveCall) -> str:
         task_id = call.state.task_id
