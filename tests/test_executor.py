@@ -308,7 +308,7 @@ async def test_a_task_reply_carries_its_record_as_the_client_sees_it(store: Sqli
         shown.append(record)
         return record
 
-    await ClientSide(paced).reply(call, Reply(ReplyTask()))
+    await ClientSide(paced, RecordingFeed(), Background()).reply(call, Reply(ReplyTask()))
 
     assert call.client.reply.result() == ReplyTask(call.stored.record)
     assert shown == [call.stored.record]
@@ -322,13 +322,51 @@ async def test_a_relay_to_a_broken_stream_tells_the_call_its_client_left() -> No
         async def keepalive(self, *, open_stream: bool = False) -> None:
             return None
 
+    feed, background = RecordingFeed(), Background()
     call = make_call()
     call.client.channel = Broken()
 
-    assert (
-        await ClientSide(lambda record: record).relay(call, Relay({"method": "notifications/progress"})) == ClientLeft()
-    )
+    await ClientSide(lambda record: record, feed, background).relay(call, Relay({"method": "notifications/progress"}))
+    await until(lambda: bool(feed.events), "the writer to find the stream broken")
+    assert feed.events == [(call, ClientLeft())]
     assert call.client.channel is None
+    await background.close(1)
+
+
+async def test_notifications_and_the_reply_leave_in_order_through_one_writer_that_never_holds_up_the_call() -> None:
+    """A client that does not read yet: the relays and the reply return at once (nothing waits on the socket
+    under the call's lock), and the reply reaches the waiting request only after both notifications were
+    written, in the order given."""
+    written: list[JSON] = []
+    reading = asyncio.Event()
+
+    class Slow:
+        async def notify(self, message: JSON, *, required: bool = False) -> None:
+            await reading.wait()
+            written.append(message)
+
+        async def keepalive(self, *, open_stream: bool = False) -> None:
+            return None
+
+    background = Background()
+    client = ClientSide(lambda record: record, RecordingFeed(), background)
+    call = make_call()
+    call.client.channel = Slow()
+    call.client.reply = asyncio.get_running_loop().create_future()
+    first, second = {"method": "notifications/progress", "n": 1}, {"method": "notifications/progress", "n": 2}
+
+    async with asyncio.timeout(1):  # none of these waits for the client
+        await client.relay(call, Relay(first))
+        await client.relay(call, Relay(second))
+        await client.reply(call, Reply(ReplyTask()))
+    await asyncio.sleep(0.05)
+    assert not call.client.reply.done()
+    assert written == []
+
+    reading.set()
+    assert await asyncio.wait_for(call.client.reply, 5) == ReplyTask()
+    assert written == [first, second]
+    await background.close(1)
 
 
 # --- the replica inbox: its own settlements come back on the feed and are dropped --------------------------

@@ -11,6 +11,7 @@ import asyncio
 import base64
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -61,10 +62,13 @@ def new_call_id() -> str:
 
 @dataclass(eq=False, slots=True)
 class ClientEnd:
-    """What the client side owns: the waiting request's answer and its stream (notifications before it)."""
+    """What the client side owns: the waiting request's answer, its stream (notifications before it), and the
+    one writer that writes both in order (`effects/client.py`) with what is queued for it."""
 
     reply: asyncio.Future[ReplyKind] | None = None
     channel: Channel | None = None
+    outgoing: deque[JSON | ReplyKind] = field(default_factory=deque)
+    writer: asyncio.Task[None] | None = None
 
 
 @dataclass(eq=False, slots=True)

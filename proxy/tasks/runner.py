@@ -127,7 +127,7 @@ class TaskRunner:
         upstream_task = UpstreamTaskEffect(feed, self.background, upstream, clock)
         self.jobs = jobs = JobEffect(feed, self.background, upstream, clock)
         jobs.follow(config.jobs)
-        client = ClientSide(self.durations.paced)
+        client = ClientSide(self.durations.paced, feed, self.background)
         register = self.executor.register
         register(c.StartCall, held.start)
         register(c.StartUpstreamTask, by_kind(jobs.start, upstream_task.start))
