@@ -46,6 +46,7 @@ from proxy.tasks.quotas import Quotas
 from proxy.tasks.recovery import Recovery
 from proxy.tasks.replica_inbox import ReplicaInbox
 from proxy.tasks.replicas import ReplicaLink
+from proxy.tasks.span_events import SpanEvents
 from proxy.tasks.store import TaskStore
 from proxy.tasks.table import CallTable
 from proxy.tasks.tool_names import check_policy_tools
@@ -96,7 +97,7 @@ class TaskRunner:
         signer = inputs.RequestStateSigner(inputs.load_secret(config.inputs.secret_file))
         self.slots = RunningSlots(config.tasks.max_running, config.limits.max_running_per_principal)
         self.parking = Parking(config.inputs, config.limits, signer, clock, self.process_id)
-        observers: list[Observer] = [QuestionCounter(metrics)]  # counted when metrics are on; traced
+        observers: list[Observer] = [QuestionCounter(metrics), SpanEvents()]  # counted when metrics are on; traced
         self.audit = None if config.audit.path is None else AuditLog(config.audit.path, self.process_id)
         if self.audit is not None:
             observers.append(AuditTrail(self.audit))

@@ -1,9 +1,9 @@
 """The held upstream request of a call (`StartCall`, `Answer`, `Refuse`, `CancelCall`): sent on a session
 leased for the call (of its own when its client could answer a question), its events fed to the call by the
 pump, its questions answered or refused, and `notifications/cancelled` when it is abandoned; with a cap, the
-request waits for its slot first (`admission.py`). Also counts the questions relayed and refused (questions and
-answers are span events too). Imports the pump, the slots (a parked call's session may be reclaimed), the
-admission queue, tracing, the upstream pool and event types; not the store.
+request waits for its slot first (`admission.py`). Also counts the questions relayed and refused (their span
+events come from the executor's observer, `span_events.py`). Imports the pump, the slots (a parked call's
+session may be reclaimed), the admission queue, the upstream pool and event types; not the store.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from contextlib import AbstractAsyncContextManager
 
 import structlog
 
-from proxy import tracing
 from proxy.errors import ProxyError
 from proxy.observability import Metrics
 from proxy.tasks import inputs
@@ -101,7 +100,6 @@ class HeldRequest:
             return
         try:
             await call.upstream.session.respond(upstream_id, result=result, error=error)
-            tracing.event("input_answered", {"refused": error is not None})
         except ProxyError as exc:  # the call is lost; its stream ends it with that error
             log.warning("upstream_answer_not_delivered", task_id=call.state.task_id, error=exc.message)
 
@@ -122,8 +120,8 @@ def stop_pump(call: LiveCall) -> None:
 
 
 class QuestionCounter:
-    """Counts each question the upstream asks for the client: relayed, or refused at once; and marks it on the
-    current span (its method and whether it was refused, never its content)."""
+    """Counts each question the upstream asks for the client: relayed, or refused at once (its span event is
+    `span_events.py`'s)."""
 
     def __init__(self, metrics: Metrics | None) -> None:
         self.metrics = metrics
@@ -133,7 +131,6 @@ class QuestionCounter:
             return
         question = event.question
         refused = any(isinstance(command, Refuse) and command.upstream_id == question.id for command in commands)
-        tracing.event("input_requested", {"mcp.method.name": question.method, "refused": refused})
         if self.metrics is None or question.method not in translate.INPUT_METHODS:
             return
         self.metrics.input_requests.labels(question.method, "refused" if refused else "relayed").inc()
