@@ -19,7 +19,7 @@ from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
 from proxy.tasks.background import Background
 from proxy.tasks.commands import Admitted, Event, Queued, QueueMoved
 from proxy.tasks.effects.admission import POSITION_SECONDS, POSITIONS_TOLD, Admission
-from proxy.tasks.live_call import LiveCall, known
+from proxy.tasks.live_call import LiveCall, known, new_call
 from proxy.tasks.state import CallState
 from tests.support.waiting import until
 
@@ -48,7 +48,7 @@ def a_call(caller: str, name: str, *, tool_cap: int | None = None, tool: str | N
         decision = Decision(Outcome.SYNC, Policy("forbidden", 0, None, 1000, "fail", max_concurrent=tool_cap))
     state = CallState(decision=decision, capabilities={}, gather_ms=0, park_ttl_ms=1)
     state.started = state.running = True  # as the machine left it when it asked for the upstream request
-    return LiveCall(state, "tools/call", tool or name, caller, caller, {}, {}, known(""))
+    return new_call(state, method="tools/call", name=tool or name, principal=caller, caller=caller, digest_of=known(""))
 
 
 class Upstream:

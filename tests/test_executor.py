@@ -24,7 +24,9 @@ from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
 from proxy.principals import Principals
 from proxy.tasks import inputs
 from proxy.tasks.background import Background
+from proxy.tasks.calls import CallStarter
 from proxy.tasks.commands import (
+    CancelCall,
     ClearTimer,
     ClientLeft,
     Command,
@@ -43,9 +45,11 @@ from proxy.tasks.commands import (
     ReplyTask,
     SetTimer,
     Start,
+    StartCall,
     Timer,
     TimerFired,
 )
+from proxy.tasks.context import TasksContext
 from proxy.tasks.durations import Durations
 from proxy.tasks.effects.client import ClientSide
 from proxy.tasks.effects.outbox import Outbox
@@ -53,7 +57,9 @@ from proxy.tasks.effects.pump import CRASHED
 from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.effects.slots import Parking, RunningSlots
 from proxy.tasks.effects.timers import Timers
-from proxy.tasks.live_call import LiveCall, known, wall_clock_ms
+from proxy.tasks.executor import Executor, ReentryError
+from proxy.tasks.live_call import LiveCall, known, new_call, wall_clock_ms
+from proxy.tasks.recovery import Recovery
 from proxy.tasks.replica_inbox import ReplicaInbox
 from proxy.tasks.replicas import ReplicaLink
 from proxy.tasks.runner import TaskRunner
@@ -105,7 +111,10 @@ async def until_async(condition: Callable[[], Awaitable[bool]], what: str, timeo
 
 def make_call(decision: Decision = A_TASK, caller: str = "caller-a", name: str = "tool") -> LiveCall:
     state = CallState(decision=decision, capabilities={}, gather_ms=0, park_ttl_ms=60_000)
-    return LiveCall(state, "tools/call", name, None, caller, {"name": name, "arguments": {}}, {}, known("digest"))
+    params = {"name": name, "arguments": {}}
+    return new_call(
+        state, method="tools/call", name=name, principal=None, caller=caller, digest_of=known("digest"), params=params
+    )
 
 
 def config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
@@ -127,22 +136,22 @@ class Parts:
         self.background = Background()
         self.table = CallTable()
         self.durations = Durations(store, wall_clock_ms, self.background)
+        self.feed = RecordingFeed()
+        self.context = TasksContext(
+            store=store,
+            table=self.table,
+            principals=Principals(KEY),
+            feed=self.feed,
+            spawner=self.background,
+            clock=wall_clock_ms,
+            process_id="replica-1",
+            durations=self.durations,
+        )
         self.slots = RunningSlots(max_running, per_caller)
         self.link: ReplicaLink | None = None
         self.outbox = Outbox(8, None)
         self.records = RecordWrites(
-            config(tmp_path).tasks,
-            store,
-            self.table,
-            self.slots,
-            Principals(KEY),
-            self.durations,
-            wall_clock_ms,
-            "replica-1",
-            self.fence,
-            self.reclaim,
-            None,
-            self.outbox,
+            self.context, config(tmp_path).tasks, self.slots, self.outbox, self.fence, self.reclaim
         )
 
     async def fence(self) -> Fence:
@@ -227,7 +236,7 @@ async def test_a_full_store_refuses_the_commit_and_forgets_the_task_id(store: Sq
     assert isinstance(refused, CommitRefused)
     assert refused.error.data == {"limit": "max_records", "max": parts.records.config.max_records}
     assert len(parts.table.tasks()) == 2  # the refused task's id was taken out again
-    assert third.record is None
+    assert third.stored.record is None
 
 
 # --- parking: Parked / ParkRefused -------------------------------------------------------------------------
@@ -292,17 +301,17 @@ async def test_a_task_reply_carries_its_record_as_the_client_sees_it(store: Sqli
     parts = Parts(store, tmp_path)
     call = make_call()
     await parts.committed(call)
-    call.reply = asyncio.get_running_loop().create_future()
+    call.client.reply = asyncio.get_running_loop().create_future()
     shown: list[TaskRecord] = []
 
     def paced(record: TaskRecord) -> TaskRecord:
         shown.append(record)
         return record
 
-    await ClientSide(paced).reply(call, Reply(ReplyTask()))
+    await ClientSide(paced, RecordingFeed(), Background()).reply(call, Reply(ReplyTask()))
 
-    assert call.reply.result() == ReplyTask(call.record)
-    assert shown == [call.record]
+    assert call.client.reply.result() == ReplyTask(call.stored.record)
+    assert shown == [call.stored.record]
 
 
 async def test_a_relay_to_a_broken_stream_tells_the_call_its_client_left() -> None:
@@ -313,13 +322,51 @@ async def test_a_relay_to_a_broken_stream_tells_the_call_its_client_left() -> No
         async def keepalive(self, *, open_stream: bool = False) -> None:
             return None
 
+    feed, background = RecordingFeed(), Background()
     call = make_call()
-    call.channel = Broken()
+    call.client.channel = Broken()
 
-    assert (
-        await ClientSide(lambda record: record).relay(call, Relay({"method": "notifications/progress"})) == ClientLeft()
-    )
-    assert call.channel is None
+    await ClientSide(lambda record: record, feed, background).relay(call, Relay({"method": "notifications/progress"}))
+    await until(lambda: bool(feed.events), "the writer to find the stream broken")
+    assert feed.events == [(call, ClientLeft())]
+    assert call.client.channel is None
+    await background.close(1)
+
+
+async def test_notifications_and_the_reply_leave_in_order_through_one_writer_that_never_holds_up_the_call() -> None:
+    """A client that does not read yet: the relays and the reply return at once (nothing waits on the socket
+    under the call's lock), and the reply reaches the waiting request only after both notifications were
+    written, in the order given."""
+    written: list[JSON] = []
+    reading = asyncio.Event()
+
+    class Slow:
+        async def notify(self, message: JSON, *, required: bool = False) -> None:
+            await reading.wait()
+            written.append(message)
+
+        async def keepalive(self, *, open_stream: bool = False) -> None:
+            return None
+
+    background = Background()
+    client = ClientSide(lambda record: record, RecordingFeed(), background)
+    call = make_call()
+    call.client.channel = Slow()
+    call.client.reply = asyncio.get_running_loop().create_future()
+    first, second = {"method": "notifications/progress", "n": 1}, {"method": "notifications/progress", "n": 2}
+
+    async with asyncio.timeout(1):  # none of these waits for the client
+        await client.relay(call, Relay(first))
+        await client.relay(call, Relay(second))
+        await client.reply(call, Reply(ReplyTask()))
+    await asyncio.sleep(0.05)
+    assert not call.client.reply.done()
+    assert written == []
+
+    reading.set()
+    assert await asyncio.wait_for(call.client.reply, 5) == ReplyTask()
+    assert written == [first, second]
+    await background.close(1)
 
 
 # --- the replica inbox: its own settlements come back on the feed and are dropped --------------------------
@@ -330,13 +377,14 @@ async def test_a_replica_ignores_its_own_settlement_on_the_feed_but_not_another_
     tmp_path: Path,
 ) -> None:
     parts = Parts(store, tmp_path, max_running=10, per_caller=10)
-    feed = RecordingFeed()
+    feed = parts.feed
     signer = inputs.RequestStateSigner(inputs.load_secret(None))
     limits = config(tmp_path)
     parked = Parking(limits.inputs, limits.limits, signer, wall_clock_ms, "replica-1")
-    inbox = ReplicaInbox(parts.background, parts.table, feed, parked, parts.records, store, wall_clock_ms)
-    parts.link = ReplicaLink(store, "replica-1", 30, inbox)
-    await parts.link.start()
+    parts.link = link = ReplicaLink(store, "replica-1", 30)
+    starter = CallStarter(parts.context, limits.tasks, limits.inputs, parked, link)
+    recovery = Recovery(parts.context, link, parts.records, starter.state, dict)
+    await link.start(ReplicaInbox(parts.context, parked, parts.records, link, recovery, starter))
     own, elsewhere = make_call(), make_call()
     own_task, elsewhere_task = await parts.committed(own), await parts.committed(elsewhere)
 
@@ -412,7 +460,7 @@ async def runner_on(tmp_path: Path, store: SqliteTaskStore, session: CrashingSes
 async def started(runner: TaskRunner, decision: Decision) -> LiveCall:
     call = make_call(decision, caller=runner.principals.key_of(None))
     call.state = runner.calls.state(decision, {}, None, None)
-    call.reply = asyncio.get_running_loop().create_future()
+    call.client.reply = asyncio.get_running_loop().create_future()
     runner.table.add(call)
     await runner.executor.submit(call, Start())
     return call
@@ -424,8 +472,8 @@ async def test_a_crashing_held_request_ends_the_call_with_a_plain_message(
     session = CrashingSession(crash_on="tools/call")
     async with runner_on(tmp_path, store, session) as runner:
         call = await started(runner, SYNC_CALL)
-        assert call.reply is not None
-        reply = await asyncio.wait_for(call.reply, 10)
+        assert call.client.reply is not None
+        reply = await asyncio.wait_for(call.client.reply, 10)
 
     assert isinstance(reply, ReplyOutcome)
     assert isinstance(reply.outcome, ProxyError)
@@ -439,8 +487,8 @@ async def test_a_crashing_pump_of_an_upstream_run_task_fails_it_without_a_python
     session = CrashingSession(crash_on="tasks/result")  # the task is created, following it crashes
     async with runner_on(tmp_path, store, session) as runner:
         call = await started(runner, UPSTREAM_RUN)
-        assert call.reply is not None
-        reply = await asyncio.wait_for(call.reply, 10)
+        assert call.client.reply is not None
+        reply = await asyncio.wait_for(call.client.reply, 10)
         assert isinstance(reply, ReplyTask)
         assert reply.record is not None
         task_id = reply.record.task_id
@@ -465,6 +513,49 @@ async def test_a_crashing_pump_of_an_upstream_run_task_fails_it_without_a_python
 async def test_every_command_the_machine_can_give_has_an_effect(tmp_path: Path, store: SqliteTaskStore) -> None:
     async with runner_on(tmp_path, store, CrashingSession(crash_on="")) as runner:
         assert set(runner.executor.effects) == set(get_args(Command))
+
+
+async def test_an_effect_that_feeds_its_own_call_raises_instead_of_waiting_for_itself() -> None:
+    """The call's lock is held while its commands are carried out: an effect feeding that same call (by
+    `dispatch` or `submit`) is refused at once; another call is fed as usual, and so is the same call after."""
+    background = Background()
+    executor = Executor(background, lambda call: None)
+    own, other = make_call(SYNC_CALL), make_call(SYNC_CALL)
+    seen: list[str] = []
+
+    async def start(call: LiveCall, command: StartCall, /) -> None:
+        if call is own:
+            for feed in (executor.dispatch, executor.submit):
+                with pytest.raises(ReentryError):
+                    await feed(own, ClientLeft())
+                seen.append(feed.__name__)
+            await executor.dispatch(other, Start())
+
+    async def cancel(call: LiveCall, command: CancelCall, /) -> None:
+        seen.append(command.reason)
+
+    executor.register(StartCall, start)
+    executor.register(CancelCall, cancel)
+    await executor.dispatch(own, Start())
+    assert seen == ["dispatch", "submit"]
+    assert other.state.started
+    assert own.state.started
+    await executor.dispatch(own, ClientLeft())  # the lock is free again: carried out, no refusal, no wait
+    assert seen == ["dispatch", "submit", "client disconnected"]
+    await background.close(1)
+
+
+def test_an_effect_is_registered_once_and_only_for_the_command_type_it_takes() -> None:
+    """`register` ties an effect to the command type it takes: one taking `StartCall` cannot be registered for
+    `Reply` (the mismatch is a type error, and the lines below carry mypy's refusal, silenced)."""
+    executor = Executor(Background(), lambda call: None)
+
+    async def start(call: LiveCall, command: StartCall, /) -> None:
+        pass
+
+    executor.register(Reply, start)  # type: ignore[misc]
+    with pytest.raises(ValueError, match="already registered"):
+        executor.register(Reply, start)  # type: ignore[misc]
 
 
 def test_call_ids_are_unique_url_safe_and_as_long_as_before() -> None:

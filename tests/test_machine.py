@@ -63,6 +63,7 @@ from proxy.tasks.commands import (
     ShutDown,
     Start,
     StartCall,
+    StartUpstreamTask,
     Stop,
     Timer,
     TimerFired,
@@ -88,6 +89,7 @@ from proxy.tasks.upstream_task import UPSTREAM_CANCELLED, UpstreamTask
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
 from proxy.wire.legacy_tasks import LegacyTask
 from proxy.wire.tasks import TaskStatus, internal_error
+from tests.support.records import make_record
 
 EVERY_INPUT: dict[str, Any] = {"elicitation": {}, "sampling": {}, "roots": {}}
 WINDOW_MS = 700
@@ -828,7 +830,7 @@ def test_no_event_after_a_lost_lease_writes_the_record(start: str) -> None:
 UP_TASK = Decision(Outcome.TASK, policy("required"), upstream_task=True)
 UP_WINDOW = Decision(Outcome.WINDOW, policy(), upstream_task=True)
 UP_WAIT = Decision(Outcome.WAIT, policy("required"), upstream_task=True)
-START_UPSTREAM = StartCall(upstream_task=True, ttl_ms=60_000)
+START_UPSTREAM = StartUpstreamTask(ttl_ms=60_000)
 POLL_MS = 500
 CREATED = UpstreamTaskCreated(
     LegacyTask("up-1", "working", "Gathering", ttl_ms=30_000, poll_interval_ms=POLL_MS), 1_000
@@ -1494,3 +1496,24 @@ def test_a_task_queued_at_a_restart_waits_for_its_slot_again() -> None:
         task_id="t1",
     )
     test_playbook(playbook)
+
+
+def test_a_restored_call_takes_up_its_records_task_id_issued_keys_followed_task_and_answerable_questions() -> None:
+    """`machine.restored` rebuilds a left-live task's call: its task id and issued-key count from the record,
+    the upstream task it follows, and only the questions the record as it was still lets it answer (one with no
+    upstream id cannot be delivered upstream and is left out); with no questions the record shows none missing."""
+    asked = make_record(
+        "t1",
+        inputs_issued=3,
+        input_requests={"k2": {"method": "elicitation/create"}, "k3": {"method": "sampling/createMessage"}},
+        upstream_input_ids={"k2": 7},
+    )
+    followed = UpstreamTask("up-1")
+    fresh = CallState(UP_TASK, EVERY_INPUT, GATHER_MS, PARK_TTL_MS)
+    state = machine.restored(fresh, asked, upstream_task=followed, asked=asked)
+    assert (state.task_id, state.issued, state.upstream_task) == ("t1", 3, followed)
+    assert state.inputs == {"k2": PendingInput(7, "elicitation/create", {"method": "elicitation/create"})}
+    assert not state.inputs_written  # the record shows the outstanding questions once the call writes them
+    rerun = machine.restored(CallState(TASK, EVERY_INPUT, GATHER_MS, PARK_TTL_MS), make_record("t2", inputs_issued=5))
+    assert (rerun.task_id, rerun.issued, rerun.upstream_task, rerun.inputs) == ("t2", 5, None, {})
+    assert rerun.inputs_written

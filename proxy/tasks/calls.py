@@ -7,7 +7,7 @@ stopped at shutdown. Imports the table, the parking, the replica link, `remote.p
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Final
 
 import structlog
@@ -16,20 +16,17 @@ from proxy import tracing
 from proxy.config import InputsConfig, TasksConfig
 from proxy.errors import InvalidParamsError, ProxyError
 from proxy.policy import SYNC_CALL, Decision, decide
-from proxy.principals import Principals
 from proxy.tasks import inputs, remote
 from proxy.tasks.commands import ClientLeft, ReplyError, ReplyTask, Resumed, ShutDown, Start
+from proxy.tasks.context import TasksContext
 from proxy.tasks.effects.slots import Parking
-from proxy.tasks.live_call import LiveCall, known
-from proxy.tasks.ports import Feed, Spawner
+from proxy.tasks.live_call import LiveCall, known, new_call
 from proxy.tasks.replicas import Ask, ReplicaLink
 from proxy.tasks.request import UpstreamRequest
 from proxy.tasks.state import CallState
-from proxy.tasks.store import StoreError, TaskStore
-from proxy.tasks.table import CallTable
+from proxy.tasks.store import StoreError
 from proxy.wire.envelope import Caller, Channel
 from proxy.wire.jsonrpc import JSON
-from proxy.wire.tasks import TaskRecord
 
 log = structlog.get_logger(__name__)
 
@@ -44,27 +41,17 @@ HOLDER_GONE: Final = (
 class CallStarter:
     def __init__(
         self,
+        context: TasksContext,
         config: TasksConfig,
         inputs_config: InputsConfig,
-        principals: Principals,
-        table: CallTable,
         parking: Parking,
-        feed: Feed,
-        spawner: Spawner,
         replicas: ReplicaLink,
-        store: TaskStore,
-        paced: Callable[[TaskRecord], TaskRecord],
     ) -> None:
+        self.context = context
         self.config = config
         self.inputs = inputs_config
-        self.principals = principals
-        self.table = table
         self.parking = parking
-        self.feed = feed
-        self.spawner = spawner
         self.replicas = replicas
-        self.store = store
-        self.paced = paced
         self._progress_tokens = 0
 
     def state(
@@ -80,7 +67,7 @@ class CallStarter:
         )
 
     async def begin(self, upstream: UpstreamRequest, caller: Caller, decision: Decision, channel: Channel) -> LiveCall:
-        """A new call for a waiting request; its reply arrives on `call.reply`."""
+        """A new call for a waiting request; its reply arrives on `call.client.reply`."""
         params = upstream.params
         if decision.may_become_task:
             meta = dict(params.get("_meta") or {})
@@ -91,20 +78,20 @@ class CallStarter:
             params = {**params, "_meta": meta}
         request = upstream.request
         state = self.state(decision, request.client_capabilities, request.progress_token, request.log_level)
-        call = LiveCall(
-            state=state,
+        call = new_call(
+            state,
             method=upstream.method,
             name=upstream.name,
             principal=caller.principal,
-            caller=self.principals.key_of(caller.principal),
+            caller=self.context.principals.key_of(caller.principal),
             params=params,
             headers=upstream.headers,
             digest_of=lambda: upstream.digest,
             channel=channel,
         )
-        call.reply = asyncio.get_running_loop().create_future()
-        self.table.add(call)
-        await self.feed.submit(call, Start())
+        call.client.reply = asyncio.get_running_loop().create_future()
+        self.context.table.add(call)
+        await self.context.feed.submit(call, Start())
         return call
 
     async def resume(
@@ -120,7 +107,7 @@ class CallStarter:
             raise InvalidParamsError("Invalid params: requestState must be a string")
         claims = self.parking.signer.verify(state, self.parking.clock())
         if (
-            claims.principal != self.principals.key_of(caller.principal)
+            claims.principal != self.context.principals.key_of(caller.principal)
             or claims.method != request.method
             or claims.digest != upstream.digest
         ):
@@ -128,11 +115,11 @@ class CallStarter:
         if claims.owner != self.parking.process_id:
             return await self._forward(upstream, caller, claims, state, responses, channel)
         call, answers = self.parking.take(claims, responses)
-        call.reply = asyncio.get_running_loop().create_future()
-        call.channel = channel
+        call.client.reply = asyncio.get_running_loop().create_future()
+        call.client.channel = channel
         log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, answered=sorted(answers))
         tracing.event("mrtr_resumed", {"round": call.state.round, "answers": len(answers)})
-        await self.feed.submit(call, Resumed(answers, request.progress_token, request.log_level))
+        await self.context.feed.submit(call, Resumed(answers, request.progress_token, request.log_level))
         return call
 
     async def _forward(
@@ -146,7 +133,7 @@ class CallStarter:
     ) -> LiveCall:
         """An MRTR retry for a call parked on another replica: sent there (through the store), and a stand-in
         call here whose reply is what that replica's call answers (its notifications reach `channel` too)."""
-        if not await self.store.replica_alive(claims.owner):
+        if not await self.context.store.replica_alive(claims.owner):
             raise InvalidParamsError(HOLDER_GONE)
         request = upstream.request
         decision = (
@@ -155,14 +142,20 @@ class CallStarter:
             else SYNC_CALL
         )
         standin = self.state(decision, request.client_capabilities, request.progress_token, request.log_level)
-        key = self.principals.key_of(caller.principal)
-        call = LiveCall(standin, request.method, upstream.name, caller.principal, key, {}, {}, known(claims.digest))
-        call.channel = channel
-        call.reply = asyncio.get_running_loop().create_future()
+        call = new_call(
+            standin,
+            method=request.method,
+            name=upstream.name,
+            principal=caller.principal,
+            caller=self.context.principals.key_of(caller.principal),
+            digest_of=known(claims.digest),
+            channel=channel,
+        )
+        call.client.reply = asyncio.get_running_loop().create_future()
         origin = self.parking.process_id
         payload = remote.resume_payload(state, responses, request.progress_token, request.log_level, origin)
         call.ask = await self.replicas.ask(claims.owner, remote.RESUME, payload, on_note=channel.notify)
-        self.spawner.spawn(self._await_forwarded(call, call.ask), f"forwarded-{call.ask.key}")
+        self.context.spawner.spawn(self._await_forwarded(call, call.ask), f"forwarded-{call.ask.key}")
         log.info("mrtr_forwarded", method=call.method, name=call.name, round=claims.round, to=claims.owner)
         return call
 
@@ -170,28 +163,28 @@ class CallStarter:
         try:
             reply, call.request_state, task_id = remote.decode_reply(await ask.reply)
             if task_id is not None:
-                call.record = await self.store.get(task_id)
-                if call.record is None:
+                call.stored.record = await self.context.store.get(task_id)
+                if call.stored.record is None:
                     reply = ReplyError(ProxyError("Internal error: the task the call became is gone"))
                 else:
-                    reply = ReplyTask(self.paced(call.record))
+                    reply = ReplyTask(self.context.durations.paced(call.stored.record))
         except (ProxyError, StoreError) as exc:
             reply = ReplyError(exc if isinstance(exc, ProxyError) else ProxyError(STORE_FAILED, detail=str(exc)))
-        if call.reply is not None and not call.reply.done():
-            call.reply.set_result(reply)
+        if call.client.reply is not None and not call.client.reply.done():
+            call.client.reply.set_result(reply)
 
     def client_left(self, call: LiveCall) -> None:
         """The waiting request went away (its handler is being cancelled): tell the call, in the background."""
         if call.ask is not None:  # a stand-in: the replica holding the call is told
             self.replicas.abandon(call.ask)
             return
-        call.channel = None
-        self.spawner.spawn(self.feed.dispatch(call, ClientLeft()), f"client-left-{call.call_id}")
+        call.client.channel = None
+        self.context.spawner.spawn(self.context.feed.dispatch(call, ClientLeft()), f"client-left-{call.call_id}")
 
     async def shut_down(self) -> None:
         """Every running call is cancelled upstream; its record stays live (failed or re-run per `on_restart`
         at the next start, or by another replica at once)."""
-        calls = self.table.calls()
+        calls = self.context.table.calls()
         await asyncio.gather(
-            *(self.feed.dispatch(call, ShutDown(SHUTTING_DOWN)) for call in calls), return_exceptions=True
+            *(self.context.feed.dispatch(call, ShutDown(SHUTTING_DOWN)) for call in calls), return_exceptions=True
         )

@@ -3,7 +3,7 @@
 Events go into `machine.handle`; commands come out, and the executor carries them out in order. Some commands
 are answered by an event it feeds back (`CreateRecord` → `Committed` / `CommitRefused`, `Park` → `Parked`
 / `ParkRefused`, `PollUpstreamTask` → `UpstreamTaskPolled`). `Reply` answers the request a client is waiting
-on. A call the upstream runs as its own 2025-11-25 task (`StartCall(upstream_task=True)`) follows that task
+on. A call the upstream runs as its own 2025-11-25 task (`StartUpstreamTask`) follows that task
 instead of a held request: `UpstreamTaskCreated`, then `FollowUpstreamTask` (its `tasks/result` stream brings
 the questions and the outcome), `PollUpstreamTask` (`tasks/get`) and `CancelUpstreamTask`. Three events come
 from other replicas of a shared store (`RemoteCancel`, `RemoteAnswers`) or from losing the right to write
@@ -224,10 +224,15 @@ Event = (
 
 @dataclass(frozen=True, slots=True)
 class StartCall:
-    """Send the upstream request (on a leased session when the client can answer questions). With
-    `upstream_task` it carries `params.task` (kept `ttl_ms`): the upstream runs it as its own task."""
+    """Send the upstream request and hold it open until its answer (on a leased session when the client can
+    answer questions)."""
 
-    upstream_task: bool = False
+
+@dataclass(frozen=True, slots=True)
+class StartUpstreamTask:
+    """Send the upstream request with `params.task` (kept `ttl_ms`): the upstream runs it as its own task (a
+    `jobs:` call starts its job instead)."""
+
     ttl_ms: int | None = None
 
 
@@ -415,6 +420,7 @@ STORE_WRITES: Final = (CreateRecord, WriteInputs, WriteProgress, Settle, WriteQu
 
 Command = (
     StartCall
+    | StartUpstreamTask
     | CreateRecord
     | WriteInputs
     | WriteProgress

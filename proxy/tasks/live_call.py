@@ -1,5 +1,6 @@
-"""One live call: the machine's state beside what carrying out its commands needs (the upstream session and
-request, timers, the waiting client's reply and stream, the lease its record is written under). Asyncio
+"""One live call: the machine's state beside what carrying out its commands needs, split by who owns it (the
+client side: the waiting reply and stream; the upstream side: session, request stream, pump; the record side:
+the record as committed and the lease it is written under), and `new_call`, the one way to build one. Asyncio
 objects live here, never in the machine's state. Imports the state, the command vocabulary, the store's fence
 and the upstream kinds protocol; nothing that does I/O.
 """
@@ -10,6 +11,7 @@ import asyncio
 import base64
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -58,9 +60,39 @@ def new_call_id() -> str:
     return next(_call_id_source)
 
 
+@dataclass(eq=False, slots=True)
+class ClientEnd:
+    """What the client side owns: the waiting request's answer, its stream (notifications before it), and the
+    one writer that writes both in order (`effects/client.py`) with what is queued for it."""
+
+    reply: asyncio.Future[ReplyKind] | None = None
+    channel: Channel | None = None
+    outgoing: deque[JSON | ReplyKind] = field(default_factory=deque)
+    writer: asyncio.Task[None] | None = None
+
+
+@dataclass(eq=False, slots=True)
+class UpstreamEnd:
+    """What the upstream side owns: the session the call runs on, its request stream, the pump reading it."""
+
+    session: Session | None = None
+    stream: RequestStream | None = None
+    pump: asyncio.Task[None] | None = None
+
+
+@dataclass(eq=False, slots=True)
+class StoredEnd:
+    """What the record side owns: the task record as committed and the lease it is written under."""
+
+    record: TaskRecord | None = None
+    fence: Fence | None = None  # None: no task yet
+
+
 @dataclass(eq=False)
 class LiveCall:
-    """One call: the machine's state, and what carrying out its commands needs (asyncio objects live here)."""
+    """One call: the machine's state (its `CallState`, changed only by the machine), what the call is (method,
+    name, caller, params), and the parts each side owns (`client`, `upstream`, `stored`). Asyncio objects live
+    here. Built by `new_call`."""
 
     state: CallState
     method: str  # tools/call, prompts/get or resources/read
@@ -72,16 +104,12 @@ class LiveCall:
     digest_of: Callable[[], str]  # works out `digest`, which only an MRTR round needs (see below)
     call_id: str = field(default_factory=new_call_id)  # names the parked call in state
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one event at a time
-    reply: asyncio.Future[ReplyKind] | None = None  # the waiting request's answer
-    channel: Channel | None = None  # the waiting request's stream (notifications before the answer)
+    client: ClientEnd = field(default_factory=ClientEnd)
+    upstream: UpstreamEnd = field(default_factory=UpstreamEnd)
+    stored: StoredEnd = field(default_factory=StoredEnd)
     request_state: str = ""  # the signed requestState of the current MRTR round
-    record: TaskRecord | None = None  # as committed
     timers: dict[Timer, asyncio.TimerHandle] = field(default_factory=dict)
-    pump: asyncio.Task[None] | None = None  # reads the upstream call
-    session: Session | None = None
-    upstream: RequestStream | None = None
     created_at: float = field(default_factory=time.perf_counter)
-    fence: Fence | None = None  # the lease the task's record is written under (None: no task yet)
     ask: Ask | None = None  # set on a stand-in for a call parked on another replica (a forwarded MRTR retry)
 
     @cached_property
@@ -89,3 +117,32 @@ class LiveCall:
         """Of the client's params: an MRTR retry must repeat the same request. Hashed the first time a round
         needs it, not for every call (most never ask anything)."""
         return self.digest_of()
+
+
+def new_call(
+    state: CallState,
+    *,
+    method: str,
+    name: str,
+    principal: str | None,
+    caller: str,
+    digest_of: Callable[[], str],
+    params: JSON | None = None,
+    headers: dict[str, str] | None = None,
+    channel: Channel | None = None,
+    record: TaskRecord | None = None,
+    fence: Fence | None = None,
+) -> LiveCall:
+    """The one way a call is built: by keyword, the raw principal apart from its keyed hash (`caller`)."""
+    return LiveCall(
+        state,
+        method,
+        name,
+        principal,
+        caller,
+        {} if params is None else params,
+        {} if headers is None else headers,
+        digest_of,
+        client=ClientEnd(channel=channel),
+        stored=StoredEnd(record, fence),
+    )

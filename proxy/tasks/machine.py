@@ -97,6 +97,7 @@ from proxy.wire import legacy_tasks, translate
 from proxy.wire import tasks as wire_tasks
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.legacy_tasks import LegacyTask
+from proxy.wire.tasks import TaskRecord
 
 
 def handle(state: CallState, event: Event) -> list[Command]:
@@ -125,6 +126,29 @@ def answers(state: CallState, responses: Mapping[str, Any]) -> dict[str, JSON]:
 def resumable(state: CallState, round_: int) -> bool:
     """May an MRTR retry carrying the requestState of round `round_` take this call? (Exactly once.)"""
     return state.mode is Mode.PARKED and state.round == round_
+
+
+def restored(
+    fresh: CallState,
+    record: TaskRecord,
+    *,
+    upstream_task: UpstreamTask | None = None,
+    asked: TaskRecord | None = None,
+) -> CallState:
+    """The state of a call that takes up a task a previous process (or a dead replica) left live, from a
+    `fresh` state of its decision and the task's `record`: the task id, the question keys issued so far (never
+    reused), the upstream's task or job it follows again, and the questions still answerable as `asked` (the
+    record as it was) shows them. The only way a call's state is rebuilt from a record."""
+    fresh.task_id = record.task_id
+    fresh.issued = record.inputs_issued
+    fresh.upstream_task = upstream_task
+    if asked is not None:
+        for key, request in asked.input_requests.items():
+            upstream_id = asked.upstream_input_ids.get(key)
+            if isinstance(request, dict) and isinstance(upstream_id, int | str):
+                fresh.inputs[key] = PendingInput(upstream_id, str(request.get("method")), request)
+        fresh.inputs_written = not fresh.inputs
+    return fresh
 
 
 def finished(state: CallState) -> bool:

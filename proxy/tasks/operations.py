@@ -8,21 +8,19 @@ the table, the replica link and tracing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Final
 
 import structlog
 
 from proxy import tracing
 from proxy.errors import InvalidParamsError
-from proxy.principals import Principals
 from proxy.tasks import machine, remote
 from proxy.tasks.commands import Answered, Stop
+from proxy.tasks.context import TasksContext
 from proxy.tasks.effects.records import RecordWrites
-from proxy.tasks.ports import Feed
 from proxy.tasks.replicas import ReplicaLink
-from proxy.tasks.store import EXPIRED, TaskStore
-from proxy.tasks.table import CallTable
+from proxy.tasks.store import EXPIRED
 from proxy.wire import tasks as wire_tasks
 from proxy.wire.envelope import Caller
 from proxy.wire.tasks import TaskRecord, TaskStatus
@@ -35,33 +33,27 @@ CANCELLED_BY_CLIENT: Final = "cancelled by the client"
 class TaskOperations:
     def __init__(
         self,
-        store: TaskStore,
-        principals: Principals,
-        table: CallTable,
+        context: TasksContext,
         records: RecordWrites,
-        feed: Feed,
         replicas: ReplicaLink,
-        clock: Callable[[], int],
-        paced: Callable[[TaskRecord], TaskRecord],
     ) -> None:
-        self.store = store
-        self.principals = principals
-        self.table = table
+        self.context = context
         self.records = records
-        self.feed = feed
         self.replicas = replicas
-        self.clock = clock
-        self.paced = paced
+
+    def paced(self, record: TaskRecord) -> TaskRecord:
+        """The record as a client sees it (its pacing estimate applied)."""
+        return self.context.durations.paced(record)
 
     def owner(self, caller: Caller) -> str:
         """Whose tasks the caller may see: its principal, as a keyed hash."""
-        return self.principals.key_of(caller.principal)
+        return self.context.principals.key_of(caller.principal)
 
     async def peek(self, task_id: str, owner: str) -> TaskRecord | None:
         """The owner's own unexpired task as stored, or None; nothing is written (listen streams read this way
         at every change)."""
-        record = await self.store.get(task_id, principal=owner)
-        if record is None or record.expired(self.clock()):
+        record = await self.context.store.get(task_id, principal=owner)
+        if record is None or record.expired(self.context.clock()):
             return None
         return record
 
@@ -69,26 +61,26 @@ class TaskOperations:
         """The caller's own, unexpired task, or -32602 (the same "not found" for an unknown or a foreign id, so
         ids cannot be probed; "expired" for the caller's own task whose record is gone, while its tombstone
         lasts). A live task seen past its TTL is failed now (and its call stopped)."""
-        owner = self.principals.key_of(caller.principal)
-        record = await self.store.get(task_id, principal=owner)
+        owner = self.context.principals.key_of(caller.principal)
+        record = await self.context.store.get(task_id, principal=owner)
         if record is None:
             raise await self._gone(task_id, owner)
         tracing.task_read(record.traceparent)  # the request's span links to the one that created the task
-        now = self.clock()
+        now = self.context.clock()
         if record.expired(now):
             if record.status.terminal:
                 # Past its TTL a settled record goes (the sweep would drop it too), leaving its tombstone.
                 tombstones = self.records.config.tombstone_seconds > 0
-                await self.store.delete(task_id, tombstone_at_ms=now if tombstones else None)
+                await self.context.store.delete(task_id, tombstone_at_ms=now if tombstones else None)
                 if not tombstones:
                     raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
                 message, data = wire_tasks.gone_error(task_id, EXPIRED, now, record.expires_at_ms)
                 raise InvalidParamsError(message, data=data)
-            expired = await self.expire(record) or await self.store.get(task_id)
+            expired = await self.expire(record) or await self.context.store.get(task_id)
             if expired is None:
                 raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
             return expired
-        return self.paced(record)
+        return self.context.durations.paced(record)
 
     async def _gone(self, task_id: str, owner: str) -> InvalidParamsError:
         """-32602 for an id the caller has no record of: "expired" (or "deleted by an operator") when the caller's
@@ -96,8 +88,11 @@ class TaskOperations:
         principal's: the tombstone is looked up by id and principal, so nothing of others' tasks shows)."""
         if self.records.config.tombstone_seconds <= 0:
             return InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
-        tombstone = await self.store.tombstone(task_id, owner)
-        if tombstone is None or self.clock() - tombstone.gone_at_ms > self.records.config.tombstone_seconds * 1000:
+        tombstone = await self.context.store.tombstone(task_id, owner)
+        if (
+            tombstone is None
+            or self.context.clock() - tombstone.gone_at_ms > self.records.config.tombstone_seconds * 1000
+        ):
             return InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
         message, data = wire_tasks.gone_error(task_id, tombstone.reason, tombstone.gone_at_ms, tombstone.expired_at_ms)
         return InvalidParamsError(message, data=data)
@@ -109,7 +104,7 @@ class TaskOperations:
         record = await self.observe(task_id, caller)
         if record.status.terminal:
             return
-        call = self.table.task(task_id)
+        call = self.context.table.task(task_id)
         if call is None:
             answers = remote.check_answers(record.input_requests, responses)
             if answers:
@@ -117,7 +112,7 @@ class TaskOperations:
             return
         answers = machine.answers(call.state, responses)
         if answers:
-            await self.feed.submit(call, Answered(answers))
+            await self.context.feed.submit(call, Answered(answers))
 
     async def cancel(self, task_id: str, caller: Caller) -> None:
         """Ack even on a settled task; a live one is settled `cancelled` (unless it settles first) and its
@@ -126,16 +121,16 @@ class TaskOperations:
         if record.status.terminal:
             return
         await self.records.settle_outside(task_id, TaskStatus.CANCELLED, CANCELLED_BY_CLIENT)
-        call = self.table.task(task_id)
+        call = self.context.table.task(task_id)
         if call is not None:
-            await self.feed.submit(call, Stop(CANCELLED_BY_CLIENT))
+            await self.context.feed.submit(call, Stop(CANCELLED_BY_CLIENT))
 
     async def expire(self, record: TaskRecord) -> TaskRecord | None:
         settled = await self.records.fail(record.task_id, wire_tasks.EXPIRED_MESSAGE)
-        call = self.table.task(record.task_id)
+        call = self.context.table.task(record.task_id)
         if call is not None:
             error = wire_tasks.internal_error(wire_tasks.EXPIRED_MESSAGE)
-            await self.feed.submit(call, Stop(wire_tasks.EXPIRED_MESSAGE, error))
+            await self.context.feed.submit(call, Stop(wire_tasks.EXPIRED_MESSAGE, error))
         if settled is not None:
             log.info("task_expired", task_id=record.task_id, tool=record.tool)
         return settled

@@ -1,5 +1,5 @@
 """The only ways back up from an effect or a service to what drives the calls: `Feed` (an event for a call,
-fed under its lock), `Spawner` (named background work) and `Effect` (what carries out one kind of command).
+fed under its lock), `Spawner` (named background work) and `Effect[C]` (what carries out commands of type `C`).
 Protocols only; imports the command vocabulary and the live call, nothing that does I/O.
 """
 
@@ -9,10 +9,11 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar
 
-from proxy.tasks.commands import Event
+from proxy.tasks.commands import Command, Event
 from proxy.tasks.live_call import LiveCall
 
 _T = TypeVar("_T")
+_C = TypeVar("_C", bound=Command, contravariant=True)
 
 
 class Feed(Protocol):
@@ -29,7 +30,7 @@ class Spawner(Protocol):
     def spawn(self, coroutine: Coroutine[Any, Any, _T], name: str) -> asyncio.Task[_T]: ...
 
 
-class Effect(Protocol):
-    """Carries out a command for a call; returns the event the command is answered with, if any."""
+class Effect(Protocol[_C]):
+    """Carries out a command of type `_C` for a call; returns the event the command is answered with, if any."""
 
-    async def __call__(self, call: LiveCall, command: Any) -> Event | None: ...
+    async def __call__(self, call: LiveCall, command: _C, /) -> Event | None: ...

@@ -21,18 +21,16 @@ import structlog
 from proxy import tracing
 from proxy.config import RestartAction
 from proxy.policy import Decision, Outcome, Policy
-from proxy.principals import Principals, SealError
+from proxy.principals import SealError
+from proxy.tasks import machine
 from proxy.tasks.commands import LeaseLost, Start, Stop
-from proxy.tasks.durations import Durations
+from proxy.tasks.context import TasksContext
 from proxy.tasks.effects.records import RecordWrites
-from proxy.tasks.inputs import PendingInput
 from proxy.tasks.job import JobSpec
-from proxy.tasks.live_call import LiveCall, known
-from proxy.tasks.ports import Feed
+from proxy.tasks.live_call import known, new_call
 from proxy.tasks.replicas import LEASE_LAPSED, LEASE_LAPSED_RERUN, TAKEN_OVER, TAKEN_OVER_RERUN, ReplicaLink
 from proxy.tasks.state import CallState
-from proxy.tasks.store import Fence, FencedError, StoreError, TaskStore
-from proxy.tasks.table import CallTable
+from proxy.tasks.store import Fence, FencedError, StoreError
 from proxy.tasks.upstream_task import UpstreamTask
 from proxy.wire import tasks as wire_tasks
 from proxy.wire.jsonrpc import JSON
@@ -56,42 +54,31 @@ def _queue_order(record: TaskRecord) -> tuple[bool, int]:
 class Recovery:
     def __init__(
         self,
-        store: TaskStore,
+        context: TasksContext,
         replicas: ReplicaLink,
-        table: CallTable,
         records: RecordWrites,
-        feed: Feed,
-        principals: Principals,
-        durations: Durations,
         state_of: StateOf,
-        clock: Callable[[], int],
-        process_id: str,
+        jobs: Callable[[], Mapping[str, JobSpec]],
     ) -> None:
-        self.store = store
+        self.context = context
         self.replicas = replicas
-        self.table = table
         self.records = records
-        self.feed = feed
-        self.principals = principals
-        self.durations = durations
         self.state_of = state_of
-        self.clock = clock
-        self.process_id = process_id
+        self.jobs = jobs  # the `jobs:` config in force
         self._tombstones_trimmed_ms = 0  # the clock when the sweep last trimmed the tombstones
         self._adopting = asyncio.Lock()  # take-overs and a lapsed lease's recovery, one at a time
         self.draining: Callable[[], bool] = lambda: False  # set by the app (`TaskRunner.follow_drain`)
-        self.jobs: Callable[[], Mapping[str, JobSpec]] = dict  # the `jobs:` config in force (set by the runner)
 
     async def recover(self) -> None:
         """Tasks no running process owns any more. On a shared store (PostgreSQL), those of replicas whose lease
         ran out, an earlier run of this one included once its lease lapsed or was released: taken over, so the
         tasks of live replicas are never touched. On SQLite, every live task: the process that ran it is gone
         (the file lock says so); a task the upstream runs itself is followed again."""
-        if self.store.shared:
+        if self.context.store.shared:
             await self.replicas.sweep(take_over=not self.draining())
             return
         async with self._adopting:
-            live = await self.store.live()
+            live = await self.context.store.live()
             await self._adopt(live, wire_tasks.RESTART_MESSAGE, wire_tasks.RERUN_MESSAGE, None, follow=True)
 
     async def taken_over(self, records: list[TaskRecord]) -> None:
@@ -108,25 +95,29 @@ class Recovery:
         async with self._adopting:
             fence = self.replicas.fence
             try:
-                live = await self.store.live(self.process_id)
+                live = await self.context.store.live(self.context.process_id)
             except StoreError as exc:  # away again: each call's next write asks the fence itself
                 log.warning("lease_lapsed_recovery_deferred", error=str(exc))
                 return
             mine = {record.task_id for record in live}
-            stale = [call for call in self.table.calls() if call.fence is not None and call.fence != fence]
+            stale = [
+                call
+                for call in self.context.table.calls()
+                if call.stored.fence is not None and call.stored.fence != fence
+            ]
             resumed = 0
             for call in stale:
                 task_id = call.state.task_id
                 if task_id is None or task_id in mine:  # no record yet (its creation is not fenced), or still ours
-                    call.fence = fence
+                    call.stored.fence = fence
                     resumed += 1
                 else:  # each waits for its call's current event (a record being committed, say)
-                    await self.feed.dispatch(call, LeaseLost())
+                    await self.context.feed.dispatch(call, LeaseLost())
             outbox = self.records.outbox
             for task_id in outbox.task_ids():  # calls that ended, their writes waiting for the store: the same rule
                 if task_id in mine:
                     outbox.refence(task_id, fence)
-            running = {task_id for task_id, call in self.table.tasks().items() if call.fence == fence}
+            running = {task_id for task_id, call in self.context.table.tasks().items() if call.stored.fence == fence}
             orphans = [
                 record
                 for record in live
@@ -145,7 +136,7 @@ class Recovery:
         upstream slot never reached the upstream: it runs again whatever its `on_restart`, after the re-runs of
         calls that had started, in the order it was queued. `fence`: the tasks are this replica's already (taken
         over); None: an earlier process's (SQLite), claimed without one."""
-        now = self.clock()
+        now = self.context.clock()
         for record in sorted(records, key=_queue_order):
             try:
                 if record.expired(now):
@@ -158,7 +149,9 @@ class Recovery:
                     continue
                 if follow and record.upstream_task_id is not None:
                     message = record.status_message or wire_tasks.RESUMED_MESSAGE
-                    claimed = await self.store.claim(record.task_id, self.process_id, message, now_ms=now, fence=fence)
+                    claimed = await self.context.store.claim(
+                        record.task_id, self.context.process_id, message, now_ms=now, fence=fence
+                    )
                     if claimed is not None:
                         await self._follow_again(claimed, record, fence or self.replicas.fence)
                         continue
@@ -168,7 +161,9 @@ class Recovery:
                         await self._rerun(claimed, fence or self.replicas.fence)
                         continue
                 if record.on_restart == "rerun":
-                    claimed = await self.store.claim(record.task_id, self.process_id, rerun, now_ms=now, fence=fence)
+                    claimed = await self.context.store.claim(
+                        record.task_id, self.context.process_id, rerun, now_ms=now, fence=fence
+                    )
                     if claimed is not None:
                         await self._rerun(claimed, fence or self.replicas.fence)
                         continue
@@ -180,11 +175,13 @@ class Recovery:
     async def _requeue(self, record: TaskRecord, now: int, fence: Fence | None) -> TaskRecord | None:
         """A task claimed to run here that was queued and never reached the upstream; its mark goes (it is put
         again when its call waits for a slot here), and its sealed principal stays only if its policy re-runs."""
-        claimed = await self.store.claim(record.task_id, self.process_id, REQUEUED, now_ms=now, fence=fence)
+        claimed = await self.context.store.claim(
+            record.task_id, self.context.process_id, REQUEUED, now_ms=now, fence=fence
+        )
         if claimed is None:
             return None
         kept = claimed.rerun_principal if claimed.on_restart == "rerun" else None
-        cleared = await self.store.set_queued(
+        cleared = await self.context.store.set_queued(
             record.task_id, None, REQUEUED, rerun_principal=kept, now_ms=now, fence=fence or self.replicas.fence
         )
         if cleared is None:
@@ -195,9 +192,8 @@ class Recovery:
     async def _rerun(self, record: TaskRecord, fence: Fence) -> None:
         on_restart: RestartAction = "rerun" if record.on_restart == "rerun" else "fail"
         policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, on_restart)
-        state = self.state_of(Decision(Outcome.TASK, policy), record.client_capabilities, None, None)
-        state.task_id = record.task_id
-        state.issued = record.inputs_issued  # keys stay unique across the re-run too
+        fresh = self.state_of(Decision(Outcome.TASK, policy), record.client_capabilities, None, None)
+        state = machine.restored(fresh, record)  # question keys stay unique across the re-run too
         if await self._restart(record, state, fence, "not re-run", "task re-run"):
             log.info("task_rerun", task_id=record.task_id, tool=record.tool)
 
@@ -209,18 +205,17 @@ class Recovery:
         if spec is None or not (follow or spec.config.shared):
             return False
         message = record.status_message or wire_tasks.RESUMED_MESSAGE
-        now = self.clock()
-        claimed = await self.store.claim(record.task_id, self.process_id, message, now_ms=now, fence=fence)
+        now = self.context.clock()
+        claimed = await self.context.store.claim(
+            record.task_id, self.context.process_id, message, now_ms=now, fence=fence
+        )
         if claimed is None:
             return True  # settled meanwhile: nothing to poll
         on_restart: RestartAction = "rerun" if record.on_restart == "rerun" else "fail"
         policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, on_restart)
-        state = self.state_of(Decision(Outcome.TASK, policy, upstream_task=True, job=True), {}, None, None)
-        state.task_id = record.task_id
-        state.issued = record.inputs_issued
-        state.upstream_task = UpstreamTask(
-            record.job_id, status_message=record.status_message, poll_interval_ms=spec.poll_interval_ms
-        )
+        fresh = self.state_of(Decision(Outcome.TASK, policy, upstream_task=True, job=True), {}, None, None)
+        job = UpstreamTask(record.job_id, status_message=record.status_message, poll_interval_ms=spec.poll_interval_ms)
+        state = machine.restored(fresh, record, upstream_task=job)
         if await self._restart(claimed, state, fence or self.replicas.fence, "not polled again", "job polled again"):
             log.info("job_resumed", task_id=record.task_id, tool=record.tool)
         return True
@@ -232,17 +227,11 @@ class Recovery:
         on_restart: RestartAction = "rerun" if record.on_restart == "rerun" else "fail"
         policy = Policy("required", 0, record.ttl_ms, record.poll_interval_ms or 1000, on_restart)
         decision = Decision(Outcome.TASK, policy, upstream_task=True)
-        state = self.state_of(decision, record.client_capabilities, None, None)
-        state.task_id = record.task_id
-        state.issued = record.inputs_issued
-        state.upstream_task = UpstreamTask(
+        fresh = self.state_of(decision, record.client_capabilities, None, None)
+        followed = UpstreamTask(
             record.upstream_task_id, status_message=record.status_message, expires_at_ms=record.expires_at_ms
         )
-        for key, request in before.input_requests.items():
-            upstream_id = before.upstream_input_ids.get(key)
-            if isinstance(request, dict) and isinstance(upstream_id, int | str):
-                state.inputs[key] = PendingInput(upstream_id, str(request.get("method")), request)
-        state.inputs_written = not state.inputs
+        state = machine.restored(fresh, record, upstream_task=followed, asked=before)
         if await self._restart(record, state, fence, "not followed again", "task followed again"):
             log.info("task_resumed", task_id=record.task_id, tool=record.tool)
 
@@ -251,18 +240,28 @@ class Recovery:
         the record; a credential that no longer opens (another deployment key) fails the task instead. Its work
         goes on in the trace that created the task, below a span named `span`."""
         try:
-            principal = None if record.rerun_principal is None else self.principals.unseal(record.rerun_principal)
+            principal = (
+                None if record.rerun_principal is None else self.context.principals.unseal(record.rerun_principal)
+            )
         except SealError as exc:
             await self.records.fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; {refused}: {exc}", fence)
             return False
         params = dict(record.request)
-        call = LiveCall(state, "tools/call", record.tool, principal, record.principal, params, {}, known(""))
-        call.record = record
-        call.fence = fence
-        self.table.add(call)
-        self.table.add_task(record.task_id, call)
+        call = new_call(
+            state,
+            method="tools/call",
+            name=record.tool,
+            principal=principal,
+            caller=record.principal,
+            digest_of=known(""),
+            params=params,
+            record=record,
+            fence=fence,
+        )
+        self.context.table.add(call)
+        self.context.table.add_task(record.task_id, call)
         with tracing.resumed(span, record.task_id, record.traceparent):
-            await self.feed.dispatch(call, Start())  # the call's work starts in the span's context
+            await self.context.feed.dispatch(call, Start())  # the call's work starts in the span's context
         return True
 
     # --- the sweep ---------------------------------------------------------------------------------------------
@@ -281,26 +280,28 @@ class Recovery:
         is done once across replicas (the store hands each expired task, and the purge, to one of them). A draining
         replica takes no dead replica's tasks over: they would outlive its drain and be left again (failed, or re-run
         twice); a replica that serves on takes them."""
-        now = self.clock()
+        now = self.context.clock()
         error = wire_tasks.internal_error(wire_tasks.EXPIRED_MESSAGE)
-        for record in await self.store.settle_expired(now, error=error, status_message=wire_tasks.EXPIRED_MESSAGE):
+        for record in await self.context.store.settle_expired(
+            now, error=error, status_message=wire_tasks.EXPIRED_MESSAGE
+        ):
             self.records.settled(record, reason=wire_tasks.EXPIRED_MESSAGE)
             log.info("task_expired", task_id=record.task_id, tool=record.tool)
-            call = self.table.task(record.task_id)
+            call = self.context.table.task(record.task_id)
             if call is not None:
-                await self.feed.submit(call, Stop(wire_tasks.EXPIRED_MESSAGE, error))
+                await self.context.feed.submit(call, Stop(wire_tasks.EXPIRED_MESSAGE, error))
         config = self.records.config
-        purged = await self.store.purge_expired(now, tombstones=config.tombstone_seconds > 0)
+        purged = await self.context.store.purge_expired(now, tombstones=config.tombstone_seconds > 0)
         if purged:
             log.info("tasks_purged", count=purged)
         if now - self._tombstones_trimmed_ms >= TOMBSTONE_TRIM_MS:
             self._tombstones_trimmed_ms = now
             cut_off = now - int(config.tombstone_seconds * 1000)
-            trimmed = await self.store.trim_tombstones(cut_off, config.max_tombstones)
+            trimmed = await self.context.store.trim_tombstones(cut_off, config.max_tombstones)
             if trimmed:
                 log.info("tombstones_trimmed", count=trimmed)
-        keys = await self.store.purge_keys(now)  # Idempotency-Key records past idempotency.retention_seconds
+        keys = await self.context.store.purge_keys(now)  # Idempotency-Key records past idempotency.retention_seconds
         if keys:
             log.info("idempotency_keys_purged", count=keys)
         await self.replicas.sweep(take_over=not self.draining())
-        await self.durations.reload_if_due()
+        await self.context.durations.reload_if_due()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import structlog
@@ -20,15 +20,14 @@ from proxy.errors import InvalidParamsError, ProxyError
 from proxy.tasks import remote
 from proxy.tasks.calls import CallStarter
 from proxy.tasks.commands import RemoteAnswers, RemoteCancel, ReplyError, Resumed
+from proxy.tasks.context import TasksContext
 from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.effects.slots import Parking
 from proxy.tasks.live_call import LiveCall
 from proxy.tasks.operations import CANCELLED_BY_CLIENT
-from proxy.tasks.ports import Feed, Spawner
 from proxy.tasks.recovery import Recovery
 from proxy.tasks.replicas import RemoteChannel, ReplicaLink
-from proxy.tasks.store import Fence, StoreError, TaskStore
-from proxy.tasks.table import CallTable
+from proxy.tasks.store import Fence, StoreError
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
 
@@ -38,43 +37,33 @@ _T = TypeVar("_T")
 
 
 class ReplicaInbox:
-    """The link's `ReplicaOwner`. Built before the link (which reports here), connected to it after."""
-
-    link: ReplicaLink
-    recovery: Recovery
-    starter: CallStarter
+    """The link's `ReplicaOwner`: built last, from the link and the services it turns reports into work for,
+    and handed to the link when it starts (`ReplicaLink.start`)."""
 
     def __init__(
         self,
-        spawner: Spawner,
-        table: CallTable,
-        feed: Feed,
+        context: TasksContext,
         parking: Parking,
         records: RecordWrites,
-        store: TaskStore,
-        clock: Callable[[], int],
+        link: ReplicaLink,
+        recovery: Recovery,
+        starter: CallStarter,
     ) -> None:
-        self.spawner = spawner
-        self.table = table
-        self.feed = feed
+        self.context = context
         self.parking = parking
         self.records = records
-        self.store = store
-        self.clock = clock
-        self._served: dict[str, LiveCall] = {}  # MRTR retries forwarded by another replica, by their message key
-
-    def connect(self, link: ReplicaLink, recovery: Recovery, starter: CallStarter) -> None:
         self.link = link
         self.recovery = recovery
         self.starter = starter
+        self._served: dict[str, LiveCall] = {}  # MRTR retries forwarded by another replica, by their message key
 
     def spawn(self, coroutine: Coroutine[Any, Any, _T], name: str) -> asyncio.Task[_T]:
-        return self.spawner.spawn(coroutine, name)
+        return self.context.spawner.spawn(coroutine, name)
 
     # --- the lease, take-overs -----------------------------------------------------------------------------
 
     def lease_changed(self, fence: Fence) -> None:
-        self.spawner.spawn(self.recovery.lease_lapsed(), "lease-lapsed")
+        self.context.spawner.spawn(self.recovery.lease_lapsed(), "lease-lapsed")
 
     async def taken_over(self, records: list[TaskRecord]) -> None:
         await self.recovery.taken_over(records)
@@ -86,42 +75,45 @@ class ReplicaInbox:
         back on the feed, is dropped: its call knows already)."""
         if self.records.own_settlement(task_id):
             return
-        call = self.table.task(task_id)
+        call = self.context.table.task(task_id)
         if call is not None:
             work = tracing.linked(
                 self._stop_settled(call, task_id, status), "task settled elsewhere", task_id, _traceparent(call)
             )
-            self.spawner.spawn(work, f"settled-{call.call_id}")
+            self.context.spawner.spawn(work, f"settled-{call.call_id}")
 
     async def _stop_settled(self, call: LiveCall, task_id: str, status: TaskStatus) -> None:
         reason, error = (CANCELLED_BY_CLIENT if status is TaskStatus.CANCELLED else f"settled {status.value}"), None
         if status is TaskStatus.FAILED:  # an expiry, say: a client still waiting is told why
             with contextlib.suppress(StoreError):
-                record = await self.store.get(task_id)
+                record = await self.context.store.get(task_id)
                 if record is not None:
                     reason, error = record.status_message or reason, record.error
-        await self.feed.dispatch(call, RemoteCancel(reason, error))
+        await self.context.feed.dispatch(call, RemoteCancel(reason, error))
 
     def answers_arrived(self, task_id: str, answers: JSON) -> None:
-        call = self.table.task(task_id)
+        call = self.context.table.task(task_id)
         if call is None:
             log.info("task_answers_dropped", task_id=task_id, keys=sorted(answers))
             return
         work = tracing.linked(
-            self.feed.dispatch(call, RemoteAnswers(answers)), "task answers relayed", task_id, _traceparent(call)
+            self.context.feed.dispatch(call, RemoteAnswers(answers)),
+            "task answers relayed",
+            task_id,
+            _traceparent(call),
         )
-        self.spawner.spawn(work, f"answers-{call.call_id}")
+        self.context.spawner.spawn(work, f"answers-{call.call_id}")
 
     def resync(self) -> None:
         """The feed may have missed changes: every task whose call runs here is read again."""
-        task_ids = list(self.table.tasks())
+        task_ids = list(self.context.table.tasks())
         if task_ids:
-            self.spawner.spawn(self._resync(task_ids), "resync")
+            self.context.spawner.spawn(self._resync(task_ids), "resync")
 
     async def _resync(self, task_ids: list[str]) -> None:
         for task_id in task_ids:
             try:
-                record = await self.store.get(task_id)
+                record = await self.context.store.get(task_id)
             except StoreError:
                 return
             if record is not None and record.status.terminal:
@@ -130,7 +122,7 @@ class ReplicaInbox:
     # --- MRTR rounds across replicas ---------------------------------------------------------------------------
 
     def resume_arrived(self, key: str, payload: JSON) -> None:
-        self.spawner.spawn(self._serve_forwarded(key, payload), f"serve-{key}")
+        self.context.spawner.spawn(self._serve_forwarded(key, payload), f"serve-{key}")
 
     async def _serve_forwarded(self, key: str, payload: JSON) -> None:
         """Another replica forwarded an MRTR retry for a call parked here: resume it as a local retry would, and
@@ -141,16 +133,16 @@ class ReplicaInbox:
         call: LiveCall | None = None
         try:
             state, responses, progress_token, log_level, reply_to = remote.check_resume(payload)
-            claims = self.parking.signer.verify(state, self.clock())
+            claims = self.parking.signer.verify(state, self.context.clock())
             if claims.owner != self.parking.process_id:
                 raise InvalidParamsError("Invalid params: requestState belongs to a call held by another proxy process")
             call, answers = self.parking.take(claims, responses)
-            call.reply = asyncio.get_running_loop().create_future()
-            call.channel = RemoteChannel(self.link, reply_to, key)
+            call.client.reply = asyncio.get_running_loop().create_future()
+            call.client.channel = RemoteChannel(self.link, reply_to, key)
             self._served[key] = call
             log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, forwarded_by=reply_to)
-            await self.feed.submit(call, Resumed(answers, progress_token, log_level))
-            reply = await call.reply
+            await self.context.feed.submit(call, Resumed(answers, progress_token, log_level))
+            reply = await call.client.reply
         except ProxyError as exc:
             reply = ReplyError(exc)
         finally:
@@ -168,11 +160,11 @@ class ReplicaInbox:
         """The client waiting on another replica for a call resumed here went away."""
         call = self._served.pop(key, None)
         if call is not None:
-            if call.reply is not None and not call.reply.done():
-                call.reply.cancel()  # nobody waits for the answer any more
+            if call.client.reply is not None and not call.client.reply.done():
+                call.client.reply.cancel()  # nobody waits for the answer any more
             self.starter.client_left(call)
 
 
 def _traceparent(call: LiveCall) -> str | None:
     """The trace context the task of `call` was created under, as its record keeps it."""
-    return None if call.record is None else call.record.traceparent
+    return None if call.stored.record is None else call.stored.record.traceparent

@@ -86,11 +86,12 @@ class Ask:
 
 
 class ReplicaLink:
-    def __init__(self, store: TaskStore, replica_id: str, lease_seconds: float, owner: ReplicaOwner) -> None:
+    owner: ReplicaOwner  # what the link reports to, from `start` on
+
+    def __init__(self, store: TaskStore, replica_id: str, lease_seconds: float) -> None:
         self.store = store
         self.replica_id = replica_id
         self.lease_seconds = lease_seconds
-        self.owner = owner
         self._fence = Fence(replica_id, 0)
         self._renewed_at = float("-inf")  # monotonic start of the last successful renewal
         self._reclaiming = asyncio.Lock()  # writes refused at once (after an outage) share one renewal
@@ -105,8 +106,10 @@ class ReplicaLink:
         """What this replica's owner writes carry: the current lease's epoch."""
         return self._fence
 
-    async def start(self) -> None:
-        """Take the lease (before any task is written), listen to the feed (before any request is served)."""
+    async def start(self, owner: ReplicaOwner) -> None:
+        """Take the lease (before any task is written), listen to the feed (before any request is served), and
+        report to `owner` from now on."""
+        self.owner = owner
         await self._renew()
         self.owner.spawn(self._lease_forever(), "replica-lease")
         self.owner.spawn(self._feed_forever(), "replica-feed")

@@ -27,6 +27,7 @@ from proxy.tasks import inputs
 from proxy.tasks.audit_trail import AuditTrail
 from proxy.tasks.background import Background
 from proxy.tasks.calls import CallStarter
+from proxy.tasks.context import TasksContext
 from proxy.tasks.durations import Durations
 from proxy.tasks.effects.admission import Admission
 from proxy.tasks.effects.client import ClientSide
@@ -45,6 +46,7 @@ from proxy.tasks.quotas import Quotas
 from proxy.tasks.recovery import Recovery
 from proxy.tasks.replica_inbox import ReplicaInbox
 from proxy.tasks.replicas import ReplicaLink
+from proxy.tasks.span_events import SpanEvents
 from proxy.tasks.store import TaskStore
 from proxy.tasks.table import CallTable
 from proxy.tasks.tool_names import check_policy_tools
@@ -60,10 +62,10 @@ _C = TypeVar("_C", bound=c.Command)
 
 def by_kind(
     job: Callable[[LiveCall, _C], Awaitable[None]], upstream_task: Callable[[LiveCall, _C], Awaitable[None]]
-) -> Effect:
+) -> Effect[_C]:
     """A command about a task the upstream runs: carried out the job family's way for a `jobs:` call."""
 
-    async def carry_out(call: LiveCall, command: Any) -> None:
+    async def carry_out(call: LiveCall, command: _C, /) -> None:
         await (job if call.state.decision.job else upstream_task)(call, command)
 
     return carry_out
@@ -95,29 +97,28 @@ class TaskRunner:
         signer = inputs.RequestStateSigner(inputs.load_secret(config.inputs.secret_file))
         self.slots = RunningSlots(config.tasks.max_running, config.limits.max_running_per_principal)
         self.parking = Parking(config.inputs, config.limits, signer, clock, self.process_id)
-        observers: list[Observer] = [QuestionCounter(metrics)]  # counted when metrics are on; traced
+        observers: list[Observer] = [QuestionCounter(metrics), SpanEvents()]  # counted when metrics are on; traced
         self.audit = None if config.audit.path is None else AuditLog(config.audit.path, self.process_id)
         if self.audit is not None:
             observers.append(AuditTrail(self.audit))
-        self.executor = Executor(self.background, self._forget, observers)
-        feed = self.executor
-        self.outbox = Outbox(
-            config.store.max_pending_settlements, metrics, lambda task_id: self.replicas.reclaim(task_id)
+        self.executor = feed = Executor(self.background, self._forget, observers)
+        # Built in dependency order: each service gets what it needs, built before it, at construction.
+        self.replicas = ReplicaLink(store, self.process_id, config.store.lease_seconds)
+        context = TasksContext(
+            store=store,
+            table=self.table,
+            principals=principals,
+            feed=feed,
+            spawner=self.background,
+            clock=clock,
+            process_id=self.process_id,
+            durations=self.durations,
+            metrics=metrics,
         )
+        self.outbox = Outbox(config.store.max_pending_settlements, metrics, self.replicas.reclaim)
         self._outbox_worker: asyncio.Task[None] | None = None
         self.records = RecordWrites(
-            config.tasks,
-            store,
-            self.table,
-            self.slots,
-            principals,
-            self.durations,
-            clock,
-            self.process_id,
-            lambda: self.replicas.held_fence(),
-            lambda task_id: self.replicas.reclaim(task_id),
-            metrics,
-            self.outbox,
+            context, config.tasks, self.slots, self.outbox, self.replicas.held_fence, self.replicas.reclaim
         )
         self.timers = Timers(feed, self.background)
         self._feed = feed
@@ -127,69 +128,33 @@ class TaskRunner:
         upstream_task = UpstreamTaskEffect(feed, self.background, upstream, clock)
         self.jobs = jobs = JobEffect(feed, self.background, upstream, clock)
         jobs.follow(config.jobs)
-        client = ClientSide(self.durations.paced)
-
-        async def start_call(call: LiveCall, command: c.StartCall) -> None:
-            if not command.upstream_task:
-                await held.start(call, command)
-            else:
-                await (jobs.start if call.state.decision.job else upstream_task.start)(call, command)
-
-        self.executor.install(
-            {
-                c.StartCall: start_call,
-                c.Answer: held.answer,
-                c.Refuse: held.refuse,
-                c.CancelCall: held.cancel,
-                c.FollowUpstreamTask: by_kind(jobs.follow_job, upstream_task.follow),
-                c.PollUpstreamTask: by_kind(jobs.poll, upstream_task.poll),
-                c.CancelUpstreamTask: by_kind(jobs.cancel, upstream_task.cancel),
-                c.ReleaseCall: by_kind(jobs.release, upstream_task.release),
-                c.CreateRecord: self.records.create,
-                c.WriteInputs: self.records.write_inputs,
-                c.WriteProgress: self.records.write_progress,
-                c.Settle: self.records.settle,
-                c.Relay: client.relay,
-                c.Reply: client.reply,
-                c.SetTimer: self.timers.set,
-                c.ClearTimer: self.timers.clear,
-                c.Park: self.parking.park,
-                c.Unpark: self.parking.unpark,
-                c.HoldSlot: self.slots.hold,
-                c.WriteQueue: self.records.write_queue,
-            }
-        )
-        inbox = ReplicaInbox(self.background, self.table, feed, self.parking, self.records, store, clock)
-        self.replicas = ReplicaLink(store, self.process_id, config.store.lease_seconds, inbox)
-        self.calls = CallStarter(
-            config.tasks,
-            config.inputs,
-            principals,
-            self.table,
-            self.parking,
-            feed,
-            self.background,
-            self.replicas,
-            store,
-            self.durations.paced,
-        )
-        self.operations = TaskOperations(
-            store, principals, self.table, self.records, feed, self.replicas, clock, self.durations.paced
-        )
-        self.recovery = Recovery(
-            store,
-            self.replicas,
-            self.table,
-            self.records,
-            feed,
-            principals,
-            self.durations,
-            self.calls.state,
-            clock,
-            self.process_id,
-        )
-        self.recovery.jobs = lambda: jobs.specs
-        inbox.connect(self.replicas, self.recovery, self.calls)
+        client = ClientSide(self.durations.paced, feed, self.background)
+        register = self.executor.register
+        register(c.StartCall, held.start)
+        register(c.StartUpstreamTask, by_kind(jobs.start, upstream_task.start))
+        register(c.Answer, held.answer)
+        register(c.Refuse, held.refuse)
+        register(c.CancelCall, held.cancel)
+        register(c.FollowUpstreamTask, by_kind(jobs.follow_job, upstream_task.follow))
+        register(c.PollUpstreamTask, by_kind(jobs.poll, upstream_task.poll))
+        register(c.CancelUpstreamTask, by_kind(jobs.cancel, upstream_task.cancel))
+        register(c.ReleaseCall, by_kind(jobs.release, upstream_task.release))
+        register(c.CreateRecord, self.records.create)
+        register(c.WriteInputs, self.records.write_inputs)
+        register(c.WriteProgress, self.records.write_progress)
+        register(c.Settle, self.records.settle)
+        register(c.Relay, client.relay)
+        register(c.Reply, client.reply)
+        register(c.SetTimer, self.timers.set)
+        register(c.ClearTimer, self.timers.clear)
+        register(c.Park, self.parking.park)
+        register(c.Unpark, self.parking.unpark)
+        register(c.HoldSlot, self.slots.hold)
+        register(c.WriteQueue, self.records.write_queue)
+        self.calls = CallStarter(context, config.tasks, config.inputs, self.parking, self.replicas)
+        self.operations = TaskOperations(context, self.records, self.replicas)
+        self.recovery = Recovery(context, self.replicas, self.records, self.calls.state, lambda: jobs.specs)
+        self.inbox = ReplicaInbox(context, self.parking, self.records, self.replicas, self.recovery, self.calls)
 
     def _forget(self, call: LiveCall) -> None:
         """A finished call: nothing of it is kept."""
@@ -206,7 +171,7 @@ class TaskRunner:
     async def start(self) -> None:
         """The lease and the change feed first (every owner write carries the lease's fence), the shared pacing
         estimates, restart recovery (before the first request is served), then the periodic sweep."""
-        await self.replicas.start()
+        await self.replicas.start(self.inbox)
         if self.store.shared and self.secret_file is None:
             log.warning(
                 "request_state_key_not_shared",

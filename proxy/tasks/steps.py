@@ -25,6 +25,7 @@ from proxy.tasks.commands import (
     SetTimer,
     Settle,
     StartCall,
+    StartUpstreamTask,
     Timer,
     WriteInputs,
 )
@@ -65,7 +66,7 @@ def start_call(state: CallState) -> list[Command]:
     state.running = True
     policy = state.decision.policy
     if state.decision.upstream_task and policy is not None:
-        return [StartCall(upstream_task=True, ttl_ms=policy.ttl_ms)]
+        return [StartUpstreamTask(ttl_ms=policy.ttl_ms)]
     return [StartCall()]
 
 

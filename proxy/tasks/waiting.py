@@ -69,9 +69,9 @@ class WaitingRequests:
         return await self._answer(call, request, channel, server_info)
 
     async def _answer(self, call: LiveCall, request: ModernRequest, channel: Channel, server_info: JSON | None) -> JSON:
-        assert call.reply is not None
+        assert call.client.reply is not None
         try:
-            reply = await self._wait(call.reply, channel if call.state.decision.holds_client else None)
+            reply = await self._wait(call.client.reply, channel if call.state.decision.holds_client else None)
         except BaseException:
             self.calls.client_left(call)  # the request went away while waiting: the call is told
             raise

@@ -1,9 +1,9 @@
 """The held upstream request of a call (`StartCall`, `Answer`, `Refuse`, `CancelCall`): sent on a session
 leased for the call (of its own when its client could answer a question), its events fed to the call by the
 pump, its questions answered or refused, and `notifications/cancelled` when it is abandoned; with a cap, the
-request waits for its slot first (`admission.py`). Also counts the questions relayed and refused (questions and
-answers are span events too). Imports the pump, the slots (a parked call's session may be reclaimed), the
-admission queue, tracing, the upstream pool and event types; not the store.
+request waits for its slot first (`admission.py`). Also counts the questions relayed and refused (their span
+events come from the executor's observer, `span_events.py`). Imports the pump, the slots (a parked call's
+session may be reclaimed), the admission queue, the upstream pool and event types; not the store.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from contextlib import AbstractAsyncContextManager
 
 import structlog
 
-from proxy import tracing
 from proxy.errors import ProxyError
 from proxy.observability import Metrics
 from proxy.tasks import inputs
@@ -48,14 +47,14 @@ class HeldRequest:
 
         async def send(session: Session) -> None:
             async with session.call(call.method, call.params, call.headers) as upstream:
-                call.upstream = upstream
+                call.upstream.stream = upstream
                 await pump.stream(self.feed, call, upstream, until=lambda: not call.state.running)
 
         session = self._session(call)
         if self.admission is not None:  # the request waits for a slot (and holds it until it ends)
             session = self.admission.slot(call, session)
         running = pump.run(self.feed, call, session, send)
-        call.pump = self.spawner.spawn(running, f"upstream-{call.call_id}")
+        call.upstream.pump = self.spawner.spawn(running, f"upstream-{call.call_id}")
 
     def _session(self, call: LiveCall) -> AbstractAsyncContextManager[Session]:
         """A call whose client could answer a question (it declared elicitation, sampling or roots) gets an
@@ -97,33 +96,32 @@ class HeldRequest:
     async def _respond(
         self, call: LiveCall, upstream_id: int | str, *, result: JSON | None, error: JSON | None = None
     ) -> None:
-        if call.session is None:
+        if call.upstream.session is None:
             return
         try:
-            await call.session.respond(upstream_id, result=result, error=error)
-            tracing.event("input_answered", {"refused": error is not None})
+            await call.upstream.session.respond(upstream_id, result=result, error=error)
         except ProxyError as exc:  # the call is lost; its stream ends it with that error
             log.warning("upstream_answer_not_delivered", task_id=call.state.task_id, error=exc.message)
 
     async def cancel(self, call: LiveCall, command: CancelCall) -> None:
         """The upstream is told (`notifications/cancelled`: for a legacy server a disconnect is not a cancel),
         then the pump stops. A call whose request is still on its way is cancelled by the session itself."""
-        if call.upstream is not None:
+        if call.upstream.stream is not None:
             try:
-                await call.upstream.cancel(command.reason)
+                await call.upstream.stream.cancel(command.reason)
             except ProxyError as exc:
                 log.warning("upstream_cancel_failed", task_id=call.state.task_id, error=exc.message)
         stop_pump(call)
 
 
 def stop_pump(call: LiveCall) -> None:
-    if call.pump is not None and call.pump is not asyncio.current_task():
-        call.pump.cancel()
+    if call.upstream.pump is not None and call.upstream.pump is not asyncio.current_task():
+        call.upstream.pump.cancel()
 
 
 class QuestionCounter:
-    """Counts each question the upstream asks for the client: relayed, or refused at once; and marks it on the
-    current span (its method and whether it was refused, never its content)."""
+    """Counts each question the upstream asks for the client: relayed, or refused at once (its span event is
+    `span_events.py`'s)."""
 
     def __init__(self, metrics: Metrics | None) -> None:
         self.metrics = metrics
@@ -133,7 +131,6 @@ class QuestionCounter:
             return
         question = event.question
         refused = any(isinstance(command, Refuse) and command.upstream_id == question.id for command in commands)
-        tracing.event("input_requested", {"mcp.method.name": question.method, "refused": refused})
         if self.metrics is None or question.method not in translate.INPUT_METHODS:
             return
         self.metrics.input_requests.labels(question.method, "refused" if refused else "relayed").inc()

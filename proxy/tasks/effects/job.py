@@ -1,7 +1,7 @@
 """Carries out what a call's machine says about a legacy job (`jobs:` config), a task the upstream runs that
 the proxy follows through the job family's own tools instead of 2025-11-25 `tasks/*`.
 
-- `StartCall(upstream_task=True)` of a job call: the start tool, as a plain `tools/call`; its job id becomes
+- `StartUpstreamTask` of a job call: the start tool, as a plain `tools/call`; its job id becomes
   `UpstreamTaskCreated` (a result without one, or an error, is the call's outcome).
 - `PollUpstreamTask`: one call of the status tool, read into `UpstreamTaskPolled` (a failed or unreadable poll
   doubles the interval, up to 30 s, never below the configured one); a state that maps to an end is followed by
@@ -54,7 +54,7 @@ class JobEffect:
 
     # --- the commands ------------------------------------------------------------------------------------
 
-    async def start(self, call: LiveCall, command: c.StartCall) -> None:
+    async def start(self, call: LiveCall, command: c.StartUpstreamTask) -> None:
         spec = self.specs.get(call.name)
 
         async def send(session: Session) -> None:
@@ -62,7 +62,7 @@ class JobEffect:
                 await self.feed.dispatch(call, c.Ended(UpstreamErrorResponse(wire_tasks.internal_error(SPEC_GONE))))
                 return
             async with session.call(call.method, call.params, call.headers) as upstream:
-                call.upstream = upstream
+                call.upstream.stream = upstream
                 async for event in upstream.events():
                     if isinstance(event, UpstreamResult):
                         await self._started(call, spec, event)
@@ -70,10 +70,10 @@ class JobEffect:
                     await self.feed.dispatch(call, pump.call_event(event))
                     if not call.state.running:
                         break
-            call.upstream = None
+            call.upstream.stream = None
 
         session = self.pool.lease(call.principal, pump.sink(self.feed, call), asks=False)
-        call.pump = self.spawner.spawn(pump.run(self.feed, call, session, send), f"job-start-{call.call_id}")
+        call.upstream.pump = self.spawner.spawn(pump.run(self.feed, call, session, send), f"job-start-{call.call_id}")
 
     async def _started(self, call: LiveCall, spec: JobSpec, answer: UpstreamResult) -> None:
         """The start tool's answer: the job's id starts the task; an `isError` result is the outcome as it is;

@@ -73,7 +73,7 @@ async def _run(
 ) -> None:
     try:
         async with session as held:
-            call.session = held
+            call.upstream.session = held
             await body(held)
     except ProxyError as exc:  # UpstreamError and friends: a lost upstream
         await feed.dispatch(call, Ended(exc))

@@ -19,8 +19,6 @@ import structlog
 from proxy import tracing
 from proxy.config import TasksConfig
 from proxy.errors import ProxyError, TaskLimitError, TaskStoreUnavailableError
-from proxy.observability import Metrics
-from proxy.principals import Principals
 from proxy.tasks.commands import (
     CommitRefused,
     Committed,
@@ -31,12 +29,11 @@ from proxy.tasks.commands import (
     WriteProgress,
     WriteQueue,
 )
-from proxy.tasks.durations import Durations
+from proxy.tasks.context import TasksContext
 from proxy.tasks.effects.outbox import Kind, Outbox, Written
 from proxy.tasks.effects.slots import RunningSlots
 from proxy.tasks.live_call import LiveCall
-from proxy.tasks.store import Fence, FencedError, StoreError, StoreFullError, StoreUnavailableError, TaskStore
-from proxy.tasks.table import CallTable
+from proxy.tasks.store import Fence, FencedError, StoreError, StoreFullError, StoreUnavailableError
 from proxy.wire import legacy_tasks
 from proxy.wire import tasks as wire_tasks
 from proxy.wire.jsonrpc import JSON
@@ -57,31 +54,19 @@ OWN_SETTLEMENTS_KEPT: Final = 4096  # settlements remembered until the feed brin
 class RecordWrites:
     def __init__(
         self,
+        context: TasksContext,
         config: TasksConfig,
-        store: TaskStore,
-        table: CallTable,
         slots: RunningSlots,
-        principals: Principals,
-        durations: Durations,
-        clock: Callable[[], int],
-        process_id: str,
+        outbox: Outbox,
         fence: Callable[[], Awaitable[Fence]],
         reclaim: Callable[[str], Awaitable[Fence | None]],
-        metrics: Metrics | None,
-        outbox: Outbox,
     ) -> None:
+        self.context = context
         self.config = config
         self.outbox = outbox
-        self.store = store
-        self.table = table
         self.slots = slots
-        self.principals = principals
-        self.durations = durations
-        self.clock = clock
-        self.process_id = process_id
         self.fence = fence  # the lease's fence for a new task, renewed first when it may have lapsed
         self.reclaim = reclaim  # a refused write: is the task still ours under a renewed lease? (`ReplicaLink`)
-        self.metrics = metrics
         self._own: OrderedDict[str, None] = OrderedDict()  # task ids whose settlement this replica is writing
 
     # --- the commands ------------------------------------------------------------------------------------
@@ -97,9 +82,9 @@ class RecordWrites:
         decision = call.state.decision
         policy = decision.policy
         assert policy is not None
-        now = self.clock()
+        now = self.context.clock()
         try:  # taken before the commit: a lease lost meanwhile stops the call
-            call.fence = await self.fence()
+            call.stored.fence = await self.fence()
         except StoreUnavailableError as exc:
             return CommitRefused(TaskStoreUnavailableError(exc.kind, exc.reason, detail=str(exc)))
         record = TaskRecord(
@@ -111,7 +96,7 @@ class RecordWrites:
             updated_at_ms=now,
             ttl_ms=legacy_tasks.bounded_ttl_ms(policy.ttl_ms, command.upstream_expires_at_ms, now),
             poll_interval_ms=policy.poll_interval_ms,
-            owner=self.process_id,
+            owner=self.context.process_id,
             on_restart=policy.on_restart,
             request=call.params,
             status_message=command.status_message,
@@ -119,35 +104,37 @@ class RecordWrites:
             inputs_issued=command.issued,
             # A re-run, and following an upstream task after a restart, present the principal again: it is kept
             # sealed with the deployment key until the task settles.
-            rerun_principal=self.principals.seal(call.principal)
+            rerun_principal=self.context.principals.seal(call.principal)
             if call.principal and (policy.on_restart == "rerun" or command.upstream_task_id or command.job_id)
             else None,
             client_capabilities=call.state.capabilities,
             upstream_task_id=command.upstream_task_id,
-            upstream_session_id=call.session.session_id if command.upstream_task_id and call.session else None,
+            upstream_session_id=call.upstream.session.session_id
+            if command.upstream_task_id and call.upstream.session
+            else None,
             upstream_input_ids=command.upstream_input_ids or {},
             traceparent=tracing.creating_context(),  # later spans about the task link to it, on any replica
             job_id=command.job_id,
         )
         started = time.perf_counter()
-        self.table.add_task(record.task_id, call)  # before the commit: a committed task is never an orphan
+        self.context.table.add_task(record.task_id, call)  # before the commit: a committed task is never an orphan
         try:
-            await self.store.create(record)
+            await self.context.store.create(record)
         except StoreError as exc:
-            self.table.drop_task(record.task_id)
+            self.context.table.drop_task(record.task_id)
             if isinstance(exc, StoreUnavailableError):
                 return CommitRefused(TaskStoreUnavailableError(exc.kind, exc.reason, detail=str(exc)))
             if isinstance(exc, StoreFullError):
                 return CommitRefused(TaskLimitError("max_records", self.config.max_records))
             return CommitRefused(ProxyError("Internal error: the task could not be stored", detail=str(exc)))
-        call.record = record
+        call.stored.record = record
         log.info("task_created", task_id=record.task_id, tool=call.name, ttl_ms=record.ttl_ms)
         tracing.task_created(record.task_id)
         if command.input_requests:
             _log_input_required(record.task_id, call.name, command.input_requests)
-        if self.metrics is not None:
+        if self.context.metrics is not None:
             path = "task" if decision.task_first else "window"
-            self.metrics.task_created(call.name, path, time.perf_counter() - started)
+            self.context.metrics.task_created(call.name, path, time.perf_counter() - started)
         return Committed(record.task_id)
 
     async def write_inputs(self, call: LiveCall, command: WriteInputs) -> LeaseLost | None:
@@ -155,11 +142,11 @@ class RecordWrites:
         updated = await self._fenced(
             call,
             "task_inputs_not_stored",
-            lambda fence: self.store.set_inputs(
+            lambda fence: self.context.store.set_inputs(
                 task_id,
                 command.input_requests,
                 command.issued,
-                now_ms=self.clock(),
+                now_ms=self.context.clock(),
                 fence=fence,
                 upstream_input_ids=command.upstream_input_ids,
             ),
@@ -174,8 +161,8 @@ class RecordWrites:
         written = await self._fenced(  # a lost progress line is not worth failing the task for: a warning
             call,
             "task_progress_not_stored",
-            lambda fence: self.store.set_status_message(
-                task_id, command.status_message, now_ms=self.clock(), fence=fence
+            lambda fence: self.context.store.set_status_message(
+                task_id, command.status_message, now_ms=self.context.clock(), fence=fence
             ),
             command,
             warn=True,
@@ -186,15 +173,15 @@ class RecordWrites:
         """Queued since now, or no longer; a store failure leaves it as it was (a warning): at worst a task that
         started is re-run after a restart although its `on_restart` says fail, or one queued is failed."""
         task_id = self._task_id(call)
-        now_ms = self.clock()
+        now_ms = self.context.clock()
         queued_at_ms = now_ms if command.queued else None
         policy = call.state.decision.policy
         keep = command.queued or (policy is not None and policy.on_restart == "rerun")
-        sealed = self.principals.seal(call.principal) if keep and call.principal else None
+        sealed = self.context.principals.seal(call.principal) if keep and call.principal else None
         written = await self._fenced(
             call,
             "task_queue_not_stored",
-            lambda fence: self.store.set_queued(
+            lambda fence: self.context.store.set_queued(
                 task_id, queued_at_ms, command.status_message, rerun_principal=sealed, now_ms=now_ms, fence=fence
             ),
             command,
@@ -211,10 +198,10 @@ class RecordWrites:
         settled = await self._fenced(
             call,
             "task_not_settled",
-            lambda fence: self.store.settle(
+            lambda fence: self.context.store.settle(
                 task_id,
                 command.status,
-                now_ms=self.clock(),
+                now_ms=self.context.clock(),
                 result=command.result,
                 error=command.error,
                 status_message=command.status_message,
@@ -249,7 +236,7 @@ class RecordWrites:
         if self.outbox.holds(task_id):  # earlier writes of this task wait: this one goes after them
             self._keep(call, write, command, "earlier writes wait")
             return None
-        refused = call.fence
+        refused = call.stored.fence
         try:
             try:
                 return await write(refused)
@@ -258,7 +245,7 @@ class RecordWrites:
                 if fence is None or fence == refused:
                     return LeaseLost()
                 log.info("task_lease_resumed", task_id=call.state.task_id, epoch=fence.epoch)
-                call.fence = fence
+                call.stored.fence = fence
                 return await write(fence)
         except FencedError:
             return LeaseLost()
@@ -294,7 +281,7 @@ class RecordWrites:
                 if record is not None:
                     _log_input_required(task_id, call.name, requests)
 
-        self.outbox.keep(task_id, _KINDS[type(command)], lambda: call.fence, write, written, reason)
+        self.outbox.keep(task_id, _KINDS[type(command)], lambda: call.stored.fence, write, written, reason)
 
     def _task_id(self, call: LiveCall) -> str:
         task_id = call.state.task_id
@@ -315,8 +302,8 @@ class RecordWrites:
         """Settle a task from outside of its call (a client's cancel, a failure); the call, if any, is the
         caller's to stop."""
         self._expect_own(task_id)
-        settled = await self.store.settle(
-            task_id, status, now_ms=self.clock(), error=error, status_message=message, fence=fence
+        settled = await self.context.store.settle(
+            task_id, status, now_ms=self.context.clock(), error=error, status_message=message, fence=fence
         )
         if settled is None:
             self._own.pop(task_id, None)
@@ -329,14 +316,14 @@ class RecordWrites:
             return
         log.info("task_settled", task_id=record.task_id, tool=record.tool, status=record.status.value, **context)
         if record.status is TaskStatus.COMPLETED:
-            self.durations.completed(record)
-        if self.metrics is not None:
+            self.context.durations.completed(record)
+        if self.context.metrics is not None:
             lifetime_seconds = max(0, record.updated_at_ms - record.created_at_ms) / 1000
-            self.metrics.task_settled(record.tool, record.status.value, lifetime_seconds)
+            self.context.metrics.task_settled(record.tool, record.status.value, lifetime_seconds)
 
     def _expect_own(self, task_id: str) -> None:
         """Noted before the write: the feed may bring the change back before the write returns."""
-        if self.table.task(task_id) is None:
+        if self.context.table.task(task_id) is None:
             return  # no call runs here for it: the feed tells this replica nothing about it
         self._own[task_id] = None
         while len(self._own) > OWN_SETTLEMENTS_KEPT:

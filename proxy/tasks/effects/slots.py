@@ -2,7 +2,7 @@
 whose call runs and asks nothing holds one: `HoldSlot`; a new working task is refused beyond the limit or the
 caller's share) and parked MRTR calls (`Park` → `Parked` with the round's signed requestState, or `ParkRefused`
 beyond `inputs.max_parked` or the caller's share; `Unpark`; an MRTR retry takes its parked call). Imports the
-input rules (signing), the machine's answer check, errors and tracing; no store, no upstream.
+input rules (signing), the machine's answer check, errors; no store, no upstream.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from typing import Any
 
 import structlog
 
-from proxy import tracing
 from proxy.config import InputsConfig, LimitsConfig
 from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskLimitError
 from proxy.tasks import inputs, machine
@@ -107,7 +106,6 @@ class Parking:
             round=command.round,
             keys=sorted(call.state.inputs),
         )
-        tracing.event("mrtr_input_required", {"round": command.round, "questions": len(call.state.inputs)})
         return Parked()
 
     async def unpark(self, call: LiveCall, command: Unpark) -> None:

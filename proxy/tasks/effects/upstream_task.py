@@ -1,6 +1,6 @@
 """Carries out what a call's machine says about a task the upstream runs itself (2025-11-25 Tasks).
 
-- `StartCall(upstream_task=True)`: a `tools/call` with `params.task` on a session of the call's own, whose
+- `StartUpstreamTask`: a `tools/call` with `params.task` on a session of the call's own, whose
   `CreateTaskResult` becomes `UpstreamTaskCreated`; then one `tasks/result` at a time (the mcp 1.x SDK wakes
   only one waiter per task), whose questions and outcome go to the machine, opened again when it drops or
   times out. A task resumed after a restart adopts its stored upstream session (no `initialize`) and goes
@@ -28,7 +28,7 @@ from proxy.tasks.commands import (
     FollowUpstreamTask,
     PollUpstreamTask,
     ReleaseCall,
-    StartCall,
+    StartUpstreamTask,
     UpstreamTaskCreated,
     UpstreamTaskPolled,
 )
@@ -55,11 +55,13 @@ class UpstreamTaskEffect:
 
     # --- the commands ------------------------------------------------------------------------------------
 
-    async def start(self, call: LiveCall, command: StartCall) -> None:
+    async def start(self, call: LiveCall, command: StartUpstreamTask) -> None:
         self._start_pump(call, command.ttl_ms)
 
     async def follow(self, call: LiveCall, command: FollowUpstreamTask) -> None:
-        if call.pump is None or call.pump.done():  # after a restart; otherwise the pump goes on by itself
+        if (
+            call.upstream.pump is None or call.upstream.pump.done()
+        ):  # after a restart; otherwise the pump goes on by itself
             self._start_pump(call, None)
 
     async def poll(self, call: LiveCall, command: PollUpstreamTask) -> None:
@@ -70,8 +72,8 @@ class UpstreamTaskEffect:
         stop_pump(call)
 
     async def release(self, call: LiveCall, command: ReleaseCall) -> None:
-        if command.keep_session and call.session is not None:
-            self.pool.keep(call.session)
+        if command.keep_session and call.upstream.session is not None:
+            self.pool.keep(call.upstream.session)
         stop_pump(call)
 
     # --- the pump ------------------------------------------------------------------------------------------
@@ -85,15 +87,15 @@ class UpstreamTaskEffect:
             await self._follow(call, session)
 
         running = pump.run(self.feed, call, self._session(call), drive)
-        call.pump = self.spawner.spawn(running, f"upstream-task-{call.call_id}")
+        call.upstream.pump = self.spawner.spawn(running, f"upstream-task-{call.call_id}")
 
     def _session(self, call: LiveCall) -> AbstractAsyncContextManager[Session]:
         """A session of the call's own, whatever its client declared: the upstream scopes its task to the
         session, and tells the task's status on that session's GET stream. After a restart, the one stored with
         the task, taken over."""
         on_stream = pump.sink(self.feed, call)
-        if call.state.upstream_task is not None and call.record is not None:
-            return self.pool.adopt(call.principal, call.record.upstream_session_id, on_stream)
+        if call.state.upstream_task is not None and call.stored.record is not None:
+            return self.pool.adopt(call.principal, call.stored.record.upstream_session_id, on_stream)
         return self.pool.lease(call.principal, on_stream, asks=True)
 
     async def _create(self, call: LiveCall, session: Session, ttl_ms: int | None) -> bool:
@@ -101,7 +103,7 @@ class UpstreamTaskEffect:
         upstream answered it like a plain call (that was its outcome) or the call was abandoned."""
         params = legacy_tasks.with_task(call.params, ttl_ms)
         async with session.call(call.method, params, call.headers) as upstream:
-            call.upstream = upstream
+            call.upstream.stream = upstream
             async for event in upstream.events():
                 task = legacy_tasks.created_task(event.result) if isinstance(event, UpstreamResult) else None
                 if task is not None:
@@ -110,7 +112,7 @@ class UpstreamTaskEffect:
                 await self.feed.dispatch(call, pump.call_event(event))
                 if not call.state.running:
                     return False
-        call.upstream = None  # answered: nothing to cancel with notifications/cancelled any more
+        call.upstream.stream = None  # answered: nothing to cancel with notifications/cancelled any more
         return call.state.running and call.state.upstream_task is not None
 
     async def _created(self, call: LiveCall, session: Session, task: legacy_tasks.LegacyTask) -> None:
@@ -154,7 +156,7 @@ class UpstreamTaskEffect:
 
     async def _poll(self, call: LiveCall) -> None:
         upstream_task = call.state.upstream_task
-        session = call.session
+        session = call.upstream.session
         if upstream_task is None:
             return
         polled = UpstreamTaskPolled(None)
@@ -175,10 +177,10 @@ class UpstreamTaskEffect:
 
     async def _cancel(self, call: LiveCall) -> None:
         upstream_task = call.state.upstream_task
-        if call.session is None or upstream_task is None:
+        if call.upstream.session is None or upstream_task is None:
             return
         try:
-            answer = await self._request(call.session, call, "tasks/cancel", upstream_task.task_id)
+            answer = await self._request(call.upstream.session, call, "tasks/cancel", upstream_task.task_id)
         except UpstreamError as exc:
             log.warning("upstream_task_cancel_failed", task_id=call.state.task_id, error=exc.message)
             return
