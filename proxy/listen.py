@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Final
 
 import structlog
 from mcp_types import SERVER_INFO_META_KEY
 
 from proxy import tracing
-from proxy.config import Config
+from proxy.config import LimitsConfig
 from proxy.errors import CallerLimitError, InvalidParamsError, MissingCapabilityError, TaskLimitError, UpstreamError
 from proxy.tasks.push import ListenInbox, TaskWatchers
 from proxy.tasks.runner import TaskRunner
@@ -41,12 +42,18 @@ PROGRESS_COALESCE_SECONDS: Final = 0.2  # a task whose status stays the same is 
 
 
 class ListenStreams:
-    def __init__(self, config: Config, upstream: SessionPool, runner: TaskRunner, watchers: TaskWatchers) -> None:
-        self.limits = config.limits
+    def __init__(
+        self, limits: Callable[[], LimitsConfig], upstream: SessionPool, runner: TaskRunner, watchers: TaskWatchers
+    ) -> None:
+        self._limits = limits  # the limits in force, read at each stream (a live reload swaps what it returns)
         self.upstream = upstream
         self.runner = runner
         self.watchers = watchers
         self._open: Counter[str] = Counter()  # open streams per caller (the owner of its tasks)
+
+    @property
+    def limits(self) -> LimitsConfig:
+        return self._limits()
 
     @property
     def open_streams(self) -> int:

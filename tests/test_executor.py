@@ -127,11 +127,12 @@ class Parts:
         self.background = Background()
         self.table = CallTable()
         self.durations = Durations(store, wall_clock_ms, self.background)
-        self.slots = RunningSlots(max_running, per_caller)
+        self.slots = RunningSlots(lambda: max_running, lambda: per_caller)
         self.link: ReplicaLink | None = None
         self.outbox = Outbox(8, None)
+        tasks = config(tmp_path).tasks
         self.records = RecordWrites(
-            config(tmp_path).tasks,
+            lambda: tasks,
             store,
             self.table,
             self.slots,
@@ -236,7 +237,7 @@ async def test_a_full_store_refuses_the_commit_and_forgets_the_task_id(store: Sq
 def parking(tmp_path: Path, max_parked: int, per_caller: int) -> Parking:
     settings = config(tmp_path, inputs={"max_parked": max_parked}, limits={"max_parked_per_principal": per_caller})
     signer = inputs.RequestStateSigner(inputs.load_secret(None))
-    return Parking(settings.inputs, settings.limits, signer, wall_clock_ms, "replica-1")
+    return Parking(lambda: settings.inputs, lambda: settings.limits, signer, wall_clock_ms, "replica-1")
 
 
 async def test_a_parked_call_gets_a_request_state_that_takes_it_back_exactly_once(tmp_path: Path) -> None:
@@ -333,7 +334,7 @@ async def test_a_replica_ignores_its_own_settlement_on_the_feed_but_not_another_
     feed = RecordingFeed()
     signer = inputs.RequestStateSigner(inputs.load_secret(None))
     limits = config(tmp_path)
-    parked = Parking(limits.inputs, limits.limits, signer, wall_clock_ms, "replica-1")
+    parked = Parking(lambda: limits.inputs, lambda: limits.limits, signer, wall_clock_ms, "replica-1")
     inbox = ReplicaInbox(parts.background, parts.table, feed, parked, parts.records, store, wall_clock_ms)
     parts.link = ReplicaLink(store, "replica-1", 30, inbox)
     await parts.link.start()
@@ -401,7 +402,8 @@ class FakePool:
 @asynccontextmanager
 async def runner_on(tmp_path: Path, store: SqliteTaskStore, session: CrashingSession) -> AsyncIterator[TaskRunner]:
     pool = cast(SessionPool, FakePool(session))
-    runner = TaskRunner(config(tmp_path), store, pool, Principals(KEY))
+    settings = config(tmp_path)
+    runner = TaskRunner(lambda: settings, store, pool, Principals(KEY))
     await runner.start()
     try:
         yield runner

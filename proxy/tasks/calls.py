@@ -44,8 +44,8 @@ HOLDER_GONE: Final = (
 class CallStarter:
     def __init__(
         self,
-        config: TasksConfig,
-        inputs_config: InputsConfig,
+        config: Callable[[], TasksConfig],
+        inputs_config: Callable[[], InputsConfig],
         principals: Principals,
         table: CallTable,
         parking: Parking,
@@ -55,8 +55,8 @@ class CallStarter:
         store: TaskStore,
         paced: Callable[[TaskRecord], TaskRecord],
     ) -> None:
-        self.config = config
-        self.inputs = inputs_config
+        self._config = config  # read at each call: a live reload swaps what these return
+        self._inputs = inputs_config
         self.principals = principals
         self.table = table
         self.parking = parking
@@ -67,14 +67,22 @@ class CallStarter:
         self.paced = paced
         self._progress_tokens = 0
 
+    @property
+    def config(self) -> TasksConfig:
+        return self._config()
+
+    @property
+    def inputs_config(self) -> InputsConfig:
+        return self._inputs()
+
     def state(
         self, decision: Decision, capabilities: JSON, progress_token: str | int | None, log_level: str | None
     ) -> CallState:
         return CallState(
             decision=decision,
             capabilities=capabilities,
-            gather_ms=self.inputs.gather_ms,
-            park_ttl_ms=self.inputs.request_state_ttl_ms,
+            gather_ms=self.inputs_config.gather_ms,
+            park_ttl_ms=self.inputs_config.request_state_ttl_ms,
             progress_token=progress_token,
             log_level=log_level,
         )

@@ -57,7 +57,7 @@ OWN_SETTLEMENTS_KEPT: Final = 4096  # settlements remembered until the feed brin
 class RecordWrites:
     def __init__(
         self,
-        config: TasksConfig,
+        config: Callable[[], TasksConfig],
         store: TaskStore,
         table: CallTable,
         slots: RunningSlots,
@@ -70,7 +70,7 @@ class RecordWrites:
         metrics: Metrics | None,
         outbox: Outbox,
     ) -> None:
-        self.config = config
+        self._config = config  # read at each write: a live reload swaps what it returns
         self.outbox = outbox
         self.store = store
         self.table = table
@@ -83,6 +83,10 @@ class RecordWrites:
         self.reclaim = reclaim  # a refused write: is the task still ours under a renewed lease? (`ReplicaLink`)
         self.metrics = metrics
         self._own: OrderedDict[str, None] = OrderedDict()  # task ids whose settlement this replica is writing
+
+    @property
+    def config(self) -> TasksConfig:
+        return self._config()
 
     # --- the commands ------------------------------------------------------------------------------------
 
