@@ -60,6 +60,7 @@ from proxy.errors import (
 from proxy.front import Front
 from proxy.jwt_identity import JwtIdentity
 from proxy.legacy import LegacyFront
+from proxy.legacy.serving import legacy_front
 from proxy.live_config import LiveConfig
 from proxy.observability import Metrics, logs_at
 from proxy.policy import named_tools
@@ -403,7 +404,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     drain.open_calls = lambda: runner.open_calls
     runner.follow_drain(lambda: drain.draining)
     live.subscribe(lambda new: runner.config_swapped())  # the queue admits by the caps now in force
-    legacy = app[PASSTHROUGH] = upstream.legacy_front()  # relayed, or served by the proxy (the kind decides)
+    legacy = app[PASSTHROUGH] = legacy_front(upstream)  # relayed, or served by the proxy (the kind decides)
     app[RELAY] = OriginRelay.of(config.relay, legacy)  # other paths: to the upstream's origin, when it has one
     admin = Admin(config.admin, store, runner.clock) if config.admin.port is not None else None
     try:

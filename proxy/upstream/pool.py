@@ -36,7 +36,6 @@ from contextlib import asynccontextmanager
 import structlog
 
 from proxy.errors import ProxyError, UpstreamLimitError
-from proxy.legacy import LegacyFront
 from proxy.upstream.events import UpstreamNotification
 from proxy.upstream.facts import ToolFactsReader
 from proxy.upstream.lending import Sink
@@ -400,11 +399,6 @@ class SessionPool:
     async def probe(self, max_age_seconds: float) -> None:
         """Readiness: UpstreamError saying what failed (see the kind's `probe`)."""
         await self.kind.probe(max_age_seconds, lambda: self.use(None))
-
-    def legacy_front(self) -> LegacyFront:
-        """What serves legacy clients in front of this upstream (the kind decides); its sessions count against
-        this pool's bound where they cost as much as its own."""
-        return self.kind.legacy_front(self)
 
     def end_subscriptions(self) -> None:
         """Shutdown: every listen stream ends with its graceful result."""

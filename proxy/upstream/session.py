@@ -4,8 +4,8 @@ alike through it.
 An upstream session is the proxy's own legacy client connection to the server: a Streamable HTTP session
 (`http/session.py`) or one stdio server process (`stdio/session.py`). The runner, the front and the pool see
 only the `Session` protocol below, and the requests it opens as `RequestStream`s. A `SessionKind` makes the
-sessions of one kind, says how the pool must bound them (`PoolLimits`) and which server legacy clients get
-(`legacy_front`). `request`, `read_tools`, `read_param_headers` and `read_task_support` are what both kinds do
+sessions of one kind and says how the pool must bound them (`PoolLimits`); which server legacy clients get is
+chosen above this package (`legacy/serving.py`). `request`, `read_tools`, `read_param_headers` and `read_task_support` are what both kinds do
 alike on top of their own `call()`. Imports the event types, the link, the lending, the auth decision and the wire; no
 aiohttp, no session kind, not the pool.
 """
@@ -21,7 +21,6 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Final, Protocol
 
 from proxy.errors import RequestId, UpstreamError
-from proxy.legacy import LegacyFront
 from proxy.upstream.auth import UpstreamAuth
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult
 from proxy.upstream.lending import Lending, ListenStreams
@@ -152,10 +151,6 @@ class SessionKind(Protocol):
     async def probe(self, max_age_seconds: float, shared: Callable[[], AbstractAsyncContextManager[Session]]) -> None:
         """Readiness: raise UpstreamError saying what is wrong. `shared` lends the anonymous shared session,
         for kinds whose sessions are too costly to start one just for a probe."""
-
-    def legacy_front(self, room: Room) -> LegacyFront:
-        """What serves legacy clients in front of this kind of upstream; `room` counts its sessions against
-        the pool's bound where they cost as much as the pool's own."""
 
     def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]: ...
 
