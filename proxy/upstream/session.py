@@ -5,9 +5,9 @@ An upstream session is the proxy's own legacy client connection to the server: a
 (`http/session.py`) or one stdio server process (`stdio/session.py`). The runner, the front and the pool see
 only the `Session` protocol below, and the requests it opens as `RequestStream`s. A `SessionKind` makes the
 sessions of one kind and says how the pool must bound them (`PoolLimits`); which server legacy clients get is
-chosen above this package (`legacy/serving.py`). `request`, `read_tools`, `read_param_headers` and `read_task_support` are what both kinds do
-alike on top of their own `call()`. Imports the event types, the link, the lending, the auth decision and the wire; no
-aiohttp, no session kind, not the pool.
+chosen above this package (`legacy/serving.py`). `request`, `read_tools`, `read_param_headers` and
+`read_task_support` are what both kinds do alike on top of their own `call()`. Imports the event types, the
+link, the lending, the auth decision and the wire; no aiohttp, no session kind, not the pool.
 """
 
 from __future__ import annotations
