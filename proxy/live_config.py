@@ -7,7 +7,7 @@ subscriber is for an effect a swap must have (the log level set, the waiting cal
 captures its policy (its Decision) when it starts, so a swap never
 changes a call in flight. A reload that changes a fixed key (what was bound at start: listen address, upstream,
 store, ...) or that does not load is refused as a whole, logged, and the running config stays.
-Imports only the config.
+Imports only the config schema and its loader.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any, Final
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from proxy.config import Config, ConfigError, parse_config
+from proxy.config import Config
+from proxy.config_loader import ConfigError, parse_config
 
 log = structlog.get_logger(__name__)
 

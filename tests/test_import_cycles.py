@@ -91,6 +91,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "proxy.wire",
             "proxy.errors",
             "proxy.config",
+            "proxy.config_loader",
             "proxy.keyfiles",
             "proxy.live_config",
             "proxy.observability",

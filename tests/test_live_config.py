@@ -16,7 +16,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel
 
 from proxy.app import FRONT, RUNNER, create_app
-from proxy.config import Config, load_config
+from proxy.config import Config
+from proxy.config_loader import load_config
 from proxy.live_config import (
     APPLIED,
     FIXED,
