@@ -115,13 +115,13 @@ class _Stream:
         initialize_result = await self.session.ensure_initialized()
         capabilities = initialize_result.get("capabilities")
         honoured = translate.honoured_filter(wanted, capabilities if isinstance(capabilities, dict) else {})
-        self.session.listen_streams.subscribe(self.inbox)
+        self.session.subscribers.subscribe(self.inbox)
         subscribed: list[str] = []
         settled: list[TaskRecord] = []
         try:
             for uri in honoured.get("resourceSubscriptions", []):
                 try:
-                    await self.session.listen_streams.subscribe_resource(uri)
+                    await self.session.subscribers.subscribe_resource(uri)
                     subscribed.append(uri)
                 except UpstreamError as exc:
                     log.info("upstream_resource_subscribe_refused", error=exc.message)
@@ -137,7 +137,7 @@ class _Stream:
                 await self._send(record)
             await self._loop(honoured)
         finally:
-            self.session.listen_streams.unsubscribe(self.inbox)
+            self.session.subscribers.unsubscribe(self.inbox)
             self.streams.watchers.drop(self.inbox)
             for uri in subscribed:
                 await asyncio.shield(self._unsubscribe(uri))
@@ -214,6 +214,6 @@ class _Stream:
 
     async def _unsubscribe(self, uri: str) -> None:
         try:
-            await self.session.listen_streams.unsubscribe_resource(uri)
+            await self.session.subscribers.unsubscribe_resource(uri)
         except UpstreamError as exc:  # best effort: the subscription ends either way
             log.info("upstream_resource_unsubscribe_failed", error=exc.message)

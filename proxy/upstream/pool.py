@@ -230,7 +230,7 @@ class SessionPool:
         def to_shared(notification: UpstreamNotification) -> None:
             shared = self._shared.get(key)
             if shared is not None:
-                shared.listen_streams.deliver(notification)
+                shared.subscribers.deliver(notification)
 
         return to_shared
 
@@ -264,7 +264,7 @@ class SessionPool:
         if session.lending.kept:
             self._close(session)  # a kept session's close only lets go of it (see `Session.detach`)
             return
-        if session.listen_streams.subscriptions:
+        if session.subscribers.subscriptions:
             return  # a listen stream still reads it (it ends with its own use)
         if spare:
             if session.initialize_result is None:  # never initialized, or forgotten (or crashed) upstream
@@ -403,7 +403,7 @@ class SessionPool:
     def end_subscriptions(self) -> None:
         """Shutdown: every listen stream ends with its graceful result."""
         for session in self._shared.values():
-            session.listen_streams.end()
+            session.subscribers.end()
 
     async def close(self) -> None:
         """Close every session (for stdio: every process stopped and reaped), then the kind's background work."""

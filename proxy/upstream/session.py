@@ -23,7 +23,7 @@ from typing import Any, Final, Protocol
 from proxy.errors import RequestId, UpstreamError
 from proxy.upstream.auth import UpstreamAuth
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult
-from proxy.upstream.lending import Lending, ListenStreams
+from proxy.upstream.lending import Lending, Subscribers
 from proxy.upstream.link import LinkBase, ToolCatalog
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader, param_headers
@@ -65,14 +65,14 @@ class RequestStream(Protocol):
 class Session(Protocol):
     """One upstream session, of whichever kind. What arrives unasked (a question naming no request, a
     notification) goes to the call it is lent to (`lending.lend`, until `lending.take_back`), else is refused
-    (questions); notifications also reach the listen streams (`listen_streams`)."""
+    (questions); notifications also reach the listen streams (`subscribers`)."""
 
     principal: str | None
     session_id: str | None
     protocol_version: str
     initialize_result: JSON | None
     in_flight: int  # calls open on this session right now
-    listen_streams: ListenStreams
+    subscribers: Subscribers
     lending: Lending  # who holds the session alone, where its unasked traffic goes, whether it is kept
 
     async def ensure_initialized(self) -> JSON: ...
