@@ -60,9 +60,10 @@ from proxy.errors import (
 from proxy.front import Front
 from proxy.jwt_identity import JwtIdentity
 from proxy.legacy import LegacyFront
+from proxy.legacy.serving import legacy_front
 from proxy.live_config import LiveConfig
 from proxy.observability import Metrics, logs_at
-from proxy.policy import has_tool_quotas, named_tools
+from proxy.policy import named_tools
 from proxy.principals import Principals, deployment_key
 from proxy.relay import OriginRelay
 from proxy.startup import is_loopback
@@ -378,12 +379,13 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     metrics = app.get(METRICS)
     upstream = SessionPool(session_kind(config, http, metrics))
     app[UPSTREAM] = upstream
-    runner = TaskRunner(config, store, upstream, Principals(deployment_key(config)), metrics=metrics)
+    live = app[LIVE]
+    runner = TaskRunner(lambda: live.current, store, upstream, Principals(deployment_key(config)), metrics=metrics)
     app[RUNNER] = runner
     audit = runner.audit
     if audit is not None:
         app[AUDIT] = audit
-        app[LIVE].on_sighup(audit.reopen)  # a new file after a rotation
+        live.on_sighup(audit.reopen)  # a new file after a rotation
     if metrics is not None:
         metrics.tasks_running.set_function(lambda: runner.running)
         metrics.calls_parked.set_function(lambda: runner.parked)
@@ -395,14 +397,14 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         store.health.listener = metrics.store_operation_failed
     watchers = TaskWatchers(store)
     runner.spawn(watchers.run(), "task-feed")
-    front = app[FRONT] = Front(config, upstream, runner, watchers)
+    front = app[FRONT] = Front(lambda: live.current, upstream, runner, watchers)
     if metrics is not None:
         metrics.listen_streams.set_function(lambda: front.listens.open_streams)
     drain = app[DRAIN]
     drain.open_calls = lambda: runner.open_calls
     runner.follow_drain(lambda: drain.draining)
-    app[LIVE].subscribe(lambda new: follow_config(new, runner, front))
-    legacy = app[PASSTHROUGH] = upstream.legacy_front()  # relayed, or served by the proxy (the kind decides)
+    live.subscribe(lambda new: runner.config_swapped())  # the queue admits by the caps now in force
+    legacy = app[PASSTHROUGH] = legacy_front(upstream)  # relayed, or served by the proxy (the kind decides)
     app[RELAY] = OriginRelay.of(config.relay, legacy)  # other paths: to the upstream's origin, when it has one
     admin = Admin(config.admin, store, runner.clock) if config.admin.port is not None else None
     try:
@@ -420,14 +422,6 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         await legacy.close()
         await upstream.close()
         await http.close()
-
-
-def follow_config(new: Config, runner: TaskRunner, front: Front) -> None:
-    """What the runner and the front keep of the config, swapped for a live reload: new calls decide with the
-    new policies and limits; a call in flight keeps the Decision it started with."""
-    runner.follow(new)
-    front.config, front.tool_quotas = new, has_tool_quotas(new.tasks)
-    front.listens.limits = new.limits
 
 
 async def end_listen_streams(app: web.Application) -> None:

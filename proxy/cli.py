@@ -22,7 +22,8 @@ from proxy import operator_cli
 if TYPE_CHECKING:
     import asyncio
 
-    from proxy.config import Config, ConfigError
+    from proxy.config import Config
+    from proxy.config_loader import ConfigError
 
 EXIT_CONFIG_ERROR = 2  # the other start failures' codes (3, 4, 5) are in proxy/startup.py
 DEFAULT_PROBE_URL = "http://127.0.0.1:8080/healthz"
@@ -142,7 +143,7 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def effective_config(path: str | None, overrides: dict[str, dict[str, Any]], absent: list[str] | None = None) -> Config:
     """What `serve` runs: the file, then the MCP_TASKS_PROXY_* environment, then the flags (`overrides`)."""
-    from proxy.config import load_config
+    from proxy.config_loader import load_config
 
     return load_config(path, overrides=overrides, absent=absent)
 
@@ -152,7 +153,7 @@ def check_config(args: argparse.Namespace) -> int:
     redacted). Key files missing here are notes on stderr (exit 0) unless --strict."""
     import yaml
 
-    from proxy.config import ConfigError, redacted
+    from proxy.config_loader import ConfigError, redacted
 
     notes: list[str] = []
     try:
@@ -255,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "probe":
         return probe_command(args.url, args.timeout)
-    from proxy.config import ConfigError
+    from proxy.config_loader import ConfigError
 
     if args.command == "check-config":
         return check_config(args)

@@ -8,13 +8,14 @@ imports aiohttp: the HTTP shapes are `app.py`'s.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
 import structlog
 from mcp_types import jsonrpc as codes
 
-from proxy.config import Config
+from proxy.config import Config, TasksConfig
 from proxy.errors import (
     InvalidParamsError,
     MethodNotFoundError,
@@ -57,14 +58,17 @@ Handler = Callable[["Front", ModernRequest, Caller, Channel], Awaitable[JSON]]
 
 
 class Front:
-    def __init__(self, config: Config, upstream: SessionPool, runner: TaskRunner, watchers: TaskWatchers) -> None:
-        self.config = config
-        self.tool_quotas = has_tool_quotas(config.tasks)  # swapped with `config` by a live reload
+    def __init__(
+        self, current: Callable[[], Config], upstream: SessionPool, runner: TaskRunner, watchers: TaskWatchers
+    ) -> None:
+        self._current = current  # the config in force, read at each request (a live reload swaps what it returns)
+        self._tool_quotas: tuple[weakref.ref[TasksConfig], bool] | None = None  # of the policies last read
+        config = current()  # what only a restart changes is bound here
         self.upstream = upstream
         self.runner = runner
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
         self.calls = WaitingRequests(runner.calls, self.cache)
-        self.listens = ListenStreams(config, upstream, runner, watchers)
+        self.listens = ListenStreams(lambda: current().limits, upstream, runner, watchers)
         self.keys = idempotency.IdempotencyKeys(
             runner.store,
             runner.principals,
@@ -74,6 +78,18 @@ class Front:
             runner.metrics,
             lambda: runner.closing,
         )
+
+    @property
+    def config(self) -> Config:
+        return self._current()
+
+    @property
+    def tool_quotas(self) -> bool:
+        """Some tool of the policies in force has a quota of its own (worked out once per config)."""
+        tasks = self._current().tasks
+        if self._tool_quotas is None or self._tool_quotas[0]() is not tasks:
+            self._tool_quotas = (weakref.ref(tasks), has_tool_quotas(tasks))  # weak: an old config is not kept
+        return self._tool_quotas[1]
 
     async def dispatch(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Serve one modern request; returns the JSON-RPC response message (result or error)."""

@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Final
 
 import structlog
 from mcp_types import SERVER_INFO_META_KEY
 
 from proxy import tracing
-from proxy.config import Config
+from proxy.config import LimitsConfig
 from proxy.errors import CallerLimitError, InvalidParamsError, MissingCapabilityError, TaskLimitError, UpstreamError
 from proxy.tasks.push import ListenInbox, TaskWatchers
 from proxy.tasks.runner import TaskRunner
@@ -41,12 +42,18 @@ PROGRESS_COALESCE_SECONDS: Final = 0.2  # a task whose status stays the same is 
 
 
 class ListenStreams:
-    def __init__(self, config: Config, upstream: SessionPool, runner: TaskRunner, watchers: TaskWatchers) -> None:
-        self.limits = config.limits
+    def __init__(
+        self, limits: Callable[[], LimitsConfig], upstream: SessionPool, runner: TaskRunner, watchers: TaskWatchers
+    ) -> None:
+        self._limits = limits  # the limits in force, read at each stream (a live reload swaps what it returns)
         self.upstream = upstream
         self.runner = runner
         self.watchers = watchers
         self._open: Counter[str] = Counter()  # open streams per caller (the owner of its tasks)
+
+    @property
+    def limits(self) -> LimitsConfig:
+        return self._limits()
 
     @property
     def open_streams(self) -> int:
@@ -108,13 +115,13 @@ class _Stream:
         initialize_result = await self.session.ensure_initialized()
         capabilities = initialize_result.get("capabilities")
         honoured = translate.honoured_filter(wanted, capabilities if isinstance(capabilities, dict) else {})
-        self.session.listen_streams.subscribe(self.inbox)
+        self.session.subscribers.subscribe(self.inbox)
         subscribed: list[str] = []
         settled: list[TaskRecord] = []
         try:
             for uri in honoured.get("resourceSubscriptions", []):
                 try:
-                    await self.session.listen_streams.subscribe_resource(uri)
+                    await self.session.subscribers.subscribe_resource(uri)
                     subscribed.append(uri)
                 except UpstreamError as exc:
                     log.info("upstream_resource_subscribe_refused", error=exc.message)
@@ -130,7 +137,7 @@ class _Stream:
                 await self._send(record)
             await self._loop(honoured)
         finally:
-            self.session.listen_streams.unsubscribe(self.inbox)
+            self.session.subscribers.unsubscribe(self.inbox)
             self.streams.watchers.drop(self.inbox)
             for uri in subscribed:
                 await asyncio.shield(self._unsubscribe(uri))
@@ -207,6 +214,6 @@ class _Stream:
 
     async def _unsubscribe(self, uri: str) -> None:
         try:
-            await self.session.listen_streams.unsubscribe_resource(uri)
+            await self.session.subscribers.unsubscribe_resource(uri)
         except UpstreamError as exc:  # best effort: the subscription ends either way
             log.info("upstream_resource_unsubscribe_failed", error=exc.message)

@@ -1,10 +1,13 @@
 """Live configuration: the one place where the running config is swapped, on SIGHUP or a change of its file.
 
-`LiveConfig.current` is the immutable config in force; the edge reads it per request, and components that keep
-a section subscribe to each swap. A call captures its policy (its Decision) when it starts, so a swap never
+`LiveConfig.current` is the immutable config in force; a reload validates the new one and swaps it, and that is
+all it changes: the edge reads `current` per request, and the components that decide new calls hold a getter of it
+(`lambda: live.current`) and read their section through it, so no field of theirs is rewritten by a reload. A
+subscriber is for an effect a swap must have (the log level set, the waiting calls admitted by new caps). A call
+captures its policy (its Decision) when it starts, so a swap never
 changes a call in flight. A reload that changes a fixed key (what was bound at start: listen address, upstream,
 store, ...) or that does not load is refused as a whole, logged, and the running config stays.
-Imports only the config.
+Imports only the config schema and its loader.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from typing import Any, Final
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from proxy.config import Config, ConfigError, parse_config
+from proxy.config import Config
+from proxy.config_loader import ConfigError, parse_config
 
 log = structlog.get_logger(__name__)
 
@@ -121,7 +125,8 @@ class LiveConfig:
         return self._current
 
     def subscribe(self, apply: Callable[[Config], None]) -> None:
-        """`apply(new)` runs at each swap, right after `current` changed (for what a component keeps)."""
+        """`apply(new)` runs at each swap, right after `current` changed: for an effect the swap must have, not for
+        copying values (a consumer reads `current` when it needs it)."""
         self._subscribers.append(apply)
 
     def on_sighup(self, reopen: Callable[[], None]) -> None:

@@ -85,7 +85,8 @@ def add_parser(commands: Any) -> None:
 def _store_config(args: argparse.Namespace) -> tuple[StoreConfig, TasksConfig]:
     """The store to open and the task settings: `--db`'s SQLite file (default settings), or the config's store
     as `serve` reads it."""
-    from proxy.config import StoreConfig, TasksConfig, load_config
+    from proxy.config import StoreConfig, TasksConfig
+    from proxy.config_loader import load_config
 
     if args.db is not None:
         return StoreConfig(path=str(args.db)), TasksConfig()
@@ -230,7 +231,7 @@ async def _cancel(store: TaskStore, task_id: str, where: str) -> tuple[int, str,
 
 def _admin_url(path: str) -> int:
     from proxy.admin import admin_url
-    from proxy.config import load_config
+    from proxy.config_loader import load_config
     from proxy.keyfiles import read_token
 
     admin = load_config(path).admin

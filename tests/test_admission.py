@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import pytest
@@ -18,7 +18,7 @@ from proxy.config import TasksConfig
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
 from proxy.tasks.background import Background
 from proxy.tasks.commands import Admitted, Event, Queued, QueueMoved
-from proxy.tasks.effects.admission import POSITION_SECONDS, POSITIONS_TOLD, Admission
+from proxy.tasks.effects.admission import POSITION_SECONDS, POSITIONS_TOLD, Admission, Caps
 from proxy.tasks.live_call import LiveCall, known, new_call
 from proxy.tasks.state import CallState
 from tests.support.waiting import until
@@ -78,7 +78,7 @@ async def run(admission: Admission, upstream: Upstream, call: LiveCall, done: as
 
 async def test_slots_go_round_the_callers_and_never_exceed_the_cap() -> None:
     feed = RecordingFeed()
-    admission = Admission(2, 1000, feed)
+    admission = Admission(caps(2, 1000), feed)
     upstream = Upstream()
     done = asyncio.Event()
     calls = [a_call("heavy", f"heavy-{n}") for n in range(6)] + [a_call("light", f"light-{n}") for n in range(2)]
@@ -99,7 +99,7 @@ async def test_slots_go_round_the_callers_and_never_exceed_the_cap() -> None:
 
 async def test_a_call_that_leaves_the_queue_frees_its_place() -> None:
     feed = RecordingFeed()
-    admission = Admission(1, 1000, feed)
+    admission = Admission(caps(1, 1000), feed)
     upstream = Upstream()
     done = asyncio.Event()
     first, gone, last = a_call("a", "first"), a_call("b", "gone"), a_call("c", "last")
@@ -116,7 +116,7 @@ async def test_a_call_that_leaves_the_queue_frees_its_place() -> None:
 
 async def test_a_call_cancelled_as_it_is_granted_gives_its_slot_back() -> None:
     feed = RecordingFeed(stall_admitted="second")
-    admission = Admission(1, 1000, feed)
+    admission = Admission(caps(1, 1000), feed)
     upstream = Upstream()
     hold = asyncio.Event()
     first, second, third = a_call("a", "first"), a_call("b", "second"), a_call("c", "third")
@@ -139,7 +139,7 @@ async def test_a_call_cancelled_as_it_is_granted_gives_its_slot_back() -> None:
 
 async def test_a_synchronous_caller_is_told_when_to_come_back() -> None:
     feed = RecordingFeed()
-    admission = Admission(1, 250, feed)
+    admission = Admission(caps(1, 250), feed)
     upstream = Upstream()
     done = asyncio.Event()
     runs = [BACKGROUND.spawn(run(admission, upstream, a_call("a", name), done), name) for name in ("one", "two")]
@@ -155,7 +155,7 @@ async def test_a_synchronous_caller_is_told_when_to_come_back() -> None:
 
 async def test_a_tool_with_a_cap_of_its_own_waits_while_other_tools_go_on() -> None:
     feed = RecordingFeed()
-    admission = Admission(3, 1000, feed)
+    admission = Admission(caps(3, 1000), feed)
     upstream = Upstream()
     done = asyncio.Event()
     first = a_call("a", "slow-1", tool_cap=1, tool="slow")
@@ -186,7 +186,7 @@ async def test_a_call_abandoned_by_its_own_queued_event_leaves_the_queue_and_nev
                 call.state.running = False
 
     feed = AbandoningFeed()
-    admission = Admission(1, 1000, feed)
+    admission = Admission(caps(1, 1000), feed)
     upstream = Upstream()
     done = asyncio.Event()
     first, abandoned = a_call("a", "first"), a_call("b", "abandoned")
@@ -203,7 +203,7 @@ async def test_a_call_abandoned_by_its_own_queued_event_leaves_the_queue_and_nev
 
 async def test_queued_calls_learn_their_new_place_once_per_interval_and_only_when_it_changed() -> None:
     feed = RecordingFeed()
-    admission = Admission(1, 1000, feed)
+    admission = Admission(caps(1, 1000), feed)
     upstream = Upstream()
     done = {name: asyncio.Event() for name in ("first", "b-0", "b-1", "b-2")}
     runs = [BACKGROUND.spawn(run(admission, upstream, a_call("b", name), done[name]), name) for name in done]
@@ -226,20 +226,33 @@ async def test_queued_calls_learn_their_new_place_once_per_interval_and_only_whe
     await asyncio.gather(*runs)
 
 
+def caps(max_concurrent: int, max_wait_ms: int) -> Callable[[], Caps]:
+    """Caps that no reload changes."""
+    fixed = Caps(max_concurrent, max_wait_ms)
+    return lambda: fixed
+
+
+def swap(in_force: list[Caps], admission: Admission, new: Caps) -> None:
+    """A live reload: the config in force is swapped, then the queue is told."""
+    in_force[0] = new
+    admission.changed()
+
+
 def capped(**tools: int) -> TasksConfig:
     return TasksConfig.model_validate({"tools": {name: {"max_concurrent": cap} for name, cap in tools.items()}})
 
 
 async def test_a_cap_raised_live_admits_queued_calls_at_once_and_one_lowered_admits_only_below_it() -> None:
     feed = RecordingFeed()
-    admission = Admission(1, 1000, feed, tasks=capped())
+    in_force = [Caps(1, 1000, capped())]
+    admission = Admission(lambda: in_force[0], feed)
     upstream = Upstream()
     done = {f"call-{n}": asyncio.Event() for n in range(5)}
     runs = [BACKGROUND.spawn(run(admission, upstream, a_call(name, name), done[name]), name) for name in list(done)[:4]]
     await until(lambda: admission.depth() == 3, "the calls never queued", 5)
-    admission.reconfigure(4, 1000, capped())
+    swap(in_force, admission, Caps(4, 1000, capped()))
     assert (admission.held, admission.depth()) == (4, 0)  # at once, not when a call ends
-    admission.reconfigure(2, 1000, capped())
+    swap(in_force, admission, Caps(2, 1000, capped()))
     runs.append(BACKGROUND.spawn(run(admission, upstream, a_call("late", "call-4"), done["call-4"]), "call-4"))
     await until(lambda: admission.depth() == 1, "the late call never queued", 5)
     done["call-0"].set()
@@ -256,7 +269,8 @@ async def test_a_cap_raised_live_admits_queued_calls_at_once_and_one_lowered_adm
 
 async def test_a_tool_cap_set_or_removed_live_applies_to_the_calls_running_and_waiting() -> None:
     feed = RecordingFeed()
-    admission = Admission(sys.maxsize, 1000, feed, tasks=capped())
+    in_force = [Caps(sys.maxsize, 1000, capped())]
+    admission = Admission(lambda: in_force[0], feed)
     upstream = Upstream()
     done = {f"slow-{n}": asyncio.Event() for n in range(3)}
 
@@ -265,10 +279,10 @@ async def test_a_tool_cap_set_or_removed_live_applies_to_the_calls_running_and_w
 
     first = BACKGROUND.spawn(run(admission, upstream, slow("slow-0"), done["slow-0"]), "slow-0")
     await until(lambda: admission.held == 1, "the first call never went", 5)
-    admission.reconfigure(sys.maxsize, 1000, capped(slow=1))  # the call running counts against the new cap
+    swap(in_force, admission, Caps(sys.maxsize, 1000, capped(slow=1)))  # the call running counts against the new cap
     runs = [BACKGROUND.spawn(run(admission, upstream, slow(name), done[name]), name) for name in ("slow-1", "slow-2")]
     await until(lambda: admission.depth() == 2, "the calls never queued behind the new cap", 5)
-    admission.reconfigure(sys.maxsize, 1000, capped())  # removed: every queued call goes
+    swap(in_force, admission, Caps(sys.maxsize, 1000, capped()))  # removed: every queued call goes
     assert (admission.held, admission.depth()) == (3, 0)
     for event in done.values():
         event.set()
@@ -278,7 +292,7 @@ async def test_a_tool_cap_set_or_removed_live_applies_to_the_calls_running_and_w
 
 async def test_only_the_first_in_line_learn_their_new_place() -> None:
     feed = RecordingFeed()
-    admission = Admission(1, 1000, feed)
+    admission = Admission(caps(1, 1000), feed)
     upstream = Upstream()
     done = {name: asyncio.Event() for name in ["first", *(f"q-{n}" for n in range(POSITIONS_TOLD + 3))]}
     runs = [BACKGROUND.spawn(run(admission, upstream, a_call("a", name), done[name]), name) for name in done]

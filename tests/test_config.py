@@ -12,7 +12,8 @@ from pydantic import BaseModel
 
 from docsgen.reference import config_reference
 from proxy.cli import main
-from proxy.config import Config, ConfigError, HttpUpstreamConfig, StdioUpstreamConfig, load_config
+from proxy.config import Config, HttpUpstreamConfig, StdioUpstreamConfig
+from proxy.config_loader import ConfigError, load_config
 from proxy.keyfiles import read_password
 from proxy.upstream.stdio.process import INHERITED_ENV_VARS
 

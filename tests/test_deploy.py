@@ -33,7 +33,8 @@ import yaml
 
 from proxy.app import host_allowed
 from proxy.cli import flag_overrides, main, parse_args
-from proxy.config import Config, HttpUpstreamConfig, load_config
+from proxy.config import Config, HttpUpstreamConfig
+from proxy.config_loader import load_config
 from tests.support.processes import ROOT, Upstream, free_port
 from tests.support.waiting import until_sync
 

@@ -30,7 +30,8 @@ from docsgen.reference import (
 )
 from proxy.app import create_app
 from proxy.cli import _parser, main
-from proxy.config import Config, load_config
+from proxy.config import Config
+from proxy.config_loader import load_config
 from proxy.edge import METRICS
 from tests.support.processes import ROOT
 

@@ -147,12 +147,11 @@ class Parts:
             process_id="replica-1",
             durations=self.durations,
         )
-        self.slots = RunningSlots(max_running, per_caller)
+        self.slots = RunningSlots(lambda: max_running, lambda: per_caller)
         self.link: ReplicaLink | None = None
         self.outbox = Outbox(8, None)
-        self.records = RecordWrites(
-            self.context, config(tmp_path).tasks, self.slots, self.outbox, self.fence, self.reclaim
-        )
+        tasks = config(tmp_path).tasks
+        self.records = RecordWrites(self.context, lambda: tasks, self.slots, self.outbox, self.fence, self.reclaim)
 
     async def fence(self) -> Fence:
         return Fence("replica-1", 0) if self.link is None else await self.link.held_fence()
@@ -245,7 +244,7 @@ async def test_a_full_store_refuses_the_commit_and_forgets_the_task_id(store: Sq
 def parking(tmp_path: Path, max_parked: int, per_caller: int) -> Parking:
     settings = config(tmp_path, inputs={"max_parked": max_parked}, limits={"max_parked_per_principal": per_caller})
     signer = inputs.RequestStateSigner(inputs.load_secret(None))
-    return Parking(settings.inputs, settings.limits, signer, wall_clock_ms, "replica-1")
+    return Parking(lambda: settings.inputs, lambda: settings.limits, signer, wall_clock_ms, "replica-1")
 
 
 async def test_a_parked_call_gets_a_request_state_that_takes_it_back_exactly_once(tmp_path: Path) -> None:
@@ -380,9 +379,9 @@ async def test_a_replica_ignores_its_own_settlement_on_the_feed_but_not_another_
     feed = parts.feed
     signer = inputs.RequestStateSigner(inputs.load_secret(None))
     limits = config(tmp_path)
-    parked = Parking(limits.inputs, limits.limits, signer, wall_clock_ms, "replica-1")
+    parked = Parking(lambda: limits.inputs, lambda: limits.limits, signer, wall_clock_ms, "replica-1")
     parts.link = link = ReplicaLink(store, "replica-1", 30)
-    starter = CallStarter(parts.context, limits.tasks, limits.inputs, parked, link)
+    starter = CallStarter(parts.context, lambda: limits.tasks, lambda: limits.inputs, parked, link)
     recovery = Recovery(parts.context, link, parts.records, starter.state, dict)
     await link.start(ReplicaInbox(parts.context, parked, parts.records, link, recovery, starter))
     own, elsewhere = make_call(), make_call()
@@ -449,7 +448,8 @@ class FakePool:
 @asynccontextmanager
 async def runner_on(tmp_path: Path, store: SqliteTaskStore, session: CrashingSession) -> AsyncIterator[TaskRunner]:
     pool = cast(SessionPool, FakePool(session))
-    runner = TaskRunner(config(tmp_path), store, pool, Principals(KEY))
+    settings = config(tmp_path)
+    runner = TaskRunner(lambda: settings, store, pool, Principals(KEY))
     await runner.start()
     try:
         yield runner

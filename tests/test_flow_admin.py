@@ -196,7 +196,7 @@ async def test_a_form_post_without_the_pages_token_is_refused(
 
 
 def test_the_admin_port_must_not_be_the_mcp_port_and_needs_a_token(tmp_path: Path, token_file: Path) -> None:
-    from proxy.config import ConfigError, load_config
+    from proxy.config_loader import ConfigError, load_config
 
     base: dict[str, Any] = {"upstream": {"url": "http://127.0.0.1:1/mcp"}, "listen": {"port": 9000}}
     with pytest.raises(ConfigError, match=r"must differ from listen\.port"):

@@ -80,3 +80,87 @@ def test_the_search_finds_a_circle_behind_type_checking() -> None:
 
 def test_no_import_circles() -> None:
     assert circles(import_graph()) == []
+
+
+# The layers of docs/architecture.md, lowest first, by module or package: a module imports only from its own
+# layer or the ones below it. A new module of the proxy must be placed in one.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "the wire and what every layer imports",
+        (
+            "proxy.wire",
+            "proxy.errors",
+            "proxy.config",
+            "proxy.config_loader",
+            "proxy.keyfiles",
+            "proxy.live_config",
+            "proxy.observability",
+            "proxy.tracing",
+            "proxy.trace_context",
+            "proxy.tracing_setup",
+            "proxy.policy",
+            "proxy.principals",
+            "proxy.jwt_identity",
+            "proxy.audit",
+        ),
+    ),
+    ("upstream", ("proxy.upstream",)),
+    ("legacy and tasks", ("proxy.legacy", "proxy.tasks")),
+    (
+        "front, app and cli",
+        (
+            "proxy",
+            "proxy.__main__",
+            "proxy.front",
+            "proxy.listen",
+            "proxy.task_views",
+            "proxy.relay",
+            "proxy.admin",
+            "proxy.edge",
+            "proxy.drain",
+            "proxy.app",
+            "proxy.startup",
+            "proxy.cli",
+            "proxy.operator_cli",
+        ),
+    ),
+)
+
+
+def layer_of(module: str) -> int | None:
+    """The index of the module's layer (its own name or its nearest package named in `LAYERS`), or None."""
+    best: tuple[int, int] | None = None  # (length of the matching name, layer)
+    for index, (_, names) in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(f"{name}.")) and (best is None or len(name) > best[0]):
+                best = (len(name), index)
+    return None if best is None else best[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a module from a layer above its own, named with both layers."""
+    found: list[str] = []
+    for name, targets in sorted(graph.items()):
+        below = layer_of(name)
+        for target in sorted(targets):
+            above = layer_of(target)
+            if below is not None and above is not None and above > below:
+                found.append(f"{name} ({LAYERS[below][0]}) imports {target} ({LAYERS[above][0]})")
+    return found
+
+
+def test_every_module_of_the_proxy_has_a_layer() -> None:
+    assert [name for name in import_graph() if name.startswith("proxy") and layer_of(name) is None] == []
+
+
+def test_no_module_imports_from_a_layer_above_its_own() -> None:
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_layer_check_finds_an_upstream_module_importing_legacy() -> None:
+    source = "def later() -> None:\n    from proxy.legacy.passthrough import PassThrough\n"
+    modules = {"proxy.upstream.pool", "proxy.legacy", "proxy.legacy.passthrough"}
+    graph = {"proxy.upstream.pool": imported(ast.parse(source), "proxy.upstream.pool", False, modules)}
+    assert upward_imports(graph) == [
+        "proxy.upstream.pool (upstream) imports proxy.legacy.passthrough (legacy and tasks)"
+    ]

@@ -3,16 +3,33 @@ Real files in a temporary directory; the flow tests (test_flow_live_config.py) d
 
 from __future__ import annotations
 
+import gc
+import inspect
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel
 
 from proxy.app import FRONT, RUNNER, create_app
-from proxy.config import Config, load_config
-from proxy.live_config import APPLIED, FIXED, FIXED_KEY, INVALID, UNCHANGED, LiveConfig, changed_fields, is_fixed
+from proxy.config import Config
+from proxy.config_loader import load_config
+from proxy.live_config import (
+    APPLIED,
+    FIXED,
+    FIXED_KEY,
+    INVALID,
+    RELOADABLE,
+    UNCHANGED,
+    LiveConfig,
+    changed_fields,
+    is_fixed,
+)
+from proxy.tasks.effects.admission import Admission
 from tests.support.processes import Upstream
 
 BASE: dict[str, object] = {"upstream": {"url": "http://127.0.0.1:9/mcp"}, "store": {"path": "tasks.db"}}
@@ -116,6 +133,87 @@ async def test_a_reload_reaches_every_part_that_decides_new_calls(tmp_path: Path
         assert runner.records.config.max_running == 7
         assert (runner.slots.max_running, runner.slots.per_caller) == (7, 5)
         assert (runner.parking.config.max_parked, runner.parking.per_caller) == (9, 4)
-        assert runner.calls.inputs.gather_ms == 123
+        assert runner.calls.inputs_config.gather_ms == 123
         assert front.config.tasks.tools["sleep"].mode == "required"
         assert front.listens.limits.max_listen_streams == 3
+
+
+# Each key read live under a fixed section, the value a reload sets, and how the part that uses it reads it.
+RELOADABLE_READS: dict[str, tuple[int, Callable[[web.Application], object]]] = {
+    "upstream.max_concurrent_calls": (3, lambda app: _admission(app).max_concurrent),
+    "upstream.max_queue_wait_ms": (1234, lambda app: _admission(app).max_wait_ms),
+}
+
+
+def _admission(app: web.Application) -> Admission:
+    admission = app[RUNNER].admission
+    assert admission is not None, "no queue although a cap is in force"
+    return admission
+
+
+def test_every_key_read_live_under_a_fixed_section_has_a_check() -> None:
+    assert set(RELOADABLE_READS) == set(RELOADABLE)
+
+
+@pytest.mark.parametrize("key", RELOADABLE)
+async def test_a_reload_of_a_key_read_live_reaches_the_part_that_reads_it(
+    tmp_path: Path, upstream: Upstream, key: str
+) -> None:
+    """The changed value is what the queue reads after the reload, not the one it was built with."""
+    value, read = RELOADABLE_READS[key]
+    path = tmp_path / "proxy.yaml"
+    base: dict[str, Any] = {
+        "upstream": {"url": upstream.url, "max_concurrent_calls": 2, "max_queue_wait_ms": 500},
+        "store": {"path": str(tmp_path / "tasks.db")},
+    }
+    _write(path, base)
+    live = LiveConfig(load_config(path, environ={}), str(path), environ={})
+    app = create_app(live.current, live)
+    async with TestClient(TestServer(app, host="127.0.0.1")):
+        before = read(app)
+        section, field = key.split(".")
+        _write(path, {**base, section: {**base[section], field: value}})
+        assert live.reload("test") == APPLIED
+        assert (before, read(app)) != (value, value)
+        assert read(app) == value
+
+
+async def test_after_a_reload_no_part_keeps_a_section_of_the_old_config(tmp_path: Path, upstream: Upstream) -> None:
+    """What decides new calls reads the config in force through the holder: once a reload changed the live
+    sections, nothing but the old config itself refers to its sections (a part that copied one at start would)."""
+    path = tmp_path / "proxy.yaml"
+    base: dict[str, object] = {
+        "upstream": {"url": upstream.url, "max_concurrent_calls": 2},
+        "store": {"path": str(tmp_path / "tasks.db")},
+    }
+    _write(path, base)
+    live = LiveConfig(load_config(path, environ={}), str(path), environ={})
+    app = create_app(live.current, live)
+    async with TestClient(TestServer(app, host="127.0.0.1")):
+        _write(
+            path,
+            {
+                **base,
+                "tasks": {"max_running": 7, "tools": {"sleep": {"mode": "required", "max_concurrent": 1}}},
+                "inputs": {"max_parked": 9},
+                "limits": {"max_listen_streams": 3},
+                "idempotency": {"enabled": False},
+                "jobs": {
+                    "start": {
+                        "job_id": "json.id",
+                        "status": {"tool": "status", "state": "json.state", "states": {"done": "completed"}},
+                    }
+                },
+            },
+        )
+        old = live.current
+        sections = {name: getattr(old, name) for name in ("tasks", "inputs", "limits", "idempotency", "jobs")}
+        assert live.reload("test") == APPLIED
+        gc.collect()
+        for name in list(sections):
+            holders = [
+                type(holder).__name__ if not isinstance(holder, dict) else sorted(map(str, holder))[:8]
+                for holder in gc.get_referrers(sections[name])
+                if holder is not old.__dict__ and holder is not sections and not inspect.isframe(holder)
+            ]
+            assert holders == [], f"{name} of the old config is still held by {holders}"

@@ -18,7 +18,7 @@ import pytest
 import structlog.testing
 
 from proxy.app import create_app
-from proxy.config import ConfigError, load_config
+from proxy.config_loader import ConfigError, load_config
 from proxy.principals import Principals, SealError, deployment_key
 from tests.support.clients import Tasks, upstream_calls_open
 from tests.support.processes import Upstream, key_file, proxy_config

@@ -210,7 +210,7 @@ async def test_a_get_stream_message_over_max_result_bytes_is_dropped(
             client = SessionPool(HttpKind(config, http, "authorization", None, max_result_bytes=cap))
             session = client.session(None)
             inbox = Inbox()
-            session.listen_streams.subscribe(inbox)
+            session.subscribers.subscribe(inbox)
             if adopted:
                 await session.adopt("kept-session")
             else:

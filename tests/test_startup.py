@@ -26,7 +26,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from proxy.config import load_config
+from proxy.config_loader import load_config
 from proxy.startup import EXIT_CANNOT_LISTEN, EXIT_STORE_LOCKED, EXIT_STORE_UNAVAILABLE, start_fields
 from proxy.upstream.session import PROXY_VERSION
 from tests import pg

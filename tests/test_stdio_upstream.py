@@ -13,7 +13,8 @@ import pytest
 
 from proxy.app import UPSTREAM
 from proxy.cli import main
-from proxy.config import StdioUpstreamConfig, load_config
+from proxy.config import StdioUpstreamConfig
+from proxy.config_loader import load_config
 from proxy.upstream.stdio.session import StdioSession
 from tests.support.clients import Tasks, rpc
 from tests.support.processes import ROOT, STDIO_FIXTURE, ProxyProcess, children, stdio_sessions, stdio_upstream

@@ -7,7 +7,7 @@ stopped at shutdown. Imports the table, the parking, the replica link, `remote.p
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import structlog
@@ -42,17 +42,25 @@ class CallStarter:
     def __init__(
         self,
         context: TasksContext,
-        config: TasksConfig,
-        inputs_config: InputsConfig,
+        config: Callable[[], TasksConfig],
+        inputs_config: Callable[[], InputsConfig],
         parking: Parking,
         replicas: ReplicaLink,
     ) -> None:
         self.context = context
-        self.config = config
-        self.inputs = inputs_config
+        self._config = config  # read at each call: a live reload swaps what these return
+        self._inputs = inputs_config
         self.parking = parking
         self.replicas = replicas
         self._progress_tokens = 0
+
+    @property
+    def config(self) -> TasksConfig:
+        return self._config()
+
+    @property
+    def inputs_config(self) -> InputsConfig:
+        return self._inputs()
 
     def state(
         self, decision: Decision, capabilities: JSON, progress_token: str | int | None, log_level: str | None
@@ -60,8 +68,8 @@ class CallStarter:
         return CallState(
             decision=decision,
             capabilities=capabilities,
-            gather_ms=self.inputs.gather_ms,
-            park_ttl_ms=self.inputs.request_state_ttl_ms,
+            gather_ms=self.inputs_config.gather_ms,
+            park_ttl_ms=self.inputs_config.request_state_ttl_ms,
             progress_token=progress_token,
             log_level=log_level,
         )

@@ -29,7 +29,7 @@ from proxy.tasks.background import Background
 from proxy.tasks.calls import CallStarter
 from proxy.tasks.context import TasksContext
 from proxy.tasks.durations import Durations
-from proxy.tasks.effects.admission import Admission
+from proxy.tasks.effects.admission import Admission, Caps
 from proxy.tasks.effects.client import ClientSide
 from proxy.tasks.effects.held import HeldRequest, QuestionCounter
 from proxy.tasks.effects.job import JobEffect
@@ -74,17 +74,20 @@ def by_kind(
 class TaskRunner:
     def __init__(
         self,
-        config: Config,
+        current: Callable[[], Config],
         store: TaskStore,
         upstream: SessionPool,
         principals: Principals,
         clock: Callable[[], int] = wall_clock_ms,
         metrics: Metrics | None = None,
     ) -> None:
+        # `current()` is the config in force: what a live reload may change is read through it, at each call;
+        # the rest is bound here, at start.
+        self.current = current
+        config = current()
         self.store = store
         self.principals = principals
         self._pool = upstream
-        self._policies = config.tasks  # at start: whether the tools they name exist upstream is checked
         self.clock = clock
         self.metrics = metrics  # also counted outside tasks/ (the listen streams' pushes)
         self.secret_file = config.inputs.secret_file
@@ -95,8 +98,10 @@ class TaskRunner:
         self.durations = Durations(store, clock, self.background)
         self.quotas = Quotas(store, clock)
         signer = inputs.RequestStateSigner(inputs.load_secret(config.inputs.secret_file))
-        self.slots = RunningSlots(config.tasks.max_running, config.limits.max_running_per_principal)
-        self.parking = Parking(config.inputs, config.limits, signer, clock, self.process_id)
+        self.slots = RunningSlots(
+            lambda: current().tasks.max_running, lambda: current().limits.max_running_per_principal
+        )
+        self.parking = Parking(lambda: current().inputs, lambda: current().limits, signer, clock, self.process_id)
         observers: list[Observer] = [QuestionCounter(metrics), SpanEvents()]  # counted when metrics are on; traced
         self.audit = None if config.audit.path is None else AuditLog(config.audit.path, self.process_id)
         if self.audit is not None:
@@ -118,16 +123,20 @@ class TaskRunner:
         self.outbox = Outbox(config.store.max_pending_settlements, metrics, self.replicas.reclaim)
         self._outbox_worker: asyncio.Task[None] | None = None
         self.records = RecordWrites(
-            context, config.tasks, self.slots, self.outbox, self.replicas.held_fence, self.replicas.reclaim
+            context,
+            lambda: current().tasks,
+            self.slots,
+            self.outbox,
+            self.replicas.held_fence,
+            self.replicas.reclaim,
         )
         self.timers = Timers(feed, self.background)
         self._feed = feed
         self.admission: Admission | None = None  # made once a cap is in force (at start or by a reload)
-        self.held = held = HeldRequest(feed, self.background, upstream, self.parking)
-        self._follow_caps(config)
+        self.held = held = HeldRequest(feed, self.background, upstream, self.parking, lambda: self.admission)
+        self.config_swapped()
         upstream_task = UpstreamTaskEffect(feed, self.background, upstream, clock)
-        self.jobs = jobs = JobEffect(feed, self.background, upstream, clock)
-        jobs.follow(config.jobs)
+        self.jobs = jobs = JobEffect(feed, self.background, upstream, clock, lambda: current().jobs)
         client = ClientSide(self.durations.paced, feed, self.background)
         register = self.executor.register
         register(c.StartCall, held.start)
@@ -151,7 +160,9 @@ class TaskRunner:
         register(c.Unpark, self.parking.unpark)
         register(c.HoldSlot, self.slots.hold)
         register(c.WriteQueue, self.records.write_queue)
-        self.calls = CallStarter(context, config.tasks, config.inputs, self.parking, self.replicas)
+        self.calls = CallStarter(
+            context, lambda: current().tasks, lambda: current().inputs, self.parking, self.replicas
+        )
         self.operations = TaskOperations(context, self.records, self.replicas)
         self.recovery = Recovery(context, self.replicas, self.records, self.calls.state, lambda: jobs.specs)
         self.inbox = ReplicaInbox(context, self.parking, self.records, self.replicas, self.recovery, self.calls)
@@ -183,8 +194,9 @@ class TaskRunner:
         self._outbox_worker = self.spawn(self.outbox.run_forever(), "settlement-outbox")
         if self.jobs.specs:
             self.spawn(self.jobs.check_tools(), "job-tools-check")
-        if self._policies.tools:
-            self.spawn(check_policy_tools(self._pool, self._policies), "tool-policies-check")
+        policies = self.current().tasks  # at start: whether the tools they name exist upstream is checked
+        if policies.tools:
+            self.spawn(check_policy_tools(self._pool, policies), "tool-policies-check")
 
     async def close(self) -> None:
         """Shutdown: running calls are cancelled upstream; their records stay live and are failed or re-run
@@ -203,37 +215,23 @@ class TaskRunner:
         if self.audit is not None:
             self.audit.close()
 
-    def follow(self, config: Config) -> None:
-        """A live reload: the services that decide new calls read the new policies, limits and inputs settings;
-        a call in flight keeps the Decision and the timings it started with (its CallState)."""
-        self.calls.config, self.calls.inputs = config.tasks, config.inputs
-        self.records.config = config.tasks
-        self.jobs.follow(config.jobs)
-        self.slots.max_running, self.slots.per_caller = (
-            config.tasks.max_running,
-            config.limits.max_running_per_principal,
-        )
-        self.parking.config, self.parking.per_caller = config.inputs, config.limits.max_parked_per_principal
-        self._follow_caps(config)
-
-    def _follow_caps(self, config: Config) -> None:
-        """The upstream's cap and the tools' caps in force. With none there is no queue and no per-call work;
-        once one was in force, the queue stays (a cap removed admits every queued call at once, and the calls
-        keep being counted, so a cap set again counts the ones running)."""
-        caps = config.upstream
-        tool_caps = any(entry.max_concurrent for entry in config.tasks.tools.values())
+    def config_swapped(self) -> None:
+        """At start and after a live reload (the services read the config in force through `current`; a call in
+        flight keeps the Decision and the timings it started with, its CallState): the upstream's cap and the
+        tools' caps. With none there is no queue and no per-call work; once one was in force, the queue stays (a
+        cap removed admits every queued call at once, and the calls keep being counted, so a cap set again
+        counts the ones running)."""
+        config = self.current()
         if self.admission is not None:
-            self.admission.reconfigure(caps.max_concurrent_calls or sys.maxsize, caps.max_queue_wait_ms, config.tasks)
-        elif caps.max_concurrent_calls or tool_caps:
-            self.admission = Admission(
-                caps.max_concurrent_calls or sys.maxsize,
-                caps.max_queue_wait_ms,
-                self._feed,
-                self.metrics,
-                config.tasks,
-                self.background,
-            )
-            self.held.admission = self.admission
+            self.admission.changed()
+        elif config.upstream.max_concurrent_calls or any(entry.max_concurrent for entry in config.tasks.tools.values()):
+            self.admission = Admission(self._caps, self._feed, self.metrics, self.background)
+
+    def _caps(self) -> Caps:
+        config = self.current()
+        return Caps(
+            config.upstream.max_concurrent_calls or sys.maxsize, config.upstream.max_queue_wait_ms, config.tasks
+        )
 
     def follow_drain(self, draining: Callable[[], bool]) -> None:
         """`draining()` says whether this replica drains after SIGTERM: then its sweep takes nothing over."""

@@ -1,12 +1,12 @@
 """Where what an upstream session receives unasked goes: the call it is lent to, its listen streams, or a
-refusal. Both kinds of session hold one `Lending` and one `ListenStreams`.
+refusal. Both kinds of session hold one `Lending` and one `Subscribers`.
 
 - `Lending`: the pool lends a session to one call (`lend`: its sink, and where notifications go besides) and
   takes it back (`take_back`); `keep` marks a session whose upstream work outlives this process. `route`
   sends something the server sent naming no request to its place: a ping is answered; everything goes to the
   lessee while a call holds the session; a question nobody holds is refused at once (an elicitation is
   declined), so the upstream never waits; notifications also reach the listen streams.
-- `ListenStreams`: the session's listen-stream inboxes, and the upstream resource subscriptions they hold
+- `Subscribers`: the session's listen-stream inboxes, and the upstream resource subscriptions they hold
   (reference-counted, renewed on a new upstream session).
 
 Imports the event types; no session, no kind, no aiohttp.
@@ -44,7 +44,7 @@ class Subscription(Protocol):
     def offer(self, message: JSON | None) -> None: ...
 
 
-class ListenStreams:
+class Subscribers:
     """The listen streams reading one session, and the resource subscriptions they hold upstream."""
 
     def __init__(self, request: Request, tools_changed: Callable[[], None]) -> None:
@@ -102,10 +102,10 @@ class ListenStreams:
 class Lending:
     """Who holds a session and where its unsolicited traffic goes (see the module doc)."""
 
-    def __init__(self, listen_streams: ListenStreams) -> None:
-        self._listen_streams = listen_streams
+    def __init__(self, subscribers: Subscribers) -> None:
+        self._subscribers = subscribers
         self.lessee: Sink | None = None  # the call that holds the session alone, if any
-        self._notifications: Notifications = listen_streams.deliver
+        self._notifications: Notifications = subscribers.deliver
         self.kept = False  # holds upstream work a later proxy process resumes: let go without ending it
 
     def lend(self, sink: Sink, notifications: Notifications) -> None:

@@ -36,7 +36,6 @@ from contextlib import asynccontextmanager
 import structlog
 
 from proxy.errors import ProxyError, UpstreamLimitError
-from proxy.legacy import LegacyFront
 from proxy.upstream.events import UpstreamNotification
 from proxy.upstream.facts import ToolFactsReader
 from proxy.upstream.lending import Sink
@@ -231,7 +230,7 @@ class SessionPool:
         def to_shared(notification: UpstreamNotification) -> None:
             shared = self._shared.get(key)
             if shared is not None:
-                shared.listen_streams.deliver(notification)
+                shared.subscribers.deliver(notification)
 
         return to_shared
 
@@ -265,7 +264,7 @@ class SessionPool:
         if session.lending.kept:
             self._close(session)  # a kept session's close only lets go of it (see `Session.detach`)
             return
-        if session.listen_streams.subscriptions:
+        if session.subscribers.subscriptions:
             return  # a listen stream still reads it (it ends with its own use)
         if spare:
             if session.initialize_result is None:  # never initialized, or forgotten (or crashed) upstream
@@ -401,15 +400,10 @@ class SessionPool:
         """Readiness: UpstreamError saying what failed (see the kind's `probe`)."""
         await self.kind.probe(max_age_seconds, lambda: self.use(None))
 
-    def legacy_front(self) -> LegacyFront:
-        """What serves legacy clients in front of this upstream (the kind decides); its sessions count against
-        this pool's bound where they cost as much as its own."""
-        return self.kind.legacy_front(self)
-
     def end_subscriptions(self) -> None:
         """Shutdown: every listen stream ends with its graceful result."""
         for session in self._shared.values():
-            session.listen_streams.end()
+            session.subscribers.end()
 
     async def close(self) -> None:
         """Close every session (for stdio: every process stopped and reaped), then the kind's background work."""

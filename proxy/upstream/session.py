@@ -4,10 +4,10 @@ alike through it.
 An upstream session is the proxy's own legacy client connection to the server: a Streamable HTTP session
 (`http/session.py`) or one stdio server process (`stdio/session.py`). The runner, the front and the pool see
 only the `Session` protocol below, and the requests it opens as `RequestStream`s. A `SessionKind` makes the
-sessions of one kind, says how the pool must bound them (`PoolLimits`) and which server legacy clients get
-(`legacy_front`). `request`, `read_tools`, `read_param_headers` and `read_task_support` are what both kinds do
-alike on top of their own `call()`. Imports the event types, the link, the lending, the auth decision and the wire; no
-aiohttp, no session kind, not the pool.
+sessions of one kind and says how the pool must bound them (`PoolLimits`); which server legacy clients get is
+chosen above this package (`legacy/serving.py`). `request`, `read_tools`, `read_param_headers` and
+`read_task_support` are what both kinds do alike on top of their own `call()`. Imports the event types, the
+link, the lending, the auth decision and the wire; no aiohttp, no session kind, not the pool.
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Final, Protocol
 
 from proxy.errors import RequestId, UpstreamError
-from proxy.legacy import LegacyFront
 from proxy.upstream.auth import UpstreamAuth
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult
-from proxy.upstream.lending import Lending, ListenStreams
+from proxy.upstream.lending import Lending, Subscribers
 from proxy.upstream.link import LinkBase, ToolCatalog
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader, param_headers
@@ -66,14 +65,14 @@ class RequestStream(Protocol):
 class Session(Protocol):
     """One upstream session, of whichever kind. What arrives unasked (a question naming no request, a
     notification) goes to the call it is lent to (`lending.lend`, until `lending.take_back`), else is refused
-    (questions); notifications also reach the listen streams (`listen_streams`)."""
+    (questions); notifications also reach the listen streams (`subscribers`)."""
 
     principal: str | None
     session_id: str | None
     protocol_version: str
     initialize_result: JSON | None
     in_flight: int  # calls open on this session right now
-    listen_streams: ListenStreams
+    subscribers: Subscribers
     lending: Lending  # who holds the session alone, where its unasked traffic goes, whether it is kept
 
     async def ensure_initialized(self) -> JSON: ...
@@ -152,10 +151,6 @@ class SessionKind(Protocol):
     async def probe(self, max_age_seconds: float, shared: Callable[[], AbstractAsyncContextManager[Session]]) -> None:
         """Readiness: raise UpstreamError saying what is wrong. `shared` lends the anonymous shared session,
         for kinds whose sessions are too costly to start one just for a probe."""
-
-    def legacy_front(self, room: Room) -> LegacyFront:
-        """What serves legacy clients in front of this kind of upstream; `room` counts its sessions against
-        the pool's bound where they cost as much as the pool's own."""
 
     def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]: ...
 

@@ -18,7 +18,8 @@ import aiohttp
 import yaml
 
 from proxy.app import UPSTREAM
-from proxy.config import Config, load_config
+from proxy.config import Config
+from proxy.config_loader import load_config
 from proxy.upstream.stdio.session import StdioSession
 from tests.support.clients import Tasks
 from tests.support.waiting import until

@@ -4,8 +4,8 @@ first come first served within one, so that one caller's burst cannot starve ano
 cap of its own (`tasks.tools.<name>.max_concurrent`): its calls wait in the same queue while other tools' calls
 go on. A call learns that it waits (`Queued`, with its place), that its place changed as the queue moved
 (`QueueMoved`), and when it goes (`Admitted`); one that leaves the queue (cancelled, its client gone) frees its
-place. The caps are those of the config in force: a live reload (`reconfigure`) that raises one starts queued
-calls at once, one that lowers it lets the running calls finish and admits new ones only below it.
+place. The caps are read from the config in force at each admission (`caps()`); after a live reload (`changed`), one
+raised starts queued calls at once, one that lowers it lets the running calls finish and admits new ones only below it.
 
 Places are told coalesced, not at each move: at most every `POSITION_SECONDS`, a call among the first
 `POSITIONS_TOLD` in line whose place differs from the one it was last told learns its new one (each is one
@@ -19,7 +19,9 @@ import asyncio
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, TypeVar
 
@@ -41,21 +43,27 @@ POSITIONS_TOLD: Final = 100  # ... if it is among the first this many in line (e
 Waiter = tuple[LiveCall, "asyncio.Future[None]"]
 
 
+@dataclass(frozen=True)
+class Caps:
+    """The caps in force: the upstream's (`upstream.max_concurrent_calls`, `upstream.max_queue_wait_ms`) and the
+    tools' (`tasks`; None: each call's own policy says its tool's cap)."""
+
+    max_concurrent: int
+    max_wait_ms: int
+    tasks: TasksConfig | None = None
+
+
 class Admission:
     def __init__(
         self,
-        max_concurrent: int,
-        max_wait_ms: int,
+        caps: Callable[[], Caps],
         feed: Feed,
         metrics: Metrics | None = None,
-        tasks: TasksConfig | None = None,
         spawner: Spawner | None = None,
     ) -> None:
-        self.max_concurrent = max_concurrent
-        self.max_wait_ms = max_wait_ms
+        self.caps = caps  # read at each admission: a live reload swaps what it returns
         self.feed = feed
         self.metrics = metrics  # the queue's depth by tool, and how long queued calls waited
-        self.tasks = tasks  # the tool caps in force; None: each call's own policy says its tool's cap
         self.spawner = spawner  # runs the telling of new places (None: a task of the loop's own)
         self._holders: dict[LiveCall, float] = {}  # since when (monotonic seconds) each holds its slot
         self._queues: dict[str, deque[Waiter]] = {}  # by caller, in the order of the round
@@ -65,10 +73,17 @@ class Admission:
         self._moved = False  # the queue changed since places were last told
         self._telling: asyncio.Task[None] | None = None
 
-    def reconfigure(self, max_concurrent: int, max_wait_ms: int, tasks: TasksConfig) -> None:
-        """A live reload: the caps in force from now on, for the calls that wait too. A raised cap admits
+    @property
+    def max_concurrent(self) -> int:
+        return self.caps().max_concurrent
+
+    @property
+    def max_wait_ms(self) -> int:
+        return self.caps().max_wait_ms
+
+    def changed(self) -> None:
+        """After a live reload: the calls that wait are admitted by the caps now in force. A raised cap admits
         queued calls at once; a lowered one admits none until the calls running are below it."""
-        self.max_concurrent, self.max_wait_ms, self.tasks = max_concurrent, max_wait_ms, tasks
         if self._queues:
             self._grant()
 
@@ -86,7 +101,8 @@ class Admission:
         policy = call.state.decision.policy
         if policy is None:  # prompts/get, resources/read: no tool policy
             return None
-        return policy.max_concurrent if self.tasks is None else policy_for(self.tasks, call.name).max_concurrent
+        tasks = self.caps().tasks
+        return policy.max_concurrent if tasks is None else policy_for(tasks, call.name).max_concurrent
 
     def hold(self, call: LiveCall) -> None:
         self._holders[call] = time.monotonic()

@@ -9,6 +9,7 @@ session may be reclaimed), the admission queue, the upstream pool and event type
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 
 import structlog
@@ -33,13 +34,18 @@ log = structlog.get_logger(__name__)
 
 class HeldRequest:
     def __init__(
-        self, feed: Feed, spawner: Spawner, pool: SessionPool, parking: Parking, admission: Admission | None = None
+        self,
+        feed: Feed,
+        spawner: Spawner,
+        pool: SessionPool,
+        parking: Parking,
+        admission: Callable[[], Admission | None] = lambda: None,
     ) -> None:
         self.feed = feed
         self.spawner = spawner
         self.pool = pool
         self.parking = parking
-        self.admission = admission  # `upstream.max_concurrent_calls`; None: no cap
+        self.admission = admission  # the queue of the caps in force (`upstream.max_concurrent_calls`); None: no cap
 
     async def start(self, call: LiveCall, command: StartCall) -> None:
         """Send the upstream request and feed what comes back to the machine, until its final event (or until
@@ -51,8 +57,9 @@ class HeldRequest:
                 await pump.stream(self.feed, call, upstream, until=lambda: not call.state.running)
 
         session = self._session(call)
-        if self.admission is not None:  # the request waits for a slot (and holds it until it ends)
-            session = self.admission.slot(call, session)
+        admission = self.admission()
+        if admission is not None:  # the request waits for a slot (and holds it until it ends)
+            session = admission.slot(call, session)
         running = pump.run(self.feed, call, session, send)
         call.upstream.pump = self.spawner.spawn(running, f"upstream-{call.call_id}")
 

@@ -14,7 +14,7 @@ types, the wire; not the store.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import structlog
 
@@ -41,16 +41,25 @@ def specs_of(jobs: Mapping[str, JobConfig]) -> dict[str, JobSpec]:
 
 
 class JobEffect:
-    def __init__(self, feed: Feed, spawner: Spawner, pool: SessionPool, clock_ms: pump.Clock) -> None:
+    def __init__(
+        self,
+        feed: Feed,
+        spawner: Spawner,
+        pool: SessionPool,
+        clock_ms: pump.Clock,
+        jobs: Callable[[], Mapping[str, JobConfig]],
+    ) -> None:
         self.feed = feed
         self.spawner = spawner
         self.pool = pool
         self.clock_ms = clock_ms
-        self.specs: dict[str, JobSpec] = {}
+        self._jobs = jobs  # the config's jobs in force: a live reload swaps what it returns
 
-    def follow(self, jobs: Mapping[str, JobConfig]) -> None:
-        """The config's jobs (at start, and after a live reload: a job running keeps polling by the new entry)."""
-        self.specs = specs_of(jobs)
+    @property
+    def specs(self) -> dict[str, JobSpec]:
+        """The jobs in force (a job running keeps polling by the entry in force after a live reload); their
+        expressions come compiled from jmespath's own cache."""
+        return specs_of(self._jobs())
 
     # --- the commands ------------------------------------------------------------------------------------
 

@@ -55,19 +55,23 @@ class RecordWrites:
     def __init__(
         self,
         context: TasksContext,
-        config: TasksConfig,
+        config: Callable[[], TasksConfig],
         slots: RunningSlots,
         outbox: Outbox,
         fence: Callable[[], Awaitable[Fence]],
         reclaim: Callable[[str], Awaitable[Fence | None]],
     ) -> None:
         self.context = context
-        self.config = config
+        self._config = config  # read at each write: a live reload swaps what it returns
         self.outbox = outbox
         self.slots = slots
         self.fence = fence  # the lease's fence for a new task, renewed first when it may have lapsed
         self.reclaim = reclaim  # a refused write: is the task still ours under a renewed lease? (`ReplicaLink`)
         self._own: OrderedDict[str, None] = OrderedDict()  # task ids whose settlement this replica is writing
+
+    @property
+    def config(self) -> TasksConfig:
+        return self._config()
 
     # --- the commands ------------------------------------------------------------------------------------
 

@@ -28,11 +28,19 @@ ALREADY_USED = "Invalid params: requestState was already used or its call has en
 class RunningSlots:
     """`tasks.max_running` and `limits.max_running_per_principal`."""
 
-    def __init__(self, max_running: int, per_caller: int) -> None:
-        self.max_running = max_running
-        self.per_caller = per_caller
+    def __init__(self, max_running: Callable[[], int], per_caller: Callable[[], int]) -> None:
+        self._max_running = max_running  # read at each call: a live reload swaps what these return
+        self._per_caller = per_caller
         self._holders: set[LiveCall] = set()
         self._by_caller: Counter[str] = Counter()
+
+    @property
+    def max_running(self) -> int:
+        return self._max_running()
+
+    @property
+    def per_caller(self) -> int:
+        return self._per_caller()
 
     def refusal(self, call: LiveCall) -> ProxyError | None:
         """Why a new working task of this call may not start now, or None."""
@@ -68,19 +76,27 @@ class Parking:
 
     def __init__(
         self,
-        config: InputsConfig,
-        limits: LimitsConfig,
+        config: Callable[[], InputsConfig],
+        limits: Callable[[], LimitsConfig],
         signer: inputs.RequestStateSigner,
         clock: Callable[[], int],
         process_id: str,
     ) -> None:
-        self.config = config
-        self.per_caller = limits.max_parked_per_principal
+        self._config = config  # read at each park: a live reload swaps what these return
+        self._limits = limits
         self.signer = signer
         self.clock = clock
         self.process_id = process_id
         self._parked: dict[str, LiveCall] = {}
         self._by_caller: Counter[str] = Counter()
+
+    @property
+    def config(self) -> InputsConfig:
+        return self._config()
+
+    @property
+    def per_caller(self) -> int:
+        return self._limits().max_parked_per_principal
 
     async def park(self, call: LiveCall, command: Park) -> Parked | ParkRefused:
         if len(self._parked) >= self.config.max_parked:

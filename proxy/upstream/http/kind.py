@@ -1,8 +1,8 @@
 """The Streamable HTTP kind of upstream session for the pool: sessions are cheap, so every call whose client
 could answer a question gets one of its own and idle ones are kept up to `upstream.max_sessions`; readiness
 starts a throwaway session when the upstream has been quiet; whether the upstream requires credentials is
-found out with an anonymous `initialize` (`upstream/auth.py`); legacy clients are relayed verbatim
-(`legacy/passthrough.py`). Imports the HTTP link and session and the pass-through; never the pool.
+found out with an anonymous `initialize` (`upstream/auth.py`). Imports the HTTP link and session; never the
+pool, nor the servers legacy clients get (`legacy/serving.py` picks one).
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ import aiohttp
 
 from proxy.config import HttpUpstreamConfig
 from proxy.errors import UpstreamAuthError, UpstreamError, UpstreamTimeoutError
-from proxy.legacy import LegacyFront
-from proxy.legacy.passthrough import PassThrough
 from proxy.observability import Metrics
 from proxy.upstream.auth import AuthMode, UpstreamAuth
-from proxy.upstream.http.link import HttpLink, relay_client
+from proxy.upstream.http.link import HttpLink
 from proxy.upstream.http.session import HttpSession
-from proxy.upstream.session import PoolLimits, Room, Session
+from proxy.upstream.session import PoolLimits, Session
 
 PROBE_TIMEOUT_SECONDS: Final = 2.0  # a readiness probe's initialize; kubelet's own timeout is short too
 
@@ -77,11 +75,3 @@ class HttpKind(HttpLink):
                 return
             except UpstreamError as exc:  # readiness names where it asked (the path, never the query)
                 raise UpstreamError(f"{exc.message} (initialize at {self.url.path})", detail=exc.detail) from None
-
-    def legacy_front(self, room: Room) -> LegacyFront:
-        """Legacy clients are relayed verbatim, on an HTTP client of their own (`relay_client`)."""
-        relay_http = relay_client()
-        config = self.config
-        return PassThrough(
-            config.url, relay_http, config.headers, config.connect_timeout_seconds, config.call_timeout_seconds
-        )

@@ -40,7 +40,7 @@ from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, 
 from proxy.upstream.http.get_stream import GetStream, SessionGone, StreamEvent
 from proxy.upstream.http.link import HttpLink
 from proxy.upstream.http.request_stream import HttpRequestStream, read_body
-from proxy.upstream.lending import Lending, ListenStreams
+from proxy.upstream.lending import Lending, Subscribers
 from proxy.upstream.session import (
     CLIENT_CAPABILITIES,
     CLIENT_INFO,
@@ -70,8 +70,8 @@ class HttpSession:
         self.protocol_version: str = link.config.protocol_version
         self.initialize_result: JSON | None = None
         self.in_flight = 0  # calls open on this session right now
-        self.listen_streams = ListenStreams(self.request, link.tools_changed)
-        self.lending = Lending(self.listen_streams)  # the call the session is lent to gets its GET-stream traffic
+        self.subscribers = Subscribers(self.request, link.tools_changed)
+        self.lending = Lending(self.subscribers)  # the call the session is lent to gets its GET-stream traffic
         self._get_stream: GetStream | None = None
         self._lock = asyncio.Lock()
         self._cookies: aiohttp.CookieJar | None = None  # what the upstream set on this session (made on the first)
@@ -196,9 +196,9 @@ class HttpSession:
         if listen and session_id is not None:  # a stateless upstream has no standalone stream
             await self._listen(session_id)
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
-        if self.listen_streams.resources:
+        if self.subscribers.resources:
             # Not awaited here: initialize runs under the session lock, and these requests may need it.
-            self.link.spawn(self.listen_streams.resubscribe(), "upstream-resubscribe")
+            self.link.spawn(self.subscribers.resubscribe(), "upstream-resubscribe")
 
     async def _open_stream(self, last_event_id: str | None) -> aiohttp.ClientResponse:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.link.config.connect_timeout_seconds)
@@ -286,7 +286,7 @@ class HttpSession:
             # With listen streams waiting, start a new session now; otherwise the next request does. (Not from
             # the GET stream's task: initializing stops the old reader, i.e. cancels it.)
             self.forget(event.session_id)
-            if self.listen_streams.subscriptions:
+            if self.subscribers.subscriptions:
                 self.link.spawn(self.revive(), "upstream-session-revive")
             return
         await self.lending.route(event, self.respond, f"outside a request {STANDALONE_REFUSED}")

@@ -1,8 +1,8 @@
 """The stdio kind of upstream session for the pool: one server process is one session, and processes are
 costly, so they are bounded by `upstream.max_processes`, idle ones stopped after
 `upstream.process_idle_seconds`, and calls that cannot ask share one. Readiness asks the shared process for a
-`ping`; legacy clients get the proxy's own Streamable HTTP server (`legacy/stdio_server.py`). Imports the stdio
-link and session and that server; never the pool, aiohttp, the store or tasks.
+`ping`. Imports the stdio link and session; never the pool, aiohttp, the store, tasks or the servers legacy
+clients get (`legacy/serving.py` picks one).
 """
 
 from __future__ import annotations
@@ -15,10 +15,8 @@ from contextlib import AbstractAsyncContextManager
 
 from proxy.config import StdioUpstreamConfig
 from proxy.errors import UpstreamTimeoutError
-from proxy.legacy import LegacyFront
-from proxy.legacy.stdio_server import StdioLegacyServer
 from proxy.observability import Metrics
-from proxy.upstream.session import PoolLimits, Room, Session
+from proxy.upstream.session import PoolLimits, Session
 from proxy.upstream.stdio.link import StdioLink
 from proxy.upstream.stdio.session import StdioSession
 
@@ -66,8 +64,3 @@ class StdioKind(StdioLink):
                     raise UpstreamTimeoutError(
                         f"Upstream stdio server {self.program} did not answer ping within {timeout:g} s"
                     ) from None
-
-    def legacy_front(self, room: Room) -> LegacyFront:
-        """A stdio server has one client per process: the proxy serves legacy clients itself, one process
-        each, counted against `upstream.max_processes` through `room`."""
-        return StdioLegacyServer(self, room, self.config, self.principal_header, replay_bytes=self.legacy_replay_bytes)

@@ -38,7 +38,7 @@ from proxy.upstream.events import (
     UpstreamResult,
     UpstreamServerRequest,
 )
-from proxy.upstream.lending import Lending, ListenStreams
+from proxy.upstream.lending import Lending, Subscribers
 from proxy.upstream.session import CLIENT_CAPABILITIES, CLIENT_INFO, read_param_headers, read_task_support, request
 from proxy.upstream.stdio.link import CRASHING, StdioLink, not_initialized
 from proxy.upstream.stdio.process import ProcessExit, StdioProcess
@@ -133,8 +133,8 @@ class StdioSession:
         self.protocol_version: str = link.config.protocol_version
         self.initialize_result: JSON | None = None
         self.in_flight = 0
-        self.listen_streams = ListenStreams(self.request, link.tools_changed)
-        self.lending = Lending(self.listen_streams)  # a process cannot outlive the proxy: a kept one is stopped too
+        self.subscribers = Subscribers(self.request, link.tools_changed)
+        self.lending = Lending(self.subscribers)  # a process cannot outlive the proxy: a kept one is stopped too
         self.process: StdioProcess | None = None
         self._calls: dict[int, StdioRequestStream] = {}  # request id (also the progress token it carries) → call
         self._asked: set[RequestId] = set()  # the running process's questions not answered yet
@@ -214,8 +214,8 @@ class StdioSession:
             upstream=process.name,
             start_seconds=round(time.monotonic() - started, 2),
         )
-        if self.listen_streams.resources:
-            self.link.spawn(self.listen_streams.resubscribe(), "upstream-resubscribe")
+        if self.subscribers.resources:
+            self.link.spawn(self.subscribers.resubscribe(), "upstream-resubscribe")
 
     async def _initialize(self) -> JSON:
         params = {
@@ -271,7 +271,7 @@ class StdioSession:
         if exited.requested:
             return
         self.link.crashed(exited.lived_seconds)
-        if self.listen_streams.subscriptions and not self._closed:
+        if self.subscribers.subscriptions and not self._closed:
             self.link.spawn(self._revive(), "upstream-session-revive")
 
     async def _revive(self) -> None:
