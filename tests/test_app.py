@@ -15,7 +15,7 @@ import structlog.testing
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy.app import host_allowed, origin_allowed
+from proxy.admission import host_allowed, origin_allowed
 from proxy.drain import DRAIN
 from tests.support.processes import Upstream
 from tests.support.schemas import SCHEMA_DIR, ModernSchema

@@ -10,7 +10,8 @@ import yaml
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel
 
-from proxy.app import FRONT, RUNNER, create_app
+from proxy.app import create_app
+from proxy.app_keys import FRONT, RUNNER
 from proxy.config import Config, load_config
 from proxy.live_config import APPLIED, FIXED, FIXED_KEY, INVALID, UNCHANGED, LiveConfig, changed_fields, is_fixed
 from tests.support.processes import Upstream
