@@ -23,6 +23,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry, Gauge
 
+from proxy.background import Background
 from proxy.edge import MCP_METHOD, Handler
 from proxy.errors import DrainingError
 from proxy.live_config import SIGHUP_TRIGGER, LiveConfig
@@ -56,7 +57,7 @@ class Drain:
         self.open_calls: Callable[[], int] = lambda: 0  # set by the app once the runner exists
         self.requests: dict[int, web.Request] = {}  # by id(): a request is not hashable
         self._began = 0.0
-        self._watcher: asyncio.Task[None] | None = None
+        self._background = Background("drain_watch_failed")  # the drain's watch, cancelled by `close`
         self.began = asyncio.Event()  # the first SIGTERM or SIGINT came
         self.drained = asyncio.Event()  # nothing of its own runs any more, or the drain ran out
         self.stopped = asyncio.Event()  # the serve loop stops the app
@@ -106,7 +107,11 @@ class Drain:
                 file=sys.stderr,
                 flush=True,
             )
-        self._watcher = asyncio.get_running_loop().create_task(self._watch(seconds), name="drain")
+        self._background.spawn(self._watch(seconds), "drain")
+
+    async def close(self) -> None:
+        """The serve loop stops: a drain still watching is cancelled."""
+        await self._background.close()
 
     async def _watch(self, seconds: float) -> None:
         deadline = self._began + seconds
@@ -236,7 +241,8 @@ async def serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, drain.begin, signum)
     loop.add_signal_handler(signal.SIGHUP, drain.live.reload, SIGHUP_TRIGGER)
-    watcher = loop.create_task(drain.live.watch(), name="config-watch")
+    background = Background("config_watch_failed")
+    background.spawn(drain.live.watch(), "config-watch")
     try:
         await runner.setup()
         try:
@@ -253,7 +259,8 @@ async def serve(
         finally:
             await runner.cleanup()
     finally:
-        watcher.cancel()
+        await background.close()
+        await drain.close()
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(signum)
 
