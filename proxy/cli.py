@@ -189,9 +189,9 @@ def serve(config: Config, path: str | None = None, overrides: dict[str, dict[str
 
     from proxy import startup, tracing_setup
     from proxy.app import create_app
-    from proxy.drain import serve as serve_app
     from proxy.live_config import LiveConfig
     from proxy.observability import configure_logging
+    from proxy.serve import serve as serve_app
     from proxy.tasks.store import StoreError, StoreLockedError
 
     configure_logging(config.logging)

@@ -1,21 +1,19 @@
-"""Drain on SIGTERM: the state readiness, admission and `/drainz` read, and the process's serve loop.
+"""Drain on SIGTERM: the state readiness, admission and `/drainz` read (the serve loop is `serve.py`).
 
 On SIGTERM (or SIGINT) the replica turns unready, refuses new work with 503 + Retry-After, serves what it
 holds (task lookups and updates, MRTR retries, listen streams, legacy sessions), and stops as soon as nothing of
-its own runs, at the latest after `tasks.drain_seconds`. A second signal ends the drain at once. SIGHUP reloads
-the config (`live_config.py`). Imports aiohttp's web side, the config holder, the errors and the wire; nothing
-of the tasks (the app hands it a count of open calls).
+its own runs, at the latest after `tasks.drain_seconds`. A second signal ends the drain at once. Imports
+aiohttp's web side, the config holder, the errors and the wire; nothing of the tasks (the app hands it a count
+of open calls).
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
-import gc
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Final
 
 import structlog
@@ -23,19 +21,15 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry, Gauge
 
+from proxy.background import Background
 from proxy.edge import MCP_METHOD, Handler
 from proxy.errors import DrainingError
-from proxy.live_config import SIGHUP_TRIGGER, LiveConfig
-from proxy.startup import EXIT_CANNOT_LISTEN, StartFailure
+from proxy.live_config import LiveConfig
 from proxy.wire.envelope import ModernRequest
 
 log = structlog.get_logger(__name__)
 
 CHECK_SECONDS: Final = 0.05  # how often a drain looks whether anything of its own still runs
-# Connections accepted just before the listener closed get this long for their request to arrive, so it is
-# answered (a new call with 503 and Retry-After) rather than cut as an idle connection.
-SETTLE_SECONDS: Final = 0.1
-YOUNG_COLLECTION: Final = 10_000  # allocations between collections of the youngest generation (CPython: 700)
 DRAINZ_MARGIN_SECONDS: Final = 5.0  # /drainz waits this much for a drain to begin (SIGTERM may reach it later)
 NEW_WORK: Final = frozenset({"tools/call", "prompts/get", "resources/read"})  # without requestState: a new call
 STREAMS: Final = frozenset({"subscriptions/listen"})  # long-lived: a drain does not wait for them
@@ -56,7 +50,7 @@ class Drain:
         self.open_calls: Callable[[], int] = lambda: 0  # set by the app once the runner exists
         self.requests: dict[int, web.Request] = {}  # by id(): a request is not hashable
         self._began = 0.0
-        self._watcher: asyncio.Task[None] | None = None
+        self._background = Background("drain_watch_failed")  # the drain's watch, cancelled by `close`
         self.began = asyncio.Event()  # the first SIGTERM or SIGINT came
         self.drained = asyncio.Event()  # nothing of its own runs any more, or the drain ran out
         self.stopped = asyncio.Event()  # the serve loop stops the app
@@ -106,7 +100,11 @@ class Drain:
                 file=sys.stderr,
                 flush=True,
             )
-        self._watcher = asyncio.get_running_loop().create_task(self._watch(seconds), name="drain")
+        self._background.spawn(self._watch(seconds), "drain")
+
+    async def close(self) -> None:
+        """The serve loop stops: a drain still watching is cancelled."""
+        await self._background.close()
 
     async def _watch(self, seconds: float) -> None:
         deadline = self._began + seconds
@@ -195,83 +193,3 @@ async def drainz(request: web.Request) -> web.Response:
 
 
 DRAIN: Final = web.AppKey("drain", Drain)
-
-
-# --- the serve loop --------------------------------------------------------------------------------------
-
-
-def settle_collector() -> None:
-    """Once started: what the start made (modules, schemas, the config, pools) lives as long as the process, so it
-    is frozen out of the cyclic collector's way (its full passes walked all of it), and the youngest generation
-    is collected every YOUNG_COLLECTION allocations instead of 700 (a modern call makes hundreds of objects, and
-    most are gone before a collection comes). Together they took the collector from about a tenth of a modern
-    call's CPU to a few per cent (`python -m benchmarks.instructions`)."""
-    gc.collect()
-    gc.freeze()
-    _, middle, old = gc.get_threshold()
-    gc.set_threshold(YOUNG_COLLECTION, middle, old)
-
-
-async def serve(
-    app: web.Application,
-    host: str,
-    port: int,
-    shutdown_seconds: float,
-    start_line: Mapping[str, object] | None = None,
-) -> None:
-    """Serve `app` until its drain ends: SIGTERM/SIGINT drain, SIGHUP reloads the config. Then requests still
-    open get `shutdown_seconds`, listen streams end, and the app's cleanup stops the runner, the store and
-    (last) stdio servers. Once it listens, the `started` line: `start_line`'s fields and the endpoint. An address
-    that cannot be bound is a StartFailure (exit code 3)."""
-    runner = web.AppRunner(
-        app,
-        handle_signals=False,
-        access_log=None,
-        handler_cancellation=True,  # A client that closes its stream cancels its request (2026-07-28 cancellation).
-        shutdown_timeout=shutdown_seconds,
-    )
-    drain = app[DRAIN]
-    loop = asyncio.get_running_loop()
-    # From the start: a SIGTERM during start-up (store, recovery) is a drain with nothing to wait for.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, drain.begin, signum)
-    loop.add_signal_handler(signal.SIGHUP, drain.live.reload, SIGHUP_TRIGGER)
-    watcher = loop.create_task(drain.live.watch(), name="config-watch")
-    try:
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, host, port)
-            try:
-                await site.start()
-            except OSError as exc:
-                raise StartFailure(EXIT_CANNOT_LISTEN, _bind_reason(exc), _bind_message(host, port, exc)) from None
-            settle_collector()
-            log.info("started", **(start_line or {}), endpoint=endpoint(runner, host, port, drain.mcp_path))
-            await drain.stopped.wait()
-            await site.stop()  # no new connections: a balancer that still sends here gets a refusal it may retry
-            await asyncio.sleep(SETTLE_SECONDS)
-        finally:
-            await runner.cleanup()
-    finally:
-        watcher.cancel()
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(signum)
-
-
-def endpoint(runner: web.AppRunner, host: str, port: int, path: str) -> str:
-    """The URL the proxy listens on (the bound port, also when `listen.port` is 0 and the system picked one)."""
-    bound = next((address[1] for address in runner.addresses if isinstance(address, tuple)), port)
-    shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
-    return f"http://{shown}:{bound}{path}"
-
-
-def _bind_reason(exc: OSError) -> str:
-    return {errno.EADDRINUSE: "port_in_use", errno.EACCES: "permission_denied"}.get(exc.errno or 0, "cannot_bind")
-
-
-def _bind_message(host: str, port: int, exc: OSError) -> str:
-    if exc.errno == errno.EADDRINUSE:
-        return f"port {port} on {host} is in use by another process (set listen.port or --port)"
-    if exc.errno == errno.EACCES:
-        return f"no permission to listen on {host}:{port} (ports below 1024 need privileges; set listen.port)"
-    return f"cannot listen on {host}:{port}: {exc.strerror or exc} (set listen.host or --host)"

@@ -14,9 +14,9 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from proxy.background import Background
 from proxy.config import TasksConfig
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
-from proxy.tasks.background import Background
 from proxy.tasks.commands import Admitted, Event, Queued, QueueMoved
 from proxy.tasks.effects.admission import POSITION_SECONDS, POSITIONS_TOLD, Admission, Caps
 from proxy.tasks.live_call import LiveCall, known, new_call

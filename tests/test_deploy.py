@@ -31,7 +31,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from proxy.app import host_allowed
+from proxy.admission import host_allowed
 from proxy.cli import flag_overrides, main, parse_args
 from proxy.config import Config, HttpUpstreamConfig
 from proxy.config_loader import load_config

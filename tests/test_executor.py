@@ -18,12 +18,12 @@ from typing import Any, cast, get_args
 
 import pytest
 
+from proxy.background import Background
 from proxy.config import Config
 from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskLimitError
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
 from proxy.principals import Principals
 from proxy.tasks import inputs
-from proxy.tasks.background import Background
 from proxy.tasks.calls import CallStarter
 from proxy.tasks.commands import (
     CancelCall,

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from proxy.app import UPSTREAM
+from proxy.app_keys import UPSTREAM
 from tests.support.clients import ClientFactory, Tasks, meta, rpc, task_state, task_until
 from tests.support.processes import ProxyProcess, Upstream, key_file
 from tests.support.waiting import until

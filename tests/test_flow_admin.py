@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 import yaml
 
-from proxy.app import ADMIN
+from proxy.app_keys import ADMIN
 from proxy.cli import main
 from tests.support.browser import CHROMIUM, Browser, dump_dom
 from tests.support.clients import ClientFactory, Tasks

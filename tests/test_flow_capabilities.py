@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from proxy.app import UPSTREAM
+from proxy.app_keys import UPSTREAM
 from tests.support.clients import Tasks, upstream_calls_open
 from tests.support.processes import Upstream, stdio_upstream
 from tests.support.schemas import ModernSchema, SchemaValidator

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from proxy.app import CONFIG
+from proxy.app_keys import CONFIG
 from proxy.cli import main
 from tests import pg
 from tests.support.clients import ClientFactory, Tasks

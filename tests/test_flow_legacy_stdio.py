@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy.app import PASSTHROUGH
+from proxy.app_keys import PASSTHROUGH
 from proxy.legacy.stdio_server import StdioLegacyServer
 from tests.support.processes import Upstream, children, stdio_upstream
 from tests.support.sdk import run_session

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy.app import UPSTREAM
+from proxy.app_keys import UPSTREAM
 from tests.support.clients import post_and_leave
 from tests.support.processes import Upstream
 from tests.support.schemas import ModernSchema

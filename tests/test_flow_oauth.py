@@ -17,7 +17,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from yarl import URL
 
-from proxy.app import UPSTREAM, create_app
+from proxy.app import create_app
+from proxy.app_keys import UPSTREAM
 from tests.support.oauth import ISSUER, Issuer
 from tests.support.processes import Upstream, free_port, key_file, proxy_config
 from tests.support.wire import modern_body, modern_headers, read_messages

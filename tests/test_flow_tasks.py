@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from proxy.app import CONFIG, FRONT, STORE
+from proxy.app_keys import CONFIG, FRONT, STORE
 from proxy.policy import decide
 from proxy.tasks import waiting as waiting_module
 from proxy.tasks.request import UpstreamRequest

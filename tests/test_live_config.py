@@ -15,7 +15,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel
 
-from proxy.app import FRONT, RUNNER, create_app
+from proxy.app import create_app
+from proxy.app_keys import FRONT, RUNNER
 from proxy.config import Config
 from proxy.config_loader import load_config
 from proxy.live_config import (

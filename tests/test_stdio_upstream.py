@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.app import UPSTREAM
+from proxy.app_keys import UPSTREAM
 from proxy.cli import main
 from proxy.config import StdioUpstreamConfig
 from proxy.config_loader import load_config

@@ -19,13 +19,13 @@ from typing import Any, Final, TypeVar
 import structlog
 
 from proxy.audit import AuditLog
+from proxy.background import Background
 from proxy.config import Config
 from proxy.observability import Metrics
 from proxy.principals import Principals
 from proxy.tasks import commands as c
 from proxy.tasks import inputs
 from proxy.tasks.audit_trail import AuditTrail
-from proxy.tasks.background import Background
 from proxy.tasks.calls import CallStarter
 from proxy.tasks.context import TasksContext
 from proxy.tasks.durations import Durations

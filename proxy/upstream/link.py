@@ -1,10 +1,10 @@
 """What every session of one upstream shares, whatever its kind: the link.
 
-A link holds background work (named, referenced until done, cancelled on close: the one place `upstream/`
-starts background tasks) and what the upstream said most recently: serverInfo and the whole InitializeResult
-(server/discover), the `x-mcp-header` catalog of its tools with each tool's `execution.taskSupport`
-(`ToolCatalog`; the pool keeps one per caller when the catalog may not be shared), when it last answered
-(readiness), and whether what it said may serve every caller (`auth.py`). Each kind's link
+A link owns background work (a `background.Background`: named, referenced until done, cancelled on close;
+upstream/ starts background tasks only through its link) and what the upstream said most recently: serverInfo
+and the whole InitializeResult (server/discover), the `x-mcp-header` catalog of its tools with each tool's
+`execution.taskSupport` (`ToolCatalog`; the pool keeps one per caller when the catalog may not be shared), when
+it last answered (readiness), and whether what it said may serve every caller (`auth.py`). Each kind's link
 (`http/link.py`, `stdio/link.py`) adds its transport. Imports the wire, observability and the auth decision; no
 aiohttp, no session kind.
 """
@@ -17,8 +17,7 @@ import time
 from collections.abc import Coroutine, Iterator
 from typing import Any, Final
 
-import structlog
-
+from proxy.background import Background
 from proxy.errors import UpstreamAuthError, UpstreamError, UpstreamTimeoutError
 from proxy.observability import Metrics, method_label
 from proxy.upstream.auth import UpstreamAuth
@@ -26,8 +25,6 @@ from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.translate import implementation
-
-log = structlog.get_logger(__name__)
 
 PARAM_HEADERS_REFRESH_SECONDS: Final = 5.0  # an unknown tool re-reads tools/list at most this often
 
@@ -72,7 +69,7 @@ class LinkBase:
     metrics: Metrics | None  # set by each kind's link
 
     def __init__(self) -> None:
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._background = Background("upstream_background_task_failed")
         self.server_info: JSON | None = None
         self.initialize_result: JSON | None = None
         self.initialized_at = 0.0  # monotonic time of that initialize
@@ -123,17 +120,7 @@ class LinkBase:
         self.tools_generation += 1
 
     def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(coroutine, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._reap)
-        return task
-
-    def _reap(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("upstream_background_task_failed", task=task.get_name(), error=repr(task.exception()))
+        return self._background.spawn(coroutine, name)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._background.close()

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from proxy.app import UPSTREAM
+from proxy.app_keys import UPSTREAM
 from proxy.config import Config
 from proxy.config_loader import load_config
 from proxy.upstream.stdio.session import StdioSession

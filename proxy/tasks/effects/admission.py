@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, TypeVar
 
+from proxy.background import Background
 from proxy.config import TasksConfig
 from proxy.errors import QueueTimeoutError
 from proxy.observability import Metrics
@@ -64,7 +65,8 @@ class Admission:
         self.caps = caps  # read at each admission: a live reload swaps what it returns
         self.feed = feed
         self.metrics = metrics  # the queue's depth by tool, and how long queued calls waited
-        self.spawner = spawner  # runs the telling of new places (None: a task of the loop's own)
+        # Runs the telling of new places (None: an owner of its own, for an Admission used alone).
+        self.spawner: Spawner = spawner if spawner is not None else Background()
         self._holders: dict[LiveCall, float] = {}  # since when (monotonic seconds) each holds its slot
         self._queues: dict[str, deque[Waiter]] = {}  # by caller, in the order of the round
         self._by_tool: dict[str, int] = {}  # holders of each tool (of tools/call), so a cap set later counts them
@@ -235,10 +237,7 @@ class Admission:
         self._moved = True
         if (self._telling is None or self._telling.done()) and self._told:
             telling = self._tell_places()
-            if self.spawner is not None:
-                self._telling = self.spawner.spawn(telling, "queue-places")
-            else:
-                self._telling = asyncio.get_running_loop().create_task(telling, name="queue-places")
+            self._telling = self.spawner.spawn(telling, "queue-places")
 
     async def _tell_places(self) -> None:
         while self._moved and self._told:

@@ -10,8 +10,8 @@ itself. Either HTTP client's failures become UpstreamErrors (`answers.py`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Final, Protocol
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, Final, Protocol
 
 import structlog
 
@@ -31,8 +31,6 @@ MAX_RESUMPTIONS: Final = 5
 DRAIN_SECONDS: Final = 5.0
 DRAIN_MAX_BYTES: Final = 1 << 16
 
-_draining: set[asyncio.Task[None]] = set()  # strong references until each drain ends
-
 
 class StreamTransport(Protocol):
     """What a call needs from the session it runs on."""
@@ -44,6 +42,10 @@ class StreamTransport(Protocol):
     async def notify(self, method: str, params: JSON | None) -> None: ...
 
     async def resume(self, last_event_id: str) -> Answer: ...
+
+    def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Background work the session's link owns (cancelled when the link closes)."""
+        ...
 
 
 class HttpRequestStream:
@@ -97,9 +99,7 @@ class HttpRequestStream:
             response.release()
         elif self.finished and response.media_type == "text/event-stream":
             self._handed_off = True
-            task = asyncio.get_running_loop().create_task(_drain(response))
-            _draining.add(task)
-            task.add_done_callback(_draining.discard)
+            self.transport.spawn(_drain(response), "upstream-stream-drain")
         else:
             response.close()  # an unread body: the connection cannot carry another request
 

@@ -18,8 +18,8 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
-from typing import Final, NamedTuple
+from collections.abc import AsyncIterator, Coroutine, Mapping
+from typing import Any, Final, NamedTuple
 
 import aiohttp
 import structlog
@@ -292,6 +292,10 @@ class HttpSession:
         await self.lending.route(event, self.respond, f"outside a request {STANDALONE_REFUSED}")
 
     # --- requests ------------------------------------------------------------------------------------------
+
+    def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Background work of one of this session's requests, owned by the link (cancelled when it closes)."""
+        return self.link.spawn(coroutine, name)
 
     async def resume(self, last_event_id: str) -> Answer:
         """Continue a request's SSE stream the upstream closed early (GET + Last-Event-ID)."""
