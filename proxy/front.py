@@ -67,7 +67,7 @@ class Front:
         self.upstream = upstream
         self.runner = runner
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
-        self.calls = WaitingRequests(runner.calls, self.cache)
+        self.waiting = WaitingRequests(runner.starter, self.cache)
         self.listens = ListenStreams(lambda: current().limits, upstream, runner, watchers)
         self.keys = idempotency.IdempotencyKeys(
             runner.store,
@@ -127,7 +127,7 @@ class Front:
         check_param_headers(caller.headers, request.params.get("arguments"), facts.param_headers)
         server_info = translate.implementation(facts.initialize_result)
         if "requestState" in request.params:
-            return await self.calls.resume(upstream, caller, channel, server_info)
+            return await self.waiting.resume(upstream, caller, channel, server_info)
         if upstream.name in self.config.jobs:  # a legacy job family's start tool: a task the proxy follows
             decision = decide_job(self.config.tasks, upstream.name, declares_tasks=request.declares_tasks)
         else:
@@ -139,14 +139,14 @@ class Front:
             )
         key = caller.headers.get(idempotency.HEADER)  # without one, nothing more is done than this lookup
         if key is None or not self.config.idempotency.enabled:
-            return await self.calls.call(upstream, caller, channel, decision, server_info)
+            return await self.waiting.call(upstream, caller, channel, decision, server_info)
         return await self.keys.serve(
             self.config.idempotency,
             key,
             request,
             caller,
             channel,
-            lambda keyed: self.calls.call(upstream, caller, keyed, decision, server_info),
+            lambda keyed: self.waiting.call(upstream, caller, keyed, decision, server_info),
         )
 
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
@@ -156,8 +156,8 @@ class Front:
         server_info = translate.implementation(initialize_result)
         upstream = UpstreamRequest.of(request, caller)
         if "requestState" in request.params:
-            return await self.calls.resume(upstream, caller, channel, server_info)
-        return await self.calls.call(upstream, caller, channel, None, server_info)
+            return await self.waiting.resume(upstream, caller, channel, server_info)
+        return await self.waiting.call(upstream, caller, channel, None, server_info)
 
     async def list_tools(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """The upstream's tools, less the helpers of job families with `hide_helpers` (the proxy drives them)."""

@@ -24,7 +24,6 @@ from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskL
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
 from proxy.principals import Principals
 from proxy.tasks import inputs
-from proxy.tasks.calls import CallStarter
 from proxy.tasks.commands import (
     CancelCall,
     ClearTimer,
@@ -63,6 +62,7 @@ from proxy.tasks.recovery import Recovery
 from proxy.tasks.replica_inbox import ReplicaInbox
 from proxy.tasks.replicas import ReplicaLink
 from proxy.tasks.runner import TaskRunner
+from proxy.tasks.starting import CallStarter
 from proxy.tasks.state import CallState
 from proxy.tasks.store import Fence, SqliteTaskStore
 from proxy.tasks.table import CallTable
@@ -459,7 +459,7 @@ async def runner_on(tmp_path: Path, store: SqliteTaskStore, session: CrashingSes
 
 async def started(runner: TaskRunner, decision: Decision) -> LiveCall:
     call = make_call(decision, caller=runner.principals.key_of(None))
-    call.state = runner.calls.state(decision, {}, None, None)
+    call.state = runner.starter.state(decision, {}, None, None)
     call.client.reply = asyncio.get_running_loop().create_future()
     runner.table.add(call)
     await runner.executor.submit(call, Start())

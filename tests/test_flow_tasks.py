@@ -171,7 +171,7 @@ async def test_a_client_leaving_during_creation_leaves_no_orphan_record(tasks_cl
     decision = decide(app[CONFIG].tasks, "counted", declares_tasks=True)
     await client.text("echo", {"text": "warm"})  # the upstream session exists
     creating = asyncio.get_running_loop().create_task(
-        app[FRONT].calls.call(UpstreamRequest.of(request, Caller()), Caller(), Silent(), decision, None)
+        app[FRONT].waiting.call(UpstreamRequest.of(request, Caller()), Caller(), Silent(), decision, None)
     )
     await asyncio.sleep(0)  # creation has begun
     creating.cancel()

@@ -20,9 +20,10 @@ a call that may become a task becomes one at once and its record says it is queu
 up to the queue's budget (`Timer.QUEUE`), then gets the queue's refusal (503); `QueueMoved` brings its new
 place (a task's record says it), and `Admitted` says it goes.
 
-The state it keeps is `state.py`; the steps its handlers share are `steps.py`. Imports those, the policy, the
-input-bridging rules (`inputs.py`), the upstream task (`upstream_task.py`), the upstream event types and
-the wire; nothing that does I/O.
+The state it keeps is `state.py`; the steps its handlers share are `steps.py`; the handlers of a call that
+follows the upstream's task are `following.py`, those of a queued call `queueing.py`. Imports those, the
+policy, the input-bridging rules (`inputs.py`), the upstream task (`upstream_task.py`), the upstream event types
+and the wire; nothing that does I/O.
 """
 
 from __future__ import annotations
@@ -31,14 +32,12 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from proxy.errors import InvalidParamsError
-from proxy.tasks import inputs, steps
+from proxy.tasks import following, inputs, queueing, steps
 from proxy.tasks.commands import (
     STORE_WRITES,
     Admitted,
     Answered,
     Asked,
-    CallOutcome,
-    CancelUpstreamTask,
     ClearTimer,
     ClientLeft,
     Command,
@@ -46,7 +45,6 @@ from proxy.tasks.commands import (
     Committed,
     Ended,
     Event,
-    FollowUpstreamTask,
     HoldSlot,
     LeaseLost,
     Mode,
@@ -63,7 +61,6 @@ from proxy.tasks.commands import (
     RemoteCancel,
     ReplyError,
     ReplyInputRequired,
-    ReplyMissing,
     ReplyOutcome,
     ReplyTask,
     Resumed,
@@ -77,7 +74,6 @@ from proxy.tasks.commands import (
     UpstreamTaskCreated,
     UpstreamTaskPolled,
     WriteProgress,
-    WriteQueue,
 )
 from proxy.tasks.inputs import PendingInput
 from proxy.tasks.state import (
@@ -86,8 +82,6 @@ from proxy.tasks.state import (
     MAX_OUTSTANDING_INPUTS,
     PARKED_EXPIRED,
     PROGRESS_WRITE_INTERVAL_MS,
-    QUEUE_TIMED_OUT,
-    STARTED,
     TASK_REFUSED,
     CallState,
 )
@@ -96,7 +90,6 @@ from proxy.upstream.events import UpstreamErrorResponse
 from proxy.wire import legacy_tasks, translate
 from proxy.wire import tasks as wire_tasks
 from proxy.wire.jsonrpc import JSON
-from proxy.wire.legacy_tasks import LegacyTask
 from proxy.wire.tasks import TaskRecord
 
 
@@ -164,7 +157,7 @@ def _start(state: CallState, event: Start) -> list[Command]:
         state.mode = Mode.TASK
         state.client_waiting = False
         if state.upstream_task is not None:
-            return _follow_again(state)
+            return following.follow_again(state)
         return steps.start_call(state)
     if state.decision.upstream_task:
         return steps.start_call(state)  # the record, or the window, once the upstream said it runs the task
@@ -174,19 +167,6 @@ def _start(state: CallState, event: Start) -> list[Command]:
     window_ms = state.decision.window_ms
     if window_ms is not None:
         commands += steps.set_window(state, window_ms)
-    return commands
-
-
-def _follow_again(state: CallState) -> list[Command]:
-    """After a restart: the upstream's task, on its stored session, is followed again and asked for its status
-    at once; the questions it asked before are shown again (their upstream ids were stored)."""
-    assert state.upstream_task is not None
-    state.started = True
-    state.running = True
-    state.upstream_task.following = True
-    commands: list[Command] = [FollowUpstreamTask(), PollUpstreamTask()]
-    if state.inputs:
-        commands += steps.write_inputs(state)
     return commands
 
 
@@ -227,7 +207,7 @@ def _notified(state: CallState, event: Notified) -> list[Command]:
     if state.upstream_task is not None:
         reported = legacy_tasks.status_notification(event.message, state.upstream_task.task_id)
         if reported is not None:
-            return _upstream_status(state, reported)
+            return following.upstream_status(state, reported)
     if event.message.get("method") == legacy_tasks.STATUS_NOTIFICATION:
         return []  # about a task this call does not follow (or not yet)
     if state.mode is Mode.WAITING and state.client_waiting:
@@ -247,35 +227,13 @@ def _notified(state: CallState, event: Notified) -> list[Command]:
 def _ended(state: CallState, event: Ended) -> list[Command]:
     upstream_task = state.upstream_task
     if upstream_task is None or not upstream_task.following or not state.running:
-        return _end(state, event.outcome)
+        return steps.end(state, event.outcome)
     upstream_task.following = False  # tasks/result answered: the upstream's task is over
     outcome = upstream_task.outcome(event.outcome)
     if outcome is None:  # an answer that is no tool result, and the task's status is not known yet
         upstream_task.final = event.outcome
         return [PollUpstreamTask()]
-    return _end(state, outcome)
-
-
-def _end(state: CallState, outcome: CallOutcome) -> list[Command]:
-    if not state.running:
-        return []  # the call was abandoned already: how its stream ended changes nothing
-    state.running = False
-    state.outcome = outcome
-    state.inputs.clear()  # questions of an ended call can no longer be answered
-    commands = [*steps.clear_window(state), *steps.clear_poll(state)]
-    if state.committing:
-        return commands  # settled once the record is there (`Committed`)
-    if state.task_id is not None:
-        commands.append(steps.task_settlement(state, outcome))
-    if state.mode is Mode.WAITING and state.client_waiting:
-        decision = state.decision
-        if decision.asks_by_mrtr and state.missing:
-            commands += steps.release(state, ReplyMissing(steps.merged(state.missing)))
-        elif decision.task_when_done and state.task_id is None:
-            commands += steps.create_record(state)
-        else:
-            commands += steps.release(state, ReplyOutcome(outcome))
-    return commands
+    return steps.end(state, outcome)
 
 
 def _timer_fired(state: CallState, event: TimerFired) -> list[Command]:
@@ -289,7 +247,7 @@ def _timer_fired(state: CallState, event: TimerFired) -> list[Command]:
     if event.timer is Timer.POLL:
         return [PollUpstreamTask()] if state.running and state.upstream_task is not None else []
     if event.timer is Timer.QUEUE:
-        return _queue_timed_out(state)
+        return queueing.queue_timed_out(state)
     if state.mode is not Mode.PARKED:
         return []
     state.mode = Mode.DETACHED  # nobody resumed the parked call in time
@@ -318,7 +276,7 @@ def _committed(state: CallState, event: Committed) -> list[Command]:
     if not state.inputs_written and state.running:
         commands += steps.write_inputs(state)
     if state.queued and not state.queue_written and state.running:
-        commands += _write_queued(state)
+        commands += queueing.write_queued(state)
     if state.started and not state.running and state.mode is not Mode.DETACHED:
         commands.append(
             steps.task_settlement(state, state.outcome)
@@ -402,61 +360,6 @@ def _shut_down(state: CallState, event: ShutDown) -> list[Command]:
     return [*steps.clear_poll(state), ReleaseCall(keep_session=True)]
 
 
-def _upstream_task_created(state: CallState, event: UpstreamTaskCreated) -> list[Command]:
-    """The upstream runs the call as its own task: follow it (its tasks/result, and tasks/get when it is silent).
-    A task at once (or poll-to-sync) gets its record now; a window starts now; questions already gathered for a
-    window call make it a task now."""
-    upstream_task = state.upstream_task = UpstreamTask.created(event.task, event.at_ms)
-    if not state.running:  # abandoned while the upstream was creating it: nobody will follow it
-        upstream_task.following = False
-        return [CancelUpstreamTask(CLIENT_LEFT)]
-    commands: list[Command] = [FollowUpstreamTask(), SetTimer(Timer.POLL, upstream_task.poll_interval_ms)]
-    if state.mode is not Mode.WAITING or not state.client_waiting or state.committing or state.task_id is not None:
-        return commands
-    decision = state.decision
-    if decision.task_first or (state.inputs and not decision.asks_by_mrtr and not state.gathering):
-        return [*commands, *steps.create_record(state)]
-    if decision.window_ms is not None:
-        commands += steps.set_window(state, decision.window_ms)
-    return commands
-
-
-def _upstream_task_polled(state: CallState, event: UpstreamTaskPolled) -> list[Command]:
-    upstream_task = state.upstream_task
-    if upstream_task is None or not state.running:
-        return []
-    if not event.known:  # the upstream dropped the task (or its whole session)
-        if upstream_task.final is not None:
-            return _end(state, upstream_task.forgotten())  # tasks/result answered: nothing left to stop
-        upstream_task.following = False
-        return [ReleaseCall(), *_end(state, upstream_task.forgotten())]
-    if event.task is None:  # not reachable this time: ask again later
-        return [SetTimer(Timer.POLL, upstream_task.poll_interval_ms)]
-    return _upstream_status(state, event.task)
-
-
-def _upstream_status(state: CallState, task: LegacyTask) -> list[Command]:
-    """A status report of the upstream task: a new statusMessage reaches the record; the outcome still comes
-    from tasks/result (unless it already came and waited for this status). Silence for the upstream's
-    pollInterval is met with tasks/get."""
-    upstream_task = state.upstream_task
-    if upstream_task is None or not state.running:
-        return []
-    changed = upstream_task.seen(task)
-    if upstream_task.final is not None:
-        outcome = upstream_task.outcome(upstream_task.final)
-        if outcome is not None:
-            upstream_task.final = None
-            return _end(state, outcome)
-        return [SetTimer(Timer.POLL, upstream_task.poll_interval_ms)]
-    commands: list[Command] = []
-    if changed and state.task_id is not None and state.mode is not Mode.DETACHED and upstream_task.status_message:
-        commands.append(WriteProgress(upstream_task.status_message))
-    if not task.terminal:
-        commands.append(SetTimer(Timer.POLL, upstream_task.poll_interval_ms))
-    return commands
-
-
 def _remote_cancel(state: CallState, event: RemoteCancel) -> list[Command]:
     """Settled by another replica: a call still running (or parked, or with a client waiting) is stopped, as a
     local cancel stops it; one that has ended already has nothing to stop."""
@@ -492,66 +395,6 @@ def _lease_lost(state: CallState, event: LeaseLost) -> list[Command]:
     return _shut_down(state, ShutDown(LEASE_LOST))
 
 
-def _queued(state: CallState, event: Queued) -> list[Command]:
-    """The upstream request waits for a slot (`upstream.max_concurrent_calls`). A call that may become a task
-    (its client declared the extension) becomes one at once, whatever its window, and its record says it is
-    queued and its place; a task says so too. A synchronous caller waits its turn up to the queue's budget."""
-    if not state.running:
-        return []
-    state.queued = True
-    state.queued_ahead = event.ahead
-    if state.task_id is not None:
-        return _write_queued(state)
-    if state.committing or state.mode is not Mode.WAITING or not state.client_waiting:
-        return []  # a record being written says it once it is there (`Committed`)
-    if state.decision.may_become_task and not state.decision.holds_client:
-        return steps.create_record(state)
-    state.queue_refusal = event.refusal
-    state.queue_timer_set = True
-    return [SetTimer(Timer.QUEUE, event.wait_ms)]
-
-
-def _write_queued(state: CallState) -> list[Command]:
-    if state.fenced or state.mode is Mode.DETACHED:
-        return []
-    state.queue_written = True
-    return [WriteQueue(True, wire_tasks.queued_status_message(state.queued_ahead))]
-
-
-def _queue_moved(state: CallState, event: QueueMoved) -> list[Command]:
-    """The call's place in the queue changed: a task's record says its new place (a record still being
-    written says the latest once it is there)."""
-    if not state.queued or not state.running or event.ahead == state.queued_ahead:
-        return []
-    state.queued_ahead = event.ahead
-    if not state.queue_written or state.fenced or state.mode is Mode.DETACHED:
-        return []
-    return [WriteProgress(wire_tasks.queued_status_message(event.ahead))]
-
-
-def _admitted(state: CallState, event: Admitted) -> list[Command]:
-    """The queued call got its slot and its request goes upstream now; a task's record says it started."""
-    state.queued = False
-    commands: list[Command] = []
-    if state.queue_timer_set:
-        state.queue_timer_set = False
-        commands.append(ClearTimer(Timer.QUEUE))
-    if state.queue_written and state.running and state.mode is not Mode.DETACHED:
-        state.queue_written = False
-        commands.append(WriteQueue(False, STARTED))
-    return commands
-
-
-def _queue_timed_out(state: CallState) -> list[Command]:
-    """A synchronous caller waited its whole budget: 503 with Retry-After, and its call leaves the queue (it
-    never reached the upstream)."""
-    state.queue_timer_set = False
-    refusal = state.queue_refusal
-    if not state.queued or not state.client_waiting or state.mode is not Mode.WAITING or refusal is None:
-        return []
-    return [*steps.release(state, ReplyError(refusal)), *steps.detach(state, QUEUE_TIMED_OUT, cancel=True)]
-
-
 _HANDLERS: Final[dict[type[Any], Callable[[CallState, Any], list[Command]]]] = {
     Start: _start,
     Asked: _asked,
@@ -567,12 +410,12 @@ _HANDLERS: Final[dict[type[Any], Callable[[CallState, Any], list[Command]]]] = {
     ClientLeft: _client_left,
     Stop: _stop,
     ShutDown: _shut_down,
-    UpstreamTaskCreated: _upstream_task_created,
-    UpstreamTaskPolled: _upstream_task_polled,
+    UpstreamTaskCreated: following.upstream_task_created,
+    UpstreamTaskPolled: following.upstream_task_polled,
     RemoteCancel: _remote_cancel,
     RemoteAnswers: _remote_answers,
     LeaseLost: _lease_lost,
-    Queued: _queued,
-    QueueMoved: _queue_moved,
-    Admitted: _admitted,
+    Queued: queueing.queued,
+    QueueMoved: queueing.queue_moved,
+    Admitted: queueing.admitted,
 }

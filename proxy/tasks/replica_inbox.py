@@ -18,7 +18,6 @@ import structlog
 from proxy import tracing
 from proxy.errors import InvalidParamsError, ProxyError
 from proxy.tasks import remote
-from proxy.tasks.calls import CallStarter
 from proxy.tasks.commands import RemoteAnswers, RemoteCancel, ReplyError, Resumed
 from proxy.tasks.context import TasksContext
 from proxy.tasks.effects.records import RecordWrites
@@ -27,6 +26,7 @@ from proxy.tasks.live_call import LiveCall
 from proxy.tasks.operations import CANCELLED_BY_CLIENT
 from proxy.tasks.recovery import Recovery
 from proxy.tasks.replicas import RemoteChannel, ReplicaLink
+from proxy.tasks.starting import CallStarter
 from proxy.tasks.store import Fence, StoreError
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus

@@ -2,7 +2,7 @@
 starts and closes them. It carries out nothing itself.
 
 - `executor.py` feeds each call's machine and runs its commands through the effects (`effects/`).
-- `calls.py` starts and resumes calls for waiting requests; `operations.py` serves `tasks/get`, `tasks/update`
+- `starting.py` starts and resumes calls for waiting requests; `operations.py` serves `tasks/get`, `tasks/update`
   and `tasks/cancel`; `recovery.py` takes over tasks whose call runs nowhere and runs the sweep;
   `replica_inbox.py` turns what other replicas do into events; `durations.py` paces the records clients see.
 Imports all of those, the store and the upstream pool; never aiohttp's web side or the front.
@@ -26,7 +26,6 @@ from proxy.principals import Principals
 from proxy.tasks import commands as c
 from proxy.tasks import inputs
 from proxy.tasks.audit_trail import AuditTrail
-from proxy.tasks.calls import CallStarter
 from proxy.tasks.context import TasksContext
 from proxy.tasks.durations import Durations
 from proxy.tasks.effects.admission import Admission, Caps
@@ -47,6 +46,7 @@ from proxy.tasks.recovery import Recovery
 from proxy.tasks.replica_inbox import ReplicaInbox
 from proxy.tasks.replicas import ReplicaLink
 from proxy.tasks.span_events import SpanEvents
+from proxy.tasks.starting import CallStarter
 from proxy.tasks.store import TaskStore
 from proxy.tasks.table import CallTable
 from proxy.tasks.tool_names import check_policy_tools
@@ -160,12 +160,12 @@ class TaskRunner:
         register(c.Unpark, self.parking.unpark)
         register(c.HoldSlot, self.slots.hold)
         register(c.WriteQueue, self.records.write_queue)
-        self.calls = CallStarter(
+        self.starter = CallStarter(
             context, lambda: current().tasks, lambda: current().inputs, self.parking, self.replicas
         )
         self.operations = TaskOperations(context, self.records, self.replicas)
-        self.recovery = Recovery(context, self.replicas, self.records, self.calls.state, lambda: jobs.specs)
-        self.inbox = ReplicaInbox(context, self.parking, self.records, self.replicas, self.recovery, self.calls)
+        self.recovery = Recovery(context, self.replicas, self.records, self.starter.state, lambda: jobs.specs)
+        self.inbox = ReplicaInbox(context, self.parking, self.records, self.replicas, self.recovery, self.starter)
 
     def _forget(self, call: LiveCall) -> None:
         """A finished call: nothing of it is kept."""
@@ -204,7 +204,7 @@ class TaskRunner:
         committed is lost or rewritten here. Settlements still waiting for the store are tried once more, under
         the lease, and those it does not take are logged by task id."""
         self.closing = True
-        await self.calls.shut_down()
+        await self.starter.shut_down()
         worker, self._outbox_worker = self._outbox_worker, None
         if worker is not None:  # stopped first: the last round must be the only one writing
             worker.cancel()

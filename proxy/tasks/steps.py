@@ -1,6 +1,6 @@
-"""The steps the call machine's handlers share (`machine.py`): each changes the state and returns the commands
-it takes, so every handler reads as a short sequence of them. SANS-IO, like the machine: imports the state,
-the command vocabulary, the input rules and the wire."""
+"""The steps the call machine's handlers share (`machine.py`, `following.py`, `queueing.py`): each changes the
+state and returns the commands it takes, so every handler reads as a short sequence of them. SANS-IO, like the
+machine: imports the state, the command vocabulary, the input rules and the wire."""
 
 from __future__ import annotations
 
@@ -198,6 +198,29 @@ def abandon(state: CallState, reason: str) -> list[Command]:
         state.upstream_task.following = False
         return [*clear_poll(state), CancelUpstreamTask(reason)]
     return [CancelCall(reason)]
+
+
+def end(state: CallState, outcome: CallOutcome) -> list[Command]:
+    """The call's upstream request ended with `outcome`: settled, or answered to the waiting client."""
+    if not state.running:
+        return []  # the call was abandoned already: how its stream ended changes nothing
+    state.running = False
+    state.outcome = outcome
+    state.inputs.clear()  # questions of an ended call can no longer be answered
+    commands = [*clear_window(state), *clear_poll(state)]
+    if state.committing:
+        return commands  # settled once the record is there (`Committed`)
+    if state.task_id is not None:
+        commands.append(task_settlement(state, outcome))
+    if state.mode is Mode.WAITING and state.client_waiting:
+        decision = state.decision
+        if decision.asks_by_mrtr and state.missing:
+            commands += release(state, ReplyMissing(merged(state.missing)))
+        elif decision.task_when_done and state.task_id is None:
+            commands += create_record(state)
+        else:
+            commands += release(state, ReplyOutcome(outcome))
+    return commands
 
 
 def final_reply(state: CallState) -> ReplyKind:

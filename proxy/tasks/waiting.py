@@ -17,10 +17,10 @@ from mcp_types import SERVER_INFO_META_KEY
 from proxy.errors import InvalidParamsError, MissingCapabilityError, ProxyError
 from proxy.policy import SYNC_CALL, Decision, Outcome
 from proxy.tasks import inputs
-from proxy.tasks.calls import CallStarter
 from proxy.tasks.commands import ReplyError, ReplyInputRequired, ReplyKind, ReplyMissing, ReplyOutcome, ReplyTask
 from proxy.tasks.live_call import LiveCall
 from proxy.tasks.request import UpstreamRequest
+from proxy.tasks.starting import CallStarter
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
 from proxy.wire import tasks as wire_tasks
 from proxy.wire import translate
@@ -31,8 +31,8 @@ KEEPALIVE_SECONDS: Final = 15.0  # SSE comment while a poll-to-sync client waits
 
 
 class WaitingRequests:
-    def __init__(self, calls: CallStarter, cache: tuple[int, str]) -> None:
-        self.calls = calls
+    def __init__(self, starter: CallStarter, cache: tuple[int, str]) -> None:
+        self.starter = starter
         self.cache = cache
 
     async def call(
@@ -52,7 +52,7 @@ class WaitingRequests:
                 f"Missing required client capability: tool {request.params.get('name')!r} runs only as a task; "
                 f"declare the {TASKS_EXTENSION} extension",
             )
-        call = await self.calls.begin(upstream, caller, decision, channel)
+        call = await self.starter.begin(upstream, caller, decision, channel)
         return await self._answer(call, request, channel, server_info)
 
     async def resume(
@@ -65,7 +65,7 @@ class WaitingRequests:
             responses = {}
         if not isinstance(responses, dict):
             raise InvalidParamsError("Invalid params: inputResponses must be an object")
-        call = await self.calls.resume(upstream, caller, responses, channel)
+        call = await self.starter.resume(upstream, caller, responses, channel)
         return await self._answer(call, request, channel, server_info)
 
     async def _answer(self, call: LiveCall, request: ModernRequest, channel: Channel, server_info: JSON | None) -> JSON:
@@ -73,7 +73,7 @@ class WaitingRequests:
         try:
             reply = await self._wait(call.client.reply, channel if call.state.decision.holds_client else None)
         except BaseException:
-            self.calls.client_left(call)  # the request went away while waiting: the call is told
+            self.starter.client_left(call)  # the request went away while waiting: the call is told
             raise
         return self._message(reply, call, request, server_info)
 
