@@ -19,9 +19,10 @@ from typing import Any
 import psycopg
 
 from proxy.tasks.store import pg_schema as schema
-from proxy.tasks.store.base import StoreError, StoreFullError, StoreHealth, row_from_record
+from proxy.tasks.store.base import StoreError, StoreFullError, StoreHealth
 from proxy.tasks.store.batching import CreationBatcher
 from proxy.tasks.store.pg_health import cut, deadline_seconds, quiet, unavailable_reason
+from proxy.tasks.store.rows import row_from_record
 from proxy.wire.tasks import TaskRecord
 
 

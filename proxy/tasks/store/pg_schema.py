@@ -14,7 +14,7 @@ from typing import Final
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
-from proxy.tasks.store.base import COLUMNS, LIVE_SQL, TERMINAL_SQL
+from proxy.tasks.store.rows import COLUMNS, LIVE_SQL, TERMINAL_SQL
 
 # Advisory locks live in one space per database: ours are keyed by the schema, so that two deployments in two
 # schemas of one database do not share them. The second key says what is locked.

@@ -37,28 +37,30 @@ from proxy.tasks.store import keys
 from proxy.tasks.store import pg_schema as schema
 from proxy.tasks.store.base import (
     EXPIRED,
-    LIVE_SQL,
-    MESSAGE_RETENTION_MS,
     PURGED,
-    STATUS_KEYS,
     Change,
     Fence,
     FencedError,
-    LiveWrites,
     Message,
     StoreError,
     StoreHealth,
     TaskQuery,
     Tombstone,
     check_kind,
+)
+from proxy.tasks.store.pg_create import PgCreator
+from proxy.tasks.store.pg_feed import PgFeed
+from proxy.tasks.store.pg_health import KIND, Watchdog, deadline_seconds, operation_of, quiet, unavailable_reason
+from proxy.tasks.store.rows import (
+    LIVE_SQL,
+    MESSAGE_RETENTION_MS,
+    STATUS_KEYS,
+    LiveWrites,
     decode,
     encode,
     query_sql,
     records_from_rows,
 )
-from proxy.tasks.store.pg_create import PgCreator
-from proxy.tasks.store.pg_feed import PgFeed
-from proxy.tasks.store.pg_health import KIND, Watchdog, deadline_seconds, operation_of, quiet, unavailable_reason
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import LIVE, TaskRecord, TaskStatus
 

@@ -23,29 +23,31 @@ from proxy.tasks.store import keys
 from proxy.tasks.store import sqlite_schema as schema
 from proxy.tasks.store.base import (
     EXPIRED,
-    LIVE_SQL,
     PURGED,
     STATUS,
-    STATUS_KEYS,
-    TERMINAL_SQL,
     Change,
     Fence,
-    LiveWrites,
     Message,
     StoreError,
     StoreHealth,
     StoreUnavailableError,
     TaskQuery,
     Tombstone,
-    WindowCounts,
     check_kind,
+)
+from proxy.tasks.store.batching import CreationBatcher
+from proxy.tasks.store.feed import LocalFeed
+from proxy.tasks.store.rows import (
+    LIVE_SQL,
+    STATUS_KEYS,
+    TERMINAL_SQL,
+    LiveWrites,
+    WindowCounts,
     encode,
     query_sql,
     records_from_rows,
     settle_values,
 )
-from proxy.tasks.store.batching import CreationBatcher
-from proxy.tasks.store.feed import LocalFeed
 from proxy.tasks.store.sqlite_writer import SqliteWriter, connect, rows, translated, wall_ms
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus

@@ -9,7 +9,7 @@ from typing import Final
 
 from sqlite_utils import Database, Migrations
 
-from proxy.tasks.store.base import COLUMNS, LIVE_SQL, TERMINAL_SQL
+from proxy.tasks.store.rows import COLUMNS, LIVE_SQL, TERMINAL_SQL
 from proxy.wire.tasks import TERMINAL
 
 MIGRATIONS: Final = Migrations("mcp-tasks-proxy")

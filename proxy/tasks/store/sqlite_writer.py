@@ -23,7 +23,6 @@ from proxy.tasks import pacing
 from proxy.tasks.store import sqlite_schema as schema
 from proxy.tasks.store.base import (
     CANCEL,
-    MESSAGE_RETENTION_MS,
     Fence,
     FencedError,
     Message,
@@ -31,11 +30,9 @@ from proxy.tasks.store.base import (
     StoreFullError,
     StoreLockedError,
     StoreUnavailableError,
-    decode,
-    records_from_rows,
-    row_from_record,
 )
 from proxy.tasks.store.batching import caused
+from proxy.tasks.store.rows import MESSAGE_RETENTION_MS, decode, records_from_rows, row_from_record
 from proxy.wire.tasks import LIVE, TaskRecord, TaskStatus
 
 _MIN_SQLITE_VERSION: Final = (3, 35, 0)  # UPDATE ... RETURNING
