@@ -6,7 +6,7 @@ so at `max_records` each record evicts exactly one settled record or is refused.
 caller's coroutine (see `batching.py`), so a caller that leaves cannot cut it short; a caller waits for it
 at most the store's deadline (StoreUnavailableError). A connection the server closed or wrote to since the last
 batch (a restart, a cut) is replaced before the next one. Depends on psycopg and the store's `base`,
-`batching` and `pg_schema`; used by `postgres.py` only.
+`rows`, `batching` and `pg_schema`; used by `postgres.py` only.
 """
 
 from __future__ import annotations

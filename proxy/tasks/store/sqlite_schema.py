@@ -1,6 +1,6 @@
 """The SQLite store's schema: its sqlite-utils migrations and the SQL the store runs.
 
-Depends on sqlite-utils and `base`; imported only by `sqlite.py`.
+Depends on sqlite-utils and `rows`; imported only by `sqlite.py`.
 """
 
 from __future__ import annotations

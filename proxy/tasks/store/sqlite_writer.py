@@ -1,7 +1,8 @@
 """The SQLite store's writer thread: the file lock, the write connection and every write, synchronously.
 
 Every method runs in the store's one writer thread (the store dispatches to it); nothing here touches the
-event loop. Depends on sqlite-utils and the store's `base` and `sqlite_schema`; used by `sqlite.py` only.
+event loop. Depends on sqlite-utils and the store's `base`, `rows` and `sqlite_schema`; used by
+`sqlite.py` and `sqlite_threads.py` only.
 """
 
 from __future__ import annotations
