@@ -28,10 +28,10 @@ from proxy.tasks.store.base import (
     Tombstone,
     page_key,
     parse_page_key,
-    record_from_row,
 )
 from proxy.tasks.store.feed import LocalFeed
 from proxy.tasks.store.keys import KeyRecord
+from proxy.tasks.store.rows import record_from_row
 from proxy.tasks.store.sqlite import SqliteTaskStore
 
 __all__ = [

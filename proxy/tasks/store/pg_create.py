@@ -6,7 +6,7 @@ so at `max_records` each record evicts exactly one settled record or is refused.
 caller's coroutine (see `batching.py`), so a caller that leaves cannot cut it short; a caller waits for it
 at most the store's deadline (StoreUnavailableError). A connection the server closed or wrote to since the last
 batch (a restart, a cut) is replaced before the next one. Depends on psycopg and the store's `base`,
-`batching` and `pg_schema`; used by `postgres.py` only.
+`rows`, `batching` and `pg_schema`; used by `postgres.py` only.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from typing import Any
 import psycopg
 
 from proxy.tasks.store import pg_schema as schema
-from proxy.tasks.store.base import StoreError, StoreFullError, StoreHealth, row_from_record
+from proxy.tasks.store.base import StoreError, StoreFullError, StoreHealth
 from proxy.tasks.store.batching import CreationBatcher
 from proxy.tasks.store.pg_health import cut, deadline_seconds, quiet, unavailable_reason
+from proxy.tasks.store.rows import row_from_record
 from proxy.wire.tasks import TaskRecord
 
 

@@ -1,4 +1,4 @@
-"""What tells that PostgreSQL is away for now, shared by the pool's side (`postgres.py`) and the creator thread
+"""What tells that PostgreSQL is away for now, shared by the pool's side (`pg_connections.py`) and the creator thread
 (`pg_create.py`): which of psycopg's errors are transient (StoreUnavailableError, with a reason label), whether
 an idle connection's socket stayed quiet, and the deadline's watchdog, which ends a connection that a statement
 holds past it. Depends on psycopg only; no store, no aiohttp.

@@ -4,7 +4,7 @@ Migrations are ordered, named steps recorded in `schema_migrations`; they are ap
 an advisory lock, so replicas that start at once migrate once. Every statement that adds or removes task
 rows locks the one `task_count` row first (a trigger keeps its count exact): creations across replicas are
 serialized there, so eviction at capacity neither over-evicts nor lets the count run past `max_records`, and
-all writers take their locks in one order (the count, then task rows). Depends on `base` and psycopg.
+all writers take their locks in one order (the count, then task rows). Depends on `rows` and psycopg.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Final
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
-from proxy.tasks.store.base import COLUMNS, LIVE_SQL, TERMINAL_SQL
+from proxy.tasks.store.rows import COLUMNS, LIVE_SQL, TERMINAL_SQL
 
 # Advisory locks live in one space per database: ours are keyed by the schema, so that two deployments in two
 # schemas of one database do not share them. The second key says what is locked.

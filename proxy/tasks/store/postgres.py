@@ -11,76 +11,50 @@ barely does (a few rows per call), and needs a separate stub package and its own
 
 Creations go through one thread with its own connection (`pg_create.py`); everything else runs on the loop
 through the pool, mostly one statement (one implicit transaction) per call, with its change notification in
-the same statement. Every operation has a deadline (`store.timeout_seconds`: the pooled connection, the
-connection itself and the statement); past it, or when the database cannot be reached or takes no writes (a
-standby), it raises `StoreUnavailableError`. A pooled connection that the server closed or wrote to while idle
-(a restart's notice, a cut) is checked before it is handed out, and a read that met a connection broken in a cut
-is tried once more on a fresh one; a multi-host URL (`host=a,b` with `target_session_attrs=read-write`) follows a
-failover, since libpq picks the primary for each new connection. Depends on psycopg, psycopg_pool and the
-store's `base`, `pg_create`, `pg_schema`, `pg_feed`; it must not import aiohttp, the runner or the front.
+the same statement; the pool, the connections' settings and every operation's deadline are
+`pg_connections.py`'s. Depends on psycopg and the store's `base`, `rows`, `pg_connections`, `pg_create`,
+`pg_schema`, `pg_feed`; it must not import aiohttp, the runner or the front.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, Final, TypeVar
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Final
 
-import psycopg
-from psycopg.rows import DictRow, dict_row
-from psycopg_pool import AsyncConnectionPool
+from psycopg.rows import DictRow
 
-from proxy.keyfiles import read_password
 from proxy.tasks import pacing
 from proxy.tasks.store import keys
 from proxy.tasks.store import pg_schema as schema
 from proxy.tasks.store.base import (
     EXPIRED,
-    LIVE_SQL,
-    MESSAGE_RETENTION_MS,
     PURGED,
-    STATUS_KEYS,
     Change,
     Fence,
     FencedError,
-    LiveWrites,
     Message,
-    StoreError,
-    StoreHealth,
     TaskQuery,
     Tombstone,
     check_kind,
+)
+from proxy.tasks.store.pg_connections import Conn, PgConnections
+from proxy.tasks.store.pg_create import PgCreator
+from proxy.tasks.store.pg_feed import PgFeed
+from proxy.tasks.store.rows import (
+    LIVE_SQL,
+    MESSAGE_RETENTION_MS,
+    STATUS_KEYS,
+    LiveWrites,
     decode,
     encode,
     query_sql,
     records_from_rows,
 )
-from proxy.tasks.store.pg_create import PgCreator
-from proxy.tasks.store.pg_feed import PgFeed
-from proxy.tasks.store.pg_health import KIND, Watchdog, deadline_seconds, operation_of, quiet, unavailable_reason
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import LIVE, TaskRecord, TaskStatus
 
 PURGE_CHUNK: Final = 1000  # settled records deleted per transaction (creations wait for the count lock meanwhile)
-_KEEPALIVE: Final = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
-_T = TypeVar("_T")
-Conn = psycopg.AsyncConnection[DictRow]
-
-
-async def _usable(conn: Conn) -> bool:
-    """Is a pooled connection fit for use? One the server wrote to or closed while it sat idle (a shutdown's
-    notice, a connection cut) is checked with a round trip; a quiet one (the normal case) costs one poll. One
-    that fails is broken now: the pool drops it when it is given back and opens another at once."""
-    if conn.closed or conn.broken:
-        return False
-    if quiet(conn.fileno()):
-        return True
-    try:
-        await AsyncConnectionPool.check_connection(conn)
-    except psycopg.Error:
-        return False
-    return True
 
 
 def _messages(rows: list[DictRow]) -> list[Message]:
@@ -90,7 +64,7 @@ def _messages(rows: list[DictRow]) -> list[Message]:
     ]
 
 
-class PostgresTaskStore(LiveWrites):
+class PostgresTaskStore(PgConnections, LiveWrites):
     """Task records in a PostgreSQL database shared by the replicas. Open with `await PostgresTaskStore.open(...)`."""
 
     def __init__(
@@ -107,30 +81,16 @@ class PostgresTaskStore(LiveWrites):
     ) -> None:
         if max_records < 1:
             raise ValueError(f"max_records must be at least 1, got {max_records}")
-        self.url = url
-        self.read_only = read_only
-        self._migrate = migrate and not read_only
-        self._max_records = max_records
-        self._password_file = password_file
-        self._connect_timeout = connect_timeout_seconds
-        self.timeout_seconds = timeout_seconds
-        self._health = StoreHealth(KIND)
-        self._closed = False
-        self._channel = ""  # set at open: one NOTIFY channel per schema
-        self._pool: AsyncConnectionPool[psycopg.AsyncConnection[DictRow]] = AsyncConnectionPool(
+        super().__init__(
             url,
-            connection_class=psycopg.AsyncConnection[DictRow],
-            kwargs=self.connect_kwargs,
-            min_size=1,
-            max_size=pool_size,
-            open=False,
-            timeout=timeout_seconds,
-            # A connection slot that cannot reconnect for this long is given up, and the next request that finds
-            # the pool empty starts a fresh attempt at once: the pool's back-off (1, 2, 4, ... s) never keeps a
-            # replica waiting long after its database is back.
-            reconnect_timeout=timeout_seconds,
-            name="mcp-tasks-proxy",
+            password_file=password_file,
+            pool_size=pool_size,
+            connect_timeout_seconds=connect_timeout_seconds,
+            timeout_seconds=timeout_seconds,
+            read_only=read_only,
+            migrate=migrate,
         )
+        self._max_records = max_records
         self._creator = PgCreator(
             url,
             lambda: self.connect_kwargs(application="mcp-tasks-proxy-creator"),
@@ -172,115 +132,6 @@ class PostgresTaskStore(LiveWrites):
             await store._shutdown()
             raise
         return store
-
-    def connect_kwargs(self, *, application: str = "mcp-tasks-proxy") -> dict[str, Any]:
-        """Settings of every new connection (the password file is read again each time)."""
-        kwargs: dict[str, Any] = {
-            "autocommit": True,
-            "row_factory": dict_row,
-            "application_name": application,
-            "connect_timeout": max(1, round(self._connect_timeout)),
-            # Data the server does not acknowledge for this long (a partition, a host gone) breaks the
-            # connection, so that nothing waits on it past the store's deadline for long.
-            "tcp_user_timeout": round(1000 * max(self._connect_timeout, self.timeout_seconds)),
-            **_KEEPALIVE,
-        }
-        if self._password_file is not None:
-            try:
-                kwargs["password"] = read_password(self._password_file)
-            except ValueError as exc:
-                raise StoreError(f"task store {self.url}: {exc}") from None
-        if self.read_only:
-            kwargs["options"] = "-c default_transaction_read_only=on"
-        return kwargs
-
-    async def _open(self) -> None:
-        try:
-            conn = await psycopg.AsyncConnection.connect(self.url, **self.connect_kwargs())
-        except psycopg.Error as exc:
-            raise StoreError(f"cannot connect to the task store {self.url}: {exc}") from exc
-        try:
-            async with conn:
-                if self._migrate:
-                    await schema.migrate(conn)
-                cursor = await conn.execute("SELECT current_schema() AS name, to_regclass('tasks') AS tasks")
-                row = await cursor.fetchone()
-        except psycopg.Error as exc:
-            raise StoreError(f"task store {self.url}: open failed: {exc}") from exc
-        if row is None or row["tasks"] is None:
-            raise StoreError(f"{self.url} is not a task database (it has no tasks table)")
-        self._channel = f"mcp_tasks_proxy.{row['name']}"[:63]
-        try:
-            await self._pool.open(wait=True, timeout=self._connect_timeout)
-        except psycopg.Error as exc:  # psycopg_pool.PoolTimeout is one
-            raise StoreError(f"cannot open connections to the task store {self.url}: {exc}") from exc
-
-    @property
-    def channel(self) -> str:
-        return self._channel
-
-    @property
-    def health(self) -> StoreHealth:
-        return self._health
-
-    # -- plumbing --------------------------------------------------------------------------------------------
-
-    def _check_open(self, what: str, *, write: bool) -> None:
-        if self._closed:
-            raise StoreError(f"{what}: the task store {self.url} is closed")
-        if write and self.read_only:
-            raise StoreError(f"{what}: the task store {self.url} is open read-only")
-
-    async def _run(self, what: str, work: Callable[[Conn], Awaitable[_T]], *, write: bool = True) -> _T:
-        """`work` on a pooled connection, within the store's deadline (the wait for a connection and the work
-        together). psycopg's errors become StoreError naming `what`: StoreUnavailableError when the database is
-        away or the deadline passed. A read (`write=False`) whose connection broke under it is done once more."""
-        self._check_open(what, write=write)
-        timeout = deadline_seconds(self.timeout_seconds, self._health.available)
-        deadline = asyncio.get_running_loop().time() + timeout
-        try:
-            result = await self._on_connection(work, retry=not write, deadline=deadline)
-        except TimeoutError:
-            detail = f"no answer within {timeout:g} s (store.timeout_seconds, shorter while it is away)"
-            raise self._health.failed(operation_of(what), "timeout", detail) from None
-        except psycopg.Error as exc:
-            reason = unavailable_reason(exc)
-            if reason is None:
-                raise StoreError(f"task store {self.url}: {what} failed: {exc}") from exc
-            raise self._health.failed(operation_of(what), reason, str(exc)) from exc
-        self._health.available = True
-        return result
-
-    async def _on_connection(self, work: Callable[[Conn], Awaitable[_T]], *, retry: bool, deadline: float) -> _T:
-        """`work` on the first usable pooled connection (each unusable one is replaced by the pool at once),
-        cut by the watchdog at the deadline; a read whose connection broke under it goes once more on another."""
-        loop = asyncio.get_running_loop()
-        tries = 2 if retry else 1
-        while True:
-            async with self._pool.connection(timeout=max(0.0, deadline - loop.time())) as conn:
-                watchdog = Watchdog(loop, deadline, conn.fileno())
-                try:
-                    if not await _usable(conn):
-                        continue
-                    return await work(conn)
-                except psycopg.errors.ReadOnlySqlTransaction:
-                    await conn.close()  # a primary demoted by a failover: never handed out again
-                    raise
-                except psycopg.OperationalError:
-                    if watchdog.fired:
-                        raise TimeoutError from None
-                    tries -= 1
-                    if tries == 0 or not conn.broken:
-                        raise
-                finally:
-                    watchdog.cancel()
-
-    async def _rows(self, what: str, sql: str, params: Any = None, *, write: bool = True) -> list[DictRow]:
-        async def run(conn: Conn) -> list[DictRow]:
-            cursor = await conn.execute(sql, params)
-            return await cursor.fetchall() if cursor.description is not None else []
-
-        return await self._run(what, run, write=write)
 
     # -- records ---------------------------------------------------------------------------------------------
 

@@ -1,56 +1,52 @@
 """The SQLite task store: one file, one process (the embedded default, one replica).
 
 Every SQLite call runs off the event loop: one writer thread owns the write connection, one reader thread owns
-a read-only connection. One process is the only replica: its lease never lapses, a fence checks the owner
-only, and the change feed is in-process. Depends on sqlite-utils and the store's `base`, `batching`, `feed`,
-`sqlite_schema` and `sqlite_writer` (the writer thread's work); it must not import aiohttp, the runner or
-the front.
+a read-only connection (`sqlite_threads.py`). One process is the only replica: its lease never lapses, a fence
+checks the owner only, and the change feed is in-process. Depends on sqlite-utils and the store's `base`,
+`rows`, `batching`, `feed`, `sqlite_schema`, `sqlite_threads` and `sqlite_writer` (the writer thread's work); it
+must not import aiohttp, the runner or the front.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Any, Final, Literal, TypeVar
-
-from sqlite_utils import Database
+from typing import Any, Final, Literal
 
 from proxy.tasks.store import keys
 from proxy.tasks.store import sqlite_schema as schema
 from proxy.tasks.store.base import (
     EXPIRED,
-    LIVE_SQL,
     PURGED,
     STATUS,
-    STATUS_KEYS,
-    TERMINAL_SQL,
     Change,
     Fence,
-    LiveWrites,
     Message,
     StoreError,
     StoreHealth,
-    StoreUnavailableError,
     TaskQuery,
     Tombstone,
-    WindowCounts,
     check_kind,
-    encode,
-    query_sql,
-    records_from_rows,
-    settle_values,
 )
 from proxy.tasks.store.batching import CreationBatcher
 from proxy.tasks.store.feed import LocalFeed
-from proxy.tasks.store.sqlite_writer import SqliteWriter, connect, rows, translated, wall_ms
+from proxy.tasks.store.rows import (
+    LIVE_SQL,
+    STATUS_KEYS,
+    TERMINAL_SQL,
+    LiveWrites,
+    WindowCounts,
+    encode,
+    query_sql,
+    settle_values,
+)
+from proxy.tasks.store.sqlite_threads import SqliteThreads
+from proxy.tasks.store.sqlite_writer import SqliteWriter, rows, wall_ms
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
 
-_T = TypeVar("_T")
 _MIN_SQLITE_VERSION: Final = (3, 35, 0)  # UPDATE ... RETURNING
 _EPOCH: Final = 1  # the one process holds the file lock: its lease never lapses
 
@@ -65,13 +61,11 @@ def _live_update(
     return sql, {**values, "now_ms": now_ms, "task_id": task_id, "fence_owner": fence and fence.owner}
 
 
-class SqliteTaskStore(LiveWrites):
+class SqliteTaskStore(SqliteThreads, LiveWrites):
     """Task records in one SQLite file. Methods are coroutines; the SQLite work runs in the store's two threads.
 
     Not safe to call from several event loops or threads at once; one store object per database file.
     """
-
-    path: Path
 
     def __init__(
         self,
@@ -87,23 +81,14 @@ class SqliteTaskStore(LiveWrites):
             raise ValueError(f"max_records must be at least 1, got {max_records}")
         if synchronous not in ("normal", "full"):
             raise ValueError(f"synchronous must be 'normal' or 'full', got {synchronous!r}")
-        self.path = path
-        self.read_only = read_only
+        super().__init__(path, read_only=read_only)
         self.operator = operator
-        self._closed = False
-        self._health = StoreHealth("sqlite")
         self._close_done = asyncio.Event()
-        self._writer: ThreadPoolExecutor | None = (
-            None if read_only else ThreadPoolExecutor(max_workers=1, thread_name_prefix="task-store-writer")
-        )
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="task-store-reader")
         self._writer_state = SqliteWriter(path, max_records=max_records, synchronous=synchronous)  # writer thread
         self._batcher = CreationBatcher(self._writer_state.create_all, str(path))
         self._feed = LocalFeed()
         self._leases: set[str] = set()  # replicas of this process holding a lease
         self._quota_windows = WindowCounts()  # this process holds the file alone: counted in its memory
-        # Owned by the reader thread:
-        self._reader_db: Database | None = None
 
     @classmethod
     async def open(
@@ -396,42 +381,7 @@ class SqliteTaskStore(LiveWrites):
         with db.atomic():
             return db.execute(sql, params).rowcount
 
-    # -- thread dispatch -----------------------------------------------------------------------------------
-
-    def _open_writer_thread(self, what: str) -> ThreadPoolExecutor:
-        """The writer thread, for `what`, unless the store is closed or read-only."""
-        if self._closed:
-            raise StoreError(f"{what}: the task store {self.path} is closed")
-        if self._writer is None:
-            raise StoreError(f"{what}: the task store {self.path} is open read-only")
-        return self._writer
-
-    async def _write(self, what: str, work: Callable[[], _T]) -> _T:
-        writer = self._open_writer_thread(what)
-        return await self._noted(what, asyncio.get_running_loop().run_in_executor(writer, self._guarded, what, work))
-
-    async def _read(self, what: str, work: Callable[[], _T]) -> _T:
-        if self._closed:
-            raise StoreError(f"{what}: the task store {self.path} is closed")
-        return await self._noted(
-            what, asyncio.get_running_loop().run_in_executor(self._reader, self._guarded, what, work)
-        )
-
-    async def _noted(self, what: str, work: Awaitable[_T]) -> _T:
-        """The outcome of an operation in the store's health (readiness, metrics)."""
-        try:
-            result = await work
-        except StoreUnavailableError as exc:
-            self._health.failed(what.split(" ", 1)[0], "unavailable", exc.reason)
-            raise
-        self._health.available = True
-        return result
-
-    def _guarded(self, what: str, work: Callable[[], _T]) -> _T:
-        try:
-            return work()
-        except sqlite3.Error as exc:
-            raise translated(exc, f"task store {self.path}: {what} failed: {exc}") from exc
+    # -- closing the threads ----------------------------------------------------------------------------------
 
     async def _shutdown(self, *, checkpoint: bool) -> None:
         self._closed = True
@@ -454,23 +404,3 @@ class SqliteTaskStore(LiveWrites):
         self._close_done.set()
         if errors:
             raise errors[0]
-
-    # -- reader thread ---------------------------------------------------------------------------------------
-
-    def _reader_conn(self) -> Database:
-        if self._reader_db is None:
-            raise StoreError(f"the task store {self.path} is not open")
-        return self._reader_db
-
-    def _open_reader(self) -> None:
-        db = self._reader_db = connect(self.path, read_only=True)
-        if not db.table("tasks").exists():
-            raise StoreError(f"{self.path} is not a task database (it has no tasks table)")
-
-    def _select(self, sql: str, params: list[Any]) -> list[TaskRecord]:
-        return records_from_rows(rows(self._reader_conn().execute(sql, params)))
-
-    def _close_reader(self) -> None:
-        db, self._reader_db = self._reader_db, None
-        if db is not None:
-            db.close()

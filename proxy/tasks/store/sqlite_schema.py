@@ -1,6 +1,6 @@
 """The SQLite store's schema: its sqlite-utils migrations and the SQL the store runs.
 
-Depends on sqlite-utils and `base`; imported only by `sqlite.py`.
+Depends on sqlite-utils and `rows`; imported only by `sqlite.py`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Final
 
 from sqlite_utils import Database, Migrations
 
-from proxy.tasks.store.base import COLUMNS, LIVE_SQL, TERMINAL_SQL
+from proxy.tasks.store.rows import COLUMNS, LIVE_SQL, TERMINAL_SQL
 from proxy.wire.tasks import TERMINAL
 
 MIGRATIONS: Final = Migrations("mcp-tasks-proxy")

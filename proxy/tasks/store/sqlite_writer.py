@@ -1,7 +1,8 @@
 """The SQLite store's writer thread: the file lock, the write connection and every write, synchronously.
 
 Every method runs in the store's one writer thread (the store dispatches to it); nothing here touches the
-event loop. Depends on sqlite-utils and the store's `base` and `sqlite_schema`; used by `sqlite.py` only.
+event loop. Depends on sqlite-utils and the store's `base`, `rows` and `sqlite_schema`; used by
+`sqlite.py` and `sqlite_threads.py` only.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from proxy.tasks import pacing
 from proxy.tasks.store import sqlite_schema as schema
 from proxy.tasks.store.base import (
     CANCEL,
-    MESSAGE_RETENTION_MS,
     Fence,
     FencedError,
     Message,
@@ -31,11 +31,9 @@ from proxy.tasks.store.base import (
     StoreFullError,
     StoreLockedError,
     StoreUnavailableError,
-    decode,
-    records_from_rows,
-    row_from_record,
 )
 from proxy.tasks.store.batching import caused
+from proxy.tasks.store.rows import MESSAGE_RETENTION_MS, decode, records_from_rows, row_from_record
 from proxy.wire.tasks import LIVE, TaskRecord, TaskStatus
 
 _MIN_SQLITE_VERSION: Final = (3, 35, 0)  # UPDATE ... RETURNING
