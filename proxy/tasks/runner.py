@@ -49,7 +49,7 @@ from proxy.tasks.span_events import SpanEvents
 from proxy.tasks.starting import CallStarter
 from proxy.tasks.store import TaskStore
 from proxy.tasks.table import CallTable
-from proxy.tasks.tool_names import check_policy_tools
+from proxy.tasks.tool_names import check_named_tools
 from proxy.upstream.pool import SessionPool
 
 log = structlog.get_logger(__name__)
@@ -192,11 +192,9 @@ class TaskRunner:
         await self.recovery.recover()
         self.spawn(self.recovery.sweep_forever(), "task-sweeper")
         self._outbox_worker = self.spawn(self.outbox.run_forever(), "settlement-outbox")
-        if self.jobs.specs:
-            self.spawn(self.jobs.check_tools(), "job-tools-check")
-        policies = self.current().tasks  # at start: whether the tools they name exist upstream is checked
-        if policies.tools:
-            self.spawn(check_policy_tools(self._pool, policies), "tool-policies-check")
+        policies = self.current().tasks  # at start: whether the tools they and the jobs name exist upstream
+        if policies.tools or self.jobs.specs:
+            self.spawn(check_named_tools(self._pool, policies, self.jobs), "named-tools-check")
 
     async def close(self) -> None:
         """Shutdown: running calls are cancelled upstream; their records stay live and are failed or re-run

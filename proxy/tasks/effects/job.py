@@ -14,7 +14,7 @@ types, the wire; not the store.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import structlog
 
@@ -27,7 +27,7 @@ from proxy.tasks.live_call import LiveCall
 from proxy.tasks.ports import Feed, Spawner
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest, refusal
 from proxy.upstream.pool import SessionPool
-from proxy.upstream.session import Session, read_tools
+from proxy.upstream.session import Session
 from proxy.wire import tasks as wire_tasks
 from proxy.wire.legacy_tasks import LegacyTask
 
@@ -190,17 +190,9 @@ class JobEffect:
 
     # --- the check at start ------------------------------------------------------------------------------
 
-    async def check_tools(self) -> list[str]:
-        """Each tool a job family names that the upstream does not list: warned about, saying what will fail.
-        Returns the missing names (an upstream that cannot be asked now is only logged)."""
-        if not self.specs:
-            return []
-        try:
-            async with self.pool.use(None) as session:
-                listed, _ = await read_tools(session)
-        except UpstreamError as exc:
-            log.warning("job_tools_unchecked", error=exc.message)
-            return []
+    def missing_tools(self, listed: Collection[str]) -> list[str]:
+        """Each tool a job family names that the upstream does not list (`listed`, its tools/list read once at
+        start): warned about, saying what will fail."""
         missing = []
         for spec in self.specs.values():
             for role, tool in spec.tools().items():
