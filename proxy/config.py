@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Annotated, Any, Final, Literal
 from urllib.parse import parse_qs, urlsplit
 
@@ -656,6 +657,12 @@ class TasksConfig(_Frozen):
         "re-runs it per `on_restart`). 20 s leaves room for the final shutdown within Kubernetes' default "
         "terminationGracePeriodSeconds of 30.",
     )
+
+    @cached_property
+    def has_tool_quotas(self) -> bool:
+        """Some tool has a quota of its own (`tasks.tools.<key>.calls_per_minute_per_principal`): worked out once
+        per config (a reload brings a new object)."""
+        return any(entry.calls_per_minute_per_principal for entry in self.tools.values())
 
 
 _TEMPLATE_FIELD: Final = re.compile(r"\{([^{}]*)\}")

@@ -8,14 +8,13 @@ imports aiohttp: the HTTP shapes are `app.py`'s.
 from __future__ import annotations
 
 import asyncio
-import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
 import structlog
 from mcp_types import jsonrpc as codes
 
-from proxy.config import Config, TasksConfig
+from proxy.config import Config
 from proxy.errors import (
     InvalidParamsError,
     MethodNotFoundError,
@@ -23,7 +22,7 @@ from proxy.errors import (
     UpstreamError,
 )
 from proxy.listen import ListenStreams
-from proxy.policy import decide, decide_job, has_tool_quotas, policy_for
+from proxy.policy import decide, decide_job, policy_for
 from proxy.tasks import idempotency
 from proxy.tasks.push import TaskWatchers
 from proxy.tasks.request import UpstreamRequest
@@ -62,7 +61,6 @@ class Front:
         self, current: Callable[[], Config], upstream: SessionPool, runner: TaskRunner, watchers: TaskWatchers
     ) -> None:
         self._current = current  # the config in force, read at each request (a live reload swaps what it returns)
-        self._tool_quotas: tuple[weakref.ref[TasksConfig], bool] | None = None  # of the policies last read
         config = current()  # what only a restart changes is bound here
         self.upstream = upstream
         self.runner = runner
@@ -82,14 +80,6 @@ class Front:
     @property
     def config(self) -> Config:
         return self._current()
-
-    @property
-    def tool_quotas(self) -> bool:
-        """Some tool of the policies in force has a quota of its own (worked out once per config)."""
-        tasks = self._current().tasks
-        if self._tool_quotas is None or self._tool_quotas[0]() is not tasks:
-            self._tool_quotas = (weakref.ref(tasks), has_tool_quotas(tasks))  # weak: an old config is not kept
-        return self._tool_quotas[1]
 
     async def dispatch(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Serve one modern request; returns the JSON-RPC response message (result or error)."""
@@ -116,10 +106,11 @@ class Front:
         its quota, or its quota for the tool, is refused first (an MRTR retry is the same call, not counted
         again). With an `Idempotency-Key` (not on an MRTR retry, which its requestState binds already) the key's
         record decides whether it runs (`tasks/idempotency.py`)."""
-        per_minute = self.config.limits.calls_per_minute_per_principal
-        if (per_minute or self.tool_quotas) and "requestState" not in request.params:
+        config = self.config
+        per_minute, tool_quotas = config.limits.calls_per_minute_per_principal, config.tasks.has_tool_quotas
+        if (per_minute or tool_quotas) and "requestState" not in request.params:
             tool = str(request.params.get("name"))
-            policy = policy_for(self.config.tasks, tool) if self.tool_quotas else None
+            policy = policy_for(config.tasks, tool) if tool_quotas else None
             counted = self.runner.principals.key_of(caller.principal)
             await self.runner.quotas.charge(counted, per_minute, tool, policy)
         upstream = UpstreamRequest.of(request, caller)

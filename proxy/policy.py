@@ -135,11 +135,6 @@ def is_glob(pattern: str) -> bool:
     return any(char in pattern for char in "*?[")
 
 
-def has_tool_quotas(tasks: TasksConfig) -> bool:
-    """Some tool has a quota of its own (`tasks.tools.<key>.calls_per_minute_per_principal`)."""
-    return any(entry.calls_per_minute_per_principal for entry in tasks.tools.values())
-
-
 def named_tools(tasks: TasksConfig) -> frozenset[str]:
     """The tools the policy names exactly (not through a glob): the bounded set of `tool` metric labels."""
     return frozenset(name for name in tasks.tools if not is_glob(name))
