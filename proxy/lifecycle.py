@@ -21,7 +21,7 @@ from proxy.relay import OriginRelay
 from proxy.tasks.push import TaskWatchers
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import open_store
-from proxy.upstream.http.link import upstream_connector
+from proxy.upstream.http.shared import upstream_connector
 from proxy.upstream.kinds import session_kind
 from proxy.upstream.pool import SessionPool
 

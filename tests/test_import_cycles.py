@@ -53,7 +53,7 @@ def test_the_graph_sees_imports_of_every_form() -> None:
     graph = import_graph()
     assert "proxy.upstream.pool" in graph["proxy.lifecycle"]  # from a.b import C
     assert "proxy.wire.jsonrpc" in graph["proxy.app"]  # from a import module
-    assert "proxy.config" in graph["proxy.upstream.http.link"]
+    assert "proxy.config" in graph["proxy.upstream.http.shared"]
     assert all(target.startswith(PACKAGES) for targets in graph.values() for target in targets)
 
 

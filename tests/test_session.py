@@ -23,7 +23,7 @@ from proxy.errors import (
 )
 from proxy.upstream.events import UpstreamErrorResponse
 from proxy.upstream.http.kind import HttpKind
-from proxy.upstream.http.link import upstream_connector
+from proxy.upstream.http.shared import upstream_connector
 from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import principal_key
 from tests.support.processes import Upstream

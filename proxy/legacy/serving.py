@@ -10,7 +10,7 @@ from proxy.legacy import LegacyFront
 from proxy.legacy.passthrough import PassThrough
 from proxy.legacy.stdio_server import StdioLegacyServer
 from proxy.upstream.http.kind import HttpKind
-from proxy.upstream.http.link import relay_client
+from proxy.upstream.http.shared import relay_client
 from proxy.upstream.pool import SessionPool
 from proxy.upstream.stdio.kind import StdioKind
 

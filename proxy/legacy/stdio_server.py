@@ -23,8 +23,8 @@ missed, then the rest of it (a POST's answer stream ends with the answer; the GE
 DELETE ends the session (the process is stopped: it was initialized for that client and cannot serve
 another); so does `upstream.process_idle_seconds` with no stream open, and the process ending. A request
 naming an ended session gets 404, which tells the client to initialize again. A session is bound to the
-principal header that opened it. Imports aiohttp's web side, the stdio link and process layer, and the pool's
-`Room`; never tasks.
+principal header that opened it. Imports aiohttp's web side, the stdio shared state and process layer, and the
+pool's `Room`; never tasks.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from proxy.legacy.stdio_sessions import (
     Stream,
 )
 from proxy.upstream.session import Room, principal_key
-from proxy.upstream.stdio.link import StdioLink
 from proxy.upstream.stdio.process import ProcessExit
+from proxy.upstream.stdio.shared import StdioShared
 from proxy.wire.jsonrpc import JSON, Request, classify, dumps, error_message, loads
 from proxy.wire.sse import KEEPALIVE, frame
 
@@ -64,13 +64,13 @@ class StdioLegacyServer:
 
     def __init__(
         self,
-        link: StdioLink,
+        shared: StdioShared,
         room: Room,
         config: StdioUpstreamConfig,
         principal_header: str,
         replay_bytes: int = 0,
     ) -> None:
-        self.link = link
+        self.shared = shared
         self.pool = room  # each session's process counts against upstream.max_processes, as the pool's own do
         self.config = config
         self.principal_header = principal_header
@@ -128,7 +128,7 @@ class StdioLegacyServer:
         principal = principal_key(request.headers.get(self.principal_header))
         session = LegacySession(secrets.token_urlsafe(24), principal, events)
         try:
-            session.process = await self.link.start(session.route, lambda exited: self._exited(session, exited))
+            session.process = await self.shared.start(session.route, lambda exited: self._exited(session, exited))
         except BaseException:
             self.pool.unreserve()
             raise
@@ -144,7 +144,7 @@ class StdioLegacyServer:
             await self._send(session, message.raw)
             response = await self._answer(request, stream, message.id, timeout, headers, version)
         except BaseException:
-            self.link.spawn(self.end(session, "initialize did not succeed"), "legacy-session-end")
+            self.shared.spawn(self.end(session, "initialize did not succeed"), "legacy-session-end")
             raise
         finally:
             session.close(stream)
@@ -330,7 +330,7 @@ class StdioLegacyServer:
         if idle:
             oldest = min(idle, key=lambda session: session.active_at)
             reason = "ended to make room for a new session (upstream.max_processes)"
-            self.link.spawn(self.end(oldest, reason), "legacy-session-evict")
+            self.shared.spawn(self.end(oldest, reason), "legacy-session-evict")
 
     def _busy(self, session: LegacySession) -> None:
         if session.idle_timer is not None:
@@ -345,7 +345,7 @@ class StdioLegacyServer:
         self._busy(session)
         session.idle_timer = asyncio.get_running_loop().call_later(
             self.config.process_idle_seconds,
-            lambda: self.link.spawn(self.end(session, "the session was idle too long"), "legacy-session-idle"),
+            lambda: self.shared.spawn(self.end(session, "the session was idle too long"), "legacy-session-idle"),
         )
 
     async def end(self, session: LegacySession, reason: str) -> None:
@@ -359,11 +359,11 @@ class StdioLegacyServer:
         """The process is gone (stopped, or by itself): its room in the pool is free again."""
         self.sessions.pop(session.id, None)
         self.live.discard(session)
-        name = session.process.name if session.process is not None else self.link.program
+        name = session.process.name if session.process is not None else self.shared.program
         session.end(f"Upstream stdio server {name} {exited}")
         self.pool.unreserve()
         if not exited.requested:
-            self.link.crashed(exited.lived_seconds)
+            self.shared.crashed(exited.lived_seconds)
 
     async def close(self) -> None:
         """Shutdown: every legacy session ends and its process is stopped (awaited)."""

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
-from proxy.upstream.link import ToolCatalog
 from proxy.upstream.session import Session, SessionKind, principal_key, read_tools
+from proxy.upstream.shared import ToolCatalog
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader
 from proxy.wire.jsonrpc import JSON

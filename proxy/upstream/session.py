@@ -7,7 +7,7 @@ only the `Session` protocol below, and the requests it opens as `RequestStream`s
 sessions of one kind and says how the pool must bound them (`PoolLimits`); which server legacy clients get is
 chosen above this package (`legacy/serving.py`). `request`, `read_tools`, `read_param_headers` and
 `read_task_support` are what both kinds do alike on top of their own `call()`. Imports the event types, the
-link, the lending, the auth decision and the wire; no aiohttp, no session kind, not the pool.
+shared state, the lending, the auth decision and the wire; no aiohttp, no session kind, not the pool.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from proxy.errors import RequestId, UpstreamError
 from proxy.upstream.auth import UpstreamAuth
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult
 from proxy.upstream.lending import Lending, Subscribers
-from proxy.upstream.link import LinkBase, ToolCatalog
+from proxy.upstream.shared import SharedBase, ToolCatalog
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader, param_headers
 from proxy.wire.jsonrpc import JSON
@@ -132,7 +132,7 @@ class Room(Protocol):
 
 
 class SessionKind(Protocol):
-    """Makes the sessions of one kind of upstream, and what they share (`LinkBase`: background work and what
+    """Makes the sessions of one kind of upstream, and what they share (`SharedBase`: background work and what
     the upstream said most recently)."""
 
     limits: PoolLimits
@@ -191,24 +191,24 @@ async def read_tools(
     return catalog, task_support
 
 
-async def read_param_headers(session: Session, link: LinkBase, tool: str) -> tuple[ParamHeader, ...]:
-    """The `x-mcp-header` annotations of `tool`: from the link's shared catalog when it can answer, else read from
+async def read_param_headers(session: Session, shared: SharedBase, tool: str) -> tuple[ParamHeader, ...]:
+    """The `x-mcp-header` annotations of `tool`: from the shared state's catalog when it can answer, else read from
     the session's tools/list (and cached for every session, with each tool's `execution.taskSupport`)."""
-    known = link.known_headers(tool)
+    known = shared.known_headers(tool)
     if known is not None:
         return known
     catalog, task_support = await read_tools(session)
-    link.catalog_read(catalog, task_support)
+    shared.catalog_read(catalog, task_support)
     return catalog.get(tool, ())
 
 
-async def read_task_support(session: Session, link: LinkBase, tool: str) -> legacy_tasks.TaskSupport | None:
+async def read_task_support(session: Session, shared: SharedBase, tool: str) -> legacy_tasks.TaskSupport | None:
     """How the upstream runs `tool` as its own 2025-11-25 task (`execution.taskSupport` from tools/list), or
     None when it runs none: the tool says nothing, or the upstream did not declare `tasks.requests.tools.call`.
     Read with the x-mcp-header annotations (and refreshed with them)."""
     initialize_result = await session.ensure_initialized()
     if not legacy_tasks.runs_tool_tasks(initialize_result):
         return None
-    await read_param_headers(session, link, tool)
-    support = link.catalog.task_support.get(tool)
+    await read_param_headers(session, shared, tool)
+    support = shared.catalog.task_support.get(tool)
     return support if support in ("optional", "required") else None

@@ -1,7 +1,7 @@
 """The Streamable HTTP kind of upstream session for the pool: sessions are cheap, so every call whose client
 could answer a question gets one of its own and idle ones are kept up to `upstream.max_sessions`; readiness
 starts a throwaway session when the upstream has been quiet; whether the upstream requires credentials is
-found out with an anonymous `initialize` (`upstream/auth.py`). Imports the HTTP link and session; never the
+found out with an anonymous `initialize` (`upstream/auth.py`). Imports the HTTP shared state and session; never the
 pool, nor the servers legacy clients get (`legacy/serving.py` picks one).
 """
 
@@ -19,14 +19,14 @@ from proxy.config import HttpUpstreamConfig
 from proxy.errors import UpstreamAuthError, UpstreamError, UpstreamTimeoutError
 from proxy.observability import Metrics
 from proxy.upstream.auth import AuthMode, UpstreamAuth
-from proxy.upstream.http.link import HttpLink
 from proxy.upstream.http.session import HttpSession
+from proxy.upstream.http.shared import HttpShared
 from proxy.upstream.session import PoolLimits, Session
 
 PROBE_TIMEOUT_SECONDS: Final = 2.0  # a readiness probe's initialize; kubelet's own timeout is short too
 
 
-class HttpKind(HttpLink):
+class HttpKind(HttpShared):
     """Makes HTTP sessions and says how the pool bounds them."""
 
     def __init__(

@@ -44,7 +44,7 @@ class StreamTransport(Protocol):
     async def resume(self, last_event_id: str) -> Answer: ...
 
     def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        """Background work the session's link owns (cancelled when the link closes)."""
+        """Background work the session's shared state owns (cancelled when it closes)."""
         ...
 
 

@@ -5,7 +5,7 @@ A session owns `initialize` + `notifications/initialized`, the `Mcp-Session-Id` 
 `MCP-Protocol-Version` headers, its GET stream (`get_stream.py`) and where what arrives there goes
 (`lending.py`): to the call the session is lent to, to `subscriptions/listen` inboxes, or refused. What every
 session shares (the HTTP client, the URL, timeouts, request ids, the upstream's latest serverInfo) is the
-`HttpLink` (`link.py`). Either HTTP client's failures become typed UpstreamErrors (`answers.py`); an error
+`HttpShared` (`shared.py`). Either HTTP client's failures become typed UpstreamErrors (`answers.py`); an error
 status keeps its body when that is the JSON-RPC answer; a 401 or 403 is the caller's credential
 refused (UpstreamAuthError, with the server's `WWW-Authenticate`), never a session gone; each request is a
 CLIENT span whose context the upstream receives. Imports aiohttp and tracing; never the store, the front or the
@@ -38,8 +38,8 @@ from proxy.errors import (
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
 from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, checked_headers, failure
 from proxy.upstream.http.get_stream import GetStream, SessionGone, StreamEvent
-from proxy.upstream.http.link import HttpLink
 from proxy.upstream.http.request_stream import HttpRequestStream, read_body
+from proxy.upstream.http.shared import HttpShared
 from proxy.upstream.lending import Lending, Subscribers
 from proxy.upstream.session import (
     CLIENT_CAPABILITIES,
@@ -63,14 +63,14 @@ STANDALONE_REFUSED: Final = "cannot be relayed to 2026-07-28 clients: no call of
 class HttpSession:
     """One Streamable HTTP session of the upstream (see the module doc); a `Session`."""
 
-    def __init__(self, link: HttpLink, principal: str | None) -> None:
-        self.link = link
+    def __init__(self, shared: HttpShared, principal: str | None) -> None:
+        self.shared = shared
         self.principal = principal
         self.session_id: str | None = None
-        self.protocol_version: str = link.config.protocol_version
+        self.protocol_version: str = shared.config.protocol_version
         self.initialize_result: JSON | None = None
         self.in_flight = 0  # calls open on this session right now
-        self.subscribers = Subscribers(self.request, link.tools_changed)
+        self.subscribers = Subscribers(self.request, shared.tools_changed)
         self.lending = Lending(self.subscribers)  # the call the session is lent to gets its GET-stream traffic
         self._get_stream: GetStream | None = None
         self._lock = asyncio.Lock()
@@ -80,10 +80,10 @@ class HttpSession:
         return await request(self, method, params)
 
     async def param_headers(self, tool: str) -> tuple[ParamHeader, ...]:
-        return await read_param_headers(self, self.link, tool)
+        return await read_param_headers(self, self.shared, tool)
 
     async def task_support(self, tool: str) -> legacy_tasks.TaskSupport | None:
-        return await read_task_support(self, self.link, tool)
+        return await read_task_support(self, self.shared, tool)
 
     # --- headers and plumbing -------------------------------------------------------------------------
 
@@ -92,11 +92,11 @@ class HttpSession:
         principal header, so a configured credential wins (as it does on the pass-through); names are matched
         whatever their case, so each header is sent once."""
         headers = CIMultiDict({"Accept": "application/json, text/event-stream", "Content-Type": "application/json"})
-        if self._cookies is not None and (cookies := self._cookies.filter_cookies(self.link.url)):
+        if self._cookies is not None and (cookies := self._cookies.filter_cookies(self.shared.url)):
             headers["Cookie"] = "; ".join(f"{morsel.key}={morsel.coded_value}" for morsel in cookies.values())
         if self.principal:
-            headers[self.link.principal_header] = self.principal
-        headers.update(self.link.config.headers)
+            headers[self.shared.principal_header] = self.principal
+        headers.update(self.shared.config.headers)
         if initialized:
             headers["MCP-Protocol-Version"] = self.protocol_version
             if self.session_id is not None:
@@ -119,23 +119,23 @@ class HttpSession:
         if "Set-Cookie" in response.headers:
             if self._cookies is None:
                 self._cookies = aiohttp.CookieJar(unsafe=True)  # a sidecar's upstream is an IP address
-            self._cookies.update_cookies_from_headers(response.headers.getall("Set-Cookie"), self.link.url)
+            self._cookies.update_cookies_from_headers(response.headers.getall("Set-Cookie"), self.shared.url)
 
     async def _post(self, message: JSON, headers: Mapping[str, str]) -> Answer:
-        link = self.link
+        shared = self.shared
         response: Answer
         try:
-            if link.lean is not None:  # (checks what it writes itself)
-                response = await link.lean.post(link.url.raw_path_qs, headers.items(), dumps(message))
+            if shared.lean is not None:  # (checks what it writes itself)
+                response = await shared.lean.post(shared.url.raw_path_qs, headers.items(), dumps(message))
             else:
                 headers = checked_headers(headers)
                 response = AiohttpAnswer(
-                    await link.http.post(link.url, data=dumps(message), headers=headers, timeout=link.timeout)
+                    await shared.http.post(shared.url, data=dumps(message), headers=headers, timeout=shared.timeout)
                 )
         except CLIENT_FAILURES as exc:
             raise failure(exc) from None
         if response.status < 500:
-            link.last_answer_at = time.monotonic()  # the upstream is there and speaks HTTP (readiness)
+            shared.last_answer_at = time.monotonic()  # the upstream is there and speaks HTTP (readiness)
         self._keep_cookies(response)
         return response
 
@@ -152,9 +152,9 @@ class HttpSession:
 
     async def initialize(self, *, listen: bool = True) -> None:
         self.session_id = None
-        request_id = self.link.next_id()
+        request_id = self.shared.next_id()
         params = {
-            "protocolVersion": self.link.config.protocol_version,
+            "protocolVersion": self.shared.config.protocol_version,
             "capabilities": CLIENT_CAPABILITIES,
             "clientInfo": CLIENT_INFO,
         }
@@ -165,16 +165,16 @@ class HttpSession:
         if not 200 <= response.status < 300:
             # An upstream that will not start sessions (a wrong path: 404, a redirect) answers, but cannot serve:
             # that answer does not count for readiness, which asks again (and so reports the refusal) at once.
-            self.link.last_answer_at = None
+            self.shared.last_answer_at = None
         body: bytes | None = None
         if response.status >= 400:
-            answer = await _answer_despite_status(response, request_id, self.link.max_result_bytes)
+            answer = await _answer_despite_status(response, request_id, self.shared.max_result_bytes)
             if isinstance(answer, _Refusal):
                 raise UpstreamError(
                     f"Upstream refused initialize: HTTP {response.status}{answer.said}", detail=answer.raw
                 )
             body = answer
-        call = HttpRequestStream(self, request_id, "initialize", response, self.link.max_result_bytes, body)
+        call = HttpRequestStream(self, request_id, "initialize", response, self.shared.max_result_bytes, body)
         result: JSON | None = None
         async for event in call.events():
             if isinstance(event, UpstreamResult):
@@ -187,23 +187,23 @@ class HttpSession:
         if not is_safe_value(result["protocolVersion"]) or (session_id is not None and not is_safe_value(session_id)):
             raise UpstreamError("Upstream sent a protocol version or session id that cannot be sent back as a header")
         if not self.principal:
-            self.link.auth.saw_anonymous_success()
+            self.shared.auth.saw_anonymous_success()
         self.session_id = session_id
         self.protocol_version = result["protocolVersion"]
         await self.notify("notifications/initialized", None)
         self.initialize_result = result
-        self.link.initialized(result)
+        self.shared.initialized(result)
         if listen and session_id is not None:  # a stateless upstream has no standalone stream
             await self._listen(session_id)
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
         if self.subscribers.resources:
             # Not awaited here: initialize runs under the session lock, and these requests may need it.
-            self.link.spawn(self.subscribers.resubscribe(), "upstream-resubscribe")
+            self.shared.spawn(self.subscribers.resubscribe(), "upstream-resubscribe")
 
     async def _open_stream(self, last_event_id: str | None) -> aiohttp.ClientResponse:
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.link.config.connect_timeout_seconds)
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.shared.config.connect_timeout_seconds)
         headers = checked_headers(self.stream_headers(last_event_id))
-        response = await self.link.http.get(self.link.url, headers=headers, timeout=timeout)
+        response = await self.shared.http.get(self.shared.url, headers=headers, timeout=timeout)
         self._keep_cookies(response)
         return response
 
@@ -211,8 +211,8 @@ class HttpSession:
         """Read the session's GET stream (from now on, in the background), each message bounded by
         `limits.max_result_bytes` as any other upstream answer is."""
         self._stop_listening()
-        self._get_stream = GetStream(session_id, self._open_stream, self._on_stream, self.link.max_result_bytes)
-        await self._get_stream.start(self.link.spawn, self.link.config.connect_timeout_seconds)
+        self._get_stream = GetStream(session_id, self._open_stream, self._on_stream, self.shared.max_result_bytes)
+        await self._get_stream.start(self.shared.spawn, self.shared.config.connect_timeout_seconds)
 
     def _stop_listening(self) -> None:
         if self._get_stream is not None:
@@ -234,7 +234,7 @@ class HttpSession:
         have forgotten it, a request answered 404 starts a new session as usual."""
         self._stop_listening()
         self.session_id = session_id
-        self.protocol_version = self.link.config.protocol_version  # tasks exist only from 2025-11-25 on
+        self.protocol_version = self.shared.config.protocol_version  # tasks exist only from 2025-11-25 on
         self.initialize_result = {}  # initialized, by someone else: its InitializeResult is not known here
         await self._listen(session_id)
         log.info("upstream_session_adopted")
@@ -269,8 +269,8 @@ class HttpSession:
         if self.session_id is None:
             return
         with contextlib.suppress(*CLIENT_FAILURES, UpstreamError):
-            async with self.link.http.delete(
-                self.link.url, headers=checked_headers(self.headers()), timeout=aiohttp.ClientTimeout(total=2)
+            async with self.shared.http.delete(
+                self.shared.url, headers=checked_headers(self.headers()), timeout=aiohttp.ClientTimeout(total=2)
             ):
                 pass
         self.session_id = None
@@ -287,15 +287,15 @@ class HttpSession:
             # the GET stream's task: initializing stops the old reader, i.e. cancels it.)
             self.forget(event.session_id)
             if self.subscribers.subscriptions:
-                self.link.spawn(self.revive(), "upstream-session-revive")
+                self.shared.spawn(self.revive(), "upstream-session-revive")
             return
         await self.lending.route(event, self.respond, f"outside a request {STANDALONE_REFUSED}")
 
     # --- requests ------------------------------------------------------------------------------------------
 
     def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        """Background work of one of this session's requests, owned by the link (cancelled when it closes)."""
-        return self.link.spawn(coroutine, name)
+        """Background work of one of this session's requests, owned by the shared state (cancelled when it closes)."""
+        return self.shared.spawn(coroutine, name)
 
     async def resume(self, last_event_id: str) -> Answer:
         """Continue a request's SSE stream the upstream closed early (GET + Last-Event-ID)."""
@@ -303,7 +303,7 @@ class HttpSession:
         sent_with = self.session_id
         try:
             response = AiohttpAnswer(
-                await self.link.http.get(self.link.url, headers=headers, timeout=self.link.timeout)
+                await self.shared.http.get(self.shared.url, headers=headers, timeout=self.shared.timeout)
             )
         except CLIENT_FAILURES as exc:
             raise UpstreamError("Upstream stream could not be resumed", detail=str(exc)) from None
@@ -322,8 +322,8 @@ class HttpSession:
         """Send one request upstream; the HttpRequestStream streams what comes back. Leaving the context closes it."""
         await self.ensure_initialized()
         span = tracing.client_span(method, params, transport="tcp", protocol_version=self.protocol_version)
-        with self.link.measured(method), span as traced:
-            request_id = self.link.next_id()
+        with self.shared.measured(method), span as traced:
+            request_id = self.shared.next_id()
             traced.request(request_id, self.session_id)
             message = request_message(request_id, method, traced.params(params, always=False))
             extra_headers = traced.headers(extra_headers)
@@ -344,8 +344,8 @@ class HttpSession:
                 raise self._refused(response, method)
             body: bytes | None = None
             if response.status >= 400:
-                body = await _raise_unless_answer(response, request_id, method, self.link.max_result_bytes)
-            upstream_call = HttpRequestStream(self, request_id, method, response, self.link.max_result_bytes, body)
+                body = await _raise_unless_answer(response, request_id, method, self.shared.max_result_bytes)
+            upstream_call = HttpRequestStream(self, request_id, method, response, self.shared.max_result_bytes, body)
             self.in_flight += 1
             try:
                 yield upstream_call
@@ -355,7 +355,7 @@ class HttpSession:
 
     def _refused(self, response: Answer, method: str) -> UpstreamAuthError:
         """The upstream refused this session's credential: the caller is told, with the server's challenge."""
-        self.link.auth.saw_refusal()
+        self.shared.auth.saw_refusal()
         challenge = response.headers.get("WWW-Authenticate")
         response.release()
         log.info("upstream_refused_credential", method=method, status=response.status)

@@ -1,8 +1,8 @@
 """The stdio kind of upstream session for the pool: one server process is one session, and processes are
 costly, so they are bounded by `upstream.max_processes`, idle ones stopped after
 `upstream.process_idle_seconds`, and calls that cannot ask share one. Readiness asks the shared process for a
-`ping`. Imports the stdio link and session; never the pool, aiohttp, the store, tasks or the servers legacy
-clients get (`legacy/serving.py` picks one).
+`ping`. Imports the stdio shared state and session; never the pool, aiohttp, the store, tasks or the servers
+legacy clients get (`legacy/serving.py` picks one).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from proxy.config import StdioUpstreamConfig
 from proxy.errors import UpstreamTimeoutError
 from proxy.observability import Metrics
 from proxy.upstream.session import PoolLimits, Session
-from proxy.upstream.stdio.link import StdioLink
 from proxy.upstream.stdio.session import StdioSession
+from proxy.upstream.stdio.shared import StdioShared
 
 
-class StdioKind(StdioLink):
+class StdioKind(StdioShared):
     """Makes stdio sessions (one process each) and says how the pool bounds them."""
 
     def __init__(

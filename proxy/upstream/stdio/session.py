@@ -12,9 +12,9 @@ that limit's error (the server has answered: there is nothing to cancel), a ques
 notification dropped. The line itself is read whole, so what it may hold is bounded by `upstream.max_line_bytes`.
 
 A process that dies fails its open calls with an UpstreamError naming how it ended; the next request starts
-a fresh one, unless it keeps crashing (then `StdioLink.start` refuses with a 503 saying when it is tried
-again). What all sessions of one server command share is the `StdioLink` (`link.py`). Imports the link, the
-process layer (`process.py`) and the lending; never the kind, aiohttp, the store or tasks.
+a fresh one, unless it keeps crashing (then `StdioShared.start` refuses with a 503 saying when it is
+tried again). What all sessions of one server command share is the `StdioShared` (`shared.py`). Imports the
+shared state, the process layer (`process.py`) and the lending; never the kind, aiohttp, the store or tasks.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from proxy.upstream.events import (
 )
 from proxy.upstream.lending import Lending, Subscribers
 from proxy.upstream.session import CLIENT_CAPABILITIES, CLIENT_INFO, read_param_headers, read_task_support, request
-from proxy.upstream.stdio.link import CRASHING, StdioLink, not_initialized
 from proxy.upstream.stdio.process import ProcessExit, StdioProcess
+from proxy.upstream.stdio.shared import CRASHING, StdioShared, not_initialized
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader
 from proxy.wire.jsonrpc import (
@@ -126,14 +126,14 @@ class StdioRequestStream:
 class StdioSession:
     """One server process at a time (a fresh one after a crash), initialized by the proxy; a `Session`."""
 
-    def __init__(self, link: StdioLink, principal: str | None) -> None:
-        self.link = link
+    def __init__(self, shared: StdioShared, principal: str | None) -> None:
+        self.shared = shared
         self.principal = principal  # keys the pool only: a stdio server sees no HTTP headers
         self.session_id: str | None = None  # the running process's name
-        self.protocol_version: str = link.config.protocol_version
+        self.protocol_version: str = shared.config.protocol_version
         self.initialize_result: JSON | None = None
         self.in_flight = 0
-        self.subscribers = Subscribers(self.request, link.tools_changed)
+        self.subscribers = Subscribers(self.request, shared.tools_changed)
         self.lending = Lending(self.subscribers)  # a process cannot outlive the proxy: a kept one is stopped too
         self.process: StdioProcess | None = None
         self._calls: dict[int, StdioRequestStream] = {}  # request id (also the progress token it carries) → call
@@ -147,10 +147,10 @@ class StdioSession:
         return await request(self, method, params)
 
     async def param_headers(self, tool: str) -> tuple[ParamHeader, ...]:
-        return await read_param_headers(self, self.link, tool)
+        return await read_param_headers(self, self.shared, tool)
 
     async def task_support(self, tool: str) -> legacy_tasks.TaskSupport | None:
-        return await read_task_support(self, self.link, tool)
+        return await read_task_support(self, self.shared, tool)
 
     @property
     def pid(self) -> int | None:
@@ -190,14 +190,14 @@ class StdioSession:
             if generation == self._generation:
                 self._on_exit(exited)
 
-        process = await self.link.start(on_message, on_exit, on_oversized)
+        process = await self.shared.start(on_message, on_exit, on_oversized)
         self.process = process
-        self.link.spawn(self._answer_unsolicited(queue), f"stdio-unsolicited-{process.name}")
+        self.shared.spawn(self._answer_unsolicited(queue), f"stdio-unsolicited-{process.name}")
         started = time.monotonic()
         try:
-            result = await self.link.initialized_within(self._initialize(), process.name)
+            result = await self.shared.initialized_within(self._initialize(), process.name)
         except TimeoutError:
-            failure = not_initialized(self.link.config.start_timeout_seconds)
+            failure = not_initialized(self.shared.config.start_timeout_seconds)
             await self._abandon(process, failure)
             raise UpstreamTimeoutError(f"Upstream stdio server {process.name} {failure}") from None
         except BaseException:
@@ -206,8 +206,8 @@ class StdioSession:
         self.session_id = process.name
         self.protocol_version = result["protocolVersion"]
         self.initialize_result = result
-        self.link.initialized(result)
-        self.link.backoff.reset()
+        self.shared.initialized(result)
+        self.shared.backoff.reset()
         log.info(
             "upstream_session_initialized",
             protocol_version=self.protocol_version,
@@ -215,11 +215,11 @@ class StdioSession:
             start_seconds=round(time.monotonic() - started, 2),
         )
         if self.subscribers.resources:
-            self.link.spawn(self.subscribers.resubscribe(), "upstream-resubscribe")
+            self.shared.spawn(self.subscribers.resubscribe(), "upstream-resubscribe")
 
     async def _initialize(self) -> JSON:
         params = {
-            "protocolVersion": self.link.config.protocol_version,
+            "protocolVersion": self.shared.config.protocol_version,
             "capabilities": CLIENT_CAPABILITIES,
             "clientInfo": CLIENT_INFO,
         }
@@ -238,7 +238,7 @@ class StdioSession:
         """A process that failed its start is stopped at once (no grace: it never became a session). Unless it
         died by itself (already counted), that counts for the backoff, as `failure`."""
         if process.exited is None:
-            self.link.crashed(0.0, failure)
+            self.shared.crashed(0.0, failure)
         await asyncio.shield(process.stop(0))
 
     async def adopt(self, session_id: str) -> None:
@@ -247,7 +247,7 @@ class StdioSession:
 
     def detach(self) -> None:
         """Nothing of a stdio server outlives its process: letting go means stopping it."""
-        self.link.spawn(self.close(), "upstream-session-close")
+        self.shared.spawn(self.close(), "upstream-session-close")
 
     async def close(self) -> None:
         """Stop the process: close its stdin, then SIGTERM, then SIGKILL (`upstream.stop_grace_seconds`)."""
@@ -260,7 +260,7 @@ class StdioSession:
 
     def _on_exit(self, exited: ProcessExit) -> None:
         process = self.process
-        name = process.name if process is not None else self.link.program
+        name = process.name if process is not None else self.shared.program
         self.initialize_result = None
         self.session_id = None
         self._asked.clear()
@@ -270,13 +270,13 @@ class StdioSession:
         self._calls.clear()
         if exited.requested:
             return
-        self.link.crashed(exited.lived_seconds)
+        self.shared.crashed(exited.lived_seconds)
         if self.subscribers.subscriptions and not self._closed:
-            self.link.spawn(self._revive(), "upstream-session-revive")
+            self.shared.spawn(self._revive(), "upstream-session-revive")
 
     async def _revive(self) -> None:
         """Listen streams keep receiving: start a new process now (after the backoff), not at the next call."""
-        await asyncio.sleep(max(0.0, self.link.retry_at - time.monotonic()))
+        await asyncio.sleep(max(0.0, self.shared.retry_at - time.monotonic()))
         try:
             await self.ensure_initialized()
         except UpstreamError as exc:
@@ -286,7 +286,7 @@ class StdioSession:
 
     def _on_message(self, message: dict[str, Any]) -> None:
         """Called by the process for each line, in order; must not block."""
-        self.link.answered()
+        self.shared.answered()
         try:
             parsed = classify(message)
         except InvalidRequestError:
@@ -308,8 +308,8 @@ class StdioSession:
 
     def _on_oversized(self, message: dict[str, Any]) -> None:
         """A message longer than `limits.max_result_bytes` (see the module doc)."""
-        self.link.answered()
-        maximum = self.link.max_result_bytes or 0
+        self.shared.answered()
+        maximum = self.shared.max_result_bytes or 0
         try:
             parsed = classify(message)
         except InvalidRequestError:
@@ -322,7 +322,7 @@ class StdioSession:
                 "code": codes.INTERNAL_ERROR,
                 "message": f"Request larger than the client's limit ({maximum} bytes)",
             }
-            self.link.spawn(self._refuse(parsed.id, refusal), "stdio-refuse-oversized")
+            self.shared.spawn(self._refuse(parsed.id, refusal), "stdio-refuse-oversized")
         elif isinstance(parsed, Response) and isinstance(parsed.id, int):
             call = self._calls.get(parsed.id)
             if call is not None:
@@ -377,8 +377,8 @@ class StdioSession:
 
     @contextlib.asynccontextmanager
     async def _open(self, method: str, params: JSON | None) -> AsyncIterator[StdioRequestStream]:
-        request_id = self.link.next_id()
-        call = StdioRequestStream(self, request_id, method, time.monotonic() + self.link.config.call_timeout_seconds)
+        request_id = self.shared.next_id()
+        call = StdioRequestStream(self, request_id, method, time.monotonic() + self.shared.config.call_timeout_seconds)
         meta = params.get("_meta") if isinstance(params, dict) else None
         if isinstance(meta, dict) and "progressToken" in meta:
             # The server's progress names the request it belongs to: the id is the token.
@@ -409,7 +409,7 @@ class StdioSession:
         have no place on stdio and are not sent."""
         await self.ensure_initialized()
         span = tracing.client_span(method, params, transport="pipe", protocol_version=self.protocol_version)
-        with self.link.measured(method), span as traced:
+        with self.shared.measured(method), span as traced:
             async with self._open(method, traced.params(params, always=True)) as call:
                 traced.request(call.request_id)
                 self.in_flight += 1  # the caller's requests only, not the proxy's own initialize

@@ -1,12 +1,12 @@
-"""What every session of one upstream shares, whatever its kind: the link.
+"""What every session of one upstream shares, whatever its kind: the shared state.
 
-A link owns background work (a `background.Background`: named, referenced until done, cancelled on close;
-upstream/ starts background tasks only through its link) and what the upstream said most recently: serverInfo
-and the whole InitializeResult (server/discover), the `x-mcp-header` catalog of its tools with each tool's
-`execution.taskSupport` (`ToolCatalog`; the pool keeps one per caller when the catalog may not be shared), when
-it last answered (readiness), and whether what it said may serve every caller (`auth.py`). Each kind's link
-(`http/link.py`, `stdio/link.py`) adds its transport. Imports the wire, observability and the auth decision; no
-aiohttp, no session kind.
+The shared state owns background work (a `background.Background`: named, referenced until done, cancelled on
+close; upstream/ starts background tasks only through its shared state) and what the upstream said most
+recently: serverInfo and the whole InitializeResult (server/discover), the `x-mcp-header` catalog of its tools
+with each tool's `execution.taskSupport` (`ToolCatalog`; the pool keeps one per caller when the catalog may not
+be shared), when it last answered (readiness), and whether what it said may serve every caller (`auth.py`).
+Each kind's shared state (`http/shared.py`, `stdio/shared.py`) adds its transport. Imports the wire,
+observability and the auth decision; no aiohttp, no session kind.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ PARAM_HEADERS_REFRESH_SECONDS: Final = 5.0  # an unknown tool re-reads tools/lis
 
 class ToolCatalog:
     """One read of the upstream's tools/list: each tool's `x-mcp-header` annotations and `execution.taskSupport`.
-    Stale once any session heard that the tool list changed (the link's `tools_generation` moved on)."""
+    Stale once any session heard that the tool list changed (the shared state's `tools_generation` moved on)."""
 
     def __init__(self) -> None:
         self.headers: dict[str, tuple[ParamHeader, ...]] | None = None
@@ -62,11 +62,11 @@ class ToolCatalog:
         self.generation = generation
 
 
-class LinkBase:
+class SharedBase:
     """Background work and what the upstream said most recently (see the module doc); every tool catalog goes
     stale when any session hears that the tool list changed."""
 
-    metrics: Metrics | None  # set by each kind's link
+    metrics: Metrics | None  # set by each kind's shared state
 
     def __init__(self) -> None:
         self._background = Background("upstream_background_task_failed")

@@ -1,5 +1,5 @@
 """What every Streamable HTTP session of one upstream shares: the HTTP client and URL, the principal header,
-timeouts, request ids and the largest answer read, besides what every link holds (`upstream/link.py`).
+timeouts, request ids and the largest answer read, besides what every shared state holds (`upstream/shared.py`).
 Imports aiohttp's client side and the config; never a session.
 """
 
@@ -13,7 +13,7 @@ from yarl import URL
 from proxy.config import HttpUpstreamConfig
 from proxy.observability import Metrics
 from proxy.upstream.http.lean import KEEPALIVE_SECONDS, LeanClient
-from proxy.upstream.link import LinkBase
+from proxy.upstream.shared import SharedBase
 
 
 def upstream_connector() -> aiohttp.TCPConnector:
@@ -36,7 +36,7 @@ def relay_client() -> aiohttp.ClientSession:
     )
 
 
-class HttpLink(LinkBase):
+class HttpShared(SharedBase):
     """What every session of one upstream shares: the HTTP client and URL, timeouts, request ids, background
     work, and what the upstream said most recently (serverInfo; when it last answered, for readiness)."""
 

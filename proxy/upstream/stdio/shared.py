@@ -1,7 +1,7 @@
-"""What every process of one stdio server command shares: the link of the stdio kind.
+"""What every process of one stdio server command shares: the shared state of the stdio kind.
 
-`StdioLink` starts the processes (argv, environment, working directory and limits from `upstream.*`), keeps the
-crash backoff (a server that keeps crashing is not started again before its time: requests get a 503 saying
+`StdioShared` starts the processes (argv, environment, working directory and limits from `upstream.*`), keeps
+the crash backoff (a server that keeps crashing is not started again before its time: requests get a 503 saying
 when), request ids, background work, and what the server said most recently (serverInfo; when a process last
 wrote, for readiness). Imports the process layer and the rates; never a session, aiohttp, the store or tasks.
 """
@@ -22,7 +22,7 @@ import structlog
 from proxy.config import StdioUpstreamConfig
 from proxy.errors import UpstreamUnreachableError
 from proxy.observability import Metrics
-from proxy.upstream.link import LinkBase
+from proxy.upstream.shared import SharedBase
 from proxy.upstream.stdio.process import ProcessExit, SizeLimit, StdioProcess, child_environment
 from proxy.upstream.stdio.rates import Backoff
 
@@ -37,7 +37,7 @@ def not_initialized(timeout_seconds: float) -> str:
     return f"did not answer initialize within {timeout_seconds:g} s"
 
 
-class StdioLink(LinkBase):
+class StdioShared(SharedBase):
     """What every process of one server command shares: the command and its environment, request ids,
     the crash backoff, background work, and what the server said most recently."""
 
