@@ -22,7 +22,7 @@ from typing import Any, Final
 import structlog
 from mcp_types import SERVER_INFO_META_KEY
 
-from proxy import tracing
+from proxy import span_attributes, tracing
 from proxy.config import LimitsConfig
 from proxy.errors import CallerLimitError, InvalidParamsError, MissingCapabilityError, TaskLimitError, UpstreamError
 from proxy.tasks.push import ListenInbox, TaskWatchers
@@ -205,7 +205,7 @@ class _Stream:
         task: dict[str, Any] = wire_tasks.detailed_task(self.tasks.paced(record))
         message = notification_message("notifications/tasks", {"_meta": self.tag, **task})
         await self.channel.notify(message, required=True)
-        tracing.event("task_pushed", {tracing.TASK_ID: record.task_id, "mcp.task.status": record.status.value})
+        tracing.event("task_pushed", {span_attributes.TASK_ID: record.task_id, "mcp.task.status": record.status.value})
         if self.runner.metrics is not None:
             self.runner.metrics.task_notifications.labels(record.status.value).inc()
         self.sent[record.task_id] = (record.status.value, record.updated_at_ms, time.monotonic())

@@ -1,7 +1,7 @@
-"""Trace context in and out of the proxy, and what spans are named after: the context a client's request
-carries (HTTP headers, `params._meta`), the current context written into what goes upstream (headers,
-`_meta`, a relayed request's headers), a span context as the W3C traceparent a task record keeps and back,
-and the low-cardinality target of a span name. No span is started here and nothing is kept. Imports the
+"""Trace context in and out of the proxy: the context a client's request carries (HTTP headers,
+`params._meta`), the current context written into what goes upstream (headers, `_meta`, a relayed request's
+headers), a span context as the W3C traceparent a task record keeps and back.
+No span is started here and nothing is kept (what a span says is `span_attributes`). Imports the
 OpenTelemetry API and the wire's trace-context parser only; `tracing` builds the spans with these.
 """
 
@@ -18,24 +18,6 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from proxy.wire.trace_context import TRACE_KEYS, parsed
 
 _W3C: Final = TraceContextTextMapPropagator()  # a stored context is W3C, whatever OTEL_PROPAGATORS says
-
-
-def text(value: object) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def target_of(method: str, params: Mapping[str, Any]) -> tuple[str | None, dict[str, str]]:
-    """The low-cardinality target of the span name, and its attributes (tool or prompt name only: a resource
-    URI may name anything and stays out)."""
-    if method == "tools/call" and (name := text(params.get("name"))) is not None:
-        return name, {"gen_ai.tool.name": name, "gen_ai.operation.name": "execute_tool"}
-    if method == "prompts/get" and (name := text(params.get("name"))) is not None:
-        return name, {"gen_ai.prompt.name": name}
-    return None, {}
-
-
-def span_name(method: str, target: str | None) -> str:
-    return f"{method} {target}" if target else method
 
 
 def carried(carrier: Mapping[str, Any]) -> Context | None:

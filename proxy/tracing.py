@@ -5,8 +5,8 @@ MRTR rounds and push. Off (every helper a no-op returning at its first line) unt
 tracer from the OTEL_* environment.
 
 Never recorded: argument values, results, question or answer content, header values, credentials. Imports
-the OpenTelemetry API (not the SDK), structlog, `errors` and `trace_context` (the context in and out); nothing
-of aiohttp, the front, the tasks or the upstream.
+the OpenTelemetry API (not the SDK), structlog, `errors`, `trace_context` (the context in and out) and
+`span_attributes` (what a span says); nothing of aiohttp, the front, the tasks or the upstream.
 """
 
 from __future__ import annotations
@@ -23,31 +23,31 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from proxy.errors import ProxyError
+from proxy.span_attributes import (
+    NO_REQUEST,
+    TASK_ID,
+    RequestTarget,
+    client_request,
+    reply_error_type,
+    server_request,
+    text,
+)
 from proxy.trace_context import (
     carried,
     headers_with_current,
     params_with_current,
     replace_with_current,
     span_context_of,
-    span_name,
-    target_of,
-    text,
     traceparent_of,
 )
 
 _T = TypeVar("_T")
-TASK_METHODS: Final = frozenset({"tasks/get", "tasks/update", "tasks/cancel", "tasks/result"})
-TASK_ID: Final = "mcp.task.id"  # no semantic convention names a task id yet
-PROTOCOL_VERSION_META_KEY: Final = "io.modelcontextprotocol/protocolVersion"
 
 _tracer: trace.Tracer | None = None  # None: tracing is off
 # The task id of the call whose background work runs in this context (read when its CLIENT spans end).
 _work_task: contextvars.ContextVar[Callable[[], str | None]] = contextvars.ContextVar("mcp_background_task")
 # What the current request is about, for spans below it that only see bytes (the legacy pass-through).
-# (MCP method or None, target, HTTP method, the SERVER span's attributes to copy)
-_request_target: contextvars.ContextVar[tuple[str | None, str | None, str, dict[str, Any]]] = contextvars.ContextVar(
-    "mcp_request_target"
-)
+_request_target: contextvars.ContextVar[RequestTarget] = contextvars.ContextVar("mcp_request_target")
 
 
 def install(tracer: trace.Tracer | None) -> None:
@@ -73,15 +73,8 @@ class ServerSpan:
 
     def reply(self, message: Mapping[str, Any]) -> None:
         """The answer's JSON-RPC error code, or `tool_error` for a CallToolResult with isError."""
-        if self.span is None:
-            return
-        error = message.get("error")
-        if isinstance(error, dict):
-            _failed(self.span, str(error.get("code")))
-        else:
-            result = message.get("result")
-            if isinstance(result, dict) and result.get("isError") is True:
-                _failed(self.span, "tool_error")
+        if self.span is not None and (error_type := reply_error_type(message)) is not None:
+            _failed(self.span, error_type)
 
     def status(self, http_status: int) -> None:
         """A relayed answer's HTTP status (its body is not read): 5xx fails the span."""
@@ -156,7 +149,17 @@ def _server_span(
     )
     token = None
     if span.is_recording():
-        token = _describe_server_span(span, headers, decoded, method, params, meta, era, http_method, peer)
+        request = server_request(headers, decoded, method, params, meta, era=era, http_method=http_method, peer=peer)
+        if request.target:
+            span.update_name(request.name)
+        span.set_attributes(request.attributes)
+        # The request's own log line (written by the error edge, after this span) names it too.
+        context = span.get_span_context()
+        structlog.contextvars.bind_contextvars(
+            trace_id=format(context.trace_id, "032x"), span_id=format(context.span_id, "016x")
+        )
+        if era != "modern":  # only a relayed request's CLIENT span (legacy, or another path) copies what it knows
+            token = _request_target.set(request.copied())
         if from_meta is not None and from_headers is not None:
             other = trace.get_current_span(from_headers).get_span_context()
             if other != trace.get_current_span(from_meta).get_span_context():
@@ -177,53 +180,6 @@ def _server_span(
     finally:
         if token is not None:
             _request_target.reset(token)
-
-
-def _describe_server_span(
-    span: Span,
-    headers: Mapping[str, str],
-    decoded: Mapping[str, Any],
-    method: str | None,
-    params: Mapping[str, Any],
-    meta: Mapping[str, Any],
-    era: str,
-    http_method: str,
-    peer: str | None,
-) -> contextvars.Token[tuple[str | None, str | None, str, dict[str, Any]]] | None:
-    """Name, attributes and links of a recording SERVER span; for a legacy request, what spans below it copy."""
-    attributes: dict[str, Any] = {"network.transport": "tcp", "network.protocol.name": "http", "mcp.era": era}
-    if peer:
-        attributes["client.address"] = peer
-    target: str | None = None
-    if method is None:  # no JSON-RPC message: a GET, a DELETE, a body not read or not JSON
-        attributes["http.request.method"] = http_method
-    else:
-        attributes["mcp.method.name"] = method
-        target, more = target_of(method, params)
-        attributes.update(more)
-        if target:
-            span.update_name(span_name(method, target))
-        if (request_id := decoded.get("id")) is not None:
-            attributes["jsonrpc.request.id"] = str(request_id)
-        if method in TASK_METHODS and (task_id := text(params.get("taskId"))) is not None:
-            attributes[TASK_ID] = task_id  # the link to the creating span comes once the record is read
-    version = headers.get("MCP-Protocol-Version") or text(meta.get(PROTOCOL_VERSION_META_KEY))
-    if version is None and method == "initialize":
-        version = text(params.get("protocolVersion"))
-    if version:
-        attributes["mcp.protocol.version"] = version
-    if era == "legacy" and (session_id := headers.get("Mcp-Session-Id")):
-        attributes["mcp.session.id"] = session_id
-    span.set_attributes(attributes)
-    # The request's own log line (written by the error edge, after this span) names it too.
-    context = span.get_span_context()
-    structlog.contextvars.bind_contextvars(
-        trace_id=format(context.trace_id, "032x"), span_id=format(context.span_id, "016x")
-    )
-    if era == "modern":
-        return None  # only a relayed request's CLIENT span (legacy, or another path) copies what the SERVER span knows
-    copied = {key: value for key, value in attributes.items() if key.startswith(("gen_ai.", "mcp.method", "mcp.proto"))}
-    return _request_target.set((method, target, http_method, copied))
 
 
 # --- upstream requests ---------------------------------------------------------------------------------------
@@ -286,7 +242,11 @@ def _client_span(
     )
     recording = span.is_recording()
     if recording:  # an unsampled span: its context goes upstream, nothing is worked out for it
-        _describe_client_span(span, method, params, transport, protocol_version)
+        request = NO_REQUEST if method is not None else _request_target.get(NO_REQUEST)
+        name, attributes = client_request(method, params, transport, protocol_version, request)
+        if name is not None:
+            span.update_name(name)
+        span.set_attributes(attributes)
     with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False):
         try:
             yield ClientSpan(span)
@@ -296,29 +256,6 @@ def _client_span(
         finally:
             if recording and (task_id := _work_task.get(None)) is not None and (known := task_id()) is not None:
                 span.set_attribute(TASK_ID, known)
-
-
-def _describe_client_span(
-    span: Span, method: str | None, params: Any, transport: str, protocol_version: str | None
-) -> None:
-    attributes: dict[str, Any] = {"network.transport": transport}
-    if transport == "tcp":
-        attributes["network.protocol.name"] = "http"
-    if method is None:  # relayed: what the SERVER span knows of the request
-        relayed, target, http_method, copied = _request_target.get((None, None, "POST", {}))
-        attributes.update(copied)
-        if relayed is None:
-            attributes["http.request.method"] = http_method
-        span.update_name(span_name(relayed or http_method, target))
-    else:
-        target, more = target_of(method, params if isinstance(params, dict) else {})
-        attributes["mcp.method.name"] = method
-        attributes.update(more)
-        if target:
-            span.update_name(span_name(method, target))
-    if protocol_version:
-        attributes["mcp.protocol.version"] = protocol_version
-    span.set_attributes(attributes)
 
 
 def relayed(

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from proxy import tracing, tracing_setup
+from proxy import span_attributes, tracing, tracing_setup
 from tests import pg
 from tests.support.clients import Client, ClientFactory, Tasks, upstream_calls_open
 from tests.support.processes import Upstream, key_file, stdio_upstream
@@ -176,14 +176,14 @@ async def test_a_task_keeps_its_background_work_in_the_creating_trace(
     task_id = await client.create("sleep", {"seconds": 0.3}, headers={"traceparent": CLIENT_TRACEPARENT})
     [created] = [s for s in await eventually(spans, "tools/call sleep") if s.kind is SpanKind.SERVER]
     assert created.attributes is not None
-    assert created.attributes[tracing.TASK_ID] == task_id
+    assert created.attributes[span_attributes.TASK_ID] == task_id
     assert (await client.settled(task_id))["status"] == "completed"
     # The task's background work: the upstream call's CLIENT span, in the creating trace, outliving the request.
     [work] = await eventually(spans, "tools/call sleep", kind=SpanKind.CLIENT)
     assert parent_of(work) == hex_span(created)
     assert hex_trace(work) == CLIENT_TRACE
     assert work.attributes is not None
-    assert work.attributes[tracing.TASK_ID] == task_id
+    assert work.attributes[span_attributes.TASK_ID] == task_id
     assert work.end_time is not None
     assert created.end_time is not None
     assert work.end_time > created.end_time  # it outlived the request that created the task
@@ -191,7 +191,7 @@ async def test_a_task_keeps_its_background_work_in_the_creating_trace(
     gets = await eventually(spans, "tasks/get")
     for get in gets:
         assert get.attributes is not None
-        assert get.attributes[tracing.TASK_ID] == task_id
+        assert get.attributes[span_attributes.TASK_ID] == task_id
         assert [(link.context.span_id, link.context.trace_id) for link in get.links] == [
             (created.context.span_id, created.context.trace_id) if created.context else (0, 0)
         ]
@@ -199,7 +199,7 @@ async def test_a_task_keeps_its_background_work_in_the_creating_trace(
     assert status == 200 or "error" in message
     [cancel] = await eventually(spans, "tasks/cancel")
     assert cancel.attributes is not None
-    assert cancel.attributes[tracing.TASK_ID] == task_id
+    assert cancel.attributes[span_attributes.TASK_ID] == task_id
     assert len(cancel.links) == 1
 
 
@@ -342,19 +342,19 @@ async def test_a_cancel_from_another_replica_is_linked_work_on_the_owner(
     [created] = [s for s in await eventually(spans, "tools/call sleep") if s.kind is SpanKind.SERVER]
     [relayed] = await eventually(spans, "task settled elsewhere")
     assert relayed.attributes is not None
-    assert relayed.attributes[tracing.TASK_ID] == task_id
+    assert relayed.attributes[span_attributes.TASK_ID] == task_id
     assert created.context is not None
     assert [(link.context.trace_id, link.context.span_id) for link in relayed.links] == [
         (created.context.trace_id, created.context.span_id)
     ]
     [cancel] = await eventually(spans, "tasks/cancel")
     assert cancel.attributes is not None
-    assert cancel.attributes[tracing.TASK_ID] == task_id
+    assert cancel.attributes[span_attributes.TASK_ID] == task_id
     assert links_of(cancel) == [(hex_trace(created), hex_span(created))]  # from the record: B never saw it created
     [work] = await eventually(spans, "tools/call sleep", kind=SpanKind.CLIENT)
     assert hex_trace(work) == CLIENT_TRACE
     assert work.attributes is not None
-    assert work.attributes[tracing.TASK_ID] == task_id
+    assert work.attributes[span_attributes.TASK_ID] == task_id
 
 
 async def test_a_push_is_an_event_on_the_listen_streams_span(
@@ -376,7 +376,9 @@ async def test_a_push_is_an_event_on_the_listen_streams_span(
     [listen] = await eventually(spans, "subscriptions/listen")
     pushed = [event for event in listen.events if event.name == "task_pushed"]
     assert pushed
-    assert all(event.attributes is not None and event.attributes[tracing.TASK_ID] == task_id for event in pushed)
+    assert all(
+        event.attributes is not None and event.attributes[span_attributes.TASK_ID] == task_id for event in pushed
+    )
     assert pushed[-1].attributes is not None
     assert pushed[-1].attributes["mcp.task.status"] == "completed"
     assert listen.status.status_code is not StatusCode.ERROR  # the client closing its stream is no failure
@@ -403,13 +405,13 @@ async def test_an_answer_from_another_replica_is_linked_work_on_the_owner(
     [relayed] = await eventually(spans, "task answers relayed")
     assert relayed.kind is SpanKind.INTERNAL
     assert relayed.attributes is not None
-    assert relayed.attributes[tracing.TASK_ID] == task_id
+    assert relayed.attributes[span_attributes.TASK_ID] == task_id
     assert links_of(relayed) == [creation]
     assert hex_trace(relayed) != CLIENT_TRACE  # linked work, in a trace of its own
     assert "input_answered" in [event.name for event in relayed.events]  # the answer went upstream there
     [update] = await eventually(spans, "tasks/update")
     assert update.attributes is not None
-    assert update.attributes[tracing.TASK_ID] == task_id
+    assert update.attributes[span_attributes.TASK_ID] == task_id
     assert links_of(update) == [creation]
     for get in await eventually(spans, "tasks/get"):
         assert links_of(get) == [creation]
@@ -440,14 +442,14 @@ async def test_after_a_restart_a_task_links_to_its_creation_and_its_rerun_stays_
     [rerun] = await eventually(spans, "task re-run")
     assert rerun.kind is SpanKind.INTERNAL
     assert rerun.attributes is not None
-    assert rerun.attributes[tracing.TASK_ID] == task_id
+    assert rerun.attributes[span_attributes.TASK_ID] == task_id
     assert hex_trace(rerun) == CLIENT_TRACE
     assert parent_of(rerun) == hex_span(created)
     works = await eventually(spans, "tools/call counted", 3)  # the SERVER span, the first run, the re-run
     [again] = [span for span in works if span.kind is SpanKind.CLIENT and parent_of(span) == hex_span(rerun)]
     assert hex_trace(again) == CLIENT_TRACE
     assert again.attributes is not None
-    assert again.attributes[tracing.TASK_ID] == task_id
+    assert again.attributes[span_attributes.TASK_ID] == task_id
     gets = await eventually(spans, "tasks/get")
     assert gets
     for get in gets:
@@ -474,7 +476,7 @@ async def test_a_task_the_upstream_runs_is_followed_again_in_its_creating_trace_
     assert done["status"] == "completed", done
     [followed] = await eventually(spans, "task followed again")
     assert followed.attributes is not None
-    assert followed.attributes[tracing.TASK_ID] == task_id
+    assert followed.attributes[span_attributes.TASK_ID] == task_id
     assert hex_trace(followed) == CLIENT_TRACE
     assert parent_of(followed) == hex_span(created)
     below = [span for span in spans.get_finished_spans() if parent_of(span) == hex_span(followed)]
@@ -501,7 +503,7 @@ async def test_upstream_requests_sent_after_the_creating_request_ended_are_clien
     for poll in polls:
         assert hex_trace(poll) == CLIENT_TRACE
         assert poll.attributes is not None
-        assert poll.attributes[tracing.TASK_ID] == task_id
+        assert poll.attributes[span_attributes.TASK_ID] == task_id
         assert poll.start_time is not None
         assert created.end_time is not None
         assert poll.start_time > created.end_time

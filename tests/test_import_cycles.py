@@ -96,6 +96,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "proxy.live_config",
             "proxy.observability",
             "proxy.tracing",
+            "proxy.span_attributes",
             "proxy.trace_context",
             "proxy.tracing_setup",
             "proxy.policy",

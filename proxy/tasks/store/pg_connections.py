@@ -7,7 +7,8 @@ statement); past it, or when the database cannot be reached or takes no writes (
 a cut) is checked before it is handed out, and a read that met a connection broken in a cut is tried once more
 on a fresh one; a multi-host URL (`host=a,b` with `target_session_attrs=read-write`) follows a failover, since
 libpq picks the primary for each new connection. Depends on psycopg, psycopg_pool and the store's `base`,
-`pg_health`, `pg_schema`; used by `postgres.py` only; it must not import aiohttp, the runner or the front.
+`pg_health`, `pg_schema`; used by `postgres.py` (and `pg_keys.py`, for its connection type); it must not import
+aiohttp, the runner or the front.
 """
 
 from __future__ import annotations

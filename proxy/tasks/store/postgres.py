@@ -12,8 +12,9 @@ barely does (a few rows per call), and needs a separate stub package and its own
 Creations go through one thread with its own connection (`pg_create.py`); everything else runs on the loop
 through the pool, mostly one statement (one implicit transaction) per call, with its change notification in
 the same statement; the pool, the connections' settings and every operation's deadline are
-`pg_connections.py`'s. Depends on psycopg and the store's `base`, `rows`, `pg_connections`, `pg_create`,
-`pg_schema`, `pg_feed`; it must not import aiohttp, the runner or the front.
+`pg_connections.py`'s, the idempotency keys `pg_keys.py`'s. Depends on psycopg and the store's `base`, `rows`,
+`pg_connections`, `pg_create`, `pg_schema`, `pg_feed`, `pg_keys`; it must not import aiohttp, the runner or the
+front.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from typing import Any, Final
 from psycopg.rows import DictRow
 
 from proxy.tasks import pacing
-from proxy.tasks.store import keys
 from proxy.tasks.store import pg_schema as schema
 from proxy.tasks.store.base import (
     EXPIRED,
@@ -41,6 +41,7 @@ from proxy.tasks.store.base import (
 from proxy.tasks.store.pg_connections import Conn, PgConnections
 from proxy.tasks.store.pg_create import PgCreator
 from proxy.tasks.store.pg_feed import PgFeed
+from proxy.tasks.store.pg_keys import PgKeys
 from proxy.tasks.store.rows import (
     LIVE_SQL,
     MESSAGE_RETENTION_MS,
@@ -64,7 +65,7 @@ def _messages(rows: list[DictRow]) -> list[Message]:
     ]
 
 
-class PostgresTaskStore(PgConnections, LiveWrites):
+class PostgresTaskStore(PgConnections, PgKeys, LiveWrites):
     """Task records in a PostgreSQL database shared by the replicas. Open with `await PostgresTaskStore.open(...)`."""
 
     def __init__(
@@ -421,36 +422,3 @@ class PostgresTaskStore(PgConnections, LiveWrites):
         params = {"key": key, "window_start_ms": window_start_ms}
         rows = await self._rows(f"count_call {key}", schema.COUNT_CALL_SQL, params)
         return int(rows[0]["calls"])
-
-    # -- idempotency keys ----------------------------------------------------------------------------------------
-
-    async def claim_key(self, record: keys.KeyRecord) -> keys.KeyRecord | None:
-        """One INSERT ... ON CONFLICT: of two replicas claiming at once, exactly one wins (the other waits for its
-        commit and reads the winner's record)."""
-        while True:
-            if await self._rows("claim_key", keys.pg(keys.CLAIM_SQL), keys.key_params(record)):
-                return None
-            holder = await self.get_key(record.scope, record.key)
-            if holder is not None:
-                return holder  # else swept between the two statements: claim again
-
-    async def get_key(self, scope: str, key: str) -> keys.KeyRecord | None:
-        found = await self._rows("get_key", keys.pg(keys.GET_SQL), {"scope": scope, "key": key}, write=False)
-        return keys.key_from_row(found[0]) if found else None
-
-    async def settle_key(self, record: keys.KeyRecord, outcome: str) -> bool:
-        params = {**keys.key_params(record), "outcome": outcome}
-
-        async def run(conn: Conn) -> bool:
-            return (await conn.execute(keys.pg(keys.SETTLE_SQL), params)).rowcount > 0
-
-        return await self._run("settle_key", run)
-
-    async def release_key(self, record: keys.KeyRecord) -> None:
-        await self._rows("release_key", keys.pg(keys.RELEASE_SQL), keys.key_params(record))
-
-    async def purge_keys(self, now_ms: int) -> int:
-        async def run(conn: Conn) -> int:
-            return (await conn.execute(keys.pg(keys.PURGE_SQL), {"now_ms": now_ms})).rowcount
-
-        return await self._run("purge_keys", run)
