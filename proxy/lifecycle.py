@@ -45,7 +45,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     upstream = SessionPool(session_kind(config, http, metrics))
     app[UPSTREAM] = upstream
     live = app[LIVE]
-    runner = TaskRunner(lambda: live.current, store, upstream, Principals(deployment_key(config)), metrics=metrics)
+    runner = TaskRunner(live.config, store, upstream, Principals(deployment_key(config)), metrics=metrics)
     app[RUNNER] = runner
     audit = runner.audit
     if audit is not None:
@@ -62,7 +62,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         store.health.listener = metrics.store_operation_failed
     watchers = TaskWatchers(store)
     runner.spawn(watchers.run(), "task-feed")
-    front = app[FRONT] = Front(lambda: live.current, upstream, runner, watchers)
+    front = app[FRONT] = Front(live.config, upstream, runner, watchers)
     if metrics is not None:
         metrics.listen_streams.set_function(lambda: front.listens.open_streams)
     drain = app[DRAIN]
