@@ -67,7 +67,10 @@ class Recorder:
         module = _module_of(frame.f_code, self.root)
         if module is None:
             return
-        self.part.modules.setdefault(module, set()).add(frame.f_code.co_qualname)
+        name = frame.f_code.co_qualname
+        if name.endswith("<lambda>"):
+            name = f"{name}:{frame.f_code.co_firstlineno}"  # the lambdas of one function apart
+        self.part.modules.setdefault(module, set()).add(name)
         caller = frame.f_back
         while caller is not None and _module_of(caller.f_code, self.root) is None:
             caller = caller.f_back  # through the event loop and aiohttp to the proxy code that scheduled it
@@ -85,7 +88,8 @@ async def _settled(client: ModernClient, task_id: str) -> None:
     raise RuntimeError("the warm-up task did not settle in 5 s")
 
 
-async def _run() -> dict[str, CallPath]:
+async def call_path() -> dict[str, CallPath]:
+    """The two parts of one task-making call's path (`request`, `task`), measured as the module says."""
     from proxy.app import create_app
     from proxy.config_loader import load_config
     from proxy.observability import configure_logging
@@ -139,7 +143,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--functions", action="store_true", help="name the functions run in each module")
     arguments = parser.parse_args()
-    parts = asyncio.run(_run())
+    parts = asyncio.run(call_path())
     if arguments.json:
         print(json.dumps({name: part.as_json() for name, part in parts.items()}, indent=2))
         return

@@ -66,6 +66,9 @@ class Drain:
             registry=registry,
         ).set_function(self.left)
 
+    def is_draining(self) -> bool:
+        return self.draining
+
     def left(self) -> int:
         streams = sum(
             1 for request in self.requests.values() if request.method == "GET" or request.get(MCP_METHOD) in STREAMS

@@ -45,7 +45,10 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     upstream = SessionPool(session_kind(config, http, metrics))
     app[UPSTREAM] = upstream
     live = app[LIVE]
-    runner = TaskRunner(lambda: live.current, store, upstream, Principals(deployment_key(config)), metrics=metrics)
+    drain = app[DRAIN]
+    runner = TaskRunner(
+        live.config, store, upstream, Principals(deployment_key(config)), metrics=metrics, draining=drain.is_draining
+    )
     app[RUNNER] = runner
     audit = runner.audit
     if audit is not None:
@@ -62,12 +65,10 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         store.health.listener = metrics.store_operation_failed
     watchers = TaskWatchers(store)
     runner.spawn(watchers.run(), "task-feed")
-    front = app[FRONT] = Front(lambda: live.current, upstream, runner, watchers)
+    front = app[FRONT] = Front(live.config, upstream, runner, watchers)
     if metrics is not None:
         metrics.listen_streams.set_function(lambda: front.listens.open_streams)
-    drain = app[DRAIN]
-    drain.open_calls = lambda: runner.open_calls
-    runner.follow_drain(lambda: drain.draining)
+    drain.open_calls = lambda: runner.open_calls  # the drain is the app's, built before the runner
     live.subscribe(lambda new: runner.config_swapped())  # the queue admits by the caps now in force
     legacy = app[PASSTHROUGH] = legacy_front(upstream)  # relayed, or served by the proxy (the kind decides)
     app[RELAY] = OriginRelay.of(config.relay, legacy)  # other paths: to the upstream's origin, when it has one

@@ -2,7 +2,7 @@
 
 `LiveConfig.current` is the immutable config in force; a reload validates the new one and swaps it, and that is
 all it changes: the edge reads `current` per request, and the components that decide new calls hold a getter of it
-(`lambda: live.current`) and read their section through it, so no field of theirs is rewritten by a reload. A
+(`live.config`) and read their section through it, so no field of theirs is rewritten by a reload. A
 subscriber is for an effect a swap must have (the log level set, the waiting calls admitted by new caps). A call
 captures its policy (its Decision) when it starts, so a swap never
 changes a call in flight. A reload that changes a fixed key (what was bound at start: listen address, upstream,
@@ -122,6 +122,10 @@ class LiveConfig:
 
     @property
     def current(self) -> Config:
+        return self._current
+
+    def config(self) -> Config:
+        """`current` as the getter a consumer holds (`live.config`, one call shorter than a lambda around it)."""
         return self._current
 
     def subscribe(self, apply: Callable[[Config], None]) -> None:

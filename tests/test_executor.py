@@ -382,7 +382,7 @@ async def test_a_replica_ignores_its_own_settlement_on_the_feed_but_not_another_
     parked = Parking(lambda: limits.inputs, lambda: limits.limits, signer, wall_clock_ms, "replica-1")
     parts.link = link = ReplicaLink(store, "replica-1", 30)
     starter = CallStarter(parts.context, lambda: limits.tasks, lambda: limits.inputs, parked, link)
-    recovery = Recovery(parts.context, link, parts.records, starter.state, dict)
+    recovery = Recovery(parts.context, link, parts.records, starter.state, dict, lambda: False)
     await link.start(ReplicaInbox(parts.context, parked, parts.records, link, recovery, starter))
     own, elsewhere = make_call(), make_call()
     own_task, elsewhere_task = await parts.committed(own), await parts.committed(elsewhere)

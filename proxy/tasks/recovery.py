@@ -59,6 +59,7 @@ class Recovery:
         records: RecordWrites,
         state_of: StateOf,
         jobs: Callable[[], Mapping[str, JobSpec]],
+        draining: Callable[[], bool],
     ) -> None:
         self.context = context
         self.replicas = replicas
@@ -67,7 +68,7 @@ class Recovery:
         self.jobs = jobs  # the `jobs:` config in force
         self._tombstones_trimmed_ms = 0  # the clock when the sweep last trimmed the tombstones
         self._adopting = asyncio.Lock()  # take-overs and a lapsed lease's recovery, one at a time
-        self.draining: Callable[[], bool] = lambda: False  # set by the app (`TaskRunner.follow_drain`)
+        self.draining = draining  # whether this replica drains after SIGTERM: then its sweep takes nothing over
 
     async def recover(self) -> None:
         """Tasks no running process owns any more. On a shared store (PostgreSQL), those of replicas whose lease

@@ -80,6 +80,7 @@ class TaskRunner:
         principals: Principals,
         clock: Callable[[], int] = wall_clock_ms,
         metrics: Metrics | None = None,
+        draining: Callable[[], bool] = lambda: False,
     ) -> None:
         # `current()` is the config in force: what a live reload may change is read through it, at each call;
         # the rest is bound here, at start.
@@ -164,7 +165,7 @@ class TaskRunner:
             context, lambda: current().tasks, lambda: current().inputs, self.parking, self.replicas
         )
         self.operations = TaskOperations(context, self.records, self.replicas)
-        self.recovery = Recovery(context, self.replicas, self.records, self.starter.state, lambda: jobs.specs)
+        self.recovery = Recovery(context, self.replicas, self.records, self.starter.state, lambda: jobs.specs, draining)
         self.inbox = ReplicaInbox(context, self.parking, self.records, self.replicas, self.recovery, self.starter)
 
     def _forget(self, call: LiveCall) -> None:
@@ -230,10 +231,6 @@ class TaskRunner:
         return Caps(
             config.upstream.max_concurrent_calls or sys.maxsize, config.upstream.max_queue_wait_ms, config.tasks
         )
-
-    def follow_drain(self, draining: Callable[[], bool]) -> None:
-        """`draining()` says whether this replica drains after SIGTERM: then its sweep takes nothing over."""
-        self.recovery.draining = draining
 
     def lease_problem(self) -> str | None:
         return self.replicas.lease_problem()

@@ -1,14 +1,15 @@
 """The span events of a call's questions, emitted through the executor's observer hook (never from inside an
 effect): a question the upstream asked (`input_requested`: its method and whether it was refused at once), an
 answer or a refusal sent back upstream (`input_answered`), an MRTR round handed to the client
-(`mrtr_input_required`: its round and how many questions). Methods and counts only, never content. Imports the
+(`mrtr_input_required`: its round and how many questions), a retry that took it back
+(`mrtr_resumed`: the round it answers and how many answers). Methods and counts only, never content. Imports the
 command vocabulary, the live call, tracing and the refusal rule.
 """
 
 from __future__ import annotations
 
 from proxy import tracing
-from proxy.tasks.commands import Answer, Asked, Command, Event, Parked, Refuse
+from proxy.tasks.commands import Answer, Asked, Command, Event, Parked, Refuse, Resumed
 from proxy.tasks.live_call import LiveCall
 from proxy.upstream.events import refusal
 
@@ -23,6 +24,8 @@ class SpanEvents:
             tracing.event("input_requested", {"mcp.method.name": question.method, "refused": refused})
         elif isinstance(event, Parked):
             tracing.event("mrtr_input_required", {"round": call.state.round, "questions": len(call.state.inputs)})
+        elif isinstance(event, Resumed):
+            tracing.event("mrtr_resumed", {"round": call.state.round, "answers": len(event.answers)})
         for command in commands:
             if isinstance(command, Answer) and call.upstream.session is not None:
                 tracing.event("input_answered", {"refused": False})

@@ -1,7 +1,7 @@
 """Starting and resuming calls for waiting requests: a new call from the front's upstream request, an MRTR
 retry that takes the call parked for its round (here, or forwarded to the live replica that holds it, with a
 stand-in call here whose reply is that replica's answer), a waiting request that went away, and every call
-stopped at shutdown. Imports the table, the parking, the replica link, `remote.py` and tracing; no other effect.
+stopped at shutdown. Imports the table, the parking, the replica link and `remote.py`; no other effect.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import Any, Final
 
 import structlog
 
-from proxy import tracing
 from proxy.config import InputsConfig, TasksConfig
 from proxy.errors import InvalidParamsError, ProxyError
 from proxy.policy import SYNC_CALL, Decision, decide
@@ -126,7 +125,6 @@ class CallStarter:
         call.client.reply = asyncio.get_running_loop().create_future()
         call.client.channel = channel
         log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, answered=sorted(answers))
-        tracing.event("mrtr_resumed", {"round": call.state.round, "answers": len(answers)})
         await self.context.feed.submit(call, Resumed(answers, request.progress_token, request.log_level))
         return call
 
