@@ -65,7 +65,7 @@ class Front:
         self.upstream = upstream
         self.runner = runner
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
-        self.waiting = WaitingRequests(runner.starter, self.cache)
+        self.waiting = WaitingRequests(runner.starter, runner.client.keep_alive, self.cache)
         self.listens = ListenStreams(lambda: current().limits, upstream, runner, watchers)
         self.keys = idempotency.IdempotencyKeys(
             runner.store,

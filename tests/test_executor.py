@@ -368,6 +368,53 @@ async def test_notifications_and_the_reply_leave_in_order_through_one_writer_tha
     await background.close(1)
 
 
+async def test_keep_alives_are_written_by_the_calls_one_writer_after_what_it_still_writes() -> None:
+    """A keep-alive asked for while a notification is being written waits behind it (never two writes on the
+    stream at once); a stream broken at a keep-alive is the client leaving, as at a notification, and then no
+    keep-alive is queued any more."""
+    written: list[str] = []
+    reading = asyncio.Event()
+    broken = False
+
+    class Slow:
+        async def notify(self, message: JSON, *, required: bool = False) -> None:
+            written.append("notify: begun")
+            await reading.wait()
+            written.append("notify: done")
+
+        async def keepalive(self, *, open_stream: bool = False) -> None:
+            assert open_stream
+            if broken:
+                raise ConnectionResetError
+            written.append("keep-alive")
+
+    feed, background = RecordingFeed(), Background()
+    client = ClientSide(lambda record: record, feed, background)
+    call = make_call()
+    call.client.channel = Slow()
+    call.client.reply = asyncio.get_running_loop().create_future()
+
+    await client.relay(call, Relay({"method": "notifications/progress"}))
+    await until(lambda: written == ["notify: begun"], "the writer to begin the notification")
+    client.keep_alive(call)
+    await asyncio.sleep(0.05)
+    assert written == ["notify: begun"]  # not written beside the notification
+    reading.set()
+    await until(lambda: len(written) == 3, "the keep-alive after the notification")
+    assert written == ["notify: begun", "notify: done", "keep-alive"]
+
+    broken = True
+    client.keep_alive(call)
+    await until(lambda: bool(feed.events), "the writer to find the stream broken")
+    assert feed.events == [(call, ClientLeft())]
+    assert call.client.channel is None
+    client.keep_alive(call)  # the client is gone: nothing is queued, no writer is started
+    assert not call.client.outgoing
+    assert call.client.writer is not None
+    assert call.client.writer.done()
+    await background.close(1)
+
+
 # --- the replica inbox: its own settlements come back on the feed and are dropped --------------------------
 
 

@@ -116,6 +116,91 @@ async def test_wait_holds_the_response_with_keepalive_comments(
     assert message["result"]["content"][0]["text"] == "1"
 
 
+def sse_events(text: str) -> tuple[list[dict[str, Any]], int]:
+    """The messages of an SSE body and how many keep-alive comments it has; fails on an event that is not a
+    whole JSON message or that has a comment inside it."""
+    messages: list[dict[str, Any]] = []
+    comments = 0
+    blocks = text.replace("\r\n", "\n").split("\n\n")
+    assert blocks[-1] == ""  # the body ends with a complete event
+    for block in blocks[:-1]:
+        lines = block.split("\n")
+        if all(line.startswith(":") for line in lines):
+            comments += 1
+            continue
+        assert not any(line.startswith(":") for line in lines), f"a comment inside an event: {block!r}"
+        assert all(line.split(":", 1)[0] in ("event", "data", "id") for line in lines), block
+        messages.append(json.loads("\n".join(line[5:].lstrip(" ") for line in lines if line.startswith("data:"))))
+    return messages, comments
+
+
+async def test_keepalive_comments_and_progress_share_the_stream_event_by_event(
+    tasks_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A poll-to-sync call that reports progress, with keep-alive comments due far more often than progress:
+    the body is whole events and whole comments, never one inside the other, and the answer is last."""
+    monkeypatch.setattr(waiting_module, "KEEPALIVE_SECONDS", 0.01)
+    client = await tasks_client(tasks={**policies(sleep={"mode": "required"}), "undeclared_required": "wait"})
+    response = await client.client.post(
+        "/mcp",
+        json=modern_body(
+            "tools/call", {"name": "sleep", "arguments": {"seconds": 0.6, "pad": 2000}}, progressToken="p"
+        ),
+        headers=modern_headers("tools/call", "sleep"),
+    )
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    messages, comments = sse_events(await response.text())
+    assert comments >= 1
+    *progress, answer = messages
+    assert progress
+    assert all(message["method"] == "notifications/progress" for message in progress)
+    assert all(message["params"]["progressToken"] == "p" for message in progress)
+    client.core.check(answer, "tools/call")
+    assert answer["result"]["content"][0]["text"] == "slept 0.6"
+
+
+class Piecewise:
+    """A Channel whose stream takes each event in two writes, with a wait between (a client reading slowly):
+    what lands between the two halves of an event lands inside it."""
+
+    def __init__(self) -> None:
+        self.body: list[str] = []
+
+    async def notify(self, message: dict[str, Any], *, required: bool = False) -> None:
+        event = f"event: message\ndata: {json.dumps(message)}\n\n"
+        half = len(event) // 2
+        for piece in (event[:half], event[half:]):
+            self.body.append(piece)
+            await asyncio.sleep(0.02)
+
+    async def keepalive(self, *, open_stream: bool = False) -> None:
+        self.body.append(": keep-alive\n\n")
+
+
+async def test_a_keepalive_never_lands_inside_an_event_written_in_pieces(
+    tasks_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keep-alive comments go through the call's one writer, after the event being written, not into it; every
+    notification is written before the answer comes back."""
+    monkeypatch.setattr(waiting_module, "KEEPALIVE_SECONDS", 0.005)
+    client = await tasks_client(tasks={**policies(sleep={"mode": "required"}), "undeclared_required": "wait"})
+    app = client.client.app
+    params = {
+        "name": "sleep",
+        "arguments": {"seconds": 0.5},
+        "_meta": modern_body("x", progressToken="p")["params"]["_meta"],
+    }
+    request = validate_modern(modern_headers("tools/call", "sleep"), 1, "tools/call", params)
+    decision = decide(app[CONFIG].tasks, "sleep", declares_tasks=False)
+    channel = Piecewise()
+    message = await app[FRONT].waiting.call(UpstreamRequest.of(request, Caller()), Caller(), channel, decision, None)
+    assert message["result"]["content"][0]["text"] == "slept 0.5"
+    messages, comments = sse_events("".join(channel.body))
+    assert comments >= 1
+    assert messages
+    assert all(message["method"] == "notifications/progress" for message in messages)
+
+
 async def test_wait_client_disconnect_cancels_the_upstream_call(
     tasks_client: ClientFactory, own_upstream: Upstream
 ) -> None:

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Final
 
 from proxy.tasks.commands import ReplyKind, Timer
 from proxy.tasks.replicas import Ask
@@ -60,14 +61,23 @@ def new_call_id() -> str:
     return next(_call_id_source)
 
 
+@dataclass(frozen=True, slots=True)
+class KeepAlive:
+    """Queued for the client's writer: an SSE keep-alive comment while a poll-to-sync client waits."""
+
+
+KEEP_ALIVE: Final = KeepAlive()
+
+
 @dataclass(eq=False, slots=True)
 class ClientEnd:
-    """What the client side owns: the waiting request's answer, its stream (notifications before it), and the
-    one writer that writes both in order (`effects/client.py`) with what is queued for it."""
+    """What the client side owns: the waiting request's answer, its stream (notifications and keep-alive
+    comments before it), and the one writer that writes them in order (`effects/client.py`) with what is queued
+    for it."""
 
     reply: asyncio.Future[ReplyKind] | None = None
     channel: Channel | None = None
-    outgoing: deque[JSON | ReplyKind] = field(default_factory=deque)
+    outgoing: deque[JSON | ReplyKind | KeepAlive] = field(default_factory=deque)
     writer: asyncio.Task[None] | None = None
 
 

@@ -138,7 +138,7 @@ class TaskRunner:
         self.config_swapped()
         upstream_task = UpstreamTaskEffect(feed, self.background, upstream, clock)
         self.jobs = jobs = JobEffect(feed, self.background, upstream, clock, lambda: current().jobs)
-        client = ClientSide(self.durations.paced, feed, self.background)
+        self.client = client = ClientSide(self.durations.paced, feed, self.background)  # also: keep-alive comments
         register = self.executor.register
         register(c.StartCall, held.start)
         register(c.StartUpstreamTask, by_kind(jobs.start, upstream_task.start))

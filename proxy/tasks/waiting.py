@@ -3,13 +3,15 @@ reply into the request's JSON-RPC answer.
 
 What the reply is (the result, a `CreateTaskResult`, an MRTR `InputRequiredResult`, -32021, a limit error) is
 decided by the call's machine (`machine.py`) and carried out by the executor; this module only waits and
-translates (a task reply carries its record). A request that goes away while waiting tells the call so.
-Imports the call starter and the upstream request; no aiohttp.
+translates (a task reply carries its record). A request that goes away while waiting tells the call so. A
+poll-to-sync client's keep-alive comments are asked of the call's one client writer (`keep_alive`, injected:
+`effects/client.py`), never written here. Imports the call starter and the upstream request; no aiohttp.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Final
 
 from mcp_types import SERVER_INFO_META_KEY
@@ -31,8 +33,9 @@ KEEPALIVE_SECONDS: Final = 15.0  # SSE comment while a poll-to-sync client waits
 
 
 class WaitingRequests:
-    def __init__(self, starter: CallStarter, cache: tuple[int, str]) -> None:
+    def __init__(self, starter: CallStarter, keep_alive: Callable[[LiveCall], None], cache: tuple[int, str]) -> None:
         self.starter = starter
+        self.keep_alive = keep_alive  # queues a keep-alive comment for the call's client writer
         self.cache = cache
 
     async def call(
@@ -53,7 +56,7 @@ class WaitingRequests:
                 f"declare the {TASKS_EXTENSION} extension",
             )
         call = await self.starter.begin(upstream, caller, decision, channel)
-        return await self._answer(call, request, channel, server_info)
+        return await self._answer(call, request, server_info)
 
     async def resume(
         self, upstream: UpstreamRequest, caller: Caller, channel: Channel, server_info: JSON | None
@@ -66,26 +69,27 @@ class WaitingRequests:
         if not isinstance(responses, dict):
             raise InvalidParamsError("Invalid params: inputResponses must be an object")
         call = await self.starter.resume(upstream, caller, responses, channel)
-        return await self._answer(call, request, channel, server_info)
+        return await self._answer(call, request, server_info)
 
-    async def _answer(self, call: LiveCall, request: ModernRequest, channel: Channel, server_info: JSON | None) -> JSON:
+    async def _answer(self, call: LiveCall, request: ModernRequest, server_info: JSON | None) -> JSON:
         assert call.client.reply is not None
         try:
-            reply = await self._wait(call.client.reply, channel if call.state.decision.holds_client else None)
+            reply = await self._wait(call, call.client.reply)
         except BaseException:
             self.starter.client_left(call)  # the request went away while waiting: the call is told
             raise
         return self._message(reply, call, request, server_info)
 
-    async def _wait(self, reply: asyncio.Future[ReplyKind], keepalive: Channel | None) -> ReplyKind:
-        """The reply, with SSE keep-alive comments meanwhile for a poll-to-sync client (it may wait long)."""
-        if keepalive is None:
+    async def _wait(self, call: LiveCall, reply: asyncio.Future[ReplyKind]) -> ReplyKind:
+        """The reply, with SSE keep-alive comments meanwhile for a poll-to-sync client (it may wait long): each
+        goes through the call's client writer, behind the notifications it still writes."""
+        if not call.state.decision.holds_client:
             return await reply
         while True:
             try:
                 return await asyncio.wait_for(asyncio.shield(reply), KEEPALIVE_SECONDS)
             except TimeoutError:
-                await keepalive.keepalive(open_stream=True)
+                self.keep_alive(call)
 
     def _message(self, reply: ReplyKind, call: LiveCall, request: ModernRequest, server_info: JSON | None) -> JSON:
         if isinstance(reply, ReplyOutcome):

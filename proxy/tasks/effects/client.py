@@ -1,7 +1,8 @@
-"""The waiting client's side of a call (`Reply`, `Relay`): one writer per client stream. Notifications and
-the final reply go through one queue (`ClientEnd.outgoing`) to one writer task, in the order the machine gave
-them, and none is written under the call's lock: a client slow to read holds up only its own writer, never the
-call (the upstream's events go on being fed). The reply future gets the machine's reply once every
+"""The waiting client's side of a call (`Reply`, `Relay`, keep-alive comments): one writer per client stream.
+Notifications, the keep-alive comments of a poll-to-sync wait and the final reply go through one queue
+(`ClientEnd.outgoing`) to one writer task, in the order they were given, so nothing else writes the stream
+meanwhile, and none is written under the call's lock: a client slow to read holds up only its own writer,
+never the call (the upstream's events go on being fed). The reply future gets the machine's reply once every
 notification before it is written (a task reply carries the committed record, paced, so the waiting request
 reads nothing back); a stream that broke is `ClientLeft`, fed to the call by the writer, and what was still
 queued for it is dropped. Imports the ports and the command vocabulary only.
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from proxy.tasks.commands import ClientLeft, Relay, Reply, ReplyKind, ReplyTask
-from proxy.tasks.live_call import LiveCall
+from proxy.tasks.live_call import KEEP_ALIVE, KeepAlive, LiveCall
 from proxy.tasks.ports import Feed, Spawner
 from proxy.wire.envelope import Channel
 from proxy.wire.tasks import TaskRecord
@@ -40,6 +41,20 @@ class ClientSide:
         if channel is None:
             return
         call.client.outgoing.append(command.message)
+        self._writing(call, channel)
+
+    def keep_alive(self, call: LiveCall) -> None:
+        """A keep-alive comment for a poll-to-sync client still waiting, queued behind what its writer still
+        writes (the waiting request's own timer asks for it; the call's lock is not taken). None once the reply
+        was given or the client is gone."""
+        channel = call.client.channel
+        if channel is None:
+            return
+        call.client.outgoing.append(KEEP_ALIVE)
+        self._writing(call, channel)
+
+    def _writing(self, call: LiveCall, channel: Channel) -> None:
+        """The call's writer, started for what was just queued unless one is still writing."""
         writer = call.client.writer
         if writer is None or writer.done():
             call.client.writer = self.spawner.spawn(self._write(call, channel), f"client-{call.call_id}")
@@ -49,14 +64,18 @@ class ClientSide:
         outgoing = call.client.outgoing
         while outgoing:
             item = outgoing.popleft()
-            if not isinstance(item, dict):
+            if not isinstance(item, dict | KeepAlive):
                 _answer(call, item)
                 continue
             try:
-                await channel.notify(item)
+                if isinstance(item, KeepAlive):
+                    await channel.keepalive(open_stream=True)
+                else:
+                    await channel.notify(item)
             except ConnectionResetError:
                 call.client.channel = None
-                kept = [queued for queued in outgoing if not isinstance(queued, dict)]  # a reply still goes out
+                # A reply still goes out; notifications and keep-alives for the broken stream are dropped.
+                kept = [queued for queued in outgoing if not isinstance(queued, dict | KeepAlive)]
                 outgoing.clear()
                 outgoing.extend(kept)
                 await self.feed.dispatch(call, ClientLeft())
