@@ -58,15 +58,15 @@ Handler = Callable[["Front", ModernRequest, Caller, Channel], Awaitable[JSON]]
 
 class Front:
     def __init__(
-        self, current: Callable[[], Config], upstream: SessionPool, runner: TaskRunner, watchers: TaskWatchers
+        self, current: Callable[[], Config], pool: SessionPool, runner: TaskRunner, watchers: TaskWatchers
     ) -> None:
         self._current = current  # the config in force, read at each request (a live reload swaps what it returns)
         config = current()  # what only a restart changes is bound here
-        self.upstream = upstream
+        self.pool = pool
         self.runner = runner
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
         self.waiting = WaitingRequests(runner.starter, runner.client.keep_alive, self.cache)
-        self.listens = ListenStreams(lambda: current().limits, upstream, runner, watchers)
+        self.listens = ListenStreams(lambda: current().limits, pool, runner, watchers)
         self.keys = idempotency.IdempotencyKeys(
             runner.store,
             runner.principals,
@@ -93,7 +93,7 @@ class Front:
 
     async def discover(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Synthesized from the upstream's InitializeResult, reused for as long as clients may cache it."""
-        initialize_result = await self.upstream.facts.initialize_result(caller.principal, self.cache[0])
+        initialize_result = await self.pool.facts.initialize_result(caller.principal, self.cache[0])
         return result_message(request.id, translate.discover_result(initialize_result, self.cache))
 
     async def listen(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
@@ -113,42 +113,42 @@ class Front:
             policy = policy_for(config.tasks, tool) if tool_quotas else None
             counted = self.runner.principals.key_of(caller.principal)
             await self.runner.quotas.charge(counted, per_minute, tool, policy)
-        upstream = UpstreamRequest.of(request, caller)
-        facts = await self.upstream.facts.tool_facts(caller.principal, upstream.name, self.cache[0])
+        outgoing = UpstreamRequest.of(request, caller)
+        facts = await self.pool.facts.tool_facts(caller.principal, outgoing.name, self.cache[0])
         check_param_headers(caller.headers, request.params.get("arguments"), facts.param_headers)
         server_info = translate.implementation(facts.initialize_result)
         if "requestState" in request.params:
-            return await self.waiting.resume(upstream, caller, channel, server_info)
-        if upstream.name in self.config.jobs:  # a legacy job family's start tool: a task the proxy follows
-            decision = decide_job(self.config.tasks, upstream.name, declares_tasks=request.declares_tasks)
+            return await self.waiting.resume(outgoing, caller, channel, server_info)
+        if outgoing.name in self.config.jobs:  # a legacy job family's start tool: a task the proxy follows
+            decision = decide_job(self.config.tasks, outgoing.name, declares_tasks=request.declares_tasks)
         else:
             decision = decide(
                 self.config.tasks,
-                upstream.name,
+                outgoing.name,
                 declares_tasks=request.declares_tasks,
                 upstream_support=facts.task_support,
             )
         key = caller.headers.get(idempotency.HEADER)  # without one, nothing more is done than this lookup
         if key is None or not self.config.idempotency.enabled:
-            return await self.waiting.call(upstream, caller, channel, decision, server_info)
+            return await self.waiting.call(outgoing, caller, channel, decision, server_info)
         return await self.keys.serve(
             self.config.idempotency,
             key,
             request,
             caller,
             channel,
-            lambda keyed: self.waiting.call(upstream, caller, keyed, decision, server_info),
+            lambda keyed: self.waiting.call(outgoing, caller, keyed, decision, server_info),
         )
 
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """`prompts/get` and `resources/read`: synchronous, but an upstream question is an MRTR round (the only
         methods besides tools/call that may answer `input_required`)."""
-        initialize_result = await self.upstream.facts.initialize_result(caller.principal, self.cache[0])
+        initialize_result = await self.pool.facts.initialize_result(caller.principal, self.cache[0])
         server_info = translate.implementation(initialize_result)
-        upstream = UpstreamRequest.of(request, caller)
+        outgoing = UpstreamRequest.of(request, caller)
         if "requestState" in request.params:
-            return await self.waiting.resume(upstream, caller, channel, server_info)
-        return await self.waiting.call(upstream, caller, channel, None, server_info)
+            return await self.waiting.resume(outgoing, caller, channel, server_info)
+        return await self.waiting.call(outgoing, caller, channel, None, server_info)
 
     async def list_tools(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """The upstream's tools, less the helpers of job families with `hide_helpers` (the proxy drives them)."""
@@ -178,7 +178,7 @@ class Front:
 
     async def task_get(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         record = await self.runner.operations.observe(self._task_id(request), caller)
-        return result_message(request.id, wire_tasks.get_task_result(record, self.upstream.server_info))
+        return result_message(request.id, wire_tasks.get_task_result(record, self.pool.server_info))
 
     async def task_update(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Answers go upstream and the client gets an empty ack; keys that are not outstanding are ignored, and a
@@ -188,18 +188,18 @@ class Front:
         if not isinstance(responses, dict):
             raise InvalidParamsError("Invalid params: inputResponses must be an object")
         await self.runner.operations.update(task_id, caller, responses)
-        return result_message(request.id, wire_tasks.ack_result(self.upstream.server_info))
+        return result_message(request.id, wire_tasks.ack_result(self.pool.server_info))
 
     async def task_cancel(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         await self.runner.operations.cancel(self._task_id(request), caller)
-        return result_message(request.id, wire_tasks.ack_result(self.upstream.server_info))
+        return result_message(request.id, wire_tasks.ack_result(self.pool.server_info))
 
     async def forward(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Relay one request through the principal's shared upstream session and translate the outcome."""
-        upstream = UpstreamRequest.of(request, caller)
+        outgoing = UpstreamRequest.of(request, caller)
         async with (
-            self.upstream.use(caller.principal) as session,
-            session.call(upstream.method, upstream.params, upstream.headers) as call,
+            self.pool.use(caller.principal) as session,
+            session.call(outgoing.method, outgoing.params, outgoing.headers) as call,
         ):
             try:
                 return await self._drive(request, session, call, channel)
@@ -210,7 +210,7 @@ class Front:
                 raise
 
     async def _drive(self, request: ModernRequest, session: Session, call: RequestStream, channel: Channel) -> JSON:
-        server_info = self.upstream.server_info
+        server_info = self.pool.server_info
         async for event in call.events():
             if isinstance(event, UpstreamNotification):
                 relayed = translate.relay_notification(event.message, request.progress_token, request.log_level)

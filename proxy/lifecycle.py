@@ -11,7 +11,7 @@ import structlog
 from aiohttp import web
 
 from proxy.admin import Admin
-from proxy.app_keys import ADMIN, CONFIG, FRONT, LIVE, PASSTHROUGH, RELAY, RUNNER, STOPPING, STORE, UPSTREAM
+from proxy.app_keys import ADMIN, CONFIG, FRONT, LIVE, PASSTHROUGH, POOL, RELAY, RUNNER, STOPPING, STORE
 from proxy.drain import DRAIN
 from proxy.edge import AUDIT, METRICS
 from proxy.front import Front
@@ -42,12 +42,12 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         connector=upstream_connector(), auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar()
     )
     metrics = app.get(METRICS)
-    upstream = SessionPool(session_kind(config, http, metrics))
-    app[UPSTREAM] = upstream
+    pool = SessionPool(session_kind(config, http, metrics))
+    app[POOL] = pool
     live = app[LIVE]
     drain = app[DRAIN]
     runner = TaskRunner(
-        live.config, store, upstream, Principals(deployment_key(config)), metrics=metrics, draining=drain.is_draining
+        live.config, store, pool, Principals(deployment_key(config)), metrics=metrics, draining=drain.is_draining
     )
     app[RUNNER] = runner
     audit = runner.audit
@@ -57,20 +57,20 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     if metrics is not None:
         metrics.tasks_running.set_function(lambda: runner.running)
         metrics.calls_parked.set_function(lambda: runner.parked)
-        metrics.upstream_sessions.set_function(lambda: upstream.open_sessions)
-        metrics.upstream_sessions_idle.set_function(lambda: upstream.idle_sessions)
-        metrics.upstream_calls_in_flight.set_function(lambda: upstream.calls_in_flight)
+        metrics.upstream_sessions.set_function(lambda: pool.open_sessions)
+        metrics.upstream_sessions_idle.set_function(lambda: pool.idle_sessions)
+        metrics.upstream_calls_in_flight.set_function(lambda: pool.calls_in_flight)
         metrics.lease_held.set_function(lambda: runner.lease_problem() is None)
         metrics.store_available.set_function(lambda: store.health.available)
         store.health.listener = metrics.store_operation_failed
     watchers = TaskWatchers(store)
     runner.spawn(watchers.run(), "task-feed")
-    front = app[FRONT] = Front(live.config, upstream, runner, watchers)
+    front = app[FRONT] = Front(live.config, pool, runner, watchers)
     if metrics is not None:
         metrics.listen_streams.set_function(lambda: front.listens.open_streams)
     drain.open_calls = lambda: runner.open_calls  # the drain is the app's, built before the runner
     live.subscribe(lambda new: runner.config_swapped())  # the queue admits by the caps now in force
-    legacy = app[PASSTHROUGH] = legacy_front(upstream)  # relayed, or served by the proxy (the kind decides)
+    legacy = app[PASSTHROUGH] = legacy_front(pool)  # relayed, or served by the proxy (the kind decides)
     app[RELAY] = OriginRelay.of(config.relay, legacy)  # other paths: to the upstream's origin, when it has one
     admin = Admin(config.admin, store, runner.clock) if config.admin.port is not None else None
     try:
@@ -78,7 +78,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         if admin is not None:
             await admin.start()
             app[ADMIN] = admin
-        upstream.warm_up()
+        pool.warm_up()
         yield
     finally:
         if admin is not None:
@@ -86,7 +86,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         await runner.close()
         await store.close()
         await legacy.close()
-        await upstream.close()
+        await pool.close()
         await http.close()
 
 
@@ -94,5 +94,5 @@ async def end_listen_streams(app: web.Application) -> None:
     """on_shutdown runs before aiohttp waits for handlers: listen streams end with their graceful result, and
     readiness turns 503 so no new traffic is routed here while synchronous calls finish."""
     app[STOPPING].append(True)
-    if UPSTREAM in app:
-        app[UPSTREAM].end_subscriptions()
+    if POOL in app:
+        app[POOL].end_subscriptions()

@@ -43,10 +43,10 @@ PROGRESS_COALESCE_SECONDS: Final = 0.2  # a task whose status stays the same is 
 
 class ListenStreams:
     def __init__(
-        self, limits: Callable[[], LimitsConfig], upstream: SessionPool, runner: TaskRunner, watchers: TaskWatchers
+        self, limits: Callable[[], LimitsConfig], pool: SessionPool, runner: TaskRunner, watchers: TaskWatchers
     ) -> None:
         self._limits = limits  # the limits in force, read at each stream (a live reload swaps what it returns)
-        self.upstream = upstream
+        self.pool = pool
         self.runner = runner
         self.watchers = watchers
         self._open: Counter[str] = Counter()  # open streams per caller (the owner of its tasks)
@@ -70,7 +70,7 @@ class ListenStreams:
             raise CallerLimitError("max_listen_streams_per_principal", self.limits.max_listen_streams_per_principal)
         self._open[caller_key] += 1
         try:
-            async with self.upstream.use(caller.principal) as session:
+            async with self.pool.use(caller.principal) as session:
                 return await _Stream(self, request, caller, channel, session).run(wanted, task_ids)
         finally:
             self._open[caller_key] -= 1

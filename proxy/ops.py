@@ -11,7 +11,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from proxy.app_keys import LIVE, RUNNER, STOPPING, STORE, UPSTREAM
+from proxy.app_keys import LIVE, POOL, RUNNER, STOPPING, STORE
 from proxy.drain import DRAIN
 from proxy.edge import METRICS
 from proxy.errors import UpstreamError
@@ -48,7 +48,7 @@ async def readyz(request: web.Request) -> web.Response:
         if lease is not None:
             reasons.append(f"lease: {lease}")
         try:
-            await app[UPSTREAM].probe(app[LIVE].current.observability.readiness_max_age_seconds)
+            await app[POOL].probe(app[LIVE].current.observability.readiness_max_age_seconds)
         except UpstreamError as exc:
             reasons.append(f"upstream: {exc.message}")
     if reasons:

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from proxy.app_keys import UPSTREAM
+from proxy.app_keys import POOL
 from tests.support.clients import ClientFactory, Tasks, meta, rpc, task_state, task_until
 from tests.support.processes import ProxyProcess, Upstream, key_file
 from tests.support.waiting import until
@@ -101,7 +101,7 @@ async def test_an_upstream_killed_mid_call_fails_clearly_and_the_proxy_recovers(
     sync_call = asyncio.get_running_loop().create_task(
         sync_client.call("slow_compute", {"seconds": 30, "label": "cut"}, capabilities={})
     )
-    pool = client.client.app[UPSTREAM]
+    pool = client.client.app[POOL]
     await until(lambda: pool.calls_in_flight >= 2, "both calls are open upstream")
     assert own_upstream.process is not None
     port = own_upstream.port

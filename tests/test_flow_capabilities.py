@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from proxy.app_keys import UPSTREAM
+from proxy.app_keys import POOL
 from tests.support.clients import Tasks, upstream_calls_open
 from tests.support.processes import Upstream, stdio_upstream
 from tests.support.schemas import ModernSchema, SchemaValidator
@@ -66,7 +66,7 @@ async def test_a_tool_seen_asking_gets_a_session_of_its_own_beside_other_calls(s
     one (where a question naming no request would be nobody's), the question is still attributed."""
     client = await start_proxy()
     assert_lacks_sampling(*await client.call("sample_standalone", capabilities=NOTHING))
-    pool = client.client.app[UPSTREAM]
+    pool = client.client.app[POOL]
     assert pool.questions.asked_before("tools/call sample_standalone")
 
     sleeper = Tasks(client.client, client.core, client.tasks)  # a second caller (same principal): its own ids

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from proxy.app_keys import UPSTREAM
+from proxy.app_keys import POOL
 from tests.support.clients import ClientFactory, Tasks, upstream_calls_open
 from tests.support.processes import Upstream
 from tests.support.wire import DECLARING, policies, result_text
@@ -147,7 +147,7 @@ async def test_idle_upstream_sessions_stay_bounded_after_many_callers(tasks_clie
     """300 distinct callers come and go: at most `upstream.max_sessions` idle sessions are kept, the rest are
     ended (DELETE), and the proxy keeps answering."""
     client = await tasks_client(upstream={"max_sessions": 8})
-    pool = client.client.app[UPSTREAM]
+    pool = client.client.app[POOL]
     gate = asyncio.Semaphore(10)
 
     async def one_caller(number: int) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.app_keys import UPSTREAM
+from proxy.app_keys import POOL
 from tests.support.clients import ClientFactory, Tasks, upstream_calls_open
 from tests.support.waiting import until
 from tests.support.wire import modern_body, modern_headers, policies
@@ -81,7 +81,7 @@ async def test_parked_calls_are_capped_per_caller(tasks_client: ClientFactory) -
 
 async def test_discover_from_new_callers_opens_no_upstream_session_of_theirs(tasks_client: ClientFactory) -> None:
     client = await tasks_client()
-    pool = client.client.app[UPSTREAM]
+    pool = client.client.app[POOL]
     status, first = await client.post("server/discover", {}, capabilities={}, headers=as_caller("first"))
     assert status == 200
     sessions = pool.open_sessions

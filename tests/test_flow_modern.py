@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy.app_keys import UPSTREAM
+from proxy.app_keys import POOL
 from tests.support.clients import post_and_leave
 from tests.support.processes import Upstream
 from tests.support.schemas import ModernSchema
@@ -274,7 +274,7 @@ async def test_expired_upstream_session_is_reinitialized(
     """A 404 for the session means re-initialize and retry, invisibly to the client: for the shared session
     (lists) and for a session lent to calls."""
     await call_tool(proxy, modern_schema, "greet", {"name": "a"}, capabilities=ASKABLE)  # a session of its own
-    pool = proxy.app[UPSTREAM]
+    pool = proxy.app[POOL]
     [lent] = pool.spare_sessions(None)
     shared = pool.session(None)
     forgotten = {}
@@ -298,7 +298,7 @@ async def test_expired_upstream_session_is_reinitialized(
 async def test_sessions_are_kept_per_principal(proxy: Client, modern_schema: ModernSchema) -> None:
     await rpc(proxy, modern_schema, "tools/list", headers={"Authorization": "Bearer one"})
     await rpc(proxy, modern_schema, "tools/list", headers={"Authorization": "Bearer two"})
-    client = proxy.app[UPSTREAM]
+    client = proxy.app[POOL]
     one, two = client.session("Bearer one"), client.session("Bearer two")
     assert one is not two
     assert one.session_id is not None
@@ -353,7 +353,7 @@ async def test_upstream_variants(
     _, _, [listed] = await rpc(client, modern_schema, "tools/list")
     assert listed["result"]["tools"]
     stateless = "--stateless" in variant_upstream.flags
-    assert (client.app[UPSTREAM].session(None).session_id is None) == stateless
+    assert (client.app[POOL].session(None).session_id is None) == stateless
 
 
 async def test_x_mcp_header_params_are_validated(proxy: Client, modern_schema: ModernSchema) -> None:
@@ -393,7 +393,7 @@ async def test_concurrent_calls_reuse_the_sessions_lent_to_earlier_calls(
             )
         )
         assert sorted(text_of(message) for _, _, [message] in results) == sorted(f"n{index}" for index in range(count))
-        return {session.session_id for session in proxy.app[UPSTREAM].spare_sessions(None)}
+        return {session.session_id for session in proxy.app[POOL].spare_sessions(None)}
 
     first = await round_of(20)
     assert 1 <= len(first) <= 20

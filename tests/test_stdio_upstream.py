@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.app_keys import UPSTREAM
+from proxy.app_keys import POOL
 from proxy.cli import main
 from proxy.config import StdioUpstreamConfig
 from proxy.config_loader import load_config
@@ -40,7 +40,7 @@ async def test_calls_that_can_ask_get_a_process_of_their_own_the_others_share_on
     make_proxy: Callable[..., Any], modern_schema: ModernSchema, tasks_schema: SchemaValidator
 ) -> None:
     client = await stdio_client(make_proxy, modern_schema, tasks_schema)
-    pool = client.client.app[UPSTREAM]
+    pool = client.client.app[POOL]
     others = [Tasks(client.client, modern_schema, tasks_schema) for _ in range(2)]  # one request at a time each
     quiet = [asyncio.get_running_loop().create_task(other.text("sleep", {"seconds": 1.0})) for other in others]
     shared = pool.session(None)
@@ -64,7 +64,7 @@ async def test_an_idle_lent_process_stops_and_the_shared_one_stays(
     assert await client.text("echo", {"text": "x"}) == "x"
     _, message = await client.call("echo", {"text": "y"}, capabilities=ELICIT)
     assert message["result"]["content"][0]["text"] == "y"
-    pool = client.client.app[UPSTREAM]
+    pool = client.client.app[POOL]
     spares = pool.spare_sessions(None)
     assert spares  # the one lent, and a warm one started for the next call that can ask
     shared = pool.session(None)
@@ -94,7 +94,7 @@ async def test_at_max_processes_a_call_waits_then_gets_a_limit_error(
     assert refused["error"]["data"] == {"limit": "max_processes", "max": 2}
     assert "upstream.max_processes" in refused["error"]["message"]
     assert asyncio.get_running_loop().time() - started >= 4  # it waited for a process to come free first
-    assert len(client.client.app[UPSTREAM].sessions()) == 2  # the task's and the shared one
+    assert len(client.client.app[POOL].sessions()) == 2  # the task's and the shared one
     [key] = waiting["inputRequests"]
     answer = {key: {"action": "accept", "content": {"name": "Ada"}}}
     await client.post("tasks/update", {"taskId": task_id, "inputResponses": answer})

@@ -76,7 +76,7 @@ class TaskRunner:
         self,
         current: Callable[[], Config],
         store: TaskStore,
-        upstream: SessionPool,
+        pool: SessionPool,
         principals: Principals,
         clock: Callable[[], int] = wall_clock_ms,
         metrics: Metrics | None = None,
@@ -88,7 +88,7 @@ class TaskRunner:
         config = current()
         self.store = store
         self.principals = principals
-        self._pool = upstream
+        self._pool = pool
         self.clock = clock
         self.metrics = metrics  # also counted outside tasks/ (the listen streams' pushes)
         self.secret_file = config.inputs.secret_file
@@ -134,10 +134,10 @@ class TaskRunner:
         self.timers = Timers(feed, self.background)
         self._feed = feed
         self.admission: Admission | None = None  # made once a cap is in force (at start or by a reload)
-        self.held = held = HeldRequest(feed, self.background, upstream, self.parking, lambda: self.admission)
+        self.held = held = HeldRequest(feed, self.background, pool, self.parking, lambda: self.admission)
         self.config_swapped()
-        upstream_task = UpstreamTaskEffect(feed, self.background, upstream, clock)
-        self.jobs = jobs = JobEffect(feed, self.background, upstream, clock, lambda: current().jobs)
+        upstream_task = UpstreamTaskEffect(feed, self.background, pool, clock)
+        self.jobs = jobs = JobEffect(feed, self.background, pool, clock, lambda: current().jobs)
         self.client = client = ClientSide(self.durations.paced, feed, self.background)  # also: keep-alive comments
         register = self.executor.register
         register(c.StartCall, held.start)

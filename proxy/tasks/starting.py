@@ -73,9 +73,9 @@ class CallStarter:
             log_level=log_level,
         )
 
-    async def begin(self, upstream: UpstreamRequest, caller: Caller, decision: Decision, channel: Channel) -> LiveCall:
+    async def begin(self, outgoing: UpstreamRequest, caller: Caller, decision: Decision, channel: Channel) -> LiveCall:
         """A new call for a waiting request; its reply arrives on `call.client.reply`."""
-        params = upstream.params
+        params = outgoing.params
         if decision.may_become_task:
             meta = dict(params.get("_meta") or {})
             if "progressToken" not in meta:
@@ -83,17 +83,17 @@ class CallStarter:
                 self._progress_tokens += 1
                 meta["progressToken"] = f"mcp-tasks-proxy-{self._progress_tokens}"
             params = {**params, "_meta": meta}
-        request = upstream.request
+        request = outgoing.request
         state = self.state(decision, request.client_capabilities, request.progress_token, request.log_level)
         call = new_call(
             state,
-            method=upstream.method,
-            name=upstream.name,
+            method=outgoing.method,
+            name=outgoing.name,
             principal=caller.principal,
             caller=self.context.principals.key_of(caller.principal),
             params=params,
-            headers=upstream.headers,
-            digest_of=lambda: upstream.digest,
+            headers=outgoing.headers,
+            digest_of=lambda: outgoing.digest,
             channel=channel,
         )
         call.client.reply = asyncio.get_running_loop().create_future()
@@ -102,13 +102,13 @@ class CallStarter:
         return call
 
     async def resume(
-        self, upstream: UpstreamRequest, caller: Caller, responses: Mapping[str, Any], channel: Channel
+        self, outgoing: UpstreamRequest, caller: Caller, responses: Mapping[str, Any], channel: Channel
     ) -> LiveCall:
         """An MRTR retry: the `requestState` must be genuine, unexpired, the caller's, for this method and
         these params, and name a call parked for this round (here, or on the live replica that issued it: the
         retry is forwarded there); its answers must fit the questions. Else -32602, and the call stays parked
         for a corrected retry."""
-        request = upstream.request
+        request = outgoing.request
         state = request.params.get("requestState")
         if not isinstance(state, str):
             raise InvalidParamsError("Invalid params: requestState must be a string")
@@ -116,11 +116,11 @@ class CallStarter:
         if (
             claims.principal != self.context.principals.key_of(caller.principal)
             or claims.method != request.method
-            or claims.digest != upstream.digest
+            or claims.digest != outgoing.digest
         ):
             raise InvalidParamsError("Invalid params: requestState was issued for another request")
         if claims.owner != self.parking.process_id:
-            return await self._forward(upstream, caller, claims, state, responses, channel)
+            return await self._forward(outgoing, caller, claims, state, responses, channel)
         call, answers = self.parking.take(claims, responses)
         call.client.reply = asyncio.get_running_loop().create_future()
         call.client.channel = channel
@@ -130,7 +130,7 @@ class CallStarter:
 
     async def _forward(
         self,
-        upstream: UpstreamRequest,
+        outgoing: UpstreamRequest,
         caller: Caller,
         claims: inputs.StateClaims,
         state: str,
@@ -141,9 +141,9 @@ class CallStarter:
         call here whose reply is what that replica's call answers (its notifications reach `channel` too)."""
         if not await self.context.store.replica_alive(claims.owner):
             raise InvalidParamsError(HOLDER_GONE)
-        request = upstream.request
+        request = outgoing.request
         decision = (
-            decide(self.config, upstream.name, declares_tasks=request.declares_tasks)
+            decide(self.config, outgoing.name, declares_tasks=request.declares_tasks)
             if request.method == "tools/call"
             else SYNC_CALL
         )
@@ -151,7 +151,7 @@ class CallStarter:
         call = new_call(
             standin,
             method=request.method,
-            name=upstream.name,
+            name=outgoing.name,
             principal=caller.principal,
             caller=self.context.principals.key_of(caller.principal),
             digest_of=known(claims.digest),

@@ -40,14 +40,14 @@ class WaitingRequests:
 
     async def call(
         self,
-        upstream: UpstreamRequest,
+        outgoing: UpstreamRequest,
         caller: Caller,
         channel: Channel,
         decision: Decision | None,
         server_info: JSON | None,
     ) -> JSON:
         """A fresh call: `decision` is the tool's (tools/call) or None (prompts/get, resources/read)."""
-        request = upstream.request
+        request = outgoing.request
         decision = decision if decision is not None else SYNC_CALL
         if decision.outcome is Outcome.REJECT:
             raise MissingCapabilityError(
@@ -55,20 +55,20 @@ class WaitingRequests:
                 f"Missing required client capability: tool {request.params.get('name')!r} runs only as a task; "
                 f"declare the {TASKS_EXTENSION} extension",
             )
-        call = await self.starter.begin(upstream, caller, decision, channel)
+        call = await self.starter.begin(outgoing, caller, decision, channel)
         return await self._answer(call, request, server_info)
 
     async def resume(
-        self, upstream: UpstreamRequest, caller: Caller, channel: Channel, server_info: JSON | None
+        self, outgoing: UpstreamRequest, caller: Caller, channel: Channel, server_info: JSON | None
     ) -> JSON:
         """An MRTR retry with `inputResponses` and the `requestState` of the round it answers."""
-        request = upstream.request
+        request = outgoing.request
         responses = request.params.get("inputResponses")
         if responses is None:
             responses = {}
         if not isinstance(responses, dict):
             raise InvalidParamsError("Invalid params: inputResponses must be an object")
-        call = await self.starter.resume(upstream, caller, responses, channel)
+        call = await self.starter.resume(outgoing, caller, responses, channel)
         return await self._answer(call, request, server_info)
 
     async def _answer(self, call: LiveCall, request: ModernRequest, server_info: JSON | None) -> JSON:

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy.app_keys import UPSTREAM
+from proxy.app_keys import POOL
 from tests.support.schemas import ModernSchema, SchemaValidator
 from tests.support.sdk import calls_started, until_started_upstream
 from tests.support.waiting import until
@@ -138,7 +138,7 @@ ClientFactory = Callable[..., Awaitable[Tasks]]
 async def upstream_calls_open(client: Client, count: int, timeout_seconds: float = 10) -> None:
     """Wait until `count` upstream requests of the proxy's own sessions are open (the upstream answered their
     POSTs): the calls run upstream, not just in the proxy."""
-    pool = client.app[UPSTREAM]
+    pool = client.app[POOL]
     await until(
         lambda: pool.calls_in_flight >= count,
         lambda: f"{pool.calls_in_flight} upstream calls open, not {count}",

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from proxy.app_keys import UPSTREAM
+from proxy.app_keys import POOL
 from proxy.config import Config
 from proxy.config_loader import load_config
 from proxy.upstream.stdio.session import StdioSession
@@ -178,6 +178,6 @@ def stdio_upstream(command: list[str] | None = None, **fields: Any) -> dict[str,
 
 def stdio_sessions(client: Tasks) -> list[StdioSession]:
     """The stdio server processes of the proxy behind `client`."""
-    sessions = client.client.app[UPSTREAM].sessions()
+    sessions = client.client.app[POOL].sessions()
     assert all(isinstance(session, StdioSession) for session in sessions)
     return [session for session in sessions if isinstance(session, StdioSession)]
