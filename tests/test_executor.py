@@ -51,6 +51,7 @@ from proxy.tasks.commands import (
 from proxy.tasks.context import TasksContext
 from proxy.tasks.durations import Durations
 from proxy.tasks.effects.client import ClientSide
+from proxy.tasks.effects.job import JobEffect
 from proxy.tasks.effects.outbox import Outbox
 from proxy.tasks.effects.pump import CRASHED
 from proxy.tasks.effects.records import RecordWrites
@@ -58,6 +59,7 @@ from proxy.tasks.effects.slots import Parking, RunningSlots
 from proxy.tasks.effects.timers import Timers
 from proxy.tasks.executor import Executor, ReentryError
 from proxy.tasks.live_call import LiveCall, known, new_call, wall_clock_ms
+from proxy.tasks.operations import TaskOperations
 from proxy.tasks.recovery import Recovery
 from proxy.tasks.replica_inbox import ReplicaInbox
 from proxy.tasks.replicas import ReplicaLink
@@ -614,3 +616,21 @@ def test_call_ids_are_unique_url_safe_and_as_long_as_before() -> None:
     assert len(set(ids)) == len(ids)
     alphabet = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
     assert all(len(call_id) == 22 and set(call_id) <= alphabet for call_id in ids)
+
+
+def test_the_services_compare_and_hash_by_identity_and_take_no_unknown_attribute() -> None:
+    """The services are dataclasses of what they are built with, yet two built alike are two services (each
+    its own key in a set or a dict), and an attribute they do not declare cannot be set on them by mistake."""
+
+    def one() -> int:
+        return 1
+
+    first, second = RunningSlots(one, one), RunningSlots(one, one)
+    assert first != second
+    assert len({first, second}) == 2
+    with pytest.raises(AttributeError):
+        first.max_runing = one  # type: ignore[attr-defined]
+    for service in (RunningSlots, Parking, CallStarter, TaskOperations, Recovery, ReplicaInbox, JobEffect):
+        assert service.__eq__ is object.__eq__, service
+        assert service.__hash__ is object.__hash__, service
+        assert "__slots__" in vars(service), service

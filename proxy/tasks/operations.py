@@ -9,6 +9,7 @@ the table, the replica link and tracing.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 import structlog
@@ -30,16 +31,13 @@ log = structlog.get_logger(__name__)
 CANCELLED_BY_CLIENT: Final = "cancelled by the client"
 
 
+@dataclass(eq=False, slots=True)
 class TaskOperations:
-    def __init__(
-        self,
-        context: TasksContext,
-        records: RecordWrites,
-        replicas: ReplicaLink,
-    ) -> None:
-        self.context = context
-        self.records = records
-        self.replicas = replicas
+    """`tasks/get`, `tasks/update` and `tasks/cancel` for the front and the listen streams (no call needed)."""
+
+    context: TasksContext
+    records: RecordWrites
+    replicas: ReplicaLink
 
     def paced(self, record: TaskRecord) -> TaskRecord:
         """The record as a client sees it (its pacing estimate applied)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Final
 
 import structlog
@@ -51,24 +51,19 @@ def _queue_order(record: TaskRecord) -> tuple[bool, int]:
     return queued, record.queued_at_ms if record.queued_at_ms is not None else record.created_at_ms
 
 
+@dataclass(eq=False, slots=True)
 class Recovery:
-    def __init__(
-        self,
-        context: TasksContext,
-        replicas: ReplicaLink,
-        records: RecordWrites,
-        state_of: StateOf,
-        jobs: Callable[[], Mapping[str, JobSpec]],
-        draining: Callable[[], bool],
-    ) -> None:
-        self.context = context
-        self.replicas = replicas
-        self.records = records
-        self.state_of = state_of
-        self.jobs = jobs  # the `jobs:` config in force
-        self._tombstones_trimmed_ms = 0  # the clock when the sweep last trimmed the tombstones
-        self._adopting = asyncio.Lock()  # take-overs and a lapsed lease's recovery, one at a time
-        self.draining = draining  # whether this replica drains after SIGTERM: then its sweep takes nothing over
+    """Live tasks whose call runs nowhere (at start, taken over, after a lapsed lease), and the sweep."""
+
+    context: TasksContext
+    replicas: ReplicaLink
+    records: RecordWrites
+    state_of: StateOf
+    jobs: Callable[[], Mapping[str, JobSpec]]  # the `jobs:` config in force
+    draining: Callable[[], bool]  # whether this replica drains after SIGTERM: then its sweep takes nothing over
+    _tombstones_trimmed_ms: int = field(default=0, init=False)  # the clock when the sweep last trimmed the tombstones
+    # take-overs and a lapsed lease's recovery, one at a time
+    _adopting: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
 
     async def recover(self) -> None:
         """Tasks no running process owns any more. On a shared store (PostgreSQL), those of replicas whose lease

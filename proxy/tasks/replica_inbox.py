@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Coroutine
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import structlog
@@ -36,26 +37,19 @@ log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
 
 
+@dataclass(eq=False, slots=True)
 class ReplicaInbox:
     """The link's `ReplicaOwner`: built last, from the link and the services it turns reports into work for,
     and handed to the link when it starts (`ReplicaLink.start`)."""
 
-    def __init__(
-        self,
-        context: TasksContext,
-        parking: Parking,
-        records: RecordWrites,
-        link: ReplicaLink,
-        recovery: Recovery,
-        starter: CallStarter,
-    ) -> None:
-        self.context = context
-        self.parking = parking
-        self.records = records
-        self.link = link
-        self.recovery = recovery
-        self.starter = starter
-        self._served: dict[str, LiveCall] = {}  # MRTR retries forwarded by another replica, by their message key
+    context: TasksContext
+    parking: Parking
+    records: RecordWrites
+    link: ReplicaLink
+    recovery: Recovery
+    starter: CallStarter
+    # MRTR retries forwarded by another replica, by their message key
+    _served: dict[str, LiveCall] = field(default_factory=dict, init=False)
 
     def spawn(self, coroutine: Coroutine[Any, Any, _T], name: str) -> asyncio.Task[_T]:
         return self.context.spawner.spawn(coroutine, name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import structlog
@@ -37,38 +38,24 @@ HOLDER_GONE: Final = (
 )
 
 
+@dataclass(eq=False, slots=True)
 class CallStarter:
-    def __init__(
-        self,
-        context: TasksContext,
-        config: Callable[[], TasksConfig],
-        inputs_config: Callable[[], InputsConfig],
-        parking: Parking,
-        replicas: ReplicaLink,
-    ) -> None:
-        self.context = context
-        self._config = config  # read at each call: a live reload swaps what these return
-        self._inputs = inputs_config
-        self.parking = parking
-        self.replicas = replicas
-        self._progress_tokens = 0
-
-    @property
-    def config(self) -> TasksConfig:
-        return self._config()
-
-    @property
-    def inputs_config(self) -> InputsConfig:
-        return self._inputs()
+    context: TasksContext
+    config: Callable[[], TasksConfig]  # read at each call: a live reload swaps what these return
+    inputs_config: Callable[[], InputsConfig]
+    parking: Parking
+    replicas: ReplicaLink
+    _progress_tokens: int = field(default=0, init=False)
 
     def state(
         self, decision: Decision, capabilities: JSON, progress_token: str | int | None, log_level: str | None
     ) -> CallState:
+        inputs_config = self.inputs_config()
         return CallState(
             decision=decision,
             capabilities=capabilities,
-            gather_ms=self.inputs_config.gather_ms,
-            park_ttl_ms=self.inputs_config.request_state_ttl_ms,
+            gather_ms=inputs_config.gather_ms,
+            park_ttl_ms=inputs_config.request_state_ttl_ms,
             progress_token=progress_token,
             log_level=log_level,
         )
@@ -143,7 +130,7 @@ class CallStarter:
             raise InvalidParamsError(HOLDER_GONE)
         request = outgoing.request
         decision = (
-            decide(self.config, outgoing.name, declares_tasks=request.declares_tasks)
+            decide(self.config(), outgoing.name, declares_tasks=request.declares_tasks)
             if request.method == "tools/call"
             else SYNC_CALL
         )

@@ -15,6 +15,7 @@ types, the wire; not the store.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 
 import structlog
 
@@ -40,26 +41,19 @@ def specs_of(jobs: Mapping[str, JobConfig]) -> dict[str, JobSpec]:
     return {tool: JobSpec(tool, config) for tool, config in jobs.items()}
 
 
+@dataclass(eq=False, slots=True)
 class JobEffect:
-    def __init__(
-        self,
-        feed: Feed,
-        spawner: Spawner,
-        pool: SessionPool,
-        clock_ms: pump.Clock,
-        jobs: Callable[[], Mapping[str, JobConfig]],
-    ) -> None:
-        self.feed = feed
-        self.spawner = spawner
-        self.pool = pool
-        self.clock_ms = clock_ms
-        self._jobs = jobs  # the config's jobs in force: a live reload swaps what it returns
+    feed: Feed
+    spawner: Spawner
+    pool: SessionPool
+    clock_ms: pump.Clock
+    jobs: Callable[[], Mapping[str, JobConfig]]  # the config's jobs in force: a live reload swaps what it returns
 
     @property
     def specs(self) -> dict[str, JobSpec]:
         """The jobs in force (a job running keeps polling by the entry in force after a live reload); their
         expressions come compiled from jmespath's own cache."""
-        return specs_of(self._jobs())
+        return specs_of(self.jobs())
 
     # --- the commands ------------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -25,29 +26,23 @@ log = structlog.get_logger(__name__)
 ALREADY_USED = "Invalid params: requestState was already used or its call has ended; send the request again without it"
 
 
+@dataclass(eq=False, slots=True)
 class RunningSlots:
     """`tasks.max_running` and `limits.max_running_per_principal`."""
 
-    def __init__(self, max_running: Callable[[], int], per_caller: Callable[[], int]) -> None:
-        self._max_running = max_running  # read at each call: a live reload swaps what these return
-        self._per_caller = per_caller
-        self._holders: set[LiveCall] = set()
-        self._by_caller: Counter[str] = Counter()
-
-    @property
-    def max_running(self) -> int:
-        return self._max_running()
-
-    @property
-    def per_caller(self) -> int:
-        return self._per_caller()
+    max_running: Callable[[], int]  # read at each call: a live reload swaps what these return
+    per_caller: Callable[[], int]
+    _holders: set[LiveCall] = field(default_factory=set, init=False)
+    _by_caller: Counter[str] = field(default_factory=Counter, init=False)
 
     def refusal(self, call: LiveCall) -> ProxyError | None:
         """Why a new working task of this call may not start now, or None."""
-        if len(self._holders) >= self.max_running:
-            return TaskLimitError("max_running", self.max_running)
-        if self._by_caller[call.caller] >= self.per_caller:
-            return CallerLimitError("max_running_per_principal", self.per_caller)
+        max_running = self.max_running()
+        if len(self._holders) >= max_running:
+            return TaskLimitError("max_running", max_running)
+        per_caller = self.per_caller()
+        if self._by_caller[call.caller] >= per_caller:
+            return CallerLimitError("max_running_per_principal", per_caller)
         return None
 
     async def hold(self, call: LiveCall, command: HoldSlot) -> None:
@@ -71,45 +66,32 @@ class RunningSlots:
         return len(self._holders)
 
 
+@dataclass(eq=False, slots=True)
 class Parking:
     """Calls parked between MRTR rounds, by call id; `inputs.max_parked` and the caller's share."""
 
-    def __init__(
-        self,
-        config: Callable[[], InputsConfig],
-        limits: Callable[[], LimitsConfig],
-        signer: inputs.RequestStateSigner,
-        clock: Callable[[], int],
-        process_id: str,
-    ) -> None:
-        self._config = config  # read at each park: a live reload swaps what these return
-        self._limits = limits
-        self.signer = signer
-        self.clock = clock
-        self.process_id = process_id
-        self._parked: dict[str, LiveCall] = {}
-        self._by_caller: Counter[str] = Counter()
-
-    @property
-    def config(self) -> InputsConfig:
-        return self._config()
-
-    @property
-    def per_caller(self) -> int:
-        return self._limits().max_parked_per_principal
+    config: Callable[[], InputsConfig]  # read at each park: a live reload swaps what these return
+    limits: Callable[[], LimitsConfig]
+    signer: inputs.RequestStateSigner
+    clock: Callable[[], int]
+    process_id: str
+    _parked: dict[str, LiveCall] = field(default_factory=dict, init=False)
+    _by_caller: Counter[str] = field(default_factory=Counter, init=False)
 
     async def park(self, call: LiveCall, command: Park) -> Parked | ParkRefused:
-        if len(self._parked) >= self.config.max_parked:
-            return ParkRefused(TaskLimitError("max_parked", self.config.max_parked))
-        if self._by_caller[call.caller] >= self.per_caller:
-            return ParkRefused(CallerLimitError("max_parked_per_principal", self.per_caller))
+        config = self.config()
+        if len(self._parked) >= config.max_parked:
+            return ParkRefused(TaskLimitError("max_parked", config.max_parked))
+        per_caller = self.limits().max_parked_per_principal
+        if self._by_caller[call.caller] >= per_caller:
+            return ParkRefused(CallerLimitError("max_parked_per_principal", per_caller))
         claims = inputs.StateClaims(
             call_id=call.call_id,
             round=command.round,
             principal=call.caller,
             method=call.method,
             digest=call.digest,
-            expires_at_ms=self.clock() + self.config.request_state_ttl_ms,
+            expires_at_ms=self.clock() + config.request_state_ttl_ms,
             owner=self.process_id,
         )
         call.request_state = self.signer.sign(claims)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any, Final, TypeVar
 
 import psycopg
@@ -46,41 +47,37 @@ async def _usable(conn: Conn) -> bool:
     return True
 
 
+@dataclass(eq=False)  # no slots: the store subclasses it
 class PgConnections:
     """The pool of a PostgreSQL store and the runs on it, which the store (`PostgresTaskStore`) builds on."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        password_file: str | None,
-        pool_size: int,
-        connect_timeout_seconds: float,
-        timeout_seconds: float,
-        read_only: bool,
-        migrate: bool,
-    ) -> None:
-        self.url = url
-        self.read_only = read_only
-        self._migrate = migrate and not read_only
-        self._password_file = password_file
-        self._connect_timeout = connect_timeout_seconds
-        self.timeout_seconds = timeout_seconds
-        self._health = StoreHealth(KIND)
-        self._closed = False
-        self._channel = ""  # set at open: one NOTIFY channel per schema
-        self._pool: AsyncConnectionPool[psycopg.AsyncConnection[DictRow]] = AsyncConnectionPool(
-            url,
-            connection_class=psycopg.AsyncConnection[DictRow],
+    url: str
+    _: KW_ONLY
+    password_file: str | None
+    pool_size: InitVar[int]
+    connect_timeout_seconds: float
+    timeout_seconds: float
+    read_only: bool
+    migrate: bool  # the schema is migrated at open (never when read-only)
+    _health: StoreHealth = field(default_factory=lambda: StoreHealth(KIND), init=False)
+    _closed: bool = field(default=False, init=False)
+    _channel: str = field(default="", init=False)  # set at open: one NOTIFY channel per schema
+    _pool: AsyncConnectionPool[Conn] = field(init=False)
+
+    def __post_init__(self, pool_size: int) -> None:
+        self.migrate = self.migrate and not self.read_only
+        self._pool = AsyncConnectionPool(
+            self.url,
+            connection_class=Conn,
             kwargs=self.connect_kwargs,
             min_size=1,
             max_size=pool_size,
             open=False,
-            timeout=timeout_seconds,
+            timeout=self.timeout_seconds,
             # A connection slot that cannot reconnect for this long is given up, and the next request that finds
             # the pool empty starts a fresh attempt at once: the pool's back-off (1, 2, 4, ... s) never keeps a
             # replica waiting long after its database is back.
-            reconnect_timeout=timeout_seconds,
+            reconnect_timeout=self.timeout_seconds,
             name="mcp-tasks-proxy",
         )
 
@@ -90,15 +87,15 @@ class PgConnections:
             "autocommit": True,
             "row_factory": dict_row,
             "application_name": application,
-            "connect_timeout": max(1, round(self._connect_timeout)),
+            "connect_timeout": max(1, round(self.connect_timeout_seconds)),
             # Data the server does not acknowledge for this long (a partition, a host gone) breaks the
             # connection, so that nothing waits on it past the store's deadline for long.
-            "tcp_user_timeout": round(1000 * max(self._connect_timeout, self.timeout_seconds)),
+            "tcp_user_timeout": round(1000 * max(self.connect_timeout_seconds, self.timeout_seconds)),
             **_KEEPALIVE,
         }
-        if self._password_file is not None:
+        if self.password_file is not None:
             try:
-                kwargs["password"] = read_password(self._password_file)
+                kwargs["password"] = read_password(self.password_file)
             except ValueError as exc:
                 raise StoreError(f"task store {self.url}: {exc}") from None
         if self.read_only:
@@ -112,7 +109,7 @@ class PgConnections:
             raise StoreError(f"cannot connect to the task store {self.url}: {exc}") from exc
         try:
             async with conn:
-                if self._migrate:
+                if self.migrate:
                     await schema.migrate(conn)
                 cursor = await conn.execute("SELECT current_schema() AS name, to_regclass('tasks') AS tasks")
                 row = await cursor.fetchone()
@@ -122,7 +119,7 @@ class PgConnections:
             raise StoreError(f"{self.url} is not a task database (it has no tasks table)")
         self._channel = f"mcp_tasks_proxy.{row['name']}"[:63]
         try:
-            await self._pool.open(wait=True, timeout=self._connect_timeout)
+            await self._pool.open(wait=True, timeout=self.connect_timeout_seconds)
         except psycopg.Error as exc:  # psycopg_pool.PoolTimeout is one
             raise StoreError(f"cannot open connections to the task store {self.url}: {exc}") from exc
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -26,26 +27,23 @@ from proxy.tasks.store.rows import row_from_record
 from proxy.wire.tasks import TaskRecord
 
 
+@dataclass(eq=False, slots=True)
 class PgCreator:
     """The creator thread, its connection (opened on first use, again after it broke) and its batches."""
 
-    def __init__(
-        self,
-        url: str,
-        connect_kwargs: Callable[[], dict[str, Any]],
-        max_records: int,
-        timeout_seconds: float,
-        health: StoreHealth,
-    ) -> None:
-        self.url = url
-        self.timeout_seconds = timeout_seconds
-        self.health = health
-        self._connect_kwargs = connect_kwargs
-        self._max_records = max_records
-        self._closed = False
+    url: str
+    connect_kwargs: Callable[[], dict[str, Any]]
+    max_records: int
+    timeout_seconds: float
+    health: StoreHealth
+    executor: ThreadPoolExecutor = field(init=False)
+    _batcher: CreationBatcher = field(init=False)
+    _closed: bool = field(default=False, init=False)
+    _conn: psycopg.Connection[Any] | None = field(default=None, init=False)  # owned by the thread
+
+    def __post_init__(self) -> None:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="task-store-creator")
-        self._batcher = CreationBatcher(self._commit_all, url)
-        self._conn: psycopg.Connection[Any] | None = None  # owned by the thread
+        self._batcher = CreationBatcher(self._commit_all, self.url)
 
     async def create(self, record: TaskRecord) -> None:
         timeout = deadline_seconds(self.timeout_seconds, self.health.available)
@@ -73,7 +71,7 @@ class PgCreator:
             conn.close()  # the server closed it or said something while it sat idle: a restart, a cut
             conn = None
         if conn is None or conn.closed:
-            conn = self._conn = psycopg.Connection.connect(self.url, **self._connect_kwargs())
+            conn = self._conn = psycopg.Connection.connect(self.url, **self.connect_kwargs())
         return conn
 
     def _close_connection(self) -> None:
@@ -93,9 +91,7 @@ class PgCreator:
             with conn.pipeline(), conn.transaction():
                 counted = conn.execute(schema.LOCK_COUNT_SQL)
                 existing = conn.execute(schema.EXISTING_SQL, [[record.task_id for record in records]])
-                evictable = conn.execute(
-                    schema.EVICTABLE_SQL, {"batch": len(records), "max_records": self._max_records}
-                )
+                evictable = conn.execute(schema.EVICTABLE_SQL, {"batch": len(records), "max_records": self.max_records})
                 count = int(counted.fetchone()["records"])  # type: ignore[index]
                 taken = {row["task_id"] for row in existing.fetchall()}
                 can_evict = int(evictable.fetchone()["count"])  # type: ignore[index]
@@ -128,9 +124,9 @@ class PgCreator:
             if record.task_id in taken:
                 errors.append(StoreError(f"task store {self.url}: create {record.task_id} failed: duplicate task id"))
                 continue
-            needed = max(0, count - self._max_records + 1)
+            needed = max(0, count - self.max_records + 1)
             if needed > can_evict - evict:
-                errors.append(StoreFullError(f"task store full: {self._max_records} live tasks"))
+                errors.append(StoreFullError(f"task store full: {self.max_records} live tasks"))
                 continue
             taken.add(record.task_id)
             accepted.append(record)

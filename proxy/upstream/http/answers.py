@@ -7,6 +7,7 @@ side, the HTTP/1.1 core's errors and the error tree; never a session."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Final, Protocol
 
 import aiohttp
@@ -56,13 +57,11 @@ async def chunks(answer: Answer) -> AsyncIterator[bytes]:
         yield chunk
 
 
+@dataclass(eq=False, slots=True)
 class AiohttpAnswer:
     """aiohttp's `ClientResponse` read as an `Answer`."""
 
-    __slots__ = ("response",)
-
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self.response = response
+    response: aiohttp.ClientResponse
 
     @property
     def status(self) -> int:

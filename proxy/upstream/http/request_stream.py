@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 import structlog
@@ -48,25 +49,18 @@ class StreamTransport(Protocol):
         ...
 
 
+@dataclass(eq=False, slots=True)
 class HttpRequestStream:
-    def __init__(
-        self,
-        transport: StreamTransport,
-        request_id: int,
-        method: str,
-        response: Answer,
-        max_bytes: int | None = None,
-        body: bytes | None = None,
-    ) -> None:
-        self.transport = transport
-        self.request_id = request_id
-        self.method = method
-        self.max_bytes = max_bytes  # the largest answer (or stream message) read; larger ones are refused
-        self._response = response
-        self._body = body  # the JSON answer, when it was read already (under an HTTP error status)
-        self.finished = False
-        self._let_go_of: Answer | None = None  # the response given back (or to the drain)
-        self._handed_off = False  # the response is the background drain's now: `close` leaves it alone
+    transport: StreamTransport
+    request_id: int
+    method: str
+    response: Answer  # the one being read (a resumed stream's, after a resumption)
+    max_bytes: int | None = None  # the largest answer (or stream message) read; larger ones are refused
+    body: bytes | None = None  # the JSON answer, when it was read already (under an HTTP error status)
+    finished: bool = field(default=False, init=False)
+    _let_go_of: Answer | None = field(default=None, init=False)  # the response given back (or to the drain)
+    # the response is the background drain's now: `close` leaves it alone
+    _handed_off: bool = field(default=False, init=False)
 
     async def events(self) -> AsyncIterator[UpstreamEvent]:
         """Everything the upstream says about this request, the final result or error last."""
@@ -91,7 +85,7 @@ class HttpRequestStream:
     def _let_go(self) -> None:
         """Give the connection back to the pool: at once when the body was read to its end, after a background
         read of the rest when an answered SSE stream is still open, closed otherwise."""
-        response = self._response
+        response = self.response
         if self._let_go_of is response:
             return
         self._let_go_of = response
@@ -106,13 +100,13 @@ class HttpRequestStream:
     def close(self) -> None:
         """The call is over: its connection is closed unless it went back to the pool (or is on its way)."""
         if not self._handed_off:
-            self._response.close()
+            self.response.close()
 
     async def _events(self) -> AsyncIterator[UpstreamEvent]:
-        response = self._response
+        response = self.response
         content_type = response.media_type
-        if self._body is not None or content_type == "application/json":
-            body = self._body if self._body is not None else await read_body(response, self.max_bytes)
+        if self.body is not None or content_type == "application/json":
+            body = self.body if self.body is not None else await read_body(response, self.max_bytes)
             event = decode(body, self.request_id, self.method)  # bytes that are not UTF-8 read as U+FFFD
             if event is not None:
                 yield event
@@ -147,7 +141,7 @@ class HttpRequestStream:
             resumptions += 1
             response.release()
             await asyncio.sleep(min(retry_ms, 10_000) / 1000)
-            response = self._response = await self.transport.resume(last_event_id)
+            response = self.response = await self.transport.resume(last_event_id)
 
     async def _abandon(self, reason: str) -> None:
         try:
@@ -163,7 +157,7 @@ class HttpRequestStream:
         try:
             await self.transport.notify("notifications/cancelled", {"requestId": self.request_id, "reason": reason})
         finally:
-            self._response.close()
+            self.response.close()
 
 
 async def _drain(response: Answer) -> None:
