@@ -370,6 +370,39 @@ async def test_notifications_and_the_reply_leave_in_order_through_one_writer_tha
     await background.close(1)
 
 
+async def test_a_forwarded_retrys_notes_wait_behind_what_the_writer_still_writes() -> None:
+    """A note from the replica that holds a forwarded MRTR retry's call goes out through the stand-in's one
+    writer: queued at once behind a notification still being written, never written beside it."""
+    written: list[str] = []
+    reading = asyncio.Event()
+
+    class Slow:
+        async def notify(self, message: JSON, *, required: bool = False) -> None:
+            written.append(f"begun {message['n']}")
+            await reading.wait()
+            written.append(f"done {message['n']}")
+
+        async def keepalive(self, *, open_stream: bool = False) -> None:
+            return None
+
+    background = Background()
+    client = ClientSide(lambda record: record, RecordingFeed(), background)
+    call = make_call()
+    call.client.channel = Slow()
+    await client.relay(call, Relay({"method": "notifications/progress", "n": 1}))
+    await until(lambda: written == ["begun 1"], "the writer to begin the first notification")
+    async with asyncio.timeout(1):  # queued, not written: the note does not wait for the client
+        await client.note(call, {"method": "notifications/message", "n": 2})
+    assert written == ["begun 1"]
+    reading.set()
+    await until(lambda: len(written) == 4, "both notifications written")
+    assert written == ["begun 1", "done 1", "begun 2", "done 2"]
+    call.client.channel = None
+    await client.note(call, {"method": "notifications/message", "n": 3})  # the client gone: nothing is queued
+    assert not call.client.outgoing
+    await background.close(1)
+
+
 async def test_keep_alives_are_written_by_the_calls_one_writer_after_what_it_still_writes() -> None:
     """A keep-alive asked for while a notification is being written waits behind it (never two writes on the
     stream at once); a stream broken at a keep-alive is the client leaving, as at a notification, and then no
@@ -430,7 +463,8 @@ async def test_a_replica_ignores_its_own_settlement_on_the_feed_but_not_another_
     limits = config(tmp_path)
     parked = Parking(lambda: limits.inputs, lambda: limits.limits, signer, wall_clock_ms, "replica-1")
     parts.link = link = ReplicaLink(store, "replica-1", 30)
-    starter = CallStarter(parts.context, lambda: limits.tasks, lambda: limits.inputs, parked, link)
+    notes = ClientSide(lambda record: record, feed, parts.context.spawner).note
+    starter = CallStarter(parts.context, lambda: limits.tasks, lambda: limits.inputs, parked, link, notes)
     recovery = Recovery(parts.context, link, parts.records, starter.state, dict, lambda: False)
     await link.start(ReplicaInbox(parts.context, parked, parts.records, link, recovery, starter))
     own, elsewhere = make_call(), make_call()

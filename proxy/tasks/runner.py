@@ -162,7 +162,7 @@ class TaskRunner:
         register(c.HoldSlot, self.slots.hold)
         register(c.WriteQueue, self.records.write_queue)
         self.starter = CallStarter(
-            context, lambda: current().tasks, lambda: current().inputs, self.parking, self.replicas
+            context, lambda: current().tasks, lambda: current().inputs, self.parking, self.replicas, client.note
         )
         self.operations = TaskOperations(context, self.records, self.replicas)
         self.recovery = Recovery(context, self.replicas, self.records, self.starter.state, lambda: jobs.specs, draining)

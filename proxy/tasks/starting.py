@@ -7,8 +7,9 @@ stopped at shutdown. Imports the table, the parking, the replica link and `remot
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Final
 
 import structlog
@@ -45,6 +46,7 @@ class CallStarter:
     inputs_config: Callable[[], InputsConfig]
     parking: Parking
     replicas: ReplicaLink
+    notes: Callable[[LiveCall, JSON], Awaitable[None]]  # through the call's one client writer (`effects/client.py`)
     _progress_tokens: int = field(default=0, init=False)
 
     def state(
@@ -125,7 +127,8 @@ class CallStarter:
         channel: Channel,
     ) -> LiveCall:
         """An MRTR retry for a call parked on another replica: sent there (through the store), and a stand-in
-        call here whose reply is what that replica's call answers (its notifications reach `channel` too)."""
+        call here whose reply is what that replica's call answers (its notifications reach `channel` too, through
+        the stand-in's one client writer)."""
         if not await self.context.store.replica_alive(claims.owner):
             raise InvalidParamsError(HOLDER_GONE)
         request = outgoing.request
@@ -147,7 +150,7 @@ class CallStarter:
         call.client.reply = asyncio.get_running_loop().create_future()
         origin = self.parking.process_id
         payload = remote.resume_payload(state, responses, request.progress_token, request.log_level, origin)
-        call.ask = await self.replicas.ask(claims.owner, remote.RESUME, payload, on_note=channel.notify)
+        call.ask = await self.replicas.ask(claims.owner, remote.RESUME, payload, on_note=partial(self.notes, call))
         self.context.spawner.spawn(self._await_forwarded(call, call.ask), f"forwarded-{call.ask.key}")
         log.info("mrtr_forwarded", method=call.method, name=call.name, round=claims.round, to=claims.owner)
         return call

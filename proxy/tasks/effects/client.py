@@ -16,6 +16,7 @@ from proxy.tasks.commands import ClientLeft, Relay, Reply, ReplyKind, ReplyTask
 from proxy.tasks.live_call import KEEP_ALIVE, KeepAlive, LiveCall
 from proxy.tasks.ports import Feed, Spawner
 from proxy.wire.envelope import Channel
+from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord
 
 
@@ -37,10 +38,15 @@ class ClientSide:
             call.client.outgoing.append(reply)  # after the notifications still being written
 
     async def relay(self, call: LiveCall, command: Relay) -> None:
+        await self.note(call, command.message)
+
+    async def note(self, call: LiveCall, message: JSON) -> None:
+        """A notification already in the client's form (a forwarded MRTR retry's, from the replica that holds
+        the call), queued behind what the call's writer still writes, as a relayed one is."""
         channel = call.client.channel
         if channel is None:
             return
-        call.client.outgoing.append(command.message)
+        call.client.outgoing.append(message)
         self._writing(call, channel)
 
     def keep_alive(self, call: LiveCall) -> None:
