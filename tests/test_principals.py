@@ -19,7 +19,7 @@ import structlog.testing
 
 from proxy.app import create_app
 from proxy.config_loader import ConfigError, load_config
-from proxy.principals import Principals, SealError, deployment_key
+from proxy.principals import Identity, Principals, SealError, deployment_key, identity_of
 from tests.support.clients import Tasks, upstream_calls_open
 from tests.support.processes import Upstream, key_file, proxy_config
 from tests.support.schemas import ModernSchema, SchemaValidator
@@ -32,12 +32,12 @@ URL = "http://127.0.0.1:9/mcp"
 def test_principals_are_keyed_hashes_not_bare_sha256() -> None:
     principals = Principals(KEY)
     token = "Bearer secret-token"
-    stored = principals.key_of(token)
-    assert stored == principals.key_of(token)  # stable: the owner finds its tasks again
+    stored = principals.key_of(Identity(token))
+    assert stored == principals.key_of(Identity(token))  # stable: the owner finds its tasks again
     assert stored != hashlib.sha256(token.encode()).hexdigest()  # a token holder cannot recompute it
-    assert stored != Principals(b"o" * 32).key_of(token)  # another deployment key, another hash
+    assert stored != Principals(b"o" * 32).key_of(Identity(token))  # another deployment key, another hash
     assert "secret" not in stored
-    assert principals.key_of(None) == principals.key_of("") == ""
+    assert principals.key_of(None) == principals.key_of(identity_of("")) == ""
 
 
 def test_a_sealed_credential_opens_only_with_its_key() -> None:
@@ -99,7 +99,7 @@ async def test_tasks_store_hashes_and_a_rerun_credential_encrypted(
             "SELECT principal, rerun_principal FROM tasks WHERE task_id = ?", (task_id,)
         ).fetchone()
     key = load_config(None, environ={}, overrides={"upstream": {"url": URL}, **sections})
-    assert principal == Principals(deployment_key(key)).key_of(token)
+    assert principal == Principals(deployment_key(key)).key_of(Identity(token))
     assert "plaintext-credential" not in sealed
     assert (await client.task(task_id, headers={"Authorization": token}))["status"] == "working"
 
