@@ -57,6 +57,7 @@ from proxy.live_config import LiveConfig
 from proxy.observability import Metrics, logs_at
 from proxy.ops import healthz, metrics_endpoint, readyz
 from proxy.policy import named_tools
+from proxy.principals import identity_of
 from proxy.startup import is_loopback
 from proxy.tasks.store import StoreUnavailableError
 from proxy.wire import jsonrpc
@@ -219,13 +220,13 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     modern = validate_modern(request.headers, message.id, message.method, message.params)
     request.app[DRAIN].check_modern(modern)
     config = request.app[LIVE].current
-    principal = request.headers.get(config.security.principal_header) or None  # empty counts as none
+    principal = identity_of(request.headers.get(config.security.principal_header))  # empty counts as none
     if principal is None and config.security.anonymous == "refuse":
         raise UnauthorizedError(
             f"Unauthorized: this proxy serves no anonymous callers; send {config.security.principal_header}"
         )
     if principal is not None and JWT in request.app:
-        principal = await request.app[JWT].credential(principal)  # a JWT that fails is refused here (401)
+        principal = await request.app[JWT].identify(principal.credential)  # a JWT that fails is refused here (401)
     caller = Caller(principal=principal, headers=request.headers)
     if audited is not None:
         audited.update(subject=subject(principal), principal=request.app[RUNNER].principals.key_of(principal) or None)

@@ -17,7 +17,7 @@ from typing import Any, Final
 
 import structlog
 
-from proxy.principals import Credential
+from proxy.principals import Identity
 
 log = structlog.get_logger(__name__)
 
@@ -25,9 +25,9 @@ STDOUT: Final = "-"
 _FILE_MODE: Final = 0o600  # who called what is the operator's to read
 
 
-def subject(principal: str | None) -> str | None:
+def subject(principal: Identity | None) -> str | None:
     """The verified JWT's owner (issuer and claim) of a principal, else None: an opaque token is never shown."""
-    return principal.owner if isinstance(principal, Credential) else None
+    return None if principal is None else principal.owner
 
 
 class AuditLog:

@@ -26,7 +26,7 @@ import structlog
 
 from proxy.config import JwtConfig
 from proxy.errors import ProxyError, UnauthorizedError
-from proxy.principals import Credential
+from proxy.principals import Identity
 from proxy.wire.jsonrpc import JSON
 
 log = structlog.get_logger(__name__)
@@ -154,27 +154,27 @@ class KeySet:
 
 
 class JwtIdentity:
-    """Turns the principal header's value into a `Credential` whose owner is the issuer plus the claim, when
-    the value is a Bearer JWT that verifies; any other value is returned as it is (an opaque token)."""
+    """Turns the principal header's value into an `Identity` whose owner is the issuer plus the claim, when
+    the value is a Bearer JWT that verifies; any other value is an identity of its own (an opaque token)."""
 
     def __init__(self, config: JwtConfig) -> None:
         self.config = config
         self.keys = KeySet(config)
         self._verified: OrderedDict[bytes, tuple[str, float]] = OrderedDict()  # token digest → owner, until
 
-    async def credential(self, value: str) -> str:
+    async def identify(self, value: str) -> Identity:
         match = _BEARER_JWT.fullmatch(value)
         if match is None:
-            return value
+            return Identity(value)
         token = match.group(1)
         digest = hashlib.sha256(token.encode()).digest()
         remembered = self._verified.get(digest)
         if remembered is not None and time.time() < remembered[1]:
             self._verified.move_to_end(digest)
-            return Credential(value, owner=remembered[0])
+            return Identity(value, owner=remembered[0])
         owner, expires = await self._verify(token)
         self._remember(digest, owner, expires)
-        return Credential(value, owner=owner)
+        return Identity(value, owner=owner)
 
     async def _verify(self, token: str) -> tuple[str, float]:
         config = self.config

@@ -1,11 +1,13 @@
-"""Who a caller is, as the proxy keeps it: a keyed hash for ownership, and a sealed copy of the credential for
-the one case that needs it back.
+"""Who a caller is, as the proxy keeps it: one value (`Identity`), a keyed hash of it for ownership, a plain
+hash of its credential for the upstream sessions, and a sealed copy of the credential for the one case that
+needs it back.
 
-A task belongs to the HMAC-SHA256 of the caller's principal header under the deployment key, so a stolen
-database does not let anyone confirm a token they hold (a bare SHA-256 would). A task with
-`on_restart: rerun` must present the caller's header upstream again after a restart; that value is stored
-encrypted (Fernet, from `cryptography`) under a key derived from the same deployment key. Pure: no I/O but
-reading or creating the key file.
+A task belongs to the HMAC-SHA256 of the caller's principal header (or of a verified JWT's owner) under the
+deployment key, so a stolen database does not let anyone confirm a token they hold (a bare SHA-256 would). The
+upstream sessions, which live only in the process, are keyed by the SHA-256 of the header (`principal_key`).
+A task with `on_restart: rerun` must present the caller's header upstream again after a restart; that value is
+stored encrypted (Fernet, from `cryptography`) under a key derived from the same deployment key. Pure: no I/O
+but reading or creating the key file.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hashlib
 import hmac
 import os
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -27,17 +30,38 @@ _HASH_CONTEXT: Final = b"mcp-tasks-proxy/principal/v1"
 _SEAL_CONTEXT: Final = b"mcp-tasks-proxy/rerun-principal/v1"
 
 
-class Credential(str):
-    """A principal header value the proxy verified (a Bearer JWT, `jwt_identity.py`): it still travels upstream
-    as itself and keys the caller's upstream sessions, but it owns tasks as `owner` (the issuer and the claim),
-    so the caller's next token, with the same owner, reads the same tasks."""
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who sent a request: the principal header's value (`credential`), which travels upstream as itself and
+    keys the caller's upstream sessions, and, for a Bearer JWT the proxy verified (`jwt_identity.py`), its
+    `owner` (the issuer and the claim), which owns tasks in the credential's stead: the caller's next token, of
+    the same owner, reads the same tasks. An opaque token (or a JWT not verified) has no owner."""
 
-    owner: str
+    credential: str
+    owner: str | None = None
 
-    def __new__(cls, value: str, *, owner: str) -> Credential:
-        credential = super().__new__(cls, value)
-        credential.owner = owner
-        return credential
+    def __post_init__(self) -> None:
+        if not self.credential:
+            raise ValueError("an identity has a credential: a caller without one is anonymous (None)")
+
+
+def identity_of(header: str | None) -> Identity | None:
+    """The identity a principal header's value names by itself (an opaque token, no owner); None when the
+    header is absent or empty: such a caller is anonymous."""
+    return Identity(header) if header else None
+
+
+def principal_key(principal: Identity | None) -> str:
+    """What the caller's upstream sessions are kept under (the pool's shares and spares, the tools it sees, the
+    legacy session it opened): "" for an anonymous caller, else the SHA-256 of the raw credential, so tokens
+    are not dict keys in clear.
+
+    Not `Principals.key_of`, and not of the owner: a session sends the credential that opened it upstream, so a
+    refreshed token (same owner, new credential) must never be served by a session opened with the old one.
+    Unkeyed, as it never leaves the process; the owner key is stored with the tasks, hence keyed."""
+    if principal is None:
+        return ""
+    return hashlib.sha256(principal.credential.encode()).hexdigest()
 
 
 class SealError(ValueError):
@@ -52,17 +76,19 @@ class Principals:
         seal_key = hmac.new(key, _SEAL_CONTEXT, hashlib.sha256).digest()
         self._fernet = Fernet(base64.urlsafe_b64encode(seal_key))
 
-    def key_of(self, principal: str | None) -> str:
-        """The stored owner of what the caller creates; "" for a caller without a principal. A verified
-        credential's owner is hashed in a space of its own, so no header value can take its place."""
-        if not principal:
+    def key_of(self, principal: Identity | None) -> str:
+        """The stored owner of what the caller creates; "" for an anonymous caller. Keyed (HMAC-SHA256 under the
+        deployment key), so a stolen store confirms no token; of a verified JWT's owner, hashed in a space of its
+        own so no header value can take its place, so the caller's refreshed token owns the same tasks."""
+        if principal is None:
             return ""
-        if isinstance(principal, Credential):
+        if principal.owner is not None:
             return hmac.new(self._hash_key, b"owner\0" + principal.owner.encode(), hashlib.sha256).hexdigest()
-        return hmac.new(self._hash_key, principal.encode(), hashlib.sha256).hexdigest()
+        return hmac.new(self._hash_key, principal.credential.encode(), hashlib.sha256).hexdigest()
 
-    def seal(self, principal: str) -> str:
-        return self._fernet.encrypt(principal.encode()).decode()
+    def seal(self, credential: str) -> str:
+        """The credential alone (an `Identity`'s owner is not kept), encrypted under the deployment key."""
+        return self._fernet.encrypt(credential.encode()).decode()
 
     def unseal(self, sealed: str) -> str:
         try:

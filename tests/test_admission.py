@@ -17,6 +17,7 @@ import pytest
 from proxy.background import Background
 from proxy.config import TasksConfig
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
+from proxy.principals import Identity
 from proxy.tasks.commands import Admitted, Event, Queued, QueueMoved
 from proxy.tasks.effects.admission import POSITION_SECONDS, POSITIONS_TOLD, Admission, Caps
 from proxy.tasks.live_call import LiveCall, known, new_call
@@ -48,7 +49,9 @@ def a_call(caller: str, name: str, *, tool_cap: int | None = None, tool: str | N
         decision = Decision(Outcome.SYNC, Policy("forbidden", 0, None, 1000, "fail", max_concurrent=tool_cap))
     state = CallState(decision=decision, capabilities={}, gather_ms=0, park_ttl_ms=1)
     state.started = state.running = True  # as the machine left it when it asked for the upstream request
-    return new_call(state, method="tools/call", name=tool or name, principal=caller, caller=caller, digest_of=known(""))
+    return new_call(
+        state, method="tools/call", name=tool or name, principal=Identity(caller), caller=caller, digest_of=known("")
+    )
 
 
 class Upstream:

@@ -13,7 +13,7 @@ import pytest
 import structlog
 
 from proxy.audit import AuditLog, subject
-from proxy.principals import Credential
+from proxy.principals import Identity
 
 
 def read(path: Path) -> list[dict[str, object]]:
@@ -73,8 +73,8 @@ def test_a_failing_write_is_logged_not_raised(tmp_path: Path) -> None:
 
 
 def test_only_a_verified_credential_has_a_subject() -> None:
-    assert subject(Credential("Bearer eyJ...", owner="https://issuer.example sub:alice")) == (
+    assert subject(Identity("Bearer eyJ...", owner="https://issuer.example sub:alice")) == (
         "https://issuer.example sub:alice"
     )
-    assert subject("Bearer opaque-token") is None
+    assert subject(Identity("Bearer opaque-token")) is None
     assert subject(None) is None

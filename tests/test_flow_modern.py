@@ -15,6 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app_keys import POOL
+from proxy.principals import Identity
 from tests.support.clients import post_and_leave
 from tests.support.processes import Upstream
 from tests.support.schemas import ModernSchema
@@ -299,7 +300,7 @@ async def test_sessions_are_kept_per_principal(proxy: Client, modern_schema: Mod
     await rpc(proxy, modern_schema, "tools/list", headers={"Authorization": "Bearer one"})
     await rpc(proxy, modern_schema, "tools/list", headers={"Authorization": "Bearer two"})
     client = proxy.app[POOL]
-    one, two = client.session("Bearer one"), client.session("Bearer two")
+    one, two = client.session(Identity("Bearer one")), client.session(Identity("Bearer two"))
     assert one is not two
     assert one.session_id is not None
     assert two.session_id is not None

@@ -19,6 +19,7 @@ from yarl import URL
 
 from proxy.app import create_app
 from proxy.app_keys import POOL
+from proxy.principals import Identity
 from tests.support.oauth import ISSUER, Issuer
 from tests.support.processes import Upstream, free_port, key_file, proxy_config
 from tests.support.wire import modern_body, modern_headers, read_messages
@@ -285,7 +286,7 @@ async def test_a_server_that_needs_no_credential_keeps_the_shared_discover_cache
         status, _, message = await modern(client, "server/discover", auth=token)
         assert status == 200, message
     principals = [session.principal for session in client.app[POOL].sessions()]
-    assert ("Bearer second" in principals) is own_session
+    assert (Identity("Bearer second") in principals) is own_session
 
 
 async def test_a_rerun_whose_stored_credential_expired_fails_saying_so(

@@ -21,7 +21,7 @@ from proxy.errors import (
     UpstreamUnreachableError,
 )
 from proxy.observability import Metrics
-from proxy.principals import Principals
+from proxy.principals import Identity, Principals
 from proxy.tasks import idempotency
 from proxy.tasks.idempotency import (
     IdempotencyKeys,
@@ -120,7 +120,7 @@ class Harness:
     ) -> JSON:
         request = ModernRequest(request_id, "tools/call", {"name": "t", "arguments": arguments or {}}, {}, "", {})
         config = IdempotencyConfig(join_timeout_seconds=join_seconds)
-        return await self.keys.serve(config, key, request, Caller("alice"), NoChannel(), self.work)
+        return await self.keys.serve(config, key, request, Caller(Identity("alice")), NoChannel(), self.work)
 
     def counted(self, outcome: str) -> float:
         value = self.metrics.registry.get_sample_value("mcp_tasks_proxy_idempotent_calls_total", {"outcome": outcome})
@@ -192,7 +192,7 @@ async def test_an_upstream_failure_after_the_request_is_recorded(store: SqliteTa
 
 async def test_a_first_request_whose_process_died_is_interrupted_not_run_again(store: SqliteTaskStore) -> None:
     harness = Harness(store)
-    scope = harness.keys.principals.key_of("alice")
+    scope = harness.keys.principals.key_of(Identity("alice"))
     dead = KeyRecord(scope, "k", fingerprint("t", {}), "replica-gone", 1_000, 10_000)
     assert await store.claim_key(dead) is None
     with pytest.raises(ReplayedError) as caught:

@@ -7,7 +7,9 @@ SQLite file read back.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import hmac
 import sqlite3
 import stat
 from collections.abc import Callable
@@ -19,7 +21,7 @@ import structlog.testing
 
 from proxy.app import create_app
 from proxy.config_loader import ConfigError, load_config
-from proxy.principals import Principals, SealError, deployment_key
+from proxy.principals import Identity, Principals, SealError, deployment_key, identity_of, principal_key
 from tests.support.clients import Tasks, upstream_calls_open
 from tests.support.processes import Upstream, key_file, proxy_config
 from tests.support.schemas import ModernSchema, SchemaValidator
@@ -32,12 +34,46 @@ URL = "http://127.0.0.1:9/mcp"
 def test_principals_are_keyed_hashes_not_bare_sha256() -> None:
     principals = Principals(KEY)
     token = "Bearer secret-token"
-    stored = principals.key_of(token)
-    assert stored == principals.key_of(token)  # stable: the owner finds its tasks again
+    stored = principals.key_of(Identity(token))
+    assert stored == principals.key_of(Identity(token))  # stable: the owner finds its tasks again
     assert stored != hashlib.sha256(token.encode()).hexdigest()  # a token holder cannot recompute it
-    assert stored != Principals(b"o" * 32).key_of(token)  # another deployment key, another hash
+    assert stored != Principals(b"o" * 32).key_of(Identity(token))  # another deployment key, another hash
     assert "secret" not in stored
-    assert principals.key_of(None) == principals.key_of("") == ""
+    assert principals.key_of(None) == principals.key_of(identity_of("")) == ""
+
+
+def test_the_owner_key_is_the_hmac_of_the_credential_or_of_a_verified_owner() -> None:
+    hash_key = hmac.new(KEY, b"mcp-tasks-proxy/principal/v1", hashlib.sha256).digest()
+    opaque = hmac.new(hash_key, b"Bearer secret-token", hashlib.sha256).hexdigest()
+    assert Principals(KEY).key_of(Identity("Bearer secret-token")) == opaque
+    owner = '["https://issuer", "alice"]'
+    verified = hmac.new(hash_key, b"owner\0" + owner.encode(), hashlib.sha256).hexdigest()
+    assert Principals(KEY).key_of(Identity("Bearer first-token", owner=owner)) == verified
+    assert Principals(KEY).key_of(Identity("Bearer refreshed-token", owner=owner)) == verified
+
+
+def test_the_session_key_is_the_sha256_of_the_raw_credential_whoever_owns_it() -> None:
+    owner = '["https://issuer", "alice"]'
+    first, refreshed = Identity("Bearer first-token", owner=owner), Identity("Bearer refreshed-token", owner=owner)
+    assert principal_key(first) == hashlib.sha256(b"Bearer first-token").hexdigest()
+    assert principal_key(first) == principal_key(Identity("Bearer first-token"))  # the owner plays no part
+    assert principal_key(refreshed) == hashlib.sha256(b"Bearer refreshed-token").hexdigest()
+    assert principal_key(first) != principal_key(refreshed)  # a new token never reuses the old one's sessions
+    assert Principals(KEY).key_of(first) == Principals(KEY).key_of(refreshed)  # but owns the same tasks
+    assert principal_key(None) == ""
+
+
+def test_an_identity_is_a_value_that_keeps_its_owner() -> None:
+    verified = Identity("Bearer a.b.c", owner="https://issuer sub:alice")
+    assert verified == Identity("Bearer a.b.c", owner="https://issuer sub:alice")
+    assert verified != Identity("Bearer a.b.c")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        verified.owner = None  # type: ignore[misc]
+    assert identity_of("Bearer opaque") == Identity("Bearer opaque", owner=None)
+    assert identity_of("") is None
+    assert identity_of(None) is None
+    with pytest.raises(ValueError, match="anonymous"):
+        Identity("")
 
 
 def test_a_sealed_credential_opens_only_with_its_key() -> None:
@@ -99,7 +135,7 @@ async def test_tasks_store_hashes_and_a_rerun_credential_encrypted(
             "SELECT principal, rerun_principal FROM tasks WHERE task_id = ?", (task_id,)
         ).fetchone()
     key = load_config(None, environ={}, overrides={"upstream": {"url": URL}, **sections})
-    assert principal == Principals(deployment_key(key)).key_of(token)
+    assert principal == Principals(deployment_key(key)).key_of(Identity(token))
     assert "plaintext-credential" not in sealed
     assert (await client.task(task_id, headers={"Authorization": token}))["status"] == "working"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from proxy.config import RelayConfig
-from proxy.principals import Credential, Principals
+from proxy.principals import Identity, Principals
 from proxy.relay import OriginRelay
 
 
@@ -32,10 +32,10 @@ def test_prefixes_narrow_the_relay_and_disabled_relays_nothing() -> None:
 
 def test_a_verified_credential_owns_as_its_owner_and_never_as_a_header_value() -> None:
     principals = Principals(b"k" * 32)
-    first = Credential("Bearer first-token", owner='["https://issuer", "alice"]')
-    refreshed = Credential("Bearer refreshed-token", owner='["https://issuer", "alice"]')
+    first = Identity("Bearer first-token", owner='["https://issuer", "alice"]')
+    refreshed = Identity("Bearer refreshed-token", owner='["https://issuer", "alice"]')
     assert principals.key_of(first) == principals.key_of(refreshed)
-    assert principals.key_of(first) != principals.key_of("Bearer first-token")
-    assert principals.key_of(first) != principals.key_of('["https://issuer", "alice"]')
-    other = Credential("Bearer first-token", owner='["https://issuer", "bob"]')
+    assert principals.key_of(first) != principals.key_of(Identity("Bearer first-token"))
+    assert principals.key_of(first) != principals.key_of(Identity('["https://issuer", "alice"]'))
+    other = Identity("Bearer first-token", owner='["https://issuer", "bob"]')
     assert principals.key_of(other) != principals.key_of(first)

@@ -21,11 +21,11 @@ from proxy.errors import (
     UpstreamSessionGoneError,
     UpstreamUnreachableError,
 )
+from proxy.principals import Identity, identity_of, principal_key
 from proxy.upstream.events import UpstreamErrorResponse
 from proxy.upstream.http.kind import HttpKind
 from proxy.upstream.http.shared import upstream_connector
 from proxy.upstream.pool import SessionPool
-from proxy.upstream.session import principal_key
 from tests.support.processes import Upstream
 from tests.support.tls import loopback_contexts
 from tests.support.waiting import until
@@ -52,14 +52,14 @@ async def test_initialize_once_and_reuse(upstream: Upstream, http: aiohttp.Clien
 async def test_idle_sessions_are_evicted_busy_ones_kept(upstream: Upstream, http: aiohttp.ClientSession) -> None:
     client = make_client(upstream, http, max_sessions=1)
     async with (
-        client.use("Bearer a") as first,
+        client.use(Identity("Bearer a")) as first,
         first.call("tools/call", {"name": "sleep", "arguments": {"seconds": 0.2}}) as running,
     ):
-        async with client.use("Bearer b") as second:
+        async with client.use(Identity("Bearer b")) as second:
             await second.ensure_initialized()
-        client.session("Bearer c")  # two idle sessions over a limit of one: "b" (the older) goes
-        assert client.session("Bearer a") is first  # in use: never evicted
-        assert client.session("Bearer b") is not second
+        client.session(Identity("Bearer c"))  # two idle sessions over a limit of one: "b" (the older) goes
+        assert client.session(Identity("Bearer a")) is first  # in use: never evicted
+        assert client.session(Identity("Bearer b")) is not second
         assert client.idle_sessions == 1
         async for _ in running.events():
             pass
@@ -76,11 +76,11 @@ async def test_unreachable_upstream_is_an_unreachable_error(http: aiohttp.Client
 
 
 def test_principal_keys_are_hashes() -> None:
-    assert principal_key(None) == principal_key("") == ""
-    key = principal_key("Bearer secret")
+    assert principal_key(None) == principal_key(identity_of("")) == ""
+    key = principal_key(Identity("Bearer secret"))
     assert "secret" not in key
     assert len(key) == 64
-    assert key != principal_key("Bearer other")
+    assert key != principal_key(Identity("Bearer other"))
 
 
 async def refusing_upstream(request: web.Request) -> web.Response:

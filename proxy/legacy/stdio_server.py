@@ -23,8 +23,8 @@ missed, then the rest of it (a POST's answer stream ends with the answer; the GE
 DELETE ends the session (the process is stopped: it was initialized for that client and cannot serve
 another); so does `upstream.process_idle_seconds` with no stream open, and the process ending. A request
 naming an ended session gets 404, which tells the client to initialize again. A session is bound to the
-principal header that opened it. Imports aiohttp's web side, the stdio shared state and process layer, and the
-pool's `Room`; never tasks.
+principal header that opened it (its session key, `principals.principal_key`). Imports aiohttp's web side,
+the stdio shared state and process layer, the principals, and the pool's `Room`; never tasks.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ from proxy.legacy.stdio_sessions import (
     SessionNotFoundError,
     Stream,
 )
-from proxy.upstream.session import Room, principal_key
+from proxy.principals import identity_of, principal_key
+from proxy.upstream.session import Room
 from proxy.upstream.stdio.process import ProcessExit
 from proxy.upstream.stdio.shared import StdioShared
 from proxy.wire.jsonrpc import JSON, Request, classify, dumps, error_message, loads
@@ -88,12 +89,17 @@ class StdioLegacyServer:
             return web.Response(status=200)
         return web.Response(status=405, headers={"Allow": "GET, POST, DELETE"})
 
+    def _principal_key(self, request: web.Request) -> str:
+        """The key of the caller's upstream sessions (`principals.principal_key`): a session answers only the
+        principal header that opened it."""
+        return principal_key(identity_of(request.headers.get(self.principal_header)))
+
     def _session(self, request: web.Request) -> LegacySession:
         session_id = request.headers.get(SESSION_HEADER)
         if session_id is None:
             raise InvalidRequestError(f"Bad Request: the {SESSION_HEADER} header is required")
         session = self.sessions.get(session_id)
-        if session is None or session.principal != principal_key(request.headers.get(self.principal_header)):
+        if session is None or session.principal != self._principal_key(request):
             raise SessionNotFoundError()
         return session
 
@@ -125,7 +131,7 @@ class StdioLegacyServer:
     async def _initialize(self, request: web.Request, message: Request, sse: bool) -> web.StreamResponse:
         await self.pool.reserve(self._make_room)
         events = SessionEvents(self.replay_bytes) if self.replay_bytes else None
-        principal = principal_key(request.headers.get(self.principal_header))
+        principal = self._principal_key(request)
         session = LegacySession(secrets.token_urlsafe(24), principal, events)
         try:
             session.process = await self.shared.start(session.route, lambda exited: self._exited(session, exited))

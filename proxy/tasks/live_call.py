@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Final
 
+from proxy.principals import Identity
 from proxy.tasks.commands import ReplyKind, Timer
 from proxy.tasks.replicas import Ask
 from proxy.tasks.state import CallState
@@ -107,7 +108,7 @@ class LiveCall:
     state: CallState
     method: str  # tools/call, prompts/get or resources/read
     name: str  # the tool or prompt name, or the resource URI
-    principal: str | None  # the caller's principal header, sent upstream with the call
+    principal: Identity | None  # who the caller is: its credential is sent upstream with the call
     caller: str  # its keyed hash: owns the task, and the caller's share of the limits is counted under it
     params: JSON  # the upstream params
     headers: dict[str, str]  # trace context for the upstream request
@@ -134,7 +135,7 @@ def new_call(
     *,
     method: str,
     name: str,
-    principal: str | None,
+    principal: Identity | None,
     caller: str,
     digest_of: Callable[[], str],
     params: JSON | None = None,

@@ -21,7 +21,7 @@ import structlog
 from proxy import tracing
 from proxy.config import RestartAction
 from proxy.policy import Decision, Outcome, Policy
-from proxy.principals import SealError
+from proxy.principals import SealError, identity_of
 from proxy.tasks import machine
 from proxy.tasks.commands import LeaseLost, Start, Stop
 from proxy.tasks.context import TasksContext
@@ -235,9 +235,11 @@ class Recovery:
         """Start the call of a task a previous process left live, with the caller's credential kept sealed in
         the record; a credential that no longer opens (another deployment key) fails the task instead. Its work
         goes on in the trace that created the task, below a span named `span`."""
-        try:
+        try:  # the credential alone: the task's owner is the record's (`caller`), a JWT's owner is not kept
             principal = (
-                None if record.rerun_principal is None else self.context.principals.unseal(record.rerun_principal)
+                None
+                if record.rerun_principal is None
+                else identity_of(self.context.principals.unseal(record.rerun_principal))
             )
         except SealError as exc:
             await self.records.fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; {refused}: {exc}", fence)

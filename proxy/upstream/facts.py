@@ -12,7 +12,8 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
-from proxy.upstream.session import Session, SessionKind, principal_key, read_tools
+from proxy.principals import Identity, principal_key
+from proxy.upstream.session import Session, SessionKind, read_tools
 from proxy.upstream.shared import ToolCatalog
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader
@@ -32,7 +33,7 @@ class ToolFactsReader:
     def __init__(
         self,
         kind: SessionKind,
-        use: Callable[[str | None], AbstractAsyncContextManager[Session]],
+        use: Callable[[Identity | None], AbstractAsyncContextManager[Session]],
         is_shared: Callable[[str, Session], bool],
     ) -> None:
         self.kind = kind
@@ -47,7 +48,7 @@ class ToolFactsReader:
     def clear(self) -> None:
         self._catalogs.clear()
 
-    async def initialize_result(self, principal: str | None, max_age_ms: int) -> JSON:
+    async def initialize_result(self, principal: Identity | None, max_age_ms: int) -> JSON:
         """The upstream's InitializeResult: the latest one any session got, when it is at most `max_age_ms` old
         (server/discover opens no session per caller), else from the caller's shared session. When the upstream
         requires credentials (`kind.auth`), always the caller's own: a caller the upstream refuses gets its
@@ -59,7 +60,7 @@ class ToolFactsReader:
         async with self._use(principal) as session:
             return await session.ensure_initialized()
 
-    async def tool_facts(self, principal: str | None, tool: str, max_age_ms: int) -> ToolFacts:
+    async def tool_facts(self, principal: Identity | None, tool: str, max_age_ms: int) -> ToolFacts:
         """What a call of `tool` needs before it starts, in one turn: the InitializeResult (at most `max_age_ms`
         old), the tool's `x-mcp-header` annotations and how the upstream runs it as its own task. From what the
         kind already knows; the caller's shared session is used (once) only for what it does not. When the
@@ -87,7 +88,7 @@ class ToolFactsReader:
                     support = await session.task_support(tool)
         return ToolFacts(initialize_result, headers, support)
 
-    async def _own_tool_facts(self, principal: str | None, tool: str) -> ToolFacts:
+    async def _own_tool_facts(self, principal: Identity | None, tool: str) -> ToolFacts:
         """`tool_facts` when the upstream requires credentials: the caller's own InitializeResult and tool catalog
         (a server may show each caller other tools, with other annotations), read through its shared session and
         kept while that session is."""

@@ -36,11 +36,12 @@ from contextlib import asynccontextmanager
 import structlog
 
 from proxy.errors import ProxyError, UpstreamLimitError
+from proxy.principals import Identity, principal_key
 from proxy.upstream.events import UpstreamNotification
 from proxy.upstream.facts import ToolFactsReader
 from proxy.upstream.lending import Sink
 from proxy.upstream.question_owners import QuestionOwners
-from proxy.upstream.session import Session, SessionKind, principal_key
+from proxy.upstream.session import Session, SessionKind
 from proxy.wire.jsonrpc import JSON
 
 log = structlog.get_logger(__name__)
@@ -75,7 +76,7 @@ class SessionPool:
 
     # --- handing sessions out ----------------------------------------------------------------------------
 
-    def session(self, principal: str | None) -> Session:
+    def session(self, principal: Identity | None) -> Session:
         """The principal's shared session (created on first use, not bounded by `max_open`). Prefer `use()`,
         which waits for room and keeps it from being evicted while in use."""
         key = principal_key(principal)
@@ -87,7 +88,7 @@ class SessionPool:
         return session
 
     @asynccontextmanager
-    async def use(self, principal: str | None) -> AsyncIterator[Session]:
+    async def use(self, principal: Identity | None) -> AsyncIterator[Session]:
         key = principal_key(principal)
         deadline = asyncio.get_running_loop().time() + self.limits.wait_seconds
         while key not in self._shared and not self._has_room():
@@ -102,7 +103,7 @@ class SessionPool:
     @asynccontextmanager
     async def lease(
         self,
-        principal: str | None,
+        principal: Identity | None,
         sink: Sink,
         *,
         asks: bool = True,
@@ -134,7 +135,7 @@ class SessionPool:
             yield session
 
     @asynccontextmanager
-    async def adopt(self, principal: str | None, session_id: str | None, sink: Sink) -> AsyncIterator[Session]:
+    async def adopt(self, principal: Identity | None, session_id: str | None, sink: Sink) -> AsyncIterator[Session]:
         """A lease on the upstream session `session_id`, which an earlier proxy process initialized and left
         behind with a task the upstream still runs: taken over without `initialize`, its GET stream opened again.
         None (a stateless upstream, where any session serves): an ordinary lease."""
@@ -173,7 +174,7 @@ class SessionPool:
         its use ends it is let go without ending that work (no DELETE)."""
         session.lending.keep()
 
-    async def _lendable(self, principal: str | None, key: str) -> Session:
+    async def _lendable(self, principal: Identity | None, key: str) -> Session:
         """A spare session of the principal, else a new one (waiting for room when the kind is bounded)."""
         deadline = asyncio.get_running_loop().time() + self.limits.wait_seconds
         while True:
@@ -196,7 +197,7 @@ class SessionPool:
         self.kind.spawn(self._warm_up(shared), "upstream-session-warm-up")
         self._keep_one_warm(None, principal_key(None))
 
-    def _keep_one_warm(self, principal: str | None, key: str) -> None:
+    def _keep_one_warm(self, principal: Identity | None, key: str) -> None:
         """Where sessions are costly to start (stdio processes), a principal that borrows one gets a spare
         started in the background, so its next call that can ask does not wait for a start; only when there is
         room for it and for the one place left to shared sessions."""
@@ -234,7 +235,7 @@ class SessionPool:
 
         return to_shared
 
-    def _make(self, principal: str | None) -> Session:
+    def _make(self, principal: Identity | None) -> Session:
         session = self.kind.new(principal)
         self._open.add(session)
         return session
@@ -372,7 +373,7 @@ class SessionPool:
 
     # --- what the pool holds --------------------------------------------------------------------------------
 
-    def spare_sessions(self, principal: str | None) -> list[Session]:
+    def spare_sessions(self, principal: Identity | None) -> list[Session]:
         """The principal's idle sessions waiting to be leased again, most recently returned last."""
         return list(self._spare.get(principal_key(principal), ()))
 

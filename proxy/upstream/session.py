@@ -6,14 +6,14 @@ An upstream session is the proxy's own legacy client connection to the server: a
 only the `Session` protocol below, and the requests it opens as `RequestStream`s. A `SessionKind` makes the
 sessions of one kind and says how the pool must bound them (`PoolLimits`); which server legacy clients get is
 chosen above this package (`legacy/serving.py`). `request`, `read_tools`, `read_param_headers` and
-`read_task_support` are what both kinds do alike on top of their own `call()`. Imports the event types, the
-shared state, the lending, the auth decision and the wire; no aiohttp, no session kind, not the pool.
+`read_task_support` are what both kinds do alike on top of their own `call()`. Imports the caller's identity,
+the event types, the shared state, the lending, the auth decision and the wire; no aiohttp, no session kind,
+not the pool.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -21,6 +21,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Final, Protocol
 
 from proxy.errors import RequestId, UpstreamError
+from proxy.principals import Identity
 from proxy.upstream.auth import UpstreamAuth
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult
 from proxy.upstream.lending import Lending, Subscribers
@@ -42,13 +43,6 @@ CLIENT_INFO: Final[JSON] = {"name": "mcp-tasks-proxy", "version": PROXY_VERSION}
 MAX_TOOL_PAGES: Final = 100  # bounds the pagination of tools/list when reading x-mcp-header annotations
 
 
-def principal_key(principal: str | None) -> str:
-    """Sessions are keyed by a hash of the principal header so tokens are not kept as dict keys in clear."""
-    if not principal:
-        return ""
-    return hashlib.sha256(principal.encode()).hexdigest()
-
-
 class RequestStream(Protocol):
     """One request open on a session: what the upstream says about it, the final result or error last."""
 
@@ -67,7 +61,7 @@ class Session(Protocol):
     notification) goes to the call it is lent to (`lending.lend`, until `lending.take_back`), else is refused
     (questions); notifications also reach the listen streams (`subscribers`)."""
 
-    principal: str | None
+    principal: Identity | None
     session_id: str | None
     protocol_version: str
     initialize_result: JSON | None
@@ -146,7 +140,7 @@ class SessionKind(Protocol):
 
     def known_headers(self, tool: str) -> tuple[ParamHeader, ...] | None: ...
 
-    def new(self, principal: str | None) -> Session: ...
+    def new(self, principal: Identity | None) -> Session: ...
 
     async def probe(self, max_age_seconds: float, shared: Callable[[], AbstractAsyncContextManager[Session]]) -> None:
         """Readiness: raise UpstreamError saying what is wrong. `shared` lends the anonymous shared session,

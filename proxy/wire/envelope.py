@@ -13,7 +13,7 @@ import binascii
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import pydantic
 from mcp_types import (
@@ -31,6 +31,9 @@ from proxy.errors import (
     UnsupportedVersionError,
 )
 from proxy.wire.jsonrpc import JSON
+
+if TYPE_CHECKING:
+    from proxy.principals import Identity
 
 TASKS_EXTENSION: Final = "io.modelcontextprotocol/tasks"
 SUPPORTED_VERSIONS: Final[list[str]] = list(MODERN_PROTOCOL_VERSIONS)
@@ -330,10 +333,11 @@ def check_param_headers(headers: Mapping[str, str], arguments: Any, specs: tuple
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who sent a request, as far as the front needs to know: the principal header's value (it travels
-    upstream, selects the upstream session and owns tasks) and the HTTP headers (trace context, Mcp-Param-*)."""
+    """Who sent a request, as far as the front needs to know: its identity (the principal header's value travels
+    upstream and selects the upstream session; it, or a verified JWT's owner, owns tasks), None when anonymous,
+    and the HTTP headers (trace context, Mcp-Param-*)."""
 
-    principal: str | None = None
+    principal: Identity | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
 
 

@@ -108,7 +108,7 @@ class RecordWrites:
             inputs_issued=command.issued,
             # A re-run, and following an upstream task after a restart, present the principal again: it is kept
             # sealed with the deployment key until the task settles.
-            rerun_principal=self.context.principals.seal(call.principal)
+            rerun_principal=self.context.principals.seal(call.principal.credential)
             if call.principal and (policy.on_restart == "rerun" or command.upstream_task_id or command.job_id)
             else None,
             client_capabilities=call.state.capabilities,
@@ -181,7 +181,7 @@ class RecordWrites:
         queued_at_ms = now_ms if command.queued else None
         policy = call.state.decision.policy
         keep = command.queued or (policy is not None and policy.on_restart == "rerun")
-        sealed = self.context.principals.seal(call.principal) if keep and call.principal else None
+        sealed = self.context.principals.seal(call.principal.credential) if keep and call.principal else None
         written = await self._fenced(
             call,
             "task_queue_not_stored",

@@ -18,6 +18,7 @@ import aiohttp
 from proxy.config import HttpUpstreamConfig
 from proxy.errors import UpstreamAuthError, UpstreamError, UpstreamTimeoutError
 from proxy.observability import Metrics
+from proxy.principals import Identity
 from proxy.upstream.auth import AuthMode, UpstreamAuth
 from proxy.upstream.http.session import HttpSession
 from proxy.upstream.http.shared import HttpShared
@@ -45,7 +46,7 @@ class HttpKind(HttpShared):
         self.limits = PoolLimits(max_idle=config.max_sessions, share_quiet_calls=True)
         self._probe_lock = asyncio.Lock()
 
-    def new(self, principal: str | None) -> Session:
+    def new(self, principal: Identity | None) -> Session:
         return HttpSession(self, principal)
 
     async def _anonymous_initialize(self) -> None:

@@ -35,6 +35,7 @@ from proxy.errors import (
     UpstreamRefusedError,
     UpstreamSessionGoneError,
 )
+from proxy.principals import Identity
 from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
 from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, checked_headers, failure
 from proxy.upstream.http.get_stream import GetStream, SessionGone, StreamEvent
@@ -63,7 +64,7 @@ STANDALONE_REFUSED: Final = "cannot be relayed to 2026-07-28 clients: no call of
 class HttpSession:
     """One Streamable HTTP session of the upstream (see the module doc); a `Session`."""
 
-    def __init__(self, shared: HttpShared, principal: str | None) -> None:
+    def __init__(self, shared: HttpShared, principal: Identity | None) -> None:
         self.shared = shared
         self.principal = principal
         self.session_id: str | None = None
@@ -95,7 +96,7 @@ class HttpSession:
         if self._cookies is not None and (cookies := self._cookies.filter_cookies(self.shared.url)):
             headers["Cookie"] = "; ".join(f"{morsel.key}={morsel.coded_value}" for morsel in cookies.values())
         if self.principal:
-            headers[self.shared.principal_header] = self.principal
+            headers[self.shared.principal_header] = self.principal.credential
         headers.update(self.shared.config.headers)
         if initialized:
             headers["MCP-Protocol-Version"] = self.protocol_version

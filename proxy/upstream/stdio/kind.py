@@ -16,6 +16,7 @@ from contextlib import AbstractAsyncContextManager
 from proxy.config import StdioUpstreamConfig
 from proxy.errors import UpstreamTimeoutError
 from proxy.observability import Metrics
+from proxy.principals import Identity
 from proxy.upstream.session import PoolLimits, Session
 from proxy.upstream.stdio.session import StdioSession
 from proxy.upstream.stdio.shared import StdioShared
@@ -46,7 +47,7 @@ class StdioKind(StdioShared):
         )
         self._probe_lock = asyncio.Lock()
 
-    def new(self, principal: str | None) -> Session:
+    def new(self, principal: Identity | None) -> Session:
         return StdioSession(self, principal)
 
     async def probe(self, max_age_seconds: float, shared: Callable[[], AbstractAsyncContextManager[Session]]) -> None:

@@ -31,6 +31,7 @@ from mcp_types import jsonrpc as codes
 
 from proxy import tracing
 from proxy.errors import InvalidRequestError, RequestId, ResultTooLargeError, UpstreamError, UpstreamTimeoutError
+from proxy.principals import Identity
 from proxy.upstream.events import (
     UpstreamErrorResponse,
     UpstreamEvent,
@@ -126,7 +127,7 @@ class StdioRequestStream:
 class StdioSession:
     """One server process at a time (a fresh one after a crash), initialized by the proxy; a `Session`."""
 
-    def __init__(self, shared: StdioShared, principal: str | None) -> None:
+    def __init__(self, shared: StdioShared, principal: Identity | None) -> None:
         self.shared = shared
         self.principal = principal  # keys the pool only: a stdio server sees no HTTP headers
         self.session_id: str | None = None  # the running process's name
