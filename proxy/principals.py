@@ -17,7 +17,7 @@ import hashlib
 import hmac
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
@@ -37,7 +37,7 @@ class Identity:
     `owner` (the issuer and the claim), which owns tasks in the credential's stead: the caller's next token, of
     the same owner, reads the same tasks. An opaque token (or a JWT not verified) has no owner."""
 
-    credential: str
+    credential: str = field(repr=False)  # a secret: never in a repr, hence in no log line or traceback
     owner: str | None = None
 
     def __post_init__(self) -> None:

@@ -74,6 +74,8 @@ def test_an_identity_is_a_value_that_keeps_its_owner() -> None:
     assert identity_of(None) is None
     with pytest.raises(ValueError, match="anonymous"):
         Identity("")
+    assert "a.b.c" not in repr(verified)  # the credential is a secret: no repr (log line, traceback) shows it
+    assert "sub:alice" in repr(verified)
 
 
 def test_a_sealed_credential_opens_only_with_its_key() -> None:
