@@ -92,7 +92,6 @@ async def call_path() -> dict[str, CallPath]:
     """The two parts of one task-making call's path (`request`, `task`), measured as the module says."""
     from proxy.app import create_app
     from proxy.config_loader import load_config
-    from proxy.observability import configure_logging
 
     upstream = await start_upstream()
     try:
@@ -108,7 +107,6 @@ async def call_path() -> dict[str, CallPath]:
                     "tasks": {"tools": {"sleep": {"mode": "required"}}},
                 },
             )
-            configure_logging(config.logging)
             runner = web.AppRunner(create_app(config))
             await runner.setup()
             port = free_port()
@@ -143,6 +141,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--functions", action="store_true", help="name the functions run in each module")
     arguments = parser.parse_args()
+    from proxy.config import LoggingConfig
+    from proxy.observability import configure_logging
+
+    configure_logging(LoggingConfig(level="warning"))  # the process's logging: here, not in `call_path` (a test's)
     parts = asyncio.run(call_path())
     if arguments.json:
         print(json.dumps({name: part.as_json() for name, part in parts.items()}, indent=2))
