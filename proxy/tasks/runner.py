@@ -133,8 +133,7 @@ class TaskRunner:
         )
         self.timers = Timers(feed, self.background)
         self._feed = feed
-        self.admission: Admission | None = None  # made once a cap is in force (at start or by a reload)
-        self.held = held = HeldRequest(feed, self.background, pool, self.parking, lambda: self.admission)
+        self.held = held = HeldRequest(feed, self.background, pool, self.parking, self._caps, metrics)
         self.config_swapped()
         upstream_task = UpstreamTaskEffect(feed, self.background, pool, clock)
         self.jobs = jobs = JobEffect(feed, self.background, pool, clock, lambda: current().jobs)
@@ -216,15 +215,18 @@ class TaskRunner:
 
     def config_swapped(self) -> None:
         """At start and after a live reload (the services read the config in force through `current`; a call in
-        flight keeps the Decision and the timings it started with, its CallState): the upstream's cap and the
-        tools' caps. With none there is no queue and no per-call work; once one was in force, the queue stays (a
-        cap removed admits every queued call at once, and the calls keep being counted, so a cap set again
-        counts the ones running)."""
+        flight keeps the Decision and the timings it started with, its CallState): whether the upstream's cap
+        or a tool's cap is in force, for the held requests' admission queue (`HeldRequest.caps_swapped`)."""
         config = self.current()
-        if self.admission is not None:
-            self.admission.changed()
-        elif config.upstream.max_concurrent_calls or any(entry.max_concurrent for entry in config.tasks.tools.values()):
-            self.admission = Admission(self._caps, self._feed, self.metrics, self.background)
+        self.held.caps_swapped(
+            bool(config.upstream.max_concurrent_calls)
+            or any(entry.max_concurrent for entry in config.tasks.tools.values())
+        )
+
+    @property
+    def admission(self) -> Admission | None:
+        """The held requests' admission queue, once a cap was in force."""
+        return self.held.admission
 
     def _caps(self) -> Caps:
         config = self.current()

@@ -1,7 +1,8 @@
 """The held upstream request of a call (`StartCall`, `Answer`, `Refuse`, `CancelCall`): sent on a session
 leased for the call (of its own when its client could answer a question), its events fed to the call by the
 pump, its questions answered or refused, and `notifications/cancelled` when it is abandoned; with a cap, the
-request waits for its slot first (`admission.py`). Also counts the questions relayed and refused (their span
+request waits for its slot first in the admission queue this effect owns (`admission.py`, made once a cap is in
+force). Also counts the questions relayed and refused (their span
 events come from the executor's observer, `span_events.py`). Imports the pump, the slots (a parked call's
 session may be reclaimed), the admission queue, the upstream pool and event types; not the store.
 """
@@ -19,7 +20,7 @@ from proxy.observability import Metrics
 from proxy.tasks import inputs
 from proxy.tasks.commands import Answer, Asked, CancelCall, Command, Event, Refuse, StartCall, Timer, TimerFired
 from proxy.tasks.effects import pump
-from proxy.tasks.effects.admission import Admission
+from proxy.tasks.effects.admission import Admission, Caps
 from proxy.tasks.effects.slots import Parking
 from proxy.tasks.live_call import LiveCall
 from proxy.tasks.ports import Feed, Spawner
@@ -39,13 +40,25 @@ class HeldRequest:
         spawner: Spawner,
         pool: SessionPool,
         parking: Parking,
-        admission: Callable[[], Admission | None] = lambda: None,
+        caps: Callable[[], Caps] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.feed = feed
         self.spawner = spawner
         self.pool = pool
         self.parking = parking
-        self.admission = admission  # the queue of the caps in force (`upstream.max_concurrent_calls`); None: no cap
+        self.caps = caps  # the caps in force (`upstream.max_concurrent_calls`, the tools' `max_concurrent`)
+        self.metrics = metrics
+        self.admission: Admission | None = None  # the queue of those caps, once one is in force; None: no queue
+
+    def caps_swapped(self, any_cap: bool) -> None:
+        """At start and after a live reload: whether any cap is in force now. With none there is no queue and no
+        per-call work; once one was in force, the queue stays (a cap removed admits every queued call at once,
+        and the calls keep being counted, so a cap set again counts the ones running)."""
+        if self.admission is not None:
+            self.admission.changed()
+        elif any_cap and self.caps is not None:
+            self.admission = Admission(self.caps, self.feed, self.metrics, self.spawner)
 
     async def start(self, call: LiveCall, command: StartCall) -> None:
         """Send the upstream request and feed what comes back to the machine, until its final event (or until
@@ -57,7 +70,7 @@ class HeldRequest:
                 await pump.stream(self.feed, call, upstream, until=lambda: not call.state.running)
 
         session = self._session(call)
-        admission = self.admission()
+        admission = self.admission
         if admission is not None:  # the request waits for a slot (and holds it until it ends)
             session = admission.slot(call, session)
         running = pump.run(self.feed, call, session, send)
