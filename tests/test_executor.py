@@ -334,25 +334,34 @@ async def test_a_relay_to_a_broken_stream_tells_the_call_its_client_left() -> No
     await background.close(1)
 
 
+class HeldStream:
+    """A client's stream that holds each notification until `reading` is set: `steps` says when each write
+    began and ended (by the message's `n`), `written` what was written, in order."""
+
+    def __init__(self) -> None:
+        self.reading = asyncio.Event()
+        self.steps: list[str] = []
+        self.written: list[JSON] = []
+
+    async def notify(self, message: JSON, *, required: bool = False) -> None:
+        self.steps.append(f"begun {message.get('n')}")
+        await self.reading.wait()
+        self.steps.append(f"done {message.get('n')}")
+        self.written.append(message)
+
+    async def keepalive(self, *, open_stream: bool = False) -> None:
+        return None
+
+
 async def test_notifications_and_the_reply_leave_in_order_through_one_writer_that_never_holds_up_the_call() -> None:
     """A client that does not read yet: the relays and the reply return at once (nothing waits on the socket
     under the call's lock), and the reply reaches the waiting request only after both notifications were
     written, in the order given."""
-    written: list[JSON] = []
-    reading = asyncio.Event()
-
-    class Slow:
-        async def notify(self, message: JSON, *, required: bool = False) -> None:
-            await reading.wait()
-            written.append(message)
-
-        async def keepalive(self, *, open_stream: bool = False) -> None:
-            return None
-
+    stream = HeldStream()
     background = Background()
     client = ClientSide(lambda record: record, RecordingFeed(), background)
     call = make_call()
-    call.client.channel = Slow()
+    call.client.channel = stream
     call.client.reply = asyncio.get_running_loop().create_future()
     first, second = {"method": "notifications/progress", "n": 1}, {"method": "notifications/progress", "n": 2}
 
@@ -362,41 +371,30 @@ async def test_notifications_and_the_reply_leave_in_order_through_one_writer_tha
         await client.reply(call, Reply(ReplyTask()))
     await asyncio.sleep(0.05)
     assert not call.client.reply.done()
-    assert written == []
+    assert stream.written == []
 
-    reading.set()
+    stream.reading.set()
     assert await asyncio.wait_for(call.client.reply, 5) == ReplyTask()
-    assert written == [first, second]
+    assert stream.written == [first, second]
     await background.close(1)
 
 
 async def test_a_forwarded_retrys_notes_wait_behind_what_the_writer_still_writes() -> None:
     """A note from the replica that holds a forwarded MRTR retry's call goes out through the stand-in's one
     writer: queued at once behind a notification still being written, never written beside it."""
-    written: list[str] = []
-    reading = asyncio.Event()
-
-    class Slow:
-        async def notify(self, message: JSON, *, required: bool = False) -> None:
-            written.append(f"begun {message['n']}")
-            await reading.wait()
-            written.append(f"done {message['n']}")
-
-        async def keepalive(self, *, open_stream: bool = False) -> None:
-            return None
-
+    stream = HeldStream()
     background = Background()
     client = ClientSide(lambda record: record, RecordingFeed(), background)
     call = make_call()
-    call.client.channel = Slow()
+    call.client.channel = stream
     await client.relay(call, Relay({"method": "notifications/progress", "n": 1}))
-    await until(lambda: written == ["begun 1"], "the writer to begin the first notification")
+    await until(lambda: stream.steps == ["begun 1"], "the writer to begin the first notification")
     async with asyncio.timeout(1):  # queued, not written: the note does not wait for the client
         await client.note(call, {"method": "notifications/message", "n": 2})
-    assert written == ["begun 1"]
-    reading.set()
-    await until(lambda: len(written) == 4, "both notifications written")
-    assert written == ["begun 1", "done 1", "begun 2", "done 2"]
+    assert stream.steps == ["begun 1"]
+    stream.reading.set()
+    await until(lambda: len(stream.steps) == 4, "both notifications written")
+    assert stream.steps == ["begun 1", "done 1", "begun 2", "done 2"]
     call.client.channel = None
     await client.note(call, {"method": "notifications/message", "n": 3})  # the client gone: nothing is queued
     assert not call.client.outgoing
