@@ -40,7 +40,7 @@ class HeldRequest:
         spawner: Spawner,
         pool: SessionPool,
         parking: Parking,
-        caps: Callable[[], Caps] | None = None,
+        caps: Callable[[], Caps],
         metrics: Metrics | None = None,
     ) -> None:
         self.feed = feed
@@ -57,7 +57,7 @@ class HeldRequest:
         and the calls keep being counted, so a cap set again counts the ones running)."""
         if self.admission is not None:
             self.admission.changed()
-        elif any_cap and self.caps is not None:
+        elif any_cap:
             self.admission = Admission(self.caps, self.feed, self.metrics, self.spawner)
 
     async def start(self, call: LiveCall, command: StartCall) -> None:
