@@ -10,7 +10,7 @@ from typing import Final
 from aiohttp import web
 from yarl import URL
 
-from proxy.app_keys import LIVE
+from proxy.config import SecurityConfig
 from proxy.errors import BodyTimeoutError, ForbiddenError, InvalidRequestError, PayloadTooLargeError, ProxyError
 
 
@@ -83,11 +83,11 @@ def host_refusal(host: str | None) -> str:
     return f"Forbidden: Host header not allowed: {shown!r}{more}; add its name to security.allowed_hosts to serve it"
 
 
-def refusal(request: web.Request) -> ProxyError | None:
-    """Why the request is refused before it is read (a header that is not UTF-8, a Host or Origin not allowed)."""
+def refusal(request: web.Request, security: SecurityConfig) -> ProxyError | None:
+    """Why the request is refused before it is read (a header that is not UTF-8, a Host or Origin not allowed),
+    by the security section in force when it arrived."""
     if (name := not_utf8_header(request.headers)) is not None:
         return InvalidRequestError(f"Invalid Request: the value of the {name} header is not UTF-8")
-    security = request.app[LIVE].current.security
     host = request.headers.get("Host")
     if not host_allowed(host, security.allowed_hosts):
         return ForbiddenError(host_refusal(host))
@@ -97,10 +97,9 @@ def refusal(request: web.Request) -> ProxyError | None:
     return None
 
 
-async def read_body(request: web.Request) -> bytes:
+async def read_body(request: web.Request, security: SecurityConfig) -> bytes:
     """The whole body, within `security.body_read_timeout_seconds` (both eras: legacy bodies are read before they
     are relayed) and `security.max_body_bytes`."""
-    security = request.app[LIVE].current.security
     try:
         if request.content.is_eof():  # all of it came with the headers (most bodies): nothing to wait for
             return await request.read()

@@ -75,7 +75,7 @@ async def admission(request: web.Request, handler: Handler) -> web.StreamRespons
     """The admission rules (`admission.py`) before anything is read; the operators' endpoints are exempt."""
     if request.method == "GET" and request.path in OPS_PATHS:
         return await handler(request)
-    refused = refusal(request)
+    refused = refusal(request, request.app[LIVE].current.security)
     if refused is None:
         return await handler(request)
     if tracing.enabled():  # refused before anything was read: its SERVER span names the error
@@ -95,7 +95,7 @@ async def relay_unrouted(request: web.Request, handler: Handler) -> web.StreamRe
     arrived = time.time_ns() if tracing.enabled() else None
 
     async def to_origin(span: tracing.ServerSpan) -> web.StreamResponse:
-        body = await read_body(request) if request.body_exists else None
+        body = await read_body(request, request.app[LIVE].current.security) if request.body_exists else None
         response = await request.app[RELAY].relay(request, body)
         span.status(response.status)
         return response
@@ -125,7 +125,7 @@ async def _classify(request: web.Request) -> tuple[str, object, Serve]:
         request[ERA] = "legacy"
         return "legacy", None, _relayed(request, None)
     try:
-        body = await read_body(request)
+        body = await read_body(request, request.app[LIVE].current.security)
     except ProxyError as error:  # too large, or not in time: the era as the headers tell it
         return _era_of_headers(request), None, _raising(error)
     modern_header = is_modern(request.headers, None)

@@ -24,10 +24,10 @@ from proxy.errors import (
 from proxy.listen import ListenStreams
 from proxy.policy import decide, decide_job, policy_for
 from proxy.tasks import idempotency
+from proxy.tasks.live_call import UpstreamRequest
 from proxy.tasks.push import TaskWatchers
-from proxy.tasks.request import UpstreamRequest
 from proxy.tasks.runner import TaskRunner
-from proxy.tasks.waiting import WaitingRequests
+from proxy.tasks.starting import WaitingRequests
 from proxy.upstream.events import (
     UpstreamErrorResponse,
     UpstreamNotification,

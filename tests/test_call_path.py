@@ -1,6 +1,7 @@
 """The path of one `tools/call` that becomes a task (`benchmarks/path.py`), measured on the real proxy in front
 of the lean upstream: it runs through the call's machine, its executor and the store, and the composition
-root that wired them at start is not on it (services hold what they need, not closures back into the root)."""
+roots that wired them at start (the app's `lifecycle.py`, the tasks' `runner.py`) are not on it: services hold
+what they need (the config getter itself, the executor's forgetters), not closures back into a root."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ async def test_a_task_making_call_runs_through_the_machine_and_the_store_and_not
     assert "proxy.tasks.effects.records" in task.modules  # and the result committed after it
     assert "RecordWrites.settle" in task.modules["proxy.tasks.effects.records"]
     assert all(module.startswith("proxy.") for module in request.modules | task.modules)
-    assert "proxy.lifecycle" not in request.modules | task.modules
+    for root in ("proxy.lifecycle", "proxy.tasks.runner"):
+        assert root not in request.modules | task.modules, root
     assert request.steps
     assert task.steps

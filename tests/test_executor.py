@@ -32,6 +32,7 @@ from proxy.tasks.commands import (
     CommitRefused,
     Committed,
     CreateRecord,
+    Ended,
     Event,
     HoldSlot,
     Park,
@@ -58,7 +59,7 @@ from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.effects.slots import Parking, RunningSlots
 from proxy.tasks.effects.timers import Timers
 from proxy.tasks.executor import Executor, ReentryError
-from proxy.tasks.live_call import LiveCall, known, new_call, wall_clock_ms
+from proxy.tasks.live_call import CallTable, LiveCall, known, new_call, wall_clock_ms
 from proxy.tasks.operations import TaskOperations
 from proxy.tasks.recovery import Recovery
 from proxy.tasks.replica_inbox import ReplicaInbox
@@ -67,7 +68,6 @@ from proxy.tasks.runner import TaskRunner
 from proxy.tasks.starting import CallStarter
 from proxy.tasks.state import CallState
 from proxy.tasks.store import Fence, SqliteTaskStore
-from proxy.tasks.table import CallTable
 from proxy.upstream.events import UpstreamEvent, UpstreamResult
 from proxy.upstream.pool import SessionPool
 from proxy.wire.jsonrpc import JSON
@@ -149,11 +149,13 @@ class Parts:
             process_id="replica-1",
             durations=self.durations,
         )
-        self.slots = RunningSlots(lambda: max_running, lambda: per_caller)
+        settings = config(
+            tmp_path, tasks={"max_running": max_running}, limits={"max_running_per_principal": per_caller}
+        )
+        self.slots = RunningSlots(lambda: settings)
         self.link: ReplicaLink | None = None
         self.outbox = Outbox(8, None)
-        tasks = config(tmp_path).tasks
-        self.records = RecordWrites(self.context, lambda: tasks, self.slots, self.outbox, self.fence, self.reclaim)
+        self.records = RecordWrites(self.context, lambda: settings, self.slots, self.outbox, self.fence, self.reclaim)
 
     async def fence(self) -> Fence:
         return Fence("replica-1", 0) if self.link is None else await self.link.held_fence()
@@ -246,7 +248,7 @@ async def test_a_full_store_refuses_the_commit_and_forgets_the_task_id(store: Sq
 def parking(tmp_path: Path, max_parked: int, per_caller: int) -> Parking:
     settings = config(tmp_path, inputs={"max_parked": max_parked}, limits={"max_parked_per_principal": per_caller})
     signer = inputs.RequestStateSigner(inputs.load_secret(None))
-    return Parking(lambda: settings.inputs, lambda: settings.limits, signer, wall_clock_ms, "replica-1")
+    return Parking(lambda: settings, signer, wall_clock_ms, "replica-1")
 
 
 async def test_a_parked_call_gets_a_request_state_that_takes_it_back_exactly_once(tmp_path: Path) -> None:
@@ -459,10 +461,10 @@ async def test_a_replica_ignores_its_own_settlement_on_the_feed_but_not_another_
     feed = parts.feed
     signer = inputs.RequestStateSigner(inputs.load_secret(None))
     limits = config(tmp_path)
-    parked = Parking(lambda: limits.inputs, lambda: limits.limits, signer, wall_clock_ms, "replica-1")
+    parked = Parking(lambda: limits, signer, wall_clock_ms, "replica-1")
     parts.link = link = ReplicaLink(store, "replica-1", 30)
     notes = ClientSide(lambda record: record, feed, parts.context.spawner).note
-    starter = CallStarter(parts.context, lambda: limits.tasks, lambda: limits.inputs, parked, link, notes)
+    starter = CallStarter(parts.context, lambda: limits, parked, link, notes)
     recovery = Recovery(parts.context, link, parts.records, starter.state, dict, lambda: False)
     await link.start(ReplicaInbox(parts.context, parked, parts.records, link, recovery, starter))
     own, elsewhere = make_call(), make_call()
@@ -600,7 +602,7 @@ async def test_an_effect_that_feeds_its_own_call_raises_instead_of_waiting_for_i
     """The call's lock is held while its commands are carried out: an effect feeding that same call (by
     `dispatch` or `submit`) is refused at once; another call is fed as usual, and so is the same call after."""
     background = Background()
-    executor = Executor(background, lambda call: None)
+    executor = Executor(background)
     own, other = make_call(SYNC_CALL), make_call(SYNC_CALL)
     seen: list[str] = []
 
@@ -626,10 +628,36 @@ async def test_an_effect_that_feeds_its_own_call_raises_instead_of_waiting_for_i
     await background.close(1)
 
 
+async def test_a_finished_call_is_dropped_by_every_owner_that_registered_once_in_order() -> None:
+    """`when_finished`: each owner that keeps something of a call (timers, slots, parking, the table) drops it
+    when the machine says the call is finished, in the order they registered, and not before."""
+    background = Background()
+    executor = Executor(background)
+    dropped: list[tuple[str, LiveCall]] = []
+
+    def dropping(owner: str) -> Callable[[LiveCall], None]:
+        return lambda call: dropped.append((owner, call))
+
+    for owner in ("timers", "slots", "parking", "table"):
+        executor.when_finished(dropping(owner))
+
+    async def nothing(call: LiveCall, command: Command, /) -> None:
+        return None
+
+    for kind in get_args(Command):
+        executor.register(kind, nothing)
+    call = make_call(SYNC_CALL)
+    await executor.dispatch(call, Start())
+    assert dropped == []  # running: kept
+    await executor.dispatch(call, Ended(UpstreamResult({"content": []})))
+    assert dropped == [("timers", call), ("slots", call), ("parking", call), ("table", call)]
+    await background.close(1)
+
+
 def test_an_effect_is_registered_once_and_only_for_the_command_type_it_takes() -> None:
     """`register` ties an effect to the command type it takes: one taking `StartCall` cannot be registered for
     `Reply` (the mismatch is a type error, and the lines below carry mypy's refusal, silenced)."""
-    executor = Executor(Background(), lambda call: None)
+    executor = Executor(Background())
 
     async def start(call: LiveCall, command: StartCall, /) -> None:
         pass
@@ -654,14 +682,14 @@ def test_the_services_compare_and_hash_by_identity_and_take_no_unknown_attribute
     """The services are dataclasses of what they are built with, yet two built alike are two services (each
     its own key in a set or a dict), and an attribute they do not declare cannot be set on them by mistake."""
 
-    def one() -> int:
-        return 1
+    def settings() -> Config:
+        return proxy_config("http://127.0.0.1:9/mcp", Path("."))
 
-    first, second = RunningSlots(one, one), RunningSlots(one, one)
+    first, second = RunningSlots(settings), RunningSlots(settings)
     assert first != second
     assert len({first, second}) == 2
     with pytest.raises(AttributeError):
-        first.max_runing = one  # type: ignore[attr-defined]
+        first.confg = settings  # type: ignore[attr-defined]
     for service in (RunningSlots, Parking, CallStarter, TaskOperations, Recovery, ReplicaInbox, JobEffect):
         assert service.__eq__ is object.__eq__, service
         assert service.__hash__ is object.__hash__, service

@@ -17,8 +17,8 @@ import pytest
 
 from proxy.app_keys import CONFIG, FRONT, STORE
 from proxy.policy import decide
-from proxy.tasks import waiting as waiting_module
-from proxy.tasks.request import UpstreamRequest
+from proxy.tasks import starting as starting_module
+from proxy.tasks.live_call import UpstreamRequest
 from proxy.tasks.store import SqliteTaskStore
 from proxy.wire.envelope import Caller, validate_modern
 from tests.support.clients import ClientFactory, Tasks, post_and_leave, upstream_calls_open
@@ -101,7 +101,7 @@ async def test_required_tool_with_undeclared_wait_answers_synchronously(tasks_cl
 async def test_wait_holds_the_response_with_keepalive_comments(
     tasks_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(waiting_module, "KEEPALIVE_SECONDS", 0.2)
+    monkeypatch.setattr(starting_module, "KEEPALIVE_SECONDS", 0.2)
     client = await tasks_client(tasks={**policies(counted={"mode": "required"}), "undeclared_required": "wait"})
     response = await client.client.post(
         "/mcp",
@@ -139,7 +139,7 @@ async def test_keepalive_comments_and_progress_share_the_stream_event_by_event(
 ) -> None:
     """A poll-to-sync call that reports progress, with keep-alive comments due far more often than progress:
     the body is whole events and whole comments, never one inside the other, and the answer is last."""
-    monkeypatch.setattr(waiting_module, "KEEPALIVE_SECONDS", 0.01)
+    monkeypatch.setattr(starting_module, "KEEPALIVE_SECONDS", 0.01)
     client = await tasks_client(tasks={**policies(sleep={"mode": "required"}), "undeclared_required": "wait"})
     response = await client.client.post(
         "/mcp",
@@ -182,7 +182,7 @@ async def test_a_keepalive_never_lands_inside_an_event_written_in_pieces(
 ) -> None:
     """Keep-alive comments go through the call's one writer, after the event being written, not into it; every
     notification is written before the answer comes back."""
-    monkeypatch.setattr(waiting_module, "KEEPALIVE_SECONDS", 0.005)
+    monkeypatch.setattr(starting_module, "KEEPALIVE_SECONDS", 0.005)
     client = await tasks_client(tasks={**policies(sleep={"mode": "required"}), "undeclared_required": "wait"})
     app = client.client.app
     params = {

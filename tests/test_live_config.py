@@ -30,6 +30,7 @@ from proxy.live_config import (
     changed_fields,
     is_fixed,
 )
+from proxy.policy import SYNC_CALL
 from proxy.tasks.effects.admission import Admission
 from tests.support.processes import Upstream
 
@@ -130,11 +131,12 @@ async def test_a_reload_reaches_every_part_that_decides_new_calls(tmp_path: Path
         )
         assert live.reload("test") == APPLIED
         runner, front = app[RUNNER], app[FRONT]
-        assert runner.starter.config().tools["sleep"].mode == "required"
+        for part in (runner.starter, runner.slots, runner.parking, runner.jobs):
+            assert part.config() is live.current, f"{type(part).__name__} reads a config other than the one in force"
+        assert runner.starter.config().tasks.tools["sleep"].mode == "required"
         assert runner.records.config.max_running == 7
-        assert (runner.slots.max_running(), runner.slots.per_caller()) == (7, 5)
-        assert (runner.parking.config().max_parked, runner.parking.limits().max_parked_per_principal) == (9, 4)
-        assert runner.starter.inputs_config().gather_ms == 123
+        state = runner.starter.state(SYNC_CALL, {}, None, None)
+        assert state.gather_ms == 123
         assert front.config.tasks.tools["sleep"].mode == "required"
         assert front.listens.limits.max_listen_streams == 3
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from proxy.observability import Metrics
 from proxy.principals import Principals
 from proxy.tasks.durations import Durations
+from proxy.tasks.live_call import CallTable
 from proxy.tasks.ports import Feed, Spawner
 from proxy.tasks.store import TaskStore
-from proxy.tasks.table import CallTable
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

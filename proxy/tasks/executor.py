@@ -30,12 +30,10 @@ class ReentryError(RuntimeError):
 
 
 class Executor:
-    def __init__(
-        self, spawner: Spawner, on_finished: Callable[[LiveCall], None], observers: Sequence[Observer] = ()
-    ) -> None:
+    def __init__(self, spawner: Spawner, observers: Sequence[Observer] = ()) -> None:
         self.spawner = spawner
-        self.on_finished = on_finished
         self.observers = tuple(observers)
+        self._forgetters: list[Callable[[LiveCall], None]] = []  # each owner's drop of a finished call
         self.effects: dict[type, Effect[Any]] = {}  # filled only by `register`, which keeps it typed
         self._holders: dict[LiveCall, asyncio.Task[Any] | None] = {}  # the task inside each call's lock
 
@@ -44,6 +42,11 @@ class Executor:
         if kind in self.effects:
             raise ValueError(f"an effect is already registered for {kind.__name__}")
         self.effects[kind] = effect
+
+    def when_finished(self, forget: Callable[[LiveCall], None]) -> None:
+        """`forget` drops what its owner keeps of a call once the machine says the call is finished (run in the
+        order registered, inside the call's lock)."""
+        self._forgetters.append(forget)
 
     def _refuse_reentry(self, call: LiveCall) -> None:
         if call in self._holders and self._holders[call] is asyncio.current_task():
@@ -65,7 +68,8 @@ class Executor:
                         if follow_up is not None:
                             pending.append(follow_up)
                 if machine.finished(call.state):
-                    self.on_finished(call)
+                    for forget in self._forgetters:
+                        forget(call)
             finally:
                 del self._holders[call]
 

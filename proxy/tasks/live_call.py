@@ -1,8 +1,10 @@
-"""One live call: the machine's state beside what carrying out its commands needs, split by who owns it (the
-client side: the waiting reply and stream; the upstream side: session, request stream, pump; the record side:
-the record as committed and the lease it is written under), and `new_call`, the one way to build one. Asyncio
-objects live here, never in the machine's state. Imports the state, the command vocabulary, the store's fence
-and the upstream kinds protocol; nothing that does I/O.
+"""One live call: the upstream request it was made from (`UpstreamRequest`), the machine's state beside what
+carrying out its commands needs, split by who owns it (the client side: the waiting reply and stream; the
+upstream side: session, request stream, pump; the record side: the record as committed and the lease it is
+written under), `new_call`, the one way to build one, and the table of the calls in flight (`CallTable`).
+Asyncio objects live here, never in the machine's state. Imports the state, the command vocabulary, the input
+rules (the request's digest), the wire's translation, the store's fence and the upstream kinds protocol;
+nothing that does I/O.
 """
 
 from __future__ import annotations
@@ -18,14 +20,45 @@ from functools import cached_property
 from typing import Final
 
 from proxy.principals import Identity
+from proxy.tasks import inputs
 from proxy.tasks.commands import ReplyKind, Timer
 from proxy.tasks.replicas import Ask
 from proxy.tasks.state import CallState
 from proxy.tasks.store import Fence
 from proxy.upstream.session import RequestStream, Session
-from proxy.wire.envelope import Channel
+from proxy.wire import translate
+from proxy.wire.envelope import Caller, Channel, ModernRequest
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord
+
+
+@dataclass(frozen=True)
+class UpstreamRequest:
+    """The upstream request one client request becomes, built once by the front for both of its paths (the
+    synchronous `forward` and a call of the runner): the method, the tool or prompt name (the URI for
+    `resources/read`), the legacy params, the trace headers, and the digest an MRTR retry must match. Pure."""
+
+    request: ModernRequest = field(repr=False)
+    method: str
+    name: str
+    params: JSON
+    headers: dict[str, str]
+
+    @classmethod
+    def of(cls, request: ModernRequest, caller: Caller) -> UpstreamRequest:
+        name = request.params.get("uri") if request.method == "resources/read" else request.params.get("name")
+        return cls(
+            request,
+            request.method,
+            str(name),
+            translate.upstream_params(request.params),
+            translate.trace_headers(request.meta, caller.headers),
+        )
+
+    @cached_property
+    def digest(self) -> str:
+        """Of the client's params: a requestState is bound to the request it was issued for."""
+        return inputs.params_digest(self.request.params)
 
 
 def known(digest: str) -> Callable[[], str]:
@@ -157,3 +190,40 @@ def new_call(
         client=ClientEnd(channel=channel),
         stored=StoredEnd(record, fence),
     )
+
+
+class CallTable:
+    """Every call not finished yet, and the calls of tasks whose upstream call runs in this process, by task
+    id. Plain data."""
+
+    def __init__(self) -> None:
+        self._calls: set[LiveCall] = set()
+        self._by_task: dict[str, LiveCall] = {}
+
+    def add(self, call: LiveCall) -> None:
+        self._calls.add(call)
+
+    def add_task(self, task_id: str, call: LiveCall) -> None:
+        self._by_task[task_id] = call
+
+    def drop_task(self, task_id: str) -> None:
+        self._by_task.pop(task_id, None)
+
+    def task(self, task_id: str) -> LiveCall | None:
+        return self._by_task.get(task_id)
+
+    def forget(self, call: LiveCall) -> None:
+        self._calls.discard(call)
+        task_id = call.state.task_id
+        if task_id is not None and self._by_task.get(task_id) is call:
+            del self._by_task[task_id]
+
+    def calls(self) -> list[LiveCall]:
+        return list(self._calls)
+
+    def tasks(self) -> dict[str, LiveCall]:
+        return dict(self._by_task)
+
+    @property
+    def count(self) -> int:
+        return len(self._calls)

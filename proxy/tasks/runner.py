@@ -38,7 +38,7 @@ from proxy.tasks.effects.slots import Parking, RunningSlots
 from proxy.tasks.effects.timers import Timers
 from proxy.tasks.effects.upstream_task import UpstreamTaskEffect
 from proxy.tasks.executor import Executor, Observer
-from proxy.tasks.live_call import LiveCall, wall_clock_ms
+from proxy.tasks.live_call import CallTable, LiveCall, wall_clock_ms
 from proxy.tasks.operations import TaskOperations
 from proxy.tasks.ports import Effect
 from proxy.tasks.quotas import Quotas
@@ -48,7 +48,6 @@ from proxy.tasks.replicas import ReplicaLink
 from proxy.tasks.span_events import SpanEvents
 from proxy.tasks.starting import CallStarter
 from proxy.tasks.store import TaskStore
-from proxy.tasks.table import CallTable
 from proxy.tasks.tool_names import check_named_tools
 from proxy.upstream.pool import SessionPool
 
@@ -99,15 +98,13 @@ class TaskRunner:
         self.durations = Durations(store, clock, self.background)
         self.quotas = Quotas(store, clock)
         signer = inputs.RequestStateSigner(inputs.load_secret(config.inputs.secret_file))
-        self.slots = RunningSlots(
-            lambda: current().tasks.max_running, lambda: current().limits.max_running_per_principal
-        )
-        self.parking = Parking(lambda: current().inputs, lambda: current().limits, signer, clock, self.process_id)
+        self.slots = RunningSlots(current)
+        self.parking = Parking(current, signer, clock, self.process_id)
         observers: list[Observer] = [QuestionCounter(metrics), SpanEvents()]  # counted when metrics are on; traced
         self.audit = None if config.audit.path is None else AuditLog(config.audit.path, self.process_id)
         if self.audit is not None:
             observers.append(AuditTrail(self.audit))
-        self.executor = feed = Executor(self.background, self._forget, observers)
+        self.executor = feed = Executor(self.background, observers)
         # Built in dependency order: each service gets what it needs, built before it, at construction.
         self.replicas = ReplicaLink(store, self.process_id, config.store.lease_seconds)
         context = TasksContext(
@@ -124,19 +121,16 @@ class TaskRunner:
         self.outbox = Outbox(config.store.max_pending_settlements, metrics, self.replicas.reclaim)
         self._outbox_worker: asyncio.Task[None] | None = None
         self.records = RecordWrites(
-            context,
-            lambda: current().tasks,
-            self.slots,
-            self.outbox,
-            self.replicas.held_fence,
-            self.replicas.reclaim,
+            context, current, self.slots, self.outbox, self.replicas.held_fence, self.replicas.reclaim
         )
         self.timers = Timers(feed, self.background)
+        for forget in (self.timers.forget, self.slots.forget, self.parking.forget, self.table.forget):
+            feed.when_finished(forget)  # a finished call: nothing of it is kept
         self._feed = feed
         self.held = held = HeldRequest(feed, self.background, pool, self.parking, self._caps, metrics)
         self.config_swapped()
         upstream_task = UpstreamTaskEffect(feed, self.background, pool, clock)
-        self.jobs = jobs = JobEffect(feed, self.background, pool, clock, lambda: current().jobs)
+        self.jobs = jobs = JobEffect(feed, self.background, pool, clock, current)
         self.client = client = ClientSide(self.durations.paced, feed, self.background)  # also: keep-alive comments
         register = self.executor.register
         register(c.StartCall, held.start)
@@ -160,19 +154,10 @@ class TaskRunner:
         register(c.Unpark, self.parking.unpark)
         register(c.HoldSlot, self.slots.hold)
         register(c.WriteQueue, self.records.write_queue)
-        self.starter = CallStarter(
-            context, lambda: current().tasks, lambda: current().inputs, self.parking, self.replicas, client.note
-        )
+        self.starter = CallStarter(context, current, self.parking, self.replicas, client.note)
         self.operations = TaskOperations(context, self.records, self.replicas)
         self.recovery = Recovery(context, self.replicas, self.records, self.starter.state, lambda: jobs.specs, draining)
         self.inbox = ReplicaInbox(context, self.parking, self.records, self.replicas, self.recovery, self.starter)
-
-    def _forget(self, call: LiveCall) -> None:
-        """A finished call: nothing of it is kept."""
-        self.timers.forget(call)
-        self.slots.forget(call)
-        self.parking.forget(call)
-        self.table.forget(call)
 
     # --- lifecycle -----------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from proxy.config import JobConfig, JobToolConfig
+from proxy.config import Config, JobConfig, JobToolConfig
 from proxy.errors import ResultTooLargeError, UpstreamError
 from proxy.tasks import commands as c
 from proxy.tasks.effects import pump
@@ -47,13 +47,13 @@ class JobEffect:
     spawner: Spawner
     pool: SessionPool
     clock_ms: pump.Clock
-    jobs: Callable[[], Mapping[str, JobConfig]]  # the config's jobs in force: a live reload swaps what it returns
+    config: Callable[[], Config]  # the config in force (its jobs): a live reload swaps what it returns
 
     @property
     def specs(self) -> dict[str, JobSpec]:
         """The jobs in force (a job running keeps polling by the entry in force after a live reload); their
         expressions come compiled from jmespath's own cache."""
-        return specs_of(self.jobs())
+        return specs_of(self.config().jobs)
 
     # --- the commands ------------------------------------------------------------------------------------
 

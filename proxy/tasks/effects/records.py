@@ -17,7 +17,7 @@ from typing import Any, Final
 import structlog
 
 from proxy import tracing
-from proxy.config import TasksConfig
+from proxy.config import Config, TasksConfig
 from proxy.errors import ProxyError, TaskLimitError, TaskStoreUnavailableError
 from proxy.tasks.commands import (
     CommitRefused,
@@ -55,14 +55,14 @@ class RecordWrites:
     def __init__(
         self,
         context: TasksContext,
-        config: Callable[[], TasksConfig],
+        config: Callable[[], Config],
         slots: RunningSlots,
         outbox: Outbox,
         fence: Callable[[], Awaitable[Fence]],
         reclaim: Callable[[str], Awaitable[Fence | None]],
     ) -> None:
         self.context = context
-        self._config = config  # read at each write: a live reload swaps what it returns
+        self._config = config  # the config in force, read at each write: a live reload swaps what it returns
         self.outbox = outbox
         self.slots = slots
         self.fence = fence  # the lease's fence for a new task, renewed first when it may have lapsed
@@ -71,7 +71,7 @@ class RecordWrites:
 
     @property
     def config(self) -> TasksConfig:
-        return self._config()
+        return self._config().tasks
 
     # --- the commands ------------------------------------------------------------------------------------
 

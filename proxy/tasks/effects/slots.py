@@ -14,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from proxy.config import InputsConfig, LimitsConfig
+from proxy.config import Config
 from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskLimitError
 from proxy.tasks import inputs, machine
 from proxy.tasks.commands import HoldSlot, Park, Parked, ParkRefused, Unpark
@@ -30,17 +30,17 @@ ALREADY_USED = "Invalid params: requestState was already used or its call has en
 class RunningSlots:
     """`tasks.max_running` and `limits.max_running_per_principal`."""
 
-    max_running: Callable[[], int]  # read at each call: a live reload swaps what these return
-    per_caller: Callable[[], int]
+    config: Callable[[], Config]  # the config in force, read at each call: a live reload swaps what it returns
     _holders: set[LiveCall] = field(default_factory=set, init=False)
     _by_caller: Counter[str] = field(default_factory=Counter, init=False)
 
     def refusal(self, call: LiveCall) -> ProxyError | None:
         """Why a new working task of this call may not start now, or None."""
-        max_running = self.max_running()
+        config = self.config()
+        max_running = config.tasks.max_running
         if len(self._holders) >= max_running:
             return TaskLimitError("max_running", max_running)
-        per_caller = self.per_caller()
+        per_caller = config.limits.max_running_per_principal
         if self._by_caller[call.caller] >= per_caller:
             return CallerLimitError("max_running_per_principal", per_caller)
         return None
@@ -70,8 +70,7 @@ class RunningSlots:
 class Parking:
     """Calls parked between MRTR rounds, by call id; `inputs.max_parked` and the caller's share."""
 
-    config: Callable[[], InputsConfig]  # read at each park: a live reload swaps what these return
-    limits: Callable[[], LimitsConfig]
+    config: Callable[[], Config]  # the config in force, read at each park: a live reload swaps what it returns
     signer: inputs.RequestStateSigner
     clock: Callable[[], int]
     process_id: str
@@ -80,9 +79,9 @@ class Parking:
 
     async def park(self, call: LiveCall, command: Park) -> Parked | ParkRefused:
         config = self.config()
-        if len(self._parked) >= config.max_parked:
-            return ParkRefused(TaskLimitError("max_parked", config.max_parked))
-        per_caller = self.limits().max_parked_per_principal
+        if len(self._parked) >= config.inputs.max_parked:
+            return ParkRefused(TaskLimitError("max_parked", config.inputs.max_parked))
+        per_caller = config.limits.max_parked_per_principal
         if self._by_caller[call.caller] >= per_caller:
             return ParkRefused(CallerLimitError("max_parked_per_principal", per_caller))
         claims = inputs.StateClaims(
@@ -91,7 +90,7 @@ class Parking:
             principal=call.caller,
             method=call.method,
             digest=call.digest,
-            expires_at_ms=self.clock() + config.request_state_ttl_ms,
+            expires_at_ms=self.clock() + config.inputs.request_state_ttl_ms,
             owner=self.process_id,
         )
         call.request_state = self.signer.sign(claims)
