@@ -47,7 +47,7 @@ class Drain:
         self.live = live
         self.mcp_path = mcp_path
         self.draining = False
-        self.open_calls: Callable[[], int] = lambda: 0  # set by the app once the runner exists
+        self._counts: list[Callable[[], int]] = []  # what else a drain waits for (`wait_for`)
         self.requests: dict[int, web.Request] = {}  # by id(): a request is not hashable
         self._began = 0.0
         self._background = Background("drain_watch_failed")  # the drain's watch, cancelled by `close`
@@ -69,11 +69,16 @@ class Drain:
     def is_draining(self) -> bool:
         return self.draining
 
+    def wait_for(self, count: Callable[[], int]) -> None:
+        """A drain also waits until `count()` is 0 (the runner's open calls, once the runner exists: a SIGTERM
+        during start-up, while the store opens and recovery runs, has nothing of it to wait for)."""
+        self._counts.append(count)
+
     def left(self) -> int:
         streams = sum(
             1 for request in self.requests.values() if request.method == "GET" or request.get(MCP_METHOD) in STREAMS
         )
-        return self.open_calls() + len(self.requests) - streams
+        return sum(count() for count in self._counts) + len(self.requests) - streams
 
     # --- the drain itself -------------------------------------------------------------------------------
 

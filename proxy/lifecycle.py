@@ -62,13 +62,13 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics.upstream_calls_in_flight.set_function(lambda: pool.calls_in_flight)
         metrics.lease_held.set_function(lambda: runner.lease_problem() is None)
         metrics.store_available.set_function(lambda: store.health.available)
-        store.health.listener = metrics.store_operation_failed
+        store.health.on_failure(metrics.store_operation_failed)
     watchers = TaskWatchers(store)
     runner.spawn(watchers.run(), "task-feed")
     front = app[FRONT] = Front(live.config, pool, runner, watchers)
     if metrics is not None:
         metrics.listen_streams.set_function(lambda: front.listens.open_streams)
-    drain.open_calls = lambda: runner.open_calls  # the drain is the app's, built before the runner
+    drain.wait_for(lambda: runner.open_calls)  # the drain is the app's, built before the runner
     live.subscribe(lambda new: runner.config_swapped())  # the queue admits by the caps now in force
     legacy = app[PASSTHROUGH] = legacy_front(pool)  # relayed, or served by the proxy (the kind decides)
     app[RELAY] = OriginRelay.of(config.relay, legacy)  # other paths: to the upstream's origin, when it has one

@@ -56,7 +56,7 @@ async def test_a_stopped_database_is_answered_unavailable_within_the_deadline_an
     server: pg.PgServer, store: PostgresTaskStore
 ) -> None:
     failures: list[tuple[str, str]] = []
-    store.health.listener = lambda operation, reason: failures.append((operation, reason))
+    store.health.on_failure(lambda operation, reason: failures.append((operation, reason)))
     await store.create(make_record("before"))
     for index in range(3):  # several pooled connections in use before the outage: each of them dies in it
         await asyncio.gather(*(store.get("before") for _ in range(4)))

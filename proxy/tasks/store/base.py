@@ -48,18 +48,23 @@ FailureListener = Callable[[str, str], None]  # (operation, reason label) of eac
 class StoreHealth:
     """What a store knows of its own availability, for readiness and metrics. `available` turns False at the
     first operation that met `StoreUnavailableError` and True again at the next one that succeeded; each failure
-    is reported to `listener` as (operation, reason label: `timeout`, `connection`, `read_only`, ...)."""
+    is reported to the listeners registered with `on_failure` as (operation, reason label: `timeout`,
+    `connection`, `read_only`, ...)."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self.available = True
-        self.listener: FailureListener | None = None
+        self._listeners: list[FailureListener] = []
+
+    def on_failure(self, listener: FailureListener) -> None:
+        """`listener(operation, reason)` runs at each failure from now on (the metrics, once they exist)."""
+        self._listeners.append(listener)
 
     def failed(self, operation: str, reason: str, detail: str) -> StoreUnavailableError:
         """Note a failure; the error to raise for it."""
         self.available = False
-        if self.listener is not None:
-            self.listener(operation, reason)
+        for listener in self._listeners:
+            listener(operation, reason)
         return StoreUnavailableError(self.kind, reason, detail=f"{operation}: {detail}")
 
 
