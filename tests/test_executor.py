@@ -237,7 +237,7 @@ async def test_a_full_store_refuses_the_commit_and_forgets_the_task_id(store: Sq
     refused = await parts.records.create(third, CreateRecord(TaskStatus.WORKING, {}, 0))
 
     assert isinstance(refused, CommitRefused)
-    assert refused.error.data == {"limit": "max_records", "max": parts.records.config.max_records}
+    assert refused.error.data == {"limit": "max_records", "max": parts.records.tasks_config.max_records}
     assert len(parts.table.tasks()) == 2  # the refused task's id was taken out again
     assert third.stored.record is None
 

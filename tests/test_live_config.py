@@ -134,7 +134,7 @@ async def test_a_reload_reaches_every_part_that_decides_new_calls(tmp_path: Path
         for part in (runner.starter, runner.slots, runner.parking, runner.jobs):
             assert part.config() is live.current, f"{type(part).__name__} reads a config other than the one in force"
         assert runner.starter.config().tasks.tools["sleep"].mode == "required"
-        assert runner.records.config.max_running == 7
+        assert runner.records.tasks_config.max_running == 7
         state = runner.starter.state(SYNC_CALL, {}, None, None)
         assert state.gather_ms == 123
         assert front.config.tasks.tools["sleep"].mode == "required"

@@ -68,7 +68,7 @@ class TaskOperations:
         if record.expired(now):
             if record.status.terminal:
                 # Past its TTL a settled record goes (the sweep would drop it too), leaving its tombstone.
-                tombstones = self.records.config.tombstone_seconds > 0
+                tombstones = self.records.tasks_config.tombstone_seconds > 0
                 await self.context.store.delete(task_id, tombstone_at_ms=now if tombstones else None)
                 if not tombstones:
                     raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
@@ -84,12 +84,12 @@ class TaskOperations:
         """-32602 for an id the caller has no record of: "expired" (or "deleted by an operator") when the caller's
         own task left a tombstone within `tasks.tombstone_seconds`, else "not found" (unknown, or another
         principal's: the tombstone is looked up by id and principal, so nothing of others' tasks shows)."""
-        if self.records.config.tombstone_seconds <= 0:
+        if self.records.tasks_config.tombstone_seconds <= 0:
             return InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
         tombstone = await self.context.store.tombstone(task_id, owner)
         if (
             tombstone is None
-            or self.context.clock() - tombstone.gone_at_ms > self.records.config.tombstone_seconds * 1000
+            or self.context.clock() - tombstone.gone_at_ms > self.records.tasks_config.tombstone_seconds * 1000
         ):
             return InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
         message, data = wire_tasks.gone_error(task_id, tombstone.reason, tombstone.gone_at_ms, tombstone.expired_at_ms)

@@ -288,7 +288,7 @@ class Recovery:
             call = self.context.table.task(record.task_id)
             if call is not None:
                 await self.context.feed.submit(call, Stop(wire_tasks.EXPIRED_MESSAGE, error))
-        config = self.records.config
+        config = self.records.tasks_config
         purged = await self.context.store.purge_expired(now, tombstones=config.tombstone_seconds > 0)
         if purged:
             log.info("tasks_purged", count=purged)

@@ -70,7 +70,8 @@ class RecordWrites:
         self._own: OrderedDict[str, None] = OrderedDict()  # task ids whose settlement this replica is writing
 
     @property
-    def config(self) -> TasksConfig:
+    def tasks_config(self) -> TasksConfig:
+        """The `tasks` section in force (the services' `config` getters give the whole config)."""
         return self._config().tasks
 
     # --- the commands ------------------------------------------------------------------------------------
@@ -129,7 +130,7 @@ class RecordWrites:
             if isinstance(exc, StoreUnavailableError):
                 return CommitRefused(TaskStoreUnavailableError(exc.kind, exc.reason, detail=str(exc)))
             if isinstance(exc, StoreFullError):
-                return CommitRefused(TaskLimitError("max_records", self.config.max_records))
+                return CommitRefused(TaskLimitError("max_records", self.tasks_config.max_records))
             return CommitRefused(ProxyError("Internal error: the task could not be stored", detail=str(exc)))
         call.stored.record = record
         log.info("task_created", task_id=record.task_id, tool=call.name, ttl_ms=record.ttl_ms)
