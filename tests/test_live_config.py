@@ -135,6 +135,9 @@ async def test_a_reload_reaches_every_part_that_decides_new_calls(tmp_path: Path
             assert part.config() is live.current, f"{type(part).__name__} reads a config other than the one in force"
         assert runner.starter.config().tasks.tools["sleep"].mode == "required"
         assert runner.records.tasks_config.max_running == 7
+        slots, parking = runner.slots.config(), runner.parking.config()
+        assert (slots.tasks.max_running, slots.limits.max_running_per_principal) == (7, 5)
+        assert (parking.inputs.max_parked, parking.limits.max_parked_per_principal) == (9, 4)
         state = runner.starter.state(SYNC_CALL, {}, None, None)
         assert state.gather_ms == 123
         assert front.config.tasks.tools["sleep"].mode == "required"
