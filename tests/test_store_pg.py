@@ -8,6 +8,7 @@ stale owner, the change feed across replicas (committed only, and back after its
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,14 +24,17 @@ from proxy.tasks.store import (
     STATUS,
     Change,
     FencedError,
+    KeyRecord,
     StoreError,
     StoreFullError,
+    StoreUnavailableError,
     open_store,
 )
 from proxy.tasks.store.pg_schema import MIGRATIONS
 from proxy.tasks.store.postgres import PostgresTaskStore
 from proxy.wire.jsonrpc import RawJSON
 from proxy.wire.tasks import TaskStatus
+from tests import pg
 from tests.support.records import check_trace_context_migrated, make_record, next_change
 from tests.support.waiting import until
 
@@ -280,6 +284,35 @@ async def _lapsed(dsn: str, replica_id: str) -> bool:
     """Has `replica_id`'s lease run out, by the database's clock?"""
     sql = "SELECT expires_at <= clock_timestamp() FROM replicas WHERE replica_id = %s"
     return bool(await rows(dsn, sql, [replica_id]) == [(True,)])
+
+
+async def test_a_key_claim_sent_to_a_frozen_server_is_never_committed_after_its_deadline(
+    own_pg_server: pg.PgServer,
+) -> None:
+    """The claim's INSERT reaches the server, which is frozen: the claimer gives up at its deadline (unavailable),
+    and when the server thaws and runs the INSERT, nothing commits it (the claimer never sent COMMIT): the key is
+    free at once, on any replica."""
+    dsn = own_pg_server.dsn(await asyncio.to_thread(own_pg_server.create_database))
+    store = await PostgresTaskStore.open(dsn, max_records=10, timeout_seconds=0.5, connect_timeout_seconds=1)
+    try:
+        record = KeyRecord("alice", "frozen", "fp", "replica-a", created_at_ms=1_000, expires_at_ms=99_000)
+        backends = "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        before = {row[0] for row in await rows(dsn, backends)}
+        own_pg_server.freeze()
+        try:
+            with pytest.raises(StoreUnavailableError):
+                await store.claim_key(record)
+        finally:
+            own_pg_server.thaw()
+
+        async def settled() -> bool:  # the claim's backend ran what it had been sent, then found its client gone
+            return len(before & {row[0] for row in await rows(dsn, backends)}) < len(before)
+
+        await until(settled, "the frozen claim's backend finished")
+        assert await rows(dsn, "SELECT key FROM idempotency_keys") == []
+        assert await store.claim_key(dataclasses.replace(record, owner="replica-b")) is None
+    finally:
+        await store.close()
 
 
 async def test_a_released_lease_can_be_taken_over_at_once(replicas: list[PostgresTaskStore]) -> None:
