@@ -22,7 +22,7 @@ from proxy.errors import (
     UpstreamError,
 )
 from proxy.listen import ListenStreams
-from proxy.policy import decide, decide_job, policy_for
+from proxy.policy import Outcome, decide, decide_job, policy_for
 from proxy.tasks import idempotency
 from proxy.tasks.live_call import UpstreamRequest
 from proxy.tasks.push import TaskWatchers
@@ -131,13 +131,18 @@ class Front:
         key = caller.headers.get(idempotency.HEADER)  # without one, nothing more is done than this lookup
         if key is None or not self.config.idempotency.enabled:
             return await self.waiting.call(outgoing, caller, channel, decision, server_info)
+        # A call whose task record comes before its upstream request gets its task id now: its claim names it,
+        # so a repeat after its process died knows whether the upstream could have seen it.
+        task_id = wire_tasks.new_task_id() if decision.outcome is Outcome.TASK and not decision.upstream_task else None
         return await self.keys.serve(
             self.config.idempotency,
             key,
             request,
             caller,
             channel,
-            lambda keyed: self.waiting.call(outgoing, caller, keyed, decision, server_info),
+            lambda keyed: self.waiting.call(outgoing, caller, keyed, decision, server_info, task_id),
+            task_id=task_id,
+            server_info=server_info,
         )
 
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:

@@ -37,6 +37,7 @@ from proxy.tasks.store import KeyRecord, SqliteTaskStore
 from proxy.wire.envelope import Caller, Channel, ModernRequest
 from proxy.wire.jsonrpc import JSON
 from tests.support.disks import fill, small_tmpfs
+from tests.support.records import make_record
 from tests.support.waiting import until
 
 
@@ -251,6 +252,33 @@ async def test_a_claim_of_this_process_that_nothing_here_knows_is_interrupted_no
         await harness.call(join_seconds=30)
     assert caught.value.error_object()["data"] == {"idempotencyKey": "interrupted"}
     assert harness.runs == 0
+
+
+async def test_a_dead_replicas_claim_whose_task_was_never_created_is_free_and_runs_here(store: SqliteTaskStore) -> None:
+    """The first request's call creates its task record before its upstream request (its claim names the task):
+    its process died before the record was created, so the upstream never saw it, and the repeat runs it."""
+    harness = Harness(store)
+    scope = harness.keys.principals.key_of(Identity("alice"))
+    dead = KeyRecord(scope, "k", fingerprint("t", {}), "replica-gone", 1_000, 10_000, task_id="task_never")
+    assert await store.claim_key(dead) is None
+    assert "result" in await harness.call()
+    assert harness.runs == 1
+    assert harness.counted("interrupted") == 0
+
+
+async def test_a_dead_replicas_claim_whose_task_exists_is_answered_with_that_task(store: SqliteTaskStore) -> None:
+    """... and when the record was created, that task is the outcome (the take-over decides its fate): the repeat
+    gets its CreateTaskResult, never a second run, never "interrupted"."""
+    harness = Harness(store)
+    scope = harness.keys.principals.key_of(Identity("alice"))
+    await store.create(make_record("task_made", principal=scope, owner="replica-gone"))
+    dead = KeyRecord(scope, "k", fingerprint("t", {}), "replica-gone", 1_000, 10_000, task_id="task_made")
+    assert await store.claim_key(dead) is None
+    answer = await harness.call(request_id=3)
+    assert answer["id"] == 3
+    assert (answer["result"]["resultType"], answer["result"]["taskId"]) == ("task", "task_made")
+    assert harness.runs == 0
+    assert harness.counted("interrupted") == 0
 
 
 async def test_an_answer_given_while_the_proxy_shuts_down_records_an_unknown_outcome(store: SqliteTaskStore) -> None:

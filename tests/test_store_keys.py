@@ -31,6 +31,13 @@ def claim(key: str = "k-1", *, scope: str = "alice", owner: str = "replica-a", a
     return KeyRecord(scope, key, "fp-1", owner, created_at_ms=at_ms, expires_at_ms=at_ms + 500)
 
 
+async def test_a_claim_keeps_the_task_id_its_first_request_planned(store: TaskStore) -> None:
+    planned = dataclasses.replace(claim(), task_id="task_planned")
+    assert await store.claim_key(planned) is None
+    assert await store.claim_key(claim(owner="replica-b")) == planned
+    assert await store.get_key("alice", "k-1") == planned
+
+
 async def test_the_first_claim_wins_and_a_second_reads_the_holder(store: TaskStore) -> None:
     first = claim()
     assert await store.claim_key(first) is None

@@ -35,6 +35,7 @@ from proxy.observability import Metrics
 from proxy.principals import Principals
 from proxy.tasks.store import KeyRecord, StoreError, StoreUnavailableError, TaskStore
 from proxy.wire import jsonrpc
+from proxy.wire import tasks as wire_tasks
 from proxy.wire.envelope import Caller, Channel, ModernRequest
 from proxy.wire.jsonrpc import JSON
 
@@ -230,8 +231,13 @@ class IdempotencyKeys:
         caller: Caller,
         channel: Channel,
         run: Run,
+        *,
+        task_id: str | None = None,
+        server_info: JSON | None = None,
     ) -> JSON:
-        """The answer to a keyed tools/call: `run(channel)` serves it as today when the key is new."""
+        """The answer to a keyed tools/call: `run(channel)` serves it as today when the key is new. `task_id`: the
+        id its task record gets when that record comes before the upstream request (the claim names it);
+        `server_info`: what a `CreateTaskResult` built here carries."""
         key = parse_key(header)
         printed = fingerprint(request.params.get("name"), request.params.get("arguments"))
         scope = self.principals.key_of(caller.principal)
@@ -239,7 +245,8 @@ class IdempotencyKeys:
             now = self.clock()
             while (scope, key, now) in self._held or (scope, key, now) in self._owed:
                 now += 1  # this process's claims of one key differ by their creation: a late write names one
-            claim = KeyRecord(scope, key, printed, self.process_id, now, now + round(config.retention_seconds * 1000))
+            expires = now + round(config.retention_seconds * 1000)
+            claim = KeyRecord(scope, key, printed, self.process_id, now, expires, task_id=task_id)
             self._held[_claim(claim)] += 1  # before the claim is sent: a repeat here that finds it joins it
             try:
                 holder = await self.store.claim_key(claim)
@@ -257,7 +264,7 @@ class IdempotencyKeys:
                     "Invalid params: this Idempotency-Key was used for a different request (another tool or other "
                     "arguments); use a new key for a new request"
                 )
-            answer = await self._repeat(holder, config, request.id)
+            answer = await self._repeat(holder, config, request.id, server_info)
             if answer is not None:
                 return answer
             # released meanwhile (the first was refused before the upstream saw it): this one claims it
@@ -381,7 +388,9 @@ class IdempotencyKeys:
         except StoreUnavailableError as exc:
             log.error("idempotency_keys_not_written", owed=len(self._owed), error=str(exc))
 
-    async def _repeat(self, holder: KeyRecord, config: IdempotencyConfig, request_id: RequestId) -> JSON | None:
+    async def _repeat(
+        self, holder: KeyRecord, config: IdempotencyConfig, request_id: RequestId, server_info: JSON | None
+    ) -> JSON | None:
         """The recorded outcome, once there is one (waiting for a first request still running, up to the join
         timeout); None when the key was released meanwhile."""
         deadline = time.monotonic() + config.join_timeout_seconds
@@ -392,17 +401,10 @@ class IdempotencyKeys:
             if record.owner == self.process_id and not self._held.get(_claim(record)):
                 # This process made the claim and no request here waits on it any more: refused (503) or left
                 # while the claim was made, or its release or outcome could not be written. Written now.
-                paid = await self._pay(record)
-                if not paid and await self.store.settle_key(record, json.dumps(INTERRUPTED)):
-                    # Nothing known of it (more were owed than kept): its outcome is unknown, as after a crash.
-                    log.warning("idempotency_key_interrupted", owner=record.owner)
-                    self._note("interrupted")
+                if not await self._pay(record):  # nothing known of it (more were owed than kept): as after a crash
+                    await self._orphaned(record, server_info)
             elif record.owner != self.process_id and not await self.store.replica_alive(record.owner):
-                # The process running the first request died: what the upstream did is unknown, so it is
-                # not run again; the repeats are told so.
-                if await self.store.settle_key(record, json.dumps(INTERRUPTED)):
-                    log.warning("idempotency_key_interrupted", owner=record.owner)
-                    self._note("interrupted")
+                await self._orphaned(record, server_info)  # the process running the first request died
             else:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -423,6 +425,29 @@ class IdempotencyKeys:
         log.info("idempotent_call_answered_from_key", how=how)
         assert record.outcome is not None
         return replay(record.outcome, request_id)
+
+    async def _orphaned(self, record: KeyRecord, server_info: JSON | None) -> None:
+        """A claim no process will settle (its process died before the outcome was recorded). When its call
+        creates its task record before the upstream request (the claim names the task): the task is its outcome
+        once it exists (its fate is then the take-over's), and without it the upstream never saw the call, so the
+        key is released and the repeat runs it (a task deleted since, past its TTL, left a tombstone: its
+        outcome is then unknown). Otherwise what the upstream did is unknown: it is not run again, and the
+        repeats are told so ("interrupted")."""
+        if record.task_id is not None:
+            task = await self.store.get(record.task_id)
+            if task is None and await self.store.tombstone(record.task_id, record.scope) is None:
+                await self.store.release_key(record)
+                log.info("idempotency_key_released", owner=record.owner, reason="its task was never created")
+                self._note("released")
+                return
+            if task is not None:
+                created = jsonrpc.dumps({"result": wire_tasks.create_task_result(task, server_info)}).decode()
+                if await self.store.settle_key(record, created):
+                    log.info("idempotency_key_settled_with_task", owner=record.owner, task_id=task.task_id)
+                return
+        if await self.store.settle_key(record, json.dumps(INTERRUPTED)):
+            log.warning("idempotency_key_interrupted", owner=record.owner)
+            self._note("interrupted")
 
     def _note(self, outcome: str) -> None:
         if self.metrics is not None:

@@ -130,6 +130,7 @@ class StoredEnd:
 
     record: TaskRecord | None = None
     fence: Fence | None = None  # None: no task yet
+    planned_id: str | None = None  # the id its record gets, when fixed before (a keyed call's claim names it)
 
 
 @dataclass(eq=False)

@@ -83,8 +83,16 @@ class CallStarter:
             log_level=log_level,
         )
 
-    async def begin(self, outgoing: UpstreamRequest, caller: Caller, decision: Decision, channel: Channel) -> LiveCall:
-        """A new call for a waiting request; its reply arrives on `call.client.reply`."""
+    async def begin(
+        self,
+        outgoing: UpstreamRequest,
+        caller: Caller,
+        decision: Decision,
+        channel: Channel,
+        task_id: str | None = None,
+    ) -> LiveCall:
+        """A new call for a waiting request; its reply arrives on `call.client.reply`. `task_id`: the id its task
+        record gets, when the caller fixed it before (a keyed call's claim names it)."""
         params = outgoing.params
         if decision.may_become_task:
             meta = dict(params.get("_meta") or {})
@@ -106,6 +114,7 @@ class CallStarter:
             digest_of=lambda: outgoing.digest,
             channel=channel,
         )
+        call.stored.planned_id = task_id
         call.client.reply = asyncio.get_running_loop().create_future()
         self.context.table.add(call)
         await self.context.feed.submit(call, Start())
@@ -223,8 +232,10 @@ class WaitingRequests:
         channel: Channel,
         decision: Decision | None,
         server_info: JSON | None,
+        task_id: str | None = None,
     ) -> JSON:
-        """A fresh call: `decision` is the tool's (tools/call) or None (prompts/get, resources/read)."""
+        """A fresh call: `decision` is the tool's (tools/call) or None (prompts/get, resources/read); `task_id`:
+        the id of its task record, when fixed before."""
         request = outgoing.request
         decision = decision if decision is not None else SYNC_CALL
         if decision.outcome is Outcome.REJECT:
@@ -233,7 +244,7 @@ class WaitingRequests:
                 f"Missing required client capability: tool {request.params.get('name')!r} runs only as a task; "
                 f"declare the {TASKS_EXTENSION} extension",
             )
-        call = await self.starter.begin(outgoing, caller, decision, channel)
+        call = await self.starter.begin(outgoing, caller, decision, channel, task_id)
         return await self._answer(call, request, server_info)
 
     async def resume(

@@ -104,7 +104,7 @@ class RecordWrites:
         except StoreUnavailableError as exc:
             return CommitRefused(TaskStoreUnavailableError(exc.kind, exc.reason, detail=str(exc)))
         record = TaskRecord(
-            task_id=wire_tasks.new_task_id(),
+            task_id=call.stored.planned_id or wire_tasks.new_task_id(),
             principal=call.caller,
             tool=call.name,
             status=command.status,

@@ -15,13 +15,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-KEY_COLUMNS: Final = ("scope", "key", "fingerprint", "owner", "created_at_ms", "expires_at_ms", "outcome")
+KEY_COLUMNS: Final = ("scope", "key", "fingerprint", "owner", "created_at_ms", "expires_at_ms", "outcome", "task_id")
 
 
 @dataclass(frozen=True, slots=True)
 class KeyRecord:
     """One key of one caller: `scope` is the caller's principal hash (the one tasks are bound to), `owner` the
-    process (replica) that runs the first request, `outcome` the JSON text of its answer, None while it runs."""
+    process (replica) that runs the first request, `outcome` the JSON text of its answer, None while it runs,
+    `task_id` the id its task record gets when that record comes before the upstream request (else None)."""
 
     scope: str
     key: str
@@ -30,6 +31,7 @@ class KeyRecord:
     created_at_ms: int
     expires_at_ms: int
     outcome: str | None = None
+    task_id: str | None = None
 
 
 def key_from_row(row: Mapping[str, Any]) -> KeyRecord:
@@ -41,6 +43,7 @@ def key_from_row(row: Mapping[str, Any]) -> KeyRecord:
         created_at_ms=int(row["created_at_ms"]),
         expires_at_ms=int(row["expires_at_ms"]),
         outcome=row["outcome"],
+        task_id=row["task_id"],
     )
 
 
@@ -51,10 +54,11 @@ def key_params(record: KeyRecord) -> dict[str, Any]:
 # Named parameters in the `:name` style; `pg()` rewrites them for psycopg (`%(name)s`).
 # A record past its retention that the sweep has not removed yet is taken over by the claim, atomically.
 CLAIM_SQL: Final = (
-    "INSERT INTO idempotency_keys (scope, key, fingerprint, owner, created_at_ms, expires_at_ms, outcome)"
-    " VALUES (:scope, :key, :fingerprint, :owner, :created_at_ms, :expires_at_ms, NULL)"
+    "INSERT INTO idempotency_keys (scope, key, fingerprint, owner, created_at_ms, expires_at_ms, outcome, task_id)"
+    " VALUES (:scope, :key, :fingerprint, :owner, :created_at_ms, :expires_at_ms, NULL, :task_id)"
     " ON CONFLICT (scope, key) DO UPDATE SET fingerprint = excluded.fingerprint, owner = excluded.owner,"
-    " created_at_ms = excluded.created_at_ms, expires_at_ms = excluded.expires_at_ms, outcome = NULL"
+    " created_at_ms = excluded.created_at_ms, expires_at_ms = excluded.expires_at_ms, outcome = NULL,"
+    " task_id = excluded.task_id"
     " WHERE idempotency_keys.expires_at_ms <= excluded.created_at_ms RETURNING scope"
 )
 GET_SQL: Final = "SELECT * FROM idempotency_keys WHERE scope = :scope AND key = :key"

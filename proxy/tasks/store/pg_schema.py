@@ -204,6 +204,14 @@ MIGRATIONS: Final[tuple[tuple[str, str], ...]] = (
         INSERT INTO lease_watch VALUES (1, clock_timestamp(), '-infinity');
         """,
     ),
+    (
+        # The id of the task record a keyed call's first request creates before its upstream request: a repeat
+        # after that request's process died tells from it whether the upstream could have seen the call.
+        "0012_add_idempotency_task_id",
+        """
+        ALTER TABLE idempotency_keys ADD COLUMN task_id text;
+        """,
+    ),
 )
 
 

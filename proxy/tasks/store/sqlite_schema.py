@@ -141,6 +141,13 @@ def _create_idempotency_keys(db: Database) -> None:
     db.execute("CREATE INDEX idx_idempotency_keys_expires_at_ms ON idempotency_keys (expires_at_ms)")
 
 
+@MIGRATIONS(name="0011_add_idempotency_task_id")
+def _add_idempotency_task_id(db: Database) -> None:
+    """The id of the task record a keyed call's first request creates before its upstream request: a repeat
+    after that request's process died tells from it whether the upstream could have seen the call."""
+    db.table("idempotency_keys").add_column("task_id", str)
+
+
 INSERT_SQL: Final = f"INSERT INTO tasks ({', '.join(COLUMNS)}) VALUES ({', '.join(':' + column for column in COLUMNS)})"
 # One indexed walk per settled status, then the oldest of those few candidates: a single
 # `status IN (...) ORDER BY updated_at_ms` would sort every settled record on each create at capacity.
