@@ -92,6 +92,19 @@ def _take_over_cause(history: History, event: dict[str, Any], epoch: float) -> s
     return "LIVE"
 
 
+def _killed_during_first(history: History, key: str | None) -> float | None:
+    """When the replica the key's first request went to was killed -9 while that request ran, or None."""
+    attempts = history.keys.get(str(key), [])
+    if not attempts:
+        return None
+    first = attempts[0]
+    for fault in history.faults:
+        ran = first.started <= fault.started <= first.started + first.seconds
+        if fault.kind == "kill" and fault.replica == first.replica and ran:
+            return fault.started
+    return None
+
+
 def _before_answer(attempts: list[Request]) -> int:
     """Attempts of one key before the first that was answered with its task."""
     for index, request in enumerate(attempts):
@@ -118,11 +131,14 @@ def check(
         if request.status == 503 and not (request.retry_after or "").isdigit():
             violations.append(f"503 without Retry-After: {request}")
     if slow_503:
-        worst = max(r.seconds for r in slow_503)
-        violations.append(f"{len(slow_503)} store 503s later than {deadline:.2f} s (the slowest {worst:.3f} s)")
+        slowest = sorted(slow_503, key=lambda r: -r.seconds)[:3]
+        violations.append(f"{len(slow_503)} store 503s later than {deadline:.2f} s, the slowest: {slowest}")
     for request in history.requests:
         if request.status == 500:
-            violations.append(f"HTTP 500: {request}")
+            killed = _killed_during_first(history, request.key)
+            cause = f"; its first request's replica was killed -9 at {killed:.1f} s while it ran" if killed else ""
+            runs = history.runs_per_key.get(str(request.key), "?")
+            violations.append(f"HTTP 500 (the tool ran {runs} times{cause}): {request}")
     completed = 0
     for task in history.tasks.values():
         terminal = [seen for seen in task.seen if seen[0] in {"completed", "failed", "cancelled"}]

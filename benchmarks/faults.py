@@ -204,6 +204,8 @@ class Run:
         repeats = self.rng.choice((0, 0, 1, 2))
         while self.loading or self.now() < self.seconds + KEY_RETRY_SECONDS:
             request, final = await self.post(http, "call", "tools/call", params, key)
+            if request.status in {422, 500}:
+                return  # a final answer for the key (its recorded failure): sending it again changes nothing
             if request.status == 200 and "result" in final:
                 request.task_id = str(final["result"]["taskId"])
                 self.follow(request.task_id, "counted", "1", key)
