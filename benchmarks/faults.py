@@ -19,10 +19,13 @@ import asyncio
 import json
 import random
 import secrets
+import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,39 @@ QUIET_SECONDS = (2.0, 4.0)  # between one fault healed and the next
 READY_SECONDS = 45.0
 SETTLE_SECONDS = 90.0  # after the load: every task followed to its end within this
 KEY_RETRY_SECONDS = 30.0  # after the load: a keyed call is retried this long at most
+
+
+class Roads:
+    """The replicas' TCP paths to the database, forwarding on an event loop of their own in a thread: the load's
+    loop measures answers, and a burst of database traffic after a thaw must not delay its clock."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="roads", daemon=True)
+        self.thread.start()
+        self.roads: list[TcpCut] = []
+
+    def _run(self, work: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result(30)
+
+    def open(self, port: int) -> tuple[TcpCut, int]:
+        """A new path to `port`; it and the port it listens on."""
+        road = TcpCut("127.0.0.1", port)
+        self.roads.append(road)
+        return road, self._run(road.start())
+
+    def cut(self, road: TcpCut) -> None:
+        self.loop.call_soon_threadsafe(road.cut)
+
+    def heal(self, road: TcpCut) -> None:
+        self.loop.call_soon_threadsafe(road.heal)
+
+    def close(self) -> None:
+        for road in self.roads:
+            self._run(road.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
 
 
 class Replica:
@@ -118,7 +154,8 @@ class Replica:
 
 class Run:
     def __init__(self, seed: int, seconds: float, workdir: Path, server: pg.PgServer, dsn: str) -> None:
-        self.rng = random.Random(seed)
+        self.rng = random.Random(f"load-{seed}")  # the load's choices
+        self.faults_rng = random.Random(seed)  # the faults' alone: one seed, one sequence of faults
         self.seconds = seconds
         self.workdir = workdir
         self.server = server
@@ -127,6 +164,7 @@ class Run:
         self.started = time.monotonic()
         self.epoch = time.time()
         self.replicas: list[Replica] = []
+        self.roads = Roads()
         self.loading = True
         self.ended: dict[str, str] = {}  # replica id → how its process ended
 
@@ -141,8 +179,8 @@ class Run:
         key = self.workdir / "request-state.key"
         key.write_text(secrets.token_hex(32))
         for index in range(REPLICAS):
-            road = TcpCut("127.0.0.1", port)
-            through = url.replace(f":{port}/", f":{await road.start()}/")
+            road, local_port = await asyncio.to_thread(self.roads.open, port)
+            through = url.replace(f":{port}/", f":{local_port}/")
             replica = await asyncio.to_thread(Replica, index, self.workdir, road, through, key)
             self.replicas.append(replica)
             await replica.start(http)
@@ -152,7 +190,7 @@ class Run:
             for proxy in replica.generations:
                 await asyncio.to_thread(proxy.stop)
             await asyncio.to_thread(replica.upstream.stop)
-            await replica.road.close()
+        await asyncio.to_thread(self.roads.close)
 
     # --- the load --------------------------------------------------------------------------------------------
 
@@ -250,11 +288,11 @@ class Run:
 
     async def faults(self, http: aiohttp.ClientSession) -> None:
         while self.now() < self.seconds - 12:
-            await asyncio.sleep(self.rng.uniform(*QUIET_SECONDS))
-            kind = self.rng.choice(FAULTS)
+            await asyncio.sleep(self.faults_rng.uniform(*QUIET_SECONDS))
+            kind = self.faults_rng.choice(FAULTS)
             fault = Fault(kind, self.now())
-            length = self.rng.uniform(*LENGTHS[kind])
-            replica = self.replicas[self.rng.randrange(REPLICAS)]
+            length = self.faults_rng.uniform(*LENGTHS[kind])
+            replica = self.replicas[self.faults_rng.randrange(REPLICAS)]
             if kind in {"kill", "term", "cut"}:
                 fault.replica, fault.replica_id = replica.index, replica.replica_id
             self.history.faults.append(fault)
@@ -279,9 +317,9 @@ class Run:
                 finally:
                     self.server.thaw()
             else:
-                replica.road.cut()
+                self.roads.cut(replica.road)
                 await asyncio.sleep(length)  # the cut's length
-                replica.road.heal()
+                self.roads.heal(replica.road)
             fault.lasted = self.now() - fault.started
             for each in self.replicas:  # healed before the next one: every replica serves again
                 await each.ready(http)
@@ -317,7 +355,9 @@ async def run(
     server = await asyncio.to_thread(pg.start_throwaway)
     try:
         dsn = server.dsn(await asyncio.to_thread(server.create_database))
-        with tempfile.TemporaryDirectory(prefix="mcp-tasks-proxy-faults-") as workdir:
+        workdir = tempfile.mkdtemp(prefix="mcp-tasks-proxy-faults-")
+        kept = False
+        try:
             timeout = aiohttp.ClientTimeout(total=None)
             async with aiohttp.ClientSession(timeout=timeout) as http:
                 fault_run = Run(seed, seconds, Path(workdir), server, dsn)
@@ -336,7 +376,14 @@ async def run(
                     await fault_run.collect()
                 finally:
                     await fault_run.stop()
-                return check(fault_run.history, fault_run.epoch, deadline_margin)
+                figures, violations = check(fault_run.history, fault_run.epoch, deadline_margin)
+                kept = bool(violations)
+                return figures, violations
+        finally:
+            if kept:
+                print(f"the replicas' logs are kept in {workdir}", flush=True)
+            else:
+                shutil.rmtree(workdir, ignore_errors=True)
     finally:
         await asyncio.to_thread(server.stop)
 

@@ -306,6 +306,10 @@ class IdempotencyKeys:
             self._unhold(claim)  # settled, released, or owed by now: a repeat here finds it so
 
     async def _settle(self, claim: KeyRecord, outcome: str) -> None:
+        if not self.store.health.available:  # not tried while the store is away: the answer goes out now
+            log.info("idempotency_key_owed", released=False, reason="the store is away")
+            self._owe(claim, outcome)
+            return
         try:
             await self.store.settle_key(claim, outcome)
         except StoreError as exc:  # the answer still goes out; the outcome is written once the store takes it
@@ -314,6 +318,10 @@ class IdempotencyKeys:
 
     async def _release(self, claim: KeyRecord) -> None:
         self._note("released")
+        if not self.store.health.available:  # a 503 for the store goes out within its deadline, not after two
+            log.info("idempotency_key_owed", released=True, reason="the store is away")
+            self._owe(claim, None)
+            return
         try:
             await self.store.release_key(claim)
         except StoreError as exc:  # released once the store takes it (a repeat here does it at once)
@@ -356,6 +364,7 @@ class IdempotencyKeys:
 
     async def _pay_forever(self) -> None:
         """Owed writes, oldest first, until the store has taken them all (backoff while it is away)."""
+        structlog.contextvars.clear_contextvars()  # no request's: this outlives the one that started it
         delay = FIRST_RETRY_SECONDS
         while self._owed:
             await asyncio.sleep(delay * random.uniform(0.8, 1.2))

@@ -33,7 +33,19 @@ from typing import Any, Final, Protocol, TypeVar
 import structlog
 
 from proxy.tasks import remote
-from proxy.tasks.store import CANCEL, INPUT, RESYNC, STATUS, Change, Fence, FencedError, Message, StoreError, TaskStore
+from proxy.tasks.store import (
+    CANCEL,
+    INPUT,
+    RESYNC,
+    STATUS,
+    Change,
+    Fence,
+    FencedError,
+    Message,
+    StoreError,
+    StoreUnavailableError,
+    TaskStore,
+)
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
 
@@ -99,6 +111,7 @@ class ReplicaLink:
         self._fence = Fence(replica_id, 0)
         self._renewed_at = float("-inf")  # monotonic start of the last successful renewal
         self._reclaiming = asyncio.Lock()  # writes refused at once (after an outage) share one renewal
+        self._failed: tuple[float, StoreUnavailableError] | None = None  # start and error of the last one that failed
         self._subscribed = asyncio.Event()
         self._wake = asyncio.Event()  # messages may be waiting
         self._asks: dict[str, Ask] = {}
@@ -164,10 +177,21 @@ class ReplicaLink:
         return self._fence
 
     async def _renew_once(self, asked: float) -> None:
-        """Renew, unless a renewal began since `asked` (writes refused at once share one)."""
+        """Renew, unless a renewal began since `asked` (writes refused at once share one): one that succeeded
+        is this one's too, and so is one that found the store away (its error again: a request waiting for it
+        is answered within the store's deadline, not after two)."""
         async with self._reclaiming:
-            if self._renewed_at < asked:
+            if self._renewed_at >= asked:
+                return
+            if self._failed is not None and self._failed[0] >= asked:
+                error = self._failed[1]
+                raise StoreUnavailableError(error.kind, error.reason, detail=error.detail)
+            started = time.monotonic()
+            try:
                 await self._renew()
+            except StoreUnavailableError as exc:
+                self._failed = (started, exc)
+                raise
 
     async def reclaim(self, task_id: str) -> Fence | None:
         """A write for `task_id` was refused by its fence: renew the lease now (a new epoch if it lapsed) and say
