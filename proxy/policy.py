@@ -12,7 +12,7 @@ from enum import StrEnum
 from fnmatch import fnmatchcase
 from typing import Final
 
-from proxy.config import RestartAction, TaskMode, TasksConfig, ToolPolicyConfig
+from proxy.config.schema import RestartAction, TaskMode, TasksConfig, ToolPolicyConfig
 
 # A legacy upstream's own `execution.taskSupport` for a tool (2025-11-25 Tasks): `optional` and `required` only
 # when it declared `tasks.requests.tools.call`; None when it runs no tasks of its own for the tool.

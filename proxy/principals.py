@@ -23,8 +23,8 @@ from typing import Final
 
 from cryptography.fernet import Fernet, InvalidToken
 
-from proxy.config import Config
-from proxy.keyfiles import MIN_SECRET_BYTES, read_secret
+from proxy.config.keyfiles import MIN_SECRET_BYTES, read_secret
+from proxy.config.schema import Config
 
 _HASH_CONTEXT: Final = b"mcp-tasks-proxy/principal/v1"
 _SEAL_CONTEXT: Final = b"mcp-tasks-proxy/rerun-principal/v1"

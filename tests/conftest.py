@@ -18,10 +18,10 @@ import structlog
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy import observability
-from proxy.app import create_app
-from proxy.config import LoggingConfig
-from proxy.observability import configure_logging
+from proxy.config.schema import LoggingConfig
+from proxy.edge.app import create_app
+from proxy.observe import metrics as observability
+from proxy.observe.metrics import configure_logging
 from tests import pg
 from tests.reference_server import EverythingServer, stdio_argv
 from tests.support.clients import ClientFactory, Tasks

@@ -19,9 +19,11 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from proxy import cli, observability, tracing, tracing_setup
-from proxy.config import LoggingConfig
-from proxy.observability import configure_logging
+from proxy import cli
+from proxy.config.schema import LoggingConfig
+from proxy.observe import metrics as observability
+from proxy.observe import tracing, tracing_setup
+from proxy.observe.metrics import configure_logging
 from tests.support.processes import ProxyProcess, Upstream
 from tests.support.wire import modern_body, modern_headers, read_messages
 

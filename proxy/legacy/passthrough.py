@@ -19,8 +19,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from proxy import tracing
 from proxy.errors import InvalidRequestError
+from proxy.observe import tracing
 from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, checked_headers, failure
 from proxy.upstream.http.h1 import H1RequestError
 from proxy.upstream.http.lean import LeanClient

@@ -7,8 +7,8 @@ The choice lives here, above the upstream package: `proxy/upstream/` never impor
 from __future__ import annotations
 
 from proxy.legacy import LegacyFront
+from proxy.legacy._stdio_server import StdioLegacyServer
 from proxy.legacy.passthrough import PassThrough
-from proxy.legacy.stdio_server import StdioLegacyServer
 from proxy.upstream.http.kind import HttpKind
 from proxy.upstream.http.shared import relay_client
 from proxy.upstream.pool import SessionPool

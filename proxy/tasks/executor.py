@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from proxy.tasks import machine
-from proxy.tasks.commands import Command, Event
 from proxy.tasks.live_call import LiveCall
+from proxy.tasks.machine.commands import Command, Event
 from proxy.tasks.ports import Effect, Spawner
 
 _C = TypeVar("_C", bound=Command)

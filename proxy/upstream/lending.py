@@ -21,8 +21,8 @@ from typing import Protocol
 import structlog
 
 from proxy.errors import RequestId, UpstreamError
-from proxy.upstream.events import UpstreamEvent, UpstreamNotification, UpstreamServerRequest, refusal
 from proxy.wire.jsonrpc import JSON
+from proxy.wire.upstream_events import UpstreamEvent, UpstreamNotification, UpstreamServerRequest, refusal
 
 log = structlog.get_logger(__name__)
 

@@ -23,12 +23,12 @@ from typing import Any, Final, Protocol
 from proxy.errors import RequestId, UpstreamError
 from proxy.principals import Identity
 from proxy.upstream.auth import UpstreamAuth
-from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult
 from proxy.upstream.lending import Lending, Subscribers
 from proxy.upstream.shared import SharedBase, ToolCatalog
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader, param_headers
 from proxy.wire.jsonrpc import JSON
+from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult
 
 # One upstream session may serve clients with different capabilities, so it declares the superset and the
 # proxy refuses, per request, what the current client cannot take.

@@ -19,7 +19,7 @@ from typing import Any, Final
 
 from proxy.background import Background
 from proxy.errors import UpstreamAuthError, UpstreamError, UpstreamTimeoutError
-from proxy.observability import Metrics, method_label
+from proxy.observe.metrics import Metrics, method_label
 from proxy.upstream.auth import UpstreamAuth
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader

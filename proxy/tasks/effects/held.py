@@ -16,19 +16,19 @@ from contextlib import AbstractAsyncContextManager
 import structlog
 
 from proxy.errors import ProxyError
-from proxy.observability import Metrics
-from proxy.tasks import inputs
-from proxy.tasks.commands import Answer, Asked, CancelCall, Command, Event, Refuse, StartCall, Timer, TimerFired
+from proxy.observe.metrics import Metrics
 from proxy.tasks.effects import pump
-from proxy.tasks.effects.admission import Admission, Caps
+from proxy.tasks.effects.call_queue import Admission, Caps
 from proxy.tasks.effects.slots import Parking
 from proxy.tasks.live_call import LiveCall
+from proxy.tasks.machine import inputs
+from proxy.tasks.machine.commands import Answer, Asked, CancelCall, Command, Event, Refuse, StartCall, Timer, TimerFired
 from proxy.tasks.ports import Feed, Spawner
-from proxy.upstream.events import refusal
 from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import Session
 from proxy.wire import translate
 from proxy.wire.jsonrpc import JSON
+from proxy.wire.upstream_events import refusal
 
 log = structlog.get_logger(__name__)
 

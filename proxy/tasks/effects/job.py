@@ -19,18 +19,18 @@ from dataclasses import dataclass
 
 import structlog
 
-from proxy.config import Config, JobConfig, JobToolConfig
+from proxy.config.schema import Config, JobConfig, JobToolConfig
 from proxy.errors import ResultTooLargeError, UpstreamError
-from proxy.tasks import commands as c
 from proxy.tasks.effects import pump
-from proxy.tasks.job import JOB_CANCELLED, JobReport, JobSpec, backoff_ms
 from proxy.tasks.live_call import LiveCall
+from proxy.tasks.machine import commands as c
+from proxy.tasks.machine.job import JOB_CANCELLED, JobReport, JobSpec, backoff_ms
 from proxy.tasks.ports import Feed, Spawner
-from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest, refusal
 from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import Session
 from proxy.wire import tasks as wire_tasks
 from proxy.wire.legacy_tasks import LegacyTask
+from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest, refusal
 
 log = structlog.get_logger(__name__)
 

@@ -15,9 +15,9 @@ from typing import Final
 
 import aiohttp
 
-from proxy.config import HttpUpstreamConfig
+from proxy.config.schema import HttpUpstreamConfig
 from proxy.errors import UpstreamAuthError, UpstreamError, UpstreamTimeoutError
-from proxy.observability import Metrics
+from proxy.observe.metrics import Metrics
 from proxy.principals import Identity
 from proxy.upstream.auth import AuthMode, UpstreamAuth
 from proxy.upstream.http.session import HttpSession

@@ -17,10 +17,16 @@ from typing import Any, Final, Protocol
 import structlog
 
 from proxy.errors import RequestId, ResultTooLargeError, UpstreamError
-from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult, UpstreamServerRequest, decode
 from proxy.upstream.http.answers import CLIENT_FAILURES, Answer, chunks, failure
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.sse import EventTooLargeError, SSEParser
+from proxy.wire.upstream_events import (
+    UpstreamErrorResponse,
+    UpstreamEvent,
+    UpstreamResult,
+    UpstreamServerRequest,
+    decode,
+)
 
 log = structlog.get_logger(__name__)
 

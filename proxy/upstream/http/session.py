@@ -25,7 +25,6 @@ import aiohttp
 import structlog
 from multidict import CIMultiDict
 
-from proxy import tracing
 from proxy.errors import (
     AUTH_STATUSES,
     RequestId,
@@ -35,8 +34,8 @@ from proxy.errors import (
     UpstreamRefusedError,
     UpstreamSessionGoneError,
 )
+from proxy.observe import tracing
 from proxy.principals import Identity
-from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
 from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, checked_headers, failure
 from proxy.upstream.http.get_stream import GetStream, SessionGone, StreamEvent
 from proxy.upstream.http.request_stream import HttpRequestStream, read_body
@@ -54,6 +53,7 @@ from proxy.wire.envelope import ParamHeader
 from proxy.wire.fields import is_safe_value
 from proxy.wire.jsonrpc import JSON, dumps, error_message, notification_message, request_message, result_message
 from proxy.wire.sse import EventTooLargeError
+from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamResult
 
 log = structlog.get_logger(__name__)
 

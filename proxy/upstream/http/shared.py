@@ -10,8 +10,8 @@ import itertools
 import aiohttp
 from yarl import URL
 
-from proxy.config import HttpUpstreamConfig
-from proxy.observability import Metrics
+from proxy.config.schema import HttpUpstreamConfig
+from proxy.observe.metrics import Metrics
 from proxy.upstream.http.lean import KEEPALIVE_SECONDS, LeanClient
 from proxy.upstream.shared import SharedBase
 

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 
-from proxy.config import StdioUpstreamConfig
+from proxy.config.schema import StdioUpstreamConfig
 from proxy.errors import UpstreamTimeoutError
-from proxy.observability import Metrics
+from proxy.observe.metrics import Metrics
 from proxy.principals import Identity
 from proxy.upstream.session import PoolLimits, Session
 from proxy.upstream.stdio.session import StdioSession

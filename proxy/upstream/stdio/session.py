@@ -29,16 +29,9 @@ from typing import Any, Final
 import structlog
 from mcp_types import jsonrpc as codes
 
-from proxy import tracing
 from proxy.errors import InvalidRequestError, RequestId, ResultTooLargeError, UpstreamError, UpstreamTimeoutError
+from proxy.observe import tracing
 from proxy.principals import Identity
-from proxy.upstream.events import (
-    UpstreamErrorResponse,
-    UpstreamEvent,
-    UpstreamNotification,
-    UpstreamResult,
-    UpstreamServerRequest,
-)
 from proxy.upstream.lending import Lending, Subscribers
 from proxy.upstream.session import CLIENT_CAPABILITIES, CLIENT_INFO, read_param_headers, read_task_support, request
 from proxy.upstream.stdio.process import ProcessExit, StdioProcess
@@ -55,6 +48,13 @@ from proxy.wire.jsonrpc import (
     notification_message,
     request_message,
     result_message,
+)
+from proxy.wire.upstream_events import (
+    UpstreamErrorResponse,
+    UpstreamEvent,
+    UpstreamNotification,
+    UpstreamResult,
+    UpstreamServerRequest,
 )
 
 log = structlog.get_logger(__name__)

@@ -19,9 +19,9 @@ from typing import Any, Final, TypeVar
 
 import structlog
 
-from proxy.config import StdioUpstreamConfig
+from proxy.config.schema import StdioUpstreamConfig
 from proxy.errors import UpstreamUnreachableError
-from proxy.observability import Metrics
+from proxy.observe.metrics import Metrics
 from proxy.upstream.shared import SharedBase
 from proxy.upstream.stdio.process import ProcessExit, SizeLimit, StdioProcess, child_environment
 from proxy.upstream.stdio.rates import Backoff
