@@ -4,9 +4,10 @@ upstream request (its context goes upstream), the background work of a call, eve
 MRTR rounds and push. Off (every helper a no-op returning at its first line) until `tracing_setup` installs a
 tracer from the OTEL_* environment.
 
-Never recorded: argument values, results, question or answer content, header values, credentials. Imports
-the OpenTelemetry API (not the SDK), structlog, `errors`, `trace_context` (the context in and out) and
-`span_attributes` (what a span says); nothing of aiohttp, the front, the tasks or the upstream.
+Also the trace context in and out: a client's (headers, `_meta`), the current one into what goes upstream, and
+the W3C traceparent a task record keeps. Never recorded: argument values, results, question or answer content,
+header values, credentials. Imports the OpenTelemetry API (not the SDK), `errors`, the wire's trace-context
+parser and `span_attributes` (what a span says); nothing of aiohttp, the front, the tasks or the upstream.
 """
 
 from __future__ import annotations
@@ -18,19 +19,12 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, M
 from typing import Any, Final, TypeVar
 
 import structlog
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from proxy.errors import ProxyError
-from proxy.observe._trace_context import (
-    carried,
-    headers_with_current,
-    params_with_current,
-    replace_with_current,
-    span_context_of,
-    traceparent_of,
-)
 from proxy.observe.span_attributes import (
     NO_REQUEST,
     TASK_ID,
@@ -40,6 +34,7 @@ from proxy.observe.span_attributes import (
     server_request,
     text,
 )
+from proxy.wire.trace_context import TRACE_KEYS, parsed
 
 _T = TypeVar("_T")
 
@@ -48,6 +43,63 @@ _tracer: trace.Tracer | None = None  # None: tracing is off
 _work_task: contextvars.ContextVar[Callable[[], str | None]] = contextvars.ContextVar("mcp_background_task")
 # What the current request is about, for spans below it that only see bytes (the legacy pass-through).
 _request_target: contextvars.ContextVar[RequestTarget] = contextvars.ContextVar("mcp_request_target")
+
+
+# --- trace context in and out: a client's (headers, `_meta`), the current one (into what goes upstream), a
+# span context as the W3C traceparent a task record keeps and back --------------------------------------------
+
+_W3C: Final = TraceContextTextMapPropagator()  # a stored context is W3C, whatever OTEL_PROPAGATORS says
+
+
+def carried(carrier: Mapping[str, Any]) -> Context | None:
+    """The trace context a carrier (HTTP headers or `_meta`) holds, if a valid one: read from what the wire's
+    parser kept (W3C Trace Context, W3C Baggage), the same rules as with tracing off."""
+    if carrier.get("traceparent") is None:
+        return None
+    found = propagate.extract(carrier=parsed(carrier))
+    return found if trace.get_current_span(found).get_span_context().is_valid else None
+
+
+def headers_with_current(extra: Mapping[str, str] | None) -> dict[str, str]:
+    """`extra` with the current context in place of the trace keys they had."""
+    headers = {key: value for key, value in (extra or {}).items() if key.lower() not in TRACE_KEYS}
+    propagate.inject(headers)
+    return headers
+
+
+def params_with_current(params: dict[str, Any], *, always: bool) -> dict[str, Any]:
+    """`params` with the current context in `_meta` in place of the trace keys it had; unless `always`, only
+    where it had some (so that an upstream reached over HTTP never sees two parents)."""
+    meta = params.get("_meta")
+    if not always and not (isinstance(meta, dict) and any(key in meta for key in TRACE_KEYS)):
+        return params
+    carrier = {key: value for key, value in (meta or {}).items() if key not in TRACE_KEYS}
+    propagate.inject(carrier)
+    return {**params, "_meta": carrier}
+
+
+def replace_with_current(carrier: MutableMapping[str, str]) -> None:
+    """The current context in place of every trace key `carrier` (a relayed request's headers) had."""
+    for key in TRACE_KEYS:
+        if key in carrier:
+            del carrier[key]  # every value of it, on a multidict
+    propagate.inject(carrier)
+
+
+def traceparent_of(context: SpanContext) -> str:
+    """`context` as a W3C traceparent (what a task record keeps of the span that created it)."""
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+
+
+def span_context_of(traceparent: str | None) -> SpanContext | None:
+    """The span context a stored W3C traceparent names, if a valid one."""
+    if not traceparent:
+        return None
+    context = trace.get_current_span(_W3C.extract({"traceparent": traceparent})).get_span_context()
+    return context if context.is_valid else None
+
+
+# --- spans ---------------------------------------------------------------------------------------------------
 
 
 def install(tracer: trace.Tracer | None) -> None:
