@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--functions", action="store_true", help="name the functions run in each module")
     arguments = parser.parse_args()
     from proxy.config.schema import LoggingConfig
-    from proxy.observe.metrics import configure_logging
+    from proxy.observe.logs import configure_logging
 
     configure_logging(LoggingConfig(level="warning"))  # the process's logging: here, not in `call_path` (a test's)
     parts = asyncio.run(call_path())

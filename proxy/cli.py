@@ -192,7 +192,7 @@ def serve(config: Config, path: str | None = None, overrides: dict[str, dict[str
     from proxy.edge.app import create_app
     from proxy.edge.serve import serve as serve_app
     from proxy.observe import tracing_setup
-    from proxy.observe.metrics import configure_logging
+    from proxy.observe.logs import configure_logging
     from proxy.tasks.store import StoreError, StoreLockedError
 
     configure_logging(config.logging)

@@ -21,9 +21,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from proxy import cli
 from proxy.config.schema import LoggingConfig
-from proxy.observe import metrics as observability
-from proxy.observe import tracing, tracing_setup
-from proxy.observe.metrics import configure_logging
+from proxy.observe import logs, tracing, tracing_setup
+from proxy.observe.logs import configure_logging
 from tests.support.processes import ProxyProcess, Upstream
 from tests.support.wire import modern_body, modern_headers, read_messages
 
@@ -192,7 +191,7 @@ def test_log_lines_carry_the_active_spans_ids() -> None:
 @pytest.fixture
 def restore_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     saved = structlog.get_config()
-    monkeypatch.setattr(observability, "_min_level", observability._min_level)  # what configure_logging sets
+    monkeypatch.setattr(logs, "_min_level", logs._min_level)  # what configure_logging sets
     yield
     structlog.configure(**saved)
 

@@ -23,7 +23,8 @@ from aiohttp import web
 
 from proxy.errors import ProxyError, RequestId, http_status
 from proxy.observe.audit import AuditLog
-from proxy.observe.metrics import Metrics, logs_at, method_label
+from proxy.observe.logs import logs_at
+from proxy.observe.metrics import Metrics, method_label
 from proxy.wire import jsonrpc
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.sse import KEEPALIVE, frame

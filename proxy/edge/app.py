@@ -56,7 +56,8 @@ from proxy.errors import (
 )
 from proxy.observe import tracing
 from proxy.observe.audit import subject
-from proxy.observe.metrics import Metrics, logs_at
+from proxy.observe.logs import logs_at
+from proxy.observe.metrics import Metrics
 from proxy.policy import named_tools
 from proxy.principals import identity_of
 from proxy.tasks.store import StoreUnavailableError
