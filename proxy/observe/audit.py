@@ -1,5 +1,5 @@
 """The audit log: one JSON line per modern request (written by the HTTP edge) and per task transition (by the
-executor's observer, `tasks/audit_trail.py`), to a file opened for appending or to stdout.
+executor's observer, `tasks/services/observers.py`), to a file opened for appending or to stdout.
 
 A line names who (the JWT subject, else the keyed principal hash: never a credential), what (method, tool),
 which task, the outcome, the duration and the replica; never an argument value or a result. Imports the

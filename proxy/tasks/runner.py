@@ -39,13 +39,12 @@ from proxy.tasks.machine import commands as c
 from proxy.tasks.machine import inputs
 from proxy.tasks.ports import Effect
 from proxy.tasks.services.durations import Durations
-from proxy.tasks.services.observers import AuditTrail
+from proxy.tasks.services.observers import AuditTrail, SpanEvents
 from proxy.tasks.services.operations import TaskOperations
 from proxy.tasks.services.quotas import Quotas
 from proxy.tasks.services.recovery import Recovery
 from proxy.tasks.services.replica_inbox import ReplicaInbox
 from proxy.tasks.services.replicas import ReplicaLink
-from proxy.tasks.services.span_events import SpanEvents
 from proxy.tasks.services.starting import CallStarter
 from proxy.tasks.services.tool_names import check_named_tools
 from proxy.tasks.store import TaskStore

@@ -3,7 +3,7 @@ leased for the call (of its own when its client could answer a question), its ev
 pump, its questions answered or refused, and `notifications/cancelled` when it is abandoned; with a cap, the
 request waits for its slot first in the admission queue this effect owns (`admission.py`, made once a cap is in
 force). Also counts the questions relayed and refused (their span
-events come from the executor's observer, `span_events.py`). Imports the pump, the slots (a parked call's
+events come from the executor's observer, `services/observers.py`). Imports the pump, the slots (a parked call's
 session may be reclaimed), the admission queue, the upstream pool and event types; not the store.
 """
 
@@ -141,7 +141,7 @@ def stop_pump(call: LiveCall) -> None:
 
 class QuestionCounter:
     """Counts each question the upstream asks for the client: relayed, or refused at once (its span event is
-    `span_events.py`'s)."""
+    `services/observers.py`'s)."""
 
     def __init__(self, metrics: Metrics | None) -> None:
         self.metrics = metrics

@@ -1,20 +1,37 @@
-"""The audit lines of task transitions, from the executor's observer hook (never from inside an effect): a
-task created, its questions outstanding or answered, settled, or stopped from outside (a cancel, its TTL).
-Each names the task, its tool, its principal (JWT subject, else hash) and the time since the call began;
-never the arguments, the answers or the result. Imports the audit sink, the commands and the call.
-"""
+"""The executor's observers: what a call's events and commands tell the audit log and the trace, said after the
+machine decided, never from inside an effect. Names, methods and counts only: never arguments, answers or
+results. Imports the audit sink, tracing, the command vocabulary and the live call."""
 
 from __future__ import annotations
 
 import time
 
+from proxy.observe import tracing
 from proxy.observe.audit import AuditLog, subject
 from proxy.tasks.live_call import LiveCall
-from proxy.tasks.machine.commands import Command, Committed, Event, RemoteCancel, Settle, Stop, WriteInputs
+from proxy.tasks.machine.commands import (
+    Answer,
+    Asked,
+    Command,
+    Committed,
+    Event,
+    Parked,
+    Refuse,
+    RemoteCancel,
+    Resumed,
+    Settle,
+    Stop,
+    WriteInputs,
+)
 from proxy.wire.tasks import TaskStatus
+from proxy.wire.upstream_events import refusal
 
 
 class AuditTrail:
+    """The audit lines of task transitions: a task created, its questions outstanding or answered, settled, or
+    stopped from outside (a cancel, its TTL); each names the task, its tool, its principal (JWT subject, else
+    hash) and the time since the call began."""
+
     def __init__(self, audit: AuditLog) -> None:
         self.audit = audit
 
@@ -47,3 +64,25 @@ class AuditTrail:
                 "duration_ms": round((time.perf_counter() - call.created_at) * 1000, 2),
             }
         )
+
+
+class SpanEvents:
+    """The span events of a call's questions: one the upstream asked (`input_requested`: its method, whether it
+    was refused at once), an answer or refusal sent back (`input_answered`), an MRTR round handed to the client
+    (`mrtr_input_required`: its round, how many questions), a retry that took it back (`mrtr_resumed`)."""
+
+    def __call__(self, call: LiveCall, event: Event, commands: list[Command]) -> None:
+        if isinstance(event, Asked):
+            question = event.question
+            refused = any(isinstance(command, Refuse) and command.upstream_id == question.id for command in commands)
+            tracing.event("input_requested", {"mcp.method.name": question.method, "refused": refused})
+        elif isinstance(event, Parked):
+            tracing.event("mrtr_input_required", {"round": call.state.round, "questions": len(call.state.inputs)})
+        elif isinstance(event, Resumed):
+            tracing.event("mrtr_resumed", {"round": call.state.round, "answers": len(event.answers)})
+        for command in commands:
+            if isinstance(command, Answer) and call.upstream.session is not None:
+                tracing.event("input_answered", {"refused": False})
+            elif isinstance(command, Refuse) and call.upstream.session is not None:
+                _, error = refusal(command.method)
+                tracing.event("input_answered", {"refused": error is not None})
