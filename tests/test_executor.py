@@ -61,8 +61,8 @@ from proxy.tasks.machine.commands import (
 )
 from proxy.tasks.machine.state import CallState
 from proxy.tasks.runner import TaskRunner
-from proxy.tasks.services.durations import Durations
 from proxy.tasks.services.operations import TaskOperations
+from proxy.tasks.services.pacing import Durations
 from proxy.tasks.services.recovery import Recovery
 from proxy.tasks.services.replica_inbox import ReplicaInbox
 from proxy.tasks.services.replicas import ReplicaLink

@@ -14,7 +14,7 @@ from proxy.observe.metrics import Metrics
 from proxy.principals import Principals
 from proxy.tasks.live_call import CallTable
 from proxy.tasks.ports import Feed, Spawner
-from proxy.tasks.services.durations import Durations
+from proxy.tasks.services.pacing import Durations
 from proxy.tasks.store import TaskStore
 
 

@@ -38,9 +38,9 @@ from proxy.tasks.live_call import CallTable, LiveCall, wall_clock_ms
 from proxy.tasks.machine import commands as c
 from proxy.tasks.machine import inputs
 from proxy.tasks.ports import Effect
-from proxy.tasks.services.durations import Durations
 from proxy.tasks.services.observers import AuditTrail, SpanEvents
 from proxy.tasks.services.operations import TaskOperations
+from proxy.tasks.services.pacing import Durations
 from proxy.tasks.services.quotas import Quotas
 from proxy.tasks.services.recovery import Recovery
 from proxy.tasks.services.replica_inbox import ReplicaInbox
