@@ -3,7 +3,7 @@
 `serve` runs the proxy (`serve … -- CMD ARGS` names a stdio server instead of an upstream URL);
 `check-config [FILE]` validates what `serve` would run (errors all at once, exit code 2; `--print` writes it as
 YAML, credentials redacted); `tasks list|show|stats|cancel|purge` work on
-the store the config names (`operator_cli.py`); `probe [URL]` is the container HEALTHCHECK (exit 0 on HTTP
+the store the config names (`operators/tasks_cli.py`); `probe [URL]` is the container HEALTHCHECK (exit 0 on HTTP
 200). Every command has `--help`; `--version` prints the version.
 
 Imports only the standard library at module level: the probe runs every 30 s in the image and must not load

@@ -47,7 +47,7 @@ class Outcome(StrEnum):
 class Decision:
     """What one request's call becomes, and how it behaves while a client waits for it.
 
-    The call's lifecycle (`tasks/machine.py`) reads every policy choice from here: whether a task record comes
+    The call's lifecycle (`tasks/machine/`) reads every policy choice from here: whether a task record comes
     first, how long a window lasts, how a question reaches a waiting client, and whether even a call that ends
     within its window answers with a task."""
 

@@ -22,8 +22,7 @@ from proxy.errors import (
     UpstreamUnreachableError,
 )
 from proxy.principals import Identity, identity_of, principal_key
-from proxy.upstream.http.kind import HttpKind
-from proxy.upstream.http.shared import upstream_connector
+from proxy.upstream.http.session import HttpKind, upstream_connector
 from proxy.upstream.pool import SessionPool
 from proxy.wire.upstream_events import UpstreamErrorResponse
 from tests.support.processes import Upstream

@@ -1,5 +1,5 @@
 """Loading the configuration: one YAML file, then the MCP_TASKS_PROXY_* environment, then explicit overrides
-(command-line flags), merged and validated against the schema (`config.py`); every problem reported with its
+(command-line flags), merged and validated against the schema (`schema.py`); every problem reported with its
 field path (`ConfigError`); what `check-config --print` writes (`redacted`). Imports the schema and
 `keyfiles` (the files a config names are read apart from the schema).
 """

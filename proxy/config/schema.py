@@ -1,5 +1,5 @@
 """Configuration: the schema, frozen pydantic models (how a file, the environment and flags are read and merged
-into one is `config_loader.py`).
+into one is `loader.py`).
 
 Owns the shape of the config file and its validation: a pure description (the files it names are read by
 `keyfiles.py`, which the loader asks). Every field has a default and a description (the configuration
@@ -31,7 +31,7 @@ from pydantic_core import PydanticCustomError
 from proxy.wire.fields import is_safe_value
 
 # A field whose values may be credentials (an API key header, a token in a server's environment): `redacted`
-# (`config_loader.py`) prints its keys only. Key material itself is never in the configuration, only the paths
+# (`loader.py`) prints its keys only. Key material itself is never in the configuration, only the paths
 # of its files.
 SECRET_VALUES: Final[dict[str, Any]] = {"secret": True}
 _HEADER_NAME: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # an HTTP token (RFC 9110, section 5.6.2)

@@ -1,5 +1,5 @@
 """What the aiohttp application holds, by key: the config as started and in force, the services the lifecycle
-opens (`lifecycle.py`) and the handlers read (`app.py`, `ops.py`, `admission.py`)."""
+opens (`_lifecycle.py`) and the handlers read (`app.py`, `_ops.py`, `_admission.py`)."""
 
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
         audit = request.app.get(AUDIT)
         if audit is not None and request.get(ERA) == "modern":
             _audit(audit, request, status, refusal, duration)
-        # Ids bound by tracing, and how an Idempotency-Key answered (tasks/idempotency.py):
+        # Ids bound by tracing, and how an Idempotency-Key answered (tasks/services/idempotency.py):
         structlog.contextvars.unbind_contextvars("request_id", "trace_id", "span_id", "idempotency")
 
 

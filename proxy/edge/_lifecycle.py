@@ -21,7 +21,7 @@ from proxy.principals import Principals, deployment_key
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.services.push import TaskWatchers
 from proxy.tasks.store import open_store
-from proxy.upstream.http.shared import upstream_connector
+from proxy.upstream.http.session import upstream_connector
 from proxy.upstream.kinds import session_kind
 from proxy.upstream.pool import SessionPool
 

@@ -1,5 +1,5 @@
 """The operators' endpoints on the MCP listener: liveness, readiness, Prometheus metrics (the drain's
-`/drainz` is `drain.py`'s). They are exempt from the Host check (`admission.py`)."""
+`/drainz` is `_drain.py`'s). They are exempt from the Host check (`_admission.py`)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ pass-through, modern requests to `Front`. A legacy POST is read as JSON only whe
 says (its method for the metrics and the request log line, its trace context, its id while draining); else
 it is relayed unread, its bytes having shown that it cannot be modern. Each request gets one SERVER span,
 opened in one place once it is classified, from its arrival. Every ProxyError raised anywhere below becomes
-an answer in one place, the error edge (`edge.py`). What is refused before classification is `admission.py`'s;
-the operators' endpoints are `ops.py`'s; what opens and closes with the app is `lifecycle.py`'s.
+an answer in one place, the error edge (`_error_edge.py`). What is refused before classification is `_admission.py`'s;
+the operators' endpoints are `_ops.py`'s; what opens and closes with the app is `_lifecycle.py`'s.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ Serve = Callable[[tracing.ServerSpan], Awaitable[web.StreamResponse]]  # what se
 
 @web.middleware
 async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The admission rules (`admission.py`) before anything is read; the operators' endpoints are exempt."""
+    """The admission rules (`_admission.py`) before anything is read; the operators' endpoints are exempt."""
     if request.method == "GET" and request.path in OPS_PATHS:
         return await handler(request)
     refused = refusal(request, request.app[LIVE].current.security)
@@ -86,7 +86,7 @@ async def admission(request: web.Request, handler: Handler) -> web.StreamRespons
 
 @web.middleware
 async def relay_unrouted(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """A path no route of the proxy's own serves goes to the upstream's origin (`relay.py`); a path the proxy
+    """A path no route of the proxy's own serves goes to the upstream's origin (`_relay.py`); a path the proxy
     serves with another method keeps its 405."""
     if not isinstance(request.match_info.http_exception, web.HTTPNotFound) or RELAY not in request.app:
         return await handler(request)

@@ -1,5 +1,5 @@
-"""The process's serve loop: the listener, the signals (SIGTERM/SIGINT drain, `drain.py`; SIGHUP reloads the
-config, `live_config.py`), the config file's watch, the collector settled once started, and the stop in order.
+"""The process's serve loop: the listener, the signals (SIGTERM/SIGINT drain, `_drain.py`; SIGHUP reloads the
+config, `config/live.py`), the config file's watch, the collector settled once started, and the stop in order.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ class Front:
         runner call, so an upstream question can become an MRTR round or a task's inputRequests. A caller past
         its quota, or its quota for the tool, is refused first (an MRTR retry is the same call, not counted
         again). With an `Idempotency-Key` (not on an MRTR retry, which its requestState binds already) the key's
-        record decides whether it runs (`tasks/idempotency.py`)."""
+        record decides whether it runs (`tasks/services/idempotency.py`)."""
         config = self.config
         per_minute, tool_quotas = config.limits.calls_per_minute_per_principal, config.tasks.has_tool_quotas
         if (per_minute or tool_quotas) and "requestState" not in request.params:

@@ -24,7 +24,7 @@ DELETE ends the session (the process is stopped: it was initialized for that cli
 another); so does `upstream.process_idle_seconds` with no stream open, and the process ending. A request
 naming an ended session gets 404, which tells the client to initialize again. A session is bound to the
 principal header that opened it (its session key, `principals.principal_key`). Imports aiohttp's web side,
-the stdio shared state and process layer, the principals, and the pool's `Room`; never tasks.
+the stdio kind and process layer, the principals, and the pool's `Room`; never tasks.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from proxy.legacy._stdio_sessions import (
 from proxy.principals import identity_of, principal_key
 from proxy.upstream.session import Room
 from proxy.upstream.stdio.process import ProcessExit
-from proxy.upstream.stdio.shared import StdioShared
+from proxy.upstream.stdio.session import StdioKind
 from proxy.wire.jsonrpc import JSON, Request, classify, dumps, error_message, loads
 from proxy.wire.sse import KEEPALIVE, frame
 
@@ -65,7 +65,7 @@ class StdioLegacyServer:
 
     def __init__(
         self,
-        shared: StdioShared,
+        shared: StdioKind,
         room: Room,
         config: StdioUpstreamConfig,
         principal_header: str,

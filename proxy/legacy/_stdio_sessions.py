@@ -3,8 +3,8 @@
 Which stream gets what the process writes (`LegacySession.route`): a response to the POST waiting for it,
 progress to the POST whose request carries the token, anything else to the only POST open, else the GET
 stream, else the oldest POST open, else held for the next stream. Each stream's events are kept for a resume
-when the session has an event store (`events.py`). Imports the stdio process layer and the wire; no aiohttp
-(the server, `stdio_server.py`, writes the streams).
+when the session has an event store (`_event_store.py`). Imports the stdio process layer and the wire; no aiohttp
+(the server, `_stdio_server.py`, writes the streams).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What operators see of tasks, for the CLI (`operator_cli.py`) and the admin listener (`admin.py`) alike: the
+"""What operators see of tasks, for the CLI (`tasks_cli.py`) and the admin listener (`admin.py`) alike: the
 filters of a listing as a `TaskQuery`, a record as a listing shows it (never its request or result), and
 durations such as `15m`. Imports only the standard library at module level (the CLI builds its parser from
 here); the store's and the wire's types when called.

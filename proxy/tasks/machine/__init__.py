@@ -20,8 +20,8 @@ a call that may become a task becomes one at once and its record says it is queu
 up to the queue's budget (`Timer.QUEUE`), then gets the queue's refusal (503); `QueueMoved` brings its new
 place (a task's record says it), and `Admitted` says it goes.
 
-The state it keeps is `state.py`; the steps its handlers share are `steps.py`; the handlers of a call that
-follows the upstream's task are `following.py`, those of a queued call `queueing.py`. Imports those, the
+The state it keeps is `state.py`; the steps its handlers share are `_steps.py`; the handlers of a call that
+follows the upstream's task are `_following.py`, those of a queued call `_queueing.py`. Imports those, the
 policy, the input-bridging rules (`inputs.py`), the upstream task (`upstream_task.py`), the upstream event types
 and the wire; nothing that does I/O.
 """

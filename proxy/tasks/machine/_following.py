@@ -1,6 +1,6 @@
 """The transitions of a call the upstream runs as its own 2025-11-25 task (`Decision.upstream_task`): its
 `CreateTaskResult` (`UpstreamTaskCreated`), its status from `notifications/tasks/status` or `tasks/get`
-(`UpstreamTaskPolled`), and following it again after a restart. Handlers of the call machine (`machine.py`),
+(`UpstreamTaskPolled`), and following it again after a restart. Handlers of the call machine (`__init__.py`),
 SANS-IO like it: imports the state, the command vocabulary, the steps and the upstream task."""
 
 from __future__ import annotations

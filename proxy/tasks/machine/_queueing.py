@@ -1,6 +1,6 @@
 """The transitions of a call whose upstream request waits for a slot (`upstream.max_concurrent_calls`):
 `Queued`, `QueueMoved`, `Admitted` and the queue's budget running out (`Timer.QUEUE`). Handlers of the call
-machine (`machine.py`), SANS-IO like it: imports the state, the command vocabulary, the steps and the wire."""
+machine (`__init__.py`), SANS-IO like it: imports the state, the command vocabulary, the steps and the wire."""
 
 from __future__ import annotations
 

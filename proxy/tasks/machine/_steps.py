@@ -1,4 +1,4 @@
-"""The steps the call machine's handlers share (`machine.py`, `following.py`, `queueing.py`): each changes the
+"""The steps the call machine's handlers share (`__init__.py`, `_following.py`, `_queueing.py`): each changes the
 state and returns the commands it takes, so every handler reads as a short sequence of them. SANS-IO, like the
 machine: imports the state, the command vocabulary, the input rules and the wire."""
 

@@ -1,4 +1,4 @@
-"""What the call machine (`machine.py`) and the executor that carries it out (`executor.py`) say to each other.
+"""What the call machine (`__init__.py`) and the executor that carries it out (`executor.py`) say to each other.
 
 Events go into `machine.handle`; commands come out, and the executor carries them out in order. Some commands
 are answered by an event it feeds back (`CreateRecord` → `Committed` / `CommitRefused`, `Park` → `Parked`

@@ -1,4 +1,4 @@
-"""The state of one call and the words its lifecycle uses: what the machine (`machine.py`) keeps between
+"""The state of one call and the words its lifecycle uses: what the machine (`__init__.py`) keeps between
 events, and the reasons it gives when it stops a call. Plain data; imports the policy, the input rules, the
 upstream task it follows, the command vocabulary and the wire."""
 

@@ -5,7 +5,7 @@ waiting request that went away; every call stopped at shutdown), and the waiting
 wait for the call's reply and turn it into the request's JSON-RPC answer).
 
 What the reply is (the result, a `CreateTaskResult`, an MRTR `InputRequiredResult`, -32021, a limit error) is
-decided by the call's machine (`machine.py`) and carried out by the executor; the waiting side only waits and
+decided by the call's machine (`tasks/machine/`) and carried out by the executor; the waiting side only waits and
 translates (a task reply carries its record). A poll-to-sync client's keep-alive comments are asked of the
 call's one client writer (`keep_alive`, injected: `effects/client.py`), never written here. Imports the live
 call (and its table), the parking, the replica link, `remote.py` and the wire's translation; no other effect,

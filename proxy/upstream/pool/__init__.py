@@ -11,7 +11,7 @@ its `PoolLimits`, how they are bounded. The pool knows no kind.
   upstream may send that question naming no request (an HTTP session's GET stream; anything on a stdio
   process); on a leased session it can only be the lessee's, so it goes to `sink`. Where sessions are costly
   (`share_quiet_calls`: stdio processes) a call whose client could not answer anyway (`asks=False`) runs on
-  the principal's shared session instead, unless it was seen asking before (`question_owners.py`).
+  the principal's shared session instead, unless it was seen asking before (`_askers.py`).
 - `adopt(principal, session_id, sink)`: the same, on a session an earlier proxy process initialized (it holds a
   task the upstream runs itself, resumed after a restart): no `initialize`.
 - `keep(session)`: a session whose upstream work outlives this process is let go without ending that work.
@@ -37,10 +37,9 @@ import structlog
 
 from proxy.errors import ProxyError, UpstreamLimitError
 from proxy.principals import Identity, principal_key
-from proxy.upstream.lending import Sink
 from proxy.upstream.pool._askers import QuestionOwners
 from proxy.upstream.pool._facts import ToolFactsReader
-from proxy.upstream.session import Session, SessionKind
+from proxy.upstream.session import Session, SessionKind, Sink
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.upstream_events import UpstreamNotification
 
@@ -72,7 +71,7 @@ class SessionPool:
     @property
     def server_info(self) -> JSON | None:
         """The upstream's serverInfo from the latest initialize (on any session)."""
-        return self.kind.server_info
+        return self.kind.learned.server_info
 
     # --- handing sessions out ----------------------------------------------------------------------------
 
@@ -113,7 +112,7 @@ class SessionPool:
         """A session of the principal for one call alone, initialized before it is handed out; its unsolicited
         traffic goes to `sink` until the lease ends. `asks`: the call's client could answer a question; a call
         whose client could not runs on the principal's shared session instead, unless its `asker` (method and
-        name) was seen asking before (`question_owners.py`); there a question naming no request is the call's
+        name) was seen asking before (`_askers.py`); there a question naming no request is the call's
         while no other call runs there, else it is refused. `reclaim`: when bounded sessions run out, the pool
         may ask the lessee to give its session up; it returns whether it will (e.g. a call parked between MRTR
         rounds, which ends as if nobody had retried)."""

@@ -16,8 +16,7 @@ from typing import Final
 
 import structlog
 
-from proxy.upstream.lending import Notifications, Sink
-from proxy.upstream.session import Session
+from proxy.upstream.session import Notifications, Session, Sink
 from proxy.wire.translate import INPUT_METHODS
 from proxy.wire.upstream_events import UpstreamEvent, UpstreamServerRequest
 

@@ -13,8 +13,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 from proxy.principals import Identity, principal_key
-from proxy.upstream.session import Session, SessionKind, read_tools
-from proxy.upstream.shared import ToolCatalog
+from proxy.upstream.session import Session, SessionKind, ToolCatalog, read_tools
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader
 from proxy.wire.jsonrpc import JSON
@@ -54,7 +53,7 @@ class ToolFactsReader:
         requires credentials (`kind.auth`), always the caller's own: a caller the upstream refuses gets its
         refusal, never what another caller's session learned."""
         if await self.kind.auth.shared():
-            recent = self.kind.recent_initialize(max_age_ms)
+            recent = self.kind.learned.recent_initialize(max_age_ms)
             if recent is not None:
                 return recent
         async with self._use(principal) as session:
@@ -69,14 +68,14 @@ class ToolFactsReader:
         anything learned from it answers, and what it showed another caller never does."""
         if not await self.kind.auth.shared():
             return await self._own_tool_facts(principal, tool)
-        initialize_result = self.kind.recent_initialize(max_age_ms)
-        headers = self.kind.known_headers(tool)
-        latest = self.kind.initialize_result  # does the upstream run tool tasks at all? (any age will do)
+        initialize_result = self.kind.learned.recent_initialize(max_age_ms)
+        headers = self.kind.learned.known_headers(tool)
+        latest = self.kind.learned.initialize_result  # does the upstream run tool tasks at all? (any age will do)
         runs_tasks = latest is not None and legacy_tasks.runs_tool_tasks(latest)
         support_known = latest is not None and (headers is not None or not runs_tasks)
         support: legacy_tasks.TaskSupport | None = None
         if support_known and runs_tasks:
-            known = self.kind.catalog.task_support.get(tool)
+            known = self.kind.learned.catalog.task_support.get(tool)
             support = known if known in ("optional", "required") else None
         if initialize_result is None or headers is None or not support_known:
             async with self._use(principal) as session:
@@ -96,7 +95,7 @@ class ToolFactsReader:
         async with self._use(principal) as session:
             initialize_result = await session.ensure_initialized()
             catalog = self._catalogs.get(key) or ToolCatalog()
-            generation = self.kind.tools_generation
+            generation = self.kind.learned.tools_generation
             headers = catalog.known_headers(tool, generation)
             if headers is None:
                 catalog.read(*await read_tools(session), generation)
