@@ -365,15 +365,26 @@ def measured(metrics: Metrics | None, method: str) -> Iterator[None]:
 # --- what both kinds do alike ---------------------------------------------------------------------------
 
 
+async def answer(stream: RequestStream, refuse_on: Session | None = None) -> UpstreamResult | UpstreamErrorResponse:
+    """Read a request's stream until its answer (the result or the JSON-RPC error), which is returned. What comes
+    before it is nobody's: notifications are dropped, and with `refuse_on` (the request's session) a question is
+    refused at once, so the upstream never waits for an answer nobody would give."""
+    async for event in stream.events():
+        if isinstance(event, UpstreamResult | UpstreamErrorResponse):
+            return event
+        if isinstance(event, UpstreamServerRequest) and refuse_on is not None:
+            result, error = refusal(event.method)
+            await refuse_on.respond(event.id, result=result, error=error)
+    raise UpstreamError(f"Upstream did not answer {stream.method}")  # pragma: no cover - events() raises first
+
+
 async def request(session: Session, method: str, params: JSON | None) -> JSON:
     """A plain request whose stream carries nothing the caller needs: its result, or UpstreamError."""
     async with session.call(method, params) as call:
-        async for event in call.events():
-            if isinstance(event, UpstreamResult):
-                return event.result
-            if isinstance(event, UpstreamErrorResponse):
-                raise UpstreamError(f"Upstream refused {method}: {event.error.get('message')}")
-    raise UpstreamError(f"Upstream did not answer {method}")  # pragma: no cover - events() raises first
+        final = await answer(call)
+    if isinstance(final, UpstreamErrorResponse):
+        raise UpstreamError(f"Upstream refused {method}: {final.error.get('message')}")
+    return final.result
 
 
 async def read_tools(

@@ -37,7 +37,7 @@ from proxy.tasks.machine.commands import (
 )
 from proxy.tasks.ports import Feed, Spawner
 from proxy.upstream.pool import SessionPool
-from proxy.upstream.session import Session
+from proxy.upstream.session import Session, answer
 from proxy.wire import legacy_tasks
 from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamResult
 
@@ -193,7 +193,4 @@ class UpstreamTaskEffect:
         """One tasks/* request about the task, for its answer (a cancel runs while the call's events wait: what
         else its stream carries is not fed to the call)."""
         async with session.call(method, {"taskId": task_id}, call.headers) as upstream:
-            async for event in upstream.events():
-                if isinstance(event, UpstreamResult | UpstreamErrorResponse):
-                    return event
-        raise UpstreamError(f"Upstream did not answer {method}")  # pragma: no cover - events() raises first
+            return await answer(upstream)

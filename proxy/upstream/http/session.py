@@ -49,6 +49,7 @@ from proxy.upstream.session import (
     PoolLimits,
     Session,
     Subscribers,
+    answer,
     measured,
     read_param_headers,
     read_task_support,
@@ -59,7 +60,7 @@ from proxy.wire.envelope import ParamHeader
 from proxy.wire.fields import is_safe_value
 from proxy.wire.jsonrpc import JSON, dumps, error_message, notification_message, request_message, result_message
 from proxy.wire.sse import EventTooLargeError
-from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamResult
+from proxy.wire.upstream_events import UpstreamErrorResponse
 
 log = structlog.get_logger(__name__)
 
@@ -280,20 +281,18 @@ class HttpSession:
             self.kind.learned.last_answer_at = None
         body: bytes | None = None
         if response.status >= 400:
-            answer = await _answer_despite_status(response, request_id, self.kind.max_result_bytes)
-            if isinstance(answer, _Refusal):
+            despite = await _answer_despite_status(response, request_id, self.kind.max_result_bytes)
+            if isinstance(despite, _Refusal):
                 raise UpstreamError(
-                    f"Upstream refused initialize: HTTP {response.status}{answer.said}", detail=answer.raw
+                    f"Upstream refused initialize: HTTP {response.status}{despite.said}", detail=despite.raw
                 )
-            body = answer
+            body = despite
         call = HttpRequestStream(self, request_id, "initialize", response, self.kind.max_result_bytes, body)
-        result: JSON | None = None
-        async for event in call.events():
-            if isinstance(event, UpstreamResult):
-                result = event.result
-            elif isinstance(event, UpstreamErrorResponse):
-                raise UpstreamError(f"Upstream refused initialize: {event.error.get('message')}")
-        if result is None or not isinstance(result.get("protocolVersion"), str):
+        final = await answer(call)
+        if isinstance(final, UpstreamErrorResponse):
+            raise UpstreamError(f"Upstream refused initialize: {final.error.get('message')}")
+        result = final.result
+        if not isinstance(result.get("protocolVersion"), str):
             raise UpstreamError("Upstream sent an invalid InitializeResult")
         # Both go back upstream as header values on every later request of the session (RFC 9110 §5.5).
         if not is_safe_value(result["protocolVersion"]) or (session_id is not None and not is_safe_value(session_id)):

@@ -44,6 +44,7 @@ from proxy.upstream.session import (
     PoolLimits,
     Session,
     Subscribers,
+    answer,
     measured,
     read_param_headers,
     read_task_support,
@@ -384,15 +385,13 @@ class StdioSession:
             "clientInfo": CLIENT_INFO,
         }
         async with self._open("initialize", params) as call:
-            async for event in call.events():
-                if isinstance(event, UpstreamErrorResponse):
-                    raise UpstreamError(f"Upstream refused initialize: {event.error.get('message')}")
-                if isinstance(event, UpstreamResult):
-                    if not isinstance(event.result.get("protocolVersion"), str):
-                        raise UpstreamError("Upstream sent an invalid InitializeResult")
-                    await self._send(notification_message("notifications/initialized", None))
-                    return event.result
-        raise UpstreamError("Upstream did not answer initialize")  # pragma: no cover - events() raises first
+            final = await answer(call)
+            if isinstance(final, UpstreamErrorResponse):
+                raise UpstreamError(f"Upstream refused initialize: {final.error.get('message')}")
+            if not isinstance(final.result.get("protocolVersion"), str):
+                raise UpstreamError("Upstream sent an invalid InitializeResult")
+            await self._send(notification_message("notifications/initialized", None))
+            return final.result
 
     async def _abandon(self, process: StdioProcess, failure: str = CRASHING) -> None:
         """A process that failed its start is stopped at once (no grace: it never became a session). Unless it
