@@ -13,18 +13,18 @@ import pytest
 import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from proxy.config.live import (
     APPLIED,
-    FIXED,
     FIXED_KEY,
     INVALID,
-    RELOADABLE,
+    RESTART_FIELDS,
     UNCHANGED,
     LiveConfig,
     changed_fields,
     is_fixed,
+    reload_marks,
 )
 from proxy.config.loader import load_config
 from proxy.config.schema import Config
@@ -48,14 +48,23 @@ def live(tmp_path: Path) -> LiveConfig:
     return LiveConfig(load_config(path, environ={}), str(path), environ={})
 
 
-def test_every_fixed_path_names_a_section_or_a_field() -> None:
-    for path in FIXED:
-        model: type[BaseModel] = Config
-        for part in path.split("."):
-            assert part in model.model_fields, f"{path}: no field {part}"
-            annotation = model.model_fields[part].annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-                model = annotation
+def test_every_field_a_reload_compares_is_marked_live_or_restart() -> None:
+    marks = reload_marks()
+    assert {"listen.port", "upstream.url", "upstream.command", "tasks.tools", "jobs", "admin.port"} <= set(marks)
+    assert {path: mark for path, mark in marks.items() if mark not in ("live", "restart")} == {}
+    assert {path for path, mark in marks.items() if mark == "restart"} == RESTART_FIELDS
+
+
+def test_a_field_without_a_mark_counts_as_needing_a_restart() -> None:
+    class Section(BaseModel):
+        marked: int = Field(0, description="d", json_schema_extra={"reload": "live"})
+        unmarked: int = Field(0, description="d")
+
+    class Root(BaseModel):
+        section: Section = Field(default_factory=Section, description="d")
+        flags: dict[str, int] = Field(default_factory=dict, description="d", json_schema_extra={"reload": "restart"})
+
+    assert reload_marks(Root) == {"section.marked": "live", "section.unmarked": None, "flags": "restart"}
 
 
 def test_changes_are_named_per_field_and_tool_maps_whole() -> None:
@@ -144,7 +153,9 @@ async def test_a_reload_reaches_every_part_that_decides_new_calls(tmp_path: Path
         assert front.listens.limits.max_listen_streams == 3
 
 
-# Each key read live under a fixed section, the value a reload sets, and how the part that uses it reads it.
+# Each key read live under a section otherwise bound at start, the value a reload sets, and how the part that
+# uses it reads it.
+RELOADABLE = sorted(path for path, mark in reload_marks().items() if path.startswith("upstream.") and mark == "live")
 RELOADABLE_READS: dict[str, tuple[int, Callable[[web.Application], object]]] = {
     "upstream.max_concurrent_calls": (3, lambda app: _admission(app).max_concurrent),
     "upstream.max_queue_wait_ms": (1234, lambda app: _admission(app).max_wait_ms),
@@ -157,7 +168,7 @@ def _admission(app: web.Application) -> Admission:
     return admission
 
 
-def test_every_key_read_live_under_a_fixed_section_has_a_check() -> None:
+def test_every_key_read_live_under_the_upstream_section_has_a_check() -> None:
     assert set(RELOADABLE_READS) == set(RELOADABLE)
 
 

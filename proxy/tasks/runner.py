@@ -176,9 +176,8 @@ class TaskRunner:
         await self.recovery.recover()
         self.spawn(self.recovery.sweep_forever(), "task-sweeper")
         self._outbox_worker = self.spawn(self.outbox.run_forever(), "settlement-outbox")
-        policies = self.current().tasks  # at start: whether the tools they and the jobs name exist upstream
-        if policies.tools or self.jobs.specs:
-            self.spawn(check_named_tools(self._pool, policies, self.jobs), "named-tools-check")
+        if self.current().tasks.tools or self.jobs.specs:  # at start: do the tools they name exist upstream?
+            self.spawn(check_named_tools(self._pool, self.current, self.jobs), "named-tools-check")
 
     async def close(self) -> None:
         """Shutdown: running calls are cancelled upstream; their records stay live and are failed or re-run
