@@ -47,6 +47,7 @@ from proxy.tasks.machine.commands import (
     PollUpstreamTask,
     Queued,
     QueueMoved,
+    Reclaimed,
     Refuse,
     Relay,
     ReleaseCall,
@@ -82,6 +83,7 @@ from proxy.tasks.machine.state import (
     MAX_OUTSTANDING_INPUTS,
     PARKED_EXPIRED,
     QUEUE_TIMED_OUT,
+    RECLAIMED,
     STARTED,
     TASK_REFUSED,
     CallState,
@@ -311,6 +313,24 @@ PLAYBOOKS = [
         ],
         Mode.DETACHED,
         finished=True,
+    ),
+    Playbook(
+        "a parked call whose upstream session the pool takes back ends as if nobody retried, saying why",
+        SYNC,
+        [
+            *SYNC_PARKED,
+            (Reclaimed(), [Unpark(), CancelCall(RECLAIMED)]),
+            (TimerFired(Timer.PARK), []),  # the park timer of a call no longer parked does nothing
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a call that is not parked (its client retried meanwhile) is not ended by a late reclaim",
+        SYNC,
+        [*SYNC_STARTED, (Reclaimed(), [])],
+        Mode.WAITING,
+        finished=False,
     ),
     Playbook(
         "progress reaches a waiting client that asked for it",

@@ -22,7 +22,7 @@ from proxy.tasks.effects.call_queue import Admission, Caps
 from proxy.tasks.effects.slots import Parking
 from proxy.tasks.live_call import LiveCall
 from proxy.tasks.machine import inputs
-from proxy.tasks.machine.commands import Answer, Asked, CancelCall, Command, Event, Refuse, StartCall, Timer, TimerFired
+from proxy.tasks.machine.commands import Answer, Asked, CancelCall, Command, Event, Reclaimed, Refuse, StartCall
 from proxy.tasks.ports import Feed, Spawner
 from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import Session
@@ -96,7 +96,7 @@ class HeldRequest:
         if not self.parking.holds(call):
             return False
         log.info("mrtr_call_reclaimed", method=call.method, name=call.name, round=call.state.round)
-        self.spawner.spawn(self.feed.dispatch(call, TimerFired(Timer.PARK)), f"reclaim-{call.call_id}")
+        self.spawner.spawn(self.feed.dispatch(call, Reclaimed()), f"reclaim-{call.call_id}")
         return True
 
     async def answer(self, call: LiveCall, command: Answer) -> None:

@@ -172,6 +172,12 @@ class LeaseLost:
 
 
 @dataclass(frozen=True, slots=True)
+class Reclaimed:
+    """The pool took back the upstream session of a call parked for an MRTR retry (bounded sessions ran out):
+    the call ends as if nobody had retried in time."""
+
+
+@dataclass(frozen=True, slots=True)
 class Queued:
     """The call's upstream request waits for a slot (`upstream.max_concurrent_calls`): `ahead` calls are before
     it in the fair queue. A synchronous caller waits up to `wait_ms`, then gets `refusal` (503 with the
@@ -214,6 +220,7 @@ Event = (
     | RemoteCancel
     | RemoteAnswers
     | LeaseLost
+    | Reclaimed
     | Queued
     | QueueMoved
     | Admitted

@@ -111,6 +111,38 @@ def upstream_answer(key: str, method: str, response: Any) -> JSON:
     return {name: value for name, value in response.items() if name != "resultType"}
 
 
+def outstanding(input_requests: Any) -> dict[str, str]:
+    """The questions a task's record shows outstanding (its `inputRequests`), key → method: what another
+    replica checks `tasks/update` answers against when it does not run the call."""
+    questions = input_requests if isinstance(input_requests, dict) else {}
+    found: dict[str, str] = {}
+    for key, question in questions.items():
+        method = question.get("method") if isinstance(question, dict) else None
+        if isinstance(method, str) and method in KEY_PREFIXES:
+            found[key] = method
+    return found
+
+
+def check_answers(
+    questions: Mapping[str, str], responses: Mapping[str, Any], *, drop_invalid: bool = False
+) -> dict[str, JSON]:
+    """The client's answers to the outstanding `questions` (key → method), each as the JSON-RPC result the
+    upstream waits for, checked before any is delivered: -32602 naming the key for one that is not a valid
+    answer (with `drop_invalid`, left out instead: the question stays open). Keys not outstanding (never
+    issued, already answered) are ignored. The one check of answers, wherever they arrive."""
+    checked: dict[str, JSON] = {}
+    for key, response in responses.items():
+        method = questions.get(key)
+        if method is None:
+            continue
+        try:
+            checked[key] = upstream_answer(key, method, response)
+        except InvalidParamsError:
+            if not drop_invalid:
+                raise
+    return checked
+
+
 def input_required_result(requests: Mapping[str, JSON], request_state: str) -> JSON:
     """The MRTR answer (`resultType: "input_required"`) of a synchronous request that needs the client's input
     first."""

@@ -56,16 +56,9 @@ class ReplicaLostError(ProxyError):
 
 def check_answers(input_requests: Any, responses: Mapping[str, Any]) -> dict[str, JSON]:
     """`tasks/update` on a replica that does not run the task's call: each answer to a question the record
-    shows outstanding, checked as its owner would (-32602 naming the key); other keys are ignored, as the
-    owner ignores them. The owner checks again against what is outstanding when the answers arrive."""
-    questions = input_requests if isinstance(input_requests, dict) else {}
-    checked: dict[str, JSON] = {}
-    for key, response in responses.items():
-        question = questions.get(key)
-        method = question.get("method") if isinstance(question, dict) else None
-        if isinstance(method, str) and method in inputs.KEY_PREFIXES:
-            checked[key] = inputs.upstream_answer(key, method, response)
-    return checked
+    shows outstanding, checked as its owner would (-32602 naming the key); the owner checks again against what
+    is outstanding when the answers arrive."""
+    return inputs.check_answers(inputs.outstanding(input_requests), responses)
 
 
 def encode_reply(reply: ReplyKind, *, request_state: str, task_id: str | None) -> JSON:
