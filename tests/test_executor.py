@@ -24,16 +24,18 @@ from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskL
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
 from proxy.principals import Principals
 from proxy.tasks.context import TasksContext
+from proxy.tasks.effects import Effects, Followers
 from proxy.tasks.effects.client import ClientSide
-from proxy.tasks.effects.job import JobEffect
+from proxy.tasks.effects.job import JobFollower
 from proxy.tasks.effects.outbox import Outbox
 from proxy.tasks.effects.pump import CRASHED
 from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.effects.slots import Parking, RunningSlots
 from proxy.tasks.effects.timers import Timers
+from proxy.tasks.effects.upstream_task import UpstreamTaskFollower
 from proxy.tasks.executor import Executor, ReentryError
 from proxy.tasks.live_call import CallTable, LiveCall, known, new_call, wall_clock_ms
-from proxy.tasks.machine import inputs
+from proxy.tasks.machine import commands, inputs
 from proxy.tasks.machine.commands import (
     CancelCall,
     ClearTimer,
@@ -156,6 +158,12 @@ class Parts:
         self.link: ReplicaLink | None = None
         self.outbox = Outbox(8, None)
         self.records = RecordWrites(self.context, lambda: settings, self.slots, self.outbox, self.fence, self.reclaim)
+
+    def followers(self, settings: Callable[[], Config]) -> Followers:
+        """Followers of upstream tasks and jobs that could never reach an upstream (none is asked here)."""
+        pool = cast(SessionPool, None)
+        tasks = UpstreamTaskFollower(self.feed, self.background, pool, wall_clock_ms)
+        return Followers(tasks, JobFollower(self.feed, self.background, pool, wall_clock_ms, settings))
 
     async def fence(self) -> Fence:
         return Fence("replica-1", 0) if self.link is None else await self.link.held_fence()
@@ -464,8 +472,9 @@ async def test_a_replica_ignores_its_own_settlement_on_the_feed_but_not_another_
     parked = Parking(lambda: limits, signer, wall_clock_ms, "replica-1")
     parts.link = link = ReplicaLink(store, "replica-1", 30)
     notes = ClientSide(lambda record: record, feed, parts.context.spawner).note
-    starter = CallStarter(parts.context, lambda: limits, parked, link, notes)
-    recovery = Recovery(parts.context, link, parts.records, starter.state, dict, lambda: False)
+    follow = parts.followers(lambda: limits)
+    starter = CallStarter(parts.context, lambda: limits, parked, link, notes, follow)
+    recovery = Recovery(parts.context, link, parts.records, starter.state, follow, lambda: False)
     await link.start(ReplicaInbox(parts.context, parked, parts.records, link, recovery, starter))
     own, elsewhere = make_call(), make_call()
     own_task, elsewhere_task = await parts.committed(own), await parts.committed(elsewhere)
@@ -543,6 +552,7 @@ async def runner_on(tmp_path: Path, store: SqliteTaskStore, session: CrashingSes
 async def started(runner: TaskRunner, decision: Decision) -> LiveCall:
     call = make_call(decision, caller=runner.principals.key_of(None))
     call.state = runner.starter.state(decision, {}, None, None)
+    call.upstream.follower = runner.followers.of(decision)
     call.client.reply = asyncio.get_running_loop().create_future()
     runner.table.add(call)
     await runner.executor.submit(call, Start())
@@ -593,9 +603,45 @@ async def test_a_crashing_pump_of_an_upstream_run_task_fails_it_without_a_python
         assert CRASH not in shown
 
 
-async def test_every_command_the_machine_can_give_has_an_effect(tmp_path: Path, store: SqliteTaskStore) -> None:
-    async with runner_on(tmp_path, store, CrashingSession(crash_on="")) as runner:
-        assert set(runner.executor.effects) == set(get_args(Command))
+class Recorder:
+    """Stands in for every effect and follower: records which of its methods a command reached."""
+
+    def __init__(self, name: str, reached: list[tuple[str, type]]) -> None:
+        self.name, self.reached = name, reached
+
+    def __getattr__(self, method: str) -> Callable[[LiveCall, Command], Awaitable[None]]:
+        async def carry_out(call: LiveCall, command: Command) -> None:
+            self.reached.append((f"{self.name}.{method}", type(command)))
+
+        return carry_out
+
+
+async def test_every_command_the_machine_can_give_reaches_one_effect() -> None:
+    """The command → effect table: every command type reaches exactly one effect's method, and those about a
+    task the upstream runs reach the follower the call was built with."""
+    reached: list[tuple[str, type]] = []
+    parts = [Recorder(name, reached) for name in ("held", "records", "client", "timers", "parking", "slots")]
+    effects = Effects(*cast(Any, parts))
+    call = make_call()
+    call.upstream.follower = cast(Any, Recorder("follower", reached))
+    for kind in get_args(Command):
+        await effects.carry_out(call, object.__new__(kind))  # the table reads the type alone
+    assert [kind for _, kind in reached] == list(get_args(Command))
+    assert len({method for method, _ in reached}) == len(reached)
+    followed = {kind.__name__ for method, kind in reached if method.startswith("follower.")}
+    assert followed == {
+        "StartUpstreamTask",
+        "FollowUpstreamTask",
+        "PollUpstreamTask",
+        "CancelUpstreamTask",
+        "ReleaseCall",
+    }
+
+
+async def test_a_command_about_an_upstream_task_of_a_call_built_without_a_follower_is_an_error() -> None:
+    effects = Effects(*cast(Any, [Recorder("effect", []) for _ in range(6)]))
+    with pytest.raises(RuntimeError, match="built without a follower"):
+        await effects.carry_out(make_call(), commands.PollUpstreamTask())
 
 
 async def test_an_effect_that_feeds_its_own_call_raises_instead_of_waiting_for_itself() -> None:
@@ -606,19 +652,17 @@ async def test_an_effect_that_feeds_its_own_call_raises_instead_of_waiting_for_i
     own, other = make_call(SYNC_CALL), make_call(SYNC_CALL)
     seen: list[str] = []
 
-    async def start(call: LiveCall, command: StartCall, /) -> None:
-        if call is own:
+    async def carry_out(call: LiveCall, command: Command) -> None:
+        if isinstance(command, StartCall) and call is own:
             for feed in (executor.dispatch, executor.submit):
                 with pytest.raises(ReentryError):
                     await feed(own, ClientLeft())
                 seen.append(feed.__name__)
             await executor.dispatch(other, Start())
+        elif isinstance(command, CancelCall):
+            seen.append(command.reason)
 
-    async def cancel(call: LiveCall, command: CancelCall, /) -> None:
-        seen.append(command.reason)
-
-    executor.register(StartCall, start)
-    executor.register(CancelCall, cancel)
+    executor.use(carry_out)
     await executor.dispatch(own, Start())
     assert seen == ["dispatch", "submit"]
     assert other.state.started
@@ -641,11 +685,10 @@ async def test_a_finished_call_is_dropped_by_every_owner_that_registered_once_in
     for owner in ("timers", "slots", "parking", "table"):
         executor.when_finished(dropping(owner))
 
-    async def nothing(call: LiveCall, command: Command, /) -> None:
+    async def nothing(call: LiveCall, command: Command) -> None:
         return None
 
-    for kind in get_args(Command):
-        executor.register(kind, nothing)
+    executor.use(nothing)
     call = make_call(SYNC_CALL)
     await executor.dispatch(call, Start())
     assert dropped == []  # running: kept
@@ -654,17 +697,15 @@ async def test_a_finished_call_is_dropped_by_every_owner_that_registered_once_in
     await background.close(1)
 
 
-def test_an_effect_is_registered_once_and_only_for_the_command_type_it_takes() -> None:
-    """`register` ties an effect to the command type it takes: one taking `StartCall` cannot be registered for
-    `Reply` (the mismatch is a type error, and the lines below carry mypy's refusal, silenced)."""
+def test_the_executor_is_given_its_table_once() -> None:
     executor = Executor(Background())
 
-    async def start(call: LiveCall, command: StartCall, /) -> None:
-        pass
+    async def nothing(call: LiveCall, command: Command) -> None:
+        return None
 
-    executor.register(Reply, start)  # type: ignore[misc]
-    with pytest.raises(ValueError, match="already registered"):
-        executor.register(Reply, start)  # type: ignore[misc]
+    executor.use(nothing)
+    with pytest.raises(ValueError, match="already"):
+        executor.use(nothing)
 
 
 def test_call_ids_are_unique_url_safe_and_as_long_as_before() -> None:
@@ -690,7 +731,7 @@ def test_the_services_compare_and_hash_by_identity_and_take_no_unknown_attribute
     assert len({first, second}) == 2
     with pytest.raises(AttributeError):
         first.confg = settings  # type: ignore[attr-defined]
-    for service in (RunningSlots, Parking, CallStarter, TaskOperations, Recovery, ReplicaInbox, JobEffect):
+    for service in (RunningSlots, Parking, CallStarter, TaskOperations, Recovery, ReplicaInbox, JobFollower):
         assert service.__eq__ is object.__eq__, service
         assert service.__hash__ is object.__hash__, service
         assert "__slots__" in vars(service), service

@@ -154,7 +154,7 @@ def test_one_check_serves_the_call_another_replica_and_a_relay() -> None:
     good, bad = {"action": "decline"}, {"action": "maybe"}
     responses = {"elicitation-1": good, "roots-2": {"roots": []}, "sampling-9": {}}
     assert inputs.check_answers(questions, responses) == {"elicitation-1": good, "roots-2": {"roots": []}}
-    with pytest.raises(InvalidParamsError, match="inputResponses.elicitation-1"):
+    with pytest.raises(InvalidParamsError, match=r"inputResponses\.elicitation-1"):
         inputs.check_answers(questions, {"roots-2": {"roots": []}, "elicitation-1": bad})
     relayed = inputs.check_answers(questions, {"elicitation-1": bad, "roots-2": {"roots": []}}, drop_invalid=True)
     assert relayed == {"roots-2": {"roots": []}}  # the invalid one stays open

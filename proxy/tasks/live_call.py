@@ -17,11 +17,19 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Final
+from typing import Final, Protocol
 
 from proxy.principals import Identity
 from proxy.tasks.machine import inputs
-from proxy.tasks.machine.commands import ReplyKind, Timer
+from proxy.tasks.machine.commands import (
+    CancelUpstreamTask,
+    FollowUpstreamTask,
+    PollUpstreamTask,
+    ReleaseCall,
+    ReplyKind,
+    StartUpstreamTask,
+    Timer,
+)
 from proxy.tasks.machine.state import CallState
 from proxy.tasks.services.replicas import Ask
 from proxy.tasks.store import Fence
@@ -115,13 +123,30 @@ class ClientEnd:
     writer: asyncio.Task[None] | None = None
 
 
+class Follower(Protocol):
+    """How a call follows a task the upstream runs (its own 2025-11-25 task, or a legacy job), chosen when the
+    call is built: it carries out the machine's commands about that task."""
+
+    async def start(self, call: LiveCall, command: StartUpstreamTask) -> None: ...
+
+    async def follow(self, call: LiveCall, command: FollowUpstreamTask) -> None: ...
+
+    async def poll(self, call: LiveCall, command: PollUpstreamTask) -> None: ...
+
+    async def cancel(self, call: LiveCall, command: CancelUpstreamTask) -> None: ...
+
+    async def release(self, call: LiveCall, command: ReleaseCall) -> None: ...
+
+
 @dataclass(eq=False, slots=True)
 class UpstreamEnd:
-    """What the upstream side owns: the session the call runs on, its request stream, the pump reading it."""
+    """What the upstream side owns: the session the call runs on, its request stream, the pump reading it, and
+    how it follows a task the upstream runs (None for a call that runs none)."""
 
     session: Session | None = None
     stream: RequestStream | None = None
     pump: asyncio.Task[None] | None = None
+    follower: Follower | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -176,8 +201,10 @@ def new_call(
     channel: Channel | None = None,
     record: TaskRecord | None = None,
     fence: Fence | None = None,
+    follower: Follower | None = None,
 ) -> LiveCall:
-    """The one way a call is built: by keyword, the raw principal apart from its keyed hash (`caller`)."""
+    """The one way a call is built: by keyword, the raw principal apart from its keyed hash (`caller`), with
+    the follower of the task the upstream runs when its decision says there is one."""
     return LiveCall(
         state,
         method,
@@ -188,6 +215,7 @@ def new_call(
         {} if headers is None else headers,
         digest_of,
         client=ClientEnd(channel=channel),
+        upstream=UpstreamEnd(follower=follower),
         stored=StoredEnd(record, fence),
     )
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Final, TypeVar
 
 import structlog
@@ -24,20 +24,19 @@ from proxy.observe.audit import AuditLog
 from proxy.observe.metrics import Metrics
 from proxy.principals import Principals
 from proxy.tasks.context import TasksContext
+from proxy.tasks.effects import Effects, Followers
 from proxy.tasks.effects.call_queue import Admission, Caps
 from proxy.tasks.effects.client import ClientSide
 from proxy.tasks.effects.held import HeldRequest, QuestionCounter
-from proxy.tasks.effects.job import JobEffect
+from proxy.tasks.effects.job import JobFollower
 from proxy.tasks.effects.outbox import Outbox
 from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.effects.slots import Parking, RunningSlots
 from proxy.tasks.effects.timers import Timers
-from proxy.tasks.effects.upstream_task import UpstreamTaskEffect
+from proxy.tasks.effects.upstream_task import UpstreamTaskFollower
 from proxy.tasks.executor import Executor, Observer
-from proxy.tasks.live_call import CallTable, LiveCall, wall_clock_ms
-from proxy.tasks.machine import commands as c
+from proxy.tasks.live_call import CallTable, wall_clock_ms
 from proxy.tasks.machine import inputs
-from proxy.tasks.ports import Effect
 from proxy.tasks.services.observers import AuditTrail, SpanEvents
 from proxy.tasks.services.operations import TaskOperations
 from proxy.tasks.services.pacing import Durations
@@ -55,18 +54,6 @@ log = structlog.get_logger(__name__)
 SHUTDOWN_GRACE_SECONDS: Final = 5.0  # how long close() waits for cancelled calls to tell the upstream
 
 _T = TypeVar("_T")
-_C = TypeVar("_C", bound=c.Command)
-
-
-def by_kind(
-    job: Callable[[LiveCall, _C], Awaitable[None]], upstream_task: Callable[[LiveCall, _C], Awaitable[None]]
-) -> Effect[_C]:
-    """A command about a task the upstream runs: carried out the job family's way for a `jobs:` call."""
-
-    async def carry_out(call: LiveCall, command: _C, /) -> None:
-        await (job if call.state.decision.job else upstream_task)(call, command)
-
-    return carry_out
 
 
 class TaskRunner:
@@ -128,34 +115,13 @@ class TaskRunner:
         self._feed = feed
         self.held = held = HeldRequest(feed, self.background, pool, self.parking, self._caps, metrics)
         self.config_swapped()
-        upstream_task = UpstreamTaskEffect(feed, self.background, pool, clock)
-        self.jobs = jobs = JobEffect(feed, self.background, pool, clock, current)
+        self.jobs = jobs = JobFollower(feed, self.background, pool, clock, current)
+        self.followers = followers = Followers(UpstreamTaskFollower(feed, self.background, pool, clock), jobs)
         self.client = client = ClientSide(self.durations.paced, feed, self.background)  # also: keep-alive comments
-        register = self.executor.register
-        register(c.StartCall, held.start)
-        register(c.StartUpstreamTask, by_kind(jobs.start, upstream_task.start))
-        register(c.Answer, held.answer)
-        register(c.Refuse, held.refuse)
-        register(c.CancelCall, held.cancel)
-        register(c.FollowUpstreamTask, by_kind(jobs.follow_job, upstream_task.follow))
-        register(c.PollUpstreamTask, by_kind(jobs.poll, upstream_task.poll))
-        register(c.CancelUpstreamTask, by_kind(jobs.cancel, upstream_task.cancel))
-        register(c.ReleaseCall, by_kind(jobs.release, upstream_task.release))
-        register(c.CreateRecord, self.records.create)
-        register(c.WriteInputs, self.records.write_inputs)
-        register(c.WriteProgress, self.records.write_progress)
-        register(c.Settle, self.records.settle)
-        register(c.Relay, client.relay)
-        register(c.Reply, client.reply)
-        register(c.SetTimer, self.timers.set)
-        register(c.ClearTimer, self.timers.clear)
-        register(c.Park, self.parking.park)
-        register(c.Unpark, self.parking.unpark)
-        register(c.HoldSlot, self.slots.hold)
-        register(c.WriteQueue, self.records.write_queue)
-        self.starter = CallStarter(context, current, self.parking, self.replicas, client.note)
+        feed.use(Effects(held, self.records, client, self.timers, self.parking, self.slots).carry_out)
+        self.starter = CallStarter(context, current, self.parking, self.replicas, client.note, followers)
         self.operations = TaskOperations(context, self.records, self.replicas)
-        self.recovery = Recovery(context, self.replicas, self.records, self.starter.state, lambda: jobs.specs, draining)
+        self.recovery = Recovery(context, self.replicas, self.records, self.starter.state, followers, draining)
         self.inbox = ReplicaInbox(context, self.parking, self.records, self.replicas, self.recovery, self.starter)
 
     # --- lifecycle -----------------------------------------------------------------------------------

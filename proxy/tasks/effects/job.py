@@ -42,7 +42,9 @@ def specs_of(jobs: Mapping[str, JobConfig]) -> dict[str, JobSpec]:
 
 
 @dataclass(eq=False, slots=True)
-class JobEffect:
+class JobFollower:
+    """Follows a legacy job through its family's tools (see the module doc); a `Follower`."""
+
     feed: Feed
     spawner: Spawner
     pool: SessionPool
@@ -92,7 +94,7 @@ class JobEffect:
         job = LegacyTask(job_id, "working", poll_interval_ms=spec.poll_interval_ms)
         await self.feed.dispatch(call, c.UpstreamTaskCreated(job, self.clock_ms()))
 
-    async def follow_job(self, call: LiveCall, command: c.FollowUpstreamTask) -> None:
+    async def follow(self, call: LiveCall, command: c.FollowUpstreamTask) -> None:
         """Nothing to open: the status tool is called at each poll."""
 
     async def poll(self, call: LiveCall, command: c.PollUpstreamTask) -> None:

@@ -46,7 +46,9 @@ log = structlog.get_logger(__name__)
 RETRY_DELAYS_SECONDS: Final = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # a dropped tasks/result is opened again after
 
 
-class UpstreamTaskEffect:
+class UpstreamTaskFollower:
+    """Follows the upstream's own 2025-11-25 task (see the module doc); a `Follower`."""
+
     def __init__(self, feed: Feed, spawner: Spawner, pool: SessionPool, clock_ms: pump.Clock) -> None:
         self.feed = feed
         self.spawner = spawner

@@ -12,7 +12,7 @@ tracing; no upstream.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Final
 
@@ -24,10 +24,10 @@ from proxy.policy import Decision, Outcome, Policy
 from proxy.principals import SealError, identity_of
 from proxy.tasks import machine
 from proxy.tasks.context import TasksContext
+from proxy.tasks.effects import Followers
 from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.live_call import known, new_call
 from proxy.tasks.machine.commands import LeaseLost, Start, Stop
-from proxy.tasks.machine.job import JobSpec
 from proxy.tasks.machine.state import CallState
 from proxy.tasks.machine.upstream_task import UpstreamTask
 from proxy.tasks.services.replicas import LEASE_LAPSED, LEASE_LAPSED_RERUN, TAKEN_OVER, TAKEN_OVER_RERUN, ReplicaLink
@@ -59,7 +59,7 @@ class Recovery:
     replicas: ReplicaLink
     records: RecordWrites
     state_of: StateOf
-    jobs: Callable[[], Mapping[str, JobSpec]]  # the `jobs:` config in force
+    followers: Followers  # how a call follows a task the upstream runs (its own, or a legacy job)
     draining: Callable[[], bool]  # whether this replica drains after SIGTERM: then its sweep takes nothing over
     _tombstones_trimmed_ms: int = field(default=0, init=False)  # the clock when the sweep last trimmed the tombstones
     # take-overs and a lapsed lease's recovery, one at a time
@@ -197,7 +197,7 @@ class Recovery:
         """A legacy job (`jobs:`) left live: polled again here when this replica's upstream ran it (`follow`)
         or every replica's upstream shares it (`shared: true`); False when it is not (or its entry is gone)."""
         assert record.job_id is not None
-        spec = self.jobs().get(record.tool)
+        spec = self.followers.jobs.specs.get(record.tool)
         if spec is None or not (follow or spec.config.shared):
             return False
         message = record.status_message or wire_tasks.RESUMED_MESSAGE
@@ -255,6 +255,7 @@ class Recovery:
             params=params,
             record=record,
             fence=fence,
+            follower=self.followers.of(state.decision),
         )
         self.context.table.add(call)
         self.context.table.add_task(record.task_id, call)

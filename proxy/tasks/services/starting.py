@@ -27,6 +27,7 @@ from proxy.config.schema import Config
 from proxy.errors import InvalidParamsError, MissingCapabilityError, ProxyError
 from proxy.policy import SYNC_CALL, Decision, Outcome, decide
 from proxy.tasks.context import TasksContext
+from proxy.tasks.effects import Followers
 from proxy.tasks.effects.slots import Parking
 from proxy.tasks.live_call import LiveCall, UpstreamRequest, known, new_call
 from proxy.tasks.machine import inputs
@@ -69,6 +70,7 @@ class CallStarter:
     parking: Parking
     replicas: ReplicaLink
     notes: Callable[[LiveCall, JSON], Awaitable[None]]  # through the call's one client writer (`effects/client.py`)
+    followers: Followers  # how a call follows a task the upstream runs, chosen as it is built
     _progress_tokens: int = field(default=0, init=False)
 
     def state(
@@ -106,6 +108,7 @@ class CallStarter:
             headers=outgoing.headers,
             digest_of=lambda: outgoing.digest,
             channel=channel,
+            follower=self.followers.of(decision),
         )
         call.client.reply = asyncio.get_running_loop().create_future()
         self.context.table.add(call)

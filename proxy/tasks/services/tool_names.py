@@ -17,14 +17,14 @@ import structlog
 from proxy.config.schema import Config, TasksConfig
 from proxy.errors import UpstreamError
 from proxy.policy import is_glob
-from proxy.tasks.effects.job import JobEffect
+from proxy.tasks.effects.job import JobFollower
 from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import read_tools
 
 log = structlog.get_logger(__name__)
 
 
-async def check_named_tools(pool: SessionPool, config: Callable[[], Config], jobs: JobEffect) -> list[str]:
+async def check_named_tools(pool: SessionPool, config: Callable[[], Config], jobs: JobFollower) -> list[str]:
     """At start: the upstream's tool list is read once, and each tool a policy (of the config in force once the
     list is read) or a job family names that it does not list is warned about; returns those names. An upstream
     that cannot be asked now (down, or it wants the caller's credentials) is only logged."""
