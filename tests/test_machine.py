@@ -101,6 +101,8 @@ PARK_TTL_MS = 600_000
 
 OK = UpstreamResult({"content": [{"type": "text", "text": "done"}]})
 DONE = {"content": [{"type": "text", "text": "done"}], "resultType": "complete"}
+SETTLED_OK = Settle(TaskStatus.COMPLETED, result=DONE)
+EXPIRED_ERROR = {"code": -32603, "message": "expired"}
 RPC_ERROR = UpstreamErrorResponse({"code": -32000, "message": "no such thing"})
 LOST = UpstreamError("Upstream connection lost during tools/call")
 ELICIT = UpstreamServerRequest(7, "elicitation/create", {"message": "Name?", "requestedSchema": {"type": "object"}})
@@ -409,6 +411,52 @@ PLAYBOOKS = [
         ],
         Mode.TASK,
         finished=False,
+    ),
+    Playbook(
+        "a client's tasks/cancel settles the running task here, fenced, and abandons its call upstream",
+        TASK,
+        [
+            *TASK_STARTED,
+            (
+                Stop("cancelled by the client", status=TaskStatus.CANCELLED),
+                [
+                    Settle(TaskStatus.CANCELLED, status_message="cancelled by the client"),
+                    CancelCall("cancelled by the client"),
+                    HoldSlot(False),
+                ],
+            ),
+            (Ended(OK), []),  # abandoned: how its stream ended changes nothing
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a task seen past its TTL fails here with the expiry's error, and its call is abandoned",
+        TASK,
+        [
+            *TASK_STARTED,
+            (
+                Stop("expired", EXPIRED_ERROR, status=TaskStatus.FAILED),
+                [
+                    Settle(TaskStatus.FAILED, error=EXPIRED_ERROR, status_message="expired"),
+                    CancelCall("expired"),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a settled call is not settled again by a late cancel (its own settlement came first)",
+        TASK,
+        [
+            *TASK_STARTED,
+            (Ended(OK), [SETTLED_OK, HoldSlot(False)]),
+            (Stop("cancelled by the client", status=TaskStatus.CANCELLED), []),
+        ],
+        Mode.DETACHED,
+        finished=True,
     ),
     Playbook(
         "a task stopped from outside (cancel, expiry, shutdown) is abandoned upstream",

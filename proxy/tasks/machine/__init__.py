@@ -68,6 +68,7 @@ from proxy.tasks.machine.commands import (
     ReplyTask,
     Resumed,
     SetTimer,
+    Settle,
     ShutDown,
     Start,
     Stop,
@@ -344,6 +345,8 @@ def _client_left(state: CallState, event: ClientLeft) -> list[Command]:
 
 def _stop(state: CallState, event: Stop) -> list[Command]:
     commands: list[Command] = []
+    if event.status is not None and state.task_id is not None and state.running:
+        commands.append(Settle(event.status, error=event.error, status_message=event.reason))
     if state.mode is Mode.PARKED:
         commands += [Unpark(), ClearTimer(Timer.PARK)]
     if state.client_waiting:

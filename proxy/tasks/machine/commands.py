@@ -116,10 +116,12 @@ class ClientLeft:
 
 @dataclass(frozen=True, slots=True)
 class Stop:
-    """Stop the call: its task was settled elsewhere (cancel, expiry), or the proxy shuts down."""
+    """Stop the call: with `status`, its task settles so first, under the lease's fence (a client's
+    `tasks/cancel`, a task seen past its TTL); without, it was settled already (the TTL sweep)."""
 
     reason: str
-    error: JSON | None = None  # what a client still waiting for the task is told
+    error: JSON | None = None  # what a client still waiting for the task is told (and a failed task's error)
+    status: TaskStatus | None = None  # how the call's task settles, if it is still live here
 
 
 @dataclass(frozen=True, slots=True)

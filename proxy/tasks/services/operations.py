@@ -75,7 +75,7 @@ class TaskOperations:
                     raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
                 message, data = wire_tasks.gone_error(task_id, EXPIRED, now, record.expires_at_ms)
                 raise InvalidParamsError(message, data=data)
-            expired = await self.expire(record) or await self.context.store.get(task_id)
+            expired = await self.expire(record)
             if expired is None:
                 raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
             return expired
@@ -114,22 +114,30 @@ class TaskOperations:
             await self.context.feed.submit(call, Answered(answers))
 
     async def cancel(self, task_id: str, caller: Caller) -> None:
-        """Ack even on a settled task; a live one is settled `cancelled` (unless it settles first) and its
-        call stopped (`notifications/cancelled` upstream): here, or by its owner when the feed tells it."""
+        """Ack even on a settled task. A live one whose call runs here is settled `cancelled` by its machine,
+        under the lease's fence, and its call stopped (`notifications/cancelled` upstream); one whose call runs
+        elsewhere (or here no more, its lease lost) is settled in the store, first settlement wins, and its
+        owner stops the call when the feed tells it."""
         record = await self.observe(task_id, caller)
         if record.status.terminal:
             return
-        await self.records.settle_outside(task_id, TaskStatus.CANCELLED, CANCELLED_BY_CLIENT)
         call = self.context.table.task(task_id)
         if call is not None:
-            await self.context.feed.submit(call, Stop(CANCELLED_BY_CLIENT))
+            await self.context.feed.submit(call, Stop(CANCELLED_BY_CLIENT, status=TaskStatus.CANCELLED))
+        if call is None or call.state.fenced:
+            await self.records.settle_outside(task_id, TaskStatus.CANCELLED, CANCELLED_BY_CLIENT)
 
     async def expire(self, record: TaskRecord) -> TaskRecord | None:
-        settled = await self.records.fail(record.task_id, wire_tasks.EXPIRED_MESSAGE)
+        """A live task seen past its TTL fails now: by its machine when its call runs here, else in the store;
+        the record as it is then."""
+        message = wire_tasks.EXPIRED_MESSAGE
         call = self.context.table.task(record.task_id)
         if call is not None:
-            error = wire_tasks.internal_error(wire_tasks.EXPIRED_MESSAGE)
-            await self.context.feed.submit(call, Stop(wire_tasks.EXPIRED_MESSAGE, error))
-        if settled is not None:
+            error = wire_tasks.internal_error(message)
+            await self.context.feed.submit(call, Stop(message, error, status=TaskStatus.FAILED))
+        if call is None or call.state.fenced:
+            await self.records.fail(record.task_id, message)
+        settled = await self.context.store.get(record.task_id)
+        if settled is not None and settled.status is TaskStatus.FAILED and settled.status_message == message:
             log.info("task_expired", task_id=record.task_id, tool=record.tool)
         return settled
