@@ -117,9 +117,9 @@ class TaskRunner:
         self.config_swapped()
         self.jobs = jobs = JobFollower(feed, self.background, pool, clock, current)
         self.followers = followers = Followers(UpstreamTaskFollower(feed, self.background, pool, clock), jobs)
-        self.client = client = ClientSide(self.durations.paced, feed, self.background)  # also: keep-alive comments
+        self.client = client = ClientSide(self.durations.paced, feed, self.background, current, metrics)
         feed.use(Effects(held, self.records, client, self.timers, self.parking, self.slots).carry_out)
-        self.starter = CallStarter(context, current, self.parking, self.replicas, client.note, followers)
+        self.starter = CallStarter(context, current, self.parking, self.replicas, client, followers)
         self.operations = TaskOperations(context, self.records, self.replicas)
         self.recovery = Recovery(context, self.replicas, self.records, self.starter.state, followers, draining)
         self.inbox = ReplicaInbox(context, self.parking, self.records, self.replicas, self.recovery, self.starter)

@@ -15,7 +15,7 @@ no aiohttp.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final
@@ -28,6 +28,7 @@ from proxy.errors import InvalidParamsError, MissingCapabilityError, ProxyError
 from proxy.policy import SYNC_CALL, Decision, Outcome, decide
 from proxy.tasks.context import TasksContext
 from proxy.tasks.effects import Followers
+from proxy.tasks.effects.client import ClientSide
 from proxy.tasks.effects.slots import Parking
 from proxy.tasks.live_call import LiveCall, UpstreamRequest, known, new_call
 from proxy.tasks.machine import inputs
@@ -69,7 +70,7 @@ class CallStarter:
     config: Callable[[], Config]  # the config in force, read at each call: a live reload swaps what it returns
     parking: Parking
     replicas: ReplicaLink
-    notes: Callable[[LiveCall, JSON], Awaitable[None]]  # through the call's one client writer (`effects/client.py`)
+    client: ClientSide  # the call's client side: its reply, its stream and their one writer
     followers: Followers  # how a call follows a task the upstream runs, chosen as it is built
     _progress_tokens: int = field(default=0, init=False)
 
@@ -107,10 +108,9 @@ class CallStarter:
             params=params,
             headers=outgoing.headers,
             digest_of=lambda: outgoing.digest,
-            channel=channel,
             follower=self.followers.of(decision),
         )
-        call.client.reply = asyncio.get_running_loop().create_future()
+        self.client.wait(call, channel)
         self.context.table.add(call)
         await self.context.feed.submit(call, Start())
         return call
@@ -136,8 +136,7 @@ class CallStarter:
         if claims.owner != self.parking.process_id:
             return await self._forward(outgoing, caller, claims, state, responses, channel)
         call, answers = self.parking.take(claims, responses)
-        call.client.reply = asyncio.get_running_loop().create_future()
-        call.client.channel = channel
+        self.client.wait(call, channel)
         log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, answered=sorted(answers))
         await self.context.feed.submit(call, Resumed(answers, request.progress_token, request.log_level))
         return call
@@ -170,12 +169,13 @@ class CallStarter:
             principal=caller.principal,
             caller=self.context.principals.key_of(caller.principal),
             digest_of=known(claims.digest),
-            channel=channel,
         )
-        call.client.reply = asyncio.get_running_loop().create_future()
+        self.client.wait(call, channel)
         origin = self.parking.process_id
         payload = remote.resume_payload(state, responses, request.progress_token, request.log_level, origin)
-        call.ask = await self.replicas.ask(claims.owner, remote.RESUME, payload, on_note=partial(self.notes, call))
+        call.ask = await self.replicas.ask(
+            claims.owner, remote.RESUME, payload, on_note=partial(self.client.note, call)
+        )
         self.context.spawner.spawn(self._await_forwarded(call, call.ask), f"forwarded-{call.ask.key}")
         log.info("mrtr_forwarded", method=call.method, name=call.name, round=claims.round, to=claims.owner)
         return call
@@ -184,22 +184,21 @@ class CallStarter:
         try:
             reply, call.request_state, task_id = remote.decode_reply(await ask.reply)
             if task_id is not None:
-                call.stored.record = await self.context.store.get(task_id)
-                if call.stored.record is None:
+                record = await self.context.store.get(task_id)
+                if record is None:
                     reply = ReplyError(ProxyError("Internal error: the task the call became is gone"))
                 else:
-                    reply = ReplyTask(self.context.durations.paced(call.stored.record))
+                    reply = ReplyTask(self.context.durations.paced(record))
         except (ProxyError, StoreError) as exc:
             reply = ReplyError(exc if isinstance(exc, ProxyError) else ProxyError(STORE_FAILED, detail=str(exc)))
-        if call.client.reply is not None and not call.client.reply.done():
-            call.client.reply.set_result(reply)
+        self.client.answer(call, reply)
 
     def client_left(self, call: LiveCall) -> None:
         """The waiting request went away (its handler is being cancelled): tell the call, in the background."""
         if call.ask is not None:  # a stand-in: the replica holding the call is told
             self.replicas.abandon(call.ask)
             return
-        call.client.channel = None
+        self.client.left(call)
         self.context.spawner.spawn(self.context.feed.dispatch(call, ClientLeft()), f"client-left-{call.call_id}")
 
     async def shut_down(self) -> None:
