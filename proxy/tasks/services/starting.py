@@ -75,9 +75,15 @@ class CallStarter:
     _progress_tokens: int = field(default=0, init=False)
 
     def state(
-        self, decision: Decision, capabilities: JSON, progress_token: str | int | None, log_level: str | None
+        self,
+        decision: Decision,
+        capabilities: JSON,
+        progress_token: str | int | None,
+        log_level: str | None,
+        config: Config | None = None,
     ) -> CallState:
-        inputs_config = self.config().inputs
+        """A fresh call's state; `config` is the one its request decides with (else the one in force now)."""
+        inputs_config = (config or self.config()).inputs
         return CallState(
             decision=decision,
             capabilities=capabilities,
@@ -87,7 +93,9 @@ class CallStarter:
             log_level=log_level,
         )
 
-    async def begin(self, outgoing: UpstreamRequest, caller: Caller, decision: Decision, channel: Channel) -> LiveCall:
+    async def begin(
+        self, outgoing: UpstreamRequest, caller: Caller, decision: Decision, channel: Channel, config: Config
+    ) -> LiveCall:
         """A new call for a waiting request; its reply arrives on `call.client.reply`."""
         params = outgoing.params
         if decision.may_become_task:
@@ -98,7 +106,7 @@ class CallStarter:
                 meta["progressToken"] = f"mcp-tasks-proxy-{self._progress_tokens}"
             params = {**params, "_meta": meta}
         request = outgoing.request
-        state = self.state(decision, request.client_capabilities, request.progress_token, request.log_level)
+        state = self.state(decision, request.client_capabilities, request.progress_token, request.log_level, config)
         call = new_call(
             state,
             method=outgoing.method,
@@ -116,7 +124,12 @@ class CallStarter:
         return call
 
     async def resume(
-        self, outgoing: UpstreamRequest, caller: Caller, responses: Mapping[str, Any], channel: Channel
+        self,
+        outgoing: UpstreamRequest,
+        caller: Caller,
+        responses: Mapping[str, Any],
+        channel: Channel,
+        config: Config | None = None,
     ) -> LiveCall:
         """An MRTR retry: the `requestState` must be genuine, unexpired, the caller's, for this method and
         these params, and name a call parked for this round (here, or on the live replica that issued it: the
@@ -134,7 +147,7 @@ class CallStarter:
         ):
             raise InvalidParamsError("Invalid params: requestState was issued for another request")
         if claims.owner != self.parking.process_id:
-            return await self._forward(outgoing, caller, claims, state, responses, channel)
+            return await self._forward(outgoing, caller, claims, state, responses, channel, config or self.config())
         call, answers = self.parking.take(claims, responses)
         self.client.wait(call, channel)
         log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, answered=sorted(answers))
@@ -149,6 +162,7 @@ class CallStarter:
         state: str,
         responses: Mapping[str, Any],
         channel: Channel,
+        config: Config,
     ) -> LiveCall:
         """An MRTR retry for a call parked on another replica: sent there (through the store), and a stand-in
         call here whose reply is what that replica's call answers (its notifications reach `channel` too, through
@@ -157,11 +171,11 @@ class CallStarter:
             raise InvalidParamsError(HOLDER_GONE)
         request = outgoing.request
         decision = (
-            decide(self.config().tasks, outgoing.name, declares_tasks=request.declares_tasks)
+            decide(config.tasks, outgoing.name, declares_tasks=request.declares_tasks)
             if request.method == "tools/call"
             else SYNC_CALL
         )
-        standin = self.state(decision, request.client_capabilities, request.progress_token, request.log_level)
+        standin = self.state(decision, request.client_capabilities, request.progress_token, request.log_level, config)
         call = new_call(
             standin,
             method=request.method,
@@ -226,6 +240,7 @@ class WaitingRequests:
         channel: Channel,
         decision: Decision | None,
         server_info: JSON | None,
+        config: Config,
     ) -> JSON:
         """A fresh call: `decision` is the tool's (tools/call) or None (prompts/get, resources/read)."""
         request = outgoing.request
@@ -236,11 +251,11 @@ class WaitingRequests:
                 f"Missing required client capability: tool {request.params.get('name')!r} runs only as a task; "
                 f"declare the {TASKS_EXTENSION} extension",
             )
-        call = await self.starter.begin(outgoing, caller, decision, channel)
+        call = await self.starter.begin(outgoing, caller, decision, channel, config)
         return await self._answer(call, request, server_info)
 
     async def resume(
-        self, outgoing: UpstreamRequest, caller: Caller, channel: Channel, server_info: JSON | None
+        self, outgoing: UpstreamRequest, caller: Caller, channel: Channel, server_info: JSON | None, config: Config
     ) -> JSON:
         """An MRTR retry with `inputResponses` and the `requestState` of the round it answers."""
         request = outgoing.request
@@ -249,7 +264,7 @@ class WaitingRequests:
             responses = {}
         if not isinstance(responses, dict):
             raise InvalidParamsError("Invalid params: inputResponses must be an object")
-        call = await self.starter.resume(outgoing, caller, responses, channel)
+        call = await self.starter.resume(outgoing, caller, responses, channel, config)
         return await self._answer(call, request, server_info)
 
     async def _answer(self, call: LiveCall, request: ModernRequest, server_info: JSON | None) -> JSON:
