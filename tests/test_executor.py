@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -76,6 +75,7 @@ from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
 from proxy.wire.upstream_events import UpstreamEvent, UpstreamResult
 from tests.support.processes import proxy_config
+from tests.support.waiting import until
 
 KEY = os.urandom(32)
 TASK_POLICY = Policy("required", 0, 60_000, 1000, "fail")
@@ -98,20 +98,6 @@ class RecordingFeed:
 
     def of(self, call: LiveCall) -> list[Event]:
         return [event for fed, event in self.events if fed is call]
-
-
-async def until(condition: Callable[[], bool], what: str, timeout_seconds: float = 10) -> None:
-    deadline = time.monotonic() + timeout_seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
-async def until_async(condition: Callable[[], Awaitable[bool]], what: str, timeout_seconds: float = 10) -> None:
-    deadline = time.monotonic() + timeout_seconds
-    while not await condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 def make_call(decision: Decision = A_TASK, caller: str = "caller-a", name: str = "tool") -> LiveCall:
@@ -639,7 +625,7 @@ async def test_a_crashing_pump_of_an_upstream_run_task_fails_it_without_a_python
             record = await store.get(task_id)
             return record is not None and record.status is TaskStatus.FAILED
 
-        await until_async(failed, "the task to fail")
+        await until(failed, "the task to fail")
         record = await store.get(task_id)
 
     assert record is not None
