@@ -152,3 +152,17 @@ def test_the_guard_follows_the_proxy_modules_a_sans_io_room_imports() -> None:
     graph = {"proxy.policy": {"proxy.config.schema"}, "proxy.config.schema": set()}
     external = {"proxy.policy": set(), "proxy.config.schema": {"psycopg"}}
     assert impure_imports(graph, external) == ["proxy.policy imports proxy.config.schema imports psycopg"]
+
+
+def test_every_module_of_the_proxy_opens_with_a_short_header() -> None:
+    """What a module owns and what it must not import, in at most five lines; the why, where it is needed, in the
+    docstrings of what it defines."""
+    long = {}
+    for name, path in module_paths().items():
+        if not name.startswith("proxy"):
+            continue
+        header = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False)
+        lines = len(header.strip("\n").split("\n")) if header else 0
+        if not 1 <= lines <= 5:
+            long[name] = lines
+    assert long == {}

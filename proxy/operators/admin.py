@@ -1,12 +1,6 @@
-"""The admin listener: a second aiohttp site on its own port (never the MCP one), off unless `admin.port` is set.
-
-`GET /admin/tasks` (the CLI's filters, JSON), `GET /admin/tasks/{id}`, `POST /admin/tasks/{id}/cancel`, and
-`GET /admin/`, a server-rendered page listing tasks with a cancel button. Every route needs the bearer token
-(`admin.token_file`, compared in constant time) or the session cookie that `/admin/?token=…` sets (HttpOnly,
-SameSite=Strict, so no other site's form can carry it; the page's forms also carry a token derived from it).
-No argument, credential or result is shown unless `admin.show_results`. Imports aiohttp's web side, the store
-and `task_views`; nothing of the runner or the front.
-"""
+"""The admin listener: a second aiohttp site on its own port (never the MCP one), off unless `admin.port` is set:
+the tasks as JSON and as a page, with a cancel, behind a bearer token or the cookie it sets. No argument,
+credential or result shown unless `admin.show_results`. Imports aiohttp's web side, the store and the views."""
 
 from __future__ import annotations
 
@@ -53,7 +47,14 @@ def admin_url(config: AdminConfig, token: str) -> str:
 
 
 class Admin:
-    """The admin app and its site. `start()` after the store is open, `stop()` before it closes."""
+    """The admin app and its site. `start()` after the store is open, `stop()` before it closes.
+
+    `GET /admin/tasks` (the CLI's filters, JSON), `GET /admin/tasks/{id}`, `POST /admin/tasks/{id}/cancel`, and `GET
+    /admin/`, a server-rendered page listing tasks with a cancel button. Every route needs the bearer token
+    (`admin.token_file`, compared in constant time) or the session cookie that `/admin/?token=…` sets (HttpOnly,
+    SameSite=Strict, so no other site's form can carry it; the page's forms also carry a token derived from it). No
+    argument, credential or result is shown unless `admin.show_results`. Imports aiohttp's web side, the store and
+    `task_views`; nothing of the runner or the front."""
 
     def __init__(self, config: AdminConfig, store: TaskStore, clock: Callable[[], int]) -> None:
         self.config = config

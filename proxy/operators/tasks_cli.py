@@ -1,10 +1,5 @@
-"""The `tasks` commands: list, show, stats, cancel and purge the task records of the store a config names.
-
-Each opens the store the config names (`store.url`, else `store.path`, relative to the working directory as
-for `serve`), or the SQLite file `--db` names, and refuses in one line (exit 1) when it cannot reach it.
-Imports only the standard library at module level (`cli.py` builds its parser from here); each command
-imports the store when it runs.
-"""
+"""The `tasks` commands (list, show, stats, cancel, purge) on the store a config names, or the SQLite file `--db`
+names. Imports only the standard library at module level (`cli.py` builds its parser from here)."""
 
 from __future__ import annotations
 
@@ -15,6 +10,11 @@ import time
 from typing import TYPE_CHECKING, Any, Final
 
 from proxy.operators import _views as task_views
+
+# Each opens the store the config names (`store.url`, else `store.path`, relative to the working directory as for
+# `serve`), or the SQLite file `--db` names, and refuses in one line (exit 1) when it cannot reach it. Imports only
+# the standard library at module level (`cli.py` builds its parser from here); each command imports the store when it
+# runs.
 
 if TYPE_CHECKING:
     from proxy.config.schema import StoreConfig, TasksConfig

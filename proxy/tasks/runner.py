@@ -1,12 +1,6 @@
-"""The composition root of tasks/: builds the executor, its effects and the services from the config, and
-starts and closes them. It carries out nothing itself.
-
-- `executor.py` feeds each call's machine and runs its commands through the effects (`effects/`).
-- `starting.py` starts and resumes calls for waiting requests; `operations.py` serves `tasks/get`, `tasks/update`
-  and `tasks/cancel`; `recovery.py` takes over tasks whose call runs nowhere and runs the sweep;
-  `replica_inbox.py` turns what other replicas do into events; `pacing.py` paces the records clients see.
-Imports all of those, the store and the upstream pool; never aiohttp's web side or the front.
-"""
+"""The composition root of tasks/: builds the executor, its effects and the services from the config, starts
+and closes them, and hands the front one small facade (`Tasks`). Carries out nothing itself. Imports all of
+tasks/, the store and the upstream pool; never aiohttp's web side or the front."""
 
 from __future__ import annotations
 

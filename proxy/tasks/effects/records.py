@@ -1,11 +1,6 @@
-"""Task record writes for the calls run here (`CreateRecord` → `Committed` / `CommitRefused`, `WriteInputs`,
-`WriteProgress`, `Settle`), each under the lease's fence through one helper (a lost lease is `LeaseLost`; a
-store that is unavailable keeps the write in the outbox, retried in order), and the bookkeeping of every
-settlement this replica won (log, metrics, durations, and a note so that its own settlement coming back on the
-change feed is not taken for another replica's). Limits are checked (by the slots, and the outbox's bound)
-before anything is written. Imports the store, the slots, the outbox, the table, the wire and tracing; no
-upstream.
-"""
+"""Task record writes for the calls run here (`CreateRecord`, `WriteInputs`, `WriteProgress`, `WriteQueue`,
+`Settle`), each under the lease's fence through one helper, kept in the outbox while the store is away; the
+bookkeeping of every settlement this replica won. Imports the store, slots, outbox, table and wire."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The task operations the front and the listen streams use, which need no call: `tasks/get` (the caller's
-own unexpired task, paced; a listen stream's quieter read), `tasks/update` (answers to its call, here or
-through its owner) and `tasks/cancel` (settled `cancelled`, its call stopped here or by its owner through the
-feed). A live task seen past its TTL is failed then and there. The span of each of these requests links to
-the span that created the task, as its record keeps it. Imports the store, the record writes (settlements),
-the table, the replica link and tracing.
-"""
+"""The task operations that need no call: `tasks/get` (the caller's own unexpired task, paced), `tasks/update`
+(answers to its call, here or through its owner) and `tasks/cancel` (through the call's machine here, else
+settled in the store). Imports the store, the record writes, the table, the replica link and tracing."""
 
 from __future__ import annotations
 

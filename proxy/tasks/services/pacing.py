@@ -1,11 +1,5 @@
 """Poll pacing: the `pollIntervalMs` a working task suggests, from how long its tool usually takes, and those
-durations, shared by every replica through the store and kept across restarts (`Durations`: loaded at start
-and every few seconds, a completion shared at once). Imports the store.
-
-The policy's `poll_interval_ms` is the pace when nothing is known. Once a tool has completed, a task of it
-suggests polling just after its expected end, so the first poll finds the result; a task past its expected
-end is polled again soon, backing off the longer it overruns, never slower than the policy's pace.
-"""
+durations, shared by every replica through the store (`Durations`). Imports the store."""
 
 from __future__ import annotations
 
@@ -21,6 +15,10 @@ from proxy.tasks.ports import Spawner
 from proxy.tasks.store import StoreError, TaskStore
 from proxy.tasks.store.base import DURATION_SMOOTHING, MAX_DURATION_TOOLS
 from proxy.wire.tasks import TaskRecord, TaskStatus
+
+# The policy's `poll_interval_ms` is the pace when nothing is known. Once a tool has completed, a task of it suggests
+# polling just after its expected end, so the first poll finds the result; a task past its expected end is polled
+# again soon, backing off the longer it overruns, never slower than the policy's pace.
 
 log = structlog.get_logger(__name__)
 

@@ -1,13 +1,6 @@
-"""Per-caller quotas: each `tools/call` a caller starts is counted in a fixed window of one minute (from the
-start of each UTC minute), in the store: shared by every replica on PostgreSQL, kept by the one process on
-SQLite. Two quotas may apply to a call: the caller's over every tool (`limits.calls_per_minute_per_principal`)
-and the caller's for the one tool (`tasks.tools.<key>.calls_per_minute_per_principal`, counted per tool name,
-so each tool a glob matches has its own). One beyond either is refused (`RateLimitedError`: 429 with
-`Retry-After` and the RateLimit fields, which list every quota that applies and what is left of it) before
-anything else is done for it; the edge counts the refusal in `limit_refusals_total` by `data.limit`. Every call
-that reaches the check counts, refused or not, in each quota that applies. Imports the store protocol, the
-policy and errors; no upstream, no aiohttp.
-"""
+"""Per-caller quotas per UTC minute (`limits.calls_per_minute_per_principal`, and a tool's own), counted in the
+store (shared by replicas on PostgreSQL); one beyond is 429 with `Retry-After` and the RateLimit fields.
+Imports the store, the policy and errors; no upstream, no aiohttp."""
 
 from __future__ import annotations
 

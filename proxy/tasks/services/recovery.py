@@ -1,13 +1,6 @@
-"""Tasks whose call runs nowhere, and the periodic sweep. At start (restart recovery), when a dead replica's
-tasks are taken over, and when this replica's own lease lapsed: each live task is failed, re-run per
-`on_restart: rerun`, or (when this replica's upstream runs it) followed again on its upstream session; a legacy
-job (`jobs:`) is polled again (another replica's only with `shared: true`), or failed, never started twice; a
-call whose lease lapsed while its task stayed this replica's runs on (`lease_lapsed`, the rule in `replicas.py`).
-The sweep ends tasks past their TTL, purges old records and takes over dead replicas, except while this replica
-drains (it would only leave them again at its exit). A task's work started again goes on in the trace that
-created it. Imports the store, the record writes, the table, the replica link, the machine's vocabulary and
-tracing; no upstream.
-"""
+"""Tasks whose call runs nowhere (at start, taken over, after a lapsed lease): failed, re-run, followed or
+polled again; and the periodic sweep (TTLs, purges, take-over). Imports the store, the record writes, the
+table, the replica link, the machine's vocabulary and tracing; no upstream."""
 
 from __future__ import annotations
 

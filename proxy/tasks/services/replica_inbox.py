@@ -1,10 +1,6 @@
-"""What the replica link (`replicas.py`) reports, as work on the calls here: a dead replica's tasks taken over
-and a lapsed lease (both to `recovery.py`); a task settled elsewhere stops its call (`RemoteCancel`; this
-replica's own settlements coming back on the feed are ignored); answers relayed from elsewhere reach their call
-(`RemoteAnswers`); an MRTR retry forwarded by another replica resumes a call parked here, and its answer goes
-back (the relayed cancel or answers: work linked to the span that created the task). Decisions stay with the
-call machine. Imports the table, the parking, the record writes, `remote.py` and tracing.
-"""
+"""What the replica link reports, turned into work on the calls here: take-overs and a lapsed lease, tasks
+settled or answered elsewhere, MRTR retries forwarded here. Decisions stay with the call machine. Imports the
+table, the parking, the record writes, `remote.py` and tracing."""
 
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
-"""This process as one replica of a task store: its lease and fence, the change feed, the messages it sends to
-and takes from other replicas, and the take-over of dead replicas' tasks.
-
-With SQLite the process is the only replica: the lease never lapses and the feed carries its own changes. With
-PostgreSQL several replicas share the store. Each renews a lease (`store.lease_seconds`); every write it makes
-as a task's owner carries the lease's fence, so a replica whose lease lapsed (paused, cut off) can no longer
-change a task. A replica whose lease ran out is dead: at each sweep a survivor takes over its live tasks.
-A lapsed lease is resumed, not surrendered: once the store answers again, the replica renews (a new epoch) and
-asks the store what changed. A task it still shows as this replica's was taken over by nobody (a take-over moves
-the owner, and none can happen while the new lease holds): its call keeps running and writes under the new
-fence. A task a survivor took (its owner is the survivor now) is stopped here without writing. So a store
-outage that every replica saw costs no task, and a replica cut off while others reached the store loses its
-tasks to them, its late writes refused by the fence. What
-other replicas record for a task (a cancel settles it; answers are a message to its owner) wakes the owner
-through the feed. This module carries messages and reports what happened to its owner (the replica inbox, through
-`ReplicaOwner`); what a call does about it is the call machine's. Imports the store and `remote.py`; never the
-runner, aiohttp or the front.
-"""
+"""This process as one replica of a task store: its lease and fence, the change feed, the messages to and from
+other replicas, and the take-over of dead replicas' tasks; what happened is reported to its owner (the inbox).
+Imports the store and `remote.py`; never the runner, aiohttp or the front."""
 
 from __future__ import annotations
 
@@ -86,6 +71,20 @@ class Ask:
 
 
 class ReplicaLink:
+    """With SQLite the process is the only replica: the lease never lapses and the feed carries its own changes. With
+    PostgreSQL several replicas share the store. Each renews a lease (`store.lease_seconds`); every write it makes
+    as a task's owner carries the lease's fence, so a replica whose lease lapsed (paused, cut off) can no longer
+    change a task. A replica whose lease ran out is dead: at each sweep a survivor takes over its live tasks. A
+    lapsed lease is resumed, not surrendered: once the store answers again, the replica renews (a new epoch) and
+    asks the store what changed. A task it still shows as this replica's was taken over by nobody (a take-over moves
+    the owner, and none can happen while the new lease holds): its call keeps running and writes under the new
+    fence. A task a survivor took (its owner is the survivor now) is stopped here without writing. So a store outage
+    that every replica saw costs no task, and a replica cut off while others reached the store loses its tasks to
+    them, its late writes refused by the fence. What other replicas record for a task (a cancel settles it; answers
+    are a message to its owner) wakes the owner through the feed. This module carries messages and reports what
+    happened to its owner (the replica inbox, through `ReplicaOwner`); what a call does about it is the call
+    machine's. Imports the store and `remote.py`; never the runner, aiohttp or the front."""
+
     owner: ReplicaOwner  # what the link reports to, from `start` on
 
     def __init__(self, store: TaskStore, replica_id: str, lease_seconds: float) -> None:

@@ -1,15 +1,6 @@
-"""The PostgreSQL store's connections: the settings of each new one, the open (the schema migrated, the
-channel named) and every operation run on a pooled connection within the store's deadline.
-
-Every operation has a deadline (`store.timeout_seconds`: the pooled connection, the connection itself and the
-statement); past it, or when the database cannot be reached or takes no writes (a standby), it raises
-`StoreUnavailableError`. A pooled connection that the server closed or wrote to while idle (a restart's notice,
-a cut) is checked before it is handed out, and a read that met a connection broken in a cut is tried once more
-on a fresh one; a multi-host URL (`host=a,b` with `target_session_attrs=read-write`) follows a failover, since
-libpq picks the primary for each new connection. Depends on psycopg, psycopg_pool and the store's `base`,
-`pg_health`, `pg_schema`; used by `postgres.py` (and `pg_keys.py`, for its connection type); it must not import
-aiohttp, the runner or the front.
-"""
+"""The PostgreSQL store's connections: each new one's settings, the open (schema migrated, channel named), and
+every operation on a pooled connection within the store's deadline (`StoreUnavailableError` past it). Depends
+on psycopg and the store's base, health and schema; must not import aiohttp or tasks."""
 
 from __future__ import annotations
 
@@ -26,6 +17,15 @@ from proxy.config.keyfiles import read_password
 from proxy.tasks.store import pg_schema as schema
 from proxy.tasks.store.base import StoreError, StoreHealth
 from proxy.tasks.store.pg_health import KIND, Watchdog, deadline_seconds, operation_of, quiet, unavailable_reason
+
+# Every operation has a deadline (`store.timeout_seconds`: the pooled connection, the connection itself and the
+# statement); past it, or when the database cannot be reached or takes no writes (a standby), it raises
+# `StoreUnavailableError`. A pooled connection that the server closed or wrote to while idle (a restart's notice, a
+# cut) is checked before it is handed out, and a read that met a connection broken in a cut is tried once more on a
+# fresh one; a multi-host URL (`host=a,b` with `target_session_attrs=read-write`) follows a failover, since libpq
+# picks the primary for each new connection. Depends on psycopg, psycopg_pool and the store's `base`, `pg_health`,
+# `pg_schema`; used by `postgres.py` (and `pg_keys.py`, for its connection type); it must not import aiohttp, the
+# runner or the front.
 
 _KEEPALIVE: Final = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
 _T = TypeVar("_T")

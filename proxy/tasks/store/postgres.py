@@ -1,21 +1,6 @@
-"""The PostgreSQL task store: several replicas on one database, each owning the tasks whose calls it runs.
-
-Driver: psycopg 3 (`psycopg[binary,pool]`), not asyncpg. Its pipeline mode sends a batch of creations with
-its lock, checks, eviction and COMMIT in two round trips; `AsyncConnection.notifies()` is a plain async
-iterator for LISTEN (no callbacks on a pooled connection), with notifications received between reads kept;
-psycopg_pool gives a bounded async pool whose connection settings may be a callable (a rotated password file
-is read again for each new connection); it ships type hints (mypy --strict, no stub package) and is the
-PostgreSQL project's maintained adapter, on libpq, so every libpq setting (`PGPASSWORD`, `~/.pgpass`, TLS
-options in the URL) works as operators expect. asyncpg is faster on raw row decoding, which this store
-barely does (a few rows per call), and needs a separate stub package and its own LISTEN callbacks.
-
-Creations go through one thread with its own connection (`pg_create.py`); everything else runs on the loop
-through the pool, mostly one statement (one implicit transaction) per call, with its change notification in
-the same statement; the pool, the connections' settings and every operation's deadline are
-`pg_connections.py`'s, the idempotency keys `pg_keys.py`'s. Depends on psycopg and the store's `base`, `rows`,
-`pg_connections`, `pg_create`, `pg_schema`, `pg_feed`, `pg_keys`; it must not import aiohttp, the runner or the
-front.
-"""
+"""The PostgreSQL task store: several replicas on one database, each owning the tasks whose calls it runs. On
+psycopg 3 (why not asyncpg: below); creations through `pg_create.py`, the rest through the pool of
+`pg_connections.py`, most operations one statement with its change notification. Must not import aiohttp."""
 
 from __future__ import annotations
 
@@ -54,6 +39,21 @@ from proxy.tasks.store.rows import (
 )
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import LIVE, TaskRecord, TaskStatus
+
+# Driver: psycopg 3 (`psycopg[binary,pool]`), not asyncpg. Its pipeline mode sends a batch of creations with its lock,
+# checks, eviction and COMMIT in two round trips; `AsyncConnection.notifies()` is a plain async iterator for LISTEN
+# (no callbacks on a pooled connection), with notifications received between reads kept; psycopg_pool gives a bounded
+# async pool whose connection settings may be a callable (a rotated password file is read again for each new
+# connection); it ships type hints (mypy --strict, no stub package) and is the PostgreSQL project's maintained
+# adapter, on libpq, so every libpq setting (`PGPASSWORD`, `~/.pgpass`, TLS options in the URL) works as operators
+# expect. asyncpg is faster on raw row decoding, which this store barely does (a few rows per call), and needs a
+# separate stub package and its own LISTEN callbacks.
+#
+# Creations go through one thread with its own connection (`pg_create.py`); everything else runs on the loop through
+# the pool, mostly one statement (one implicit transaction) per call, with its change notification in the same
+# statement; the pool, the connections' settings and every operation's deadline are `pg_connections.py`'s, the
+# idempotency keys `pg_keys.py`'s. Depends on psycopg and the store's `base`, `rows`, `pg_connections`, `pg_create`,
+# `pg_schema`, `pg_feed`, `pg_keys`; it must not import aiohttp, the runner or the front.
 
 PURGE_CHUNK: Final = 1000  # settled records deleted per transaction (creations wait for the count lock meanwhile)
 

@@ -1,11 +1,6 @@
-"""The SQLite task store: one file, one process (the embedded default, one replica).
-
-Every SQLite call runs off the event loop: one writer thread owns the write connection, one reader thread owns
-a read-only connection (`sqlite_threads.py`). One process is the only replica: its lease never lapses, a fence
-checks the owner only, and the change feed is in-process. Depends on sqlite-utils and the store's `base`,
-`rows`, `batching`, `feed`, `sqlite_schema`, `sqlite_threads` and `sqlite_writer` (the writer thread's work); it
-must not import aiohttp, the runner or the front.
-"""
+"""The SQLite task store: one file, one process (the embedded default): every call off the event loop, on one
+writer and one reader thread (`sqlite_threads.py`); the lease never lapses and the feed is in-process.
+Depends on sqlite-utils and the store's own modules; must not import aiohttp or tasks."""
 
 from __future__ import annotations
 
