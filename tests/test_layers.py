@@ -166,3 +166,20 @@ def test_every_module_of_the_proxy_opens_with_a_short_header() -> None:
         if not 1 <= lines <= 5:
             long[name] = lines
     assert long == {}
+
+
+def test_the_proxy_composes_instead_of_mixing_in() -> None:
+    """No class of the proxy inherits from two classes (a protocol or `Generic` beside one is fine), and nothing
+    raises NotImplementedError: a part another part needs is a member, not a stub overridden later."""
+    found = []
+    for name, path in module_paths().items():
+        if not name.startswith("proxy"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(base) for base in node.bases]
+                if len([base for base in bases if base.split("[")[0] not in ("Protocol", "Generic")]) > 1:
+                    found.append(f"{name}.{node.name}({', '.join(bases)})")
+            elif isinstance(node, ast.Raise) and "NotImplementedError" in ast.unparse(node.exc or node):
+                found.append(f"{name}:{node.lineno} raises NotImplementedError")
+    assert found == []

@@ -131,11 +131,11 @@ class Admin:
 
     async def list_tasks(self, request: web.Request) -> web.Response:
         query = self._query(request, 50)
-        records = await self._store(self.store.list_tasks(query))
+        records = await self._store(self.store.operators.list_tasks(query))
         return web.json_response(task_views.page(records, query, self.clock()))
 
     async def show_task(self, request: web.Request) -> web.Response:
-        record = await self._store(self.store.get(request.match_info["task_id"]))
+        record = await self._store(self.store.records.get(request.match_info["task_id"]))
         if record is None:
             raise web.HTTPNotFound(text="no such task\n")
         return web.json_response(self._detail(record))
@@ -157,9 +157,9 @@ class Admin:
                 raise web.HTTPForbidden(text="the form's token is wrong: reload the page\n")
         now_ms = self.clock()
         cancelled = await self._store(
-            self.store.cancel_task(task_id, task_views.OPERATOR_CANCEL_MESSAGE, now_ms=now_ms)
+            self.store.operators.cancel_task(task_id, task_views.OPERATOR_CANCEL_MESSAGE, now_ms=now_ms)
         )
-        record = cancelled or await self._store(self.store.get(task_id))
+        record = cancelled or await self._store(self.store.records.get(task_id))
         if record is None:
             raise web.HTTPNotFound(text="no such task\n")
         log.info("task_cancelled_by_operator", task_id=task_id, cancelled=cancelled is not None)
@@ -177,7 +177,7 @@ class Admin:
 
     async def page(self, request: web.Request) -> web.Response:
         query = self._query(request, _PAGE_LIMIT)
-        records = await self._store(self.store.list_tasks(query))
+        records = await self._store(self.store.operators.list_tasks(query))
         now_ms = self.clock()
         rows = "\n".join(self._row(record, now_ms) for record in records) or ('<tr><td colspan="6">no tasks</td></tr>')
         filters = " ".join(f'<a href="{PREFIX}/?status={status}">{status}</a>' for status in task_views.STATUSES)

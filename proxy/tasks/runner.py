@@ -119,8 +119,8 @@ class TaskRunner:
         self.closing = False  # close() began: what calls answer now is the shutdown's, not their upstream's
         self.background = Background()
         self.table = CallTable()
-        self.durations = Durations(store, clock, self.background)
-        self.quotas = Quotas(store, clock)
+        self.durations = Durations(store.usage, clock, self.background)
+        self.quotas = Quotas(store.usage, clock)
         signer = inputs.RequestStateSigner(inputs.load_secret(config.inputs.secret_file))
         self.slots = RunningSlots(current)
         self.parking = Parking(current, signer, clock, self.process_id)
@@ -175,7 +175,7 @@ class TaskRunner:
         """The lease and the change feed first (every owner write carries the lease's fence), the shared pacing
         estimates, restart recovery (before the first request is served), then the periodic sweep."""
         await self.replicas.start(self.inbox)
-        if self.store.shared and self.secret_file is None:
+        if self.store.replicas.shared and self.secret_file is None:
             log.warning(
                 "request_state_key_not_shared",
                 detail="inputs.secret_file is unset: an MRTR retry that reaches another replica is refused",

@@ -11,7 +11,7 @@ from typing import Final
 
 import structlog
 
-from proxy.tasks.store import StoreError, TaskStore
+from proxy.tasks.store import Replicas, StoreError
 from proxy.tasks.store.base import RESYNC, STATUS
 from proxy.wire.jsonrpc import JSON
 
@@ -74,8 +74,8 @@ class TaskWatchers:
     may have been missed) wakes every inbox for every task it follows. An inbox only learns *that* a task changed;
     its stream reads the record and sends what `tasks/get` would return. No aiohttp; the store is the only I/O."""
 
-    def __init__(self, store: TaskStore) -> None:
-        self.store = store
+    def __init__(self, feed: Replicas) -> None:
+        self.feed = feed  # the store's replicas port: its change feed
         self._following: dict[str, set[ListenInbox]] = {}  # task id → the inboxes that follow it
         self._tasks_of: dict[ListenInbox, set[str]] = {}
 
@@ -103,7 +103,7 @@ class TaskWatchers:
         failure, which counts as a RESYNC."""
         while True:
             try:
-                async with self.store.changes() as changes:
+                async with self.feed.changes() as changes:
                     async for change in changes:
                         if change.kind == STATUS:
                             for inbox in self._following.get(change.key, ()):

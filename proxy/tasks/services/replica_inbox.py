@@ -76,7 +76,7 @@ class ReplicaInbox:
         reason, error = (CANCELLED_BY_CLIENT if status is TaskStatus.CANCELLED else f"settled {status.value}"), None
         if status is TaskStatus.FAILED:  # an expiry, say: a client still waiting is told why
             with contextlib.suppress(StoreError):
-                record = await self.context.store.get(task_id)
+                record = await self.context.store.records.get(task_id)
                 if record is not None:
                     reason, error = record.status_message or reason, record.error
         await self.context.feed.dispatch(call, RemoteCancel(reason, error))
@@ -103,7 +103,7 @@ class ReplicaInbox:
     async def _resync(self, task_ids: list[str]) -> None:
         for task_id in task_ids:
             try:
-                record = await self.context.store.get(task_id)
+                record = await self.context.store.records.get(task_id)
             except StoreError:
                 return
             if record is not None and record.status.terminal:

@@ -163,7 +163,7 @@ class CallStarter:
         """An MRTR retry for a call parked on another replica: sent there (through the store), and a stand-in
         call here whose reply is what that replica's call answers (its notifications reach `channel` too, through
         the stand-in's one client writer)."""
-        if not await self.context.store.replica_alive(claims.owner):
+        if not await self.context.store.replicas.replica_alive(claims.owner):
             raise InvalidParamsError(HOLDER_GONE)
         request = outgoing.request
         decision = (
@@ -194,7 +194,7 @@ class CallStarter:
         try:
             reply, call.request_state, task_id = remote.decode_reply(await ask.reply)
             if task_id is not None:
-                record = await self.context.store.get(task_id)
+                record = await self.context.store.records.get(task_id)
                 if record is None:
                     reply = ReplyError(ProxyError("Internal error: the task the call became is gone"))
                 else:
