@@ -1,5 +1,5 @@
 """The durable task store: the only package that touches a database (SQLite, or PostgreSQL for replicas), its
-ports (`ports.py`) composed by each backend. `open_store` picks the backend from the config (the PostgreSQL
+ports (`contract.py`) composed by each backend. `open_store` picks the backend from the config (the PostgreSQL
 driver is imported only when it is configured). Must not import aiohttp or the rest of tasks."""
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from proxy.tasks.store.base import (
     page_key,
     parse_page_key,
 )
+from proxy.tasks.store.contract import Keys, OperatorQueries, Records, Replicas, TaskStore, Usage
 from proxy.tasks.store.feed import LocalFeed
 from proxy.tasks.store.keys import KeyRecord
-from proxy.tasks.store.ports import Keys, OperatorQueries, Records, Replicas, TaskStore, Usage
 from proxy.tasks.store.rows import record_from_row
 from proxy.tasks.store.sqlite import SqliteTaskStore
 

@@ -1,4 +1,4 @@
-"""What every task store shares: its errors and value types (its ports are `ports.py`, the row codec `rows.py`).
+"""What every task store shares: its errors and value types (its ports: `contract.py`; the row codec: `rows.py`).
 Depends on `proxy.wire` only; it must not import a database driver, aiohttp or tasks."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The store's ports, one per kind of consumer: a task's records, the replicas' leases and mailbox, idempotency
-keys, usage (quotas and durations), operators' queries; `TaskStore` is a backend composing them. Protocols only;
-the contract tests run per port. Depends on the store's value types and the wire."""
+"""The store's contract, one port per kind of consumer: a task's records, the replicas' leases and mailbox,
+idempotency keys, usage (quotas and durations), operators' queries; `TaskStore` is a backend composing them.
+Protocols only; the contract tests run per port. Depends on the store's value types and the wire."""
 
 from __future__ import annotations
 
