@@ -1,11 +1,7 @@
-"""`Idempotency-Key` on a 2026-07-28 `tools/call` (draft-ietf-httpapi-idempotency-key-header): the first request
-with a key runs as any call and its outcome is recorded in the task store; a repeat with the same key and
-payload joins it while it runs (one upstream call, on any replica) or gets the recorded outcome after; the same
-key with another payload is 422. A claim is held by a live request or free: a release or an outcome the store
-could not take (it was away) is owed, written as soon as it takes it, and at once by a repeat here. The front
-consults `IdempotencyKeys.serve` only for a request with the header. Imports the store, the config, the errors
-and the wire; no aiohttp, no runner internals.
-"""
+"""`Idempotency-Key` on a 2026-07-28 `tools/call`: the first request with a key runs as any call, its outcome
+recorded in the task store; a repeat with the same payload joins it (one upstream call, on any replica) or gets
+the outcome, another payload is 422. A release or outcome the store could not take is owed and written once it
+can. Consulted by the front only for a request with the header. Imports the store, config, errors and wire."""
 
 from __future__ import annotations
 
@@ -249,7 +245,7 @@ class IdempotencyKeys:
             claim = KeyRecord(scope, key, printed, self.process_id, now, expires, task_id=task_id)
             self._held[_claim(claim)] += 1  # before the claim is sent: a repeat here that finds it joins it
             try:
-                holder = await self.store.claim_key(claim)
+                holder = await self.store.keys.claim_key(claim)
             except BaseException:  # refused (503) or left: whether the store committed the claim is unknown
                 self._owe(claim, None)
                 self._unhold(claim)
@@ -311,7 +307,7 @@ class IdempotencyKeys:
             self._owe(claim, outcome)
             return
         try:
-            await self.store.settle_key(claim, outcome)
+            await self.store.keys.settle_key(claim, outcome)
         except StoreError as exc:  # the answer still goes out; the outcome is written once the store takes it
             log.warning("idempotency_key_not_recorded", error=str(exc), owed=True)
             self._owe(claim, outcome)
@@ -323,7 +319,7 @@ class IdempotencyKeys:
             self._owe(claim, None)
             return
         try:
-            await self.store.release_key(claim)
+            await self.store.keys.release_key(claim)
         except StoreError as exc:  # released once the store takes it (a repeat here does it at once)
             log.warning("idempotency_key_not_released", error=str(exc), owed=True)
             self._owe(claim, None)
@@ -355,9 +351,9 @@ class IdempotencyKeys:
                 return False
             record, outcome = owed
             if outcome is None:
-                await self.store.release_key(record)
+                await self.store.keys.release_key(record)
             else:
-                await self.store.settle_key(record, outcome)
+                await self.store.keys.settle_key(record, outcome)
             self._owed.pop(_claim(claim), None)
         log.info("idempotency_key_owed_written", released=outcome is None)
         return True
@@ -412,7 +408,7 @@ class IdempotencyKeys:
                 # while the claim was made, or its release or outcome could not be written. Written now.
                 if not await self._pay(record):  # nothing known of it (more were owed than kept): as after a crash
                     await self._orphaned(record, server_info)
-            elif record.owner != self.process_id and not await self.store.replica_alive(record.owner):
+            elif record.owner != self.process_id and not await self.store.replicas.replica_alive(record.owner):
                 await self._orphaned(record, server_info)  # the process running the first request died
             else:
                 remaining = deadline - time.monotonic()
@@ -425,7 +421,7 @@ class IdempotencyKeys:
                 joined = True
                 await asyncio.sleep(min(delay, remaining))
                 delay = min(delay * 2, MAX_POLL_SECONDS)
-            record = await self.store.get_key(holder.scope, holder.key)
+            record = await self.store.keys.get_key(holder.scope, holder.key)
         if record is None:
             return None
         how = "joined" if joined else "replayed"
@@ -443,18 +439,18 @@ class IdempotencyKeys:
         outcome is then unknown). Otherwise what the upstream did is unknown: it is not run again, and the
         repeats are told so ("interrupted")."""
         if record.task_id is not None:
-            task = await self.store.get(record.task_id)
-            if task is None and await self.store.tombstone(record.task_id, record.scope) is None:
-                await self.store.release_key(record)
+            task = await self.store.records.get(record.task_id)
+            if task is None and await self.store.records.tombstone(record.task_id, record.scope) is None:
+                await self.store.keys.release_key(record)
                 log.info("idempotency_key_released", owner=record.owner, reason="its task was never created")
                 self._note("released")
                 return
             if task is not None:
                 created = jsonrpc.dumps({"result": wire_tasks.create_task_result(task, server_info)}).decode()
-                if await self.store.settle_key(record, created):
+                if await self.store.keys.settle_key(record, created):
                     log.info("idempotency_key_settled_with_task", owner=record.owner, task_id=task.task_id)
                 return
-        if await self.store.settle_key(record, json.dumps(INTERRUPTED)):
+        if await self.store.keys.settle_key(record, json.dumps(INTERRUPTED)):
             log.warning("idempotency_key_interrupted", owner=record.owner)
             self._note("interrupted")
 
