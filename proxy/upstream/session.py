@@ -29,6 +29,7 @@ from proxy.wire.translate import implementation
 from proxy.wire.upstream_events import (
     UpstreamErrorResponse,
     UpstreamEvent,
+    UpstreamFinal,
     UpstreamNotification,
     UpstreamResult,
     UpstreamServerRequest,
@@ -56,6 +57,9 @@ class RequestStream(Protocol):
     request_id: int
     method: str
     finished: bool
+
+    def answered(self) -> UpstreamFinal | None:
+        """The answer, when it is in already and nothing came before it (None: read `events()`)."""
 
     def events(self) -> AsyncIterator[UpstreamEvent]: ...
 
@@ -369,6 +373,8 @@ async def answer(stream: RequestStream, refuse_on: Session | None = None) -> Ups
     """Read a request's stream until its answer (the result or the JSON-RPC error), which is returned. What comes
     before it is nobody's: notifications are dropped, and with `refuse_on` (the request's session) a question is
     refused at once, so the upstream never waits for an answer nobody would give."""
+    if (final := stream.answered()) is not None:
+        return final
     async for event in stream.events():
         if isinstance(event, UpstreamResult | UpstreamErrorResponse):
             return event
