@@ -16,16 +16,20 @@ from aiohttp.test_utils import TestServer
 from proxy.config.schema import HttpUpstreamConfig
 from proxy.errors import (
     ResultTooLargeError,
+    UpstreamAuthError,
     UpstreamError,
     UpstreamRefusedError,
     UpstreamRequestInvalidError,
     UpstreamSessionGoneError,
+    UpstreamTimeoutError,
     UpstreamUnreachableError,
 )
+from proxy.observe.metrics import Metrics
 from proxy.principals import Identity, identity_of, principal_key
 from proxy.upstream.http.request_stream import HttpRequestStream
 from proxy.upstream.http.session import HttpKind, upstream_connector
 from proxy.upstream.pool import SessionPool
+from proxy.upstream.session import measured
 from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamResult
 from tests.support.processes import Upstream
 from tests.support.tls import loopback_contexts
@@ -411,3 +415,34 @@ async def test_what_is_not_a_plain_answer_within_the_limit_is_read_as_a_stream(
                 with pytest.raises(expected):
                     [event async for event in call.events()]
         await pool.close()
+
+
+@pytest.mark.parametrize(
+    ("raised", "kind"),
+    [
+        (UpstreamTimeoutError("slow"), "timeout"),
+        (UpstreamAuthError(401, None, "tools/call"), "refused"),
+        (UpstreamError("gone"), "unavailable"),
+        (ValueError("a bug"), None),
+        (None, None),
+    ],
+)
+def test_an_upstream_request_is_measured_and_its_failure_counted_by_kind(
+    raised: Exception | None, kind: str | None
+) -> None:
+    metrics = Metrics(frozenset())
+    with contextlib.suppress(Exception), measured(metrics, "tools/call"):
+        if raised is not None:
+            raise raised
+    registry = metrics.registry
+    duration = "mcp_tasks_proxy_upstream_request_duration_seconds_count"
+    assert registry.get_sample_value(duration, {"method": "tools/call"}) == 1
+    errors = "mcp_tasks_proxy_upstream_errors_total"
+    for each in ("timeout", "refused", "unavailable"):  # counted under its own kind only, and only if upstream's
+        expected = 1 if each == kind else None
+        assert registry.get_sample_value(errors, {"method": "tools/call", "kind": each}) == expected
+
+
+def test_an_upstream_request_without_metrics_is_not_measured() -> None:
+    with pytest.raises(UpstreamTimeoutError), measured(None, "tools/call"):
+        raise UpstreamTimeoutError("slow")

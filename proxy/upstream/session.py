@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -348,22 +348,34 @@ class Learned:
         self.tools_generation += 1
 
 
-@contextlib.contextmanager
-def measured(metrics: Metrics | None, method: str) -> Iterator[None]:
-    """One upstream request in the metrics: how long it took, and a failure by its kind."""
-    started = time.perf_counter()
-    try:
-        yield
-    except UpstreamError as exc:
-        if metrics is not None:
-            kind = "timeout" if isinstance(exc, UpstreamTimeoutError) else "unavailable"
+def measured(metrics: Metrics | None, method: str) -> contextlib.AbstractContextManager[None]:
+    """One upstream request in the metrics: how long it took, and a failure by its kind (nothing without
+    metrics)."""
+    return _UNMEASURED if metrics is None else _Measured(metrics, method)
+
+
+_UNMEASURED: Final = contextlib.nullcontext()
+
+
+class _Measured:
+    __slots__ = ("_method", "_metrics", "_started")
+
+    def __init__(self, metrics: Metrics, method: str) -> None:
+        self._metrics = metrics
+        self._method = method
+        self._started = 0.0
+
+    def __enter__(self) -> None:
+        self._started = time.perf_counter()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        metrics, method = self._metrics, method_label(self._method)
+        if isinstance(exc, UpstreamError):
+            failure = "timeout" if isinstance(exc, UpstreamTimeoutError) else "unavailable"
             if isinstance(exc, UpstreamAuthError):
-                kind = "refused"  # the caller's credential, not the upstream, was the problem
-            metrics.upstream_errors.labels(method_label(method), kind).inc()
-        raise
-    finally:
-        if metrics is not None:
-            metrics.upstream_request_done(method_label(method), time.perf_counter() - started)
+                failure = "refused"  # the caller's credential, not the upstream, was the problem
+            metrics.upstream_errors.labels(method, failure).inc()
+        metrics.upstream_request_done(method, time.perf_counter() - self._started)
 
 
 # --- what both kinds do alike ---------------------------------------------------------------------------
