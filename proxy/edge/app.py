@@ -1,4 +1,5 @@
-"""The aiohttp application: its routes and middlewares, and the MCP endpoint's classification.
+"""The aiohttp application: its routes, its one middleware (the error edge around admission), and the MCP
+endpoint's classification.
 
 One endpoint serves both eras: each POST is classified (docs/architecture.md), legacy traffic goes to the
 pass-through, modern requests to `Front`. A legacy POST is read as JSON only when something needs what it
@@ -23,7 +24,7 @@ from proxy.config.live import LiveConfig
 from proxy.config.schema import Config
 from proxy.edge._admission import read_body, refusal
 from proxy.edge._app_keys import CONFIG, FRONT, JWT, LIVE, PASSTHROUGH, RELAY, RUNNER, STOPPING
-from proxy.edge._drain import DRAIN, Drain, drainz, track
+from proxy.edge._drain import DRAIN, Drain, drainz
 from proxy.edge._error_edge import (
     AUDIT,
     AUDITED,
@@ -71,27 +72,26 @@ log = structlog.get_logger(__name__)
 Serve = Callable[[tracing.ServerSpan], Awaitable[web.StreamResponse]]  # what serves a classified request
 
 
-@web.middleware
-async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The admission rules (`_admission.py`) before anything is read; the operators' endpoints are exempt."""
-    if request.method == "GET" and request.path in OPS_PATHS:
-        return await handler(request)
-    refused = refusal(request, request.app[LIVE].current.security)
-    if refused is None:
-        return await handler(request)
-    if tracing.enabled():  # refused before anything was read: its SERVER span names the error
-        return await _in_server_span(request, None, _era_of_headers(request), None, _raising(refused))
-    raise refused
+def admitted(request: web.Request, handler: Handler) -> Awaitable[web.StreamResponse]:
+    """The error edge's gate (`_error_edge.py`): the admission rules (`_admission.py`) before anything is read (the
+    operators' endpoints are exempt), then the route's handler, or for a path no route of the proxy's own serves
+    the upstream's origin (`_relay.py`; a path the proxy serves with another method keeps its 405). A refusal is
+    raised here, for the error edge to answer. Returns the awaitable of the answer: no frame of its own."""
+    if request.method != "GET" or request.path not in OPS_PATHS:
+        refused = refusal(request, request.app[LIVE].current.security)
+        if refused is not None:
+            if tracing.enabled():  # refused before anything was read: its SERVER span names the error
+                return _in_server_span(request, None, _era_of_headers(request), None, _raising(refused))
+            raise refused
+    # A path the proxy does not serve goes to the upstream's origin; not one of the operators' paths even when it is
+    # not served (e.g. /metrics switched off: still the proxy's, and exempt from the Host check).
+    unrouted = isinstance(request.match_info.http_exception, web.HTTPNotFound)
+    if unrouted and RELAY in request.app and request.path not in OPS_PATHS:
+        return _relay_unrouted(request)
+    return handler(request)
 
 
-@web.middleware
-async def relay_unrouted(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """A path no route of the proxy's own serves goes to the upstream's origin (`_relay.py`); a path the proxy
-    serves with another method keeps its 405."""
-    if not isinstance(request.match_info.http_exception, web.HTTPNotFound) or RELAY not in request.app:
-        return await handler(request)
-    if request.path in OPS_PATHS:  # e.g. /metrics switched off: still the proxy's (and exempt from the Host check)
-        return await handler(request)
+def _relay_unrouted(request: web.Request) -> Awaitable[web.StreamResponse]:
     request[ERA] = "relayed"
     arrived = time.time_ns() if tracing.enabled() else None
 
@@ -101,7 +101,7 @@ async def relay_unrouted(request: web.Request, handler: Handler) -> web.StreamRe
         span.status(response.status)
         return response
 
-    return await _in_server_span(request, None, "relayed", arrived, to_origin)
+    return _in_server_span(request, None, "relayed", arrived, to_origin)
 
 
 # --- the MCP endpoint ---------------------------------------------------------------------------------
@@ -109,10 +109,16 @@ async def relay_unrouted(request: web.Request, handler: Handler) -> web.StreamRe
 
 async def handle_mcp(request: web.Request) -> web.StreamResponse:
     """Every request gets its SERVER span, from its arrival here (its body read included), refused ones too:
-    the request is classified first, then served in the span named after what it turned out to be."""
-    arrived = time.time_ns() if tracing.enabled() else None
-    era, decoded, serve = await _classify(request)
-    return await _in_server_span(request, decoded, era, arrived, serve)
+    the request is classified first, then served in the span named after what it turned out to be. While it is
+    served it is in flight for a drain."""
+    drain = request.app[DRAIN]
+    drain.serving(request)
+    try:
+        arrived = time.time_ns() if tracing.enabled() else None
+        era, decoded, serve = await _classify(request)
+        return await _in_server_span(request, decoded, era, arrived, serve)
+    finally:
+        drain.served(request)
 
 
 async def _classify(request: web.Request) -> tuple[str, object, Serve]:
@@ -143,17 +149,25 @@ async def _classify(request: web.Request) -> tuple[str, object, Serve]:
         return _legacy_post(request, body, decoded, decoded=True)
     request[ERA] = "modern"
 
-    async def modern(span: tracing.ServerSpan) -> web.StreamResponse:
-        return await serve_modern(request, decoded)
+    def modern(span: tracing.ServerSpan) -> Awaitable[web.StreamResponse]:
+        return serve_modern(request, decoded)
 
     return "modern", decoded, modern
 
 
-async def _in_server_span(
+def _in_server_span(
+    request: web.Request, decoded: object, era: str, arrived: int | None, serve: Serve
+) -> Awaitable[web.StreamResponse]:
+    """The one place a request's SERVER span is opened: from its arrival (`arrived`, epoch ns), named after
+    what classifying found (its era, its message). With tracing off, `serve` with no span and no frame."""
+    if not tracing.enabled():
+        return serve(tracing.NO_SPAN)
+    return _spanned(request, decoded, era, arrived, serve)
+
+
+async def _spanned(
     request: web.Request, decoded: object, era: str, arrived: int | None, serve: Serve
 ) -> web.StreamResponse:
-    """The one place a request's SERVER span is opened: from its arrival (`arrived`, epoch ns), named after
-    what classifying found (its era, its message)."""
     with tracing.server_span(
         request.headers, decoded, era=era, http_method=request.method, peer=request.remote, start_time=arrived
     ) as span:
@@ -199,12 +213,17 @@ def _legacy_post(request: web.Request, body: bytes, message: object, *, decoded:
 def _relayed(request: web.Request, body: bytes | None) -> Serve:
     """A legacy client's request, relayed by the pass-through; the relayed status is the span's outcome."""
 
-    async def relay(span: tracing.ServerSpan) -> web.StreamResponse:
-        response = await request.app[PASSTHROUGH].relay(request, body)
-        span.status(response.status)
-        return response
+    def relay(span: tracing.ServerSpan) -> Awaitable[web.StreamResponse]:
+        relayed = request.app[PASSTHROUGH].relay(request, body)
+        return relayed if span is tracing.NO_SPAN else _with_status(span, relayed)
 
     return relay
+
+
+async def _with_status(span: tracing.ServerSpan, relayed: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+    response = await relayed
+    span.status(response.status)
+    return response
 
 
 async def serve_modern(request: web.Request, decoded: object) -> web.StreamResponse:
@@ -283,7 +302,7 @@ def create_app(config: Config, live: LiveConfig | None = None) -> web.Applicatio
         )
     app = web.Application(
         client_max_size=config.security.max_body_bytes,
-        middlewares=[error_edge, track(drain), admission, relay_unrouted],
+        middlewares=[error_edge(admitted)],
     )
     app[CONFIG] = config
     app[LIVE] = live

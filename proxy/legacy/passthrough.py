@@ -11,7 +11,7 @@ split a line fails the request with the proxy's own JSON-RPC error before a byte
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Final
 
 import aiohttp
@@ -139,8 +139,8 @@ class PassThrough:
             await self.lean.close()
         await self.http.close()
 
-    async def relay(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
-        return await self.relay_to(self.url.with_query(request.query) if request.query else self.url, request, body)
+    def relay(self, request: web.Request, body: bytes | None) -> Awaitable[web.StreamResponse]:
+        return self.relay_to(self.url.with_query(request.query) if request.query else self.url, request, body)
 
     async def relay_to(self, url: URL, request: web.Request, body: bytes | None) -> web.StreamResponse:
         """The request relayed to `url` (another path of the upstream's origin: `edge/_relay.py`), by the same rules."""
