@@ -114,8 +114,9 @@ def _done(request: web.Request, status: int, refusal: int | None, duration: floa
             duration_ms=round(duration * 1000, 2),
         )
     app = request.app
-    if not ops and METRICS in app:
-        _count(app[METRICS], request, status, duration)
+    metrics = app.get(METRICS)  # (`get`, not `in`: an absent key's `in` raises and catches a KeyError)
+    if not ops and metrics is not None:
+        _count(metrics, request, status, duration)
     audit = app.get(AUDIT)
     if audit is not None and request.get(ERA) == "modern":
         _audit(audit, request, status, refusal, duration)
@@ -158,7 +159,7 @@ def _count(metrics: Metrics, request: web.Request, status: int, duration_seconds
         outcome = "server_error"
     elif status >= 400:
         outcome = "client_error"
-    elif request.get(JSONRPC_ERROR, False):
+    elif era == "modern" and request.get(JSONRPC_ERROR, False):  # (only a modern request's answer can be one)
         outcome = "jsonrpc_error"
     else:
         outcome = "ok"

@@ -86,7 +86,7 @@ def admitted(request: web.Request, handler: Handler) -> Awaitable[web.StreamResp
     # A path the proxy does not serve goes to the upstream's origin; not one of the operators' paths even when it is
     # not served (e.g. /metrics switched off: still the proxy's, and exempt from the Host check).
     unrouted = isinstance(request.match_info.http_exception, web.HTTPNotFound)
-    if unrouted and RELAY in request.app and request.path not in OPS_PATHS:
+    if unrouted and request.app.get(RELAY) is not None and request.path not in OPS_PATHS:
         return _relay_unrouted(request)
     return handler(request)
 
@@ -191,7 +191,8 @@ def _raising(error: ProxyError) -> Serve:
 def _reads_legacy_messages(request: web.Request) -> bool:
     """Whether anything needs what a legacy POST says (its method, id or trace context): the request metrics,
     the request log line, tracing, or a drain (which refuses a new session with the request's id)."""
-    return METRICS in request.app or logs_at(logging.INFO) or tracing.enabled() or request.app[DRAIN].draining
+    app = request.app  # (`get`, not `in`: an absent key's `in` raises and catches a KeyError)
+    return app.get(METRICS) is not None or logs_at(logging.INFO) or tracing.enabled() or app[DRAIN].draining
 
 
 def _legacy_post(request: web.Request, body: bytes, message: object, *, decoded: bool) -> tuple[str, object, Serve]:
@@ -245,8 +246,8 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
         raise UnauthorizedError(
             f"Unauthorized: this proxy serves no anonymous callers; send {config.security.principal_header}"
         )
-    if principal is not None and JWT in request.app:
-        principal = await request.app[JWT].identify(principal.credential)  # a JWT that fails is refused here (401)
+    if principal is not None and (jwt := request.app.get(JWT)) is not None:
+        principal = await jwt.identify(principal.credential)  # a JWT that fails is refused here (401)
     caller = Caller(principal=principal, headers=request.headers)
     if audited is not None:
         audited.update(subject=subject(principal), principal=request.app[RUNNER].tasks.owner_of(principal) or None)
