@@ -1,7 +1,7 @@
 """The HTTP edge of the proxy: the one place where failures become HTTP answers, and how a modern request's
 answer is written.
 
-`error_edge` (the app's one middleware, around the app's admission gate) turns any ProxyError raised below it
+`error_edge` (around each of the app's routes, with the app's admission gate) turns any ProxyError raised below it
 into the JSON-RPC error answer with the request's id (bound once, when the message is read: `RPC_ID`) and the
 status of `errors.http_status`, also as the last event of an SSE stream that is already open; it also writes
 the one log line of each request.
@@ -19,7 +19,6 @@ from typing import Final
 
 import structlog
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 
 from proxy.errors import ProxyError, RequestId, http_status
 from proxy.observe.audit import AuditLog
@@ -56,48 +55,51 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Gate = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 
-def error_edge(gate: Gate) -> Middleware:
-    """The app's one middleware: `gate` (admission, the unrouted relay) and the route's handler, with every
-    failure turned into an HTTP response here (`_error_answer`) and the one request log line written, whose
-    `request_id` holds for every line the request causes."""
+def error_edge(gate: Gate) -> Callable[[Handler], Handler]:
+    """Wraps each of the app's routes (no middleware: aiohttp's chain of them cost a frame and a lookup per
+    request): `gate` (admission, the unrouted relay) and the route's handler, with every failure turned into an
+    HTTP response here (`_error_answer`) and the one request log line written, whose `request_id` holds for
+    every line the request causes."""
 
-    @web.middleware
-    async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
-        token = begin_request()
-        started = time.perf_counter()
-        status = 500
-        refusal: int | None = None  # the JSON-RPC code of a ProxyError answered here
-        try:
-            response = await gate(request, handler)
-            status = response.status
-            return response
-        except ProxyError as error:
-            log.info("request_rejected", code=error.code, reason=error.message, detail=error.detail)
-            refusal = error.code
-            _count_limit(request, error)
-            response = await _error_answer(request, error)
-            status = response.status
-            return response
-        except web.HTTPException as exc:
-            status = exc.status
-            raise
-        except ConnectionResetError:
-            status = 499  # the client closed the connection before its answer was written (nginx's convention)
-            log.info("client_disconnected")
-            return web.Response(status=status)
-        except Exception:
-            log.exception("request_failed")
-            response = await _error_answer(request, ProxyError("Internal error"))
-            status = response.status
-            return response
-        finally:
-            _done(request, status, refusal, time.perf_counter() - started)
-            # What the request bound for its lines (its id; trace ids and how an Idempotency-Key answered, bound
-            # with structlog) lives in its own task's context, which aiohttp makes for each request: nothing to
-            # unbind for the next one.
-            end_request(token)
+    def wrap(handler: Handler) -> Handler:
+        async def edge(request: web.Request) -> web.StreamResponse:
+            token = begin_request()
+            started = time.perf_counter()
+            status = 500
+            refusal: int | None = None  # the JSON-RPC code of a ProxyError answered here
+            try:
+                response = await gate(request, handler)
+                status = response.status
+                return response
+            except ProxyError as error:
+                log.info("request_rejected", code=error.code, reason=error.message, detail=error.detail)
+                refusal = error.code
+                _count_limit(request, error)
+                response = await _error_answer(request, error)
+                status = response.status
+                return response
+            except web.HTTPException as exc:
+                status = exc.status
+                raise
+            except ConnectionResetError:
+                status = 499  # the client closed the connection before its answer was written (nginx's convention)
+                log.info("client_disconnected")
+                return web.Response(status=status)
+            except Exception:
+                log.exception("request_failed")
+                response = await _error_answer(request, ProxyError("Internal error"))
+                status = response.status
+                return response
+            finally:
+                _done(request, status, refusal, time.perf_counter() - started)
+                # What the request bound for its lines (its id; trace ids and how an Idempotency-Key answered, bound
+                # with structlog) lives in its own task's context, which aiohttp makes for each request: nothing to
+                # unbind for the next one.
+                end_request(token)
 
-    return edge
+        return edge
+
+    return wrap
 
 
 def _done(request: web.Request, status: int, refusal: int | None, duration: float) -> None:

@@ -1,4 +1,4 @@
-"""The aiohttp application: its routes, its one middleware (the error edge around admission), and the MCP
+"""The aiohttp application: its routes (each served through the error edge, with admission first), and the MCP
 endpoint's classification.
 
 One endpoint serves both eras: each POST is classified (docs/architecture.md), legacy traffic goes to the
@@ -46,6 +46,7 @@ from proxy.edge._error_edge import (
 from proxy.edge._jwt_identity import JwtIdentity
 from proxy.edge._lifecycle import end_listen_streams, upstream_ctx
 from proxy.edge._ops import healthz, metrics_endpoint, readyz
+from proxy.edge._relay import OriginRelay
 from proxy.edge.startup import is_loopback
 from proxy.errors import (
     InvalidRequestError,
@@ -74,30 +75,42 @@ Serve = Callable[[tracing.ServerSpan], Awaitable[web.StreamResponse]]  # what se
 
 def admitted(request: web.Request, handler: Handler) -> Awaitable[web.StreamResponse]:
     """The error edge's gate (`_error_edge.py`): the admission rules (`_admission.py`) before anything is read (the
-    operators' endpoints are exempt), then the route's handler, or for a path no route of the proxy's own serves
-    the upstream's origin (`_relay.py`; a path the proxy serves with another method keeps its 405). A refusal is
-    raised here, for the error edge to answer. Returns the awaitable of the answer: no frame of its own."""
+    operators' endpoints are exempt), then the route's handler. A refusal is raised here, for the error edge to
+    answer. Returns the awaitable of the answer: no frame of its own."""
     if request.method != "GET" or request.path not in OPS_PATHS:
         refused = refusal(request, request.app[LIVE].current.security)
         if refused is not None:
             if tracing.enabled():  # refused before anything was read: its SERVER span names the error
                 return _in_server_span(request, None, _era_of_headers(request), None, _raising(refused))
             raise refused
-    # A path the proxy does not serve goes to the upstream's origin; not one of the operators' paths even when it is
-    # not served (e.g. /metrics switched off: still the proxy's, and exempt from the Host check).
-    unrouted = isinstance(request.match_info.http_exception, web.HTTPNotFound)
-    if unrouted and request.app.get(RELAY) is not None and request.path not in OPS_PATHS:
-        return _relay_unrouted(request)
     return handler(request)
 
 
-def _relay_unrouted(request: web.Request) -> Awaitable[web.StreamResponse]:
+def unrouted(own: Mapping[str, tuple[str, ...]]) -> Handler:
+    """The last route, for every path and method no other route serves: a path of the proxy's own served with
+    another method gets 405 (`own`: its methods), one of the operators' paths that is not served 404 (e.g.
+    /metrics switched off: still the proxy's, never relayed); any other goes to the upstream's origin
+    (`_relay.py`)."""
+
+    def relay_unrouted(request: web.Request) -> Awaitable[web.StreamResponse]:
+        allowed = own.get(request.path)
+        if allowed is not None:
+            raise web.HTTPMethodNotAllowed(request.method, allowed)
+        relay = request.app.get(RELAY)
+        if relay is None or request.path in OPS_PATHS:
+            raise web.HTTPNotFound()
+        return _relay_unrouted(request, relay)
+
+    return relay_unrouted
+
+
+def _relay_unrouted(request: web.Request, relay: OriginRelay) -> Awaitable[web.StreamResponse]:
     request[ERA] = "relayed"
     arrived = time.time_ns() if tracing.enabled() else None
 
     async def to_origin(span: tracing.ServerSpan) -> web.StreamResponse:
         body = await read_body(request, request.app[LIVE].current.security) if request.body_exists else None
-        response = await request.app[RELAY].relay(request, body)
+        response = await relay.relay(request, body)
         span.status(response.status)
         return response
 
@@ -301,10 +314,7 @@ def create_app(config: Config, live: LiveConfig | None = None) -> web.Applicatio
             hint="requests without the principal header share one anonymous identity; set security.anonymous: "
             "refuse unless a trusted hop always sets the header",
         )
-    app = web.Application(
-        client_max_size=config.security.max_body_bytes,
-        middlewares=[error_edge(admitted)],
-    )
+    app = web.Application(client_max_size=config.security.max_body_bytes)
     app[CONFIG] = config
     app[LIVE] = live
     app[DRAIN] = drain
@@ -318,13 +328,15 @@ def create_app(config: Config, live: LiveConfig | None = None) -> web.Applicatio
 
         app.on_cleanup.append(close_identity)
     app.on_shutdown.append(end_listen_streams)
-    app.router.add_route("*", config.listen.path, handle_mcp)
-    app.router.add_get(HEALTHZ, healthz)
-    app.router.add_get(READYZ, readyz)
-    app.router.add_get(DRAINZ, drainz)
+    edge = error_edge(admitted)  # every route is served through the error edge
+    app.router.add_route("*", config.listen.path, edge(handle_mcp))
+    ops: dict[str, Handler] = {HEALTHZ: healthz, READYZ: readyz, DRAINZ: drainz}
     if config.observability.metrics:
         metrics = app[METRICS] = Metrics(named_tools(config.tasks))
         drain.register_metrics(metrics.registry)
         live.register_metrics(metrics.registry)
-        app.router.add_get(METRICS_PATH, metrics_endpoint)
+        ops[METRICS_PATH] = metrics_endpoint
+    for path, handler in ops.items():
+        app.router.add_get(path, edge(handler))
+    app.router.add_route("*", "/{path:.*}", edge(unrouted({path: ("GET", "HEAD") for path in ops})))  # last
     return app
