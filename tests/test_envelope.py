@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.errors import HeaderMismatchError, InvalidParamsError, ProxyError, UnsupportedVersionError
 from proxy.wire.envelope import (
@@ -56,6 +57,14 @@ def test_modern_header_makes_a_request_modern_even_without_meta() -> None:
 def test_handshake_versions_are_legacy(version: str) -> None:
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
     assert not is_modern({"MCP-Protocol-Version": version, "Mcp-Session-Id": "abc"}, body)
+
+
+@pytest.mark.parametrize("kind", [dict, CIMultiDict, lambda pairs: CIMultiDictProxy(CIMultiDict(pairs))])
+def test_the_version_header_is_read_the_same_from_any_mapping(kind: Callable[[dict[str, str]], Any]) -> None:
+    """aiohttp's case-insensitive headers are looked up directly; a plain mapping is searched by lowered name."""
+    assert is_modern(kind({"mcp-PROTOCOL-version": " 2026-07-28 "}), None)
+    assert not is_modern(kind({"MCP-Protocol-Version": "2025-11-25"}), None)
+    assert not is_modern(kind({"Mcp-Session-Id": "abc"}), None)
 
 
 def test_initialize_without_headers_is_legacy() -> None:

@@ -124,17 +124,18 @@ async def handle_mcp(request: web.Request) -> web.StreamResponse:
     """Every request gets its SERVER span, from its arrival here (its body read included), refused ones too:
     the request is classified first, then served in the span named after what it turned out to be. While it is
     served it is in flight for a drain."""
-    drain = request.app[DRAIN]
+    app = request.app
+    drain = app[DRAIN]
     drain.serving(request)
     try:
         arrived = time.time_ns() if tracing.enabled() else None
-        era, decoded, serve = await _classify(request)
+        era, decoded, serve = await _classify(request, app)
         return await _in_server_span(request, decoded, era, arrived, serve)
     finally:
         drain.served(request)
 
 
-async def _classify(request: web.Request) -> tuple[str, object, Serve]:
+async def _classify(request: web.Request, app: web.Application) -> tuple[str, object, Serve]:
     """The request's era, its JSON-RPC message when one was read, and what serves it; a refusal found while
     classifying is served by raising it (in the SERVER span, as every answer)."""
     if request.method != "POST":
@@ -143,23 +144,23 @@ async def _classify(request: web.Request) -> tuple[str, object, Serve]:
             request[ERA] = "modern"
             return "modern", None, _raising(MethodNotAllowedError())
         request[ERA] = "legacy"
-        return "legacy", None, _relayed(request, None)
+        return "legacy", None, _relayed(request, app, None)
     try:
-        body = await read_body(request, request.app[LIVE].current.security)
+        body = await read_body(request, app[LIVE].current.security)
     except ProxyError as error:  # too large, or not in time: the era as the headers tell it
         return _era_of_headers(request), None, _raising(error)
     modern_header = is_modern(request.headers, None)
     if not modern_header and not may_carry_version_key(body):
-        return _legacy_post(request, body, None, decoded=False)  # legacy by its bytes: not decoded
+        return _legacy_post(request, app, body, None, decoded=False)  # legacy by its bytes: not decoded
     try:
         decoded = jsonrpc.loads(body)
     except ParseError as error:
         if modern_header:
             request[ERA] = "modern"
             return "modern", None, _raising(error)
-        return _legacy_post(request, body, None, decoded=True)
+        return _legacy_post(request, app, body, None, decoded=True)
     if not is_modern(request.headers, decoded):
-        return _legacy_post(request, body, decoded, decoded=True)
+        return _legacy_post(request, app, body, decoded, decoded=True)
     request[ERA] = "modern"
 
     def modern(span: tracing.ServerSpan) -> Awaitable[web.StreamResponse]:
@@ -201,34 +202,36 @@ def _raising(error: ProxyError) -> Serve:
     return serve
 
 
-def _reads_legacy_messages(request: web.Request) -> bool:
+def _reads_legacy_messages(app: web.Application) -> bool:
     """Whether anything needs what a legacy POST says (its method, id or trace context): the request metrics,
     the request log line, tracing, or a drain (which refuses a new session with the request's id)."""
-    app = request.app  # (`get`, not `in`: an absent key's `in` raises and catches a KeyError)
+    # (`get`, not `in`: an absent key's `in` raises and catches a KeyError)
     return app.get(METRICS) is not None or logs_at(logging.INFO) or tracing.enabled() or app[DRAIN].draining
 
 
-def _legacy_post(request: web.Request, body: bytes, message: object, *, decoded: bool) -> tuple[str, object, Serve]:
+def _legacy_post(
+    request: web.Request, app: web.Application, body: bytes, message: object, *, decoded: bool
+) -> tuple[str, object, Serve]:
     """A legacy client's POST, relayed as it came. Its body is read as JSON only when something needs what it
     says (`_reads_legacy_messages`); `decoded` tells whether `message` is that reading already (None for a body
     that is not JSON). A drain refuses a new session here, before the SERVER span."""
     request[ERA] = "legacy"
-    if not decoded and _reads_legacy_messages(request):
+    if not decoded and _reads_legacy_messages(app):
         try:
             message = jsonrpc.loads(body)
         except ParseError:
             message = None  # relayed all the same: the upstream answers it
     if isinstance(message, dict) and isinstance(message.get("method"), str):
         request[MCP_METHOD] = message["method"]
-    request.app[DRAIN].check_legacy(request, message)
-    return "legacy", message, _relayed(request, body)
+    app[DRAIN].check_legacy(request, message)
+    return "legacy", message, _relayed(request, app, body)
 
 
-def _relayed(request: web.Request, body: bytes | None) -> Serve:
+def _relayed(request: web.Request, app: web.Application, body: bytes | None) -> Serve:
     """A legacy client's request, relayed by the pass-through; the relayed status is the span's outcome."""
 
     def relay(span: tracing.ServerSpan) -> Awaitable[web.StreamResponse]:
-        relayed = request.app[PASSTHROUGH].relay(request, body)
+        relayed = app[PASSTHROUGH].relay(request, body)
         return relayed if span is tracing.NO_SPAN else _with_status(span, relayed)
 
     return relay
@@ -250,23 +253,24 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     if isinstance(message, Response):
         raise InvalidRequestError("Invalid Request: a 2026-07-28 server sends no requests, so it takes no responses")
     request[MCP_METHOD] = message.method
-    audited = _audited(request, message.method, message.params) if request.app.get(AUDIT) is not None else None
+    app = request.app
+    audited = _audited(request, message.method, message.params) if app.get(AUDIT) is not None else None
     modern = validate_modern(request.headers, message.id, message.method, message.params)
-    request.app[DRAIN].check_modern(modern)
-    config = request.app[LIVE].current
+    app[DRAIN].check_modern(modern)
+    config = app[LIVE].current
     principal = identity_of(request.headers.get(config.security.principal_header))  # empty counts as none
     if principal is None and config.security.anonymous == "refuse":
         raise UnauthorizedError(
             f"Unauthorized: this proxy serves no anonymous callers; send {config.security.principal_header}"
         )
-    if principal is not None and (jwt := request.app.get(JWT)) is not None:
+    if principal is not None and (jwt := app.get(JWT)) is not None:
         principal = await jwt.identify(principal.credential)  # a JWT that fails is refused here (401)
     caller = Caller(principal=principal, headers=request.headers)
     if audited is not None:
-        audited.update(subject=subject(principal), principal=request.app[RUNNER].tasks.owner_of(principal) or None)
+        audited.update(subject=subject(principal), principal=app[RUNNER].tasks.owner_of(principal) or None)
     channel = request[CHANNEL] = HttpChannel(request, config.limits.write_timeout_seconds)
     try:
-        reply = await request.app[FRONT].dispatch(modern, caller, channel)
+        reply = await app[FRONT].dispatch(modern, caller, channel)
     except StoreUnavailableError as exc:  # the store is away for now: 503 + Retry-After, never a hang or a 500
         raise TaskStoreUnavailableError(exc.kind, exc.reason, detail=str(exc)) from exc
     request[JSONRPC_ERROR] = "error" in reply

@@ -23,6 +23,7 @@ from mcp_types import (
 )
 from mcp_types.methods import CLIENT_REQUESTS, validate_client_request
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, MODERN_PROTOCOL_VERSIONS
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.errors import (
     HeaderMismatchError,
@@ -108,6 +109,9 @@ def is_modern(headers: Mapping[str, str], message: Any) -> bool:
             meta = params.get("_meta")
             if isinstance(meta, dict) and PROTOCOL_VERSION_META_KEY in meta:
                 return True
+    if isinstance(headers, CIMultiDictProxy | CIMultiDict):  # aiohttp's: looked up whatever the case, in C
+        value = headers.get(PROTOCOL_VERSION_HEADER)
+        return value is not None and value.strip() not in HANDSHAKE_PROTOCOL_VERSIONS
     for key, value in headers.items():
         if key.lower() == PROTOCOL_VERSION_HEADER:
             return value.strip() not in HANDSHAKE_PROTOCOL_VERSIONS
