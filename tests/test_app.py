@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -561,10 +562,10 @@ def json_lines(monkeypatch: pytest.MonkeyPatch) -> Iterator[io.StringIO]:
     stderr; restored after the test."""
     saved = structlog.get_config()
     monkeypatch.setattr(logs, "_min_level", logs._min_level)
-    configure_logging(LoggingConfig(level="info", format="json"))
+    monkeypatch.setattr(logs, "_request_log", logs._request_log)
     lines = io.StringIO()
-    output = structlog.WriteLogger(lines)
-    structlog.configure(logger_factory=lambda *_: output)
+    monkeypatch.setattr(sys, "stderr", lines)
+    configure_logging(LoggingConfig(level="info", format="json"))
     yield lines
     structlog.configure(**saved)
 

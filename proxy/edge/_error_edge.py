@@ -15,7 +15,7 @@ from aiohttp import web
 
 from proxy.errors import ProxyError, RequestId, http_status
 from proxy.observe.audit import AuditLog
-from proxy.observe.logs import begin_request, end_request, logs_at, request_id
+from proxy.observe.logs import begin_request, end_request, logs_at, request_id, request_log
 from proxy.observe.metrics import Metrics, method_label
 from proxy.wire import jsonrpc
 from proxy.wire.jsonrpc import JSON
@@ -105,7 +105,8 @@ def _done(request: web.Request, status: int, refusal: int | None, duration: floa
     """The request's log line, its metrics and its audit line."""
     ops = request.path in OPS_PATHS  # a probe every few seconds would drown the useful lines: debug
     if logs_at(logging.DEBUG if ops else logging.INFO):
-        (log.debug if ops else log.info)(
+        lines = request_log()
+        (lines.debug if ops else lines.info)(
             "request",
             http_method=request.method,
             path=request.path,

@@ -5,13 +5,16 @@ argument values are never logged. Imports the config's logging section and `trac
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import secrets
 import sys
+import time
 from collections.abc import MutableMapping
 from contextvars import ContextVar, Token
 from typing import Any, Final
 
+import orjson
 import structlog
 
 from proxy.config.schema import LoggingConfig
@@ -56,12 +59,57 @@ def logs_at(level: int) -> bool:
     return level >= _min_level
 
 
+# The logger of the line every request writes (`request_log`): bound once per configuration (a lazy logger binds
+# itself anew on every call, and a reload must reach it: `configure_logging` binds it again).
+_request_log: Any = structlog.get_logger("proxy.edge")
+
+
+def request_log() -> Any:
+    return _request_log
+
+
+def json_line(event: Any, **kwargs: Any) -> str:
+    """A line's JSON as `json.dumps(event, **kwargs)` writes it (ASCII, non-ASCII text escaped), written by orjson
+    when that gives the same values: ASCII output of plain values. Anything else (non-ASCII text, an integer past
+    64 bits, a null that may have been a NaN) by the standard library; a value only the fallback handler can write
+    is written by it either way."""
+    try:
+        line = orjson.dumps(event, default=kwargs.get("default"))
+    except (TypeError, orjson.JSONEncodeError):
+        return json.dumps(event, **kwargs)
+    if not line.isascii() or b"null" in line:  # (orjson writes NaN as null: such a line is written the slow way)
+        return json.dumps(event, **kwargs)
+    return line.decode()
+
+
+def iso_utc(ns: int) -> str:
+    """`ns` (epoch nanoseconds) as structlog's `TimeStamper(fmt="iso", utc=True)` writes it: ISO 8601 in UTC with
+    `Z`, microseconds (truncated) unless they are zero. The seconds' text is made once a second."""
+    global _second
+    seconds, micros = divmod(ns // 1000, 1_000_000)
+    second, text = _second
+    if seconds != second:
+        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+        _second = (seconds, text)
+    return f"{text}.{micros:06d}Z" if micros else f"{text}Z"
+
+
+_second: tuple[int, str] = (-1, "")
+
+
+def _timestamp(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    event_dict["timestamp"] = iso_utc(time.time_ns())
+    return event_dict
+
+
 def configure_logging(config: LoggingConfig) -> None:
-    global _min_level
+    global _min_level, _request_log
     level = logging.getLevelNamesMapping()[config.level.upper()]
     console = config.format == "console" or (config.format == "auto" and sys.stderr.isatty())
     renderer: structlog.types.Processor = (
-        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()) if console else structlog.processors.JSONRenderer()
+        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        if console
+        else structlog.processors.JSONRenderer(serializer=json_line)
     )
     output = structlog.WriteLogger(sys.stderr)
     structlog.configure(
@@ -70,7 +118,7 @@ def configure_logging(config: LoggingConfig) -> None:
             _add_request_id,
             tracing.add_trace_ids,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _timestamp,
             structlog.processors.format_exc_info,
             renderer,
         ],
@@ -80,5 +128,6 @@ def configure_logging(config: LoggingConfig) -> None:
         cache_logger_on_first_use=False,  # a live reload may change the level: loggers must see the new one
     )
     _min_level = level
+    _request_log = structlog.get_logger("proxy.edge").bind()
     # aiohttp's own access log repeats what the request log line says.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
