@@ -136,11 +136,14 @@ async def _error_answer(request: web.Request, error: ProxyError) -> web.StreamRe
     return error_response(error, request_id)
 
 
+JSON_CONTENT_TYPE: Final = "application/json; charset=utf-8"
+
+
 def json_response(message: JSON, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
-    """`message` as a JSON body, encoded once (a spliced-in stored result is not decoded and encoded again)."""
-    return web.Response(
-        body=jsonrpc.dumps(message), status=status, headers=headers, content_type="application/json", charset="utf-8"
-    )
+    """`message` as a JSON body, encoded once (a spliced-in stored result is not decoded and encoded again). Its
+    Content-Type is given whole (aiohttp would build it from a type and a charset for every answer)."""
+    extra = {"Content-Type": JSON_CONTENT_TYPE} if headers is None else {**headers, "Content-Type": JSON_CONTENT_TYPE}
+    return web.Response(body=jsonrpc.dumps(message), status=status, headers=extra)
 
 
 def error_response(error: ProxyError, request_id: RequestId | None = None) -> web.Response:
