@@ -141,7 +141,8 @@ class PassThrough:
         await self.http.close()
 
     def relay(self, request: web.Request, body: bytes | None) -> Awaitable[web.StreamResponse]:
-        return self.relay_to(self.url.with_query(request.query) if request.query else self.url, request, body)
+        # (the query string first: parsing it into `request.query` costs more than the relay's header checks)
+        return self.relay_to(self.url.with_query(request.query) if request.query_string else self.url, request, body)
 
     async def relay_to(self, url: URL, request: web.Request, body: bytes | None) -> web.StreamResponse:
         """The request relayed to `url` (another path of the upstream's origin: `edge/_relay.py`), by the same rules."""
