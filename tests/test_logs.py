@@ -3,17 +3,24 @@ the same: the same values in the JSON, the same timestamp text."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import math
+import sys
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+import structlog
 from hypothesis import given
 from hypothesis import strategies as st
 from structlog.processors import _json_fallback_handler
 
-from proxy.observe.logs import iso_utc, json_line
+from proxy.config.schema import LoggingConfig
+from proxy.observe import logs
+from proxy.observe.logs import configure_logging, iso_utc, json_line
 
 FIELD_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
@@ -63,3 +70,43 @@ def test_the_timestamp_is_structlogs_iso_utc_text(ns: int) -> None:
     expected = datetime.fromtimestamp(ns // 1000 / 1_000_000, tz=UTC).isoformat().replace("+00:00", "Z")
     assert iso_utc(ns) == expected
     assert iso_utc(ns + 1000) != expected  # a microsecond later: another text, from the same second's prefix
+
+
+@pytest.fixture
+def restored_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    saved = structlog.get_config()
+    monkeypatch.setattr(logs, "_min_level", logs._min_level)
+    monkeypatch.setattr(logs, "_request_log", logs._request_log)
+    yield
+    structlog.configure(**saved)
+
+
+@pytest.mark.usefixtures("restored_logging")
+@pytest.mark.parametrize("format_", ["json", "console"])
+def test_the_request_line_is_what_a_structlog_logger_writes(monkeypatch: pytest.MonkeyPatch, format_: str) -> None:
+    """`request_log()` runs the configured processors itself: the same line as a logger of the configuration
+    writes, the timestamp aside; nothing below the level."""
+    stderr_lines = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr_lines)  # what configure_logging writes to
+    configure_logging(LoggingConfig(level="info", format=format_))
+    fields = {"http_method": "POST", "path": "/mcp", "status": 200, "duration_ms": 0.25}
+    token = logs.begin_request()
+    structlog.contextvars.bind_contextvars(idempotency="replayed")  # as a keyed call's answer binds it
+    try:
+        logs.request_log().info("request", **dict(fields))
+        structlog.get_logger("elsewhere").info("request", **dict(fields))
+    finally:
+        structlog.contextvars.unbind_contextvars("idempotency")
+        logs.end_request(token)
+    ours, theirs = stderr_lines.getvalue().splitlines()
+    if format_ == "json":
+        mine, reference = json.loads(ours), json.loads(theirs)
+        assert mine.pop("timestamp").endswith("Z")
+        reference.pop("timestamp")
+        assert mine == reference
+        assert mine["request_id"].startswith(logs.REQUEST_ID_PREFIX)
+        assert mine["idempotency"] == "replayed"
+    else:
+        assert ours.split(" ", 1)[1] == theirs.split(" ", 1)[1]  # past the timestamp
+    configure_logging(LoggingConfig(level="warning", format=format_))
+    assert not logs.logs_at(logging.INFO)  # the edge asks this before it writes a request line

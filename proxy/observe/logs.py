@@ -59,9 +59,35 @@ def logs_at(level: int) -> bool:
     return level >= _min_level
 
 
-# The logger of the line every request writes (`request_log`): bound once per configuration (a lazy logger binds
-# itself anew on every call, and a reload must reach it: `configure_logging` binds it again).
-_request_log: Any = structlog.get_logger("proxy.edge")
+class _Lines:
+    """The logger of the line every request writes: the configured processors run in order and the line handed to
+    the configured output, as a structlog logger does, without binding a logger anew on every call (a lazy one
+    does, so that a reload reaches it; `configure_logging` makes this one again instead)."""
+
+    __slots__ = ("_output", "_processors")
+
+    def __init__(self, processors: list[structlog.types.Processor], output: structlog.WriteLogger) -> None:
+        self._processors = tuple(processors)
+        self._output = output
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._write("info", event, fields)
+
+    def debug(self, event: str, **fields: Any) -> None:
+        self._write("debug", event, fields)
+
+    def _write(self, method_name: str, event: str, fields: dict[str, Any]) -> None:
+        fields["event"] = event
+        line: Any = fields
+        try:
+            for processor in self._processors:
+                line = processor(self._output, method_name, line)
+        except structlog.DropEvent:
+            return
+        self._output.msg(line)
+
+
+_request_log: Any = structlog.get_logger("proxy.edge")  # until `configure_logging`: structlog's configuration
 
 
 def request_log() -> Any:
@@ -112,22 +138,23 @@ def configure_logging(config: LoggingConfig) -> None:
         else structlog.processors.JSONRenderer(serializer=json_line)
     )
     output = structlog.WriteLogger(sys.stderr)
+    processors: list[structlog.types.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        _add_request_id,
+        tracing.add_trace_ids,
+        structlog.processors.add_log_level,
+        _timestamp,
+        structlog.processors.format_exc_info,
+        renderer,
+    ]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            _add_request_id,
-            tracing.add_trace_ids,
-            structlog.processors.add_log_level,
-            _timestamp,
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(level),
         # One writer for every line (structlog would make one per call otherwise, loggers not being cached).
         logger_factory=lambda *_: output,
         cache_logger_on_first_use=False,  # a live reload may change the level: loggers must see the new one
     )
     _min_level = level
-    _request_log = structlog.get_logger("proxy.edge").bind()
+    _request_log = _Lines(processors, output)
     # aiohttp's own access log repeats what the request log line says.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
