@@ -93,6 +93,7 @@ def quiet_logs(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     warning), restored after the test."""
     saved = structlog.get_config()
     monkeypatch.setattr(logs, "_min_level", logs._min_level)
+    monkeypatch.setattr(logs, "_request_log", logs._request_log)
     configure_logging(LoggingConfig(level="warning"))
     yield
     structlog.configure(**saved)

@@ -6,8 +6,10 @@ Nothing a client sends may make the proxy answer 5xx; every modern rejection is 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -15,8 +17,11 @@ import structlog.testing
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
+from proxy.config.schema import LoggingConfig
 from proxy.edge._admission import host_allowed, origin_allowed
 from proxy.edge._drain import DRAIN
+from proxy.observe import logs
+from proxy.observe.logs import configure_logging
 from tests.support.processes import Upstream
 from tests.support.schemas import SCHEMA_DIR, ModernSchema
 from tests.support.wire import DECLARING, modern_body, modern_headers, modern_meta, read_messages
@@ -549,3 +554,35 @@ def test_once_started_the_collector_leaves_start_up_objects_alone_and_collects_y
     finally:
         gc.unfreeze()
         gc.set_threshold(*thresholds)
+
+
+@pytest.fixture
+def json_lines(monkeypatch: pytest.MonkeyPatch) -> Iterator[io.StringIO]:
+    """The process's logging as `logging.level: info` with JSON lines configures it, written here instead of
+    stderr; restored after the test."""
+    saved = structlog.get_config()
+    monkeypatch.setattr(logs, "_min_level", logs._min_level)
+    monkeypatch.setattr(logs, "_request_log", logs._request_log)
+    lines = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", lines)
+    configure_logging(LoggingConfig(level="info", format="json"))
+    yield lines
+    structlog.configure(**saved)
+
+
+async def test_every_line_a_request_causes_names_it_and_no_other(proxy: Client, json_lines: io.StringIO) -> None:
+    """The request log line and what was logged while serving it (here the refusal) share one `request_id`;
+    the next request has another, and nothing logged outside a request has one."""
+    bad = {**modern_headers("tools/call", "echo"), "Mcp-Name": "other"}
+    for _ in range(2):
+        await proxy.post("/mcp", json=modern_body("tools/call", {"name": "echo", "arguments": {}}), headers=bad)
+    structlog.get_logger("outside").info("not_a_request")
+    by_event: dict[str, list[dict[str, Any]]] = {}
+    for line in json_lines.getvalue().splitlines():
+        event = json.loads(line)
+        by_event.setdefault(event["event"], []).append(event)
+    rejected, served = by_event["request_rejected"], by_event["request"]
+    assert [line["request_id"] for line in rejected] == [line["request_id"] for line in served]
+    assert len({line["request_id"] for line in served}) == 2
+    assert all(line["request_id"].startswith(logs.REQUEST_ID_PREFIX) for line in served)
+    assert "request_id" not in by_event["not_a_request"][0]

@@ -8,12 +8,16 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import pydantic
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mcp_types.methods import CLIENT_REQUESTS, validate_client_request
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.errors import HeaderMismatchError, InvalidParamsError, ProxyError, UnsupportedVersionError
 from proxy.wire.envelope import (
+    ModernRequest,
     check_param_headers,
     decode_header_value,
     is_modern,
@@ -56,6 +60,14 @@ def test_modern_header_makes_a_request_modern_even_without_meta() -> None:
 def test_handshake_versions_are_legacy(version: str) -> None:
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
     assert not is_modern({"MCP-Protocol-Version": version, "Mcp-Session-Id": "abc"}, body)
+
+
+@pytest.mark.parametrize("kind", [dict, CIMultiDict, lambda pairs: CIMultiDictProxy(CIMultiDict(pairs))])
+def test_the_version_header_is_read_the_same_from_any_mapping(kind: Callable[[dict[str, str]], Any]) -> None:
+    """aiohttp's case-insensitive headers are looked up directly; a plain mapping is searched by lowered name."""
+    assert is_modern(kind({"mcp-PROTOCOL-version": " 2026-07-28 "}), None)
+    assert not is_modern(kind({"MCP-Protocol-Version": "2025-11-25"}), None)
+    assert not is_modern(kind({"Mcp-Session-Id": "abc"}), None)
 
 
 def test_initialize_without_headers_is_legacy() -> None:
@@ -261,6 +273,87 @@ def test_params_shape_is_checked_with_the_2026_models() -> None:
     with pytest.raises(InvalidParamsError) as caught:
         validate_params(request)
     assert "arguments" in caught.value.message
+
+
+def _refusal(params: dict[str, Any]) -> str | None:
+    """What validating `params` of a tools/call says (None: valid)."""
+    try:
+        validate_params(call(params, headers("tools/call", "greet")))
+    except InvalidParamsError as refused:
+        return refused.message
+    return None
+
+
+def test_a_meta_seen_valid_before_still_leaves_every_other_param_checked() -> None:
+    """The second request with the same `_meta` skips only the `_meta`: the rest is refused as the first time."""
+    meta = {**META, "io.modelcontextprotocol/clientInfo": {"name": "remembered", "version": "1"}}
+    bad_arguments = {"name": "greet", "arguments": "not-an-object", "_meta": meta}
+    first = _refusal(bad_arguments)
+    assert first is not None
+    assert "arguments" in first
+    assert _refusal({"name": "greet", "arguments": {}, "_meta": meta}) is None  # the `_meta` is known now
+    assert _refusal(bad_arguments) == first
+    unknown = {**meta, "x-other": 1}  # validated whole: the same refusal
+    assert _refusal({**bad_arguments, "_meta": unknown}) == first
+    assert _refusal({"name": "greet", "requestState": 5, "_meta": meta}) is not None
+
+
+def test_a_meta_that_is_not_valid_is_refused_every_time() -> None:
+    """Only a `_meta` that validated is remembered; one that did not is refused again, and so is a known one's
+    sibling that differs in a field that does not validate."""
+    good = {**META, "io.modelcontextprotocol/clientInfo": {"name": "good", "version": "1"}}
+    bad = {**META, "io.modelcontextprotocol/clientInfo": {"name": "bad"}}  # no version
+    assert _refusal({"name": "greet", "_meta": good}) is None
+    for _ in range(2):
+        refused = _refusal({"name": "greet", "_meta": bad})
+        assert refused is not None
+        assert "clientInfo" in refused
+    capabilities = {**good, "io.modelcontextprotocol/clientCapabilities": {"elicitation": "yes"}}
+    assert _refusal({"name": "greet", "_meta": capabilities}) is not None
+
+
+MODERN_METHODS = sorted(method for method, version in CLIENT_REQUESTS if version == "2026-07-28")
+METAS = [
+    META,
+    {**META, "io.modelcontextprotocol/clientInfo": {"name": "c", "version": "1"}},
+    {**META, "io.modelcontextprotocol/clientInfo": {"name": "c"}},  # no version: not valid
+    {**META, "io.modelcontextprotocol/clientCapabilities": {"sampling": []}},  # not valid
+    {**META, "progressToken": "p-1"},
+    {**META, "progressToken": {"not": "a token"}},  # not valid
+]
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=2) | st.dictionaries(st.sampled_from(["a", "type", "name"]), inner),
+    max_leaves=4,
+)
+PARAM_KEYS = ["name", "uri", "arguments", "cursor", "requestState", "inputResponses", "taskId", "ref", "argument"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    method=st.sampled_from(MODERN_METHODS),
+    meta=st.sampled_from(range(len(METAS))),
+    params=st.dictionaries(st.sampled_from(PARAM_KEYS), JSON_VALUES, max_size=4),
+)
+def test_params_are_judged_as_the_whole_request_model_judges_them(
+    method: str, meta: int, params: dict[str, Any]
+) -> None:
+    """The params field validated alone, with a `_meta` seen before skipped, refuses exactly what the mcp-types
+    surface model of the whole request refuses (each case twice: the second finds its `_meta` remembered)."""
+    params = {**params, "_meta": METAS[meta]}
+    try:
+        validate_client_request(method, "2026-07-28", params)
+        expected = "valid"
+    except pydantic.ValidationError:
+        expected = "refused"
+    request = ModernRequest(1, method, params, params["_meta"], "2026-07-28", {})
+    for _ in range(2):
+        try:
+            validate_params(request)
+            got = "valid"
+        except InvalidParamsError:
+            got = "refused"
+        assert got == expected
 
 
 def test_decode_header_value() -> None:

@@ -531,6 +531,9 @@ class FakeUpstreamCall:
     def __init__(self, events: list[UpstreamEvent]) -> None:
         self._events = events
 
+    def answered(self) -> None:
+        return None
+
     async def events(self) -> AsyncIterator[UpstreamEvent]:
         for event in self._events:
             yield event

@@ -211,6 +211,9 @@ async def test_other_paths_are_relayed_to_the_servers_origin_for_both_eras(
         assert await response.json() == {"status": "ok"}
     async with oauth_proxy.post("/healthz") as response:
         assert response.status == 405
+        assert set(response.headers["Allow"].split(",")) == {"GET", "HEAD"}
+    async with oauth_proxy.head("/healthz") as response:
+        assert response.status == 200
 
 
 async def test_the_relay_can_be_narrowed_or_turned_off(

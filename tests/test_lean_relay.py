@@ -269,6 +269,24 @@ async def test_a_host_and_a_length_among_the_configured_headers_are_sent_once(ma
         assert ("x-api-key", "k") in headers
 
 
+async def test_a_legacy_post_keeps_its_query_and_one_without_gets_none(make_proxy: Callable[..., Any]) -> None:
+    """The MCP endpoint's query (a server may route on it) reaches the upstream; a request
+    without one gets no `?` added."""
+    targets: list[str] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        if (await request.json()).get("method") == "tools/call":
+            targets.append(request.raw_path)
+        return web.json_response({"jsonrpc": "2.0", "id": 1, "result": {}})
+
+    async with serve(handle) as server:
+        proxy = await make_proxy(str(server.make_url("/mcp")))
+        for path in ("/mcp?tenant=a&x=1", "/mcp"):
+            response = await proxy.post(URL(path, encoded=True), json=CALL, headers=LEGACY_HEADERS)
+            assert response.status == 200
+    assert targets == ["/mcp?tenant=a&x=1", "/mcp"]
+
+
 async def test_a_client_that_leaves_mid_stream_closes_the_upstream_connection(
     make_proxy: Callable[..., Any],
 ) -> None:

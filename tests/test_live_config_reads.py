@@ -155,3 +155,26 @@ def test_a_reload_changing_a_field_bound_at_start_says_it_needs_a_restart(
     path.write_text(yaml.safe_dump({**sections, section: {**sections.get(section, {}), **change}}))
     assert live.reload("test") == FIXED_KEY
     assert live.current is before
+
+
+async def test_a_reload_of_the_allowed_hosts_decides_the_next_request_whatever_was_decided_before(
+    tmp_path: Path, upstream: Upstream
+) -> None:
+    """Verdicts on a Host value are remembered for the security section in force only: a Host allowed before a
+    reload that drops it is refused at once after it, and one refused before is served once it is added."""
+    sections = {"upstream": {"url": upstream.url}, "store": {"path": str(tmp_path / "tasks.db")}}
+    config, live, path = _started_config(tmp_path, sections)
+    listing = modern_body("tools/list", {})
+
+    async def status(client: TestClient[Any, Any], host: str) -> int:
+        headers = {**modern_headers("tools/list"), "Host": host}
+        async with client.post("/mcp", json=listing, headers=headers) as response:
+            return response.status
+
+    async with TestClient(TestServer(create_app(config, live), host="127.0.0.1")) as client:
+        assert [await status(client, "mcp.example.com") for _ in range(2)] == [403, 403]
+        assert [await status(client, "localhost") for _ in range(2)] == [200, 200]
+        path.write_text(yaml.safe_dump({**sections, "security": {"allowed_hosts": ["mcp.example.com"]}}))
+        assert live.reload("test") == APPLIED
+        assert [await status(client, "mcp.example.com") for _ in range(2)] == [200, 200]
+        assert [await status(client, "localhost") for _ in range(2)] == [403, 403]

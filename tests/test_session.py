@@ -15,16 +15,22 @@ from aiohttp.test_utils import TestServer
 
 from proxy.config.schema import HttpUpstreamConfig
 from proxy.errors import (
+    ResultTooLargeError,
+    UpstreamAuthError,
     UpstreamError,
     UpstreamRefusedError,
     UpstreamRequestInvalidError,
     UpstreamSessionGoneError,
+    UpstreamTimeoutError,
     UpstreamUnreachableError,
 )
+from proxy.observe.metrics import Metrics
 from proxy.principals import Identity, identity_of, principal_key
+from proxy.upstream.http.request_stream import HttpRequestStream
 from proxy.upstream.http.session import HttpKind, upstream_connector
 from proxy.upstream.pool import SessionPool
-from proxy.wire.upstream_events import UpstreamErrorResponse
+from proxy.upstream.session import measured
+from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamResult
 from tests.support.processes import Upstream
 from tests.support.tls import loopback_contexts
 from tests.support.waiting import until
@@ -329,3 +335,114 @@ async def test_a_header_value_that_could_split_the_request_is_refused_on_either_
         assert refused.value.code == -32602
         assert refused.value.status == 400
         assert "tools/call" not in app[SEEN]
+
+
+def answering_upstream(answer: str) -> web.Application:
+    """A stateless server that answers `tools/call` as `answer` says: `json` (the answer as a JSON body),
+    `other-id` (a JSON body answering another request), `sse` (the answer as an SSE event) or `big` (a JSON
+    answer of 4 KiB)."""
+
+    async def post(request: web.Request) -> web.Response:
+        message = await request.json()
+        if message.get("method") == "initialize":
+            result = {"protocolVersion": "2025-11-25", "capabilities": {}, "serverInfo": {"name": "s", "version": "1"}}
+            return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": result})
+        if "id" not in message:
+            return web.Response(status=202)
+        text = "x" * 4096 if answer == "big" else "done"
+        reply = {"jsonrpc": "2.0", "id": message["id"], "result": {"content": [{"type": "text", "text": text}]}}
+        if answer == "other-id":
+            reply["id"] = f"not-{message['id']}"
+        if answer == "sse":
+            return web.Response(text=f"data: {json.dumps(reply)}\n\n", content_type="text/event-stream")
+        return web.json_response(reply)
+
+    app = web.Application()
+    app.router.add_post("/mcp", post)
+    return app
+
+
+async def arrived(call: HttpRequestStream) -> None:
+    await until(lambda: call.response.received, "the answer's body to arrive")
+
+
+@pytest.mark.parametrize("client", ["lean", "aiohttp"])
+async def test_a_plain_json_answer_is_read_at_once_and_its_connection_reused(
+    http: aiohttp.ClientSession, client: str
+) -> None:
+    """A JSON body that arrived whole with its head is the answer without a stream reader (`answered`), and its
+    connection goes back to the pool as when the stream is read."""
+    async with TestServer(answering_upstream("json"), host="127.0.0.1") as server:
+        kind = HttpKind(HttpUpstreamConfig(url=str(server.make_url("/mcp"))), http, "authorization", None)
+        lean = kind.lean
+        assert lean is not None
+        if client == "aiohttp":
+            kind.lean = None  # as for an https upstream
+        pool = SessionPool(kind)
+        session = pool.session(None)
+        for _ in range(3):
+            async with session.call("tools/call", {"name": "t"}) as call:
+                assert isinstance(call, HttpRequestStream)
+                await arrived(call)
+                final = call.answered()
+                assert final == UpstreamResult({"content": [{"type": "text", "text": "done"}]})
+                assert call.finished
+        if client == "lean":
+            assert len(lean._open) == 1  # one connection carried every call
+        await pool.close()
+
+
+@pytest.mark.parametrize("answer", ["other-id", "sse", "big"])
+async def test_what_is_not_a_plain_answer_within_the_limit_is_read_as_a_stream(
+    http: aiohttp.ClientSession, answer: str
+) -> None:
+    """`answered` gives None and `events()` reads the answer as ever: an SSE stream yields its answer, a JSON body
+    answering another request ends without an answer, and one over `limits.max_result_bytes` is refused."""
+    async with TestServer(answering_upstream(answer), host="127.0.0.1") as server:
+        config = HttpUpstreamConfig(url=str(server.make_url("/mcp")))
+        pool = SessionPool(HttpKind(config, http, "authorization", None, max_result_bytes=1024))
+        async with pool.session(None).call("tools/call", {"name": "t"}) as call:
+            assert isinstance(call, HttpRequestStream)
+            await arrived(call)
+            assert call.answered() is None
+            assert not call.finished
+            if answer == "sse":
+                assert [event async for event in call.events()] == [
+                    UpstreamResult({"content": [{"type": "text", "text": "done"}]})
+                ]
+            else:
+                expected = ResultTooLargeError if answer == "big" else UpstreamError
+                with pytest.raises(expected):
+                    [event async for event in call.events()]
+        await pool.close()
+
+
+@pytest.mark.parametrize(
+    ("raised", "kind"),
+    [
+        (UpstreamTimeoutError("slow"), "timeout"),
+        (UpstreamAuthError(401, None, "tools/call"), "refused"),
+        (UpstreamError("gone"), "unavailable"),
+        (ValueError("a bug"), None),
+        (None, None),
+    ],
+)
+def test_an_upstream_request_is_measured_and_its_failure_counted_by_kind(
+    raised: Exception | None, kind: str | None
+) -> None:
+    metrics = Metrics(frozenset())
+    with contextlib.suppress(Exception), measured(metrics, "tools/call"):
+        if raised is not None:
+            raise raised
+    registry = metrics.registry
+    duration = "mcp_tasks_proxy_upstream_request_duration_seconds_count"
+    assert registry.get_sample_value(duration, {"method": "tools/call"}) == 1
+    errors = "mcp_tasks_proxy_upstream_errors_total"
+    for each in ("timeout", "refused", "unavailable"):  # counted under its own kind only, and only if upstream's
+        expected = 1 if each == kind else None
+        assert registry.get_sample_value(errors, {"method": "tools/call", "kind": each}) == expected
+
+
+def test_an_upstream_request_without_metrics_is_not_measured() -> None:
+    with pytest.raises(UpstreamTimeoutError), measured(None, "tools/call"):
+        raise UpstreamTimeoutError("slow")

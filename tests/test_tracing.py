@@ -192,6 +192,7 @@ def test_log_lines_carry_the_active_spans_ids() -> None:
 def restore_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     saved = structlog.get_config()
     monkeypatch.setattr(logs, "_min_level", logs._min_level)  # what configure_logging sets
+    monkeypatch.setattr(logs, "_request_log", logs._request_log)
     yield
     structlog.configure(**saved)
 

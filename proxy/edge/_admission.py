@@ -61,6 +61,8 @@ def not_utf8_header(headers: Mapping[str, str]) -> str | None:
     """The name of a header whose value is not UTF-8, if any. HTTP allows any byte from 0x80 up in a value, and
     aiohttp keeps such bytes as surrogate escapes; neither the upstream request nor a hash of the principal can
     carry them unchanged, so the request is refused rather than passed on altered."""
+    if "".join(headers.values()).isascii():  # every value ASCII (nearly every request): all of them UTF-8
+        return None
     for name, value in headers.items():
         if not value.isascii():
             try:
@@ -83,13 +85,36 @@ def host_refusal(host: str | None) -> str:
     return f"Forbidden: Host header not allowed: {shown!r}{more}; add its name to security.allowed_hosts to serve it"
 
 
+# Verdicts on Host values under the security section in force (a reload brings a new section, and the verdicts
+# start afresh): at most _VERDICTS values kept, since a client may send any Host (past that, each is judged anew).
+_VERDICTS: Final = 256
+_verdicts: tuple[SecurityConfig | None, dict[str, bool]] = (None, {})
+
+
+def _host_verdict(host: str | None, security: SecurityConfig) -> bool:
+    """`host_allowed` for the section in force, remembered per Host value."""
+    global _verdicts
+    if host is None:
+        return False
+    section, verdicts = _verdicts
+    if section is not security:
+        verdicts = {}
+        _verdicts = (security, verdicts)
+    verdict = verdicts.get(host)
+    if verdict is None:
+        verdict = host_allowed(host, security.allowed_hosts)
+        if len(verdicts) < _VERDICTS:
+            verdicts[host] = verdict
+    return verdict
+
+
 def refusal(request: web.Request, security: SecurityConfig) -> ProxyError | None:
     """Why the request is refused before it is read (a header that is not UTF-8, a Host or Origin not allowed),
     by the security section in force when it arrived."""
     if (name := not_utf8_header(request.headers)) is not None:
         return InvalidRequestError(f"Invalid Request: the value of the {name} header is not UTF-8")
     host = request.headers.get("Host")
-    if not host_allowed(host, security.allowed_hosts):
+    if not _host_verdict(host, security):
         return ForbiddenError(host_refusal(host))
     origin = request.headers.get("Origin")
     if origin is not None and not origin_allowed(origin, security.allowed_hosts, security.allowed_origins):

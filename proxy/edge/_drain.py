@@ -13,12 +13,11 @@ from typing import Final
 
 import structlog
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry, Gauge
 
 from proxy.background import Background
 from proxy.config.live import LiveConfig
-from proxy.edge._error_edge import MCP_METHOD, Handler
+from proxy.edge._error_edge import MCP_METHOD
 from proxy.errors import DrainingError
 from proxy.wire.envelope import ModernRequest
 
@@ -141,6 +140,14 @@ class Drain:
         if self.draining and request.method in NEW_WORK and "requestState" not in request.params:
             raise DrainingError(request_id=request.id)
 
+    # --- requests in flight to the MCP endpoint (what a drain waits for) -----------------------------------
+
+    def serving(self, request: web.Request) -> None:
+        self.requests[id(request)] = request
+
+    def served(self, request: web.Request) -> None:
+        del self.requests[id(request)]
+
     def check_legacy(self, request: web.Request, decoded: object) -> None:
         """A legacy request without `Mcp-Session-Id` opens a new session (or is sessionless): refused while
         draining. A request of an existing session goes on to the legacy server as before."""
@@ -148,22 +155,6 @@ class Drain:
             return
         request_id = decoded.get("id") if isinstance(decoded, dict) else None
         raise DrainingError(request_id=request_id if isinstance(request_id, int | str) else None)
-
-
-def track(drain: Drain) -> Middleware:
-    """A middleware counting this replica's requests in flight to the MCP endpoint (what a drain waits for)."""
-
-    @web.middleware
-    async def tracked(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path != drain.mcp_path:
-            return await handler(request)
-        drain.requests[id(request)] = request
-        try:
-            return await handler(request)
-        finally:
-            del drain.requests[id(request)]
-
-    return tracked
 
 
 # --- /drainz: what the legacy container's preStop waits on ------------------------------------------------

@@ -1,13 +1,11 @@
-"""The one place where failures become HTTP answers (`error_edge`, with the request's one log line), and how a
-modern request's answer is written (`HttpChannel`, never waiting forever on a client that does not read).
-Imports aiohttp's web side, the errors and the wire; nothing of the front or the tasks."""
+"""The one place where failures become HTTP answers (`error_edge`, around each route with the request's one log
+line), and how a modern request's answer is written (`HttpChannel`, never waiting forever on a client that does
+not read). Imports aiohttp's web side, the errors and the wire; nothing of the front or the tasks."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
@@ -17,7 +15,7 @@ from aiohttp import web
 
 from proxy.errors import ProxyError, RequestId, http_status
 from proxy.observe.audit import AuditLog
-from proxy.observe.logs import logs_at
+from proxy.observe.logs import begin_request, end_request, logs_at, request_id, request_log
 from proxy.observe.metrics import Metrics, method_label
 from proxy.wire import jsonrpc
 from proxy.wire.jsonrpc import JSON
@@ -48,66 +46,82 @@ METRICS_PATH: Final = "/metrics"
 DRAINZ: Final = "/drainz"  # answers once a drain is over: what the legacy container's preStop hook waits on
 OPS_PATHS: Final = frozenset({HEALTHZ, READYZ, METRICS_PATH, DRAINZ})
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-# The `request_id` of log lines: unique per process (counter) and across processes (random prefix).
-REQUEST_ID_PREFIX: Final = secrets.token_hex(4) + "-"
 HEADERS_ALLOWANCE: Final = 8192  # bytes: more than the headers of any answer the proxy writes
-_request_numbers = itertools.count(1)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# What the error edge serves a request with, given the route's handler: the awaitable of its answer, or a
+# refusal raised at once (the app's admission, `app.py`). Not a coroutine: no frame of its own on every request.
+Gate = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 
-@web.middleware
-async def error_edge(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The one place where failures become HTTP responses (`_error_answer`); also the one request log line,
-    whose `request_id` is bound here for every line the request causes."""
-    log_id = f"{REQUEST_ID_PREFIX}{next(_request_numbers):x}"
-    structlog.contextvars.bind_contextvars(request_id=log_id)
-    started = time.perf_counter()
-    status = 500
-    refusal: int | None = None  # the JSON-RPC code of a ProxyError answered here
-    try:
-        response = await handler(request)
-        status = response.status
-        return response
-    except ProxyError as error:
-        log.info("request_rejected", code=error.code, reason=error.message, detail=error.detail)
-        refusal = error.code
-        _count_limit(request, error)
-        response = await _error_answer(request, error)
-        status = response.status
-        return response
-    except web.HTTPException as exc:
-        status = exc.status
-        raise
-    except ConnectionResetError:
-        status = 499  # the client closed the connection before its answer was written (nginx's convention)
-        log.info("client_disconnected")
-        return web.Response(status=status)
-    except Exception:
-        log.exception("request_failed")
-        response = await _error_answer(request, ProxyError("Internal error"))
-        status = response.status
-        return response
-    finally:
-        duration = time.perf_counter() - started
-        ops = request.path in OPS_PATHS  # a probe every few seconds would drown the useful lines: debug
-        if logs_at(logging.DEBUG if ops else logging.INFO):
-            (log.debug if ops else log.info)(
-                "request",
-                http_method=request.method,
-                path=request.path,
-                era=request.get(ERA, "-"),
-                mcp_method=request.get(MCP_METHOD, "-"),
-                status=status,
-                duration_ms=round(duration * 1000, 2),
-            )
-        if not ops:
-            _count(request, status, duration)
-        audit = request.app.get(AUDIT)
-        if audit is not None and request.get(ERA) == "modern":
-            _audit(audit, request, status, refusal, duration)
-        # Ids bound by tracing, and how an Idempotency-Key answered (tasks/services/idempotency.py):
-        structlog.contextvars.unbind_contextvars("request_id", "trace_id", "span_id", "idempotency")
+def error_edge(gate: Gate) -> Callable[[Handler], Handler]:
+    """Wraps each of the app's routes (no middleware: aiohttp's chain of them cost a frame and a lookup per
+    request): `gate` (admission, the unrouted relay) and the route's handler, with every failure turned into an
+    HTTP response here (`_error_answer`) and the one request log line written, whose `request_id` holds for
+    every line the request causes."""
+
+    def wrap(handler: Handler) -> Handler:
+        async def edge(request: web.Request) -> web.StreamResponse:
+            token = begin_request()
+            started = time.perf_counter()
+            status = 500
+            refusal: int | None = None  # the JSON-RPC code of a ProxyError answered here
+            try:
+                response = await gate(request, handler)
+                status = response.status
+                return response
+            except ProxyError as error:
+                log.info("request_rejected", code=error.code, reason=error.message, detail=error.detail)
+                refusal = error.code
+                _count_limit(request, error)
+                response = await _error_answer(request, error)
+                status = response.status
+                return response
+            except web.HTTPException as exc:
+                status = exc.status
+                raise
+            except ConnectionResetError:
+                status = 499  # the client closed the connection before its answer was written (nginx's convention)
+                log.info("client_disconnected")
+                return web.Response(status=status)
+            except Exception:
+                log.exception("request_failed")
+                response = await _error_answer(request, ProxyError("Internal error"))
+                status = response.status
+                return response
+            finally:
+                _done(request, status, refusal, time.perf_counter() - started)
+                # What the request bound for its lines (its id; trace ids and how an Idempotency-Key answered, bound
+                # with structlog) lives in its own task's context, which aiohttp makes for each request: nothing to
+                # unbind for the next one.
+                end_request(token)
+
+        return edge
+
+    return wrap
+
+
+def _done(request: web.Request, status: int, refusal: int | None, duration: float) -> None:
+    """The request's log line, its metrics and its audit line."""
+    ops = request.path in OPS_PATHS  # a probe every few seconds would drown the useful lines: debug
+    if logs_at(logging.DEBUG if ops else logging.INFO):
+        lines = request_log()
+        (lines.debug if ops else lines.info)(
+            "request",
+            http_method=request.method,
+            path=request.path,
+            era=request.get(ERA, "-"),
+            mcp_method=request.get(MCP_METHOD, "-"),
+            status=status,
+            duration_ms=round(duration * 1000, 2),
+        )
+    app = request.app
+    metrics = app.get(METRICS)  # (`get`, not `in`: an absent key's `in` raises and catches a KeyError)
+    if not ops and metrics is not None:
+        _count(metrics, request, status, duration)
+    audit = app.get(AUDIT)
+    if audit is not None and request.get(ERA) == "modern":
+        _audit(audit, request, status, refusal, duration)
 
 
 async def _error_answer(request: web.Request, error: ProxyError) -> web.StreamResponse:
@@ -122,11 +136,14 @@ async def _error_answer(request: web.Request, error: ProxyError) -> web.StreamRe
     return error_response(error, request_id)
 
 
+JSON_CONTENT_TYPE: Final = "application/json; charset=utf-8"
+
+
 def json_response(message: JSON, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
-    """`message` as a JSON body, encoded once (a spliced-in stored result is not decoded and encoded again)."""
-    return web.Response(
-        body=jsonrpc.dumps(message), status=status, headers=headers, content_type="application/json", charset="utf-8"
-    )
+    """`message` as a JSON body, encoded once (a spliced-in stored result is not decoded and encoded again). Its
+    Content-Type is given whole (aiohttp would build it from a type and a charset for every answer)."""
+    extra = {"Content-Type": JSON_CONTENT_TYPE} if headers is None else {**headers, "Content-Type": JSON_CONTENT_TYPE}
+    return web.Response(body=jsonrpc.dumps(message), status=status, headers=extra)
 
 
 def error_response(error: ProxyError, request_id: RequestId | None = None) -> web.Response:
@@ -138,10 +155,7 @@ def error_response(error: ProxyError, request_id: RequestId | None = None) -> we
     return response
 
 
-def _count(request: web.Request, status: int, duration_seconds: float) -> None:
-    metrics = request.app.get(METRICS)
-    if metrics is None:
-        return
+def _count(metrics: Metrics, request: web.Request, status: int, duration_seconds: float) -> None:
     era = request.get(ERA, "-")
     method = method_label(request.get(MCP_METHOD))
     if status == 499:
@@ -150,7 +164,7 @@ def _count(request: web.Request, status: int, duration_seconds: float) -> None:
         outcome = "server_error"
     elif status >= 400:
         outcome = "client_error"
-    elif request.get(JSONRPC_ERROR, False):
+    elif era == "modern" and request.get(JSONRPC_ERROR, False):  # (only a modern request's answer can be one)
         outcome = "jsonrpc_error"
     else:
         outcome = "ok"
@@ -166,7 +180,7 @@ def _audit(audit: AuditLog, request: web.Request, status: int, refusal: int | No
     audit.write(
         {
             "kind": "request",
-            "request_id": structlog.contextvars.get_contextvars().get("request_id"),
+            "request_id": request_id(),
             "subject": gathered.get("subject"),
             "principal": gathered.get("principal"),
             "method": request.get(MCP_METHOD, "-"),

@@ -1,6 +1,6 @@
-"""The aiohttp application: routes and middlewares, the classification of each request (one SERVER span, opened
-once classified), serving a modern request through the front and a legacy one through the pass-through.
-Failures become answers in `_error_edge.py`; admission, ops and lifecycle have modules of their own."""
+"""The aiohttp application: its routes (each served through the error edge, admission first), the classification
+of each request (one SERVER span, opened once classified), serving a modern request through the front and a
+legacy one through the pass-through. Admission, ops and lifecycle have modules of their own."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from proxy.config.live import LiveConfig
 from proxy.config.schema import Config
 from proxy.edge._admission import read_body, refusal
 from proxy.edge._app_keys import CONFIG, FRONT, JWT, LIVE, PASSTHROUGH, RELAY, RUNNER, STOPPING
-from proxy.edge._drain import DRAIN, Drain, drainz, track
+from proxy.edge._drain import DRAIN, Drain, drainz
 from proxy.edge._error_edge import (
     AUDIT,
     AUDITED,
@@ -38,6 +38,7 @@ from proxy.edge._error_edge import (
 from proxy.edge._jwt_identity import JwtIdentity
 from proxy.edge._lifecycle import end_listen_streams, upstream_ctx
 from proxy.edge._ops import healthz, metrics_endpoint, readyz
+from proxy.edge._relay import OriginRelay
 from proxy.edge.startup import is_loopback
 from proxy.errors import (
     InvalidRequestError,
@@ -72,37 +73,48 @@ log = structlog.get_logger(__name__)
 Serve = Callable[[tracing.ServerSpan], Awaitable[web.StreamResponse]]  # what serves a classified request
 
 
-@web.middleware
-async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The admission rules (`_admission.py`) before anything is read; the operators' endpoints are exempt."""
-    if request.method == "GET" and request.path in OPS_PATHS:
-        return await handler(request)
-    refused = refusal(request, request.app[LIVE].current.security)
-    if refused is None:
-        return await handler(request)
-    if tracing.enabled():  # refused before anything was read: its SERVER span names the error
-        return await _in_server_span(request, None, _era_of_headers(request), None, _raising(refused))
-    raise refused
+def admitted(request: web.Request, handler: Handler) -> Awaitable[web.StreamResponse]:
+    """The error edge's gate (`_error_edge.py`): the admission rules (`_admission.py`) before anything is read (the
+    operators' endpoints are exempt), then the route's handler. A refusal is raised here, for the error edge to
+    answer. Returns the awaitable of the answer: no frame of its own."""
+    if request.method != "GET" or request.path not in OPS_PATHS:
+        refused = refusal(request, request.app[LIVE].current.security)
+        if refused is not None:
+            if tracing.enabled():  # refused before anything was read: its SERVER span names the error
+                return _in_server_span(request, None, _era_of_headers(request), None, _raising(refused))
+            raise refused
+    return handler(request)
 
 
-@web.middleware
-async def relay_unrouted(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """A path no route of the proxy's own serves goes to the upstream's origin (`_relay.py`); a path the proxy
-    serves with another method keeps its 405."""
-    if not isinstance(request.match_info.http_exception, web.HTTPNotFound) or RELAY not in request.app:
-        return await handler(request)
-    if request.path in OPS_PATHS:  # e.g. /metrics switched off: still the proxy's (and exempt from the Host check)
-        return await handler(request)
+def unrouted(own: Mapping[str, tuple[str, ...]]) -> Handler:
+    """The last route, for every path and method no other route serves: a path of the proxy's own served with
+    another method gets 405 (`own`: its methods), one of the operators' paths that is not served 404 (e.g.
+    /metrics switched off: still the proxy's, never relayed); any other goes to the upstream's origin
+    (`_relay.py`)."""
+
+    def relay_unrouted(request: web.Request) -> Awaitable[web.StreamResponse]:
+        allowed = own.get(request.path)
+        if allowed is not None:
+            raise web.HTTPMethodNotAllowed(request.method, allowed)
+        relay = request.app.get(RELAY)
+        if relay is None or request.path in OPS_PATHS:
+            raise web.HTTPNotFound()
+        return _relay_unrouted(request, relay)
+
+    return relay_unrouted
+
+
+def _relay_unrouted(request: web.Request, relay: OriginRelay) -> Awaitable[web.StreamResponse]:
     request[ERA] = "relayed"
     arrived = time.time_ns() if tracing.enabled() else None
 
     async def to_origin(span: tracing.ServerSpan) -> web.StreamResponse:
         body = await read_body(request, request.app[LIVE].current.security) if request.body_exists else None
-        response = await request.app[RELAY].relay(request, body)
+        response = await relay.relay(request, body)
         span.status(response.status)
         return response
 
-    return await _in_server_span(request, None, "relayed", arrived, to_origin)
+    return _in_server_span(request, None, "relayed", arrived, to_origin)
 
 
 # --- the MCP endpoint ---------------------------------------------------------------------------------
@@ -110,13 +122,20 @@ async def relay_unrouted(request: web.Request, handler: Handler) -> web.StreamRe
 
 async def handle_mcp(request: web.Request) -> web.StreamResponse:
     """Every request gets its SERVER span, from its arrival here (its body read included), refused ones too:
-    the request is classified first, then served in the span named after what it turned out to be."""
-    arrived = time.time_ns() if tracing.enabled() else None
-    era, decoded, serve = await _classify(request)
-    return await _in_server_span(request, decoded, era, arrived, serve)
+    the request is classified first, then served in the span named after what it turned out to be. While it is
+    served it is in flight for a drain."""
+    app = request.app
+    drain = app[DRAIN]
+    drain.serving(request)
+    try:
+        arrived = time.time_ns() if tracing.enabled() else None
+        era, decoded, serve = await _classify(request, app)
+        return await _in_server_span(request, decoded, era, arrived, serve)
+    finally:
+        drain.served(request)
 
 
-async def _classify(request: web.Request) -> tuple[str, object, Serve]:
+async def _classify(request: web.Request, app: web.Application) -> tuple[str, object, Serve]:
     """The request's era, its JSON-RPC message when one was read, and what serves it; a refusal found while
     classifying is served by raising it (in the SERVER span, as every answer)."""
     if request.method != "POST":
@@ -125,36 +144,44 @@ async def _classify(request: web.Request) -> tuple[str, object, Serve]:
             request[ERA] = "modern"
             return "modern", None, _raising(MethodNotAllowedError())
         request[ERA] = "legacy"
-        return "legacy", None, _relayed(request, None)
+        return "legacy", None, _relayed(request, app, None)
     try:
-        body = await read_body(request, request.app[LIVE].current.security)
+        body = await read_body(request, app[LIVE].current.security)
     except ProxyError as error:  # too large, or not in time: the era as the headers tell it
         return _era_of_headers(request), None, _raising(error)
     modern_header = is_modern(request.headers, None)
     if not modern_header and not may_carry_version_key(body):
-        return _legacy_post(request, body, None, decoded=False)  # legacy by its bytes: not decoded
+        return _legacy_post(request, app, body, None, decoded=False)  # legacy by its bytes: not decoded
     try:
         decoded = jsonrpc.loads(body)
     except ParseError as error:
         if modern_header:
             request[ERA] = "modern"
             return "modern", None, _raising(error)
-        return _legacy_post(request, body, None, decoded=True)
+        return _legacy_post(request, app, body, None, decoded=True)
     if not is_modern(request.headers, decoded):
-        return _legacy_post(request, body, decoded, decoded=True)
+        return _legacy_post(request, app, body, decoded, decoded=True)
     request[ERA] = "modern"
 
-    async def modern(span: tracing.ServerSpan) -> web.StreamResponse:
-        return await serve_modern(request, decoded)
+    def modern(span: tracing.ServerSpan) -> Awaitable[web.StreamResponse]:
+        return serve_modern(request, decoded)
 
     return "modern", decoded, modern
 
 
-async def _in_server_span(
+def _in_server_span(
+    request: web.Request, decoded: object, era: str, arrived: int | None, serve: Serve
+) -> Awaitable[web.StreamResponse]:
+    """The one place a request's SERVER span is opened: from its arrival (`arrived`, epoch ns), named after
+    what classifying found (its era, its message). With tracing off, `serve` with no span and no frame."""
+    if not tracing.enabled():
+        return serve(tracing.NO_SPAN)
+    return _spanned(request, decoded, era, arrived, serve)
+
+
+async def _spanned(
     request: web.Request, decoded: object, era: str, arrived: int | None, serve: Serve
 ) -> web.StreamResponse:
-    """The one place a request's SERVER span is opened: from its arrival (`arrived`, epoch ns), named after
-    what classifying found (its era, its message)."""
     with tracing.server_span(
         request.headers, decoded, era=era, http_method=request.method, peer=request.remote, start_time=arrived
     ) as span:
@@ -175,37 +202,45 @@ def _raising(error: ProxyError) -> Serve:
     return serve
 
 
-def _reads_legacy_messages(request: web.Request) -> bool:
+def _reads_legacy_messages(app: web.Application) -> bool:
     """Whether anything needs what a legacy POST says (its method, id or trace context): the request metrics,
     the request log line, tracing, or a drain (which refuses a new session with the request's id)."""
-    return METRICS in request.app or logs_at(logging.INFO) or tracing.enabled() or request.app[DRAIN].draining
+    # (`get`, not `in`: an absent key's `in` raises and catches a KeyError)
+    return app.get(METRICS) is not None or logs_at(logging.INFO) or tracing.enabled() or app[DRAIN].draining
 
 
-def _legacy_post(request: web.Request, body: bytes, message: object, *, decoded: bool) -> tuple[str, object, Serve]:
+def _legacy_post(
+    request: web.Request, app: web.Application, body: bytes, message: object, *, decoded: bool
+) -> tuple[str, object, Serve]:
     """A legacy client's POST, relayed as it came. Its body is read as JSON only when something needs what it
     says (`_reads_legacy_messages`); `decoded` tells whether `message` is that reading already (None for a body
     that is not JSON). A drain refuses a new session here, before the SERVER span."""
     request[ERA] = "legacy"
-    if not decoded and _reads_legacy_messages(request):
+    if not decoded and _reads_legacy_messages(app):
         try:
             message = jsonrpc.loads(body)
         except ParseError:
             message = None  # relayed all the same: the upstream answers it
     if isinstance(message, dict) and isinstance(message.get("method"), str):
         request[MCP_METHOD] = message["method"]
-    request.app[DRAIN].check_legacy(request, message)
-    return "legacy", message, _relayed(request, body)
+    app[DRAIN].check_legacy(request, message)
+    return "legacy", message, _relayed(request, app, body)
 
 
-def _relayed(request: web.Request, body: bytes | None) -> Serve:
+def _relayed(request: web.Request, app: web.Application, body: bytes | None) -> Serve:
     """A legacy client's request, relayed by the pass-through; the relayed status is the span's outcome."""
 
-    async def relay(span: tracing.ServerSpan) -> web.StreamResponse:
-        response = await request.app[PASSTHROUGH].relay(request, body)
-        span.status(response.status)
-        return response
+    def relay(span: tracing.ServerSpan) -> Awaitable[web.StreamResponse]:
+        relayed = app[PASSTHROUGH].relay(request, body)
+        return relayed if span is tracing.NO_SPAN else _with_status(span, relayed)
 
     return relay
+
+
+async def _with_status(span: tracing.ServerSpan, relayed: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+    response = await relayed
+    span.status(response.status)
+    return response
 
 
 async def serve_modern(request: web.Request, decoded: object) -> web.StreamResponse:
@@ -218,23 +253,24 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     if isinstance(message, Response):
         raise InvalidRequestError("Invalid Request: a 2026-07-28 server sends no requests, so it takes no responses")
     request[MCP_METHOD] = message.method
-    audited = _audited(request, message.method, message.params) if request.app.get(AUDIT) is not None else None
+    app = request.app
+    audited = _audited(request, message.method, message.params) if app.get(AUDIT) is not None else None
     modern = validate_modern(request.headers, message.id, message.method, message.params)
-    request.app[DRAIN].check_modern(modern)
-    config = request.app[LIVE].current
+    app[DRAIN].check_modern(modern)
+    config = app[LIVE].current
     principal = identity_of(request.headers.get(config.security.principal_header))  # empty counts as none
     if principal is None and config.security.anonymous == "refuse":
         raise UnauthorizedError(
             f"Unauthorized: this proxy serves no anonymous callers; send {config.security.principal_header}"
         )
-    if principal is not None and JWT in request.app:
-        principal = await request.app[JWT].identify(principal.credential)  # a JWT that fails is refused here (401)
+    if principal is not None and (jwt := app.get(JWT)) is not None:
+        principal = await jwt.identify(principal.credential)  # a JWT that fails is refused here (401)
     caller = Caller(principal=principal, headers=request.headers)
     if audited is not None:
-        audited.update(subject=subject(principal), principal=request.app[RUNNER].tasks.owner_of(principal) or None)
+        audited.update(subject=subject(principal), principal=app[RUNNER].tasks.owner_of(principal) or None)
     channel = request[CHANNEL] = HttpChannel(request, config.limits.write_timeout_seconds)
     try:
-        reply = await request.app[FRONT].dispatch(modern, caller, channel)
+        reply = await app[FRONT].dispatch(modern, caller, channel)
     except StoreUnavailableError as exc:  # the store is away for now: 503 + Retry-After, never a hang or a 500
         raise TaskStoreUnavailableError(exc.kind, exc.reason, detail=str(exc)) from exc
     request[JSONRPC_ERROR] = "error" in reply
@@ -282,10 +318,7 @@ def create_app(config: Config, live: LiveConfig | None = None) -> web.Applicatio
             hint="requests without the principal header share one anonymous identity; set security.anonymous: "
             "refuse unless a trusted hop always sets the header",
         )
-    app = web.Application(
-        client_max_size=config.security.max_body_bytes,
-        middlewares=[error_edge, track(drain), admission, relay_unrouted],
-    )
+    app = web.Application(client_max_size=config.security.max_body_bytes)
     app[CONFIG] = config
     app[LIVE] = live
     app[DRAIN] = drain
@@ -299,13 +332,15 @@ def create_app(config: Config, live: LiveConfig | None = None) -> web.Applicatio
 
         app.on_cleanup.append(close_identity)
     app.on_shutdown.append(end_listen_streams)
-    app.router.add_route("*", config.listen.path, handle_mcp)
-    app.router.add_get(HEALTHZ, healthz)
-    app.router.add_get(READYZ, readyz)
-    app.router.add_get(DRAINZ, drainz)
+    edge = error_edge(admitted)  # every route is served through the error edge
+    app.router.add_route("*", config.listen.path, edge(handle_mcp))
+    ops: dict[str, Handler] = {HEALTHZ: healthz, READYZ: readyz, DRAINZ: drainz}
     if config.observability.metrics:
         metrics = app[METRICS] = Metrics(named_tools(config.tasks))
         drain.register_metrics(metrics.registry)
         live.register_metrics(metrics.registry)
-        app.router.add_get(METRICS_PATH, metrics_endpoint)
+        ops[METRICS_PATH] = metrics_endpoint
+    for path, handler in ops.items():
+        app.router.add_get(path, edge(handler))
+    app.router.add_route("*", "/{path:.*}", edge(unrouted({path: ("GET", "HEAD") for path in ops})))  # last
     return app

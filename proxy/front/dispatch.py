@@ -200,6 +200,10 @@ class Front:
 
     async def _drive(self, request: ModernRequest, session: Session, call: RequestStream, channel: Channel) -> JSON:
         server_info = self.pool.server_info
+        if (final := call.answered()) is not None:  # a plain JSON answer, in already: no stream to read
+            result = final.result if isinstance(final, UpstreamResult) else None
+            error = final.error if isinstance(final, UpstreamErrorResponse) else None
+            return translate.final_message(request.id, request.method, result, error, server_info, self.cache)
         async for event in call.events():
             if isinstance(event, UpstreamNotification):
                 relayed = translate.relay_notification(event.message, request.progress_token, request.log_level)

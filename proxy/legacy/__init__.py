@@ -7,6 +7,7 @@ This package imports aiohttp's web side and the upstream pool's protocols; never
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Protocol
 
 from aiohttp import web
@@ -16,7 +17,7 @@ class LegacyFront(Protocol):
     """Serves a legacy client's request: the pass-through for an HTTP upstream, the proxy's own Streamable
     HTTP server for a stdio one."""
 
-    async def relay(self, request: web.Request, body: bytes | None) -> web.StreamResponse: ...
+    def relay(self, request: web.Request, body: bytes | None) -> Awaitable[web.StreamResponse]: ...
 
     async def close(self) -> None:
         """Shutdown: end what the front holds (its sessions, its HTTP client)."""

@@ -4,7 +4,7 @@ it is written. Imports the upstream's HTTP clients, the wire and tracing; never 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Final
 
 import aiohttp
@@ -140,8 +140,9 @@ class PassThrough:
             await self.lean.close()
         await self.http.close()
 
-    async def relay(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
-        return await self.relay_to(self.url.with_query(request.query) if request.query else self.url, request, body)
+    def relay(self, request: web.Request, body: bytes | None) -> Awaitable[web.StreamResponse]:
+        # (the query string first: parsing it into `request.query` costs more than the relay's header checks)
+        return self.relay_to(self.url.with_query(request.query) if request.query_string else self.url, request, body)
 
     async def relay_to(self, url: URL, request: web.Request, body: bytes | None) -> web.StreamResponse:
         """The request relayed to `url` (another path of the upstream's origin: `edge/_relay.py`), by the same rules."""

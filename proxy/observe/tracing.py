@@ -131,8 +131,8 @@ class ServerSpan:
             _failed(self.span, str(http_status))
 
 
-_OFF: Final = ServerSpan(None)
-_SERVER_OFF: Final = contextlib.nullcontext(_OFF)  # reusable: tracing off allocates nothing per request
+NO_SPAN: Final = ServerSpan(None)  # what a request is served with while tracing is off
+_SERVER_OFF: Final = contextlib.nullcontext(NO_SPAN)  # reusable: tracing off allocates nothing per request
 
 
 def reply_outcome(message: Mapping[str, Any]) -> None:

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -29,6 +29,7 @@ from proxy.wire.translate import implementation
 from proxy.wire.upstream_events import (
     UpstreamErrorResponse,
     UpstreamEvent,
+    UpstreamFinal,
     UpstreamNotification,
     UpstreamResult,
     UpstreamServerRequest,
@@ -56,6 +57,9 @@ class RequestStream(Protocol):
     request_id: int
     method: str
     finished: bool
+
+    def answered(self) -> UpstreamFinal | None:
+        """The answer, when it is in already and nothing came before it (None: read `events()`)."""
 
     def events(self) -> AsyncIterator[UpstreamEvent]: ...
 
@@ -349,22 +353,34 @@ class Learned:
         self.tools_generation += 1
 
 
-@contextlib.contextmanager
-def measured(metrics: Metrics | None, method: str) -> Iterator[None]:
-    """One upstream request in the metrics: how long it took, and a failure by its kind."""
-    started = time.perf_counter()
-    try:
-        yield
-    except UpstreamError as exc:
-        if metrics is not None:
-            kind = "timeout" if isinstance(exc, UpstreamTimeoutError) else "unavailable"
+def measured(metrics: Metrics | None, method: str) -> contextlib.AbstractContextManager[None]:
+    """One upstream request in the metrics: how long it took, and a failure by its kind (nothing without
+    metrics)."""
+    return _UNMEASURED if metrics is None else _Measured(metrics, method)
+
+
+_UNMEASURED: Final = contextlib.nullcontext()
+
+
+class _Measured:
+    __slots__ = ("_method", "_metrics", "_started")
+
+    def __init__(self, metrics: Metrics, method: str) -> None:
+        self._metrics = metrics
+        self._method = method
+        self._started = 0.0
+
+    def __enter__(self) -> None:
+        self._started = time.perf_counter()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        metrics, method = self._metrics, method_label(self._method)
+        if isinstance(exc, UpstreamError):
+            failure = "timeout" if isinstance(exc, UpstreamTimeoutError) else "unavailable"
             if isinstance(exc, UpstreamAuthError):
-                kind = "refused"  # the caller's credential, not the upstream, was the problem
-            metrics.upstream_errors.labels(method_label(method), kind).inc()
-        raise
-    finally:
-        if metrics is not None:
-            metrics.upstream_request_done(method_label(method), time.perf_counter() - started)
+                failure = "refused"  # the caller's credential, not the upstream, was the problem
+            metrics.upstream_errors.labels(method, failure).inc()
+        metrics.upstream_request_done(method, time.perf_counter() - self._started)
 
 
 # --- what both kinds do alike ---------------------------------------------------------------------------
@@ -374,6 +390,8 @@ async def answer(stream: RequestStream, refuse_on: Session | None = None) -> Ups
     """Read a request's stream until its answer (the result or the JSON-RPC error), which is returned. What comes
     before it is nobody's: notifications are dropped, and with `refuse_on` (the request's session) a question is
     refused at once, so the upstream never waits for an answer nobody would give."""
+    if (final := stream.answered()) is not None:
+        return final
     async for event in stream.events():
         if isinstance(event, UpstreamResult | UpstreamErrorResponse):
             return event

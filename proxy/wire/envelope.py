@@ -6,18 +6,21 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from functools import partial
+from typing import TYPE_CHECKING, Annotated, Any, Final, Protocol
 
+import orjson
 import pydantic
 from mcp_types import (
     CLIENT_CAPABILITIES_META_KEY,
     LOG_LEVEL_META_KEY,
     PROTOCOL_VERSION_META_KEY,
 )
-from mcp_types.methods import CLIENT_REQUESTS, validate_client_request
+from mcp_types.methods import CLIENT_REQUESTS
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, MODERN_PROTOCOL_VERSIONS
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.errors import (
     HeaderMismatchError,
@@ -103,6 +106,9 @@ def is_modern(headers: Mapping[str, str], message: Any) -> bool:
             meta = params.get("_meta")
             if isinstance(meta, dict) and PROTOCOL_VERSION_META_KEY in meta:
                 return True
+    if isinstance(headers, CIMultiDictProxy | CIMultiDict):  # aiohttp's: looked up whatever the case, in C
+        value = headers.get(PROTOCOL_VERSION_HEADER)
+        return value is not None and value.strip() not in HANDSHAKE_PROTOCOL_VERSIONS
     for key, value in headers.items():
         if key.lower() == PROTOCOL_VERSION_HEADER:
             return value.strip() not in HANDSHAKE_PROTOCOL_VERSIONS
@@ -222,15 +228,76 @@ def known_core_method(method: str, version: str) -> bool:
 
 
 def validate_params(request: ModernRequest) -> None:
-    """Shape of the params for a core method, via the `mcp_types` 2026-07-28 surface models (→ -32602)."""
+    """Shape of the params for a core method, via the `mcp_types` 2026-07-28 surface models (→ -32602): the
+    request model's `params` field, validated alone (the envelope around it is the proxy's own and checked
+    already). A `_meta` seen valid before for the method (`_KnownMetas`) is not validated again: the rest of the
+    params is, with a minimal valid `_meta` in its place (the models validate each field alone, with no rule
+    across fields, so the verdict is the same)."""
+    method, version, params = request.method, request.protocol_version, request.params
+    known = _known_metas.get((method, version))
+    if known is None:
+        known = _known_metas[(method, version)] = _KnownMetas(_params_validator(method, version), version)
     try:
-        validate_client_request(request.method, request.protocol_version, request.params)
+        text = known.text_of(request.meta)
+        if text is not None and text in known.texts and known.stand_in is not None:
+            known.validate({**params, "_meta": known.stand_in})
+            return
+        known.validate(params)
+        if text is not None:
+            known.add(text, params)
     except pydantic.ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(part) for part in error['loc'][1:]) or 'params'}: {error['msg']}"
-            for error in exc.errors()[:5]
+            f"{'.'.join(str(part) for part in error['loc']) or 'params'}: {error['msg']}" for error in exc.errors()[:5]
         )
         raise InvalidParamsError(f"Invalid params: {problems}") from None
+
+
+def _params_validator(method: str, version: str) -> Callable[[Any], object]:
+    """What the surface model of `method` at `version` validates its `params` field with (by alias only, as
+    `mcp_types.methods.validate_client_request` does)."""
+    field = CLIENT_REQUESTS[(method, version)].model_fields["params"]
+    target: Any = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+    return partial(pydantic.TypeAdapter(target).validator.validate_python, by_name=False)
+
+
+class _KnownMetas:
+    """The `_meta` objects one method's params were validated with (a client sends the same one, its version,
+    capabilities and clientInfo, with every request), by their JSON text: at most _MAX_KNOWN_METAS of at most
+    _MAX_META_BYTES each. `stand_in`: a minimal valid `_meta` for the method, found with the first params that
+    validated (None if it did not validate: then every request is validated whole)."""
+
+    def __init__(self, validate: Callable[[Any], object], version: str) -> None:
+        self.validate = validate
+        self.version = version
+        self.texts: set[bytes] = set()
+        self.stand_in: JSON | None = None
+        self._stand_in_tried = False
+
+    @staticmethod
+    def text_of(meta: JSON) -> bytes | None:
+        try:
+            text = orjson.dumps(meta)
+        except orjson.JSONEncodeError:  # an integer past 64 bits: never remembered
+            return None
+        return text if len(text) <= _MAX_META_BYTES else None
+
+    def add(self, text: bytes, params: JSON) -> None:
+        """`text` is the JSON of a `_meta` that `params` validated with."""
+        if not self._stand_in_tried:
+            self._stand_in_tried = True
+            stand_in = {PROTOCOL_VERSION_META_KEY: self.version, CLIENT_CAPABILITIES_META_KEY: {}}
+            try:
+                self.validate({**params, "_meta": stand_in})
+            except pydantic.ValidationError:
+                return
+            self.stand_in = stand_in
+        if len(self.texts) < _MAX_KNOWN_METAS:
+            self.texts.add(text)
+
+
+_MAX_KNOWN_METAS: Final = 64  # per method
+_MAX_META_BYTES: Final = 4096
+_known_metas: dict[tuple[str, str], _KnownMetas] = {}  # (method, version): at most the core methods
 
 
 # --- x-mcp-header: tool parameters mirrored into Mcp-Param-{Name} headers ----------------------------------

@@ -103,7 +103,11 @@ async def _run(
 
 async def stream(feed: Feed, call: LiveCall, upstream: RequestStream, *, until: Callable[[], bool]) -> bool:
     """Feed the upstream call's events to the call; True when `until()` said to stop reading (after an event),
-    False when the events ran out."""
+    False when the events ran out. An answer that is in already (a plain JSON body) is fed without reading a
+    stream."""
+    if (final := upstream.answered()) is not None:
+        await feed.dispatch(call, Ended(final))
+        return until()
     async for event in upstream.events():
         await feed.dispatch(call, call_event(event))
         if until():

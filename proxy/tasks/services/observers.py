@@ -72,6 +72,8 @@ class SpanEvents:
     (`mrtr_input_required`: its round, how many questions), a retry that took it back (`mrtr_resumed`)."""
 
     def __call__(self, call: LiveCall, event: Event, commands: list[Command]) -> None:
+        if not tracing.enabled():  # no span to add them to: nothing is looked at
+            return
         if isinstance(event, Asked):
             question = event.question
             refused = any(isinstance(command, Refuse) and command.upstream_id == question.id for command in commands)

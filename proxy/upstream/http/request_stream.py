@@ -18,6 +18,7 @@ from proxy.wire.sse import EventTooLargeError, SSEParser
 from proxy.wire.upstream_events import (
     UpstreamErrorResponse,
     UpstreamEvent,
+    UpstreamFinal,
     UpstreamResult,
     UpstreamServerRequest,
     decode,
@@ -62,6 +63,35 @@ class HttpRequestStream:
     _let_go_of: Answer | None = field(default=None, init=False)  # the response given back (or to the drain)
     # the response is the background drain's now: `close` leaves it alone
     _handed_off: bool = field(default=False, init=False)
+
+    def answered(self) -> UpstreamFinal | None:
+        """The answer at once, when it is a plain JSON body that arrived whole with its head (most answers):
+        decoded without a stream reader or a wait. None: read `events()` (a stream, a body still arriving or
+        over the limit, or a body that is no answer to this request, which `events()` then reads as ever)."""
+        response = self.response
+        if self.body is not None or not response.received or response.media_type != "application/json":
+            return None
+        length = response.length
+        if length is None or (self.max_bytes is not None and length > self.max_bytes):
+            return None  # `events()` reads it within the limit, or refuses it
+        try:
+            body = response.ready()
+        except CLIENT_FAILURES:
+            return None  # `events()` reads the failure again and raises it as ever
+        if len(body) != length:  # not what the head announced: read as a plain answer is
+            self.body = body
+            return None
+        try:
+            event = decode(body, self.request_id, self.method)  # bytes that are not UTF-8 read as U+FFFD
+        except UpstreamError:
+            self._let_go()
+            raise
+        if not isinstance(event, UpstreamResult | UpstreamErrorResponse):
+            self.body = body  # `events()` yields it as it would have, then ends without an answer
+            return None
+        self.finished = True
+        self._let_go()
+        return event
 
     async def events(self) -> AsyncIterator[UpstreamEvent]:
         """Everything the upstream says about this request, the final result or error last."""

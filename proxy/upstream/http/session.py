@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Final, NamedTuple
 
@@ -35,6 +35,7 @@ from proxy.errors import (
 )
 from proxy.observe import tracing
 from proxy.observe.metrics import Metrics
+from proxy.observe.tracing import ClientSpan
 from proxy.principals import Identity
 from proxy.upstream.auth import AuthMode, UpstreamAuth
 from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, checked_headers, failure
@@ -426,43 +427,40 @@ class HttpSession:
             self.forget(sent_with)  # the session is gone: the next request initializes a new one
         raise UpstreamError(f"Upstream lost the call: resuming its stream answered HTTP {response.status}")
 
-    @contextlib.asynccontextmanager
-    async def call(
+    def call(
         self, method: str, params: JSON | None, extra_headers: Mapping[str, str] | None = None
-    ) -> AsyncIterator[HttpRequestStream]:
+    ) -> AbstractAsyncContextManager[HttpRequestStream]:
         """Send one request upstream; the HttpRequestStream streams what comes back. Leaving the context closes it."""
-        await self.ensure_initialized()
-        span = tracing.client_span(method, params, transport="tcp", protocol_version=self.protocol_version)
-        with measured(self.kind.metrics, method), span as traced:
-            request_id = self.kind.next_id()
-            traced.request(request_id, self.session_id)
-            message = request_message(request_id, method, traced.params(params, always=False))
-            extra_headers = traced.headers(extra_headers)
-            for attempt in range(2):
-                sent_with = self.session_id
-                try:
-                    response = await self._post(message, self.headers(extra_headers))
-                except asyncio.CancelledError:
-                    # Abandoned while the POST was on its way: the upstream may already run it.
-                    await asyncio.shield(self._cancel_unanswered(request_id))
-                    raise
-                if response.status == 404 and sent_with is not None and attempt == 0:
-                    response.release()
-                    await self._reinitialize(sent_with)
-                    continue
-                break
-            if response.status in AUTH_STATUSES:
-                raise self._refused(response, method)
-            body: bytes | None = None
-            if response.status >= 400:
-                body = await _raise_unless_answer(response, request_id, method, self.kind.max_result_bytes)
-            upstream_call = HttpRequestStream(self, request_id, method, response, self.kind.max_result_bytes, body)
-            self.in_flight += 1
+        return _Call(self, method, params, extra_headers)
+
+    async def _send(
+        self, method: str, params: JSON | None, extra: Mapping[str, str] | None, traced: ClientSpan
+    ) -> HttpRequestStream:
+        """`call`'s request: sent (once more on a new session when the upstream forgot this one), its answer's
+        status read."""
+        request_id = self.kind.next_id()
+        traced.request(request_id, self.session_id)
+        message = request_message(request_id, method, traced.params(params, always=False))
+        extra_headers = traced.headers(extra)
+        for attempt in range(2):
+            sent_with = self.session_id
             try:
-                yield upstream_call
-            finally:
-                self.in_flight -= 1
-                upstream_call.close()
+                response = await self._post(message, self.headers(extra_headers))
+            except asyncio.CancelledError:
+                # Abandoned while the POST was on its way: the upstream may already run it.
+                await asyncio.shield(self._cancel_unanswered(request_id))
+                raise
+            if response.status == 404 and sent_with is not None and attempt == 0:
+                response.release()
+                await self._reinitialize(sent_with)
+                continue
+            break
+        if response.status in AUTH_STATUSES:
+            raise self._refused(response, method)
+        body: bytes | None = None
+        if response.status >= 400:
+            body = await _raise_unless_answer(response, request_id, method, self.kind.max_result_bytes)
+        return HttpRequestStream(self, request_id, method, response, self.kind.max_result_bytes, body)
 
     def _refused(self, response: Answer, method: str) -> UpstreamAuthError:
         """The upstream refused this session's credential: the caller is told, with the server's challenge."""
@@ -536,3 +534,60 @@ async def _raise_unless_answer(response: Answer, request_id: int, method: str, m
         return answer
     refused = UpstreamSessionGoneError if response.status in SESSION_GONE_STATUSES else UpstreamRefusedError
     raise refused(f"Upstream answered {method} with HTTP {response.status}{answer.said}", response.status, answer.raw)
+
+
+class _Call:
+    """`HttpSession.call`'s context: the request's CLIENT span and its measure around it, the stream open while
+    it lasts (a class, not a generator: every call of the proxy's own enters one)."""
+
+    __slots__ = ("_extra", "_measure", "_method", "_params", "_session", "_span", "_stream")
+
+    def __init__(self, session: HttpSession, method: str, params: JSON | None, extra: Mapping[str, str] | None) -> None:
+        self._session = session
+        self._method = method
+        self._params = params
+        self._extra = extra
+        self._span: contextlib.AbstractContextManager[ClientSpan] | None = None
+        self._measure: contextlib.AbstractContextManager[None] | None = None
+        self._stream: HttpRequestStream | None = None
+
+    async def __aenter__(self) -> HttpRequestStream:
+        session, method = self._session, self._method
+        await session.ensure_initialized()
+        span = tracing.client_span(method, self._params, transport="tcp", protocol_version=session.protocol_version)
+        measure = self._measure = measured(session.kind.metrics, method)
+        measure.__enter__()
+        try:
+            traced = span.__enter__()
+        except BaseException as exc:
+            measure.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._span = span
+        try:
+            stream = await session._send(method, self._params, self._extra, traced)
+        except BaseException as exc:
+            self._leave(exc)
+            raise
+        session.in_flight += 1
+        self._stream = stream
+        return stream
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        stream = self._stream
+        if stream is not None:
+            self._session.in_flight -= 1
+            stream.close()
+        self._leave(exc)
+
+    def _leave(self, exc: BaseException | None) -> None:
+        """The span ends, then the measure (as `with measure, span:` would), each told of `exc`."""
+        span, measure = self._span, self._measure
+        self._span = self._measure = None
+        kind = None if exc is None else type(exc)
+        traceback = None if exc is None else exc.__traceback__
+        try:
+            if span is not None:
+                span.__exit__(kind, exc, traceback)
+        finally:
+            if measure is not None:
+                measure.__exit__(kind, exc, traceback)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import structlog
 
@@ -87,21 +87,19 @@ class SessionPool:
             self._evict()
         return session
 
-    @asynccontextmanager
-    async def use(self, principal: Identity | None) -> AsyncIterator[Session]:
-        key = principal_key(principal)
+    def use(self, principal: Identity | None) -> AbstractAsyncContextManager[Session]:
+        """The principal's shared session while the context lasts (waiting for room when the kind is bounded)."""
+        return _Use(self, principal)
+
+    async def _use(self, principal: Identity | None, key: str) -> Session:
         deadline = asyncio.get_running_loop().time() + self.limits.wait_seconds
         while key not in self._shared and not self._has_room():
             await self._wait_for_room(deadline, evict=True)
         session = self.session(principal)
         self._take(session)
-        try:
-            yield session
-        finally:
-            self._release(session, key)
+        return session
 
-    @asynccontextmanager
-    async def lease(
+    def lease(
         self,
         principal: Identity | None,
         sink: Sink,
@@ -109,7 +107,7 @@ class SessionPool:
         asks: bool = True,
         reclaim: Callable[[], bool] | None = None,
         asker: str | None = None,
-    ) -> AsyncIterator[Session]:
+    ) -> AbstractAsyncContextManager[Session]:
         """A session of the principal for one call alone, initialized before it is handed out; its unsolicited
         traffic goes to `sink` until the lease ends. `asks`: the call's client could answer a question; a call
         whose client could not runs on the principal's shared session instead, unless its `asker` (method and
@@ -121,11 +119,13 @@ class SessionPool:
         if self.limits.share_quiet_calls and (
             self.limits.max_open == 1 or not (asks or self.questions.asked_before(asker))
         ):
-            async with self.use(principal) as session:
-                await session.ensure_initialized()
-                with self.questions.sharing(session, sink, self._notifications_of(principal_key(principal))):
-                    yield session
-            return
+            return _SharedLease(self, principal, sink)
+        return self._lend(principal, sink, reclaim)
+
+    @asynccontextmanager
+    async def _lend(
+        self, principal: Identity | None, sink: Sink, reclaim: Callable[[], bool] | None
+    ) -> AsyncIterator[Session]:
         key = principal_key(principal)
         session = await self._lendable(principal, key)
         async with self._lent_to(session, key, reclaim):
@@ -419,3 +419,60 @@ class SessionPool:
         await asyncio.gather(*(session.close() for session in sessions), return_exceptions=True)
         self._open.clear()
         await self.kind.close()
+
+
+class _Use:
+    """`SessionPool.use`'s context (a class, not a generator: it is entered on every request that uses the
+    shared session)."""
+
+    __slots__ = ("_key", "_pool", "_principal", "_session")
+
+    def __init__(self, pool: SessionPool, principal: Identity | None) -> None:
+        self._pool = pool
+        self._principal = principal
+        self._key = principal_key(principal)
+        self._session: Session | None = None
+
+    async def __aenter__(self) -> Session:
+        self._session = await self._pool._use(self._principal, self._key)
+        return self._session
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            self._pool._release(self._session, self._key)
+
+
+class _SharedLease:
+    """A lease on the principal's shared session (`SessionPool.lease` for a call that cannot ask): initialized,
+    its questions naming no request the call's while no other call runs there (`_askers.py`)."""
+
+    __slots__ = ("_key", "_notifications", "_pool", "_principal", "_session", "_sharer", "_sink")
+
+    def __init__(self, pool: SessionPool, principal: Identity | None, sink: Sink) -> None:
+        self._pool = pool
+        self._principal = principal
+        self._sink = sink
+        self._key = principal_key(principal)
+        self._notifications = pool._notifications_of(self._key)
+        self._session: Session | None = None
+        self._sharer: Sink | None = None
+
+    async def __aenter__(self) -> Session:
+        pool = self._pool
+        session = await pool._use(self._principal, self._key)
+        try:
+            await session.ensure_initialized()
+        except BaseException:
+            pool._release(session, self._key)
+            raise
+        self._session = session
+        self._sharer = pool.questions.share(session, self._sink, self._notifications)
+        return session
+
+    async def __aexit__(self, *exc: object) -> None:
+        session, sharer = self._session, self._sharer
+        if session is None or sharer is None:
+            return
+        pool = self._pool
+        pool.questions.unshare(session, sharer, self._notifications)
+        pool._release(session, self._key)

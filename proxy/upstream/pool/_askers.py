@@ -4,8 +4,6 @@ seen asking (given a session of their own from then on). Imports the session pro
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Final
 
 import structlog
@@ -30,9 +28,9 @@ class QuestionOwners:
           for the log; for the decision any kind will do: a client that declared one at all is given a session of
           its own anyway, so a call on the shared session lacks every kind seen.
         - `learning(asker, sink)`: the sink of a call, wrapped so that a question reaching it is remembered.
-        - `sharing(session, sink)`: while the call runs on a shared session; while it is the only such call there,
-          a question naming no request is its own (only questions: notifications are nobody's in particular).
-          With two or more, nobody can tell, and the session refuses it as before.
+        - `share(session, sink)`, then `unshare`: while the call runs on a shared session; while it is the only such
+          call there, a question naming no request is its own (only questions: notifications are nobody's in
+          particular). With two or more, nobody can tell, and the session refuses it as before.
 
     A legacy server may ask the client something without naming the request it serves: an mcp 1.x server does so for
     a plain `ctx.session.create_message(...)` (over HTTP on the session's GET stream; over stdio nothing names a
@@ -66,22 +64,23 @@ class QuestionOwners:
 
         return learn
 
-    @contextmanager
-    def sharing(self, session: Session, sink: Sink, notifications: Notifications) -> Iterator[None]:
+    def share(self, session: Session, sink: Sink, notifications: Notifications) -> Sink:
+        """A call begins to run on the shared `session`: what `unshare` takes when it ends."""
+
         async def questions_only(event: UpstreamEvent) -> None:
             if isinstance(event, UpstreamServerRequest):
                 await sink(event)
 
-        sharers = self._sharers.setdefault(session, [])
-        sharers.append(questions_only)
+        self._sharers.setdefault(session, []).append(questions_only)
         self._own(session, notifications)
-        try:
-            yield
-        finally:
-            sharers.remove(questions_only)
-            if not sharers:
-                del self._sharers[session]
-            self._own(session, notifications)
+        return questions_only
+
+    def unshare(self, session: Session, sharer: Sink, notifications: Notifications) -> None:
+        sharers = self._sharers[session]
+        sharers.remove(sharer)
+        if not sharers:
+            del self._sharers[session]
+        self._own(session, notifications)
 
     def _own(self, session: Session, notifications: Notifications) -> None:
         """The shared session is lent to its one call, or to nobody (its questions are refused); its

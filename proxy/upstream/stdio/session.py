@@ -68,6 +68,7 @@ from proxy.wire.jsonrpc import (
 from proxy.wire.upstream_events import (
     UpstreamErrorResponse,
     UpstreamEvent,
+    UpstreamFinal,
     UpstreamNotification,
     UpstreamResult,
     UpstreamServerRequest,
@@ -120,6 +121,10 @@ class StdioRequestStream:
         if isinstance(event, UpstreamNotification) and self.inbox.qsize() >= MAX_QUEUED_EVENTS:
             return  # a reader that fell this far behind loses notifications, never the answer
         self.inbox.put_nowait(event)
+
+    def answered(self) -> UpstreamFinal | None:
+        """Never at once: the answer arrives in the inbox, read by `events()`."""
+        return None
 
     async def events(self) -> AsyncIterator[UpstreamEvent]:
         """Everything the server says about this request, the final result or error last."""
