@@ -49,6 +49,7 @@ FIXED: Final = (
     "observability.metrics",
     "limits.max_result_bytes",
     "limits.legacy_replay_bytes",
+    "events.enabled",  # the log's trigger switch, the delivery worker and the front's handlers are set at start
 )
 
 # Under a fixed section, but read live: the upstream's concurrency cap and its queue's wait (the queue is the

@@ -12,6 +12,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Final, Protocol
 
+from proxy.tasks.store.events import EventStore
 from proxy.tasks.store.keys import KeyRecord
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
@@ -89,7 +90,8 @@ STATUS: Final = "status"  # a task's record changed (status, statusMessage, inpu
 RESYNC: Final = "resync"  # the feed (re)started: changes may have been missed, re-read what you follow
 CANCEL: Final = "cancel"  # a message: the owner should stop the task's upstream call
 INPUT: Final = "input"  # a message: answers for the owner's outstanding questions
-RESERVED_KINDS: Final = frozenset({STATUS, RESYNC})
+EVENTS: Final = "events"  # the events log or outbox took something new (the Events extension): look again
+RESERVED_KINDS: Final = frozenset({STATUS, RESYNC, EVENTS})
 MAX_KIND_CHARS: Final = 64
 
 
@@ -298,6 +300,11 @@ class TaskStore(Protocol):
     @property
     def health(self) -> StoreHealth:
         """Whether the store took its latest operation, and who hears of each failure (metrics)."""
+        ...
+
+    @property
+    def events(self) -> EventStore:
+        """The Events extension's log, subscriptions and outbox (`events.py`)."""
         ...
 
     async def size_bytes(self) -> int: ...

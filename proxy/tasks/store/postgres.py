@@ -13,7 +13,7 @@ Creations go through one thread with its own connection (`pg_create.py`); everyt
 through the pool, mostly one statement (one implicit transaction) per call, with its change notification in
 the same statement; the pool, the connections' settings and every operation's deadline are
 `pg_connections.py`'s, the idempotency keys `pg_keys.py`'s. Depends on psycopg and the store's `base`, `rows`,
-`pg_connections`, `pg_create`, `pg_schema`, `pg_feed`, `pg_keys`; it must not import aiohttp, the runner or the
+`pg_connections`, `pg_create`, `pg_schema`, `pg_feed`, `pg_keys`, `pg_events`; it must not import aiohttp, the runner or the
 front.
 """
 
@@ -40,6 +40,7 @@ from proxy.tasks.store.base import (
 )
 from proxy.tasks.store.pg_connections import Conn, PgConnections
 from proxy.tasks.store.pg_create import PgCreator
+from proxy.tasks.store.pg_events import PgEvents
 from proxy.tasks.store.pg_feed import PgFeed
 from proxy.tasks.store.pg_keys import PgKeys
 from proxy.tasks.store.rows import (
@@ -100,6 +101,7 @@ class PostgresTaskStore(PgConnections, PgKeys, LiveWrites):
             self._health,
         )
         self._feed = PgFeed(self)
+        self.events = PgEvents(self._run, self._rows, lambda: self._channel)  # the Events extension's port
         self._quota_window_ms: int | None = None  # the latest quota window counted here
 
     @classmethod

@@ -3,8 +3,8 @@
 Every SQLite call runs off the event loop: one writer thread owns the write connection, one reader thread owns
 a read-only connection (`sqlite_threads.py`). One process is the only replica: its lease never lapses, a fence
 checks the owner only, and the change feed is in-process. Depends on sqlite-utils and the store's `base`,
-`rows`, `batching`, `feed`, `sqlite_schema`, `sqlite_threads` and `sqlite_writer` (the writer thread's work); it
-must not import aiohttp, the runner or the front.
+`rows`, `batching`, `feed`, `sqlite_schema`, `sqlite_threads`, `sqlite_writer` (the writer thread's work) and
+`sqlite_events` (the events port); it must not import aiohttp, the runner or the front.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from proxy.tasks.store.rows import (
     query_sql,
     settle_values,
 )
+from proxy.tasks.store.sqlite_events import SqliteEvents
 from proxy.tasks.store.sqlite_threads import SqliteThreads
 from proxy.tasks.store.sqlite_writer import SqliteWriter, rows, wall_ms
 from proxy.wire.jsonrpc import JSON
@@ -89,6 +90,7 @@ class SqliteTaskStore(SqliteThreads, LiveWrites):
         self._feed = LocalFeed()
         self._leases: set[str] = set()  # replicas of this process holding a lease
         self._quota_windows = WindowCounts()  # this process holds the file alone: counted in its memory
+        self.events = SqliteEvents(self, self._writer_state, self._feed)  # the Events extension's port
 
     @classmethod
     async def open(

@@ -1,0 +1,228 @@
+"""The store's events port, against both backends (a real SQLite file, a real PostgreSQL database): a task's
+status events written by the database in the transaction that changes it, read by cursor per principal, trimmed
+with `truncated`, fanned out to webhook subscriptions and claimed from the outbox by one replica at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from proxy.tasks.store import SqliteTaskStore, TaskStore
+from proxy.tasks.store.events import TASK_STATUS, StoredEvent, WebhookSubscription
+from proxy.tasks.store.postgres import PostgresTaskStore
+from proxy.wire.tasks import TaskStatus
+from tests.support.records import make_record
+
+NOW = 1_700_000_000_000
+
+
+class Backend:
+    def __init__(self, path: Path, dsn: str | None) -> None:
+        self.path, self.dsn = path, dsn
+
+    async def open(self) -> TaskStore:
+        if self.dsn is not None:
+            return await PostgresTaskStore.open(self.dsn, max_records=100)
+        return await SqliteTaskStore.open(self.path, max_records=100)
+
+    async def count(self, table: str) -> int:
+        if self.dsn is not None:
+            async with await psycopg.AsyncConnection.connect(self.dsn) as conn:
+                row = await (await conn.execute(f"SELECT COUNT(*) FROM {table}".encode())).fetchone()
+                assert row is not None
+                return int(row[0])
+
+        def read() -> int:
+            conn = sqlite3.connect(self.path)
+            try:
+                return int(conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0])
+            finally:
+                conn.close()
+
+        return await asyncio.to_thread(read)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    dsn = request.getfixturevalue("pg_dsn") if request.param == "postgres" else None
+    return Backend(tmp_path / "state" / "tasks.db", dsn)
+
+
+@pytest.fixture
+async def store(backend: Backend) -> AsyncIterator[TaskStore]:
+    opened = await backend.open()
+    await opened.events.configure(True)
+    yield opened
+    await opened.close()
+
+
+def subscription(principal: str = "alice", subject: str = "", **fields: Any) -> WebhookSubscription:
+    values: dict[str, Any] = {
+        "subscription_id": f"sub_{principal}_{subject or 'all'}",
+        "principal": principal,
+        "name": TASK_STATUS,
+        "subject": subject,
+        "arguments": "{}",
+        "url": "https://receiver.example/hook",
+        "secret": "sealed",
+        "secret_digest": "digest",
+        "previous_secret": None,
+        "previous_until_ms": None,
+        "created_at_ms": NOW,
+        "refreshed_at_ms": NOW,
+        "expires_at_ms": NOW + 3_600_000,
+    }
+    return WebhookSubscription(**{**values, **fields})
+
+
+async def run_task(store: TaskStore, task_id: str, principal: str = "alice", *, ask: bool = False) -> None:
+    await store.create(make_record(task_id, principal=principal, created_at_ms=NOW))
+    await store.set_status_message(task_id, "10%", now_ms=NOW + 1)
+    if ask:
+        await store.set_inputs(task_id, {"k1": {"method": "elicitation/create"}}, 1, now_ms=NOW + 2)
+    await store.settle(
+        task_id, TaskStatus.COMPLETED, now_ms=NOW + 3, result={"content": [], "secret": "no"}, status_message="done"
+    )
+
+
+async def test_events_off_logs_nothing(backend: Backend) -> None:
+    store = await backend.open()
+    try:
+        await run_task(store, "task_quiet")
+        assert await store.events.head() == 0
+        assert await backend.count("event_log") == 0
+    finally:
+        await store.close()
+
+
+async def test_a_tasks_input_required_and_end_are_logged_once_with_its_status_fields(store: TaskStore) -> None:
+    await run_task(store, "task_a", ask=True)
+    page = await store.events.read("alice", TASK_STATUS, None, 0, 10)
+    assert [(event.subject, event.data["status"]) for event in page.events] == [
+        ("task_a", "input_required"),
+        ("task_a", "completed"),
+    ]
+    done = page.events[1]
+    assert done.data == {
+        "taskId": "task_a",
+        "status": "completed",
+        "statusMessage": "done",
+        "createdAtMs": NOW,
+        "updatedAtMs": NOW + 3,
+        "ttlMs": 60_000,
+        "pollIntervalMs": None,
+    }
+    assert "result" not in done.data
+    assert done.event_id == f"task_a.completed.{NOW + 3}"
+    assert (page.position, page.truncated, page.has_more) == (await store.events.head(), False, False)
+
+
+async def test_reads_are_per_principal_and_subject_and_resume_after_their_position(store: TaskStore) -> None:
+    await run_task(store, "task_a")
+    await run_task(store, "task_b", principal="bob")
+    first = await store.events.read("alice", TASK_STATUS, None, 0, 10)
+    assert [event.subject for event in first.events] == ["task_a"]
+    assert (await store.events.read("alice", TASK_STATUS, "task_b", 0, 10)).events == []
+    assert [event.subject for event in (await store.events.read("bob", TASK_STATUS, "task_b", 0, 10)).events] == [
+        "task_b"
+    ]
+    await run_task(store, "task_c")
+    await run_task(store, "task_d")
+    page = await store.events.read("alice", TASK_STATUS, None, first.position, 1)
+    assert ([event.subject for event in page.events], page.has_more) == (["task_c"], True)
+    rest = await store.events.read("alice", TASK_STATUS, None, page.position, 10)
+    assert ([event.subject for event in rest.events], rest.has_more) == (["task_d"], False)
+    assert (await store.events.read("alice", TASK_STATUS, None, rest.position, 10)).events == []
+
+
+async def test_a_cursor_behind_what_is_kept_resumes_at_the_oldest_kept_with_truncated(store: TaskStore) -> None:
+    for name in ("task_1", "task_2", "task_3"):
+        await run_task(store, name)
+    await store.events.housekeep(NOW + 10, 3_600_000, 1, 3_600_000)
+    page = await store.events.read("alice", TASK_STATUS, None, 0, 10)
+    assert ([event.subject for event in page.events], page.truncated) == (["task_3"], True)
+    assert await store.events.head() == page.position
+    floor = await store.events.read("alice", TASK_STATUS, None, page.position - 1, 10, floor_ms=NOW + 100)
+    assert (floor.events, floor.truncated) == ([], True)
+
+
+async def test_an_event_fans_out_to_matching_subscriptions_and_one_replica_claims_each(store: TaskStore) -> None:
+    events = store.events
+    await events.put_subscription(subscription())
+    await events.put_subscription(subscription(subject="task_b", subscription_id="sub_b"))
+    await events.put_subscription(subscription(principal="bob"))
+    await events.put_subscription(subscription(subscription_id="sub_lapsed", expires_at_ms=NOW - 1))
+    await run_task(store, "task_a")
+    claimed = await events.claim("replica-1", NOW + 10, 30_000, 10)
+    assert [(d.subscription_id, d.event_id, d.attempts) for d in claimed] == [
+        ("sub_alice_all", f"task_a.completed.{NOW + 3}", 1)
+    ]
+    delivery = claimed[0]
+    assert (delivery.url, delivery.secret, delivery.data["status"]) == (
+        "https://receiver.example/hook",
+        "sealed",
+        "completed",
+    )
+    assert delivery.watermark == (delivery.seq or 0) - 1
+    assert await events.claim("replica-2", NOW + 20, 30_000, 10) == []  # held by replica-1
+    again = await events.claim("replica-2", NOW + 40_000, 30_000, 10)  # its claim lapsed (replica-1 died)
+    assert [(d.event_id, d.attempts) for d in again] == [(delivery.event_id, 2)]
+    await events.delivered(delivery, "replica-1", NOW + 40_001)  # the old claim's answer changes nothing
+    assert (await events.outbox()).pending == 1
+    await events.retry(again[0], "replica-2", NOW + 50_000, "http_5xx", NOW + 40_002)
+    assert await events.next_due_ms() == NOW + 50_000
+    assert await events.claim("replica-1", NOW + 49_999, 30_000, 10) == []
+    last = await events.claim("replica-1", NOW + 50_000, 30_000, 10)
+    await events.delivered(last[0], "replica-1", NOW + 50_001)
+    assert (await events.outbox()).pending == 0
+    listed = {s.subscription_id: s for s in await events.subscriptions("alice")}
+    assert (listed["sub_alice_all"].last_delivery_at_ms, listed["sub_alice_all"].last_error) == (NOW + 50_001, None)
+    assert await events.watermark("sub_alice_all") == await events.head()
+
+
+async def test_unsubscribing_drops_pending_deliveries_and_housekeeping_ages_them(
+    store: TaskStore, backend: Backend
+) -> None:
+    events = store.events
+    await events.put_subscription(subscription())
+    await events.put_subscription(subscription(subscription_id="sub_other", expires_at_ms=None))
+    await run_task(store, "task_a")
+    assert (await events.outbox()).pending == 2
+    assert await events.delete_subscription("sub_alice_all", "bob") is False  # not bob's
+    assert await events.delete_subscription("sub_alice_all", "alice") is True
+    assert (await events.outbox()).pending == 1
+    aged = await events.housekeep(NOW + 7_200_000, 86_400_000, 1000, 3_600_000)
+    assert aged == 1
+    assert await backend.count("event_deliveries") == 0
+    await events.put_subscription(subscription(subscription_id="sub_lapsing", expires_at_ms=NOW + 7_200_001))
+    await events.housekeep(NOW + 7_200_001, 86_400_000, 1000, 3_600_000)
+    assert [s.subscription_id for s in await events.subscriptions()] == ["sub_other"]
+
+
+async def test_enqueue_and_replay_add_deliveries_once(store: TaskStore) -> None:
+    events = store.events
+    sub = subscription()
+    await run_task(store, "task_a")
+    await events.put_subscription(sub)
+    assert (await events.outbox()).pending == 0  # subscribed after the event: not fanned out
+    assert await events.replay(sub, 0, None, NOW + 5) is False
+    assert await events.replay(sub, 0, None, NOW + 6) is False
+    assert (await events.outbox()).pending == 1
+    event = StoredEvent(0, "late.completed.1", TASK_STATUS, "alice", "task_x", {"taskId": "task_x"}, NOW)
+    await events.enqueue(sub.subscription_id, event, NOW + 7)
+    await events.enqueue(sub.subscription_id, event, NOW + 8)
+    assert (await events.outbox()).pending == 2
+
+
+async def test_verification_is_cached_per_principal_and_url(store: TaskStore) -> None:
+    events = store.events
+    await events.mark_verified("alice", "https://a.example/h", NOW)
+    assert await events.verified("alice", "https://a.example/h", NOW - 1)
+    assert not await events.verified("bob", "https://a.example/h", NOW - 1)
+    assert not await events.verified("alice", "https://a.example/h", NOW + 1)
