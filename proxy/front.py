@@ -21,6 +21,7 @@ from proxy.errors import (
     MissingCapabilityError,
     UpstreamError,
 )
+from proxy.events.service import Events
 from proxy.listen import ListenStreams
 from proxy.policy import decide, decide_job, policy_for
 from proxy.tasks import idempotency
@@ -58,12 +59,18 @@ Handler = Callable[["Front", ModernRequest, Caller, Channel], Awaitable[JSON]]
 
 class Front:
     def __init__(
-        self, current: Callable[[], Config], pool: SessionPool, runner: TaskRunner, watchers: TaskWatchers
+        self,
+        current: Callable[[], Config],
+        pool: SessionPool,
+        runner: TaskRunner,
+        watchers: TaskWatchers,
+        events: Events | None = None,
     ) -> None:
         self._current = current  # the config in force, read at each request (a live reload swaps what it returns)
         config = current()  # what only a restart changes is bound here
         self.pool = pool
         self.runner = runner
+        self.events = events  # the Events extension, when `events.enabled`
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
         self.waiting = WaitingRequests(runner.starter, runner.client.keep_alive, self.cache)
         self.listens = ListenStreams(lambda: current().limits, pool, runner, watchers)
@@ -94,10 +101,34 @@ class Front:
     async def discover(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Synthesized from the upstream's InitializeResult, reused for as long as clients may cache it."""
         initialize_result = await self.pool.facts.initialize_result(caller.principal, self.cache[0])
-        return result_message(request.id, translate.discover_result(initialize_result, self.cache))
+        result = translate.discover_result(initialize_result, self.cache)
+        if self.events is not None:
+            self.events.advertise(result["capabilities"])
+        return result_message(request.id, result)
 
     async def listen(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         return await self.listens.serve(request, caller, channel)
+
+    def _events(self, request: ModernRequest) -> Events:
+        """The Events extension; a server that does not offer it answers `events/*` with -32601."""
+        if self.events is None:
+            raise MethodNotFoundError(f"Method not found: {request.method}")
+        return self.events
+
+    async def events_list(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        return await self._events(request).list(request)
+
+    async def events_poll(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        return await self._events(request).poll(request, caller)
+
+    async def events_stream(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        return await self._events(request).stream(request, caller, channel)
+
+    async def events_subscribe(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        return await self._events(request).subscribe(request, caller)
+
+    async def events_unsubscribe(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        return await self._events(request).unsubscribe(request, caller)
 
     async def call_tool(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """The tool's policy and this request's own declaration of the Tasks extension decide sync, task, window
@@ -272,4 +303,10 @@ METHODS: Final[Mapping[str, Handler]] = {
     "tasks/get": Front.task_get,
     "tasks/update": Front.task_update,
     "tasks/cancel": Front.task_cancel,
+    # The Events extension (SEP-3415), when `events.enabled`; else -32601 as for any unknown method.
+    "events/list": Front.events_list,
+    "events/poll": Front.events_poll,
+    "events/stream": Front.events_stream,
+    "events/subscribe": Front.events_subscribe,
+    "events/unsubscribe": Front.events_unsubscribe,
 }

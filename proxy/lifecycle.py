@@ -14,6 +14,7 @@ from proxy.admin import Admin
 from proxy.app_keys import ADMIN, CONFIG, FRONT, LIVE, PASSTHROUGH, POOL, RELAY, RUNNER, STOPPING, STORE
 from proxy.drain import DRAIN
 from proxy.edge import AUDIT, METRICS
+from proxy.events.service import Events
 from proxy.front import Front
 from proxy.legacy.serving import legacy_front
 from proxy.principals import Principals, deployment_key
@@ -65,9 +66,12 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         store.health.on_failure(metrics.store_operation_failed)
     watchers = TaskWatchers(store)
     runner.spawn(watchers.run(), "task-feed")
-    front = app[FRONT] = Front(live.config, pool, runner, watchers)
+    events = Events(live.config, store, runner, metrics) if config.events.enabled else None
+    front = app[FRONT] = Front(live.config, pool, runner, watchers, events)
     if metrics is not None:
         metrics.listen_streams.set_function(lambda: front.listens.open_streams)
+        if events is not None:
+            metrics.event_streams.set_function(lambda: events.open_streams)
     drain.wait_for(lambda: runner.open_calls)  # the drain is the app's, built before the runner
     live.subscribe(lambda new: runner.config_swapped())  # the queue admits by the caps now in force
     legacy = app[PASSTHROUGH] = legacy_front(pool)  # relayed, or served by the proxy (the kind decides)
@@ -75,6 +79,10 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     admin = Admin(config.admin, store, runner.clock) if config.admin.port is not None else None
     try:
         await runner.start()  # restart recovery happens before the first request is served
+        if events is not None:
+            await events.start()
+        else:
+            await store.events.configure(False)  # no replica logs events for a deployment that serves none
         if admin is not None:
             await admin.start()
             app[ADMIN] = admin
@@ -83,6 +91,8 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     finally:
         if admin is not None:
             await admin.stop()
+        if events is not None:
+            await events.close()
         await runner.close()
         await store.close()
         await legacy.close()
@@ -96,3 +106,6 @@ async def end_listen_streams(app: web.Application) -> None:
     app[STOPPING].append(True)
     if POOL in app:
         app[POOL].end_subscriptions()
+    events = app[FRONT].events if FRONT in app else None
+    if events is not None:
+        events.end_streams()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from proxy.config import StoreConfig
 from proxy.tasks.store.base import (
     CANCEL,
+    EVENTS,
     EXPIRED,
     INPUT,
     PURGED,
@@ -36,6 +37,7 @@ from proxy.tasks.store.sqlite import SqliteTaskStore
 
 __all__ = [
     "CANCEL",
+    "EVENTS",
     "EXPIRED",
     "INPUT",
     "PURGED",

@@ -12,9 +12,9 @@ barely does (a few rows per call), and needs a separate stub package and its own
 Creations go through one thread with its own connection (`pg_create.py`); everything else runs on the loop
 through the pool, mostly one statement (one implicit transaction) per call, with its change notification in
 the same statement; the pool, the connections' settings and every operation's deadline are
-`pg_connections.py`'s, the idempotency keys `pg_keys.py`'s. Depends on psycopg and the store's `base`, `rows`,
-`pg_connections`, `pg_create`, `pg_schema`, `pg_feed`, `pg_keys`, `pg_events`; it must not import aiohttp, the runner or the
-front.
+`pg_connections.py`'s, the idempotency keys `pg_keys.py`'s, the Events extension's port `pg_events.py`'s.
+Depends on psycopg and the store's `base`, `rows`, `pg_connections`, `pg_create`, `pg_schema`, `pg_feed`,
+`pg_keys`, `pg_events`; it must not import aiohttp, the runner or the front.
 """
 
 from __future__ import annotations
