@@ -109,7 +109,8 @@ async def test_poll_resumes_from_its_cursor_without_losing_or_repeating_an_event
     assert [event["data"]["taskId"] for event in seen] == [first]
     event = seen[0]
     assert set(event) == {"eventId", "name", "timestamp", "data"}
-    assert "result" not in event["data"] and event["data"]["status"] == "completed"
+    assert "result" not in event["data"]
+    assert event["data"]["status"] == "completed"
     second = await create(client, "alice")
     await settled(client, second)
     later = await poll(client, cursor)
@@ -154,7 +155,8 @@ async def test_a_stream_confirms_then_pushes_the_same_events_and_heartbeats_its_
     assert response.status == 200
     active = await asyncio.wait_for(anext(stream), 10)
     assert active["method"] == "notifications/events/active"
-    assert active["params"]["_meta"][SUB_META] == "S1" and active["params"]["truncated"] is False
+    assert active["params"]["_meta"][SUB_META] == "S1"
+    assert active["params"]["truncated"] is False
     task_id = await create(client, "alice")
     kinds: list[str] = []
     event: dict[str, Any] = {}
@@ -175,7 +177,7 @@ async def test_a_stream_confirms_then_pushes_the_same_events_and_heartbeats_its_
 
 
 async def subscribe(
-    client: Tasks, receiver: Receiver, principal: str = "alice", **params: Any
+    client: Tasks, receiver: Receiver, principal: str | None = "alice", **params: Any
 ) -> tuple[int, dict[str, Any]]:
     body = {
         "name": "task.status",
@@ -193,8 +195,11 @@ async def test_a_webhook_gets_one_signed_delivery_of_a_tasks_end_within_five_sec
     status, subscribed = await subscribe(client, receiver)
     assert status == 200, subscribed
     result = subscribed["result"]
-    assert result["id"].startswith("sub_") and result["truncated"] is False and "refreshBefore" in result
-    assert len(receiver.challenges) == 1 and receiver.challenges[0].verified
+    assert result["id"].startswith("sub_")
+    assert result["truncated"] is False
+    assert "refreshBefore" in result
+    assert len(receiver.challenges) == 1
+    assert receiver.challenges[0].verified
     task_id = await create(client, "alice")
     task = await settled(client, task_id)
     await until(lambda: bool(receiver.deliveries), "no delivery arrived", 10)
@@ -204,13 +209,14 @@ async def test_a_webhook_gets_one_signed_delivery_of_a_tasks_end_within_five_sec
     assert delivered.headers["X-MCP-Subscription-Id"] == result["id"]
     body = receiver.events()[0]
     assert delivered.headers["webhook-id"] == body["eventId"]
-    assert body["data"]["taskId"] == task_id and body["data"]["status"] == "completed"
-    assert "result" not in body["data"] and "result" in task
+    assert (body["data"]["taskId"], body["data"]["status"]) == (task_id, "completed")
+    assert "result" not in body["data"]
+    assert "result" in task
     assert delivered.at - ended_at < 5
     await asyncio.sleep(1)  # nothing more comes: exactly one logical delivery
     assert len(receiver.deliveries) == 1
     refreshed_status, refreshed = await subscribe(client, receiver)  # a refresh: same id, no second challenge
-    assert refreshed_status == 200 and refreshed["result"]["id"] == result["id"]
+    assert (refreshed_status, refreshed["result"]["id"]) == (200, result["id"])
     assert refreshed["result"]["deliveryStatus"]["active"] is True
     assert len(receiver.challenges) == 1
     _, gone = await rpc(
@@ -268,7 +274,8 @@ async def test_private_callbacks_http_and_anonymous_callers_are_refused(
     assert receiver.challenges == []  # nothing was sent
     strict = await events_proxy(tasks_client, {"enabled": True, "webhooks": {"allow_private_callbacks": True}})
     _, insecure = await subscribe(strict, receiver)
-    assert insecure["error"]["code"] == -32602 and "https" in insecure["error"]["message"]
+    assert insecure["error"]["code"] == -32602
+    assert "https" in insecure["error"]["message"]
     _, anonymous = await subscribe(strict, receiver, principal=None)
     assert anonymous["error"]["code"] == -32024
     _, bad_secret = await rpc(

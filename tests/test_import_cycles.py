@@ -107,7 +107,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("upstream", ("proxy.upstream",)),
-    ("legacy and tasks", ("proxy.legacy", "proxy.tasks")),
+    ("legacy, tasks and events", ("proxy.legacy", "proxy.tasks", "proxy.events")),
     (
         "front, app and cli",
         (
@@ -169,5 +169,5 @@ def test_the_layer_check_finds_an_upstream_module_importing_legacy() -> None:
     modules = {"proxy.upstream.pool", "proxy.legacy", "proxy.legacy.passthrough"}
     graph = {"proxy.upstream.pool": imported(ast.parse(source), "proxy.upstream.pool", False, modules)}
     assert upward_imports(graph) == [
-        "proxy.upstream.pool (upstream) imports proxy.legacy.passthrough (legacy and tasks)"
+        "proxy.upstream.pool (upstream) imports proxy.legacy.passthrough (legacy, tasks and events)"
     ]
