@@ -226,3 +226,26 @@ async def test_verification_is_cached_per_principal_and_url(store: TaskStore) ->
     assert await events.verified("alice", "https://a.example/h", NOW - 1)
     assert not await events.verified("bob", "https://a.example/h", NOW - 1)
     assert not await events.verified("alice", "https://a.example/h", NOW + 1)
+
+
+async def test_operators_list_subscriptions_without_their_secrets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from proxy.cli import main
+
+    database = tmp_path / "tasks.db"
+    store = await SqliteTaskStore.open(database, max_records=10)
+    await store.events.put_subscription(subscription(url="https://receiver.example/hook?token=t0k3n"))
+    await store.close()
+    assert await asyncio.to_thread(main, ["tasks", "subscriptions", "--db", str(database)]) == 0
+    printed = capsys.readouterr().out
+    (listed,) = json.loads(printed)["subscriptions"]
+    assert (listed["id"], listed["callback"], listed["pending"]) == (
+        "sub_alice_all",
+        "https://receiver.example/hook",
+        0,
+    )
+    assert "sealed" not in printed
+    assert "t0k3n" not in printed
