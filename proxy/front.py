@@ -116,7 +116,7 @@ class Front:
         return self.events
 
     async def events_list(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        return await self._events(request).list(request)
+        return await self._events(request).list(request, caller)
 
     async def events_poll(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         return await self._events(request).poll(request, caller)

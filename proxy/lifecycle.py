@@ -66,7 +66,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         store.health.on_failure(metrics.store_operation_failed)
     watchers = TaskWatchers(store)
     runner.spawn(watchers.run(), "task-feed")
-    events = Events(live.config, store, runner, metrics) if config.events.enabled else None
+    events = Events(live.config, store, runner, pool, metrics) if config.events.enabled else None
     front = app[FRONT] = Front(live.config, pool, runner, watchers, events)
     if metrics is not None:
         metrics.listen_streams.set_function(lambda: front.listens.open_streams)

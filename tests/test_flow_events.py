@@ -71,8 +71,10 @@ async def test_the_extension_is_advertised_and_lists_the_task_status_event(tasks
     assert capabilities["events"] == {}  # the compatibility switch
     status, listed = await rpc(client.client, "events/list", {})
     assert status == 200
-    (event_type,) = listed["result"]["events"]
-    assert event_type["name"] == "task.status"
+    offered = {found["name"]: found for found in listed["result"]["events"]}
+    assert {"task.status", "resource.updated", "tools.list_changed", "prompts.list_changed"} <= set(offered)
+    assert offered["resource.updated"]["inputSchema"]["required"] == ["uri"]
+    event_type = offered["task.status"]
     assert sorted(event_type["delivery"]) == ["poll", "push", "webhook"]
     assert "taskId" in event_type["inputSchema"]["properties"]
     assert "result" not in event_type["payloadSchema"]["properties"]

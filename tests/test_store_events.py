@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from proxy.tasks.store import SqliteTaskStore, TaskStore
-from proxy.tasks.store.events import TASK_STATUS, StoredEvent, WebhookSubscription
+from proxy.tasks.store.events import TASK_STATUS, StoredEvent, Watch, WebhookSubscription
 from proxy.tasks.store.postgres import PostgresTaskStore
 from proxy.wire.tasks import TaskStatus
 from tests.support.records import make_record
@@ -249,3 +249,38 @@ async def test_operators_list_subscriptions_without_their_secrets(
     )
     assert "sealed" not in printed
     assert "t0k3n" not in printed
+
+
+async def test_an_appended_event_is_logged_once_and_fans_out_like_a_tasks(store: TaskStore) -> None:
+    events = store.events
+    await events.put_subscription(
+        subscription(
+            subscription_id="sub_uri", name="resource.updated", subject="test://a", arguments='{"uri":"test://a"}'
+        )
+    )
+    updated = StoredEvent(0, "evt_1", "resource.updated", "alice", "test://a", {"uri": "test://a"}, NOW)
+    await events.append(updated)
+    await events.append(updated)  # the same id: once
+    await events.append(StoredEvent(0, "evt_2", "resource.updated", "alice", "test://b", {"uri": "test://b"}, NOW))
+    page = await events.read("alice", "resource.updated", "test://a", 0, 10)
+    assert [(event.event_id, event.data) for event in page.events] == [("evt_1", {"uri": "test://a"})]
+    assert [d.event_id for d in await events.claim("replica-1", NOW + 1, 30_000, 10)] == ["evt_1"]
+
+
+async def test_one_replica_at_a_time_holds_a_wanted_watch(store: TaskStore) -> None:
+    events = store.events
+    await events.want(Watch("alice", "resource.updated", "test://a", "sealed-1", NOW + 60_000))
+    await events.want(Watch("alice", "resource.updated", "test://a", "sealed-2", NOW + 30_000))  # keeps the later
+    held = await events.hold_watches("replica-1", NOW, 5_000, 10)
+    assert [(w.subject, w.credential, w.wanted_until_ms, w.holder) for w in held] == [
+        ("test://a", "sealed-2", NOW + 60_000, "replica-1")
+    ]
+    assert await events.hold_watches("replica-2", NOW + 1_000, 5_000, 10) == []  # held by replica-1
+    assert len(await events.hold_watches("replica-1", NOW + 4_000, 5_000, 10)) == 1  # renewed
+    taken = await events.hold_watches("replica-2", NOW + 9_001, 5_000, 10)  # replica-1 let it lapse
+    assert [w.holder for w in taken] == ["replica-2"]
+    await events.drop_watches(NOW + 60_000)  # unwanted now, but still held: kept until the hold lapses
+    assert await events.hold_watches("replica-1", NOW + 60_001, 5_000, 10) == []
+    await events.drop_watches(NOW + 70_000)
+    await events.want(Watch("alice", "resource.updated", "test://a", None, NOW + 80_000))
+    assert [w.credential for w in await events.hold_watches("replica-3", NOW + 70_001, 5_000, 10)] == [None]

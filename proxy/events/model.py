@@ -90,7 +90,61 @@ TASK_STATUS_TYPE: Final = EventType(
     delivery=(POLL, PUSH, WEBHOOK),
     subject_argument="taskId",
 )
-CATALOG: Final[Mapping[str, EventType]] = {TASK_STATUS_TYPE.name: TASK_STATUS_TYPE}
+RESOURCE_UPDATED: Final = "resource.updated"
+RESOURCE_UPDATED_TYPE: Final = EventType(
+    name=RESOURCE_UPDATED,
+    description="Fires when the legacy server says the resource `uri` changed (its "
+    "`notifications/resources/updated`). The proxy subscribes to it upstream while someone is subscribed here; "
+    "read the resource with `resources/read`.",
+    input_schema={
+        "type": "object",
+        "properties": {"uri": {"type": "string", "description": "The resource to watch."}},
+        "required": ["uri"],
+        "additionalProperties": False,
+    },
+    payload_schema={"type": "object", "properties": {"uri": {"type": "string"}}, "required": ["uri"]},
+    delivery=(POLL, PUSH, WEBHOOK),
+    subject_argument="uri",
+)
+
+
+def _list_changed(kind: str) -> EventType:
+    return EventType(
+        name=f"{kind}.list_changed",
+        description=f"Fires when the legacy server says its {kind} changed (its `notifications/{kind}/list_changed`); "
+        f"list them again with `{kind}/list`.",
+        input_schema={"type": "object", "properties": {}, "additionalProperties": False},
+        payload_schema={"type": "object", "properties": {}},
+        delivery=(POLL, PUSH, WEBHOOK),
+        subject_argument=None,
+    )
+
+
+LIST_CHANGED_TYPES: Final = {kind: _list_changed(kind) for kind in ("tools", "prompts", "resources")}
+# The legacy server's notification behind each upstream event type.
+UPSTREAM_NOTIFICATIONS: Final[Mapping[str, str]] = {
+    RESOURCE_UPDATED: "notifications/resources/updated",
+    **{event_type.name: f"notifications/{kind}/list_changed" for kind, event_type in LIST_CHANGED_TYPES.items()},
+}
+CATALOG: Final[Mapping[str, EventType]] = {
+    TASK_STATUS_TYPE.name: TASK_STATUS_TYPE,
+    RESOURCE_UPDATED: RESOURCE_UPDATED_TYPE,
+    **{event_type.name: event_type for event_type in LIST_CHANGED_TYPES.values()},
+}
+
+
+def catalog(upstream_capabilities: JSON) -> dict[str, EventType]:
+    """The event types offered for this legacy server: a task's status always; a resource's updates when it
+    declared `resources.subscribe`; a list's changes when it declared that list's `listChanged`."""
+    offered = {TASK_STATUS_TYPE.name: TASK_STATUS_TYPE}
+    resources = upstream_capabilities.get("resources")
+    if isinstance(resources, dict) and resources.get("subscribe") is True:
+        offered[RESOURCE_UPDATED] = RESOURCE_UPDATED_TYPE
+    for kind, event_type in LIST_CHANGED_TYPES.items():
+        declared = upstream_capabilities.get(kind)
+        if isinstance(declared, dict) and declared.get("listChanged") is True:
+            offered[event_type.name] = event_type
+    return offered
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,13 +161,13 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def subscription_of(params: JSON, mode: str) -> Subscription:
-    """`{name, arguments}` of an `events/*` request, checked: an unknown name is NotFound, a mode the type does
-    not offer Unsupported, arguments outside its `inputSchema` InvalidParams."""
+def subscription_of(params: JSON, mode: str, offered: Mapping[str, EventType] = CATALOG) -> Subscription:
+    """`{name, arguments}` of an `events/*` request, checked: a name not `offered` is NotFound, a mode the type
+    does not offer Unsupported, arguments outside its `inputSchema` InvalidParams."""
     name = params.get("name")
     if not isinstance(name, str):
         raise InvalidParamsError("Invalid params: name must be a string")
-    event_type = CATALOG.get(name)
+    event_type = offered.get(name)
     if event_type is None:
         raise EventsNotFoundError(f"Not found: no event type {name[:128]!r}", data={"kind": "event"})
     if mode not in event_type.delivery:
@@ -130,11 +184,22 @@ def subscription_of(params: JSON, mode: str) -> Subscription:
     if unknown:
         raise InvalidParamsError(f"Invalid params: {name} takes no argument {unknown[0][:64]!r}")
     subject: str | None = None
+    required = event_type.input_schema.get("required", [])
+    missing = [key for key in required if key not in arguments]
+    if missing:
+        raise InvalidParamsError(f"Invalid params: {name} needs the argument {missing[0]!r}")
     if event_type.subject_argument is not None and event_type.subject_argument in arguments:
         subject = arguments[event_type.subject_argument]
-        if not isinstance(subject, str) or not subject:
+        if not isinstance(subject, str) or not subject or len(subject) > MAX_URL_CHARS:
             raise InvalidParamsError(f"Invalid params: arguments.{event_type.subject_argument} must be a string")
     return Subscription(event_type, arguments, canonical_json(arguments), subject)
+
+
+def upstream_event(event_type: EventType, principal: str, subject: str, event_id: str, now_ms: int) -> StoredEvent:
+    """The event a legacy server's notification becomes (its `eventId` minted by the proxy: the notification
+    carries none)."""
+    data: JSON = {"uri": subject} if event_type.subject_argument == "uri" else {}
+    return StoredEvent(0, event_id, event_type.name, principal, subject, data, now_ms)
 
 
 def subscription_id(principal: str, url: str, name: str, canonical_arguments: str) -> str:

@@ -28,11 +28,13 @@ from proxy.errors import InvalidParamsError
 from proxy.events import model
 from proxy.events.delivery import Deliveries
 from proxy.events.errors import CallbackEndpointError, EventsForbiddenError, EventsNotFoundError, ResourceExhaustedError
+from proxy.events.watches import Watches
 from proxy.events.webhook import WebhookClient, challenge
 from proxy.observability import Metrics
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import EVENTS, RESYNC, STATUS, StoreError, TaskStore
-from proxy.tasks.store.events import EventPage, StoredEvent, WebhookSubscription
+from proxy.tasks.store.events import TASK_STATUS, EventPage, StoredEvent, Watch, WebhookSubscription
+from proxy.upstream.pool import SessionPool
 from proxy.wire.envelope import Caller, Channel, ModernRequest
 from proxy.wire.jsonrpc import JSON, notification_message, result_message
 from proxy.wire.tasks import TaskRecord, iso_timestamp
@@ -45,13 +47,21 @@ HOUSEKEEPING_SECONDS: Final = 30.0
 OUTBOX_METRICS_SECONDS: Final = 5.0
 VERIFIED_FOR_MS: Final = 86_400_000  # a callback verified for a principal stays so this long (then challenged again)
 RESOLVE_SECONDS: Final = 5.0
+POLL_INTEREST_MS: Final = 300_000  # a poll of the legacy server's changes keeps its watch wanted this long
+STREAM_INTEREST_MS: Final = 60_000  # a stream keeps its watch wanted this far ahead, renewed as it runs
 
 
 class Events:
     def __init__(
-        self, current: Callable[[], Config], store: TaskStore, runner: TaskRunner, metrics: Metrics | None
+        self,
+        current: Callable[[], Config],
+        store: TaskStore,
+        runner: TaskRunner,
+        pool: SessionPool,
+        metrics: Metrics | None,
     ) -> None:
         self._current = current
+        self.pool = pool
         self.tasks_store = store
         self.store = store.events
         self.runner = runner
@@ -99,6 +109,10 @@ class Events:
         self.background.spawn(self._pulse(), "events-pulse")
         self.background.spawn(self.deliveries.run_forever(), "event-deliveries")
         self.background.spawn(self._housekeep(), "events-housekeeping")
+        watches = Watches(
+            self.store, self.pool, self.runner.principals, self.runner.process_id, self.clock, self.background
+        )
+        self.background.spawn(watches.run_forever(), "event-watches")
 
     def end_streams(self) -> None:
         """Shutdown: every `events/stream` ends with its result."""
@@ -176,18 +190,39 @@ class Events:
         if self.config.compat.top_level_capability:
             capabilities["events"] = {}
 
-    async def list(self, request: ModernRequest) -> JSON:
+    async def _offered(self, caller: Caller) -> dict[str, model.EventType]:
+        """The event types for the legacy server's capabilities (as `server/discover` reads them)."""
+        cache_ms = self._current().discovery.cache_ttl_ms
+        initialize_result = await self.pool.facts.initialize_result(caller.principal, cache_ms)
+        capabilities = initialize_result.get("capabilities")
+        return model.catalog(capabilities if isinstance(capabilities, dict) else {})
+
+    async def _subscription(self, request: ModernRequest, caller: Caller, mode: str) -> model.Subscription:
+        """What the request subscribes to; a task's status needs no word from the upstream."""
+        if request.params.get("name") == TASK_STATUS:
+            return model.subscription_of(request.params, mode)
+        return model.subscription_of(request.params, mode, await self._offered(caller))
+
+    async def _want(self, subscription: model.Subscription, owner: str, caller: Caller, until_ms: int) -> None:
+        """Keep the legacy server's changes of this kind watched for the caller until `until_ms`."""
+        if subscription.type.name == TASK_STATUS:
+            return
+        credential = None if caller.principal is None else self.runner.principals.seal(caller.principal.credential)
+        watch = Watch(owner, subscription.type.name, subscription.subject or "", credential, until_ms)
+        await self.store.want(watch)
+
+    async def list(self, request: ModernRequest, caller: Caller) -> JSON:
         cursor = request.params.get("cursor")
         if cursor not in (None, ""):
             raise InvalidParamsError("Invalid params: events/list has one page; this cursor is not one of it")
-        events = [event_type.descriptor() for event_type in model.CATALOG.values()]
+        events = [event_type.descriptor() for event_type in (await self._offered(caller)).values()]
         return result_message(request.id, {"resultType": "complete", "events": events})
 
     # --- poll and stream -------------------------------------------------------------------------------------
 
     async def _authorized(self, subscription: model.Subscription, owner: str) -> TaskRecord | None:
         """The task the subscription names, when it is the caller's (else NotFound, as for an unknown id)."""
-        if subscription.subject is None:
+        if subscription.subject is None or subscription.type.name != TASK_STATUS:
             return None
         record = await self.runner.operations.peek(subscription.subject, owner)
         if record is None:
@@ -199,9 +234,10 @@ class Events:
 
     async def poll(self, request: ModernRequest, caller: Caller) -> JSON:
         config = self.config
-        subscription = model.subscription_of(request.params, model.POLL)
+        subscription = await self._subscription(request, caller, model.POLL)
         owner = self.runner.operations.owner(caller)
         record = await self._authorized(subscription, owner)  # read before the head: its end is at or before it
+        await self._want(subscription, owner, caller, self.clock() + max(POLL_INTEREST_MS, 3 * config.poll_interval_ms))
         cursor = model.decode_cursor(request.params.get("cursor"), self.epoch)
         max_age = model.non_negative_int(request.params, "maxAgeMs")
         wanted = model.non_negative_int(request.params, "maxEvents")
@@ -229,7 +265,7 @@ class Events:
 
     async def stream(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         config = self.config
-        subscription = model.subscription_of(request.params, model.PUSH)
+        subscription = await self._subscription(request, caller, model.PUSH)
         owner = self.runner.operations.owner(caller)
         record = await self._authorized(subscription, owner)
         cursor = model.decode_cursor(request.params.get("cursor"), self.epoch)
@@ -238,7 +274,7 @@ class Events:
             raise ResourceExhaustedError("streams", config.max_streams_per_principal)
         self._streams[owner] += 1
         try:
-            await _Stream(self, request, channel, subscription, owner).run(record, cursor, max_age)
+            await _Stream(self, request, channel, subscription, owner, caller).run(record, cursor, max_age)
         finally:
             self._streams[owner] -= 1
             if not self._streams[owner]:
@@ -255,7 +291,7 @@ class Events:
 
     async def subscribe(self, request: ModernRequest, caller: Caller) -> JSON:
         webhooks = self.config.webhooks
-        subscription = model.subscription_of(request.params, model.WEBHOOK)
+        subscription = await self._subscription(request, caller, model.WEBHOOK)
         owner = self._webhook_principal(caller, "events/subscribe")
         record = await self._authorized(subscription, owner)
         delivery = request.params.get("delivery")
@@ -315,6 +351,7 @@ class Events:
             expires_at_ms=now + ttl_ms,
         )
         await self.store.put_subscription(stored)
+        await self._want(subscription, owner, caller, now + ttl_ms)
         truncated = False
         if not live:
             if cursor is not None:
@@ -358,7 +395,7 @@ class Events:
         return max(lowest, min(suggested, highest))
 
     async def unsubscribe(self, request: ModernRequest, caller: Caller) -> JSON:
-        subscription = model.subscription_of(request.params, model.WEBHOOK)
+        subscription = model.subscription_of(request.params, model.WEBHOOK)  # every type: it may have been offered
         owner = self._webhook_principal(caller, "events/unsubscribe")
         delivery = request.params.get("delivery")
         url = delivery.get("url") if isinstance(delivery, dict) else None
@@ -414,8 +451,16 @@ class _Stream:
     nothing came for a while, and the result when the proxy shuts down."""
 
     def __init__(
-        self, events: Events, request: ModernRequest, channel: Channel, subscription: model.Subscription, owner: str
+        self,
+        events: Events,
+        request: ModernRequest,
+        channel: Channel,
+        subscription: model.Subscription,
+        owner: str,
+        caller: Caller,
     ) -> None:
+        self.caller = caller
+        self.wanted_until = 0
         self.events = events
         self.request = request
         self.channel = channel
@@ -449,6 +494,9 @@ class _Stream:
             await self._active(position, truncated=page.truncated)
         quiet_since = time.monotonic()
         while not events.closing:
+            if self.wanted_until - events.clock() < STREAM_INTEREST_MS // 2:
+                self.wanted_until = events.clock() + STREAM_INTEREST_MS
+                await events._want(self.subscription, self.owner, self.caller, self.wanted_until)
             if page is None:
                 changed = events._changed
                 page = await self._read(position)

@@ -18,6 +18,7 @@ from typing import Any, Final, Protocol
 from proxy.wire.jsonrpc import JSON
 
 TASK_STATUS: Final = "task.status"  # the event name of a task's status (the only one the database writes)
+PREFERRED_WATCHES: Final = 256  # upstream watches one replica holds at most
 EVENT_STATUSES_SQL: Final = "'input_required', 'cancelled', 'completed', 'failed'"  # statuses a task's event has
 
 
@@ -92,6 +93,22 @@ class Delivery:
     previous_secret: str | None
     previous_until_ms: int | None
     watermark: int
+
+
+@dataclass(frozen=True, slots=True)
+class Watch:
+    """Interest in the legacy server's changes of one kind (`name`, about `subject`: a resource's URI, or "")
+    for one principal: whoever wants it keeps `wanted_until_ms` ahead; one replica at a time holds it (the
+    upstream subscription and the stream that carries the notifications), until `held_until_ms`. `credential`
+    is the principal's credential, sealed with the deployment key (the upstream session is opened with it)."""
+
+    principal: str
+    name: str
+    subject: str
+    credential: str | None
+    wanted_until_ms: int
+    holder: str | None = None
+    held_until_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +188,23 @@ class EventStore(Protocol):
     async def housekeep(self, now_ms: int, retention_ms: int, max_events: int, max_delivery_age_ms: int) -> int:
         """Old events trimmed from the log, lapsed subscriptions and deliveries past their age dropped; how many
         deliveries were dropped for their age."""
+        ...
+
+    async def append(self, event: StoredEvent) -> None:
+        """Log an event the proxy saw (the legacy server's change), fanned out like a task's."""
+        ...
+
+    async def want(self, watch: Watch) -> None:
+        """Keep a watch wanted until at least `watch.wanted_until_ms` (with the latest sealed credential)."""
+        ...
+
+    async def hold_watches(self, owner: str, now_ms: int, hold_ms: int, limit: int) -> list[Watch]:
+        """The wanted watches `owner` holds now: its own renewed, and free ones (never held, or whose holder
+        let its hold lapse) taken, until `now_ms + hold_ms`."""
+        ...
+
+    async def drop_watches(self, now_ms: int) -> None:
+        """Watches nobody wants any more, and whose hold lapsed, forgotten."""
         ...
 
 
@@ -314,6 +348,10 @@ DELETE_TRIMMED_SQL: Final = (
 )
 
 
+def holdable_sql(locking: str = "") -> str:
+    return HOLD_SQL.format(holdable=_HOLDABLE + locking)
+
+
 def trim_sql(greatest: str) -> str:
     """Move `trimmed_through` past the events older than `:before_ms` or beyond the newest `:keep`; `greatest` is
     the backend's two-argument maximum (`MAX` on SQLite, `GREATEST` on PostgreSQL)."""
@@ -323,6 +361,29 @@ def trim_sql(greatest: str) -> str:
         " WHERE id = 1"
     )
 
+
+APPEND_SQL: Final = (
+    "INSERT INTO event_log (event_id, name, principal, subject, data, occurred_at_ms) VALUES (:event_id, :name,"
+    " :principal, :subject, :data, :occurred_at_ms) ON CONFLICT (event_id) DO NOTHING"
+)
+WANT_SQL: Final = (
+    "INSERT INTO event_watches (principal, name, subject, credential, wanted_until_ms) VALUES (:principal, :name,"
+    " :subject, :credential, :wanted_until_ms) ON CONFLICT (principal, name, subject) DO UPDATE SET"
+    " credential = excluded.credential, wanted_until_ms = {greatest}(event_watches.wanted_until_ms,"
+    " excluded.wanted_until_ms)"
+)
+_HOLDABLE: Final = (
+    "SELECT principal, name, subject FROM event_watches WHERE wanted_until_ms > :now_ms AND (holder = :owner OR"
+    " holder IS NULL OR held_until_ms <= :now_ms) ORDER BY principal, name, subject LIMIT :limit"
+)
+HOLD_SQL: Final = (
+    "UPDATE event_watches SET holder = :owner, held_until_ms = :until_ms WHERE (principal, name, subject) IN"
+    " ({holdable}) RETURNING *"
+)
+DROP_WATCHES_SQL: Final = (
+    "DELETE FROM event_watches WHERE wanted_until_ms <= :now_ms AND (holder IS NULL OR held_until_ms <= :now_ms)"
+)
+WATCH_COLUMNS: Final = ("principal", "name", "subject", "credential", "wanted_until_ms", "holder", "held_until_ms")
 
 _PARAMETER: Final = re.compile(r"(?<![:\w]):([a-z_]+)")
 
@@ -385,6 +446,21 @@ def event_params(event: StoredEvent) -> dict[str, Any]:
         "event_id": event.event_id,
         "seq": event.seq or None,
         "name": event.name,
+        "data": json.dumps(event.data, separators=(",", ":")),
+        "occurred_at_ms": event.occurred_at_ms,
+    }
+
+
+def watch_of(row: Mapping[str, Any]) -> Watch:
+    return Watch(**{column: row[column] for column in WATCH_COLUMNS})
+
+
+def append_params(event: StoredEvent) -> dict[str, Any]:
+    return {
+        "event_id": event.event_id,
+        "name": event.name,
+        "principal": event.principal,
+        "subject": event.subject,
         "data": json.dumps(event.data, separators=(",", ":")),
         "occurred_at_ms": event.occurred_at_ms,
     }

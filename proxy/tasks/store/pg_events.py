@@ -14,12 +14,13 @@ from psycopg.rows import DictRow
 
 from proxy.tasks.store import events as sql
 from proxy.tasks.store import pg_schema as schema
-from proxy.tasks.store.events import Delivery, EventPage, Outbox, StoredEvent, WebhookSubscription
+from proxy.tasks.store.events import Delivery, EventPage, Outbox, StoredEvent, Watch, WebhookSubscription
 from proxy.tasks.store.pg_connections import Conn
 
 _T = TypeVar("_T")
 _NOTIFY: Final = schema.notify_sql("'events'", "''", "''")
 _DUE: Final = sql.DUE_SQL + " FOR UPDATE SKIP LOCKED"
+_LOCK_LOG: Final = f"SELECT pg_advisory_xact_lock({schema.LOCK_SPACE}, {schema.EVENTS_LOCK})"
 
 
 class PgEvents:
@@ -241,3 +242,25 @@ class PgEvents:
             return int(aged.rowcount)
 
         return await self._in_transaction("events housekeeping", work)
+
+    # -- the legacy server's changes -------------------------------------------------------------------------
+
+    async def append(self, event: StoredEvent) -> None:
+        async def work(conn: Conn) -> None:
+            await conn.execute(_LOCK_LOG)  # positions in commit order, as the task trigger does
+            await conn.execute(sql.pg(sql.APPEND_SQL), sql.append_params(event))
+            await self._wake(conn)
+
+        await self._in_transaction("events append", work)
+
+    async def want(self, watch: Watch) -> None:
+        params = {column: getattr(watch, column) for column in sql.WATCH_COLUMNS}
+        await self._rows("events want", sql.pg(sql.WANT_SQL.format(greatest="GREATEST")), params)
+
+    async def hold_watches(self, owner: str, now_ms: int, hold_ms: int, limit: int) -> list[Watch]:
+        params = {"owner": owner, "now_ms": now_ms, "until_ms": now_ms + hold_ms, "limit": limit}
+        found = await self._rows("events hold", sql.pg(sql.holdable_sql(" FOR UPDATE SKIP LOCKED")), params)
+        return [sql.watch_of(row) for row in found]
+
+    async def drop_watches(self, now_ms: int) -> None:
+        await self._rows("events drop watches", sql.pg(sql.DROP_WATCHES_SQL), {"now_ms": now_ms})

@@ -295,6 +295,23 @@ MIGRATIONS: Final[tuple[tuple[str, str], ...]] = (
         CREATE TRIGGER event_log_fanout AFTER INSERT ON event_log FOR EACH ROW EXECUTE FUNCTION event_fanout();
         """,
     ),
+    (
+        # The Events extension: interest in the legacy server's changes (a resource's updates, a list's changes)
+        # per principal, and which replica holds the upstream subscription for it.
+        "0012_create_event_watches",
+        """
+        CREATE TABLE event_watches (
+            principal text NOT NULL,
+            name text NOT NULL,
+            subject text NOT NULL,
+            credential text,
+            wanted_until_ms bigint NOT NULL,
+            holder text,
+            held_until_ms bigint,
+            PRIMARY KEY (principal, name, subject)
+        );
+        """,
+    ),
 )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from proxy.tasks.store import events as sql
 from proxy.tasks.store.base import EVENTS, Change
-from proxy.tasks.store.events import Delivery, EventPage, Outbox, StoredEvent, WebhookSubscription
+from proxy.tasks.store.events import Delivery, EventPage, Outbox, StoredEvent, Watch, WebhookSubscription
 from proxy.tasks.store.feed import LocalFeed
 from proxy.tasks.store.sqlite_threads import SqliteThreads
 from proxy.tasks.store.sqlite_writer import SqliteWriter, rows
@@ -229,3 +229,26 @@ class SqliteEvents:
             return int(aged)
 
         return await self._threads._write("events housekeeping", run)
+
+    # -- the legacy server's changes -------------------------------------------------------------------------
+
+    async def append(self, event: StoredEvent) -> None:
+        await self._change("events append", (sql.APPEND_SQL, sql.append_params(event)))
+        self._wake()
+
+    async def want(self, watch: Watch) -> None:
+        params = {column: getattr(watch, column) for column in sql.WATCH_COLUMNS}
+        await self._change("events want", (sql.WANT_SQL.format(greatest="MAX"), params))
+
+    async def hold_watches(self, owner: str, now_ms: int, hold_ms: int, limit: int) -> list[Watch]:
+        def run() -> list[Watch]:
+            db = self._writer.db()
+            params = {"owner": owner, "now_ms": now_ms, "until_ms": now_ms + hold_ms, "limit": limit}
+            with db.atomic():
+                found = rows(db.execute(sql.holdable_sql(), params))
+            return [sql.watch_of(row) for row in found]
+
+        return await self._threads._write("events hold", run)
+
+    async def drop_watches(self, now_ms: int) -> None:
+        await self._change("events drop watches", (sql.DROP_WATCHES_SQL, {"now_ms": now_ms}))

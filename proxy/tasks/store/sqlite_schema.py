@@ -210,6 +210,17 @@ def _create_events(db: Database) -> None:
     )
 
 
+@MIGRATIONS(name="0012_create_event_watches")
+def _create_event_watches(db: Database) -> None:
+    """The Events extension: interest in the legacy server's changes (a resource's updates, a list's changes) per
+    principal, and which replica holds the upstream subscription for it."""
+    db.execute(
+        "CREATE TABLE event_watches (principal TEXT NOT NULL, name TEXT NOT NULL, subject TEXT NOT NULL,"
+        " credential TEXT, wanted_until_ms INTEGER NOT NULL, holder TEXT, held_until_ms INTEGER,"
+        " PRIMARY KEY (principal, name, subject))"
+    )
+
+
 INSERT_SQL: Final = f"INSERT INTO tasks ({', '.join(COLUMNS)}) VALUES ({', '.join(':' + column for column in COLUMNS)})"
 # One indexed walk per settled status, then the oldest of those few candidates: a single
 # `status IN (...) ORDER BY updated_at_ms` would sort every settled record on each create at capacity.
