@@ -9,8 +9,10 @@ addresses are refused by default. With `events.enabled` off nothing of it is adv
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -297,3 +299,25 @@ async def test_a_callback_that_does_not_echo_the_challenge_is_refused(
     assert refused["error"]["code"] == -32027
     assert refused["error"]["data"] == {"reason": "challenge_failed"}
     assert status == 400
+
+
+async def test_each_subscribe_and_unsubscribe_writes_an_audit_line_without_the_callback_or_secret(
+    tasks_client: ClientFactory, receiver: Receiver, tmp_path: Path
+) -> None:
+    audit = tmp_path / "audit.log"
+    client = await tasks_client(tasks=SLEEP_TASKS, events=LOOPBACK_WEBHOOKS, audit={"path": str(audit)})
+    _, subscribed = await subscribe(client, receiver)
+    await subscribe(client, receiver)
+    params = {"name": "task.status", "arguments": {}, "delivery": {"url": receiver.url}}
+    await rpc(client.client, "events/unsubscribe", params)
+    lines = [json.loads(line) for line in audit.read_text().splitlines()]
+    ours = [line for line in lines if line.get("subscription_id")]
+    assert [(line["method"], line["outcome"]) for line in ours] == [
+        ("events/subscribe", "created"),
+        ("events/subscribe", "refreshed"),
+        ("events/unsubscribe", "removed"),
+    ]
+    assert {line["subscription_id"] for line in ours} == {subscribed["result"]["id"]}
+    text = audit.read_text()
+    assert receiver.url not in text
+    assert receiver.secret not in text
