@@ -18,7 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.support.cluster import Cluster, client
+from tests import pg
+from tests.support.cluster import Cluster, Replica, client
 from tests.support.events import Receiver, rpc
 from tests.support.schemas import ModernSchema, SchemaValidator
 from tests.support.waiting import until
@@ -78,3 +79,45 @@ async def test_the_end_of_a_task_whose_replica_was_killed_is_delivered_by_anothe
     assert [event["eventId"] for event in polled["result"]["events"]] == [body["eventId"]]  # the same log
     await asyncio.sleep(1)
     assert len(receiver.deliveries) == 1
+
+
+@pytest.mark.faults
+async def test_a_task_that_ends_while_postgresql_is_stopped_is_delivered_once_it_is_back(
+    tmp_path: Path,
+    own_pg_server: pg.PgServer,
+    receiver: Receiver,
+    http: aiohttp.ClientSession,
+    modern_schema: ModernSchema,
+    tasks_schema: SchemaValidator,
+) -> None:
+    """Its settlement waits in the replica's outbox while the store is away (an events poll meanwhile gets a
+    bounded 503), and its event is written with it once the store is back: delivered, exactly once."""
+    dsn = own_pg_server.dsn(await asyncio.to_thread(own_pg_server.create_database))
+    key = tmp_path / "key"
+    key.write_text("k" * 64)
+    store = {"timeout_seconds": 1.0, "connect_timeout_seconds": 1}
+    replica = await asyncio.to_thread(
+        Replica, tmp_path, dsn, key, LEASE_SECONDS, {"sleep": {"mode": "required"}}, store=store, events=EVENTS
+    )
+    try:
+        tasks, _ = client(http, [replica], modern_schema, tasks_schema)
+        delivery = {"mode": "webhook", "url": receiver.url, "secret": receiver.secret}
+        params = {"name": "task.status", "arguments": {}, "delivery": delivery}
+        assert (await rpc(tasks.client, "events/subscribe", params))[0] == 200
+        task_id = await tasks.create("sleep", {"seconds": 2}, headers={"Authorization": "Bearer alice"})
+        await asyncio.to_thread(own_pg_server.halt)
+        asked = time.monotonic()
+        status, refused = await rpc(tasks.client, "events/poll", {"name": "task.status", "cursor": None})
+        assert time.monotonic() - asked < 5
+        assert (status, refused["error"]["data"]["store"]) == (503, "postgres")
+        await asyncio.sleep(3)  # the call ends in the outage: its settlement waits
+        assert receiver.deliveries == []
+        await asyncio.to_thread(own_pg_server.start)
+        await until(lambda: bool(receiver.deliveries), "the end was never delivered after the outage", 20)
+        body = receiver.events()[0]
+        assert (body["data"]["taskId"], body["data"]["status"]) == (task_id, "completed")
+        assert receiver.deliveries[0].verified
+        await asyncio.sleep(1)
+        assert len(receiver.deliveries) == 1
+    finally:
+        await asyncio.to_thread(replica.stop)
