@@ -95,6 +95,9 @@ async def test_events_off_logs_nothing(backend: Backend) -> None:
     store = await backend.open()
     try:
         await run_task(store, "task_quiet")
+        await store.events.configure(True)
+        await store.events.configure(False)  # switched off again: no replica logs any more
+        await run_task(store, "task_quiet_too")
         assert await store.events.head() == 0
         assert await backend.count("event_log") == 0
     finally:

@@ -1,7 +1,8 @@
 """The SQLite store's events port: `events.py`'s SQL on the store's reader and writer threads, and a wake-up on
 the in-process feed when something new waits (the triggers of `sqlite_schema.py` write a task's event and its
-deliveries in the transaction that changes the task). Depends on sqlite-utils through the store's threads and
-on `base`, `events`, `feed`, `sqlite_threads`, `sqlite_writer`; used by `sqlite.py` only.
+deliveries in the transaction that changes the task; `configure` creates them, or drops them when events are
+off). Depends on sqlite-utils through the store's threads and on `base`, `events`, `feed`, `sqlite_schema`,
+`sqlite_threads`, `sqlite_writer`; used by `sqlite.py` only.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.tasks.store import events as sql
+from proxy.tasks.store import sqlite_schema as schema
 from proxy.tasks.store.base import EVENTS, Change
 from proxy.tasks.store.events import Delivery, EventPage, Outbox, StoredEvent, Watch, WebhookSubscription
 from proxy.tasks.store.feed import LocalFeed
@@ -46,7 +48,12 @@ class SqliteEvents:
     # -- the log ---------------------------------------------------------------------------------------------
 
     async def configure(self, enabled: bool) -> str:
-        await self._change("events configure", (sql.CONFIGURE_SQL, {"enabled": int(enabled)}))
+        triggers = schema.EVENT_TRIGGERS if enabled else schema.DROP_EVENT_TRIGGERS
+        await self._change(
+            "events configure",
+            (sql.CONFIGURE_SQL, {"enabled": int(enabled)}),
+            *((statement, {}) for statement in triggers),
+        )
         found = await self._select("events settings", sql.SETTINGS_SQL, {})
         return str(found[0]["epoch"])
 

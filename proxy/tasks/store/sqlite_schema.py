@@ -149,14 +149,27 @@ _TASK_EVENT: Final = (
     " NEW.created_at_ms, 'updatedAtMs', NEW.updated_at_ms, 'ttlMs', NEW.ttl_ms, 'pollIntervalMs',"
     " NEW.poll_interval_ms), NEW.updated_at_ms);"
 )
-_EVENTS_ON: Final = "(SELECT enabled FROM event_settings WHERE id = 1) = 1"
+# A task's event, written by the database in the transaction that changes the task. The triggers exist only while
+# events are on (`SqliteEvents.configure`: one process holds the file, so creating or dropping them at start is
+# safe): with events off, a task's writes run no trigger at all.
+EVENT_TRIGGERS: Final = (
+    "CREATE TRIGGER IF NOT EXISTS tasks_event_inserted AFTER INSERT ON tasks"
+    f" WHEN NEW.status IN ({EVENT_STATUSES_SQL}) BEGIN {_TASK_EVENT} END",
+    "CREATE TRIGGER IF NOT EXISTS tasks_event_updated AFTER UPDATE ON tasks"
+    f" WHEN NEW.status IN ({EVENT_STATUSES_SQL}) AND (NEW.status <> OLD.status"
+    f" OR (NEW.status = 'input_required' AND NEW.inputs_issued <> OLD.inputs_issued)) BEGIN {_TASK_EVENT} END",
+)
+DROP_EVENT_TRIGGERS: Final = (
+    "DROP TRIGGER IF EXISTS tasks_event_inserted",
+    "DROP TRIGGER IF EXISTS tasks_event_updated",
+)
 
 
 @MIGRATIONS(name="0011_create_events")
 def _create_events(db: Database) -> None:
     """The Events extension: the log (a task's status event written by a trigger in the transaction that changes
-    it, while `event_settings.enabled`), webhook subscriptions, verified callbacks and the delivery outbox (one
-    row per event and subscription, added by a trigger when the event is logged)."""
+    it, created while events are on: `EVENT_TRIGGERS`), webhook subscriptions, verified callbacks and the delivery
+    outbox (one row per event and subscription, added by a trigger when the event is logged)."""
     db.execute(
         "CREATE TABLE event_settings (id INTEGER PRIMARY KEY CHECK (id = 1), enabled INTEGER NOT NULL,"
         " epoch TEXT NOT NULL, trimmed_through INTEGER NOT NULL)"
@@ -191,15 +204,6 @@ def _create_events(db: Database) -> None:
     )
     db.execute("CREATE INDEX idx_event_deliveries_next_at_ms ON event_deliveries (next_at_ms)")
     db.execute("CREATE INDEX idx_event_deliveries_subscription ON event_deliveries (subscription_id, seq)")
-    db.execute(
-        "CREATE TRIGGER tasks_event_inserted AFTER INSERT ON tasks"
-        f" WHEN NEW.status IN ({EVENT_STATUSES_SQL}) AND {_EVENTS_ON} BEGIN {_TASK_EVENT} END"
-    )
-    db.execute(
-        f"CREATE TRIGGER tasks_event_updated AFTER UPDATE ON tasks WHEN NEW.status IN ({EVENT_STATUSES_SQL})"
-        " AND (NEW.status <> OLD.status OR (NEW.status = 'input_required' AND NEW.inputs_issued <> OLD.inputs_issued))"
-        f" AND {_EVENTS_ON} BEGIN {_TASK_EVENT} END"
-    )
     db.execute(
         "CREATE TRIGGER event_log_fanout AFTER INSERT ON event_log BEGIN"
         " INSERT OR IGNORE INTO event_deliveries (subscription_id, event_id, seq, name, data, occurred_at_ms,"
