@@ -72,6 +72,7 @@ class Events:
         )
         self.epoch = ""
         self.deliveries: Deliveries | None = None
+        self.watches: Watches | None = None
         self.closing = False
         self._changed = asyncio.Event()
         self._streams: Counter[str] = Counter()
@@ -109,14 +110,16 @@ class Events:
         self.background.spawn(self._pulse(), "events-pulse")
         self.background.spawn(self.deliveries.run_forever(), "event-deliveries")
         self.background.spawn(self._housekeep(), "events-housekeeping")
-        watches = Watches(
+        self.watches = Watches(
             self.store, self.pool, self.runner.principals, self.runner.process_id, self.clock, self.background
         )
-        self.background.spawn(watches.run_forever(), "event-watches")
+        self.background.spawn(self.watches.run_forever(), "event-watches")
 
     def end_streams(self) -> None:
-        """Shutdown: every `events/stream` ends with its result."""
+        """Shutdown: every `events/stream` ends with its result; the watches' holders end with their sessions."""
         self.closing = True
+        if self.watches is not None:
+            self.watches.stopping = True
         self._wake()
 
     async def close(self) -> None:

@@ -67,6 +67,7 @@ class Watches:
         self.clock = clock
         self.background = background
         self._holders: dict[WatchKey, asyncio.Task[None]] = {}
+        self.stopping = False  # shutdown began: the holders end with their sessions, none starts again
 
     async def run_forever(self) -> None:
         while True:
@@ -81,11 +82,11 @@ class Watches:
             if held is not None:
                 keys = {(watch.principal, watch.name, watch.subject): watch for watch in held}
                 for key, task in list(self._holders.items()):
-                    if key not in keys or task.done():
+                    if key not in keys or (task.done() and not self.stopping):
                         task.cancel()
                         del self._holders[key]
                 for key, watch in keys.items():
-                    if key not in self._holders:
+                    if key not in self._holders and not self.stopping:
                         self._holders[key] = self.background.spawn(self._hold(watch), "event-watch")
             await asyncio.sleep(ROUND_SECONDS)
 
