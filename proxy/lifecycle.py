@@ -94,6 +94,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         if events is not None:
             await events.close()
         await runner.close()
+        await front.keys.close()  # idempotency-key writes the store did not take yet: tried once more
         await store.close()
         await legacy.close()
         await pool.close()

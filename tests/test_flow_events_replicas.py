@@ -97,7 +97,14 @@ async def test_a_task_that_ends_while_postgresql_is_stopped_is_delivered_once_it
     key.write_text("k" * 64)
     store = {"timeout_seconds": 1.0, "connect_timeout_seconds": 1}
     replica = await asyncio.to_thread(
-        Replica, tmp_path, dsn, key, LEASE_SECONDS, {"sleep": {"mode": "required"}}, store=store, events=EVENTS
+        Replica,
+        tmp_path,
+        dsn,
+        key,
+        LEASE_SECONDS,
+        {"sleep": {"mode": "required"}},
+        store=store,
+        sections={"events": EVENTS},
     )
     try:
         tasks, _ = client(http, [replica], modern_schema, tasks_schema)

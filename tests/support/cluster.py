@@ -50,8 +50,9 @@ class Replica:
         *,
         drain_seconds: float = DRAIN_SECONDS,
         store: dict[str, Any] | None = None,
-        events: dict[str, Any] | None = None,
+        sections: dict[str, dict[str, Any]] | None = None,
     ) -> None:
+        """`store`: more `store:` fields; `sections`: other config sections (`idempotency`, ...)."""
         self.upstream = Upstream()
         self.upstream.start()
         self.proxy = ProxyProcess(
@@ -61,7 +62,7 @@ class Replica:
             inputs={"secret_file": str(key)},
             upstream={"call_timeout_seconds": 120},
             tasks={"tools": tools, "drain_seconds": drain_seconds},
-            events=events or {},
+            **(sections or {}),
         )
         self.start()
 
@@ -117,7 +118,15 @@ class Cluster:
         try:
             for _ in range(count):
                 self.replicas.append(
-                    Replica(workdir, dsn, key, lease_seconds, tools, drain_seconds=drain_seconds, events=events)
+                    Replica(
+                        workdir,
+                        dsn,
+                        key,
+                        lease_seconds,
+                        tools,
+                        drain_seconds=drain_seconds,
+                        sections={"events": events or {}},
+                    )
                 )
         except BaseException:
             self.stop()
