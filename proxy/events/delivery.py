@@ -17,10 +17,10 @@ from typing import Final
 import structlog
 
 from proxy.background import Background
-from proxy.config import EventsConfig
+from proxy.config.schema import EventsConfig
 from proxy.events import model
 from proxy.events.webhook import WebhookClient, signed_headers
-from proxy.observability import Metrics
+from proxy.observe.metrics import Metrics
 from proxy.principals import Principals, SealError
 from proxy.tasks.store import StoreError
 from proxy.tasks.store.events import Delivery, EventStore, StoredEvent

@@ -21,16 +21,16 @@ from typing import Final
 
 import structlog
 
-from proxy.audit import subject as audit_subject
 from proxy.background import Background
-from proxy.config import Config, EventsConfig
+from proxy.config.schema import Config, EventsConfig
 from proxy.errors import InvalidParamsError
 from proxy.events import model
 from proxy.events.delivery import Deliveries
 from proxy.events.errors import CallbackEndpointError, EventsForbiddenError, EventsNotFoundError, ResourceExhaustedError
 from proxy.events.watches import Watches
 from proxy.events.webhook import WebhookClient, challenge
-from proxy.observability import Metrics
+from proxy.observe.audit import subject as audit_subject
+from proxy.observe.metrics import Metrics
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import EVENTS, RESYNC, STATUS, StoreError, TaskStore
 from proxy.tasks.store.events import TASK_STATUS, EventPage, StoredEvent, Watch, WebhookSubscription

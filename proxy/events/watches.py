@@ -23,8 +23,8 @@ from proxy.events import model
 from proxy.principals import Identity, Principals, SealError
 from proxy.tasks.store import StoreError
 from proxy.tasks.store.events import PREFERRED_WATCHES, EventStore, Watch
-from proxy.upstream.lending import Subscribers
 from proxy.upstream.pool import SessionPool
+from proxy.upstream.session import Subscribers
 from proxy.wire.jsonrpc import JSON
 
 log = structlog.get_logger(__name__)

@@ -19,8 +19,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from proxy import tracing
 from proxy.errors import InvalidRequestError
+from proxy.observe import tracing
 from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, checked_headers, failure
 from proxy.upstream.http.h1 import H1RequestError
 from proxy.upstream.http.lean import LeanClient
@@ -143,7 +143,7 @@ class PassThrough:
         return await self.relay_to(self.url.with_query(request.query) if request.query else self.url, request, body)
 
     async def relay_to(self, url: URL, request: web.Request, body: bytes | None) -> web.StreamResponse:
-        """The request relayed to `url` (another path of the upstream's origin: `relay.py`), by the same rules."""
+        """The request relayed to `url` (another path of the upstream's origin: `edge/_relay.py`), by the same rules."""
         headers = _end_to_end(request.headers)
         _add_forwarded(headers, request)
         for name, value in self.extra_headers.items():
