@@ -2,8 +2,9 @@
 
 One endpoint serves both eras: each POST is classified (docs/architecture.md), legacy traffic goes to the
 pass-through, modern requests to `Front`. A legacy POST is read as JSON only when something needs what it
-says (its method for the metrics and the request log line, its trace context, its id while draining); else
-it is relayed unread, its bytes having shown that it cannot be modern. Each request gets one SERVER span,
+says (its method for the metrics and the request log line, its trace context, its id while draining, and
+`tools/list` and `tools/call` while task handles are on: `handles/legacy.py`); else it is relayed unread, its
+bytes having shown that it cannot be modern. Each request gets one SERVER span,
 opened in one place once it is classified, from its arrival. Every ProxyError raised anywhere below becomes
 an answer in one place, the error edge (`edge.py`). What is refused before classification is `admission.py`'s;
 the operators' endpoints are `ops.py`'s; what opens and closes with the app is `lifecycle.py`'s.
@@ -21,7 +22,7 @@ from aiohttp import web
 
 from proxy import tracing
 from proxy.admission import read_body, refusal
-from proxy.app_keys import CONFIG, FRONT, JWT, LIVE, PASSTHROUGH, RELAY, RUNNER, STOPPING
+from proxy.app_keys import CONFIG, FRONT, JWT, LEGACY_HANDLES, LIVE, PASSTHROUGH, RELAY, RUNNER, STOPPING
 from proxy.audit import subject
 from proxy.config import Config
 from proxy.drain import DRAIN, Drain, drainz, track
@@ -49,15 +50,13 @@ from proxy.errors import (
     ParseError,
     ProxyError,
     TaskStoreUnavailableError,
-    UnauthorizedError,
 )
-from proxy.jwt_identity import JwtIdentity
+from proxy.jwt_identity import JwtIdentity, identify
 from proxy.lifecycle import end_listen_streams, upstream_ctx
 from proxy.live_config import LiveConfig
 from proxy.observability import Metrics, logs_at
 from proxy.ops import healthz, metrics_endpoint, readyz
 from proxy.policy import named_tools
-from proxy.principals import identity_of
 from proxy.startup import is_loopback
 from proxy.tasks.store import StoreUnavailableError
 from proxy.wire import jsonrpc
@@ -184,7 +183,8 @@ def _legacy_post(request: web.Request, body: bytes, message: object, *, decoded:
     says (`_reads_legacy_messages`); `decoded` tells whether `message` is that reading already (None for a body
     that is not JSON). A drain refuses a new session here, before the SERVER span."""
     request[ERA] = "legacy"
-    if not decoded and _reads_legacy_messages(request):
+    handles = request.app[LIVE].current.tasks.has_handles  # the handles read tools/list and tools/call
+    if not decoded and (handles or _reads_legacy_messages(request)):
         try:
             message = jsonrpc.loads(body)
         except ParseError:
@@ -192,6 +192,8 @@ def _legacy_post(request: web.Request, body: bytes, message: object, *, decoded:
     if isinstance(message, dict) and isinstance(message.get("method"), str):
         request[MCP_METHOD] = message["method"]
     request.app[DRAIN].check_legacy(request, message)
+    if handles and (served := request.app[LEGACY_HANDLES].serve(request, body, message)) is not None:
+        return "legacy", message, served
     return "legacy", message, _relayed(request, body)
 
 
@@ -220,13 +222,7 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     modern = validate_modern(request.headers, message.id, message.method, message.params)
     request.app[DRAIN].check_modern(modern)
     config = request.app[LIVE].current
-    principal = identity_of(request.headers.get(config.security.principal_header))  # empty counts as none
-    if principal is None and config.security.anonymous == "refuse":
-        raise UnauthorizedError(
-            f"Unauthorized: this proxy serves no anonymous callers; send {config.security.principal_header}"
-        )
-    if principal is not None and JWT in request.app:
-        principal = await request.app[JWT].identify(principal.credential)  # a JWT that fails is refused here (401)
+    principal = await identify(request.headers, config.security, request.app.get(JWT))
     caller = Caller(principal=principal, headers=request.headers)
     if audited is not None:
         audited.update(subject=subject(principal), principal=request.app[RUNNER].principals.key_of(principal) or None)

@@ -10,6 +10,7 @@ from aiohttp import web
 from proxy.admin import Admin
 from proxy.config import Config
 from proxy.front import Front
+from proxy.handles.legacy import LegacyHandles
 from proxy.jwt_identity import JwtIdentity
 from proxy.legacy import LegacyFront
 from proxy.live_config import LiveConfig
@@ -22,6 +23,7 @@ CONFIG: Final = web.AppKey("config", Config)  # as started: what a reload cannot
 LIVE: Final = web.AppKey("live", LiveConfig)  # the config in force: what may change live is read through it
 FRONT: Final = web.AppKey("front", Front)
 PASSTHROUGH: Final = web.AppKey("passthrough", LegacyFront)
+LEGACY_HANDLES: Final = web.AppKey("legacy_handles", LegacyHandles)  # tools/list and tools/call with handles on
 RELAY: Final = web.AppKey("relay", OriginRelay)
 JWT: Final = web.AppKey("jwt", JwtIdentity)
 POOL: Final = web.AppKey("pool", SessionPool)

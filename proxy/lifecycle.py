@@ -11,13 +11,30 @@ import structlog
 from aiohttp import web
 
 from proxy.admin import Admin
-from proxy.app_keys import ADMIN, CONFIG, FRONT, LIVE, PASSTHROUGH, POOL, RELAY, RUNNER, STOPPING, STORE
+from proxy.app_keys import (
+    ADMIN,
+    CONFIG,
+    FRONT,
+    JWT,
+    LEGACY_HANDLES,
+    LIVE,
+    PASSTHROUGH,
+    POOL,
+    RELAY,
+    RUNNER,
+    STOPPING,
+    STORE,
+)
 from proxy.drain import DRAIN
 from proxy.edge import AUDIT, METRICS
 from proxy.front import Front
+from proxy.handles import tools as handle_tools
+from proxy.handles.legacy import LegacyHandles
+from proxy.handles.service import ToolNameTakenError, check_tool_names
 from proxy.legacy.serving import legacy_front
 from proxy.principals import Principals, deployment_key
 from proxy.relay import OriginRelay
+from proxy.startup import EXIT_CONFIG_ERROR, StartFailure
 from proxy.tasks.push import TaskWatchers
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.store import open_store
@@ -71,10 +88,16 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     drain.wait_for(lambda: runner.open_calls)  # the drain is the app's, built before the runner
     live.subscribe(lambda new: runner.config_swapped())  # the queue admits by the caps now in force
     legacy = app[PASSTHROUGH] = legacy_front(pool)  # relayed, or served by the proxy (the kind decides)
+    app[LEGACY_HANDLES] = LegacyHandles(live.config, front.handles, legacy, pool, app.get(JWT), drain.is_draining)
     app[RELAY] = OriginRelay.of(config.relay, legacy)  # other paths: to the upstream's origin, when it has one
     admin = Admin(config.admin, store, runner.clock) if config.admin.port is not None else None
     try:
         await runner.start()  # restart recovery happens before the first request is served
+        if live.current.tasks.has_handles:  # a synthesised task tool's name the upstream lists stops the start
+            try:
+                await check_tool_names(pool, handle_tools.names(live.current.handles.tool_prefix))
+            except ToolNameTakenError as exc:
+                raise StartFailure(EXIT_CONFIG_ERROR, "task_tool_name_taken", str(exc)) from None
         if admin is not None:
             await admin.start()
             app[ADMIN] = admin

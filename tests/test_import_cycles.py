@@ -114,6 +114,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "proxy",
             "proxy.__main__",
             "proxy.front",
+            "proxy.handles",
             "proxy.listen",
             "proxy.task_views",
             "proxy.relay",
