@@ -13,6 +13,7 @@ answer the proxy rewrites (`Rewrite`: a `tools/list` with task handles on) is re
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from contextlib import suppress
 from typing import Final
@@ -30,7 +31,6 @@ from proxy.upstream.http.h1 import H1RequestError
 from proxy.upstream.http.lean import LeanClient
 from proxy.wire import jsonrpc, trace_context
 from proxy.wire.fields import FieldError, check_target
-from proxy.wire.sse import SSEParser, frame
 
 # Plain answers up to this size are read whole and sent in one write; larger ones and SSE are streamed.
 BUFFERED_BODY_MAX_BYTES: Final = 1 << 20
@@ -279,11 +279,9 @@ async def _rewritten(upstream: Answer, headers: CIMultiDict[str], rewrite: Rewri
         raise failure(exc) from None
     upstream.release()
     data = bytes(body)
+    read = _sse_rewritten if _is_event_stream(upstream) else _json_rewritten
     with suppress(ParseError, ValueError):  # not what it says it is: relayed as it came, for the client to judge
-        if _is_event_stream(upstream):
-            data = _sse_rewritten(data, rewrite, max_bytes)
-        else:
-            data = _json_rewritten(data, rewrite)
+        data = read(data, rewrite)
     return web.Response(status=upstream.status, reason=upstream.reason, headers=headers, body=data)
 
 
@@ -292,21 +290,50 @@ def _json_rewritten(data: bytes, rewrite: Rewrite) -> bytes:
     return jsonrpc.dumps(rewrite(message)) if isinstance(message, dict) else data
 
 
-def _sse_rewritten(data: bytes, rewrite: Rewrite, max_bytes: int) -> bytes:
-    parser = SSEParser(max_bytes)
-    framed = bytearray()
-    for event in parser.feed(data + b"\n\n"):  # (a stream cut without its last blank line still ends its event)
-        text = event.data
-        try:
-            message = jsonrpc.loads(text.encode()) if text else None
-        except ParseError:
-            message = None
-        if isinstance(message, dict) and "method" not in message:
-            text = jsonrpc.dumps(rewrite(message)).decode()
-        if event.retry_ms is not None:
-            framed += f"retry: {event.retry_ms}\n".encode()
-        framed += frame(text, event.event, event.id)
-    return bytes(framed)
+_LINE_ENDS: Final = re.compile(r"(\r\n|\r|\n)")  # SSE lines end with any of the three (WHATWG event streams)
+
+
+def _sse_rewritten(data: bytes, rewrite: Rewrite) -> bytes:
+    """The SSE answer with the data of the event that holds the response replaced, and every other byte (its
+    other fields, the other events, the line ends) as it came."""
+    text = data.decode()
+    pieces = _LINE_ENDS.split(text)  # line, end, line, end, ..., last line (without an end)
+    out: list[str] = []
+    block: list[tuple[str, str]] = []  # (line, its end) of the event being read
+    for index in range(0, len(pieces), 2):
+        line, end = pieces[index], pieces[index + 1] if index + 1 < len(pieces) else ""
+        block.append((line, end))
+        if line == "" and end:
+            out.append(_event_rewritten(block, rewrite))
+            block = []
+    out.append("".join(line + end for line, end in block))
+    return "".join(out).encode()
+
+
+def _event_rewritten(block: list[tuple[str, str]], rewrite: Rewrite) -> str:
+    """One event (its lines and their ends, the blank line last): as it came, or with the response in its data
+    rewritten (one `data:` line where its first one was)."""
+    lines = [line for line, _ in block]
+    data = [line[5:].removeprefix(" ") for line in lines if line.startswith("data:")]
+    if not data:
+        return "".join(line + end for line, end in block)
+    try:
+        message = jsonrpc.loads("\n".join(data).encode())
+    except ParseError:
+        message = None
+    if not isinstance(message, dict) or "method" in message:
+        return "".join(line + end for line, end in block)
+    written = "data: " + jsonrpc.dumps(rewrite(message)).decode()
+    out: list[str] = []
+    first = True
+    for line, end in block:
+        if line.startswith("data:"):
+            if first:
+                out.append(written + end)
+                first = False
+            continue
+        out.append(line + end)
+    return "".join(out)
 
 
 def _is_event_stream(upstream: Answer) -> bool:

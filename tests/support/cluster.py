@@ -50,6 +50,7 @@ class Replica:
         *,
         drain_seconds: float = DRAIN_SECONDS,
         store: dict[str, Any] | None = None,
+        sections: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.upstream = Upstream()
         self.upstream.start()
@@ -60,6 +61,7 @@ class Replica:
             inputs={"secret_file": str(key)},
             upstream={"call_timeout_seconds": 120},
             tasks={"tools": tools, "drain_seconds": drain_seconds},
+            **(sections or {}),
         )
         self.start()
 
@@ -105,6 +107,7 @@ class Cluster:
         tools: dict[str, Any],
         *,
         drain_seconds: float = DRAIN_SECONDS,
+        sections: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.dsn = dsn
         self.lease_seconds = lease_seconds
@@ -113,7 +116,10 @@ class Cluster:
         self.replicas: list[Replica] = []
         try:
             for _ in range(count):
-                self.replicas.append(Replica(workdir, dsn, key, lease_seconds, tools, drain_seconds=drain_seconds))
+                replica = Replica(
+                    workdir, dsn, key, lease_seconds, tools, drain_seconds=drain_seconds, sections=sections
+                )
+                self.replicas.append(replica)
         except BaseException:
             self.stop()
             raise

@@ -1,5 +1,6 @@
 """Fixtures for task handles: ``long_report`` (long work with an ``outputSchema``, an optional elicitation
-mid-call, progress) and ``report_state`` (what became of each of its runs). A run's story is written to a file
+mid-call, progress), ``report_state`` (what became of each of its runs) and ``clash_task_status`` (the name of a
+synthesised tool under the prefix `clash_`). A run's story is written to a file
 per key under the system's temporary directory, so that a test reads it whatever process served the run (a
 stdio upstream runs one process per session).
 """
@@ -83,3 +84,7 @@ def register(mcp: FastMCP[Any]) -> None:
         key: Annotated[str, Field(description="The report's name", pattern=KEY_PATTERN)],
     ) -> types.CallToolResult:
         return text_result(json.dumps(story(key)))
+
+    @mcp.tool(name="clash_task_status", description="A tool whose name is taken by the handles' prefix `clash_`")
+    async def clash_task_status() -> types.CallToolResult:
+        return text_result("the upstream's own clash_task_status")
