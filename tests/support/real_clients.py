@@ -34,6 +34,7 @@ INSPECTOR = (
 MCP2_PYTHON = ROOT / ".venv-mcp2" / "bin" / "python"
 MCP2_CLIENT = CLIENTS / "mcp2_client.py"
 TIMEOUT_SECONDS = 10.0  # each client's own request timeout, as a user of it would set it
+INSPECTOR_TIMEOUT_SECONDS = 60.0  # what the Inspector CLI waits for an answer of its own accord
 SPARE_SECONDS = 20.0  # beyond the client's timeout: a client that hangs fails the test instead of hanging it
 KINDS = ("mcp1", "ts-sdk", "inspector", "mcp2")
 
@@ -107,15 +108,16 @@ class LineClient:
     """A client process that takes one JSON command per line and answers one JSON line (`ts_client.mjs`,
     `mcp2_client.py`): one session for the whole test."""
 
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
+    def __init__(self, process: asyncio.subprocess.Process, timeout_seconds: float) -> None:
         self.process = process
+        self.timeout_seconds = timeout_seconds
 
     async def _ask(self, command: dict[str, Any]) -> dict[str, Any]:
         assert self.process.stdin is not None
         assert self.process.stdout is not None
         self.process.stdin.write((json.dumps(command) + "\n").encode())
         await self.process.stdin.drain()
-        line = await asyncio.wait_for(self.process.stdout.readline(), TIMEOUT_SECONDS + SPARE_SECONDS)
+        line = await asyncio.wait_for(self.process.stdout.readline(), self.timeout_seconds + SPARE_SECONDS)
         assert line, "the client process ended"
         answer: dict[str, Any] = json.loads(line)
         return answer
@@ -176,7 +178,7 @@ class InspectorCli:
             env=self.env,
         )
         try:
-            out, err = await asyncio.wait_for(process.communicate(), TIMEOUT_SECONDS + SPARE_SECONDS)
+            out, err = await asyncio.wait_for(process.communicate(), INSPECTOR_TIMEOUT_SECONDS + SPARE_SECONDS)
         except TimeoutError:
             process.kill()
             await process.wait()
@@ -212,14 +214,17 @@ class InspectorCli:
 
 
 @asynccontextmanager
-async def real_client(kind: str, url: str, headers: dict[str, str], home: Path) -> AsyncIterator[RealClient]:
-    """One client of `kind` (KINDS) connected to the proxy at `url` with `headers` (the caller's principal)."""
+async def real_client(
+    kind: str, url: str, headers: dict[str, str], home: Path, timeout_seconds: float = TIMEOUT_SECONDS
+) -> AsyncIterator[RealClient]:
+    """One client of `kind` (KINDS) connected to the proxy at `url` with `headers` (the caller's principal), each
+    request under the client's own `timeout_seconds` (the Inspector CLI keeps its own default)."""
     async with AsyncExitStack() as stack:
         if kind == "mcp1":
             http = await stack.enter_async_context(create_mcp_http_client(headers=headers))
             read, write, _ = await stack.enter_async_context(streamable_http_client(url, http_client=http))
             session = await stack.enter_async_context(
-                ClientSession(read, write, read_timeout_seconds=timedelta(seconds=TIMEOUT_SECONDS))
+                ClientSession(read, write, read_timeout_seconds=timedelta(seconds=timeout_seconds))
             )
             await session.initialize()
             yield Mcp1Client(session)
@@ -229,19 +234,19 @@ async def real_client(kind: str, url: str, headers: dict[str, str], home: Path) 
         else:
             if kind == "ts-sdk":
                 _require(NODE, TS_CLIENT, CLIENTS / "node_modules" / "@modelcontextprotocol" / "sdk")
-                argv = [str(NODE), str(TS_CLIENT), url, json.dumps(headers), str(int(TIMEOUT_SECONDS * 1000))]
+                argv = [str(NODE), str(TS_CLIENT), url, json.dumps(headers), str(int(timeout_seconds * 1000))]
             else:
                 _require(MCP2_PYTHON, MCP2_CLIENT)
-                argv = [str(MCP2_PYTHON), str(MCP2_CLIENT), url, json.dumps(headers), str(TIMEOUT_SECONDS)]
+                argv = [str(MCP2_PYTHON), str(MCP2_CLIENT), url, json.dumps(headers), str(timeout_seconds)]
             process = await asyncio.create_subprocess_exec(
                 *argv, cwd=CLIENTS, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
             )
             stack.push_async_callback(_ended, process)
             assert process.stdout is not None
-            ready = await asyncio.wait_for(process.stdout.readline(), TIMEOUT_SECONDS + SPARE_SECONDS)
+            ready = await asyncio.wait_for(process.stdout.readline(), timeout_seconds + SPARE_SECONDS)
             assert ready, "the client process ended before it was ready"
             assert "ready" in json.loads(ready), ready
-            yield LineClient(process)
+            yield LineClient(process, timeout_seconds)
 
 
 async def _ended(process: asyncio.subprocess.Process) -> None:
