@@ -51,6 +51,7 @@ from proxy.errors import (
     ProxyError,
     TaskStoreUnavailableError,
 )
+from proxy.handles.legacy import NOT_READ
 from proxy.jwt_identity import JwtIdentity, identify
 from proxy.lifecycle import end_listen_streams, upstream_ctx
 from proxy.live_config import LiveConfig
@@ -183,8 +184,8 @@ def _legacy_post(request: web.Request, body: bytes, message: object, *, decoded:
     says (`_reads_legacy_messages`); `decoded` tells whether `message` is that reading already (None for a body
     that is not JSON). A drain refuses a new session here, before the SERVER span."""
     request[ERA] = "legacy"
-    handles = request.app[LIVE].current.tasks.has_handles  # the handles read tools/list and tools/call
-    if not decoded and (handles or _reads_legacy_messages(request)):
+    if not decoded and _reads_legacy_messages(request):
+        decoded = True
         try:
             message = jsonrpc.loads(body)
         except ParseError:
@@ -192,8 +193,10 @@ def _legacy_post(request: web.Request, body: bytes, message: object, *, decoded:
     if isinstance(message, dict) and isinstance(message.get("method"), str):
         request[MCP_METHOD] = message["method"]
     request.app[DRAIN].check_legacy(request, message)
-    if handles and (served := request.app[LEGACY_HANDLES].serve(request, body, message)) is not None:
-        return "legacy", message, served
+    if request.app[LIVE].current.tasks.has_handles:  # the handles read tools/list and tools/call
+        served = request.app[LEGACY_HANDLES].serve(request, body, message if decoded else NOT_READ)
+        if served is not None:
+            return "legacy", message, served
     return "legacy", message, _relayed(request, body)
 
 

@@ -170,3 +170,24 @@ def test_a_status_never_carries_the_result() -> None:
     assert "result" not in status["structuredContent"]
     assert "pollAfterSeconds" not in status["structuredContent"]  # it has settled
     assert "task_result" in status["content"][0]["text"]
+
+
+def test_a_legacy_body_is_read_only_when_it_may_concern_the_handles() -> None:
+    def call(name: str) -> bytes:
+        return json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": name}}).encode()
+
+    plain, prefixed = tools.served(TASKS, ""), tools.served(TASKS, "p_")
+    assert tools.may_concern(call("slow"), plain)
+    assert tools.may_concern(call("task_result"), plain)
+    assert not tools.may_concern(call("quick"), plain)  # relayed unread, as without handles
+    assert not tools.may_concern(call("task_result"), prefixed)  # not a synthesised name under that prefix
+    assert tools.may_concern(call("p_task_result"), prefixed)
+    assert tools.may_concern(b'{"jsonrpc":"2.0","id":1,"method":"tools/list"}', plain)
+    assert not tools.may_concern(b'{"jsonrpc":"2.0","id":1,"method":"prompts/list"}', plain)
+    # The tool's name after an argument called "name", and the method after the params: still found.
+    late = b'{"params":{"arguments":{"name":"x"},"name":"slow"},"id":1,"jsonrpc":"2.0","method":"tools/call"}'
+    assert tools.may_concern(late, plain)
+    every = tools.served(TasksConfig.model_validate({"tools": {"slow_*": {"without_tasks": "handle"}}}), "")
+    assert tools.may_concern(call("anything"), every)  # a glob: any call may be one
+    assert every.may_serve("anything")
+    assert not plain.may_serve("quick")

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from proxy.config import Config
 from proxy.edge import CHANNEL, RPC_ID, HttpChannel
-from proxy.errors import DrainingError, RequestId
+from proxy.errors import DrainingError, ParseError, RequestId
 from proxy.handles import tools
 from proxy.handles.service import Handles
 from proxy.jwt_identity import JwtIdentity, identify
@@ -26,12 +26,14 @@ from proxy.policy import decide
 from proxy.tasks.live_call import UpstreamRequest
 from proxy.tracing import ServerSpan
 from proxy.upstream.pool import SessionPool
+from proxy.wire import jsonrpc
 from proxy.wire.envelope import Caller, ModernRequest
 from proxy.wire.jsonrpc import JSON
 
 log = structlog.get_logger(__name__)
 
 Serve = Callable[[ServerSpan], Awaitable[web.StreamResponse]]
+NOT_READ: Final = object()  # a legacy body nothing has read as JSON yet
 LEGACY_VERSION: Final = "2025-11-25"  # what a legacy request without the version header is taken to speak
 VERSION_HEADER: Final = "MCP-Protocol-Version"
 
@@ -46,18 +48,26 @@ class LegacyHandles:
     draining: Callable[[], bool]  # a draining replica starts no new call (its client goes to another replica)
 
     def serve(self, request: web.Request, body: bytes, message: Any) -> Serve | None:
-        """What serves this legacy POST when the handles read it; None: relayed as it came."""
-        if not isinstance(message, dict) or "id" not in message or "method" not in message:
-            return None
-        request_id = message["id"]
-        method, params = message["method"], message.get("params")
+        """What serves this legacy POST when the handles read it; None: relayed as it came. `message` is the
+        body as read, or NOT_READ: then it is read only when its bytes may name a tool the handles serve."""
         config = self.config()
-        if method == "tools/list":
-            rewrite = self._listed(request_id)
-            return lambda span: self._relayed(span, request, body, rewrite)
-        if method != "tools/call" or not isinstance(params, dict):
+        serving = tools.served(config.tasks, config.handles.tool_prefix)
+        if message is NOT_READ:
+            if not tools.may_concern(body, serving):
+                return None
+            try:
+                message = jsonrpc.loads(body)
+            except ParseError:
+                return None
+        if type(message) is not dict or "id" not in message:
             return None
-        name = params.get("name")
+        method, params = message.get("method"), message.get("params")
+        if method == "tools/list":
+            rewrite = self._listed(message["id"])
+            return lambda span: self._relayed(span, request, body, rewrite)
+        if method != "tools/call" or not isinstance(params, dict) or not serving.may_serve(params.get("name")):
+            return None
+        request_id, name = message["id"], params.get("name")
         base = tools.names(config.handles.tool_prefix).base_of(name)
         if base is not None:
             return lambda span: self._tool(request, request_id, base, params)

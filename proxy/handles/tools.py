@@ -13,7 +13,7 @@ from functools import cache
 from typing import Any, Final
 
 from proxy.config import TasksConfig
-from proxy.policy import policy_for
+from proxy.policy import is_glob, policy_for
 from proxy.wire import tasks as wire_tasks
 from proxy.wire.jsonrpc import JSON, RawJSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
@@ -80,6 +80,63 @@ def handles(tasks: TasksConfig, tool: str, execution: object = None) -> bool:
     return policy.mode != "forbidden" or required
 
 
+@dataclass(frozen=True, slots=True)
+class Served:
+    """The names of the tools the handles serve under one config (the synthesised tools, the `handle` tools
+    named exactly), as text and as the bytes a body spells them with; `every` when a glob or the default says
+    `handle`, so that any call may be one."""
+
+    names: frozenset[str]
+    spelled: frozenset[bytes]
+    every: bool
+
+    def may_serve(self, name: object) -> bool:
+        return self.every or name in self.names
+
+
+_served: tuple[TasksConfig | None, str, Served] = (None, "", Served(frozenset(), frozenset(), every=False))
+
+
+def served(tasks: TasksConfig, prefix: str) -> Served:
+    """What the handles serve under `tasks` and `prefix`: worked out once per config (a reload brings a new one)."""
+    global _served
+    config, served_prefix, found = _served
+    if config is tasks and served_prefix == prefix:
+        return found
+    every = tasks.default.without_tasks == "handle" or any(
+        is_glob(name) and entry.without_tasks == "handle" for name, entry in tasks.tools.items()
+    )
+    named = [name for name, entry in tasks.tools.items() if entry.without_tasks == "handle"]
+    texts = frozenset((*names(prefix).all, *named))
+    found = Served(texts, frozenset(name.encode() for name in texts), every)
+    _served = (tasks, prefix, found)
+    return found
+
+
+def may_concern(body: bytes, serving: Served) -> bool:
+    """Whether a legacy body the proxy has not read may be a `tools/list`, or a `tools/call` of a tool the handles
+    serve (then it is read and looked at properly): a look at its bytes, so that a call of any other tool is
+    relayed unread, as without handles. A tool named in an escaped spelling of its name is relayed as written."""
+    at = body.find(b"tools/")
+    if at < 0:
+        return False
+    kind = body[at + 6 : at + 10]
+    if kind == b"list":
+        return True
+    if kind != b"call" and b"tools/list" not in body and b"tools/call" not in body:
+        return False
+    if serving.every:
+        return True
+    at = body.find(b'"name"')
+    while at >= 0:  # each "name" member's value (a tool's name has no quote or backslash to escape)
+        start = body.find(b'"', at + 6)
+        end = body.find(b'"', start + 1)
+        if body[start + 1 : end] in serving.spelled:
+            return True
+        at = body.find(b'"name"', end)
+    return False
+
+
 # --- tools/list ---------------------------------------------------------------------------------------------
 
 
@@ -87,12 +144,14 @@ def _id_schema(what: str) -> JSON:
     return {"type": "string", "description": f"The `taskId` of the handle {what}."}
 
 
-def definitions(tool_names: ToolNames, hold_ms: int) -> list[JSON]:
+@cache
+def definitions(tool_names: ToolNames, hold_ms: int) -> tuple[JSON, ...]:
     """The synthesised tools as a `tools/list` lists them: no `outputSchema` (their answers vary with the
-    task's state, and a completed task answers with its tool's own result)."""
+    task's state, and a completed task answers with its tool's own result). Made once per prefix and hold;
+    never changed."""
     hold = _seconds(hold_ms)
     task_id = "taskId"
-    return [
+    return (
         {
             "name": tool_names.status,
             "title": "Task status",
@@ -171,7 +230,7 @@ def definitions(tool_names: ToolNames, hold_ms: int) -> list[JSON]:
             },
             "annotations": {"openWorldHint": False},
         },
-    ]
+    )
 
 
 def listed(result: JSON, tasks: TasksConfig, tool_names: ToolNames, hold_ms: int) -> tuple[JSON, list[str]]:
