@@ -8,6 +8,7 @@ imports aiohttp: the HTTP shapes are `app.py`'s.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
@@ -110,6 +111,7 @@ class Front:
         again). With an `Idempotency-Key` (not on an MRTR retry, which its requestState binds already) the key's
         record decides whether it runs (`tasks/idempotency.py`)."""
         config = self.config
+        arrived = time.monotonic() if config.tasks.has_handles else 0.0  # a handle's hold counts from here
         if config.tasks.has_handles and not request.declares_tasks:
             base = handle_tools.names(config.handles.tool_prefix).base_of(request.params.get("name"))
             if base is not None:  # a synthesised task tool: the proxy answers it
@@ -143,7 +145,7 @@ class Front:
 
         def start(channel: Channel) -> Awaitable[JSON]:
             if decision.handle:  # held, then a handle: a client without the Tasks extension reads it by tools
-                return self.handles.call(outgoing, caller, channel, decision, server_info, modern=True)
+                return self.handles.call(outgoing, caller, channel, decision, server_info, modern=True, arrived=arrived)
             return self.waiting.call(outgoing, caller, channel, decision, server_info)
 
         key = caller.headers.get(idempotency.HEADER)  # without one, nothing more is done than this lookup

@@ -95,6 +95,17 @@ class Legacy:
             assert response.status == 200
 
 
+async def settled_result(session: Legacy, task_id: str) -> dict[str, Any]:
+    """`task_result` until the task has settled (each call waits up to the hold)."""
+
+    async def settled() -> dict[str, Any] | None:
+        result = await session.call("task_result", {"taskId": task_id})
+        return None if result.get("structuredContent", {}).get("status") == "working" else result
+
+    answer: dict[str, Any] = await until(settled, "the task never settled")
+    return answer
+
+
 @pytest.fixture
 async def legacy_http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
@@ -278,7 +289,7 @@ async def test_a_handle_outlives_the_legacy_session_that_made_it(
     handle = (await first.call("long_report", {"key": key, "seconds": 2}))["structuredContent"]
     await first.close()  # DELETE: the upstream never ran the call on this session
     second = await Legacy(legacy_http, url, {"Authorization": "Bearer alice"}).open()
-    result = await second.call("task_result", {"taskId": handle["taskId"], "wait_seconds": 10})
+    result = await settled_result(second, handle["taskId"])
     assert result["structuredContent"] == {"key": key, "runs": 1, "approved": None}
     assert story(key) == ["started", "finished"]
 
@@ -312,7 +323,7 @@ async def test_a_result_is_read_after_a_restart(
     legacy = await Legacy(http, proxy.url, {"Authorization": "Bearer alice"}).open()
     done = (await legacy.call("long_report", {"key": done_key, "seconds": 1.5}))["structuredContent"]["taskId"]
     running = (await legacy.call("long_report", {"key": running_key, "seconds": 60}))["structuredContent"]["taskId"]
-    settled = await legacy.call("task_result", {"taskId": done, "wait_seconds": 10})
+    settled = await settled_result(legacy, done)
     assert settled["structuredContent"]["key"] == done_key
     assert await proxy.terminate() == 0
     await proxy.start()

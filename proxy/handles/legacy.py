@@ -8,6 +8,7 @@ handles' service and shapes, and the legacy fronts' protocol.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -120,6 +121,7 @@ class LegacyHandles:
         self, request: web.Request, body: bytes, request_id: RequestId, name: str, params: JSON
     ) -> web.StreamResponse:
         """A `handle` tool's call, run as a call of the proxy's own (a task once the hold is over)."""
+        arrived = time.monotonic()
         if self.draining():
             raise DrainingError(request_id=request_id)
         caller, channel = await self._caller(request, request_id)
@@ -139,5 +141,5 @@ class LegacyHandles:
         if not decision.handle:  # (the upstream's own task support can change what the policy said)
             del request[RPC_ID], request[CHANNEL]
             return await self.front.relay(request, body)
-        answer = await self.handles.call(outgoing, caller, channel, decision, None, modern=False)
+        answer = await self.handles.call(outgoing, caller, channel, decision, None, modern=False, arrived=arrived)
         return await channel.finish(answer)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import structlog
@@ -54,15 +54,19 @@ class Handles:
         server_info: JSON | None,
         *,
         modern: bool,
+        arrived: float,
     ) -> JSON:
         """A `handle` call: its own answer when it ends within the hold, else the handle of the task it became
-        (committed before the answer leaves, as any task)."""
+        (committed before the answer leaves, as any task). The hold counts from the request's arrival
+        (`arrived`, `time.monotonic()`), what it took to learn of the tool first included."""
         request_id = outgoing.request.id
-        reply = await self.waiting.reply(outgoing, caller, channel, decision)
+        hold_ms = decision.hold_ms
+        left_ms = max(0, round(hold_ms - (time.monotonic() - arrived) * 1000))
+        reply = await self.waiting.reply(outgoing, caller, channel, replace(decision, hold_ms=left_ms))
         if isinstance(reply, ReplyTask):
             assert reply.record is not None
             log.info("task_handle_given", tool=outgoing.name, task_id=reply.record.task_id)
-            result = tools.handle_result(reply.record, self.names(), decision.hold_ms)
+            result = tools.handle_result(reply.record, self.names(), hold_ms)
             return result_message(request_id, _era(result, modern, server_info))
         if isinstance(reply, ReplyOutcome):
             outcome = reply.outcome
