@@ -107,6 +107,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         if admin is not None:
             await admin.stop()
         await runner.close()
+        await front.keys.close()  # idempotency-key writes the store did not take yet: tried once more
         await store.close()
         await legacy.close()
         await pool.close()

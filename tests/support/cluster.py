@@ -52,6 +52,7 @@ class Replica:
         store: dict[str, Any] | None = None,
         sections: dict[str, dict[str, Any]] | None = None,
     ) -> None:
+        """`store`: more `store:` fields; `sections`: other config sections (`idempotency`, ...)."""
         self.upstream = Upstream()
         self.upstream.start()
         self.proxy = ProxyProcess(
