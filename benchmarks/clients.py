@@ -23,7 +23,7 @@ from yarl import URL
 from benchmarks.harness import LegacyClient, start_upstream
 from proxy.legacy.passthrough import NO_AUTO_HEADERS
 from proxy.upstream.http.lean import LeanClient
-from proxy.upstream.http.shared import relay_client
+from proxy.upstream.http.session import relay_client
 
 BODY = json.dumps(
     {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "echo", "arguments": {"text": "x"}}}

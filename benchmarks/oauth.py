@@ -24,8 +24,8 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 
 from benchmarks.harness import LegacyClient, ModernClient, interleaved, measure, start_proxy, start_upstream
 from benchmarks.loadgen import HttpClient, Response
-from proxy.config import JwtConfig
-from proxy.jwt_identity import JwtIdentity
+from proxy.config.schema import JwtConfig
+from proxy.edge._jwt_identity import JwtIdentity
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "oauth.json"

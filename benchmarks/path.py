@@ -51,7 +51,7 @@ def _module_of(code: types.CodeType, root: str) -> str | None:
     filename = code.co_filename
     if not filename.startswith(root):
         return None
-    return filename[len(root) - len("proxy/") :].removesuffix(".py").replace("/", ".")
+    return filename[len(root) - len("proxy/") :].removesuffix(".py").removesuffix("/__init__").replace("/", ".")
 
 
 class Recorder:
@@ -90,8 +90,8 @@ async def _settled(client: ModernClient, task_id: str) -> None:
 
 async def call_path() -> dict[str, CallPath]:
     """The two parts of one task-making call's path (`request`, `task`), measured as the module says."""
-    from proxy.app import create_app
-    from proxy.config_loader import load_config
+    from proxy.config.loader import load_config
+    from proxy.edge.app import create_app
 
     upstream = await start_upstream()
     try:
@@ -141,8 +141,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--functions", action="store_true", help="name the functions run in each module")
     arguments = parser.parse_args()
-    from proxy.config import LoggingConfig
-    from proxy.observability import configure_logging
+    from proxy.config.schema import LoggingConfig
+    from proxy.observe.logs import configure_logging
 
     configure_logging(LoggingConfig(level="warning"))  # the process's logging: here, not in `call_path` (a test's)
     parts = asyncio.run(call_path())

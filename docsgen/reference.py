@@ -1,6 +1,6 @@
 """Reference pages written from the code, so that they cannot drift from it.
 
-- `config_reference`: every key of the config models (`proxy/config.py`) with its type, default and the
+- `config_reference`: every key of the config models (`proxy/config/schema.py`) with its type, default and the
   `Field(description=...)`; nested sections get tables of their own. A key without a description is an error.
 - `cli_reference`: every command and flag of the argparse parser (`proxy/cli.py`) with its help.
 - `metrics_reference`: every metric of the Prometheus registry a proxy app builds (name, type, labels, help).
@@ -97,7 +97,7 @@ def _cell(text: str) -> str:
 
 def _description(path: str, field: FieldInfo) -> str:
     if not field.description:
-        raise MissingDescription(f"{path} has no description: give it Field(description=...) in proxy/config.py")
+        raise MissingDescription(f"{path} has no description: give it Field(description=...) in proxy/config/schema.py")
     return _cell(field.description)
 
 
@@ -150,7 +150,7 @@ def _slug(path: str) -> str:
 def config_reference(root: type[BaseModel] | None = None, level: int = 2) -> str:
     """Every key of the config, one table per section, in the order of the models."""
     if root is None:
-        from proxy.config import Config
+        from proxy.config.schema import Config
 
         root = Config
     out: list[str] = []
@@ -284,9 +284,9 @@ def cli_entries(parser: argparse.ArgumentParser) -> list[tuple[str, list[str]]]:
 
 def metric_rows() -> list[tuple[str, str, list[str], str]]:
     """(exposed name, type, labels, help) of every metric a proxy app registers, sorted by name."""
-    from proxy.app import create_app
-    from proxy.config import Config
-    from proxy.edge import METRICS
+    from proxy.config.schema import Config
+    from proxy.edge._error_edge import METRICS
+    from proxy.edge.app import create_app
 
     app = create_app(Config.model_validate({"upstream": {"url": "http://127.0.0.1:9/mcp"}}))
     registry = app[METRICS].registry

@@ -3,7 +3,7 @@
 `serve` runs the proxy (`serve … -- CMD ARGS` names a stdio server instead of an upstream URL);
 `check-config [FILE]` validates what `serve` would run (errors all at once, exit code 2; `--print` writes it as
 YAML, credentials redacted); `tasks list|show|stats|cancel|purge` work on
-the store the config names (`operator_cli.py`); `probe [URL]` is the container HEALTHCHECK (exit 0 on HTTP
+the store the config names (`operators/tasks_cli.py`); `probe [URL]` is the container HEALTHCHECK (exit 0 on HTTP
 200). Every command has `--help`; `--version` prints the version.
 
 Imports only the standard library at module level: the probe runs every 30 s in the image and must not load
@@ -17,15 +17,15 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from proxy import operator_cli
+from proxy.operators import tasks_cli as operator_cli
 
 if TYPE_CHECKING:
     import asyncio
 
-    from proxy.config import Config
-    from proxy.config_loader import ConfigError
+    from proxy.config.loader import ConfigError
+    from proxy.config.schema import Config
 
-EXIT_CONFIG_ERROR = 2  # the other start failures' codes (3, 4, 5) are in proxy/startup.py
+EXIT_CONFIG_ERROR = 2  # the other start failures' codes (3, 4, 5) are in proxy/edge/startup.py
 DEFAULT_PROBE_URL = "http://127.0.0.1:8080/healthz"
 
 
@@ -143,7 +143,7 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def effective_config(path: str | None, overrides: dict[str, dict[str, Any]], absent: list[str] | None = None) -> Config:
     """What `serve` runs: the file, then the MCP_TASKS_PROXY_* environment, then the flags (`overrides`)."""
-    from proxy.config_loader import load_config
+    from proxy.config.loader import load_config
 
     return load_config(path, overrides=overrides, absent=absent)
 
@@ -153,7 +153,7 @@ def check_config(args: argparse.Namespace) -> int:
     redacted). Key files missing here are notes on stderr (exit 0) unless --strict."""
     import yaml
 
-    from proxy.config_loader import ConfigError, redacted
+    from proxy.config.loader import ConfigError, redacted
 
     notes: list[str] = []
     try:
@@ -180,18 +180,19 @@ def report_config_error(error: ConfigError) -> int:
 
 
 def serve(config: Config, path: str | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> int:
-    """Run until SIGTERM's drain ends (`proxy/drain.py`); SIGHUP or a change of `path` reloads the config with
-    the same flags (`proxy/live_config.py`). The exit code: 0, or a start failure's own (`proxy/startup.py`)."""
+    """Run until SIGTERM's drain ends (`proxy/edge/_drain.py`); SIGHUP or a change of `path` reloads the config with
+    the same flags (`proxy/config/live.py`). The exit code: 0, or a start failure's own (`proxy/edge/startup.py`)."""
     import asyncio
     import gc
 
     import structlog
 
-    from proxy import startup, tracing_setup
-    from proxy.app import create_app
-    from proxy.live_config import LiveConfig
-    from proxy.observability import configure_logging
-    from proxy.serve import serve as serve_app
+    from proxy.config.live import LiveConfig
+    from proxy.edge import startup
+    from proxy.edge.app import create_app
+    from proxy.edge.serve import serve as serve_app
+    from proxy.observe import tracing_setup
+    from proxy.observe.logs import configure_logging
     from proxy.tasks.store import StoreError, StoreLockedError
 
     configure_logging(config.logging)
@@ -256,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "probe":
         return probe_command(args.url, args.timeout)
-    from proxy.config_loader import ConfigError
+    from proxy.config.loader import ConfigError
 
     if args.command == "check-config":
         return check_config(args)
@@ -265,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return operator_cli.tasks_command(args)
         except ConfigError as error:
             return report_config_error(error)
-    from proxy import tracing_setup
+    from proxy.observe import tracing_setup
 
     overrides = flag_overrides(args)
     try:

@@ -12,7 +12,7 @@ from enum import StrEnum
 from fnmatch import fnmatchcase
 from typing import Final
 
-from proxy.config import RestartAction, TaskMode, TasksConfig, ToolPolicyConfig, WithoutTasks
+from proxy.config.schema import RestartAction, TaskMode, TasksConfig, ToolPolicyConfig, WithoutTasks
 
 # A legacy upstream's own `execution.taskSupport` for a tool (2025-11-25 Tasks): `optional` and `required` only
 # when it declared `tasks.requests.tools.call`; None when it runs no tasks of its own for the tool.
@@ -49,7 +49,7 @@ class Outcome(StrEnum):
 class Decision:
     """What one request's call becomes, and how it behaves while a client waits for it.
 
-    The call's lifecycle (`tasks/machine.py`) reads every policy choice from here: whether a task record comes
+    The call's lifecycle (`tasks/machine/`) reads every policy choice from here: whether a task record comes
     first, how long a window lasts, how a question reaches a waiting client, and whether even a call that ends
     within its window answers with a task."""
 

@@ -23,8 +23,8 @@ from typing import Final
 
 from cryptography.fernet import Fernet, InvalidToken
 
-from proxy.config import Config
-from proxy.keyfiles import MIN_SECRET_BYTES, read_secret
+from proxy.config.keyfiles import MIN_SECRET_BYTES, read_secret
+from proxy.config.schema import Config
 
 _HASH_CONTEXT: Final = b"mcp-tasks-proxy/principal/v1"
 _SEAL_CONTEXT: Final = b"mcp-tasks-proxy/rerun-principal/v1"
@@ -33,7 +33,7 @@ _SEAL_CONTEXT: Final = b"mcp-tasks-proxy/rerun-principal/v1"
 @dataclass(frozen=True, slots=True)
 class Identity:
     """Who sent a request: the principal header's value (`credential`), which travels upstream as itself and
-    keys the caller's upstream sessions, and, for a Bearer JWT the proxy verified (`jwt_identity.py`), its
+    keys the caller's upstream sessions, and, for a Bearer JWT the proxy verified (`edge/_jwt_identity.py`), its
     `owner` (the issuer and the claim), which owns tasks in the credential's stead: the caller's next token, of
     the same owner, reads the same tasks. An opaque token (or a JWT not verified) has no owner."""
 

@@ -18,10 +18,10 @@ import structlog
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy import observability
-from proxy.app import create_app
-from proxy.config import LoggingConfig
-from proxy.observability import configure_logging
+from proxy.config.schema import LoggingConfig
+from proxy.edge.app import create_app
+from proxy.observe import logs
+from proxy.observe.logs import configure_logging
 from tests import pg
 from tests.reference_server import EverythingServer, stdio_argv
 from tests.support.clients import ClientFactory, Tasks
@@ -76,7 +76,7 @@ def quiet_logs(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The process's logging as `logging.level: warning` configures it (no request lines, nothing below
     warning), restored after the test."""
     saved = structlog.get_config()
-    monkeypatch.setattr(observability, "_min_level", observability._min_level)
+    monkeypatch.setattr(logs, "_min_level", logs._min_level)
     configure_logging(LoggingConfig(level="warning"))
     yield
     structlog.configure(**saved)

@@ -15,13 +15,13 @@ from contextlib import asynccontextmanager
 import pytest
 
 from proxy.background import Background
-from proxy.config import TasksConfig
+from proxy.config.schema import TasksConfig
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
 from proxy.principals import Identity
-from proxy.tasks.commands import Admitted, Event, Queued, QueueMoved
-from proxy.tasks.effects.admission import POSITION_SECONDS, POSITIONS_TOLD, Admission, Caps
+from proxy.tasks.effects.call_queue import POSITION_SECONDS, POSITIONS_TOLD, Admission, Caps
 from proxy.tasks.live_call import LiveCall, known, new_call
-from proxy.tasks.state import CallState
+from proxy.tasks.machine.commands import Admitted, Event, Queued, QueueMoved
+from proxy.tasks.machine.state import CallState
 from tests.support.waiting import until
 
 BACKGROUND = Background()  # owns the calls each test runs at once

@@ -15,8 +15,8 @@ import structlog.testing
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy.admission import host_allowed, origin_allowed
-from proxy.drain import DRAIN
+from proxy.edge._admission import host_allowed, origin_allowed
+from proxy.edge._drain import DRAIN
 from tests.support.processes import Upstream
 from tests.support.schemas import SCHEMA_DIR, ModernSchema
 from tests.support.wire import DECLARING, modern_body, modern_headers, modern_meta, read_messages
@@ -539,7 +539,7 @@ def test_once_started_the_collector_leaves_start_up_objects_alone_and_collects_y
     every YOUNG_COLLECTION allocations; the older generations keep their thresholds."""
     import gc
 
-    from proxy.serve import YOUNG_COLLECTION, settle_collector
+    from proxy.edge.serve import YOUNG_COLLECTION, settle_collector
 
     thresholds = gc.get_threshold()
     try:

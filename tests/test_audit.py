@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from proxy.audit import AuditLog, subject
+from proxy.observe.audit import AuditLog, subject
 from proxy.principals import Identity
 
 

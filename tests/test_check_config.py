@@ -14,7 +14,7 @@ import structlog.testing
 import yaml
 
 from proxy.cli import effective_config, flag_overrides, main, parse_args
-from proxy.config_loader import REDACTED, load_config, redacted
+from proxy.config.loader import REDACTED, load_config, redacted
 from tests.support.processes import Upstream
 from tests.support.waiting import until
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from proxy.cli import flag_overrides, main, parse_args
-from proxy.config import HttpUpstreamConfig, StdioUpstreamConfig
-from proxy.config_loader import load_config
+from proxy.config.loader import load_config
+from proxy.config.schema import HttpUpstreamConfig, StdioUpstreamConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "config" / "proxy.example.yaml"

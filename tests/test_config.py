@@ -12,9 +12,9 @@ from pydantic import BaseModel
 
 from docsgen.reference import config_reference
 from proxy.cli import main
-from proxy.config import Config, HttpUpstreamConfig, StdioUpstreamConfig
-from proxy.config_loader import ConfigError, load_config
-from proxy.keyfiles import read_password
+from proxy.config.keyfiles import read_password
+from proxy.config.loader import ConfigError, load_config
+from proxy.config.schema import Config, HttpUpstreamConfig, StdioUpstreamConfig
 from proxy.upstream.stdio.process import INHERITED_ENV_VARS
 
 ROOT = Path(__file__).resolve().parent.parent

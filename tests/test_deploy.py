@@ -31,10 +31,10 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from proxy.admission import host_allowed
 from proxy.cli import flag_overrides, main, parse_args
-from proxy.config import Config, HttpUpstreamConfig
-from proxy.config_loader import load_config
+from proxy.config.loader import load_config
+from proxy.config.schema import Config, HttpUpstreamConfig
+from proxy.edge._admission import host_allowed
 from tests.support.processes import ROOT, Upstream, free_port
 from tests.support.waiting import until_sync
 
@@ -519,7 +519,7 @@ async def test_the_guides_port_forward_request_is_served_by_the_configmaps_proxy
     `anonymous: refuse`, and gets discover's answer; the same request without its token gets 401."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from proxy.app import create_app
+    from proxy.edge.app import create_app
 
     forward, url, headers, body = _port_forward_request()
     target, ports = shlex.split(forward)[2:4]
@@ -719,7 +719,16 @@ def test_proxy_container_runs_the_image_locked_down() -> None:
 
 # --- the HEALTHCHECK command is light ------------------------------------------------------------------------
 
-HEAVY_MODULES = {"aiohttp", "pydantic", "yaml", "structlog", "sqlite3", "proxy.app", "proxy.config", "proxy.upstream"}
+HEAVY_MODULES = {
+    "aiohttp",
+    "pydantic",
+    "yaml",
+    "structlog",
+    "sqlite3",
+    "proxy.edge.app",
+    "proxy.config.schema",
+    "proxy.upstream",
+}
 
 
 class _Health(http.server.BaseHTTPRequestHandler):

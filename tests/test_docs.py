@@ -28,11 +28,11 @@ from docsgen.reference import (
     config_reference,
     metrics_reference,
 )
-from proxy.app import create_app
 from proxy.cli import _parser, main
-from proxy.config import Config
-from proxy.config_loader import load_config
-from proxy.edge import METRICS
+from proxy.config.loader import load_config
+from proxy.config.schema import Config
+from proxy.edge._error_edge import METRICS
+from proxy.edge.app import create_app
 from tests.support.processes import ROOT
 
 DOCS = ROOT / "docs"
@@ -199,7 +199,7 @@ def test_a_broken_anchor_or_an_undescribed_key_fails_the_build(tmp_path: Path) -
     assert "no-such-heading" in built.stderr
 
     tree = _copy_tree(tmp_path / "again")
-    config = tree / "proxy" / "config.py"
+    config = tree / "proxy" / "config" / "schema.py"
     source = config.read_text()
     undescribed = source.replace(
         'port: int = Field(8080, ge=0, le=65535, description="TCP port the proxy listens on (0 picks a free port).")',

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from proxy.edge import error_response
+from proxy.edge._error_edge import error_response
 from proxy.errors import (
     ForbiddenError,
     HeaderMismatchError,

@@ -19,12 +19,22 @@ from typing import Any, cast, get_args
 import pytest
 
 from proxy.background import Background
-from proxy.config import Config
+from proxy.config.schema import Config
 from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskLimitError
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
 from proxy.principals import Principals
-from proxy.tasks import inputs
-from proxy.tasks.commands import (
+from proxy.tasks.context import TasksContext
+from proxy.tasks.effects.client import ClientSide
+from proxy.tasks.effects.job import JobEffect
+from proxy.tasks.effects.outbox import Outbox
+from proxy.tasks.effects.pump import CRASHED
+from proxy.tasks.effects.records import RecordWrites
+from proxy.tasks.effects.slots import Parking, RunningSlots
+from proxy.tasks.effects.timers import Timers
+from proxy.tasks.executor import Executor, ReentryError
+from proxy.tasks.live_call import CallTable, LiveCall, known, new_call, wall_clock_ms
+from proxy.tasks.machine import inputs
+from proxy.tasks.machine.commands import (
     CancelCall,
     ClearTimer,
     ClientLeft,
@@ -49,29 +59,19 @@ from proxy.tasks.commands import (
     Timer,
     TimerFired,
 )
-from proxy.tasks.context import TasksContext
-from proxy.tasks.durations import Durations
-from proxy.tasks.effects.client import ClientSide
-from proxy.tasks.effects.job import JobEffect
-from proxy.tasks.effects.outbox import Outbox
-from proxy.tasks.effects.pump import CRASHED
-from proxy.tasks.effects.records import RecordWrites
-from proxy.tasks.effects.slots import Parking, RunningSlots
-from proxy.tasks.effects.timers import Timers
-from proxy.tasks.executor import Executor, ReentryError
-from proxy.tasks.live_call import CallTable, LiveCall, known, new_call, wall_clock_ms
-from proxy.tasks.operations import TaskOperations
-from proxy.tasks.recovery import Recovery
-from proxy.tasks.replica_inbox import ReplicaInbox
-from proxy.tasks.replicas import ReplicaLink
+from proxy.tasks.machine.state import CallState
 from proxy.tasks.runner import TaskRunner
-from proxy.tasks.starting import CallStarter
-from proxy.tasks.state import CallState
+from proxy.tasks.services.operations import TaskOperations
+from proxy.tasks.services.pacing import Durations
+from proxy.tasks.services.recovery import Recovery
+from proxy.tasks.services.replica_inbox import ReplicaInbox
+from proxy.tasks.services.replicas import ReplicaLink
+from proxy.tasks.services.starting import CallStarter
 from proxy.tasks.store import Fence, SqliteTaskStore
-from proxy.upstream.events import UpstreamEvent, UpstreamResult
 from proxy.upstream.pool import SessionPool
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
+from proxy.wire.upstream_events import UpstreamEvent, UpstreamResult
 from tests.support.processes import proxy_config
 
 KEY = os.urandom(32)

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from proxy.app_keys import POOL
+from proxy.edge._app_keys import POOL
 from tests.support.clients import ClientFactory, Tasks, meta, rpc, task_state, task_until
 from tests.support.processes import ProxyProcess, Upstream, key_file
 from tests.support.waiting import until

@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 import yaml
 
-from proxy.app_keys import ADMIN
 from proxy.cli import main
+from proxy.edge._app_keys import ADMIN
 from tests.support.browser import CHROMIUM, Browser, dump_dom
 from tests.support.clients import ClientFactory, Tasks
 from tests.support.processes import Upstream, free_port
@@ -196,7 +196,7 @@ async def test_a_form_post_without_the_pages_token_is_refused(
 
 
 def test_the_admin_port_must_not_be_the_mcp_port_and_needs_a_token(tmp_path: Path, token_file: Path) -> None:
-    from proxy.config_loader import ConfigError, load_config
+    from proxy.config.loader import ConfigError, load_config
 
     base: dict[str, Any] = {"upstream": {"url": "http://127.0.0.1:1/mcp"}, "listen": {"port": 9000}}
     with pytest.raises(ConfigError, match=r"must differ from listen\.port"):

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from proxy.app_keys import POOL
+from proxy.edge._app_keys import POOL
 from tests.support.clients import Tasks, upstream_calls_open
 from tests.support.processes import Upstream, stdio_upstream
 from tests.support.schemas import ModernSchema, SchemaValidator

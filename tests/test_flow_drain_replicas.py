@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from proxy.tasks.recovery import SWEEP_INTERVAL_SECONDS
-from proxy.tasks.replicas import TAKEN_OVER
+from proxy.tasks.services.recovery import SWEEP_INTERVAL_SECONDS
+from proxy.tasks.services.replicas import TAKEN_OVER
 from tests import pg
 from tests.support.cluster import Cluster, client
 from tests.support.schemas import ModernSchema, SchemaValidator

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from proxy.app_keys import POOL
+from proxy.edge._app_keys import POOL
 from tests.support.clients import ClientFactory, Tasks, upstream_calls_open
 from tests.support.processes import Upstream
 from tests.support.wire import DECLARING, policies, result_text

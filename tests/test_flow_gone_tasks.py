@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from proxy.app_keys import CONFIG
 from proxy.cli import main
+from proxy.edge._app_keys import CONFIG
 from tests import pg
 from tests.support.clients import ClientFactory, Tasks
 from tests.support.processes import key_file

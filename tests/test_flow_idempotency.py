@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy.tasks.idempotency import MAX_KEY_CHARS
+from proxy.tasks.services.idempotency import MAX_KEY_CHARS
 from tests.support.clients import ClientFactory, Tasks, post_and_leave
 from tests.support.processes import ProxyProcess, Upstream
 from tests.support.sdk import calls_started, until_started_upstream

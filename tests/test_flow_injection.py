@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestClient
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from proxy import tracing_setup
+from proxy.observe import tracing_setup
 from tests.support.processes import Upstream
 from tests.support.recorder import RecordingRelay, SeenRequest
 from tests.support.wire import HEADERS, INITIALIZE, modern_body, modern_headers

@@ -15,7 +15,7 @@ from typing import Any
 import structlog.testing
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.tasks.state import MAX_OUTSTANDING_INPUTS
+from proxy.tasks.machine.state import MAX_OUTSTANDING_INPUTS
 from tests.support.clients import ClientFactory, Tasks
 from tests.support.processes import Upstream, key_file
 from tests.support.schemas import ModernSchema, SchemaValidator

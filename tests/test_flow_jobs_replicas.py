@@ -16,7 +16,7 @@ from typing import cast
 import aiohttp
 import pytest
 
-from proxy.tasks.replicas import TAKEN_OVER
+from proxy.tasks.services.replicas import TAKEN_OVER
 from tests import pg
 from tests.support.clients import Client, Tasks
 from tests.support.jobs import render_job, render_stats

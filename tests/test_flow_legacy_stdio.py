@@ -1,5 +1,5 @@
 """End to end: legacy (2025-11-25) clients in front of a stdio upstream, served by the proxy's own Streamable
-HTTP server (`proxy/legacy/stdio_server.py`): one server process per legacy session.
+HTTP server (`proxy/legacy/_stdio_server.py`): one server process per legacy session.
 
 The client is the mcp 1.x SDK's own Streamable HTTP client: it must see what it sees talking to the same
 fixture over HTTP directly (tools, calls, an elicitation and a sampling request answered across the proxy,
@@ -18,8 +18,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy.app_keys import PASSTHROUGH
-from proxy.legacy.stdio_server import StdioLegacyServer
+from proxy.edge._app_keys import PASSTHROUGH
+from proxy.legacy._stdio_server import StdioLegacyServer
 from tests.support.processes import Upstream, children, stdio_upstream
 from tests.support.sdk import run_session
 from tests.support.waiting import until

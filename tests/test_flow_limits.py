@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.app_keys import POOL
+from proxy.edge._app_keys import POOL
 from tests.support.clients import ClientFactory, Tasks, upstream_calls_open
 from tests.support.waiting import until
 from tests.support.wire import modern_body, modern_headers, policies

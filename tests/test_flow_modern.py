@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy.app_keys import POOL
+from proxy.edge._app_keys import POOL
 from proxy.principals import Identity
 from tests.support.clients import post_and_leave
 from tests.support.processes import Upstream

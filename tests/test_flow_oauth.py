@@ -17,8 +17,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from yarl import URL
 
-from proxy.app import create_app
-from proxy.app_keys import POOL
+from proxy.edge._app_keys import POOL
+from proxy.edge.app import create_app
 from proxy.principals import Identity
 from tests.support.oauth import ISSUER, Issuer
 from tests.support.processes import Upstream, free_port, key_file, proxy_config

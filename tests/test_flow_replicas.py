@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.tasks.replicas import TAKEN_OVER, TAKEN_OVER_RERUN
+from proxy.tasks.services.replicas import TAKEN_OVER, TAKEN_OVER_RERUN
 from tests import pg
 from tests.support.clients import Tasks
 from tests.support.cluster import Cluster, Replica, RoundRobin, client

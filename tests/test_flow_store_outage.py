@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.tasks.replicas import TAKEN_OVER
+from proxy.tasks.services.replicas import TAKEN_OVER
 from tests import pg
 from tests.support.clients import Tasks
 from tests.support.cluster import Replica, client

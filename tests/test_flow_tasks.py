@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from proxy.app_keys import CONFIG, FRONT, STORE
+from proxy.edge._app_keys import CONFIG, FRONT, STORE
 from proxy.policy import decide
-from proxy.tasks import starting as starting_module
 from proxy.tasks.live_call import UpstreamRequest
+from proxy.tasks.services import starting as starting_module
 from proxy.tasks.store import SqliteTaskStore
 from proxy.wire.envelope import Caller, validate_modern
 from tests.support.clients import ClientFactory, Tasks, post_and_leave, upstream_calls_open

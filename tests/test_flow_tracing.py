@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from proxy import span_attributes, tracing, tracing_setup
+from proxy.observe import span_attributes, tracing, tracing_setup
 from tests import pg
 from tests.support.clients import Client, ClientFactory, Tasks, upstream_calls_open
 from tests.support.processes import Upstream, key_file, stdio_upstream

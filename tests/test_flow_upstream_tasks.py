@@ -13,7 +13,7 @@ import aiohttp
 import mcp.types as mt
 import pytest
 
-from proxy.app_keys import STORE
+from proxy.edge._app_keys import STORE
 from proxy.wire.tasks import TaskRecord
 from tests.reference_server import EverythingServer
 from tests.support.clients import ClientFactory, Tasks

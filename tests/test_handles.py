@@ -1,4 +1,4 @@
-"""proxy/handles/tools.py: the synthesised tools' names and definitions, a tools/list page for a client without
+"""proxy/front/handles/tools.py: the synthesised tools' names and definitions, a tools/list page for a client without
 the Tasks extension, the arguments read before any store is asked, and the answers a model reads. Pure."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from proxy.config import TasksConfig
-from proxy.handles import tools
+from proxy.config.schema import TasksConfig
+from proxy.front.handles import tools
 from proxy.wire.jsonrpc import RawJSON
 from proxy.wire.tasks import TaskRecord, TaskStatus, new_task_id
 

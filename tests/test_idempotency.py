@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from proxy.config import IdempotencyConfig
+from proxy.config.schema import IdempotencyConfig
 from proxy.errors import (
     InvalidParamsError,
     TaskLimitError,
@@ -21,10 +21,10 @@ from proxy.errors import (
     UpstreamTimeoutError,
     UpstreamUnreachableError,
 )
-from proxy.observability import Metrics
+from proxy.observe.metrics import Metrics
 from proxy.principals import Identity, Principals
-from proxy.tasks import idempotency
-from proxy.tasks.idempotency import (
+from proxy.tasks.services import idempotency
+from proxy.tasks.services.idempotency import (
     IdempotencyKeys,
     KeyBusyError,
     KeyConflictError,

@@ -1,4 +1,4 @@
-"""proxy.tasks.inputs: keys, translation of upstream questions, capability checks, answers, requestState.
+"""proxy.tasks.machine.inputs: keys, translation of upstream questions, capability checks, answers, requestState.
 
 Pure functions, tested without I/O; the flows are in tests/test_flow_inputs.py.
 """
@@ -13,8 +13,8 @@ import pytest
 from itsdangerous import URLSafeSerializer
 
 from proxy.errors import InvalidParamsError
-from proxy.tasks import inputs
-from proxy.tasks.inputs import RequestStateSigner, StateClaims
+from proxy.tasks.machine import inputs
+from proxy.tasks.machine.inputs import RequestStateSigner, StateClaims
 from tests.support.schemas import SCHEMA_DIR, SchemaValidator
 
 SECRET = b"k" * 32

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proxy.config import JobConfig
-from proxy.tasks.job import MAX_BACKOFF_MS, MAX_MESSAGE_CHARS, JobReport, JobSpec, backoff_ms, searched
+from proxy.config.schema import JobConfig
+from proxy.tasks.machine.job import MAX_BACKOFF_MS, MAX_MESSAGE_CHARS, JobReport, JobSpec, backoff_ms, searched
 
 STATES = {"running": "working", "done": "completed", "failed": "failed", "cancelled": "cancelled"}
 

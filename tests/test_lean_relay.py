@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from yarl import URL
 
-from proxy.config_loader import ConfigError, load_config
+from proxy.config.loader import ConfigError, load_config
 from proxy.upstream.http.h1 import H1ConnectionError, H1LimitError, H1RequestError
 from proxy.upstream.http.lean import HIGH_WATER_BYTES, LeanClient
 from tests.support.clients import meta

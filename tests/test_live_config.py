@@ -15,11 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel
 
-from proxy.app import create_app
-from proxy.app_keys import FRONT, RUNNER
-from proxy.config import Config
-from proxy.config_loader import load_config
-from proxy.live_config import (
+from proxy.config.live import (
     APPLIED,
     FIXED,
     FIXED_KEY,
@@ -30,8 +26,12 @@ from proxy.live_config import (
     changed_fields,
     is_fixed,
 )
+from proxy.config.loader import load_config
+from proxy.config.schema import Config
+from proxy.edge._app_keys import FRONT, RUNNER
+from proxy.edge.app import create_app
 from proxy.policy import SYNC_CALL
-from proxy.tasks.effects.admission import Admission
+from proxy.tasks.effects.call_queue import Admission
 from tests.support.processes import Upstream
 
 BASE: dict[str, object] = {"upstream": {"url": "http://127.0.0.1:9/mcp"}, "store": {"path": "tasks.db"}}

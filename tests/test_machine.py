@@ -18,8 +18,9 @@ import pytest
 
 from proxy.errors import ProxyError, QueueTimeoutError, TaskLimitError, UpstreamError
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
-from proxy.tasks import machine, steps
-from proxy.tasks.commands import (
+from proxy.tasks import machine
+from proxy.tasks.machine import _steps as steps
+from proxy.tasks.machine.commands import (
     STORE_WRITES,
     Admitted,
     Answer,
@@ -74,8 +75,8 @@ from proxy.tasks.commands import (
     WriteProgress,
     WriteQueue,
 )
-from proxy.tasks.inputs import PendingInput
-from proxy.tasks.state import (
+from proxy.tasks.machine.inputs import PendingInput
+from proxy.tasks.machine.state import (
     CLIENT_LEFT,
     LEASE_LOST,
     MAX_OUTSTANDING_INPUTS,
@@ -85,10 +86,10 @@ from proxy.tasks.state import (
     TASK_REFUSED,
     CallState,
 )
-from proxy.tasks.upstream_task import UPSTREAM_CANCELLED, UpstreamTask
-from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
+from proxy.tasks.machine.upstream_task import UPSTREAM_CANCELLED, UpstreamTask
 from proxy.wire.legacy_tasks import LegacyTask
 from proxy.wire.tasks import TaskStatus, internal_error
+from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
 from tests.support.records import make_record
 
 EVERY_INPUT: dict[str, Any] = {"elicitation": {}, "sampling": {}, "roots": {}}

@@ -10,7 +10,7 @@ import pytest
 import structlog
 
 from proxy.background import Background
-from proxy.observability import Metrics
+from proxy.observe.metrics import Metrics
 from proxy.tasks.effects.outbox import FIRST_RETRY_SECONDS, Kind, Outbox
 from proxy.tasks.store import Fence, SqliteTaskStore
 from proxy.wire.jsonrpc import RawJSON

@@ -1,10 +1,10 @@
-"""proxy.tasks.pacing: the pollIntervalMs a working task suggests from its tool's usual duration."""
+"""proxy.tasks.services.pacing: the pollIntervalMs a working task suggests from its tool's usual duration."""
 
 from __future__ import annotations
 
 import pytest
 
-from proxy.tasks.pacing import MAX_TOOLS, MIN_POLL_MS, DurationEstimates, poll_interval_ms
+from proxy.tasks.services.pacing import MAX_TOOLS, MIN_POLL_MS, DurationEstimates, poll_interval_ms
 
 
 def test_unknown_tools_keep_the_policys_pace() -> None:

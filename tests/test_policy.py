@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from proxy.config import TaskMode, TaskPolicyConfig, TasksConfig, ToolPolicyConfig
+from proxy.config.schema import TaskMode, TaskPolicyConfig, TasksConfig, ToolPolicyConfig
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy, decide, named_tools, policy_for
 
 DEFAULT = {

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import structlog.testing
 
-from proxy.app import create_app
-from proxy.config_loader import ConfigError, load_config
+from proxy.config.loader import ConfigError, load_config
+from proxy.edge.app import create_app
 from proxy.principals import Identity, Principals, SealError, deployment_key, identity_of, principal_key
 from tests.support.clients import Tasks, upstream_calls_open
 from tests.support.processes import Upstream, key_file, proxy_config

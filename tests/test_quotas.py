@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import TasksConfig
+from proxy.config.schema import TasksConfig
 from proxy.errors import RateLimitedError, RatePolicy
 from proxy.policy import policy_for
-from proxy.tasks.quotas import Quotas
+from proxy.tasks.services.quotas import Quotas
 from proxy.tasks.store import SqliteTaskStore
 
 

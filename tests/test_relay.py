@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.config import RelayConfig
+from proxy.config.schema import RelayConfig
+from proxy.edge._relay import OriginRelay
 from proxy.principals import Identity, Principals
-from proxy.relay import OriginRelay
 
 
 def test_a_target_keeps_the_path_and_query_as_encoded_on_the_upstreams_origin() -> None:

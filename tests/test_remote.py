@@ -9,9 +9,16 @@ from typing import Any
 import pytest
 
 from proxy.errors import InvalidParamsError, MissingCapabilityError, ProxyError, TaskLimitError, UpstreamError
-from proxy.tasks import remote
-from proxy.tasks.commands import ReplyError, ReplyInputRequired, ReplyKind, ReplyMissing, ReplyOutcome, ReplyTask
-from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
+from proxy.tasks.machine.commands import (
+    ReplyError,
+    ReplyInputRequired,
+    ReplyKind,
+    ReplyMissing,
+    ReplyOutcome,
+    ReplyTask,
+)
+from proxy.tasks.services import remote
+from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamResult
 
 ELICIT = {"method": "elicitation/create", "params": {"message": "Name?", "requestedSchema": {"type": "object"}}}
 ROOTS = {"method": "roots/list"}

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from proxy.config import HttpUpstreamConfig
+from proxy.config.schema import HttpUpstreamConfig
 from proxy.errors import (
     UpstreamError,
     UpstreamRefusedError,
@@ -22,10 +22,9 @@ from proxy.errors import (
     UpstreamUnreachableError,
 )
 from proxy.principals import Identity, identity_of, principal_key
-from proxy.upstream.events import UpstreamErrorResponse
-from proxy.upstream.http.kind import HttpKind
-from proxy.upstream.http.shared import upstream_connector
+from proxy.upstream.http.session import HttpKind, upstream_connector
 from proxy.upstream.pool import SessionPool
+from proxy.wire.upstream_events import UpstreamErrorResponse
 from tests.support.processes import Upstream
 from tests.support.tls import loopback_contexts
 from tests.support.waiting import until

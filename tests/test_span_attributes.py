@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.span_attributes import (
+from proxy.observe.span_attributes import (
     NO_REQUEST,
     TASK_ID,
     client_request,

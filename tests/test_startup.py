@@ -26,8 +26,8 @@ import pytest
 import yaml
 from aiohttp import web
 
-from proxy.config_loader import load_config
-from proxy.startup import EXIT_CANNOT_LISTEN, EXIT_STORE_LOCKED, EXIT_STORE_UNAVAILABLE, start_fields
+from proxy.config.loader import load_config
+from proxy.edge.startup import EXIT_CANNOT_LISTEN, EXIT_STORE_LOCKED, EXIT_STORE_UNAVAILABLE, start_fields
 from proxy.upstream.session import PROXY_VERSION
 from tests import pg
 from tests.support.processes import ROOT, ProxyProcess, Upstream, free_port, key_file

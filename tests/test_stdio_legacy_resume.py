@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy.legacy.events import SessionEvents, position
+from proxy.legacy._event_store import SessionEvents, position
 from proxy.wire.sse import SSEEvent, SSEParser
 from tests.support.processes import stdio_upstream
 

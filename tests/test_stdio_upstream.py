@@ -11,10 +11,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.app_keys import POOL
 from proxy.cli import main
-from proxy.config import StdioUpstreamConfig
-from proxy.config_loader import load_config
+from proxy.config.loader import load_config
+from proxy.config.schema import StdioUpstreamConfig
+from proxy.edge._app_keys import POOL
 from proxy.upstream.stdio.session import StdioSession
 from tests.support.clients import Tasks, rpc
 from tests.support.processes import ROOT, STDIO_FIXTURE, ProxyProcess, children, stdio_sessions, stdio_upstream

@@ -16,7 +16,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from proxy.config import StoreConfig
+from proxy.config.schema import StoreConfig
 from proxy.tasks.store import (
     CANCEL,
     INPUT,

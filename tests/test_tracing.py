@@ -19,9 +19,10 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from proxy import cli, observability, tracing, tracing_setup
-from proxy.config import LoggingConfig
-from proxy.observability import configure_logging
+from proxy import cli
+from proxy.config.schema import LoggingConfig
+from proxy.observe import logs, tracing, tracing_setup
+from proxy.observe.logs import configure_logging
 from tests.support.processes import ProxyProcess, Upstream
 from tests.support.wire import modern_body, modern_headers, read_messages
 
@@ -190,7 +191,7 @@ def test_log_lines_carry_the_active_spans_ids() -> None:
 @pytest.fixture
 def restore_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     saved = structlog.get_config()
-    monkeypatch.setattr(observability, "_min_level", observability._min_level)  # what configure_logging sets
+    monkeypatch.setattr(logs, "_min_level", logs._min_level)  # what configure_logging sets
     yield
     structlog.configure(**saved)
 

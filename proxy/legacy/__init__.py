@@ -1,7 +1,7 @@
 """The servers the proxy runs for legacy (2025-06-18 / 2025-11-25) clients: the pass-through to an HTTP
 upstream (`passthrough.py`) and the proxy's own Streamable HTTP server in front of a stdio upstream
-(`stdio_server.py`, a client's session with its process in `stdio_sessions.py`, its SSE event store for
-resumable streams in `events.py`). Which one legacy clients get follows the upstream's kind (`serving.py`).
+(`_stdio_server.py`, a client's session with its process in `_stdio_sessions.py`, its SSE event store
+for resumable streams in `_event_store.py`). Which one legacy clients get follows the upstream's kind (`serving.py`).
 This package imports aiohttp's web side and the upstream pool's protocols; never tasks or the front.
 """
 

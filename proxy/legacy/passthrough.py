@@ -23,9 +23,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from proxy import tracing
 from proxy.errors import InvalidRequestError, ParseError, ResultTooLargeError
 from proxy.legacy import Rewrite
+from proxy.observe import tracing
 from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, checked_headers, failure
 from proxy.upstream.http.h1 import H1RequestError
 from proxy.upstream.http.lean import LeanClient
@@ -156,8 +156,8 @@ class PassThrough:
     async def relay_to(
         self, url: URL, request: web.Request, body: bytes | None, rewrite: Rewrite | None = None
     ) -> web.StreamResponse:
-        """The request relayed to `url` (another path of the upstream's origin: `relay.py`), by the same rules;
-        with `rewrite`, its answer is read whole and its response message rewritten."""
+        """The request relayed to `url` (another path of the upstream's origin: `edge/_relay.py`), by the same
+        rules; with `rewrite`, its answer is read whole and its response message rewritten."""
         headers = _end_to_end(request.headers)
         if rewrite is not None:
             headers.popall("Accept-Encoding", None)  # an answer the proxy reads comes as it is, not compressed

@@ -1,18 +1,17 @@
 """Which server legacy clients get in front of the upstream the pool reaches: an HTTP upstream's clients are
 relayed verbatim (`passthrough.py`, on an HTTP client of their own), a stdio upstream's are served by the proxy
-itself, one process each, counted against `upstream.max_processes` through the pool (`stdio_server.py`).
+itself, one process each, counted against `upstream.max_processes` through the pool (`_stdio_server.py`).
 The choice lives here, above the upstream package: `proxy/upstream/` never imports `proxy/legacy/`.
 """
 
 from __future__ import annotations
 
 from proxy.legacy import LegacyFront
+from proxy.legacy._stdio_server import StdioLegacyServer
 from proxy.legacy.passthrough import PassThrough
-from proxy.legacy.stdio_server import StdioLegacyServer
-from proxy.upstream.http.kind import HttpKind
-from proxy.upstream.http.shared import relay_client
+from proxy.upstream.http.session import HttpKind, relay_client
 from proxy.upstream.pool import SessionPool
-from proxy.upstream.stdio.kind import StdioKind
+from proxy.upstream.stdio.session import StdioKind
 
 
 def legacy_front(pool: SessionPool) -> LegacyFront:

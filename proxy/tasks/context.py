@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proxy.observability import Metrics
+from proxy.observe.metrics import Metrics
 from proxy.principals import Principals
-from proxy.tasks.durations import Durations
 from proxy.tasks.live_call import CallTable
 from proxy.tasks.ports import Feed, Spawner
+from proxy.tasks.services.pacing import Durations
 from proxy.tasks.store import TaskStore
 
 

@@ -1,4 +1,4 @@
-"""Carries out what a call's machine (`machine.py`) decides: feeds it one event at a time (under the call's
+"""Carries out what a call's machine (`machine/`) decides: feeds it one event at a time (under the call's
 lock), looks each command up by its type in the table of effects (`effects/`), runs it, and feeds the event a
 command is answered with (`Committed`, `Parked`, ...) next, before anything else reaches the call. Each effect
 is registered with the command type it carries out (`register`, checked by the type checker). An effect that
@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from proxy.tasks import machine
-from proxy.tasks.commands import Command, Event
 from proxy.tasks.live_call import LiveCall
+from proxy.tasks.machine.commands import Command, Event
 from proxy.tasks.ports import Effect, Spawner
 
 _C = TypeVar("_C", bound=Command)

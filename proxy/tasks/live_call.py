@@ -20,10 +20,10 @@ from functools import cached_property
 from typing import Final
 
 from proxy.principals import Identity
-from proxy.tasks import inputs
-from proxy.tasks.commands import ReplyKind, Timer
-from proxy.tasks.replicas import Ask
-from proxy.tasks.state import CallState
+from proxy.tasks.machine import inputs
+from proxy.tasks.machine.commands import ReplyKind, Timer
+from proxy.tasks.machine.state import CallState
+from proxy.tasks.services.replicas import Ask
 from proxy.tasks.store import Fence
 from proxy.upstream.session import RequestStream, Session
 from proxy.wire import translate

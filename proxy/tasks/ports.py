@@ -9,8 +9,8 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar
 
-from proxy.tasks.commands import Command, Event
 from proxy.tasks.live_call import LiveCall
+from proxy.tasks.machine.commands import Command, Event
 
 _T = TypeVar("_T")
 _C = TypeVar("_C", bound=Command, contravariant=True)

@@ -4,7 +4,7 @@ starts and closes them. It carries out nothing itself.
 - `executor.py` feeds each call's machine and runs its commands through the effects (`effects/`).
 - `starting.py` starts and resumes calls for waiting requests; `operations.py` serves `tasks/get`, `tasks/update`
   and `tasks/cancel`; `recovery.py` takes over tasks whose call runs nowhere and runs the sweep;
-  `replica_inbox.py` turns what other replicas do into events; `durations.py` paces the records clients see.
+  `replica_inbox.py` turns what other replicas do into events; `pacing.py` paces the records clients see.
 Imports all of those, the store and the upstream pool; never aiohttp's web side or the front.
 """
 
@@ -18,17 +18,13 @@ from typing import Any, Final, TypeVar
 
 import structlog
 
-from proxy.audit import AuditLog
 from proxy.background import Background
-from proxy.config import Config
-from proxy.observability import Metrics
+from proxy.config.schema import Config
+from proxy.observe.audit import AuditLog
+from proxy.observe.metrics import Metrics
 from proxy.principals import Principals
-from proxy.tasks import commands as c
-from proxy.tasks import inputs
-from proxy.tasks.audit_trail import AuditTrail
 from proxy.tasks.context import TasksContext
-from proxy.tasks.durations import Durations
-from proxy.tasks.effects.admission import Admission, Caps
+from proxy.tasks.effects.call_queue import Admission, Caps
 from proxy.tasks.effects.client import ClientSide
 from proxy.tasks.effects.held import HeldRequest, QuestionCounter
 from proxy.tasks.effects.job import JobEffect
@@ -39,16 +35,19 @@ from proxy.tasks.effects.timers import Timers
 from proxy.tasks.effects.upstream_task import UpstreamTaskEffect
 from proxy.tasks.executor import Executor, Observer
 from proxy.tasks.live_call import CallTable, LiveCall, wall_clock_ms
-from proxy.tasks.operations import TaskOperations
+from proxy.tasks.machine import commands as c
+from proxy.tasks.machine import inputs
 from proxy.tasks.ports import Effect
-from proxy.tasks.quotas import Quotas
-from proxy.tasks.recovery import Recovery
-from proxy.tasks.replica_inbox import ReplicaInbox
-from proxy.tasks.replicas import ReplicaLink
-from proxy.tasks.span_events import SpanEvents
-from proxy.tasks.starting import CallStarter
+from proxy.tasks.services.observers import AuditTrail, SpanEvents
+from proxy.tasks.services.operations import TaskOperations
+from proxy.tasks.services.pacing import Durations
+from proxy.tasks.services.quotas import Quotas
+from proxy.tasks.services.recovery import Recovery
+from proxy.tasks.services.replica_inbox import ReplicaInbox
+from proxy.tasks.services.replicas import ReplicaLink
+from proxy.tasks.services.starting import CallStarter
+from proxy.tasks.services.tool_names import check_named_tools
 from proxy.tasks.store import TaskStore
-from proxy.tasks.tool_names import check_named_tools
 from proxy.upstream.pool import SessionPool
 
 log = structlog.get_logger(__name__)

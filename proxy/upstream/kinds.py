@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import aiohttp
 
-from proxy.config import Config, StdioUpstreamConfig
-from proxy.observability import Metrics
-from proxy.upstream.http.kind import HttpKind
+from proxy.config.schema import Config, StdioUpstreamConfig
+from proxy.observe.metrics import Metrics
+from proxy.upstream.http.session import HttpKind
 from proxy.upstream.session import SessionKind
-from proxy.upstream.stdio.kind import StdioKind
+from proxy.upstream.stdio.session import StdioKind
 
 
 def session_kind(config: Config, http: aiohttp.ClientSession, metrics: Metrics | None) -> SessionKind:

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy.app_keys import POOL
+from proxy.edge._app_keys import POOL
 from tests.support.schemas import ModernSchema, SchemaValidator
 from tests.support.sdk import calls_started, until_started_upstream
 from tests.support.waiting import until

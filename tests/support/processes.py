@@ -17,9 +17,9 @@ from typing import Any
 import aiohttp
 import yaml
 
-from proxy.app_keys import POOL
-from proxy.config import Config
-from proxy.config_loader import load_config
+from proxy.config.loader import load_config
+from proxy.config.schema import Config
+from proxy.edge._app_keys import POOL
 from proxy.upstream.stdio.session import StdioSession
 from tests.support.clients import Tasks
 from tests.support.waiting import until

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from proxy.tasks.commands import ClientLeft, Relay, Reply, ReplyKind, ReplyTask
 from proxy.tasks.live_call import KEEP_ALIVE, KeepAlive, LiveCall
+from proxy.tasks.machine.commands import ClientLeft, Relay, Reply, ReplyKind, ReplyTask
 from proxy.tasks.ports import Feed, Spawner
 from proxy.wire.envelope import Channel
 from proxy.wire.jsonrpc import JSON

@@ -1,9 +1,9 @@
 """The held upstream request of a call (`StartCall`, `Answer`, `Refuse`, `CancelCall`): sent on a session
 leased for the call (of its own when its client could answer a question), its events fed to the call by the
 pump, its questions answered or refused, and `notifications/cancelled` when it is abandoned; with a cap, the
-request waits for its slot first in the admission queue this effect owns (`admission.py`, made once a cap is in
+request waits for its slot first in the admission queue this effect owns (`call_queue.py`, made once a cap is in
 force). Also counts the questions relayed and refused (their span
-events come from the executor's observer, `span_events.py`). Imports the pump, the slots (a parked call's
+events come from the executor's observer, `services/observers.py`). Imports the pump, the slots (a parked call's
 session may be reclaimed), the admission queue, the upstream pool and event types; not the store.
 """
 
@@ -16,19 +16,19 @@ from contextlib import AbstractAsyncContextManager
 import structlog
 
 from proxy.errors import ProxyError
-from proxy.observability import Metrics
-from proxy.tasks import inputs
-from proxy.tasks.commands import Answer, Asked, CancelCall, Command, Event, Refuse, StartCall, Timer, TimerFired
+from proxy.observe.metrics import Metrics
 from proxy.tasks.effects import pump
-from proxy.tasks.effects.admission import Admission, Caps
+from proxy.tasks.effects.call_queue import Admission, Caps
 from proxy.tasks.effects.slots import Parking
 from proxy.tasks.live_call import LiveCall
+from proxy.tasks.machine import inputs
+from proxy.tasks.machine.commands import Answer, Asked, CancelCall, Command, Event, Refuse, StartCall, Timer, TimerFired
 from proxy.tasks.ports import Feed, Spawner
-from proxy.upstream.events import refusal
 from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import Session
 from proxy.wire import translate
 from proxy.wire.jsonrpc import JSON
+from proxy.wire.upstream_events import refusal
 
 log = structlog.get_logger(__name__)
 
@@ -141,7 +141,7 @@ def stop_pump(call: LiveCall) -> None:
 
 class QuestionCounter:
     """Counts each question the upstream asks for the client: relayed, or refused at once (its span event is
-    `span_events.py`'s)."""
+    `services/observers.py`'s)."""
 
     def __init__(self, metrics: Metrics | None) -> None:
         self.metrics = metrics

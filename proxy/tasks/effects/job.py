@@ -19,18 +19,18 @@ from dataclasses import dataclass
 
 import structlog
 
-from proxy.config import Config, JobConfig, JobToolConfig
+from proxy.config.schema import Config, JobConfig, JobToolConfig
 from proxy.errors import ResultTooLargeError, UpstreamError
-from proxy.tasks import commands as c
 from proxy.tasks.effects import pump
-from proxy.tasks.job import JOB_CANCELLED, JobReport, JobSpec, backoff_ms
 from proxy.tasks.live_call import LiveCall
+from proxy.tasks.machine import commands as c
+from proxy.tasks.machine.job import JOB_CANCELLED, JobReport, JobSpec, backoff_ms
 from proxy.tasks.ports import Feed, Spawner
-from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest, refusal
 from proxy.upstream.pool import SessionPool
-from proxy.upstream.session import Session
+from proxy.upstream.session import Session, answer
 from proxy.wire import tasks as wire_tasks
 from proxy.wire.legacy_tasks import LegacyTask
+from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamResult
 
 log = structlog.get_logger(__name__)
 
@@ -174,13 +174,7 @@ class JobEffect:
             self.pool.use(call.principal) as session,
             session.call("tools/call", params, call.headers) as upstream,
         ):
-            async for event in upstream.events():
-                if isinstance(event, UpstreamResult | UpstreamErrorResponse):
-                    return event
-                if isinstance(event, UpstreamServerRequest):
-                    result, error = refusal(event.method)
-                    await session.respond(event.id, result=result, error=error)
-        raise UpstreamError(f"Upstream did not answer {tool.tool}")  # pragma: no cover - events() raises first
+            return await answer(upstream, refuse_on=session)
 
     # --- the check at start ------------------------------------------------------------------------------
 

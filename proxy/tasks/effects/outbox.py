@@ -17,7 +17,7 @@ from typing import Final, Literal
 
 import structlog
 
-from proxy.observability import Metrics
+from proxy.observe.metrics import Metrics
 from proxy.tasks.store import Fence, FencedError, StoreError, StoreUnavailableError
 from proxy.wire.tasks import TaskRecord
 

@@ -15,13 +15,13 @@ from typing import Any, Final
 
 import structlog
 
-from proxy import tracing
 from proxy.errors import ProxyError, UpstreamError, UpstreamSessionGoneError
-from proxy.tasks.commands import Asked, Ended, Event, Notified
+from proxy.observe import tracing
 from proxy.tasks.live_call import LiveCall
+from proxy.tasks.machine.commands import Asked, Ended, Event, Notified
 from proxy.tasks.ports import Feed
-from proxy.upstream.events import UpstreamEvent, UpstreamNotification, UpstreamServerRequest
 from proxy.upstream.session import RequestStream, Session
+from proxy.wire.upstream_events import UpstreamEvent, UpstreamNotification, UpstreamServerRequest
 
 log = structlog.get_logger(__name__)
 

@@ -18,10 +18,14 @@ from typing import Any, Final
 
 import structlog
 
-from proxy import tracing
-from proxy.config import Config, TasksConfig
+from proxy.config.schema import Config, TasksConfig
 from proxy.errors import ProxyError, TaskLimitError, TaskStoreUnavailableError
-from proxy.tasks.commands import (
+from proxy.observe import tracing
+from proxy.tasks.context import TasksContext
+from proxy.tasks.effects.outbox import Kind, Outbox, Refused, Written
+from proxy.tasks.effects.slots import RunningSlots
+from proxy.tasks.live_call import LiveCall
+from proxy.tasks.machine.commands import (
     CommitRefused,
     Committed,
     CreateRecord,
@@ -31,10 +35,6 @@ from proxy.tasks.commands import (
     WriteProgress,
     WriteQueue,
 )
-from proxy.tasks.context import TasksContext
-from proxy.tasks.effects.outbox import Kind, Outbox, Refused, Written
-from proxy.tasks.effects.slots import RunningSlots
-from proxy.tasks.live_call import LiveCall
 from proxy.tasks.store import Fence, FencedError, StoreError, StoreFullError, StoreUnavailableError
 from proxy.wire import legacy_tasks
 from proxy.wire import tasks as wire_tasks

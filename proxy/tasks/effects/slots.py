@@ -14,11 +14,12 @@ from typing import Any
 
 import structlog
 
-from proxy.config import Config
+from proxy.config.schema import Config
 from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskLimitError
-from proxy.tasks import inputs, machine
-from proxy.tasks.commands import HoldSlot, Park, Parked, ParkRefused, Unpark
+from proxy.tasks import machine
 from proxy.tasks.live_call import LiveCall
+from proxy.tasks.machine import inputs
+from proxy.tasks.machine.commands import HoldSlot, Park, Parked, ParkRefused, Unpark
 from proxy.wire.jsonrpc import JSON
 
 log = structlog.get_logger(__name__)

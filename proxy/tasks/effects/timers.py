@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy.tasks.commands import ClearTimer, SetTimer, Timer, TimerFired
 from proxy.tasks.live_call import LiveCall
+from proxy.tasks.machine.commands import ClearTimer, SetTimer, Timer, TimerFired
 from proxy.tasks.ports import Feed, Spawner
 
 

@@ -22,7 +22,10 @@ from typing import Final
 import structlog
 
 from proxy.errors import ResultTooLargeError, UpstreamError
-from proxy.tasks.commands import (
+from proxy.tasks.effects import pump
+from proxy.tasks.effects.held import stop_pump
+from proxy.tasks.live_call import LiveCall
+from proxy.tasks.machine.commands import (
     CancelUpstreamTask,
     Ended,
     FollowUpstreamTask,
@@ -32,14 +35,11 @@ from proxy.tasks.commands import (
     UpstreamTaskCreated,
     UpstreamTaskPolled,
 )
-from proxy.tasks.effects import pump
-from proxy.tasks.effects.held import stop_pump
-from proxy.tasks.live_call import LiveCall
 from proxy.tasks.ports import Feed, Spawner
-from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
 from proxy.upstream.pool import SessionPool
-from proxy.upstream.session import Session
+from proxy.upstream.session import Session, answer
 from proxy.wire import legacy_tasks
+from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamResult
 
 log = structlog.get_logger(__name__)
 
@@ -193,7 +193,4 @@ class UpstreamTaskEffect:
         """One tasks/* request about the task, for its answer (a cancel runs while the call's events wait: what
         else its stream carries is not fed to the call)."""
         async with session.call(method, {"taskId": task_id}, call.headers) as upstream:
-            async for event in upstream.events():
-                if isinstance(event, UpstreamResult | UpstreamErrorResponse):
-                    return event
-        raise UpstreamError(f"Upstream did not answer {method}")  # pragma: no cover - events() raises first
+            return await answer(upstream)

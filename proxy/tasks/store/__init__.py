@@ -6,7 +6,7 @@ imported only when PostgreSQL is configured. Must not import aiohttp, the runner
 
 from __future__ import annotations
 
-from proxy.config import StoreConfig
+from proxy.config.schema import StoreConfig
 from proxy.tasks.store.base import (
     CANCEL,
     EXPIRED,

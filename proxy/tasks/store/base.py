@@ -42,6 +42,12 @@ class StoreUnavailableError(StoreError):
         self.detail = detail  # what the driver said (hosts, paths): for the proxy's log only
 
 
+# The tools' duration estimates the store keeps for pacing (`tasks/services/pacing.py` applies the same rule in
+# memory): each completion moves its tool's estimate by this share of the difference; the least recently
+# completed tools beyond the cap are forgotten.
+DURATION_SMOOTHING: Final = 0.3
+MAX_DURATION_TOOLS: Final = 1024
+
 FailureListener = Callable[[str, str], None]  # (operation, reason label) of each operation the store could not do
 
 

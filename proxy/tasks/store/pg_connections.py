@@ -22,7 +22,7 @@ import psycopg
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from proxy.keyfiles import read_password
+from proxy.config.keyfiles import read_password
 from proxy.tasks.store import pg_schema as schema
 from proxy.tasks.store.base import StoreError, StoreHealth
 from proxy.tasks.store.pg_health import KIND, Watchdog, deadline_seconds, operation_of, quiet, unavailable_reason

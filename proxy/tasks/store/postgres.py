@@ -25,7 +25,7 @@ from typing import Any, Final
 
 from psycopg.rows import DictRow
 
-from proxy.tasks import pacing
+from proxy.tasks.store import base
 from proxy.tasks.store import pg_schema as schema
 from proxy.tasks.store.base import (
     EXPIRED,
@@ -223,7 +223,7 @@ class PostgresTaskStore(PgConnections, PgKeys, LiveWrites):
                     purged = (await conn.execute(sql, params)).rowcount
                     if first:
                         await conn.execute(schema.PURGE_MESSAGES_SQL, [MESSAGE_RETENTION_MS / 1000])
-                        await conn.execute(schema.TRIM_DURATIONS_SQL, [pacing.MAX_TOOLS])
+                        await conn.execute(schema.TRIM_DURATIONS_SQL, [base.MAX_DURATION_TOOLS])
                 return purged
 
             purged = await self._run("purge_expired", chunk)
@@ -409,7 +409,7 @@ class PostgresTaskStore(PgConnections, PgKeys, LiveWrites):
     # -- shared pacing ---------------------------------------------------------------------------------------
 
     async def observe_duration(self, tool: str, duration_ms: float) -> float:
-        params = {"tool": tool, "ms": float(duration_ms), "smoothing": pacing.SMOOTHING}
+        params = {"tool": tool, "ms": float(duration_ms), "smoothing": base.DURATION_SMOOTHING}
         rows = await self._rows(f"observe {tool}", schema.OBSERVE_SQL, params)
         return float(rows[0]["estimate_ms"])
 

@@ -20,7 +20,7 @@ from urllib.parse import quote
 
 from sqlite_utils import Database
 
-from proxy.tasks import pacing
+from proxy.tasks.store import base
 from proxy.tasks.store import sqlite_schema as schema
 from proxy.tasks.store.base import (
     CANCEL,
@@ -269,7 +269,7 @@ class SqliteWriter:
         db = self.db()
         with db.atomic():
             db.execute(schema.PURGE_MESSAGES_SQL, [wall_ms() - MESSAGE_RETENTION_MS])
-            db.execute(schema.TRIM_DURATIONS_SQL, [pacing.MAX_TOOLS])
+            db.execute(schema.TRIM_DURATIONS_SQL, [base.MAX_DURATION_TOOLS])
         return purged
 
     def cancel(self, sql: str, params: dict[str, Any], task_id: str, tell_owner: bool) -> TaskRecord | None:
@@ -296,7 +296,7 @@ class SqliteWriter:
             db.execute(schema.HEALTH_SQL, [now_ms])
 
     def observe(self, tool: str, duration_ms: float) -> float:
-        params = {"tool": tool, "ms": duration_ms, "now_ms": wall_ms(), "smoothing": pacing.SMOOTHING}
+        params = {"tool": tool, "ms": duration_ms, "now_ms": wall_ms(), "smoothing": base.DURATION_SMOOTHING}
         db = self.db()
         with db.atomic():
             (estimate,) = db.execute(schema.OBSERVE_SQL, params).fetchone()

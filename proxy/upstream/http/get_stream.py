@@ -19,8 +19,8 @@ import aiohttp
 import structlog
 
 from proxy.errors import UpstreamError
-from proxy.upstream.events import UpstreamEvent, decode
 from proxy.wire.sse import EventTooLargeError, SSEParser
+from proxy.wire.upstream_events import UpstreamEvent, decode
 
 log = structlog.get_logger(__name__)
 

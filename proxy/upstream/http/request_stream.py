@@ -1,6 +1,6 @@
 """One in-flight upstream request as an async stream of events.
 
-`HttpRequestStream.events()` yields what the legacy server sends on the request's stream (`events.py`):
+`HttpRequestStream.events()` yields what the legacy server sends on the request's stream (`wire/upstream_events.py`):
 notifications, server→client requests and, last, the final result or JSON-RPC error. The upstream's `ping` is
 answered here; a stream the upstream closes early is resumed (GET + Last-Event-ID, as 2025-11-25 servers
 expect). The call depends on `StreamTransport`, a small protocol its session provides, never on the session
@@ -17,10 +17,16 @@ from typing import Any, Final, Protocol
 import structlog
 
 from proxy.errors import RequestId, ResultTooLargeError, UpstreamError
-from proxy.upstream.events import UpstreamErrorResponse, UpstreamEvent, UpstreamResult, UpstreamServerRequest, decode
 from proxy.upstream.http.answers import CLIENT_FAILURES, Answer, chunks, failure
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.sse import EventTooLargeError, SSEParser
+from proxy.wire.upstream_events import (
+    UpstreamErrorResponse,
+    UpstreamEvent,
+    UpstreamResult,
+    UpstreamServerRequest,
+    decode,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -45,7 +51,7 @@ class StreamTransport(Protocol):
     async def resume(self, last_event_id: str) -> Answer: ...
 
     def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        """Background work the session's shared state owns (cancelled when it closes)."""
+        """Background work the session's kind owns (cancelled when it closes)."""
         ...
 
 

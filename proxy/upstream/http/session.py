@@ -1,31 +1,28 @@
-"""The proxy as a legacy MCP client over Streamable HTTP: one session, one POST per request, re-initialize
-when the upstream forgot the session.
-
-A session owns `initialize` + `notifications/initialized`, the `Mcp-Session-Id` and negotiated
-`MCP-Protocol-Version` headers, its GET stream (`get_stream.py`) and where what arrives there goes
-(`lending.py`): to the call the session is lent to, to `subscriptions/listen` inboxes, or refused. What every
-session shares (the HTTP client, the URL, timeouts, request ids, the upstream's latest serverInfo) is the
-`HttpShared` (`shared.py`). Either HTTP client's failures become typed UpstreamErrors (`answers.py`); an error
-status keeps its body when that is the JSON-RPC answer; a 401 or 403 is the caller's credential
-refused (UpstreamAuthError, with the server's `WWW-Authenticate`), never a session gone; each request is a
-CLIENT span whose context the upstream receives. Imports aiohttp and tracing; never the store, the front or the
-pool.
+"""The Streamable HTTP kind of upstream: what its sessions share and how the pool bounds them (`HttpKind`), and one
+session (`HttpSession`): `initialize`, the `Mcp-Session-Id` and `MCP-Protocol-Version` headers, one POST per
+request, a re-`initialize` when the upstream forgot the session, and its GET stream. Failures become typed
+UpstreamErrors (`answers.py`); a 401/403 is the caller's credential refused. Imports aiohttp's client side and
+tracing; never the store, the front or the pool.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from contextlib import AbstractAsyncContextManager
 from typing import Any, Final, NamedTuple
 
 import aiohttp
 import structlog
 from multidict import CIMultiDict
+from yarl import URL
 
-from proxy import tracing
+from proxy.background import Background
+from proxy.config.schema import HttpUpstreamConfig
 from proxy.errors import (
     AUTH_STATUSES,
     RequestId,
@@ -34,17 +31,26 @@ from proxy.errors import (
     UpstreamError,
     UpstreamRefusedError,
     UpstreamSessionGoneError,
+    UpstreamTimeoutError,
 )
+from proxy.observe import tracing
+from proxy.observe.metrics import Metrics
 from proxy.principals import Identity
-from proxy.upstream.events import UpstreamErrorResponse, UpstreamResult
+from proxy.upstream.auth import AuthMode, UpstreamAuth
 from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, checked_headers, failure
 from proxy.upstream.http.get_stream import GetStream, SessionGone, StreamEvent
+from proxy.upstream.http.lean import KEEPALIVE_SECONDS, LeanClient
 from proxy.upstream.http.request_stream import HttpRequestStream, read_body
-from proxy.upstream.http.shared import HttpShared
-from proxy.upstream.lending import Lending, Subscribers
 from proxy.upstream.session import (
     CLIENT_CAPABILITIES,
     CLIENT_INFO,
+    Learned,
+    Lending,
+    PoolLimits,
+    Session,
+    Subscribers,
+    answer,
+    measured,
     read_param_headers,
     read_task_support,
     request,
@@ -54,6 +60,7 @@ from proxy.wire.envelope import ParamHeader
 from proxy.wire.fields import is_safe_value
 from proxy.wire.jsonrpc import JSON, dumps, error_message, notification_message, request_message, result_message
 from proxy.wire.sse import EventTooLargeError
+from proxy.wire.upstream_events import UpstreamErrorResponse
 
 log = structlog.get_logger(__name__)
 
@@ -61,17 +68,122 @@ SESSION_GONE_STATUSES: Final = frozenset({400, 404, 410})  # the upstream does n
 STANDALONE_REFUSED: Final = "cannot be relayed to 2026-07-28 clients: no call of theirs holds this upstream session"
 
 
+def upstream_connector() -> aiohttp.TCPConnector:
+    """The connection pool of an HTTP client to the upstream: no count limit of its own (the proxy's limits on
+    calls and tasks bound the requests in flight, and a limit here would queue them unseen), idle connections
+    kept for KEEPALIVE_SECONDS, as the lean client keeps its own."""
+    return aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS)
+
+
+def relay_client() -> aiohttp.ClientSession:
+    """The aiohttp client legacy clients' requests are relayed on (GET streams, DELETE, HEAD, an https upstream):
+    no automatic headers, no decompression (the bytes pass as they are), and no cookie jar (each client's own
+    Cookie header goes up, and a cookie the upstream sets reaches that client only, never another client's
+    request)."""
+    return aiohttp.ClientSession(
+        connector=upstream_connector(),
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent",),
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
+
+
+PROBE_TIMEOUT_SECONDS: Final = 2.0  # a readiness probe's initialize; kubelet's own timeout is short too
+
+
+class HttpKind:
+    """What every session of one upstream shares (the HTTP client and URL, timeouts, request ids, background work,
+    what the upstream said most recently), and how the pool bounds them: sessions are cheap, so every call whose
+    client could answer a question gets one of its own and idle ones are kept up to `upstream.max_sessions`;
+    readiness starts a throwaway session when the upstream has been quiet; whether the upstream requires
+    credentials is found out with an anonymous `initialize` (`upstream/auth.py`)."""
+
+    def __init__(
+        self,
+        config: HttpUpstreamConfig,
+        http: aiohttp.ClientSession,
+        principal_header: str,
+        metrics: Metrics | None,
+        max_result_bytes: int | None = None,
+        auth_mode: AuthMode = "detect",
+    ) -> None:
+        self.config = config
+        self.max_result_bytes = max_result_bytes  # the largest upstream answer or stream message read
+        self.http = http
+        self.principal_header = principal_header
+        self.metrics = metrics
+        self.url = URL(config.url)  # parsed once, not per request
+        # A plain-HTTP upstream gets the sessions' POSTs (requests, answers, notifications) on the lean client;
+        # GET streams, DELETE and an https upstream use `http`.
+        self.lean = LeanClient.of(self.url, config.connect_timeout_seconds, config.call_timeout_seconds)
+        self.timeout = aiohttp.ClientTimeout(
+            total=config.call_timeout_seconds,
+            connect=config.connect_timeout_seconds,
+            sock_connect=config.connect_timeout_seconds,
+        )
+        self.learned = Learned()
+        self.auth = UpstreamAuth(auth_mode, self._anonymous_initialize)
+        # A call whose client could answer a question gets a session of its own (its GET stream is the call's);
+        # the others share the principal's session, so a thousand quiet tasks are not a thousand sessions.
+        self.limits = PoolLimits(max_idle=config.max_sessions, share_quiet_calls=True)
+        self._ids = itertools.count(1)
+        self._background = Background("upstream_background_task_failed")
+        self._probe_lock = asyncio.Lock()
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def new(self, principal: Identity | None) -> Session:
+        return HttpSession(self, principal)
+
+    def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        return self._background.spawn(coroutine, name)
+
+    async def _anonymous_initialize(self) -> None:
+        """One `initialize` without any caller's credential, on a throwaway session: does the upstream need one?"""
+        session = HttpSession(self, None)
+        try:
+            await asyncio.wait_for(session.initialize(listen=False), PROBE_TIMEOUT_SECONDS)
+        except TimeoutError:
+            raise UpstreamTimeoutError(
+                f"Upstream did not answer initialize within {PROBE_TIMEOUT_SECONDS:g} s"
+            ) from None
+        finally:
+            await session.close()
+
+    async def probe(self, max_age_seconds: float, shared: Callable[[], AbstractAsyncContextManager[Session]]) -> None:
+        """Readiness: fine when the upstream answered within `max_age_seconds`; otherwise a fresh `initialize`
+        on a throwaway session (ended with DELETE) must succeed within PROBE_TIMEOUT_SECONDS, or be refused for
+        want of a credential (the upstream is there; it requires auth). Raises UpstreamError saying what failed.
+        Concurrent probes share one attempt."""
+        async with self._probe_lock:
+            last = self.learned.last_answer_at
+            if last is not None and time.monotonic() - last <= max_age_seconds:
+                return
+            try:
+                await self._anonymous_initialize()
+            except UpstreamAuthError:  # it answered: it wants a credential the probe lacks
+                return
+            except UpstreamError as exc:  # readiness names where it asked (the path, never the query)
+                raise UpstreamError(f"{exc.message} (initialize at {self.url.path})", detail=exc.detail) from None
+
+    async def close(self) -> None:
+        await self._background.close()
+        if self.lean is not None:
+            await self.lean.close()
+
+
 class HttpSession:
     """One Streamable HTTP session of the upstream (see the module doc); a `Session`."""
 
-    def __init__(self, shared: HttpShared, principal: Identity | None) -> None:
-        self.shared = shared
+    def __init__(self, kind: HttpKind, principal: Identity | None) -> None:
+        self.kind = kind
         self.principal = principal
         self.session_id: str | None = None
-        self.protocol_version: str = shared.config.protocol_version
+        self.protocol_version: str = kind.config.protocol_version
         self.initialize_result: JSON | None = None
         self.in_flight = 0  # calls open on this session right now
-        self.subscribers = Subscribers(self.request, shared.tools_changed)
+        self.subscribers = Subscribers(self.request, kind.learned.tools_changed)
         self.lending = Lending(self.subscribers)  # the call the session is lent to gets its GET-stream traffic
         self._get_stream: GetStream | None = None
         self._lock = asyncio.Lock()
@@ -81,10 +193,10 @@ class HttpSession:
         return await request(self, method, params)
 
     async def param_headers(self, tool: str) -> tuple[ParamHeader, ...]:
-        return await read_param_headers(self, self.shared, tool)
+        return await read_param_headers(self, self.kind.learned, tool)
 
     async def task_support(self, tool: str) -> legacy_tasks.TaskSupport | None:
-        return await read_task_support(self, self.shared, tool)
+        return await read_task_support(self, self.kind.learned, tool)
 
     # --- headers and plumbing -------------------------------------------------------------------------
 
@@ -93,11 +205,11 @@ class HttpSession:
         principal header, so a configured credential wins (as it does on the pass-through); names are matched
         whatever their case, so each header is sent once."""
         headers = CIMultiDict({"Accept": "application/json, text/event-stream", "Content-Type": "application/json"})
-        if self._cookies is not None and (cookies := self._cookies.filter_cookies(self.shared.url)):
+        if self._cookies is not None and (cookies := self._cookies.filter_cookies(self.kind.url)):
             headers["Cookie"] = "; ".join(f"{morsel.key}={morsel.coded_value}" for morsel in cookies.values())
         if self.principal:
-            headers[self.shared.principal_header] = self.principal.credential
-        headers.update(self.shared.config.headers)
+            headers[self.kind.principal_header] = self.principal.credential
+        headers.update(self.kind.config.headers)
         if initialized:
             headers["MCP-Protocol-Version"] = self.protocol_version
             if self.session_id is not None:
@@ -120,23 +232,23 @@ class HttpSession:
         if "Set-Cookie" in response.headers:
             if self._cookies is None:
                 self._cookies = aiohttp.CookieJar(unsafe=True)  # a sidecar's upstream is an IP address
-            self._cookies.update_cookies_from_headers(response.headers.getall("Set-Cookie"), self.shared.url)
+            self._cookies.update_cookies_from_headers(response.headers.getall("Set-Cookie"), self.kind.url)
 
     async def _post(self, message: JSON, headers: Mapping[str, str]) -> Answer:
-        shared = self.shared
+        kind = self.kind
         response: Answer
         try:
-            if shared.lean is not None:  # (checks what it writes itself)
-                response = await shared.lean.post(shared.url.raw_path_qs, headers.items(), dumps(message))
+            if kind.lean is not None:  # (checks what it writes itself)
+                response = await kind.lean.post(kind.url.raw_path_qs, headers.items(), dumps(message))
             else:
                 headers = checked_headers(headers)
                 response = AiohttpAnswer(
-                    await shared.http.post(shared.url, data=dumps(message), headers=headers, timeout=shared.timeout)
+                    await kind.http.post(kind.url, data=dumps(message), headers=headers, timeout=kind.timeout)
                 )
         except CLIENT_FAILURES as exc:
             raise failure(exc) from None
         if response.status < 500:
-            shared.last_answer_at = time.monotonic()  # the upstream is there and speaks HTTP (readiness)
+            kind.learned.last_answer_at = time.monotonic()  # the upstream is there and speaks HTTP (readiness)
         self._keep_cookies(response)
         return response
 
@@ -153,9 +265,9 @@ class HttpSession:
 
     async def initialize(self, *, listen: bool = True) -> None:
         self.session_id = None
-        request_id = self.shared.next_id()
+        request_id = self.kind.next_id()
         params = {
-            "protocolVersion": self.shared.config.protocol_version,
+            "protocolVersion": self.kind.config.protocol_version,
             "capabilities": CLIENT_CAPABILITIES,
             "clientInfo": CLIENT_INFO,
         }
@@ -166,45 +278,43 @@ class HttpSession:
         if not 200 <= response.status < 300:
             # An upstream that will not start sessions (a wrong path: 404, a redirect) answers, but cannot serve:
             # that answer does not count for readiness, which asks again (and so reports the refusal) at once.
-            self.shared.last_answer_at = None
+            self.kind.learned.last_answer_at = None
         body: bytes | None = None
         if response.status >= 400:
-            answer = await _answer_despite_status(response, request_id, self.shared.max_result_bytes)
-            if isinstance(answer, _Refusal):
+            despite = await _answer_despite_status(response, request_id, self.kind.max_result_bytes)
+            if isinstance(despite, _Refusal):
                 raise UpstreamError(
-                    f"Upstream refused initialize: HTTP {response.status}{answer.said}", detail=answer.raw
+                    f"Upstream refused initialize: HTTP {response.status}{despite.said}", detail=despite.raw
                 )
-            body = answer
-        call = HttpRequestStream(self, request_id, "initialize", response, self.shared.max_result_bytes, body)
-        result: JSON | None = None
-        async for event in call.events():
-            if isinstance(event, UpstreamResult):
-                result = event.result
-            elif isinstance(event, UpstreamErrorResponse):
-                raise UpstreamError(f"Upstream refused initialize: {event.error.get('message')}")
-        if result is None or not isinstance(result.get("protocolVersion"), str):
+            body = despite
+        call = HttpRequestStream(self, request_id, "initialize", response, self.kind.max_result_bytes, body)
+        final = await answer(call)
+        if isinstance(final, UpstreamErrorResponse):
+            raise UpstreamError(f"Upstream refused initialize: {final.error.get('message')}")
+        result = final.result
+        if not isinstance(result.get("protocolVersion"), str):
             raise UpstreamError("Upstream sent an invalid InitializeResult")
         # Both go back upstream as header values on every later request of the session (RFC 9110 §5.5).
         if not is_safe_value(result["protocolVersion"]) or (session_id is not None and not is_safe_value(session_id)):
             raise UpstreamError("Upstream sent a protocol version or session id that cannot be sent back as a header")
         if not self.principal:
-            self.shared.auth.saw_anonymous_success()
+            self.kind.auth.saw_anonymous_success()
         self.session_id = session_id
         self.protocol_version = result["protocolVersion"]
         await self.notify("notifications/initialized", None)
         self.initialize_result = result
-        self.shared.initialized(result)
+        self.kind.learned.initialized(result)
         if listen and session_id is not None:  # a stateless upstream has no standalone stream
             await self._listen(session_id)
         log.info("upstream_session_initialized", protocol_version=self.protocol_version, stateful=bool(session_id))
         if self.subscribers.resources:
             # Not awaited here: initialize runs under the session lock, and these requests may need it.
-            self.shared.spawn(self.subscribers.resubscribe(), "upstream-resubscribe")
+            self.kind.spawn(self.subscribers.resubscribe(), "upstream-resubscribe")
 
     async def _open_stream(self, last_event_id: str | None) -> aiohttp.ClientResponse:
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.shared.config.connect_timeout_seconds)
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.kind.config.connect_timeout_seconds)
         headers = checked_headers(self.stream_headers(last_event_id))
-        response = await self.shared.http.get(self.shared.url, headers=headers, timeout=timeout)
+        response = await self.kind.http.get(self.kind.url, headers=headers, timeout=timeout)
         self._keep_cookies(response)
         return response
 
@@ -212,8 +322,8 @@ class HttpSession:
         """Read the session's GET stream (from now on, in the background), each message bounded by
         `limits.max_result_bytes` as any other upstream answer is."""
         self._stop_listening()
-        self._get_stream = GetStream(session_id, self._open_stream, self._on_stream, self.shared.max_result_bytes)
-        await self._get_stream.start(self.shared.spawn, self.shared.config.connect_timeout_seconds)
+        self._get_stream = GetStream(session_id, self._open_stream, self._on_stream, self.kind.max_result_bytes)
+        await self._get_stream.start(self.kind.spawn, self.kind.config.connect_timeout_seconds)
 
     def _stop_listening(self) -> None:
         if self._get_stream is not None:
@@ -235,7 +345,7 @@ class HttpSession:
         have forgotten it, a request answered 404 starts a new session as usual."""
         self._stop_listening()
         self.session_id = session_id
-        self.protocol_version = self.shared.config.protocol_version  # tasks exist only from 2025-11-25 on
+        self.protocol_version = self.kind.config.protocol_version  # tasks exist only from 2025-11-25 on
         self.initialize_result = {}  # initialized, by someone else: its InitializeResult is not known here
         await self._listen(session_id)
         log.info("upstream_session_adopted")
@@ -270,8 +380,8 @@ class HttpSession:
         if self.session_id is None:
             return
         with contextlib.suppress(*CLIENT_FAILURES, UpstreamError):
-            async with self.shared.http.delete(
-                self.shared.url, headers=checked_headers(self.headers()), timeout=aiohttp.ClientTimeout(total=2)
+            async with self.kind.http.delete(
+                self.kind.url, headers=checked_headers(self.headers()), timeout=aiohttp.ClientTimeout(total=2)
             ):
                 pass
         self.session_id = None
@@ -282,21 +392,21 @@ class HttpSession:
     async def _on_stream(self, event: StreamEvent) -> None:
         """Everything on the GET stream of a leased session is its lessee's; on a shared session nobody can tell
         whose a question is, so it is refused (an elicitation is declined). Notifications also reach listen
-        subscribers (`lending.py`)."""
+        subscribers (`Lending`)."""
         if isinstance(event, SessionGone):
             # With listen streams waiting, start a new session now; otherwise the next request does. (Not from
             # the GET stream's task: initializing stops the old reader, i.e. cancels it.)
             self.forget(event.session_id)
             if self.subscribers.subscriptions:
-                self.shared.spawn(self.revive(), "upstream-session-revive")
+                self.kind.spawn(self.revive(), "upstream-session-revive")
             return
         await self.lending.route(event, self.respond, f"outside a request {STANDALONE_REFUSED}")
 
     # --- requests ------------------------------------------------------------------------------------------
 
     def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        """Background work of one of this session's requests, owned by the shared state (cancelled when it closes)."""
-        return self.shared.spawn(coroutine, name)
+        """Background work of one of this session's requests, owned by the kind (cancelled when it closes)."""
+        return self.kind.spawn(coroutine, name)
 
     async def resume(self, last_event_id: str) -> Answer:
         """Continue a request's SSE stream the upstream closed early (GET + Last-Event-ID)."""
@@ -304,7 +414,7 @@ class HttpSession:
         sent_with = self.session_id
         try:
             response = AiohttpAnswer(
-                await self.shared.http.get(self.shared.url, headers=headers, timeout=self.shared.timeout)
+                await self.kind.http.get(self.kind.url, headers=headers, timeout=self.kind.timeout)
             )
         except CLIENT_FAILURES as exc:
             raise UpstreamError("Upstream stream could not be resumed", detail=str(exc)) from None
@@ -323,8 +433,8 @@ class HttpSession:
         """Send one request upstream; the HttpRequestStream streams what comes back. Leaving the context closes it."""
         await self.ensure_initialized()
         span = tracing.client_span(method, params, transport="tcp", protocol_version=self.protocol_version)
-        with self.shared.measured(method), span as traced:
-            request_id = self.shared.next_id()
+        with measured(self.kind.metrics, method), span as traced:
+            request_id = self.kind.next_id()
             traced.request(request_id, self.session_id)
             message = request_message(request_id, method, traced.params(params, always=False))
             extra_headers = traced.headers(extra_headers)
@@ -345,8 +455,8 @@ class HttpSession:
                 raise self._refused(response, method)
             body: bytes | None = None
             if response.status >= 400:
-                body = await _raise_unless_answer(response, request_id, method, self.shared.max_result_bytes)
-            upstream_call = HttpRequestStream(self, request_id, method, response, self.shared.max_result_bytes, body)
+                body = await _raise_unless_answer(response, request_id, method, self.kind.max_result_bytes)
+            upstream_call = HttpRequestStream(self, request_id, method, response, self.kind.max_result_bytes, body)
             self.in_flight += 1
             try:
                 yield upstream_call
@@ -356,7 +466,7 @@ class HttpSession:
 
     def _refused(self, response: Answer, method: str) -> UpstreamAuthError:
         """The upstream refused this session's credential: the caller is told, with the server's challenge."""
-        self.shared.auth.saw_refusal()
+        self.kind.auth.saw_refusal()
         challenge = response.headers.get("WWW-Authenticate")
         response.release()
         log.info("upstream_refused_credential", method=method, status=response.status)

@@ -1,48 +1,57 @@
-"""The proxy as a legacy MCP client over stdio: one server process is one upstream session.
-
-The stdio transport has exactly one client per process and carries no association between messages: the
-session multiplexes its calls by JSON-RPC id (responses go to their call), routes `notifications/progress` by
-the progress token it put on the call (each call gets a token of its own, so calls sharing a process never
-see each other's progress), and treats everything else the server sends unasked as unsolicited: a question
-goes to the call the process is lent to, else it is refused at once (never left waiting); `ping` is answered;
-notifications go to that call and to the listen streams (`lending.py`).
-
-A message longer than `limits.max_result_bytes` is not passed on, as over HTTP: an answer fails its call with
-that limit's error (the server has answered: there is nothing to cancel), a question is refused, a
-notification dropped. The line itself is read whole, so what it may hold is bounded by `upstream.max_line_bytes`.
-
-A process that dies fails its open calls with an UpstreamError naming how it ended; the next request starts
-a fresh one, unless it keeps crashing (then `StdioShared.start` refuses with a 503 saying when it is
-tried again). What all sessions of one server command share is the `StdioShared` (`shared.py`). Imports the
-shared state, the process layer (`process.py`) and the lending; never the kind, aiohttp, the store or tasks.
+"""The stdio kind of upstream: one server process is one session. `StdioKind` starts the processes (bounded by
+`upstream.max_processes`, idle ones stopped, a crashing server backed off with a 503 saying when) and keeps
+what they share; `StdioSession` multiplexes calls on its process by JSON-RPC id and progress token, and routes
+what the server sends unasked (`Lending`). Imports the process layer and the rates; never aiohttp, the store
+or tasks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import math
+import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Final
+from pathlib import Path
+from typing import Any, Final, TypeVar
 
 import structlog
 from mcp_types import jsonrpc as codes
 
-from proxy import tracing
-from proxy.errors import InvalidRequestError, RequestId, ResultTooLargeError, UpstreamError, UpstreamTimeoutError
-from proxy.principals import Identity
-from proxy.upstream.events import (
-    UpstreamErrorResponse,
-    UpstreamEvent,
-    UpstreamNotification,
-    UpstreamResult,
-    UpstreamServerRequest,
+from proxy.background import Background
+from proxy.config.schema import StdioUpstreamConfig
+from proxy.errors import (
+    InvalidRequestError,
+    RequestId,
+    ResultTooLargeError,
+    UpstreamError,
+    UpstreamTimeoutError,
+    UpstreamUnreachableError,
 )
-from proxy.upstream.lending import Lending, Subscribers
-from proxy.upstream.session import CLIENT_CAPABILITIES, CLIENT_INFO, read_param_headers, read_task_support, request
-from proxy.upstream.stdio.process import ProcessExit, StdioProcess
-from proxy.upstream.stdio.shared import CRASHING, StdioShared, not_initialized
+from proxy.observe import tracing
+from proxy.observe.metrics import Metrics
+from proxy.principals import Identity
+from proxy.upstream.auth import UpstreamAuth
+from proxy.upstream.session import (
+    CLIENT_CAPABILITIES,
+    CLIENT_INFO,
+    Learned,
+    Lending,
+    PoolLimits,
+    Session,
+    Subscribers,
+    answer,
+    measured,
+    read_param_headers,
+    read_task_support,
+    request,
+)
+from proxy.upstream.stdio.process import ProcessExit, SizeLimit, StdioProcess, child_environment
+from proxy.upstream.stdio.rates import Backoff
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader
 from proxy.wire.jsonrpc import (
@@ -56,11 +65,26 @@ from proxy.wire.jsonrpc import (
     request_message,
     result_message,
 )
+from proxy.wire.upstream_events import (
+    UpstreamErrorResponse,
+    UpstreamEvent,
+    UpstreamNotification,
+    UpstreamResult,
+    UpstreamServerRequest,
+)
 
 log = structlog.get_logger(__name__)
 
 UNSOLICITED_REFUSED: Final = "cannot be relayed to 2026-07-28 clients: no call of theirs holds this stdio server alone"
 MAX_QUEUED_EVENTS: Final = 1024  # per call and per process: notifications beyond it are dropped, not buffered
+_T = TypeVar("_T")
+
+CRASHING: Final = "keeps crashing"
+STILL_STARTING_EVERY_SECONDS: Final = 10.0  # a start still waiting for `initialize` is logged this often
+
+
+def not_initialized(timeout_seconds: float) -> str:
+    return f"did not answer initialize within {timeout_seconds:g} s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,17 +148,153 @@ class StdioRequestStream:
         await self.session.notify("notifications/cancelled", {"requestId": self.request_id, "reason": reason})
 
 
+class StdioKind:
+    """What every process of one server command shares (the command and its environment, request ids, the crash
+    backoff, background work, what the server said most recently) and how the pool bounds them: processes are
+    costly, so they are bounded by `upstream.max_processes`, idle ones stopped after
+    `upstream.process_idle_seconds`, and calls that cannot ask share one. Readiness asks for a `ping`."""
+
+    def __init__(
+        self,
+        config: StdioUpstreamConfig,
+        metrics: Metrics | None = None,
+        environ: Mapping[str, str] = os.environ,
+        max_result_bytes: int | None = None,
+        principal_header: str = "authorization",
+        legacy_replay_bytes: int = 0,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.max_result_bytes = max_result_bytes  # a longer message is refused (the line is read: max_line_bytes)
+        self.principal_header = principal_header  # binds a legacy client's session to the caller that opened it
+        self.legacy_replay_bytes = legacy_replay_bytes  # what a legacy client's session keeps for a resume
+        self.env = child_environment(config.env, environ)
+        self.program = Path(config.command[0]).name
+        self.backoff = Backoff()
+        self.retry_at = 0.0  # monotonic: while crashing, no process is started before this
+        self.failure = CRASHING  # how the latest processes failed, as the backoff's 503 says it
+        self.learned = Learned()
+        self.auth = UpstreamAuth()  # a process sees no credentials: what it says serves every caller
+        self.limits = PoolLimits(
+            max_idle=config.max_processes,
+            max_open=config.max_processes,
+            idle_seconds=config.process_idle_seconds,
+            share_quiet_calls=True,
+            wait_seconds=config.connect_timeout_seconds,
+            limit_name="upstream.max_processes",
+        )
+        self._ids = itertools.count(1)
+        self._numbers = itertools.count(1)
+        self._background = Background("upstream_background_task_failed")
+        self._probe_lock = asyncio.Lock()
+
+    def new(self, principal: Identity | None) -> Session:
+        return StdioSession(self, principal)
+
+    def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        return self._background.spawn(coroutine, name)
+
+    async def close(self) -> None:
+        await self._background.close()
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    async def start(
+        self,
+        on_message: Callable[[dict[str, Any]], None],
+        on_exit: Callable[[ProcessExit], None],
+        on_oversized: Callable[[dict[str, Any]], None] | None = None,
+    ) -> StdioProcess:
+        """A new server process, unless the server keeps crashing (then a 503 saying when it is retried).
+        Messages over `max_result_bytes` go to `on_oversized` when given."""
+        wait = self.retry_at - time.monotonic()
+        if wait > 0:
+            # Rounded up: a wait is never said to be "0.0 s".
+            raise UpstreamUnreachableError(
+                f"Upstream stdio server {self.program} {self.failure} ({self.backoff.crashes} times in a row); "
+                f"it is started again in {math.ceil(wait * 10) / 10:.1f} s",
+                http_status=503,
+            )
+        config = self.config
+        return await StdioProcess.start(
+            config.command,
+            self.env,
+            config.cwd,
+            max_line_bytes=config.max_line_bytes,
+            on_message=on_message,
+            on_exit=on_exit,
+            name=f"{self.program}#{next(self._numbers)}",
+            stop_grace_seconds=config.stop_grace_seconds,
+            oversized=(
+                None
+                if on_oversized is None or self.max_result_bytes is None
+                else SizeLimit(self.max_result_bytes, on_oversized)
+            ),
+        )
+
+    def crashed(self, lived_seconds: float, failure: str = CRASHING) -> None:
+        """A process ended without the proxy asking (or never became a session: `failure` says how, for the
+        503 of the backoff). The first is restarted at once; each further quick one waits longer (`Backoff`)."""
+        self.failure = failure
+        delay = self.backoff.crashed(lived_seconds)
+        if self.backoff.crashes > 1:
+            self.retry_at = time.monotonic() + delay
+
+    def answered(self) -> None:
+        self.learned.last_answer_at = time.monotonic()
+
+    async def initialized_within(self, initialize: Awaitable[_T], name: str) -> _T:
+        """`initialize` awaited for at most `upstream.start_timeout_seconds` (then TimeoutError). A slow start
+        is said to be one: `upstream_process_still_starting` is logged every STILL_STARTING_EVERY_SECONDS (a
+        quarter of the timeout when that is shorter) until the server answers."""
+        timeout = self.config.start_timeout_seconds
+        every = min(STILL_STARTING_EVERY_SECONDS, timeout / 4)
+
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        timer: asyncio.TimerHandle | None = None
+
+        def still_starting() -> None:
+            nonlocal timer
+            seconds = round(loop.time() - started, 1)
+            log.info("upstream_process_still_starting", upstream=name, seconds=seconds, start_timeout_seconds=timeout)
+            timer = loop.call_later(every, still_starting)
+
+        timer = loop.call_later(every, still_starting)
+        try:
+            return await asyncio.wait_for(initialize, timeout)
+        finally:
+            timer.cancel()
+
+    async def probe(self, max_age_seconds: float, shared: Callable[[], AbstractAsyncContextManager[Session]]) -> None:
+        """Readiness: fine when a process spoke within `max_age_seconds`; otherwise the anonymous shared
+        process (started if need be) must answer `ping` within `upstream.connect_timeout_seconds`."""
+        async with self._probe_lock:
+            last = self.learned.last_answer_at
+            if last is not None and time.monotonic() - last <= max_age_seconds:
+                return
+            timeout = self.config.connect_timeout_seconds
+            async with shared() as session:
+                try:
+                    await asyncio.wait_for(session.request("ping", None), timeout)
+                except TimeoutError:
+                    raise UpstreamTimeoutError(
+                        f"Upstream stdio server {self.program} did not answer ping within {timeout:g} s"
+                    ) from None
+
+
 class StdioSession:
     """One server process at a time (a fresh one after a crash), initialized by the proxy; a `Session`."""
 
-    def __init__(self, shared: StdioShared, principal: Identity | None) -> None:
-        self.shared = shared
+    def __init__(self, kind: StdioKind, principal: Identity | None) -> None:
+        self.kind = kind
         self.principal = principal  # keys the pool only: a stdio server sees no HTTP headers
         self.session_id: str | None = None  # the running process's name
-        self.protocol_version: str = shared.config.protocol_version
+        self.protocol_version: str = kind.config.protocol_version
         self.initialize_result: JSON | None = None
         self.in_flight = 0
-        self.subscribers = Subscribers(self.request, shared.tools_changed)
+        self.subscribers = Subscribers(self.request, kind.learned.tools_changed)
         self.lending = Lending(self.subscribers)  # a process cannot outlive the proxy: a kept one is stopped too
         self.process: StdioProcess | None = None
         self._calls: dict[int, StdioRequestStream] = {}  # request id (also the progress token it carries) → call
@@ -148,10 +308,10 @@ class StdioSession:
         return await request(self, method, params)
 
     async def param_headers(self, tool: str) -> tuple[ParamHeader, ...]:
-        return await read_param_headers(self, self.shared, tool)
+        return await read_param_headers(self, self.kind.learned, tool)
 
     async def task_support(self, tool: str) -> legacy_tasks.TaskSupport | None:
-        return await read_task_support(self, self.shared, tool)
+        return await read_task_support(self, self.kind.learned, tool)
 
     @property
     def pid(self) -> int | None:
@@ -191,14 +351,14 @@ class StdioSession:
             if generation == self._generation:
                 self._on_exit(exited)
 
-        process = await self.shared.start(on_message, on_exit, on_oversized)
+        process = await self.kind.start(on_message, on_exit, on_oversized)
         self.process = process
-        self.shared.spawn(self._answer_unsolicited(queue), f"stdio-unsolicited-{process.name}")
+        self.kind.spawn(self._answer_unsolicited(queue), f"stdio-unsolicited-{process.name}")
         started = time.monotonic()
         try:
-            result = await self.shared.initialized_within(self._initialize(), process.name)
+            result = await self.kind.initialized_within(self._initialize(), process.name)
         except TimeoutError:
-            failure = not_initialized(self.shared.config.start_timeout_seconds)
+            failure = not_initialized(self.kind.config.start_timeout_seconds)
             await self._abandon(process, failure)
             raise UpstreamTimeoutError(f"Upstream stdio server {process.name} {failure}") from None
         except BaseException:
@@ -207,8 +367,8 @@ class StdioSession:
         self.session_id = process.name
         self.protocol_version = result["protocolVersion"]
         self.initialize_result = result
-        self.shared.initialized(result)
-        self.shared.backoff.reset()
+        self.kind.learned.initialized(result)
+        self.kind.backoff.reset()
         log.info(
             "upstream_session_initialized",
             protocol_version=self.protocol_version,
@@ -216,30 +376,28 @@ class StdioSession:
             start_seconds=round(time.monotonic() - started, 2),
         )
         if self.subscribers.resources:
-            self.shared.spawn(self.subscribers.resubscribe(), "upstream-resubscribe")
+            self.kind.spawn(self.subscribers.resubscribe(), "upstream-resubscribe")
 
     async def _initialize(self) -> JSON:
         params = {
-            "protocolVersion": self.shared.config.protocol_version,
+            "protocolVersion": self.kind.config.protocol_version,
             "capabilities": CLIENT_CAPABILITIES,
             "clientInfo": CLIENT_INFO,
         }
         async with self._open("initialize", params) as call:
-            async for event in call.events():
-                if isinstance(event, UpstreamErrorResponse):
-                    raise UpstreamError(f"Upstream refused initialize: {event.error.get('message')}")
-                if isinstance(event, UpstreamResult):
-                    if not isinstance(event.result.get("protocolVersion"), str):
-                        raise UpstreamError("Upstream sent an invalid InitializeResult")
-                    await self._send(notification_message("notifications/initialized", None))
-                    return event.result
-        raise UpstreamError("Upstream did not answer initialize")  # pragma: no cover - events() raises first
+            final = await answer(call)
+            if isinstance(final, UpstreamErrorResponse):
+                raise UpstreamError(f"Upstream refused initialize: {final.error.get('message')}")
+            if not isinstance(final.result.get("protocolVersion"), str):
+                raise UpstreamError("Upstream sent an invalid InitializeResult")
+            await self._send(notification_message("notifications/initialized", None))
+            return final.result
 
     async def _abandon(self, process: StdioProcess, failure: str = CRASHING) -> None:
         """A process that failed its start is stopped at once (no grace: it never became a session). Unless it
         died by itself (already counted), that counts for the backoff, as `failure`."""
         if process.exited is None:
-            self.shared.crashed(0.0, failure)
+            self.kind.crashed(0.0, failure)
         await asyncio.shield(process.stop(0))
 
     async def adopt(self, session_id: str) -> None:
@@ -248,7 +406,7 @@ class StdioSession:
 
     def detach(self) -> None:
         """Nothing of a stdio server outlives its process: letting go means stopping it."""
-        self.shared.spawn(self.close(), "upstream-session-close")
+        self.kind.spawn(self.close(), "upstream-session-close")
 
     async def close(self) -> None:
         """Stop the process: close its stdin, then SIGTERM, then SIGKILL (`upstream.stop_grace_seconds`)."""
@@ -261,7 +419,7 @@ class StdioSession:
 
     def _on_exit(self, exited: ProcessExit) -> None:
         process = self.process
-        name = process.name if process is not None else self.shared.program
+        name = process.name if process is not None else self.kind.program
         self.initialize_result = None
         self.session_id = None
         self._asked.clear()
@@ -271,13 +429,13 @@ class StdioSession:
         self._calls.clear()
         if exited.requested:
             return
-        self.shared.crashed(exited.lived_seconds)
+        self.kind.crashed(exited.lived_seconds)
         if self.subscribers.subscriptions and not self._closed:
-            self.shared.spawn(self._revive(), "upstream-session-revive")
+            self.kind.spawn(self._revive(), "upstream-session-revive")
 
     async def _revive(self) -> None:
         """Listen streams keep receiving: start a new process now (after the backoff), not at the next call."""
-        await asyncio.sleep(max(0.0, self.shared.retry_at - time.monotonic()))
+        await asyncio.sleep(max(0.0, self.kind.retry_at - time.monotonic()))
         try:
             await self.ensure_initialized()
         except UpstreamError as exc:
@@ -287,7 +445,7 @@ class StdioSession:
 
     def _on_message(self, message: dict[str, Any]) -> None:
         """Called by the process for each line, in order; must not block."""
-        self.shared.answered()
+        self.kind.answered()
         try:
             parsed = classify(message)
         except InvalidRequestError:
@@ -309,8 +467,8 @@ class StdioSession:
 
     def _on_oversized(self, message: dict[str, Any]) -> None:
         """A message longer than `limits.max_result_bytes` (see the module doc)."""
-        self.shared.answered()
-        maximum = self.shared.max_result_bytes or 0
+        self.kind.answered()
+        maximum = self.kind.max_result_bytes or 0
         try:
             parsed = classify(message)
         except InvalidRequestError:
@@ -323,7 +481,7 @@ class StdioSession:
                 "code": codes.INTERNAL_ERROR,
                 "message": f"Request larger than the client's limit ({maximum} bytes)",
             }
-            self.shared.spawn(self._refuse(parsed.id, refusal), "stdio-refuse-oversized")
+            self.kind.spawn(self._refuse(parsed.id, refusal), "stdio-refuse-oversized")
         elif isinstance(parsed, Response) and isinstance(parsed.id, int):
             call = self._calls.get(parsed.id)
             if call is not None:
@@ -378,8 +536,8 @@ class StdioSession:
 
     @contextlib.asynccontextmanager
     async def _open(self, method: str, params: JSON | None) -> AsyncIterator[StdioRequestStream]:
-        request_id = self.shared.next_id()
-        call = StdioRequestStream(self, request_id, method, time.monotonic() + self.shared.config.call_timeout_seconds)
+        request_id = self.kind.next_id()
+        call = StdioRequestStream(self, request_id, method, time.monotonic() + self.kind.config.call_timeout_seconds)
         meta = params.get("_meta") if isinstance(params, dict) else None
         if isinstance(meta, dict) and "progressToken" in meta:
             # The server's progress names the request it belongs to: the id is the token.
@@ -410,7 +568,7 @@ class StdioSession:
         have no place on stdio and are not sent."""
         await self.ensure_initialized()
         span = tracing.client_span(method, params, transport="pipe", protocol_version=self.protocol_version)
-        with self.shared.measured(method), span as traced:
+        with measured(self.kind.metrics, method), span as traced:
             async with self._open(method, traced.params(params, always=True)) as call:
                 traced.request(call.request_id)
                 self.in_flight += 1  # the caller's requests only, not the proxy's own initialize

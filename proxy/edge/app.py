@@ -1,0 +1,309 @@
+"""The aiohttp application: its routes and middlewares, and the MCP endpoint's classification.
+
+One endpoint serves both eras: each POST is classified (docs/architecture.md), legacy traffic goes to the
+pass-through, modern requests to `Front`. A legacy POST is read as JSON only when something needs what it
+says (its method for the metrics and the request log line, its trace context, its id while draining, and
+`tools/list` and `tools/call` while task handles are on: `_legacy_handles.py`); else it is relayed unread, its
+bytes having shown that it cannot be modern. Each request gets one SERVER span,
+opened in one place once it is classified, from its arrival. Every ProxyError raised anywhere below becomes
+an answer in one place, the error edge (`_error_edge.py`). What is refused before classification is `_admission.py`'s;
+the operators' endpoints are `_ops.py`'s; what opens and closes with the app is `_lifecycle.py`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Final
+
+import structlog
+from aiohttp import web
+
+from proxy.config.live import LiveConfig
+from proxy.config.schema import Config
+from proxy.edge._admission import read_body, refusal
+from proxy.edge._app_keys import CONFIG, FRONT, JWT, LEGACY_HANDLES, LIVE, PASSTHROUGH, RELAY, RUNNER, STOPPING
+from proxy.edge._drain import DRAIN, Drain, drainz, track
+from proxy.edge._error_edge import (
+    AUDIT,
+    AUDITED,
+    CHANNEL,
+    DRAINZ,
+    ERA,
+    HEALTHZ,
+    JSONRPC_ERROR,
+    MCP_METHOD,
+    METRICS,
+    METRICS_PATH,
+    OPS_PATHS,
+    READYZ,
+    RPC_ID,
+    Handler,
+    HttpChannel,
+    error_edge,
+)
+from proxy.edge._jwt_identity import JwtIdentity, identify
+from proxy.edge._legacy_handles import NOT_READ
+from proxy.edge._lifecycle import end_listen_streams, upstream_ctx
+from proxy.edge._ops import healthz, metrics_endpoint, readyz
+from proxy.edge.startup import is_loopback
+from proxy.errors import (
+    InvalidRequestError,
+    MethodNotAllowedError,
+    ParseError,
+    ProxyError,
+    TaskStoreUnavailableError,
+)
+from proxy.observe import tracing
+from proxy.observe.audit import subject
+from proxy.observe.logs import logs_at
+from proxy.observe.metrics import Metrics
+from proxy.policy import named_tools
+from proxy.tasks.store import StoreUnavailableError
+from proxy.wire import jsonrpc
+from proxy.wire.envelope import Caller, is_modern, may_carry_version_key, validate_modern
+from proxy.wire.jsonrpc import Notification, Response
+
+log = structlog.get_logger(__name__)
+
+
+Serve = Callable[[tracing.ServerSpan], Awaitable[web.StreamResponse]]  # what serves a classified request
+
+
+@web.middleware
+async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The admission rules (`_admission.py`) before anything is read; the operators' endpoints are exempt."""
+    if request.method == "GET" and request.path in OPS_PATHS:
+        return await handler(request)
+    refused = refusal(request, request.app[LIVE].current.security)
+    if refused is None:
+        return await handler(request)
+    if tracing.enabled():  # refused before anything was read: its SERVER span names the error
+        return await _in_server_span(request, None, _era_of_headers(request), None, _raising(refused))
+    raise refused
+
+
+@web.middleware
+async def relay_unrouted(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A path no route of the proxy's own serves goes to the upstream's origin (`_relay.py`); a path the proxy
+    serves with another method keeps its 405."""
+    if not isinstance(request.match_info.http_exception, web.HTTPNotFound) or RELAY not in request.app:
+        return await handler(request)
+    if request.path in OPS_PATHS:  # e.g. /metrics switched off: still the proxy's (and exempt from the Host check)
+        return await handler(request)
+    request[ERA] = "relayed"
+    arrived = time.time_ns() if tracing.enabled() else None
+
+    async def to_origin(span: tracing.ServerSpan) -> web.StreamResponse:
+        body = await read_body(request, request.app[LIVE].current.security) if request.body_exists else None
+        response = await request.app[RELAY].relay(request, body)
+        span.status(response.status)
+        return response
+
+    return await _in_server_span(request, None, "relayed", arrived, to_origin)
+
+
+# --- the MCP endpoint ---------------------------------------------------------------------------------
+
+
+async def handle_mcp(request: web.Request) -> web.StreamResponse:
+    """Every request gets its SERVER span, from its arrival here (its body read included), refused ones too:
+    the request is classified first, then served in the span named after what it turned out to be."""
+    arrived = time.time_ns() if tracing.enabled() else None
+    era, decoded, serve = await _classify(request)
+    return await _in_server_span(request, decoded, era, arrived, serve)
+
+
+async def _classify(request: web.Request) -> tuple[str, object, Serve]:
+    """The request's era, its JSON-RPC message when one was read, and what serves it; a refusal found while
+    classifying is served by raising it (in the SERVER span, as every answer)."""
+    if request.method != "POST":
+        if request.method in ("GET", "DELETE") and is_modern(request.headers, None):
+            # A modern client has no GET stream and no session to delete.
+            request[ERA] = "modern"
+            return "modern", None, _raising(MethodNotAllowedError())
+        request[ERA] = "legacy"
+        return "legacy", None, _relayed(request, None)
+    try:
+        body = await read_body(request, request.app[LIVE].current.security)
+    except ProxyError as error:  # too large, or not in time: the era as the headers tell it
+        return _era_of_headers(request), None, _raising(error)
+    modern_header = is_modern(request.headers, None)
+    if not modern_header and not may_carry_version_key(body):
+        return _legacy_post(request, body, None, decoded=False)  # legacy by its bytes: not decoded
+    try:
+        decoded = jsonrpc.loads(body)
+    except ParseError as error:
+        if modern_header:
+            request[ERA] = "modern"
+            return "modern", None, _raising(error)
+        return _legacy_post(request, body, None, decoded=True)
+    if not is_modern(request.headers, decoded):
+        return _legacy_post(request, body, decoded, decoded=True)
+    request[ERA] = "modern"
+
+    async def modern(span: tracing.ServerSpan) -> web.StreamResponse:
+        return await serve_modern(request, decoded)
+
+    return "modern", decoded, modern
+
+
+async def _in_server_span(
+    request: web.Request, decoded: object, era: str, arrived: int | None, serve: Serve
+) -> web.StreamResponse:
+    """The one place a request's SERVER span is opened: from its arrival (`arrived`, epoch ns), named after
+    what classifying found (its era, its message)."""
+    with tracing.server_span(
+        request.headers, decoded, era=era, http_method=request.method, peer=request.remote, start_time=arrived
+    ) as span:
+        return await serve(span)
+
+
+def _era_of_headers(request: web.Request) -> str:
+    """The era as the headers alone tell it, for a request refused before its body was read."""
+    return "modern" if is_modern(request.headers, None) else "legacy"
+
+
+def _raising(error: ProxyError) -> Serve:
+    """Serves a refusal: raises it, for the error edge to answer."""
+
+    async def serve(span: tracing.ServerSpan) -> web.StreamResponse:
+        raise error
+
+    return serve
+
+
+def _reads_legacy_messages(request: web.Request) -> bool:
+    """Whether anything needs what a legacy POST says (its method, id or trace context): the request metrics,
+    the request log line, tracing, or a drain (which refuses a new session with the request's id)."""
+    return METRICS in request.app or logs_at(logging.INFO) or tracing.enabled() or request.app[DRAIN].draining
+
+
+def _legacy_post(request: web.Request, body: bytes, message: object, *, decoded: bool) -> tuple[str, object, Serve]:
+    """A legacy client's POST, relayed as it came. Its body is read as JSON only when something needs what it
+    says (`_reads_legacy_messages`); `decoded` tells whether `message` is that reading already (None for a body
+    that is not JSON). A drain refuses a new session here, before the SERVER span."""
+    request[ERA] = "legacy"
+    if not decoded and _reads_legacy_messages(request):
+        decoded = True
+        try:
+            message = jsonrpc.loads(body)
+        except ParseError:
+            message = None  # relayed all the same: the upstream answers it
+    if isinstance(message, dict) and isinstance(message.get("method"), str):
+        request[MCP_METHOD] = message["method"]
+    request.app[DRAIN].check_legacy(request, message)
+    if request.app[LIVE].current.tasks.has_handles:  # the handles read tools/list and tools/call
+        served = request.app[LEGACY_HANDLES].serve(request, body, message if decoded else NOT_READ)
+        if served is not None:
+            return "legacy", message, served
+    return "legacy", message, _relayed(request, body)
+
+
+def _relayed(request: web.Request, body: bytes | None) -> Serve:
+    """A legacy client's request, relayed by the pass-through; the relayed status is the span's outcome."""
+
+    async def relay(span: tracing.ServerSpan) -> web.StreamResponse:
+        response = await request.app[PASSTHROUGH].relay(request, body)
+        span.status(response.status)
+        return response
+
+    return relay
+
+
+async def serve_modern(request: web.Request, decoded: object) -> web.StreamResponse:
+    message = jsonrpc.classify(decoded)
+    if isinstance(message, Notification):
+        request[MCP_METHOD] = message.method
+        return web.Response(status=202)  # a notification is accepted with no body
+    if message.id is not None:
+        request[RPC_ID] = message.id  # from here on, every error answer echoes it
+    if isinstance(message, Response):
+        raise InvalidRequestError("Invalid Request: a 2026-07-28 server sends no requests, so it takes no responses")
+    request[MCP_METHOD] = message.method
+    audited = _audited(request, message.method, message.params) if request.app.get(AUDIT) is not None else None
+    modern = validate_modern(request.headers, message.id, message.method, message.params)
+    request.app[DRAIN].check_modern(modern)
+    config = request.app[LIVE].current
+    principal = await identify(request.headers, config.security, request.app.get(JWT))
+    caller = Caller(principal=principal, headers=request.headers)
+    if audited is not None:
+        audited.update(subject=subject(principal), principal=request.app[RUNNER].principals.key_of(principal) or None)
+    channel = request[CHANNEL] = HttpChannel(request, config.limits.write_timeout_seconds)
+    try:
+        reply = await request.app[FRONT].dispatch(modern, caller, channel)
+    except StoreUnavailableError as exc:  # the store is away for now: 503 + Retry-After, never a hang or a 500
+        raise TaskStoreUnavailableError(exc.kind, exc.reason, detail=str(exc)) from exc
+    request[JSONRPC_ERROR] = "error" in reply
+    if audited is not None:
+        _audit_outcome(audited, reply)
+    tracing.reply_outcome(reply)
+    return await channel.finish(reply)
+
+
+_AUDITED_NAME_CHARS: Final = 256  # of a tool name or resource URI in an audit line
+
+
+def _audited(request: web.Request, method: str, params: object) -> dict[str, object]:
+    """What the audit line of a modern request names: its tool (prompt, resource) or task. Never an argument."""
+    audited: dict[str, object] = {}
+    request[AUDITED] = audited
+    if isinstance(params, dict):
+        for key, field in (("name", "tool"), ("uri", "tool"), ("taskId", "task_id")):
+            value = params.get(key)
+            if isinstance(value, str):
+                audited[field] = value[:_AUDITED_NAME_CHARS]
+    return audited
+
+
+def _audit_outcome(audited: dict[str, object], reply: Mapping[str, object]) -> None:
+    """The reply's outcome: its `resultType` (complete, task, input_required), or `error` with its code."""
+    error, result = reply.get("error"), reply.get("result")
+    if isinstance(error, dict):
+        audited.update(outcome="error", code=error.get("code"))
+    elif isinstance(result, dict):
+        audited["outcome"] = result.get("resultType", "complete")
+        if result.get("resultType") == "task" and isinstance(result.get("taskId"), str):
+            audited["task_id"] = result["taskId"]
+
+
+def create_app(config: Config, live: LiveConfig | None = None) -> web.Application:
+    """The app for `config`; `live` is the holder reloads swap (a fresh one, with no file, when not given)."""
+    live = live if live is not None else LiveConfig(config)
+    drain = Drain(live, config.listen.path)
+    if config.security.anonymous == "allow" and not is_loopback(config.listen.host):
+        log.warning(
+            "anonymous_callers_allowed",
+            host=config.listen.host,
+            principal_header=config.security.principal_header,
+            hint="requests without the principal header share one anonymous identity; set security.anonymous: "
+            "refuse unless a trusted hop always sets the header",
+        )
+    app = web.Application(
+        client_max_size=config.security.max_body_bytes,
+        middlewares=[error_edge, track(drain), admission, relay_unrouted],
+    )
+    app[CONFIG] = config
+    app[LIVE] = live
+    app[DRAIN] = drain
+    app[STOPPING] = []
+    app.cleanup_ctx.append(upstream_ctx)
+    if config.security.jwt is not None:
+        identity = app[JWT] = JwtIdentity(config.security.jwt)
+
+        async def close_identity(app: web.Application) -> None:
+            await identity.close()
+
+        app.on_cleanup.append(close_identity)
+    app.on_shutdown.append(end_listen_streams)
+    app.router.add_route("*", config.listen.path, handle_mcp)
+    app.router.add_get(HEALTHZ, healthz)
+    app.router.add_get(READYZ, readyz)
+    app.router.add_get(DRAINZ, drainz)
+    if config.observability.metrics:
+        metrics = app[METRICS] = Metrics(named_tools(config.tasks))
+        drain.register_metrics(metrics.registry)
+        live.register_metrics(metrics.registry)
+        app.router.add_get(METRICS_PATH, metrics_endpoint)
+    return app

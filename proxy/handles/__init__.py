@@ -1,5 +1,0 @@
-"""Task handles for clients that do not declare the Tasks extension, in both eras: a `handle` tool's call held
-up to `handles.hold_ms`, then a plain tool result naming its task, and the synthesised task tools that serve
-it (`tools.py`: pure shapes; `service.py`: the calls and the tools; `legacy.py`: the legacy front's reading of
-`tools/list` and `tools/call`). The call, record, runner and store are a native task's.
-"""

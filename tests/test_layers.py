@@ -1,0 +1,154 @@
+"""The layers of docs/architecture.md, one per package, and the sans-IO rooms.
+
+A module imports only from its own layer or the ones below it; every module of the proxy has a layer (a new
+module lands in the package of its room). The sans-IO rooms (the wire, the call machine, the tool policy) and
+whatever of the proxy they import never import an event loop, an HTTP client or server, or a database driver."""
+
+from __future__ import annotations
+
+import ast
+
+from tests.support.imports import external_imports, import_graph, imported, module_paths
+
+# Lowest first. A module's layer is that of its nearest package (or its own name) listed here.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "the wire and the words every layer shares",
+        ("proxy.wire", "proxy.config", "proxy.errors", "proxy.principals", "proxy.policy", "proxy.background"),
+    ),
+    ("what the proxy tells about itself", ("proxy.observe",)),
+    ("the call machine (sans-IO)", ("proxy.tasks.machine",)),
+    ("the upstream client", ("proxy.upstream",)),
+    ("the task store", ("proxy.tasks.store",)),
+    ("the tasks' executor, effects and services; the legacy servers", ("proxy.tasks", "proxy.legacy")),
+    ("the front and the operators' tools", ("proxy.front", "proxy.operators")),
+    ("the HTTP edge", ("proxy.edge",)),
+    ("the command line", ("proxy", "proxy.__main__", "proxy.cli")),
+)
+
+# Rooms that share a layer and must still not import each other.
+APART: tuple[tuple[str, str], ...] = (("proxy.tasks", "proxy.legacy"), ("proxy.front", "proxy.operators"))
+
+# Sans-IO: what these modules import (and what the proxy's modules they import do) is pure.
+SANS_IO_ROOMS: tuple[str, ...] = ("proxy.wire", "proxy.tasks.machine", "proxy.policy")
+NOT_SANS_IO: frozenset[str] = frozenset({"asyncio", "aiohttp", "sqlite3", "sqlite_utils", "psycopg", "psycopg_pool"})
+
+
+def within(module: str, room: str) -> bool:
+    return module == room or module.startswith(f"{room}.")
+
+
+def layer_of(module: str) -> int | None:
+    """The index of the module's layer (its own name or its nearest package named in `LAYERS`), or None."""
+    best: tuple[int, int] | None = None  # (length of the matching name, layer)
+    for index, (_, names) in enumerate(LAYERS):
+        for name in names:
+            if within(module, name) and (best is None or len(name) > best[0]):
+                best = (len(name), index)
+    return None if best is None else best[1]
+
+
+def room_of(module: str) -> str | None:
+    """The nearest package named in `LAYERS` that holds the module."""
+    rooms = [name for _, names in LAYERS for name in names if within(module, name)]
+    return max(rooms, key=len) if rooms else None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a module from a layer above its own, or from a room it must stay apart from."""
+    found: list[str] = []
+    for name, targets in sorted(graph.items()):
+        below = layer_of(name)
+        for target in sorted(targets):
+            above = layer_of(target)
+            if below is not None and above is not None and above > below:
+                found.append(f"{name} ({LAYERS[below][0]}) imports {target} ({LAYERS[above][0]})")
+            rooms = {room_of(name), room_of(target)}
+            if any(rooms == set(pair) for pair in APART):
+                found.append(f"{name} imports {target}: {room_of(name)} and {room_of(target)} stay apart")
+    return found
+
+
+def impure_imports(graph: dict[str, set[str]], external: dict[str, set[str]]) -> list[str]:
+    """Each module of a sans-IO room, or of the proxy reached from one, that imports what does I/O."""
+    found: list[str] = []
+    for start in sorted(name for name in graph if any(within(name, room) for room in SANS_IO_ROOMS)):
+        seen, path = {start}, [start]
+        stack = [(start, [start])]
+        while stack:
+            module, path = stack.pop()
+            for bad in sorted(external.get(module, set()) & NOT_SANS_IO):
+                found.append(f"{' imports '.join(path)} imports {bad}")
+            for target in sorted(graph.get(module, ())):
+                if target.startswith("proxy") and target not in seen:
+                    seen.add(target)
+                    stack.append((target, [*path, target]))
+    return found
+
+
+def external_graph() -> dict[str, set[str]]:
+    return {
+        name: external_imports(ast.parse(path.read_text(encoding="utf-8"))) for name, path in module_paths().items()
+    }
+
+
+def test_every_module_of_the_proxy_has_a_layer() -> None:
+    assert [name for name in import_graph() if name.startswith("proxy") and layer_of(name) is None] == []
+
+
+def test_no_module_imports_from_a_layer_above_its_own() -> None:
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_sans_io_rooms_import_nothing_that_does_io() -> None:
+    graph = import_graph()
+    assert any(within(name, "proxy.tasks.machine") for name in graph)  # the rooms are where the guard looks
+    assert any(within(name, "proxy.wire") for name in graph)
+    assert impure_imports(graph, external_graph()) == []
+
+
+def test_the_layer_check_finds_an_upstream_module_importing_legacy() -> None:
+    source = "def later() -> None:\n    from proxy.legacy.passthrough import PassThrough\n"
+    modules = {"proxy.upstream.pool", "proxy.legacy", "proxy.legacy.passthrough"}
+    graph = {"proxy.upstream.pool": imported(ast.parse(source), "proxy.upstream.pool", False, modules)}
+    assert upward_imports(graph) == [
+        "proxy.upstream.pool (the upstream client) imports proxy.legacy.passthrough "
+        "(the tasks' executor, effects and services; the legacy servers)"
+    ]
+
+
+def test_the_layer_check_finds_tasks_importing_a_legacy_server() -> None:
+    graph = {"proxy.tasks.runner": {"proxy.legacy.serving"}}
+    assert upward_imports(graph) == [
+        "proxy.tasks.runner imports proxy.legacy.serving: proxy.tasks and proxy.legacy stay apart"
+    ]
+
+
+def test_the_machine_importing_the_store_is_found() -> None:
+    graph = {"proxy.tasks.machine.state": {"proxy.tasks.store"}}
+    assert upward_imports(graph) == [
+        "proxy.tasks.machine.state (the call machine (sans-IO)) imports proxy.tasks.store (the task store)"
+    ]
+
+
+def test_the_guard_finds_asyncio_in_a_wire_module_and_aiohttp_in_the_machine() -> None:
+    graph = {
+        "proxy.wire.jsonrpc": {"proxy.errors"},
+        "proxy.errors": set(),
+        "proxy.tasks.machine": {"proxy.tasks.machine.state"},
+        "proxy.tasks.machine.state": set(),
+    }
+    wire = external_imports(ast.parse("import json\nimport asyncio\n"))
+    machine_state = external_imports(ast.parse("def later() -> None:\n    from aiohttp import web\n"))
+    external = {"proxy.wire.jsonrpc": wire, "proxy.errors": set(), "proxy.tasks.machine.state": machine_state}
+    assert impure_imports(graph, external) == [
+        "proxy.tasks.machine imports proxy.tasks.machine.state imports aiohttp",
+        "proxy.tasks.machine.state imports aiohttp",
+        "proxy.wire.jsonrpc imports asyncio",
+    ]
+
+
+def test_the_guard_follows_the_proxy_modules_a_sans_io_room_imports() -> None:
+    graph = {"proxy.policy": {"proxy.config.schema"}, "proxy.config.schema": set()}
+    external = {"proxy.policy": set(), "proxy.config.schema": {"psycopg"}}
+    assert impure_imports(graph, external) == ["proxy.policy imports proxy.config.schema imports psycopg"]
