@@ -2,13 +2,17 @@
 and on a loaded one, so a change of a few percent shows where times and CPU seconds drown it in noise.
 
     python -m benchmarks.instructions [--baseline REF] [--calls N]
+    python -m benchmarks.instructions --handles [--calls N]
 
 A lean upstream, then for each kind of call (a legacy client's `tools/call` on its session through the
 pass-through, a modern synchronous `tools/call`) and each setting (`logging.level: warning` with metrics off,
 as the other rows run; the defaults, `info` with metrics on) a proxy under callgrind, from this tree and from
 a `git archive` of REF (default `main`). Counting starts after a warm-up of 300 calls and covers the next N
 (default 600), at concurrency 4; what callgrind counts is every instruction of the proxy's process, its
-threads included. Slow (about a minute a proxy) and needs `valgrind`; not part of `make bench`.
+threads included. Slow (about a minute a proxy) and needs `valgrind`; not part of `make bench`. `--handles`:
+this tree only, a legacy client's `tools/call` (of a tool without `handle`) and `tools/list` through the
+pass-through, with task handles off and on (one tool's policy says `handle`, so the legacy front reads both
+and rewrites the list's answer).
 """
 
 from __future__ import annotations
@@ -41,12 +45,15 @@ WARM_UP = 300
 CONCURRENCY = 4
 
 
+HANDLES_ON: dict[str, Any] = {"tasks": {"tools": {"sleep": {"without_tasks": "handle"}}}}
+
+
 async def _call(kind: str, url: str) -> Callable[[], Awaitable[None]]:
     if kind == "modern":
         return ModernClient(url).echo
     legacy = LegacyClient(url)
     await legacy.start()
-    return legacy.echo
+    return legacy.list_tools if kind == "pass-through tools/list" else legacy.echo
 
 
 def _counted(workdir: Path, out: Path) -> int:
@@ -127,15 +134,37 @@ async def run(baseline: str, calls: int) -> list[str]:
     return lines
 
 
+async def run_handles(calls: int) -> list[str]:
+    """A legacy client's tools/call and tools/list through the pass-through, task handles off and on."""
+    workdir = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-bench-instructions-"))
+    upstream = await start_upstream()
+    lines = []
+    try:
+        for kind in ("pass-through", "pass-through tools/list"):
+            for setting, sections in SETTINGS.items():
+                off = await instructions_per_call(upstream.url, ROOT, kind, sections, calls, workdir)
+                on = await instructions_per_call(upstream.url, ROOT, kind, {**sections, **HANDLES_ON}, calls, workdir)
+                line = (
+                    f"{kind}, {setting}: handles off {off:,.0f} instructions per call, on {on:,.0f}"
+                    f" ({on / off - 1:+.1%})"
+                )
+                print(line, flush=True)
+                lines.append(line)
+    finally:
+        upstream.stop()
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", default="main", help="git ref whose proxy is counted beside this one")
     parser.add_argument("--calls", type=int, default=600, help="calls counted per proxy (after the warm-up)")
+    parser.add_argument("--handles", action="store_true", help="this tree's legacy calls, task handles off and on")
     args = parser.parse_args()
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
         return 2
-    asyncio.run(run(args.baseline, args.calls))
+    asyncio.run(run_handles(args.calls) if args.handles else run(args.baseline, args.calls))
     return 0
 
 

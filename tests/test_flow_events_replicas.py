@@ -33,7 +33,7 @@ EVENTS = {
 
 @pytest.fixture
 def cluster(tmp_path: Path, pg_dsn: str) -> Iterator[Cluster]:
-    replicas = Cluster(tmp_path, pg_dsn, 2, LEASE_SECONDS, {"sleep": {"mode": "required"}}, events=EVENTS)
+    replicas = Cluster(tmp_path, pg_dsn, 2, LEASE_SECONDS, {"sleep": {"mode": "required"}}, sections={"events": EVENTS})
     yield replicas
     replicas.stop()
 

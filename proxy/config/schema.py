@@ -541,6 +541,7 @@ class StoreConfig(_Frozen):
 
 TaskMode = Literal["forbidden", "optional", "required"]
 RestartAction = Literal["fail", "rerun"]
+WithoutTasks = Literal["hold", "handle"]
 
 
 class TaskPolicyConfig(_Frozen):
@@ -578,6 +579,16 @@ class TaskPolicyConfig(_Frozen):
         "in synchronous MRTR rounds first, and only a call still running after a window becomes a task. "
         "Needs `sync_window_ms` > 0.",
     )
+    without_tasks: WithoutTasks = Field(
+        "hold",
+        description="A call from a client that did not declare the Tasks extension, in either era (a 2025 "
+        "client too): `hold` keeps its request open until the tool ends (a `required` tool follows "
+        "`tasks.undeclared_required`); `handle` holds it up to `handles.hold_ms`, then answers a plain tool "
+        "result holding a task handle (`taskId`) that the proxy's synthesised tools (`task_status`, "
+        "`task_result`, `task_cancel`, `task_respond`) serve, while the call goes on as a durable task. `handle` "
+        "applies to `optional` and `required` tools (before `undeclared_required`); a `forbidden` tool is always "
+        "held.",
+    )
 
 
 class ToolPolicyConfig(_Frozen):
@@ -589,6 +600,7 @@ class ToolPolicyConfig(_Frozen):
     poll_interval_ms: int | None = Field(None, gt=0, description="As `tasks.default.poll_interval_ms`, for this tool.")
     on_restart: RestartAction | None = Field(None, description="As `tasks.default.on_restart`, for this tool.")
     resolve_input_first: bool | None = Field(None, description="As `tasks.default.resolve_input_first`, for this tool.")
+    without_tasks: WithoutTasks | None = Field(None, description="As `tasks.default.without_tasks`, for this tool.")
     max_concurrent: int | None = Field(
         None,
         gt=0,
@@ -659,10 +671,47 @@ class TasksConfig(_Frozen):
     )
 
     @cached_property
+    def has_handles(self) -> bool:
+        """Some policy says `without_tasks: handle`, so clients without the Tasks extension are listed the
+        synthesised task tools: worked out once per config (a reload brings a new object)."""
+        return self.default.without_tasks == "handle" or any(
+            entry.without_tasks == "handle" for entry in self.tools.values()
+        )
+
+    @cached_property
     def has_tool_quotas(self) -> bool:
         """Some tool has a quota of its own (`tasks.tools.<key>.calls_per_minute_per_principal`): worked out once
         per config (a reload brings a new object)."""
         return any(entry.calls_per_minute_per_principal for entry in self.tools.values())
+
+
+_TOOL_PREFIX: Final = re.compile(r"[A-Za-z0-9_.-]{0,40}")
+
+
+class HandlesConfig(_Frozen):
+    """Task handles for clients that do not declare the Tasks extension (`without_tasks: handle`)."""
+
+    hold_ms: int = Field(
+        20_000,
+        ge=0,
+        description="How long a `handle` call is held for its result before the client gets a handle instead: "
+        "under the 30-60 s after which common clients give up on a request. A question the upstream asks "
+        "meanwhile ends the hold at once. Also the longest `task_result` waits. 0: a handle at once.",
+    )
+    tool_prefix: str = Field(
+        "",
+        description="Put before the names of the synthesised tools (`task_status`, `task_result`, "
+        "`task_cancel`, `task_respond`), e.g. `proxy_`. A synthesised name that the upstream also lists "
+        "stops the start with a message naming both: choose a prefix then. Letters, digits, `_`, `.` and `-`, "
+        "at most 40.",
+    )
+
+    @field_validator("tool_prefix")
+    @classmethod
+    def _prefix_makes_tool_names(cls, value: str) -> str:
+        if not _TOOL_PREFIX.fullmatch(value):
+            raise ValueError("must be at most 40 letters, digits, `_`, `.` or `-`")
+        return value
 
 
 _TEMPLATE_FIELD: Final = re.compile(r"\{([^{}]*)\}")
@@ -1104,6 +1153,10 @@ class Config(_Frozen):
         default_factory=IdempotencyConfig, description="Idempotency-Key on tools/call: repeats do no work twice."
     )
     tasks: TasksConfig = Field(default_factory=TasksConfig, description="Tool policies and task limits.")
+    handles: HandlesConfig = Field(
+        default_factory=HandlesConfig,
+        description="Task handles served as tools to clients that do not declare the Tasks extension.",
+    )
     inputs: InputsConfig = Field(
         default_factory=InputsConfig, description="Upstream questions relayed as inputRequests (tasks and MRTR)."
     )

@@ -10,12 +10,29 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from proxy.edge._app_keys import ADMIN, CONFIG, FRONT, LIVE, PASSTHROUGH, POOL, RELAY, RUNNER, STOPPING, STORE
+from proxy.edge._app_keys import (
+    ADMIN,
+    CONFIG,
+    FRONT,
+    JWT,
+    LEGACY_HANDLES,
+    LIVE,
+    PASSTHROUGH,
+    POOL,
+    RELAY,
+    RUNNER,
+    STOPPING,
+    STORE,
+)
 from proxy.edge._drain import DRAIN
 from proxy.edge._error_edge import AUDIT, METRICS
+from proxy.edge._legacy_handles import LegacyHandles
 from proxy.edge._relay import OriginRelay
+from proxy.edge.startup import EXIT_CONFIG_ERROR, StartFailure
 from proxy.events.service import Events
 from proxy.front.dispatch import Front
+from proxy.front.handles import tools as handle_tools
+from proxy.front.handles.service import ToolNameTakenError, check_tool_names
 from proxy.legacy.serving import legacy_front
 from proxy.operators.admin import Admin
 from proxy.principals import Principals, deployment_key
@@ -75,6 +92,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     drain.wait_for(lambda: runner.open_calls)  # the drain is the app's, built before the runner
     live.subscribe(lambda new: runner.config_swapped())  # the queue admits by the caps now in force
     legacy = app[PASSTHROUGH] = legacy_front(pool)  # relayed, or served by the proxy (the kind decides)
+    app[LEGACY_HANDLES] = LegacyHandles(live.config, front.handles, legacy, pool, app.get(JWT), drain.is_draining)
     app[RELAY] = OriginRelay.of(config.relay, legacy)  # other paths: to the upstream's origin, when it has one
     admin = Admin(config.admin, store, runner.clock) if config.admin.port is not None else None
     try:
@@ -83,6 +101,11 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
             await events.start()
         else:
             await store.events.configure(False)  # no replica logs events for a deployment that serves none
+        if live.current.tasks.has_handles:  # a synthesised task tool's name the upstream lists stops the start
+            try:
+                await check_tool_names(pool, handle_tools.names(live.current.handles.tool_prefix))
+            except ToolNameTakenError as exc:
+                raise StartFailure(EXIT_CONFIG_ERROR, "task_tool_name_taken", str(exc)) from None
         if admin is not None:
             await admin.start()
             app[ADMIN] = admin

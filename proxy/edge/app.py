@@ -2,8 +2,9 @@
 
 One endpoint serves both eras: each POST is classified (docs/architecture.md), legacy traffic goes to the
 pass-through, modern requests to `Front`. A legacy POST is read as JSON only when something needs what it
-says (its method for the metrics and the request log line, its trace context, its id while draining); else
-it is relayed unread, its bytes having shown that it cannot be modern. Each request gets one SERVER span,
+says (its method for the metrics and the request log line, its trace context, its id while draining, and
+`tools/list` and `tools/call` while task handles are on: `_legacy_handles.py`); else it is relayed unread, its
+bytes having shown that it cannot be modern. Each request gets one SERVER span,
 opened in one place once it is classified, from its arrival. Every ProxyError raised anywhere below becomes
 an answer in one place, the error edge (`_error_edge.py`). What is refused before classification is `_admission.py`'s;
 the operators' endpoints are `_ops.py`'s; what opens and closes with the app is `_lifecycle.py`'s.
@@ -22,7 +23,7 @@ from aiohttp import web
 from proxy.config.live import LiveConfig
 from proxy.config.schema import Config
 from proxy.edge._admission import read_body, refusal
-from proxy.edge._app_keys import CONFIG, FRONT, JWT, LIVE, PASSTHROUGH, RELAY, RUNNER, STOPPING
+from proxy.edge._app_keys import CONFIG, FRONT, JWT, LEGACY_HANDLES, LIVE, PASSTHROUGH, RELAY, RUNNER, STOPPING
 from proxy.edge._drain import DRAIN, Drain, drainz, track
 from proxy.edge._error_edge import (
     AUDIT,
@@ -42,7 +43,8 @@ from proxy.edge._error_edge import (
     HttpChannel,
     error_edge,
 )
-from proxy.edge._jwt_identity import JwtIdentity
+from proxy.edge._jwt_identity import JwtIdentity, identify
+from proxy.edge._legacy_handles import NOT_READ
 from proxy.edge._lifecycle import end_listen_streams, upstream_ctx
 from proxy.edge._ops import healthz, metrics_endpoint, readyz
 from proxy.edge.startup import is_loopback
@@ -52,14 +54,12 @@ from proxy.errors import (
     ParseError,
     ProxyError,
     TaskStoreUnavailableError,
-    UnauthorizedError,
 )
 from proxy.observe import tracing
 from proxy.observe.audit import subject
 from proxy.observe.logs import logs_at
 from proxy.observe.metrics import Metrics
 from proxy.policy import named_tools
-from proxy.principals import identity_of
 from proxy.tasks.store import StoreUnavailableError
 from proxy.wire import jsonrpc
 from proxy.wire.envelope import Caller, is_modern, may_carry_version_key, validate_modern
@@ -186,6 +186,7 @@ def _legacy_post(request: web.Request, body: bytes, message: object, *, decoded:
     that is not JSON). A drain refuses a new session here, before the SERVER span."""
     request[ERA] = "legacy"
     if not decoded and _reads_legacy_messages(request):
+        decoded = True
         try:
             message = jsonrpc.loads(body)
         except ParseError:
@@ -193,6 +194,10 @@ def _legacy_post(request: web.Request, body: bytes, message: object, *, decoded:
     if isinstance(message, dict) and isinstance(message.get("method"), str):
         request[MCP_METHOD] = message["method"]
     request.app[DRAIN].check_legacy(request, message)
+    if request.app[LIVE].current.tasks.has_handles:  # the handles read tools/list and tools/call
+        served = request.app[LEGACY_HANDLES].serve(request, body, message if decoded else NOT_READ)
+        if served is not None:
+            return "legacy", message, served
     return "legacy", message, _relayed(request, body)
 
 
@@ -221,13 +226,7 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     modern = validate_modern(request.headers, message.id, message.method, message.params)
     request.app[DRAIN].check_modern(modern)
     config = request.app[LIVE].current
-    principal = identity_of(request.headers.get(config.security.principal_header))  # empty counts as none
-    if principal is None and config.security.anonymous == "refuse":
-        raise UnauthorizedError(
-            f"Unauthorized: this proxy serves no anonymous callers; send {config.security.principal_header}"
-        )
-    if principal is not None and JWT in request.app:
-        principal = await request.app[JWT].identify(principal.credential)  # a JWT that fails is refused here (401)
+    principal = await identify(request.headers, config.security, request.app.get(JWT))
     caller = Caller(principal=principal, headers=request.headers)
     if audited is not None:
         audited.update(subject=subject(principal), principal=request.app[RUNNER].principals.key_of(principal) or None)

@@ -1,11 +1,12 @@
 """What a start says: the start line's fields, the warning for an address beyond loopback, and a start that
 fails as one log line (plus a sentence on a terminal) with an exit code of its own.
 
-Exit codes (`mcp-tasks-proxy serve`): 0 a stop after a drain; 1 an unexpected error; 2 invalid configuration;
-3 the listen address cannot be bound (port in use, address not on this machine, no permission); 4 the SQLite
-task database is in use by another proxy process; 5 the task store cannot be reached or opened (PostgreSQL
-down or refusing, a SQLite file that cannot be created). The upstream is not waited for at start: one that is
-down or refuses is a warning and an unready `/readyz`, never a failed start.
+Exit codes (`mcp-tasks-proxy serve`): 0 a stop after a drain; 1 an unexpected error; 2 invalid configuration
+(also: a synthesised task tool the upstream lists too); 3 the listen address cannot be bound (port in use,
+address not on this machine, no permission); 4 the SQLite task database is in use by another proxy process; 5
+the task store cannot be reached or opened (PostgreSQL down or refusing, a SQLite file that cannot be created).
+The upstream is not waited for at start: one that is down or refuses is a warning and an unready `/readyz`,
+never a failed start (with task handles on, its tool list is asked for once, bounded by its timeouts).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from proxy.config.schema import Config, HttpUpstreamConfig
 
 log = structlog.get_logger(__name__)
 
+EXIT_CONFIG_ERROR: Final = 2
 EXIT_CANNOT_LISTEN: Final = 3
 EXIT_STORE_LOCKED: Final = 4
 EXIT_STORE_UNAVAILABLE: Final = 5

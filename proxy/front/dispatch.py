@@ -8,6 +8,7 @@ imports aiohttp: the HTTP shapes are `app.py`'s.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
@@ -22,6 +23,8 @@ from proxy.errors import (
     UpstreamError,
 )
 from proxy.events.service import Events
+from proxy.front.handles import tools as handle_tools
+from proxy.front.handles.service import Handles
 from proxy.front.listen import ListenStreams
 from proxy.policy import decide, decide_job, policy_for
 from proxy.tasks.live_call import UpstreamRequest
@@ -74,6 +77,7 @@ class Front:
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
         self.waiting = WaitingRequests(runner.starter, runner.client.keep_alive, self.cache)
         self.listens = ListenStreams(lambda: current().limits, pool, runner, watchers)
+        self.handles = Handles(current, self.waiting, runner.operations, watchers)
         self.keys = idempotency.IdempotencyKeys(
             runner.store,
             runner.principals,
@@ -138,6 +142,15 @@ class Front:
         again). With an `Idempotency-Key` (not on an MRTR retry, which its requestState binds already) the key's
         record decides whether it runs (`tasks/services/idempotency.py`)."""
         config = self.config
+        arrived = time.monotonic() if config.tasks.has_handles else 0.0  # a handle's hold counts from here
+        if config.tasks.has_handles and not request.declares_tasks:
+            base = handle_tools.names(config.handles.tool_prefix).base_of(request.params.get("name"))
+            if base is not None:  # a synthesised task tool: the proxy answers it
+                arguments = request.params.get("arguments")
+                progress_token = request.progress_token
+                return await self.handles.tool(
+                    request.id, base, arguments, caller, channel, progress_token, self.pool.server_info, modern=True
+                )
         per_minute, tool_quotas = config.limits.calls_per_minute_per_principal, config.tasks.has_tool_quotas
         if (per_minute or tool_quotas) and "requestState" not in request.params:
             tool = str(request.params.get("name"))
@@ -158,18 +171,18 @@ class Front:
                 outgoing.name,
                 declares_tasks=request.declares_tasks,
                 upstream_support=facts.task_support,
+                hold_ms=config.handles.hold_ms,
             )
+
+        def start(channel: Channel) -> Awaitable[JSON]:
+            if decision.handle:  # held, then a handle: a client without the Tasks extension reads it by tools
+                return self.handles.call(outgoing, caller, channel, decision, server_info, modern=True, arrived=arrived)
+            return self.waiting.call(outgoing, caller, channel, decision, server_info)
+
         key = caller.headers.get(idempotency.HEADER)  # without one, nothing more is done than this lookup
         if key is None or not self.config.idempotency.enabled:
-            return await self.waiting.call(outgoing, caller, channel, decision, server_info)
-        return await self.keys.serve(
-            self.config.idempotency,
-            key,
-            request,
-            caller,
-            channel,
-            lambda keyed: self.waiting.call(outgoing, caller, keyed, decision, server_info),
-        )
+            return await start(channel)
+        return await self.keys.serve(self.config.idempotency, key, request, caller, channel, start)
 
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """`prompts/get` and `resources/read`: synchronous, but an upstream question is an MRTR round (the only
@@ -182,11 +195,20 @@ class Front:
         return await self.waiting.call(outgoing, caller, channel, None, server_info)
 
     async def list_tools(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        """The upstream's tools, less the helpers of job families with `hide_helpers` (the proxy drives them)."""
+        """The upstream's tools, less the helpers of job families with `hide_helpers` (the proxy drives them); for
+        a client without the Tasks extension while some policy says `handle`, as `handles/tools.py` lists them
+        (the synthesised task tools on the last page)."""
         message = await self.forward(request, caller, channel)
-        if not self.config.jobs:
+        config = self.config
+        if config.tasks.has_handles and not request.declares_tasks and isinstance(message.get("result"), dict):
+            names = handle_tools.names(config.handles.tool_prefix)
+            listed, clashes = handle_tools.listed(message["result"], config.tasks, names, config.handles.hold_ms)
+            if clashes:
+                log.warning("task_tool_name_taken", tools=clashes, detail="the upstream lists a tool of that name")
+            message = {**message, "result": listed}
+        if not config.jobs:
             return message
-        hidden = frozenset().union(*(job.helpers() for job in self.config.jobs.values() if job.hide_helpers))
+        hidden = frozenset().union(*(job.helpers() for job in config.jobs.values() if job.hide_helpers))
         result = message.get("result")
         if hidden and isinstance(result, dict) and isinstance(result.get("tools"), list):
             tools = [tool for tool in result["tools"] if not (isinstance(tool, dict) and tool.get("name") in hidden)]

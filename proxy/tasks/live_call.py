@@ -113,6 +113,9 @@ class ClientEnd:
     channel: Channel | None = None
     outgoing: deque[JSON | ReplyKind | KeepAlive] = field(default_factory=deque)
     writer: asyncio.Task[None] | None = None
+    progress_at: float = 0.0  # when progress was last queued for the client (`time.perf_counter`; 0: never)
+    progress: float | None = None  # the last progress value the upstream reported to it
+    warmed: int = 0  # progress notifications the proxy sent it itself, to keep its connection warm
 
 
 @dataclass(eq=False, slots=True)

@@ -10,7 +10,9 @@ queued for it is dropped. Imports the ports and the command vocabulary only.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import Final
 
 from proxy.tasks.live_call import KEEP_ALIVE, KeepAlive, LiveCall
 from proxy.tasks.machine.commands import ClientLeft, Relay, Reply, ReplyKind, ReplyTask
@@ -18,6 +20,9 @@ from proxy.tasks.ports import Feed, Spawner
 from proxy.wire.envelope import Channel
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord
+
+WARM_SECONDS: Final = 8.0  # a held client that asked for progress hears some at least this often (under 10 s)
+WARM_MESSAGE: Final = "still working"
 
 
 class ClientSide:
@@ -46,18 +51,33 @@ class ClientSide:
         channel = call.client.channel
         if channel is None:
             return
+        if message.get("method") == "notifications/progress":
+            _heard(call, message.get("params"))
         call.client.outgoing.append(message)
         self._writing(call, channel)
 
-    def keep_alive(self, call: LiveCall) -> None:
-        """A keep-alive comment for a poll-to-sync client still waiting, queued behind what its writer still
-        writes (the waiting request's own timer asks for it; the call's lock is not taken). None once the reply
-        was given or the client is gone."""
+    def keep_alive(self, call: LiveCall, comment: bool) -> None:
+        """What keeps a waiting client's connection warm, queued behind what its writer still writes (the
+        waiting request's own timer asks for it; the call's lock is not taken): a keep-alive comment when
+        `comment` (a poll-to-sync client), and a progress notification for a client that sent a
+        `progressToken` and heard no progress for WARM_SECONDS (the last value the upstream reported, else the
+        proxy's own count), so that a client that resets its timeout on progress never gives up on a held
+        call. None once the reply was given or the client is gone."""
         channel = call.client.channel
         if channel is None:
             return
-        call.client.outgoing.append(KEEP_ALIVE)
-        self._writing(call, channel)
+        if comment:
+            call.client.outgoing.append(KEEP_ALIVE)
+        token = call.state.progress_token
+        now = time.perf_counter()
+        if token is not None and now - max(call.created_at, call.client.progress_at) >= WARM_SECONDS:
+            call.client.progress_at = now
+            call.client.warmed += 1
+            progress = call.client.progress if call.client.progress is not None else call.client.warmed
+            params = {"progressToken": token, "progress": progress, "message": WARM_MESSAGE}
+            call.client.outgoing.append({"jsonrpc": "2.0", "method": "notifications/progress", "params": params})
+        if call.client.outgoing:
+            self._writing(call, channel)
 
     def _writing(self, call: LiveCall, channel: Channel) -> None:
         """The call's writer, started for what was just queued unless one is still writing."""
@@ -85,6 +105,14 @@ class ClientSide:
                 outgoing.clear()
                 outgoing.extend(kept)
                 await self.feed.dispatch(call, ClientLeft())
+
+
+def _heard(call: LiveCall, params: object) -> None:
+    """A progress notification goes to the client: its connection is warm, and its value the latest."""
+    call.client.progress_at = time.perf_counter()
+    progress = params.get("progress") if isinstance(params, dict) else None
+    if isinstance(progress, int | float) and not isinstance(progress, bool):
+        call.client.progress = progress
 
 
 def _answer(call: LiveCall, reply: ReplyKind) -> None:
