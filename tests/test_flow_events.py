@@ -122,6 +122,18 @@ async def test_poll_resumes_from_its_cursor_without_losing_or_repeating_an_event
     assert (await poll(client, later["cursor"]))["events"] == []
 
 
+async def test_a_task_cancelled_by_its_owner_reaches_the_poll_as_cancelled(tasks_client: ClientFactory) -> None:
+    """`tasks/cancel` settles through the running call's own machine; its end is logged like any other."""
+    client = await events_proxy(tasks_client)
+    start = await poll(client, None)
+    task_id = await create(client, "alice", seconds=30)
+    status, ack = await client.post("tasks/cancel", {"taskId": task_id}, headers={"Authorization": "Bearer alice"})
+    assert status == 200, ack
+    assert (await settled(client, task_id))["status"] == "cancelled"
+    page = await poll(client, start["cursor"])
+    assert [(event["data"]["taskId"], event["data"]["status"]) for event in page["events"]] == [(task_id, "cancelled")]
+
+
 async def test_a_task_that_already_ended_delivers_its_end_at_once_and_only_to_its_owner(
     tasks_client: ClientFactory,
 ) -> None:

@@ -132,7 +132,7 @@ class Harness:
 @pytest.fixture
 async def store(tmp_path: Path) -> AsyncIterator[SqliteTaskStore]:
     opened = await SqliteTaskStore.open(tmp_path / "tasks.db", max_records=100)
-    await opened.renew_lease("replica-a", 10)
+    await opened.replicas.renew_lease("replica-a", 10)
     yield opened
     await opened.close()
 
@@ -196,7 +196,7 @@ async def test_a_first_request_whose_process_died_is_interrupted_not_run_again(s
     harness = Harness(store)
     scope = harness.keys.principals.key_of(Identity("alice"))
     dead = KeyRecord(scope, "k", fingerprint("t", {}), "replica-gone", 1_000, 10_000)
-    assert await store.claim_key(dead) is None
+    assert await store.keys.claim_key(dead) is None
     with pytest.raises(ReplayedError) as caught:
         await harness.call()
     assert caught.value.status == 500
@@ -225,7 +225,7 @@ async def test_a_release_the_store_could_not_take_is_owed_and_written_once_it_ca
                     await request
             scope = harness.keys.principals.key_of(Identity("alice"))
             for key in ("k", "k2"):
-                assert await store.get_key(scope, key) is not None  # claimed, its release owed
+                assert await store.keys.get_key(scope, key) is not None  # claimed, its release owed
             filler.unlink()
             harness.answer = {"content": [], "resultType": "complete"}
             assert "result" in await harness.call('"k"', join_seconds=30)
@@ -237,7 +237,7 @@ async def test_a_release_the_store_could_not_take_is_owed_and_written_once_it_ca
 
 
 async def _gone(store: SqliteTaskStore, scope: str, key: str) -> bool:
-    return await store.get_key(scope, key) is None
+    return await store.keys.get_key(scope, key) is None
 
 
 async def test_a_claim_of_this_process_that_nothing_here_knows_is_interrupted_not_run(store: SqliteTaskStore) -> None:
@@ -246,7 +246,7 @@ async def test_a_claim_of_this_process_that_nothing_here_knows_is_interrupted_no
     harness = Harness(store)
     scope = harness.keys.principals.key_of(Identity("alice"))
     forgotten = KeyRecord(scope, "k", fingerprint("t", {}), "replica-a", 900, 10_000)
-    assert await store.claim_key(forgotten) is None
+    assert await store.keys.claim_key(forgotten) is None
     with pytest.raises(ReplayedError) as caught:
         await harness.call(join_seconds=30)
     assert caught.value.error_object()["data"] == {"idempotencyKey": "interrupted"}

@@ -1,6 +1,8 @@
-"""The store's events port, against both backends (a real SQLite file, a real PostgreSQL database): a task's
-status events written by the database in the transaction that changes it, read by cursor per principal, trimmed
-with `truncated`, fanned out to webhook subscriptions and claimed from the outbox by one replica at a time."""
+"""The store's events port (`contract.Events`), against both backends (a real SQLite file, a real PostgreSQL
+database): a task's status events written by the database in the transaction that changes it, whichever port
+ends the task, read by cursor per principal, trimmed with `truncated`, fanned out to webhook subscriptions and
+claimed from the outbox by one replica at a time. A test takes the events port, and the records port to run
+tasks."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from proxy.tasks.store import SqliteTaskStore, TaskStore
+from proxy.tasks.store import Events, Records, SqliteTaskStore, TaskStore
 from proxy.tasks.store.events import TASK_STATUS, StoredEvent, Watch, WebhookSubscription
 from proxy.tasks.store.postgres import PostgresTaskStore
 from proxy.wire.tasks import TaskStatus
@@ -62,6 +64,16 @@ async def store(backend: Backend) -> AsyncIterator[TaskStore]:
     await opened.close()
 
 
+@pytest.fixture
+def events(store: TaskStore) -> Events:
+    return store.events
+
+
+@pytest.fixture
+def records(store: TaskStore) -> Records:
+    return store.records
+
+
 def subscription(principal: str = "alice", subject: str = "", **fields: Any) -> WebhookSubscription:
     values: dict[str, Any] = {
         "subscription_id": f"sub_{principal}_{subject or 'all'}",
@@ -81,12 +93,12 @@ def subscription(principal: str = "alice", subject: str = "", **fields: Any) -> 
     return WebhookSubscription(**{**values, **fields})
 
 
-async def run_task(store: TaskStore, task_id: str, principal: str = "alice", *, ask: bool = False) -> None:
-    await store.create(make_record(task_id, principal=principal, created_at_ms=NOW))
-    await store.set_status_message(task_id, "10%", now_ms=NOW + 1)
+async def run_task(records: Records, task_id: str, principal: str = "alice", *, ask: bool = False) -> None:
+    await records.create(make_record(task_id, principal=principal, created_at_ms=NOW))
+    await records.set_status_message(task_id, "10%", now_ms=NOW + 1)
     if ask:
-        await store.set_inputs(task_id, {"k1": {"method": "elicitation/create"}}, 1, now_ms=NOW + 2)
-    await store.settle(
+        await records.set_inputs(task_id, {"k1": {"method": "elicitation/create"}}, 1, now_ms=NOW + 2)
+    await records.settle(
         task_id, TaskStatus.COMPLETED, now_ms=NOW + 3, result={"content": [], "secret": "no"}, status_message="done"
     )
 
@@ -94,19 +106,21 @@ async def run_task(store: TaskStore, task_id: str, principal: str = "alice", *, 
 async def test_events_off_logs_nothing(backend: Backend) -> None:
     store = await backend.open()
     try:
-        await run_task(store, "task_quiet")
+        await run_task(store.records, "task_quiet")
         await store.events.configure(True)
         await store.events.configure(False)  # switched off again: no replica logs any more
-        await run_task(store, "task_quiet_too")
+        await run_task(store.records, "task_quiet_too")
         assert await store.events.head() == 0
         assert await backend.count("event_log") == 0
     finally:
         await store.close()
 
 
-async def test_a_tasks_input_required_and_end_are_logged_once_with_its_status_fields(store: TaskStore) -> None:
-    await run_task(store, "task_a", ask=True)
-    page = await store.events.read("alice", TASK_STATUS, None, 0, 10)
+async def test_a_tasks_input_required_and_end_are_logged_once_with_its_status_fields(
+    events: Events, records: Records
+) -> None:
+    await run_task(records, "task_a", ask=True)
+    page = await events.read("alice", TASK_STATUS, None, 0, 10)
     assert [(event.subject, event.data["status"]) for event in page.events] == [
         ("task_a", "input_required"),
         ("task_a", "completed"),
@@ -123,45 +137,71 @@ async def test_a_tasks_input_required_and_end_are_logged_once_with_its_status_fi
     }
     assert "result" not in done.data
     assert done.event_id == f"task_a.completed.{NOW + 3}"
-    assert (page.position, page.truncated, page.has_more) == (await store.events.head(), False, False)
+    assert (page.position, page.truncated, page.has_more) == (await events.head(), False, False)
 
 
-async def test_reads_are_per_principal_and_subject_and_resume_after_their_position(store: TaskStore) -> None:
-    await run_task(store, "task_a")
-    await run_task(store, "task_b", principal="bob")
-    first = await store.events.read("alice", TASK_STATUS, None, 0, 10)
-    assert [event.subject for event in first.events] == ["task_a"]
-    assert (await store.events.read("alice", TASK_STATUS, "task_b", 0, 10)).events == []
-    assert [event.subject for event in (await store.events.read("bob", TASK_STATUS, "task_b", 0, 10)).events] == [
-        "task_b"
+async def test_every_way_a_task_ends_logs_its_event_once(store: TaskStore, events: Events, records: Records) -> None:
+    """The owner's fenced settlement (what its call's machine writes, a `tasks/cancel` included), an unfenced
+    cancel from another replica, an operator's cancel and the TTL sweep each end a task through another port or
+    path; the database logs each end, once."""
+    fence = await store.replicas.renew_lease("replica-1", 30)
+    for task_id in ("task_owned", "task_elsewhere", "task_operator"):
+        await records.create(make_record(task_id, principal="alice", owner="replica-1", created_at_ms=NOW))
+    await records.create(make_record("task_lapsing", principal="alice", created_at_ms=NOW, ttl_ms=10))
+    await records.settle("task_owned", TaskStatus.CANCELLED, now_ms=NOW + 1, status_message="cancelled", fence=fence)
+    await records.settle("task_elsewhere", TaskStatus.CANCELLED, now_ms=NOW + 2, status_message="cancelled")
+    await store.operators.cancel_task("task_operator", "cancelled by an operator", now_ms=NOW + 3)
+    error = {"code": -32603, "message": "expired"}
+    await records.settle_expired(NOW + 20, error=error, status_message="expired")
+    await records.settle("task_owned", TaskStatus.FAILED, now_ms=NOW + 30, fence=fence)  # settled already: no-op
+    page = await events.read("alice", TASK_STATUS, None, 0, 10)
+    assert sorted((event.subject, event.data["status"]) for event in page.events) == [
+        ("task_elsewhere", "cancelled"),
+        ("task_lapsing", "failed"),
+        ("task_operator", "cancelled"),
+        ("task_owned", "cancelled"),
     ]
-    await run_task(store, "task_c")
-    await run_task(store, "task_d")
-    page = await store.events.read("alice", TASK_STATUS, None, first.position, 1)
+
+
+async def test_reads_are_per_principal_and_subject_and_resume_after_their_position(
+    events: Events, records: Records
+) -> None:
+    await run_task(records, "task_a")
+    await run_task(records, "task_b", principal="bob")
+    first = await events.read("alice", TASK_STATUS, None, 0, 10)
+    assert [event.subject for event in first.events] == ["task_a"]
+    assert (await events.read("alice", TASK_STATUS, "task_b", 0, 10)).events == []
+    assert [event.subject for event in (await events.read("bob", TASK_STATUS, "task_b", 0, 10)).events] == ["task_b"]
+    await run_task(records, "task_c")
+    await run_task(records, "task_d")
+    page = await events.read("alice", TASK_STATUS, None, first.position, 1)
     assert ([event.subject for event in page.events], page.has_more) == (["task_c"], True)
-    rest = await store.events.read("alice", TASK_STATUS, None, page.position, 10)
+    rest = await events.read("alice", TASK_STATUS, None, page.position, 10)
     assert ([event.subject for event in rest.events], rest.has_more) == (["task_d"], False)
-    assert (await store.events.read("alice", TASK_STATUS, None, rest.position, 10)).events == []
+    assert (await events.read("alice", TASK_STATUS, None, rest.position, 10)).events == []
 
 
-async def test_a_cursor_behind_what_is_kept_resumes_at_the_oldest_kept_with_truncated(store: TaskStore) -> None:
+async def test_a_cursor_behind_what_is_kept_resumes_at_the_oldest_kept_with_truncated(
+    events: Events, records: Records
+) -> None:
     for name in ("task_1", "task_2", "task_3"):
-        await run_task(store, name)
-    await store.events.housekeep(NOW + 10, 3_600_000, 1, 3_600_000)
-    page = await store.events.read("alice", TASK_STATUS, None, 0, 10)
+        await run_task(records, name)
+    await events.housekeep(NOW + 10, 3_600_000, 1, 3_600_000)
+    page = await events.read("alice", TASK_STATUS, None, 0, 10)
     assert ([event.subject for event in page.events], page.truncated) == (["task_3"], True)
-    assert await store.events.head() == page.position
-    floor = await store.events.read("alice", TASK_STATUS, None, page.position - 1, 10, floor_ms=NOW + 100)
+    assert await events.head() == page.position
+    floor = await events.read("alice", TASK_STATUS, None, page.position - 1, 10, floor_ms=NOW + 100)
     assert (floor.events, floor.truncated) == ([], True)
 
 
-async def test_an_event_fans_out_to_matching_subscriptions_and_one_replica_claims_each(store: TaskStore) -> None:
-    events = store.events
+async def test_an_event_fans_out_to_matching_subscriptions_and_one_replica_claims_each(
+    events: Events, records: Records
+) -> None:
     await events.put_subscription(subscription())
     await events.put_subscription(subscription(subject="task_b", subscription_id="sub_b"))
     await events.put_subscription(subscription(principal="bob"))
     await events.put_subscription(subscription(subscription_id="sub_lapsed", expires_at_ms=NOW - 1))
-    await run_task(store, "task_a")
+    await run_task(records, "task_a")
     claimed = await events.claim("replica-1", NOW + 10, 30_000, 10)
     assert [(d.subscription_id, d.event_id, d.attempts) for d in claimed] == [
         ("sub_alice_all", f"task_a.completed.{NOW + 3}", 1)
@@ -190,12 +230,11 @@ async def test_an_event_fans_out_to_matching_subscriptions_and_one_replica_claim
 
 
 async def test_unsubscribing_drops_pending_deliveries_and_housekeeping_ages_them(
-    store: TaskStore, backend: Backend
+    events: Events, records: Records, backend: Backend
 ) -> None:
-    events = store.events
     await events.put_subscription(subscription())
     await events.put_subscription(subscription(subscription_id="sub_other", expires_at_ms=None))
-    await run_task(store, "task_a")
+    await run_task(records, "task_a")
     assert (await events.outbox()).pending == 2
     assert await events.delete_subscription("sub_alice_all", "bob") is False  # not bob's
     assert await events.delete_subscription("sub_alice_all", "alice") is True
@@ -208,10 +247,9 @@ async def test_unsubscribing_drops_pending_deliveries_and_housekeeping_ages_them
     assert [s.subscription_id for s in await events.subscriptions()] == ["sub_other"]
 
 
-async def test_enqueue_and_replay_add_deliveries_once(store: TaskStore) -> None:
-    events = store.events
+async def test_enqueue_and_replay_add_deliveries_once(events: Events, records: Records) -> None:
     sub = subscription()
-    await run_task(store, "task_a")
+    await run_task(records, "task_a")
     await events.put_subscription(sub)
     assert (await events.outbox()).pending == 0  # subscribed after the event: not fanned out
     assert await events.replay(sub, 0, None, NOW + 5) is False
@@ -223,8 +261,7 @@ async def test_enqueue_and_replay_add_deliveries_once(store: TaskStore) -> None:
     assert (await events.outbox()).pending == 2
 
 
-async def test_verification_is_cached_per_principal_and_url(store: TaskStore) -> None:
-    events = store.events
+async def test_verification_is_cached_per_principal_and_url(events: Events) -> None:
     await events.mark_verified("alice", "https://a.example/h", NOW)
     assert await events.verified("alice", "https://a.example/h", NOW - 1)
     assert not await events.verified("bob", "https://a.example/h", NOW - 1)
@@ -254,8 +291,7 @@ async def test_operators_list_subscriptions_without_their_secrets(
     assert "t0k3n" not in printed
 
 
-async def test_an_appended_event_is_logged_once_and_fans_out_like_a_tasks(store: TaskStore) -> None:
-    events = store.events
+async def test_an_appended_event_is_logged_once_and_fans_out_like_a_tasks(events: Events) -> None:
     await events.put_subscription(
         subscription(
             subscription_id="sub_uri", name="resource.updated", subject="test://a", arguments='{"uri":"test://a"}'
@@ -270,8 +306,7 @@ async def test_an_appended_event_is_logged_once_and_fans_out_like_a_tasks(store:
     assert [d.event_id for d in await events.claim("replica-1", NOW + 1, 30_000, 10)] == ["evt_1"]
 
 
-async def test_one_replica_at_a_time_holds_a_wanted_watch(store: TaskStore) -> None:
-    events = store.events
+async def test_one_replica_at_a_time_holds_a_wanted_watch(events: Events) -> None:
     await events.want(Watch("alice", "resource.updated", "test://a", "sealed-1", NOW + 60_000))
     await events.want(Watch("alice", "resource.updated", "test://a", "sealed-2", NOW + 30_000))  # keeps the later
     held = await events.hold_watches("replica-1", NOW, 5_000, 10)

@@ -39,17 +39,16 @@ VERSION_HEADER: Final = "MCP-Protocol-Version"
 
 @dataclass(eq=False, slots=True)
 class LegacyHandles:
-    config: Callable[[], Config]  # the config in force, read at each request
     handles: Handles
     front: LegacyFront  # the pass-through, or the stdio front: what relays everything else
     pool: SessionPool
     jwt: JwtIdentity | None
     draining: Callable[[], bool]  # a draining replica starts no new call (its client goes to another replica)
 
-    def serve(self, request: web.Request, body: bytes, message: Any) -> Serve | None:
+    def serve(self, request: web.Request, body: bytes, message: Any, config: Config) -> Serve | None:
         """What serves this legacy POST when the handles read it; None: relayed as it came. `message` is the
-        body as read, or NOT_READ: then it is read only when its bytes may name a tool the handles serve."""
-        config = self.config()
+        body as read, or NOT_READ: then it is read only when its bytes may name a tool the handles serve;
+        `config` is the config in force as the edge read it for this request."""
         serving = tools.served(config.tasks, config.handles.tool_prefix)
         if message is NOT_READ:
             if not tools.may_concern(body, serving):
@@ -62,20 +61,19 @@ class LegacyHandles:
             return None
         method, params = message.get("method"), message.get("params")
         if method == "tools/list":
-            rewrite = self._listed(message["id"])
+            rewrite = self._listed(message["id"], config)
             return lambda span: self._relayed(span, request, body, rewrite)
         if method != "tools/call" or not isinstance(params, dict) or not serving.may_serve(params.get("name")):
             return None
         request_id, name = message["id"], params.get("name")
         base = tools.names(config.handles.tool_prefix).base_of(name)
         if base is not None:
-            return lambda span: self._tool(request, request_id, base, params)
+            return lambda span: self._tool(request, request_id, base, params, config)
         if isinstance(name, str) and tools.handles(config.tasks, name):
-            return lambda span: self._call(request, body, request_id, name, params)
+            return lambda span: self._call(request, body, request_id, name, params, config)
         return None
 
-    def _listed(self, request_id: RequestId) -> Callable[[JSON], JSON]:
-        config = self.config()
+    def _listed(self, request_id: RequestId, config: Config) -> Callable[[JSON], JSON]:
         names = tools.names(config.handles.tool_prefix)
 
         def rewrite(message: JSON) -> JSON:
@@ -96,34 +94,34 @@ class LegacyHandles:
         span.status(response.status)
         return response
 
-    async def _caller(self, request: web.Request, request_id: RequestId) -> tuple[Caller, HttpChannel]:
+    async def _caller(self, request: web.Request, request_id: RequestId, config: Config) -> tuple[Caller, HttpChannel]:
         """Who calls (the principal as for every call, in either era) and the answer's stream; from here on an
         error answers with the request's id."""
         request[RPC_ID] = request_id
-        config = self.config()
         principal = await identify(request.headers, config.security, self.jwt)
         channel = request[CHANNEL] = HttpChannel(request, config.limits.write_timeout_seconds)
         return Caller(principal=principal, headers=request.headers), channel
 
-    async def _tool(self, request: web.Request, request_id: RequestId, base: str, params: JSON) -> web.StreamResponse:
-        caller, channel = await self._caller(request, request_id)
+    async def _tool(
+        self, request: web.Request, request_id: RequestId, base: str, params: JSON, config: Config
+    ) -> web.StreamResponse:
+        caller, channel = await self._caller(request, request_id, config)
         meta = params.get("_meta")
         token = meta.get("progressToken") if isinstance(meta, dict) else None
         progress_token = token if isinstance(token, str | int) and not isinstance(token, bool) else None
         answer = await self.handles.tool(
-            request_id, base, params.get("arguments"), caller, channel, progress_token, None, modern=False
+            request_id, base, params.get("arguments"), caller, channel, progress_token, None, config, modern=False
         )
         return await channel.finish(answer)
 
     async def _call(
-        self, request: web.Request, body: bytes, request_id: RequestId, name: str, params: JSON
+        self, request: web.Request, body: bytes, request_id: RequestId, name: str, params: JSON, config: Config
     ) -> web.StreamResponse:
         """A `handle` tool's call, run as a call of the proxy's own (a task once the hold is over)."""
         arrived = time.monotonic()
         if self.draining():
             raise DrainingError(request_id=request_id)
-        caller, channel = await self._caller(request, request_id)
-        config = self.config()
+        caller, channel = await self._caller(request, request_id, config)
         meta = params.get("_meta")
         version = request.headers.get(VERSION_HEADER, LEGACY_VERSION)
         legacy = ModernRequest(request_id, "tools/call", params, meta if isinstance(meta, dict) else {}, version, {})
@@ -139,5 +137,7 @@ class LegacyHandles:
         if not decision.handle:  # (the upstream's own task support can change what the policy said)
             del request[RPC_ID], request[CHANNEL]
             return await self.front.relay(request, body)
-        answer = await self.handles.call(outgoing, caller, channel, decision, None, modern=False, arrived=arrived)
+        answer = await self.handles.call(
+            outgoing, caller, channel, decision, None, config, modern=False, arrived=arrived
+        )
         return await channel.finish(answer)

@@ -81,10 +81,23 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics.lease_held.set_function(lambda: runner.lease_problem() is None)
         metrics.store_available.set_function(lambda: store.health.available)
         store.health.on_failure(metrics.store_operation_failed)
-    watchers = TaskWatchers(store)
+    watchers = TaskWatchers(store.replicas)
     runner.spawn(watchers.run(), "task-feed")
-    events = Events(live.config, store, runner, pool, metrics) if config.events.enabled else None
-    front = app[FRONT] = Front(live.config, pool, runner, watchers, events)
+    events = None
+    if config.events.enabled:
+        events = Events(
+            live.config,
+            store.events,
+            store.replicas,
+            runner.tasks,
+            runner.principals,
+            process_id=runner.process_id,
+            clock=runner.clock,
+            audit=runner.audit,
+            pool=pool,
+            metrics=metrics,
+        )
+    front = app[FRONT] = Front(live.config, pool, runner.tasks, watchers, events)
     if metrics is not None:
         metrics.listen_streams.set_function(lambda: front.listens.open_streams)
         if events is not None:
@@ -92,7 +105,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     drain.wait_for(lambda: runner.open_calls)  # the drain is the app's, built before the runner
     live.subscribe(lambda new: runner.config_swapped())  # the queue admits by the caps now in force
     legacy = app[PASSTHROUGH] = legacy_front(pool)  # relayed, or served by the proxy (the kind decides)
-    app[LEGACY_HANDLES] = LegacyHandles(live.config, front.handles, legacy, pool, app.get(JWT), drain.is_draining)
+    app[LEGACY_HANDLES] = LegacyHandles(front.handles, legacy, pool, app.get(JWT), drain.is_draining)
     app[RELAY] = OriginRelay.of(config.relay, legacy)  # other paths: to the upstream's origin, when it has one
     admin = Admin(config.admin, store, runner.clock) if config.admin.port is not None else None
     try:
@@ -117,7 +130,6 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         if events is not None:
             await events.close()
         await runner.close()
-        await front.keys.close()  # idempotency-key writes the store did not take yet: tried once more
         await store.close()
         await legacy.close()
         await pool.close()

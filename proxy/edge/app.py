@@ -1,14 +1,7 @@
-"""The aiohttp application: its routes and middlewares, and the MCP endpoint's classification.
-
-One endpoint serves both eras: each POST is classified (docs/architecture.md), legacy traffic goes to the
-pass-through, modern requests to `Front`. A legacy POST is read as JSON only when something needs what it
-says (its method for the metrics and the request log line, its trace context, its id while draining, and
-`tools/list` and `tools/call` while task handles are on: `_legacy_handles.py`); else it is relayed unread, its
-bytes having shown that it cannot be modern. Each request gets one SERVER span,
-opened in one place once it is classified, from its arrival. Every ProxyError raised anywhere below becomes
-an answer in one place, the error edge (`_error_edge.py`). What is refused before classification is `_admission.py`'s;
-the operators' endpoints are `_ops.py`'s; what opens and closes with the app is `_lifecycle.py`'s.
-"""
+"""The aiohttp application: routes and middlewares, the classification of each request (one SERVER span, opened
+once classified), serving a modern request through the front and a legacy one through the pass-through (or, for
+`tools/list` and `tools/call` while task handles are on, `_legacy_handles.py`). Failures become answers in
+`_error_edge.py`; admission, ops and lifecycle have modules of their own."""
 
 from __future__ import annotations
 
@@ -64,6 +57,14 @@ from proxy.tasks.store import StoreUnavailableError
 from proxy.wire import jsonrpc
 from proxy.wire.envelope import Caller, is_modern, may_carry_version_key, validate_modern
 from proxy.wire.jsonrpc import Notification, Response
+
+# One endpoint serves both eras: each POST is classified (docs/architecture.md), legacy traffic goes to the
+# pass-through, modern requests to `Front`. A legacy POST is read as JSON only when something needs what it says (its
+# method for the metrics and the request log line, its trace context, its id while draining); else it is relayed
+# unread, its bytes having shown that it cannot be modern. Each request gets one SERVER span, opened in one place once
+# it is classified, from its arrival. Every ProxyError raised anywhere below becomes an answer in one place, the error
+# edge (`_error_edge.py`). What is refused before classification is `_admission.py`'s; the operators' endpoints are
+# `_ops.py`'s; what opens and closes with the app is `_lifecycle.py`'s.
 
 log = structlog.get_logger(__name__)
 
@@ -194,8 +195,9 @@ def _legacy_post(request: web.Request, body: bytes, message: object, *, decoded:
     if isinstance(message, dict) and isinstance(message.get("method"), str):
         request[MCP_METHOD] = message["method"]
     request.app[DRAIN].check_legacy(request, message)
-    if request.app[LIVE].current.tasks.has_handles:  # the handles read tools/list and tools/call
-        served = request.app[LEGACY_HANDLES].serve(request, body, message if decoded else NOT_READ)
+    config = request.app[LIVE].current  # once for this request
+    if config.tasks.has_handles:  # the handles read tools/list and tools/call
+        served = request.app[LEGACY_HANDLES].serve(request, body, message if decoded else NOT_READ, config)
         if served is not None:
             return "legacy", message, served
     return "legacy", message, _relayed(request, body)
@@ -229,7 +231,7 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     principal = await identify(request.headers, config.security, request.app.get(JWT))
     caller = Caller(principal=principal, headers=request.headers)
     if audited is not None:
-        audited.update(subject=subject(principal), principal=request.app[RUNNER].principals.key_of(principal) or None)
+        audited.update(subject=subject(principal), principal=request.app[RUNNER].tasks.owner_of(principal) or None)
     channel = request[CHANNEL] = HttpChannel(request, config.limits.write_timeout_seconds)
     try:
         reply = await request.app[FRONT].dispatch(modern, caller, channel)

@@ -1,11 +1,6 @@
-"""The delivery worker: claims due deliveries from the store's outbox (any replica may; a claim is a lease, so
-the deliveries of a replica that died are claimed again when it lapses) and POSTs each, signed, to its callback.
-
-A delivery keeps its `webhook-id` (the event id) across every try and every replica; each try signs afresh
-(a new `webhook-timestamp`). A 2xx ends it; `410` and `413` end it unretried (the subscription stays); other
-answers, timeouts and refused connections are retried after the configured waits, then given up. Imports the
-store's events port, the webhook client, the model and the metrics; nothing of the front.
-"""
+"""The delivery worker: claims due deliveries from the store's outbox (any replica may; a claim lapses, so a dead
+replica's deliveries are claimed again) and POSTs each, signed, to its callback. Imports the store's events
+port, the webhook client, the model and the metrics; nothing of the front."""
 
 from __future__ import annotations
 
@@ -22,8 +17,8 @@ from proxy.events import model
 from proxy.events.webhook import WebhookClient, signed_headers
 from proxy.observe.metrics import Metrics
 from proxy.principals import Principals, SealError
-from proxy.tasks.store import StoreError
-from proxy.tasks.store.events import Delivery, EventStore, StoredEvent
+from proxy.tasks.store import StoreError, contract
+from proxy.tasks.store.events import Delivery, StoredEvent
 
 log = structlog.get_logger(__name__)
 
@@ -31,9 +26,13 @@ IDLE_SECONDS: Final = 1.0  # the outbox is looked at this often at least (what a
 
 
 class Deliveries:
+    """A delivery keeps its `webhook-id` (the event id) across every try and every replica; each try signs afresh (a new
+    `webhook-timestamp`). A 2xx ends it; `410` and `413` end it unretried (the subscription stays); other answers,
+    timeouts and refused connections are retried after the configured waits, then given up."""
+
     def __init__(
         self,
-        store: EventStore,
+        store: contract.Events,
         client: WebhookClient,
         principals: Principals,
         config: Callable[[], EventsConfig],

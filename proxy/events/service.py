@@ -1,12 +1,7 @@
-"""The Events extension as the front serves it (`events/list`, `events/poll`, `events/stream`, `events/subscribe`,
-`events/unsubscribe`), and what runs beside it while it is on: the delivery worker, the log's housekeeping and
-one watch of the store's change feed that wakes streams and the worker.
-
-Every request is the caller's own: events are read with the caller's keyed principal in the store's query, and
-a task id that is not the caller's is refused exactly like one that never existed. Built by the lifecycle only
-when `events.enabled`; imports the tasks runner (for the caller's tasks), the store's events port, the model,
-the webhook client and the delivery worker; never aiohttp's server side.
-"""
+"""The Events extension as the front serves it (`events/list`, `poll`, `stream`, `subscribe`, `unsubscribe`) and
+what runs beside it while it is on: the delivery worker, the log's housekeeping, one watch of the change feed.
+Imports the tasks' facade, the store's events and replicas ports, the model, the webhook client and the
+delivery worker; never aiohttp's server side."""
 
 from __future__ import annotations
 
@@ -29,10 +24,12 @@ from proxy.events.delivery import Deliveries
 from proxy.events.errors import CallbackEndpointError, EventsForbiddenError, EventsNotFoundError, ResourceExhaustedError
 from proxy.events.watches import Watches
 from proxy.events.webhook import WebhookClient, challenge
+from proxy.observe.audit import AuditLog
 from proxy.observe.audit import subject as audit_subject
 from proxy.observe.metrics import Metrics
-from proxy.tasks.runner import TaskRunner
-from proxy.tasks.store import EVENTS, RESYNC, STATUS, StoreError, TaskStore
+from proxy.principals import Principals
+from proxy.tasks.runner import Tasks
+from proxy.tasks.store import EVENTS, RESYNC, STATUS, Replicas, StoreError, contract
 from proxy.tasks.store.events import TASK_STATUS, EventPage, StoredEvent, Watch, WebhookSubscription
 from proxy.upstream.pool import SessionPool
 from proxy.wire.envelope import Caller, Channel, ModernRequest
@@ -52,19 +49,33 @@ STREAM_INTEREST_MS: Final = 60_000  # a stream keeps its watch wanted this far a
 
 
 class Events:
+    """Every request is the caller's own: events are read with the caller's keyed principal in the store's query, and a
+    task id that is not the caller's is refused exactly like one that never existed. Built by the lifecycle only
+    when `events.enabled`."""
+
     def __init__(
         self,
         current: Callable[[], Config],
-        store: TaskStore,
-        runner: TaskRunner,
+        store: contract.Events,
+        feed: Replicas,
+        tasks: Tasks,
+        principals: Principals,
+        *,
+        process_id: str,
+        clock: Callable[[], int],
+        audit: AuditLog | None,
         pool: SessionPool,
         metrics: Metrics | None,
     ) -> None:
         self._current = current
         self.pool = pool
-        self.tasks_store = store
-        self.store = store.events
-        self.runner = runner
+        self.store = store  # the events port
+        self.feed = feed  # the replicas port, for its change feed
+        self.tasks = tasks
+        self.principals = principals
+        self.process_id = process_id  # this replica: who claims deliveries and holds watches
+        self._clock = clock
+        self.audit = audit
         self.metrics = metrics
         self.background = Background("events_background_failed")
         self.client = WebhookClient(
@@ -87,7 +98,7 @@ class Events:
         return sum(self._streams.values())
 
     def clock(self) -> int:
-        return int(self.runner.clock())
+        return int(self._clock())
 
     # --- lifecycle -------------------------------------------------------------------------------------------
 
@@ -98,9 +109,9 @@ class Events:
         self.deliveries = Deliveries(
             self.store,
             self.client,
-            self.runner.principals,
+            self.principals,
             lambda: self.config,
-            self.runner.process_id,
+            self.process_id,
             self.epoch,
             self.metrics,
             self.background,
@@ -110,9 +121,7 @@ class Events:
         self.background.spawn(self._pulse(), "events-pulse")
         self.background.spawn(self.deliveries.run_forever(), "event-deliveries")
         self.background.spawn(self._housekeep(), "events-housekeeping")
-        self.watches = Watches(
-            self.store, self.pool, self.runner.principals, self.runner.process_id, self.clock, self.background
-        )
+        self.watches = Watches(self.store, self.pool, self.principals, self.process_id, self.clock, self.background)
         self.background.spawn(self.watches.run_forever(), "event-watches")
 
     def end_streams(self) -> None:
@@ -138,7 +147,7 @@ class Events:
         statuses = {status.value for status in model.EVENT_STATUSES}
         while True:
             try:
-                async with self.tasks_store.changes() as changes:
+                async with self.feed.changes() as changes:
                     async for change in changes:
                         if change.kind in (EVENTS, RESYNC) or (
                             change.kind == STATUS and change.status is not None and change.status.value in statuses
@@ -210,7 +219,7 @@ class Events:
         """Keep the legacy server's changes of this kind watched for the caller until `until_ms`."""
         if subscription.type.name == TASK_STATUS:
             return
-        credential = None if caller.principal is None else self.runner.principals.seal(caller.principal.credential)
+        credential = None if caller.principal is None else self.principals.seal(caller.principal.credential)
         watch = Watch(owner, subscription.type.name, subscription.subject or "", credential, until_ms)
         await self.store.want(watch)
 
@@ -227,7 +236,7 @@ class Events:
         """The task the subscription names, when it is the caller's (else NotFound, as for an unknown id)."""
         if subscription.subject is None or subscription.type.name != TASK_STATUS:
             return None
-        record = await self.runner.operations.peek(subscription.subject, owner)
+        record = await self.tasks.peek(subscription.subject, owner)
         if record is None:
             raise EventsNotFoundError(TASK_NOT_FOUND)
         return record
@@ -238,7 +247,7 @@ class Events:
     async def poll(self, request: ModernRequest, caller: Caller) -> JSON:
         config = self.config
         subscription = await self._subscription(request, caller, model.POLL)
-        owner = self.runner.operations.owner(caller)
+        owner = self.tasks.owner(caller)
         record = await self._authorized(subscription, owner)  # read before the head: its end is at or before it
         await self._want(subscription, owner, caller, self.clock() + max(POLL_INTEREST_MS, 3 * config.poll_interval_ms))
         cursor = model.decode_cursor(request.params.get("cursor"), self.epoch)
@@ -269,7 +278,7 @@ class Events:
     async def stream(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         config = self.config
         subscription = await self._subscription(request, caller, model.PUSH)
-        owner = self.runner.operations.owner(caller)
+        owner = self.tasks.owner(caller)
         record = await self._authorized(subscription, owner)
         cursor = model.decode_cursor(request.params.get("cursor"), self.epoch)
         max_age = model.non_negative_int(request.params, "maxAgeMs")
@@ -290,7 +299,7 @@ class Events:
     def _webhook_principal(self, caller: Caller, method: str) -> str:
         if caller.principal is None:
             raise EventsForbiddenError(f"Forbidden: {method} needs an authenticated caller")
-        return self.runner.operations.owner(caller)
+        return self.tasks.owner(caller)
 
     async def subscribe(self, request: ModernRequest, caller: Caller) -> JSON:
         webhooks = self.config.webhooks
@@ -345,7 +354,7 @@ class Events:
             url=url,
             secret=existing.secret
             if existing is not None and existing.secret_digest == digest
-            else self.runner.principals.seal_callback_secret(secret),
+            else self.principals.seal_callback_secret(secret),
             secret_digest=digest,
             previous_secret=previous,
             previous_until_ms=previous_until,
@@ -414,7 +423,7 @@ class Events:
         """One audit line per subscribe and unsubscribe: who, which subscription, what became of it. Never the
         callback URL (it may carry a token) or the secret."""
         log.info("event_subscription", method=method, subscription_id=subscription_id, outcome=outcome)
-        audit = self.runner.audit
+        audit = self.audit
         if audit is not None:
             audit.write(
                 {

@@ -1,12 +1,6 @@
-"""The legacy server's changes as events: for each watch someone wants (a subscriber of a resource's updates, or
-of a list's changes), one replica holds the principal's upstream session, its `resources/subscribe` and the
-stream that carries the notifications, and logs each matching notification as an event for that principal.
-
-Which replica holds a watch is the store's to say (a hold, renewed every few seconds; a replica that dies lets
-it lapse and another takes it). Holding it is what a `subscriptions/listen` stream does with the same session
-(`listen.py`): an inbox on the session's subscribers, a reference-counted upstream subscription. Imports the
-upstream pool, the store's events port, the principals and the model; nothing of the front.
-"""
+"""The legacy server's changes as events: for each watch someone wants, one replica holds the principal's upstream
+session, its `resources/subscribe` and the stream that carries the notifications, and logs each matching one.
+Imports the upstream pool, the store's events port, the principals and the model; nothing of the front."""
 
 from __future__ import annotations
 
@@ -21,8 +15,8 @@ from proxy.background import Background
 from proxy.errors import ProxyError
 from proxy.events import model
 from proxy.principals import Identity, Principals, SealError
-from proxy.tasks.store import StoreError
-from proxy.tasks.store.events import PREFERRED_WATCHES, EventStore, Watch
+from proxy.tasks.store import StoreError, contract
+from proxy.tasks.store.events import PREFERRED_WATCHES, Watch
 from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import Subscribers
 from proxy.wire.jsonrpc import JSON
@@ -51,9 +45,14 @@ class _Inbox:
 
 
 class Watches:
+    """Which replica holds a watch (a subscriber of a resource's updates, or of a list's changes) is the store's to
+    say: a hold, renewed every few seconds; a replica that dies lets it lapse and another takes it. Holding it is
+    what a `subscriptions/listen` stream does with the same session (`listen.py`): an inbox on the session's
+    subscribers, a reference-counted upstream subscription."""
+
     def __init__(
         self,
-        store: EventStore,
+        store: contract.Events,
         pool: SessionPool,
         principals: Principals,
         owner: str,

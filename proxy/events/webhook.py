@@ -1,13 +1,6 @@
-"""The webhook client: one signed POST to a callback, hardened against being aimed inside.
-
-Each connection resolves the callback's host itself and checks every address it got against the IANA
-special-purpose registries (unless private callbacks are allowed) before connecting to one of them, with the
-original host in `Host` and TLS SNI: the address checked is the address connected to, so a name that changes
-between the subscribe and the delivery (DNS rebinding) gains nothing. No redirect is followed, an answer's
-body is read only up to a small cap, and every header written is checked first. Bodies are signed per Standard
-Webhooks by the `standardwebhooks` package. Imports aiohttp's client, `standardwebhooks`, the model; nothing of
-the front or the store.
-"""
+"""The webhook client: one signed POST to a callback (Standard Webhooks, by the `standardwebhooks` package),
+hardened against being aimed inside. Imports aiohttp's client, `standardwebhooks` and the model; nothing of
+the front or the store."""
 
 from __future__ import annotations
 
@@ -96,6 +89,12 @@ def signed_headers(
 
 
 class WebhookClient:
+    """Each connection resolves the callback's host itself and checks every address it got against the IANA special-
+    purpose registries (unless private callbacks are allowed) before connecting to one of them, with the original
+    host in `Host` and TLS SNI: the address checked is the address connected to, so a name that changes between the
+    subscribe and the delivery (DNS rebinding) gains nothing. No redirect is followed, an answer's body is read only
+    up to a small cap, and every header written is checked first."""
+
     def __init__(self, allow_private: Callable[[], bool], timeout_seconds: Callable[[], float]) -> None:
         self._allow_private = allow_private
         self._timeout = timeout_seconds

@@ -1,13 +1,12 @@
 """Task handles served, in either era: a `handle` call held up to `handles.hold_ms` (its result, or a handle to
 the task it became), and the synthesised task tools, which read, wait for, cancel and answer the caller's own
 tasks through the task operations. Answers are legacy results or, for a 2026-07-28 client, translated ones.
-Imports the tasks' waiting side, operations and push watchers, the policy and the wire; no aiohttp.
+Imports the tasks' facade and push watchers, the policy and the wire; no aiohttp.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
@@ -19,9 +18,8 @@ from proxy.front.handles import tools
 from proxy.policy import Decision
 from proxy.tasks.live_call import UpstreamRequest
 from proxy.tasks.machine.commands import ReplyError, ReplyOutcome, ReplyTask
-from proxy.tasks.services.operations import TaskOperations
+from proxy.tasks.runner import Tasks
 from proxy.tasks.services.push import ListenInbox, TaskWatchers
-from proxy.tasks.services.starting import WaitingRequests
 from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import read_tools
 from proxy.wire import translate
@@ -37,13 +35,10 @@ WARM_SECONDS: Final = 8.0  # a `task_result` wait sends progress at least this o
 
 @dataclass(eq=False, slots=True)
 class Handles:
-    config: Callable[[], Config]  # the config in force, read at each request
-    waiting: WaitingRequests
-    operations: TaskOperations
-    watchers: TaskWatchers
+    """Each request brings the config its front read once for it."""
 
-    def names(self) -> tools.ToolNames:
-        return tools.names(self.config().handles.tool_prefix)
+    tasks: Tasks
+    watchers: TaskWatchers
 
     async def call(
         self,
@@ -52,6 +47,7 @@ class Handles:
         channel: Channel,
         decision: Decision,
         server_info: JSON | None,
+        config: Config,
         *,
         modern: bool,
         arrived: float,
@@ -62,11 +58,11 @@ class Handles:
         request_id = outgoing.request.id
         hold_ms = decision.hold_ms
         left_ms = max(0, round(hold_ms - (time.monotonic() - arrived) * 1000))
-        reply = await self.waiting.reply(outgoing, caller, channel, replace(decision, hold_ms=left_ms))
+        reply = await self.tasks.reply(outgoing, caller, channel, replace(decision, hold_ms=left_ms), config)
         if isinstance(reply, ReplyTask):
             assert reply.record is not None
             log.info("task_handle_given", tool=outgoing.name, task_id=reply.record.task_id)
-            result = tools.handle_result(reply.record, self.names(), hold_ms)
+            result = tools.handle_result(reply.record, tools.names(config.handles.tool_prefix), hold_ms)
             return result_message(request_id, _era(result, modern, server_info))
         if isinstance(reply, ReplyOutcome):
             outcome = reply.outcome
@@ -90,6 +86,7 @@ class Handles:
         channel: Channel,
         progress_token: str | int | None,
         server_info: JSON | None,
+        config: Config,
         *,
         modern: bool,
     ) -> JSON:
@@ -101,7 +98,7 @@ class Handles:
             result = tools.no_such_task()
         else:
             try:
-                result = await self._serve(base, task_id, arguments, caller, channel, progress_token)
+                result = await self._serve(base, task_id, arguments, caller, channel, progress_token, config)
             except _NoSuchTask:
                 result = tools.no_such_task()
         return result_message(request_id, _era(result, modern, server_info))
@@ -114,12 +111,13 @@ class Handles:
         caller: Caller,
         channel: Channel,
         progress_token: str | int | None,
+        config: Config,
     ) -> JSON:
-        names = self.names()
+        names = tools.names(config.handles.tool_prefix)
         if base == tools.STATUS:
             return tools.status_result(await self._observe(task_id, caller), names)
         if base == tools.RESULT:
-            hold_ms = self.config().handles.hold_ms
+            hold_ms = config.handles.hold_ms
             wait = tools.wait_seconds_of(arguments, hold_ms)
             if wait is None:
                 return tools.bad_arguments(f"{names.result}: wait_seconds must be a number of seconds")
@@ -127,7 +125,7 @@ class Handles:
             return tools.outcome_result(record) if record.status.terminal else tools.still_working(record, names)
         if base == tools.CANCEL:
             try:
-                await self.operations.cancel(task_id, caller)
+                await self.tasks.cancel(task_id, caller)
             except InvalidParamsError:
                 raise _NoSuchTask() from None
             return tools.cancel_result(await self._observe(task_id, caller))
@@ -138,14 +136,14 @@ class Handles:
         record = await self._observe(task_id, caller)
         answered = [key for key in responses if key in record.input_requests]
         try:
-            await self.operations.update(task_id, caller, responses)
+            await self.tasks.update(task_id, caller, responses)
         except InvalidParamsError as exc:  # an answer that does not fit its question (the caller's own task)
             return tools.bad_arguments(exc.message)
         return tools.respond_result(record, answered if not record.status.terminal else [], names)
 
     async def _observe(self, task_id: str, caller: Caller) -> TaskRecord:
         try:
-            return await self.operations.observe(task_id, caller)
+            return await self.tasks.get(task_id, caller)
         except InvalidParamsError:
             raise _NoSuchTask() from None
 

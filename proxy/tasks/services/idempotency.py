@@ -1,11 +1,7 @@
-"""`Idempotency-Key` on a 2026-07-28 `tools/call` (draft-ietf-httpapi-idempotency-key-header): the first request
-with a key runs as any call and its outcome is recorded in the task store; a repeat with the same key and
-payload joins it while it runs (one upstream call, on any replica) or gets the recorded outcome after; the same
-key with another payload is 422. A claim is held by a live request or free: a release or an outcome the store
-could not take (it was away) is owed, written as soon as it takes it, and at once by a repeat here. The front
-consults `IdempotencyKeys.serve` only for a request with the header. Imports the store, the config, the errors
-and the wire; no aiohttp, no runner internals.
-"""
+"""`Idempotency-Key` on a 2026-07-28 `tools/call`: the first request with a key runs as any call, its outcome
+recorded in the task store; a repeat with the same payload joins it (one upstream call, on any replica) or gets
+the outcome, another payload is 422. A release or outcome the store could not take is owed and written once it
+can. Consulted by the front only for a request with the header. Imports the store, config, errors and wire."""
 
 from __future__ import annotations
 
@@ -242,7 +238,7 @@ class IdempotencyKeys:
             claim = KeyRecord(scope, key, printed, self.process_id, now, now + round(config.retention_seconds * 1000))
             self._held[_claim(claim)] += 1  # before the claim is sent: a repeat here that finds it joins it
             try:
-                holder = await self.store.claim_key(claim)
+                holder = await self.store.keys.claim_key(claim)
             except BaseException:  # refused (503) or left: whether the store committed the claim is unknown
                 self._owe(claim, None)
                 self._unhold(claim)
@@ -300,7 +296,7 @@ class IdempotencyKeys:
 
     async def _settle(self, claim: KeyRecord, outcome: str) -> None:
         try:
-            await self.store.settle_key(claim, outcome)
+            await self.store.keys.settle_key(claim, outcome)
         except StoreError as exc:  # the answer still goes out; the outcome is written once the store takes it
             log.warning("idempotency_key_not_recorded", error=str(exc), owed=True)
             self._owe(claim, outcome)
@@ -308,7 +304,7 @@ class IdempotencyKeys:
     async def _release(self, claim: KeyRecord) -> None:
         self._note("released")
         try:
-            await self.store.release_key(claim)
+            await self.store.keys.release_key(claim)
         except StoreError as exc:  # released once the store takes it (a repeat here does it at once)
             log.warning("idempotency_key_not_released", error=str(exc), owed=True)
             self._owe(claim, None)
@@ -340,9 +336,9 @@ class IdempotencyKeys:
                 return False
             record, outcome = owed
             if outcome is None:
-                await self.store.release_key(record)
+                await self.store.keys.release_key(record)
             else:
-                await self.store.settle_key(record, outcome)
+                await self.store.keys.settle_key(record, outcome)
             self._owed.pop(_claim(claim), None)
         log.info("idempotency_key_owed_written", released=outcome is None)
         return True
@@ -393,14 +389,14 @@ class IdempotencyKeys:
                 # This process made the claim and no request here waits on it any more: refused (503) or left
                 # while the claim was made, or its release or outcome could not be written. Written now.
                 paid = await self._pay(record)
-                if not paid and await self.store.settle_key(record, json.dumps(INTERRUPTED)):
+                if not paid and await self.store.keys.settle_key(record, json.dumps(INTERRUPTED)):
                     # Nothing known of it (more were owed than kept): its outcome is unknown, as after a crash.
                     log.warning("idempotency_key_interrupted", owner=record.owner)
                     self._note("interrupted")
-            elif record.owner != self.process_id and not await self.store.replica_alive(record.owner):
+            elif record.owner != self.process_id and not await self.store.replicas.replica_alive(record.owner):
                 # The process running the first request died: what the upstream did is unknown, so it is
                 # not run again; the repeats are told so.
-                if await self.store.settle_key(record, json.dumps(INTERRUPTED)):
+                if await self.store.keys.settle_key(record, json.dumps(INTERRUPTED)):
                     log.warning("idempotency_key_interrupted", owner=record.owner)
                     self._note("interrupted")
             else:
@@ -414,7 +410,7 @@ class IdempotencyKeys:
                 joined = True
                 await asyncio.sleep(min(delay, remaining))
                 delay = min(delay * 2, MAX_POLL_SECONDS)
-            record = await self.store.get_key(holder.scope, holder.key)
+            record = await self.store.keys.get_key(holder.scope, holder.key)
         if record is None:
             return None
         how = "joined" if joined else "replayed"

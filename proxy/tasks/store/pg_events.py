@@ -1,9 +1,7 @@
-"""The PostgreSQL store's events port: `events.py`'s SQL in psycopg's placeholders on the store's pooled
-connections. A read takes the log's head first, then what lies at or before it: every writer of the log holds
-the events lock to its commit, so nothing at or before a visible head can still appear. Claims skip the rows
-another replica has locked, so replicas claiming at once share the outbox out. Depends on psycopg and the
-store's `base`, `events`, `pg_connections`, `pg_schema`; used by `postgres.py` only.
-"""
+"""The PostgreSQL store's events port: `events.py`'s SQL on the store's pooled connections (`PgConnections`). A
+read takes the log's head first, then what lies at or before it: every writer of the log holds the events lock to
+its commit, so nothing at or before a visible head can appear later. Claims skip rows another replica has locked,
+so replicas claiming at once share the outbox out. Used by `postgres.py` only."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ from psycopg.rows import DictRow
 from proxy.tasks.store import events as sql
 from proxy.tasks.store import pg_schema as schema
 from proxy.tasks.store.events import Delivery, EventPage, Outbox, StoredEvent, Watch, WebhookSubscription
-from proxy.tasks.store.pg_connections import Conn
+from proxy.tasks.store.pg_connections import Conn, PgConnections
 
 _T = TypeVar("_T")
 _NOTIFY: Final = schema.notify_sql("'events'", "''", "''")
@@ -24,18 +22,13 @@ _LOCK_LOG: Final = f"SELECT pg_advisory_xact_lock({schema.LOCK_SPACE}, {schema.E
 
 
 class PgEvents:
-    def __init__(
-        self,
-        run: Callable[..., Awaitable[Any]],
-        rows: Callable[..., Awaitable[list[DictRow]]],
-        channel: Callable[[], str],
-    ) -> None:
-        self._run = run  # PgConnections._run: work on a pooled connection within the store's deadline
-        self._rows = rows
-        self._channel = channel
+    """The events port, on the store's pooled connections."""
+
+    def __init__(self, db: PgConnections) -> None:
+        self.db = db
 
     async def _one(self, what: str, statement: str, params: dict[str, Any], *, write: bool = False) -> DictRow:
-        found = await self._rows(what, sql.pg(statement), params, write=write)
+        found = await self.db.rows(what, sql.pg(statement), params, write=write)
         return found[0]
 
     async def _in_transaction(self, what: str, work: Callable[[Conn], Awaitable[_T]]) -> _T:
@@ -43,16 +36,16 @@ class PgEvents:
             async with conn.transaction():
                 return await work(conn)
 
-        result: _T = await self._run(what, run)
+        result: _T = await self.db.run(what, run)
         return result
 
     async def _wake(self, conn: Conn) -> None:
-        await conn.execute(f"SELECT {_NOTIFY}", {"channel": self._channel()})
+        await conn.execute(f"SELECT {_NOTIFY}", {"channel": self.db.channel})
 
     # -- the log ---------------------------------------------------------------------------------------------
 
     async def configure(self, enabled: bool) -> str:
-        await self._rows("events configure", sql.pg(sql.CONFIGURE_SQL), {"enabled": enabled})
+        await self.db.rows("events configure", sql.pg(sql.CONFIGURE_SQL), {"enabled": enabled})
         return str((await self._one("events settings", sql.SETTINGS_SQL, {}))["epoch"])
 
     async def head(self) -> int:
@@ -86,7 +79,7 @@ class PgEvents:
             found = found[:limit]
             return EventPage(found, found[-1].seq if has_more else head, truncated, has_more)
 
-        page: EventPage = await self._run("events read", run, write=False)
+        page: EventPage = await self.db.run("events read", run, write=False)
         return page
 
     # -- subscriptions ---------------------------------------------------------------------------------------
@@ -95,13 +88,13 @@ class PgEvents:
         return int((await self._one("events count", sql.COUNT_SUBSCRIPTIONS_SQL, {"principal": principal}))["n"])
 
     async def subscription(self, subscription_id: str) -> WebhookSubscription | None:
-        found = await self._rows(
+        found = await self.db.rows(
             "events subscription", sql.pg(sql.GET_SUBSCRIPTION_SQL), {"subscription_id": subscription_id}, write=False
         )
         return sql.subscription_of(found[0]) if found else None
 
     async def put_subscription(self, subscription: WebhookSubscription) -> None:
-        await self._rows("events subscribe", sql.pg(sql.PUT_SUBSCRIPTION_SQL), sql.subscription_params(subscription))
+        await self.db.rows("events subscribe", sql.pg(sql.PUT_SUBSCRIPTION_SQL), sql.subscription_params(subscription))
 
     async def delete_subscription(self, subscription_id: str, principal: str) -> bool:
         params = {"subscription_id": subscription_id, "principal": principal}
@@ -116,7 +109,7 @@ class PgEvents:
 
     async def subscriptions(self, principal: str | None = None, limit: int = 100) -> list[WebhookSubscription]:
         where = "" if principal is None else " WHERE principal = :principal"
-        found = await self._rows(
+        found = await self.db.rows(
             "events subscriptions",
             sql.pg(sql.LIST_SUBSCRIPTIONS_SQL.format(where=where)),
             {"principal": principal, "limit": limit},
@@ -161,11 +154,11 @@ class PgEvents:
 
     async def verified(self, principal: str, url: str, since_ms: int) -> bool:
         params = {"principal": principal, "url": url, "since_ms": since_ms}
-        return bool(await self._rows("events verified", sql.pg(sql.VERIFIED_SQL), params, write=False))
+        return bool(await self.db.rows("events verified", sql.pg(sql.VERIFIED_SQL), params, write=False))
 
     async def mark_verified(self, principal: str, url: str, now_ms: int) -> None:
         params = {"principal": principal, "url": url, "now_ms": now_ms}
-        await self._rows("events verify", sql.pg(sql.MARK_VERIFIED_SQL), params)
+        await self.db.rows("events verify", sql.pg(sql.MARK_VERIFIED_SQL), params)
 
     # -- the outbox ------------------------------------------------------------------------------------------
 
@@ -255,12 +248,12 @@ class PgEvents:
 
     async def want(self, watch: Watch) -> None:
         params = {column: getattr(watch, column) for column in sql.WATCH_COLUMNS}
-        await self._rows("events want", sql.pg(sql.WANT_SQL.format(greatest="GREATEST")), params)
+        await self.db.rows("events want", sql.pg(sql.WANT_SQL.format(greatest="GREATEST")), params)
 
     async def hold_watches(self, owner: str, now_ms: int, hold_ms: int, limit: int) -> list[Watch]:
         params = {"owner": owner, "now_ms": now_ms, "until_ms": now_ms + hold_ms, "limit": limit}
-        found = await self._rows("events hold", sql.pg(sql.holdable_sql(" FOR UPDATE SKIP LOCKED")), params)
+        found = await self.db.rows("events hold", sql.pg(sql.holdable_sql(" FOR UPDATE SKIP LOCKED")), params)
         return [sql.watch_of(row) for row in found]
 
     async def drop_watches(self, now_ms: int) -> None:
-        await self._rows("events drop watches", sql.pg(sql.DROP_WATCHES_SQL), {"now_ms": now_ms})
+        await self.db.rows("events drop watches", sql.pg(sql.DROP_WATCHES_SQL), {"now_ms": now_ms})

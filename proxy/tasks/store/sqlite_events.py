@@ -1,9 +1,7 @@
-"""The SQLite store's events port: `events.py`'s SQL on the store's reader and writer threads, and a wake-up on
-the in-process feed when something new waits (the triggers of `sqlite_schema.py` write a task's event and its
-deliveries in the transaction that changes the task; `configure` creates them, or drops them when events are
-off). Depends on sqlite-utils through the store's threads and on `base`, `events`, `feed`, `sqlite_schema`,
-`sqlite_threads`, `sqlite_writer`; used by `sqlite.py` only.
-"""
+"""The SQLite store's events port: `events.py`'s SQL on the file's reader and writer threads (`SqliteDb`), and a
+wake-up on the in-process feed when something new waits. The triggers of `sqlite_schema.py` write a task's event
+and its deliveries in the transaction that changes the task; `configure` creates them, or drops them when events
+are off. Used by `sqlite.py` only."""
 
 from __future__ import annotations
 
@@ -14,36 +12,38 @@ from proxy.tasks.store import sqlite_schema as schema
 from proxy.tasks.store.base import EVENTS, Change
 from proxy.tasks.store.events import Delivery, EventPage, Outbox, StoredEvent, Watch, WebhookSubscription
 from proxy.tasks.store.feed import LocalFeed
-from proxy.tasks.store.sqlite_threads import SqliteThreads
+from proxy.tasks.store.sqlite_threads import SqliteDb
 from proxy.tasks.store.sqlite_writer import SqliteWriter, rows
 
 
 class SqliteEvents:
-    def __init__(self, threads: SqliteThreads, writer: SqliteWriter, feed: LocalFeed) -> None:
-        self._threads = threads
-        self._writer = writer
-        self._feed = feed
+    """The events port, every write through the writer thread."""
+
+    def __init__(self, db: SqliteDb, writer: SqliteWriter, feed: LocalFeed) -> None:
+        self.db = db
+        self.writer = writer
+        self.feed = feed
 
     # -- plumbing --------------------------------------------------------------------------------------------
 
     async def _select(self, what: str, statement: str, params: dict[str, Any]) -> list[dict[str, Any]]:
-        return await self._threads._read(what, lambda: rows(self._threads._reader_conn().execute(statement, params)))
+        return await self.db.read(what, lambda: rows(self.db.reader_conn().execute(statement, params)))
 
     async def _change(self, what: str, *statements: tuple[str, dict[str, Any]]) -> int:
         """The statements in one transaction on the writer thread; the rows the last one changed."""
 
         def run() -> int:
-            db = self._writer.db()
+            db = self.writer.db()
             changed = 0
             with db.atomic():
                 for statement, params in statements:
                     changed = db.execute(statement, params).rowcount
             return changed
 
-        return await self._threads._write(what, run)
+        return await self.db.write(what, run)
 
     def _wake(self) -> None:
-        self._feed.publish(Change(EVENTS))
+        self.feed.publish(Change(EVENTS))
 
     # -- the log ---------------------------------------------------------------------------------------------
 
@@ -65,7 +65,7 @@ class SqliteEvents:
         self, principal: str, name: str, subject: str | None, after: int, limit: int, floor_ms: int | None = None
     ) -> EventPage:
         def run() -> EventPage:
-            conn = self._threads._reader_conn()
+            conn = self.db.reader_conn()
             head_row = rows(conn.execute(sql.HEAD_SQL))[0]
             trimmed = int(head_row["trimmed"])
             head = max(int(head_row["head"]), trimmed)
@@ -89,7 +89,7 @@ class SqliteEvents:
             found = found[:limit]
             return EventPage(found, found[-1].seq if has_more else head, truncated, has_more)
 
-        return await self._threads._read("events read", run)
+        return await self.db.read("events read", run)
 
     # -- subscriptions ---------------------------------------------------------------------------------------
 
@@ -110,14 +110,14 @@ class SqliteEvents:
         params = {"subscription_id": subscription_id, "principal": principal}
 
         def run() -> bool:
-            db = self._writer.db()
+            db = self.writer.db()
             with db.atomic():
                 if db.execute(sql.DELETE_SUBSCRIPTION_SQL, params).rowcount == 0:
                     return False
                 db.execute(sql.DELETE_DELIVERIES_SQL, params)
             return True
 
-        return await self._threads._write("events unsubscribe", run)
+        return await self.db.write("events unsubscribe", run)
 
     async def subscriptions(self, principal: str | None = None, limit: int = 100) -> list[WebhookSubscription]:
         where = "" if principal is None else " WHERE principal = :principal"
@@ -168,7 +168,7 @@ class SqliteEvents:
 
     async def claim(self, owner: str, now_ms: int, claim_ms: int, limit: int) -> list[Delivery]:
         def run() -> list[Delivery]:
-            db = self._writer.db()
+            db = self.writer.db()
             params = {"owner": owner, "now_ms": now_ms, "until_ms": now_ms + claim_ms, "limit": limit}
             with db.atomic():
                 claimed = [row[0] for row in db.execute(sql.CLAIM_SQL.format(due=sql.DUE_SQL), params).fetchall()]
@@ -180,7 +180,7 @@ class SqliteEvents:
                 found = rows(db.execute(sql.CLAIMED_SQL.format(ids=ids), {"owner": owner}))
             return [sql.delivery_of(row, head) for row in found]
 
-        return await self._threads._write("events claim", run)
+        return await self.db.write("events claim", run)
 
     async def delivered(self, delivery: Delivery, owner: str, now_ms: int) -> None:
         await self._change(
@@ -223,7 +223,7 @@ class SqliteEvents:
 
     async def housekeep(self, now_ms: int, retention_ms: int, max_events: int, max_delivery_age_ms: int) -> int:
         def run() -> int:
-            db = self._writer.db()
+            db = self.writer.db()
             with db.atomic():
                 db.execute(sql.trim_sql("MAX"), {"before_ms": now_ms - retention_ms, "keep": max_events})
                 db.execute(sql.DELETE_TRIMMED_SQL)
@@ -235,7 +235,7 @@ class SqliteEvents:
                 ).rowcount
             return int(aged)
 
-        return await self._threads._write("events housekeeping", run)
+        return await self.db.write("events housekeeping", run)
 
     # -- the legacy server's changes -------------------------------------------------------------------------
 
@@ -249,13 +249,13 @@ class SqliteEvents:
 
     async def hold_watches(self, owner: str, now_ms: int, hold_ms: int, limit: int) -> list[Watch]:
         def run() -> list[Watch]:
-            db = self._writer.db()
+            db = self.writer.db()
             params = {"owner": owner, "now_ms": now_ms, "until_ms": now_ms + hold_ms, "limit": limit}
             with db.atomic():
                 found = rows(db.execute(sql.holdable_sql(), params))
             return [sql.watch_of(row) for row in found]
 
-        return await self._threads._write("events hold", run)
+        return await self.db.write("events hold", run)
 
     async def drop_watches(self, now_ms: int) -> None:
         await self._change("events drop watches", (sql.DROP_WATCHES_SQL, {"now_ms": now_ms}))
