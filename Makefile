@@ -1,6 +1,7 @@
 # mcp-tasks-proxy — every target installs what it needs (a virtual environment in .venv, the pinned
 # conformance suite, the reference server-everything and Node 22 from the npm registry in
-# conformance/node_modules; the unit tests start server-everything too).
+# conformance/node_modules; the unit tests start server-everything too, and drive real clients: the
+# TypeScript SDK and the MCP Inspector in clients/node_modules, the mcp 2.x Python SDK in .venv-mcp2).
 
 PYTHON ?= python3
 VENV := .venv
@@ -12,6 +13,10 @@ RUN_STAMP := $(VENV)/.installed-run
 RUN_DIR := .run
 ANCHOR_STAMP := .venv-anchor/.installed
 SUITE := conformance/node_modules/@modelcontextprotocol/conformance/dist/index.js
+# Real clients the tests drive (tests/support/real_clients.py): the TypeScript SDK and the MCP Inspector from the npm
+# registry into clients/node_modules, the mcp 2.x Python SDK into an environment of its own.
+CLIENTS := clients/node_modules/.installed
+MCP2_STAMP := .venv-mcp2/.installed
 UPSTREAM_PORT ?= 9000
 PORT ?= 8080
 
@@ -28,6 +33,15 @@ $(STAMP): pyproject.toml
 $(SUITE): conformance/package.json conformance/package-lock.json
 	cd conformance && npm ci --no-audit --no-fund --loglevel=error
 	touch $(SUITE)
+
+$(CLIENTS): clients/package.json clients/package-lock.json
+	cd clients && npm ci --no-audit --no-fund --loglevel=error
+	touch $(CLIENTS)
+
+$(MCP2_STAMP): clients/mcp2-requirements.txt
+	$(PYTHON) -m venv .venv-mcp2
+	.venv-mcp2/bin/pip install --quiet -r clients/mcp2-requirements.txt
+	touch $(MCP2_STAMP)
 
 $(RUN_STAMP): pyproject.toml
 	@echo "make run: installing the runtime dependencies into $(VENV) (once; make install adds the dev tools)"
@@ -48,7 +62,7 @@ run: $(if $(wildcard $(STAMP)),$(STAMP),$(RUN_STAMP))
 ## conformance gates
 test: unit rules docs conformance
 
-unit: $(STAMP) $(SUITE)
+unit: $(STAMP) $(SUITE) $(CLIENTS) $(MCP2_STAMP)
 	$(BIN)/python -m pytest -q
 
 ## rules: `promtool test rules` on config/monitoring/ (promtool is Debian's `prometheus` package; skipped without it)
@@ -93,7 +107,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(RUN_DIR) .venv-anchor conformance/node_modules conformance/out .mypy_cache .ruff_cache .pytest_cache image/wheels build/image site
+	rm -rf $(VENV) $(RUN_DIR) .venv-anchor .venv-mcp2 clients/node_modules conformance/node_modules conformance/out .mypy_cache .ruff_cache .pytest_cache image/wheels build/image site
 
 ## docker: the container image, tagged mcp-tasks-proxy:<version from pyproject.toml> and :latest
 VERSION = $(shell sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml)

@@ -222,6 +222,11 @@ class LegacyClient:
         assert response.status == 200, response
         assert b'"text":"x"' in response.body.replace(b" ", b""), response
 
+    async def list_tools(self) -> None:
+        response = await self.http.post(self._request("tools/list", {}), self.headers)
+        assert response.status == 200, response
+        assert b'"tools"' in response.body, response
+
     def close(self) -> None:
         self.http.close()
 

@@ -2,6 +2,7 @@
 and on a loaded one, so a change of a few percent shows where times and CPU seconds drown it in noise.
 
     python -m benchmarks.instructions [--baseline REF] [--calls N] [--only ROW,...]
+    python -m benchmarks.instructions --handles [--calls N]
 
 A lean upstream; first the floor relay (`benchmarks/floor.py`: aiohttp + the lean client, nothing else) under
 callgrind, relaying a legacy client's `tools/call`; then a proxy under callgrind, from this tree and from a
@@ -13,7 +14,9 @@ sleeping long after) and to its result committed (`whole task`, the tool answeri
 when the store holds every task completed). Each row is printed as instructions per call and as a ratio to the
 floor. Counting starts after a warm-up of 300 calls and covers the next N (default 600), at concurrency 4;
 what callgrind counts is every instruction of the process, its threads included. Slow (about a minute a
-process) and needs `valgrind`; not part of `make bench`.
+process) and needs `valgrind`; not part of `make bench`. `--handles`: this tree only, a legacy client's
+`tools/call` (of a tool without `handle`) and `tools/list` through the pass-through, with task handles off and
+on (one tool's policy says `handle`, so the legacy front reads both and rewrites the list's answer).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class Kind:
     label: str
     sleep: float | None = None
     whole: bool = False
+    lists: bool = False  # a legacy client's tools/list instead of its tools/call
 
 
 FLOOR: Final = Kind("floor relay, legacy tools/call")
@@ -71,14 +75,16 @@ KINDS: Final[dict[str, Kind]] = {
     "creation": Kind("task creation (tools/call -> CreateTaskResult), SQLite", sleep=LONG_SECONDS),
     "task": Kind("whole task (tools/call -> result committed), SQLite", sleep=0.0, whole=True),
 }
+LISTING: Final = Kind("pass-through tools/list", lists=True)
+HANDLES_ON: Final[dict[str, Any]] = {"tasks": {"tools": {"sleep": {"without_tasks": "handle"}}}}
 
 
 async def _caller(kind: Kind, url: str) -> tuple[Call, Callable[[], None]]:
     """The call a row makes and how to close its client."""
-    if kind is FLOOR or kind is KINDS["pass-through"]:
+    if kind is FLOOR or kind is KINDS["pass-through"] or kind.lists:
         legacy = LegacyClient(url)
         await legacy.start()
-        return legacy.echo, legacy.close
+        return (legacy.list_tools if kind.lists else legacy.echo), legacy.close
     if kind.sleep is None:
         modern = ModernClient(url)
         return modern.echo, modern.close
@@ -226,6 +232,27 @@ async def run(baseline: str, calls: int, only: frozenset[str] = frozenset()) -> 
     return lines
 
 
+async def run_handles(calls: int) -> list[str]:
+    """A legacy client's tools/call and tools/list through the pass-through, task handles off and on."""
+    workdir = Path(tempfile.mkdtemp(prefix="mcp-tasks-proxy-bench-instructions-"))
+    upstream = await start_upstream()
+    lines = []
+    try:
+        for kind in (KINDS["pass-through"], LISTING):
+            for setting, sections in SETTINGS.items():
+                off = await instructions_per_call(upstream.url, ROOT, kind, sections, calls, workdir)
+                on = await instructions_per_call(upstream.url, ROOT, kind, {**sections, **HANDLES_ON}, calls, workdir)
+                line = (
+                    f"{kind.label}, {setting}: handles off {off:,.0f} instructions per call, on {on:,.0f}"
+                    f" ({on / off - 1:+.1%})"
+                )
+                print(line, flush=True)
+                lines.append(line)
+    finally:
+        upstream.stop()
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", default="main", help="git ref whose proxy is counted beside this one")
@@ -233,6 +260,7 @@ def main() -> int:
     parser.add_argument(
         "--only", default="", help=f"a comma-separated subset of the rows: {', '.join(KINDS)} (default: all)"
     )
+    parser.add_argument("--handles", action="store_true", help="this tree's legacy calls, task handles off and on")
     args = parser.parse_args()
     only = frozenset(name for name in args.only.split(",") if name)
     if unknown := only - KINDS.keys():
@@ -240,7 +268,7 @@ def main() -> int:
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
         return 2
-    asyncio.run(run(args.baseline, args.calls, only))
+    asyncio.run(run_handles(args.calls) if args.handles else run(args.baseline, args.calls, only))
     return 0
 
 

@@ -12,7 +12,7 @@ from enum import StrEnum
 from fnmatch import fnmatchcase
 from typing import Final
 
-from proxy.config.schema import RestartAction, TaskMode, TasksConfig, ToolPolicyConfig
+from proxy.config.schema import RestartAction, TaskMode, TasksConfig, ToolPolicyConfig, WithoutTasks
 
 # A legacy upstream's own `execution.taskSupport` for a tool (2025-11-25 Tasks): `optional` and `required` only
 # when it declared `tasks.requests.tools.call`; None when it runs no tasks of its own for the tool.
@@ -29,6 +29,7 @@ class Policy:
     resolve_input_first: bool = False
     max_concurrent: int | None = None  # the tool's own cap on upstream requests at once (None: the upstream's)
     calls_per_minute: int | None = None  # the tool's own quota per caller and minute (None: none)
+    without_tasks: WithoutTasks = "hold"  # what a client without the Tasks extension gets: held, or a handle
     # The `tasks.tools` key that named the tool (its name, or a glob; None: the default), for naming its quota;
     # not part of what the policy is (an empty entry is the default policy).
     entry: str | None = field(default=None, compare=False)
@@ -41,6 +42,7 @@ class Outcome(StrEnum):
     REJECT = "reject"  # -32021: the tool needs a task and the client did not declare the extension
     WAIT = "wait"  # an internal task; the client's response is held until it settles (poll-to-sync)
     INPUT_FIRST = "input_first"  # MRTR rounds while the call answers within the window, then a task
+    HANDLE = "handle"  # held up to `handles.hold_ms`, then a task the client reads through a handle (no Tasks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,7 @@ class Decision:
     policy: Policy | None  # None for prompts/get and resources/read, which have no tool policy
     upstream_task: bool = False  # the upstream runs the call as its own task, which the proxy follows
     job: bool = False  # ... a legacy job (`jobs:`): started by its start tool, followed through its status tool
+    hold_ms: int = 0  # how long a HANDLE call is held before its client gets a handle
 
     @property
     def task_first(self) -> bool:
@@ -72,6 +75,8 @@ class Decision:
         """How long a waiting client waits before a call still running becomes a task (None: no window)."""
         if self.outcome in (Outcome.WINDOW, Outcome.INPUT_FIRST) and self.policy is not None:
             return self.policy.sync_window_ms
+        if self.outcome is Outcome.HANDLE:
+            return self.hold_ms
         return None
 
     @property
@@ -90,7 +95,13 @@ class Decision:
     def may_become_task(self) -> bool:
         """The call may end up as a task, so the proxy asks the upstream for progress (its statusMessage) even
         when the client did not."""
-        return self.outcome in (Outcome.TASK, Outcome.WINDOW, Outcome.WAIT, Outcome.INPUT_FIRST)
+        return self.outcome in (Outcome.TASK, Outcome.WINDOW, Outcome.WAIT, Outcome.INPUT_FIRST, Outcome.HANDLE)
+
+    @property
+    def handle(self) -> bool:
+        """A client without the Tasks extension gets a handle (a tool result naming the task) for a call still
+        running after the hold; the questions it asks go to that task, answered through the task tools."""
+        return self.outcome is Outcome.HANDLE
 
 
 SYNC_CALL: Final = Decision(Outcome.SYNC, None)  # prompts/get and resources/read: synchronous, may ask (MRTR)
@@ -154,17 +165,24 @@ def _merged(entry: ToolPolicyConfig, tasks: TasksConfig, key: str | None) -> Pol
         ),
         max_concurrent=entry.max_concurrent,
         calls_per_minute=entry.calls_per_minute_per_principal,
+        without_tasks=entry.without_tasks if entry.without_tasks is not None else default.without_tasks,
         entry=key,
     )
 
 
 def decide(
-    tasks: TasksConfig, tool: str, *, declares_tasks: bool, upstream_support: UpstreamTaskSupport = None
+    tasks: TasksConfig,
+    tool: str,
+    *,
+    declares_tasks: bool,
+    upstream_support: UpstreamTaskSupport = None,
+    hold_ms: int = 0,
 ) -> Decision:
     """`declares_tasks` comes from this request's `_meta` only (never an earlier request, never the legacy
     `task` param): a client that did not declare the Tasks extension on this request never gets a task (the
-    extension's "Capability Negotiation"). `resolve_input_first` only
-    changes what a declaring client gets for a tool that may become a task.
+    extension's "Capability Negotiation"), but with `without_tasks: handle` it gets a handle after `hold_ms`
+    (`handles.hold_ms`). `resolve_input_first` only changes what a declaring client gets for a tool that may
+    become a task.
 
     `upstream_support` is the upstream's own task support for the tool. A tool the upstream requires as a task
     is at least `required` here too, whatever the policy says (it cannot run otherwise). A call that may become
@@ -174,6 +192,8 @@ def decide(
     if upstream_support == "required" and policy.mode != "required":
         policy = replace(policy, mode="required")
     decision = _decide(tasks, policy, declares_tasks)
+    if decision.handle:
+        decision = replace(decision, hold_ms=hold_ms)
     if upstream_support in ("optional", "required") and decision.may_become_task:
         return replace(decision, upstream_task=True)
     return decision
@@ -190,6 +210,8 @@ def decide_job(tasks: TasksConfig, tool: str, *, declares_tasks: bool) -> Decisi
 def _decide(tasks: TasksConfig, policy: Policy, declares_tasks: bool) -> Decision:
     if policy.mode == "forbidden":
         return Decision(Outcome.SYNC, policy)
+    if not declares_tasks and policy.without_tasks == "handle":
+        return Decision(Outcome.HANDLE, policy)
     if declares_tasks and policy.resolve_input_first and policy.sync_window_ms > 0:
         return Decision(Outcome.INPUT_FIRST, policy)
     if policy.mode == "required":

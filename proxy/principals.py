@@ -27,6 +27,7 @@ from proxy.config.schema import Config
 
 _HASH_CONTEXT: Final = b"mcp-tasks-proxy/principal/v1"
 _SEAL_CONTEXT: Final = b"mcp-tasks-proxy/rerun-principal/v1"
+_CALLBACK_CONTEXT: Final = b"mcp-tasks-proxy/event-callback-secret/v1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,8 @@ class Principals:
         self._hash_key = hmac.new(key, _HASH_CONTEXT, hashlib.sha256).digest()
         seal_key = hmac.new(key, _SEAL_CONTEXT, hashlib.sha256).digest()
         self._fernet = Fernet(base64.urlsafe_b64encode(seal_key))
+        callback_key = hmac.new(key, _CALLBACK_CONTEXT, hashlib.sha256).digest()
+        self._callbacks = Fernet(base64.urlsafe_b64encode(callback_key))  # webhook secrets, under a key of their own
 
     def key_of(self, principal: Identity | None) -> str:
         """The stored owner of what the caller creates; "" for an anonymous caller. Keyed (HMAC-SHA256 under the
@@ -94,6 +97,16 @@ class Principals:
             return self._fernet.decrypt(sealed.encode()).decode()
         except (InvalidToken, ValueError):
             raise SealError("the stored credential cannot be decrypted with the current deployment key") from None
+
+    def seal_callback_secret(self, secret: str) -> str:
+        """An events webhook's signing secret, encrypted under the deployment key (stored so, never logged)."""
+        return self._callbacks.encrypt(secret.encode()).decode()
+
+    def unseal_callback_secret(self, sealed: str) -> str:
+        try:
+            return self._callbacks.decrypt(sealed.encode()).decode()
+        except (InvalidToken, ValueError):
+            raise SealError("a webhook secret cannot be decrypted with the current deployment key") from None
 
 
 def deployment_key(config: Config) -> bytes:

@@ -474,7 +474,7 @@ async def test_keep_alives_are_written_by_the_calls_one_writer_after_what_it_sti
 
     await client.relay(call, Relay({"method": "notifications/progress"}))
     await until(lambda: written == ["notify: begun"], "the writer to begin the notification")
-    client.keep_alive(call)
+    client.keep_alive(call, True)
     await asyncio.sleep(0.05)
     assert written == ["notify: begun"]  # not written beside the notification
     reading.set()
@@ -482,11 +482,11 @@ async def test_keep_alives_are_written_by_the_calls_one_writer_after_what_it_sti
     assert written == ["notify: begun", "notify: done", "keep-alive"]
 
     broken = True
-    client.keep_alive(call)
+    client.keep_alive(call, True)
     await until(lambda: bool(feed.events), "the writer to find the stream broken")
     assert feed.events == [(call, ClientLeft())]
     assert call.client.channel is None
-    client.keep_alive(call)  # the client is gone: nothing is queued, no writer is started
+    client.keep_alive(call, True)  # the client is gone: nothing is queued, no writer is started
     assert not call.client.queued()
     assert call.client.writer is not None
     assert call.client.writer.done()

@@ -20,7 +20,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the call machine (sans-IO)", ("proxy.tasks.machine",)),
     ("the upstream client", ("proxy.upstream",)),
     ("the task store", ("proxy.tasks.store",)),
-    ("the tasks' executor, effects and services; the legacy servers", ("proxy.tasks", "proxy.legacy")),
+    (
+        "the tasks' executor, effects and services; the legacy servers; events",
+        ("proxy.tasks", "proxy.legacy", "proxy.events"),
+    ),
     ("the front and the operators' tools", ("proxy.front", "proxy.operators")),
     ("the HTTP edge", ("proxy.edge",)),
     ("the command line", ("proxy", "proxy.__main__", "proxy.cli")),
@@ -113,7 +116,7 @@ def test_the_layer_check_finds_an_upstream_module_importing_legacy() -> None:
     graph = {"proxy.upstream.pool": imported(ast.parse(source), "proxy.upstream.pool", False, modules)}
     assert upward_imports(graph) == [
         "proxy.upstream.pool (the upstream client) imports proxy.legacy.passthrough "
-        "(the tasks' executor, effects and services; the legacy servers)"
+        "(the tasks' executor, effects and services; the legacy servers; events)"
     ]
 
 

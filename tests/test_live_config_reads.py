@@ -35,6 +35,15 @@ READ_AT_START_AND_PER_USE: dict[str, str] = {
     "in force",
     "jobs": "the check at start that a family's tools exist; each call of a start tool reads the config in force",
     "upstream.max_concurrent_calls": "whether a queue is made at start; its caps are read at each admission",
+    "tasks.default": "whether some policy says `handle`, for the start's check of the synthesised task tools' "
+    "names; each call's policy is read from the config in force",
+    "handles.tool_prefix": "the start's check that the upstream lists no synthesised task tool's name; each "
+    "request reads the prefix in force (a clash found later leaves the upstream's tool out of the list)",
+    "events.retention_seconds": "the events housekeeping's first round, at start; each round reads the config "
+    "in force (events/service.py)",
+    "events.max_events": "as events.retention_seconds",
+    "events.webhooks": "the delivery worker's first look at the outbox and the housekeeping's first round, at "
+    "start; each delivery and round reads the config in force (events/delivery.py)",
 }
 
 TOKEN = "t0ken-for-the-admin-listener-0123456789"
@@ -42,7 +51,8 @@ TOKEN = "t0ken-for-the-admin-listener-0123456789"
 
 def _sections(tmp_path: Path, upstream: dict[str, Any]) -> dict[str, Any]:
     """A config with every optional part on that needs no other server: the admin listener, the audit log, a
-    tool policy with its own cap, a job family, a quota."""
+    tool policy with its own cap, task handles for clients without Tasks, the Events extension, a job family, a
+    quota."""
     token_file = tmp_path / "admin.token"
     token_file.write_text(TOKEN)
     return {
@@ -50,7 +60,11 @@ def _sections(tmp_path: Path, upstream: dict[str, Any]) -> dict[str, Any]:
         "store": {"path": str(tmp_path / "tasks.db")},
         "admin": {"port": free_port(), "token_file": str(token_file), "show_results": True},
         "audit": {"path": str(tmp_path / "audit.log")},
-        "tasks": {"tools": {"sleep": {"mode": "required", "max_concurrent": 2}}},
+        "tasks": {
+            "default": {"without_tasks": "handle"},
+            "tools": {"sleep": {"mode": "required", "max_concurrent": 2}},
+        },
+        "events": {"enabled": True},
         "limits": {"calls_per_minute_per_principal": 1000},
         "jobs": {
             "start": {
@@ -97,7 +111,8 @@ async def test_no_field_is_read_later_from_the_config_the_proxy_started_with_unl
 ) -> None:
     """After a reload swapped in a new config, a read of the old one comes from something that kept a section
     of it at start: such a field cannot change by a reload. Serves a task (created, polled, settled), a
-    synchronous call, a listing and the admin API (results shown) while the old config is watched."""
+    synchronous call held as a handle's would be, a listing with the handles' tools, a task tool, an events poll
+    and the admin API (results shown) while the old config is watched."""
     sections = _sections(tmp_path, {"url": upstream.url})
     config, live, path = _started_config(tmp_path, sections)
     async with TestClient(TestServer(create_app(config, live), host="127.0.0.1")) as client:
@@ -129,6 +144,15 @@ async def _serve_a_little(client: TestClient[Any, Any], admin_port: int | None) 
     listing = modern_body("tools/list", {})
     async with client.post("/mcp", json=listing, headers=modern_headers("tools/list")) as response:
         assert response.status == 200
+        listed = [tool["name"] for tool in (await response.json())["result"]["tools"]]
+    assert "task_status" in listed  # a client without Tasks is served the handles' tools
+    status = modern_body("tools/call", {"name": "task_status", "arguments": {"taskId": task_id}})
+    async with client.post("/mcp", json=status, headers=modern_headers("tools/call", "task_status")) as response:
+        assert response.status == 200
+    poll = modern_body("events/poll", {"name": "task.status", "cursor": None}, capabilities=TASKING)
+    async with client.post("/mcp", json=poll, headers=modern_headers("events/poll")) as response:
+        assert response.status == 200
+        assert "events" in (await response.json())["result"]
     assert admin_port is not None
     bearer = {"Authorization": f"Bearer {TOKEN}"}
     async with aiohttp.ClientSession() as http:

@@ -306,8 +306,55 @@ def test_resolve_input_first_is_inherited_and_overridable() -> None:
     assert decide(config, "plain", declares_tasks=True).outcome is Outcome.WINDOW
 
 
+# `without_tasks: handle` changes only what a client that did not declare the extension gets: a handle after
+# the hold, for `optional` and `required` tools alike (before `undeclared_required`); never for `forbidden`.
+HANDLE_CASES = [
+    # (mode, declares_tasks, undeclared_required, resolve_input_first, expected)
+    ("optional", False, "reject", False, Outcome.HANDLE),
+    ("required", False, "reject", False, Outcome.HANDLE),
+    ("required", False, "wait", False, Outcome.HANDLE),
+    ("optional", False, "reject", True, Outcome.HANDLE),
+    ("forbidden", False, "reject", False, Outcome.SYNC),
+    ("optional", True, "reject", False, Outcome.WINDOW),
+    ("required", True, "reject", False, Outcome.TASK),
+    ("optional", True, "reject", True, Outcome.INPUT_FIRST),
+]
+
+
+@pytest.mark.parametrize(("mode", "declares", "undeclared", "input_first", "expected"), HANDLE_CASES)
+def test_decide_with_handles(
+    mode: TaskMode, declares: bool, undeclared: str, input_first: bool, expected: Outcome
+) -> None:
+    entry = {"mode": mode, "without_tasks": "handle", "resolve_input_first": input_first}
+    config = tasks_config({"tool": entry}, undeclared_required=undeclared)
+    decision = decide(config, "tool", declares_tasks=declares, hold_ms=20_000)
+    assert decision.outcome is expected
+    assert decision.handle is (expected is Outcome.HANDLE)
+    if decision.handle:
+        assert (decision.window_ms, decision.task_first, decision.holds_client) == (20_000, False, False)
+        assert (decision.asks_by_mrtr, decision.may_become_task) == (False, True)
+
+
+def test_without_tasks_is_inherited_and_overridable() -> None:
+    config = TasksConfig.model_validate(
+        {"default": {"without_tasks": "handle"}, "tools": {"quick": {"without_tasks": "hold"}, "other": {}}}
+    )
+    assert policy_for(config, "other").without_tasks == "handle"
+    assert policy_for(config, "quick").without_tasks == "hold"
+    assert policy_for(TasksConfig.model_validate({}), "any").without_tasks == "hold"
+    assert config.has_handles
+    assert TasksConfig.model_validate({"tools": {"slow": {"without_tasks": "handle"}}}).has_handles
+    assert not TasksConfig.model_validate({"tools": {"slow": {"mode": "required"}}}).has_handles
+
+
+def test_a_tool_the_upstream_requires_as_a_task_gets_a_handle_even_when_forbidden() -> None:
+    config = tasks_config({"tool": {"mode": "forbidden", "without_tasks": "handle"}})
+    decision = decide(config, "tool", declares_tasks=False, upstream_support="required", hold_ms=5)
+    assert (decision.outcome, decision.upstream_task, decision.window_ms) == (Outcome.HANDLE, True, 5)
+
+
 def test_every_outcome_is_reachable() -> None:
-    reached = {case[-1] for case in CASES + INPUT_FIRST_CASES}
+    reached = {case[-1] for case in CASES + INPUT_FIRST_CASES + HANDLE_CASES}
     assert reached == set(Outcome)
 
 
@@ -341,7 +388,15 @@ def test_undeclared_required_defaults_to_reject() -> None:
 
 def test_outcome_values_are_stable() -> None:
     # Logged and compared as strings elsewhere.
-    assert {outcome.value for outcome in Outcome} == {"sync", "task", "window", "reject", "wait", "input_first"}
+    assert {outcome.value for outcome in Outcome} == {
+        "sync",
+        "task",
+        "window",
+        "reject",
+        "wait",
+        "input_first",
+        "handle",
+    }
 
 
 def test_named_tools_are_the_exact_names_only() -> None:

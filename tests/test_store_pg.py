@@ -130,6 +130,8 @@ async def test_replicas_that_start_at_once_migrate_once(pg_dsn: str) -> None:
             ("0010_create_idempotency_keys",),
             ("0011_create_lease_watch",),
             ("0012_add_idempotency_task_id",),
+            ("0013_create_events",),
+            ("0014_create_event_watches",),
         ]
         await stores[0].records.create(make_record("task_a"))
         assert await stores[3].records.get("task_a") is not None

@@ -601,6 +601,7 @@ class StoreConfig(_Frozen):
 
 TaskMode = Literal["forbidden", "optional", "required"]
 RestartAction = Literal["fail", "rerun"]
+WithoutTasks = Literal["hold", "handle"]
 
 
 class TaskPolicyConfig(_Frozen):
@@ -638,6 +639,16 @@ class TaskPolicyConfig(_Frozen):
         "in synchronous MRTR rounds first, and only a call still running after a window becomes a task. "
         "Needs `sync_window_ms` > 0.",
     )
+    without_tasks: WithoutTasks = Field(
+        "hold",
+        description="A call from a client that did not declare the Tasks extension, in either era (a 2025 "
+        "client too): `hold` keeps its request open until the tool ends (a `required` tool follows "
+        "`tasks.undeclared_required`); `handle` holds it up to `handles.hold_ms`, then answers a plain tool "
+        "result holding a task handle (`taskId`) that the proxy's synthesised tools (`task_status`, "
+        "`task_result`, `task_cancel`, `task_respond`) serve, while the call goes on as a durable task. `handle` "
+        "applies to `optional` and `required` tools (before `undeclared_required`); a `forbidden` tool is always "
+        "held.",
+    )
 
 
 class ToolPolicyConfig(_Frozen):
@@ -649,6 +660,7 @@ class ToolPolicyConfig(_Frozen):
     poll_interval_ms: int | None = Field(None, gt=0, description="As `tasks.default.poll_interval_ms`, for this tool.")
     on_restart: RestartAction | None = Field(None, description="As `tasks.default.on_restart`, for this tool.")
     resolve_input_first: bool | None = Field(None, description="As `tasks.default.resolve_input_first`, for this tool.")
+    without_tasks: WithoutTasks | None = Field(None, description="As `tasks.default.without_tasks`, for this tool.")
     max_concurrent: int | None = Field(
         None,
         gt=0,
@@ -728,10 +740,49 @@ class TasksConfig(_Frozen):
     )
 
     @cached_property
+    def has_handles(self) -> bool:
+        """Some policy says `without_tasks: handle`, so clients without the Tasks extension are listed the
+        synthesised task tools: worked out once per config (a reload brings a new object)."""
+        return self.default.without_tasks == "handle" or any(
+            entry.without_tasks == "handle" for entry in self.tools.values()
+        )
+
+    @cached_property
     def has_tool_quotas(self) -> bool:
         """Some tool has a quota of its own (`tasks.tools.<key>.calls_per_minute_per_principal`): worked out once
         per config (a reload brings a new object)."""
         return any(entry.calls_per_minute_per_principal for entry in self.tools.values())
+
+
+_TOOL_PREFIX: Final = re.compile(r"[A-Za-z0-9_.-]{0,40}")
+
+
+class HandlesConfig(_Frozen):
+    """Task handles for clients that do not declare the Tasks extension (`without_tasks: handle`)."""
+
+    hold_ms: int = Field(
+        20_000,
+        ge=0,
+        description="How long a `handle` call is held for its result before the client gets a handle instead: "
+        "under the 30-60 s after which common clients give up on a request. A question the upstream asks "
+        "meanwhile ends the hold at once. Also the longest `task_result` waits. 0: a handle at once.",
+        json_schema_extra=LIVE,
+    )
+    tool_prefix: str = Field(
+        "",
+        description="Put before the names of the synthesised tools (`task_status`, `task_result`, "
+        "`task_cancel`, `task_respond`), e.g. `proxy_`. A synthesised name that the upstream also lists "
+        "stops the start with a message naming both: choose a prefix then. Letters, digits, `_`, `.` and `-`, "
+        "at most 40.",
+        json_schema_extra=LIVE,
+    )
+
+    @field_validator("tool_prefix")
+    @classmethod
+    def _prefix_makes_tool_names(cls, value: str) -> str:
+        if not _TOOL_PREFIX.fullmatch(value):
+            raise ValueError("must be at most 40 letters, digits, `_`, `.` or `-`")
+        return value
 
 
 _TEMPLATE_FIELD: Final = re.compile(r"\{([^{}]*)\}")
@@ -1038,6 +1089,172 @@ class LimitsConfig(_Frozen):
     )
 
 
+class EventWebhooksConfig(_Frozen):
+    """Webhook delivery of events (`events/subscribe`): where the proxy may POST, how it retries, what it keeps."""
+
+    allow_insecure_callbacks: bool = Field(
+        False,
+        description="Accept `http://` callback URLs. The Events extension requires `https://` (the payload and the "
+        "subscription's secret would travel in clear); this is a documented departure for in-cluster receivers "
+        "and tests.",
+    )
+    allow_private_callbacks: bool = Field(
+        False,
+        description="Deliver to callback hosts whose addresses are private, loopback, link-local or otherwise not "
+        "globally routable (the IANA special-purpose registries). Off: such a callback is refused at "
+        "`events/subscribe`, and every address is checked again at each delivery (DNS rebinding).",
+    )
+    timeout_seconds: float = Field(
+        5.0,
+        gt=0,
+        le=60,
+        description="One delivery attempt (connect, send, the receiver's answer) or the callback challenge may take "
+        "this long; then it counts as a `timeout` and is retried.",
+    )
+    retry_seconds: list[Annotated[float, Field(gt=0)]] = Field(
+        default_factory=lambda: [2.0, 30.0, 120.0, 600.0],
+        min_length=1,
+        max_length=20,
+        description="The waits before each retry of a delivery that failed (a 5xx or other non-2xx answer, a "
+        "timeout, a refused connection): one retry per entry, then the delivery is abandoned. The default tries "
+        "5 times over about 12.5 minutes, the first retry within 2 s. `410` and `413` end the retries of that "
+        "delivery at once (the subscription stays).",
+    )
+    default_ttl_seconds: float = Field(
+        3600.0,
+        gt=0,
+        description="The lifetime a subscription gets when the client suggests none (`ttlMs` omitted); the client "
+        "refreshes it by calling `events/subscribe` again before `refreshBefore`.",
+    )
+    min_ttl_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="A shorter `ttlMs` suggestion is raised to this (the extension allows a floor against "
+        "refresh storms).",
+    )
+    max_ttl_seconds: float = Field(
+        86400.0,
+        gt=0,
+        description="A longer `ttlMs` suggestion, or a request for no expiry (`ttlMs: null`), is granted this.",
+    )
+    max_subscriptions_per_principal: int = Field(
+        100,
+        gt=0,
+        description="Webhook subscriptions one caller may hold; one more gets `ResourceExhausted` (-32025, "
+        "`data.limit: subscriptions`) with HTTP 429.",
+    )
+    max_pending_deliveries: int = Field(
+        10000,
+        gt=0,
+        description="Deliveries waiting in the store's outbox (all subscriptions, all replicas). At or beyond it a "
+        "new `events/subscribe` gets `ResourceExhausted` (-32025, `data.limit: pending_deliveries`) with HTTP "
+        "503, until the outbox drains; deliveries already queued are kept.",
+    )
+    max_delivery_age_seconds: float = Field(
+        3600.0,
+        gt=0,
+        description="A delivery still waiting this long after its event is abandoned (counted as `expired`): a "
+        "receiver away for longer resumes from its cursor.",
+    )
+    max_concurrent_deliveries: int = Field(
+        16, gt=0, le=256, description="Deliveries one replica sends at once (to all receivers together)."
+    )
+    claim_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="A replica claims a delivery for this long: if it dies while sending, another replica sends "
+        "it again after this (with the same `webhook-id`). Longer than `timeout_seconds`.",
+    )
+    secret_grace_seconds: float = Field(
+        300.0,
+        ge=0,
+        description="After a refresh that brings a new `delivery.secret`, deliveries are signed with both the old "
+        "and the new secret for this long, so that a receiver verifies either during the rotation.",
+    )
+
+    @model_validator(mode="after")
+    def _claims_outlast_attempts(self) -> EventWebhooksConfig:
+        if self.claim_seconds <= self.timeout_seconds:
+            raise ValueError("events.webhooks.claim_seconds must exceed events.webhooks.timeout_seconds")
+        if not self.min_ttl_seconds <= self.default_ttl_seconds <= self.max_ttl_seconds:
+            raise ValueError("events.webhooks: min_ttl_seconds <= default_ttl_seconds <= max_ttl_seconds")
+        return self
+
+
+class EventCompatConfig(_Frozen):
+    """Shapes some deployed clients need that the Events extension does not define; each off by default."""
+
+    top_level_capability: bool = Field(
+        False,
+        description="Also advertise `capabilities.events: {}` in `server/discover`, beside the extension's entry "
+        "under `capabilities.extensions`. Clients written against the Events design sketch (ChatGPT's webhook "
+        "client among them) read only that top-level key.",
+    )
+
+
+class EventsConfig(_Frozen):
+    """The Events extension (SEP-3415, `io.modelcontextprotocol/events`): a task's status and the legacy server's
+    changes, delivered by poll, push stream or signed webhook. Off unless `enabled`."""
+
+    enabled: bool = Field(
+        False,
+        description="Serve the Events extension: advertise it in `server/discover`, answer `events/*`, log the "
+        "events of tasks and deliver webhooks. Off: nothing of it is advertised, logged or run, and `events/*` "
+        "get -32601. Every replica of one store must agree.",
+        json_schema_extra=RESTART,
+    )
+    retention_seconds: float = Field(
+        86400.0,
+        gt=0,
+        description="Events are kept this long in the store's log for polls and streams to read by cursor; a "
+        "cursor older than what is kept resumes at the oldest event kept, with `truncated: true`.",
+        json_schema_extra=LIVE,
+    )
+    max_events: int = Field(
+        100000,
+        gt=0,
+        description="Events kept in the log at most (all callers); the oldest go first (a cursor behind them "
+        "resumes with `truncated: true`).",
+        json_schema_extra=LIVE,
+    )
+    poll_interval_ms: int = Field(
+        5000, gt=0, description="The `nextPollMs` an `events/poll` answer suggests.", json_schema_extra=LIVE
+    )
+    max_poll_events: int = Field(
+        100,
+        gt=0,
+        le=1000,
+        description="Events one `events/poll` answer holds at most (a smaller `maxEvents` is honoured); more: "
+        "`hasMore: true`.",
+        json_schema_extra=LIVE,
+    )
+    heartbeat_seconds: float = Field(
+        15.0,
+        gt=0,
+        le=30,
+        description="An `events/stream` sends `notifications/events/heartbeat` (with its cursor) after this long "
+        "without an event.",
+        json_schema_extra=LIVE,
+    )
+    max_streams_per_principal: int = Field(
+        16,
+        gt=0,
+        description="`events/stream` requests one caller may hold open on one replica; one more gets "
+        "`ResourceExhausted` (-32025, `data.limit: streams`) with HTTP 429.",
+        json_schema_extra=LIVE,
+    )
+    webhooks: EventWebhooksConfig = Field(
+        default_factory=EventWebhooksConfig,
+        description="Webhook delivery (`events/subscribe`).",
+        json_schema_extra=LIVE,
+    )
+    compat: EventCompatConfig = Field(
+        default_factory=EventCompatConfig,
+        description="Compatibility switches for clients built on other shapes.",
+        json_schema_extra=LIVE,
+    )
+
+
 class Config(_Frozen):
     listen: ListenConfig = Field(default_factory=ListenConfig, description="Where the proxy listens.")
     # Validated even when the section is missing, so that "neither url nor command" is reported with its path.
@@ -1057,6 +1274,10 @@ class Config(_Frozen):
         default_factory=IdempotencyConfig, description="Idempotency-Key on tools/call: repeats do no work twice."
     )
     tasks: TasksConfig = Field(default_factory=TasksConfig, description="Tool policies and task limits.")
+    handles: HandlesConfig = Field(
+        default_factory=HandlesConfig,
+        description="Task handles served as tools to clients that do not declare the Tasks extension.",
+    )
     inputs: InputsConfig = Field(
         default_factory=InputsConfig, description="Upstream questions relayed as inputRequests (tasks and MRTR)."
     )
@@ -1070,6 +1291,10 @@ class Config(_Frozen):
     )
     limits: LimitsConfig = Field(
         default_factory=LimitsConfig, description="Bounds on upstream answers, slow readers and each caller's share."
+    )
+    events: EventsConfig = Field(
+        default_factory=EventsConfig,
+        description="The Events extension: task status and the legacy server's changes by poll, stream or webhook.",
     )
     jobs: dict[str, JobConfig] = Field(
         default_factory=dict,

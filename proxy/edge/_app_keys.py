@@ -10,6 +10,7 @@ from aiohttp import web
 from proxy.config.live import LiveConfig
 from proxy.config.schema import Config
 from proxy.edge._jwt_identity import JwtIdentity
+from proxy.edge._legacy_handles import LegacyHandles
 from proxy.edge._relay import OriginRelay
 from proxy.front.dispatch import Front
 from proxy.legacy import LegacyFront
@@ -22,6 +23,7 @@ CONFIG: Final = web.AppKey("config", Config)  # as started: what a reload cannot
 LIVE: Final = web.AppKey("live", LiveConfig)  # the config in force: what may change live is read through it
 FRONT: Final = web.AppKey("front", Front)
 PASSTHROUGH: Final = web.AppKey("passthrough", LegacyFront)
+LEGACY_HANDLES: Final = web.AppKey("legacy_handles", LegacyHandles)  # tools/list and tools/call with handles on
 RELAY: Final = web.AppKey("relay", OriginRelay)
 JWT: Final = web.AppKey("jwt", JwtIdentity)
 POOL: Final = web.AppKey("pool", SessionPool)

@@ -10,6 +10,7 @@ import json
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Final
 
@@ -17,9 +18,9 @@ import aiohttp
 import jwt
 import structlog
 
-from proxy.config.schema import JwtConfig
+from proxy.config.schema import JwtConfig, SecurityConfig
 from proxy.errors import ProxyError, UnauthorizedError
-from proxy.principals import Identity
+from proxy.principals import Identity, identity_of
 from proxy.wire.jsonrpc import JSON
 
 log = structlog.get_logger(__name__)
@@ -226,3 +227,17 @@ class JwtIdentity:
 
     async def close(self) -> None:
         await self.keys.close()
+
+
+async def identify(headers: Mapping[str, str], security: SecurityConfig, jwt: JwtIdentity | None) -> Identity | None:
+    """Who sent a request the proxy serves itself, in either era: the principal header's identity (an empty one
+    counts as none), its Bearer JWT verified when `security.jwt` is set (one that fails: 401 here). A caller
+    without one is anonymous (None), or refused with 401 under `security.anonymous: refuse`."""
+    principal = identity_of(headers.get(security.principal_header))
+    if principal is None and security.anonymous == "refuse":
+        raise UnauthorizedError(
+            f"Unauthorized: this proxy serves no anonymous callers; send {security.principal_header}"
+        )
+    if principal is not None and jwt is not None:
+        principal = await jwt.identify(principal.credential)
+    return principal

@@ -10,11 +10,29 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from proxy.edge._app_keys import ADMIN, CONFIG, FRONT, LIVE, PASSTHROUGH, POOL, RELAY, RUNNER, STOPPING, STORE
+from proxy.edge._app_keys import (
+    ADMIN,
+    CONFIG,
+    FRONT,
+    JWT,
+    LEGACY_HANDLES,
+    LIVE,
+    PASSTHROUGH,
+    POOL,
+    RELAY,
+    RUNNER,
+    STOPPING,
+    STORE,
+)
 from proxy.edge._drain import DRAIN
 from proxy.edge._error_edge import AUDIT, METRICS
+from proxy.edge._legacy_handles import LegacyHandles
 from proxy.edge._relay import OriginRelay
+from proxy.edge.startup import EXIT_CONFIG_ERROR, StartFailure
+from proxy.events.service import Events
 from proxy.front.dispatch import Front
+from proxy.front.handles import tools as handle_tools
+from proxy.front.handles.service import ToolNameTakenError, check_tool_names
 from proxy.legacy.serving import legacy_front
 from proxy.operators.admin import Admin
 from proxy.principals import Principals, deployment_key
@@ -65,16 +83,42 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         store.health.on_failure(metrics.store_operation_failed)
     watchers = TaskWatchers(store.replicas)
     runner.spawn(watchers.run(), "task-feed")
-    front = app[FRONT] = Front(live.config, pool, runner.tasks, watchers)
+    events = None
+    if config.events.enabled:
+        events = Events(
+            live.config,
+            store.events,
+            store.replicas,
+            runner.tasks,
+            runner.principals,
+            process_id=runner.process_id,
+            clock=runner.clock,
+            audit=runner.audit,
+            pool=pool,
+            metrics=metrics,
+        )
+    front = app[FRONT] = Front(live.config, pool, runner.tasks, watchers, events)
     if metrics is not None:
         metrics.listen_streams.set_function(lambda: front.listens.open_streams)
+        if events is not None:
+            metrics.event_streams.set_function(lambda: events.open_streams)
     drain.wait_for(lambda: runner.open_calls)  # the drain is the app's, built before the runner
     live.subscribe(lambda new: runner.config_swapped())  # the queue admits by the caps now in force
     legacy = app[PASSTHROUGH] = legacy_front(pool)  # relayed, or served by the proxy (the kind decides)
+    app[LEGACY_HANDLES] = LegacyHandles(front.handles, legacy, pool, app.get(JWT), drain.is_draining)
     app[RELAY] = OriginRelay.of(config.relay, legacy)  # other paths: to the upstream's origin, when it has one
     admin = Admin(config.admin, store, runner.clock) if config.admin.port is not None else None
     try:
         await runner.start()  # restart recovery happens before the first request is served
+        if events is not None:
+            await events.start()
+        else:
+            await store.events.configure(False)  # no replica logs events for a deployment that serves none
+        if live.current.tasks.has_handles:  # a synthesised task tool's name the upstream lists stops the start
+            try:
+                await check_tool_names(pool, handle_tools.names(live.current.handles.tool_prefix))
+            except ToolNameTakenError as exc:
+                raise StartFailure(EXIT_CONFIG_ERROR, "task_tool_name_taken", str(exc)) from None
         if admin is not None:
             await admin.start()
             app[ADMIN] = admin
@@ -83,6 +127,8 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     finally:
         if admin is not None:
             await admin.stop()
+        if events is not None:
+            await events.close()
         await runner.close()
         await store.close()
         await legacy.close()
@@ -96,3 +142,6 @@ async def end_listen_streams(app: web.Application) -> None:
     app[STOPPING].append(True)
     if POOL in app:
         app[POOL].end_subscriptions()
+    events = app[FRONT].events if FRONT in app else None
+    if events is not None:
+        events.end_streams()

@@ -1,6 +1,7 @@
 """The aiohttp application: its routes (each served through the error edge, admission first), the classification
 of each request (one SERVER span, opened once classified), serving a modern request through the front and a
-legacy one through the pass-through. Admission, ops and lifecycle have modules of their own."""
+legacy one through the pass-through (or, for `tools/list` and `tools/call` while task handles are on,
+`_legacy_handles.py`). Admission, ops and lifecycle have modules of their own."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from aiohttp import web
 from proxy.config.live import LiveConfig
 from proxy.config.schema import Config
 from proxy.edge._admission import read_body, refusal
-from proxy.edge._app_keys import CONFIG, FRONT, JWT, LIVE, PASSTHROUGH, RELAY, RUNNER, STOPPING
+from proxy.edge._app_keys import CONFIG, FRONT, JWT, LEGACY_HANDLES, LIVE, PASSTHROUGH, RELAY, RUNNER, STOPPING
 from proxy.edge._drain import DRAIN, Drain, drainz
 from proxy.edge._error_edge import (
     AUDIT,
@@ -35,7 +36,8 @@ from proxy.edge._error_edge import (
     HttpChannel,
     error_edge,
 )
-from proxy.edge._jwt_identity import JwtIdentity
+from proxy.edge._jwt_identity import JwtIdentity, identify
+from proxy.edge._legacy_handles import NOT_READ
 from proxy.edge._lifecycle import end_listen_streams, upstream_ctx
 from proxy.edge._ops import healthz, metrics_endpoint, readyz
 from proxy.edge._relay import OriginRelay
@@ -46,14 +48,12 @@ from proxy.errors import (
     ParseError,
     ProxyError,
     TaskStoreUnavailableError,
-    UnauthorizedError,
 )
 from proxy.observe import tracing
 from proxy.observe.audit import subject
 from proxy.observe.logs import logs_at
 from proxy.observe.metrics import Metrics
 from proxy.policy import named_tools
-from proxy.principals import identity_of
 from proxy.tasks.store import StoreUnavailableError
 from proxy.wire import jsonrpc
 from proxy.wire.envelope import Caller, is_modern, may_carry_version_key, validate_modern
@@ -217,6 +217,7 @@ def _legacy_post(
     that is not JSON). A drain refuses a new session here, before the SERVER span."""
     request[ERA] = "legacy"
     if not decoded and _reads_legacy_messages(app):
+        decoded = True
         try:
             message = jsonrpc.loads(body)
         except ParseError:
@@ -224,6 +225,11 @@ def _legacy_post(
     if isinstance(message, dict) and isinstance(message.get("method"), str):
         request[MCP_METHOD] = message["method"]
     app[DRAIN].check_legacy(request, message)
+    config = app[LIVE].current  # once for this request
+    if config.tasks.has_handles:  # the handles read tools/list and tools/call
+        served = app[LEGACY_HANDLES].serve(request, body, message if decoded else NOT_READ, config)
+        if served is not None:
+            return "legacy", message, served
     return "legacy", message, _relayed(request, app, body)
 
 
@@ -258,13 +264,7 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     modern = validate_modern(request.headers, message.id, message.method, message.params)
     app[DRAIN].check_modern(modern)
     config = app[LIVE].current
-    principal = identity_of(request.headers.get(config.security.principal_header))  # empty counts as none
-    if principal is None and config.security.anonymous == "refuse":
-        raise UnauthorizedError(
-            f"Unauthorized: this proxy serves no anonymous callers; send {config.security.principal_header}"
-        )
-    if principal is not None and (jwt := app.get(JWT)) is not None:
-        principal = await jwt.identify(principal.credential)  # a JWT that fails is refused here (401)
+    principal = await identify(request.headers, config.security, app.get(JWT))
     caller = Caller(principal=principal, headers=request.headers)
     if audited is not None:
         audited.update(subject=subject(principal), principal=app[RUNNER].tasks.owner_of(principal) or None)

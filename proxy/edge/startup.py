@@ -15,14 +15,16 @@ from yarl import URL
 
 from proxy.config.schema import Config, HttpUpstreamConfig
 
-# Exit codes (`mcp-tasks-proxy serve`): 0 a stop after a drain; 1 an unexpected error; 2 invalid configuration; 3 the
-# listen address cannot be bound (port in use, address not on this machine, no permission); 4 the SQLite task database
-# is in use by another proxy process; 5 the task store cannot be reached or opened (PostgreSQL down or refusing, a
-# SQLite file that cannot be created). The upstream is not waited for at start: one that is down or refuses is a
-# warning and an unready `/readyz`, never a failed start.
+# Exit codes (`mcp-tasks-proxy serve`): 0 a stop after a drain; 1 an unexpected error; 2 invalid configuration (also: a
+# synthesised task tool the upstream lists too); 3 the listen address cannot be bound (port in use, address not on this
+# machine, no permission); 4 the SQLite task database is in use by another proxy process; 5 the task store cannot be
+# reached or opened (PostgreSQL down or refusing, a SQLite file that cannot be created). The upstream is not waited for
+# at start: one that is down or refuses is a warning and an unready `/readyz`, never a failed start (with task handles
+# on, its tool list is asked for once, bounded by its timeouts).
 
 log = structlog.get_logger(__name__)
 
+EXIT_CONFIG_ERROR: Final = 2
 EXIT_CANNOT_LISTEN: Final = 3
 EXIT_STORE_LOCKED: Final = 4
 EXIT_STORE_UNAVAILABLE: Final = 5

@@ -8,6 +8,7 @@ imports aiohttp: the HTTP shapes are `app.py`'s.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
@@ -21,6 +22,9 @@ from proxy.errors import (
     MissingCapabilityError,
     UpstreamError,
 )
+from proxy.events.service import Events
+from proxy.front.handles import tools as handle_tools
+from proxy.front.handles.service import Handles
 from proxy.front.listen import ListenStreams
 from proxy.policy import Outcome, decide, decide_job, policy_for
 from proxy.tasks.live_call import UpstreamRequest
@@ -56,13 +60,22 @@ Handler = Callable[["Front", ModernRequest, Caller, Channel], Awaitable[JSON]]
 
 
 class Front:
-    def __init__(self, current: Callable[[], Config], pool: SessionPool, tasks: Tasks, watchers: TaskWatchers) -> None:
+    def __init__(
+        self,
+        current: Callable[[], Config],
+        pool: SessionPool,
+        tasks: Tasks,
+        watchers: TaskWatchers,
+        events: Events | None = None,
+    ) -> None:
         self._current = current  # the config in force, read once per request (a live reload swaps what it returns)
         config = current()  # what only a restart changes is bound here
         self.pool = pool
         self.tasks = tasks
+        self.events = events  # the Events extension, when `events.enabled`
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
         self.listens = ListenStreams(lambda: current().limits, pool, tasks, watchers)
+        self.handles = Handles(tasks, watchers)
 
     @property
     def config(self) -> Config:
@@ -81,10 +94,34 @@ class Front:
     async def discover(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """Synthesized from the upstream's InitializeResult, reused for as long as clients may cache it."""
         initialize_result = await self.pool.facts.initialize_result(caller.principal, self.cache[0])
-        return result_message(request.id, translate.discover_result(initialize_result, self.cache))
+        result = translate.discover_result(initialize_result, self.cache)
+        if self.events is not None:
+            self.events.advertise(result["capabilities"])
+        return result_message(request.id, result)
 
     async def listen(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         return await self.listens.serve(request, caller, channel)
+
+    def _events(self, request: ModernRequest) -> Events:
+        """The Events extension; a server that does not offer it answers `events/*` with -32601."""
+        if self.events is None:
+            raise MethodNotFoundError(f"Method not found: {request.method}")
+        return self.events
+
+    async def events_list(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        return await self._events(request).list(request, caller)
+
+    async def events_poll(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        return await self._events(request).poll(request, caller)
+
+    async def events_stream(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        return await self._events(request).stream(request, caller, channel)
+
+    async def events_subscribe(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        return await self._events(request).subscribe(request, caller)
+
+    async def events_unsubscribe(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        return await self._events(request).unsubscribe(request, caller)
 
     async def call_tool(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """The tool's policy and this request's own declaration of the Tasks extension decide sync, task, window
@@ -94,6 +131,23 @@ class Front:
         again). With an `Idempotency-Key` (not on an MRTR retry, which its requestState binds already) the key's
         record decides whether it runs (`tasks/services/idempotency.py`)."""
         config = self.config  # once: the whole request decides with one config, whatever a reload swaps meanwhile
+        arrived = time.monotonic() if config.tasks.has_handles else 0.0  # a handle's hold counts from here
+        if config.tasks.has_handles and not request.declares_tasks:
+            base = handle_tools.names(config.handles.tool_prefix).base_of(request.params.get("name"))
+            if base is not None:  # a synthesised task tool: the proxy answers it
+                arguments = request.params.get("arguments")
+                progress_token = request.progress_token
+                return await self.handles.tool(
+                    request.id,
+                    base,
+                    arguments,
+                    caller,
+                    channel,
+                    progress_token,
+                    self.pool.server_info,
+                    config,
+                    modern=True,
+                )
         per_minute, tool_quotas = config.limits.calls_per_minute_per_principal, config.tasks.has_tool_quotas
         if (per_minute or tool_quotas) and "requestState" not in request.params:
             tool = str(request.params.get("name"))
@@ -108,11 +162,23 @@ class Front:
             decision = decide_job(config.tasks, outgoing.name, declares_tasks=request.declares_tasks)
         else:
             decision = decide(
-                config.tasks, outgoing.name, declares_tasks=request.declares_tasks, upstream_support=facts.task_support
+                config.tasks,
+                outgoing.name,
+                declares_tasks=request.declares_tasks,
+                upstream_support=facts.task_support,
+                hold_ms=config.handles.hold_ms,
             )
+
+        def start(channel: Channel, task_id: str | None = None) -> Awaitable[JSON]:
+            if decision.handle:  # held, then a handle: a client without the Tasks extension reads it by tools
+                return self.handles.call(
+                    outgoing, caller, channel, decision, server_info, config, modern=True, arrived=arrived
+                )
+            return self.tasks.call(outgoing, caller, channel, decision, server_info, config, task_id)
+
         key = caller.headers.get(idempotency.HEADER)  # without one, nothing more is done than this lookup
         if key is None or not config.idempotency.enabled:
-            return await self.tasks.call(outgoing, caller, channel, decision, server_info, config)
+            return await start(channel)
         # A call whose task record comes before its upstream request gets its task id now: its claim names it,
         # so a repeat after its process died knows whether the upstream could have seen it.
         task_id = wire_tasks.new_task_id() if decision.outcome is Outcome.TASK and not decision.upstream_task else None
@@ -122,7 +188,7 @@ class Front:
             request,
             caller,
             channel,
-            lambda keyed: self.tasks.call(outgoing, caller, keyed, decision, server_info, config, task_id),
+            lambda keyed: start(keyed, task_id),
             task_id=task_id,
             server_info=server_info,
         )
@@ -139,9 +205,18 @@ class Front:
         return await self.tasks.call(outgoing, caller, channel, None, server_info, config)
 
     async def list_tools(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        """The upstream's tools, less the helpers of job families with `hide_helpers` (the proxy drives them)."""
+        """The upstream's tools, less the helpers of job families with `hide_helpers` (the proxy drives them); for
+        a client without the Tasks extension while some policy says `handle`, as `handles/tools.py` lists them
+        (the synthesised task tools on the last page)."""
         message = await self.forward(request, caller, channel)
-        jobs = self.config.jobs
+        config = self.config
+        if config.tasks.has_handles and not request.declares_tasks and isinstance(message.get("result"), dict):
+            names = handle_tools.names(config.handles.tool_prefix)
+            listed, clashes = handle_tools.listed(message["result"], config.tasks, names, config.handles.hold_ms)
+            if clashes:
+                log.warning("task_tool_name_taken", tools=clashes, detail="the upstream lists a tool of that name")
+            message = {**message, "result": listed}
+        jobs = config.jobs
         if not jobs:
             return message
         hidden = frozenset().union(*(job.helpers() for job in jobs.values() if job.hide_helpers))
@@ -265,4 +340,10 @@ METHODS: Final[Mapping[str, Handler]] = {
     "tasks/get": Front.task_get,
     "tasks/update": Front.task_update,
     "tasks/cancel": Front.task_cancel,
+    # The Events extension (SEP-3415), when `events.enabled`; else -32601 as for any unknown method.
+    "events/list": Front.events_list,
+    "events/poll": Front.events_poll,
+    "events/stream": Front.events_stream,
+    "events/subscribe": Front.events_subscribe,
+    "events/unsubscribe": Front.events_unsubscribe,
 }

@@ -7,17 +7,25 @@ This package imports aiohttp's web side and the upstream pool's protocols; never
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from aiohttp import web
+
+from proxy.wire.jsonrpc import JSON
+
+# What the proxy changes in the answer to a request it relays: the response message, given as read.
+Rewrite = Callable[[JSON], JSON]
 
 
 class LegacyFront(Protocol):
     """Serves a legacy client's request: the pass-through for an HTTP upstream, the proxy's own Streamable
     HTTP server for a stdio one."""
 
-    def relay(self, request: web.Request, body: bytes | None) -> Awaitable[web.StreamResponse]: ...
+    def relay(
+        self, request: web.Request, body: bytes | None, rewrite: Rewrite | None = None
+    ) -> Awaitable[web.StreamResponse]:
+        """Relay (or serve) one request; with `rewrite`, the response message to it is rewritten."""
 
     async def close(self) -> None:
         """Shutdown: end what the front holds (its sessions, its HTTP client)."""

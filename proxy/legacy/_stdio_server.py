@@ -13,6 +13,7 @@ from aiohttp import web
 
 from proxy.config.schema import StdioUpstreamConfig
 from proxy.errors import InvalidRequestError, RequestId, UpstreamError, UpstreamTimeoutError
+from proxy.legacy import Rewrite
 from proxy.legacy import _event_store as legacy_events
 from proxy.legacy._event_store import SessionEvents
 from proxy.legacy._stdio_sessions import (
@@ -80,9 +81,11 @@ class StdioLegacyServer:
         self.sessions: dict[str, LegacySession] = {}  # by id: the sessions clients may still use
         self.live: set[LegacySession] = set()  # sessions whose process has not exited yet (ended ones too)
 
-    async def relay(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
+    async def relay(
+        self, request: web.Request, body: bytes | None, rewrite: Rewrite | None = None
+    ) -> web.StreamResponse:
         if request.method == "POST":
-            return await self._post(request, body or b"")
+            return await self._post(request, body or b"", rewrite)
         if request.method == "GET":
             return await self._get(request)
         if request.method == "DELETE":
@@ -106,7 +109,7 @@ class StdioLegacyServer:
 
     # --- POST ----------------------------------------------------------------------------------------------
 
-    async def _post(self, request: web.Request, body: bytes) -> web.StreamResponse:
+    async def _post(self, request: web.Request, body: bytes, rewrite: Rewrite | None) -> web.StreamResponse:
         message = classify(loads(body))
         sse = "text/event-stream" in request.headers.get("Accept", "")
         if isinstance(message, Request) and message.method == "initialize":
@@ -119,7 +122,7 @@ class StdioLegacyServer:
             return web.Response(status=202)
         meta = (message.params or {}).get("_meta")
         token = meta.get("progressToken") if isinstance(meta, dict) else None
-        stream = session.open(message.id, sse, token)
+        stream = session.open(message.id, sse, token, rewrite=rewrite)
         self._busy(session)
         version = request.headers.get(VERSION_HEADER)
         try:

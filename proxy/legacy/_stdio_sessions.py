@@ -12,6 +12,7 @@ import structlog
 from mcp_types import jsonrpc as codes
 
 from proxy.errors import InvalidRequestError, RequestId
+from proxy.legacy import Rewrite
 from proxy.legacy import _event_store as legacy_events
 from proxy.legacy._event_store import SessionEvents, StoredEvent
 from proxy.upstream.stdio.process import StdioProcess
@@ -55,6 +56,7 @@ class Stream:
     answered: bool = False  # the answer to `request_id` was written
     writer: asyncio.Task[Any] | None = None  # the request handler writing it to its client, if any
     queue: asyncio.Queue[Queued | None] = field(default_factory=asyncio.Queue)
+    rewrite: Rewrite | None = None  # what the proxy changes in the answer (stored and sent as rewritten)
 
     def offer(self, message: JSON | None) -> None:
         if message is not None and "id" not in message and self.queue.qsize() >= MAX_QUEUED_EVENTS:
@@ -62,6 +64,8 @@ class Stream:
         if message is None:
             self.queue.put_nowait(None)
             return
+        if self.rewrite is not None and "method" not in message and message.get("id") == self.request_id:
+            message = self.rewrite(message)
         event = self.events.add(self.number, message) if self.events is not None and self.sse else None
         self.queue.put_nowait((event, message))
 
@@ -91,9 +95,15 @@ class LegacySession:
         return any(stream.attached for stream in self.posts.values()) or self.get is not None
 
     def open(
-        self, request_id: RequestId | None, sse: bool, progress_token: Any = None, *, resumable: bool = True
+        self,
+        request_id: RequestId | None,
+        sse: bool,
+        progress_token: Any = None,
+        *,
+        resumable: bool = True,
+        rewrite: Rewrite | None = None,
     ) -> Stream:
-        stream = Stream(request_id, sse, self.events if resumable else None)
+        stream = Stream(request_id, sse, self.events if resumable else None, rewrite=rewrite)
         if request_id is not None and stream.events is not None:
             stream.number = stream.events.new_stream()
         if request_id is None:

@@ -1,10 +1,13 @@
 """Legacy traffic relayed verbatim (POST, GET streams, DELETE): status, body and end-to-end headers copied, SSE
 streamed as it arrives, nothing added but X-Forwarded-*, trace context parsed and what is written checked where
-it is written. Imports the upstream's HTTP clients, the wire and tracing; never tasks or the front."""
+it is written; an answer the proxy rewrites (`Rewrite`: a `tools/list` with task handles on) is read whole.
+Imports the upstream's HTTP clients, the wire and tracing; never tasks or the front."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Mapping
+from contextlib import suppress
 from typing import Final
 
 import aiohttp
@@ -12,12 +15,13 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from proxy.errors import InvalidRequestError
+from proxy.errors import InvalidRequestError, ParseError, ResultTooLargeError
+from proxy.legacy import Rewrite
 from proxy.observe import tracing
 from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, checked_headers, failure
 from proxy.upstream.http.h1 import H1RequestError
 from proxy.upstream.http.lean import LeanClient
-from proxy.wire import trace_context
+from proxy.wire import jsonrpc, trace_context
 from proxy.wire.fields import FieldError, check_target
 
 # A legacy client through the proxy must see what it sees directly: status, body and end-to-end headers are copied,
@@ -26,7 +30,9 @@ from proxy.wire.fields import FieldError, check_target
 # the upstream sees the proxy as its client. Trace context is parsed, not copied (a value that does not parse is
 # dropped, W3C Trace Context and Baggage), and what is written is checked where it is written (`wire/fields.py`: the
 # target here, each header by the client that writes it): a target or header that could split a line fails the request
-# with the proxy's own JSON-RPC error before a byte leaves.
+# with the proxy's own JSON-RPC error before a byte leaves. A request whose answer the proxy rewrites (`Rewrite`: a
+# `tools/list` with task handles on) is read whole, within `limits.max_result_bytes`, and only its response message
+# changes (an SSE answer keeps its events and their ids).
 
 # Plain answers up to this size are read whole and sent in one write; larger ones and SSE are streamed.
 BUFFERED_BODY_MAX_BYTES: Final = 1 << 20
@@ -126,8 +132,11 @@ class PassThrough:
         extra_headers: Mapping[str, str],
         connect_timeout_seconds: float,
         call_timeout_seconds: float,
+        max_result_bytes: int | None = None,
     ) -> None:
         self.url = URL(url)  # parsed once, not per request
+        # The most of an answer read whole to be rewritten (`limits.max_result_bytes`).
+        self.max_result_bytes = max_result_bytes if max_result_bytes is not None else BUFFERED_BODY_MAX_BYTES * 4
         self.http = http
         self.lean = LeanClient.of(self.url, connect_timeout_seconds, call_timeout_seconds)
         self.extra_headers = dict(extra_headers)
@@ -140,13 +149,21 @@ class PassThrough:
             await self.lean.close()
         await self.http.close()
 
-    def relay(self, request: web.Request, body: bytes | None) -> Awaitable[web.StreamResponse]:
+    def relay(
+        self, request: web.Request, body: bytes | None, rewrite: Rewrite | None = None
+    ) -> Awaitable[web.StreamResponse]:
         # (the query string first: parsing it into `request.query` costs more than the relay's header checks)
-        return self.relay_to(self.url.with_query(request.query) if request.query_string else self.url, request, body)
+        url = self.url.with_query(request.query) if request.query_string else self.url
+        return self.relay_to(url, request, body, rewrite)
 
-    async def relay_to(self, url: URL, request: web.Request, body: bytes | None) -> web.StreamResponse:
-        """The request relayed to `url` (another path of the upstream's origin: `edge/_relay.py`), by the same rules."""
+    async def relay_to(
+        self, url: URL, request: web.Request, body: bytes | None, rewrite: Rewrite | None = None
+    ) -> web.StreamResponse:
+        """The request relayed to `url` (another path of the upstream's origin: `edge/_relay.py`), by the same
+        rules; with `rewrite`, its answer is read whole and its response message rewritten."""
         headers = _end_to_end(request.headers)
+        if rewrite is not None:
+            headers.popall("Accept-Encoding", None)  # an answer the proxy reads comes as it is, not compressed
         _add_forwarded(headers, request)
         for name, value in self.extra_headers.items():
             headers[name] = value
@@ -176,6 +193,8 @@ class PassThrough:
                 _checked(url.raw_path_qs)
             raise failure(exc) from None
         headers = _end_to_end(upstream.headers)
+        if rewrite is not None and request.method == "POST":
+            return await _rewritten(upstream, headers, rewrite, self.max_result_bytes)
         length = upstream.headers.get("Content-Length")
         size = int(length) if length is not None and length.isdigit() else None
         buffered = size is not None and size <= BUFFERED_BODY_MAX_BYTES and not _is_event_stream(upstream)
@@ -237,6 +256,87 @@ async def _streamed(
         else:
             upstream.close()
     return response
+
+
+async def _rewritten(upstream: Answer, headers: CIMultiDict[str], rewrite: Rewrite, max_bytes: int) -> web.Response:
+    """An answer read whole (at most `max_bytes`: past that the upstream's answer is dropped and the client gets
+    the proxy's -32603), its response message rewritten: a JSON body, or the SSE event that holds it (the other
+    events, ids and fields, as they came). A body that is neither goes as it came."""
+    body = bytearray()
+    try:
+        chunk = upstream.ready()
+        while True:
+            if not chunk:
+                chunk = await upstream.next_chunk()
+                if not chunk:
+                    break
+            body += chunk
+            if len(body) > max_bytes:
+                upstream.close()
+                raise ResultTooLargeError(max_bytes, "the answer was dropped")
+            if upstream.ended:
+                break
+            chunk = b""
+    except CLIENT_FAILURES as exc:
+        upstream.close()
+        raise failure(exc) from None
+    upstream.release()
+    data = bytes(body)
+    read = _sse_rewritten if _is_event_stream(upstream) else _json_rewritten
+    with suppress(ParseError, ValueError):  # not what it says it is: relayed as it came, for the client to judge
+        data = read(data, rewrite)
+    return web.Response(status=upstream.status, reason=upstream.reason, headers=headers, body=data)
+
+
+def _json_rewritten(data: bytes, rewrite: Rewrite) -> bytes:
+    message = jsonrpc.loads(data)
+    return jsonrpc.dumps(rewrite(message)) if isinstance(message, dict) else data
+
+
+_LINE_ENDS: Final = re.compile(r"(\r\n|\r|\n)")  # SSE lines end with any of the three (WHATWG event streams)
+
+
+def _sse_rewritten(data: bytes, rewrite: Rewrite) -> bytes:
+    """The SSE answer with the data of the event that holds the response replaced, and every other byte (its
+    other fields, the other events, the line ends) as it came."""
+    text = data.decode()
+    pieces = _LINE_ENDS.split(text)  # line, end, line, end, ..., last line (without an end)
+    out: list[str] = []
+    block: list[tuple[str, str]] = []  # (line, its end) of the event being read
+    for index in range(0, len(pieces), 2):
+        line, end = pieces[index], pieces[index + 1] if index + 1 < len(pieces) else ""
+        block.append((line, end))
+        if line == "" and end:
+            out.append(_event_rewritten(block, rewrite))
+            block = []
+    out.append("".join(line + end for line, end in block))
+    return "".join(out).encode()
+
+
+def _event_rewritten(block: list[tuple[str, str]], rewrite: Rewrite) -> str:
+    """One event (its lines and their ends, the blank line last): as it came, or with the response in its data
+    rewritten (one `data:` line where its first one was)."""
+    lines = [line for line, _ in block]
+    data = [line[5:].removeprefix(" ") for line in lines if line.startswith("data:")]
+    if not data:
+        return "".join(line + end for line, end in block)
+    try:
+        message = jsonrpc.loads("\n".join(data).encode())
+    except ParseError:
+        message = None
+    if not isinstance(message, dict) or "method" in message:
+        return "".join(line + end for line, end in block)
+    written = "data: " + jsonrpc.dumps(rewrite(message)).decode()
+    out: list[str] = []
+    first = True
+    for line, end in block:
+        if line.startswith("data:"):
+            if first:
+                out.append(written + end)
+                first = False
+            continue
+        out.append(line + end)
+    return "".join(out)
 
 
 def _is_event_stream(upstream: Answer) -> bool:

@@ -184,6 +184,37 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.event_deliveries = Counter(
+            f"{prefix}_event_deliveries_total",
+            "Webhook deliveries of events, by outcome: delivered (2xx), retried (failed, tried again later), gone "
+            "(410: not retried), too_large (413, or a body over 256 KiB), failed (retries used up), expired (older "
+            "than events.webhooks.max_delivery_age_seconds)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.event_delivery_attempts = Histogram(
+            f"{prefix}_event_delivery_attempts",
+            "Attempts a webhook delivery took, counted when it ends (delivered or given up)",
+            buckets=(1, 2, 3, 4, 5, 6, 8, 10, 15, 20),
+            registry=self.registry,
+        )
+        self.event_delivery_seconds = Histogram(
+            f"{prefix}_event_delivery_latency_seconds",
+            "From an event to its receiver's 2xx (retries included)",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.event_outbox = Gauge(
+            f"{prefix}_event_outbox_pending",
+            "Webhook deliveries waiting in the store's outbox (every replica's; read every few seconds)",
+            registry=self.registry,
+        )
+        self.event_outbox_age = Gauge(
+            f"{prefix}_event_outbox_oldest_seconds",
+            "Age of the oldest delivery waiting in the outbox (0 when none waits)",
+            registry=self.registry,
+        )
+        self.event_streams = Gauge(f"{prefix}_event_streams", "events/stream requests open", registry=self.registry)
         self.task_notifications = Counter(
             f"{prefix}_task_notifications_total",
             "notifications/tasks pushed to listen streams, by the task's status",

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from proxy.tasks.store import TaskQuery
+    from proxy.tasks.store.events import WebhookSubscription
     from proxy.wire.tasks import TaskRecord
 
 OPERATOR_CANCEL_MESSAGE: Final = "cancelled by an operator"
@@ -86,4 +87,31 @@ def summary(record: TaskRecord, now_ms: int) -> dict[str, Any]:
         "ageSeconds": max(0, now_ms - record.created_at_ms) // 1000,
         "ttlMs": record.ttl_ms,
         "statusMessage": record.status_message,
+    }
+
+
+def subscription(found: WebhookSubscription) -> dict[str, Any]:
+    """An events webhook subscription as operators see it: never its secret, and its callback without the query
+    (a receiver may put a token there)."""
+    from urllib.parse import urlsplit
+
+    from proxy.wire.tasks import iso_timestamp
+
+    def at(ms: int | None) -> str | None:
+        return None if ms is None else iso_timestamp(ms)
+
+    parts = urlsplit(found.url)
+    return {
+        "id": found.subscription_id,
+        "principal": found.principal,
+        "name": found.name,
+        "arguments": found.arguments,
+        "callback": f"{parts.scheme}://{parts.netloc}{parts.path}",
+        "createdAt": at(found.created_at_ms),
+        "refreshedAt": at(found.refreshed_at_ms),
+        "expiresAt": at(found.expires_at_ms),
+        "lastDeliveryAt": at(found.last_delivery_at_ms),
+        "lastError": found.last_error,
+        "failedSince": at(found.failed_since_ms),
+        "pending": found.pending,
     }

@@ -72,6 +72,7 @@ class Admin:
         app.router.add_get(f"{PREFIX}/tasks", self.list_tasks)
         app.router.add_get(f"{PREFIX}/tasks/{{task_id}}", self.show_task)
         app.router.add_post(f"{PREFIX}/tasks/{{task_id}}/cancel", self.cancel_task)
+        app.router.add_get(f"{PREFIX}/subscriptions", self.list_subscriptions)
         return app
 
     async def start(self) -> None:
@@ -133,6 +134,18 @@ class Admin:
         query = self._query(request, 50)
         records = await self._store(self.store.operators.list_tasks(query))
         return web.json_response(task_views.page(records, query, self.clock()))
+
+    async def list_subscriptions(self, request: web.Request) -> web.Response:
+        """The Events extension's webhook subscriptions, newest first (`?principal=HASH`, `?limit=N`)."""
+        principal = request.query.get("principal") or None
+        try:
+            limit = int(request.query.get("limit", "100"))
+        except ValueError:
+            raise web.HTTPBadRequest(text="limit must be a number\n") from None
+        if not 1 <= limit <= 1000:
+            raise web.HTTPBadRequest(text="limit must be 1-1000\n")
+        found = await self._store(self.store.events.subscriptions(principal, limit))
+        return web.json_response({"subscriptions": [task_views.subscription(each) for each in found]})
 
     async def show_task(self, request: web.Request) -> web.Response:
         record = await self._store(self.store.records.get(request.match_info["task_id"]))

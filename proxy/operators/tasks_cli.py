@@ -48,6 +48,13 @@ def add_parser(commands: Any) -> None:
     listing.add_argument("--limit", type=int, default=50, help="records per page, 1-1000 (default 50)")
     listing.add_argument("--after", metavar="KEY", help="the page after KEY (printed at the end of a full page)")
     listing.add_argument("--json", action="store_true", help="JSON instead of a table")
+    subscriptions = sub.add_parser(
+        "subscriptions",
+        help="events webhook subscriptions",
+        description="List the Events extension's webhook subscriptions as JSON, newest first (never a secret).",
+    )
+    subscriptions.add_argument("--principal", metavar="HASH", help="only this principal hash's")
+    subscriptions.add_argument("--limit", type=int, default=100, help="at most this many, 1-1000 (default 100)")
     show = sub.add_parser(
         "show", help="one task as JSON", description="Print one task record as JSON (exit 1 if there is none)."
     )
@@ -76,7 +83,7 @@ def add_parser(commands: Any) -> None:
         description="Print the URL that signs a browser in to the admin page (it holds the admin token).",
     )
     url.add_argument("--config", metavar="FILE", required=True, help="a proxy config file with admin.port set")
-    for command in (listing, show, stats, cancel, purge):
+    for command in (listing, subscriptions, show, stats, cancel, purge):
         source = command.add_mutually_exclusive_group(required=True)
         source.add_argument("--db", metavar="PATH", help="the SQLite task database")
         source.add_argument("--config", metavar="FILE", help="a proxy config file (its store is read)")
@@ -188,6 +195,12 @@ async def _run(args: argparse.Namespace, config: StoreConfig, tasks: TasksConfig
                 return 0, json.dumps(page, indent=2, ensure_ascii=False), ""
             more = f"more: --after {page['next']}" if page["next"] else ""
             return 0, _table(page["tasks"]), more
+        if command == "subscriptions":
+            if not 1 <= args.limit <= 1000:
+                raise ValueError("--limit must be 1-1000")
+            found = await store.events.subscriptions(args.principal, args.limit)
+            listed = [task_views.subscription(each) for each in found]
+            return 0, json.dumps({"subscriptions": listed}, indent=2, ensure_ascii=False), ""
         if command == "show":
             shown = await _show(store, args.task_id)
             if shown is None:

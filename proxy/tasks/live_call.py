@@ -121,6 +121,9 @@ class ClientEnd:
     writing: bool = False  # the writer waits for the client to take a write
     backlog_bytes: int = 0  # the notifications queued, as the JSON they are written as
     dropped: int = 0  # notifications dropped past the backlog's cap
+    progress_at: float = 0.0  # when progress was last queued for the client (`time.perf_counter`; 0: never)
+    progress: float | None = None  # the last progress value the upstream reported to it
+    warmed: int = 0  # progress notifications the proxy sent it itself, to keep its connection warm
     _outgoing: deque[tuple[Outgoing, int]] = field(default_factory=deque)  # each with its size (0: no note)
 
     def queued(self) -> bool:

@@ -55,8 +55,9 @@ _T = TypeVar("_T")
 
 class Tasks:
     """What the front and the edge's handlers use of tasks, and nothing of the runner's internals: start and
-    resume calls for waiting requests (`call`, `resume`), the task operations (`get`, `update`, `cancel`, and
-    what listen streams read), a caller's quotas and idempotency keys, and whose tasks a caller owns."""
+    resume calls for waiting requests (`call`, `resume`; `reply` for a task handle's call), the task operations
+    (`get`, `update`, `cancel`, and what listen streams read), a caller's quotas and idempotency keys, and whose
+    tasks a caller owns."""
 
     def __init__(
         self,
@@ -68,6 +69,7 @@ class Tasks:
         metrics: Metrics | None,
     ) -> None:
         self.call = waiting.call  # a fresh call for a waiting request; its JSON-RPC answer
+        self.reply = waiting.reply  # a fresh call whose reply the front answers itself (a task handle's)
         self.resume = waiting.resume  # an MRTR retry
         self.keyed = keys.serve  # a tools/call with an Idempotency-Key
         self.get = operations.observe  # tasks/get

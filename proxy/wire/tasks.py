@@ -6,6 +6,7 @@ turns them into messages with the builders here. Imports only `wire.jsonrpc` and
 
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -47,10 +48,18 @@ RERUN_MESSAGE: Final = "re-running: the proxy restarted while the upstream call 
 RESUMED_MESSAGE: Final = "resumed: the proxy restarted and follows the upstream's task again"
 
 
+_TASK_ID: Final = re.compile(r"task_[A-Za-z0-9_-]{32}")
+
+
 def new_task_id() -> str:
     """192 bits from the OS CSPRNG (task ids may serve as bearer tokens, so they must not be guessable), URL-
     and header-safe ASCII, never a `=?base64?` look-alike."""
     return "task_" + secrets.token_urlsafe(24)
+
+
+def is_task_id(value: object) -> bool:
+    """Whether `value` has the shape `new_task_id` gives every id: checked before a store is asked about it."""
+    return isinstance(value, str) and _TASK_ID.fullmatch(value) is not None
 
 
 def iso_timestamp(epoch_ms: int) -> str:

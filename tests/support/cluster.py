@@ -108,6 +108,7 @@ class Cluster:
         tools: dict[str, Any],
         *,
         drain_seconds: float = DRAIN_SECONDS,
+        sections: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.dsn = dsn
         self.lease_seconds = lease_seconds
@@ -116,7 +117,10 @@ class Cluster:
         self.replicas: list[Replica] = []
         try:
             for _ in range(count):
-                self.replicas.append(Replica(workdir, dsn, key, lease_seconds, tools, drain_seconds=drain_seconds))
+                replica = Replica(
+                    workdir, dsn, key, lease_seconds, tools, drain_seconds=drain_seconds, sections=sections
+                )
+                self.replicas.append(replica)
         except BaseException:
             self.stop()
             raise

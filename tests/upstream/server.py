@@ -32,6 +32,7 @@ from tests.upstream import (
     auth_fixtures,
     conformance_fixtures,
     core_fixtures,
+    handle_fixtures,
     job_fixtures,
     legacy_task_fixtures,
     project_fixtures,
@@ -282,6 +283,7 @@ def build_server(
     task_fixtures.register(mcp)
     project_fixtures.register(mcp)
     job_fixtures.register(mcp)
+    handle_fixtures.register(mcp)
     _install_protocol_handlers(mcp._mcp_server)
     if legacy_tasks:
         legacy_task_fixtures.enable(mcp)

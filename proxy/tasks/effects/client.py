@@ -1,13 +1,15 @@
-"""The waiting client's side of a call (`Reply`, `Relay`, keep-alive comments): one writer per client stream, and
-the only module that changes a call's `ClientEnd`. What goes to the client is queued, in order, for one writer
-task, never written under the call's lock: a slow client holds up only its writer, and what waits for it is
-bounded (`limits.max_client_backlog_bytes`: a newer progress replaces an older one, notifications past the cap are
-dropped, the reply never). Imports the ports, the command vocabulary and the wire's JSON writer."""
+"""The waiting client's side of a call (`Reply`, `Relay`, keep-alive comments, keep-warm progress): one writer
+per client stream, and the only module that changes a call's `ClientEnd`. What goes to the client is queued, in
+order, for one writer task, never written under the call's lock: a slow client holds up only its writer, and what
+waits for it is bounded (`limits.max_client_backlog_bytes`: a newer progress replaces an older one, notifications
+past the cap are dropped, the reply never). Imports the ports, the command vocabulary and the wire's JSON writer."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
+from typing import Final
 
 import structlog
 
@@ -21,6 +23,9 @@ from proxy.wire.jsonrpc import JSON, dumps
 from proxy.wire.tasks import TaskRecord
 
 log = structlog.get_logger(__name__)
+
+WARM_SECONDS: Final = 8.0  # a held client that asked for progress hears some at least this often (under 10 s)
+WARM_MESSAGE: Final = "still working"
 
 
 class ClientSide:
@@ -81,6 +86,8 @@ class ClientSide:
         channel = call.client.channel
         if channel is None:
             return
+        if message.get("method") == PROGRESS:
+            _heard(call, message.get("params"))
         self._into_backlog(call, message)
         self._writing(call, channel)
 
@@ -113,15 +120,29 @@ class ClientSide:
         if self.metrics is not None:
             self.metrics.client_notifications_dropped.labels(reason).inc()
 
-    def keep_alive(self, call: LiveCall) -> None:
-        """A keep-alive comment for a poll-to-sync client still waiting, queued behind what its writer still
-        writes (the waiting request's own timer asks for it; the call's lock is not taken). None once the reply
-        was given or the client is gone."""
-        channel = call.client.channel
+    def keep_alive(self, call: LiveCall, comment: bool) -> None:
+        """What keeps a waiting client's connection warm, queued behind what its writer still writes (the
+        waiting request's own timer asks for it; the call's lock is not taken): a keep-alive comment when
+        `comment` (a poll-to-sync client), and a progress notification for a client that sent a
+        `progressToken` and heard no progress for WARM_SECONDS (the last value the upstream reported, else the
+        proxy's own count; into the backlog like the upstream's own), so that a client that resets its timeout
+        on progress never gives up on a held call. None once the reply was given or the client is gone."""
+        client = call.client
+        channel = client.channel
         if channel is None:
             return
-        call.client.queue(KEEP_ALIVE)
-        self._writing(call, channel)
+        if comment:
+            client.queue(KEEP_ALIVE)
+        token = call.state.progress_token
+        now = time.perf_counter()
+        if token is not None and now - max(call.created_at, client.progress_at) >= WARM_SECONDS:
+            client.progress_at = now
+            client.warmed += 1
+            progress = client.progress if client.progress is not None else client.warmed
+            params = {"progressToken": token, "progress": progress, "message": WARM_MESSAGE}
+            self._into_backlog(call, {"jsonrpc": "2.0", "method": PROGRESS, "params": params})
+        if client.queued():
+            self._writing(call, channel)
 
     # --- the writer -----------------------------------------------------------------------------------------
 
@@ -150,6 +171,14 @@ class ClientSide:
                 await self.feed.dispatch(call, ClientLeft())
             finally:
                 client.writing = False
+
+
+def _heard(call: LiveCall, params: object) -> None:
+    """A progress notification goes to the client: its connection is warm, and its value the latest."""
+    call.client.progress_at = time.perf_counter()
+    progress = params.get("progress") if isinstance(params, dict) else None
+    if isinstance(progress, int | float) and not isinstance(progress, bool):
+        call.client.progress = progress
 
 
 def _answer(call: LiveCall, reply: ReplyKind) -> None:

@@ -40,6 +40,11 @@ _RESPONSE_ADAPTERS: Final[Mapping[str, pydantic.TypeAdapter[Any]]] = {
 }
 
 
+# The questions a call read through task handles may ask: whoever reads the task (often a model) answers them
+# with `task_respond`, whatever its client declared, so each becomes an `inputRequests` entry of the task.
+THROUGH_HANDLES: Final[JSON] = {"elicitation": {"form": {}, "url": {}}, "sampling": {}, "roots": {}}
+
+
 @dataclass(frozen=True, slots=True)
 class PendingInput:
     """One outstanding upstream question: its upstream JSON-RPC id (never shown) and the modern inputRequest."""

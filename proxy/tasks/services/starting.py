@@ -5,6 +5,7 @@ replica that holds them) and waiting for the reply, turned into the request's JS
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -46,9 +47,10 @@ from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamResult
 
 # What the reply is (the result, a `CreateTaskResult`, an MRTR `InputRequiredResult`, -32021, a limit error) is
 # decided by the call's machine (`tasks/machine/`) and carried out by the executor; the waiting side only waits and
-# translates (a task reply carries its record). A poll-to-sync client's keep-alive comments are asked of the call's
-# one client writer (`keep_alive`, injected: `effects/client.py`), never written here. Imports the live call (and its
-# table), the parking, the replica link, `remote.py` and the wire's translation; no other effect, no aiohttp.
+# translates (a task reply carries its record). A poll-to-sync client's keep-alive comments, and the progress that
+# keeps a held client with a `progressToken` warm, are asked of the call's one client writer (`keep_alive`, injected:
+# `effects/client.py`), never written here. Imports the live call (and its table), the parking, the replica link,
+# `remote.py` and the wire's translation; no other effect, no aiohttp.
 
 log = structlog.get_logger(__name__)
 
@@ -109,7 +111,8 @@ class CallStarter:
                 meta["progressToken"] = f"mcp-tasks-proxy-{self._progress_tokens}"
             params = {**params, "_meta": meta}
         request = outgoing.request
-        state = self.state(decision, request.client_capabilities, request.progress_token, request.log_level, config)
+        capabilities = inputs.THROUGH_HANDLES if decision.handle else request.client_capabilities
+        state = self.state(decision, capabilities, request.progress_token, request.log_level, config)
         call = new_call(
             state,
             method=outgoing.method,
@@ -229,12 +232,15 @@ class CallStarter:
 
 
 KEEPALIVE_SECONDS: Final = 15.0  # SSE comment while a poll-to-sync client waits for its internal task
+WARM_TICK_SECONDS: Final = 2.0  # how often a waiting client that asked for progress is looked at
 
 
 class WaitingRequests:
-    def __init__(self, starter: CallStarter, keep_alive: Callable[[LiveCall], None], cache: tuple[int, str]) -> None:
+    def __init__(
+        self, starter: CallStarter, keep_alive: Callable[[LiveCall, bool], None], cache: tuple[int, str]
+    ) -> None:
         self.starter = starter
-        self.keep_alive = keep_alive  # queues a keep-alive comment for the call's client writer
+        self.keep_alive = keep_alive  # queues a keep-alive comment or progress for the call's client writer
         self.cache = cache
 
     async def call(
@@ -273,25 +279,43 @@ class WaitingRequests:
         call = await self.starter.resume(outgoing, caller, responses, channel, config)
         return await self._answer(call, request, server_info)
 
+    async def reply(
+        self, outgoing: UpstreamRequest, caller: Caller, channel: Channel, decision: Decision, config: Config
+    ) -> ReplyKind:
+        """A fresh call whose reply its front turns into an answer itself (a handle's, in either era)."""
+        call = await self.starter.begin(outgoing, caller, decision, channel, config)
+        return await self._reply(call)
+
     async def _answer(self, call: LiveCall, request: ModernRequest, server_info: JSON | None) -> JSON:
+        return self._message(await self._reply(call), call, request, server_info)
+
+    async def _reply(self, call: LiveCall) -> ReplyKind:
         assert call.client.reply is not None
         try:
-            reply = await self._wait(call, call.client.reply)
+            return await self._wait(call, call.client.reply)
         except BaseException:
             self.starter.client_left(call)  # the request went away while waiting: the call is told
             raise
-        return self._message(reply, call, request, server_info)
 
     async def _wait(self, call: LiveCall, reply: asyncio.Future[ReplyKind]) -> ReplyKind:
-        """The reply, with SSE keep-alive comments meanwhile for a poll-to-sync client (it may wait long): each
-        goes through the call's client writer, behind the notifications it still writes."""
-        if not call.state.decision.holds_client:
+        """The reply, keeping the client's connection warm meanwhile: SSE keep-alive comments for a poll-to-sync
+        client (it may wait long), progress for one that sent a `progressToken` (`keep_alive`); each goes through
+        the call's client writer, behind the notifications it still writes."""
+        holds = call.state.decision.holds_client
+        warm = call.state.progress_token is not None
+        if not (holds or warm):
             return await reply
+        tick = min(KEEPALIVE_SECONDS if holds else WARM_TICK_SECONDS, WARM_TICK_SECONDS if warm else KEEPALIVE_SECONDS)
+        commented = time.perf_counter()
         while True:
             try:
-                return await asyncio.wait_for(asyncio.shield(reply), KEEPALIVE_SECONDS)
+                return await asyncio.wait_for(asyncio.shield(reply), tick)
             except TimeoutError:
-                self.keep_alive(call)
+                now = time.perf_counter()
+                comment = holds and now - commented >= KEEPALIVE_SECONDS
+                if comment:
+                    commented = now
+                self.keep_alive(call, comment)
 
     def _message(self, reply: ReplyKind, call: LiveCall, request: ModernRequest, server_info: JSON | None) -> JSON:
         if isinstance(reply, ReplyOutcome):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from proxy.config.schema import StoreConfig
 from proxy.tasks.store.base import (
     CANCEL,
+    EVENTS,
     EXPIRED,
     INPUT,
     PURGED,
@@ -26,7 +27,7 @@ from proxy.tasks.store.base import (
     page_key,
     parse_page_key,
 )
-from proxy.tasks.store.contract import Keys, OperatorQueries, Records, Replicas, TaskStore, Usage
+from proxy.tasks.store.contract import Events, Keys, OperatorQueries, Records, Replicas, TaskStore, Usage
 from proxy.tasks.store.feed import LocalFeed
 from proxy.tasks.store.keys import KeyRecord
 from proxy.tasks.store.rows import record_from_row
@@ -34,12 +35,14 @@ from proxy.tasks.store.sqlite import SqliteTaskStore
 
 __all__ = [
     "CANCEL",
+    "EVENTS",
     "EXPIRED",
     "INPUT",
     "PURGED",
     "RESYNC",
     "STATUS",
     "Change",
+    "Events",
     "Fence",
     "FencedError",
     "KeyRecord",

@@ -90,7 +90,8 @@ STATUS: Final = "status"  # a task's record changed (status, statusMessage, inpu
 RESYNC: Final = "resync"  # the feed (re)started: changes may have been missed, re-read what you follow
 CANCEL: Final = "cancel"  # a message: the owner should stop the task's upstream call
 INPUT: Final = "input"  # a message: answers for the owner's outstanding questions
-RESERVED_KINDS: Final = frozenset({STATUS, RESYNC})
+EVENTS: Final = "events"  # the events log or outbox took something new (the Events extension): look again
+RESERVED_KINDS: Final = frozenset({STATUS, RESYNC, EVENTS})
 MAX_KIND_CHARS: Final = 64
 
 

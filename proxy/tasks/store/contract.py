@@ -1,6 +1,7 @@
 """The store's contract, one port per kind of consumer: a task's records, the replicas' leases and mailbox,
-idempotency keys, usage (quotas and durations), operators' queries; `TaskStore` is a backend composing them.
-Protocols only; the contract tests run per port. Depends on the store's value types and the wire."""
+idempotency keys, usage (quotas and durations), operators' queries, the Events extension's log and outbox;
+`TaskStore` is a backend composing them. Protocols only; the contract tests run per port. Depends on the
+store's value types and the wire."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 from proxy.tasks.store.base import Change, Fence, Message, StoreHealth, TaskQuery, Tombstone
+from proxy.tasks.store.events import Delivery, EventPage, Outbox, StoredEvent, Watch, WebhookSubscription
 from proxy.tasks.store.keys import KeyRecord
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
@@ -185,6 +187,99 @@ class OperatorQueries(Protocol):
     async def size_bytes(self) -> int: ...
 
 
+class Events(Protocol):
+    """The Events extension's log, webhook subscriptions, delivery outbox and watches of the legacy server's
+    changes (values and shared SQL: `events.py`). A task's event is logged by the database in the transaction
+    that changes the task's status, whichever port wrote it; this port reads it and everything after."""
+
+    async def configure(self, enabled: bool) -> str:
+        """Switch the database's event logging on or off (every replica of one store must agree); the log's
+        epoch (a random word fixed at the migration: a cursor of another database is told apart)."""
+        ...
+
+    async def head(self) -> int:
+        """The position of the latest event logged (never less than what was trimmed)."""
+        ...
+
+    async def read(
+        self, principal: str, name: str, subject: str | None, after: int, limit: int, floor_ms: int | None = None
+    ) -> EventPage:
+        """The principal's events of `name` (about `subject`, or all when None) after position `after`, oldest
+        first, at most `limit`; none older than `floor_ms`."""
+        ...
+
+    async def count_subscriptions(self, principal: str) -> int: ...
+
+    async def subscription(self, subscription_id: str) -> WebhookSubscription | None: ...
+
+    async def put_subscription(self, subscription: WebhookSubscription) -> None:
+        """Insert it, or update the mutable fields of the one with its id (secret, TTL)."""
+        ...
+
+    async def delete_subscription(self, subscription_id: str, principal: str) -> bool:
+        """The principal's subscription gone, with its pending deliveries; whether there was one."""
+        ...
+
+    async def subscriptions(self, principal: str | None = None, limit: int = 100) -> list[WebhookSubscription]:
+        """Operators' listing, newest first (sealed secrets left out)."""
+        ...
+
+    async def enqueue(self, subscription_id: str, event: StoredEvent, now_ms: int) -> None:
+        """A delivery of `event` to one subscription (a task that had ended before it subscribed)."""
+        ...
+
+    async def replay(self, subscription: WebhookSubscription, after: int, floor_ms: int | None, now_ms: int) -> bool:
+        """Deliveries of the logged events after `after` for a subscription created with a cursor; whether the
+        log no longer holds everything after it."""
+        ...
+
+    async def verified(self, principal: str, url: str, since_ms: int) -> bool: ...
+
+    async def mark_verified(self, principal: str, url: str, now_ms: int) -> None: ...
+
+    async def claim(self, owner: str, now_ms: int, claim_ms: int, limit: int) -> list[Delivery]:
+        """Deliveries due now that no replica holds, claimed by `owner` until `now_ms + claim_ms`."""
+        ...
+
+    async def delivered(self, delivery: Delivery, owner: str, now_ms: int) -> None: ...
+
+    async def retry(self, delivery: Delivery, owner: str, next_at_ms: int, error: str, now_ms: int) -> None: ...
+
+    async def abandon(self, delivery: Delivery, owner: str, error: str | None, now_ms: int) -> None: ...
+
+    async def next_due_ms(self) -> int | None:
+        """When the earliest delivery not claimed now is due (None: none waits)."""
+        ...
+
+    async def outbox(self) -> Outbox: ...
+
+    async def watermark(self, subscription_id: str) -> int:
+        """Every event of the subscription at or before this position was acknowledged or abandoned."""
+        ...
+
+    async def housekeep(self, now_ms: int, retention_ms: int, max_events: int, max_delivery_age_ms: int) -> int:
+        """Old events trimmed from the log, lapsed subscriptions and deliveries past their age dropped; how many
+        deliveries were dropped for their age."""
+        ...
+
+    async def append(self, event: StoredEvent) -> None:
+        """Log an event the proxy saw (the legacy server's change), fanned out like a task's."""
+        ...
+
+    async def want(self, watch: Watch) -> None:
+        """Keep a watch wanted until at least `watch.wanted_until_ms` (with the latest sealed credential)."""
+        ...
+
+    async def hold_watches(self, owner: str, now_ms: int, hold_ms: int, limit: int) -> list[Watch]:
+        """The wanted watches `owner` holds now: its own renewed, and free ones (never held, or whose holder
+        let its hold lapse) taken, until `now_ms + hold_ms`."""
+        ...
+
+    async def drop_watches(self, now_ms: int) -> None:
+        """Watches nobody wants any more, and whose hold lapsed, forgotten."""
+        ...
+
+
 class TaskStore(Protocol):
     """A task store, composed of its ports (`SqliteTaskStore`: one process; `PostgresTaskStore`: several
     replicas on one database); each consumer takes the ports it uses."""
@@ -203,6 +298,9 @@ class TaskStore(Protocol):
 
     @property
     def operators(self) -> OperatorQueries: ...
+
+    @property
+    def events(self) -> Events: ...
 
     @property
     def health(self) -> StoreHealth:

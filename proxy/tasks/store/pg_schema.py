@@ -8,6 +8,7 @@ from typing import Final
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
+from proxy.tasks.store.events import EVENT_STATUSES_SQL, TASK_STATUS
 from proxy.tasks.store.rows import COLUMNS, LIVE_SQL, TERMINAL_SQL
 
 # Migrations are ordered, named steps recorded in `schema_migrations`; they are applied in one transaction under an
@@ -22,6 +23,7 @@ LOCK_SPACE: Final = "hashtext(current_schema() || ':mcp-tasks-proxy')"
 REPLICA_LOCK_SPACE: Final = "hashtext(current_schema() || ':mcp-tasks-proxy:replica')"
 MIGRATE_LOCK: Final = 1
 PURGE_LOCK: Final = 2
+EVENTS_LOCK: Final = 3  # held by each transaction that logs an event, to its commit: the log's order is commit order
 
 MIGRATIONS: Final[tuple[tuple[str, str], ...]] = (
     (
@@ -210,6 +212,126 @@ MIGRATIONS: Final[tuple[tuple[str, str], ...]] = (
         "0012_add_idempotency_task_id",
         """
         ALTER TABLE idempotency_keys ADD COLUMN task_id text;
+        """,
+    ),
+    (
+        # The Events extension: the log (a task's status event written by a trigger in the transaction that
+        # changes it, while `event_settings.enabled`; every writer of the log holds EVENTS_LOCK to its commit, so
+        # positions are handed out in commit order and a reader never passes an event not yet visible), webhook
+        # subscriptions, verified callbacks and the delivery outbox (one row per event and subscription, added by
+        # a trigger when the event is logged).
+        "0013_create_events",
+        f"""
+        CREATE TABLE event_settings (
+            id integer PRIMARY KEY CHECK (id = 1),
+            enabled boolean NOT NULL,
+            epoch text NOT NULL,
+            trimmed_through bigint NOT NULL
+        );
+        INSERT INTO event_settings VALUES (1, false, substr(md5(random()::text || clock_timestamp()::text), 1, 16), 0);
+        CREATE TABLE event_log (
+            seq bigserial PRIMARY KEY,
+            event_id text NOT NULL UNIQUE,
+            name text NOT NULL,
+            principal text NOT NULL,
+            subject text NOT NULL,
+            data text NOT NULL,
+            occurred_at_ms bigint NOT NULL
+        );
+        CREATE INDEX event_log_principal ON event_log (principal, name, seq);
+        CREATE INDEX event_log_occurred ON event_log (occurred_at_ms);
+        CREATE TABLE event_subscriptions (
+            subscription_id text PRIMARY KEY,
+            principal text NOT NULL,
+            name text NOT NULL,
+            subject text NOT NULL,
+            arguments text NOT NULL,
+            url text NOT NULL,
+            secret text NOT NULL,
+            secret_digest text NOT NULL,
+            previous_secret text,
+            previous_until_ms bigint,
+            created_at_ms bigint NOT NULL,
+            refreshed_at_ms bigint NOT NULL,
+            expires_at_ms bigint,
+            last_delivery_at_ms bigint,
+            last_error text,
+            failed_since_ms bigint
+        );
+        CREATE INDEX event_subscriptions_match ON event_subscriptions (principal, name, subject);
+        CREATE INDEX event_subscriptions_expiry ON event_subscriptions (expires_at_ms);
+        CREATE TABLE event_verifications (
+            principal text NOT NULL,
+            url text NOT NULL,
+            verified_at_ms bigint NOT NULL,
+            PRIMARY KEY (principal, url)
+        );
+        CREATE TABLE event_deliveries (
+            delivery_id bigserial PRIMARY KEY,
+            subscription_id text NOT NULL,
+            event_id text NOT NULL,
+            seq bigint,
+            name text NOT NULL,
+            data text NOT NULL,
+            occurred_at_ms bigint NOT NULL,
+            created_at_ms bigint NOT NULL,
+            next_at_ms bigint NOT NULL,
+            attempts integer NOT NULL DEFAULT 0,
+            claimed_by text,
+            claimed_until_ms bigint,
+            UNIQUE (subscription_id, event_id)
+        );
+        CREATE INDEX event_deliveries_next_at ON event_deliveries (next_at_ms);
+        CREATE INDEX event_deliveries_subscription ON event_deliveries (subscription_id, seq);
+        CREATE FUNCTION task_event() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NOT (SELECT enabled FROM event_settings WHERE id = 1) THEN
+                RETURN NULL;
+            END IF;
+            PERFORM pg_advisory_xact_lock({LOCK_SPACE}, {EVENTS_LOCK});
+            INSERT INTO event_log (event_id, name, principal, subject, data, occurred_at_ms)
+            VALUES (NEW.task_id || '.' || NEW.status || '.' || NEW.updated_at_ms, '{TASK_STATUS}', NEW.principal,
+                NEW.task_id, json_build_object('taskId', NEW.task_id, 'status', NEW.status, 'statusMessage',
+                NEW.status_message, 'createdAtMs', NEW.created_at_ms, 'updatedAtMs', NEW.updated_at_ms, 'ttlMs',
+                NEW.ttl_ms, 'pollIntervalMs', NEW.poll_interval_ms)::text, NEW.updated_at_ms)
+            ON CONFLICT (event_id) DO NOTHING;
+            RETURN NULL;
+        END $$;
+        CREATE TRIGGER tasks_event_inserted AFTER INSERT ON tasks FOR EACH ROW
+            WHEN (NEW.status IN ({EVENT_STATUSES_SQL})) EXECUTE FUNCTION task_event();
+        CREATE TRIGGER tasks_event_updated AFTER UPDATE ON tasks FOR EACH ROW
+            WHEN (NEW.status IN ({EVENT_STATUSES_SQL}) AND (NEW.status <> OLD.status
+                OR (NEW.status = 'input_required' AND NEW.inputs_issued <> OLD.inputs_issued)))
+            EXECUTE FUNCTION task_event();
+        CREATE FUNCTION event_fanout() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO event_deliveries (subscription_id, event_id, seq, name, data, occurred_at_ms, created_at_ms,
+                next_at_ms)
+            SELECT subscription_id, NEW.event_id, NEW.seq, NEW.name, NEW.data, NEW.occurred_at_ms,
+                NEW.occurred_at_ms, 0 FROM event_subscriptions WHERE principal = NEW.principal AND name = NEW.name
+                AND (subject = '' OR subject = NEW.subject)
+                AND (expires_at_ms IS NULL OR expires_at_ms > NEW.occurred_at_ms)
+            ON CONFLICT (subscription_id, event_id) DO NOTHING;
+            RETURN NULL;
+        END $$;
+        CREATE TRIGGER event_log_fanout AFTER INSERT ON event_log FOR EACH ROW EXECUTE FUNCTION event_fanout();
+        """,
+    ),
+    (
+        # The Events extension: interest in the legacy server's changes (a resource's updates, a list's changes)
+        # per principal, and which replica holds the upstream subscription for it.
+        "0014_create_event_watches",
+        """
+        CREATE TABLE event_watches (
+            principal text NOT NULL,
+            name text NOT NULL,
+            subject text NOT NULL,
+            credential text,
+            wanted_until_ms bigint NOT NULL,
+            holder text,
+            held_until_ms bigint,
+            PRIMARY KEY (principal, name, subject)
+        );
         """,
     ),
 )

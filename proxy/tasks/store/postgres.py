@@ -26,6 +26,7 @@ from proxy.tasks.store.base import (
 )
 from proxy.tasks.store.pg_connections import Conn, PgConnections
 from proxy.tasks.store.pg_create import PgCreator
+from proxy.tasks.store.pg_events import PgEvents
 from proxy.tasks.store.pg_feed import PgFeed
 from proxy.tasks.store.pg_keys import PgKeys
 from proxy.tasks.store.rows import (
@@ -53,8 +54,9 @@ from proxy.wire.tasks import LIVE, TaskRecord, TaskStatus
 # Creations go through one thread with its own connection (`pg_create.py`); everything else runs on the loop through
 # the pool, mostly one statement (one implicit transaction) per call, with its change notification in the same
 # statement; the pool, the connections' settings and every operation's deadline are `pg_connections.py`'s, the
-# idempotency keys `pg_keys.py`'s. Depends on psycopg and the store's `base`, `rows`, `pg_connections`, `pg_create`,
-# `pg_schema`, `pg_feed`, `pg_keys`; it must not import aiohttp, the runner or the front.
+# idempotency keys `pg_keys.py`'s, the Events extension's port `pg_events.py`'s. Depends on psycopg and the store's
+# `base`, `rows`, `pg_connections`, `pg_create`, `pg_schema`, `pg_feed`, `pg_keys`, `pg_events`; it must not import
+# aiohttp, the runner or the front.
 
 # A renewal that comes more than this share of the lease after any replica's latest one marks the store's return:
 # above the renewal period (a third of the lease) of a lone replica, below the shortest outage that can make a
@@ -420,6 +422,7 @@ class PostgresTaskStore:
         self.keys = PgKeys(db)
         self.usage = PgUsage(db)
         self.operators = PgOperators(db, self.records)
+        self.events = PgEvents(db)
 
     @classmethod
     async def open(

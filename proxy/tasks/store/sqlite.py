@@ -1,6 +1,6 @@
 """The SQLite task store: one file, one process (the embedded default): its ports (records, replicas, keys,
-usage, operators) composed over one `SqliteDb` (the writer and reader threads, every call off the event loop);
-the lease never lapses and the feed is in-process. Depends on sqlite-utils and the store's own modules."""
+usage, operators, events) composed over one `SqliteDb` (the writer and reader threads, every call off the event
+loop); the lease never lapses and the feed is in-process. Depends on sqlite-utils and the store's own modules."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from proxy.tasks.store.rows import (
     query_sql,
     settle_values,
 )
+from proxy.tasks.store.sqlite_events import SqliteEvents
 from proxy.tasks.store.sqlite_threads import SqliteDb
 from proxy.tasks.store.sqlite_writer import SqliteWriter, rows, wall_ms
 from proxy.wire.jsonrpc import JSON
@@ -369,6 +370,7 @@ class SqliteTaskStore:
         self.keys = SqliteKeys(self.db, self._writer)
         self.usage = SqliteUsage(self.db, self._writer)
         self.operators = SqliteOperators(self.db, self._writer, self._feed, operator=operator)
+        self.events = SqliteEvents(self.db, self._writer, self._feed)
 
     @classmethod
     async def open(

@@ -9,6 +9,7 @@ from typing import Final
 
 from sqlite_utils import Database, Migrations
 
+from proxy.tasks.store.events import EVENT_STATUSES_SQL, TASK_STATUS
 from proxy.tasks.store.rows import COLUMNS, LIVE_SQL, TERMINAL_SQL
 from proxy.wire.tasks import TERMINAL
 
@@ -146,6 +147,89 @@ def _add_idempotency_task_id(db: Database) -> None:
     """The id of the task record a keyed call's first request creates before its upstream request: a repeat
     after that request's process died tells from it whether the upstream could have seen the call."""
     db.table("idempotency_keys").add_column("task_id", str)
+
+
+_TASK_EVENT: Final = (
+    "INSERT OR IGNORE INTO event_log (event_id, name, principal, subject, data, occurred_at_ms) VALUES"
+    f" (NEW.task_id || '.' || NEW.status || '.' || NEW.updated_at_ms, '{TASK_STATUS}', NEW.principal, NEW.task_id,"
+    " json_object('taskId', NEW.task_id, 'status', NEW.status, 'statusMessage', NEW.status_message, 'createdAtMs',"
+    " NEW.created_at_ms, 'updatedAtMs', NEW.updated_at_ms, 'ttlMs', NEW.ttl_ms, 'pollIntervalMs',"
+    " NEW.poll_interval_ms), NEW.updated_at_ms);"
+)
+# A task's event, written by the database in the transaction that changes the task. The triggers exist only while
+# events are on (`SqliteEvents.configure`: one process holds the file, so creating or dropping them at start is
+# safe): with events off, a task's writes run no trigger at all.
+EVENT_TRIGGERS: Final = (
+    "CREATE TRIGGER IF NOT EXISTS tasks_event_inserted AFTER INSERT ON tasks"
+    f" WHEN NEW.status IN ({EVENT_STATUSES_SQL}) BEGIN {_TASK_EVENT} END",
+    "CREATE TRIGGER IF NOT EXISTS tasks_event_updated AFTER UPDATE ON tasks"
+    f" WHEN NEW.status IN ({EVENT_STATUSES_SQL}) AND (NEW.status <> OLD.status"
+    f" OR (NEW.status = 'input_required' AND NEW.inputs_issued <> OLD.inputs_issued)) BEGIN {_TASK_EVENT} END",
+)
+DROP_EVENT_TRIGGERS: Final = (
+    "DROP TRIGGER IF EXISTS tasks_event_inserted",
+    "DROP TRIGGER IF EXISTS tasks_event_updated",
+)
+
+
+@MIGRATIONS(name="0012_create_events")
+def _create_events(db: Database) -> None:
+    """The Events extension: the log (a task's status event written by a trigger in the transaction that changes
+    it, created while events are on: `EVENT_TRIGGERS`), webhook subscriptions, verified callbacks and the delivery
+    outbox (one row per event and subscription, added by a trigger when the event is logged)."""
+    db.execute(
+        "CREATE TABLE event_settings (id INTEGER PRIMARY KEY CHECK (id = 1), enabled INTEGER NOT NULL,"
+        " epoch TEXT NOT NULL, trimmed_through INTEGER NOT NULL)"
+    )
+    db.execute("INSERT INTO event_settings VALUES (1, 0, lower(hex(randomblob(8))), 0)")
+    db.execute(
+        "CREATE TABLE event_log (seq INTEGER PRIMARY KEY AUTOINCREMENT, event_id TEXT NOT NULL UNIQUE,"
+        " name TEXT NOT NULL, principal TEXT NOT NULL, subject TEXT NOT NULL, data TEXT NOT NULL,"
+        " occurred_at_ms INTEGER NOT NULL)"
+    )
+    db.execute("CREATE INDEX idx_event_log_principal ON event_log (principal, name, seq)")
+    db.execute("CREATE INDEX idx_event_log_occurred_at_ms ON event_log (occurred_at_ms)")
+    db.execute(
+        "CREATE TABLE event_subscriptions (subscription_id TEXT PRIMARY KEY, principal TEXT NOT NULL,"
+        " name TEXT NOT NULL, subject TEXT NOT NULL, arguments TEXT NOT NULL, url TEXT NOT NULL, secret TEXT NOT NULL,"
+        " secret_digest TEXT NOT NULL, previous_secret TEXT, previous_until_ms INTEGER,"
+        " created_at_ms INTEGER NOT NULL, refreshed_at_ms INTEGER NOT NULL, expires_at_ms INTEGER,"
+        " last_delivery_at_ms INTEGER, last_error TEXT, failed_since_ms INTEGER)"
+    )
+    db.execute("CREATE INDEX idx_event_subscriptions_match ON event_subscriptions (principal, name, subject)")
+    db.execute("CREATE INDEX idx_event_subscriptions_expires_at_ms ON event_subscriptions (expires_at_ms)")
+    db.execute(
+        "CREATE TABLE event_verifications (principal TEXT NOT NULL, url TEXT NOT NULL,"
+        " verified_at_ms INTEGER NOT NULL, PRIMARY KEY (principal, url))"
+    )
+    db.execute(
+        "CREATE TABLE event_deliveries (delivery_id INTEGER PRIMARY KEY AUTOINCREMENT,"
+        " subscription_id TEXT NOT NULL, event_id TEXT NOT NULL, seq INTEGER, name TEXT NOT NULL, data TEXT NOT NULL,"
+        " occurred_at_ms INTEGER NOT NULL, created_at_ms INTEGER NOT NULL, next_at_ms INTEGER NOT NULL,"
+        " attempts INTEGER NOT NULL DEFAULT 0, claimed_by TEXT, claimed_until_ms INTEGER,"
+        " UNIQUE (subscription_id, event_id))"
+    )
+    db.execute("CREATE INDEX idx_event_deliveries_next_at_ms ON event_deliveries (next_at_ms)")
+    db.execute("CREATE INDEX idx_event_deliveries_subscription ON event_deliveries (subscription_id, seq)")
+    db.execute(
+        "CREATE TRIGGER event_log_fanout AFTER INSERT ON event_log BEGIN"
+        " INSERT OR IGNORE INTO event_deliveries (subscription_id, event_id, seq, name, data, occurred_at_ms,"
+        " created_at_ms, next_at_ms) SELECT subscription_id, NEW.event_id, NEW.seq, NEW.name, NEW.data,"
+        " NEW.occurred_at_ms, NEW.occurred_at_ms, 0 FROM event_subscriptions WHERE principal = NEW.principal"
+        " AND name = NEW.name AND (subject = '' OR subject = NEW.subject)"
+        " AND (expires_at_ms IS NULL OR expires_at_ms > NEW.occurred_at_ms); END"
+    )
+
+
+@MIGRATIONS(name="0013_create_event_watches")
+def _create_event_watches(db: Database) -> None:
+    """The Events extension: interest in the legacy server's changes (a resource's updates, a list's changes) per
+    principal, and which replica holds the upstream subscription for it."""
+    db.execute(
+        "CREATE TABLE event_watches (principal TEXT NOT NULL, name TEXT NOT NULL, subject TEXT NOT NULL,"
+        " credential TEXT, wanted_until_ms INTEGER NOT NULL, holder TEXT, held_until_ms INTEGER,"
+        " PRIMARY KEY (principal, name, subject))"
+    )
 
 
 INSERT_SQL: Final = f"INSERT INTO tasks ({', '.join(COLUMNS)}) VALUES ({', '.join(':' + column for column in COLUMNS)})"
