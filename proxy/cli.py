@@ -206,11 +206,10 @@ def serve(config: Config, path: str | None = None, overrides: dict[str, dict[str
         structlog.get_logger(__name__).info("event_loop", loop=f"{type(loop).__module__}.{type(loop).__name__}")
         return loop
 
-    listen = config.listen
     start_line = startup.start_fields(config, path)
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(serve_app(app, listen.host, listen.port, listen.shutdown_grace_seconds, start_line))
+            runner.run(serve_app(app, config, start_line))
     except startup.StartFailure as failure:
         return startup.report(failure)
     except StoreLockedError as exc:  # a second proxy on the same SQLite file

@@ -288,6 +288,8 @@ def served(upstream: Upstream, tmp_path: Path) -> Iterator[Served]:
     environ.update(
         MCP_TASKS_PROXY_LISTEN__HOST="127.0.0.1",
         MCP_TASKS_PROXY_LISTEN__PORT=str(port),
+        MCP_TASKS_PROXY_OBSERVABILITY__HOST="127.0.0.1",
+        MCP_TASKS_PROXY_OBSERVABILITY__PORT="0",
         MCP_TASKS_PROXY_STORE__PATH=str(tmp_path / "tasks.db"),
         MCP_TASKS_PROXY_UPSTREAM__URL=upstream.url,
     )
@@ -396,6 +398,13 @@ def test_the_deployment_key_comes_from_a_secret_mounted_read_only() -> None:
     mounted = _mounts()[str(Path(KEY_FILE).parent)]
     assert mounted["readOnly"] is True
     assert mounted["secret"]["secretName"]
+
+
+def _port(name: str) -> dict[str, Any]:
+    """The proxy container's port of that name (`mcp`, `ops`)."""
+    ports: list[dict[str, Any]] = _proxy_container()["ports"]
+    (port,) = [port for port in ports if port["name"] == name]
+    return port
 
 
 def _proxy_config(tmp_path: Path) -> Config:
@@ -632,10 +641,11 @@ def test_service_reaches_the_proxy_port_only() -> None:
     assert selector
     assert selector.items() <= pod_labels.items()
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    (port,) = _proxy_container()["ports"]
+    port = _port("mcp")
     (service_port,) = _by_kind("Service")["spec"]["ports"]
     assert service_port["targetPort"] == port["name"]
     assert service_port["port"] == 80
+    assert service_port["targetPort"] != _port("ops")["name"]  # metrics and readiness reasons stay in the pod
     proxy_name = _proxy_container()["name"]
     others = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] != proxy_name]
     assert others, "the legacy server runs in the same pod"
@@ -644,7 +654,7 @@ def test_service_reaches_the_proxy_port_only() -> None:
 
 def test_probes_hit_health_paths_on_the_proxy_port() -> None:
     container = _proxy_container()
-    (port,) = container["ports"]
+    port = _port("mcp")  # the bare probes: a status code, as the kubelet needs
     expected = {"livenessProbe": "/healthz", "readinessProbe": "/readyz", "startupProbe": "/healthz"}
     for probe, path in expected.items():
         if probe == "startupProbe" and probe not in container:
@@ -657,20 +667,31 @@ def test_configmap_config_is_valid_and_matches_the_pod(tmp_path: Path, capsys: p
     assert main(["check-config", str(_configmap_file(tmp_path))]) == 0
     assert "ok" in capsys.readouterr().out
     config = _proxy_config(tmp_path)
-    (port,) = _proxy_container()["ports"]
+    port = _port("mcp")
     assert (config.listen.host, config.listen.port) == ("0.0.0.0", port["containerPort"])
+    assert config.relay.prefixes == ["/.well-known/"], "a sidecar relays its server's OAuth metadata, nothing else"
     assert isinstance(config.upstream, HttpUpstreamConfig)
     assert urlsplit(config.upstream.url).hostname in LOOPBACK_HOSTS, "a sidecar reaches its server on loopback"
     assert config.tasks.tools, "the example shows tool policies"
     assert any("*" in name and policy.on_restart == "rerun" for name, policy in config.tasks.tools.items())
     assert any(not re.search(r"[*?\[]", name) for name in config.tasks.tools)
     assert config.observability.metrics, "the pod is annotated for scraping /metrics"
+    ops = _port("ops")
+    assert config.observability.port == ops["containerPort"]
     annotations = _by_kind("Deployment")["spec"]["template"]["metadata"]["annotations"]
     assert annotations == {
         "prometheus.io/scrape": "true",
-        "prometheus.io/port": str(port["containerPort"]),
+        "prometheus.io/port": str(ops["containerPort"]),
         "prometheus.io/path": "/metrics",
     }
+    # The operations listener binds the pod IP, from the downward API.
+    (host,) = [item for item in _proxy_container()["env"] if item["name"] == "MCP_TASKS_PROXY_OBSERVABILITY__HOST"]
+    assert host["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    monitor = yaml.safe_load((ROOT / "config" / "monitoring" / "podmonitor.yaml").read_text())
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == ops["name"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= (
+        _by_kind("Deployment")["spec"]["template"]["metadata"]["labels"].items()
+    )
 
 
 CLOSE_SECONDS = 10  # after the drain and the grace: upstream cancellations, the lease, the database

@@ -53,7 +53,7 @@ async def ready(http: aiohttp.ClientSession, proxy: ProxyProcess) -> int:
 
 
 async def pending_settlements(http: aiohttp.ClientSession, proxy: ProxyProcess) -> float:
-    async with http.get(f"http://127.0.0.1:{proxy.port}/metrics") as response:
+    async with http.get(proxy.ops_url("/metrics")) as response:
         for line in (await response.text()).splitlines():
             if line.startswith("mcp_tasks_proxy_store_pending_settlements "):
                 return float(line.split()[1])

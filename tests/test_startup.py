@@ -44,7 +44,8 @@ def events(text: str) -> list[dict[str, Any]]:
 def failed_start(tmp_path: Path, config: dict[str, Any]) -> tuple[int, str]:
     """Run `serve` with `config` to its end: the exit code and what it wrote to stderr (its log)."""
     path = tmp_path / f"failing-{time.monotonic_ns()}.yaml"
-    path.write_text(yaml.safe_dump({"logging": {"level": "info", "format": "json"}, **config}))
+    defaults = {"logging": {"level": "info", "format": "json"}, "observability": {"port": 0}}  # 0: never a port in use
+    path.write_text(yaml.safe_dump({**defaults, **config}))
     done = subprocess.run(
         [sys.executable, "-m", "proxy", "serve", "--config", str(path)],
         cwd=ROOT,
@@ -89,6 +90,11 @@ async def test_the_start_line_names_version_config_upstream_store_and_endpoint_w
     assert line["upstream"].startswith(upstream.url + "?")  # that there is a query is said, not what it holds
     assert line["store"] == f"sqlite: {(tmp_path / 'ops.db').resolve()}"
     assert line["endpoint"] == proxy.url
+    assert line["operations"] == proxy.ops_url("")
+    assert line["relayed"] == [
+        "/.well-known/*",
+        "the authorization endpoints its metadata names, when the upstream requires credentials",
+    ]
     log = proxy.log.read_text()
     assert "hunter2" not in log
     assert "someone" not in log
@@ -132,23 +138,32 @@ def test_the_start_line_shows_every_host_of_a_multi_host_postgresql_url(tmp_path
 # --- start failures: one line, an exit code each ----------------------------------------------------------------
 
 
-def test_a_port_in_use_is_one_error_line_and_exit_code_3(tmp_path: Path) -> None:
+@pytest.mark.parametrize("field", ["listen.port", "observability.port", "admin.port"])
+def test_a_port_in_use_is_one_error_line_and_exit_code_3_and_creates_nothing(tmp_path: Path, field: str) -> None:
+    """Every listener is bound before the store is opened or the upstream contacted: the failure names the key
+    to set, and neither the database nor the deployment key beside it is created."""
+    token = tmp_path / "admin.token"
+    token.write_text("t" * 40)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        code, stderr = failed_start(
-            tmp_path,
-            {
-                "listen": {"host": "127.0.0.1", "port": port},
-                "upstream": {"url": "http://127.0.0.1:9/mcp"},
-                "store": {"path": str(tmp_path / "tasks.db")},
-            },
-        )
+        config: dict[str, Any] = {
+            "listen": {"host": "127.0.0.1", "port": free_port()},
+            "observability": {"host": "127.0.0.1", "port": 0},
+            "admin": {"host": "127.0.0.1", "port": None, "token_file": str(token)},
+            "upstream": {"url": "http://127.0.0.1:9/mcp"},
+            "store": {"path": str(tmp_path / "data" / "tasks.db")},
+        }
+        section, key = field.split(".")
+        config[section][key] = port
+        code, stderr = failed_start(tmp_path, config)
     assert code == EXIT_CANNOT_LISTEN == 3
     failure = the_failure(stderr)
     assert failure["reason"] == "port_in_use"
     assert f"port {port}" in failure["error"]
+    assert f"(set {field})" in failure["error"]
+    assert not (tmp_path / "data").exists()  # no database, no key, not even their directory
 
 
 async def test_a_second_proxy_on_the_same_sqlite_file_is_one_error_line_and_exit_code_4(
@@ -209,7 +224,7 @@ async def test_a_refused_upstream_starts_the_proxy_with_a_warning_and_an_unready
     await until(warned, "the refused warm-up was logged")
     warning = next(event for event in proxy.events() if event["event"] == "upstream_session_warm_up_failed")
     assert warning["level"] == "warning"
-    status, body = await get(http, proxy.url.replace("/mcp", "/readyz"))
+    status, body = await get(http, proxy.ops_url("/readyz"))
     assert status == 503
     assert any(reason.startswith("upstream:") for reason in body["reasons"])
 
@@ -244,7 +259,7 @@ async def test_readyz_is_503_at_once_after_a_404_to_initialize_with_the_status_a
         lambda: any(event["event"] == "upstream_session_warm_up_failed" for event in proxy.events()),
         "the warm-up's initialize was answered",
     )
-    status, body = await get(http, proxy.url.replace("/mcp", "/readyz"))
+    status, body = await get(http, proxy.ops_url("/readyz"))
     assert status == 503
     [reason] = body["reasons"]
     assert "HTTP 404" in reason

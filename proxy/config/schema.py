@@ -433,20 +433,24 @@ class SecurityConfig(_Frozen):
 
 
 class RelayConfig(_Frozen):
-    """Paths that are neither the MCP endpoint nor the proxy's own, relayed to the upstream's origin."""
+    """Paths that are neither the MCP endpoint nor the proxy's own, relayed to the upstream's origin: by default
+    only what an MCP client needs there (its OAuth metadata), so nothing else the upstream serves is exposed."""
 
     enabled: bool = Field(
         True,
-        description="Relay every other path (OAuth protected-resource metadata, an embedded authorization "
-        "server's /authorize, /token, /register, static pages) verbatim to the upstream URL's origin, with the "
-        "pass-through's header rules, limits and X-Forwarded-*. Off: such paths get 404. A stdio upstream has "
-        "no origin: 404 with a JSON body saying so.",
+        description="Relay the paths under `prefixes` verbatim to the upstream URL's origin, with the "
+        "pass-through's header rules, limits and X-Forwarded-*. Off: no path is relayed (404). A stdio upstream "
+        "has no origin: 404 with a JSON body saying so.",
         json_schema_extra=RESTART,
     )
     prefixes: list[str] = Field(
-        default_factory=list,
-        description="Relay only paths under these prefixes (e.g. `/.well-known/`, `/authorize`); empty: every "
-        "path. Others get 404.",
+        default_factory=lambda: ["/.well-known/"],
+        description="Relay only paths under these prefixes; any other path gets 404. The default relays the "
+        "OAuth and OpenID metadata documents an MCP client looks for (RFC 9728, RFC 8414) and nothing else. While "
+        "the authorization server's metadata (`/.well-known/oauth-authorization-server`) is relayed and the "
+        "upstream requires credentials, the endpoints that metadata names on the upstream's own origin (an "
+        "embedded authorization server's `/authorize`, `/token`, `/register`) are relayed too. Setting it "
+        "replaces the list: `[]` relays nothing; `[/]` relays every path (static pages and all).",
         json_schema_extra=RESTART,
     )
 
@@ -873,9 +877,29 @@ class InputsConfig(_Frozen):
 
 
 class ObservabilityConfig(_Frozen):
+    """The operations listener: metrics and readiness with its reasons on a port of their own, never the MCP one
+    (the MCP port answers bare probes only)."""
+
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the operations listener binds to (`GET /metrics`, `/readyz` with its reasons, "
+        "`/healthz`; no token, as Prometheus scrapes). Loopback by default; in a pod, the pod IP (the Kubernetes "
+        "example sets it from `status.podIP`), so Prometheus and the kubelet reach it and the Service does not "
+        "route to it.",
+        json_schema_extra=RESTART,
+    )
+    port: int | None = Field(
+        9464,
+        ge=0,
+        le=65535,
+        description="Port of the operations listener (0 picks a free one; the start line says which). 9464 is "
+        "the port OpenTelemetry's Prometheus exporters use. null: no operations listener, so no metrics and no "
+        "readiness reasons are served (the MCP port's `/healthz` and `/readyz` still answer with a status).",
+        json_schema_extra=RESTART,
+    )
     metrics: bool = Field(
         True,
-        description="Serve Prometheus metrics at `/metrics` on the listen port (no tokens, no arguments).",
+        description="Serve Prometheus metrics at `/metrics` on the operations port (no tokens, no arguments).",
         json_schema_extra=RESTART,
     )
     readiness_max_age_seconds: float = Field(
@@ -1069,9 +1093,20 @@ class Config(_Frozen):
     )
 
     @model_validator(mode="after")
-    def _the_admin_port_is_not_the_mcp_port(self) -> Config:
-        if self.admin.port is not None and self.admin.port == self.listen.port:
-            raise PydanticCustomError("admin_port", "admin.port must differ from listen.port (the MCP port)")
+    def _each_listener_has_a_port_of_its_own(self) -> Config:
+        ports = {"listen.port (the MCP port)": self.listen.port, "admin.port": self.admin.port}
+        ports["observability.port"] = self.observability.port
+        seen: dict[int, str] = {}
+        for name, port in ports.items():
+            if not port:  # unset, or 0: a free port is picked
+                continue
+            if port in seen:
+                raise PydanticCustomError(
+                    "listener_port",
+                    "{name} must differ from {other} ({port})",
+                    {"name": name, "other": seen[port], "port": port},
+                )
+            seen[port] = name
         return self
 
     @model_validator(mode="after")

@@ -10,7 +10,19 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from proxy.edge._app_keys import ADMIN, CONFIG, FRONT, LIVE, PASSTHROUGH, POOL, RELAY, RUNNER, STOPPING, STORE
+from proxy.edge._app_keys import (
+    ADMIN,
+    ADMIN_SOCKETS,
+    CONFIG,
+    FRONT,
+    LIVE,
+    PASSTHROUGH,
+    POOL,
+    RELAY,
+    RUNNER,
+    STOPPING,
+    STORE,
+)
 from proxy.edge._drain import DRAIN
 from proxy.edge._error_edge import AUDIT, METRICS
 from proxy.edge._relay import OriginRelay
@@ -71,12 +83,17 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     drain.wait_for(lambda: runner.open_calls)  # the drain is the app's, built before the runner
     live.subscribe(lambda new: runner.config_swapped())  # the queue admits by the caps now in force
     legacy = app[PASSTHROUGH] = legacy_front(pool)  # relayed, or served by the proxy (the kind decides)
-    app[RELAY] = OriginRelay.of(config.relay, legacy)  # other paths: to the upstream's origin, when it has one
+
+    async def requires_auth() -> bool:
+        return not await pool.kind.auth.shared()
+
+    # Other paths: to the upstream's origin, when it has one and they are relayed.
+    app[RELAY] = OriginRelay.of(config.relay, legacy, requires_auth)
     admin = Admin(config.admin, store, runner.clock) if config.admin.port is not None else None
     try:
         await runner.start()  # restart recovery happens before the first request is served
         if admin is not None:
-            await admin.start()
+            await admin.start(app.get(ADMIN_SOCKETS))
             app[ADMIN] = admin
         pool.warm_up()
         yield

@@ -6,7 +6,8 @@ says (its method for the metrics and the request log line, its trace context, it
 it is relayed unread, its bytes having shown that it cannot be modern. Each request gets one SERVER span,
 opened in one place once it is classified, from its arrival. Every ProxyError raised anywhere below becomes
 an answer in one place, the error edge (`_error_edge.py`). What is refused before classification is `_admission.py`'s;
-the operators' endpoints are `_ops.py`'s; what opens and closes with the app is `_lifecycle.py`'s.
+the operators' endpoints are `_ops.py`'s (on this listener bare probes only; metrics and readiness reasons on the
+operations listener, `ops_app`); what opens and closes with the app is `_lifecycle.py`'s.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from proxy.edge._error_edge import (
 )
 from proxy.edge._jwt_identity import JwtIdentity
 from proxy.edge._lifecycle import end_listen_streams, upstream_ctx
-from proxy.edge._ops import healthz, metrics_endpoint, readyz
+from proxy.edge._ops import healthz, metrics_moved, readyz
 from proxy.edge.startup import is_loopback
 from proxy.errors import (
     InvalidRequestError,
@@ -302,9 +303,9 @@ def create_app(config: Config, live: LiveConfig | None = None) -> web.Applicatio
     app.router.add_get(HEALTHZ, healthz)
     app.router.add_get(READYZ, readyz)
     app.router.add_get(DRAINZ, drainz)
-    if config.observability.metrics:
+    app.router.add_get(METRICS_PATH, metrics_moved)  # served by the operations listener (`ops_app`), never here
+    if config.observability.metrics and config.observability.port is not None:
         metrics = app[METRICS] = Metrics(named_tools(config.tasks))
         drain.register_metrics(metrics.registry)
         live.register_metrics(metrics.registry)
-        app.router.add_get(METRICS_PATH, metrics_endpoint)
     return app

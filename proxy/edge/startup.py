@@ -21,6 +21,7 @@ from psycopg.conninfo import conninfo_to_dict
 from yarl import URL
 
 from proxy.config.schema import Config, HttpUpstreamConfig
+from proxy.edge._relay import relayed_shown
 
 log = structlog.get_logger(__name__)
 
@@ -89,11 +90,13 @@ def start_fields(config: Config, path: str | None) -> dict[str, Any]:
     """The start line's fields but the endpoint (known once the listener is bound)."""
     from proxy.upstream.session import PROXY_VERSION
 
+    relayed = relayed_shown(config.relay, has_origin=isinstance(config.upstream, HttpUpstreamConfig))
     return {
         "version": PROXY_VERSION,
         "config": str(Path(path).resolve()) if path is not None else "defaults",
         "upstream": upstream_shown(config),
         "store": store_shown(config),
+        "relayed": relayed or "nothing",
     }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import html
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
@@ -73,11 +74,15 @@ class Admin:
         app.router.add_post(f"{PREFIX}/tasks/{{task_id}}/cancel", self.cancel_task)
         return app
 
-    async def start(self) -> None:
+    async def start(self, sockets: list[socket.socket] | None = None) -> None:
+        """Serve on `sockets` when the serve loop bound them already, else bind `admin.host` and `admin.port`."""
         runner = self._runner = web.AppRunner(self.app(), handle_signals=False, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.config.host, self.config.port)
-        await site.start()
+        sites: list[web.BaseSite] = [web.SockSite(runner, sock) for sock in sockets or []]
+        if not sites:
+            sites.append(web.TCPSite(runner, self.config.host, self.config.port))
+        for site in sites:
+            await site.start()
         self.port = runner.addresses[0][1]
         log.info("admin_listening", host=self.config.host, port=self.port)
 
