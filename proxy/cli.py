@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from proxy.config.loader import ConfigError
     from proxy.config.schema import Config
 
-EXIT_CONFIG_ERROR = 2  # the other start failures' codes (3, 4, 5) are in proxy/edge/startup.py
+EXIT_CONFIG_ERROR = 2  # the other start failures' codes (3 to 6) are in proxy/edge/startup.py
 DEFAULT_PROBE_URL = "http://127.0.0.1:8080/healthz"
 
 

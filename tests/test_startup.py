@@ -27,7 +27,13 @@ import yaml
 from aiohttp import web
 
 from proxy.config.loader import load_config
-from proxy.edge.startup import EXIT_CANNOT_LISTEN, EXIT_STORE_LOCKED, EXIT_STORE_UNAVAILABLE, start_fields
+from proxy.edge.startup import (
+    EXIT_CANNOT_LISTEN,
+    EXIT_STORE_LOCKED,
+    EXIT_STORE_UNAVAILABLE,
+    EXIT_UPSTREAM_COMMAND,
+    start_fields,
+)
 from proxy.upstream.session import PROXY_VERSION
 from tests import pg
 from tests.support.processes import ROOT, ProxyProcess, Upstream, free_port, key_file
@@ -207,6 +213,72 @@ async def test_postgresql_stopped_at_start_is_one_error_line_and_exit_code_5(
     assert failure["reason"] == "store_unavailable"
 
 
+def files_in(directory: Path) -> set[str]:
+    return {str(path.relative_to(directory)) for path in directory.rglob("*")}
+
+
+def started_in(tmp_path: Path, **sections: Any) -> tuple[int, dict[str, Any], set[str]]:
+    """A start with `sections` over a config whose database and audit log would be in `tmp_path/data`: the exit
+    code, the one start_failed line, and the files the start left in `tmp_path` (the config file aside)."""
+    config: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "upstream": {"url": "http://127.0.0.1:9/mcp"},
+        "store": {"path": str(tmp_path / "data" / "tasks.db")},
+        "audit": {"path": str(tmp_path / "data" / "audit.jsonl")},
+    }
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values}
+    before = files_in(tmp_path)
+    code, stderr = failed_start(tmp_path, config)
+    left = {name for name in files_in(tmp_path) - before if not name.startswith("failing-")}
+    return code, the_failure(stderr), left
+
+
+def test_a_stdio_program_that_is_not_found_is_exit_code_6_naming_it_and_creates_nothing(tmp_path: Path) -> None:
+    code, failure, left = started_in(tmp_path, upstream={"url": "", "command": ["uvx-not-installed", "mcp-server-x"]})
+    assert code == EXIT_UPSTREAM_COMMAND == 6
+    assert failure["reason"] == "upstream_command_not_found"
+    assert "uvx-not-installed is not found on PATH" in failure["error"]
+    assert "mcp-server-x" not in failure["error"]  # arguments may be secrets: never shown
+    assert left == set()
+
+
+def test_a_stdio_server_that_exits_before_initialize_is_exit_code_6_and_creates_nothing(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "tests.upstream.faulty_stdio", "exit-at-start"]
+    code, failure, left = started_in(tmp_path, upstream={"url": "", "command": command, "cwd": str(ROOT)})
+    assert code == EXIT_UPSTREAM_COMMAND == 6
+    assert failure["reason"] == "upstream_failed_to_start"
+    assert f"the stdio server {Path(sys.executable).name} did not start" in failure["error"]
+    assert "exited with code 3" in failure["error"]
+    assert left == set()  # the server was started and stopped before the store was opened
+
+
+@pytest.mark.parametrize(
+    ("sections", "code", "reason", "key"),
+    [
+        ({"store": {"path": "{file}/tasks.db"}}, 5, "store_unavailable", "store.path"),
+        ({"audit": {"path": "{file}/audit.jsonl"}}, 2, "audit_unwritable", "audit.path"),
+        (
+            {"upstream": {"url": "", "command": ["python3"], "cwd": "{tmp}/absent"}},
+            2,
+            "upstream_cwd_missing",
+            "upstream.cwd",
+        ),
+    ],
+    ids=["store", "audit", "cwd"],
+)
+def test_a_file_the_start_cannot_use_is_found_before_anything_is_created(
+    tmp_path: Path, sections: dict[str, dict[str, Any]], code: int, reason: str, key: str
+) -> None:
+    """A file where a directory must be (root may write anywhere, so that is how a path is made unusable)."""
+    (tmp_path / "a-file").write_text("")
+    given = json.loads(json.dumps(sections).replace("{file}", str(tmp_path / "a-file")).replace("{tmp}", str(tmp_path)))
+    exit_code, failure, left = started_in(tmp_path, **given)
+    assert (exit_code, failure["reason"]) == (code, reason)
+    assert key in failure["error"]
+    assert left == set()
+
+
 # --- the upstream: never waited for at start, but said --------------------------------------------------------
 
 
@@ -264,6 +336,9 @@ async def test_readyz_is_503_at_once_after_a_404_to_initialize_with_the_status_a
     [reason] = body["reasons"]
     assert "HTTP 404" in reason
     assert "/wrong/path" in reason
+    assert "no MCP endpoint at /wrong/path; MCP servers usually serve it at /mcp: check upstream.url" in reason
+    warning = next(event for event in proxy.events() if event["event"] == "upstream_session_warm_up_failed")
+    assert "usually serve it at /mcp" in warning["error"]
 
 
 # --- Host checking beyond loopback ----------------------------------------------------------------------------

@@ -10,6 +10,8 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from proxy.config.schema import StdioUpstreamConfig
+from proxy.edge import startup
 from proxy.edge._app_keys import (
     ADMIN,
     ADMIN_SOCKETS,
@@ -42,13 +44,8 @@ log = structlog.get_logger(__name__)
 
 async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    # The store first: a database in use by another process stops the start before anything else is opened.
-    store = await open_store(config.store, max_records=config.tasks.max_records)
-    app[STORE] = store
-    if config.store.url is None:
-        log.info("store_opened", backend="sqlite", path=config.store.path)  # absolute (`parse_config`)
-    else:
-        log.info("store_opened", backend="postgresql")
+    # Nothing is created before what the start needs is checked (the listeners are bound already, `serve.py`).
+    startup.check_files(config)
     # No shared cookie jar: what the upstream sets is kept per upstream session (`upstream/http/session.py`).
     http = aiohttp.ClientSession(
         connector=upstream_connector(), auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar()
@@ -56,6 +53,20 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     metrics = app.get(METRICS)
     pool = SessionPool(session_kind(config, http, metrics))
     app[POOL] = pool
+    try:
+        if isinstance(config.upstream, StdioUpstreamConfig):  # one that cannot start stops the start here
+            await startup.first_stdio_process(pool, config.upstream)
+        # Then the store: a database in use by another process stops the start before the rest is opened.
+        store = await open_store(config.store, max_records=config.tasks.max_records)
+    except BaseException:
+        await pool.close()
+        await http.close()
+        raise
+    app[STORE] = store
+    if config.store.url is None:
+        log.info("store_opened", backend="sqlite", path=config.store.path)  # absolute (`parse_config`)
+    else:
+        log.info("store_opened", backend="postgresql")
     live = app[LIVE]
     drain = app[DRAIN]
     runner = TaskRunner(

@@ -53,6 +53,10 @@ async def readiness(app: web.Application) -> list[str]:
         reasons.append(f"store: {exc}")
     except TimeoutError:
         reasons.append(f"store: no committed write within {READY_STORE_SECONDS:g} s")
+    held = app[RUNNER].outbox
+    if held.count:  # a probe write may still fit where a result did not: these wait for the store to take them
+        writes = f"{held.count} task record write{'' if held.count == 1 else 's'}"
+        reasons.append(f"store: {writes} of {held.tasks} task{'' if held.tasks == 1 else 's'} wait in memory for it")
     lease = app[RUNNER].lease_problem()
     if lease is not None:
         reasons.append(f"lease: {lease}")
