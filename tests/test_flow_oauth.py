@@ -426,3 +426,23 @@ async def test_each_caller_has_its_own_task_support_facts(
             async with client.post("/mcp", json=body, headers=headers) as response:
                 message = (await read_messages(response))[-1]
             assert (message["error"]["code"] == -32021) is task_only, message
+
+
+async def test_tasks_bound_to_raw_tokens_are_warned_about_once_the_upstream_is_found_to_require_them(
+    oauth_upstream: Upstream, make_proxy: Any, issuer: Issuer
+) -> None:
+    """`detect` finds out at the first refusal; with `security.jwt` a refreshed token keeps its tasks: no warning."""
+    with structlog.testing.capture_logs() as events:
+        raw: Client = await make_proxy(oauth_upstream.url)
+        await modern(raw, "tools/list")  # refused without a token: the upstream requires credentials
+        await modern(raw, "tools/list")
+    warned = [event for event in events if event["event"] == "tasks_bound_to_raw_tokens"]
+    assert len(warned) == 1
+    assert "set security.jwt" in warned[0]["hint"]
+    jwks = issuer.jwks_path
+    with structlog.testing.capture_logs() as events:
+        verified: Client = await make_proxy(
+            oauth_upstream.url, security={"jwt": {"jwks_file": str(jwks), "issuer": ISSUER}}
+        )
+        await modern(verified, "tools/list")
+    assert not [event for event in events if event["event"] == "tasks_bound_to_raw_tokens"]

@@ -29,6 +29,7 @@ from pydantic import (
 from pydantic.config import JsonDict
 from pydantic_core import PydanticCustomError
 
+from proxy.config.suggest import did_you_mean
 from proxy.wire.fields import is_safe_value
 
 # A field whose values may be credentials (an API key header, a token in a server's environment): `redacted`
@@ -40,6 +41,9 @@ SECRET_VALUES: Final[JsonDict] = {"secret": True}
 # compares carries one; `live.py` derives the restart list from them.
 LIVE: Final[JsonDict] = {"reload": "live"}
 RESTART: Final[JsonDict] = {"reload": "restart"}
+# A field whose value is a file path (`loader.py`): a relative one written in the config file is taken from the
+# file's directory; one from the environment or a flag from the working directory.
+A_PATH: Final[JsonDict] = {"path": True}
 _HEADER_NAME: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # an HTTP token (RFC 9110, section 5.6.2)
 
 
@@ -212,7 +216,7 @@ class StdioUpstreamConfig(_UpstreamCommon):
     cwd: str | None = Field(
         None,
         description="With `command`: the server's working directory; null: the proxy's own.",
-        json_schema_extra=RESTART,
+        json_schema_extra={**RESTART, **A_PATH},
     )
     max_processes: int = Field(
         8,
@@ -264,14 +268,23 @@ def _one_kind(value: Any) -> Any:
     if not isinstance(value, Mapping):
         return value
     url, command = value.get("url"), value.get("command")
+    known = set().union(*(model.model_fields for model in _UPSTREAM_KINDS.values()))
     if bool(url) == bool(command):
+        # A misspelt `url` or `command` is what leaves both unset: say which key is unknown, with its near match.
+        unknown = sorted(str(key) for key in value if key not in known)
+        named = "; ".join(f"unknown key {key!r}{did_you_mean(key, known)}" for key in unknown)
         raise PydanticCustomError(
             "upstream_kind",
-            "set exactly one of upstream.url (a Streamable HTTP server) and upstream.command (a stdio server); {which}",
-            {"which": "both are set" if url else "neither is set"},
+            "{unknown}set exactly one of upstream.url (a Streamable HTTP server) and upstream.command (a stdio "
+            "server); {which}",
+            {
+                "which": "both are set" if url else "neither is set",
+                "unknown": f"{named}: " if named else "",
+                "keys": unknown,
+            },
         )
     kind = _UPSTREAM_KINDS[_upstream_kind(value) or "http"]
-    foreign = set().union(*(model.model_fields for model in _UPSTREAM_KINDS.values())) - set(kind.model_fields)
+    foreign = known - set(kind.model_fields)
     return {key: item for key, item in value.items() if key not in foreign}
 
 
@@ -303,6 +316,7 @@ class JwtConfig(_Frozen):
         None,
         description="A JSON Web Key Set in a file (e.g. a mounted ConfigMap), read when first needed and "
         "again after `jwks_ttl_seconds`.",
+        json_schema_extra=A_PATH,
     )
     issuer: list[str] = Field(
         ...,
@@ -403,7 +417,7 @@ class SecurityConfig(_Frozen):
         "HMAC, and the credential an `on_restart: rerun` task keeps is encrypted with it. Unset: "
         "`inputs.secret_file`, else a key created beside the SQLite database (`<store.path>.key`, 0600). "
         "Required with a PostgreSQL store and for `on_restart: rerun`.",
-        json_schema_extra=RESTART,
+        json_schema_extra={**RESTART, **A_PATH},
     )
     max_body_bytes: int = Field(
         4 * 1024 * 1024,
@@ -513,7 +527,7 @@ class StoreConfig(_Frozen):
         "the working directory (the start logs the absolute path, `store_opened`). One proxy process per file "
         "(a second one refuses to start on a file in use). It and its -wal, -shm and .lock files are owner-only "
         "(0600); directories the proxy creates for it are 0700. Unused when `store.url` is set.",
-        json_schema_extra=RESTART,
+        json_schema_extra={**RESTART, **A_PATH},
     )
     synchronous: Literal["normal", "full"] = Field(
         "full",
@@ -534,7 +548,7 @@ class StoreConfig(_Frozen):
         None,
         description="File holding the PostgreSQL password (e.g. a mounted Secret), read for each new connection "
         "so a rotated password is picked up. Unset: libpq's own sources (`PGPASSWORD`, `~/.pgpass`).",
-        json_schema_extra=RESTART,
+        json_schema_extra={**RESTART, **A_PATH},
     )
     pool_size: int = Field(
         10,
@@ -872,7 +886,7 @@ class InputsConfig(_Frozen):
         None,
         description="File holding the key that signs `requestState` (at least 32 bytes, e.g. a mounted Secret). "
         "Unset: a random key per process, so a state is only valid on the process that issued it.",
-        json_schema_extra=RESTART,
+        json_schema_extra={**RESTART, **A_PATH},
     )
 
 
@@ -937,7 +951,7 @@ class AuditConfig(_Frozen):
         "principal hash), method, tool, task id, outcome, duration, replica. Unset: no audit log (nothing is "
         "done per call). The file is reopened on SIGHUP (logrotate's `create` + `postrotate kill -HUP`); "
         "`copytruncate` works too (writes append at the end).",
-        json_schema_extra=RESTART,
+        json_schema_extra={**RESTART, **A_PATH},
     )
 
 
@@ -962,7 +976,7 @@ class AdminConfig(_Frozen):
         description="File holding the admin bearer token (at least 32 characters: letters, digits, `-._~`; e.g. "
         "`openssl rand -hex 32`). Required with `port`. Compared in constant time; a browser signs in once with "
         "`/admin/?token=…` (`mcp-tasks-proxy tasks admin-url`), which sets an HttpOnly SameSite=Strict cookie.",
-        json_schema_extra=RESTART,
+        json_schema_extra={**RESTART, **A_PATH},
     )
     show_results: bool = Field(
         False,

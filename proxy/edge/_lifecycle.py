@@ -11,6 +11,7 @@ import structlog
 from aiohttp import web
 
 from proxy.config.schema import StdioUpstreamConfig
+from proxy.config.warnings import raw_token_binding
 from proxy.edge import startup
 from proxy.edge._app_keys import (
     ADMIN,
@@ -53,6 +54,9 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     metrics = app.get(METRICS)
     pool = SessionPool(session_kind(config, http, metrics))
     app[POOL] = pool
+    binding = raw_token_binding(config)
+    if binding is not None:  # said at start for `required` (`start_warnings`); `detect` says it when it finds out
+        pool.kind.auth.when_found_required(lambda: startup.warn([binding]))
     try:
         if isinstance(config.upstream, StdioUpstreamConfig):  # one that cannot start stops the start here
             await startup.first_stdio_process(pool, config.upstream)

@@ -22,6 +22,8 @@ from aiohttp import web
 
 from proxy.config.live import LiveConfig
 from proxy.config.schema import Config
+from proxy.config.warnings import start_warnings
+from proxy.edge import startup
 from proxy.edge._admission import read_body, refusal
 from proxy.edge._app_keys import CONFIG, FRONT, JWT, LIVE, PASSTHROUGH, RELAY, RUNNER, STOPPING
 from proxy.edge._drain import DRAIN, Drain, drainz, track
@@ -46,7 +48,6 @@ from proxy.edge._error_edge import (
 from proxy.edge._jwt_identity import JwtIdentity
 from proxy.edge._lifecycle import end_listen_streams, upstream_ctx
 from proxy.edge._ops import healthz, metrics_moved, readyz
-from proxy.edge.startup import is_loopback
 from proxy.errors import (
     InvalidRequestError,
     MethodNotAllowedError,
@@ -274,14 +275,7 @@ def create_app(config: Config, live: LiveConfig | None = None) -> web.Applicatio
     """The app for `config`; `live` is the holder reloads swap (a fresh one, with no file, when not given)."""
     live = live if live is not None else LiveConfig(config)
     drain = Drain(live, config.listen.path)
-    if config.security.anonymous == "allow" and not is_loopback(config.listen.host):
-        log.warning(
-            "anonymous_callers_allowed",
-            host=config.listen.host,
-            principal_header=config.security.principal_header,
-            hint="requests without the principal header share one anonymous identity; set security.anonymous: "
-            "refuse unless a trusted hop always sets the header",
-        )
+    startup.warn(start_warnings(config))  # what `check-config` prints too
     app = web.Application(
         client_max_size=config.security.max_body_bytes,
         middlewares=[error_edge, track(drain), admission, relay_unrouted],

@@ -13,7 +13,6 @@ at start: one that is down or refuses is a warning and an unready `/readyz`, nev
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import shutil
 import sys
@@ -27,6 +26,7 @@ from psycopg.conninfo import conninfo_to_dict
 from yarl import URL
 
 from proxy.config.schema import Config, HttpUpstreamConfig, StdioUpstreamConfig
+from proxy.config.warnings import Warning
 from proxy.edge._relay import relayed_shown
 from proxy.errors import ProxyError, UpstreamTimeoutError
 from proxy.upstream.pool import SessionPool
@@ -111,29 +111,10 @@ def start_fields(config: Config, path: str | None) -> dict[str, Any]:
     }
 
 
-def is_loopback(host: str) -> bool:
-    """Is the listen address reachable only from this machine (or pod)?"""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def warn_beyond_loopback(config: Config) -> None:
-    """A bind beyond loopback (0.0.0.0, ::, a public address): requests from elsewhere name this machine in
-    their Host header, and only the names in `security.allowed_hosts` are served (DNS-rebinding protection)."""
-    host = config.listen.host
-    if is_loopback(host):
-        return
-    log.warning(
-        "listening_beyond_loopback",
-        host=host,
-        allowed_hosts=list(config.security.allowed_hosts),
-        hint="requests whose Host header is not in security.allowed_hosts are refused with 403; add the names "
-        "clients use to reach this proxy (e.g. its service name) to security.allowed_hosts",
-    )
+def warn(warnings: list[Warning]) -> None:
+    """Log each warning of the start (`check-config` prints the same ones)."""
+    for event, fields in warnings:
+        log.warning(event, **fields)
 
 
 # --- checked before anything is created or contacted ---------------------------------------------------------

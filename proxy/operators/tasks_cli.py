@@ -1,7 +1,8 @@
 """The `tasks` commands: list, show, stats, cancel and purge the task records of the store a config names.
 
-Each opens the store the config names (`store.url`, else `store.path`, relative to the working directory as
-for `serve`), or the SQLite file `--db` names, and refuses in one line (exit 1) when it cannot reach it.
+Each opens the store the config names (`store.url`, else `store.path`, a relative one from the config file's
+directory as for `serve`) and reads no other file of it (not the admin token, not the keys), or the SQLite
+file `--db` names (relative: from the working directory), and refuses in one line (exit 1) when it cannot reach it.
 Imports only the standard library at module level (`cli.py` builds its parser from here); each command
 imports the store when it runs.
 """
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from proxy.tasks.store import TaskStore
 
 EXIT_NOT_FOUND: Final = 1  # also: the store cannot be reached
+STORE_FILES: Final = ("store.password_file",)  # the one file of the config a `tasks` command reads
 _AGE_UNITS: Final = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
 _MESSAGE_CHARS: Final = 60  # of a statusMessage in the table (the JSON has all of it)
 
@@ -90,7 +92,7 @@ def _store_config(args: argparse.Namespace) -> tuple[StoreConfig, TasksConfig]:
 
     if args.db is not None:
         return StoreConfig(path=str(args.db)), TasksConfig()
-    config = load_config(args.config)
+    config = load_config(args.config, files=STORE_FILES)  # no other file is read (the admin token, the keys)
     return config.store, config.tasks
 
 
@@ -128,7 +130,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         )
         for row in rows
     ]
-    widths = [max(len(header[i]), *(len(line[i]) for line in lines)) for i in range(4)]
+    widths = [max(len(line[i]) for line in [header, *lines]) for i in range(4)]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(line[:4], widths, strict=True)) + "  " + line[4]
         for line in [header, *lines]
@@ -234,7 +236,7 @@ def _admin_url(path: str) -> int:
     from proxy.config.loader import load_config
     from proxy.operators.admin import admin_url
 
-    admin = load_config(path).admin
+    admin = load_config(path, files=("admin.token_file",)).admin
     if admin.port is None or admin.token_file is None:
         print(f"mcp-tasks-proxy: {path} sets no admin.port: there is no admin listener", file=sys.stderr)
         return EXIT_NOT_FOUND
