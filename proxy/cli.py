@@ -1,10 +1,11 @@
-"""Command line: argv → config → logging → serve | check-config | tasks … | probe.
+"""Command line: argv → config → logging → serve | check-config | tasks … | tools | call | follow | probe.
 
 `serve` runs the proxy (`serve … -- CMD ARGS` names a stdio server instead of an upstream URL);
 `check-config [FILE]` validates what `serve` would run (errors all at once, exit code 2; the warnings `serve`
 logs; `--print` writes it as YAML, credentials redacted; `--probe` asks the upstream for its tools);
-`tasks list|show|stats|cancel|purge` work on the store the config names (`operators/tasks_cli.py`); `probe
-[URL]` is the container HEALTHCHECK (exit 0 on HTTP 200). Every command has `--help`; `--version` prints the version.
+`tasks list|show|stats|cancel|purge` work on the store the config names (`operators/tasks_cli.py`); `tools`,
+`call TOOL key=value …` and `follow TASK_ID` are the client in the box (`client/commands.py`); `probe [URL]` is
+the container HEALTHCHECK (exit 0 on HTTP 200). Every command has `--help`; `--version` prints the version.
 
 Imports only the standard library at module level: the probe runs every 30 s in the image and must not load
 aiohttp, pydantic or the app. Each command imports what it needs when it runs.
@@ -17,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from proxy.client import commands as client_commands
 from proxy.operators import tasks_cli as operator_cli
 
 if TYPE_CHECKING:
@@ -89,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_serve_flags(check)
 
     operator_cli.add_parser(commands)
+    client_commands.add_parsers(commands)
 
     probe = commands.add_parser(
         "probe",
@@ -284,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "probe":
         return probe_command(args.url, args.timeout)
+    if args.command in ("tools", "call", "follow"):
+        return client_commands.main(args)
     from proxy.config.loader import ConfigError
 
     if args.command == "check-config":
