@@ -1056,3 +1056,51 @@ def test_the_ingress_example_trusts_only_the_header_its_authentication_sets(tmp_
     service = _by_kind("Service")
     assert route["backend"]["service"]["name"] == service["metadata"]["name"]
     assert route["backend"]["service"]["port"]["name"] in {port["name"] for port in service["spec"]["ports"]}
+
+
+# --- make docker: BuildKit or podman, or a sentence saying what to install -------------------------------------------
+
+
+def _make_docker(tmp_path: Path, tools: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """`make docker` with a PATH that holds only `sed` (the Makefile reads the version with it) and `tools`:
+    scripts standing in for docker and podman (neither is installed here), each logging its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    sed = shutil.which("sed")
+    assert sed is not None
+    (bin_dir / "sed").symlink_to(sed)
+    calls = tmp_path / "calls"
+    for name, body in tools.items():
+        script = bin_dir / name
+        script.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n{body}\n')
+        script.chmod(0o755)
+    make = shutil.which("make")
+    assert make is not None
+    done = subprocess.run(
+        [make, "--no-print-directory", "docker"],
+        cwd=ROOT,
+        env={"PATH": str(bin_dir), "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return done, calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_make_docker_says_what_to_install_without_buildkit_or_podman(tmp_path: Path) -> None:
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    done, calls = _make_docker(tmp_path, {})
+    assert done.returncode != 0
+    assert "neither docker (with BuildKit) nor podman is installed" in done.stderr
+    done, calls = _make_docker(tmp_path / "old", {"docker": 'test "$1" != buildx'})  # a docker without buildx
+    assert done.returncode != 0
+    assert "this docker has no BuildKit (the buildx plugin)" in done.stderr
+    assert "apt-get install docker-buildx" in done.stderr
+    assert calls == ["docker buildx version"]  # nothing built with the legacy builder
+    done, calls = _make_docker(tmp_path / "podman", {"podman": "exit 0"})
+    assert done.returncode == 0, done.stderr
+    assert calls == [f"podman build --format docker -t mcp-tasks-proxy:{version} -t mcp-tasks-proxy:latest ."]
+    done, calls = _make_docker(tmp_path / "buildx", {"docker": "exit 0", "podman": "exit 0"})
+    assert done.returncode == 0, done.stderr
+    assert calls == ["docker buildx version", f"docker build -t mcp-tasks-proxy:{version} -t mcp-tasks-proxy:latest ."]

@@ -139,6 +139,14 @@ async def test_an_operator_lists_shows_cancels_and_purges_tasks_beside_a_running
         return await cancelled_upstream(own_upstream.url) > before
 
     await until(stopped_upstream, "the upstream call was never cancelled")
+
+    def logged() -> list[dict[str, Any]]:  # by the running proxy, which did not settle it
+        return [event for event in proxy.events() if event["event"] == "task_settled_elsewhere"]
+
+    await until(logged, "the running proxy never logged the operator's cancel", 5)
+    [line] = logged()
+    assert (line["task_id"], line["tool"], line["status"]) == (running, "sleep", "cancelled")
+    assert line["reason"] == "cancelled by an operator"
     code, _, err = await run(capsys, "tasks", "cancel", running, "--config", config)
     assert code == 0
     assert "already cancelled" in err

@@ -10,7 +10,6 @@ imports the store when it runs.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Final
@@ -23,7 +22,6 @@ if TYPE_CHECKING:
 
 EXIT_NOT_FOUND: Final = 1  # also: the store cannot be reached
 STORE_FILES: Final = ("store.password_file",)  # the one file of the config a `tasks` command reads
-_AGE_UNITS: Final = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
 _MESSAGE_CHARS: Final = 60  # of a statusMessage in the table (the JSON has all of it)
 
 
@@ -110,14 +108,6 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _age(seconds: int) -> str:
-    """`45s`, `12m05s`, `3h07m`, `2d04h`: the two largest units."""
-    for (unit, size), (small, small_size) in itertools.pairwise(_AGE_UNITS):
-        if seconds >= size:
-            return f"{seconds // size}{unit}{(seconds % size) // small_size:02d}{small}"
-    return f"{max(0, seconds)}s"
-
-
 def _table(rows: list[dict[str, Any]]) -> str:
     header = ("TASK", "STATUS", "TOOL", "AGE", "MESSAGE")
     lines = [
@@ -125,7 +115,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
             row["taskId"],
             row["status"],
             row["tool"],
-            _age(row["ageSeconds"]),
+            task_views.age_text(row["ageSeconds"]),
             _one_line(row["statusMessage"] or ""),
         )
         for row in rows
