@@ -1,15 +1,6 @@
-"""Command line: argv → config → logging → serve | check-config | tasks … | tools | call | follow | probe.
-
-`serve` runs the proxy (`serve … -- CMD ARGS` names a stdio server instead of an upstream URL);
-`check-config [FILE]` validates what `serve` would run (errors all at once, exit code 2; the warnings `serve`
-logs; `--print` writes it as YAML, credentials redacted; `--probe` asks the upstream for its tools);
-`tasks list|show|stats|cancel|purge` work on the store the config names (`operators/tasks_cli.py`); `tools`,
-`call TOOL key=value …` and `follow TASK_ID` are the client in the box (`client/commands.py`); `probe [URL]` is
-the container HEALTHCHECK (exit 0 on HTTP 200). Every command has `--help`; `--version` prints the version.
-
-Imports only the standard library at module level: the probe runs every 30 s in the image and must not load
-aiohttp, pydantic or the app. Each command imports what it needs when it runs.
-"""
+"""Command line: argv → config → logging → serve | check-config | tasks … | tools | call | follow | probe; every
+command has `--help`. Imports only the standard library at module level: the probe (the container HEALTHCHECK,
+every 30 s) must not load aiohttp, pydantic or the app; each command imports what it needs when it runs."""
 
 from __future__ import annotations
 
@@ -20,6 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 from proxy.client import commands as client_commands
 from proxy.operators import tasks_cli as operator_cli
+
+# `serve` runs the proxy (`serve … -- CMD ARGS` names a stdio server instead of an upstream URL); `check-config
+# [FILE]` validates what `serve` would run (errors all at once, exit code 2; the warnings `serve` logs; `--print`
+# writes it as YAML, credentials redacted; `--probe` asks the upstream for its tools); `tasks
+# list|show|stats|cancel|purge` work on the store the config names (`operators/tasks_cli.py`); `tools`, `call TOOL
+# key=value …` and `follow TASK_ID` are the client in the box (`client/commands.py`); `probe [URL]` is the container
+# HEALTHCHECK (exit 0 on HTTP 200). `--version` prints the version.
 
 if TYPE_CHECKING:
     import asyncio

@@ -130,7 +130,7 @@ class Harness:
 @pytest.fixture
 async def store(tmp_path: Path) -> AsyncIterator[SqliteTaskStore]:
     opened = await SqliteTaskStore.open(tmp_path / "tasks.db", max_records=100)
-    await opened.renew_lease("replica-a", 10)
+    await opened.replicas.renew_lease("replica-a", 10)
     yield opened
     await opened.close()
 
@@ -194,7 +194,7 @@ async def test_a_first_request_whose_process_died_is_interrupted_not_run_again(s
     harness = Harness(store)
     scope = harness.keys.principals.key_of(Identity("alice"))
     dead = KeyRecord(scope, "k", fingerprint("t", {}), "replica-gone", 1_000, 10_000)
-    assert await store.claim_key(dead) is None
+    assert await store.keys.claim_key(dead) is None
     with pytest.raises(ReplayedError) as caught:
         await harness.call()
     assert caught.value.status == 500

@@ -1,15 +1,7 @@
-"""The paths that are not the proxy's and are relayed verbatim to the upstream's origin, in both eras.
-
-An MCP server that requires OAuth serves more than its MCP endpoint: its protected-resource metadata
-(`/.well-known/oauth-protected-resource/...`), perhaps an embedded authorization server (its metadata, `/authorize`,
-`/token`, `/register`). A client that reaches the server through the proxy must find those at the same public URL,
-and nothing else the upstream serves (static pages, an admin UI) should be exposed: only paths under
-`relay.prefixes` are relayed (by default `/.well-known/`), plus the endpoints the authorization server's own
-metadata names on the upstream's origin, learned when the upstream requires credentials. A request is relayed only
-when the proxy's router has no route for its path (`app.py`); it goes out through the legacy pass-through (same
-header rules, limits and X-Forwarded-*). Owns that decision only; imports the config, never the front, the tasks
-or a legacy server.
-"""
+"""The paths that are not the proxy's, relayed verbatim to the upstream's origin through the legacy pass-through
+when the router has no route for them: only those under `relay.prefixes` (by default `/.well-known/`) and the
+endpoints an embedded authorization server's metadata names. Owns that decision only; imports the config, never
+the front, the tasks or a legacy server."""
 
 from __future__ import annotations
 
@@ -25,6 +17,15 @@ from yarl import URL
 from proxy.config.schema import RelayConfig
 
 log = structlog.get_logger(__name__)
+
+# An MCP server that requires OAuth serves more than its MCP endpoint: its protected-resource metadata
+# (`/.well-known/oauth-protected-resource/...`), perhaps an embedded authorization server (its metadata, `/authorize`,
+# `/token`, `/register`). A client that reaches the server through the proxy must find those at the same public URL,
+# and nothing else the upstream serves (static pages, an admin UI) should be exposed: only paths under
+# `relay.prefixes` are relayed, plus the endpoints the authorization server's own metadata names on the upstream's
+# origin, learned when the upstream requires credentials. What is the proxy's comes from the router itself (`app.py`),
+# whatever is added to it later; a request goes out through the legacy pass-through (same header rules, limits and
+# X-Forwarded-*).
 
 NO_ORIGIN: Final = (
     "Not found: this proxy serves a stdio MCP server, which has no web origin; only the MCP endpoint and the "

@@ -1,15 +1,6 @@
-"""What a start says and checks: the start line's fields, the warning for an address beyond loopback, the files
-and the stdio server's program checked before anything is created, the first stdio server process waited for,
-and a start that fails as one log line (plus a sentence on a terminal) with an exit code of its own.
-
-Exit codes (`mcp-tasks-proxy serve`): 0 a stop after a drain; 1 an unexpected error; 2 invalid configuration,
-or a file it names that cannot be used (a directory that cannot be written, an `upstream.cwd` that is not
-there); 3 a listen address cannot be bound (port in use, address not on this machine, no permission); 4 the
-SQLite task database is in use by another proxy process; 5 the task store cannot be reached or opened
-(PostgreSQL down or refusing, a SQLite file that cannot be created); 6 the stdio server cannot be started (its
-program is not found, or it exits or fails before answering `initialize`). An HTTP upstream is not waited for
-at start: one that is down or refuses is a warning and an unready `/readyz`, never a failed start.
-"""
+"""What a start says and checks: the start line, the warnings, the files and the stdio server's program checked
+before anything is created, the first stdio server process waited for, and a failed start as one log line with
+an exit code of its own (`EXIT_*`, listed below)."""
 
 from __future__ import annotations
 
@@ -31,6 +22,14 @@ from proxy.edge._relay import relayed_shown
 from proxy.errors import ProxyError, UpstreamTimeoutError
 from proxy.upstream.pool import SessionPool
 from proxy.upstream.stdio.process import child_environment
+
+# Exit codes (`mcp-tasks-proxy serve`): 0 a stop after a drain; 1 an unexpected error; 2 invalid configuration, or a
+# file it names that cannot be used (a directory that cannot be written, an `upstream.cwd` that is not there); 3 a
+# listen address cannot be bound (port in use, address not on this machine, no permission); 4 the SQLite task database
+# is in use by another proxy process; 5 the task store cannot be reached or opened (PostgreSQL down or refusing, a
+# SQLite file that cannot be created); 6 the stdio server cannot be started (its program is not found, or it exits or
+# fails before answering `initialize`). An HTTP upstream is not waited for at start: one that is down or refuses is a
+# warning and an unready `/readyz`, never a failed start.
 
 log = structlog.get_logger(__name__)
 

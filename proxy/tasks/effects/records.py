@@ -1,11 +1,6 @@
-"""Task record writes for the calls run here (`CreateRecord` → `Committed` / `CommitRefused`, `WriteInputs`,
-`WriteProgress`, `Settle`), each under the lease's fence through one helper (a lost lease is `LeaseLost`; a
-store that is unavailable keeps the write in the outbox, retried in order), and the bookkeeping of every
-settlement this replica won (log, metrics, durations, and a note so that its own settlement coming back on the
-change feed is not taken for another replica's). Limits are checked (by the slots, and the outbox's bound)
-before anything is written. Imports the store, the slots, the outbox, the table, the wire and tracing; no
-upstream.
-"""
+"""Task record writes for the calls run here (`CreateRecord`, `WriteInputs`, `WriteProgress`, `WriteQueue`,
+`Settle`), each under the lease's fence through one helper, kept in the outbox while the store is away; the
+bookkeeping of every settlement this replica won. Imports the store, slots, outbox, table and wire."""
 
 from __future__ import annotations
 
@@ -124,7 +119,7 @@ class RecordWrites:
         started = time.perf_counter()
         self.context.table.add_task(record.task_id, call)  # before the commit: a committed task is never an orphan
         try:
-            await self.context.store.create(record)
+            await self.context.store.records.create(record)
         except StoreError as exc:
             self.context.table.drop_task(record.task_id)
             if isinstance(exc, StoreUnavailableError):
@@ -147,7 +142,7 @@ class RecordWrites:
         updated = await self._fenced(
             call,
             "task_inputs_not_stored",
-            lambda fence: self.context.store.set_inputs(
+            lambda fence: self.context.store.records.set_inputs(
                 task_id,
                 command.input_requests,
                 command.issued,
@@ -166,7 +161,7 @@ class RecordWrites:
         written = await self._fenced(  # a lost progress line is not worth failing the task for: a warning
             call,
             "task_progress_not_stored",
-            lambda fence: self.context.store.set_status_message(
+            lambda fence: self.context.store.records.set_status_message(
                 task_id, command.status_message, now_ms=self.context.clock(), fence=fence
             ),
             command,
@@ -186,7 +181,7 @@ class RecordWrites:
         written = await self._fenced(
             call,
             "task_queue_not_stored",
-            lambda fence: self.context.store.set_queued(
+            lambda fence: self.context.store.records.set_queued(
                 task_id, queued_at_ms, command.status_message, rerun_principal=sealed, now_ms=now_ms, fence=fence
             ),
             command,
@@ -203,7 +198,7 @@ class RecordWrites:
         settled = await self._fenced(
             call,
             "task_not_settled",
-            lambda fence: self.context.store.settle(
+            lambda fence: self.context.store.records.settle(
                 task_id,
                 command.status,
                 now_ms=self.context.clock(),
@@ -288,6 +283,10 @@ class RecordWrites:
 
         self.outbox.keep(task_id, _KINDS[type(command)], lambda: call.stored.fence, write, written, reason)
 
+    def refence(self, call: LiveCall, fence: Fence) -> None:
+        """The call's task is still this replica's under its renewed lease: its writes carry that fence now."""
+        call.stored.fence = fence
+
     def _task_id(self, call: LiveCall) -> str:
         task_id = call.state.task_id
         assert task_id is not None
@@ -307,7 +306,7 @@ class RecordWrites:
         """Settle a task from outside of its call (a client's cancel, a failure); the call, if any, is the
         caller's to stop."""
         self._expect_own(task_id)
-        settled = await self.context.store.settle(
+        settled = await self.context.store.records.settle(
             task_id, status, now_ms=self.context.clock(), error=error, status_message=message, fence=fence
         )
         if settled is None:

@@ -208,7 +208,7 @@ class IdempotencyKeys:
         while True:
             now = self.clock()
             claim = KeyRecord(scope, key, printed, self.process_id, now, now + round(config.retention_seconds * 1000))
-            holder = await self.store.claim_key(claim)
+            holder = await self.store.keys.claim_key(claim)
             if holder is None:
                 self._note("first")
                 return await self._first(claim, channel, run)
@@ -258,14 +258,14 @@ class IdempotencyKeys:
 
     async def _settle(self, claim: KeyRecord, outcome: str) -> None:
         try:
-            await self.store.settle_key(claim, outcome)
+            await self.store.keys.settle_key(claim, outcome)
         except StoreError as exc:  # the answer still goes out; a repeat waits for it, then gets 409
             log.warning("idempotency_key_not_recorded", error=str(exc))
 
     async def _release(self, claim: KeyRecord) -> None:
         self._note("released")
         try:
-            await self.store.release_key(claim)
+            await self.store.keys.release_key(claim)
         except StoreError as exc:
             log.warning("idempotency_key_not_released", error=str(exc))
 
@@ -277,10 +277,10 @@ class IdempotencyKeys:
         record: KeyRecord | None = holder
         joined = False
         while record is not None and record.outcome is None:
-            if record.owner != self.process_id and not await self.store.replica_alive(record.owner):
+            if record.owner != self.process_id and not await self.store.replicas.replica_alive(record.owner):
                 # The process running the first request died: what the upstream did is unknown, so it is
                 # not run again; the repeats are told so.
-                if await self.store.settle_key(record, json.dumps(INTERRUPTED)):
+                if await self.store.keys.settle_key(record, json.dumps(INTERRUPTED)):
                     log.warning("idempotency_key_interrupted", owner=record.owner)
                     self._note("interrupted")
             else:
@@ -294,7 +294,7 @@ class IdempotencyKeys:
                 joined = True
                 await asyncio.sleep(min(delay, remaining))
                 delay = min(delay * 2, MAX_POLL_SECONDS)
-            record = await self.store.get_key(holder.scope, holder.key)
+            record = await self.store.keys.get_key(holder.scope, holder.key)
         if record is None:
             return None
         how = "joined" if joined else "replayed"

@@ -1,21 +1,6 @@
-"""This process as one replica of a task store: its lease and fence, the change feed, the messages it sends to
-and takes from other replicas, and the take-over of dead replicas' tasks.
-
-With SQLite the process is the only replica: the lease never lapses and the feed carries its own changes. With
-PostgreSQL several replicas share the store. Each renews a lease (`store.lease_seconds`); every write it makes
-as a task's owner carries the lease's fence, so a replica whose lease lapsed (paused, cut off) can no longer
-change a task. A replica whose lease ran out is dead: at each sweep a survivor takes over its live tasks.
-A lapsed lease is resumed, not surrendered: once the store answers again, the replica renews (a new epoch) and
-asks the store what changed. A task it still shows as this replica's was taken over by nobody (a take-over moves
-the owner, and none can happen while the new lease holds): its call keeps running and writes under the new
-fence. A task a survivor took (its owner is the survivor now) is stopped here without writing. So a store
-outage that every replica saw costs no task, and a replica cut off while others reached the store loses its
-tasks to them, its late writes refused by the fence. What
-other replicas record for a task (a cancel settles it; answers are a message to its owner) wakes the owner
-through the feed. This module carries messages and reports what happened to its owner (the replica inbox, through
-`ReplicaOwner`); what a call does about it is the call machine's. Imports the store and `remote.py`; never the
-runner, aiohttp or the front.
-"""
+"""This process as one replica of a task store: its lease and fence, the change feed, the messages to and from
+other replicas, and the take-over of dead replicas' tasks; what happened is reported to its owner (the inbox).
+Imports the store and `remote.py`; never the runner, aiohttp or the front."""
 
 from __future__ import annotations
 
@@ -86,6 +71,20 @@ class Ask:
 
 
 class ReplicaLink:
+    """With SQLite the process is the only replica: the lease never lapses and the feed carries its own changes. With
+    PostgreSQL several replicas share the store. Each renews a lease (`store.lease_seconds`); every write it makes
+    as a task's owner carries the lease's fence, so a replica whose lease lapsed (paused, cut off) can no longer
+    change a task. A replica whose lease ran out is dead: at each sweep a survivor takes over its live tasks. A
+    lapsed lease is resumed, not surrendered: once the store answers again, the replica renews (a new epoch) and
+    asks the store what changed. A task it still shows as this replica's was taken over by nobody (a take-over moves
+    the owner, and none can happen while the new lease holds): its call keeps running and writes under the new
+    fence. A task a survivor took (its owner is the survivor now) is stopped here without writing. So a store outage
+    that every replica saw costs no task, and a replica cut off while others reached the store loses its tasks to
+    them, its late writes refused by the fence. What other replicas record for a task (a cancel settles it; answers
+    are a message to its owner) wakes the owner through the feed. This module carries messages and reports what
+    happened to its owner (the replica inbox, through `ReplicaOwner`); what a call does about it is the call
+    machine's. Imports the store and `remote.py`; never the runner, aiohttp or the front."""
+
     owner: ReplicaOwner  # what the link reports to, from `start` on
 
     def __init__(self, store: TaskStore, replica_id: str, lease_seconds: float) -> None:
@@ -114,7 +113,7 @@ class ReplicaLink:
         self.owner.spawn(self._lease_forever(), "replica-lease")
         self.owner.spawn(self._feed_forever(), "replica-feed")
         self.owner.spawn(self._take_forever(), "replica-messages")
-        if not self.store.shared:
+        if not self.store.replicas.shared:
             self.owner.spawn(self._poll_forever(), "replica-message-poll")
         async with asyncio.timeout(SUBSCRIBE_TIMEOUT_SECONDS):
             await self._subscribed.wait()
@@ -126,7 +125,7 @@ class ReplicaLink:
             if not ask.reply.done():
                 ask.reply.set_exception(remote.ReplicaLostError("Internal error: this proxy is shutting down"))
         try:
-            await self.store.release_lease(self._fence)
+            await self.store.replicas.release_lease(self._fence)
         except StoreError as exc:
             log.warning("lease_not_released", error=str(exc))
 
@@ -141,7 +140,7 @@ class ReplicaLink:
 
     async def _renew(self) -> None:
         started = time.monotonic()
-        fence = await self.store.renew_lease(self.replica_id, self.lease_seconds)
+        fence = await self.store.replicas.renew_lease(self.replica_id, self.lease_seconds)
         self._renewed_at = started
         if fence != self._fence:
             lapsed = self._fence.epoch != 0
@@ -169,7 +168,7 @@ class ReplicaLink:
         whether the task is still this replica's. The fence to write under again, or None when another replica
         owns the task (or it ended): then its call stops without writing. StoreError when the store is away."""
         await self._renew_once(time.monotonic())
-        record = await self.store.get(task_id)
+        record = await self.store.records.get(task_id)
         if record is None or record.status.terminal or record.owner != self.replica_id:
             return None
         return self._fence
@@ -188,11 +187,11 @@ class ReplicaLink:
         """Take over the live tasks of replicas whose lease ran out (one survivor gets each replica's tasks),
         unless `take_over` is False (this replica drains); give up on requests to replicas that died while a
         client here waited."""
-        for dead in await self.store.expired_replicas() if take_over else []:
+        for dead in await self.store.replicas.expired_replicas() if take_over else []:
             if dead == self.replica_id:
                 continue  # our own lease lapsed: the next renewal says so
             try:
-                records = await self.store.take_over(dead, self._fence)
+                records = await self.store.replicas.take_over(dead, self._fence)
             except FencedError:
                 return  # our lease lapsed too: we may not take anything over
             if records:
@@ -203,7 +202,7 @@ class ReplicaLink:
     async def _watch_asks(self) -> None:
         due = [ask for ask in self._asks.values() if time.monotonic() - ask.started > self.lease_seconds]
         for replica in {ask.replica for ask in due}:
-            if await self.store.replica_alive(replica):
+            if await self.store.replicas.replica_alive(replica):
                 continue
             for ask in due:
                 if ask.replica == replica and not ask.reply.done():
@@ -218,7 +217,7 @@ class ReplicaLink:
         changed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._watchers.setdefault(task_id, []).append(changed)  # before the message: its change is not missed
         try:
-            if await self.store.notify_owner(task_id, INPUT, {"answers": answers}) is None:
+            if await self.store.replicas.notify_owner(task_id, INPUT, {"answers": answers}) is None:
                 return  # settled meanwhile
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(changed), ANSWERS_ACK_SECONDS)
@@ -230,7 +229,7 @@ class ReplicaLink:
                 self._watchers.pop(task_id, None)
 
     async def send(self, replica: str, kind: str, key: str, payload: JSON) -> None:
-        await self.store.notify_replica(replica, kind, key, payload)
+        await self.store.replicas.notify_replica(replica, kind, key, payload)
 
     async def ask(
         self, replica: str, kind: str, payload: JSON, on_note: Callable[[JSON], Awaitable[None]] | None = None
@@ -261,7 +260,7 @@ class ReplicaLink:
     async def _feed_forever(self) -> None:
         while not self._closed:
             try:
-                async with self.store.changes(for_replica=self.replica_id) as changes:
+                async with self.store.replicas.changes(for_replica=self.replica_id) as changes:
                     self._subscribed.set()
                     async for change in changes:
                         self._on_change(change)
@@ -289,7 +288,7 @@ class ReplicaLink:
             await self._wake.wait()
             self._wake.clear()
             try:
-                messages = await self.store.take_messages(self.replica_id)
+                messages = await self.store.replicas.take_messages(self.replica_id)
             except StoreError as exc:
                 log.warning("messages_not_taken", error=str(exc))
                 continue
@@ -300,7 +299,7 @@ class ReplicaLink:
         while not self._closed:
             await asyncio.sleep(MESSAGE_POLL_SECONDS)
             try:
-                if await self.store.pending_messages(self.replica_id):
+                if await self.store.replicas.pending_messages(self.replica_id):
                     self._wake.set()
             except StoreError as exc:
                 log.warning("messages_not_polled", error=str(exc))

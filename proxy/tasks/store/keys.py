@@ -1,16 +1,15 @@
-"""Idempotency-key records (draft-ietf-httpapi-idempotency-key-header): the value type and the SQL both
-backends run on their `idempotency_keys` table, whose primary key (scope, key) makes the first claim atomic.
-
-A record is claimed `running` (no outcome) by the process that runs the first request, then settled with the
-outcome that request got, or released (deleted) when the request was refused before the upstream saw it.
-Plain SQL text and a dataclass; it must not import a database driver, aiohttp, the runner or the front.
-"""
+"""Idempotency-key records: the value type and the SQL both backends run on their `idempotency_keys` table,
+whose primary key makes the first claim atomic. Must not import a database driver, aiohttp or tasks."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
+
+# A record is claimed `running` (no outcome) by the process that runs the first request, then settled with the outcome
+# that request got, or released (deleted) when the request was refused before the upstream saw it. Plain SQL text and
+# a dataclass; it must not import a database driver, aiohttp, the runner or the front.
 
 KEY_COLUMNS: Final = ("scope", "key", "fingerprint", "owner", "created_at_ms", "expires_at_ms", "outcome")
 

@@ -1,11 +1,5 @@
-"""The PostgreSQL store's schema: versioned migrations and the SQL the store runs.
-
-Migrations are ordered, named steps recorded in `schema_migrations`; they are applied in one transaction under
-an advisory lock, so replicas that start at once migrate once. Every statement that adds or removes task
-rows locks the one `task_count` row first (a trigger keeps its count exact): creations across replicas are
-serialized there, so eviction at capacity neither over-evicts nor lets the count run past `max_records`, and
-all writers take their locks in one order (the count, then task rows). Depends on `rows` and psycopg.
-"""
+"""The PostgreSQL store's schema: versioned migrations (applied once, under an advisory lock) and the SQL the
+store runs; every statement that adds or removes task rows locks the count row first. Depends on `rows`."""
 
 from __future__ import annotations
 
@@ -15,6 +9,12 @@ from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
 from proxy.tasks.store.rows import COLUMNS, LIVE_SQL, TERMINAL_SQL
+
+# Migrations are ordered, named steps recorded in `schema_migrations`; they are applied in one transaction under an
+# advisory lock, so replicas that start at once migrate once. Every statement that adds or removes task rows locks the
+# one `task_count` row first (a trigger keeps its count exact): creations across replicas are serialized there, so
+# eviction at capacity neither over-evicts nor lets the count run past `max_records`, and all writers take their locks
+# in one order (the count, then task rows). Depends on `rows` and psycopg.
 
 # Advisory locks live in one space per database: ours are keyed by the schema, so that two deployments in two
 # schemas of one database do not share them. The second key says what is locked.
