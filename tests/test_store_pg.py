@@ -408,8 +408,8 @@ async def test_the_replicas_guides_role_and_database_give_the_proxy_a_store(pg_d
         url = f"postgresql://{name}@{params['host']}:{params['port']}/{name}"
         store = await open_store(StoreConfig(url=url, password_file=str(password)), max_records=5)
         try:
-            await store.create(make_record("task_a"))
-            assert await store.get("task_a") is not None
+            await store.records.create(make_record("task_a"))
+            assert await store.records.get("task_a") is not None
         finally:
             await store.close()
         setting = await rows(pg_dsn, f"SELECT setconfig FROM pg_db_role_setting WHERE setrole = '{name}'::regrole")

@@ -1,14 +1,11 @@
-"""`mcp-tasks-proxy tools`, `call TOOL key=value …` and `follow TASK_ID`: the client in the box on the command line.
+"""`mcp-tasks-proxy tools`, `call TOOL key=value …` and `follow TASK_ID`: the client in the box on the command line
+(its parser, where it connects and with which credentials); what each command does is `flows.py`'s. Imports
+only the standard library at module level: `cli.py` builds its parser here, and the probe must not pay for it."""
 
-It finds the proxy by `--url`, else the listen address of `--config FILE`, else DEFAULT_URL; sends credentials
-from `--header` (repeatable) or `$MCP_TASKS_CLIENT_TOKEN` (a Bearer token); declares the Tasks extension, and
-elicitation when a person can answer (stdin and stderr are terminals). A call that becomes a task is followed by
-polling `tasks/get` at its `pollIntervalMs`, with its progress shown live; the upstream's questions are asked on
-the terminal; Ctrl-C offers to cancel the task or leave it running. Exit codes (`flows.py`): 0; 1 a tool
-error, a JSON-RPC error, a failed or cancelled task; 2 usage; 3 the proxy cannot be reached; 130 Ctrl-C with the
-task left running. What each command does is `flows.py`'s. Imports only the standard library at module
-level (`cli.py` builds its parser here, and the container's probe must not pay for the client).
-"""
+# The proxy is found by `--url`, else the listen address of `--config FILE`, else DEFAULT_URL; credentials come from
+# `--header` (repeatable) or `$MCP_TASKS_CLIENT_TOKEN` (a Bearer token). Exit codes (`flows.py`): 0; 1 a tool error,
+# a JSON-RPC error, a failed or cancelled task; 2 usage; 3 the proxy cannot be reached; 130 Ctrl-C with the task
+# left running.
 
 from __future__ import annotations
 

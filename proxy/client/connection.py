@@ -1,10 +1,6 @@
-"""One 2026-07-28 client's requests to an MCP endpoint: each POST carries the per-request `_meta` (protocol
-version, client capabilities with the Tasks extension, client info) and the routing headers (`Mcp-Method`,
-`Mcp-Name`, `Mcp-Param-*` of a tool's `x-mcp-header` arguments), and its answer is read as JSON or as an SSE
-stream whose `notifications/progress` go to a callback. Failures are typed: the endpoint cannot be reached
-(`UnreachableError`), or answers with a JSON-RPC error (`RpcError`, with the HTTP status). Imports aiohttp's
-client and the wire.
-"""
+"""One 2026-07-28 client's requests: each POST carries the per-request `_meta` and the routing headers (`Mcp-Method`,
+`Mcp-Name`, a tool's `Mcp-Param-*`); its answer is read as JSON or as an SSE stream whose progress goes to a
+callback. Failures are typed: `UnreachableError`, `RpcError`. Imports aiohttp's client and the wire."""
 
 from __future__ import annotations
 
