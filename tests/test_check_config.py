@@ -262,6 +262,7 @@ def test_check_config_prints_the_warnings_serve_logs(tmp_path: Path, capsys: pyt
     assert "warning" not in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("quiet_logs")  # --probe configures the process's logging: restored afterwards
 def test_check_config_probe_holds_tool_names_against_the_upstreams_list(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], upstream: Upstream
 ) -> None:
