@@ -1,6 +1,7 @@
 """The TaskStore contract for Idempotency-Key records, against both backends: a real SQLite file under tmp_path
 and a real PostgreSQL database (tests/pg.py). One claim wins (also when many race), the holder is read back,
-an outcome is recorded once by the holder only, a released key is free again, and retention ends a record."""
+an outcome is recorded once by the holder only, a released key is free again, a late release or outcome of an
+earlier claim never touches a later one, and retention ends a record."""
 
 from __future__ import annotations
 
@@ -82,3 +83,17 @@ async def test_a_key_past_its_retention_is_claimed_anew_and_purged(store: TaskSt
     assert await store.keys.purge_keys(1_499) == 0
     assert await store.keys.purge_keys(2_000) == 2
     assert await store.keys.get_key("alice", "k-1") is None
+
+
+async def test_a_late_release_or_outcome_of_an_earlier_claim_leaves_a_later_claim_alone(store: TaskStore) -> None:
+    """A process that owed the release of a claim it gave up on writes it late, after its own repeat claimed the
+    key again: only the claim it names (owner and creation) goes."""
+    earlier = claim(at_ms=1_000)
+    await store.keys.claim_key(earlier)
+    await store.keys.release_key(earlier)
+    later = claim(at_ms=1_001)
+    assert await store.keys.claim_key(later) is None
+    await store.keys.release_key(earlier)
+    assert await store.keys.settle_key(earlier, '{"result":{}}') is False
+    assert await store.keys.get_key("alice", "k-1") == later
+    assert await store.keys.settle_key(later, '{"result":{"n":1}}') is True

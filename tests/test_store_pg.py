@@ -8,6 +8,7 @@ stale owner, the change feed across replicas (committed only, and back after its
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,14 +24,17 @@ from proxy.tasks.store import (
     STATUS,
     Change,
     FencedError,
+    KeyRecord,
     StoreError,
     StoreFullError,
+    StoreUnavailableError,
     open_store,
 )
 from proxy.tasks.store.pg_schema import MIGRATIONS
 from proxy.tasks.store.postgres import PostgresTaskStore
 from proxy.wire.jsonrpc import RawJSON
 from proxy.wire.tasks import TaskStatus
+from tests import pg
 from tests.support.records import check_trace_context_migrated, make_record, next_change
 from tests.support.waiting import until
 
@@ -124,6 +128,7 @@ async def test_replicas_that_start_at_once_migrate_once(pg_dsn: str) -> None:
             ("0008_add_admission_queue",),
             ("0009_create_quota_windows",),
             ("0010_create_idempotency_keys",),
+            ("0011_create_lease_watch",),
         ]
         await stores[0].records.create(make_record("task_a"))
         assert await stores[3].records.get("task_a") is not None
@@ -227,6 +232,98 @@ async def test_fencing_refuses_a_stale_owners_writes(replicas: list[PostgresTask
     done = await b.records.settle("task_a", TaskStatus.COMPLETED, now_ms=5_000, result={"ok": True}, fence=fence_b)
     assert done is not None
     assert done.result == RawJSON('{"ok":true}')
+
+
+async def test_a_lease_that_lapsed_while_no_replica_could_renew_gets_a_lease_period_after_the_return(
+    replicas: list[PostgresTaskStore], pg_dsn: str
+) -> None:
+    """Nobody renews for longer than half a lease (the store was away for all): the first renewal after that marks
+    the store's return, and a holder whose lease lapsed meanwhile is alive (not taken over) until it has had its
+    lease period from the return to renew; renewing then keeps its tasks (a new epoch, the same owner)."""
+    a, b, _ = replicas
+    lapsing = await a.replicas.renew_lease("replica-a", 1.0)
+    await a.records.create(make_record("task_a", owner="replica-a"))
+    await b.replicas.renew_lease("replica-b", 1.0)
+    await until(lambda: _lapsed(pg_dsn, "replica-a"), "replica-a's lease runs out")
+    fence_b = await b.replicas.renew_lease("replica-b", 1.0)  # the first renewal after the gap: the store is back
+    assert await b.replicas.expired_replicas() == []
+    assert await b.replicas.replica_alive("replica-a")
+    assert await b.replicas.take_over("replica-a", fence_b) == []
+    renewed = await a.replicas.renew_lease("replica-a", 1.0)  # in time: a new epoch, its tasks still its own
+    assert renewed.epoch != lapsing.epoch
+    done = await a.records.settle("task_a", TaskStatus.COMPLETED, now_ms=2_000, result={}, fence=renewed)
+    assert done is not None
+    assert done.owner == "replica-a"
+
+
+async def test_a_holder_that_does_not_renew_after_the_return_is_gone_a_lease_period_later(
+    replicas: list[PostgresTaskStore], pg_dsn: str
+) -> None:
+    a, b, _ = replicas
+    await a.replicas.renew_lease("replica-a", 0.6)
+    await a.records.create(make_record("task_a", owner="replica-a"))
+    await b.replicas.renew_lease("replica-b", 30)
+    await until(lambda: _lapsed(pg_dsn, "replica-a"), "replica-a's lease runs out")  # nobody renewed: a gap
+    fence_b = await b.replicas.renew_lease("replica-b", 0.6)
+    returned = time.monotonic()
+    assert await b.replicas.take_over("replica-a", fence_b) == []  # spared: the store has just come back
+    await until(lambda: _expired(b, "replica-a"), "replica-a is gone a lease period after the return")
+    assert time.monotonic() - returned >= 0.5
+    fence_b = await b.replicas.renew_lease("replica-b", 30)
+    assert [record.task_id for record in await b.replicas.take_over("replica-a", fence_b)] == ["task_a"]
+
+
+async def test_a_replica_that_stops_renewing_while_another_renews_is_gone_when_its_lease_runs_out(
+    replicas: list[PostgresTaskStore],
+) -> None:
+    """No gap in the renewals (the store answered all along): a lapsed lease is the holder's own doing (killed,
+    paused, cut off alone), and it is gone at once."""
+    a, b, _ = replicas
+    await a.replicas.renew_lease("replica-a", 0.5)
+    fence_b = await b.replicas.renew_lease("replica-b", 0.5)
+
+    async def renewing_b() -> bool:
+        nonlocal fence_b
+        fence_b = await b.replicas.renew_lease("replica-b", 0.5)
+        return await _expired(b, "replica-a")
+
+    await until(renewing_b, "replica-a is gone once its lease ran out")
+    assert not await b.replicas.replica_alive("replica-a")
+
+
+async def _lapsed(dsn: str, replica_id: str) -> bool:
+    """Has `replica_id`'s lease run out, by the database's clock?"""
+    sql = "SELECT expires_at <= clock_timestamp() FROM replicas WHERE replica_id = %s"
+    return bool(await rows(dsn, sql, [replica_id]) == [(True,)])
+
+
+async def test_a_key_claim_sent_to_a_frozen_server_is_never_committed_after_its_deadline(
+    own_pg_server: pg.PgServer,
+) -> None:
+    """The claim's INSERT reaches the server, which is frozen: the claimer gives up at its deadline (unavailable),
+    and when the server thaws and runs the INSERT, nothing commits it (the claimer never sent COMMIT): the key is
+    free at once, on any replica."""
+    dsn = own_pg_server.dsn(await asyncio.to_thread(own_pg_server.create_database))
+    store = await PostgresTaskStore.open(dsn, max_records=10, timeout_seconds=0.5, connect_timeout_seconds=1)
+    try:
+        record = KeyRecord("alice", "frozen", "fp", "replica-a", created_at_ms=1_000, expires_at_ms=99_000)
+        backends = "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        before = {row[0] for row in await rows(dsn, backends)}
+        own_pg_server.freeze()
+        try:
+            with pytest.raises(StoreUnavailableError):
+                await store.keys.claim_key(record)
+        finally:
+            own_pg_server.thaw()
+
+        async def settled() -> bool:  # the claim's backend ran what it had been sent, then found its client gone
+            return len(before & {row[0] for row in await rows(dsn, backends)}) < len(before)
+
+        await until(settled, "the frozen claim's backend finished")
+        assert await rows(dsn, "SELECT key FROM idempotency_keys") == []
+        assert await store.keys.claim_key(dataclasses.replace(record, owner="replica-b")) is None
+    finally:
+        await store.close()
 
 
 async def test_a_released_lease_can_be_taken_over_at_once(replicas: list[PostgresTaskStore]) -> None:

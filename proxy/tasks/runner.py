@@ -162,7 +162,9 @@ class TaskRunner:
         self.recovery = Recovery(context, self.replicas, self.records, self.starter.state, followers, draining)
         self.inbox = ReplicaInbox(context, self.parking, self.records, self.replicas, self.recovery, self.starter)
         cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
-        keys = IdempotencyKeys(store, principals, self.process_id, self.spawn, clock, metrics, lambda: self.closing)
+        self.keys = keys = IdempotencyKeys(
+            store, principals, self.process_id, self.spawn, clock, metrics, lambda: self.closing
+        )
         waiting = WaitingRequests(self.starter, client.keep_alive, cache)
         self.tasks = Tasks(waiting, self.operations, self.quotas, keys, principals, metrics)  # the front's
 
@@ -201,6 +203,7 @@ class TaskRunner:
         await self.outbox.close()
         await self.replicas.close()
         await self.background.close(SHUTDOWN_GRACE_SECONDS)
+        await self.keys.close()  # idempotency-key writes the store did not take yet: tried once more
         if self.audit is not None:
             self.audit.close()
 

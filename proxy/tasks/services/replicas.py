@@ -1,6 +1,7 @@
 """This process as one replica of a task store: its lease and fence, the change feed, the messages to and from
-other replicas, and the take-over of dead replicas' tasks; what happened is reported to its owner (the inbox).
-Imports the store and `remote.py`; never the runner, aiohttp or the front."""
+other replicas, and the take-over of gone replicas' tasks (a lease run out, and a whole lease since the store's
+latest return to renew it, by the store's clock: docs/guides/replicas.md); what happened is reported to its
+owner (the inbox). Imports the store and `remote.py`; never the runner, aiohttp or the front."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ TAKEN_OVER_RERUN: Final = "re-running: the replica running it was lost"
 LEASE_LAPSED: Final = "interrupted: the replica running it lost its lease"
 LEASE_LAPSED_RERUN: Final = "re-running: the replica running it lost its lease"
 RENEWALS_PER_LEASE: Final = 3  # the lease is renewed this often within its own length
+RETRIES_PER_LEASE: Final = 10  # ... and a failed renewal is tried again this often
 FEED_RETRY_SECONDS: Final = 1.0  # after the change feed failed to start
 NOTE_TIMEOUT_SECONDS: Final = 5.0  # a waiting client that does not take a relayed notification in time misses it
 SUBSCRIBE_TIMEOUT_SECONDS: Final = 30.0
@@ -74,16 +76,19 @@ class ReplicaLink:
     """With SQLite the process is the only replica: the lease never lapses and the feed carries its own changes. With
     PostgreSQL several replicas share the store. Each renews a lease (`store.lease_seconds`); every write it makes
     as a task's owner carries the lease's fence, so a replica whose lease lapsed (paused, cut off) can no longer
-    change a task. A replica whose lease ran out is dead: at each sweep a survivor takes over its live tasks. A
-    lapsed lease is resumed, not surrendered: once the store answers again, the replica renews (a new epoch) and
-    asks the store what changed. A task it still shows as this replica's was taken over by nobody (a take-over moves
-    the owner, and none can happen while the new lease holds): its call keeps running and writes under the new
-    fence. A task a survivor took (its owner is the survivor now) is stopped here without writing. So a store outage
-    that every replica saw costs no task, and a replica cut off while others reached the store loses its tasks to
-    them, its late writes refused by the fence. What other replicas record for a task (a cancel settles it; answers
-    are a message to its owner) wakes the owner through the feed. This module carries messages and reports what
-    happened to its owner (the replica inbox, through `ReplicaOwner`); what a call does about it is the call
-    machine's. Imports the store and `remote.py`; never the runner, aiohttp or the front."""
+    change a task. A replica whose lease ran out is gone once it has also had a whole lease period, counted by the
+    store's clock from the store's latest return (after an outage every replica saw), to renew it: at each sweep a
+    survivor takes over a gone replica's live tasks. So a restart or a freeze of the store takes nothing over from
+    replicas that reconnect at different instants, while one cut off alone (the others renewed all along) or killed
+    loses its tasks a lease after it stopped renewing. A lapsed lease is resumed, not surrendered: once the store
+    answers again, the replica renews (a new epoch) and asks the store what changed. A task it still shows as this
+    replica's was taken over by nobody (a take-over moves the owner, and none can happen while the new lease
+    holds): its call keeps running and writes under the new fence. A task a survivor took (its owner is the
+    survivor now) is stopped here without writing. So a store outage that every replica saw costs no task, and a
+    replica cut off while others reached the store loses its tasks to them, its late writes refused by the fence.
+    What other replicas record for a task (a cancel settles it; answers are a message to its owner) wakes the owner
+    through the feed. This module carries messages and reports what happened to its owner (the replica inbox,
+    through `ReplicaOwner`); what a call does about it is the call machine's."""
 
     owner: ReplicaOwner  # what the link reports to, from `start` on
 
@@ -110,6 +115,7 @@ class ReplicaLink:
         report to `owner` from now on."""
         self.owner = owner
         await self._renew()
+        log.info("lease_taken", replica=self.replica_id, epoch=self._fence.epoch)  # this process's name in the store
         self.owner.spawn(self._lease_forever(), "replica-lease")
         self.owner.spawn(self._feed_forever(), "replica-feed")
         self.owner.spawn(self._take_forever(), "replica-messages")
@@ -174,12 +180,23 @@ class ReplicaLink:
         return self._fence
 
     async def _lease_forever(self) -> None:
+        """Renew `RENEWALS_PER_LEASE` times a lease; after a failure, every `RETRIES_PER_LEASE`th of it (the first
+        failure of a row is logged), so that a lease lapses only in an outage of more than half of it."""
+        failing_since: float | None = None
         while not self._closed:
-            await asyncio.sleep(self.lease_seconds / RENEWALS_PER_LEASE)
+            share = RENEWALS_PER_LEASE if failing_since is None else RETRIES_PER_LEASE
+            await asyncio.sleep(self.lease_seconds / share)
             try:
                 await self._renew()
             except StoreError as exc:
-                log.warning("lease_not_renewed", replica=self.replica_id, error=str(exc))
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    log.warning("lease_not_renewed", replica=self.replica_id, error=str(exc))
+                continue
+            if failing_since is not None:
+                failed = round(time.monotonic() - failing_since, 2)
+                log.info("lease_renewed_again", replica=self.replica_id, epoch=self._fence.epoch, after_seconds=failed)
+                failing_since = None
 
     # --- taking over dead replicas ------------------------------------------------------------------------
 

@@ -1,8 +1,7 @@
-"""The PostgreSQL store's idempotency keys: `keys.py`'s SQL (shared with SQLite) in psycopg's placeholders, each
-operation one statement on a pooled connection, so that of two replicas claiming one key at once exactly one
-wins (the primary key decides). Depends on psycopg and the store's `keys`, `pg_connections`; used by
-`postgres.py` only; it must not import aiohttp, the runner or the front.
-"""
+"""The PostgreSQL store's idempotency keys: `keys.py`'s SQL in psycopg's placeholders on a pooled connection (of
+two replicas claiming one key at once exactly one wins). A claim's COMMIT is sent only once its INSERT came back
+within the deadline, so a claim the request gave up on is rolled back, never committed with nobody behind it.
+Depends on psycopg and the store's `keys`, `pg_connections`; no aiohttp, runner or front."""
 
 from __future__ import annotations
 
@@ -26,13 +25,27 @@ class PgKeys:
         self.db = db
 
     async def claim_key(self, record: keys.KeyRecord) -> keys.KeyRecord | None:
-        """One INSERT ... ON CONFLICT: of two replicas claiming at once, exactly one wins (the other waits for its
-        commit and reads the winner's record)."""
+        """One INSERT ... ON CONFLICT in a transaction (BEGIN, the INSERT and a read of the holder in one round
+        trip, the COMMIT in a second): of two replicas claiming at once, exactly one wins (the other waits for its
+        commit and reads the winner's record). The server ends the transaction of a client that vanished once it
+        has been idle in it past the deadline, so a lost claimer never holds a key's row lock for long."""
+        params = keys.key_params(record)
+        idle = f"SET LOCAL idle_in_transaction_session_timeout = {max(1, round(self.db.timeout_seconds * 1000))}"
+
+        async def run(conn: Conn) -> keys.KeyRecord | bool | None:
+            async with conn.pipeline(), conn.transaction():
+                await conn.execute(idle)
+                claimed = await conn.execute(_CLAIM_SQL, params)
+                holder = await conn.execute(_GET_SQL, {"scope": record.scope, "key": record.key})
+                if await claimed.fetchall():
+                    return None
+                found = await holder.fetchall()
+                return keys.key_from_row(found[0]) if found else False
+
         while True:
-            if await self.db.rows("claim_key", _CLAIM_SQL, keys.key_params(record)):
-                return None
-            holder = await self.get_key(record.scope, record.key)
-            if holder is not None:
+            holder = await self.db.run("claim_key", run)
+            if holder is not False:
+                assert not isinstance(holder, bool)
                 return holder  # else swept between the two statements: claim again
 
     async def get_key(self, scope: str, key: str) -> keys.KeyRecord | None:

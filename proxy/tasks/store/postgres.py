@@ -56,6 +56,11 @@ from proxy.wire.tasks import LIVE, TaskRecord, TaskStatus
 # idempotency keys `pg_keys.py`'s. Depends on psycopg and the store's `base`, `rows`, `pg_connections`, `pg_create`,
 # `pg_schema`, `pg_feed`, `pg_keys`; it must not import aiohttp, the runner or the front.
 
+# A renewal that comes more than this share of the lease after any replica's latest one marks the store's return:
+# above the renewal period (a third of the lease) of a lone replica, below the shortest outage that can make a
+# lease lapse (a replica retries a failed renewal every tenth of the lease, so only an outage of more than half
+# of it leaves a lease unrenewed for a whole lease).
+RETURN_GAP_SHARE: Final = 0.5
 PURGE_CHUNK: Final = 1000  # settled records deleted per transaction (creations wait for the count lock meanwhile)
 
 
@@ -213,7 +218,8 @@ class PgReplicas:
     async def renew_lease(self, replica_id: str, lease_seconds: float) -> Fence:
         """Extend this replica's lease by `lease_seconds` of the database's clock. The epoch stays while the lease
         is held; a lease that lapsed (or was taken over) comes back with a new epoch."""
-        rows = await self.db.rows("renew_lease", schema.RENEW_SQL, {"replica": replica_id, "seconds": lease_seconds})
+        params = {"replica": replica_id, "seconds": lease_seconds, "gap": lease_seconds * RETURN_GAP_SHARE}
+        rows = await self.db.rows("renew_lease", schema.RENEW_SQL, params)
         return Fence(replica_id, int(rows[0]["epoch"]))
 
     @property
@@ -221,17 +227,17 @@ class PgReplicas:
         return True
 
     async def replica_alive(self, replica_id: str) -> bool:
-        """Does `replica_id` hold an unexpired lease (by the database's clock)?"""
-        sql = "SELECT 1 FROM replicas WHERE replica_id = %s AND expires_at > clock_timestamp()"
-        return bool(await self.db.rows("replica_alive", sql, [replica_id], write=False))
+        """Does `replica_id` hold its lease, or may it still renew it (its lease lapsed while the store was away
+        and the store came back less than a lease period ago)? By the database's clock."""
+        return bool(await self.db.rows("replica_alive", schema.REPLICA_ALIVE_SQL, [replica_id], write=False))
 
     async def release_lease(self, fence: Fence) -> None:
         """End the lease now (a clean shutdown), so a survivor takes over at its next sweep instead of waiting."""
-        sql = "UPDATE replicas SET expires_at = clock_timestamp() WHERE replica_id = %s AND epoch = %s"
-        await self.db.rows("release_lease", sql, [fence.owner, fence.epoch])
+        await self.db.rows("release_lease", schema.RELEASE_SQL, [fence.owner, fence.epoch])
 
     async def expired_replicas(self) -> list[str]:
-        """Replicas whose lease ran out, and owners of live tasks that hold no lease at all."""
+        """Replicas that are gone (their lease ran out and, since the store's latest return, they had a lease
+        period to renew it), and owners of live tasks that hold no lease at all."""
         rows = await self.db.rows("expired_replicas", schema.EXPIRED_REPLICAS_SQL, write=False)
         return [row["replica_id"] for row in rows]
 
@@ -247,10 +253,9 @@ class PgReplicas:
                 lock = f"SELECT pg_try_advisory_xact_lock({schema.REPLICA_LOCK_SPACE}, hashtext(%s)) AS got"
                 if not (await (await conn.execute(lock, [dead_replica])).fetchone() or {}).get("got"):
                     return []  # another survivor is taking it over right now
-                alive = "SELECT expires_at > clock_timestamp() AS alive FROM replicas WHERE replica_id = %s FOR UPDATE"
-                row = await (await conn.execute(alive, [dead_replica])).fetchone()
-                if row is not None and row["alive"]:
-                    return []  # it renewed in time
+                row = await (await conn.execute(schema.REPLICA_SPARED_SQL, [dead_replica])).fetchone()
+                if row is not None and row["spared"]:
+                    return []  # it renewed in time, or may still: the store came back less than a lease ago
                 params = {"owner": fence.owner, "dead": dead_replica, "channel": self.db.channel}
                 moved = records_from_rows(await (await conn.execute(schema.TAKE_OVER_SQL, params)).fetchall())
                 ids = [record.task_id for record in moved]
