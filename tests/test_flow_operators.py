@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,11 @@ from tests.support.waiting import until
 from tests.support.wire import DECLARING, modern_body, modern_headers, parse_sse
 
 TOOLS: dict[str, Any] = {"sleep": {"mode": "required"}, "echo": {"mode": "required"}}
+
+
+def later_than(ms: int) -> Callable[[], bool]:
+    """Whether the wall clock is past millisecond `ms`."""
+    return lambda: time.time_ns() // 1_000_000 > ms
 
 
 async def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -84,7 +91,10 @@ async def test_an_operator_lists_shows_cancels_and_purges_tasks_beside_a_running
     processes.append(proxy)
     await proxy.start()
     config = str(proxy.config)
-    done = [(await call(http, proxy.url, "echo", {"text": f"done {n}"}))["result"]["taskId"] for n in range(3)]
+    done = []
+    for n in range(3):  # each created in a later millisecond than the one before: a listing orders by creation
+        done.append((await call(http, proxy.url, "echo", {"text": f"done {n}"}))["result"]["taskId"])
+        await until(later_than(time.time_ns() // 1_000_000), "the clock never moved on")
 
     async def settled() -> bool:
         return all([(await task_get(http, proxy.url, task))["result"]["status"] == "completed" for task in done])
