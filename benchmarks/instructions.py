@@ -188,7 +188,7 @@ async def instructions_per_call(
     port = free_port()
     name = f"callgrind-{port}"
     db = workdir / f"{name}.db"
-    config = proxy_config(upstream_url, workdir, name, port, {"path": str(db)}, **sections)
+    config = proxy_config(upstream_url, workdir, name, port, {"path": str(db)}, tree, **sections)
     out = workdir / f"{name}.out"
     process = _under_callgrind(tree, ["-m", "proxy", "serve", "--config", str(config)], out)
     return await _count(process, port, kind, calls, workdir, out, db)

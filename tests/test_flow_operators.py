@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,11 @@ from tests.support.waiting import until
 from tests.support.wire import DECLARING, modern_body, modern_headers, parse_sse
 
 TOOLS: dict[str, Any] = {"sleep": {"mode": "required"}, "echo": {"mode": "required"}}
+
+
+def later_than(ms: int) -> Callable[[], bool]:
+    """Whether the wall clock is past millisecond `ms`."""
+    return lambda: time.time_ns() // 1_000_000 > ms
 
 
 async def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -84,7 +91,10 @@ async def test_an_operator_lists_shows_cancels_and_purges_tasks_beside_a_running
     processes.append(proxy)
     await proxy.start()
     config = str(proxy.config)
-    done = [(await call(http, proxy.url, "echo", {"text": f"done {n}"}))["result"]["taskId"] for n in range(3)]
+    done = []
+    for n in range(3):  # each created in a later millisecond than the one before: a listing orders by creation
+        done.append((await call(http, proxy.url, "echo", {"text": f"done {n}"}))["result"]["taskId"])
+        await until(later_than(time.time_ns() // 1_000_000), "the clock never moved on")
 
     async def settled() -> bool:
         return all([(await task_get(http, proxy.url, task))["result"]["status"] == "completed" for task in done])
@@ -139,6 +149,14 @@ async def test_an_operator_lists_shows_cancels_and_purges_tasks_beside_a_running
         return await cancelled_upstream(own_upstream.url) > before
 
     await until(stopped_upstream, "the upstream call was never cancelled")
+
+    def logged() -> list[dict[str, Any]]:  # by the running proxy, which did not settle it
+        return [event for event in proxy.events() if event["event"] == "task_settled_elsewhere"]
+
+    await until(logged, "the running proxy never logged the operator's cancel", 5)
+    [line] = logged()
+    assert (line["task_id"], line["tool"], line["status"]) == (running, "sleep", "cancelled")
+    assert line["reason"] == "cancelled by an operator"
     code, _, err = await run(capsys, "tasks", "cancel", running, "--config", config)
     assert code == 0
     assert "already cancelled" in err
@@ -253,3 +271,48 @@ def test_bad_arguments_are_usage_errors(argv: list[str], message: str, capsys: p
         main(argv)
     assert caught.value.code == 2
     assert message in capsys.readouterr().err
+
+
+async def test_tasks_list_on_an_empty_store_prints_the_header_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    database = tmp_path / "tasks.db"
+    await (await SqliteTaskStore.open(database, max_records=10)).close()
+    code, out, err = await run(capsys, "tasks", "list", "--db", str(database))
+    assert (code, err) == (0, "")
+    assert out.split() == ["TASK", "STATUS", "TOOL", "AGE", "MESSAGE"]
+    code, out, _ = await run(capsys, "tasks", "list", "--db", str(database), "--json")
+    assert json.loads(out) == {"tasks": [], "next": None}
+
+
+async def test_the_tasks_commands_read_only_the_store_of_a_config_from_another_machine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pod's config names key and token files mounted only there: `tasks` needs none of them, and
+    `admin-url` only the admin token."""
+    configs = tmp_path / "etc"
+    configs.mkdir()
+    await (await SqliteTaskStore.open(configs / "tasks.db", max_records=10)).close()
+    pod_only = "/var/run/secrets/mcp-tasks-proxy"
+    config = configs / "proxy.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "upstream": {"url": "http://127.0.0.1:9/mcp"},
+                "store": {"path": "tasks.db"},
+                "security": {"key_file": f"{pod_only}/key"},
+                "inputs": {"secret_file": f"{pod_only}/state"},
+                "admin": {"port": 9911, "token_file": f"{pod_only}/admin-token"},
+            }
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    code, out, err = await run(capsys, "tasks", "stats", "--config", str(config))
+    assert code == 0, err
+    assert json.loads(out)["database"] == str(configs / "tasks.db")
+    code, _, err = await run(capsys, "tasks", "list", "--config", str(config))
+    assert code == 0, err
+    code, _, err = await run(capsys, "tasks", "admin-url", "--config", str(config))
+    assert code == 2
+    assert "admin.token_file" in err
+    assert "security.key_file" not in err

@@ -1,7 +1,8 @@
 """The aiohttp application: its routes (each served through the error edge, admission first), the classification
 of each request (one SERVER span, opened once classified), serving a modern request through the front and a
 legacy one through the pass-through (or, for `tools/list` and `tools/call` while task handles are on,
-`_legacy_handles.py`). Admission, ops and lifecycle have modules of their own."""
+`_legacy_handles.py`). Admission, ops (bare probes here; metrics and readiness reasons on the operations
+listener) and lifecycle have modules of their own."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from aiohttp import web
 
 from proxy.config.live import LiveConfig
 from proxy.config.schema import Config
+from proxy.config.warnings import start_warnings
+from proxy.edge import startup
 from proxy.edge._admission import read_body, refusal
 from proxy.edge._app_keys import CONFIG, FRONT, JWT, LEGACY_HANDLES, LIVE, PASSTHROUGH, RELAY, RUNNER, STOPPING
 from proxy.edge._drain import DRAIN, Drain, drainz
@@ -39,9 +42,8 @@ from proxy.edge._error_edge import (
 from proxy.edge._jwt_identity import JwtIdentity, identify
 from proxy.edge._legacy_handles import NOT_READ
 from proxy.edge._lifecycle import end_listen_streams, upstream_ctx
-from proxy.edge._ops import healthz, metrics_endpoint, readyz
+from proxy.edge._ops import healthz, metrics_moved, readyz
 from proxy.edge._relay import OriginRelay
-from proxy.edge.startup import is_loopback
 from proxy.errors import (
     InvalidRequestError,
     MethodNotAllowedError,
@@ -310,14 +312,7 @@ def create_app(config: Config, live: LiveConfig | None = None) -> web.Applicatio
     """The app for `config`; `live` is the holder reloads swap (a fresh one, with no file, when not given)."""
     live = live if live is not None else LiveConfig(config)
     drain = Drain(live, config.listen.path)
-    if config.security.anonymous == "allow" and not is_loopback(config.listen.host):
-        log.warning(
-            "anonymous_callers_allowed",
-            host=config.listen.host,
-            principal_header=config.security.principal_header,
-            hint="requests without the principal header share one anonymous identity; set security.anonymous: "
-            "refuse unless a trusted hop always sets the header",
-        )
+    startup.warn(start_warnings(config))  # what `check-config` prints too
     app = web.Application(client_max_size=config.security.max_body_bytes)
     app[CONFIG] = config
     app[LIVE] = live
@@ -334,12 +329,12 @@ def create_app(config: Config, live: LiveConfig | None = None) -> web.Applicatio
     app.on_shutdown.append(end_listen_streams)
     edge = error_edge(admitted)  # every route is served through the error edge
     app.router.add_route("*", config.listen.path, edge(handle_mcp))
-    ops: dict[str, Handler] = {HEALTHZ: healthz, READYZ: readyz, DRAINZ: drainz}
-    if config.observability.metrics:
+    # /metrics is served by the operations listener (`ops_app`), never here: its answer says where it went
+    ops: dict[str, Handler] = {HEALTHZ: healthz, READYZ: readyz, DRAINZ: drainz, METRICS_PATH: metrics_moved}
+    if config.observability.metrics and config.observability.port is not None:
         metrics = app[METRICS] = Metrics(named_tools(config.tasks))
         drain.register_metrics(metrics.registry)
         live.register_metrics(metrics.registry)
-        ops[METRICS_PATH] = metrics_endpoint
     for path, handler in ops.items():
         app.router.add_get(path, edge(handler))
     app.router.add_route("*", "/{path:.*}", edge(unrouted({path: ("GET", "HEAD") for path in ops})))  # last

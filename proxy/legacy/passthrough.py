@@ -5,6 +5,7 @@ Imports the upstream's HTTP clients, the wire and tracing; never tasks or the fr
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Awaitable, Mapping
 from contextlib import suppress
@@ -155,6 +156,26 @@ class PassThrough:
         # (the query string first: parsing it into `request.query` costs more than the relay's header checks)
         url = self.url.with_query(request.query) if request.query_string else self.url
         return self.relay_to(url, request, body, rewrite)
+
+    async def fetch_json(self, url: URL, max_bytes: int, timeout_seconds: float) -> object:
+        """A small JSON document at `url` on the upstream's origin (the relay reads an authorization server's
+        metadata with it): its value, or None when it is not there, larger than `max_bytes`, not JSON or late."""
+        headers = checked_headers(CIMultiDict({"Accept": "application/json", **self.extra_headers}))
+        try:
+            async with self.http.get(
+                url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_seconds), allow_redirects=False
+            ) as response:
+                if response.status != 200:
+                    return None
+                body = await response.content.read(max_bytes + 1)
+        except CLIENT_FAILURES:
+            return None
+        if len(body) > max_bytes:
+            return None
+        try:
+            return json.loads(body)
+        except ValueError:
+            return None
 
     async def relay_to(
         self, url: URL, request: web.Request, body: bytes | None, rewrite: Rewrite | None = None
