@@ -19,11 +19,14 @@ from proxy.errors import (
     InvalidParamsError,
     MethodNotFoundError,
     MissingCapabilityError,
+    ProxyError,
     UpstreamError,
+    UpstreamLimitError,
 )
 from proxy.front.listen import ListenStreams
 from proxy.policy import decide, decide_job, policy_for
 from proxy.tasks.live_call import UpstreamRequest
+from proxy.tasks.machine.inputs import could_answer
 from proxy.tasks.runner import TaskRunner
 from proxy.tasks.services import idempotency
 from proxy.tasks.services.push import TaskWatchers
@@ -58,12 +61,20 @@ Handler = Callable[["Front", ModernRequest, Caller, Channel], Awaitable[JSON]]
 
 class Front:
     def __init__(
-        self, current: Callable[[], Config], pool: SessionPool, runner: TaskRunner, watchers: TaskWatchers
+        self,
+        current: Callable[[], Config],
+        pool: SessionPool,
+        runner: TaskRunner,
+        watchers: TaskWatchers,
+        new_work_refusal: Callable[[], ProxyError | None] = lambda: None,
     ) -> None:
         self._current = current  # the config in force, read at each request (a live reload swaps what it returns)
         config = current()  # what only a restart changes is bound here
         self.pool = pool
         self.runner = runner
+        # Why new work may not start now, asked before a new call or listen stream opens anything (the edge's
+        # descriptor budget); None: it may.
+        self.new_work_refusal = new_work_refusal
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
         self.waiting = WaitingRequests(runner.starter, runner.client.keep_alive, self.cache)
         self.listens = ListenStreams(lambda: current().limits, pool, runner, watchers)
@@ -97,7 +108,26 @@ class Front:
         return result_message(request.id, translate.discover_result(initialize_result, self.cache))
 
     async def listen(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        if (refused := self.new_work_refusal()) is not None:
+            raise refused
         return await self.listens.serve(request, caller, channel)
+
+    def _admit(
+        self, request: ModernRequest, caller: Caller, outgoing: UpstreamRequest | None = None, *, job: bool = False
+    ) -> None:
+        """New work (a call, not an MRTR retry) is refused before it opens anything when the descriptors left
+        would not carry it; then, once its name is known (`outgoing`), when the upstream session it needs cannot
+        be had now (`upstream.max_open_sessions`): 503 with `Retry-After`, never a task that fails later."""
+        if outgoing is None:
+            if (refused := self.new_work_refusal()) is not None:
+                raise refused
+            return
+        asks = not job and could_answer(request.client_capabilities)  # a job's calls run on the shared session
+        if not self.pool.room_for(caller.principal, asks=asks, asker=f"{outgoing.method} {outgoing.name}"):
+            limits = self.pool.limits
+            assert limits.max_open is not None
+            log.warning("upstream_limit_reached", limit=limits.limit_name, max=limits.max_open)
+            raise UpstreamLimitError(limits.limit_name, limits.max_open, 0)
 
     async def call_tool(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """The tool's policy and this request's own declaration of the Tasks extension decide sync, task, window
@@ -107,8 +137,11 @@ class Front:
         again). With an `Idempotency-Key` (not on an MRTR retry, which its requestState binds already) the key's
         record decides whether it runs (`tasks/services/idempotency.py`)."""
         config = self.config
+        fresh = "requestState" not in request.params
+        if fresh:
+            self._admit(request, caller)
         per_minute, tool_quotas = config.limits.calls_per_minute_per_principal, config.tasks.has_tool_quotas
-        if (per_minute or tool_quotas) and "requestState" not in request.params:
+        if (per_minute or tool_quotas) and fresh:
             tool = str(request.params.get("name"))
             policy = policy_for(config.tasks, tool) if tool_quotas else None
             counted = self.runner.principals.key_of(caller.principal)
@@ -117,9 +150,11 @@ class Front:
         facts = await self.pool.facts.tool_facts(caller.principal, outgoing.name, self.cache[0])
         check_param_headers(caller.headers, request.params.get("arguments"), facts.param_headers)
         server_info = translate.implementation(facts.initialize_result)
-        if "requestState" in request.params:
+        if not fresh:
             return await self.waiting.resume(outgoing, caller, channel, server_info)
-        if outgoing.name in self.config.jobs:  # a legacy job family's start tool: a task the proxy follows
+        job = outgoing.name in self.config.jobs
+        self._admit(request, caller, outgoing, job=job)
+        if job:  # a legacy job family's start tool: a task the proxy follows
             decision = decide_job(self.config.tasks, outgoing.name, declares_tasks=request.declares_tasks)
         else:
             decision = decide(
@@ -143,11 +178,15 @@ class Front:
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """`prompts/get` and `resources/read`: synchronous, but an upstream question is an MRTR round (the only
         methods besides tools/call that may answer `input_required`)."""
+        fresh = "requestState" not in request.params
+        if fresh:
+            self._admit(request, caller)
         initialize_result = await self.pool.facts.initialize_result(caller.principal, self.cache[0])
         server_info = translate.implementation(initialize_result)
         outgoing = UpstreamRequest.of(request, caller)
-        if "requestState" in request.params:
+        if not fresh:
             return await self.waiting.resume(outgoing, caller, channel, server_info)
+        self._admit(request, caller, outgoing)
         return await self.waiting.call(outgoing, caller, channel, None, server_info)
 
     async def list_tools(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:

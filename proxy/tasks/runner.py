@@ -30,7 +30,7 @@ from proxy.tasks.effects.held import HeldRequest, QuestionCounter
 from proxy.tasks.effects.job import JobEffect
 from proxy.tasks.effects.outbox import Outbox
 from proxy.tasks.effects.records import RecordWrites
-from proxy.tasks.effects.slots import Parking, RunningSlots
+from proxy.tasks.effects.slots import Parking, RunningSlots, WaitingPlaces
 from proxy.tasks.effects.timers import Timers
 from proxy.tasks.effects.upstream_task import UpstreamTaskEffect
 from proxy.tasks.executor import Executor, Observer
@@ -99,6 +99,7 @@ class TaskRunner:
         signer = inputs.RequestStateSigner(inputs.load_secret(config.inputs.secret_file))
         self.slots = RunningSlots(current)
         self.parking = Parking(current, signer, clock, self.process_id)
+        self.waiting = WaitingPlaces(current)
         observers: list[Observer] = [QuestionCounter(metrics), SpanEvents()]  # counted when metrics are on; traced
         self.audit = None if config.audit.path is None else AuditLog(config.audit.path, self.process_id)
         if self.audit is not None:
@@ -123,7 +124,8 @@ class TaskRunner:
             context, current, self.slots, self.outbox, self.replicas.held_fence, self.replicas.reclaim
         )
         self.timers = Timers(feed, self.background)
-        for forget in (self.timers.forget, self.slots.forget, self.parking.forget, self.table.forget):
+        shares = (self.slots.forget, self.parking.forget, self.waiting.forget)
+        for forget in (self.timers.forget, *shares, self.table.forget):
             feed.when_finished(forget)  # a finished call: nothing of it is kept
         self._feed = feed
         self.held = held = HeldRequest(feed, self.background, pool, self.parking, self._caps, metrics)
@@ -153,9 +155,11 @@ class TaskRunner:
         register(c.Unpark, self.parking.unpark)
         register(c.HoldSlot, self.slots.hold)
         register(c.WriteQueue, self.records.write_queue)
-        self.starter = CallStarter(context, current, self.parking, self.replicas, client.note)
+        self.starter = CallStarter(context, current, self.parking, self.waiting, self.replicas, client.note)
         self.operations = TaskOperations(context, self.records, self.replicas)
-        self.recovery = Recovery(context, self.replicas, self.records, self.starter.state, lambda: jobs.specs, draining)
+        self.recovery = Recovery(
+            context, self.replicas, self.records, self.starter.state, lambda: jobs.specs, draining, self.waiting
+        )
         self.inbox = ReplicaInbox(context, self.parking, self.records, self.replicas, self.recovery, self.starter)
 
     # --- lifecycle -----------------------------------------------------------------------------------
@@ -234,3 +238,8 @@ class TaskRunner:
     @property
     def parked(self) -> int:
         return self.parking.count
+
+    @property
+    def waiting_places(self) -> int:
+        """Calls that wait, or may come to wait, for their client (`inputs.max_waiting`)."""
+        return self.waiting.count

@@ -27,7 +27,7 @@ from proxy.config.schema import Config
 from proxy.errors import InvalidParamsError, MissingCapabilityError, ProxyError
 from proxy.policy import SYNC_CALL, Decision, Outcome, decide
 from proxy.tasks.context import TasksContext
-from proxy.tasks.effects.slots import Parking
+from proxy.tasks.effects.slots import Parking, WaitingPlaces
 from proxy.tasks.live_call import LiveCall, UpstreamRequest, known, new_call
 from proxy.tasks.machine import inputs
 from proxy.tasks.machine.commands import (
@@ -67,6 +67,7 @@ class CallStarter:
     context: TasksContext
     config: Callable[[], Config]  # the config in force, read at each call: a live reload swaps what it returns
     parking: Parking
+    waiting: WaitingPlaces  # a call that could wait for its client takes a place at its start
     replicas: ReplicaLink
     notes: Callable[[LiveCall, JSON], Awaitable[None]]  # through the call's one client writer (`effects/client.py`)
     _progress_tokens: int = field(default=0, init=False)
@@ -85,7 +86,13 @@ class CallStarter:
         )
 
     async def begin(self, outgoing: UpstreamRequest, caller: Caller, decision: Decision, channel: Channel) -> LiveCall:
-        """A new call for a waiting request; its reply arrives on `call.client.reply`."""
+        """A new call for a waiting request; its reply arrives on `call.client.reply`. A call that could come to
+        wait for its client is refused first when no waiting place is left for it (nothing was started)."""
+        request = outgoing.request
+        caller_key = self.context.principals.key_of(caller.principal)
+        waits = not decision.job and self.waiting.needs_one(request.client_capabilities)
+        if waits and (refused := self.waiting.refusal(caller_key)) is not None:
+            raise refused
         params = outgoing.params
         if decision.may_become_task:
             meta = dict(params.get("_meta") or {})
@@ -94,14 +101,13 @@ class CallStarter:
                 self._progress_tokens += 1
                 meta["progressToken"] = f"mcp-tasks-proxy-{self._progress_tokens}"
             params = {**params, "_meta": meta}
-        request = outgoing.request
         state = self.state(decision, request.client_capabilities, request.progress_token, request.log_level)
         call = new_call(
             state,
             method=outgoing.method,
             name=outgoing.name,
             principal=caller.principal,
-            caller=self.context.principals.key_of(caller.principal),
+            caller=caller_key,
             params=params,
             headers=outgoing.headers,
             digest_of=lambda: outgoing.digest,
@@ -109,6 +115,8 @@ class CallStarter:
         )
         call.client.reply = asyncio.get_running_loop().create_future()
         self.context.table.add(call)
+        if waits:
+            self.waiting.take(call)
         await self.context.feed.submit(call, Start())
         return call
 
