@@ -135,7 +135,11 @@ class Metrics:
             registry=self.registry,
         )
         self.tasks_by_status = Gauge(
-            f"{prefix}_tasks", "Task records in the store, by status", ["status"], registry=self.registry
+            f"{prefix}_tasks",
+            "Task records in the store, by status (kept by the store as records change, in the same transaction: "
+            "a scrape reads a few rows, never counts them; every replica on one PostgreSQL database reads the same)",
+            ["status"],
+            registry=self.registry,
         )
         self.store_bytes = Gauge(
             f"{prefix}_store_size_bytes", "Size of the task database and its WAL on disk", registry=self.registry
