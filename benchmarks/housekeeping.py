@@ -26,7 +26,7 @@ from pathlib import Path
 
 from proxy.tasks.store import sqlite as sqlite_store
 from proxy.tasks.store import sqlite_schema as schema
-from proxy.tasks.store.rows import row_from_record
+from proxy.tasks.store.rows import TERMINAL_SQL, row_from_record
 from proxy.tasks.store.sqlite import SqliteTaskStore
 from proxy.wire.tasks import TaskRecord, TaskStatus
 
@@ -113,7 +113,7 @@ async def purge(directory: Path, rows: int) -> None:
     start_ms = now_ms()
     fill(path, rows, start_ms, 10_000)
     store = await SqliteTaskStore.open(path, max_records=10 * rows)
-    stop, latencies = asyncio.Event(), []
+    stop, latencies = asyncio.Event(), list[tuple[float, float]]()
     creating = asyncio.ensure_future(creator(store, stop, latencies))  # noqa: TID251
     began = time.perf_counter()
     last_expiry_ms = start_ms + 10_000
@@ -127,9 +127,7 @@ async def purge(directory: Path, rows: int) -> None:
             break
     left = (
         sqlite3.connect(path)
-        .execute(
-            f"SELECT COUNT(*) FROM tasks WHERE expires_at_ms <= ? AND status IN ({schema.TERMINAL_SQL})", [now_ms()]
-        )
+        .execute(f"SELECT COUNT(*) FROM tasks WHERE expires_at_ms <= ? AND status IN ({TERMINAL_SQL})", [now_ms()])
         .fetchone()[0]
     )
     stop.set()
@@ -144,7 +142,7 @@ async def trim(directory: Path, rows: int) -> None:
     await (await SqliteTaskStore.open(path, max_records=10 * rows)).close()
     tombstones(path, rows, now_ms())
     store = await SqliteTaskStore.open(path, max_records=10 * rows)
-    stop, latencies = asyncio.Event(), []
+    stop, latencies = asyncio.Event(), list[tuple[float, float]]()
     creating = asyncio.ensure_future(creator(store, stop, latencies))  # noqa: TID251
     await asyncio.sleep(0.5)
     began = time.perf_counter()
