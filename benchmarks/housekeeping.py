@@ -91,7 +91,9 @@ async def creator(store: SqliteTaskStore, stop: asyncio.Event, latencies: list[t
     while not stop.is_set():
         number += 1
         started = time.perf_counter()
-        await store.create(record(f"new_{number}", status=TaskStatus.WORKING, created_at_ms=now_ms(), ttl_ms=600_000))
+        await store.records.create(
+            record(f"new_{number}", status=TaskStatus.WORKING, created_at_ms=now_ms(), ttl_ms=600_000)
+        )
         latencies.append((started, time.perf_counter() - started))
         await asyncio.sleep(CREATE_EVERY_SECONDS)
 
@@ -121,8 +123,8 @@ async def purge(directory: Path, rows: int) -> None:
     while now_ms() < last_expiry_ms + 30_000:
         await asyncio.sleep(SWEEP_SECONDS)
         error = {"code": -32603, "message": "expired"}
-        await store.settle_expired(now_ms(), error=error, status_message="expired")
-        purged += await store.purge_expired(now_ms(), tombstones=True)
+        await store.records.settle_expired(now_ms(), error=error, status_message="expired")
+        purged += await store.records.purge_expired(now_ms(), tombstones=True)
         if purged >= rows and now_ms() > last_expiry_ms + 2_000:
             break
     left = (
@@ -146,7 +148,7 @@ async def trim(directory: Path, rows: int) -> None:
     creating = asyncio.ensure_future(creator(store, stop, latencies))  # noqa: TID251
     await asyncio.sleep(0.5)
     began = time.perf_counter()
-    trimmed = await store.trim_tombstones(0, rows // 2)
+    trimmed = await store.records.trim_tombstones(0, rows // 2)
     took = time.perf_counter() - began
     await asyncio.sleep(0.2)
     stop.set()
@@ -162,8 +164,8 @@ async def scrape(directory: Path, rows: int, reps: int = 50) -> None:
         times = []
         for _ in range(reps):
             started = time.perf_counter()
-            await store.stats()
-            await store.size_bytes()
+            await store.operators.stats()
+            await store.operators.size_bytes()
             times.append(time.perf_counter() - started)
         await store.close()
         return statistics.median(times)

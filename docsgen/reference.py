@@ -104,26 +104,37 @@ def _description(path: str, field: FieldInfo) -> str:
 KIND_NAMES = {"HttpUpstreamConfig": "with `url`", "StdioUpstreamConfig": "with `command`"}
 
 
-def _section(path: str, models: list[type[BaseModel]], level: int, out: list[str], about: str = "") -> None:
+def _reload(field: FieldInfo, inherited: str) -> str:
+    """Whether a reload changes the key (`live`) or only a restart does (`restart`): its own mark, else that of
+    the key it is part of."""
+    extra = field.json_schema_extra
+    mark = extra.get("reload") if isinstance(extra, dict) else None
+    return mark if isinstance(mark, str) else inherited
+
+
+def _section(
+    path: str, models: list[type[BaseModel]], level: int, out: list[str], about: str = "", reload: str = ""
+) -> None:
     """A heading and one table for the section at `path` (the fields of all its kinds), then each nested one."""
     rows: dict[str, tuple[FieldInfo, list[str]]] = {}
     for model in models:
         for name, field in model.model_fields.items():
             rows.setdefault(name, (field, []))[1].append(KIND_NAMES.get(model.__name__, model.__name__))
     kinds = len(models) > 1
-    nested: list[tuple[str, list[type[BaseModel]], str]] = []
-    table = ["| key | type | default | description |", "| --- | --- | --- | --- |"]
+    nested: list[tuple[str, list[type[BaseModel]], str, str]] = []
+    table = ["| key | type | default | reload | description |", "| --- | --- | --- | --- | --- |"]
     for name, (field, owners) in rows.items():
         key = f"{path}.{name}"
         description = _description(key, field)
+        mark = _reload(field, reload)
         entry = _entry_model(field.annotation)
         section_models = _models(field.annotation)
         if section_models:
-            nested.append((key, section_models, description))
+            nested.append((key, section_models, description, mark))
             type_cell, default = f"section ([below](#{_slug(key)}))", "(section)"
         elif entry is not None:
             placeholder = PLACEHOLDERS.get(key, "<name>")
-            nested.append((f"{key}.{placeholder}", [entry], description))
+            nested.append((f"{key}.{placeholder}", [entry], description, mark))
             type_cell = f"map of name to section ([`{placeholder}`](#{_slug(key + '.' + placeholder)}))"
             default = default_text(field)
         else:
@@ -133,13 +144,13 @@ def _section(path: str, models: list[type[BaseModel]], level: int, out: list[str
         says_kind = description.lower().startswith(tuple(owners))  # "With `url`: …" already says it
         if kinds and len(owners) < len(models) and not says_kind:
             description = f"*{', '.join(owners).capitalize()} only.* {description}"
-        table.append(f"| `{key}` | {type_cell} | {default} | {description} |")
+        table.append(f"| `{key}` | {type_cell} | {default} | {mark or '-'} | {description} |")
     out.extend([f"{'#' * level} `{path}`", ""])
     if about:
         out.extend([about, ""])
     out.extend([*table, ""])
-    for key, section_models, description in nested:
-        _section(key, section_models, min(level + 1, 6), out, description)
+    for key, section_models, description, mark in nested:
+        _section(key, section_models, min(level + 1, 6), out, description, mark)
 
 
 def _slug(path: str) -> str:
@@ -158,7 +169,7 @@ def config_reference(root: type[BaseModel] | None = None, level: int = 2) -> str
         description = _description(name, field)
         entry = _entry_model(field.annotation)
         if entry is not None:
-            _section(f"{name}.{PLACEHOLDERS.get(name, '<name>')}", [entry], level, out, description)
+            _section(f"{name}.{PLACEHOLDERS.get(name, '<name>')}", [entry], level, out, description, _reload(field, ""))
             continue
         models = _models(field.annotation)
         if not models:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,19 +20,22 @@ import pytest
 from proxy.background import Background
 from proxy.config.schema import Config
 from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskLimitError
+from proxy.observe.metrics import Metrics
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
 from proxy.principals import Principals
 from proxy.tasks.context import TasksContext
+from proxy.tasks.effects import Effects, Followers
 from proxy.tasks.effects.client import ClientSide
-from proxy.tasks.effects.job import JobEffect
+from proxy.tasks.effects.job import JobFollower
 from proxy.tasks.effects.outbox import Outbox
 from proxy.tasks.effects.pump import CRASHED
 from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.effects.slots import Parking, RunningSlots, WaitingPlaces
 from proxy.tasks.effects.timers import Timers
+from proxy.tasks.effects.upstream_task import UpstreamTaskFollower
 from proxy.tasks.executor import Executor, ReentryError
 from proxy.tasks.live_call import CallTable, LiveCall, known, new_call, wall_clock_ms
-from proxy.tasks.machine import inputs
+from proxy.tasks.machine import commands, inputs
 from proxy.tasks.machine.commands import (
     CancelCall,
     ClearTimer,
@@ -73,6 +75,7 @@ from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
 from proxy.wire.upstream_events import UpstreamEvent, UpstreamResult
 from tests.support.processes import proxy_config
+from tests.support.waiting import until
 
 KEY = os.urandom(32)
 TASK_POLICY = Policy("required", 0, 60_000, 1000, "fail")
@@ -97,20 +100,6 @@ class RecordingFeed:
         return [event for fed, event in self.events if fed is call]
 
 
-async def until(condition: Callable[[], bool], what: str, timeout_seconds: float = 10) -> None:
-    deadline = time.monotonic() + timeout_seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
-async def until_async(condition: Callable[[], Awaitable[bool]], what: str, timeout_seconds: float = 10) -> None:
-    deadline = time.monotonic() + timeout_seconds
-    while not await condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 def make_call(decision: Decision = A_TASK, caller: str = "caller-a", name: str = "tool") -> LiveCall:
     state = CallState(decision=decision, capabilities={}, gather_ms=0, park_ttl_ms=60_000)
     params = {"name": name, "arguments": {}}
@@ -121,6 +110,14 @@ def make_call(decision: Decision = A_TASK, caller: str = "caller-a", name: str =
 
 def config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
     return proxy_config("http://127.0.0.1:9/mcp", tmp_path, **sections)
+
+
+DEFAULTS = proxy_config("http://127.0.0.1:9/mcp", Path("."))
+
+
+def defaults() -> Config:
+    """The config getter the client side reads its backlog cap through."""
+    return DEFAULTS
 
 
 @pytest.fixture
@@ -137,7 +134,7 @@ class Parts:
         self.store = store
         self.background = Background()
         self.table = CallTable()
-        self.durations = Durations(store, wall_clock_ms, self.background)
+        self.durations = Durations(store.usage, wall_clock_ms, self.background)
         self.feed = RecordingFeed()
         self.context = TasksContext(
             store=store,
@@ -156,6 +153,12 @@ class Parts:
         self.link: ReplicaLink | None = None
         self.outbox = Outbox(8, None)
         self.records = RecordWrites(self.context, lambda: settings, self.slots, self.outbox, self.fence, self.reclaim)
+
+    def followers(self, settings: Callable[[], Config]) -> Followers:
+        """Followers of upstream tasks and jobs that could never reach an upstream (none is asked here)."""
+        pool = cast(SessionPool, None)
+        tasks = UpstreamTaskFollower(self.feed, self.background, pool, wall_clock_ms)
+        return Followers(tasks, JobFollower(self.feed, self.background, pool, wall_clock_ms, settings))
 
     async def fence(self) -> Fence:
         return Fence("replica-1", 0) if self.link is None else await self.link.held_fence()
@@ -186,7 +189,7 @@ async def test_a_working_task_beyond_max_running_is_refused_before_anything_is_w
 
     assert isinstance(refused, CommitRefused)
     assert isinstance(refused.error, TaskLimitError)
-    assert (await store.stats())["working"] == 1  # only the first record was written
+    assert (await store.operators.stats())["working"] == 1  # only the first record was written
     assert parts.table.task(task_id) is first
     parts.slots.forget(first)  # the first call finished: its slot is free again
     assert isinstance(await parts.records.create(second, CreateRecord(TaskStatus.WORKING, {}, 0)), Committed)
@@ -224,7 +227,7 @@ async def test_while_the_outbox_is_at_its_limit_a_new_task_is_refused_before_any
     assert isinstance(refused, CommitRefused)
     assert refused.error.status == 503
     assert refused.error.data == {"limit": "store.max_pending_settlements", "max": 1}
-    assert (await store.stats())["records"] == 1
+    assert (await store.operators.stats())["records"] == 1
     assert parts.outbox.holds(waiting.state.task_id or "") is False  # a task with nothing waiting writes directly
 
 
@@ -285,9 +288,9 @@ async def test_a_callers_share_of_parked_calls_refuses_that_caller_only(tmp_path
 # --- waiting places: taken at a call's start, refused beyond the caller's share or the total ------------------
 
 
-def waiting(tmp_path: Path, total: int, per_caller: int) -> WaitingPlaces:
+def waiting(tmp_path: Path, total: int, per_caller: int) -> tuple[WaitingPlaces, Config]:
     settings = config(tmp_path, inputs={"max_waiting": total}, limits={"max_waiting_per_principal": per_caller})
-    return WaitingPlaces(lambda: settings)
+    return WaitingPlaces(), settings
 
 
 def test_a_call_can_wait_only_when_its_client_could_answer_a_question() -> None:
@@ -298,30 +301,30 @@ def test_a_call_can_wait_only_when_its_client_could_answer_a_question() -> None:
 
 
 def test_a_callers_waiting_places_refuse_that_caller_with_429_until_one_ends(tmp_path: Path) -> None:
-    places = waiting(tmp_path, total=10, per_caller=2)
+    places, settings = waiting(tmp_path, total=10, per_caller=2)
     first, second = make_call(caller="a"), make_call(caller="a")
     places.take(first)
-    assert places.refusal("a") is None
+    assert places.refusal("a", settings) is None
     places.take(second)
 
-    refused = places.refusal("a")
+    refused = places.refusal("a", settings)
 
     assert isinstance(refused, CallerLimitError)
     assert (refused.status, refused.data) == (429, {"limit": "max_waiting_per_principal", "max": 2})
     assert refused.response_headers() == {"Retry-After": "1"}
-    assert places.refusal("b") is None  # the others go on
+    assert places.refusal("b", settings) is None  # the others go on
     places.forget(first)
     places.forget(first)  # forgetting twice frees one place, not two
-    assert places.refusal("a") is None
+    assert places.refusal("a", settings) is None
     assert (places.count, places.held_by("a")) == (1, 1)
 
 
 def test_the_total_of_waiting_places_refuses_every_caller_with_503(tmp_path: Path) -> None:
-    places = waiting(tmp_path, total=2, per_caller=2)
+    places, settings = waiting(tmp_path, total=2, per_caller=2)
     places.take(make_call(caller="a"))
     places.take(make_call(caller="b"))
 
-    refused = places.refusal("c")
+    refused = places.refusal("c", settings)
 
     assert isinstance(refused, TaskLimitError)
     assert not isinstance(refused, CallerLimitError)
@@ -358,7 +361,7 @@ async def test_a_task_reply_carries_its_record_as_the_client_sees_it(store: Sqli
         shown.append(record)
         return record
 
-    await ClientSide(paced, RecordingFeed(), Background()).reply(call, Reply(ReplyTask()))
+    await ClientSide(paced, RecordingFeed(), Background(), defaults).reply(call, Reply(ReplyTask()))
 
     assert call.client.reply.result() == ReplyTask(call.stored.record)
     assert shown == [call.stored.record]
@@ -376,7 +379,9 @@ async def test_a_relay_to_a_broken_stream_tells_the_call_its_client_left() -> No
     call = make_call()
     call.client.channel = Broken()
 
-    await ClientSide(lambda record: record, feed, background).relay(call, Relay({"method": "notifications/progress"}))
+    await ClientSide(lambda record: record, feed, background, defaults).relay(
+        call, Relay({"method": "notifications/progress"})
+    )
     await until(lambda: bool(feed.events), "the writer to find the stream broken")
     assert feed.events == [(call, ClientLeft())]
     assert call.client.channel is None
@@ -408,7 +413,7 @@ async def test_notifications_and_the_reply_leave_in_order_through_one_writer_tha
     written, in the order given."""
     stream = HeldStream()
     background = Background()
-    client = ClientSide(lambda record: record, RecordingFeed(), background)
+    client = ClientSide(lambda record: record, RecordingFeed(), background, defaults)
     call = make_call()
     call.client.channel = stream
     call.client.reply = asyncio.get_running_loop().create_future()
@@ -428,12 +433,50 @@ async def test_notifications_and_the_reply_leave_in_order_through_one_writer_tha
     await background.close(1)
 
 
+async def test_what_waits_for_a_client_that_reads_nothing_stays_under_the_cap_and_the_reply_is_kept(
+    tmp_path: Path,
+) -> None:
+    """A client stuck on its first notification: newer progress replaces the progress still waiting, other
+    notifications wait until the backlog cap, then are dropped (counted, logged once), and the final reply is
+    queued all the same and reaches the client once it reads again."""
+    cap = 4096
+    capped = config(tmp_path, limits={"max_client_backlog_bytes": cap})
+    metrics = Metrics()
+    stream, background = HeldStream(), Background()
+    client = ClientSide(lambda record: record, RecordingFeed(), background, lambda: capped, metrics)
+    call = make_call()
+    waiting = client.wait(call, stream)
+    await client.relay(call, Relay({"method": "notifications/message", "n": 0}))
+    await until(lambda: stream.steps == ["begun 0"], "the writer stuck on the first write")
+    line = {"method": "notifications/message", "params": {"data": "x" * 100}}
+    for number in range(1, 200):  # about 22 KB of log lines, and a progress notification after each
+        await client.relay(call, Relay({**line, "n": number}))
+        await client.relay(call, Relay({"method": "notifications/progress", "params": {"progress": number}}))
+        assert call.client.backlog_bytes <= cap
+    await client.reply(call, Reply(ReplyOutcome(UpstreamResult({"content": []}))))
+
+    def dropped(reason: str) -> float:
+        value = metrics.registry.get_sample_value(
+            "mcp_tasks_proxy_client_notifications_dropped_total", {"reason": reason}
+        )
+        return value or 0.0
+
+    assert dropped("backlog_full") == call.client.dropped > 0
+    assert dropped("coalesced") > 100  # nearly every progress replaced the one before
+    stream.reading.set()
+    assert await asyncio.wait_for(waiting, 5) == ReplyOutcome(UpstreamResult({"content": []}))
+    progress = [message for message in stream.written if message["method"] == "notifications/progress"]
+    assert len(progress) == 1  # only the newest one waiting was written
+    assert call.client.backlog_bytes == 0
+    await background.close(1)
+
+
 async def test_a_forwarded_retrys_notes_wait_behind_what_the_writer_still_writes() -> None:
     """A note from the replica that holds a forwarded MRTR retry's call goes out through the stand-in's one
     writer: queued at once behind a notification still being written, never written beside it."""
     stream = HeldStream()
     background = Background()
-    client = ClientSide(lambda record: record, RecordingFeed(), background)
+    client = ClientSide(lambda record: record, RecordingFeed(), background, defaults)
     call = make_call()
     call.client.channel = stream
     await client.relay(call, Relay({"method": "notifications/progress", "n": 1}))
@@ -446,7 +489,7 @@ async def test_a_forwarded_retrys_notes_wait_behind_what_the_writer_still_writes
     assert stream.steps == ["begun 1", "done 1", "begun 2", "done 2"]
     call.client.channel = None
     await client.note(call, {"method": "notifications/message", "n": 3})  # the client gone: nothing is queued
-    assert not call.client.outgoing
+    assert not call.client.queued()
     await background.close(1)
 
 
@@ -471,7 +514,7 @@ async def test_keep_alives_are_written_by_the_calls_one_writer_after_what_it_sti
             written.append("keep-alive")
 
     feed, background = RecordingFeed(), Background()
-    client = ClientSide(lambda record: record, feed, background)
+    client = ClientSide(lambda record: record, feed, background, defaults)
     call = make_call()
     call.client.channel = Slow()
     call.client.reply = asyncio.get_running_loop().create_future()
@@ -491,7 +534,7 @@ async def test_keep_alives_are_written_by_the_calls_one_writer_after_what_it_sti
     assert feed.events == [(call, ClientLeft())]
     assert call.client.channel is None
     client.keep_alive(call)  # the client is gone: nothing is queued, no writer is started
-    assert not call.client.outgoing
+    assert not call.client.queued()
     assert call.client.writer is not None
     assert call.client.writer.done()
     await background.close(1)
@@ -510,16 +553,17 @@ async def test_a_replica_ignores_its_own_settlement_on_the_feed_but_not_another_
     limits = config(tmp_path)
     parked = Parking(lambda: limits, signer, wall_clock_ms, "replica-1")
     parts.link = link = ReplicaLink(store, "replica-1", 30)
-    notes = ClientSide(lambda record: record, feed, parts.context.spawner).note
-    waiting = WaitingPlaces(lambda: limits)
-    starter = CallStarter(parts.context, lambda: limits, parked, waiting, link, notes)
-    recovery = Recovery(parts.context, link, parts.records, starter.state, dict, lambda: False, waiting)
+    notes = ClientSide(lambda record: record, feed, parts.context.spawner, defaults)
+    follow = parts.followers(lambda: limits)
+    waiting = WaitingPlaces()
+    starter = CallStarter(parts.context, lambda: limits, parked, waiting, link, notes, follow)
+    recovery = Recovery(parts.context, link, parts.records, starter.state, follow, lambda: False, waiting)
     await link.start(ReplicaInbox(parts.context, parked, parts.records, link, recovery, starter))
     own, elsewhere = make_call(), make_call()
     own_task, elsewhere_task = await parts.committed(own), await parts.committed(elsewhere)
 
     await parts.records.settle_outside(own_task, TaskStatus.CANCELLED, "cancelled here")
-    await store.settle(elsewhere_task, TaskStatus.CANCELLED, now_ms=wall_clock_ms(), status_message="there")
+    await store.records.settle(elsewhere_task, TaskStatus.CANCELLED, now_ms=wall_clock_ms(), status_message="there")
     await until(lambda: bool(feed.of(elsewhere)), "the other replica's settlement to reach its call")
 
     assert feed.of(elsewhere) == [RemoteCancel("cancelled by the client")]
@@ -591,6 +635,7 @@ async def runner_on(tmp_path: Path, store: SqliteTaskStore, session: CrashingSes
 async def started(runner: TaskRunner, decision: Decision) -> LiveCall:
     call = make_call(decision, caller=runner.principals.key_of(None))
     call.state = runner.starter.state(decision, {}, None, None)
+    call.upstream.follower = runner.followers.of(decision)
     call.client.reply = asyncio.get_running_loop().create_future()
     runner.table.add(call)
     await runner.executor.submit(call, Start())
@@ -625,11 +670,11 @@ async def test_a_crashing_pump_of_an_upstream_run_task_fails_it_without_a_python
         task_id = reply.record.task_id
 
         async def failed() -> bool:
-            record = await store.get(task_id)
+            record = await store.records.get(task_id)
             return record is not None and record.status is TaskStatus.FAILED
 
-        await until_async(failed, "the task to fail")
-        record = await store.get(task_id)
+        await until(failed, "the task to fail")
+        record = await store.records.get(task_id)
 
     assert record is not None
     assert record.error is not None
@@ -641,9 +686,45 @@ async def test_a_crashing_pump_of_an_upstream_run_task_fails_it_without_a_python
         assert CRASH not in shown
 
 
-async def test_every_command_the_machine_can_give_has_an_effect(tmp_path: Path, store: SqliteTaskStore) -> None:
-    async with runner_on(tmp_path, store, CrashingSession(crash_on="")) as runner:
-        assert set(runner.executor.effects) == set(get_args(Command))
+class Recorder:
+    """Stands in for every effect and follower: records which of its methods a command reached."""
+
+    def __init__(self, name: str, reached: list[tuple[str, type]]) -> None:
+        self.name, self.reached = name, reached
+
+    def __getattr__(self, method: str) -> Callable[[LiveCall, Command], Awaitable[None]]:
+        async def carry_out(call: LiveCall, command: Command) -> None:
+            self.reached.append((f"{self.name}.{method}", type(command)))
+
+        return carry_out
+
+
+async def test_every_command_the_machine_can_give_reaches_one_effect() -> None:
+    """The command → effect table: every command type reaches exactly one effect's method, and those about a
+    task the upstream runs reach the follower the call was built with."""
+    reached: list[tuple[str, type]] = []
+    parts = [Recorder(name, reached) for name in ("held", "records", "client", "timers", "parking", "slots")]
+    effects = Effects(*cast(Any, parts))
+    call = make_call()
+    call.upstream.follower = cast(Any, Recorder("follower", reached))
+    for kind in get_args(Command):
+        await effects.carry_out(call, object.__new__(kind))  # the table reads the type alone
+    assert [kind for _, kind in reached] == list(get_args(Command))
+    assert len({method for method, _ in reached}) == len(reached)
+    followed = {kind.__name__ for method, kind in reached if method.startswith("follower.")}
+    assert followed == {
+        "StartUpstreamTask",
+        "FollowUpstreamTask",
+        "PollUpstreamTask",
+        "CancelUpstreamTask",
+        "ReleaseCall",
+    }
+
+
+async def test_a_command_about_an_upstream_task_of_a_call_built_without_a_follower_is_an_error() -> None:
+    effects = Effects(*cast(Any, [Recorder("effect", []) for _ in range(6)]))
+    with pytest.raises(RuntimeError, match="built without a follower"):
+        await effects.carry_out(make_call(), commands.PollUpstreamTask())
 
 
 async def test_an_effect_that_feeds_its_own_call_raises_instead_of_waiting_for_itself() -> None:
@@ -654,19 +735,17 @@ async def test_an_effect_that_feeds_its_own_call_raises_instead_of_waiting_for_i
     own, other = make_call(SYNC_CALL), make_call(SYNC_CALL)
     seen: list[str] = []
 
-    async def start(call: LiveCall, command: StartCall, /) -> None:
-        if call is own:
+    async def carry_out(call: LiveCall, command: Command) -> None:
+        if isinstance(command, StartCall) and call is own:
             for feed in (executor.dispatch, executor.submit):
                 with pytest.raises(ReentryError):
                     await feed(own, ClientLeft())
                 seen.append(feed.__name__)
             await executor.dispatch(other, Start())
+        elif isinstance(command, CancelCall):
+            seen.append(command.reason)
 
-    async def cancel(call: LiveCall, command: CancelCall, /) -> None:
-        seen.append(command.reason)
-
-    executor.register(StartCall, start)
-    executor.register(CancelCall, cancel)
+    executor.use(carry_out)
     await executor.dispatch(own, Start())
     assert seen == ["dispatch", "submit"]
     assert other.state.started
@@ -689,11 +768,10 @@ async def test_a_finished_call_is_dropped_by_every_owner_that_registered_once_in
     for owner in ("timers", "slots", "parking", "table"):
         executor.when_finished(dropping(owner))
 
-    async def nothing(call: LiveCall, command: Command, /) -> None:
+    async def nothing(call: LiveCall, command: Command) -> None:
         return None
 
-    for kind in get_args(Command):
-        executor.register(kind, nothing)
+    executor.use(nothing)
     call = make_call(SYNC_CALL)
     await executor.dispatch(call, Start())
     assert dropped == []  # running: kept
@@ -702,17 +780,15 @@ async def test_a_finished_call_is_dropped_by_every_owner_that_registered_once_in
     await background.close(1)
 
 
-def test_an_effect_is_registered_once_and_only_for_the_command_type_it_takes() -> None:
-    """`register` ties an effect to the command type it takes: one taking `StartCall` cannot be registered for
-    `Reply` (the mismatch is a type error, and the lines below carry mypy's refusal, silenced)."""
+def test_the_executor_is_given_its_table_once() -> None:
     executor = Executor(Background())
 
-    async def start(call: LiveCall, command: StartCall, /) -> None:
-        pass
+    async def nothing(call: LiveCall, command: Command) -> None:
+        return None
 
-    executor.register(Reply, start)  # type: ignore[misc]
-    with pytest.raises(ValueError, match="already registered"):
-        executor.register(Reply, start)  # type: ignore[misc]
+    executor.use(nothing)
+    with pytest.raises(ValueError, match="already"):
+        executor.use(nothing)
 
 
 def test_call_ids_are_unique_url_safe_and_as_long_as_before() -> None:
@@ -738,7 +814,7 @@ def test_the_services_compare_and_hash_by_identity_and_take_no_unknown_attribute
     assert len({first, second}) == 2
     with pytest.raises(AttributeError):
         first.confg = settings  # type: ignore[attr-defined]
-    for service in (RunningSlots, Parking, CallStarter, TaskOperations, Recovery, ReplicaInbox, JobEffect):
+    for service in (RunningSlots, Parking, CallStarter, TaskOperations, Recovery, ReplicaInbox, JobFollower):
         assert service.__eq__ is object.__eq__, service
         assert service.__hash__ is object.__hash__, service
         assert "__slots__" in vars(service), service

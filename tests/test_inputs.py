@@ -149,6 +149,20 @@ def test_invalid_answers_are_minus_32602_naming_the_key(method: str, response: A
     assert "inputResponses.the-key" in raised.value.message
 
 
+def test_one_check_serves_the_call_another_replica_and_a_relay() -> None:
+    questions = {"elicitation-1": "elicitation/create", "roots-2": "roots/list"}
+    good, bad = {"action": "decline"}, {"action": "maybe"}
+    responses = {"elicitation-1": good, "roots-2": {"roots": []}, "sampling-9": {}}
+    assert inputs.check_answers(questions, responses) == {"elicitation-1": good, "roots-2": {"roots": []}}
+    with pytest.raises(InvalidParamsError, match=r"inputResponses\.elicitation-1"):
+        inputs.check_answers(questions, {"roots-2": {"roots": []}, "elicitation-1": bad})
+    relayed = inputs.check_answers(questions, {"elicitation-1": bad, "roots-2": {"roots": []}}, drop_invalid=True)
+    assert relayed == {"roots-2": {"roots": []}}  # the invalid one stays open
+    record_shows = {"elicitation-1": {"method": "elicitation/create"}, "x": {"method": "tools/call"}, "y": 3}
+    assert inputs.outstanding(record_shows) == {"elicitation-1": "elicitation/create"}
+    assert inputs.outstanding(None) == {}
+
+
 def test_input_required_result_is_schema_valid(core_schema: SchemaValidator) -> None:
     result = inputs.input_required_result({"roots-1": {"method": "roots/list"}}, "state")
     assert result == {

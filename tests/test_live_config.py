@@ -13,18 +13,18 @@ import pytest
 import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from proxy.config.live import (
     APPLIED,
-    FIXED,
     FIXED_KEY,
     INVALID,
-    RELOADABLE,
+    RESTART_FIELDS,
     UNCHANGED,
     LiveConfig,
     changed_fields,
     is_fixed,
+    reload_marks,
 )
 from proxy.config.loader import load_config
 from proxy.config.schema import Config
@@ -33,6 +33,7 @@ from proxy.edge.app import create_app
 from proxy.policy import SYNC_CALL
 from proxy.tasks.effects.call_queue import Admission
 from tests.support.processes import Upstream
+from tests.support.wire import modern_body, modern_headers
 
 BASE: dict[str, object] = {"upstream": {"url": "http://127.0.0.1:9/mcp"}, "store": {"path": "tasks.db"}}
 
@@ -48,14 +49,23 @@ def live(tmp_path: Path) -> LiveConfig:
     return LiveConfig(load_config(path, environ={}), str(path), environ={})
 
 
-def test_every_fixed_path_names_a_section_or_a_field() -> None:
-    for path in FIXED:
-        model: type[BaseModel] = Config
-        for part in path.split("."):
-            assert part in model.model_fields, f"{path}: no field {part}"
-            annotation = model.model_fields[part].annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-                model = annotation
+def test_every_field_a_reload_compares_is_marked_live_or_restart() -> None:
+    marks = reload_marks()
+    assert {"listen.port", "upstream.url", "upstream.command", "tasks.tools", "jobs", "admin.port"} <= set(marks)
+    assert {path: mark for path, mark in marks.items() if mark not in ("live", "restart")} == {}
+    assert {path for path, mark in marks.items() if mark == "restart"} == RESTART_FIELDS
+
+
+def test_a_field_without_a_mark_counts_as_needing_a_restart() -> None:
+    class Section(BaseModel):
+        marked: int = Field(0, description="d", json_schema_extra={"reload": "live"})
+        unmarked: int = Field(0, description="d")
+
+    class Root(BaseModel):
+        section: Section = Field(default_factory=Section, description="d")
+        flags: dict[str, int] = Field(default_factory=dict, description="d", json_schema_extra={"reload": "restart"})
+
+    assert reload_marks(Root) == {"section.marked": "live", "section.unmarked": None, "flags": "restart"}
 
 
 def test_changes_are_named_per_field_and_tool_maps_whole() -> None:
@@ -144,7 +154,9 @@ async def test_a_reload_reaches_every_part_that_decides_new_calls(tmp_path: Path
         assert front.listens.limits.max_listen_streams == 3
 
 
-# Each key read live under a fixed section, the value a reload sets, and how the part that uses it reads it.
+# Each key read live under a section otherwise bound at start, the value a reload sets, and how the part that
+# uses it reads it.
+RELOADABLE = sorted(path for path, mark in reload_marks().items() if path.startswith("upstream.") and mark == "live")
 RELOADABLE_READS: dict[str, tuple[int, Callable[[web.Application], object]]] = {
     "upstream.max_concurrent_calls": (3, lambda app: _admission(app).max_concurrent),
     "upstream.max_queue_wait_ms": (1234, lambda app: _admission(app).max_wait_ms),
@@ -157,7 +169,7 @@ def _admission(app: web.Application) -> Admission:
     return admission
 
 
-def test_every_key_read_live_under_a_fixed_section_has_a_check() -> None:
+def test_every_key_read_live_under_the_upstream_section_has_a_check() -> None:
     assert set(RELOADABLE_READS) == set(RELOADABLE)
 
 
@@ -223,3 +235,32 @@ async def test_after_a_reload_no_part_keeps_a_section_of_the_old_config(tmp_path
                 if holder is not old.__dict__ and holder is not sections and not inspect.isframe(holder)
             ]
             assert holders == [], f"{name} of the old config is still held by {holders}"
+
+
+async def test_a_tools_call_decides_with_the_config_it_read_once(tmp_path: Path, upstream: Upstream) -> None:
+    """The front reads the config in force once per tools/call (quota, policy, job, idempotency and the call's
+    own settings all come from that read), so a reload in the middle of a request never splits it."""
+    path = tmp_path / "proxy.yaml"
+    base: dict[str, object] = {
+        "upstream": {"url": upstream.url},
+        "store": {"path": str(tmp_path / "tasks.db")},
+        "limits": {"calls_per_minute_per_principal": 100},
+        "tasks": {"tools": {"echo": {"mode": "optional", "calls_per_minute_per_principal": 50}}},
+    }
+    _write(path, base)
+    live = LiveConfig(load_config(path, environ={}), str(path), environ={})
+    app = create_app(live.current, live)
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        front = app[FRONT]
+        reads: list[Config] = []
+
+        def counted() -> Config:
+            reads.append(live.current)
+            return live.current
+
+        front._current = counted  # the getter the front holds
+        body = modern_body("tools/call", {"name": "echo", "arguments": {"text": "x"}})
+        async with client.post("/mcp", json=body, headers=modern_headers("tools/call", "echo")) as response:
+            assert response.status == 200
+            assert (await response.json())["result"]["content"][0]["text"] == "x"
+        assert len(reads) == 1

@@ -47,6 +47,7 @@ from proxy.tasks.machine.commands import (
     PollUpstreamTask,
     Queued,
     QueueMoved,
+    Reclaimed,
     Refuse,
     Relay,
     ReleaseCall,
@@ -82,6 +83,7 @@ from proxy.tasks.machine.state import (
     MAX_OUTSTANDING_INPUTS,
     PARKED_EXPIRED,
     QUEUE_TIMED_OUT,
+    RECLAIMED,
     STARTED,
     TASK_REFUSED,
     CallState,
@@ -99,6 +101,8 @@ PARK_TTL_MS = 600_000
 
 OK = UpstreamResult({"content": [{"type": "text", "text": "done"}]})
 DONE = {"content": [{"type": "text", "text": "done"}], "resultType": "complete"}
+SETTLED_OK = Settle(TaskStatus.COMPLETED, result=DONE)
+EXPIRED_ERROR = {"code": -32603, "message": "expired"}
 RPC_ERROR = UpstreamErrorResponse({"code": -32000, "message": "no such thing"})
 LOST = UpstreamError("Upstream connection lost during tools/call")
 ELICIT = UpstreamServerRequest(7, "elicitation/create", {"message": "Name?", "requestedSchema": {"type": "object"}})
@@ -313,6 +317,24 @@ PLAYBOOKS = [
         finished=True,
     ),
     Playbook(
+        "a parked call whose upstream session the pool takes back ends as if nobody retried, saying why",
+        SYNC,
+        [
+            *SYNC_PARKED,
+            (Reclaimed(), [Unpark(), CancelCall(RECLAIMED)]),
+            (TimerFired(Timer.PARK), []),  # the park timer of a call no longer parked does nothing
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a call that is not parked (its client retried meanwhile) is not ended by a late reclaim",
+        SYNC,
+        [*SYNC_STARTED, (Reclaimed(), [])],
+        Mode.WAITING,
+        finished=False,
+    ),
+    Playbook(
         "progress reaches a waiting client that asked for it",
         SYNC,
         [
@@ -389,6 +411,52 @@ PLAYBOOKS = [
         ],
         Mode.TASK,
         finished=False,
+    ),
+    Playbook(
+        "a client's tasks/cancel settles the running task here, fenced, and abandons its call upstream",
+        TASK,
+        [
+            *TASK_STARTED,
+            (
+                Stop("cancelled by the client", status=TaskStatus.CANCELLED),
+                [
+                    Settle(TaskStatus.CANCELLED, status_message="cancelled by the client"),
+                    CancelCall("cancelled by the client"),
+                    HoldSlot(False),
+                ],
+            ),
+            (Ended(OK), []),  # abandoned: how its stream ended changes nothing
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a task seen past its TTL fails here with the expiry's error, and its call is abandoned",
+        TASK,
+        [
+            *TASK_STARTED,
+            (
+                Stop("expired", EXPIRED_ERROR, status=TaskStatus.FAILED),
+                [
+                    Settle(TaskStatus.FAILED, error=EXPIRED_ERROR, status_message="expired"),
+                    CancelCall("expired"),
+                    HoldSlot(False),
+                ],
+            ),
+        ],
+        Mode.DETACHED,
+        finished=True,
+    ),
+    Playbook(
+        "a settled call is not settled again by a late cancel (its own settlement came first)",
+        TASK,
+        [
+            *TASK_STARTED,
+            (Ended(OK), [SETTLED_OK, HoldSlot(False)]),
+            (Stop("cancelled by the client", status=TaskStatus.CANCELLED), []),
+        ],
+        Mode.DETACHED,
+        finished=True,
     ),
     Playbook(
         "a task stopped from outside (cancel, expiry, shutdown) is abandoned upstream",
@@ -733,8 +801,8 @@ PLAYBOOKS += [
 ]
 
 
-@pytest.mark.parametrize("playbook", PLAYBOOKS, ids=[playbook.name for playbook in PLAYBOOKS])
-def test_playbook(playbook: Playbook) -> None:
+def run_playbook(playbook: Playbook) -> None:
+    """Feed the playbook's events to a fresh call; each step must give exactly its commands."""
     state = CallState(
         decision=playbook.decision,
         capabilities=playbook.capabilities,
@@ -747,6 +815,11 @@ def test_playbook(playbook: Playbook) -> None:
         assert machine.handle(state, event) == expected, f"step {number}: {event}"
     assert state.mode is playbook.mode
     assert machine.finished(state) is playbook.finished
+
+
+@pytest.mark.parametrize("playbook", PLAYBOOKS, ids=[playbook.name for playbook in PLAYBOOKS])
+def test_playbook(playbook: Playbook) -> None:
+    run_playbook(playbook)
 
 
 def test_answers_are_checked_before_any_is_delivered() -> None:
@@ -1158,7 +1231,7 @@ UPSTREAM_PLAYBOOKS = [
 
 @pytest.mark.parametrize("playbook", UPSTREAM_PLAYBOOKS, ids=[playbook.name for playbook in UPSTREAM_PLAYBOOKS])
 def test_upstream_task_playbook(playbook: Playbook) -> None:
-    test_playbook(playbook)
+    run_playbook(playbook)
 
 
 def test_after_a_restart_the_upstreams_task_is_followed_again_with_its_questions() -> None:
@@ -1319,7 +1392,7 @@ JOB_PLAYBOOKS = [
 
 @pytest.mark.parametrize("playbook", JOB_PLAYBOOKS, ids=[playbook.name for playbook in JOB_PLAYBOOKS])
 def test_job_playbook(playbook: Playbook) -> None:
-    test_playbook(playbook)
+    run_playbook(playbook)
 
 
 def test_after_a_restart_a_job_is_polled_again_at_once_and_never_started_again() -> None:
@@ -1477,7 +1550,7 @@ QUEUE_PLAYBOOKS = [
 
 @pytest.mark.parametrize("playbook", QUEUE_PLAYBOOKS, ids=[playbook.name for playbook in QUEUE_PLAYBOOKS])
 def test_queue_playbook(playbook: Playbook) -> None:
-    test_playbook(playbook)
+    run_playbook(playbook)
 
 
 def test_a_task_queued_at_a_restart_waits_for_its_slot_again() -> None:
@@ -1496,7 +1569,7 @@ def test_a_task_queued_at_a_restart_waits_for_its_slot_again() -> None:
         finished=True,
         task_id="t1",
     )
-    test_playbook(playbook)
+    run_playbook(playbook)
 
 
 def test_a_restored_call_takes_up_its_records_task_id_issued_keys_followed_task_and_answerable_questions() -> None:

@@ -1,14 +1,6 @@
-"""Live configuration: the one place where the running config is swapped, on SIGHUP or a change of its file.
-
-`LiveConfig.current` is the immutable config in force; a reload validates the new one and swaps it, and that is
-all it changes: the edge reads `current` per request, and the components that decide new calls hold a getter of it
-(`live.config`) and read their section through it, so no field of theirs is rewritten by a reload. A
-subscriber is for an effect a swap must have (the log level set, the waiting calls admitted by new caps). A call
-captures its policy (its Decision) when it starts, so a swap never
-changes a call in flight. A reload that changes a fixed key (what was bound at start: listen address, upstream,
-store, ...) or that does not load is refused as a whole, logged, and the running config stays.
-Imports only the config schema and its loader.
-"""
+"""Live configuration: the config in force (`LiveConfig.current`), swapped whole on SIGHUP or a change of its
+file when it loads and changes no field marked `restart` (the marks are the schema's; a refused reload changes
+nothing). Consumers read it through a getter where they use it. Imports only the config schema and loader."""
 
 from __future__ import annotations
 
@@ -19,10 +11,12 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Final
+from types import UnionType
+from typing import Annotated, Any, Final, Union, get_args, get_origin
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from pydantic import BaseModel
 
 from proxy.config.loader import ConfigError, parse_config
 from proxy.config.schema import Config
@@ -31,29 +25,33 @@ log = structlog.get_logger(__name__)
 
 WATCH_SECONDS: Final = 2.0  # how often the file is looked at (a ConfigMap update takes a minute to arrive anyway)
 
-# Bound when the process starts (sockets, sessions, the store, keys, routes, sizes handed to long-lived
-# objects): a reload that changes one of these, or anything under them, is refused.
-FIXED: Final = (
-    "listen",
-    "upstream",
-    "store",
-    "discovery",
-    "security.principal_header",
-    "security.key_file",
-    "security.max_body_bytes",
-    "security.jwt",  # the verifier and its key cache are built at start
-    "security.upstream_auth",  # the upstream kind's auth detection is set up at start
-    "relay",  # the relay of other paths is built at start
-    "inputs.secret_file",
-    "tasks.max_records",
-    "observability.metrics",
-    "limits.max_result_bytes",
-    "limits.legacy_replay_bytes",
-)
 
-# Under a fixed section, but read live: the upstream's concurrency cap and its queue's wait (the queue is the
-# runner's, not the upstream session's).
-RELOADABLE: Final = ("upstream.max_concurrent_calls", "upstream.max_queue_wait_ms")
+def _sections(annotation: Any) -> list[type[BaseModel]]:
+    """The models a field's type is made of (one section, or the kinds of a union), else none."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if get_origin(annotation) in (Union, UnionType, Annotated):
+        return [model for arg in get_args(annotation) for model in _sections(arg)]
+    return []
+
+
+def reload_marks(model: type[BaseModel] = Config) -> dict[str, str | None]:
+    """Every field a reload compares (a section's field, or a top-level field that is no section) with its
+    `reload` mark from the schema (`live` or `restart`; None where a field lacks one)."""
+    marks: dict[str, str | None] = {}
+    for name, field in model.model_fields.items():
+        sections = _sections(field.annotation)
+        fields = [(f"{name}.{inner}", info) for section in sections for inner, info in section.model_fields.items()]
+        for path, info in fields or [(name, field)]:
+            extra = info.json_schema_extra
+            mark = extra.get("reload") if isinstance(extra, dict) else None
+            marks[path] = mark if isinstance(mark, str) else None
+    return marks
+
+
+# Bound when the process starts (sockets, sessions, the store, keys, routes, listeners, files, sizes handed to
+# long-lived objects): a reload that changes one of these is refused, and says that it needs a restart.
+RESTART_FIELDS: Final = frozenset(path for path, mark in reload_marks().items() if mark != "live")
 
 APPLIED: Final = "applied"
 SIGHUP_TRIGGER: Final = "sighup"  # the `trigger` of a reload that SIGHUP asked for
@@ -84,9 +82,8 @@ def changed_fields(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str =
 
 
 def is_fixed(path: str) -> bool:
-    if path in RELOADABLE:
-        return False
-    return any(path == fixed or path.startswith(f"{fixed}.") for fixed in FIXED)
+    """A field only a restart changes (`changed_fields` names a section's fields one by one)."""
+    return path in RESTART_FIELDS
 
 
 def _fingerprint(path: str) -> tuple[str, int, int, int] | None:
@@ -100,7 +97,15 @@ def _fingerprint(path: str) -> tuple[str, int, int, int] | None:
 
 class LiveConfig:
     """The config in force, and how it is reloaded from the file it came from (with the same environment
-    overrides and command-line flags)."""
+        overrides and command-line flags).
+
+    `LiveConfig.current` is the immutable config in force; a reload validates the new one and swaps it, and that is
+    all it changes: the edge reads `current` per request, and the components that decide new calls hold a getter of
+    it (`live.config`) and read their section through it, so no field of theirs is rewritten by a reload. A
+    subscriber is for an effect a swap must have (the log level set, the waiting calls admitted by new caps). A call
+    captures its policy (its Decision) when it starts, so a swap never changes a call in flight. A reload that
+    changes a fixed key (what was bound at start: listen address, upstream, store, ...) or that does not load is
+    refused as a whole, logged, and the running config stays. Imports only the config schema and its loader."""
 
     def __init__(
         self,
@@ -202,7 +207,7 @@ class LiveConfig:
                 result=FIXED_KEY,
                 field=fixed[0],
                 fields=fixed,
-                detail=f"{fixed[0]} is fixed until the proxy restarts; nothing of this reload was applied",
+                detail=f"{fixed[0]} needs a restart to change; nothing of this reload was applied",
             )
             return FIXED_KEY
         if not changed:

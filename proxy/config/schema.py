@@ -1,12 +1,6 @@
-"""Configuration: the schema, frozen pydantic models (how a file, the environment and flags are read and merged
-into one is `loader.py`).
-
-Owns the shape of the config file and its validation: a pure description (the files it names are read by
-`keyfiles.py`, which the loader asks). Every field has a default and a description (the configuration
-reference, docs/reference/configuration.md, is written from these descriptions when the docs site is built).
-The upstream is a union of two kinds, told apart by which of `url` and `command` is set; only upstream/ looks
-at which. Imports only the wire's field checks from the rest of the proxy.
-"""
+"""Configuration: the schema, frozen pydantic models, a pure description (reading files and the environment is
+`loader.py`'s). Every field has a default, a description (the configuration reference is written from them)
+and a reload mark (`LIVE` or `RESTART`). Imports only the wire's field checks."""
 
 from __future__ import annotations
 
@@ -26,14 +20,26 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.config import JsonDict
 from pydantic_core import PydanticCustomError
 
 from proxy.wire.fields import is_safe_value
 
+# Owns the shape of the config file and its validation: a pure description (the files it names are read by
+# `keyfiles.py`, which the loader asks). Every field has a default and a description (the configuration reference,
+# docs/reference/configuration.md, is written from these descriptions when the docs site is built). The upstream is a
+# union of two kinds, told apart by which of `url` and `command` is set; only upstream/ looks at which. Imports only
+# the wire's field checks from the rest of the proxy.
+
 # A field whose values may be credentials (an API key header, a token in a server's environment): `redacted`
 # (`loader.py`) prints its keys only. Key material itself is never in the configuration, only the paths
 # of its files.
-SECRET_VALUES: Final[dict[str, Any]] = {"secret": True}
+SECRET_VALUES: Final[JsonDict] = {"secret": True}
+# How a reload treats a field (its `reload`): read where it is used, so a reload changes it (`LIVE`); or bound when
+# the proxy starts, so a reload that changes it is refused until a restart (`RESTART`). Every field a reload
+# compares carries one; `live.py` derives the restart list from them.
+LIVE: Final[JsonDict] = {"reload": "live"}
+RESTART: Final[JsonDict] = {"reload": "restart"}
 _HEADER_NAME: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # an HTTP token (RFC 9110, section 5.6.2)
 
 
@@ -45,11 +51,19 @@ class ListenConfig(_Frozen):
     host: str = Field(
         "127.0.0.1",
         description="Address the proxy binds to. Loopback by default: a sidecar is reached through its pod.",
+        json_schema_extra=RESTART,
     )
-    port: int = Field(8080, ge=0, le=65535, description="TCP port the proxy listens on (0 picks a free port).")
+    port: int = Field(
+        8080,
+        ge=0,
+        le=65535,
+        description="TCP port the proxy listens on (0 picks a free port).",
+        json_schema_extra=RESTART,
+    )
     path: str = Field(
         "/mcp",
         description="The one MCP endpoint, served to modern and legacy clients alike.",
+        json_schema_extra=RESTART,
     )
 
     shutdown_grace_seconds: float = Field(
@@ -58,11 +72,13 @@ class ListenConfig(_Frozen):
         description="After the drain (`tasks.drain_seconds`): requests still open (calls the drain did not see "
         "end, legacy streams) get this long, then are cancelled. The drain plus this, plus a few seconds to close, "
         "stays below the pod's terminationGracePeriodSeconds.",
+        json_schema_extra=RESTART,
     )
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         "auto",
         description="The event loop `proxy serve` runs on: `uvloop` (installed by default where it builds; faster "
         "sockets and callbacks), the standard `asyncio` loop, or `auto`: uvloop when it is installed.",
+        json_schema_extra=RESTART,
     )
 
     @field_validator("path")
@@ -82,11 +98,13 @@ class _UpstreamCommon(_Frozen):
         description="Time allowed to open a TCP connection to the upstream before it counts as down. With "
         "`command`: how long a request waits for a process when `max_processes` are busy, and how long the "
         "readiness probe's `ping` may take (the start itself has `start_timeout_seconds`).",
+        json_schema_extra=RESTART,
     )
     call_timeout_seconds: float = Field(
         3600.0,
         gt=0,
         description="Longest time one upstream request may run; bounds a hung upstream call.",
+        json_schema_extra=RESTART,
     )
     max_concurrent_calls: int = Field(
         0,
@@ -97,6 +115,7 @@ class _UpstreamCommon(_Frozen):
         "another caller waits up to `max_queue_wait_ms`. MRTR retries and `tasks/update` answers never wait: "
         "their call holds its slot already. 0: no cap (the upstream gets whatever arrives), and no queue. A live "
         "reload changes it for the calls waiting too (a raised or removed cap starts them at once).",
+        json_schema_extra=LIVE,
     )
     max_queue_wait_ms: int = Field(
         30_000,
@@ -105,11 +124,13 @@ class _UpstreamCommon(_Frozen):
         "tasks extension, or a `forbidden` tool) waits in the queue; then it gets 503 with `Retry-After`, never "
         "having reached the upstream. 30 s stays within the 60 s request timeout common in MCP clients. A live "
         "reload changes it for calls that begin to wait from then on.",
+        json_schema_extra=LIVE,
     )
     protocol_version: Literal["2025-11-25", "2025-06-18", "2025-03-26"] = Field(
         "2025-11-25",
         description="Protocol version the proxy offers in its own upstream `initialize` (the upstream may answer "
         "with an older one, which is then used).",
+        json_schema_extra=RESTART,
     )
 
 
@@ -119,10 +140,11 @@ class HttpUpstreamConfig(_UpstreamCommon):
     url: str = Field(
         description="Streamable HTTP endpoint of the legacy MCP server (2025-06-18 or 2025-11-25). Exactly one of "
         "`url` and `command` is set; empty: not set.",
+        json_schema_extra=RESTART,
     )
     headers: dict[str, str] = Field(
         default_factory=dict,
-        json_schema_extra=SECRET_VALUES,
+        json_schema_extra=SECRET_VALUES | RESTART,
         description="Extra headers sent on every upstream request (e.g. a static API key the upstream needs); "
         "they replace a client's header of the same name, whatever its case. Names are HTTP tokens and values "
         "hold no control character but tab and no surrounding whitespace; a `Host` here replaces the URL's (a "
@@ -134,6 +156,7 @@ class HttpUpstreamConfig(_UpstreamCommon):
         description="With `url`: idle upstream sessions kept for reuse: each caller's shared session, and the "
         "sessions lent to calls whose clients can answer questions. Beyond this the least recently used idle "
         "session is ended with DELETE. Sessions in use are bounded by `max_open_sessions`.",
+        json_schema_extra=RESTART,
     )
     max_open_sessions: int = Field(
         512,
@@ -145,6 +168,7 @@ class HttpUpstreamConfig(_UpstreamCommon):
         "`data.limit: max_open_sessions` (never a task that fails later), and any other request waits up to "
         "`connect_timeout_seconds` for one to come free, then gets the same 503. Each open session costs a "
         "descriptor or two (its requests, its GET stream).",
+        json_schema_extra=RESTART,
     )
 
     @field_validator("url")
@@ -175,10 +199,11 @@ class StdioUpstreamConfig(_UpstreamCommon):
         min_length=1,
         description="Instead of `url`: the argv of a legacy MCP server that speaks stdio (e.g. `[uvx, "
         "mcp-server-fetch]`), started and supervised by the proxy. Empty: not set.",
+        json_schema_extra=RESTART,
     )
     env: dict[str, str] = Field(
         default_factory=dict,
-        json_schema_extra=SECRET_VALUES,
+        json_schema_extra=SECRET_VALUES | RESTART,
         description="With `command`: environment variables for the server, set over the few it inherits from the "
         "proxy when they are set there: HOME, LOGNAME, PATH, SHELL, TERM, USER, LANG, LC_ALL, LC_CTYPE, TZ, TMPDIR; "
         "the cache directories uvx and npx use (XDG_CACHE_HOME, XDG_CONFIG_HOME, XDG_DATA_HOME, XDG_STATE_HOME, "
@@ -194,8 +219,13 @@ class StdioUpstreamConfig(_UpstreamCommon):
         "resolve (and may download) the server first: a warm `uvx mcp-server-fetch` takes about 6 s. While it "
         "waits the proxy logs `upstream_process_still_starting` every 10 s; past it the request gets 504 saying "
         "the server did not answer initialize within this time.",
+        json_schema_extra=RESTART,
     )
-    cwd: str | None = Field(None, description="With `command`: the server's working directory; null: the proxy's own.")
+    cwd: str | None = Field(
+        None,
+        description="With `command`: the server's working directory; null: the proxy's own.",
+        json_schema_extra=RESTART,
+    )
     max_processes: int = Field(
         8,
         gt=0,
@@ -203,24 +233,28 @@ class StdioUpstreamConfig(_UpstreamCommon):
         "so one process is one upstream session, and this bounds them: each caller's shared process (calls that "
         "cannot ask the client anything share it), one per call that can ask, one per legacy client session. At "
         "the limit a request waits up to `connect_timeout_seconds`, then gets 503 naming this field.",
+        json_schema_extra=RESTART,
     )
     process_idle_seconds: float = Field(
         300.0,
         gt=0,
         description="With `command`: a server process lent to calls (or a legacy client's session) that has had "
         "no call for this long is stopped; each caller's shared process stays until its place is needed.",
+        json_schema_extra=RESTART,
     )
     max_line_bytes: int = Field(
         16 * 1024 * 1024,
         ge=1024,
         description="With `command`: the longest line (one JSON-RPC message) a server may write on stdout; a "
         "longer one kills that process, so one runaway message cannot exhaust the proxy's memory.",
+        json_schema_extra=RESTART,
     )
     stop_grace_seconds: float = Field(
         5.0,
         ge=0,
         description="With `command`: stopping a server closes its stdin and waits this long, then sends SIGTERM "
         "(to its whole process group) and waits as long again, then sends SIGKILL.",
+        json_schema_extra=RESTART,
     )
 
 
@@ -336,11 +370,13 @@ class SecurityConfig(_Frozen):
         "namespace; `*` is never the last label (`mcp-server.*` would accept mcp-server.com, a name anyone can "
         "register and point at the proxy), and the labels after it must be a domain you control or a cluster "
         "suffix.",
+        json_schema_extra=LIVE,
     )
     allowed_origins: list[str] = Field(
         default_factory=list,
         description="Origin header values accepted besides http(s)://<allowed host>[:port]; a request with "
         "any other Origin gets 403. Requests without Origin (non-browser clients) are accepted.",
+        json_schema_extra=LIVE,
     )
     principal_header: str = Field(
         "authorization",
@@ -348,12 +384,14 @@ class SecurityConfig(_Frozen):
         "causes, upstream sessions are kept per distinct value, and each task is bound to its keyed hash (another "
         "caller cannot see it). It must come from a trusted hop that authenticates the caller and overwrites what "
         "the client sent (see the security guide, docs/guides/security.md).",
+        json_schema_extra=RESTART,
     )
     anonymous: Literal["allow", "refuse"] = Field(
         "allow",
         description="A 2026-07-28 request without the principal header (or with an empty one): `allow` serves it "
         "as the one shared anonymous caller (warned about at start on a non-loopback listener); `refuse` answers "
         "HTTP 401 with `WWW-Authenticate`.",
+        json_schema_extra=LIVE,
     )
     jwt: JwtConfig | None = Field(
         None,
@@ -361,6 +399,7 @@ class SecurityConfig(_Frozen):
         "token that fails gets 401 before anything else; a valid one owns tasks as issuer + claim, so a refreshed "
         "token still reads its tasks. A value that is no JWT keeps the keyed hash of the whole value. Unset: every "
         "value is opaque.",
+        json_schema_extra=RESTART,
     )
     upstream_auth: Literal["detect", "required", "none"] = Field(
         "detect",
@@ -368,6 +407,7 @@ class SecurityConfig(_Frozen):
         "the tool catalog) serves only a caller whose own credential the upstream accepted; `none`: shared by "
         "every caller; `detect`: shared while an initialize without credentials succeeds and no request was "
         "refused with 401/403.",
+        json_schema_extra=RESTART,
     )
     key_file: str | None = Field(
         None,
@@ -375,9 +415,13 @@ class SecurityConfig(_Frozen):
         "HMAC, and the credential an `on_restart: rerun` task keeps is encrypted with it. Unset: "
         "`inputs.secret_file`, else a key created beside the SQLite database (`<store.path>.key`, 0600). "
         "Required with a PostgreSQL store and for `on_restart: rerun`.",
+        json_schema_extra=RESTART,
     )
     max_body_bytes: int = Field(
-        4 * 1024 * 1024, gt=0, description="Largest request body accepted; a larger one gets 413."
+        4 * 1024 * 1024,
+        gt=0,
+        description="Largest request body accepted; a larger one gets 413.",
+        json_schema_extra=RESTART,
     )
     body_read_timeout_seconds: float = Field(
         30.0,
@@ -385,6 +429,7 @@ class SecurityConfig(_Frozen):
         description="Time allowed for a whole request body to arrive once its headers are in; a slower one gets "
         "408 and its connection is closed, so a client that announces a large body and trickles it (or sends "
         "none) cannot hold a connection. 30 s takes `max_body_bytes` of 4 MiB at 140 KB/s.",
+        json_schema_extra=LIVE,
     )
 
     @field_validator("allowed_hosts")
@@ -408,11 +453,13 @@ class RelayConfig(_Frozen):
         "server's /authorize, /token, /register, static pages) verbatim to the upstream URL's origin, with the "
         "pass-through's header rules, limits and X-Forwarded-*. Off: such paths get 404. A stdio upstream has "
         "no origin: 404 with a JSON body saying so.",
+        json_schema_extra=RESTART,
     )
     prefixes: list[str] = Field(
         default_factory=list,
         description="Relay only paths under these prefixes (e.g. `/.well-known/`, `/authorize`); empty: every "
         "path. Others get 404.",
+        json_schema_extra=RESTART,
     )
 
     @field_validator("prefixes")
@@ -430,11 +477,13 @@ class DiscoveryConfig(_Frozen):
         ge=0,
         description="`ttlMs` put on server/discover and list results: how long a client may reuse them. The "
         "upstream cannot say, so this is the operator's promise of how stable its lists are.",
+        json_schema_extra=RESTART,
     )
     cache_scope: Literal["public", "private"] = Field(
         "private",
         description="`cacheScope` on cacheable results. `private` is safe when the upstream's answers depend on "
         "the caller's credentials; `public` lets shared caches reuse them.",
+        json_schema_extra=RESTART,
     )
 
 
@@ -444,6 +493,7 @@ class IdempotencyConfig(_Frozen):
         description="Honour the `Idempotency-Key` request header on 2026-07-28 `tools/call` "
         "(draft-ietf-httpapi-idempotency-key-header): a repeat of a call with the same key does not run the tool "
         "again. `false`: the header is ignored and every call runs.",
+        json_schema_extra=LIVE,
     )
     retention_seconds: float = Field(
         86_400.0,
@@ -451,6 +501,7 @@ class IdempotencyConfig(_Frozen):
         description="How long a key's record (and the outcome replayed for it) is kept after the first request. "
         "24 h, as Stripe keeps its keys: long past any client's retries of one operation (minutes, an agent's "
         "restart), short enough that the table stays small.",
+        json_schema_extra=LIVE,
     )
     join_timeout_seconds: float = Field(
         30.0,
@@ -458,6 +509,7 @@ class IdempotencyConfig(_Frozen):
         description="How long a repeat that arrives while the first request still runs waits for its outcome "
         "(it joins it: one upstream call); past that it is answered HTTP 409 and may retry. Below a gateway's "
         "usual 60 s cut-off.",
+        json_schema_extra=LIVE,
     )
 
 
@@ -469,12 +521,14 @@ class StoreConfig(_Frozen):
         "the working directory (the start logs the absolute path, `store_opened`). One proxy process per file "
         "(a second one refuses to start on a file in use). It and its -wal, -shm and .lock files are owner-only "
         "(0600); directories the proxy creates for it are 0700. Unused when `store.url` is set.",
+        json_schema_extra=RESTART,
     )
     synchronous: Literal["normal", "full"] = Field(
         "full",
         description="SQLite `synchronous` mode. `full`: a task is on disk before its handle is returned, so it "
         "survives a power loss; `normal`: it survives a crash of the proxy process, not of the machine, and "
         "creation is faster.",
+        json_schema_extra=RESTART,
     )
     url: str | None = Field(
         None,
@@ -482,11 +536,13 @@ class StoreConfig(_Frozen):
         "instead of `store.path`, and several replicas may share it. Never a password here: it comes from "
         "`store.password_file` or the `PGPASSWORD` environment variable. Give the proxy a database (or a schema, "
         "`?options=-csearch_path%3Dname`) of its own.",
+        json_schema_extra=RESTART,
     )
     password_file: str | None = Field(
         None,
         description="File holding the PostgreSQL password (e.g. a mounted Secret), read for each new connection "
         "so a rotated password is picked up. Unset: libpq's own sources (`PGPASSWORD`, `~/.pgpass`).",
+        json_schema_extra=RESTART,
     )
     pool_size: int = Field(
         10,
@@ -494,18 +550,21 @@ class StoreConfig(_Frozen):
         le=1000,
         description="PostgreSQL connections a replica keeps at most for its reads and writes (one more commits "
         "task creations in batches, one more listens to the change feed).",
+        json_schema_extra=RESTART,
     )
     connect_timeout_seconds: float = Field(
         5.0,
         gt=0,
         description="Time allowed to connect to PostgreSQL: at start (the proxy refuses to start without its "
         "store) and for each new connection later.",
+        json_schema_extra=RESTART,
     )
     lease_seconds: float = Field(
         10.0,
         gt=0,
         description="With PostgreSQL: how long a replica's lease lasts unless renewed. A replica that stops "
         "renewing it (killed, paused, cut off) loses its running tasks to a survivor after this long.",
+        json_schema_extra=RESTART,
     )
     max_pending_settlements: int = Field(
         1024,
@@ -516,6 +575,7 @@ class StoreConfig(_Frozen):
         "(the next one or the result replaces it) and new tasks are refused (503, `data.limit`) so nothing new "
         "adds to them, while the calls already running still settle here. The default matches "
         "`tasks.max_running`: every task running when the store went away can settle.",
+        json_schema_extra=RESTART,
     )
     timeout_seconds: float = Field(
         5.0,
@@ -526,6 +586,7 @@ class StoreConfig(_Frozen):
         "is answered 503 with `Retry-After` instead of hanging; while it stays away, operations wait 1 s at most. 5 s "
         "is hundreds of times a healthy commit and well inside the 30-60 s clients and load balancers wait for an "
         "answer.",
+        json_schema_extra=RESTART,
     )
 
     @field_validator("url")
@@ -621,29 +682,35 @@ class ToolPolicyConfig(_Frozen):
 
 class TasksConfig(_Frozen):
     default: TaskPolicyConfig = Field(
-        default_factory=TaskPolicyConfig, description="The policy of every tool not named in `tasks.tools`."
+        default_factory=TaskPolicyConfig,
+        description="The policy of every tool not named in `tasks.tools`.",
+        json_schema_extra=LIVE,
     )
     tools: dict[str, ToolPolicyConfig] = Field(
         default_factory=dict,
         description="Per-tool policies, keyed by exact tool name or by glob (`batch_*`): an exact name wins, "
         "then the first matching glob in file order. A partial entry inherits the rest from `tasks.default`.",
+        json_schema_extra=LIVE,
     )
     undeclared_required: Literal["reject", "wait"] = Field(
         "reject",
         description="A `required` tool called by a client that did not declare the extension: `reject` answers "
         "-32021 naming it; `wait` runs the task internally and answers synchronously when it settles.",
+        json_schema_extra=LIVE,
     )
     max_running: int = Field(
         1024,
         gt=0,
         description="Tasks whose upstream call runs at once; one more is refused with -32603 (`data.limit`) "
         "before anything is stored. Tasks waiting for client input do not count.",
+        json_schema_extra=LIVE,
     )
     max_records: int = Field(
         10_000,
         gt=0,
         description="Task records kept; at the limit the oldest settled records are evicted first, and a new "
         "task is refused only when every record is still live.",
+        json_schema_extra=RESTART,
     )
     tombstone_seconds: float = Field(
         86_400.0,
@@ -652,12 +719,14 @@ class TasksConfig(_Frozen):
         "that `tasks/get`, `tasks/update` and `tasks/cancel` of it answer that it expired (and when) instead of "
         '"not found", to its own principal only. A day covers a client that was away overnight; after that an '
         "id is unknown again. 0: no tombstones.",
+        json_schema_extra=LIVE,
     )
     max_tombstones: int = Field(
         100_000,
         ge=0,
         description="Tombstones kept at most (about 100 bytes each: 10 MB at the default); the oldest go first, "
         "trimmed once a minute.",
+        json_schema_extra=LIVE,
     )
     drain_seconds: float = Field(
         20.0,
@@ -667,6 +736,7 @@ class TasksConfig(_Frozen):
         "runs. What still runs after this long is left as at any stop (another replica or the next start fails or "
         "re-runs it per `on_restart`). 20 s leaves room for the final shutdown within Kubernetes' default "
         "terminationGracePeriodSeconds of 30.",
+        json_schema_extra=LIVE,
     )
 
     @cached_property
@@ -790,18 +860,21 @@ class InputsConfig(_Frozen):
         le=10_000,
         description="After an upstream question, how long to wait for more questions asked at the same time, so "
         "that one `inputRequests` map (of a task or an MRTR round) carries them all.",
+        json_schema_extra=LIVE,
     )
     request_state_ttl_ms: int = Field(
         600_000,
         gt=0,
         description="How long a synchronous call parked by an MRTR `InputRequiredResult` waits for the client's "
         "retry; then its `requestState` is refused and the upstream call is cancelled.",
+        json_schema_extra=LIVE,
     )
     max_parked: int = Field(
         1024,
         gt=0,
         description="Synchronous calls parked for a client's retry at once; beyond it the upstream question is "
         "declined and the client gets -32603 (`data.limit`) with HTTP 503.",
+        json_schema_extra=LIVE,
     )
     max_waiting: int = Field(
         1024,
@@ -811,35 +884,43 @@ class InputsConfig(_Frozen):
         "declared elicitation, sampling or roots), since any of them may ask. A new such call beyond it is refused "
         "at its start with -32603, HTTP 503, `Retry-After` and `data.limit: max_waiting`; it is never queued, and "
         "a call admitted is never refused when it asks. Each one holds an upstream session of its own.",
+        json_schema_extra=LIVE,
     )
     secret_file: str | None = Field(
         None,
         description="File holding the key that signs `requestState` (at least 32 bytes, e.g. a mounted Secret). "
         "Unset: a random key per process, so a state is only valid on the process that issued it.",
+        json_schema_extra=RESTART,
     )
 
 
 class ObservabilityConfig(_Frozen):
     metrics: bool = Field(
-        True, description="Serve Prometheus metrics at `/metrics` on the listen port (no tokens, no arguments)."
+        True,
+        description="Serve Prometheus metrics at `/metrics` on the listen port (no tokens, no arguments).",
+        json_schema_extra=RESTART,
     )
     readiness_max_age_seconds: float = Field(
         10.0,
         gt=0,
         description="`/readyz` is ready when the upstream answered within this many seconds; when it has been "
         "quiet longer, the probe sends a fresh `initialize` to find out.",
+        json_schema_extra=LIVE,
     )
 
 
 class LoggingConfig(_Frozen):
     level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="Lowest log level written to stderr."
+        "info",
+        description="Lowest log level written to stderr.",
+        json_schema_extra=LIVE,
     )
     format: Literal["auto", "json", "console"] = Field(
         "auto",
         description="`json`: one JSON object per line, for log pipelines; `console`: for humans (structlog's "
         "console renderer); `auto`: console when stderr is a terminal (`make run`), else JSON. "
         "`MCP_TASKS_PROXY_LOGGING__FORMAT=json` forces one from the environment.",
+        json_schema_extra=LIVE,
     )
 
 
@@ -854,6 +935,7 @@ class AuditConfig(_Frozen):
         "principal hash), method, tool, task id, outcome, duration, replica. Unset: no audit log (nothing is "
         "done per call). The file is reopened on SIGHUP (logrotate's `create` + `postrotate kill -HUP`); "
         "`copytruncate` works too (writes append at the end).",
+        json_schema_extra=RESTART,
     )
 
 
@@ -864,23 +946,27 @@ class AdminConfig(_Frozen):
         "127.0.0.1",
         description="Address the admin listener binds to. Loopback by default: reach it with `kubectl port-forward` "
         "or an SSH tunnel, never through the MCP port's ingress.",
+        json_schema_extra=RESTART,
     )
     port: int | None = Field(
         None,
         ge=1,
         le=65535,
         description="Port of the admin listener (`GET /admin/` page, `/admin/tasks` API). Unset: no listener.",
+        json_schema_extra=RESTART,
     )
     token_file: str | None = Field(
         None,
         description="File holding the admin bearer token (at least 32 characters: letters, digits, `-._~`; e.g. "
         "`openssl rand -hex 32`). Required with `port`. Compared in constant time; a browser signs in once with "
         "`/admin/?token=…` (`mcp-tasks-proxy tasks admin-url`), which sets an HttpOnly SameSite=Strict cookie.",
+        json_schema_extra=RESTART,
     )
     show_results: bool = Field(
         False,
         description="Show task results and errors on the admin page and API. Off: only state, tool, age and "
         "status message (never arguments, results or credentials).",
+        json_schema_extra=RESTART,
     )
 
     @model_validator(mode="after")
@@ -901,12 +987,14 @@ class LimitsConfig(_Frozen):
         "never held whole: the upstream call is cancelled, a synchronous caller gets -32603 with "
         "`data.limit: max_result_bytes` (HTTP 502) and a task fails with that error. From a stdio server the line "
         "is read to its end (bounded by `upstream.max_line_bytes`) and dropped; the process serves on.",
+        json_schema_extra=RESTART,
     )
     write_timeout_seconds: float = Field(
         30.0,
         gt=0,
         description="How long an answer may wait for a client that does not read it; then the connection is closed "
         "and its buffers are freed.",
+        json_schema_extra=LIVE,
     )
     legacy_replay_bytes: int = Field(
         4 * 1024 * 1024,
@@ -916,24 +1004,33 @@ class LimitsConfig(_Frozen):
         "equals the default `max_result_bytes`, so the largest answer the proxy passes can be replayed whole; in "
         "all at most `upstream.max_processes` times this, held only by sessions that sent that much. 0: no "
         "event ids, priming events or resumption, and an answer with nothing before it comes as plain JSON.",
+        json_schema_extra=RESTART,
     )
     max_listen_streams: int = Field(
-        256, gt=0, description="`subscriptions/listen` streams open at once; one more gets HTTP 503 (`data.limit`)."
+        256,
+        gt=0,
+        description="`subscriptions/listen` streams open at once; one more gets HTTP 503 (`data.limit`).",
+        json_schema_extra=LIVE,
     )
     max_listen_streams_per_principal: int = Field(
         16,
         gt=0,
         description="`subscriptions/listen` streams one caller may hold open; one more gets HTTP 429. With "
         "`security.jwt` the caller is the token's owner (issuer and claim), so every token of one owner counts alike.",
+        json_schema_extra=LIVE,
     )
     max_listen_task_ids: int = Field(
-        256, gt=0, description="`taskIds` one `subscriptions/listen` stream may follow; more get HTTP 429."
+        256,
+        gt=0,
+        description="`taskIds` one `subscriptions/listen` stream may follow; more get HTTP 429.",
+        json_schema_extra=LIVE,
     )
     max_running_per_principal: int = Field(
         256,
         gt=0,
         description="Tasks whose upstream call runs at once for one caller (its share of `tasks.max_running`); one "
         "more gets -32603 with `data.limit` (HTTP 429), so one caller cannot starve the others.",
+        json_schema_extra=LIVE,
     )
     calls_per_minute_per_principal: int = Field(
         0,
@@ -942,12 +1039,24 @@ class LimitsConfig(_Frozen):
         "each UTC minute); one more gets HTTP 429 with `Retry-After` and the `RateLimit-Policy`/`RateLimit` "
         "fields. MRTR retries are the same call and do not count. On PostgreSQL the count is kept in the store, "
         "so the limit holds across every replica; on SQLite (one process) it is kept in that process. 0: no quota.",
+        json_schema_extra=LIVE,
+    )
+    max_client_backlog_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        description="What may wait for one slow client of one call: the notifications relayed to its stream "
+        "(progress, log messages) that it has not read yet, counted as the JSON they are written as. A newer "
+        "progress notification replaces an older one still waiting; past this, further notifications are dropped "
+        "(counted in `client_notifications_dropped_total`, and `client_backlog_full` logged once per call), never "
+        "the call's final answer, and the upstream is read on as ever.",
+        json_schema_extra=LIVE,
     )
     max_parked_per_principal: int = Field(
         256,
         gt=0,
         description="MRTR calls parked for one caller's retry at once (its share of `inputs.max_parked`); beyond it "
         "the question is declined and the caller gets HTTP 429.",
+        json_schema_extra=LIVE,
     )
     max_waiting_per_principal: int = Field(
         256,
@@ -956,6 +1065,7 @@ class LimitsConfig(_Frozen):
         "calls and its calls running whose client could answer a question. One more such call is refused at its "
         "start with -32603, HTTP 429, `Retry-After` and `data.limit: max_waiting_per_principal`, so one caller "
         "cannot hold more calls waiting for it (nor upstream sessions for them) than this.",
+        json_schema_extra=LIVE,
     )
 
 
@@ -996,6 +1106,7 @@ class Config(_Frozen):
         default_factory=dict,
         description="Legacy job families, keyed by the start tool's name: a modern client's call of that tool is "
         "one task the proxy drives through the family's status, result and cancel tools.",
+        json_schema_extra=LIVE,
     )
 
     @model_validator(mode="after")

@@ -67,10 +67,10 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics.lease_held.set_function(lambda: runner.lease_problem() is None)
         metrics.store_available.set_function(lambda: store.health.available)
         store.health.on_failure(metrics.store_operation_failed)
-    watchers = TaskWatchers(store)
+    watchers = TaskWatchers(store.replicas)
     runner.spawn(watchers.run(), "task-feed")
     descriptors = DescriptorBudget.of_process()
-    front = app[FRONT] = Front(live.config, pool, runner, watchers, descriptors.refusal)
+    front = app[FRONT] = Front(live.config, pool, runner.tasks, watchers, descriptors.refusal)
     if metrics is not None:
         metrics.listen_streams.set_function(lambda: front.listens.open_streams)
         metrics.descriptors_open.set_function(open_descriptors)

@@ -200,6 +200,13 @@ class Metrics:
             ["status"],
             registry=self.registry,
         )
+        self.client_notifications_dropped = Counter(
+            f"{prefix}_client_notifications_dropped_total",
+            "Notifications for a slow client of a call not written: replaced by a newer progress notification "
+            "(coalesced), or dropped past limits.max_client_backlog_bytes (backlog_full)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.queued_calls = Gauge(
             f"{prefix}_queued_calls",
             "Calls waiting for an upstream slot (upstream.max_concurrent_calls), by tool",
@@ -246,6 +253,14 @@ class Metrics:
             f"{prefix}_upstream_sessions_max",
             "The most upstream sessions the pool opens at once (upstream.max_open_sessions; stdio: "
             "upstream.max_processes)",
+            registry=self.registry,
+        )
+        self.settlements_refused = Counter(
+            f"{prefix}_settlements_refused_total",
+            "Task outcomes (results, errors) of calls run here that the store refused, so lost: by reason, fenced "
+            "(another replica owns the task now: it was taken over) or settled (the task had ended otherwise "
+            "meanwhile: a cancel, its TTL). The settlement_refused log lines name the tasks",
+            ["reason"],
             registry=self.registry,
         )
         self.store_pending_settlements = Gauge(

@@ -1,27 +1,23 @@
-"""Carries out what a call's machine (`machine/`) decides: feeds it one event at a time (under the call's
-lock), looks each command up by its type in the table of effects (`effects/`), runs it, and feeds the event a
-command is answered with (`Committed`, `Parked`, ...) next, before anything else reaches the call. Each effect
-is registered with the command type it carries out (`register`, checked by the type checker). An effect that
-fed its own call again (`dispatch` or `submit` from inside the call's lock) would wait for itself forever: that
-raises `ReentryError` instead. It decides nothing and keeps no state of its own beyond which task holds which
-call's lock. Imports the machine and the ports; no effect, store or upstream.
-"""
+"""Carries out what a call's machine decides: feeds it one event at a time under the call's lock, hands each
+command to the command → effect table (`effects.Effects.carry_out`) and feeds the event a command is answered
+with next. An effect feeding its own call from inside its lock raises `ReentryError` instead of waiting for
+itself. Decides nothing; imports the machine and the ports, no effect, store or upstream."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from proxy.tasks import machine
 from proxy.tasks.live_call import LiveCall
 from proxy.tasks.machine.commands import Command, Event
-from proxy.tasks.ports import Effect, Spawner
-
-_C = TypeVar("_C", bound=Command)
+from proxy.tasks.ports import Spawner
 
 # Sees each event of a call with the commands it brought (metrics, the audit trail).
 Observer = Callable[[LiveCall, Event, list[Command]], None]
+# Carries out one command for a call; the event it is answered with, if any (`effects.Effects.carry_out`).
+CarryOut = Callable[[LiveCall, Command], Awaitable[Event | None]]
 
 
 class ReentryError(RuntimeError):
@@ -34,14 +30,15 @@ class Executor:
         self.spawner = spawner
         self.observers = tuple(observers)
         self._forgetters: list[Callable[[LiveCall], None]] = []  # each owner's drop of a finished call
-        self.effects: dict[type, Effect[Any]] = {}  # filled only by `register`, which keeps it typed
+        self._carry_out: CarryOut | None = None  # the command → effect table, given once by `use`
         self._holders: dict[LiveCall, asyncio.Task[Any] | None] = {}  # the task inside each call's lock
 
-    def register(self, kind: type[_C], effect: Effect[_C]) -> None:
-        """`effect` carries out every command of type `kind` (one effect per type)."""
-        if kind in self.effects:
-            raise ValueError(f"an effect is already registered for {kind.__name__}")
-        self.effects[kind] = effect
+    def use(self, carry_out: CarryOut) -> None:
+        """The command → effect table the executor hands every command to; given once, after the effects were
+        built with this executor as their feed."""
+        if self._carry_out is not None:
+            raise ValueError("the executor has its command → effect table already")
+        self._carry_out = carry_out
 
     def when_finished(self, forget: Callable[[LiveCall], None]) -> None:
         """`forget` drops what its owner keeps of a call once the machine says the call is finished (run in the
@@ -54,6 +51,8 @@ class Executor:
 
     async def dispatch(self, call: LiveCall, event: Event) -> None:
         self._refuse_reentry(call)
+        carry_out = self._carry_out
+        assert carry_out is not None, "the executor was given no command → effect table (`use`)"
         async with call.lock:
             self._holders[call] = asyncio.current_task()
             try:
@@ -64,7 +63,7 @@ class Executor:
                     for observe in self.observers:
                         observe(call, current, commands)
                     for command in commands:
-                        follow_up = await self.effects[type(command)](call, command)
+                        follow_up = await carry_out(call, command)
                         if follow_up is not None:
                             pending.append(follow_up)
                 if machine.finished(call.state):

@@ -1,11 +1,6 @@
-"""One live call: the upstream request it was made from (`UpstreamRequest`), the machine's state beside what
-carrying out its commands needs, split by who owns it (the client side: the waiting reply and stream; the
-upstream side: session, request stream, pump; the record side: the record as committed and the lease it is
-written under), `new_call`, the one way to build one, and the table of the calls in flight (`CallTable`).
-Asyncio objects live here, never in the machine's state. Imports the state, the command vocabulary, the input
-rules (the request's digest), the wire's translation, the store's fence and the upstream kinds protocol;
-nothing that does I/O.
-"""
+"""One live call: the upstream request it was made from, the machine's state, and its three ends (client,
+upstream, record), each written by one module; `new_call`, the one way to build one; the table of calls in
+flight. Asyncio objects live here, never in the machine's state; nothing here does I/O."""
 
 from __future__ import annotations
 
@@ -17,11 +12,19 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Final
+from typing import Final, Protocol
 
 from proxy.principals import Identity
 from proxy.tasks.machine import inputs
-from proxy.tasks.machine.commands import ReplyKind, Timer
+from proxy.tasks.machine.commands import (
+    CancelUpstreamTask,
+    FollowUpstreamTask,
+    PollUpstreamTask,
+    ReleaseCall,
+    ReplyKind,
+    StartUpstreamTask,
+    Timer,
+)
 from proxy.tasks.machine.state import CallState
 from proxy.tasks.services.replicas import Ask
 from proxy.tasks.store import Fence
@@ -103,25 +106,84 @@ class KeepAlive:
 KEEP_ALIVE: Final = KeepAlive()
 
 
+Outgoing = JSON | ReplyKind | KeepAlive  # what the client's writer writes: a notification, the reply, a comment
+
+
 @dataclass(eq=False, slots=True)
 class ClientEnd:
-    """What the client side owns: the waiting request's answer, its stream (notifications and keep-alive
-    comments before it), and the one writer that writes them in order (`effects/client.py`) with what is queued
-    for it."""
+    """What the client side owns: the waiting request's answer, its stream, and what is queued for the one
+    writer that writes it in order (`effects/client.py`, the only module that changes it), with the bytes of
+    the notifications waiting (its backlog, bounded by `limits.max_client_backlog_bytes`)."""
 
     reply: asyncio.Future[ReplyKind] | None = None
     channel: Channel | None = None
-    outgoing: deque[JSON | ReplyKind | KeepAlive] = field(default_factory=deque)
     writer: asyncio.Task[None] | None = None
+    writing: bool = False  # the writer waits for the client to take a write
+    backlog_bytes: int = 0  # the notifications queued, as the JSON they are written as
+    dropped: int = 0  # notifications dropped past the backlog's cap
+    _outgoing: deque[tuple[Outgoing, int]] = field(default_factory=deque)  # each with its size (0: no note)
+
+    def queued(self) -> bool:
+        return bool(self._outgoing)
+
+    def queue(self, item: Outgoing, size: int = 0) -> None:
+        self._outgoing.append((item, size))
+        self.backlog_bytes += size
+
+    def replace_progress(self, message: JSON, size: int) -> bool:
+        """A progress notification still waiting is replaced by `message` (which goes last); False when none
+        waits."""
+        for index in range(len(self._outgoing) - 1, -1, -1):
+            queued, queued_size = self._outgoing[index]
+            if isinstance(queued, dict) and queued.get("method") == PROGRESS:
+                del self._outgoing[index]
+                self.backlog_bytes -= queued_size
+                self.queue(message, size)
+                return True
+        return False
+
+    def next(self) -> Outgoing | None:
+        if not self._outgoing:
+            return None
+        item, size = self._outgoing.popleft()
+        self.backlog_bytes -= size
+        return item
+
+    def drop_notes(self) -> None:
+        """The stream broke: what was queued for it goes, but a reply (the waiting request's answer)."""
+        kept = [(item, 0) for item, _ in self._outgoing if not isinstance(item, dict | KeepAlive)]
+        self._outgoing.clear()
+        self._outgoing.extend(kept)
+        self.backlog_bytes = 0
+
+
+PROGRESS: Final = "notifications/progress"
+
+
+class Follower(Protocol):
+    """How a call follows a task the upstream runs (its own 2025-11-25 task, or a legacy job), chosen when the
+    call is built: it carries out the machine's commands about that task."""
+
+    async def start(self, call: LiveCall, command: StartUpstreamTask) -> None: ...
+
+    async def follow(self, call: LiveCall, command: FollowUpstreamTask) -> None: ...
+
+    async def poll(self, call: LiveCall, command: PollUpstreamTask) -> None: ...
+
+    async def cancel(self, call: LiveCall, command: CancelUpstreamTask) -> None: ...
+
+    async def release(self, call: LiveCall, command: ReleaseCall) -> None: ...
 
 
 @dataclass(eq=False, slots=True)
 class UpstreamEnd:
-    """What the upstream side owns: the session the call runs on, its request stream, the pump reading it."""
+    """What the upstream side owns: the session the call runs on, its request stream, the pump reading it, and
+    how it follows a task the upstream runs (None for a call that runs none)."""
 
     session: Session | None = None
     stream: RequestStream | None = None
     pump: asyncio.Task[None] | None = None
+    follower: Follower | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -176,8 +238,10 @@ def new_call(
     channel: Channel | None = None,
     record: TaskRecord | None = None,
     fence: Fence | None = None,
+    follower: Follower | None = None,
 ) -> LiveCall:
-    """The one way a call is built: by keyword, the raw principal apart from its keyed hash (`caller`)."""
+    """The one way a call is built: by keyword, the raw principal apart from its keyed hash (`caller`), with
+    the follower of the task the upstream runs when its decision says there is one."""
     return LiveCall(
         state,
         method,
@@ -188,6 +252,7 @@ def new_call(
         {} if headers is None else headers,
         digest_of,
         client=ClientEnd(channel=channel),
+        upstream=UpstreamEnd(follower=follower),
         stored=StoredEnd(record, fence),
     )
 

@@ -1,5 +1,5 @@
 """The only ways back up from an effect or a service to what drives the calls: `Feed` (an event for a call,
-fed under its lock), `Spawner` (named background work) and `Effect[C]` (what carries out commands of type `C`).
+fed under its lock) and `Spawner` (named background work).
 Protocols only; imports the command vocabulary and the live call, nothing that does I/O.
 """
 
@@ -10,10 +10,9 @@ from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar
 
 from proxy.tasks.live_call import LiveCall
-from proxy.tasks.machine.commands import Command, Event
+from proxy.tasks.machine.commands import Event
 
 _T = TypeVar("_T")
-_C = TypeVar("_C", bound=Command, contravariant=True)
 
 
 class Feed(Protocol):
@@ -28,9 +27,3 @@ class Feed(Protocol):
 
 class Spawner(Protocol):
     def spawn(self, coroutine: Coroutine[Any, Any, _T], name: str) -> asyncio.Task[_T]: ...
-
-
-class Effect(Protocol[_C]):
-    """Carries out a command of type `_C` for a call; returns the event the command is answered with, if any."""
-
-    async def __call__(self, call: LiveCall, command: _C, /) -> Event | None: ...

@@ -1,19 +1,13 @@
-"""The composition root of tasks/: builds the executor, its effects and the services from the config, and
-starts and closes them. It carries out nothing itself.
-
-- `executor.py` feeds each call's machine and runs its commands through the effects (`effects/`).
-- `starting.py` starts and resumes calls for waiting requests; `operations.py` serves `tasks/get`, `tasks/update`
-  and `tasks/cancel`; `recovery.py` takes over tasks whose call runs nowhere and runs the sweep;
-  `replica_inbox.py` turns what other replicas do into events; `pacing.py` paces the records clients see.
-Imports all of those, the store and the upstream pool; never aiohttp's web side or the front.
-"""
+"""The composition root of tasks/: builds the executor, its effects and the services from the config, starts
+and closes them, and hands the front one small facade (`Tasks`). Carries out nothing itself. Imports all of
+tasks/, the store and the upstream pool; never aiohttp's web side or the front."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Final, TypeVar
 
 import structlog
@@ -22,22 +16,23 @@ from proxy.background import Background
 from proxy.config.schema import Config
 from proxy.observe.audit import AuditLog
 from proxy.observe.metrics import Metrics
-from proxy.principals import Principals
+from proxy.policy import Policy
+from proxy.principals import Identity, Principals
 from proxy.tasks.context import TasksContext
+from proxy.tasks.effects import Effects, Followers
 from proxy.tasks.effects.call_queue import Admission, Caps
 from proxy.tasks.effects.client import ClientSide
 from proxy.tasks.effects.held import HeldRequest, QuestionCounter
-from proxy.tasks.effects.job import JobEffect
+from proxy.tasks.effects.job import JobFollower
 from proxy.tasks.effects.outbox import Outbox
 from proxy.tasks.effects.records import RecordWrites
 from proxy.tasks.effects.slots import Parking, RunningSlots, WaitingPlaces
 from proxy.tasks.effects.timers import Timers
-from proxy.tasks.effects.upstream_task import UpstreamTaskEffect
+from proxy.tasks.effects.upstream_task import UpstreamTaskFollower
 from proxy.tasks.executor import Executor, Observer
-from proxy.tasks.live_call import CallTable, LiveCall, wall_clock_ms
-from proxy.tasks.machine import commands as c
+from proxy.tasks.live_call import CallTable, wall_clock_ms
 from proxy.tasks.machine import inputs
-from proxy.tasks.ports import Effect
+from proxy.tasks.services.idempotency import IdempotencyKeys
 from proxy.tasks.services.observers import AuditTrail, SpanEvents
 from proxy.tasks.services.operations import TaskOperations
 from proxy.tasks.services.pacing import Durations
@@ -45,28 +40,58 @@ from proxy.tasks.services.quotas import Quotas
 from proxy.tasks.services.recovery import Recovery
 from proxy.tasks.services.replica_inbox import ReplicaInbox
 from proxy.tasks.services.replicas import ReplicaLink
-from proxy.tasks.services.starting import CallStarter
+from proxy.tasks.services.starting import CallStarter, WaitingRequests
 from proxy.tasks.services.tool_names import check_named_tools
 from proxy.tasks.store import TaskStore
 from proxy.upstream.pool import SessionPool
+from proxy.wire.envelope import Caller
 
 log = structlog.get_logger(__name__)
 
 SHUTDOWN_GRACE_SECONDS: Final = 5.0  # how long close() waits for cancelled calls to tell the upstream
 
 _T = TypeVar("_T")
-_C = TypeVar("_C", bound=c.Command)
 
 
-def by_kind(
-    job: Callable[[LiveCall, _C], Awaitable[None]], upstream_task: Callable[[LiveCall, _C], Awaitable[None]]
-) -> Effect[_C]:
-    """A command about a task the upstream runs: carried out the job family's way for a `jobs:` call."""
+class Tasks:
+    """What the front and the edge's handlers use of tasks, and nothing of the runner's internals: start and
+    resume calls for waiting requests (`call`, `resume`), the task operations (`get`, `update`, `cancel`, and
+    what listen streams read), a caller's quotas and idempotency keys, and whose tasks a caller owns."""
 
-    async def carry_out(call: LiveCall, command: _C, /) -> None:
-        await (job if call.state.decision.job else upstream_task)(call, command)
+    def __init__(
+        self,
+        waiting: WaitingRequests,
+        operations: TaskOperations,
+        quotas: Quotas,
+        keys: IdempotencyKeys,
+        principals: Principals,
+        metrics: Metrics | None,
+    ) -> None:
+        self.call = waiting.call  # a fresh call for a waiting request; its JSON-RPC answer
+        self.resume = waiting.resume  # an MRTR retry
+        self.keyed = keys.serve  # a tools/call with an Idempotency-Key
+        self.get = operations.observe  # tasks/get
+        self.update = operations.update  # tasks/update
+        self.cancel = operations.cancel  # tasks/cancel
+        self.owner = operations.owner  # whose tasks a caller sees (its keyed principal)
+        self.peek = operations.peek  # a listen stream's read: nothing written
+        self.paced = operations.paced  # a record as a client sees it
+        self._quotas = quotas
+        self._principals = principals
+        self._metrics = metrics
 
-    return carry_out
+    async def charge(self, caller: Caller, per_minute: int, tool: str, policy: Policy | None) -> None:
+        """One call of `caller` against its quotas (RateLimitedError beyond one)."""
+        await self._quotas.charge(self._principals.key_of(caller.principal), per_minute, tool, policy)
+
+    def owner_of(self, principal: Identity | None) -> str:
+        """A principal's keyed hash (its tasks' owner), as the audit log names it."""
+        return self._principals.key_of(principal)
+
+    def pushed(self, status: str) -> None:
+        """A listen stream sent a task's change."""
+        if self._metrics is not None:
+            self._metrics.task_notifications.labels(status).inc()
 
 
 class TaskRunner:
@@ -94,12 +119,12 @@ class TaskRunner:
         self.closing = False  # close() began: what calls answer now is the shutdown's, not their upstream's
         self.background = Background()
         self.table = CallTable()
-        self.durations = Durations(store, clock, self.background)
-        self.quotas = Quotas(store, clock)
+        self.durations = Durations(store.usage, clock, self.background)
+        self.quotas = Quotas(store.usage, clock)
         signer = inputs.RequestStateSigner(inputs.load_secret(config.inputs.secret_file))
         self.slots = RunningSlots(current)
         self.parking = Parking(current, signer, clock, self.process_id)
-        self.waiting = WaitingPlaces(current)
+        self.waiting = WaitingPlaces()
         observers: list[Observer] = [QuestionCounter(metrics), SpanEvents()]  # counted when metrics are on; traced
         self.audit = None if config.audit.path is None else AuditLog(config.audit.path, self.process_id)
         if self.audit is not None:
@@ -130,37 +155,22 @@ class TaskRunner:
         self._feed = feed
         self.held = held = HeldRequest(feed, self.background, pool, self.parking, self._caps, metrics)
         self.config_swapped()
-        upstream_task = UpstreamTaskEffect(feed, self.background, pool, clock)
-        self.jobs = jobs = JobEffect(feed, self.background, pool, clock, current)
-        self.client = client = ClientSide(self.durations.paced, feed, self.background)  # also: keep-alive comments
-        register = self.executor.register
-        register(c.StartCall, held.start)
-        register(c.StartUpstreamTask, by_kind(jobs.start, upstream_task.start))
-        register(c.Answer, held.answer)
-        register(c.Refuse, held.refuse)
-        register(c.CancelCall, held.cancel)
-        register(c.FollowUpstreamTask, by_kind(jobs.follow_job, upstream_task.follow))
-        register(c.PollUpstreamTask, by_kind(jobs.poll, upstream_task.poll))
-        register(c.CancelUpstreamTask, by_kind(jobs.cancel, upstream_task.cancel))
-        register(c.ReleaseCall, by_kind(jobs.release, upstream_task.release))
-        register(c.CreateRecord, self.records.create)
-        register(c.WriteInputs, self.records.write_inputs)
-        register(c.WriteProgress, self.records.write_progress)
-        register(c.Settle, self.records.settle)
-        register(c.Relay, client.relay)
-        register(c.Reply, client.reply)
-        register(c.SetTimer, self.timers.set)
-        register(c.ClearTimer, self.timers.clear)
-        register(c.Park, self.parking.park)
-        register(c.Unpark, self.parking.unpark)
-        register(c.HoldSlot, self.slots.hold)
-        register(c.WriteQueue, self.records.write_queue)
-        self.starter = CallStarter(context, current, self.parking, self.waiting, self.replicas, client.note)
+        self.jobs = jobs = JobFollower(feed, self.background, pool, clock, current)
+        self.followers = followers = Followers(UpstreamTaskFollower(feed, self.background, pool, clock), jobs)
+        self.client = client = ClientSide(self.durations.paced, feed, self.background, current, metrics)
+        feed.use(Effects(held, self.records, client, self.timers, self.parking, self.slots).carry_out)
+        self.starter = CallStarter(context, current, self.parking, self.waiting, self.replicas, client, followers)
         self.operations = TaskOperations(context, self.records, self.replicas)
         self.recovery = Recovery(
-            context, self.replicas, self.records, self.starter.state, lambda: jobs.specs, draining, self.waiting
+            context, self.replicas, self.records, self.starter.state, followers, draining, self.waiting
         )
         self.inbox = ReplicaInbox(context, self.parking, self.records, self.replicas, self.recovery, self.starter)
+        cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
+        self.keys = keys = IdempotencyKeys(
+            store, principals, self.process_id, self.spawn, clock, metrics, lambda: self.closing
+        )
+        requests = WaitingRequests(self.starter, client.keep_alive, cache)
+        self.tasks = Tasks(requests, self.operations, self.quotas, keys, principals, metrics)  # the front's
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -171,7 +181,7 @@ class TaskRunner:
         """The lease and the change feed first (every owner write carries the lease's fence), the shared pacing
         estimates, restart recovery (before the first request is served), then the periodic sweep."""
         await self.replicas.start(self.inbox)
-        if self.store.shared and self.secret_file is None:
+        if self.store.replicas.shared and self.secret_file is None:
             log.warning(
                 "request_state_key_not_shared",
                 detail="inputs.secret_file is unset: an MRTR retry that reaches another replica is refused",
@@ -180,9 +190,8 @@ class TaskRunner:
         await self.recovery.recover()
         self.spawn(self.recovery.sweep_forever(), "task-sweeper")
         self._outbox_worker = self.spawn(self.outbox.run_forever(), "settlement-outbox")
-        policies = self.current().tasks  # at start: whether the tools they and the jobs name exist upstream
-        if policies.tools or self.jobs.specs:
-            self.spawn(check_named_tools(self._pool, policies, self.jobs), "named-tools-check")
+        if self.current().tasks.tools or self.jobs.specs:  # at start: do the tools they name exist upstream?
+            self.spawn(check_named_tools(self._pool, self.current, self.jobs), "named-tools-check")
 
     async def close(self) -> None:
         """Shutdown: running calls are cancelled upstream; their records stay live and are failed or re-run
@@ -198,6 +207,7 @@ class TaskRunner:
         await self.outbox.close()
         await self.replicas.close()
         await self.background.close(SHUTDOWN_GRACE_SECONDS)
+        await self.keys.close()  # idempotency-key writes the store did not take yet: tried once more
         if self.audit is not None:
             self.audit.close()
 

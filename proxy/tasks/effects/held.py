@@ -1,11 +1,6 @@
-"""The held upstream request of a call (`StartCall`, `Answer`, `Refuse`, `CancelCall`): sent on a session
-leased for the call (of its own when its client could answer a question), its events fed to the call by the
-pump, its questions answered or refused, and `notifications/cancelled` when it is abandoned; with a cap, the
-request waits for its slot first in the admission queue this effect owns (`call_queue.py`, made once a cap is in
-force). Also counts the questions relayed and refused (their span
-events come from the executor's observer, `services/observers.py`). Imports the pump, the slots (a parked call's
-session may be reclaimed), the admission queue, the upstream pool and event types; not the store.
-"""
+"""The held upstream request of a call (`StartCall`, `Answer`, `Refuse`, `CancelCall`): sent on a session leased
+for it (after its slot in the call queue, when a cap is in force), its events fed back by the pump, its
+questions answered or refused. Imports the pump, the slots, the call queue and the upstream pool; not the store."""
 
 from __future__ import annotations
 
@@ -22,7 +17,7 @@ from proxy.tasks.effects.call_queue import Admission, Caps
 from proxy.tasks.effects.slots import Parking
 from proxy.tasks.live_call import LiveCall
 from proxy.tasks.machine import inputs
-from proxy.tasks.machine.commands import Answer, Asked, CancelCall, Command, Event, Refuse, StartCall, Timer, TimerFired
+from proxy.tasks.machine.commands import Answer, Asked, CancelCall, Command, Event, Reclaimed, Refuse, StartCall
 from proxy.tasks.ports import Feed, Spawner
 from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import Session
@@ -66,15 +61,14 @@ class HeldRequest:
 
         async def send(session: Session) -> None:
             async with session.call(call.method, call.params, call.headers) as upstream:
-                call.upstream.stream = upstream
+                pump.sending(call, upstream)
                 await pump.stream(self.feed, call, upstream, until=lambda: not call.state.running)
 
         session = self._session(call)
         admission = self.admission
         if admission is not None:  # the request waits for a slot (and holds it until it ends)
             session = admission.slot(call, session)
-        running = pump.run(self.feed, call, session, send)
-        call.upstream.pump = self.spawner.spawn(running, f"upstream-{call.call_id}")
+        pump.start(self.spawner, self.feed, call, session, send, f"upstream-{call.call_id}")
 
     def _session(self, call: LiveCall) -> AbstractAsyncContextManager[Session]:
         """A call whose client could answer a question (it declared elicitation, sampling or roots) gets an
@@ -96,7 +90,7 @@ class HeldRequest:
         if not self.parking.holds(call):
             return False
         log.info("mrtr_call_reclaimed", method=call.method, name=call.name, round=call.state.round)
-        self.spawner.spawn(self.feed.dispatch(call, TimerFired(Timer.PARK)), f"reclaim-{call.call_id}")
+        self.spawner.spawn(self.feed.dispatch(call, Reclaimed()), f"reclaim-{call.call_id}")
         return True
 
     async def answer(self, call: LiveCall, command: Answer) -> None:

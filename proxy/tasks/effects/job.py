@@ -1,16 +1,6 @@
-"""Carries out what a call's machine says about a legacy job (`jobs:` config), a task the upstream runs that
-the proxy follows through the job family's own tools instead of 2025-11-25 `tasks/*`.
-
-- `StartUpstreamTask` of a job call: the start tool, as a plain `tools/call`; its job id becomes
-  `UpstreamTaskCreated` (a result without one, or an error, is the call's outcome).
-- `PollUpstreamTask`: one call of the status tool, read into `UpstreamTaskPolled` (a failed or unreadable poll
-  doubles the interval, up to 30 s, never below the configured one); a state that maps to an end is followed by
-  the result tool (or the status result itself) as `Ended`.
-- `CancelUpstreamTask`: the cancel tool, when the family has one. `FollowUpstreamTask` and `ReleaseCall`: nothing
-  (no request or session is held between polls).
-Decides nothing; feeds events through the `Feed`. Imports the pump, the job spec, the upstream pool and event
-types, the wire; not the store.
-"""
+"""Follows a legacy job (`jobs:`): its family's start, status, result and cancel tools in place of 2025-11-25
+`tasks/*`; no request or session held between polls. Decides nothing; imports the pump, the job's reading,
+the upstream pool and the wire; not the store."""
 
 from __future__ import annotations
 
@@ -42,7 +32,19 @@ def specs_of(jobs: Mapping[str, JobConfig]) -> dict[str, JobSpec]:
 
 
 @dataclass(eq=False, slots=True)
-class JobEffect:
+class JobFollower:
+    """Follows a legacy job through its family's tools; a `Follower`.
+
+    - `StartUpstreamTask` of a job call: the start tool, as a plain `tools/call`; its job id becomes
+      `UpstreamTaskCreated` (a result without one, or an error, is the call's outcome).
+    - `PollUpstreamTask`: one call of the status tool, read into `UpstreamTaskPolled` (a failed or unreadable poll
+      doubles the interval, up to 30 s, never below the configured one); a state that maps to an end is followed by
+      the result tool (or the status result itself) as `Ended`.
+    - `CancelUpstreamTask`: the cancel tool, when the family has one. `FollowUpstreamTask` and `ReleaseCall`: nothing
+      (no request or session is held between polls).
+    Decides nothing; feeds events through the `Feed`. Imports the pump, the job spec, the upstream pool and event
+    types, the wire; not the store."""
+
     feed: Feed
     spawner: Spawner
     pool: SessionPool
@@ -65,7 +67,7 @@ class JobEffect:
                 await self.feed.dispatch(call, c.Ended(UpstreamErrorResponse(wire_tasks.internal_error(SPEC_GONE))))
                 return
             async with session.call(call.method, call.params, call.headers) as upstream:
-                call.upstream.stream = upstream
+                pump.sending(call, upstream)
                 async for event in upstream.events():
                     if isinstance(event, UpstreamResult):
                         await self._started(call, spec, event)
@@ -73,10 +75,10 @@ class JobEffect:
                     await self.feed.dispatch(call, pump.call_event(event))
                     if not call.state.running:
                         break
-            call.upstream.stream = None
+            pump.sending(call, None)
 
         session = self.pool.lease(call.principal, pump.sink(self.feed, call), asks=False)
-        call.upstream.pump = self.spawner.spawn(pump.run(self.feed, call, session, send), f"job-start-{call.call_id}")
+        pump.start(self.spawner, self.feed, call, session, send, f"job-start-{call.call_id}")
 
     async def _started(self, call: LiveCall, spec: JobSpec, answer: UpstreamResult) -> None:
         """The start tool's answer: the job's id starts the task; an `isError` result is the outcome as it is;
@@ -92,7 +94,7 @@ class JobEffect:
         job = LegacyTask(job_id, "working", poll_interval_ms=spec.poll_interval_ms)
         await self.feed.dispatch(call, c.UpstreamTaskCreated(job, self.clock_ms()))
 
-    async def follow_job(self, call: LiveCall, command: c.FollowUpstreamTask) -> None:
+    async def follow(self, call: LiveCall, command: c.FollowUpstreamTask) -> None:
         """Nothing to open: the status tool is called at each poll."""
 
     async def poll(self, call: LiveCall, command: c.PollUpstreamTask) -> None:

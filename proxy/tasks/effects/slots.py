@@ -1,11 +1,8 @@
-"""The shares of what calls may hold at once, each counted and checked here only: `max_running` slots (a task
-whose call runs and asks nothing holds one: `HoldSlot`; a new working task is refused beyond the limit or the
-caller's share), places of calls that wait or may come to wait for their client (`WaitingPlaces`: taken at a
-call's start, refused there beyond `inputs.max_waiting` or the caller's share) and parked MRTR calls (`Park` →
-`Parked` with the round's signed requestState, or `ParkRefused` beyond `inputs.max_parked` or the caller's share;
-`Unpark`; an MRTR retry takes its parked call). Imports the input rules (signing), the machine's answer check,
-errors; no store, no upstream.
-"""
+"""The shares of what calls may hold at once, each counted and checked here only: `max_running` slots
+(`HoldSlot`), places of calls that may come to wait for their client (`WaitingPlaces`, taken at a call's start)
+and parked MRTR calls (`Park` → `Parked` or `ParkRefused`; `Unpark`; an MRTR retry takes its parked call); each
+refused beyond its limit or the caller's share. Imports the input rules (signing), the machine's answer check,
+errors; no store, no upstream."""
 
 from __future__ import annotations
 
@@ -77,7 +74,6 @@ class WaitingPlaces:
     its upstream session. Counting it from its start, not from its question, is what bounds the waiting: a call
     admitted is never refused when it asks, and a caller never has more calls waiting than its share."""
 
-    config: Callable[[], Config]  # the config in force, read at each call: a live reload swaps what it returns
     _holders: set[LiveCall] = field(default_factory=set, init=False)
     _by_caller: Counter[str] = field(default_factory=Counter, init=False)
 
@@ -86,9 +82,8 @@ class WaitingPlaces:
         """Could a call of a client with these capabilities come to wait for it?"""
         return inputs.could_answer(capabilities)
 
-    def refusal(self, caller: str) -> ProxyError | None:
-        """Why a new call of `caller` that could wait may not start now, or None."""
-        config = self.config()
+    def refusal(self, caller: str, config: Config) -> ProxyError | None:
+        """Why a new call of `caller` that could wait may not start now under `config` (its request's), or None."""
         total = config.inputs.max_waiting
         if len(self._holders) >= total:
             return TaskLimitError("max_waiting", total)

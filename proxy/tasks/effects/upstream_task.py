@@ -1,17 +1,6 @@
-"""Carries out what a call's machine says about a task the upstream runs itself (2025-11-25 Tasks).
-
-- `StartUpstreamTask`: a `tools/call` with `params.task` on a session of the call's own, whose
-  `CreateTaskResult` becomes `UpstreamTaskCreated`; then one `tasks/result` at a time (the mcp 1.x SDK wakes
-  only one waiter per task), whose questions and outcome go to the machine, opened again when it drops or
-  times out. A task resumed after a restart adopts its stored upstream session (no `initialize`) and goes
-  straight to `tasks/result` (`FollowUpstreamTask`).
-- `PollUpstreamTask`: `tasks/get`, answered with `UpstreamTaskPolled`; `CancelUpstreamTask`: `tasks/cancel`;
-  `ReleaseCall`: letting go of the task without cancelling it (at shutdown its session is kept, not ended).
-
-An upstream that no longer knows the session or task (`pump.gone`) is `known=False`. An outcome over
-`limits.max_result_bytes` fails the task. Any other failure is passing: asked again later. Decides nothing;
-feeds events through the `Feed`. Imports the pump, the upstream pool and event types, the wire; not the store.
-"""
+"""Follows a task the upstream runs itself (2025-11-25 Tasks): the task-augmented `tools/call`, one `tasks/result`
+at a time, `tasks/get` and `tasks/cancel`, its session adopted after a restart. Decides nothing; imports the
+pump, the upstream pool and the wire; not the store."""
 
 from __future__ import annotations
 
@@ -46,7 +35,21 @@ log = structlog.get_logger(__name__)
 RETRY_DELAYS_SECONDS: Final = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # a dropped tasks/result is opened again after
 
 
-class UpstreamTaskEffect:
+class UpstreamTaskFollower:
+    """Follows the upstream's own 2025-11-25 task; a `Follower`.
+
+    - `StartUpstreamTask`: a `tools/call` with `params.task` on a session of the call's own, whose
+      `CreateTaskResult` becomes `UpstreamTaskCreated`; then one `tasks/result` at a time (the mcp 1.x SDK wakes
+      only one waiter per task), whose questions and outcome go to the machine, opened again when it drops or
+      times out. A task resumed after a restart adopts its stored upstream session (no `initialize`) and goes
+      straight to `tasks/result` (`FollowUpstreamTask`).
+    - `PollUpstreamTask`: `tasks/get`, answered with `UpstreamTaskPolled`; `CancelUpstreamTask`: `tasks/cancel`;
+      `ReleaseCall`: letting go of the task without cancelling it (at shutdown its session is kept, not ended).
+
+    An upstream that no longer knows the session or task (`pump.gone`) is `known=False`. An outcome over
+    `limits.max_result_bytes` fails the task. Any other failure is passing: asked again later. Decides nothing;
+    feeds events through the `Feed`. Imports the pump, the upstream pool and event types, the wire; not the store."""
+
     def __init__(self, feed: Feed, spawner: Spawner, pool: SessionPool, clock_ms: pump.Clock) -> None:
         self.feed = feed
         self.spawner = spawner
@@ -86,8 +89,7 @@ class UpstreamTaskEffect:
                 return
             await self._follow(call, session)
 
-        running = pump.run(self.feed, call, self._session(call), drive)
-        call.upstream.pump = self.spawner.spawn(running, f"upstream-task-{call.call_id}")
+        pump.start(self.spawner, self.feed, call, self._session(call), drive, f"upstream-task-{call.call_id}")
 
     def _session(self, call: LiveCall) -> AbstractAsyncContextManager[Session]:
         """A session of the call's own, whatever its client declared: the upstream scopes its task to the
@@ -103,7 +105,7 @@ class UpstreamTaskEffect:
         upstream answered it like a plain call (that was its outcome) or the call was abandoned."""
         params = legacy_tasks.with_task(call.params, ttl_ms)
         async with session.call(call.method, params, call.headers) as upstream:
-            call.upstream.stream = upstream
+            pump.sending(call, upstream)
             async for event in upstream.events():
                 task = legacy_tasks.created_task(event.result) if isinstance(event, UpstreamResult) else None
                 if task is not None:
@@ -112,7 +114,7 @@ class UpstreamTaskEffect:
                 await self.feed.dispatch(call, pump.call_event(event))
                 if not call.state.running:
                     return False
-        call.upstream.stream = None  # answered: nothing to cancel with notifications/cancelled any more
+        pump.sending(call, None)  # answered: nothing to cancel with notifications/cancelled any more
         return call.state.running and call.state.upstream_task is not None
 
     async def _created(self, call: LiveCall, session: Session, task: legacy_tasks.LegacyTask) -> None:

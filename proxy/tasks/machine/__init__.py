@@ -1,37 +1,13 @@
-"""The lifecycle of one call, as a sans-IO state machine: `handle(state, event) -> [command]`.
-
-A call is a `tools/call`, `prompts/get` or `resources/read` whose upstream request runs in the background,
-so that it can outlive the HTTP request that started it: a synchronous call, a sync window that turns into a
-task, a task, a poll-to-sync call, or a synchronous call parked between MRTR rounds. Every change of mode
-happens here, from the policy's `Decision`; the executor (`executor.py`) carries out the commands and feeds back
-what came of them (`Committed`, `Parked`, ...). No asyncio, no I/O, no clock: times arrive with the events.
-With several replicas on one store, a task's call runs on the replica that owns it; what other replicas learn
-reaches it as events too (`RemoteCancel`, `RemoteAnswers`), and so does the loss of its lease (`LeaseLost`).
-
-When the upstream runs the call as its own 2025-11-25 task (`Decision.upstream_task`), the call follows that
-task instead of a held request: the `tools/call` carries `params.task`, the upstream's `CreateTaskResult`
-(`UpstreamTaskCreated`) makes the proxy's record (with the upstream's id, within its ttl), its `tasks/result`
-stream brings the questions (`Asked`) and the outcome (`Ended`), its status comes from
-`notifications/tasks/status` or, when it is silent for its pollInterval, from `tasks/get`
-(`UpstreamTaskPolled`); a cancel is `tasks/cancel`, and a shutdown leaves it running for the next start.
-
-With a concurrency cap (`upstream.max_concurrent_calls`) the upstream request may wait for a slot (`Queued`):
-a call that may become a task becomes one at once and its record says it is queued; a synchronous call waits
-up to the queue's budget (`Timer.QUEUE`), then gets the queue's refusal (503); `QueueMoved` brings its new
-place (a task's record says it), and `Admitted` says it goes.
-
-The state it keeps is `state.py`; the steps its handlers share are `_steps.py`; the handlers of a call that
-follows the upstream's task are `_following.py`, those of a queued call `_queueing.py`. Imports those, the
-policy, the input-bridging rules (`inputs.py`), the upstream task (`upstream_task.py`), the upstream event types
-and the wire; nothing that does I/O.
-"""
+"""The lifecycle of one call, as a sans-IO state machine: `handle(state, event) -> [command]`, one handler per
+event in `_HANDLERS`. Sync calls, windows, tasks, poll-to-sync, MRTR rounds, upstream-run tasks and jobs,
+queued calls, other replicas and a lost lease all change the call's mode here, and only here. No asyncio, no
+I/O, no clock: times arrive with the events."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from typing import Any, Final, TypeVar, get_args
 
-from proxy.errors import InvalidParamsError
 from proxy.tasks.machine import _following as following
 from proxy.tasks.machine import _queueing as queueing
 from proxy.tasks.machine import _steps as steps
@@ -57,6 +33,7 @@ from proxy.tasks.machine.commands import (
     PollUpstreamTask,
     Queued,
     QueueMoved,
+    Reclaimed,
     Refuse,
     Relay,
     ReleaseCall,
@@ -68,6 +45,7 @@ from proxy.tasks.machine.commands import (
     ReplyTask,
     Resumed,
     SetTimer,
+    Settle,
     ShutDown,
     Start,
     Stop,
@@ -85,6 +63,7 @@ from proxy.tasks.machine.state import (
     MAX_OUTSTANDING_INPUTS,
     PARKED_EXPIRED,
     PROGRESS_WRITE_INTERVAL_MS,
+    RECLAIMED,
     TASK_REFUSED,
     CallState,
 )
@@ -94,6 +73,31 @@ from proxy.wire import tasks as wire_tasks
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord
 from proxy.wire.upstream_events import UpstreamErrorResponse
+
+# A call is a `tools/call`, `prompts/get` or `resources/read` whose upstream request runs in the background, so that
+# it can outlive the HTTP request that started it: a synchronous call, a sync window that turns into a task, a task, a
+# poll-to-sync call, or a synchronous call parked between MRTR rounds. Every change of mode happens here, from the
+# policy's `Decision`; the executor (`executor.py`) carries out the commands and feeds back what came of them
+# (`Committed`, `Parked`, ...). No asyncio, no I/O, no clock: times arrive with the events. With several replicas on
+# one store, a task's call runs on the replica that owns it; what other replicas learn reaches it as events too
+# (`RemoteCancel`, `RemoteAnswers`), and so does the loss of its lease (`LeaseLost`).
+#
+# When the upstream runs the call as its own 2025-11-25 task (`Decision.upstream_task`), the call follows that task
+# instead of a held request: the `tools/call` carries `params.task`, the upstream's `CreateTaskResult`
+# (`UpstreamTaskCreated`) makes the proxy's record (with the upstream's id, within its ttl), its `tasks/result` stream
+# brings the questions (`Asked`) and the outcome (`Ended`), its status comes from `notifications/tasks/status` or,
+# when it is silent for its pollInterval, from `tasks/get` (`UpstreamTaskPolled`); a cancel is `tasks/cancel`, and a
+# shutdown leaves it running for the next start.
+#
+# With a concurrency cap (`upstream.max_concurrent_calls`) the upstream request may wait for a slot (`Queued`): a call
+# that may become a task becomes one at once and its record says it is queued; a synchronous call waits up to the
+# queue's budget (`Timer.QUEUE`), then gets the queue's refusal (503); `QueueMoved` brings its new place (a task's
+# record says it), and `Admitted` says it goes.
+#
+# The state it keeps is `state.py`; the steps its handlers share are `_steps.py`; the handlers of a call that follows
+# the upstream's task are `_following.py`, those of a queued call `_queueing.py`. Imports those, the policy, the
+# input-bridging rules (`inputs.py`), the upstream task (`upstream_task.py`), the upstream event types and the wire;
+# nothing that does I/O.
 
 
 def handle(state: CallState, event: Event) -> list[Command]:
@@ -109,14 +113,9 @@ def handle(state: CallState, event: Event) -> list[Command]:
 
 
 def answers(state: CallState, responses: Mapping[str, Any]) -> dict[str, JSON]:
-    """The client's answers to outstanding questions, checked before any is delivered (-32602 names the key).
-    Keys that are not outstanding (never issued, already answered) are ignored."""
-    checked: dict[str, JSON] = {}
-    for key, response in responses.items():
-        pending = state.inputs.get(key)
-        if pending is not None:
-            checked[key] = inputs.upstream_answer(key, pending.method, response)
-    return checked
+    """The client's answers to the call's outstanding questions, checked before any is delivered (-32602 names
+    the key); keys that are not outstanding are ignored."""
+    return inputs.check_answers(state.questions(), responses)
 
 
 def resumable(state: CallState, round_: int) -> bool:
@@ -251,13 +250,22 @@ def _timer_fired(state: CallState, event: TimerFired) -> list[Command]:
         return [PollUpstreamTask()] if state.running and state.upstream_task is not None else []
     if event.timer is Timer.QUEUE:
         return queueing.queue_timed_out(state)
+    return _give_up_parked(state, PARKED_EXPIRED)  # Timer.PARK: nobody resumed the parked call in time
+
+
+def _reclaimed(state: CallState, event: Reclaimed) -> list[Command]:
+    return _give_up_parked(state, RECLAIMED)
+
+
+def _give_up_parked(state: CallState, reason: str) -> list[Command]:
+    """A parked call ends as if nobody had retried: its requestState is refused from now on."""
     if state.mode is not Mode.PARKED:
         return []
-    state.mode = Mode.DETACHED  # nobody resumed the parked call in time
+    state.mode = Mode.DETACHED
     commands: list[Command] = [Unpark()]
     if state.task_id is not None and state.running:
-        commands.append(steps.settlement(None, PARKED_EXPIRED))
-    return [*commands, *steps.abandon(state, PARKED_EXPIRED)]
+        commands.append(steps.settlement(None, reason))
+    return [*commands, *steps.abandon(state, reason)]
 
 
 def _committed(state: CallState, event: Committed) -> list[Command]:
@@ -339,6 +347,8 @@ def _client_left(state: CallState, event: ClientLeft) -> list[Command]:
 
 def _stop(state: CallState, event: Stop) -> list[Command]:
     commands: list[Command] = []
+    if event.status is not None and state.task_id is not None and state.running:
+        commands.append(Settle(event.status, error=event.error, status_message=event.reason))
     if state.mode is Mode.PARKED:
         commands += [Unpark(), ClearTimer(Timer.PARK)]
     if state.client_waiting:
@@ -377,16 +387,7 @@ def _remote_answers(state: CallState, event: RemoteAnswers) -> list[Command]:
     checked it against the same question: this happens only if the question changed meanwhile)."""
     if state.mode is not Mode.TASK or not state.running:
         return []
-    checked: dict[str, JSON] = {}
-    for key, response in event.responses.items():
-        pending = state.inputs.get(key)
-        if pending is None:
-            continue
-        try:
-            checked[key] = inputs.upstream_answer(key, pending.method, response)
-        except InvalidParamsError:
-            continue
-    return steps.deliver(state, checked)
+    return steps.deliver(state, inputs.check_answers(state.questions(), event.responses, drop_invalid=True))
 
 
 def _lease_lost(state: CallState, event: LeaseLost) -> list[Command]:
@@ -398,27 +399,41 @@ def _lease_lost(state: CallState, event: LeaseLost) -> list[Command]:
     return _shut_down(state, ShutDown(LEASE_LOST))
 
 
-_HANDLERS: Final[dict[type[Any], Callable[[CallState, Any], list[Command]]]] = {
-    Start: _start,
-    Asked: _asked,
-    Notified: _notified,
-    Ended: _ended,
-    TimerFired: _timer_fired,
-    Committed: _committed,
-    CommitRefused: _commit_refused,
-    Parked: _parked,
-    ParkRefused: _park_refused,
-    Resumed: _resumed,
-    Answered: _answered,
-    ClientLeft: _client_left,
-    Stop: _stop,
-    ShutDown: _shut_down,
-    UpstreamTaskCreated: following.upstream_task_created,
-    UpstreamTaskPolled: following.upstream_task_polled,
-    RemoteCancel: _remote_cancel,
-    RemoteAnswers: _remote_answers,
-    LeaseLost: _lease_lost,
-    Queued: queueing.queued,
-    QueueMoved: queueing.queue_moved,
-    Admitted: queueing.admitted,
-}
+# The handler table: one row per event, the type checker tying each handler to the event it takes; at import,
+# every event of `Event` must have exactly one.
+_E = TypeVar("_E")
+_HANDLERS: Final[dict[type[Any], Callable[[CallState, Any], list[Command]]]] = {}
+
+
+def _on(kind: type[_E], handler: Callable[[CallState, _E], list[Command]]) -> None:
+    if kind in _HANDLERS:
+        raise TypeError(f"a second handler for {kind.__name__}")
+    _HANDLERS[kind] = handler
+
+
+_on(Start, _start)
+_on(Asked, _asked)
+_on(Notified, _notified)
+_on(Ended, _ended)
+_on(TimerFired, _timer_fired)
+_on(Committed, _committed)
+_on(CommitRefused, _commit_refused)
+_on(Parked, _parked)
+_on(ParkRefused, _park_refused)
+_on(Resumed, _resumed)
+_on(Answered, _answered)
+_on(ClientLeft, _client_left)
+_on(Stop, _stop)
+_on(ShutDown, _shut_down)
+_on(UpstreamTaskCreated, following.upstream_task_created)
+_on(UpstreamTaskPolled, following.upstream_task_polled)
+_on(RemoteCancel, _remote_cancel)
+_on(RemoteAnswers, _remote_answers)
+_on(LeaseLost, _lease_lost)
+_on(Queued, queueing.queued)
+_on(QueueMoved, queueing.queue_moved)
+_on(Admitted, queueing.admitted)
+_on(Reclaimed, _reclaimed)
+
+if _missing := set(get_args(Event)) - set(_HANDLERS):
+    raise TypeError(f"no handler for {sorted(kind.__name__ for kind in _missing)}")

@@ -1,12 +1,6 @@
-"""Input bridging, SANS-IO: upstream server→client requests ↔ `inputRequests` keys ↔ `inputResponses`, and
-the signed `requestState` of an MRTR round.
-
-A legacy server asks mid-call with a JSON-RPC request (`elicitation/create`, `sampling/createMessage`,
-`roots/list`). The proxy keeps the upstream request id to itself and shows the client a minted key (never
-the raw upstream id, which can repeat across upstream sessions, and never reused over the task's life); the
-client's answer under that key goes back upstream as the JSON-RPC response. Imports the wire layer, errors
-and itsdangerous; no I/O.
-"""
+"""Input bridging, sans-IO: upstream questions ↔ minted `inputRequests` keys ↔ `inputResponses` (the one check
+of answers, `check_answers`), and the signed `requestState` of an MRTR round. Imports the wire, errors and
+itsdangerous; no I/O."""
 
 from __future__ import annotations
 
@@ -27,6 +21,11 @@ from proxy.config.keyfiles import MIN_SECRET_BYTES, read_secret
 from proxy.errors import InvalidParamsError
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.translate import INPUT_METHODS, LEGACY_META_KEYS, required_capability
+
+# A legacy server asks mid-call with a JSON-RPC request (`elicitation/create`, `sampling/createMessage`,
+# `roots/list`). The proxy keeps the upstream request id to itself and shows the client a minted key (never the raw
+# upstream id, which can repeat across upstream sessions, and never reused over the task's life); the client's answer
+# under that key goes back upstream as the JSON-RPC response. Imports the wire layer, errors and itsdangerous; no I/O.
 
 KEY_PREFIXES: Final = {"elicitation/create": "elicitation", "sampling/createMessage": "sampling", "roots/list": "roots"}
 # Request fields that are not part of the request itself: the MRTR retry adds the first two, `_meta`
@@ -109,6 +108,38 @@ def upstream_answer(key: str, method: str, response: Any) -> JSON:
             f"Invalid params: inputResponses.{key} is not a valid answer to {method}: {problems}"
         ) from None
     return {name: value for name, value in response.items() if name != "resultType"}
+
+
+def outstanding(input_requests: Any) -> dict[str, str]:
+    """The questions a task's record shows outstanding (its `inputRequests`), key → method: what another
+    replica checks `tasks/update` answers against when it does not run the call."""
+    questions = input_requests if isinstance(input_requests, dict) else {}
+    found: dict[str, str] = {}
+    for key, question in questions.items():
+        method = question.get("method") if isinstance(question, dict) else None
+        if isinstance(method, str) and method in KEY_PREFIXES:
+            found[key] = method
+    return found
+
+
+def check_answers(
+    questions: Mapping[str, str], responses: Mapping[str, Any], *, drop_invalid: bool = False
+) -> dict[str, JSON]:
+    """The client's answers to the outstanding `questions` (key → method), each as the JSON-RPC result the
+    upstream waits for, checked before any is delivered: -32602 naming the key for one that is not a valid
+    answer (with `drop_invalid`, left out instead: the question stays open). Keys not outstanding (never
+    issued, already answered) are ignored. The one check of answers, wherever they arrive."""
+    checked: dict[str, JSON] = {}
+    for key, response in responses.items():
+        method = questions.get(key)
+        if method is None:
+            continue
+        try:
+            checked[key] = upstream_answer(key, method, response)
+        except InvalidParamsError:
+            if not drop_invalid:
+                raise
+    return checked
 
 
 def input_required_result(requests: Mapping[str, JSON], request_state: str) -> JSON:

@@ -18,6 +18,7 @@ MAX_OUTSTANDING_INPUTS: Final = 64  # open questions per call; an upstream askin
 PROGRESS_WRITE_INTERVAL_MS: Final = 200  # at most this often is a task's statusMessage rewritten
 CLIENT_LEFT: Final = "client disconnected"
 PARKED_EXPIRED: Final = "the client did not retry within inputs.request_state_ttl_ms"
+RECLAIMED: Final = "its upstream session was needed elsewhere while it waited for the client's retry"
 TASK_REFUSED: Final = "the task could not be created"
 LEASE_LOST: Final = "interrupted: this replica lost its lease on the task"
 QUEUE_TIMED_OUT: Final = "the call waited too long for an upstream slot"
@@ -58,6 +59,10 @@ class CallState:
 
     def input_requests(self) -> JSON:
         return {key: pending.request for key, pending in self.inputs.items()}
+
+    def questions(self) -> dict[str, str]:
+        """The outstanding questions, key → method (what answers are checked against)."""
+        return {key: pending.method for key, pending in self.inputs.items()}
 
     def upstream_input_ids(self) -> JSON | None:
         """For a task the upstream runs itself: each outstanding question's upstream JSON-RPC id, by key."""

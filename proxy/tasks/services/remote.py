@@ -1,12 +1,6 @@
-"""What replicas of one shared store say to each other about calls, SANS-IO: the message kinds and payloads,
-and the check a replica that does not run a task's call makes on `tasks/update` answers.
-
-Messages travel through the store (`notify_owner`, `notify_replica`, `take_messages`) and the change feed
-wakes their recipient. A task's answers go to its owner (`INPUT`). An MRTR retry that lands on a replica other
-than the one holding the parked call is forwarded there (`RESUME`); the holder sends what the call produced
-for that round (`NOTE` for each notification on the way, then one `REPLY`), and is told when the waiting
-client went away (`LEFT`). Imports the machine's reply types, the input rules, errors and the wire; no I/O.
-"""
+"""What replicas of one shared store say to each other about calls, sans-IO: the message kinds and payloads
+(answers to a task's owner; an MRTR retry forwarded to the holder of its call, and what comes back).
+Imports the machine's reply types, the input rules, errors and the wire; no I/O."""
 
 from __future__ import annotations
 
@@ -25,6 +19,12 @@ from proxy.tasks.machine.commands import (
 )
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamResult
+
+# Messages travel through the store (`notify_owner`, `notify_replica`, `take_messages`) and the change feed wakes
+# their recipient. A task's answers go to its owner (`INPUT`). An MRTR retry that lands on a replica other than the
+# one holding the parked call is forwarded there (`RESUME`); the holder sends what the call produced for that round
+# (`NOTE` for each notification on the way, then one `REPLY`), and is told when the waiting client went away (`LEFT`).
+# Imports the machine's reply types, the input rules, errors and the wire; no I/O.
 
 # Message kinds (a task's INPUT is the store's own kind).
 RESUME: Final = "resume"  # to the holder of a parked call: an MRTR retry that arrived elsewhere
@@ -56,16 +56,9 @@ class ReplicaLostError(ProxyError):
 
 def check_answers(input_requests: Any, responses: Mapping[str, Any]) -> dict[str, JSON]:
     """`tasks/update` on a replica that does not run the task's call: each answer to a question the record
-    shows outstanding, checked as its owner would (-32602 naming the key); other keys are ignored, as the
-    owner ignores them. The owner checks again against what is outstanding when the answers arrive."""
-    questions = input_requests if isinstance(input_requests, dict) else {}
-    checked: dict[str, JSON] = {}
-    for key, response in responses.items():
-        question = questions.get(key)
-        method = question.get("method") if isinstance(question, dict) else None
-        if isinstance(method, str) and method in inputs.KEY_PREFIXES:
-            checked[key] = inputs.upstream_answer(key, method, response)
-    return checked
+    shows outstanding, checked as its owner would (-32602 naming the key); the owner checks again against what
+    is outstanding when the answers arrive."""
+    return inputs.check_answers(inputs.outstanding(input_requests), responses)
 
 
 def encode_reply(reply: ReplyKind, *, request_state: str, task_id: str | None) -> JSON:

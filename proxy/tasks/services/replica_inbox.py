@@ -1,10 +1,6 @@
-"""What the replica link (`replicas.py`) reports, as work on the calls here: a dead replica's tasks taken over
-and a lapsed lease (both to `recovery.py`); a task settled elsewhere stops its call (`RemoteCancel`; this
-replica's own settlements coming back on the feed are ignored); answers relayed from elsewhere reach their call
-(`RemoteAnswers`); an MRTR retry forwarded by another replica resumes a call parked here, and its answer goes
-back (the relayed cancel or answers: work linked to the span that created the task). Decisions stay with the
-call machine. Imports the table, the parking, the record writes, `remote.py` and tracing.
-"""
+"""What the replica link reports, turned into work on the calls here: take-overs and a lapsed lease, tasks
+settled or answered elsewhere, MRTR retries forwarded here. Decisions stay with the call machine. Imports the
+table, the parking, the record writes, `remote.py` and tracing."""
 
 from __future__ import annotations
 
@@ -80,7 +76,7 @@ class ReplicaInbox:
         reason, error = (CANCELLED_BY_CLIENT if status is TaskStatus.CANCELLED else f"settled {status.value}"), None
         if status is TaskStatus.FAILED:  # an expiry, say: a client still waiting is told why
             with contextlib.suppress(StoreError):
-                record = await self.context.store.get(task_id)
+                record = await self.context.store.records.get(task_id)
                 if record is not None:
                     reason, error = record.status_message or reason, record.error
         await self.context.feed.dispatch(call, RemoteCancel(reason, error))
@@ -107,7 +103,7 @@ class ReplicaInbox:
     async def _resync(self, task_ids: list[str]) -> None:
         for task_id in task_ids:
             try:
-                record = await self.context.store.get(task_id)
+                record = await self.context.store.records.get(task_id)
             except StoreError:
                 return
             if record is not None and record.status.terminal:
@@ -131,12 +127,11 @@ class ReplicaInbox:
             if claims.owner != self.parking.process_id:
                 raise InvalidParamsError("Invalid params: requestState belongs to a call held by another proxy process")
             call, answers = self.parking.take(claims, responses)
-            call.client.reply = asyncio.get_running_loop().create_future()
-            call.client.channel = RemoteChannel(self.link, reply_to, key)
+            waiting = self.starter.client.wait(call, RemoteChannel(self.link, reply_to, key))
             self._served[key] = call
             log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, forwarded_by=reply_to)
             await self.context.feed.submit(call, Resumed(answers, progress_token, log_level))
-            reply = await call.client.reply
+            reply = await waiting
         except ProxyError as exc:
             reply = ReplyError(exc)
         finally:
@@ -154,8 +149,7 @@ class ReplicaInbox:
         """The client waiting on another replica for a call resumed here went away."""
         call = self._served.pop(key, None)
         if call is not None:
-            if call.client.reply is not None and not call.client.reply.done():
-                call.client.reply.cancel()  # nobody waits for the answer any more
+            self.starter.client.gone(call)  # nobody waits for the answer any more
             self.starter.client_left(call)
 
 

@@ -1,21 +1,11 @@
-"""A client request's side of a call: starting and resuming calls for waiting requests (`CallStarter`: a new
-call from the front's upstream request, an MRTR retry that takes the call parked for its round, here or
-forwarded to the live replica that holds it, with a stand-in call here whose reply is that replica's answer; a
-waiting request that went away; every call stopped at shutdown), and the waiting itself (`WaitingRequests`:
-wait for the call's reply and turn it into the request's JSON-RPC answer).
-
-What the reply is (the result, a `CreateTaskResult`, an MRTR `InputRequiredResult`, -32021, a limit error) is
-decided by the call's machine (`tasks/machine/`) and carried out by the executor; the waiting side only waits and
-translates (a task reply carries its record). A poll-to-sync client's keep-alive comments are asked of the
-call's one client writer (`keep_alive`, injected: `effects/client.py`), never written here. Imports the live
-call (and its table), the parking, the replica link, `remote.py` and the wire's translation; no other effect,
-no aiohttp.
-"""
+"""A client request's side of a call: starting and resuming calls (`CallStarter`, MRTR retries forwarded to the
+replica that holds them) and waiting for the reply, turned into the request's JSON-RPC answer
+(`WaitingRequests`). Imports the live call, the parking, the replica link and the wire; no aiohttp."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final
@@ -27,6 +17,8 @@ from proxy.config.schema import Config
 from proxy.errors import InvalidParamsError, MissingCapabilityError, ProxyError
 from proxy.policy import SYNC_CALL, Decision, Outcome, decide
 from proxy.tasks.context import TasksContext
+from proxy.tasks.effects import Followers
+from proxy.tasks.effects.client import ClientSide
 from proxy.tasks.effects.slots import Parking, WaitingPlaces
 from proxy.tasks.live_call import LiveCall, UpstreamRequest, known, new_call
 from proxy.tasks.machine import inputs
@@ -52,6 +44,12 @@ from proxy.wire.envelope import TASKS_EXTENSION, Caller, Channel, ModernRequest
 from proxy.wire.jsonrpc import JSON, result_message
 from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamResult
 
+# What the reply is (the result, a `CreateTaskResult`, an MRTR `InputRequiredResult`, -32021, a limit error) is
+# decided by the call's machine (`tasks/machine/`) and carried out by the executor; the waiting side only waits and
+# translates (a task reply carries its record). A poll-to-sync client's keep-alive comments are asked of the call's
+# one client writer (`keep_alive`, injected: `effects/client.py`), never written here. Imports the live call (and its
+# table), the parking, the replica link, `remote.py` and the wire's translation; no other effect, no aiohttp.
+
 log = structlog.get_logger(__name__)
 
 SHUTTING_DOWN: Final = "the proxy is shutting down"
@@ -69,13 +67,20 @@ class CallStarter:
     parking: Parking
     waiting: WaitingPlaces  # a call that could wait for its client takes a place at its start
     replicas: ReplicaLink
-    notes: Callable[[LiveCall, JSON], Awaitable[None]]  # through the call's one client writer (`effects/client.py`)
+    client: ClientSide  # the call's client side: its reply, its stream and their one writer
+    followers: Followers  # how a call follows a task the upstream runs, chosen as it is built
     _progress_tokens: int = field(default=0, init=False)
 
     def state(
-        self, decision: Decision, capabilities: JSON, progress_token: str | int | None, log_level: str | None
+        self,
+        decision: Decision,
+        capabilities: JSON,
+        progress_token: str | int | None,
+        log_level: str | None,
+        config: Config | None = None,
     ) -> CallState:
-        inputs_config = self.config().inputs
+        """A fresh call's state; `config` is the one its request decides with (else the one in force now)."""
+        inputs_config = (config or self.config()).inputs
         return CallState(
             decision=decision,
             capabilities=capabilities,
@@ -85,13 +90,15 @@ class CallStarter:
             log_level=log_level,
         )
 
-    async def begin(self, outgoing: UpstreamRequest, caller: Caller, decision: Decision, channel: Channel) -> LiveCall:
+    async def begin(
+        self, outgoing: UpstreamRequest, caller: Caller, decision: Decision, channel: Channel, config: Config
+    ) -> LiveCall:
         """A new call for a waiting request; its reply arrives on `call.client.reply`. A call that could come to
         wait for its client is refused first when no waiting place is left for it (nothing was started)."""
         request = outgoing.request
         caller_key = self.context.principals.key_of(caller.principal)
         waits = not decision.job and self.waiting.needs_one(request.client_capabilities)
-        if waits and (refused := self.waiting.refusal(caller_key)) is not None:
+        if waits and (refused := self.waiting.refusal(caller_key, config)) is not None:
             raise refused
         params = outgoing.params
         if decision.may_become_task:
@@ -101,7 +108,7 @@ class CallStarter:
                 self._progress_tokens += 1
                 meta["progressToken"] = f"mcp-tasks-proxy-{self._progress_tokens}"
             params = {**params, "_meta": meta}
-        state = self.state(decision, request.client_capabilities, request.progress_token, request.log_level)
+        state = self.state(decision, request.client_capabilities, request.progress_token, request.log_level, config)
         call = new_call(
             state,
             method=outgoing.method,
@@ -111,9 +118,9 @@ class CallStarter:
             params=params,
             headers=outgoing.headers,
             digest_of=lambda: outgoing.digest,
-            channel=channel,
+            follower=self.followers.of(decision),
         )
-        call.client.reply = asyncio.get_running_loop().create_future()
+        self.client.wait(call, channel)
         self.context.table.add(call)
         if waits:
             self.waiting.take(call)
@@ -121,7 +128,12 @@ class CallStarter:
         return call
 
     async def resume(
-        self, outgoing: UpstreamRequest, caller: Caller, responses: Mapping[str, Any], channel: Channel
+        self,
+        outgoing: UpstreamRequest,
+        caller: Caller,
+        responses: Mapping[str, Any],
+        channel: Channel,
+        config: Config | None = None,
     ) -> LiveCall:
         """An MRTR retry: the `requestState` must be genuine, unexpired, the caller's, for this method and
         these params, and name a call parked for this round (here, or on the live replica that issued it: the
@@ -139,10 +151,9 @@ class CallStarter:
         ):
             raise InvalidParamsError("Invalid params: requestState was issued for another request")
         if claims.owner != self.parking.process_id:
-            return await self._forward(outgoing, caller, claims, state, responses, channel)
+            return await self._forward(outgoing, caller, claims, state, responses, channel, config or self.config())
         call, answers = self.parking.take(claims, responses)
-        call.client.reply = asyncio.get_running_loop().create_future()
-        call.client.channel = channel
+        self.client.wait(call, channel)
         log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, answered=sorted(answers))
         await self.context.feed.submit(call, Resumed(answers, request.progress_token, request.log_level))
         return call
@@ -155,19 +166,20 @@ class CallStarter:
         state: str,
         responses: Mapping[str, Any],
         channel: Channel,
+        config: Config,
     ) -> LiveCall:
         """An MRTR retry for a call parked on another replica: sent there (through the store), and a stand-in
         call here whose reply is what that replica's call answers (its notifications reach `channel` too, through
         the stand-in's one client writer)."""
-        if not await self.context.store.replica_alive(claims.owner):
+        if not await self.context.store.replicas.replica_alive(claims.owner):
             raise InvalidParamsError(HOLDER_GONE)
         request = outgoing.request
         decision = (
-            decide(self.config().tasks, outgoing.name, declares_tasks=request.declares_tasks)
+            decide(config.tasks, outgoing.name, declares_tasks=request.declares_tasks)
             if request.method == "tools/call"
             else SYNC_CALL
         )
-        standin = self.state(decision, request.client_capabilities, request.progress_token, request.log_level)
+        standin = self.state(decision, request.client_capabilities, request.progress_token, request.log_level, config)
         call = new_call(
             standin,
             method=request.method,
@@ -175,12 +187,13 @@ class CallStarter:
             principal=caller.principal,
             caller=self.context.principals.key_of(caller.principal),
             digest_of=known(claims.digest),
-            channel=channel,
         )
-        call.client.reply = asyncio.get_running_loop().create_future()
+        self.client.wait(call, channel)
         origin = self.parking.process_id
         payload = remote.resume_payload(state, responses, request.progress_token, request.log_level, origin)
-        call.ask = await self.replicas.ask(claims.owner, remote.RESUME, payload, on_note=partial(self.notes, call))
+        call.ask = await self.replicas.ask(
+            claims.owner, remote.RESUME, payload, on_note=partial(self.client.note, call)
+        )
         self.context.spawner.spawn(self._await_forwarded(call, call.ask), f"forwarded-{call.ask.key}")
         log.info("mrtr_forwarded", method=call.method, name=call.name, round=claims.round, to=claims.owner)
         return call
@@ -189,22 +202,21 @@ class CallStarter:
         try:
             reply, call.request_state, task_id = remote.decode_reply(await ask.reply)
             if task_id is not None:
-                call.stored.record = await self.context.store.get(task_id)
-                if call.stored.record is None:
+                record = await self.context.store.records.get(task_id)
+                if record is None:
                     reply = ReplyError(ProxyError("Internal error: the task the call became is gone"))
                 else:
-                    reply = ReplyTask(self.context.durations.paced(call.stored.record))
+                    reply = ReplyTask(self.context.durations.paced(record))
         except (ProxyError, StoreError) as exc:
             reply = ReplyError(exc if isinstance(exc, ProxyError) else ProxyError(STORE_FAILED, detail=str(exc)))
-        if call.client.reply is not None and not call.client.reply.done():
-            call.client.reply.set_result(reply)
+        self.client.answer(call, reply)
 
     def client_left(self, call: LiveCall) -> None:
         """The waiting request went away (its handler is being cancelled): tell the call, in the background."""
         if call.ask is not None:  # a stand-in: the replica holding the call is told
             self.replicas.abandon(call.ask)
             return
-        call.client.channel = None
+        self.client.left(call)
         self.context.spawner.spawn(self.context.feed.dispatch(call, ClientLeft()), f"client-left-{call.call_id}")
 
     async def shut_down(self) -> None:
@@ -232,6 +244,7 @@ class WaitingRequests:
         channel: Channel,
         decision: Decision | None,
         server_info: JSON | None,
+        config: Config,
     ) -> JSON:
         """A fresh call: `decision` is the tool's (tools/call) or None (prompts/get, resources/read)."""
         request = outgoing.request
@@ -242,11 +255,11 @@ class WaitingRequests:
                 f"Missing required client capability: tool {request.params.get('name')!r} runs only as a task; "
                 f"declare the {TASKS_EXTENSION} extension",
             )
-        call = await self.starter.begin(outgoing, caller, decision, channel)
+        call = await self.starter.begin(outgoing, caller, decision, channel, config)
         return await self._answer(call, request, server_info)
 
     async def resume(
-        self, outgoing: UpstreamRequest, caller: Caller, channel: Channel, server_info: JSON | None
+        self, outgoing: UpstreamRequest, caller: Caller, channel: Channel, server_info: JSON | None, config: Config
     ) -> JSON:
         """An MRTR retry with `inputResponses` and the `requestState` of the round it answers."""
         request = outgoing.request
@@ -255,7 +268,7 @@ class WaitingRequests:
             responses = {}
         if not isinstance(responses, dict):
             raise InvalidParamsError("Invalid params: inputResponses must be an object")
-        call = await self.starter.resume(outgoing, caller, responses, channel)
+        call = await self.starter.resume(outgoing, caller, responses, channel, config)
         return await self._answer(call, request, server_info)
 
     async def _answer(self, call: LiveCall, request: ModernRequest, server_info: JSON | None) -> JSON:

@@ -247,12 +247,6 @@ class SqliteWriter:
                 raise FencedError(f"task {task_id} is owned by {row[0]}, not {fence.owner}")
         return records[0] if records else None
 
-    def execute_count(self, sql: str, params: list[Any]) -> int:
-        """One statement in its own transaction; the rows it changed."""
-        db = self.db()
-        with db.atomic():
-            return int(db.execute(sql, params).rowcount)
-
     def bury(self, where: str, params: list[Any], reason: str | None, now_ms: int) -> int:
         """`DELETE {where}`; with a `reason`, each deleted record leaves a tombstone, in the same transaction."""
         db = self.db()
