@@ -226,6 +226,7 @@ def serve(config: Config, path: str | None = None, overrides: dict[str, dict[str
     from proxy.tasks.store import StoreError, StoreLockedError
 
     configure_logging(config.logging)
+    startup.descriptor_budget(config)
     live = LiveConfig(config, path, overrides)
     live.subscribe(lambda new: configure_logging(new.logging))
     app = create_app(config, live)

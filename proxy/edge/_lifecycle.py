@@ -28,6 +28,7 @@ from proxy.edge._app_keys import (
     STOPPING,
     STORE,
 )
+from proxy.edge._descriptors import DescriptorBudget, open_descriptors
 from proxy.edge._drain import DRAIN
 from proxy.edge._error_edge import AUDIT, METRICS
 from proxy.edge._legacy_handles import LegacyHandles
@@ -91,8 +92,11 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     if metrics is not None:
         metrics.tasks_running.set_function(lambda: runner.running)
         metrics.calls_parked.set_function(lambda: runner.parked)
+        metrics.waiting_places.set_function(lambda: runner.waiting_places)
         metrics.upstream_sessions.set_function(lambda: pool.open_sessions)
         metrics.upstream_sessions_idle.set_function(lambda: pool.idle_sessions)
+        if pool.limits.max_open is not None:
+            metrics.upstream_sessions_max.set(pool.limits.max_open)
         metrics.upstream_calls_in_flight.set_function(lambda: pool.calls_in_flight)
         metrics.lease_held.set_function(lambda: runner.lease_problem() is None)
         metrics.store_available.set_function(lambda: store.health.available)
@@ -113,9 +117,14 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
             pool=pool,
             metrics=metrics,
         )
-    front = app[FRONT] = Front(live.config, pool, runner.tasks, watchers, events)
+    descriptors = DescriptorBudget.of_process()
+    front = app[FRONT] = Front(
+        live.config, pool, runner.tasks, watchers, events=events, new_work_refusal=descriptors.refusal
+    )
     if metrics is not None:
         metrics.listen_streams.set_function(lambda: front.listens.open_streams)
+        metrics.descriptors_open.set_function(open_descriptors)
+        metrics.descriptors_limit.set(descriptors.limit)
         if events is not None:
             metrics.event_streams.set_function(lambda: events.open_streams)
     drain.wait_for(lambda: runner.open_calls)  # the drain is the app's, built before the runner

@@ -18,6 +18,7 @@ from yarl import URL
 
 from proxy.config.schema import Config, HttpUpstreamConfig, StdioUpstreamConfig
 from proxy.config.warnings import Warning
+from proxy.edge import _descriptors as descriptors
 from proxy.edge._relay import relayed_shown
 from proxy.errors import ProxyError, UpstreamTimeoutError
 from proxy.upstream.pool import SessionPool
@@ -194,3 +195,25 @@ async def first_stdio_process(pool: SessionPool, upstream: StdioUpstreamConfig) 
             "upstream_failed_to_start",
             f"the stdio server {program} did not start: {exc.message} (upstream.command)",
         ) from None
+
+
+def descriptor_budget(config: Config) -> None:
+    """The soft descriptor limit raised to the hard one (logged when it moved), and a warning naming what the
+    configured limits could need and the limit when it does not fit: past it, new work is refused with 503
+    (`data.limit: descriptors`) before the process could run out."""
+    limit = descriptors.raise_soft_limit()
+    if limit.soft != limit.soft_before:
+        log.info("descriptor_limit_raised", soft_before=limit.soft_before, soft=limit.soft, hard=limit.hard)
+    parts = descriptors.need(config, limit.soft)
+    need = sum(parts.values())
+    if need > limit.soft:
+        log.warning(
+            "descriptor_budget_short",
+            need=need,
+            limit=limit.soft,
+            hard_limit=limit.hard,
+            parts=parts,
+            hint="raise the container's nofile limit (the hard one: the proxy raises its soft limit to it), or "
+            "lower tasks.max_running, inputs.max_waiting, upstream.max_open_sessions or limits.max_listen_streams; "
+            "past the limit new work is refused with 503 (data.limit: descriptors)",
+        )
