@@ -122,6 +122,7 @@ async def test_replicas_that_start_at_once_migrate_once(pg_dsn: str) -> None:
             ("0008_add_admission_queue",),
             ("0009_create_quota_windows",),
             ("0010_create_idempotency_keys",),
+            ("0011_create_grants",),
         ]
         await stores[0].create(make_record("task_a"))
         assert await stores[3].get("task_a") is not None

@@ -131,6 +131,7 @@ async def test_durable_across_reopen(db_path: Path) -> None:
         ("mcp-tasks-proxy", "0008_create_tombstones"),
         ("mcp-tasks-proxy", "0009_add_admission_queue"),
         ("mcp-tasks-proxy", "0010_create_idempotency_keys"),
+        ("mcp-tasks-proxy", "0011_create_grants"),
     ]
     assert raw_rows(db_path, "PRAGMA journal_mode") == [("wal",)]
     indexes = {row[0] for row in raw_rows(db_path, "SELECT name FROM sqlite_master WHERE type = 'index'")}

@@ -160,7 +160,8 @@ class JwtIdentity:
     def __init__(self, config: JwtConfig) -> None:
         self.config = config
         self.keys = KeySet(config)
-        self._verified: OrderedDict[bytes, tuple[str, float]] = OrderedDict()  # token digest → owner, until
+        # token digest → owner, remembered until, the token's exp
+        self._verified: OrderedDict[bytes, tuple[str, float, float]] = OrderedDict()
 
     async def identify(self, value: str) -> Identity:
         match = _BEARER_JWT.fullmatch(value)
@@ -171,10 +172,10 @@ class JwtIdentity:
         remembered = self._verified.get(digest)
         if remembered is not None and time.time() < remembered[1]:
             self._verified.move_to_end(digest)
-            return Identity(value, owner=remembered[0])
-        owner, expires = await self._verify(token)
-        self._remember(digest, owner, expires)
-        return Identity(value, owner=owner)
+            return Identity(value, owner=remembered[0], expires_at=remembered[2])
+        owner, expires_at = await self._verify(token)
+        self._remember(digest, owner, min(expires_at, time.time() + CACHE_SECONDS), expires_at)
+        return Identity(value, owner=owner, expires_at=expires_at)
 
     async def _verify(self, token: str) -> tuple[str, float]:
         config = self.config
@@ -216,10 +217,10 @@ class JwtIdentity:
         if not isinstance(subject, str | int) or isinstance(subject, bool) or subject == "":
             raise JwtRejectedError(f"Unauthorized: the JWT has no {config.claim} claim")
         owner = json.dumps([claims["iss"], str(subject)])
-        return owner, min(float(claims["exp"]), time.time() + CACHE_SECONDS)
+        return owner, float(claims["exp"])
 
-    def _remember(self, digest: bytes, owner: str, until: float) -> None:
-        self._verified[digest] = (owner, until)
+    def _remember(self, digest: bytes, owner: str, until: float, expires_at: float) -> None:
+        self._verified[digest] = (owner, until, expires_at)
         self._verified.move_to_end(digest)
         while len(self._verified) > CACHE_ENTRIES:
             self._verified.popitem(last=False)

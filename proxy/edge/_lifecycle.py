@@ -19,6 +19,7 @@ from proxy.legacy.serving import legacy_front
 from proxy.operators.admin import Admin
 from proxy.principals import Principals, deployment_key
 from proxy.tasks.runner import TaskRunner
+from proxy.tasks.services.grants import StoreGrants
 from proxy.tasks.services.push import TaskWatchers
 from proxy.tasks.store import open_store
 from proxy.upstream.http.session import upstream_connector
@@ -42,13 +43,20 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         connector=upstream_connector(), auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar()
     )
     metrics = app.get(METRICS)
-    pool = SessionPool(session_kind(config, http, metrics))
+    # Where the proxy makes upstream credentials itself, a task keeps its caller's verified owner, not the token.
+    principals = Principals(deployment_key(config), keep_owner=not config.upstream.credentials.forwards)
+    pool = SessionPool(session_kind(config, http, metrics, principals, StoreGrants(store)))
     app[POOL] = pool
     live = app[LIVE]
     drain = app[DRAIN]
-    runner = TaskRunner(
-        live.config, store, pool, Principals(deployment_key(config)), metrics=metrics, draining=drain.is_draining
-    )
+    runner = TaskRunner(live.config, store, pool, principals, metrics=metrics, draining=drain.is_draining)
+    credentials = pool.kind.credentials
+    credentials.start()  # (a secrets map watched for changes, as the config file is)
+
+    def reload_credentials() -> None:
+        runner.spawn(credentials.reload("sighup"), "credential-reload")
+
+    live.on_sighup(reload_credentials)
     app[RUNNER] = runner
     audit = runner.audit
     if audit is not None:

@@ -22,7 +22,7 @@ from aiohttp import web
 from proxy.config.live import LiveConfig
 from proxy.config.schema import Config
 from proxy.edge._admission import read_body, refusal
-from proxy.edge._app_keys import CONFIG, FRONT, JWT, LIVE, PASSTHROUGH, RELAY, RUNNER, STOPPING
+from proxy.edge._app_keys import CONFIG, FRONT, JWT, LIVE, PASSTHROUGH, POOL, RELAY, RUNNER, STOPPING
 from proxy.edge._drain import DRAIN, Drain, drainz, track
 from proxy.edge._error_edge import (
     AUDIT,
@@ -59,8 +59,9 @@ from proxy.observe.audit import subject
 from proxy.observe.logs import logs_at
 from proxy.observe.metrics import Metrics
 from proxy.policy import named_tools
-from proxy.principals import identity_of
+from proxy.principals import Identity, identity_of
 from proxy.tasks.store import StoreUnavailableError
+from proxy.upstream.credentials import verified
 from proxy.wire import jsonrpc
 from proxy.wire.envelope import Caller, is_modern, may_carry_version_key, validate_modern
 from proxy.wire.jsonrpc import Notification, Response
@@ -193,18 +194,46 @@ def _legacy_post(request: web.Request, body: bytes, message: object, *, decoded:
     if isinstance(message, dict) and isinstance(message.get("method"), str):
         request[MCP_METHOD] = message["method"]
     request.app[DRAIN].check_legacy(request, message)
-    return "legacy", message, _relayed(request, body)
+    return "legacy", message, _relayed(request, body, message)
 
 
-def _relayed(request: web.Request, body: bytes | None) -> Serve:
-    """A legacy client's request, relayed by the pass-through; the relayed status is the span's outcome."""
+def _relayed(request: web.Request, body: bytes | None, message: object = None) -> Serve:
+    """A legacy client's request, relayed by the pass-through; the relayed status is the span's outcome. Where the
+    proxy makes the upstream credential (`upstream.credentials`), the caller is verified first, as a modern one."""
 
     async def relay(span: tracing.ServerSpan) -> web.StreamResponse:
-        response = await request.app[PASSTHROUGH].relay(request, body)
+        identity, tool = None, None
+        if not request.app[POOL].kind.credentials.forwards:
+            identity = await _caller(request, request.app[LIVE].current)
+            if isinstance(message, dict) and message.get("method") == "tools/call":
+                params = message.get("params")
+                name = params.get("name") if isinstance(params, dict) else None
+                tool = name if isinstance(name, str) else None
+        response = await request.app[PASSTHROUGH].relay(request, body, identity, tool)
         span.status(response.status)
         return response
 
     return relay
+
+
+async def _caller(request: web.Request, config: Config) -> Identity | None:
+    """Who the caller is: its principal header, verified when `security.jwt` is set (a JWT that fails is refused
+    here, 401). Where the proxy makes the upstream credential itself (`upstream.credentials` exchange or
+    secrets), a caller it cannot verify is refused (401): the credential is made for a verified owner only."""
+    principal = identity_of(request.headers.get(config.security.principal_header))  # empty counts as none
+    if principal is None and config.security.anonymous == "refuse":
+        raise UnauthorizedError(
+            f"Unauthorized: this proxy serves no anonymous callers; send {config.security.principal_header}"
+        )
+    if principal is not None and JWT in request.app:
+        principal = await request.app[JWT].identify(principal.credential)  # a JWT that fails is refused here (401)
+    if not config.upstream.credentials.forwards:
+        if principal is None:
+            raise UnauthorizedError(
+                f"Unauthorized: this proxy serves no anonymous callers; send {config.security.principal_header}"
+            )
+        verified(principal)
+    return principal
 
 
 async def serve_modern(request: web.Request, decoded: object) -> web.StreamResponse:
@@ -221,13 +250,7 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     modern = validate_modern(request.headers, message.id, message.method, message.params)
     request.app[DRAIN].check_modern(modern)
     config = request.app[LIVE].current
-    principal = identity_of(request.headers.get(config.security.principal_header))  # empty counts as none
-    if principal is None and config.security.anonymous == "refuse":
-        raise UnauthorizedError(
-            f"Unauthorized: this proxy serves no anonymous callers; send {config.security.principal_header}"
-        )
-    if principal is not None and JWT in request.app:
-        principal = await request.app[JWT].identify(principal.credential)  # a JWT that fails is refused here (401)
+    principal = await _caller(request, config)
     caller = Caller(principal=principal, headers=request.headers)
     if audited is not None:
         audited.update(subject=subject(principal), principal=request.app[RUNNER].principals.key_of(principal) or None)

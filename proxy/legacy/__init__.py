@@ -11,12 +11,18 @@ from typing import Protocol
 
 from aiohttp import web
 
+from proxy.principals import Identity
+
 
 class LegacyFront(Protocol):
     """Serves a legacy client's request: the pass-through for an HTTP upstream, the proxy's own Streamable
     HTTP server for a stdio one."""
 
-    async def relay(self, request: web.Request, body: bytes | None) -> web.StreamResponse: ...
+    async def relay(
+        self, request: web.Request, body: bytes | None, identity: Identity | None = None, tool: str | None = None
+    ) -> web.StreamResponse:
+        """`identity`: the verified caller, where the upstream gets a credential of the proxy's making for it
+        (`upstream.credentials`), never the caller's own header; `tool`: what the request calls, when known."""
 
     async def close(self) -> None:
         """Shutdown: end what the front holds (its sessions, its HTTP client)."""

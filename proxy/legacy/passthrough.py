@@ -21,6 +21,8 @@ from yarl import URL
 
 from proxy.errors import InvalidRequestError
 from proxy.observe import tracing
+from proxy.principals import Identity
+from proxy.upstream.credentials import Credentials
 from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, checked_headers, failure
 from proxy.upstream.http.h1 import H1RequestError
 from proxy.upstream.http.lean import LeanClient
@@ -125,7 +127,13 @@ class PassThrough:
         extra_headers: Mapping[str, str],
         connect_timeout_seconds: float,
         call_timeout_seconds: float,
+        credentials: Credentials | None = None,
+        principal_header: str = "authorization",
     ) -> None:
+        # Where the proxy makes the caller's upstream credential (`upstream.credentials` exchange or secrets),
+        # the caller's own principal header is never relayed: its credential is put in its place.
+        self.credentials = credentials if credentials is not None and not credentials.forwards else None
+        self.principal_header = principal_header
         self.url = URL(url)  # parsed once, not per request
         self.http = http
         self.lean = LeanClient.of(self.url, connect_timeout_seconds, call_timeout_seconds)
@@ -139,12 +147,24 @@ class PassThrough:
             await self.lean.close()
         await self.http.close()
 
-    async def relay(self, request: web.Request, body: bytes | None) -> web.StreamResponse:
-        return await self.relay_to(self.url.with_query(request.query) if request.query else self.url, request, body)
+    async def relay(
+        self, request: web.Request, body: bytes | None, identity: Identity | None = None, tool: str | None = None
+    ) -> web.StreamResponse:
+        url = self.url.with_query(request.query) if request.query else self.url
+        credential = None if self.credentials is None else await self.credentials.headers(identity, tool)
+        return await self.relay_to(url, request, body, credential)
 
-    async def relay_to(self, url: URL, request: web.Request, body: bytes | None) -> web.StreamResponse:
-        """The request relayed to `url` (another path of the upstream's origin: `edge/_relay.py`), by the same rules."""
+    async def relay_to(
+        self, url: URL, request: web.Request, body: bytes | None, credential: Mapping[str, str] | None = None
+    ) -> web.StreamResponse:
+        """The request relayed to `url` (another path of the upstream's origin: `edge/_relay.py`), by the same
+        rules; where the proxy makes upstream credentials, without the caller's principal header, and with
+        `credential` (the caller's, made for the MCP endpoint) in its place."""
         headers = _end_to_end(request.headers)
+        if self.credentials is not None:
+            headers.popall(self.principal_header, None)
+            if credential:
+                headers.update(credential)
         _add_forwarded(headers, request)
         for name, value in self.extra_headers.items():
             headers[name] = value

@@ -21,7 +21,13 @@ def legacy_front(pool: SessionPool) -> LegacyFront:
     if isinstance(kind, HttpKind):
         config = kind.config
         return PassThrough(
-            config.url, relay_client(), config.headers, config.connect_timeout_seconds, config.call_timeout_seconds
+            config.url,
+            relay_client(),
+            config.headers,
+            config.connect_timeout_seconds,
+            config.call_timeout_seconds,
+            kind.credentials,
+            kind.principal_header,
         )
     if isinstance(kind, StdioKind):
         return StdioLegacyServer(kind, pool, kind.config, kind.principal_header, replay_bytes=kind.legacy_replay_bytes)

@@ -102,6 +102,7 @@ class TaskRunner:
             clock=clock,
             process_id=self.process_id,
             durations=self.durations,
+            credentials=pool.kind.credentials,
             metrics=metrics,
         )
         self.outbox = Outbox(config.store.max_pending_settlements, metrics, self.replicas.reclaim)

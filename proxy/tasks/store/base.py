@@ -12,6 +12,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Final, Protocol
 
+from proxy.tasks.store.grants import Grants
 from proxy.tasks.store.keys import KeyRecord
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
@@ -304,6 +305,11 @@ class TaskStore(Protocol):
     @property
     def health(self) -> StoreHealth:
         """Whether the store took its latest operation, and who hears of each failure (metrics)."""
+        ...
+
+    @property
+    def grants(self) -> Grants:
+        """The kept grants of `upstream.credentials: exchange` (`grants.py`)."""
         ...
 
     async def size_bytes(self) -> int: ...

@@ -14,6 +14,7 @@ from typing import Final
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
+from proxy.tasks.store import grants
 from proxy.tasks.store.rows import COLUMNS, LIVE_SQL, TERMINAL_SQL
 
 # Advisory locks live in one space per database: ours are keyed by the schema, so that two deployments in two
@@ -189,6 +190,11 @@ MIGRATIONS: Final[tuple[tuple[str, str], ...]] = (
         );
         CREATE INDEX idempotency_keys_expiry ON idempotency_keys (expires_at_ms);
         """,
+    ),
+    (
+        # Kept grants of `upstream.credentials: exchange` (`grants.py`): sealed tokens per caller and target.
+        "0011_create_grants",
+        grants.CREATE_SQL + ";",
     ),
 )
 

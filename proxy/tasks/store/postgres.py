@@ -38,6 +38,8 @@ from proxy.tasks.store.base import (
     Tombstone,
     check_kind,
 )
+from proxy.tasks.store.grants import Grants
+from proxy.tasks.store.grants import pg as pg_grants
 from proxy.tasks.store.pg_connections import Conn, PgConnections
 from proxy.tasks.store.pg_create import PgCreator
 from proxy.tasks.store.pg_feed import PgFeed
@@ -101,6 +103,7 @@ class PostgresTaskStore(PgConnections, PgKeys, LiveWrites):
         )
         self._feed = PgFeed(self)
         self._quota_window_ms: int | None = None  # the latest quota window counted here
+        self.grants = Grants(_PgStatements(self), pg_grants)  # kept grants of `upstream.credentials: exchange`
 
     @classmethod
     async def open(
@@ -422,3 +425,20 @@ class PostgresTaskStore(PgConnections, PgKeys, LiveWrites):
         params = {"key": key, "window_start_ms": window_start_ms}
         rows = await self._rows(f"count_call {key}", schema.COUNT_CALL_SQL, params)
         return int(rows[0]["calls"])
+
+
+class _PgStatements:
+    """The grants' statements on the store's pool (`grants.Statements`), each one statement, one transaction."""
+
+    def __init__(self, store: PostgresTaskStore) -> None:
+        self._store = store
+
+    async def rows(self, what: str, sql: str, params: dict[str, Any], *, write: bool) -> list[Any]:
+        found = await self._store._rows(what, sql, params, write=write)
+        return [next(iter(row.values())) for row in found]
+
+    async def changed(self, what: str, sql: str, params: dict[str, Any]) -> int:
+        async def run(conn: Conn) -> int:
+            return (await conn.execute(sql, params)).rowcount
+
+        return await self._store._run(what, run)

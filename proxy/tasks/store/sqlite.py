@@ -32,6 +32,7 @@ from proxy.tasks.store.base import (
 )
 from proxy.tasks.store.batching import CreationBatcher
 from proxy.tasks.store.feed import LocalFeed
+from proxy.tasks.store.grants import Grants
 from proxy.tasks.store.rows import (
     LIVE_SQL,
     STATUS_KEYS,
@@ -89,6 +90,7 @@ class SqliteTaskStore(SqliteThreads, LiveWrites):
         self._feed = LocalFeed()
         self._leases: set[str] = set()  # replicas of this process holding a lease
         self._quota_windows = WindowCounts()  # this process holds the file alone: counted in its memory
+        self.grants = Grants(_SqliteStatements(self))  # kept grants of `upstream.credentials: exchange`
 
     @classmethod
     async def open(
@@ -375,6 +377,14 @@ class SqliteTaskStore(SqliteThreads, LiveWrites):
     async def purge_keys(self, now_ms: int) -> int:
         return await self._write("purge_keys", lambda: self._keys_changed(keys.PURGE_SQL, {"now_ms": now_ms}))
 
+    def _rows_of(self, sql: str, params: dict[str, Any], *, write: bool) -> list[Any]:
+        """The first column of what one statement returns: on the writer thread, committed (`write`), else read."""
+        if not write:
+            return [row[0] for row in self._reader_conn().execute(sql, params).fetchall()]
+        db = self._writer_state.db()
+        with db.atomic():
+            return [row[0] for row in db.execute(sql, params).fetchall()]
+
     def _keys_changed(self, sql: str, params: dict[str, Any]) -> int:
         """Writer thread: one statement on the keys table, committed; the rows it changed."""
         db = self._writer_state.db()
@@ -404,3 +414,17 @@ class SqliteTaskStore(SqliteThreads, LiveWrites):
         self._close_done.set()
         if errors:
             raise errors[0]
+
+
+class _SqliteStatements:
+    """The grants' statements on the store's threads (`grants.Statements`)."""
+
+    def __init__(self, store: SqliteTaskStore) -> None:
+        self._store = store
+
+    async def rows(self, what: str, sql: str, params: dict[str, Any], *, write: bool) -> list[Any]:
+        run = self._store._write if write else self._store._read
+        return await run(what, lambda: self._store._rows_of(sql, params, write=write))
+
+    async def changed(self, what: str, sql: str, params: dict[str, Any]) -> int:
+        return await self._store._write(what, lambda: self._store._keys_changed(sql, params))

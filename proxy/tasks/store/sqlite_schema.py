@@ -9,6 +9,7 @@ from typing import Final
 
 from sqlite_utils import Database, Migrations
 
+from proxy.tasks.store import grants
 from proxy.tasks.store.rows import COLUMNS, LIVE_SQL, TERMINAL_SQL
 from proxy.wire.tasks import TERMINAL
 
@@ -139,6 +140,12 @@ def _create_idempotency_keys(db: Database) -> None:
         " PRIMARY KEY (scope, key))"
     )
     db.execute("CREATE INDEX idx_idempotency_keys_expires_at_ms ON idempotency_keys (expires_at_ms)")
+
+
+@MIGRATIONS(name="0011_create_grants")
+def _create_grants(db: Database) -> None:
+    """Kept grants of `upstream.credentials: exchange` (`grants.py`): sealed tokens per caller and target."""
+    db.execute(grants.CREATE_SQL)
 
 
 INSERT_SQL: Final = f"INSERT INTO tasks ({', '.join(COLUMNS)}) VALUES ({', '.join(':' + column for column in COLUMNS)})"
