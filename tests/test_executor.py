@@ -70,6 +70,7 @@ from proxy.tasks.services.replica_inbox import ReplicaInbox
 from proxy.tasks.services.replicas import ReplicaLink
 from proxy.tasks.services.starting import CallStarter
 from proxy.tasks.store import Fence, SqliteTaskStore
+from proxy.upstream.credentials import Forward
 from proxy.upstream.pool import SessionPool
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
@@ -145,6 +146,7 @@ class Parts:
             store=store,
             table=self.table,
             principals=Principals(KEY),
+            credentials=Forward("authorization"),
             feed=self.feed,
             spawner=self.background,
             clock=wall_clock_ms,

@@ -46,7 +46,7 @@ NOT_RENEWABLE: Final = (
     "Unauthorized: the upstream credential can no longer be renewed: the caller's token has expired and the token "
     "endpoint gave no refresh token"
 )
-SUBJECT_MARGIN_SECONDS: Final = 5.0  # a caller's token this close to its exp is not exchanged any more
+SUBJECT_MARGIN_SECONDS: Final = 1.0  # a caller's token this close to its exp is not exchanged any more
 MAX_CALLERS: Final = 10_000  # callers whose exchanged tokens (and freshest inbound token) are kept in memory
 REFRESH_LOCK_SECONDS: Final = 30.0  # a replica's hold on a grant while it refreshes it (one refresh at a time)
 REFRESH_WAIT_STEP_SECONDS: Final = 0.1  # how often a replica waiting for another's refresh reads the grant
@@ -201,6 +201,12 @@ class Secrets(_Quiet):
         await self._background.close()
 
 
+def _bearer_token(credential: str) -> str:
+    """The token of a verified `Bearer <JWT>` header value (the subject token of an exchange)."""
+    scheme, _, token = credential.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else credential
+
+
 def _target_key(target: TargetConfig) -> str:
     """How a target is named in the store and the cache (the config's own values, no secret)."""
     return json.dumps([target.audience, target.resource, target.scope], separators=(",", ":"))
@@ -308,7 +314,7 @@ class Exchange:
         subject = self._subjects.get(caller)
         now = self.clock()
         if subject is not None and (subject.expires_at or 0) - now > SUBJECT_MARGIN_SECONDS:
-            token = await self.client.exchange(subject.credential, target)
+            token = await self.client.exchange(_bearer_token(subject.credential), target)
             log.info("credential_exchanged", audience=target.audience, lifetime_seconds=round(token.expires_at - now))
             if caller in self._bound:
                 await self._keep(caller, key, token)

@@ -236,9 +236,11 @@ class HttpSession:
         self, extra: Mapping[str, str] | None = None, *, initialized: bool = True, tool: str | None = None
     ) -> CIMultiDict[str]:
         """`headers`, with the caller's credential as the credential source makes it at this moment (a token
-        exchanged or renewed now if need be; `tool`: the tool the request is about)."""
+        exchanged or renewed now if need be; `tool`: the tool the request is about). The proxy's own sessions
+        of no caller (readiness, the anonymous probe) carry none: callers are never anonymous where the source
+        makes credentials (the edge refuses them)."""
         credentials = self.kind.credentials
-        if credentials.forwards:
+        if credentials.forwards or self.principal is None:
             return self.headers(extra, initialized=initialized)
         credential = await credentials.headers(self.principal, tool)
         return self.headers(extra, initialized=initialized, credential=credential)
