@@ -517,7 +517,9 @@ class CrashingSession:
         self.methods: list[str] = []
 
     @asynccontextmanager
-    async def call(self, method: str, params: JSON, headers: dict[str, str]) -> AsyncIterator[FakeUpstreamCall]:
+    async def call(
+        self, method: str, params: JSON, headers: dict[str, str], *, tool: str | None = None
+    ) -> AsyncIterator[FakeUpstreamCall]:
         self.methods.append(method)
         if method == self.crash_on:
             raise RuntimeError(CRASH)

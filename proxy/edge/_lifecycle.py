@@ -49,8 +49,10 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     app[POOL] = pool
     live = app[LIVE]
     drain = app[DRAIN]
-    runner = TaskRunner(live.config, store, pool, principals, metrics=metrics, draining=drain.is_draining)
     credentials = pool.kind.credentials
+    runner = TaskRunner(
+        live.config, store, pool, principals, metrics=metrics, draining=drain.is_draining, credentials=credentials
+    )
     credentials.start()  # (a secrets map watched for changes, as the config file is)
 
     def reload_credentials() -> None:
