@@ -387,8 +387,9 @@ class SecurityConfig(_Frozen):
     )
     principal_header: str = Field(
         "authorization",
-        description="Request header that identifies the caller; it travels upstream with the requests it "
-        "causes, upstream sessions are kept per distinct value, and each task is bound to its keyed hash (another "
+        description="Request header that identifies the caller; with `upstream.credentials: forward` it travels "
+        "upstream with the requests it causes and upstream sessions are kept per distinct value; each task is bound "
+        "to its keyed hash (another "
         "caller cannot see it). It must come from a trusted hop that authenticates the caller and overwrites what "
         "the client sent (see the security guide, docs/guides/security.md).",
         json_schema_extra=RESTART,
