@@ -42,7 +42,7 @@ def _load(**sections: Any) -> None:
 
 def test_credentials_config_refuses_what_cannot_work() -> None:
     exchange = {"token_url": "https://sso.example/token", "client_id": "p", "client_secret_file": "/s"}
-    with pytest.raises(ConfigError, match="set security.jwt"):
+    with pytest.raises(ConfigError, match=r"set security\.jwt"):
         _load(upstream={"url": "http://up/mcp", "credentials": {"mode": "exchange", "exchange": exchange}})
     with pytest.raises(ConfigError, match="use mode: secrets"):
         _load(
@@ -220,6 +220,32 @@ async def test_without_a_refresh_token_an_expired_credential_cannot_be_renewed(e
     now[0] += 200
     with pytest.raises(CredentialRefusedError, match="gave no refresh token"):
         await exchange.headers(identity)
+
+
+async def test_a_tools_own_target_gets_a_token_exchanged_for_it(endpoint: tuple[Endpoint, str]) -> None:
+    served, url = endpoint
+    config = ExchangeConfig.model_validate(
+        {
+            "token_url": url,
+            "client_id": "proxy",
+            "client_secret_file": "/s",
+            "audience": "up",
+            "tools": {"report": {"audience": "reports"}, "admin_*": {"audience": "up", "scope": "admin"}},
+        }
+    )
+    exchange = Exchange(config, Principals(b"k" * 32, keep_owner=True), TokenClient(config, "s", None, None), None)
+    served.answer = lambda form: web.json_response(
+        {
+            "access_token": f"{form.get('audience')}.{form.get('scope', 'none')}",
+            "token_type": "Bearer",
+            "expires_in": 60,
+        }
+    )
+    assert await exchange.headers(caller(), "report") == {"authorization": "Bearer reports.none"}
+    assert await exchange.headers(caller(), "admin_reset") == {"authorization": "Bearer up.admin"}
+    assert await exchange.headers(caller(), "echo") == {"authorization": "Bearer up.none"}
+    assert await exchange.headers(caller(), None) == {"authorization": "Bearer up.none"}
+    assert len(served.forms) == 3  # one exchange per target, each cached
 
 
 # --- the grants table, on both backends --------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from tests.support.clients import ClientFactory, Tasks
 from tests.support.jobs import render_job
 from tests.support.oauth import ISSUER, Issuer
 from tests.support.processes import ROOT, Upstream, key_file, stdio_sessions
+from tests.support.sdk import connect, text
 from tests.support.token_server import TOKEN_ISSUER, TokenServer
 from tests.support.waiting import until
 from tests.support.wire import result_text
@@ -156,6 +157,30 @@ async def test_each_caller_reaches_the_upstream_with_its_own_exchanged_token_nev
     assert "credential_exchanged" in text
     for secret in secrets_written:
         assert secret not in text
+
+
+async def test_a_legacy_client_is_verified_and_relayed_with_its_exchanged_token_in_place_of_its_own(
+    make_proxy: Any, protected: Upstream, endpoint: TokenServer, issuer: Issuer, tmp_path: Path
+) -> None:
+    client = await make_proxy(
+        protected.url,
+        upstream={"credentials": endpoint.exchange_config()},
+        security={"jwt": jwt_section(issuer), "key_file": key_file(tmp_path)},
+    )
+    url = str(client.make_url("/mcp"))
+    alice = bearer(issuer, "alice")
+    async with connect(url, headers=alice) as legacy:
+        claims = json.loads(text(await legacy.session.call_tool("token_claims", {})))
+        seen = set(json.loads(text(await legacy.session.call_tool("seen_tokens", {}))))
+    assert claims["sub"] == "alice"
+    assert claims["token"] in {sha(token) for token in endpoint.tokens_of("alice")}
+    assert sha(alice["Authorization"].removeprefix("Bearer ")) not in seen
+    response = await client.post("/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "ping"}, headers=_legacy_headers())
+    assert response.status == 401  # a legacy caller the proxy cannot verify gets no credential made for it
+
+
+def _legacy_headers() -> dict[str, str]:
+    return {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
 
 
 async def test_a_refused_exchange_is_401_with_the_endpoints_error_and_a_down_endpoint_503_never_forwarding(
