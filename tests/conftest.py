@@ -8,6 +8,7 @@ these fixtures hand out live in tests/support/; test modules import them from th
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 import structlog
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from sqlite_utils import Database
 
 from proxy.config.schema import LoggingConfig
 from proxy.edge.app import create_app
@@ -24,9 +26,23 @@ from proxy.observe import logs
 from proxy.observe.logs import configure_logging
 from tests import pg
 from tests.reference_server import EverythingServer, stdio_argv
+from tests.support import blocking
 from tests.support.clients import ClientFactory, Tasks
 from tests.support.processes import ProxyProcess, Upstream, proxy_config
 from tests.support.schemas import MODERN_SCHEMA, TASKS_SCHEMA, ModernSchema, SchemaValidator
+
+
+@pytest.fixture(autouse=True)
+def no_blocking_calls_on_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """A blocking call made by the proxy's code on the thread of a running event loop fails the test: a
+    `time.sleep`, or a sqlite-utils statement (the store runs those in its own threads). Each is recorded where
+    it happens (the proxy may catch what is raised there) and the test fails at its end."""
+    found = blocking.Recorder()
+    monkeypatch.setattr(time, "sleep", found.guard(time.sleep, "time.sleep"))
+    for name in ("execute", "query"):
+        monkeypatch.setattr(Database, name, found.guard(getattr(Database, name), f"sqlite_utils.Database.{name}"))
+    yield found.calls
+    assert found.calls == [], f"blocking calls on the event loop: {found.calls}"
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 from proxy.background import Background
 from proxy.config.schema import Config
 from proxy.errors import CallerLimitError, InvalidParamsError, ProxyError, TaskLimitError
+from proxy.observe.metrics import Metrics
 from proxy.policy import SYNC_CALL, Decision, Outcome, Policy
 from proxy.principals import Principals
 from proxy.tasks.context import TasksContext
@@ -76,6 +76,7 @@ from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
 from proxy.wire.upstream_events import UpstreamEvent, UpstreamResult
 from tests.support.processes import proxy_config
+from tests.support.waiting import until
 
 KEY = os.urandom(32)
 TASK_POLICY = Policy("required", 0, 60_000, 1000, "fail")
@@ -100,20 +101,6 @@ class RecordingFeed:
         return [event for fed, event in self.events if fed is call]
 
 
-async def until(condition: Callable[[], bool], what: str, timeout_seconds: float = 10) -> None:
-    deadline = time.monotonic() + timeout_seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
-async def until_async(condition: Callable[[], Awaitable[bool]], what: str, timeout_seconds: float = 10) -> None:
-    deadline = time.monotonic() + timeout_seconds
-    while not await condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 def make_call(decision: Decision = A_TASK, caller: str = "caller-a", name: str = "tool") -> LiveCall:
     state = CallState(decision=decision, capabilities={}, gather_ms=0, park_ttl_ms=60_000)
     params = {"name": name, "arguments": {}}
@@ -124,6 +111,14 @@ def make_call(decision: Decision = A_TASK, caller: str = "caller-a", name: str =
 
 def config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
     return proxy_config("http://127.0.0.1:9/mcp", tmp_path, **sections)
+
+
+DEFAULTS = proxy_config("http://127.0.0.1:9/mcp", Path("."))
+
+
+def defaults() -> Config:
+    """The config getter the client side reads its backlog cap through."""
+    return DEFAULTS
 
 
 @pytest.fixture
@@ -321,7 +316,7 @@ async def test_a_task_reply_carries_its_record_as_the_client_sees_it(store: Sqli
         shown.append(record)
         return record
 
-    await ClientSide(paced, RecordingFeed(), Background()).reply(call, Reply(ReplyTask()))
+    await ClientSide(paced, RecordingFeed(), Background(), defaults).reply(call, Reply(ReplyTask()))
 
     assert call.client.reply.result() == ReplyTask(call.stored.record)
     assert shown == [call.stored.record]
@@ -339,7 +334,9 @@ async def test_a_relay_to_a_broken_stream_tells_the_call_its_client_left() -> No
     call = make_call()
     call.client.channel = Broken()
 
-    await ClientSide(lambda record: record, feed, background).relay(call, Relay({"method": "notifications/progress"}))
+    await ClientSide(lambda record: record, feed, background, defaults).relay(
+        call, Relay({"method": "notifications/progress"})
+    )
     await until(lambda: bool(feed.events), "the writer to find the stream broken")
     assert feed.events == [(call, ClientLeft())]
     assert call.client.channel is None
@@ -371,7 +368,7 @@ async def test_notifications_and_the_reply_leave_in_order_through_one_writer_tha
     written, in the order given."""
     stream = HeldStream()
     background = Background()
-    client = ClientSide(lambda record: record, RecordingFeed(), background)
+    client = ClientSide(lambda record: record, RecordingFeed(), background, defaults)
     call = make_call()
     call.client.channel = stream
     call.client.reply = asyncio.get_running_loop().create_future()
@@ -391,12 +388,50 @@ async def test_notifications_and_the_reply_leave_in_order_through_one_writer_tha
     await background.close(1)
 
 
+async def test_what_waits_for_a_client_that_reads_nothing_stays_under_the_cap_and_the_reply_is_kept(
+    tmp_path: Path,
+) -> None:
+    """A client stuck on its first notification: newer progress replaces the progress still waiting, other
+    notifications wait until the backlog cap, then are dropped (counted, logged once), and the final reply is
+    queued all the same and reaches the client once it reads again."""
+    cap = 4096
+    capped = config(tmp_path, limits={"max_client_backlog_bytes": cap})
+    metrics = Metrics()
+    stream, background = HeldStream(), Background()
+    client = ClientSide(lambda record: record, RecordingFeed(), background, lambda: capped, metrics)
+    call = make_call()
+    waiting = client.wait(call, stream)
+    await client.relay(call, Relay({"method": "notifications/message", "n": 0}))
+    await until(lambda: stream.steps == ["begun 0"], "the writer stuck on the first write")
+    line = {"method": "notifications/message", "params": {"data": "x" * 100}}
+    for number in range(1, 200):  # about 22 KB of log lines, and a progress notification after each
+        await client.relay(call, Relay({**line, "n": number}))
+        await client.relay(call, Relay({"method": "notifications/progress", "params": {"progress": number}}))
+        assert call.client.backlog_bytes <= cap
+    await client.reply(call, Reply(ReplyOutcome(UpstreamResult({"content": []}))))
+
+    def dropped(reason: str) -> float:
+        value = metrics.registry.get_sample_value(
+            "mcp_tasks_proxy_client_notifications_dropped_total", {"reason": reason}
+        )
+        return value or 0.0
+
+    assert dropped("backlog_full") == call.client.dropped > 0
+    assert dropped("coalesced") > 100  # nearly every progress replaced the one before
+    stream.reading.set()
+    assert await asyncio.wait_for(waiting, 5) == ReplyOutcome(UpstreamResult({"content": []}))
+    progress = [message for message in stream.written if message["method"] == "notifications/progress"]
+    assert len(progress) == 1  # only the newest one waiting was written
+    assert call.client.backlog_bytes == 0
+    await background.close(1)
+
+
 async def test_a_forwarded_retrys_notes_wait_behind_what_the_writer_still_writes() -> None:
     """A note from the replica that holds a forwarded MRTR retry's call goes out through the stand-in's one
     writer: queued at once behind a notification still being written, never written beside it."""
     stream = HeldStream()
     background = Background()
-    client = ClientSide(lambda record: record, RecordingFeed(), background)
+    client = ClientSide(lambda record: record, RecordingFeed(), background, defaults)
     call = make_call()
     call.client.channel = stream
     await client.relay(call, Relay({"method": "notifications/progress", "n": 1}))
@@ -409,7 +444,7 @@ async def test_a_forwarded_retrys_notes_wait_behind_what_the_writer_still_writes
     assert stream.steps == ["begun 1", "done 1", "begun 2", "done 2"]
     call.client.channel = None
     await client.note(call, {"method": "notifications/message", "n": 3})  # the client gone: nothing is queued
-    assert not call.client.outgoing
+    assert not call.client.queued()
     await background.close(1)
 
 
@@ -434,7 +469,7 @@ async def test_keep_alives_are_written_by_the_calls_one_writer_after_what_it_sti
             written.append("keep-alive")
 
     feed, background = RecordingFeed(), Background()
-    client = ClientSide(lambda record: record, feed, background)
+    client = ClientSide(lambda record: record, feed, background, defaults)
     call = make_call()
     call.client.channel = Slow()
     call.client.reply = asyncio.get_running_loop().create_future()
@@ -454,7 +489,7 @@ async def test_keep_alives_are_written_by_the_calls_one_writer_after_what_it_sti
     assert feed.events == [(call, ClientLeft())]
     assert call.client.channel is None
     client.keep_alive(call)  # the client is gone: nothing is queued, no writer is started
-    assert not call.client.outgoing
+    assert not call.client.queued()
     assert call.client.writer is not None
     assert call.client.writer.done()
     await background.close(1)
@@ -473,7 +508,7 @@ async def test_a_replica_ignores_its_own_settlement_on_the_feed_but_not_another_
     limits = config(tmp_path)
     parked = Parking(lambda: limits, signer, wall_clock_ms, "replica-1")
     parts.link = link = ReplicaLink(store, "replica-1", 30)
-    notes = ClientSide(lambda record: record, feed, parts.context.spawner).note
+    notes = ClientSide(lambda record: record, feed, parts.context.spawner, defaults)
     follow = parts.followers(lambda: limits)
     starter = CallStarter(parts.context, lambda: limits, parked, link, notes, follow)
     recovery = Recovery(parts.context, link, parts.records, starter.state, follow, lambda: False)
@@ -594,7 +629,7 @@ async def test_a_crashing_pump_of_an_upstream_run_task_fails_it_without_a_python
             record = await store.get(task_id)
             return record is not None and record.status is TaskStatus.FAILED
 
-        await until_async(failed, "the task to fail")
+        await until(failed, "the task to fail")
         record = await store.get(task_id)
 
     assert record is not None

@@ -7,9 +7,13 @@ caller is answered from the latest InitializeResult, without an upstream session
 
 from __future__ import annotations
 
+import asyncio
+import json
+import socket
 from typing import Any
 
-from proxy.edge._app_keys import POOL
+from proxy.edge._app_keys import POOL, RUNNER
+from proxy.tasks.live_call import LiveCall
 from tests.support.clients import ClientFactory, Tasks, upstream_calls_open
 from tests.support.waiting import until
 from tests.support.wire import modern_body, modern_headers, policies
@@ -91,3 +95,49 @@ async def test_discover_from_new_callers_opens_no_upstream_session_of_theirs(tas
         assert message["result"]["capabilities"] == first["result"]["capabilities"]
     assert pool.open_sessions == sessions  # not one session more for fifty new callers
     await upstream_calls_open(client.client, 0)
+
+
+async def test_a_client_that_reads_nothing_of_a_chatty_call_holds_no_more_than_the_backlog_cap(
+    tasks_client: ClientFactory,
+) -> None:
+    """A synchronous call whose upstream sends 8 MB of log lines (more than the kernel buffers), a progress
+    notification after each, for a client that asked for both and then reads nothing (its receive buffer kept
+    small): the upstream is read to its answer all the same, what waits for the client stays under
+    `limits.max_client_backlog_bytes`, progress is coalesced, the rest past the cap is dropped and counted, and
+    the call's answer is kept."""
+    cap = 64 * 1024
+    client = await tasks_client(limits={"max_client_backlog_bytes": cap, "write_timeout_seconds": 120})
+    meta = {"progressToken": "chat", "io.modelcontextprotocol/logLevel": "info"}
+    body = json.dumps(modern_body("tools/call", {"name": "chatty", "arguments": {"count": 8000}}, **meta)).encode()
+    headers = {**modern_headers("tools/call", "chatty"), "Host": f"127.0.0.1:{client.client.port}"}
+    head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    request = f"POST /mcp HTTP/1.1\r\n{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+    silent = socket.socket()
+    silent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+    silent.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(silent, ("127.0.0.1", client.client.port))
+    await loop.sock_sendall(silent, request)  # ... and never a read
+    try:
+        table = client.client.app[RUNNER].table
+
+        def chatty() -> LiveCall | None:
+            return next((call for call in table.calls() if call.name == "chatty"), None)
+
+        call = await until(chatty, "the chatty call")
+        await until(lambda: call.state.outcome is not None, "the upstream's answer", timeout_seconds=60)
+        assert call.client.backlog_bytes <= cap
+        assert call.client.dropped > 0  # past the cap: log lines dropped ...
+        assert call.client.queued()  # ... and the answer kept, behind what still waits
+        async with client.client.get("/metrics") as response:
+            text = await response.text()
+        dropped = {
+            line.split("reason=")[1].split("}")[0].strip('"'): float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("mcp_tasks_proxy_client_notifications_dropped_total{")
+        }
+        assert dropped["backlog_full"] == call.client.dropped
+        assert dropped["coalesced"] > 0
+    finally:
+        silent.close()

@@ -22,6 +22,7 @@ from proxy.edge.app import create_app
 from proxy.principals import Identity
 from tests.support.oauth import ISSUER, Issuer
 from tests.support.processes import Upstream, free_port, key_file, proxy_config
+from tests.support.waiting import until
 from tests.support.wire import modern_body, modern_headers, read_messages
 
 Client = TestClient[web.Request, web.Application]
@@ -308,14 +309,13 @@ async def test_a_rerun_whose_stored_credential_expired_fails_saying_so(
     await first.close()  # the process goes away with the call running
     await asyncio.sleep(max(0.0, expires + 1 - time.time()))  # the token's own lifetime, not a state of the proxy
     second: Client = await make_proxy(oauth_upstream.url, **sections)
-    deadline = time.monotonic() + 15
-    while True:
+
+    async def settled() -> dict[str, Any] | None:
         status, _, got = await modern(second, "tasks/get", {"taskId": task_id}, auth=token)
         assert status == 200, got
-        if got["result"]["status"] != "working":
-            break
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.1)
+        return got if got["result"]["status"] != "working" else None
+
+    got = await until(settled, "the task left working")
     assert got["result"]["status"] == "failed"
     message = got["result"]["error"]["message"]
     assert "refused the credential" in message

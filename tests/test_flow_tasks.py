@@ -193,7 +193,8 @@ async def test_a_keepalive_never_lands_inside_an_event_written_in_pieces(
     request = validate_modern(modern_headers("tools/call", "sleep"), 1, "tools/call", params)
     decision = decide(app[CONFIG].tasks, "sleep", declares_tasks=False)
     channel = Piecewise()
-    message = await app[FRONT].waiting.call(UpstreamRequest.of(request, Caller()), Caller(), channel, decision, None)
+    outgoing = UpstreamRequest.of(request, Caller())
+    message = await app[FRONT].tasks.call(outgoing, Caller(), channel, decision, None, app[CONFIG])
     assert message["result"]["content"][0]["text"] == "slept 0.5"
     messages, comments = sse_events("".join(channel.body))
     assert comments >= 1
@@ -256,7 +257,7 @@ async def test_a_client_leaving_during_creation_leaves_no_orphan_record(tasks_cl
     decision = decide(app[CONFIG].tasks, "counted", declares_tasks=True)
     await client.text("echo", {"text": "warm"})  # the upstream session exists
     creating = asyncio.get_running_loop().create_task(
-        app[FRONT].waiting.call(UpstreamRequest.of(request, Caller()), Caller(), Silent(), decision, None)
+        app[FRONT].tasks.call(UpstreamRequest.of(request, Caller()), Caller(), Silent(), decision, None, app[CONFIG])
     )
     await asyncio.sleep(0)  # creation has begun
     creating.cancel()

@@ -57,3 +57,31 @@ def test_the_check_sees_each_form_of_import(tmp_path: Path) -> None:
         "tests.test_flow_stdio",
         "tests.test_faults",
     ]
+
+
+def called_tests(path: Path) -> list[str]:
+    """The test functions of `path` that code in `path` calls (a test runs on its own, pytest calls it)."""
+    tree = ast.parse(path.read_text(), str(path))
+    tests = {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test_")
+    }
+    return sorted(
+        {
+            node.func.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in tests
+        }
+    )
+
+
+def test_no_test_calls_another_test() -> None:
+    offenders = {path.name: called for path in sorted(TESTS.glob("test_*.py")) if (called := called_tests(path))}
+    assert offenders == {}
+
+
+def test_the_check_sees_a_test_calling_a_test(tmp_path: Path) -> None:
+    module = tmp_path / "test_sample.py"
+    module.write_text("def test_a() -> None:\n    pass\n\nasync def test_b() -> None:\n    test_a()\n    helper()\n")
+    assert called_tests(module) == ["test_a"]

@@ -33,6 +33,7 @@ from proxy.edge.app import create_app
 from proxy.policy import SYNC_CALL
 from proxy.tasks.effects.call_queue import Admission
 from tests.support.processes import Upstream
+from tests.support.wire import modern_body, modern_headers
 
 BASE: dict[str, object] = {"upstream": {"url": "http://127.0.0.1:9/mcp"}, "store": {"path": "tasks.db"}}
 
@@ -234,3 +235,32 @@ async def test_after_a_reload_no_part_keeps_a_section_of_the_old_config(tmp_path
                 if holder is not old.__dict__ and holder is not sections and not inspect.isframe(holder)
             ]
             assert holders == [], f"{name} of the old config is still held by {holders}"
+
+
+async def test_a_tools_call_decides_with_the_config_it_read_once(tmp_path: Path, upstream: Upstream) -> None:
+    """The front reads the config in force once per tools/call (quota, policy, job, idempotency and the call's
+    own settings all come from that read), so a reload in the middle of a request never splits it."""
+    path = tmp_path / "proxy.yaml"
+    base: dict[str, object] = {
+        "upstream": {"url": upstream.url},
+        "store": {"path": str(tmp_path / "tasks.db")},
+        "limits": {"calls_per_minute_per_principal": 100},
+        "tasks": {"tools": {"echo": {"mode": "optional", "calls_per_minute_per_principal": 50}}},
+    }
+    _write(path, base)
+    live = LiveConfig(load_config(path, environ={}), str(path), environ={})
+    app = create_app(live.current, live)
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        front = app[FRONT]
+        reads: list[Config] = []
+
+        def counted() -> Config:
+            reads.append(live.current)
+            return live.current
+
+        front._current = counted  # the getter the front holds
+        body = modern_body("tools/call", {"name": "echo", "arguments": {"text": "x"}})
+        async with client.post("/mcp", json=body, headers=modern_headers("tools/call", "echo")) as response:
+            assert response.status == 200
+            assert (await response.json())["result"]["content"][0]["text"] == "x"
+        assert len(reads) == 1

@@ -801,8 +801,8 @@ PLAYBOOKS += [
 ]
 
 
-@pytest.mark.parametrize("playbook", PLAYBOOKS, ids=[playbook.name for playbook in PLAYBOOKS])
-def test_playbook(playbook: Playbook) -> None:
+def run_playbook(playbook: Playbook) -> None:
+    """Feed the playbook's events to a fresh call; each step must give exactly its commands."""
     state = CallState(
         decision=playbook.decision,
         capabilities=playbook.capabilities,
@@ -815,6 +815,11 @@ def test_playbook(playbook: Playbook) -> None:
         assert machine.handle(state, event) == expected, f"step {number}: {event}"
     assert state.mode is playbook.mode
     assert machine.finished(state) is playbook.finished
+
+
+@pytest.mark.parametrize("playbook", PLAYBOOKS, ids=[playbook.name for playbook in PLAYBOOKS])
+def test_playbook(playbook: Playbook) -> None:
+    run_playbook(playbook)
 
 
 def test_answers_are_checked_before_any_is_delivered() -> None:
@@ -1226,7 +1231,7 @@ UPSTREAM_PLAYBOOKS = [
 
 @pytest.mark.parametrize("playbook", UPSTREAM_PLAYBOOKS, ids=[playbook.name for playbook in UPSTREAM_PLAYBOOKS])
 def test_upstream_task_playbook(playbook: Playbook) -> None:
-    test_playbook(playbook)
+    run_playbook(playbook)
 
 
 def test_after_a_restart_the_upstreams_task_is_followed_again_with_its_questions() -> None:
@@ -1387,7 +1392,7 @@ JOB_PLAYBOOKS = [
 
 @pytest.mark.parametrize("playbook", JOB_PLAYBOOKS, ids=[playbook.name for playbook in JOB_PLAYBOOKS])
 def test_job_playbook(playbook: Playbook) -> None:
-    test_playbook(playbook)
+    run_playbook(playbook)
 
 
 def test_after_a_restart_a_job_is_polled_again_at_once_and_never_started_again() -> None:
@@ -1545,7 +1550,7 @@ QUEUE_PLAYBOOKS = [
 
 @pytest.mark.parametrize("playbook", QUEUE_PLAYBOOKS, ids=[playbook.name for playbook in QUEUE_PLAYBOOKS])
 def test_queue_playbook(playbook: Playbook) -> None:
-    test_playbook(playbook)
+    run_playbook(playbook)
 
 
 def test_a_task_queued_at_a_restart_waits_for_its_slot_again() -> None:
@@ -1564,7 +1569,7 @@ def test_a_task_queued_at_a_restart_waits_for_its_slot_again() -> None:
         finished=True,
         task_id="t1",
     )
-    test_playbook(playbook)
+    run_playbook(playbook)
 
 
 def test_a_restored_call_takes_up_its_records_task_id_issued_keys_followed_task_and_answerable_questions() -> None:

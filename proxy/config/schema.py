@@ -1039,6 +1039,16 @@ class LimitsConfig(_Frozen):
         "so the limit holds across every replica; on SQLite (one process) it is kept in that process. 0: no quota.",
         json_schema_extra=LIVE,
     )
+    max_client_backlog_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        description="What may wait for one slow client of one call: the notifications relayed to its stream "
+        "(progress, log messages) that it has not read yet, counted as the JSON they are written as. A newer "
+        "progress notification replaces an older one still waiting; past this, further notifications are dropped "
+        "(counted in `client_notifications_dropped_total`, and `client_backlog_full` logged once per call), never "
+        "the call's final answer, and the upstream is read on as ever.",
+        json_schema_extra=LIVE,
+    )
     max_parked_per_principal: int = Field(
         256,
         gt=0,

@@ -220,6 +220,10 @@ class HttpChannel:
                 transport.abort()  # drops what it still buffers for this client
             log.info("client_not_reading", timeout_seconds=self.write_timeout_seconds)
             raise ConnectionResetError("the client did not read its answer in time") from None
+        except ConnectionResetError:
+            raise
+        except ConnectionError as exc:  # gone while the write waited for it (aiohttp: "Connection lost")
+            raise ConnectionResetError(str(exc)) from exc
 
     def _fits(self, size: int) -> bool:
         """Whether a write of `size` bytes (and the headers) can never pause for the client: nothing is buffered

@@ -75,7 +75,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         store.health.on_failure(metrics.store_operation_failed)
     watchers = TaskWatchers(store)
     runner.spawn(watchers.run(), "task-feed")
-    front = app[FRONT] = Front(live.config, pool, runner, watchers)
+    front = app[FRONT] = Front(live.config, pool, runner.tasks, watchers)
     if metrics is not None:
         metrics.listen_streams.set_function(lambda: front.listens.open_streams)
     drain.wait_for(lambda: runner.open_calls)  # the drain is the app's, built before the runner

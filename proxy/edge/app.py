@@ -253,7 +253,7 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     principal = await _caller(request, config)
     caller = Caller(principal=principal, headers=request.headers)
     if audited is not None:
-        audited.update(subject=subject(principal), principal=request.app[RUNNER].principals.key_of(principal) or None)
+        audited.update(subject=subject(principal), principal=request.app[RUNNER].tasks.owner_of(principal) or None)
     channel = request[CHANNEL] = HttpChannel(request, config.limits.write_timeout_seconds)
     try:
         reply = await request.app[FRONT].dispatch(modern, caller, channel)

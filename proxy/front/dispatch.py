@@ -24,10 +24,9 @@ from proxy.errors import (
 from proxy.front.listen import ListenStreams
 from proxy.policy import decide, decide_job, policy_for
 from proxy.tasks.live_call import UpstreamRequest
-from proxy.tasks.runner import TaskRunner
+from proxy.tasks.runner import Tasks
 from proxy.tasks.services import idempotency
 from proxy.tasks.services.push import TaskWatchers
-from proxy.tasks.services.starting import WaitingRequests
 from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import RequestStream, Session
 from proxy.wire import tasks as wire_tasks
@@ -57,25 +56,13 @@ Handler = Callable[["Front", ModernRequest, Caller, Channel], Awaitable[JSON]]
 
 
 class Front:
-    def __init__(
-        self, current: Callable[[], Config], pool: SessionPool, runner: TaskRunner, watchers: TaskWatchers
-    ) -> None:
-        self._current = current  # the config in force, read at each request (a live reload swaps what it returns)
+    def __init__(self, current: Callable[[], Config], pool: SessionPool, tasks: Tasks, watchers: TaskWatchers) -> None:
+        self._current = current  # the config in force, read once per request (a live reload swaps what it returns)
         config = current()  # what only a restart changes is bound here
         self.pool = pool
-        self.runner = runner
+        self.tasks = tasks
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
-        self.waiting = WaitingRequests(runner.starter, runner.client.keep_alive, self.cache)
-        self.listens = ListenStreams(lambda: current().limits, pool, runner, watchers)
-        self.keys = idempotency.IdempotencyKeys(
-            runner.store,
-            runner.principals,
-            runner.process_id,
-            runner.spawn,
-            runner.clock,
-            runner.metrics,
-            lambda: runner.closing,
-        )
+        self.listens = ListenStreams(lambda: current().limits, pool, tasks, watchers)
 
     @property
     def config(self) -> Config:
@@ -106,38 +93,33 @@ class Front:
         its quota, or its quota for the tool, is refused first (an MRTR retry is the same call, not counted
         again). With an `Idempotency-Key` (not on an MRTR retry, which its requestState binds already) the key's
         record decides whether it runs (`tasks/services/idempotency.py`)."""
-        config = self.config
+        config = self.config  # once: the whole request decides with one config, whatever a reload swaps meanwhile
         per_minute, tool_quotas = config.limits.calls_per_minute_per_principal, config.tasks.has_tool_quotas
         if (per_minute or tool_quotas) and "requestState" not in request.params:
             tool = str(request.params.get("name"))
-            policy = policy_for(config.tasks, tool) if tool_quotas else None
-            counted = self.runner.principals.key_of(caller.principal)
-            await self.runner.quotas.charge(counted, per_minute, tool, policy)
+            await self.tasks.charge(caller, per_minute, tool, policy_for(config.tasks, tool) if tool_quotas else None)
         outgoing = UpstreamRequest.of(request, caller)
         facts = await self.pool.facts.tool_facts(caller.principal, outgoing.name, self.cache[0])
         check_param_headers(caller.headers, request.params.get("arguments"), facts.param_headers)
         server_info = translate.implementation(facts.initialize_result)
         if "requestState" in request.params:
-            return await self.waiting.resume(outgoing, caller, channel, server_info)
-        if outgoing.name in self.config.jobs:  # a legacy job family's start tool: a task the proxy follows
-            decision = decide_job(self.config.tasks, outgoing.name, declares_tasks=request.declares_tasks)
+            return await self.tasks.resume(outgoing, caller, channel, server_info, config)
+        if outgoing.name in config.jobs:  # a legacy job family's start tool: a task the proxy follows
+            decision = decide_job(config.tasks, outgoing.name, declares_tasks=request.declares_tasks)
         else:
             decision = decide(
-                self.config.tasks,
-                outgoing.name,
-                declares_tasks=request.declares_tasks,
-                upstream_support=facts.task_support,
+                config.tasks, outgoing.name, declares_tasks=request.declares_tasks, upstream_support=facts.task_support
             )
         key = caller.headers.get(idempotency.HEADER)  # without one, nothing more is done than this lookup
-        if key is None or not self.config.idempotency.enabled:
-            return await self.waiting.call(outgoing, caller, channel, decision, server_info)
-        return await self.keys.serve(
-            self.config.idempotency,
+        if key is None or not config.idempotency.enabled:
+            return await self.tasks.call(outgoing, caller, channel, decision, server_info, config)
+        return await self.tasks.keyed(
+            config.idempotency,
             key,
             request,
             caller,
             channel,
-            lambda keyed: self.waiting.call(outgoing, caller, keyed, decision, server_info),
+            lambda keyed: self.tasks.call(outgoing, caller, keyed, decision, server_info, config),
         )
 
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
@@ -146,16 +128,18 @@ class Front:
         initialize_result = await self.pool.facts.initialize_result(caller.principal, self.cache[0])
         server_info = translate.implementation(initialize_result)
         outgoing = UpstreamRequest.of(request, caller)
+        config = self.config
         if "requestState" in request.params:
-            return await self.waiting.resume(outgoing, caller, channel, server_info)
-        return await self.waiting.call(outgoing, caller, channel, None, server_info)
+            return await self.tasks.resume(outgoing, caller, channel, server_info, config)
+        return await self.tasks.call(outgoing, caller, channel, None, server_info, config)
 
     async def list_tools(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """The upstream's tools, less the helpers of job families with `hide_helpers` (the proxy drives them)."""
         message = await self.forward(request, caller, channel)
-        if not self.config.jobs:
+        jobs = self.config.jobs
+        if not jobs:
             return message
-        hidden = frozenset().union(*(job.helpers() for job in self.config.jobs.values() if job.hide_helpers))
+        hidden = frozenset().union(*(job.helpers() for job in jobs.values() if job.hide_helpers))
         result = message.get("result")
         if hidden and isinstance(result, dict) and isinstance(result.get("tools"), list):
             tools = [tool for tool in result["tools"] if not (isinstance(tool, dict) and tool.get("name") in hidden)]
@@ -177,7 +161,7 @@ class Front:
         return task_id
 
     async def task_get(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        record = await self.runner.operations.observe(self._task_id(request), caller)
+        record = await self.tasks.get(self._task_id(request), caller)
         return result_message(request.id, wire_tasks.get_task_result(record, self.pool.server_info))
 
     async def task_update(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
@@ -187,11 +171,11 @@ class Front:
         responses = request.params.get("inputResponses")
         if not isinstance(responses, dict):
             raise InvalidParamsError("Invalid params: inputResponses must be an object")
-        await self.runner.operations.update(task_id, caller, responses)
+        await self.tasks.update(task_id, caller, responses)
         return result_message(request.id, wire_tasks.ack_result(self.pool.server_info))
 
     async def task_cancel(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
-        await self.runner.operations.cancel(self._task_id(request), caller)
+        await self.tasks.cancel(self._task_id(request), caller)
         return result_message(request.id, wire_tasks.ack_result(self.pool.server_info))
 
     async def forward(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:

@@ -25,7 +25,7 @@ from mcp_types import SERVER_INFO_META_KEY
 from proxy.config.schema import LimitsConfig
 from proxy.errors import CallerLimitError, InvalidParamsError, MissingCapabilityError, TaskLimitError, UpstreamError
 from proxy.observe import span_attributes, tracing
-from proxy.tasks.runner import TaskRunner
+from proxy.tasks.runner import Tasks
 from proxy.tasks.services.push import ListenInbox, TaskWatchers
 from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import Session
@@ -43,11 +43,11 @@ PROGRESS_COALESCE_SECONDS: Final = 0.2  # a task whose status stays the same is 
 
 class ListenStreams:
     def __init__(
-        self, limits: Callable[[], LimitsConfig], pool: SessionPool, runner: TaskRunner, watchers: TaskWatchers
+        self, limits: Callable[[], LimitsConfig], pool: SessionPool, tasks: Tasks, watchers: TaskWatchers
     ) -> None:
         self._limits = limits  # the limits in force, read at each stream (a live reload swaps what it returns)
         self.pool = pool
-        self.runner = runner
+        self.tasks = tasks
         self.watchers = watchers
         self._open: Counter[str] = Counter()  # open streams per caller (the owner of its tasks)
 
@@ -62,12 +62,13 @@ class ListenStreams:
     async def serve(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         wanted = request.params.get("notifications")
         wanted = wanted if isinstance(wanted, dict) else {}
-        task_ids = self._task_ids(request, wanted)
-        caller_key = self.runner.operations.owner(caller)  # a verified JWT counts as its owner, not the token
-        if sum(self._open.values()) >= self.limits.max_listen_streams:
-            raise TaskLimitError("max_listen_streams", self.limits.max_listen_streams)
-        if self._open[caller_key] >= self.limits.max_listen_streams_per_principal:
-            raise CallerLimitError("max_listen_streams_per_principal", self.limits.max_listen_streams_per_principal)
+        limits = self.limits  # once per stream
+        task_ids = self._task_ids(request, wanted, limits)
+        caller_key = self.tasks.owner(caller)  # a verified JWT counts as its owner, not the token
+        if sum(self._open.values()) >= limits.max_listen_streams:
+            raise TaskLimitError("max_listen_streams", limits.max_listen_streams)
+        if self._open[caller_key] >= limits.max_listen_streams_per_principal:
+            raise CallerLimitError("max_listen_streams_per_principal", limits.max_listen_streams_per_principal)
         self._open[caller_key] += 1
         try:
             async with self.pool.use(caller.principal) as session:
@@ -77,7 +78,7 @@ class ListenStreams:
             if not self._open[caller_key]:
                 del self._open[caller_key]
 
-    def _task_ids(self, request: ModernRequest, wanted: JSON) -> list[str] | None:
+    def _task_ids(self, request: ModernRequest, wanted: JSON, limits: LimitsConfig) -> list[str] | None:
         if "taskIds" not in wanted:
             return None
         if not request.declares_tasks:  # task notifications are the extension's
@@ -88,8 +89,8 @@ class ListenStreams:
         ids = wanted["taskIds"]
         if not isinstance(ids, list) or not all(isinstance(task_id, str) for task_id in ids):
             raise InvalidParamsError("Invalid params: notifications.taskIds must be a list of task ids")
-        if len(ids) > self.limits.max_listen_task_ids:
-            raise CallerLimitError("max_listen_task_ids", self.limits.max_listen_task_ids)
+        if len(ids) > limits.max_listen_task_ids:
+            raise CallerLimitError("max_listen_task_ids", limits.max_listen_task_ids)
         return list(dict.fromkeys(ids))
 
 
@@ -100,11 +101,10 @@ class _Stream:
         self, streams: ListenStreams, request: ModernRequest, caller: Caller, channel: Channel, session: Session
     ) -> None:
         self.streams = streams
-        self.runner = streams.runner
         self.request = request
         self.channel = channel
         self.session = session
-        self.tasks = self.runner.operations
+        self.tasks = streams.tasks
         self.owner = self.tasks.owner(caller)
         self.tag = {translate.SUBSCRIPTION_ID_META_KEY: request.id}
         self.inbox = ListenInbox()
@@ -206,8 +206,7 @@ class _Stream:
         message = notification_message("notifications/tasks", {"_meta": self.tag, **task})
         await self.channel.notify(message, required=True)
         tracing.event("task_pushed", {span_attributes.TASK_ID: record.task_id, "mcp.task.status": record.status.value})
-        if self.runner.metrics is not None:
-            self.runner.metrics.task_notifications.labels(record.status.value).inc()
+        self.tasks.pushed(record.status.value)
         self.sent[record.task_id] = (record.status.value, record.updated_at_ms, time.monotonic())
         if record.status.terminal:
             self.streams.watchers.drop(self.inbox, [record.task_id])

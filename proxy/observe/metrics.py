@@ -190,6 +190,13 @@ class Metrics:
             ["status"],
             registry=self.registry,
         )
+        self.client_notifications_dropped = Counter(
+            f"{prefix}_client_notifications_dropped_total",
+            "Notifications for a slow client of a call not written: replaced by a newer progress notification "
+            "(coalesced), or dropped past limits.max_client_backlog_bytes (backlog_full)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.queued_calls = Gauge(
             f"{prefix}_queued_calls",
             "Calls waiting for an upstream slot (upstream.max_concurrent_calls), by tool",

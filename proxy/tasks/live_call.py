@@ -111,16 +111,58 @@ class KeepAlive:
 KEEP_ALIVE: Final = KeepAlive()
 
 
+Outgoing = JSON | ReplyKind | KeepAlive  # what the client's writer writes: a notification, the reply, a comment
+
+
 @dataclass(eq=False, slots=True)
 class ClientEnd:
-    """What the client side owns: the waiting request's answer, its stream (notifications and keep-alive
-    comments before it), and the one writer that writes them in order (`effects/client.py`) with what is queued
-    for it."""
+    """What the client side owns: the waiting request's answer, its stream, and what is queued for the one
+    writer that writes it in order (`effects/client.py`, the only module that changes it), with the bytes of
+    the notifications waiting (its backlog, bounded by `limits.max_client_backlog_bytes`)."""
 
     reply: asyncio.Future[ReplyKind] | None = None
     channel: Channel | None = None
-    outgoing: deque[JSON | ReplyKind | KeepAlive] = field(default_factory=deque)
     writer: asyncio.Task[None] | None = None
+    writing: bool = False  # the writer waits for the client to take a write
+    backlog_bytes: int = 0  # the notifications queued, as the JSON they are written as
+    dropped: int = 0  # notifications dropped past the backlog's cap
+    _outgoing: deque[tuple[Outgoing, int]] = field(default_factory=deque)  # each with its size (0: no note)
+
+    def queued(self) -> bool:
+        return bool(self._outgoing)
+
+    def queue(self, item: Outgoing, size: int = 0) -> None:
+        self._outgoing.append((item, size))
+        self.backlog_bytes += size
+
+    def replace_progress(self, message: JSON, size: int) -> bool:
+        """A progress notification still waiting is replaced by `message` (which goes last); False when none
+        waits."""
+        for index in range(len(self._outgoing) - 1, -1, -1):
+            queued, queued_size = self._outgoing[index]
+            if isinstance(queued, dict) and queued.get("method") == PROGRESS:
+                del self._outgoing[index]
+                self.backlog_bytes -= queued_size
+                self.queue(message, size)
+                return True
+        return False
+
+    def next(self) -> Outgoing | None:
+        if not self._outgoing:
+            return None
+        item, size = self._outgoing.popleft()
+        self.backlog_bytes -= size
+        return item
+
+    def drop_notes(self) -> None:
+        """The stream broke: what was queued for it goes, but a reply (the waiting request's answer)."""
+        kept = [(item, 0) for item, _ in self._outgoing if not isinstance(item, dict | KeepAlive)]
+        self._outgoing.clear()
+        self._outgoing.extend(kept)
+        self.backlog_bytes = 0
+
+
+PROGRESS: Final = "notifications/progress"
 
 
 class Follower(Protocol):

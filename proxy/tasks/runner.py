@@ -22,7 +22,8 @@ from proxy.background import Background
 from proxy.config.schema import Config
 from proxy.observe.audit import AuditLog
 from proxy.observe.metrics import Metrics
-from proxy.principals import Principals
+from proxy.policy import Policy
+from proxy.principals import Identity, Principals
 from proxy.tasks.context import TasksContext
 from proxy.tasks.effects import Effects, Followers
 from proxy.tasks.effects.call_queue import Admission, Caps
@@ -38,6 +39,7 @@ from proxy.tasks.executor import Executor, Observer
 from proxy.tasks.live_call import CallTable, wall_clock_ms
 from proxy.tasks.machine import inputs
 from proxy.tasks.ports import CredentialBindings
+from proxy.tasks.services.idempotency import IdempotencyKeys
 from proxy.tasks.services.observers import AuditTrail, SpanEvents
 from proxy.tasks.services.operations import TaskOperations
 from proxy.tasks.services.pacing import Durations
@@ -45,17 +47,59 @@ from proxy.tasks.services.quotas import Quotas
 from proxy.tasks.services.recovery import Recovery
 from proxy.tasks.services.replica_inbox import ReplicaInbox
 from proxy.tasks.services.replicas import ReplicaLink
-from proxy.tasks.services.starting import CallStarter
+from proxy.tasks.services.starting import CallStarter, WaitingRequests
 from proxy.tasks.services.tool_names import check_named_tools
 from proxy.tasks.store import TaskStore
 from proxy.upstream.credentials import Forward
 from proxy.upstream.pool import SessionPool
+from proxy.wire.envelope import Caller
 
 log = structlog.get_logger(__name__)
 
 SHUTDOWN_GRACE_SECONDS: Final = 5.0  # how long close() waits for cancelled calls to tell the upstream
 
 _T = TypeVar("_T")
+
+
+class Tasks:
+    """What the front and the edge's handlers use of tasks, and nothing of the runner's internals: start and
+    resume calls for waiting requests (`call`, `resume`), the task operations (`get`, `update`, `cancel`, and
+    what listen streams read), a caller's quotas and idempotency keys, and whose tasks a caller owns."""
+
+    def __init__(
+        self,
+        waiting: WaitingRequests,
+        operations: TaskOperations,
+        quotas: Quotas,
+        keys: IdempotencyKeys,
+        principals: Principals,
+        metrics: Metrics | None,
+    ) -> None:
+        self.call = waiting.call  # a fresh call for a waiting request; its JSON-RPC answer
+        self.resume = waiting.resume  # an MRTR retry
+        self.keyed = keys.serve  # a tools/call with an Idempotency-Key
+        self.get = operations.observe  # tasks/get
+        self.update = operations.update  # tasks/update
+        self.cancel = operations.cancel  # tasks/cancel
+        self.owner = operations.owner  # whose tasks a caller sees (its keyed principal)
+        self.peek = operations.peek  # a listen stream's read: nothing written
+        self.paced = operations.paced  # a record as a client sees it
+        self._quotas = quotas
+        self._principals = principals
+        self._metrics = metrics
+
+    async def charge(self, caller: Caller, per_minute: int, tool: str, policy: Policy | None) -> None:
+        """One call of `caller` against its quotas (RateLimitedError beyond one)."""
+        await self._quotas.charge(self._principals.key_of(caller.principal), per_minute, tool, policy)
+
+    def owner_of(self, principal: Identity | None) -> str:
+        """A principal's keyed hash (its tasks' owner), as the audit log names it."""
+        return self._principals.key_of(principal)
+
+    def pushed(self, status: str) -> None:
+        """A listen stream sent a task's change."""
+        if self._metrics is not None:
+            self._metrics.task_notifications.labels(status).inc()
 
 
 class TaskRunner:
@@ -121,12 +165,16 @@ class TaskRunner:
         self.config_swapped()
         self.jobs = jobs = JobFollower(feed, self.background, pool, clock, current)
         self.followers = followers = Followers(UpstreamTaskFollower(feed, self.background, pool, clock), jobs)
-        self.client = client = ClientSide(self.durations.paced, feed, self.background)  # also: keep-alive comments
+        self.client = client = ClientSide(self.durations.paced, feed, self.background, current, metrics)
         feed.use(Effects(held, self.records, client, self.timers, self.parking, self.slots).carry_out)
-        self.starter = CallStarter(context, current, self.parking, self.replicas, client.note, followers)
+        self.starter = CallStarter(context, current, self.parking, self.replicas, client, followers)
         self.operations = TaskOperations(context, self.records, self.replicas)
         self.recovery = Recovery(context, self.replicas, self.records, self.starter.state, followers, draining)
         self.inbox = ReplicaInbox(context, self.parking, self.records, self.replicas, self.recovery, self.starter)
+        cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
+        keys = IdempotencyKeys(store, principals, self.process_id, self.spawn, clock, metrics, lambda: self.closing)
+        waiting = WaitingRequests(self.starter, client.keep_alive, cache)
+        self.tasks = Tasks(waiting, self.operations, self.quotas, keys, principals, metrics)  # the front's
 
     # --- lifecycle -----------------------------------------------------------------------------------
 

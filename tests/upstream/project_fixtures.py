@@ -1,4 +1,5 @@
-"""Fixtures for the project's own tests: ``sleep`` (progress every 0.1 s), ``echo``, ``raise_error``
+"""Fixtures for the project's own tests: ``sleep`` (progress every 0.1 s), ``chatty`` (log and progress as fast as
+they go), ``echo``, ``raise_error``
 (JSON-RPC error), ``tool_error`` (isError), ``ask_name`` / ``sample`` / ``list_roots`` (one
 server->client request each), ``log``, ``update_resource`` (resources/updated to subscribers) and
 ``ping_client`` (a ping on the call's stream), ``whoami`` (headers the call arrived with), ``trace_context``
@@ -47,6 +48,21 @@ def register(mcp: FastMCP[Any]) -> None:
             done = min(seconds, anyio.current_time() - start)
             await ctx.report_progress(round(done, 3), seconds, f"slept {done:.1f}/{seconds:g} s".ljust(pad, "."))
         return text_result(f"slept {seconds:g}")
+
+    @mcp.tool(
+        name="chatty",
+        description="Sends `count` log messages of `size` characters, each followed by a progress notification, as "
+        "fast as the stream takes them; returns 'chatted {count}'",
+    )
+    async def chatty(
+        ctx: Ctx,
+        count: Annotated[int, Field(description="How many log messages (and progress notifications)", ge=0)],
+        size: Annotated[int, Field(description="Characters in each log message", ge=0)] = 1000,
+    ) -> types.CallToolResult:
+        for number in range(count):
+            await support.log(ctx, "info", f"{number:08d}".ljust(size, "."), logger="chatty")
+            await ctx.report_progress(number + 1, count)
+        return text_result(f"chatted {count}")
 
     @mcp.tool(name="echo", description="Returns `text` unchanged")
     async def echo(text: Annotated[str, Field(description="Text to return")]) -> types.CallToolResult:

@@ -66,15 +66,14 @@ class HeldRequest:
 
         async def send(session: Session) -> None:
             async with session.call(call.method, call.params, call.headers) as upstream:
-                call.upstream.stream = upstream
+                pump.sending(call, upstream)
                 await pump.stream(self.feed, call, upstream, until=lambda: not call.state.running)
 
         session = self._session(call)
         admission = self.admission
         if admission is not None:  # the request waits for a slot (and holds it until it ends)
             session = admission.slot(call, session)
-        running = pump.run(self.feed, call, session, send)
-        call.upstream.pump = self.spawner.spawn(running, f"upstream-{call.call_id}")
+        pump.start(self.spawner, self.feed, call, session, send, f"upstream-{call.call_id}")
 
     def _session(self, call: LiveCall) -> AbstractAsyncContextManager[Session]:
         """A call whose client could answer a question (it declared elicitation, sampling or roots) gets an

@@ -67,7 +67,7 @@ class JobFollower:
                 await self.feed.dispatch(call, c.Ended(UpstreamErrorResponse(wire_tasks.internal_error(SPEC_GONE))))
                 return
             async with session.call(call.method, call.params, call.headers) as upstream:
-                call.upstream.stream = upstream
+                pump.sending(call, upstream)
                 async for event in upstream.events():
                     if isinstance(event, UpstreamResult):
                         await self._started(call, spec, event)
@@ -75,10 +75,10 @@ class JobFollower:
                     await self.feed.dispatch(call, pump.call_event(event))
                     if not call.state.running:
                         break
-            call.upstream.stream = None
+            pump.sending(call, None)
 
         session = self.pool.lease(call.principal, pump.sink(self.feed, call), asks=False)
-        call.upstream.pump = self.spawner.spawn(pump.run(self.feed, call, session, send), f"job-start-{call.call_id}")
+        pump.start(self.spawner, self.feed, call, session, send, f"job-start-{call.call_id}")
 
     async def _started(self, call: LiveCall, spec: JobSpec, answer: UpstreamResult) -> None:
         """The start tool's answer: the job's id starts the task; an `isError` result is the outcome as it is;

@@ -19,7 +19,7 @@ from proxy.errors import ProxyError, UpstreamError, UpstreamSessionGoneError
 from proxy.observe import tracing
 from proxy.tasks.live_call import LiveCall
 from proxy.tasks.machine.commands import Asked, Ended, Event, Notified
-from proxy.tasks.ports import Feed
+from proxy.tasks.ports import Feed, Spawner
 from proxy.upstream.session import RequestStream, Session
 from proxy.wire.upstream_events import UpstreamEvent, UpstreamNotification, UpstreamServerRequest
 
@@ -51,6 +51,23 @@ def sink(feed: Feed, call: LiveCall) -> Callable[[UpstreamEvent], Awaitable[None
         await feed.dispatch(call, call_event(event))
 
     return on_stream
+
+
+def start(
+    spawner: Spawner,
+    feed: Feed,
+    call: LiveCall,
+    session: AbstractAsyncContextManager[Session],
+    body: Callable[[Session], Awaitable[None]],
+    name: str,
+) -> None:
+    """The call's pump, in the background: `run`, kept on the call's upstream side (this module alone writes it)."""
+    call.upstream.pump = spawner.spawn(run(feed, call, session, body), name)
+
+
+def sending(call: LiveCall, upstream: RequestStream | None) -> None:
+    """The request the call's upstream side holds open (None: answered, nothing to cancel upstream any more)."""
+    call.upstream.stream = upstream
 
 
 def run(

@@ -289,6 +289,10 @@ class RecordWrites:
 
         self.outbox.keep(task_id, _KINDS[type(command)], lambda: call.stored.fence, write, written, reason)
 
+    def refence(self, call: LiveCall, fence: Fence) -> None:
+        """The call's task is still this replica's under its renewed lease: its writes carry that fence now."""
+        call.stored.fence = fence
+
     def _task_id(self, call: LiveCall) -> str:
         task_id = call.state.task_id
         assert task_id is not None

@@ -88,8 +88,7 @@ class UpstreamTaskFollower:
                 return
             await self._follow(call, session)
 
-        running = pump.run(self.feed, call, self._session(call), drive)
-        call.upstream.pump = self.spawner.spawn(running, f"upstream-task-{call.call_id}")
+        pump.start(self.spawner, self.feed, call, self._session(call), drive, f"upstream-task-{call.call_id}")
 
     def _session(self, call: LiveCall) -> AbstractAsyncContextManager[Session]:
         """A session of the call's own, whatever its client declared: the upstream scopes its task to the
@@ -105,7 +104,7 @@ class UpstreamTaskFollower:
         upstream answered it like a plain call (that was its outcome) or the call was abandoned."""
         params = legacy_tasks.with_task(call.params, ttl_ms)
         async with session.call(call.method, params, call.headers) as upstream:
-            call.upstream.stream = upstream
+            pump.sending(call, upstream)
             async for event in upstream.events():
                 task = legacy_tasks.created_task(event.result) if isinstance(event, UpstreamResult) else None
                 if task is not None:
@@ -114,7 +113,7 @@ class UpstreamTaskFollower:
                 await self.feed.dispatch(call, pump.call_event(event))
                 if not call.state.running:
                     return False
-        call.upstream.stream = None  # answered: nothing to cancel with notifications/cancelled any more
+        pump.sending(call, None)  # answered: nothing to cancel with notifications/cancelled any more
         return call.state.running and call.state.upstream_task is not None
 
     async def _created(self, call: LiveCall, session: Session, task: legacy_tasks.LegacyTask) -> None:

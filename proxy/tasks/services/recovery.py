@@ -107,7 +107,7 @@ class Recovery:
             for call in stale:
                 task_id = call.state.task_id
                 if task_id is None or task_id in mine:  # no record yet (its creation is not fenced), or still ours
-                    call.stored.fence = fence
+                    self.records.refence(call, fence)
                     resumed += 1
                 else:  # each waits for its call's current event (a record being committed, say)
                     await self.context.feed.dispatch(call, LeaseLost())

@@ -131,12 +131,11 @@ class ReplicaInbox:
             if claims.owner != self.parking.process_id:
                 raise InvalidParamsError("Invalid params: requestState belongs to a call held by another proxy process")
             call, answers = self.parking.take(claims, responses)
-            call.client.reply = asyncio.get_running_loop().create_future()
-            call.client.channel = RemoteChannel(self.link, reply_to, key)
+            waiting = self.starter.client.wait(call, RemoteChannel(self.link, reply_to, key))
             self._served[key] = call
             log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, forwarded_by=reply_to)
             await self.context.feed.submit(call, Resumed(answers, progress_token, log_level))
-            reply = await call.client.reply
+            reply = await waiting
         except ProxyError as exc:
             reply = ReplyError(exc)
         finally:
@@ -154,8 +153,7 @@ class ReplicaInbox:
         """The client waiting on another replica for a call resumed here went away."""
         call = self._served.pop(key, None)
         if call is not None:
-            if call.client.reply is not None and not call.client.reply.done():
-                call.client.reply.cancel()  # nobody waits for the answer any more
+            self.starter.client.gone(call)  # nobody waits for the answer any more
             self.starter.client_left(call)
 
 

@@ -15,7 +15,7 @@ no aiohttp.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final
@@ -28,6 +28,7 @@ from proxy.errors import InvalidParamsError, MissingCapabilityError, ProxyError
 from proxy.policy import SYNC_CALL, Decision, Outcome, decide
 from proxy.tasks.context import TasksContext
 from proxy.tasks.effects import Followers
+from proxy.tasks.effects.client import ClientSide
 from proxy.tasks.effects.slots import Parking
 from proxy.tasks.live_call import LiveCall, UpstreamRequest, known, new_call
 from proxy.tasks.machine import inputs
@@ -69,14 +70,20 @@ class CallStarter:
     config: Callable[[], Config]  # the config in force, read at each call: a live reload swaps what it returns
     parking: Parking
     replicas: ReplicaLink
-    notes: Callable[[LiveCall, JSON], Awaitable[None]]  # through the call's one client writer (`effects/client.py`)
+    client: ClientSide  # the call's client side: its reply, its stream and their one writer
     followers: Followers  # how a call follows a task the upstream runs, chosen as it is built
     _progress_tokens: int = field(default=0, init=False)
 
     def state(
-        self, decision: Decision, capabilities: JSON, progress_token: str | int | None, log_level: str | None
+        self,
+        decision: Decision,
+        capabilities: JSON,
+        progress_token: str | int | None,
+        log_level: str | None,
+        config: Config | None = None,
     ) -> CallState:
-        inputs_config = self.config().inputs
+        """A fresh call's state; `config` is the one its request decides with (else the one in force now)."""
+        inputs_config = (config or self.config()).inputs
         return CallState(
             decision=decision,
             capabilities=capabilities,
@@ -86,7 +93,9 @@ class CallStarter:
             log_level=log_level,
         )
 
-    async def begin(self, outgoing: UpstreamRequest, caller: Caller, decision: Decision, channel: Channel) -> LiveCall:
+    async def begin(
+        self, outgoing: UpstreamRequest, caller: Caller, decision: Decision, channel: Channel, config: Config
+    ) -> LiveCall:
         """A new call for a waiting request; its reply arrives on `call.client.reply`."""
         params = outgoing.params
         if decision.may_become_task:
@@ -97,7 +106,7 @@ class CallStarter:
                 meta["progressToken"] = f"mcp-tasks-proxy-{self._progress_tokens}"
             params = {**params, "_meta": meta}
         request = outgoing.request
-        state = self.state(decision, request.client_capabilities, request.progress_token, request.log_level)
+        state = self.state(decision, request.client_capabilities, request.progress_token, request.log_level, config)
         call = new_call(
             state,
             method=outgoing.method,
@@ -107,16 +116,20 @@ class CallStarter:
             params=params,
             headers=outgoing.headers,
             digest_of=lambda: outgoing.digest,
-            channel=channel,
             follower=self.followers.of(decision),
         )
-        call.client.reply = asyncio.get_running_loop().create_future()
+        self.client.wait(call, channel)
         self.context.table.add(call)
         await self.context.feed.submit(call, Start())
         return call
 
     async def resume(
-        self, outgoing: UpstreamRequest, caller: Caller, responses: Mapping[str, Any], channel: Channel
+        self,
+        outgoing: UpstreamRequest,
+        caller: Caller,
+        responses: Mapping[str, Any],
+        channel: Channel,
+        config: Config | None = None,
     ) -> LiveCall:
         """An MRTR retry: the `requestState` must be genuine, unexpired, the caller's, for this method and
         these params, and name a call parked for this round (here, or on the live replica that issued it: the
@@ -134,10 +147,9 @@ class CallStarter:
         ):
             raise InvalidParamsError("Invalid params: requestState was issued for another request")
         if claims.owner != self.parking.process_id:
-            return await self._forward(outgoing, caller, claims, state, responses, channel)
+            return await self._forward(outgoing, caller, claims, state, responses, channel, config or self.config())
         call, answers = self.parking.take(claims, responses)
-        call.client.reply = asyncio.get_running_loop().create_future()
-        call.client.channel = channel
+        self.client.wait(call, channel)
         log.info("mrtr_resumed", method=call.method, name=call.name, round=call.state.round, answered=sorted(answers))
         await self.context.feed.submit(call, Resumed(answers, request.progress_token, request.log_level))
         return call
@@ -150,6 +162,7 @@ class CallStarter:
         state: str,
         responses: Mapping[str, Any],
         channel: Channel,
+        config: Config,
     ) -> LiveCall:
         """An MRTR retry for a call parked on another replica: sent there (through the store), and a stand-in
         call here whose reply is what that replica's call answers (its notifications reach `channel` too, through
@@ -158,11 +171,11 @@ class CallStarter:
             raise InvalidParamsError(HOLDER_GONE)
         request = outgoing.request
         decision = (
-            decide(self.config().tasks, outgoing.name, declares_tasks=request.declares_tasks)
+            decide(config.tasks, outgoing.name, declares_tasks=request.declares_tasks)
             if request.method == "tools/call"
             else SYNC_CALL
         )
-        standin = self.state(decision, request.client_capabilities, request.progress_token, request.log_level)
+        standin = self.state(decision, request.client_capabilities, request.progress_token, request.log_level, config)
         call = new_call(
             standin,
             method=request.method,
@@ -170,12 +183,13 @@ class CallStarter:
             principal=caller.principal,
             caller=self.context.principals.key_of(caller.principal),
             digest_of=known(claims.digest),
-            channel=channel,
         )
-        call.client.reply = asyncio.get_running_loop().create_future()
+        self.client.wait(call, channel)
         origin = self.parking.process_id
         payload = remote.resume_payload(state, responses, request.progress_token, request.log_level, origin)
-        call.ask = await self.replicas.ask(claims.owner, remote.RESUME, payload, on_note=partial(self.notes, call))
+        call.ask = await self.replicas.ask(
+            claims.owner, remote.RESUME, payload, on_note=partial(self.client.note, call)
+        )
         self.context.spawner.spawn(self._await_forwarded(call, call.ask), f"forwarded-{call.ask.key}")
         log.info("mrtr_forwarded", method=call.method, name=call.name, round=claims.round, to=claims.owner)
         return call
@@ -184,22 +198,21 @@ class CallStarter:
         try:
             reply, call.request_state, task_id = remote.decode_reply(await ask.reply)
             if task_id is not None:
-                call.stored.record = await self.context.store.get(task_id)
-                if call.stored.record is None:
+                record = await self.context.store.get(task_id)
+                if record is None:
                     reply = ReplyError(ProxyError("Internal error: the task the call became is gone"))
                 else:
-                    reply = ReplyTask(self.context.durations.paced(call.stored.record))
+                    reply = ReplyTask(self.context.durations.paced(record))
         except (ProxyError, StoreError) as exc:
             reply = ReplyError(exc if isinstance(exc, ProxyError) else ProxyError(STORE_FAILED, detail=str(exc)))
-        if call.client.reply is not None and not call.client.reply.done():
-            call.client.reply.set_result(reply)
+        self.client.answer(call, reply)
 
     def client_left(self, call: LiveCall) -> None:
         """The waiting request went away (its handler is being cancelled): tell the call, in the background."""
         if call.ask is not None:  # a stand-in: the replica holding the call is told
             self.replicas.abandon(call.ask)
             return
-        call.client.channel = None
+        self.client.left(call)
         self.context.spawner.spawn(self.context.feed.dispatch(call, ClientLeft()), f"client-left-{call.call_id}")
 
     async def shut_down(self) -> None:
@@ -227,6 +240,7 @@ class WaitingRequests:
         channel: Channel,
         decision: Decision | None,
         server_info: JSON | None,
+        config: Config,
     ) -> JSON:
         """A fresh call: `decision` is the tool's (tools/call) or None (prompts/get, resources/read)."""
         request = outgoing.request
@@ -237,11 +251,11 @@ class WaitingRequests:
                 f"Missing required client capability: tool {request.params.get('name')!r} runs only as a task; "
                 f"declare the {TASKS_EXTENSION} extension",
             )
-        call = await self.starter.begin(outgoing, caller, decision, channel)
+        call = await self.starter.begin(outgoing, caller, decision, channel, config)
         return await self._answer(call, request, server_info)
 
     async def resume(
-        self, outgoing: UpstreamRequest, caller: Caller, channel: Channel, server_info: JSON | None
+        self, outgoing: UpstreamRequest, caller: Caller, channel: Channel, server_info: JSON | None, config: Config
     ) -> JSON:
         """An MRTR retry with `inputResponses` and the `requestState` of the round it answers."""
         request = outgoing.request
@@ -250,7 +264,7 @@ class WaitingRequests:
             responses = {}
         if not isinstance(responses, dict):
             raise InvalidParamsError("Invalid params: inputResponses must be an object")
-        call = await self.starter.resume(outgoing, caller, responses, channel)
+        call = await self.starter.resume(outgoing, caller, responses, channel, config)
         return await self._answer(call, request, server_info)
 
     async def _answer(self, call: LiveCall, request: ModernRequest, server_info: JSON | None) -> JSON:
