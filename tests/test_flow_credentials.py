@@ -261,6 +261,29 @@ async def test_a_job_whose_callers_token_expired_polls_to_its_end_with_refreshed
     assert sha(started["Authorization"].removeprefix("Bearer ")) not in seen
 
 
+async def test_a_job_whose_credential_cannot_be_renewed_fails_saying_so(
+    tasks_client: ClientFactory, protected: Upstream, endpoint: TokenServer, issuer: Issuer, tmp_path: Path
+) -> None:
+    endpoint.lifetime_seconds = 2
+    endpoint.refresh_tokens = False  # the endpoint gives no refresh token: nothing renews it past the caller's token
+    client = await tasks_client(
+        protected.url,
+        upstream={"credentials": endpoint.exchange_config(renew_before_seconds=0.5)},
+        security={"jwt": jwt_section(issuer), "key_file": key_file(tmp_path)},
+        jobs=render_job(poll_interval_ms=500),
+    )
+    task_id = await client.create("start_render", {"seconds": 30}, headers=bearer(issuer, "alice", lifetime=3))
+
+    async def settled() -> dict[str, Any] | None:
+        task = await client.task(task_id, headers=bearer(issuer, "alice"))
+        return task if task["status"] != "working" else None
+
+    done = await until(settled, "the job task did not settle", 20)
+    assert done["status"] == "failed", done
+    assert "can no longer be renewed" in done["statusMessage"]
+    assert "gave no refresh token" in done["statusMessage"]
+
+
 # --- secrets ---------------------------------------------------------------------------------------------------
 
 
