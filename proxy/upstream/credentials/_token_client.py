@@ -101,7 +101,7 @@ class TokenClient:
             "requested_token_type": ACCESS_TOKEN_TYPE,
         }
         if self._actor_token is not None:
-            form["actor_token"] = self._actor_token
+            form["actor_token"] = _checked(self._actor_token, "the actor token")
             form["actor_token_type"] = self.config.actor_token_type
         return await self._request(form, target, "exchange")
 
