@@ -22,9 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import jwt
 from aiohttp import web
-from cryptography.hazmat.primitives.asymmetric import rsa
 
 from benchmarks.harness import (
     LegacyClient,
@@ -39,7 +37,7 @@ from benchmarks.harness import (
     start_upstream,
     wait_for_port,
 )
-from benchmarks.loadgen import HttpClient, Response
+from benchmarks.oauth import ISSUER, WithHeaders, key_set, token
 from proxy.config.credentials import ExchangeConfig
 from proxy.principals import Identity, Principals
 from proxy.upstream.credentials import Exchange, Forward
@@ -47,21 +45,6 @@ from proxy.upstream.credentials._token_client import TokenClient
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "credentials.json"
-ISSUER = "https://issuer.example"
-
-
-def _key_set(directory: Path) -> tuple[rsa.RSAPrivateKey, Path]:
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    public = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(key.public_key()))
-    path = directory / "jwks.json"
-    path.write_text(json.dumps({"keys": [{**public, "kid": "k1", "alg": "RS256"}]}))
-    return key, path
-
-
-def _token(key: rsa.RSAPrivateKey, subject: str) -> str:
-    now = int(time.time())
-    claims = {"iss": ISSUER, "sub": subject, "iat": now, "exp": now + 3600}
-    return jwt.encode(claims, key, algorithm="RS256", headers={"kid": "k1"})
 
 
 async def _token_endpoint() -> tuple[web.AppRunner, str, list[int]]:
@@ -122,20 +105,8 @@ async def _exchanging_proxy(
     return Process(process, f"http://127.0.0.1:{port}/mcp")
 
 
-class _WithHeaders:
-    def __init__(self, http: HttpClient, extra: dict[str, str]) -> None:
-        self.http = http
-        self.extra = extra
-
-    async def post(self, body: bytes, headers: dict[str, str]) -> Response:
-        return await self.http.post(body, {**headers, **self.extra})
-
-    def close(self) -> None:
-        self.http.close()
-
-
 async def latency_rows(directory: Path, token_url: str, exchanges: list[int], quick: bool) -> list[dict[str, Any]]:
-    key, path = _key_set(directory)
+    key, path = key_set(directory)
     secret = directory / "client-secret"
     secret.write_text("s" * 32)
     upstream = await start_upstream()
@@ -147,14 +118,14 @@ async def latency_rows(directory: Path, token_url: str, exchanges: list[int], qu
     forwarding = await start_proxy(upstream.url, directory, "forward", security=security)
     exchanging = await _exchanging_proxy(upstream.url, directory, security, exchange)
     rows = []
-    bearer = {"Authorization": f"Bearer {_token(key, 'alice')}"}
+    bearer = {"Authorization": f"Bearer {token(key, 'alice')}"}
     try:
         direct = LegacyClient(upstream.url)
         await direct.start()
         clients = {}
         for label, proxy in (("credentials: forward", forwarding), ("credentials: exchange, warm cache", exchanging)):
             client = ModernClient(proxy.url)
-            client.http = _WithHeaders(client.http, bearer)  # type: ignore[assignment]
+            client.http = WithHeaders(client.http, bearer)  # type: ignore[assignment]
             await measure(client.echo, 50, 1)
             clients[label] = client
         count = 300 if quick else 1500

@@ -10,23 +10,20 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import structlog
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from proxy.edge._app_keys import POOL
-from proxy.observe import tracing_setup
 from tests.support.clients import ClientFactory, Tasks
 from tests.support.jobs import render_job
 from tests.support.oauth import ISSUER, Issuer
 from tests.support.processes import ROOT, Upstream, key_file, stdio_sessions
 from tests.support.sdk import connect, text
-from tests.support.token_server import TOKEN_ISSUER, TokenServer
+from tests.support.token_server import TokenServer
 from tests.support.waiting import until
 from tests.support.wire import result_text
 
@@ -37,33 +34,12 @@ def sha(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-@pytest.fixture(scope="module")
-def issuer(tmp_path_factory: pytest.TempPathFactory) -> Issuer:
-    return Issuer(tmp_path_factory.mktemp("callers"))
+def jwt_section(caller_issuer: Issuer) -> dict[str, Any]:
+    return {"jwks_file": str(caller_issuer.jwks_path), "issuer": ISSUER}
 
 
-@pytest.fixture
-def endpoint(issuer: Issuer, tmp_path: Path) -> Iterator[TokenServer]:
-    server = TokenServer(tmp_path, issuer).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def protected(endpoint: TokenServer) -> Iterator[Upstream]:
-    """The upstream: an OAuth resource server that accepts the token endpoint's tokens only."""
-    server = Upstream("--auth", str(endpoint.jwks_path), TOKEN_ISSUER, "http://127.0.0.1:9/mcp")
-    server.start()
-    yield server
-    server.stop()
-
-
-def jwt_section(issuer: Issuer) -> dict[str, Any]:
-    return {"jwks_file": str(issuer.jwks_path), "issuer": ISSUER}
-
-
-def bearer(issuer: Issuer, subject: str, lifetime: float = 600, **claims: Any) -> dict[str, str]:
-    return {"Authorization": f"Bearer {issuer.token(subject, lifetime=lifetime, **claims)}"}
+def bearer(caller_issuer: Issuer, subject: str, lifetime: float = 600, **claims: Any) -> dict[str, str]:
+    return {"Authorization": f"Bearer {caller_issuer.token(subject, lifetime=lifetime, **claims)}"}
 
 
 async def token_claims(client: Tasks, headers: dict[str, str]) -> dict[str, Any]:
@@ -77,14 +53,6 @@ async def presented(client: Tasks, headers: dict[str, str]) -> set[str]:
     status, message = await client.call("seen_tokens", {}, capabilities={}, headers=headers)
     assert status == 200, message
     return set(json.loads(result_text(message)))
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    assert tracing_setup.configure(environ={}, processor=SimpleSpanProcessor(exporter))
-    yield exporter
-    tracing_setup.shutdown()
 
 
 def span_text(exporter: InMemorySpanExporter) -> str:
@@ -108,50 +76,50 @@ def span_text(exporter: InMemorySpanExporter) -> str:
 async def test_each_caller_reaches_the_upstream_with_its_own_exchanged_token_never_the_inbound_one(
     client_auth: str,
     tasks_client: ClientFactory,
-    protected: Upstream,
-    endpoint: TokenServer,
-    issuer: Issuer,
+    protected_upstream: Upstream,
+    token_endpoint: TokenServer,
+    caller_issuer: Issuer,
     tmp_path: Path,
     spans: InMemorySpanExporter,
 ) -> None:
     overrides: dict[str, Any] = {"client_auth": client_auth}
     if client_auth == "private_key_jwt":
-        overrides = {"client_secret_file": None, "private_key_jwt": {"key_file": str(endpoint.client_key_path)}}
+        overrides = {"client_secret_file": None, "private_key_jwt": {"key_file": str(token_endpoint.client_key_path)}}
     client = await tasks_client(
-        protected.url,
-        upstream={"credentials": endpoint.exchange_config(**overrides)},
-        security={"jwt": jwt_section(issuer), "key_file": key_file(tmp_path)},
+        protected_upstream.url,
+        upstream={"credentials": token_endpoint.exchange_config(**overrides)},
+        security={"jwt": jwt_section(caller_issuer), "key_file": key_file(tmp_path)},
     )
-    alice, bob = bearer(issuer, "alice"), bearer(issuer, "bob")
+    alice, bob = bearer(caller_issuer, "alice"), bearer(caller_issuer, "bob")
     with structlog.testing.capture_logs() as logs:
         seen_by_alice = await token_claims(client, alice)
         seen_by_bob = await token_claims(client, bob)
         again = await token_claims(client, alice)  # the cached token: no second exchange
         sessions = client.client.app[POOL].open_sessions
-        refreshed = bearer(issuer, "alice", jti="second")  # the caller's next token: same owner, same session
+        refreshed = bearer(caller_issuer, "alice", jti="second")  # the caller's next token: same owner, same session
         after_refresh = await token_claims(client, refreshed)
         seen = await presented(client, alice)
     assert seen_by_alice["sub"] == "alice", seen_by_alice
     assert seen_by_bob["sub"] == "bob"
     assert seen_by_alice["aud"] == seen_by_bob["aud"] == "legacy-upstream"
-    alice_tokens = {sha(token) for token in endpoint.tokens_of("alice")}
-    bob_tokens = {sha(token) for token in endpoint.tokens_of("bob")}
+    alice_tokens = {sha(token) for token in token_endpoint.tokens_of("alice")}
+    bob_tokens = {sha(token) for token in token_endpoint.tokens_of("bob")}
     assert seen_by_alice["token"] in alice_tokens
     assert seen_by_bob["token"] in bob_tokens
     assert again["token"] == seen_by_alice["token"]
     assert after_refresh["sub"] == "alice"
     assert client.client.app[POOL].open_sessions == sessions
-    assert endpoint.count("exchange") == 2  # one per caller, then cached
+    assert token_endpoint.count("exchange") == 2  # one per caller, then cached
     inbound = {sha(value.removeprefix("Bearer ")) for value in (alice["Authorization"], bob["Authorization"])}
     assert seen
     assert not inbound & seen  # the upstream never saw a caller's own token
     assert seen <= alice_tokens | bob_tokens | inbound
     secrets_written = [
         *(value.removeprefix("Bearer ") for value in (alice["Authorization"], bob["Authorization"])),
-        *endpoint.tokens_of("alice"),
-        *endpoint.tokens_of("bob"),
-        *endpoint.grants,
-        endpoint.client_secret,
+        *token_endpoint.tokens_of("alice"),
+        *token_endpoint.tokens_of("bob"),
+        *token_endpoint.grants,
+        token_endpoint.client_secret,
     ]
     text = json.dumps(logs, default=str) + span_text(spans)
     assert "credential_exchanged" in text
@@ -160,20 +128,20 @@ async def test_each_caller_reaches_the_upstream_with_its_own_exchanged_token_nev
 
 
 async def test_a_legacy_client_is_verified_and_relayed_with_its_exchanged_token_in_place_of_its_own(
-    make_proxy: Any, protected: Upstream, endpoint: TokenServer, issuer: Issuer, tmp_path: Path
+    make_proxy: Any, protected_upstream: Upstream, token_endpoint: TokenServer, caller_issuer: Issuer, tmp_path: Path
 ) -> None:
     client = await make_proxy(
-        protected.url,
-        upstream={"credentials": endpoint.exchange_config()},
-        security={"jwt": jwt_section(issuer), "key_file": key_file(tmp_path)},
+        protected_upstream.url,
+        upstream={"credentials": token_endpoint.exchange_config()},
+        security={"jwt": jwt_section(caller_issuer), "key_file": key_file(tmp_path)},
     )
     url = str(client.make_url("/mcp"))
-    alice = bearer(issuer, "alice")
+    alice = bearer(caller_issuer, "alice")
     async with connect(url, headers=alice) as legacy:
         claims = json.loads(text(await legacy.session.call_tool("token_claims", {})))
         seen = set(json.loads(text(await legacy.session.call_tool("seen_tokens", {}))))
     assert claims["sub"] == "alice"
-    assert claims["token"] in {sha(token) for token in endpoint.tokens_of("alice")}
+    assert claims["token"] in {sha(token) for token in token_endpoint.tokens_of("alice")}
     assert sha(alice["Authorization"].removeprefix("Bearer ")) not in seen
     response = await client.post("/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "ping"}, headers=_legacy_headers())
     assert response.status == 401  # a legacy caller the proxy cannot verify gets no credential made for it
@@ -184,15 +152,19 @@ def _legacy_headers() -> dict[str, str]:
 
 
 async def test_a_refused_exchange_is_401_with_the_endpoints_error_and_a_down_endpoint_503_never_forwarding(
-    tasks_client: ClientFactory, protected: Upstream, endpoint: TokenServer, issuer: Issuer, tmp_path: Path
+    tasks_client: ClientFactory,
+    protected_upstream: Upstream,
+    token_endpoint: TokenServer,
+    caller_issuer: Issuer,
+    tmp_path: Path,
 ) -> None:
     client = await tasks_client(
-        protected.url,
-        upstream={"credentials": endpoint.exchange_config(timeout_seconds=2)},
-        security={"jwt": jwt_section(issuer), "key_file": key_file(tmp_path)},
+        protected_upstream.url,
+        upstream={"credentials": token_endpoint.exchange_config(timeout_seconds=2)},
+        security={"jwt": jwt_section(caller_issuer), "key_file": key_file(tmp_path)},
     )
-    endpoint.refuse_subjects.add("mallory")
-    mallory = bearer(issuer, "mallory")
+    token_endpoint.refuse_subjects.add("mallory")
+    mallory = bearer(caller_issuer, "mallory")
     status, message = await client.call("token_claims", {}, capabilities={}, headers=mallory)
     assert status == 401, message
     assert message["error"]["data"] == {"error": "invalid_grant"}
@@ -203,7 +175,7 @@ async def test_a_refused_exchange_is_401_with_the_endpoints_error_and_a_down_end
     status, message = await client.call("token_claims", {}, capabilities={}, headers={"Authorization": "Bearer opaque"})
     assert status == 401, message  # a token the proxy cannot verify names no owner to exchange for
 
-    endpoint.down = True
+    token_endpoint.down = True
     response = await client.client.post(
         "/mcp",
         json={
@@ -212,12 +184,12 @@ async def test_a_refused_exchange_is_401_with_the_endpoints_error_and_a_down_end
             "method": "tools/call",
             "params": {"name": "token_claims", "arguments": {}, "_meta": _meta()},
         },
-        headers={**_modern_headers("token_claims"), **bearer(issuer, "carol")},
+        headers={**_modern_headers("token_claims"), **bearer(caller_issuer, "carol")},
     )
     assert response.status == 503
     assert response.headers["Retry-After"].isdigit()
-    endpoint.down = False
-    seen = await presented(client, bearer(issuer, "alice"))
+    token_endpoint.down = False
+    seen = await presented(client, bearer(caller_issuer, "alice"))
     assert sha(mallory["Authorization"].removeprefix("Bearer ")) not in seen
 
 
@@ -235,47 +207,59 @@ def _modern_headers(tool: str) -> dict[str, str]:
 
 
 async def test_a_job_whose_callers_token_expired_polls_to_its_end_with_refreshed_tokens(
-    tasks_client: ClientFactory, protected: Upstream, endpoint: TokenServer, issuer: Issuer, tmp_path: Path
+    tasks_client: ClientFactory,
+    protected_upstream: Upstream,
+    token_endpoint: TokenServer,
+    caller_issuer: Issuer,
+    tmp_path: Path,
 ) -> None:
     """The suite's short version of the 90 s family with 20 s tokens: 9 s, tokens of 2 s, the caller's own
     token of 4 s. Polls after the caller's token expired are made with tokens the refresh token renewed."""
-    endpoint.lifetime_seconds = 2
+    token_endpoint.lifetime_seconds = 2
     client = await tasks_client(
-        protected.url,
-        upstream={"credentials": endpoint.exchange_config(renew_before_seconds=0.5)},
-        security={"jwt": jwt_section(issuer), "key_file": key_file(tmp_path)},
+        protected_upstream.url,
+        upstream={"credentials": token_endpoint.exchange_config(renew_before_seconds=0.5)},
+        security={"jwt": jwt_section(caller_issuer), "key_file": key_file(tmp_path)},
         jobs=render_job(poll_interval_ms=500),
     )
-    started = bearer(issuer, "alice", lifetime=4)
+    started = bearer(caller_issuer, "alice", lifetime=4)
     task_id = await client.create("start_render", {"seconds": 9}, headers=started)
 
     async def settled() -> dict[str, Any] | None:
-        task = await client.task(task_id, headers=bearer(issuer, "alice"))  # the client polls with its own fresh ones
+        task = await client.task(
+            task_id, headers=bearer(caller_issuer, "alice")
+        )  # the client polls with its own fresh ones
         return task if task["status"] in ("completed", "failed", "cancelled") else None
 
     done = await until(settled, "the job task did not settle", 30)
     assert done["status"] == "completed", done
-    assert endpoint.count("refresh") >= 2  # renewed by refresh tokens after the caller's token expired
-    assert len(endpoint.tokens_of("alice")) >= 4
-    seen = await presented(client, bearer(issuer, "alice"))
+    assert token_endpoint.count("refresh") >= 2  # renewed by refresh tokens after the caller's token expired
+    assert len(token_endpoint.tokens_of("alice")) >= 4
+    seen = await presented(client, bearer(caller_issuer, "alice"))
     assert sha(started["Authorization"].removeprefix("Bearer ")) not in seen
 
 
 async def test_a_job_whose_credential_cannot_be_renewed_fails_saying_so(
-    tasks_client: ClientFactory, protected: Upstream, endpoint: TokenServer, issuer: Issuer, tmp_path: Path
+    tasks_client: ClientFactory,
+    protected_upstream: Upstream,
+    token_endpoint: TokenServer,
+    caller_issuer: Issuer,
+    tmp_path: Path,
 ) -> None:
-    endpoint.lifetime_seconds = 2
-    endpoint.refresh_tokens = False  # the endpoint gives no refresh token: nothing renews it past the caller's token
+    token_endpoint.lifetime_seconds = 2
+    token_endpoint.refresh_tokens = (
+        False  # the endpoint gives no refresh token: nothing renews it past the caller's token
+    )
     client = await tasks_client(
-        protected.url,
-        upstream={"credentials": endpoint.exchange_config(renew_before_seconds=0.5)},
-        security={"jwt": jwt_section(issuer), "key_file": key_file(tmp_path)},
+        protected_upstream.url,
+        upstream={"credentials": token_endpoint.exchange_config(renew_before_seconds=0.5)},
+        security={"jwt": jwt_section(caller_issuer), "key_file": key_file(tmp_path)},
         jobs=render_job(poll_interval_ms=500),
     )
-    task_id = await client.create("start_render", {"seconds": 30}, headers=bearer(issuer, "alice", lifetime=3))
+    task_id = await client.create("start_render", {"seconds": 30}, headers=bearer(caller_issuer, "alice", lifetime=3))
 
     async def settled() -> dict[str, Any] | None:
-        task = await client.task(task_id, headers=bearer(issuer, "alice"))
+        task = await client.task(task_id, headers=bearer(caller_issuer, "alice"))
         return task if task["status"] != "working" else None
 
     done = await until(settled, "the job task did not settle", 20)
@@ -288,35 +272,39 @@ async def test_a_job_whose_credential_cannot_be_renewed_fails_saying_so(
 
 
 async def test_secrets_give_each_caller_its_own_headers_and_refuse_one_without_an_entry(
-    tasks_client: ClientFactory, protected: Upstream, endpoint: TokenServer, issuer: Issuer, tmp_path: Path
+    tasks_client: ClientFactory,
+    protected_upstream: Upstream,
+    token_endpoint: TokenServer,
+    caller_issuer: Issuer,
+    tmp_path: Path,
 ) -> None:
-    alice_token = endpoint.issue("alice", "legacy-upstream", "mcp", "operator", "static")["access_token"]
-    bob_token = endpoint.issue("bob", "legacy-upstream", "mcp", "operator", "static")["access_token"]
+    alice_token = token_endpoint.issue("alice", "legacy-upstream", "mcp", "operator", "static")["access_token"]
+    bob_token = token_endpoint.issue("bob", "legacy-upstream", "mcp", "operator", "static")["access_token"]
     users = tmp_path / "users"
     users.mkdir()
     (users / "alice").write_text(json.dumps({"Authorization": f"Bearer {alice_token}"}))
     (users / "bob").write_text(json.dumps({"Authorization": f"Bearer {bob_token}"}))
     client = await tasks_client(
-        protected.url,
+        protected_upstream.url,
         upstream={"credentials": {"mode": "secrets", "secrets": {"path": str(users)}}},
-        security={"jwt": jwt_section(issuer), "key_file": key_file(tmp_path)},
+        security={"jwt": jwt_section(caller_issuer), "key_file": key_file(tmp_path)},
     )
-    assert (await token_claims(client, bearer(issuer, "alice")))["token"] == sha(alice_token)
-    assert (await token_claims(client, bearer(issuer, "bob")))["token"] == sha(bob_token)
-    status, message = await client.call("token_claims", {}, capabilities={}, headers=bearer(issuer, "carol"))
+    assert (await token_claims(client, bearer(caller_issuer, "alice")))["token"] == sha(alice_token)
+    assert (await token_claims(client, bearer(caller_issuer, "bob")))["token"] == sha(bob_token)
+    status, message = await client.call("token_claims", {}, capabilities={}, headers=bearer(caller_issuer, "carol"))
     assert status == 403, message
     assert "no upstream credential" in message["error"]["message"]
     (users / "bob").unlink()  # picked up as the config is: bob is refused from then on
 
     async def bob_refused() -> bool:
-        status, _ = await client.call("token_claims", {}, capabilities={}, headers=bearer(issuer, "bob"))
+        status, _ = await client.call("token_claims", {}, capabilities={}, headers=bearer(caller_issuer, "bob"))
         return status == 403
 
     await until(bob_refused, "a removed entry was not picked up", 10)
 
 
 async def test_stdio_secrets_give_each_caller_processes_with_its_own_environment_only(
-    tasks_client: ClientFactory, issuer: Issuer, tmp_path: Path
+    tasks_client: ClientFactory, caller_issuer: Issuer, tmp_path: Path
 ) -> None:
     users = tmp_path / "users.yaml"
     users.write_text(json.dumps({"alice": {"SERVICE_TOKEN": "alice-secret-1"}, "bob": {"SERVICE_TOKEN": "bob-secret"}}))
@@ -329,10 +317,10 @@ async def test_stdio_secrets_give_each_caller_processes_with_its_own_environment
             "max_processes": 4,
             "credentials": {"mode": "secrets", "secrets": {"path": str(users)}},
         },
-        security={"jwt": jwt_section(issuer), "key_file": key_file(tmp_path)},
+        security={"jwt": jwt_section(caller_issuer), "key_file": key_file(tmp_path)},
     )
 
-    tokens = {subject: bearer(issuer, subject) for subject in ("alice", "bob", "carol")}
+    tokens = {subject: bearer(caller_issuer, subject) for subject in ("alice", "bob", "carol")}
 
     async def environment(subject: str) -> dict[str, str]:
         status, message = await client.call("environment", {}, capabilities={}, headers=tokens[subject])
