@@ -68,7 +68,7 @@ async def throughput(creators: list[Callable[[], Awaitable[None]]], count: int) 
 
 def creator(store: TaskStore) -> Callable[[], Awaitable[None]]:
     async def create() -> None:
-        await store.create(record())
+        await store.records.create(record())
 
     return create
 

@@ -1,14 +1,6 @@
-"""Command line: argv → config → logging → serve | check-config | tasks … | probe.
-
-`serve` runs the proxy (`serve … -- CMD ARGS` names a stdio server instead of an upstream URL);
-`check-config [FILE]` validates what `serve` would run (errors all at once, exit code 2; `--print` writes it as
-YAML, credentials redacted); `tasks list|show|stats|cancel|purge` work on
-the store the config names (`operators/tasks_cli.py`); `probe [URL]` is the container HEALTHCHECK (exit 0 on HTTP
-200). Every command has `--help`; `--version` prints the version.
-
-Imports only the standard library at module level: the probe runs every 30 s in the image and must not load
-aiohttp, pydantic or the app. Each command imports what it needs when it runs.
-"""
+"""Command line: argv → config → logging → serve | check-config | tasks … | probe; every command has `--help`.
+Imports only the standard library at module level: the probe (the container HEALTHCHECK, every 30 s) must not
+load aiohttp, pydantic or the app; each command imports what it needs when it runs."""
 
 from __future__ import annotations
 
@@ -18,6 +10,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from proxy.operators import tasks_cli as operator_cli
+
+# `serve` runs the proxy (`serve … -- CMD ARGS` names a stdio server instead of an upstream URL); `check-config
+# [FILE]` validates what `serve` would run (errors all at once, exit code 2; `--print` writes it as YAML, credentials
+# redacted); `tasks list|show|stats|cancel|purge` work on the store the config names (`operators/tasks_cli.py`);
+# `probe [URL]` is the container HEALTHCHECK (exit 0 on HTTP 200). Every command has `--help`; `--version` prints the
+# version.
+#
+# Imports only the standard library at module level: the probe runs every 30 s in the image and must not load aiohttp,
+# pydantic or the app. Each command imports what it needs when it runs.
 
 if TYPE_CHECKING:
     import asyncio

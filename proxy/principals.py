@@ -1,14 +1,6 @@
-"""Who a caller is, as the proxy keeps it: one value (`Identity`), a keyed hash of it for ownership, a plain
-hash of its credential for the upstream sessions, and a sealed copy of the credential for the one case that
-needs it back.
-
-A task belongs to the HMAC-SHA256 of the caller's principal header (or of a verified JWT's owner) under the
-deployment key, so a stolen database does not let anyone confirm a token they hold (a bare SHA-256 would). The
-upstream sessions, which live only in the process, are keyed by the SHA-256 of the header (`principal_key`).
-A task with `on_restart: rerun` must present the caller's header upstream again after a restart; that value is
-stored encrypted (Fernet, from `cryptography`) under a key derived from the same deployment key. Pure: no I/O
-but reading or creating the key file.
-"""
+"""Who a caller is (`Identity`), its keyed hash (tasks' owner), a plain hash of its credential (the upstream
+sessions' key) and a sealed copy of it (re-runs); the deployment key. Pure: no I/O but reading or creating the
+key file."""
 
 from __future__ import annotations
 
@@ -26,6 +18,13 @@ from cryptography.fernet import Fernet, InvalidToken
 
 from proxy.config.keyfiles import MIN_SECRET_BYTES, read_secret
 from proxy.config.schema import Config
+
+# A task belongs to the HMAC-SHA256 of the caller's principal header (or of a verified JWT's owner) under the
+# deployment key, so a stolen database does not let anyone confirm a token they hold (a bare SHA-256 would). The
+# upstream sessions, which live only in the process, are keyed by the SHA-256 of the header (`principal_key`). A task
+# with `on_restart: rerun` must present the caller's header upstream again after a restart; that value is stored
+# encrypted (Fernet, from `cryptography`) under a key derived from the same deployment key. Pure: no I/O but reading
+# or creating the key file.
 
 _HASH_CONTEXT: Final = b"mcp-tasks-proxy/principal/v1"
 _SEAL_CONTEXT: Final = b"mcp-tasks-proxy/rerun-principal/v1"

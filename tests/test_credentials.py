@@ -277,9 +277,9 @@ async def test_a_grant_is_held_by_one_refresher_at_a_time_and_lives_while_a_task
     assert await grants.read_grant("alice", "t") == "sealed-2"
     assert await grants.lock_grant("bob", "t", "replica-a", until_ms=1, now_ms=0) is None  # no grant: nothing held
 
-    await store.create(make_record("task-a", principal="alice"))
+    await store.records.create(make_record("task-a", principal="alice"))
     assert await grants.drop_grants("alice") == 0  # its task is live
-    await store.settle("task-a", TaskStatus.COMPLETED, now_ms=2_000)
+    await store.records.settle("task-a", TaskStatus.COMPLETED, now_ms=2_000)
     assert await grants.drop_grants("alice") == 1
     assert await grants.read_grant("alice", "t") is None
     await grants.write_grant("carol", "t", "sealed", 1, None)

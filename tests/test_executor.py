@@ -135,7 +135,7 @@ class Parts:
         self.store = store
         self.background = Background()
         self.table = CallTable()
-        self.durations = Durations(store, wall_clock_ms, self.background)
+        self.durations = Durations(store.usage, wall_clock_ms, self.background)
         self.feed = RecordingFeed()
         self.context = TasksContext(
             store=store,
@@ -191,7 +191,7 @@ async def test_a_working_task_beyond_max_running_is_refused_before_anything_is_w
 
     assert isinstance(refused, CommitRefused)
     assert isinstance(refused.error, TaskLimitError)
-    assert (await store.stats())["working"] == 1  # only the first record was written
+    assert (await store.operators.stats())["working"] == 1  # only the first record was written
     assert parts.table.task(task_id) is first
     parts.slots.forget(first)  # the first call finished: its slot is free again
     assert isinstance(await parts.records.create(second, CreateRecord(TaskStatus.WORKING, {}, 0)), Committed)
@@ -229,7 +229,7 @@ async def test_while_the_outbox_is_at_its_limit_a_new_task_is_refused_before_any
     assert isinstance(refused, CommitRefused)
     assert refused.error.status == 503
     assert refused.error.data == {"limit": "store.max_pending_settlements", "max": 1}
-    assert (await store.stats())["records"] == 1
+    assert (await store.operators.stats())["records"] == 1
     assert parts.outbox.holds(waiting.state.task_id or "") is False  # a task with nothing waiting writes directly
 
 
@@ -517,7 +517,7 @@ async def test_a_replica_ignores_its_own_settlement_on_the_feed_but_not_another_
     own_task, elsewhere_task = await parts.committed(own), await parts.committed(elsewhere)
 
     await parts.records.settle_outside(own_task, TaskStatus.CANCELLED, "cancelled here")
-    await store.settle(elsewhere_task, TaskStatus.CANCELLED, now_ms=wall_clock_ms(), status_message="there")
+    await store.records.settle(elsewhere_task, TaskStatus.CANCELLED, now_ms=wall_clock_ms(), status_message="there")
     await until(lambda: bool(feed.of(elsewhere)), "the other replica's settlement to reach its call")
 
     assert feed.of(elsewhere) == [RemoteCancel("cancelled by the client")]
@@ -626,11 +626,11 @@ async def test_a_crashing_pump_of_an_upstream_run_task_fails_it_without_a_python
         task_id = reply.record.task_id
 
         async def failed() -> bool:
-            record = await store.get(task_id)
+            record = await store.records.get(task_id)
             return record is not None and record.status is TaskStatus.FAILED
 
         await until(failed, "the task to fail")
-        record = await store.get(task_id)
+        record = await store.records.get(task_id)
 
     assert record is not None
     assert record.error is not None

@@ -182,7 +182,7 @@ async def test_the_commands_read_postgresql_when_the_config_names_it_never_a_str
     monkeypatch.chdir(tmp_path)
     stray = await SqliteTaskStore.open("mcp-tasks-proxy.db", max_records=10)
     for index in range(2):
-        await stray.create(make_record(f"task_stray_{index}"))
+        await stray.records.create(make_record(f"task_stray_{index}"))
     await stray.close()
     code, out, _ = await run(capsys, "tasks", "show", task_id, "--config", str(proxy.config))
     assert code == 0
@@ -199,7 +199,7 @@ async def test_a_relative_store_path_in_the_file_is_read_from_the_files_director
     configs = tmp_path / "configs"
     (configs / "state").mkdir(parents=True)
     store = await SqliteTaskStore.open(configs / "state" / "tasks.db", max_records=10)
-    await store.create(make_record("task_here"))
+    await store.records.create(make_record("task_here"))
     await store.close()
     workdir = tmp_path / "work"
     (workdir / "state").mkdir(parents=True)  # a database of the same relative name here is not the one read

@@ -215,7 +215,7 @@ async def test_wait_client_disconnect_cancels_the_upstream_call(
         own_upstream.url,
     )
     await wait_for_upstream_cancellation(client)
-    stats = await client.client.app[STORE].stats()
+    stats = await client.client.app[STORE].operators.stats()
     assert stats["cancelled"] == 1
 
 
@@ -231,7 +231,7 @@ async def test_leaving_during_the_window_cancels_the_call_and_stores_nothing(
         own_upstream.url,
     )
     await wait_for_upstream_cancellation(client)
-    assert (await client.client.app[STORE].stats())["records"] == 0
+    assert (await client.client.app[STORE].operators.stats())["records"] == 0
 
 
 class Silent:
@@ -265,7 +265,7 @@ async def test_a_client_leaving_during_creation_leaves_no_orphan_record(tasks_cl
         await creating
 
     async def completed() -> bool:
-        return bool((await app[STORE].stats())["completed"] == 1)
+        return bool((await app[STORE].operators.stats())["completed"] == 1)
 
     await until(completed, "the orphaned call's task never completed")
     assert await client.text("call_count", {"key": "orphan"}) == "1"
@@ -497,7 +497,7 @@ async def test_settled_task_stays_readable_for_its_ttl_then_goes(tasks_client: C
 
     message = await until(gone, "the task outlived its ttl")
     assert message["error"]["code"] == -32602
-    assert await client.client.app[STORE].get(task_id) is None  # purged from the file too
+    assert await client.client.app[STORE].records.get(task_id) is None  # purged from the file too
 
 
 async def test_null_ttl_means_unlimited(tasks_client: ClientFactory) -> None:
@@ -513,7 +513,7 @@ async def test_max_running_refuses_before_writing(tasks_client: ClientFactory, o
     assert status == 503
     assert refused["error"]["code"] == -32603
     assert refused["error"]["data"] == {"limit": "max_running", "max": 1}
-    assert (await client.client.app[STORE].stats())["records"] == 1
+    assert (await client.client.app[STORE].operators.stats())["records"] == 1
     await client.post("tasks/cancel", {"taskId": first})
     second = await client.create("sleep", {"seconds": 0.1})  # the slot is free again
     assert (await client.settled(second))["status"] == "completed"

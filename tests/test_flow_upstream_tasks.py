@@ -25,7 +25,7 @@ TERMINAL = ("completed", "failed", "cancelled")
 
 
 async def stored(client: Tasks, task_id: str) -> TaskRecord:
-    record = await client.client.app[STORE].get(task_id)
+    record = await client.client.app[STORE].records.get(task_id)
     assert record is not None
     return record
 

@@ -16,6 +16,7 @@ from proxy.config.schema import IdempotencyConfig
 from proxy.errors import (
     InvalidParamsError,
     TaskLimitError,
+    TaskStoreUnavailableError,
     UpstreamAuthError,
     UpstreamTimeoutError,
     UpstreamUnreachableError,
@@ -35,6 +36,7 @@ from proxy.tasks.services.idempotency import (
 from proxy.tasks.store import KeyRecord, SqliteTaskStore
 from proxy.wire.envelope import Caller, Channel, ModernRequest
 from proxy.wire.jsonrpc import JSON
+from tests.support.disks import fill, small_tmpfs
 from tests.support.waiting import until
 
 
@@ -130,7 +132,7 @@ class Harness:
 @pytest.fixture
 async def store(tmp_path: Path) -> AsyncIterator[SqliteTaskStore]:
     opened = await SqliteTaskStore.open(tmp_path / "tasks.db", max_records=100)
-    await opened.renew_lease("replica-a", 10)
+    await opened.replicas.renew_lease("replica-a", 10)
     yield opened
     await opened.close()
 
@@ -194,13 +196,61 @@ async def test_a_first_request_whose_process_died_is_interrupted_not_run_again(s
     harness = Harness(store)
     scope = harness.keys.principals.key_of(Identity("alice"))
     dead = KeyRecord(scope, "k", fingerprint("t", {}), "replica-gone", 1_000, 10_000)
-    assert await store.claim_key(dead) is None
+    assert await store.keys.claim_key(dead) is None
     with pytest.raises(ReplayedError) as caught:
         await harness.call()
     assert caught.value.status == 500
     assert caught.value.error_object()["data"] == {"idempotencyKey": "interrupted"}
     assert harness.runs == 0
     assert harness.counted("interrupted") == 1
+
+
+async def test_a_release_the_store_could_not_take_is_owed_and_written_once_it_can() -> None:
+    """Refusals before the upstream while the store cannot commit (a full disk): the keys' releases cannot be
+    written either, so they are owed. Once the disk has room again a repeat here runs its key at once (never a
+    wait for a request that no longer exists, never "interrupted" for a tool that never ran), and the release of
+    a key nobody repeats is written by itself."""
+    with small_tmpfs("4m") as directory:
+        store = await SqliteTaskStore.open(directory / "tasks.db", max_records=100)
+        try:
+            harness = Harness(store)
+            harness.release.clear()
+            harness.answer = TaskStoreUnavailableError("sqlite", "disk full")
+            refused = [harness.spawn(harness.call(key), key) for key in ('"k"', '"k2"')]
+            await until(lambda: harness.runs == 2, "the first requests never ran")
+            filler = fill(directory)
+            harness.release.set()
+            for request in refused:
+                with pytest.raises(TaskStoreUnavailableError):
+                    await request
+            scope = harness.keys.principals.key_of(Identity("alice"))
+            for key in ("k", "k2"):
+                assert await store.keys.get_key(scope, key) is not None  # claimed, its release owed
+            filler.unlink()
+            harness.answer = {"content": [], "resultType": "complete"}
+            assert "result" in await harness.call('"k"', join_seconds=30)
+            assert harness.runs == 3
+            await until(lambda: _gone(store, scope, "k2"), "the owed release was written once the disk had room", 10)
+            assert harness.counted("interrupted") == 0
+        finally:
+            await store.close()
+
+
+async def _gone(store: SqliteTaskStore, scope: str, key: str) -> bool:
+    return await store.keys.get_key(scope, key) is None
+
+
+async def test_a_claim_of_this_process_that_nothing_here_knows_is_interrupted_not_run(store: SqliteTaskStore) -> None:
+    """More releases and outcomes were owed than kept (or one was dropped for a lasting store error): a claim this
+    process made, that no request here waits on and nothing is owed for, has an unknown outcome, as after a crash."""
+    harness = Harness(store)
+    scope = harness.keys.principals.key_of(Identity("alice"))
+    forgotten = KeyRecord(scope, "k", fingerprint("t", {}), "replica-a", 900, 10_000)
+    assert await store.keys.claim_key(forgotten) is None
+    with pytest.raises(ReplayedError) as caught:
+        await harness.call(join_seconds=30)
+    assert caught.value.error_object()["data"] == {"idempotencyKey": "interrupted"}
+    assert harness.runs == 0
 
 
 async def test_an_answer_given_while_the_proxy_shuts_down_records_an_unknown_outcome(store: SqliteTaskStore) -> None:

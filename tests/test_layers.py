@@ -152,3 +152,34 @@ def test_the_guard_follows_the_proxy_modules_a_sans_io_room_imports() -> None:
     graph = {"proxy.policy": {"proxy.config.schema"}, "proxy.config.schema": set()}
     external = {"proxy.policy": set(), "proxy.config.schema": {"psycopg"}}
     assert impure_imports(graph, external) == ["proxy.policy imports proxy.config.schema imports psycopg"]
+
+
+def test_every_module_of_the_proxy_opens_with_a_short_header() -> None:
+    """What a module owns and what it must not import, in at most five lines; the why, where it is needed, in the
+    docstrings of what it defines."""
+    long = {}
+    for name, path in module_paths().items():
+        if not name.startswith("proxy"):
+            continue
+        header = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False)
+        lines = len(header.strip("\n").split("\n")) if header else 0
+        if not 1 <= lines <= 5:
+            long[name] = lines
+    assert long == {}
+
+
+def test_the_proxy_composes_instead_of_mixing_in() -> None:
+    """No class of the proxy inherits from two classes (a protocol or `Generic` beside one is fine), and nothing
+    raises NotImplementedError: a part another part needs is a member, not a stub overridden later."""
+    found = []
+    for name, path in module_paths().items():
+        if not name.startswith("proxy"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(base) for base in node.bases]
+                if len([base for base in bases if base.split("[")[0] not in ("Protocol", "Generic")]) > 1:
+                    found.append(f"{name}.{node.name}({', '.join(bases)})")
+            elif isinstance(node, ast.Raise) and "NotImplementedError" in ast.unparse(node.exc or node):
+                found.append(f"{name}:{node.lineno} raises NotImplementedError")
+    assert found == []

@@ -34,7 +34,7 @@ async def disk() -> AsyncIterator[Path]:
 async def store(disk: Path) -> AsyncIterator[SqliteTaskStore]:
     opened = await SqliteTaskStore.open(disk / "tasks.db", max_records=100)
     for task_id, owner in (("task_a", "replica-1"), ("task_b", "replica-1"), ("task_c", "replica-2")):
-        await opened.create(make_record(task_id, owner=owner))
+        await opened.records.create(make_record(task_id, owner=owner))
     yield opened
     await opened.close()
 
@@ -55,11 +55,11 @@ class Log:
 def progress(
     store: SqliteTaskStore, task_id: str, message: str
 ) -> Callable[[Fence | None], Awaitable[TaskRecord | None]]:
-    return lambda fence: store.set_status_message(task_id, message, now_ms=2_000, fence=fence)
+    return lambda fence: store.records.set_status_message(task_id, message, now_ms=2_000, fence=fence)
 
 
 def settle(store: SqliteTaskStore, task_id: str, status: TaskStatus, **values: object) -> Writer:
-    return lambda fence: store.settle(task_id, status, now_ms=3_000, fence=fence, **values)  # type: ignore[arg-type]
+    return lambda fence: store.records.settle(task_id, status, now_ms=3_000, fence=fence, **values)  # type: ignore[arg-type]
 
 
 async def test_writes_wait_in_order_per_task_with_growing_waits_and_are_written_once_space_returns(
@@ -72,7 +72,12 @@ async def test_writes_wait_in_order_per_task_with_growing_waits_and_are_written_
     log.keep(outbox, "task_a", "progress", progress(store, "task_a", "step 1"))
     log.keep(outbox, "task_b", "settle", settle(store, "task_b", TaskStatus.FAILED, error={"code": -1, "message": "x"}))
     inputs = {"q1": {"method": "elicitation/create", "params": {}}}
-    log.keep(outbox, "task_a", "inputs", lambda fence: store.set_inputs("task_a", inputs, 1, now_ms=2_500, fence=fence))
+    log.keep(
+        outbox,
+        "task_a",
+        "inputs",
+        lambda fence: store.records.set_inputs("task_a", inputs, 1, now_ms=2_500, fence=fence),
+    )
     log.keep(outbox, "task_a", "settle", settle(store, "task_a", TaskStatus.COMPLETED, result={"content": [], "n": 1}))
     assert outbox.count == 4
     assert metrics.registry.get_sample_value(PENDING) == 4
@@ -80,7 +85,7 @@ async def test_writes_wait_in_order_per_task_with_growing_waits_and_are_written_
     assert await outbox.try_all() is False  # the disk is still full: nothing written, nothing lost
     assert outbox.count == 4
     assert log.written == []
-    record = await store.get("task_a")
+    record = await store.records.get("task_a")
     assert record is not None
     assert record.status is TaskStatus.WORKING
 
@@ -103,7 +108,7 @@ async def test_writes_wait_in_order_per_task_with_growing_waits_and_are_written_
     assert not outbox.holds("task_a")
     assert metrics.registry.get_sample_value(PENDING) == 0
     assert metrics.registry.get_sample_value("mcp_tasks_proxy_store_available") == 1
-    record = await store.get("task_a")
+    record = await store.records.get("task_a")
     assert record is not None
     assert record.status is TaskStatus.COMPLETED
     assert isinstance(record.result, RawJSON)
@@ -123,7 +128,7 @@ async def test_a_write_another_replica_fenced_off_is_dropped_and_the_tasks_after
     assert log.written == [("task_a", "settle", TaskStatus.COMPLETED)]
     assert outbox.count == 0
     assert not outbox.holds("task_c")
-    survivor = await store.get("task_c")
+    survivor = await store.records.get("task_c")
     assert survivor is not None
     assert survivor.status is TaskStatus.WORKING
     assert survivor.owner == "replica-2"
@@ -151,10 +156,10 @@ async def test_at_the_limit_progress_is_coalesced_or_dropped_but_results_are_kep
         ("task_a", "settle", TaskStatus.COMPLETED),
         ("task_b", "settle", TaskStatus.COMPLETED),
     ]
-    record = await store.get("task_a")
+    record = await store.records.get("task_a")
     assert record is not None
     assert record.status_message is None
-    record_c = await store.get("task_c")
+    record_c = await store.records.get("task_c")
     assert record_c is not None
     assert record_c.status_message != "dropped"
 
@@ -173,7 +178,7 @@ async def test_at_shutdown_what_the_store_still_refuses_is_given_up_by_task_id(
     lost = [event for event in events if event["event"] == "settlement_lost"]
     assert [(event["task_id"], event["writes"]) for event in lost] == [("task_a", ["settle"])]
     assert "the result value" not in repr(events)
-    record = await store.get("task_a")
+    record = await store.records.get("task_a")
     assert record is not None
     assert record.status is TaskStatus.WORKING
     filler.unlink()  # the store's own close checkpoints its WAL
@@ -212,10 +217,10 @@ async def test_a_refused_write_is_tried_again_under_the_fence_a_reclaim_hands_ou
     assert await outbox.try_all() is True
     assert asked == ["task_c"]
     assert log.written == [("task_c", "settle", TaskStatus.COMPLETED)]
-    record = await store.get("task_c")
+    record = await store.records.get("task_c")
     assert record is not None
     assert record.status is TaskStatus.COMPLETED
-    await store.create(make_record("task_d", owner="replica-3"))
+    await store.records.create(make_record("task_d", owner="replica-3"))
     log.keep(outbox, "task_d", "settle", settle(store, "task_d", TaskStatus.COMPLETED, result={"content": []}))
     assert await outbox.try_all() is True  # reclaim hands out the fence refused: dropped
     assert not outbox.holds("task_d")

@@ -35,7 +35,7 @@ async def store(tmp_path: Path) -> AsyncIterator[SqliteTaskStore]:
 
 async def test_the_call_past_the_quota_waits_for_the_window_to_roll_over(store: SqliteTaskStore) -> None:
     clock = Clock(1_700_000_080_500)  # 40.5 s into a UTC minute
-    quotas = Quotas(store, clock)
+    quotas = Quotas(store.usage, clock)
     for _ in range(3):
         await quotas.charge("caller-a", 3)
     with pytest.raises(RateLimitedError) as caught:
@@ -66,7 +66,7 @@ def tool_policies(**tools: Mapping[str, object]) -> TasksConfig:
 
 async def test_a_tools_quota_counts_its_calls_alone_and_rolls_over_with_the_window(store: SqliteTaskStore) -> None:
     clock = Clock(1_700_000_070_000)  # 30 s into a UTC minute
-    quotas = Quotas(store, clock)
+    quotas = Quotas(store.usage, clock)
     tasks = tool_policies(render={"calls_per_minute_per_principal": 2})
     render, other = policy_for(tasks, "render"), policy_for(tasks, "other")
     for _ in range(2):
@@ -99,7 +99,7 @@ async def test_the_global_and_a_tools_quota_are_both_listed_with_what_is_left_of
     store: SqliteTaskStore,
 ) -> None:
     clock = Clock(1_700_000_090_000)  # 50 s into a UTC minute
-    quotas = Quotas(store, clock)
+    quotas = Quotas(store.usage, clock)
     tasks = tool_policies(render={"calls_per_minute_per_principal": 1})
     render, other = policy_for(tasks, "render"), policy_for(tasks, "other")
     await quotas.charge("caller-a", 3, "render", render)
@@ -119,7 +119,7 @@ async def test_the_global_and_a_tools_quota_are_both_listed_with_what_is_left_of
 
 
 async def test_each_tool_a_glob_matches_has_its_own_count_named_by_the_glob(store: SqliteTaskStore) -> None:
-    quotas = Quotas(store, Clock(1_700_000_040_000))
+    quotas = Quotas(store.usage, Clock(1_700_000_040_000))
     tasks = tool_policies(**{"batch_*": {"calls_per_minute_per_principal": 1}})
     await quotas.charge("caller-a", 0, "batch_a", policy_for(tasks, "batch_a"))
     await quotas.charge("caller-a", 0, "batch_b", policy_for(tasks, "batch_b"))

@@ -57,16 +57,16 @@ async def test_a_stopped_database_is_answered_unavailable_within_the_deadline_an
 ) -> None:
     failures: list[tuple[str, str]] = []
     store.health.on_failure(lambda operation, reason: failures.append((operation, reason)))
-    await store.create(make_record("before"))
+    await store.records.create(make_record("before"))
     for index in range(3):  # several pooled connections in use before the outage: each of them dies in it
-        await asyncio.gather(*(store.get("before") for _ in range(4)))
-        await store.renew_lease(f"replica-{index}", 30)
+        await asyncio.gather(*(store.records.get("before") for _ in range(4)))
+        await store.replicas.renew_lease(f"replica-{index}", 30)
     await asyncio.to_thread(server.halt)
     operations: list[Callable[[], Awaitable[Any]]] = [
-        lambda: store.get("before"),
-        lambda: store.create(make_record("during")),
-        lambda: store.settle("before", TaskStatus.COMPLETED, now_ms=2_000, result={"ok": True}),
-        lambda: store.renew_lease("replica-0", 30),
+        lambda: store.records.get("before"),
+        lambda: store.records.create(make_record("during")),
+        lambda: store.records.settle("before", TaskStatus.COMPLETED, now_ms=2_000, result={"ok": True}),
+        lambda: store.replicas.renew_lease("replica-0", 30),
         lambda: store.check_writable(2_000),
     ]
     for operation in operations:
@@ -78,11 +78,11 @@ async def test_a_stopped_database_is_answered_unavailable_within_the_deadline_an
     await until(lambda: served(store), "the store serves again once the database is back", 10)
     assert time.monotonic() - back < 5  # the pool's back-off never keeps it away long
     assert store.health.available
-    await store.create(make_record("after"))
-    settled = await store.settle("before", TaskStatus.COMPLETED, now_ms=3_000, result={"ok": True})
+    await store.records.create(make_record("after"))
+    settled = await store.records.settle("before", TaskStatus.COMPLETED, now_ms=3_000, result={"ok": True})
     assert settled is not None
     assert settled.status is TaskStatus.COMPLETED
-    assert (await store.get("during")) is None  # refused while the database was down: never written
+    assert (await store.records.get("during")) is None  # refused while the database was down: never written
 
 
 async def test_no_connection_that_died_in_a_restart_is_used_after_it(
@@ -90,27 +90,27 @@ async def test_no_connection_that_died_in_a_restart_is_used_after_it(
 ) -> None:
     """Every pooled connection (and the creator's) died in the restart while idle: the first write and the
     first creation after it still succeed (a write is not tried twice, so a dead connection would fail it)."""
-    await store.create(make_record("task"))
-    await asyncio.gather(*(store.get("task") for _ in range(4)))  # the pool holds several connections
+    await store.records.create(make_record("task"))
+    await asyncio.gather(*(store.records.get("task") for _ in range(4)))  # the pool holds several connections
     await asyncio.to_thread(server.halt)
     await asyncio.to_thread(server.start)
-    settled = await store.settle("task", TaskStatus.COMPLETED, now_ms=2_000, result={"ok": True})
+    settled = await store.records.settle("task", TaskStatus.COMPLETED, now_ms=2_000, result={"ok": True})
     assert settled is not None
-    await store.create(make_record("next"))
-    assert await store.set_status_message("next", "still fine", now_ms=2_000) is not None
+    await store.records.create(make_record("next"))
+    assert await store.records.set_status_message("next", "still fine", now_ms=2_000) is not None
     assert store.health.available
 
 
 async def test_the_change_feed_comes_back_with_a_resync_after_a_restart(
     server: pg.PgServer, store: PostgresTaskStore
 ) -> None:
-    await store.create(make_record("task"))
-    async with store.changes() as changes:
+    await store.records.create(make_record("task"))
+    async with store.replicas.changes() as changes:
         assert (await next_change(changes, skip_resync=False)).kind == RESYNC
         await asyncio.to_thread(server.halt)
         await asyncio.to_thread(server.start)
         assert (await next_change(changes, skip_resync=False)).kind == RESYNC  # changes may be missed: re-read
-        await store.settle("task", TaskStatus.COMPLETED, now_ms=2_000, result={"ok": True})
+        await store.records.settle("task", TaskStatus.COMPLETED, now_ms=2_000, result={"ok": True})
         change = await next_change(changes)
         assert (change.kind, change.key, change.status) == ("status", "task", TaskStatus.COMPLETED)
 
@@ -118,13 +118,13 @@ async def test_the_change_feed_comes_back_with_a_resync_after_a_restart(
 async def test_a_frozen_database_is_answered_unavailable_within_the_deadline_and_served_after_the_thaw(
     server: pg.PgServer, store: PostgresTaskStore
 ) -> None:
-    await store.create(make_record("task"))
+    await store.records.create(make_record("task"))
     server.freeze()
     try:
         took = await asyncio.gather(
-            answered_unavailable(lambda: store.get("task")),
-            answered_unavailable(lambda: store.create(make_record("frozen"))),
-            answered_unavailable(lambda: store.renew_lease("replica", 30)),
+            answered_unavailable(lambda: store.records.get("task")),
+            answered_unavailable(lambda: store.records.create(make_record("frozen"))),
+            answered_unavailable(lambda: store.replicas.renew_lease("replica", 30)),
         )
         assert max(took) < TIMEOUT_SECONDS + MARGIN_SECONDS
         assert not store.health.available
@@ -137,6 +137,6 @@ async def test_a_frozen_database_is_answered_unavailable_within_the_deadline_and
 
 async def served(store: PostgresTaskStore) -> bool:
     try:
-        return await store.get("before") is None or True
+        return await store.records.get("before") is None or True
     except StoreUnavailableError:
         return False

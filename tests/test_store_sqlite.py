@@ -85,7 +85,7 @@ async def test_a_group_commit_is_one_transaction_and_one_fsync(store: SqliteTask
     statements: list[str] = []
     await store.set_trace_callback(statements.append)
     release, held = await hold_creations(store)
-    creations = [asyncio.ensure_future(store.create(make_record(f"task_{n}"))) for n in range(40)]  # noqa: TID251
+    creations = [asyncio.ensure_future(store.records.create(make_record(f"task_{n}"))) for n in range(40)]  # noqa: TID251
     await asyncio.sleep(0.05)
     release.set()
     await held
@@ -96,9 +96,9 @@ async def test_a_group_commit_is_one_transaction_and_one_fsync(store: SqliteTask
 
 
 async def test_a_duplicate_id_carries_sqlites_integrity_error(store: SqliteTaskStore) -> None:
-    await store.create(make_record("task_a"))
+    await store.records.create(make_record("task_a"))
     with pytest.raises(StoreError, match="create task_a failed") as caught:
-        await store.create(make_record("task_a", owner="someone-else"))
+        await store.records.create(make_record("task_a", owner="someone-else"))
     assert isinstance(caught.value.__cause__, sqlite3.IntegrityError)
 
 
@@ -113,9 +113,9 @@ async def test_durable_across_reopen(db_path: Path) -> None:
     store = await SqliteTaskStore.open(db_path, max_records=10)
     assert db_path.parent.is_dir()  # created on open
     record = make_record("task_a", input_requests={"k": {"x": 1}})
-    await store.create(record)
-    settled = await store.settle("task_a", TaskStatus.COMPLETED, now_ms=2_000, result={"content": []})
-    await store.create(make_record("task_b"))
+    await store.records.create(record)
+    settled = await store.records.settle("task_a", TaskStatus.COMPLETED, now_ms=2_000, result={"content": []})
+    await store.records.create(make_record("task_b"))
     await store.close()
     assert not await asyncio.to_thread(Path(f"{db_path}-wal").exists)  # checkpointed and removed on close
 
@@ -139,9 +139,9 @@ async def test_durable_across_reopen(db_path: Path) -> None:
 
     reopened = await SqliteTaskStore.open(db_path, max_records=10)
     try:
-        assert await reopened.get("task_a") == settled
-        assert await reopened.get("task_b") == make_record("task_b")
-        assert [record.task_id for record in await reopened.live()] == ["task_b"]
+        assert await reopened.records.get("task_a") == settled
+        assert await reopened.records.get("task_b") == make_record("task_b")
+        assert [record.task_id for record in await reopened.records.live()] == ["task_b"]
     finally:
         await reopened.close()
     assert raw_rows(db_path, "SELECT migration_set, name, applied_at FROM _sqlite_migrations") == migrations
@@ -152,11 +152,10 @@ async def test_durable_across_reopen(db_path: Path) -> None:
 async def test_connection_pragmas(db_path: Path, synchronous: Any, expected: int) -> None:
     store = await SqliteTaskStore.open(db_path, max_records=10, synchronous=synchronous)
     try:
-        writer = store._writer
-        assert writer is not None
+        writer = store.db.writer_thread("pragmas")
 
         def pragmas() -> tuple[Any, ...]:
-            conn = store._writer_state.db().conn
+            conn = store._writer.db().conn
             return tuple(
                 conn.execute(f"PRAGMA {name}").fetchone()[0] for name in ("synchronous", "journal_mode", "busy_timeout")
             )
@@ -227,16 +226,16 @@ async def test_read_only_rejects_a_foreign_or_missing_database(tmp_path: Path) -
 async def test_sqlite_work_never_runs_on_the_event_loop_thread(store: SqliteTaskStore) -> None:
     seen: list[tuple[str, str]] = []
     await store.set_trace_callback(lambda sql: seen.append((threading.current_thread().name, sql)))
-    await store.create(make_record("task_a", ttl_ms=10))
-    await store.create(make_record("task_b"))
-    await store.get("task_a")
-    await store.set_status_message("task_a", "x", now_ms=2_000)
-    await store.live()
-    await store.expired_live(5_000)
-    await store.settle("task_a", TaskStatus.COMPLETED, now_ms=3_000)
-    await store.purge_expired(5_000)
-    await store.delete("task_b")
-    await store.stats()
+    await store.records.create(make_record("task_a", ttl_ms=10))
+    await store.records.create(make_record("task_b"))
+    await store.records.get("task_a")
+    await store.records.set_status_message("task_a", "x", now_ms=2_000)
+    await store.records.live()
+    await store.records.expired_live(5_000)
+    await store.records.settle("task_a", TaskStatus.COMPLETED, now_ms=3_000)
+    await store.records.purge_expired(5_000)
+    await store.records.delete("task_b")
+    await store.operators.stats()
     await store.set_trace_callback(None)
 
     assert threading.current_thread().name not in {name for name, _ in seen}
@@ -265,7 +264,7 @@ async def test_database_files_are_owner_only_and_a_created_directory_is_0700(tmp
     path = tmp_path / "new" / "deeper" / "tasks.db"
     store = await SqliteTaskStore.open(path, max_records=10)
     try:
-        await store.create(make_record("task_modes"))
+        await store.records.create(make_record("task_modes"))
         files = {name: path.with_name(path.name + name) for name in ("", "-wal", "-shm", ".lock")}
         assert all(file.exists() for file in files.values()), sorted(os.listdir(path.parent))
         assert {name: _mode(file) for name, file in files.items()} == dict.fromkeys(files, 0o600)
@@ -288,7 +287,7 @@ async def test_an_existing_directory_keeps_its_mode_and_open_files_lose_group_an
     os.chmod(path, 0o644)
     store = await SqliteTaskStore.open(path, max_records=10)
     try:
-        await store.create(make_record("task_modes"))
+        await store.records.create(make_record("task_modes"))
         assert _mode(path) == 0o600
         assert _mode(path.with_name("tasks.db-wal")) == 0o600
     finally:
@@ -299,11 +298,13 @@ async def test_an_existing_directory_keeps_its_mode_and_open_files_lose_group_an
 async def test_a_foreign_lookup_never_reads_the_result_out_of_sqlite(store: SqliteTaskStore) -> None:
     """The owner is part of the one statement a lookup runs: a foreign caller's lookup returns no row, so the
     stored result is never read out of SQLite nor decoded (it used to be, before the owner check)."""
-    await store.create(make_record("task_big"))
-    await store.settle("task_big", TaskStatus.COMPLETED, now_ms=2_000, result={"content": [{"text": "x" * 100_000}]})
+    await store.records.create(make_record("task_big"))
+    await store.records.settle(
+        "task_big", TaskStatus.COMPLETED, now_ms=2_000, result={"content": [{"text": "x" * 100_000}]}
+    )
     statements: list[str] = []
     await store.set_trace_callback(statements.append)
-    assert await store.get("task_big", principal="another-hash") is None
+    assert await store.records.get("task_big", principal="another-hash") is None
     await store.set_trace_callback(None)
     assert statements == ["SELECT * FROM tasks WHERE task_id = 'task_big' AND principal = 'another-hash'"]
 
@@ -312,7 +313,7 @@ async def test_a_database_of_the_previous_version_gains_the_upstream_task_column
     """A file written before tasks the upstream runs itself existed: the migration adds their columns and every
     record reads as a task of the proxy's own."""
     store = await SqliteTaskStore.open(db_path, max_records=10)
-    await store.create(make_record("task_old", input_requests={"k": {"method": "roots/list"}}))
+    await store.records.create(make_record("task_old", input_requests={"k": {"method": "roots/list"}}))
     await store.close()
     with sqlite3.connect(db_path) as conn:  # back to the schema before the migration
         conn.execute("DELETE FROM _sqlite_migrations WHERE name = '0005_add_upstream_task'")
@@ -322,7 +323,7 @@ async def test_a_database_of_the_previous_version_gains_the_upstream_task_column
 
     store = await SqliteTaskStore.open(db_path, max_records=10)
     try:
-        old = await store.get("task_old")
+        old = await store.records.get("task_old")
         assert old is not None
         assert (old.upstream_task_id, old.upstream_session_id, old.upstream_input_ids) == (None, None, {})
         assert old.input_requests == {"k": {"method": "roots/list"}}
@@ -334,7 +335,7 @@ async def test_a_database_of_the_previous_version_gains_the_trace_context_column
     """A file written before the creating trace context was stored: the migration adds its column, every older
     record reads as created with tracing off, and new records keep their context."""
     store = await SqliteTaskStore.open(db_path, max_records=10)
-    await store.create(make_record("task_old", upstream_task_id="up-1"))
+    await store.records.create(make_record("task_old", upstream_task_id="up-1"))
     await store.close()
     with sqlite3.connect(db_path) as conn:  # back to the schema before the migration
         conn.execute("DELETE FROM _sqlite_migrations WHERE name = '0006_add_traceparent'")
@@ -356,27 +357,29 @@ async def test_a_full_disk_refuses_commits_as_unavailable_serves_reads_and_recov
         path = directory / "tasks.db"
         store = await SqliteTaskStore.open(path, max_records=100)
         try:
-            await store.create(make_record("task_before"))
+            await store.records.create(make_record("task_before"))
             filler = fill(directory)
             with pytest.raises(StoreUnavailableError) as created:
-                await store.create(make_record("task_during"))
+                await store.records.create(make_record("task_during"))
             assert (created.value.kind, created.value.reason) == ("sqlite", "disk full")
             with pytest.raises(StoreUnavailableError):
-                await store.settle("task_before", TaskStatus.COMPLETED, now_ms=2_000, result={"content": []})
+                await store.records.settle("task_before", TaskStatus.COMPLETED, now_ms=2_000, result={"content": []})
             with pytest.raises(StoreUnavailableError):
                 await store.check_writable(2_000)
-            record = await store.get("task_before")
+            record = await store.records.get("task_before")
             assert record is not None
             assert record.status is TaskStatus.WORKING
-            assert await store.get("task_during") is None
+            assert await store.records.get("task_during") is None
 
             filler.unlink()
             await store.check_writable(3_000)
-            await store.create(make_record("task_after"))
-            settled = await store.settle("task_before", TaskStatus.COMPLETED, now_ms=3_000, result={"content": []})
+            await store.records.create(make_record("task_after"))
+            settled = await store.records.settle(
+                "task_before", TaskStatus.COMPLETED, now_ms=3_000, result={"content": []}
+            )
             assert settled is not None
             assert settled.status is TaskStatus.COMPLETED
-            assert (await store.stats())["records"] == 2
+            assert (await store.operators.stats())["records"] == 2
         finally:
             await store.close()
         assert raw_rows(path, "PRAGMA integrity_check") == [("ok",)]
@@ -391,17 +394,17 @@ async def test_a_file_system_turned_read_only_refuses_commits_as_unavailable_and
         path = directory / "tasks.db"
         store = await SqliteTaskStore.open(path, max_records=100)
         try:
-            await store.create(make_record("task_before"))
+            await store.records.create(make_record("task_before"))
             fail_file_system(device)
             for _ in range(2):
                 with pytest.raises(StoreUnavailableError) as refused:
                     await store.check_writable(2_000)
                 assert refused.value.reason in ("I/O error", "read-only file system")
             with pytest.raises(StoreUnavailableError):
-                await store.create(make_record("task_during"))
+                await store.records.create(make_record("task_during"))
             with pytest.raises(StoreUnavailableError):
-                await store.settle("task_before", TaskStatus.COMPLETED, now_ms=2_000, result={"content": []})
-            record = await store.get("task_before")
+                await store.records.settle("task_before", TaskStatus.COMPLETED, now_ms=2_000, result={"content": []})
+            record = await store.records.get("task_before")
             assert record is not None
             assert record.status is TaskStatus.WORKING
         finally:

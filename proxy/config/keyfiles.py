@@ -1,11 +1,6 @@
-"""The files the configuration names and the proxy reads: the deployment key (`security.key_file`), the key
-that signs `requestState` (`inputs.secret_file`) and the PostgreSQL password (`store.password_file`).
-
-`load_config` checks them with `problems` apart from the schema (which only describes), so an unmounted
-Secret fails the start, not a later request (`check-config` notes a file missing on its machine, unless
-`--strict`); the users read them with `read_secret` and
-`read_password`. Imports nothing from the proxy.
-"""
+"""The files the configuration names and the proxy reads: the deployment key, the key that signs `requestState`
+and the PostgreSQL password; `problems` checks them at load (an unmounted Secret fails the start), `read_secret`
+and `read_password` read them. Imports nothing from the proxy."""
 
 from __future__ import annotations
 

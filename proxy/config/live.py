@@ -1,14 +1,6 @@
-"""Live configuration: the one place where the running config is swapped, on SIGHUP or a change of its file.
-
-`LiveConfig.current` is the immutable config in force; a reload validates the new one and swaps it, and that is
-all it changes: the edge reads `current` per request, and the components that decide new calls hold a getter of it
-(`live.config`) and read their section through it, so no field of theirs is rewritten by a reload. A
-subscriber is for an effect a swap must have (the log level set, the waiting calls admitted by new caps). A call
-captures its policy (its Decision) when it starts, so a swap never
-changes a call in flight. A reload that changes a fixed key (what was bound at start: listen address, upstream,
-store, ...) or that does not load is refused as a whole, logged, and the running config stays.
-Imports only the config schema and its loader.
-"""
+"""Live configuration: the config in force (`LiveConfig.current`), swapped whole on SIGHUP or a change of its
+file when it loads and changes no field marked `restart` (the marks are the schema's; a refused reload changes
+nothing). Consumers read it through a getter where they use it. Imports only the config schema and loader."""
 
 from __future__ import annotations
 
@@ -105,7 +97,15 @@ def _fingerprint(path: str) -> tuple[str, int, int, int] | None:
 
 class LiveConfig:
     """The config in force, and how it is reloaded from the file it came from (with the same environment
-    overrides and command-line flags)."""
+        overrides and command-line flags).
+
+    `LiveConfig.current` is the immutable config in force; a reload validates the new one and swaps it, and that is
+    all it changes: the edge reads `current` per request, and the components that decide new calls hold a getter of
+    it (`live.config`) and read their section through it, so no field of theirs is rewritten by a reload. A
+    subscriber is for an effect a swap must have (the log level set, the waiting calls admitted by new caps). A call
+    captures its policy (its Decision) when it starts, so a swap never changes a call in flight. A reload that
+    changes a fixed key (what was bound at start: listen address, upstream, store, ...) or that does not load is
+    refused as a whole, logged, and the running config stays. Imports only the config schema and its loader."""
 
     def __init__(
         self,

@@ -1,12 +1,6 @@
-"""Configuration: the schema, frozen pydantic models (how a file, the environment and flags are read and merged
-into one is `loader.py`).
-
-Owns the shape of the config file and its validation: a pure description (the files it names are read by
-`keyfiles.py`, which the loader asks). Every field has a default and a description (the configuration
-reference, docs/reference/configuration.md, is written from these descriptions when the docs site is built).
-The upstream is a union of two kinds, told apart by which of `url` and `command` is set; only upstream/ looks
-at which. Imports only the wire's field checks from the rest of the proxy.
-"""
+"""Configuration: the schema, frozen pydantic models, a pure description (reading files and the environment is
+`loader.py`'s). Every field has a default, a description (the configuration reference is written from them)
+and a reload mark (`LIVE` or `RESTART`). Imports only the wire's field checks."""
 
 from __future__ import annotations
 
@@ -31,6 +25,12 @@ from pydantic_core import PydanticCustomError
 
 from proxy.config.credentials import CredentialsConfig
 from proxy.wire.fields import is_safe_value
+
+# Owns the shape of the config file and its validation: a pure description (the files it names are read by
+# `keyfiles.py`, which the loader asks). Every field has a default and a description (the configuration reference,
+# docs/reference/configuration.md, is written from these descriptions when the docs site is built). The upstream is a
+# union of two kinds, told apart by which of `url` and `command` is set; only upstream/ looks at which. Imports only
+# the wire's field checks from the rest of the proxy.
 
 # A field whose values may be credentials (an API key header, a token in a server's environment): `redacted`
 # (`loader.py`) prints its keys only. Key material itself is never in the configuration, only the paths

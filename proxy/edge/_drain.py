@@ -1,11 +1,6 @@
-"""Drain on SIGTERM: the state readiness, admission and `/drainz` read (the serve loop is `serve.py`).
-
-On SIGTERM (or SIGINT) the replica turns unready, refuses new work with 503 + Retry-After, serves what it
-holds (task lookups and updates, MRTR retries, listen streams, legacy sessions), and stops as soon as nothing of
-its own runs, at the latest after `tasks.drain_seconds`. A second signal ends the drain at once. Imports
-aiohttp's web side, the config holder, the errors and the wire; nothing of the tasks (the app hands it a count
-of open calls).
-"""
+"""Drain on SIGTERM: the state readiness, admission and `/drainz` read. The replica turns unready, refuses new
+work (503 + Retry-After), serves what it holds and stops once nothing of its own runs (at most
+`tasks.drain_seconds`). Imports aiohttp's web side, the config holder, the errors and the wire; nothing of tasks."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""The HTTP edge of the proxy: the one place where failures become HTTP answers, and how a modern request's
-answer is written.
-
-`error_edge` (a middleware) turns any ProxyError raised below it into the JSON-RPC error answer with the
-request's id (bound once, when the message is read: `RPC_ID`) and the status of `errors.http_status`, also
-as the last event of an SSE stream that is already open; it also writes the one log line of each request.
-`HttpChannel` writes notifications and the final message, never waiting forever on a client that does not
-read. Imports aiohttp's web side, the errors and the wire; nothing of the front or the tasks.
-"""
+"""The one place where failures become HTTP answers (`error_edge`, with the request's one log line), and how a
+modern request's answer is written (`HttpChannel`, never waiting forever on a client that does not read).
+Imports aiohttp's web side, the errors and the wire; nothing of the front or the tasks."""
 
 from __future__ import annotations
 
@@ -28,6 +22,12 @@ from proxy.observe.metrics import Metrics, method_label
 from proxy.wire import jsonrpc
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.sse import KEEPALIVE, frame
+
+# `error_edge` (a middleware) turns any ProxyError raised below it into the JSON-RPC error answer with the request's
+# id (bound once, when the message is read: `RPC_ID`) and the status of `errors.http_status`, also as the last event
+# of an SSE stream that is already open; it also writes the one log line of each request. `HttpChannel` writes
+# notifications and the final message, never waiting forever on a client that does not read. Imports aiohttp's web
+# side, the errors and the wire; nothing of the front or the tasks.
 
 log = structlog.get_logger(__name__)
 

@@ -1,13 +1,6 @@
 """`security.jwt`: a caller's Bearer JWT verified against its issuer's keys, so that its tasks belong to the
-issuer plus a claim (`sub`), which outlives the access token.
-
-PyJWT (with `cryptography`) verifies; this module fetches the JSON Web Key Set itself with aiohttp, so the
-event loop never blocks on the network (PyJWT's `PyJWKClient` fetches with urllib), and bounds it: at most
-`max_keys` keys, one fetch at a time, a refetch for an unknown `kid` at most every `jwks_refetch_seconds`. A
-verified token is remembered (by its SHA-256, until it expires, at most CACHE_SECONDS and CACHE_ENTRIES) so a
-client's next request with the same token costs a hash, not a signature check. Errors carry no token. Imports
-the config, the errors and the principals; nothing of the front or the tasks.
-"""
+issuer plus a claim, which outlives the token; the key set fetched with aiohttp (bounded), verified tokens
+remembered by hash. Imports the config, the errors and the principals; nothing of the front or the tasks."""
 
 from __future__ import annotations
 
@@ -155,7 +148,14 @@ class KeySet:
 
 class JwtIdentity:
     """Turns the principal header's value into an `Identity` whose owner is the issuer plus the claim, when
-    the value is a Bearer JWT that verifies; any other value is an identity of its own (an opaque token)."""
+        the value is a Bearer JWT that verifies; any other value is an identity of its own (an opaque token).
+
+    PyJWT (with `cryptography`) verifies; this module fetches the JSON Web Key Set itself with aiohttp, so the event
+    loop never blocks on the network (PyJWT's `PyJWKClient` fetches with urllib), and bounds it: at most `max_keys`
+    keys, one fetch at a time, a refetch for an unknown `kid` at most every `jwks_refetch_seconds`. A verified token
+    is remembered (by its SHA-256, until it expires, at most CACHE_SECONDS and CACHE_ENTRIES) so a client's next
+    request with the same token costs a hash, not a signature check. Errors carry no token. Imports the config, the
+    errors and the principals; nothing of the front or the tasks."""
 
     def __init__(self, config: JwtConfig) -> None:
         self.config = config

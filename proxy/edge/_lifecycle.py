@@ -73,7 +73,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics.lease_held.set_function(lambda: runner.lease_problem() is None)
         metrics.store_available.set_function(lambda: store.health.available)
         store.health.on_failure(metrics.store_operation_failed)
-    watchers = TaskWatchers(store)
+    watchers = TaskWatchers(store.replicas)
     runner.spawn(watchers.run(), "task-feed")
     front = app[FRONT] = Front(live.config, pool, runner.tasks, watchers)
     if metrics is not None:

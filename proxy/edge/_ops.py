@@ -63,8 +63,8 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     store = request.app[STORE]
     started = time.perf_counter()
     try:
-        counts = await store.stats()
-        size = await store.size_bytes()
+        counts = await store.operators.stats()
+        size = await store.operators.size_bytes()
     except StoreError as exc:
         log.warning("metrics_store_unreadable", error=str(exc))
         metrics.store_up.set(0)

@@ -1,13 +1,6 @@
-"""Every path that is not the proxy's, relayed verbatim to the upstream's origin, in both eras.
-
-An MCP server that requires OAuth serves more than its MCP endpoint: its protected-resource metadata
-(`/.well-known/oauth-protected-resource/...`), perhaps an embedded authorization server (`/authorize`, `/token`,
-`/register`, its own well-known documents) and static pages. A client that reaches the server through the proxy
-must find them at the same public URL. A request is relayed only when the proxy's router has no route for
-its path (`app.py`), so what is the proxy's comes from the router itself, whatever is added to it later; it
-goes out through the legacy pass-through (same header rules, limits and X-Forwarded-*). Owns that decision
-only; imports the config, never the front, the tasks or a legacy server.
-"""
+"""Every path that is not the proxy's (OAuth metadata, an embedded authorization server, static pages), relayed
+verbatim to the upstream's origin through the legacy pass-through, when the router has no route for it.
+Owns that decision only; imports the config, never the front, the tasks or a legacy server."""
 
 from __future__ import annotations
 
@@ -17,6 +10,14 @@ from aiohttp import web
 from yarl import URL
 
 from proxy.config.schema import RelayConfig
+
+# An MCP server that requires OAuth serves more than its MCP endpoint: its protected-resource metadata
+# (`/.well-known/oauth-protected-resource/...`), perhaps an embedded authorization server (`/authorize`, `/token`,
+# `/register`, its own well-known documents) and static pages. A client that reaches the server through the proxy must
+# find them at the same public URL. A request is relayed only when the proxy's router has no route for its path
+# (`app.py`), so what is the proxy's comes from the router itself, whatever is added to it later; it goes out through
+# the legacy pass-through (same header rules, limits and X-Forwarded-*). Owns that decision only; imports the config,
+# never the front, the tasks or a legacy server.
 
 NO_ORIGIN: Final = (
     "Not found: this proxy serves a stdio MCP server, which has no web origin; only the MCP endpoint and the "

@@ -1,13 +1,6 @@
-"""The aiohttp application: its routes and middlewares, and the MCP endpoint's classification.
-
-One endpoint serves both eras: each POST is classified (docs/architecture.md), legacy traffic goes to the
-pass-through, modern requests to `Front`. A legacy POST is read as JSON only when something needs what it
-says (its method for the metrics and the request log line, its trace context, its id while draining); else
-it is relayed unread, its bytes having shown that it cannot be modern. Each request gets one SERVER span,
-opened in one place once it is classified, from its arrival. Every ProxyError raised anywhere below becomes
-an answer in one place, the error edge (`_error_edge.py`). What is refused before classification is `_admission.py`'s;
-the operators' endpoints are `_ops.py`'s; what opens and closes with the app is `_lifecycle.py`'s.
-"""
+"""The aiohttp application: routes and middlewares, the classification of each request (one SERVER span, opened
+once classified), serving a modern request through the front and a legacy one through the pass-through.
+Failures become answers in `_error_edge.py`; admission, ops and lifecycle have modules of their own."""
 
 from __future__ import annotations
 
@@ -65,6 +58,14 @@ from proxy.upstream.credentials import verified
 from proxy.wire import jsonrpc
 from proxy.wire.envelope import Caller, is_modern, may_carry_version_key, validate_modern
 from proxy.wire.jsonrpc import Notification, Response
+
+# One endpoint serves both eras: each POST is classified (docs/architecture.md), legacy traffic goes to the
+# pass-through, modern requests to `Front`. A legacy POST is read as JSON only when something needs what it says (its
+# method for the metrics and the request log line, its trace context, its id while draining); else it is relayed
+# unread, its bytes having shown that it cannot be modern. Each request gets one SERVER span, opened in one place once
+# it is classified, from its arrival. Every ProxyError raised anywhere below becomes an answer in one place, the error
+# edge (`_error_edge.py`). What is refused before classification is `_admission.py`'s; the operators' endpoints are
+# `_ops.py`'s; what opens and closes with the app is `_lifecycle.py`'s.
 
 log = structlog.get_logger(__name__)
 

@@ -1,12 +1,5 @@
-"""What a start says: the start line's fields, the warning for an address beyond loopback, and a start that
-fails as one log line (plus a sentence on a terminal) with an exit code of its own.
-
-Exit codes (`mcp-tasks-proxy serve`): 0 a stop after a drain; 1 an unexpected error; 2 invalid configuration;
-3 the listen address cannot be bound (port in use, address not on this machine, no permission); 4 the SQLite
-task database is in use by another proxy process; 5 the task store cannot be reached or opened (PostgreSQL
-down or refusing, a SQLite file that cannot be created). The upstream is not waited for at start: one that is
-down or refuses is a warning and an unready `/readyz`, never a failed start.
-"""
+"""What a start says: the start line, the warning for an address beyond loopback, and a failed start as one
+log line with an exit code of its own (`EXIT_*`, listed below)."""
 
 from __future__ import annotations
 
@@ -21,6 +14,12 @@ from psycopg.conninfo import conninfo_to_dict
 from yarl import URL
 
 from proxy.config.schema import Config, HttpUpstreamConfig
+
+# Exit codes (`mcp-tasks-proxy serve`): 0 a stop after a drain; 1 an unexpected error; 2 invalid configuration; 3 the
+# listen address cannot be bound (port in use, address not on this machine, no permission); 4 the SQLite task database
+# is in use by another proxy process; 5 the task store cannot be reached or opened (PostgreSQL down or refusing, a
+# SQLite file that cannot be created). The upstream is not waited for at start: one that is down or refuses is a
+# warning and an unready `/readyz`, never a failed start.
 
 log = structlog.get_logger(__name__)
 

@@ -1,15 +1,6 @@
-"""`subscriptions/listen`: one long-lived stream of the notifications a client opted in to.
-
-The acknowledgement first (with what the proxy honours), then: the upstream's list-changed and
-resource-updated notifications, read from the caller's shared upstream session; and, for a client that
-declared the Tasks extension, `notifications/tasks` for each change of the tasks it named in `taskIds` (its
-own, unexpired ones: other ids are left out without a trace), each carrying the complete task as `tasks/get`
-returns it. A task already settled is sent once at once. Progress-only changes of one task are sent at most
-every PROGRESS_COALESCE_SECONDS, with the latest state. The stream ends with its graceful result at shutdown,
-or when it falls behind (the client polls, or listens again). Caps: streams in total and per caller (the owner
-of its tasks: every token of one `security.jwt` owner counts alike), task ids per stream. Imports the runner, the
-upstream pool and the wire; never aiohttp.
-"""
+"""`subscriptions/listen`: one long-lived stream of the notifications a client opted in to (the upstream's list
+changes and resource updates; `notifications/tasks` for the tasks it named), capped in total, per caller and in
+task ids. Imports the tasks facade, the upstream pool and the wire; never aiohttp."""
 
 from __future__ import annotations
 
@@ -42,6 +33,16 @@ PROGRESS_COALESCE_SECONDS: Final = 0.2  # a task whose status stays the same is 
 
 
 class ListenStreams:
+    """The acknowledgement first (with what the proxy honours), then: the upstream's list-changed and resource-updated
+    notifications, read from the caller's shared upstream session; and, for a client that declared the Tasks
+    extension, `notifications/tasks` for each change of the tasks it named in `taskIds` (its own, unexpired ones:
+    other ids are left out without a trace), each carrying the complete task as `tasks/get` returns it. A task
+    already settled is sent once at once. Progress-only changes of one task are sent at most every
+    PROGRESS_COALESCE_SECONDS, with the latest state. The stream ends with its graceful result at shutdown, or when
+    it falls behind (the client polls, or listens again). Caps: streams in total and per caller (the owner of its
+    tasks: every token of one `security.jwt` owner counts alike), task ids per stream. Imports the runner, the
+    upstream pool and the wire; never aiohttp."""
+
     def __init__(
         self, limits: Callable[[], LimitsConfig], pool: SessionPool, tasks: Tasks, watchers: TaskWatchers
     ) -> None:

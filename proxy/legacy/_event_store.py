@@ -1,14 +1,6 @@
-"""The SSE event store of the proxy's own 2025-11-25 server for legacy clients of a stdio upstream: one per session.
-
-Spec: https://modelcontextprotocol.io/specification/2025-11-25/basic/transports#resumability-and-redelivery
-
-Every stream of a session (each POST's answer stream, and the GET stream) has a number; every event sent on
-it gets the id `<stream>-<seq>`, with one sequence per session, so ids are unique across the session's
-streams and name the stream they belong to. The messages are kept, oldest first out, while their JSON totals
-at most `max_bytes`, so a client whose stream broke can resume it (GET with `Last-Event-ID`) and get what came
-after on that stream only, never another's. Pure bookkeeping and framing: no I/O, no aiohttp, no process;
-imports the JSON helpers and the SSE frame format only.
-"""
+"""The SSE event store of the proxy's own 2025-11-25 server for a stdio upstream's legacy clients, one per
+session: ids unique across the session's streams, events kept up to `max_bytes` for a `Last-Event-ID` resume.
+Pure bookkeeping and framing; imports the JSON helpers and the SSE frame format only."""
 
 from __future__ import annotations
 
@@ -19,6 +11,15 @@ from typing import Final
 from proxy.errors import RequestId
 from proxy.wire.jsonrpc import JSON, dumps, loads
 from proxy.wire.sse import frame
+
+# Spec: https://modelcontextprotocol.io/specification/2025-11-25/basic/transports#resumability-and-redelivery
+#
+# Every stream of a session (each POST's answer stream, and the GET stream) has a number; every event sent on it gets
+# the id `<stream>-<seq>`, with one sequence per session, so ids are unique across the session's streams and name the
+# stream they belong to. The messages are kept, oldest first out, while their JSON totals at most `max_bytes`, so a
+# client whose stream broke can resume it (GET with `Last-Event-ID`) and get what came after on that stream only,
+# never another's. Pure bookkeeping and framing: no I/O, no aiohttp, no process; imports the JSON helpers and the SSE
+# frame format only.
 
 GET_STREAM: Final = 0  # the number of the session's GET stream (it keeps it across reconnections)
 RETRY_MS: Final = 1000  # the `retry` field of a priming event: how long a client waits before it reconnects

@@ -1,31 +1,6 @@
-"""The legacy front for a stdio upstream: a 2025-11-25 Streamable HTTP server that the proxy serves itself.
-
-Spec: https://modelcontextprotocol.io/specification/2025-11-25/basic/transports#streamable-http
-
-A legacy client (`initialize`, `Mcp-Session-Id`) cannot be relayed byte for byte to a server that speaks only
-stdio, so the proxy serves the transport. `initialize` starts a server process of the client's own (counted
-against `upstream.max_processes`) and mints the session id; the client's own `initialize` goes to it, so the
-server sees the client's capabilities and version. Every message of the client goes to the process's stdin
-unchanged, ids included (the process has no other client), and what the process writes comes back:
-
-- a response, to the POST that waits for it: as the last event of an SSE stream when the client accepts one
-  (as JSON without an event store, when nothing came before it);
-- `notifications/progress`, to the POST whose request carries its token;
-- anything else (server→client requests, log messages, list changes; stdio says nothing of what they belong
-  to): to the only POST open, else the GET stream, else the oldest POST open; with no stream open, a few are
-  held for the next stream to open.
-
-With `limits.legacy_replay_bytes` (the default) the streams are resumable (`proxy/legacy/_event_store.py`): every
-event has an id, an SSE stream opens with a priming event (an id, empty data, `retry`) for a 2025-11-25
-client, and a client whose stream broke resumes it with GET and `Last-Event-ID`: the events of that stream it
-missed, then the rest of it (a POST's answer stream ends with the answer; the GET stream goes on).
-
-DELETE ends the session (the process is stopped: it was initialized for that client and cannot serve
-another); so does `upstream.process_idle_seconds` with no stream open, and the process ending. A request
-naming an ended session gets 404, which tells the client to initialize again. A session is bound to the
-principal header that opened it (its session key, `principals.principal_key`). Imports aiohttp's web side,
-the stdio kind and process layer, the principals, and the pool's `Room`; never tasks.
-"""
+"""The legacy front for a stdio upstream: the 2025-11-25 Streamable HTTP server the proxy serves itself, one
+server process per client session, its messages relayed to and from the process's stdio. Imports aiohttp's web
+side, the stdio kind and process layer, the principals and the pool's `Room`; never tasks."""
 
 from __future__ import annotations
 
@@ -64,7 +39,33 @@ CALLER: Final = "mcp_tasks_proxy.legacy_caller"  # the request's verified caller
 
 class StdioLegacyServer:
     """Serves legacy clients on the proxy's endpoint when the upstream is a stdio server (`relay()`, as the
-    pass-through does for an HTTP upstream)."""
+        pass-through does for an HTTP upstream).
+
+    Spec: https://modelcontextprotocol.io/specification/2025-11-25/basic/transports#streamable-http
+
+    A legacy client (`initialize`, `Mcp-Session-Id`) cannot be relayed byte for byte to a server that speaks only
+    stdio, so the proxy serves the transport. `initialize` starts a server process of the client's own (counted
+    against `upstream.max_processes`) and mints the session id; the client's own `initialize` goes to it, so the
+    server sees the client's capabilities and version. Every message of the client goes to the process's stdin
+    unchanged, ids included (the process has no other client), and what the process writes comes back:
+
+    - a response, to the POST that waits for it: as the last event of an SSE stream when the client accepts one
+      (as JSON without an event store, when nothing came before it);
+    - `notifications/progress`, to the POST whose request carries its token;
+    - anything else (server→client requests, log messages, list changes; stdio says nothing of what they belong
+      to): to the only POST open, else the GET stream, else the oldest POST open; with no stream open, a few are
+      held for the next stream to open.
+
+    With `limits.legacy_replay_bytes` (the default) the streams are resumable (`proxy/legacy/_event_store.py`):
+    every event has an id, an SSE stream opens with a priming event (an id, empty data, `retry`) for a 2025-11-25
+    client, and a client whose stream broke resumes it with GET and `Last-Event-ID`: the events of that stream it
+    missed, then the rest of it (a POST's answer stream ends with the answer; the GET stream goes on).
+
+    DELETE ends the session (the process is stopped: it was initialized for that client and cannot serve another);
+    so does `upstream.process_idle_seconds` with no stream open, and the process ending. A request naming an ended
+    session gets 404, which tells the client to initialize again. A session is bound to the principal header that
+    opened it (its session key, `principals.principal_key`). Imports aiohttp's web side, the stdio kind and process
+    layer, the principals, and the pool's `Room`; never tasks."""
 
     def __init__(
         self,

@@ -1,11 +1,5 @@
-"""A legacy client's session with its own stdio server process, as the proxy's 2025-11-25 front keeps it.
-
-Which stream gets what the process writes (`LegacySession.route`): a response to the POST waiting for it,
-progress to the POST whose request carries the token, anything else to the only POST open, else the GET
-stream, else the oldest POST open, else held for the next stream. Each stream's events are kept for a resume
-when the session has an event store (`_event_store.py`). Imports the stdio process layer and the wire; no aiohttp
-(the server, `_stdio_server.py`, writes the streams).
-"""
+"""A legacy client's session with its own stdio server process, and which of its streams gets what the process
+writes (`LegacySession.route`). Imports the stdio process layer and the wire; no aiohttp (the server writes)."""
 
 from __future__ import annotations
 
@@ -23,6 +17,12 @@ from proxy.legacy._event_store import SessionEvents, StoredEvent
 from proxy.upstream.stdio.process import StdioProcess
 from proxy.upstream.stdio.session import MAX_QUEUED_EVENTS
 from proxy.wire.jsonrpc import JSON, error_message
+
+# Which stream gets what the process writes (`LegacySession.route`): a response to the POST waiting for it, progress
+# to the POST whose request carries the token, anything else to the only POST open, else the GET stream, else the
+# oldest POST open, else held for the next stream. Each stream's events are kept for a resume when the session has an
+# event store (`_event_store.py`). Imports the stdio process layer and the wire; no aiohttp (the server,
+# `_stdio_server.py`, writes the streams).
 
 log = structlog.get_logger(__name__)
 

@@ -1,13 +1,6 @@
-"""Legacy traffic relayed verbatim: POST, GET (standalone SSE stream) and DELETE.
-
-A legacy client through the proxy must see what it sees directly: status, body and end-to-end headers are
-copied, SSE is streamed chunk by chunk as it arrives (no buffering, no decompression), hop-by-hop headers are
-dropped, and nothing is added but the conventional X-Forwarded-For/-Proto/-Host. The proxy's own Host/Origin
-checks ran before; the upstream sees the proxy as its client. Trace context is parsed, not copied (a value that
-does not parse is dropped, W3C Trace Context and Baggage), and what is written is checked where it is written
-(`wire/fields.py`: the target here, each header by the client that writes it): a target or header that could
-split a line fails the request with the proxy's own JSON-RPC error before a byte leaves.
-"""
+"""Legacy traffic relayed verbatim (POST, GET streams, DELETE): status, body and end-to-end headers copied, SSE
+streamed as it arrives, nothing added but X-Forwarded-*, trace context parsed and what is written checked where
+it is written. Imports the upstream's HTTP clients, the wire and tracing; never tasks or the front."""
 
 from __future__ import annotations
 
@@ -28,6 +21,14 @@ from proxy.upstream.http.h1 import H1RequestError
 from proxy.upstream.http.lean import LeanClient
 from proxy.wire import trace_context
 from proxy.wire.fields import FieldError, check_target
+
+# A legacy client through the proxy must see what it sees directly: status, body and end-to-end headers are copied,
+# SSE is streamed chunk by chunk as it arrives (no buffering, no decompression), hop-by-hop headers are dropped, and
+# nothing is added but the conventional X-Forwarded-For/-Proto/-Host. The proxy's own Host/Origin checks ran before;
+# the upstream sees the proxy as its client. Trace context is parsed, not copied (a value that does not parse is
+# dropped, W3C Trace Context and Baggage), and what is written is checked where it is written (`wire/fields.py`: the
+# target here, each header by the client that writes it): a target or header that could split a line fails the request
+# with the proxy's own JSON-RPC error before a byte leaves.
 
 # Plain answers up to this size are read whole and sent in one write; larger ones and SSE are streamed.
 BUFFERED_BODY_MAX_BYTES: Final = 1 << 20

@@ -1,10 +1,6 @@
-"""The audit log: one JSON line per modern request (written by the HTTP edge) and per task transition (by the
-executor's observer, `tasks/services/observers.py`), to a file opened for appending or to stdout.
-
-A line names who (the JWT subject, else the keyed principal hash: never a credential), what (method, tool),
-which task, the outcome, the duration and the replica; never an argument value or a result. Imports the
-standard library and `principals`; nothing of aiohttp, the store or the tasks.
-"""
+"""The audit log: one JSON line per modern request (from the edge) and per task transition (from the executor's
+observer), naming who, what, which task, the outcome and the duration; never an argument, a result or a
+credential. Imports the standard library and `principals`."""
 
 from __future__ import annotations
 

@@ -230,6 +230,14 @@ class Metrics:
             "How long the last scrape's read of the task store took (its counts and size)",
             registry=self.registry,
         )
+        self.settlements_refused = Counter(
+            f"{prefix}_settlements_refused_total",
+            "Task outcomes (results, errors) of calls run here that the store refused, so lost: by reason, fenced "
+            "(another replica owns the task now: it was taken over) or settled (the task had ended otherwise "
+            "meanwhile: a cancel, its TTL). The settlement_refused log lines name the tasks",
+            ["reason"],
+            registry=self.registry,
+        )
         self.store_pending_settlements = Gauge(
             f"{prefix}_store_pending_settlements",
             "Task record writes (results, errors, questions, progress) waiting for the store to take them",

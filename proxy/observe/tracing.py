@@ -1,14 +1,6 @@
-"""OpenTelemetry tracing: the spans of the MCP semantic conventions
-(https://opentelemetry.io/docs/specs/semconv/gen-ai/mcp/): a SERVER span per request, a CLIENT span per
-upstream request (its context goes upstream), the background work of a call, events for questions, answers,
-MRTR rounds and push. Off (every helper a no-op returning at its first line) until `tracing_setup` installs a
-tracer from the OTEL_* environment.
-
-Also the trace context in and out: a client's (headers, `_meta`), the current one into what goes upstream, and
-the W3C traceparent a task record keeps. Never recorded: argument values, results, question or answer content,
-header values, credentials. Imports the OpenTelemetry API (not the SDK), `errors`, the wire's trace-context
-parser and `span_attributes` (what a span says); nothing of aiohttp, the front, the tasks or the upstream.
-"""
+"""OpenTelemetry tracing after the MCP semantic conventions: SERVER and CLIENT spans, a call's background work,
+events; and the trace context in and out. A no-op until `tracing_setup` installs a tracer. Never records
+arguments, results, answers, header values or credentials. Imports the OpenTelemetry API only, not the SDK."""
 
 from __future__ import annotations
 
@@ -35,6 +27,11 @@ from proxy.observe.span_attributes import (
     text,
 )
 from proxy.wire.trace_context import TRACE_KEYS, parsed
+
+# Also the trace context in and out: a client's (headers, `_meta`), the current one into what goes upstream, and the
+# W3C traceparent a task record keeps. Never recorded: argument values, results, question or answer content, header
+# values, credentials. Imports the OpenTelemetry API (not the SDK), `errors`, the wire's trace-context parser and
+# `span_attributes` (what a span says); nothing of aiohttp, the front, the tasks or the upstream.
 
 _T = TypeVar("_T")
 

@@ -1,10 +1,5 @@
-"""OpenTelemetry set-up: the SDK's tracer provider, its batch processor and exporter, from the standard OTEL_*
-environment (or a processor the tests hand in), installed into `tracing`; and its shutdown, which exports what
-is still buffered.
-
-The one module that imports the OpenTelemetry SDK and its exporters: `tracing` (the spans) needs only the API.
-Imports `tracing`; nothing else of the proxy.
-"""
+"""OpenTelemetry set-up from the OTEL_* environment: the SDK's provider, batch processor and exporter, installed
+into `tracing`, and its shutdown. The one module that imports the SDK; imports `tracing` only."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""The admin listener: a second aiohttp site on its own port (never the MCP one), off unless `admin.port` is set.
-
-`GET /admin/tasks` (the CLI's filters, JSON), `GET /admin/tasks/{id}`, `POST /admin/tasks/{id}/cancel`, and
-`GET /admin/`, a server-rendered page listing tasks with a cancel button. Every route needs the bearer token
-(`admin.token_file`, compared in constant time) or the session cookie that `/admin/?token=…` sets (HttpOnly,
-SameSite=Strict, so no other site's form can carry it; the page's forms also carry a token derived from it).
-No argument, credential or result is shown unless `admin.show_results`. Imports aiohttp's web side, the store
-and `task_views`; nothing of the runner or the front.
-"""
+"""The admin listener: a second aiohttp site on its own port (never the MCP one), off unless `admin.port` is set:
+the tasks as JSON and as a page, with a cancel, behind a bearer token or the cookie it sets. No argument,
+credential or result shown unless `admin.show_results`. Imports aiohttp's web side, the store and the views."""
 
 from __future__ import annotations
 
@@ -53,7 +47,14 @@ def admin_url(config: AdminConfig, token: str) -> str:
 
 
 class Admin:
-    """The admin app and its site. `start()` after the store is open, `stop()` before it closes."""
+    """The admin app and its site. `start()` after the store is open, `stop()` before it closes.
+
+    `GET /admin/tasks` (the CLI's filters, JSON), `GET /admin/tasks/{id}`, `POST /admin/tasks/{id}/cancel`, and `GET
+    /admin/`, a server-rendered page listing tasks with a cancel button. Every route needs the bearer token
+    (`admin.token_file`, compared in constant time) or the session cookie that `/admin/?token=…` sets (HttpOnly,
+    SameSite=Strict, so no other site's form can carry it; the page's forms also carry a token derived from it). No
+    argument, credential or result is shown unless `admin.show_results`. Imports aiohttp's web side, the store and
+    `task_views`; nothing of the runner or the front."""
 
     def __init__(self, config: AdminConfig, store: TaskStore, clock: Callable[[], int]) -> None:
         self.config = config
@@ -130,11 +131,11 @@ class Admin:
 
     async def list_tasks(self, request: web.Request) -> web.Response:
         query = self._query(request, 50)
-        records = await self._store(self.store.list_tasks(query))
+        records = await self._store(self.store.operators.list_tasks(query))
         return web.json_response(task_views.page(records, query, self.clock()))
 
     async def show_task(self, request: web.Request) -> web.Response:
-        record = await self._store(self.store.get(request.match_info["task_id"]))
+        record = await self._store(self.store.records.get(request.match_info["task_id"]))
         if record is None:
             raise web.HTTPNotFound(text="no such task\n")
         return web.json_response(self._detail(record))
@@ -156,9 +157,9 @@ class Admin:
                 raise web.HTTPForbidden(text="the form's token is wrong: reload the page\n")
         now_ms = self.clock()
         cancelled = await self._store(
-            self.store.cancel_task(task_id, task_views.OPERATOR_CANCEL_MESSAGE, now_ms=now_ms)
+            self.store.operators.cancel_task(task_id, task_views.OPERATOR_CANCEL_MESSAGE, now_ms=now_ms)
         )
-        record = cancelled or await self._store(self.store.get(task_id))
+        record = cancelled or await self._store(self.store.records.get(task_id))
         if record is None:
             raise web.HTTPNotFound(text="no such task\n")
         log.info("task_cancelled_by_operator", task_id=task_id, cancelled=cancelled is not None)
@@ -176,7 +177,7 @@ class Admin:
 
     async def page(self, request: web.Request) -> web.Response:
         query = self._query(request, _PAGE_LIMIT)
-        records = await self._store(self.store.list_tasks(query))
+        records = await self._store(self.store.operators.list_tasks(query))
         now_ms = self.clock()
         rows = "\n".join(self._row(record, now_ms) for record in records) or ('<tr><td colspan="6">no tasks</td></tr>')
         filters = " ".join(f'<a href="{PREFIX}/?status={status}">{status}</a>' for status in task_views.STATUSES)

@@ -1,10 +1,5 @@
-"""The `tasks` commands: list, show, stats, cancel and purge the task records of the store a config names.
-
-Each opens the store the config names (`store.url`, else `store.path`, relative to the working directory as
-for `serve`), or the SQLite file `--db` names, and refuses in one line (exit 1) when it cannot reach it.
-Imports only the standard library at module level (`cli.py` builds its parser from here); each command
-imports the store when it runs.
-"""
+"""The `tasks` commands (list, show, stats, cancel, purge) on the store a config names, or the SQLite file `--db`
+names. Imports only the standard library at module level (`cli.py` builds its parser from here)."""
 
 from __future__ import annotations
 
@@ -15,6 +10,11 @@ import time
 from typing import TYPE_CHECKING, Any, Final
 
 from proxy.operators import _views as task_views
+
+# Each opens the store the config names (`store.url`, else `store.path`, relative to the working directory as for
+# `serve`), or the SQLite file `--db` names, and refuses in one line (exit 1) when it cannot reach it. Imports only
+# the standard library at module level (`cli.py` builds its parser from here); each command imports the store when it
+# runs.
 
 if TYPE_CHECKING:
     from proxy.config.schema import StoreConfig, TasksConfig
@@ -152,14 +152,14 @@ async def _list(store: TaskStore, args: argparse.Namespace) -> dict[str, Any]:
         limit=args.limit,
         after=args.after,
     )
-    return task_views.page(await store.list_tasks(query), query, now_ms)
+    return task_views.page(await store.operators.list_tasks(query), query, now_ms)
 
 
 async def _show(store: TaskStore, task_id: str) -> dict[str, Any] | None:
     from proxy.wire.jsonrpc import RawJSON
     from proxy.wire.tasks import detailed_task
 
-    record = await store.get(task_id)
+    record = await store.records.get(task_id)
     if record is None:
         return None
     task = detailed_task(record)
@@ -194,14 +194,14 @@ async def _run(args: argparse.Namespace, config: StoreConfig, tasks: TasksConfig
                 return EXIT_NOT_FOUND, "", f"mcp-tasks-proxy: no task {args.task_id!r} in {_where(config)}"
             return 0, json.dumps(shown, indent=2, ensure_ascii=False), ""
         if command == "stats":
-            counts = await store.stats()
-            size = await store.size_bytes()
+            counts = await store.operators.stats()
+            size = await store.operators.size_bytes()
             return 0, json.dumps({"database": _where(config), "sizeBytes": size, **counts}, indent=2), ""
         if command == "cancel":
             return await _cancel(store, args.task_id, _where(config))
         now_ms = _now_ms()
         tombstone_at_ms = now_ms if tasks.tombstone_seconds > 0 else None  # a client asking later learns why
-        matched = await store.purge_settled(
+        matched = await store.operators.purge_settled(
             now_ms - int(args.older_than * 1000), dry_run=not args.yes, tombstone_at_ms=tombstone_at_ms
         )
         note = "" if args.yes else "dry run: nothing deleted (add --yes to delete them)"
@@ -219,10 +219,10 @@ async def _run(args: argparse.Namespace, config: StoreConfig, tasks: TasksConfig
 async def _cancel(store: TaskStore, task_id: str, where: str) -> tuple[int, str, str]:
     import json
 
-    cancelled = await store.cancel_task(task_id, task_views.OPERATOR_CANCEL_MESSAGE, now_ms=_now_ms())
+    cancelled = await store.operators.cancel_task(task_id, task_views.OPERATOR_CANCEL_MESSAGE, now_ms=_now_ms())
     if cancelled is not None:
         return 0, json.dumps({"taskId": task_id, "status": cancelled.status.value, "owner": cancelled.owner}), ""
-    record = await store.get(task_id)
+    record = await store.records.get(task_id)
     if record is None:
         return EXIT_NOT_FOUND, "", f"mcp-tasks-proxy: no task {task_id!r} in {where}"
     shown = json.dumps({"taskId": task_id, "status": record.status.value})

@@ -1,11 +1,6 @@
-"""One live call: the upstream request it was made from (`UpstreamRequest`), the machine's state beside what
-carrying out its commands needs, split by who owns it (the client side: the waiting reply and stream; the
-upstream side: session, request stream, pump; the record side: the record as committed and the lease it is
-written under), `new_call`, the one way to build one, and the table of the calls in flight (`CallTable`).
-Asyncio objects live here, never in the machine's state. Imports the state, the command vocabulary, the input
-rules (the request's digest), the wire's translation, the store's fence and the upstream kinds protocol;
-nothing that does I/O.
-"""
+"""One live call: the upstream request it was made from, the machine's state, and its three ends (client,
+upstream, record), each written by one module; `new_call`, the one way to build one; the table of calls in
+flight. Asyncio objects live here, never in the machine's state; nothing here does I/O."""
 
 from __future__ import annotations
 

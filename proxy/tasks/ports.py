@@ -1,6 +1,6 @@
 """The only ways back up from an effect or a service to what drives the calls: `Feed` (an event for a call,
-fed under its lock), `Spawner` (named background work) and `Effect[C]` (what carries out commands of type `C`),
-`CredentialBindings` (the upstream credentials a task keeps).
+fed under its lock), `Spawner` (named background work) and `CredentialBindings` (the upstream credentials a
+task keeps).
 Protocols only; imports the command vocabulary and the live call, nothing that does I/O.
 """
 
@@ -12,10 +12,9 @@ from typing import Any, Protocol, TypeVar
 
 from proxy.principals import Identity
 from proxy.tasks.live_call import LiveCall
-from proxy.tasks.machine.commands import Command, Event
+from proxy.tasks.machine.commands import Event
 
 _T = TypeVar("_T")
-_C = TypeVar("_C", bound=Command, contravariant=True)
 
 
 class Feed(Protocol):
@@ -42,9 +41,3 @@ class CredentialBindings(Protocol):
     def bind(self, principal: Identity | None, task_id: str) -> None: ...
 
     def release(self, caller: str, task_id: str) -> None: ...
-
-
-class Effect(Protocol[_C]):
-    """Carries out a command of type `_C` for a call; returns the event the command is answered with, if any."""
-
-    async def __call__(self, call: LiveCall, command: _C, /) -> Event | None: ...

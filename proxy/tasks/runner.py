@@ -1,12 +1,6 @@
-"""The composition root of tasks/: builds the executor, its effects and the services from the config, and
-starts and closes them. It carries out nothing itself.
-
-- `executor.py` feeds each call's machine and runs its commands through the effects (`effects/`).
-- `starting.py` starts and resumes calls for waiting requests; `operations.py` serves `tasks/get`, `tasks/update`
-  and `tasks/cancel`; `recovery.py` takes over tasks whose call runs nowhere and runs the sweep;
-  `replica_inbox.py` turns what other replicas do into events; `pacing.py` paces the records clients see.
-Imports all of those, the store and the upstream pool; never aiohttp's web side or the front.
-"""
+"""The composition root of tasks/: builds the executor, its effects and the services from the config, starts
+and closes them, and hands the front one small facade (`Tasks`). Carries out nothing itself. Imports all of
+tasks/, the store and the upstream pool; never aiohttp's web side or the front."""
 
 from __future__ import annotations
 
@@ -128,8 +122,8 @@ class TaskRunner:
         self.closing = False  # close() began: what calls answer now is the shutdown's, not their upstream's
         self.background = Background()
         self.table = CallTable()
-        self.durations = Durations(store, clock, self.background)
-        self.quotas = Quotas(store, clock)
+        self.durations = Durations(store.usage, clock, self.background)
+        self.quotas = Quotas(store.usage, clock)
         signer = inputs.RequestStateSigner(inputs.load_secret(config.inputs.secret_file))
         self.slots = RunningSlots(current)
         self.parking = Parking(current, signer, clock, self.process_id)
@@ -172,7 +166,9 @@ class TaskRunner:
         self.recovery = Recovery(context, self.replicas, self.records, self.starter.state, followers, draining)
         self.inbox = ReplicaInbox(context, self.parking, self.records, self.replicas, self.recovery, self.starter)
         cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
-        keys = IdempotencyKeys(store, principals, self.process_id, self.spawn, clock, metrics, lambda: self.closing)
+        self.keys = keys = IdempotencyKeys(
+            store, principals, self.process_id, self.spawn, clock, metrics, lambda: self.closing
+        )
         waiting = WaitingRequests(self.starter, client.keep_alive, cache)
         self.tasks = Tasks(waiting, self.operations, self.quotas, keys, principals, metrics)  # the front's
 
@@ -185,7 +181,7 @@ class TaskRunner:
         """The lease and the change feed first (every owner write carries the lease's fence), the shared pacing
         estimates, restart recovery (before the first request is served), then the periodic sweep."""
         await self.replicas.start(self.inbox)
-        if self.store.shared and self.secret_file is None:
+        if self.store.replicas.shared and self.secret_file is None:
             log.warning(
                 "request_state_key_not_shared",
                 detail="inputs.secret_file is unset: an MRTR retry that reaches another replica is refused",
@@ -211,6 +207,7 @@ class TaskRunner:
         await self.outbox.close()
         await self.replicas.close()
         await self.background.close(SHUTDOWN_GRACE_SECONDS)
+        await self.keys.close()  # idempotency-key writes the store did not take yet: tried once more
         if self.audit is not None:
             self.audit.close()
 

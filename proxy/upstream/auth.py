@@ -1,10 +1,6 @@
-"""Whether the upstream requires credentials, which decides if what the proxy learned from it may be shared.
-
-What the proxy caches from the upstream (its InitializeResult for server/discover, the tool catalog) is shared
-by every caller only when the upstream is known to serve a request without credentials; otherwise each caller
-gets it through its own session, so the upstream sees (and may refuse) that caller's credential first. Owns
-only that decision; imports the errors, never a session kind, the pool or aiohttp.
-"""
+"""Whether the upstream requires credentials, which decides if what the proxy learned from it (InitializeResult,
+tool catalog) may serve every caller, or only the caller whose credential the upstream accepted. Owns only that
+decision; imports the errors, never a session kind, the pool or aiohttp."""
 
 from __future__ import annotations
 

@@ -236,7 +236,12 @@ class Subscribers:
 
 
 class Lending:
-    """Who holds a session and where its unsolicited traffic goes (see the module doc)."""
+    """Who holds a session and where its unsolicited traffic goes. The pool lends a session to one call (`lend`:
+    its sink, and where notifications go besides) and takes it back (`take_back`); `keep` marks a session whose
+    upstream work outlives this process. `route` sends what the server sent naming no request to its place: a
+    ping is answered; everything goes to the lessee while a call holds the session; a question nobody holds is
+    refused at once (an elicitation is declined), so the upstream never waits; notifications also reach the
+    listen streams."""
 
     def __init__(self, subscribers: Subscribers) -> None:
         self._subscribers = subscribers

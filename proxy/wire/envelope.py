@@ -1,10 +1,5 @@
-"""The 2026-07-28 request envelope: era classification, `_meta` and routing-header validation.
-
-SANS-IO: takes header mappings, body bytes and decoded JSON, returns a `ModernRequest` or raises a ProxyError
-with the code the spec names (a missing `_meta` field, an unserved version, a routing header that is missing
-or differs from the body). Param shapes are checked with the `mcp_types` surface validators. Must not import
-aiohttp, asyncio or the store.
-"""
+"""The 2026-07-28 request envelope: era classification, `_meta` and routing-header validation; a `ModernRequest`
+or the ProxyError the spec names. Sans-IO: must not import aiohttp, asyncio or the store."""
 
 from __future__ import annotations
 

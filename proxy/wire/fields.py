@@ -1,11 +1,5 @@
-"""What may be written onto an HTTP/1.1 wire: header field names and values, and a request target (RFC 9110
-§5.1 and §5.5, RFC 9112 §3.2). Every writer of the proxy checks what it writes with these, where it writes it,
-whatever the value's source. Sans-IO: imports nothing of the proxy.
-
-The checks are as strict as h11's writer: a name is a `token`; a value holds no CR, LF, NUL or other control
-character but horizontal tab, and neither starts nor ends with whitespace; a request target is a non-empty run
-of visible characters. Each check is one compiled regular expression, so it runs at C speed on the hot path.
-"""
+"""What may be written onto an HTTP/1.1 wire (RFC 9110 §5.1, §5.5; RFC 9112 §3.2): header names and values and
+request targets, checked as strictly as h11's writer by every writer of the proxy, where it writes. Sans-IO."""
 
 from __future__ import annotations
 

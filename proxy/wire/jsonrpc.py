@@ -1,10 +1,5 @@
-"""JSON-RPC 2.0 framing: parse one incoming message, build result and error bodies.
-
-SANS-IO: no aiohttp, no asyncio. Messages are kept as plain dicts (a proxy relays fields it does not know);
-the envelope types and codes come from `mcp_types.jsonrpc`. JSON is read and written by orjson (several times
-faster than the standard library's, on every message of the modern path); what orjson does not do the standard
-library's way (integers past 64 bits, a byte-order mark, lone surrogates) takes the standard library's path.
-"""
+"""JSON-RPC 2.0 framing: parse one incoming message, build result and error bodies; read and written by orjson,
+with the standard library for what orjson does not do its way. Sans-IO: no aiohttp, no asyncio."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""The 2025-11-25 Tasks a legacy server may run itself, on the wire: detection, `params.task`, its Task objects.
-
-Some legacy servers (the mcp 1.x SDK's `enable_tasks()`, the TypeScript SDK, the reference server
-server-everything) declare `tasks.requests.tools.call` and mark tools `execution.taskSupport` `optional` or
-`required`; such a tool answers a `tools/call` carrying `params.task` with a nested `CreateTaskResult`
-(`{"task": {...}}`), and the task is then followed with `tasks/get`, `tasks/result`, `tasks/cancel` and
-`notifications/tasks/status` (modelcontextprotocol.io/specification/2025-11-25/basic/utilities/tasks).
-SANS-IO and pure; imports only `wire.jsonrpc`.
-"""
+"""The 2025-11-25 Tasks a legacy server may run itself, on the wire: detection, `params.task`, its Task objects
+(modelcontextprotocol.io/specification/2025-11-25/basic/utilities/tasks). Sans-IO; imports only `wire.jsonrpc`."""
 
 from __future__ import annotations
 

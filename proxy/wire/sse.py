@@ -1,10 +1,5 @@
-"""Server-Sent Events framing: an incremental parser for upstream streams and the writer's frame format.
-
-Part of the wire: upstream/ and the benchmarks read with it, the legacy stdio server writes with it. Pure:
-`SSEParser.feed(bytes)` returns the events completed by those bytes, following the WHATWG
-event-stream rules (CR, LF or CRLF line ends; `data` lines joined by LF; comments ignored). Its cost is
-linear in the bytes fed, however they are split, and it can refuse events over a size.
-"""
+"""Server-Sent Events framing: an incremental parser (WHATWG rules, linear in the bytes fed, events bounded in
+size) for upstream streams, and the writer's frame format. Sans-IO."""
 
 from __future__ import annotations
 

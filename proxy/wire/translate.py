@@ -1,10 +1,5 @@
-"""Legacy (2025-06-18 / 2025-11-25) → 2026-07-28 translation of results, errors and notifications.
-
-SANS-IO and pure: every function takes decoded JSON and returns new JSON (inputs are not mutated).
-Legacy results gain `resultType` (and `ttlMs`/`cacheScope` where cacheable), legacy error codes are mapped
-to 2026-07-28 ones, and progress/log notifications stay request-scoped. Must not import aiohttp, asyncio or
-the store.
-"""
+"""Legacy (2025-06-18 / 2025-11-25) → 2026-07-28 translation of results, errors and notifications; pure
+functions of decoded JSON. Sans-IO: must not import aiohttp, asyncio or the store."""
 
 from __future__ import annotations
 

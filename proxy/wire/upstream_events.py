@@ -1,10 +1,5 @@
-"""What a legacy server says to the proxy, as plain data: the event types, their one decoder, and the one rule
-for answering a question no client will see.
-
-An upstream request's stream (and a session's standalone GET stream) carries notifications, server→client
-requests (a question: elicitation, sampling, roots; or the upstream's ping) and, last, the final result or
-JSON-RPC error. SANS-IO: no aiohttp, no asyncio; imports only the wire layer.
-"""
+"""What a legacy server says to the proxy, as plain data: the event types (notification, question, result, error),
+their one decoder, and the one rule for answering a question no client will see. Sans-IO."""
 
 from __future__ import annotations
 

@@ -50,7 +50,9 @@ class Replica:
         *,
         drain_seconds: float = DRAIN_SECONDS,
         store: dict[str, Any] | None = None,
+        sections: dict[str, dict[str, Any]] | None = None,
     ) -> None:
+        """`store`: more `store:` fields; `sections`: other config sections (`idempotency`, ...)."""
         self.upstream = Upstream()
         self.upstream.start()
         self.proxy = ProxyProcess(
@@ -60,6 +62,7 @@ class Replica:
             inputs={"secret_file": str(key)},
             upstream={"call_timeout_seconds": 120},
             tasks={"tools": tools, "drain_seconds": drain_seconds},
+            **(sections or {}),
         )
         self.start()
 

@@ -44,8 +44,7 @@ def make_record(
 def creation_thread(store: TaskStore) -> Executor:
     """The thread that commits a store's creations."""
     if isinstance(store, SqliteTaskStore):
-        assert store._writer is not None
-        return store._writer
+        return store.db.writer_thread("a test's creation")
     assert isinstance(store, PostgresTaskStore)
     return store._creator.executor
 
@@ -78,10 +77,10 @@ CREATING_TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 async def check_trace_context_migrated(store: TaskStore) -> None:
     """On a store just migrated to keep the creating trace context: `task_old`, written before (with
     upstream_task_id `up-1`), reads as created with tracing off; a new record keeps its context."""
-    old = await store.get("task_old")
+    old = await store.records.get("task_old")
     assert old is not None
     assert (old.traceparent, old.upstream_task_id) == (None, "up-1")
-    await store.create(make_record("task_new", traceparent=CREATING_TRACEPARENT))
-    new = await store.get("task_new")
+    await store.records.create(make_record("task_new", traceparent=CREATING_TRACEPARENT))
+    new = await store.records.get("task_new")
     assert new is not None
     assert new.traceparent == CREATING_TRACEPARENT

@@ -1,9 +1,6 @@
 """The effects, and which carries out each command the machine gives (`Effects.carry_out`: one visible switch).
-
-Each effect owns the state it needs (slots and parking, record writes, the held upstream request, the client's
-reply and stream, timers); a task the upstream runs goes to the follower the call was built with (its own
-2025-11-25 task, or a legacy job). Each reaches back only through `ports.py` and is tested alone with a fake
-`Feed`."""
+Each owns the state it needs; a task the upstream runs goes to the follower the call was built with. Each
+reaches back only through `ports.py` and is tested alone with a fake `Feed`."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""The upstream's concurrency cap (`upstream.max_concurrent_calls`, per replica): a call whose upstream request
-is sent holds a slot until that request ends; the others wait in a fair queue, round robin across callers and
-first come first served within one, so that one caller's burst cannot starve another. A tool may have a lower
-cap of its own (`tasks.tools.<name>.max_concurrent`): its calls wait in the same queue while other tools' calls
-go on. A call learns that it waits (`Queued`, with its place), that its place changed as the queue moved
-(`QueueMoved`), and when it goes (`Admitted`); one that leaves the queue (cancelled, its client gone) frees its
-place. The caps are read from the config in force at each admission (`caps()`); after a live reload (`changed`), one
-raised starts queued calls at once, one that lowers it lets the running calls finish and admits new ones only below it.
-
-Places are told coalesced, not at each move: at most every `POSITION_SECONDS`, a call among the first
-`POSITIONS_TOLD` in line whose place differs from the one it was last told learns its new one (each is one
-store write for a task); a call further back keeps the place it was told until it comes that far. Imports the
-policy, the ports, the command vocabulary, errors and the metrics; no store, no upstream.
-"""
+"""The upstream's concurrency cap (`upstream.max_concurrent_calls`, and a tool's own `max_concurrent`): a fair
+queue, round robin across callers, telling each call its place and when it goes; caps read live. Imports the
+policy, the ports, the command vocabulary, errors and the metrics; no store, no upstream."""
 
 from __future__ import annotations
 
@@ -55,6 +44,11 @@ class Caps:
 
 
 class Admission:
+    """Places are told coalesced, not at each move: at most every `POSITION_SECONDS`, a call among the first
+    `POSITIONS_TOLD` in line whose place differs from the one it was last told learns its new one (each is one store
+    write for a task); a call further back keeps the place it was told until it comes that far. Imports the policy,
+    the ports, the command vocabulary, errors and the metrics; no store, no upstream."""
+
     def __init__(
         self,
         caps: Callable[[], Caps],

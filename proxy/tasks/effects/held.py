@@ -1,11 +1,6 @@
-"""The held upstream request of a call (`StartCall`, `Answer`, `Refuse`, `CancelCall`): sent on a session
-leased for the call (of its own when its client could answer a question), its events fed to the call by the
-pump, its questions answered or refused, and `notifications/cancelled` when it is abandoned; with a cap, the
-request waits for its slot first in the admission queue this effect owns (`call_queue.py`, made once a cap is in
-force). Also counts the questions relayed and refused (their span
-events come from the executor's observer, `services/observers.py`). Imports the pump, the slots (a parked call's
-session may be reclaimed), the admission queue, the upstream pool and event types; not the store.
-"""
+"""The held upstream request of a call (`StartCall`, `Answer`, `Refuse`, `CancelCall`): sent on a session leased
+for it (after its slot in the call queue, when a cap is in force), its events fed back by the pump, its
+questions answered or refused. Imports the pump, the slots, the call queue and the upstream pool; not the store."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""Carries out what a call's machine says about a legacy job (`jobs:` config), a task the upstream runs that
-the proxy follows through the job family's own tools instead of 2025-11-25 `tasks/*`.
-
-- `StartUpstreamTask` of a job call: the start tool, as a plain `tools/call`; its job id becomes
-  `UpstreamTaskCreated` (a result without one, or an error, is the call's outcome).
-- `PollUpstreamTask`: one call of the status tool, read into `UpstreamTaskPolled` (a failed or unreadable poll
-  doubles the interval, up to 30 s, never below the configured one); a state that maps to an end is followed by
-  the result tool (or the status result itself) as `Ended`.
-- `CancelUpstreamTask`: the cancel tool, when the family has one. `FollowUpstreamTask` and `ReleaseCall`: nothing
-  (no request or session is held between polls).
-Decides nothing; feeds events through the `Feed`. Imports the pump, the job spec, the upstream pool and event
-types, the wire; not the store.
-"""
+"""Follows a legacy job (`jobs:`): its family's start, status, result and cancel tools in place of 2025-11-25
+`tasks/*`; no request or session held between polls. Decides nothing; imports the pump, the job's reading,
+the upstream pool and the wire; not the store."""
 
 from __future__ import annotations
 
@@ -43,7 +33,17 @@ def specs_of(jobs: Mapping[str, JobConfig]) -> dict[str, JobSpec]:
 
 @dataclass(eq=False, slots=True)
 class JobFollower:
-    """Follows a legacy job through its family's tools (see the module doc); a `Follower`."""
+    """Follows a legacy job through its family's tools; a `Follower`.
+
+    - `StartUpstreamTask` of a job call: the start tool, as a plain `tools/call`; its job id becomes
+      `UpstreamTaskCreated` (a result without one, or an error, is the call's outcome).
+    - `PollUpstreamTask`: one call of the status tool, read into `UpstreamTaskPolled` (a failed or unreadable poll
+      doubles the interval, up to 30 s, never below the configured one); a state that maps to an end is followed by
+      the result tool (or the status result itself) as `Ended`.
+    - `CancelUpstreamTask`: the cancel tool, when the family has one. `FollowUpstreamTask` and `ReleaseCall`: nothing
+      (no request or session is held between polls).
+    Decides nothing; feeds events through the `Feed`. Imports the pump, the job spec, the upstream pool and event
+    types, the wire; not the store."""
 
     feed: Feed
     spawner: Spawner

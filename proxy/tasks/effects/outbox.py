@@ -1,6 +1,7 @@
 """The settlement outbox: task record writes (a result, an error, questions, progress) the store could not take
 because it was unavailable, kept in memory in order per task and written again with backoff until it takes
-them. A fenced refusal (another replica owns the task now) drops the task's writes. Bounded: see `keep`.
+them. A fenced refusal (another replica owns the task now) drops the task's writes; a settlement refused (so, or
+because the task ended otherwise meanwhile) is told to its `refused` (logged, counted). Bounded: see `keep`.
 Imports the store's errors and fence, and the metrics; no upstream, no effect.
 """
 
@@ -26,6 +27,8 @@ Kind = Literal["progress", "queue", "inputs", "settle"]
 Write = Callable[[Fence | None], Awaitable[TaskRecord | None]]
 Reclaim = Callable[[str], Awaitable[Fence | None]]
 Written = Callable[[TaskRecord | None], None]
+# A settlement the store refused, told why: (fenced: another replica owns the task; seconds it waited here)
+Refused = Callable[[bool, float], Awaitable[None]]
 
 FIRST_RETRY_SECONDS: Final = 0.1  # a store back at once (a lock, a blip) is written to within a tenth of a second
 LAST_RETRY_SECONDS: Final = 2.0  # the longest wait between tries: once the store is back, a settlement waits < 2 s
@@ -39,6 +42,7 @@ class Pending:
     kind: Kind
     write: Write
     written: Written  # the bookkeeping of a write that succeeded (its log line, metrics)
+    refused: Refused | None = None  # a settlement's: told (logged, counted) when the store refuses it
     kept_at: float = field(default_factory=time.monotonic)
 
 
@@ -81,7 +85,14 @@ class Outbox:
         return len(self._tasks)
 
     def keep(
-        self, task_id: str, kind: Kind, fence: Callable[[], Fence | None], write: Write, written: Written, reason: str
+        self,
+        task_id: str,
+        kind: Kind,
+        fence: Callable[[], Fence | None],
+        write: Write,
+        written: Written,
+        reason: str,
+        refused: Refused | None = None,
     ) -> None:
         """Keep one write of `task_id` after the ones already waiting.
 
@@ -96,14 +107,14 @@ class Outbox:
             entry = self._tasks[task_id] = TaskWrites(fence)
         last = entry.queue[-1] if entry.queue else None
         if kind != "settle" and last is not None and last.kind == kind and last is not entry.trying:
-            entry.queue[-1] = Pending(kind, write, written, last.kept_at)
+            entry.queue[-1] = Pending(kind, write, written, kept_at=last.kept_at)
             return
         if kind == "progress" and self.full:
             if not entry.queue:
                 del self._tasks[task_id]
             log.warning("task_progress_not_stored", task_id=task_id, error="store.max_pending_settlements reached")
             return
-        entry.queue.append(Pending(kind, write, written))
+        entry.queue.append(Pending(kind, write, written, refused))
         self._count += 1
         self._counted()
         log.warning("settlement_pending", task_id=task_id, write=kind, pending=self._count, reason=reason)
@@ -159,19 +170,29 @@ class Outbox:
                 except StoreUnavailableError:  # the store's health notes it (store_available)
                     return False
                 except FencedError:
-                    log.info("settlement_dropped", task_id=task_id, write=pending.kind, reason="fenced")
-                    self._drop(task_id, len(entry.queue))
+                    dropped = list(entry.queue)
+                    log.info(
+                        "settlement_dropped", task_id=task_id, writes=[each.kind for each in dropped], reason="fenced"
+                    )
+                    self._drop(task_id, len(dropped))
+                    for each in dropped:  # a settlement among them is told, never dropped silently
+                        if each.refused is not None:
+                            await each.refused(True, time.monotonic() - each.kept_at)
                     break
                 except StoreError as exc:  # not transient (a corrupt record, a closed store): as a direct write would
                     log.error("task_not_settled", task_id=task_id, write=pending.kind, error=str(exc))
                     self._pop(task_id, entry)
                 else:
                     self._pop(task_id, entry)
-                    if pending.kind == "settle":
-                        waited = round(time.monotonic() - pending.kept_at, 3)
-                        status = record.status.value if record is not None else None
-                        log.info("settlement_written_late", task_id=task_id, status=status, waited_seconds=waited)
+                    waited = time.monotonic() - pending.kept_at
+                    if record is not None and pending.kind == "settle":
+                        status = record.status.value
+                        log.info(
+                            "settlement_written_late", task_id=task_id, status=status, waited_seconds=round(waited, 3)
+                        )
                     pending.written(record)
+                    if record is None and pending.refused is not None:  # the task had ended otherwise meanwhile
+                        await pending.refused(False, waited)
                 finally:
                     entry.trying = None
         return True

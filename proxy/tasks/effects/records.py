@@ -1,14 +1,11 @@
-"""Task record writes for the calls run here (`CreateRecord` → `Committed` / `CommitRefused`, `WriteInputs`,
-`WriteProgress`, `Settle`), each under the lease's fence through one helper (a lost lease is `LeaseLost`; a
-store that is unavailable keeps the write in the outbox, retried in order), and the bookkeeping of every
-settlement this replica won (log, metrics, durations, and a note so that its own settlement coming back on the
-change feed is not taken for another replica's). Limits are checked (by the slots, and the outbox's bound)
-before anything is written. Imports the store, the slots, the outbox, the table, the wire and tracing; no
-upstream.
-"""
+"""Task record writes for the calls run here (`CreateRecord`, `WriteInputs`, `WriteProgress`, `WriteQueue`,
+`Settle`), each under the lease's fence through one helper, kept in the outbox while the store is away; a
+settlement the store refuses is logged and counted; the bookkeeping of every settlement this replica won.
+Imports the store, slots, outbox, table and wire."""
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -20,7 +17,7 @@ from proxy.config.schema import Config, TasksConfig
 from proxy.errors import ProxyError, TaskLimitError, TaskStoreUnavailableError
 from proxy.observe import tracing
 from proxy.tasks.context import TasksContext
-from proxy.tasks.effects.outbox import Kind, Outbox, Written
+from proxy.tasks.effects.outbox import Kind, Outbox, Refused, Written
 from proxy.tasks.effects.slots import RunningSlots
 from proxy.tasks.live_call import LiveCall
 from proxy.tasks.machine.commands import (
@@ -49,6 +46,15 @@ _KINDS: Final[dict[type, Kind]] = {
     WriteQueue: "queue",  # a queued mark or its end: never dropped (a started task must not look queued)
 }
 OWN_SETTLEMENTS_KEPT: Final = 4096  # settlements remembered until the feed brings them back (a bound, not a need)
+FENCED: Final = "fenced"  # a settlement refused: another replica owns the task now (it was taken over)
+SETTLED: Final = "settled"  # ... or the task had ended otherwise (a cancel, its TTL) before it was written
+
+
+class Unwritten(enum.Enum):
+    """What an owner write that the store did not take became (`RecordWrites._fenced`)."""
+
+    KEPT = "kept"  # it waits in the outbox for the store
+    FAILED = "failed"  # the store failed for good (logged)
 
 
 class RecordWrites:
@@ -124,7 +130,7 @@ class RecordWrites:
         started = time.perf_counter()
         self.context.table.add_task(record.task_id, call)  # before the commit: a committed task is never an orphan
         try:
-            await self.context.store.create(record)
+            await self.context.store.records.create(record)
         except StoreError as exc:
             self.context.table.drop_task(record.task_id)
             if isinstance(exc, StoreUnavailableError):
@@ -148,7 +154,7 @@ class RecordWrites:
         updated = await self._fenced(
             call,
             "task_inputs_not_stored",
-            lambda fence: self.context.store.set_inputs(
+            lambda fence: self.context.store.records.set_inputs(
                 task_id,
                 command.input_requests,
                 command.issued,
@@ -167,7 +173,7 @@ class RecordWrites:
         written = await self._fenced(  # a lost progress line is not worth failing the task for: a warning
             call,
             "task_progress_not_stored",
-            lambda fence: self.context.store.set_status_message(
+            lambda fence: self.context.store.records.set_status_message(
                 task_id, command.status_message, now_ms=self.context.clock(), fence=fence
             ),
             command,
@@ -187,7 +193,7 @@ class RecordWrites:
         written = await self._fenced(
             call,
             "task_queue_not_stored",
-            lambda fence: self.context.store.set_queued(
+            lambda fence: self.context.store.records.set_queued(
                 task_id, queued_at_ms, command.status_message, rerun_principal=sealed, now_ms=now_ms, fence=fence
             ),
             command,
@@ -204,7 +210,7 @@ class RecordWrites:
         settled = await self._fenced(
             call,
             "task_not_settled",
-            lambda fence: self.context.store.settle(
+            lambda fence: self.context.store.records.settle(
                 task_id,
                 command.status,
                 now_ms=self.context.clock(),
@@ -221,7 +227,9 @@ class RecordWrites:
             return None
         if not self.outbox.holds(task_id):
             self._own.pop(task_id, None)
-        return settled
+        if settled is None or isinstance(settled, LeaseLost):  # the store refused it: told, never silent
+            await self.refused(task_id, command.status, fenced=isinstance(settled, LeaseLost), waited=0.0)
+        return settled if isinstance(settled, LeaseLost) else None
 
     async def _fenced(
         self,
@@ -232,16 +240,17 @@ class RecordWrites:
         *,
         warn: bool = False,
         **context: Any,
-    ) -> TaskRecord | LeaseLost | None:
+    ) -> TaskRecord | LeaseLost | Unwritten | None:
         """The one way an owner writes a task record: under the call's fence, after the writes of the task the
         outbox still holds. A write the fence refuses is tried once more when the task is still this replica's
         under its renewed lease (the lease lapsed, nobody took the task over: `ReplicaLink.reclaim`); `LeaseLost`
-        when another replica owns it; None when the write waits in the outbox (the store is unavailable) or
-        (logged as `failure`) when the store failed for good."""
+        when another replica owns it; None when the task is no longer live (it ended otherwise); `Unwritten`
+        when the write waits in the outbox (the store is unavailable) or (logged as `failure`) when the store
+        failed for good."""
         task_id = self._task_id(call)
         if self.outbox.holds(task_id):  # earlier writes of this task wait: this one goes after them
             self._keep(call, write, command, "earlier writes wait")
-            return None
+            return Unwritten.KEPT
         refused = call.stored.fence
         try:
             try:
@@ -257,10 +266,10 @@ class RecordWrites:
             return LeaseLost()
         except StoreUnavailableError as exc:
             self._keep(call, write, command, exc.reason)
-            return None
+            return Unwritten.KEPT
         except StoreError as exc:
             (log.warning if warn else log.error)(failure, task_id=call.state.task_id, error=str(exc), **context)
-            return None
+            return Unwritten.FAILED
 
     def _keep(
         self,
@@ -273,12 +282,17 @@ class RecordWrites:
         allocates nothing for it). Retried under the call's fence as it is then."""
         task_id = self._task_id(call)
         written: Written = _nothing
+        refused: Refused | None = None
         if isinstance(command, Settle):
+            status = command.status
 
             def written(record: TaskRecord | None) -> None:
                 if record is None:
                     self._own.pop(task_id, None)  # settled meanwhile (a cancel, its TTL): that settlement won
                 self.settled(record)
+
+            async def refused(fenced: bool, waited: float) -> None:
+                await self.refused(task_id, status, fenced=fenced, waited=waited)
 
         elif isinstance(command, WriteInputs) and command.input_requests:
             requests = command.input_requests
@@ -287,7 +301,7 @@ class RecordWrites:
                 if record is not None:
                     _log_input_required(task_id, call.name, requests)
 
-        self.outbox.keep(task_id, _KINDS[type(command)], lambda: call.stored.fence, write, written, reason)
+        self.outbox.keep(task_id, _KINDS[type(command)], lambda: call.stored.fence, write, written, reason, refused)
 
     def refence(self, call: LiveCall, fence: Fence) -> None:
         """The call's task is still this replica's under its renewed lease: its writes carry that fence now."""
@@ -312,7 +326,7 @@ class RecordWrites:
         """Settle a task from outside of its call (a client's cancel, a failure); the call, if any, is the
         caller's to stop."""
         self._expect_own(task_id)
-        settled = await self.context.store.settle(
+        settled = await self.context.store.records.settle(
             task_id, status, now_ms=self.context.clock(), error=error, status_message=message, fence=fence
         )
         if settled is None:
@@ -331,6 +345,35 @@ class RecordWrites:
         if self.context.metrics is not None:
             lifetime_seconds = max(0, record.updated_at_ms - record.created_at_ms) / 1000
             self.context.metrics.task_settled(record.tool, record.status.value, lifetime_seconds)
+
+    async def refused(self, task_id: str, status: TaskStatus, *, fenced: bool, waited: float) -> None:
+        """A settlement of a call run here that the store refused: its outcome is lost, so it is logged (warning,
+        with why: what the record shows now) and counted, never dropped silently. `fenced`: the fence refused
+        it; else the task was no longer live. `waited`: seconds it waited in the outbox (0: refused at once).
+        Either way a record that another replica owns now says the task was taken over."""
+        try:
+            record = await self.context.store.records.get(task_id)
+        except StoreError:
+            record = None
+        if record is not None and record.owner != self.context.process_id:
+            fenced = True
+        reason = FENCED if fenced else SETTLED
+        if record is None:
+            detail = "another replica owns the task now" if fenced else "the task is gone"
+        elif fenced:
+            detail = f"taken over by replica {record.owner}; the task is {record.status.value} there"
+        else:
+            detail = f"the task had ended {record.status.value} meanwhile"
+        log.warning(
+            "settlement_refused",
+            task_id=task_id,
+            status=status.value,
+            reason=reason,
+            detail=detail,
+            waited_seconds=round(waited, 3),
+        )
+        if self.context.metrics is not None:
+            self.context.metrics.settlements_refused.labels(reason).inc()
 
     def _expect_own(self, task_id: str) -> None:
         """Noted before the write: the feed may bring the change back before the write returns."""

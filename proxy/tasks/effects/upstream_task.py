@@ -1,17 +1,6 @@
-"""Carries out what a call's machine says about a task the upstream runs itself (2025-11-25 Tasks).
-
-- `StartUpstreamTask`: a `tools/call` with `params.task` on a session of the call's own, whose
-  `CreateTaskResult` becomes `UpstreamTaskCreated`; then one `tasks/result` at a time (the mcp 1.x SDK wakes
-  only one waiter per task), whose questions and outcome go to the machine, opened again when it drops or
-  times out. A task resumed after a restart adopts its stored upstream session (no `initialize`) and goes
-  straight to `tasks/result` (`FollowUpstreamTask`).
-- `PollUpstreamTask`: `tasks/get`, answered with `UpstreamTaskPolled`; `CancelUpstreamTask`: `tasks/cancel`;
-  `ReleaseCall`: letting go of the task without cancelling it (at shutdown its session is kept, not ended).
-
-An upstream that no longer knows the session or task (`pump.gone`) is `known=False`. An outcome over
-`limits.max_result_bytes` fails the task. Any other failure is passing: asked again later. Decides nothing;
-feeds events through the `Feed`. Imports the pump, the upstream pool and event types, the wire; not the store.
-"""
+"""Follows a task the upstream runs itself (2025-11-25 Tasks): the task-augmented `tools/call`, one `tasks/result`
+at a time, `tasks/get` and `tasks/cancel`, its session adopted after a restart. Decides nothing; imports the
+pump, the upstream pool and the wire; not the store."""
 
 from __future__ import annotations
 
@@ -47,7 +36,19 @@ RETRY_DELAYS_SECONDS: Final = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # a dropped task
 
 
 class UpstreamTaskFollower:
-    """Follows the upstream's own 2025-11-25 task (see the module doc); a `Follower`."""
+    """Follows the upstream's own 2025-11-25 task; a `Follower`.
+
+    - `StartUpstreamTask`: a `tools/call` with `params.task` on a session of the call's own, whose
+      `CreateTaskResult` becomes `UpstreamTaskCreated`; then one `tasks/result` at a time (the mcp 1.x SDK wakes
+      only one waiter per task), whose questions and outcome go to the machine, opened again when it drops or
+      times out. A task resumed after a restart adopts its stored upstream session (no `initialize`) and goes
+      straight to `tasks/result` (`FollowUpstreamTask`).
+    - `PollUpstreamTask`: `tasks/get`, answered with `UpstreamTaskPolled`; `CancelUpstreamTask`: `tasks/cancel`;
+      `ReleaseCall`: letting go of the task without cancelling it (at shutdown its session is kept, not ended).
+
+    An upstream that no longer knows the session or task (`pump.gone`) is `known=False`. An outcome over
+    `limits.max_result_bytes` fails the task. Any other failure is passing: asked again later. Decides nothing;
+    feeds events through the `Feed`. Imports the pump, the upstream pool and event types, the wire; not the store."""
 
     def __init__(self, feed: Feed, spawner: Spawner, pool: SessionPool, clock_ms: pump.Clock) -> None:
         self.feed = feed

@@ -1,30 +1,7 @@
-"""The lifecycle of one call, as a sans-IO state machine: `handle(state, event) -> [command]`.
-
-A call is a `tools/call`, `prompts/get` or `resources/read` whose upstream request runs in the background,
-so that it can outlive the HTTP request that started it: a synchronous call, a sync window that turns into a
-task, a task, a poll-to-sync call, or a synchronous call parked between MRTR rounds. Every change of mode
-happens here, from the policy's `Decision`; the executor (`executor.py`) carries out the commands and feeds back
-what came of them (`Committed`, `Parked`, ...). No asyncio, no I/O, no clock: times arrive with the events.
-With several replicas on one store, a task's call runs on the replica that owns it; what other replicas learn
-reaches it as events too (`RemoteCancel`, `RemoteAnswers`), and so does the loss of its lease (`LeaseLost`).
-
-When the upstream runs the call as its own 2025-11-25 task (`Decision.upstream_task`), the call follows that
-task instead of a held request: the `tools/call` carries `params.task`, the upstream's `CreateTaskResult`
-(`UpstreamTaskCreated`) makes the proxy's record (with the upstream's id, within its ttl), its `tasks/result`
-stream brings the questions (`Asked`) and the outcome (`Ended`), its status comes from
-`notifications/tasks/status` or, when it is silent for its pollInterval, from `tasks/get`
-(`UpstreamTaskPolled`); a cancel is `tasks/cancel`, and a shutdown leaves it running for the next start.
-
-With a concurrency cap (`upstream.max_concurrent_calls`) the upstream request may wait for a slot (`Queued`):
-a call that may become a task becomes one at once and its record says it is queued; a synchronous call waits
-up to the queue's budget (`Timer.QUEUE`), then gets the queue's refusal (503); `QueueMoved` brings its new
-place (a task's record says it), and `Admitted` says it goes.
-
-The state it keeps is `state.py`; the steps its handlers share are `_steps.py`; the handlers of a call that
-follows the upstream's task are `_following.py`, those of a queued call `_queueing.py`. Imports those, the
-policy, the input-bridging rules (`inputs.py`), the upstream task (`upstream_task.py`), the upstream event types
-and the wire; nothing that does I/O.
-"""
+"""The lifecycle of one call, as a sans-IO state machine: `handle(state, event) -> [command]`, one handler per
+event in `_HANDLERS`. Sync calls, windows, tasks, poll-to-sync, MRTR rounds, upstream-run tasks and jobs,
+queued calls, other replicas and a lost lease all change the call's mode here, and only here. No asyncio, no
+I/O, no clock: times arrive with the events."""
 
 from __future__ import annotations
 
@@ -96,6 +73,31 @@ from proxy.wire import tasks as wire_tasks
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord
 from proxy.wire.upstream_events import UpstreamErrorResponse
+
+# A call is a `tools/call`, `prompts/get` or `resources/read` whose upstream request runs in the background, so that
+# it can outlive the HTTP request that started it: a synchronous call, a sync window that turns into a task, a task, a
+# poll-to-sync call, or a synchronous call parked between MRTR rounds. Every change of mode happens here, from the
+# policy's `Decision`; the executor (`executor.py`) carries out the commands and feeds back what came of them
+# (`Committed`, `Parked`, ...). No asyncio, no I/O, no clock: times arrive with the events. With several replicas on
+# one store, a task's call runs on the replica that owns it; what other replicas learn reaches it as events too
+# (`RemoteCancel`, `RemoteAnswers`), and so does the loss of its lease (`LeaseLost`).
+#
+# When the upstream runs the call as its own 2025-11-25 task (`Decision.upstream_task`), the call follows that task
+# instead of a held request: the `tools/call` carries `params.task`, the upstream's `CreateTaskResult`
+# (`UpstreamTaskCreated`) makes the proxy's record (with the upstream's id, within its ttl), its `tasks/result` stream
+# brings the questions (`Asked`) and the outcome (`Ended`), its status comes from `notifications/tasks/status` or,
+# when it is silent for its pollInterval, from `tasks/get` (`UpstreamTaskPolled`); a cancel is `tasks/cancel`, and a
+# shutdown leaves it running for the next start.
+#
+# With a concurrency cap (`upstream.max_concurrent_calls`) the upstream request may wait for a slot (`Queued`): a call
+# that may become a task becomes one at once and its record says it is queued; a synchronous call waits up to the
+# queue's budget (`Timer.QUEUE`), then gets the queue's refusal (503); `QueueMoved` brings its new place (a task's
+# record says it), and `Admitted` says it goes.
+#
+# The state it keeps is `state.py`; the steps its handlers share are `_steps.py`; the handlers of a call that follows
+# the upstream's task are `_following.py`, those of a queued call `_queueing.py`. Imports those, the policy, the
+# input-bridging rules (`inputs.py`), the upstream task (`upstream_task.py`), the upstream event types and the wire;
+# nothing that does I/O.
 
 
 def handle(state: CallState, event: Event) -> list[Command]:

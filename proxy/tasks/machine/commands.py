@@ -1,16 +1,6 @@
-"""What the call machine (`__init__.py`) and the executor that carries it out (`executor.py`) say to each other.
-
-Events go into `machine.handle`; commands come out, and the executor carries them out in order. Some commands
-are answered by an event it feeds back (`CreateRecord` → `Committed` / `CommitRefused`, `Park` → `Parked`
-/ `ParkRefused`, `PollUpstreamTask` → `UpstreamTaskPolled`). `Reply` answers the request a client is waiting
-on. A call the upstream runs as its own 2025-11-25 task (`StartUpstreamTask`) follows that task
-instead of a held request: `UpstreamTaskCreated`, then `FollowUpstreamTask` (its `tasks/result` stream brings
-the questions and the outcome), `PollUpstreamTask` (`tasks/get`) and `CancelUpstreamTask`. Three events come
-from other replicas of a shared store (`RemoteCancel`, `RemoteAnswers`) or from losing the right to write
-(`LeaseLost`). With `upstream.max_concurrent_calls`, a call whose upstream request waits for a slot learns so
-(`Queued`, its place; `QueueMoved`, a new place) and when it goes (`Admitted`); a task's record says it is
-queued (`WriteQueue`). Plain frozen data; imports only the upstream event types, errors and the wire.
-"""
+"""What the call machine and the executor say to each other: the events that go into `handle` and the
+commands that come out, some answered by an event the executor feeds back (`CreateRecord` → `Committed`).
+Plain frozen data; imports only the upstream event types, errors and the wire."""
 
 from __future__ import annotations
 
@@ -24,6 +14,17 @@ from proxy.wire.jsonrpc import JSON
 from proxy.wire.legacy_tasks import LegacyTask
 from proxy.wire.tasks import TaskRecord, TaskStatus
 from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamResult, UpstreamServerRequest
+
+# Events go into `machine.handle`; commands come out, and the executor carries them out in order. Some commands are
+# answered by an event it feeds back (`CreateRecord` → `Committed` / `CommitRefused`, `Park` → `Parked` /
+# `ParkRefused`, `PollUpstreamTask` → `UpstreamTaskPolled`). `Reply` answers the request a client is waiting on. A
+# call the upstream runs as its own 2025-11-25 task (`StartUpstreamTask`) follows that task instead of a held request:
+# `UpstreamTaskCreated`, then `FollowUpstreamTask` (its `tasks/result` stream brings the questions and the outcome),
+# `PollUpstreamTask` (`tasks/get`) and `CancelUpstreamTask`. Three events come from other replicas of a shared store
+# (`RemoteCancel`, `RemoteAnswers`) or from losing the right to write (`LeaseLost`). With
+# `upstream.max_concurrent_calls`, a call whose upstream request waits for a slot learns so (`Queued`, its place;
+# `QueueMoved`, a new place) and when it goes (`Admitted`); a task's record says it is queued (`WriteQueue`). Plain
+# frozen data; imports only the upstream event types, errors and the wire.
 
 # How the upstream call ended: its result, its JSON-RPC error, or lost (the ProxyError says how).
 CallOutcome = UpstreamResult | UpstreamErrorResponse | ProxyError

@@ -1,12 +1,6 @@
-"""Input bridging, SANS-IO: upstream server→client requests ↔ `inputRequests` keys ↔ `inputResponses`, and
-the signed `requestState` of an MRTR round.
-
-A legacy server asks mid-call with a JSON-RPC request (`elicitation/create`, `sampling/createMessage`,
-`roots/list`). The proxy keeps the upstream request id to itself and shows the client a minted key (never
-the raw upstream id, which can repeat across upstream sessions, and never reused over the task's life); the
-client's answer under that key goes back upstream as the JSON-RPC response. Imports the wire layer, errors
-and itsdangerous; no I/O.
-"""
+"""Input bridging, sans-IO: upstream questions ↔ minted `inputRequests` keys ↔ `inputResponses` (the one check
+of answers, `check_answers`), and the signed `requestState` of an MRTR round. Imports the wire, errors and
+itsdangerous; no I/O."""
 
 from __future__ import annotations
 
@@ -27,6 +21,11 @@ from proxy.config.keyfiles import MIN_SECRET_BYTES, read_secret
 from proxy.errors import InvalidParamsError
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.translate import INPUT_METHODS, LEGACY_META_KEYS, required_capability
+
+# A legacy server asks mid-call with a JSON-RPC request (`elicitation/create`, `sampling/createMessage`,
+# `roots/list`). The proxy keeps the upstream request id to itself and shows the client a minted key (never the raw
+# upstream id, which can repeat across upstream sessions, and never reused over the task's life); the client's answer
+# under that key goes back upstream as the JSON-RPC response. Imports the wire layer, errors and itsdangerous; no I/O.
 
 KEY_PREFIXES: Final = {"elicitation/create": "elicitation", "sampling/createMessage": "sampling", "roots/list": "roots"}
 # Request fields that are not part of the request itself: the MRTR retry adds the first two, `_meta`

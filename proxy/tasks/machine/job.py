@@ -1,11 +1,6 @@
-"""A legacy job family (`jobs:` config: start / status / result / cancel tools) as the call machine follows it:
-where the job's id, state and message are in its tools' results, and the helper tools' arguments.
-
-The machine follows a job as it follows a task the upstream runs itself (`upstream_task.py`), the job id
-standing for the upstream's task id; only how its status is read differs. Expressions are JMESPath
-(jmespath.org/specification.html) over the `CallToolResult` plus `json`, its first text block parsed as JSON.
-SANS-IO and pure: imports the config, the wire and jmespath only.
-"""
+"""A legacy job family (`jobs:`) as the machine follows it: where the job's id, state and message are in its
+tools' results (JMESPath over the `CallToolResult` and its parsed text), and the helper tools' arguments.
+Sans-IO and pure: imports the config, the wire and jmespath only."""
 
 from __future__ import annotations
 
@@ -20,6 +15,11 @@ from jmespath.parser import ParsedResult
 from proxy.config.schema import JobConfig, JobToolConfig
 from proxy.wire import tasks as wire_tasks
 from proxy.wire.jsonrpc import JSON
+
+# The machine follows a job as it follows a task the upstream runs itself (`upstream_task.py`), the job id standing
+# for the upstream's task id; only how its status is read differs. Expressions are JMESPath
+# (jmespath.org/specification.html) over the `CallToolResult` plus `json`, its first text block parsed as JSON.
+# SANS-IO and pure: imports the config, the wire and jmespath only.
 
 MAX_MESSAGE_CHARS: Final = 1024  # a status text longer than this is cut: it is written to the record on change
 MAX_BACKOFF_MS: Final = 30_000  # failed polls double the interval up to this

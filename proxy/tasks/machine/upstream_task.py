@@ -1,11 +1,5 @@
-"""A task the upstream runs itself (2025-11-25 Tasks), as the call machine follows it: what is known of it, and
-how its outcome maps to the 2026-07-28 rules.
-
-A legacy `failed` also covers a tool result with `isError: true`; in 2026-07-28 that is a `completed` task
-whose result says `isError`, and `failed` is only for a JSON-RPC error (or a task the upstream lost). The
-mcp 1.x SDK answers `tasks/result` of a failed or cancelled task with an empty result, so the task's status
-decides what such an answer means. SANS-IO and pure: imports the call's outcome types and the wire only.
-"""
+"""A task the upstream runs itself (2025-11-25 Tasks), as the machine follows it: what is known of it, and how
+its outcome maps to the 2026-07-28 rules. Sans-IO and pure: imports the call's outcome types and the wire."""
 
 from __future__ import annotations
 
@@ -18,6 +12,11 @@ from proxy.wire import legacy_tasks
 from proxy.wire import tasks as wire_tasks
 from proxy.wire.legacy_tasks import LegacyTask
 from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamResult
+
+# A legacy `failed` also covers a tool result with `isError: true`; in 2026-07-28 that is a `completed` task whose
+# result says `isError`, and `failed` is only for a JSON-RPC error (or a task the upstream lost). The mcp 1.x SDK
+# answers `tasks/result` of a failed or cancelled task with an empty result, so the task's status decides what such an
+# answer means. SANS-IO and pure: imports the call's outcome types and the wire only.
 
 UPSTREAM_CANCELLED: Final = "cancelled by the upstream"
 UPSTREAM_FAILED: Final = "the upstream task failed"

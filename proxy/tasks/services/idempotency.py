@@ -1,19 +1,19 @@
-"""`Idempotency-Key` on a 2026-07-28 `tools/call` (draft-ietf-httpapi-idempotency-key-header): the first request
-with a key runs as any call and its outcome is recorded in the task store; a repeat with the same key and
-payload joins it while it runs (one upstream call, on any replica) or gets the recorded outcome after; the same
-key with another payload is 422. The front consults `IdempotencyKeys.serve` only for a request with the header.
-Imports the store, the config, the errors and the wire; no aiohttp, no runner internals.
-"""
+"""`Idempotency-Key` on a 2026-07-28 `tools/call`: the first request with a key runs as any call, its outcome
+recorded in the task store; a repeat with the same payload joins it (one upstream call, on any replica) or gets
+the outcome, another payload is 422. A release or outcome the store could not take is owed and written once it
+can. Consulted by the front only for a request with the header. Imports the store, config, errors and wire."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import json
+import random
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
-from typing import Any, ClassVar, Final
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Final, Protocol, TypeVar
 
 import structlog
 from mcp_types import jsonrpc as codes
@@ -29,7 +29,7 @@ from proxy.errors import (
 )
 from proxy.observe.metrics import Metrics
 from proxy.principals import Principals
-from proxy.tasks.store import KeyRecord, StoreError, TaskStore
+from proxy.tasks.store import KeyRecord, StoreError, StoreUnavailableError, TaskStore
 from proxy.wire import jsonrpc
 from proxy.wire.envelope import Caller, Channel, ModernRequest
 from proxy.wire.jsonrpc import JSON
@@ -40,6 +40,9 @@ HEADER: Final = "Idempotency-Key"
 MAX_KEY_CHARS: Final = 255  # as Stripe's limit; the draft sets none
 FIRST_POLL_SECONDS: Final = 0.01  # a joining repeat reads the key's record again after this, doubling ...
 MAX_POLL_SECONDS: Final = 0.25  # ... up to this: on another replica the outcome shows within a quarter second
+MAX_OWED: Final = 10_000  # releases and outcomes kept for a store that is away (a bound, not a need)
+FIRST_RETRY_SECONDS: Final = 0.1  # owed writes are tried again after this, doubling ...
+LAST_RETRY_SECONDS: Final = 2.0  # ... up to this (as the settlement outbox), ± 20 %
 _TOKEN_CHARS: Final = frozenset("!#$%&'*+-.^_`|~:/0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 _MALFORMED: Final = (
     "Invalid params: the Idempotency-Key header must be a structured-field string (a quoted string of visible "
@@ -179,6 +182,22 @@ class DetachableChannel:
                 self.channel = None
 
 
+_T = TypeVar("_T")
+
+
+class Spawner(Protocol):
+    """Starts a named background coroutine the runner owns."""
+
+    def __call__(self, coroutine: Coroutine[Any, Any, _T], name: str) -> asyncio.Task[_T]: ...
+
+
+Claim = tuple[str, str, int]  # a claim of a key: its scope, key and created_at_ms (this process owns it)
+
+
+def _claim(record: KeyRecord) -> Claim:
+    return record.scope, record.key, record.created_at_ms
+
+
 @dataclass(frozen=True)
 class IdempotencyKeys:
     """Serves keyed calls; `process_id` is the owner of the keys this process runs (its replica id), and
@@ -187,10 +206,17 @@ class IdempotencyKeys:
     store: TaskStore
     principals: Principals
     process_id: str
-    spawn: Callable[[Coroutine[Any, Any, JSON | ProxyError], str], asyncio.Task[JSON | ProxyError]]
+    spawn: Spawner
     clock: Callable[[], int]
     metrics: Metrics | None
     closing: Callable[[], bool] = lambda: False  # the runner shuts down: answers are the shutdown's own
+    # Claims a request here waits on (being made, or its call running), counted: a repeat here joins those only.
+    _held: Counter[Claim] = field(default_factory=Counter, init=False)
+    # What this process owes the store for claims no request here waits on any more: a release (None) or the
+    # outcome, oldest first. Written by `_pay_forever` once the store takes writes again, or by a repeat.
+    _owed: OrderedDict[Claim, tuple[KeyRecord, str | None]] = field(default_factory=OrderedDict, init=False)
+    _paying: list[asyncio.Task[None]] = field(default_factory=list, init=False)
+    _writing: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)  # one owed write at a time
 
     async def serve(
         self,
@@ -207,11 +233,20 @@ class IdempotencyKeys:
         scope = self.principals.key_of(caller.principal)
         while True:
             now = self.clock()
+            while (scope, key, now) in self._held or (scope, key, now) in self._owed:
+                now += 1  # this process's claims of one key differ by their creation: a late write names one
             claim = KeyRecord(scope, key, printed, self.process_id, now, now + round(config.retention_seconds * 1000))
-            holder = await self.store.claim_key(claim)
+            self._held[_claim(claim)] += 1  # before the claim is sent: a repeat here that finds it joins it
+            try:
+                holder = await self.store.keys.claim_key(claim)
+            except BaseException:  # refused (503) or left: whether the store committed the claim is unknown
+                self._owe(claim, None)
+                self._unhold(claim)
+                raise
             if holder is None:
                 self._note("first")
                 return await self._first(claim, channel, run)
+            self._unhold(claim)
             if holder.fingerprint != printed:
                 self._note("conflict")
                 raise KeyConflictError(
@@ -239,35 +274,108 @@ class IdempotencyKeys:
 
     async def _run(self, claim: KeyRecord, channel: Channel, run: Run) -> JSON | ProxyError:
         try:
-            message = await run(channel)
-        except ProxyError as error:
-            if self.closing():
-                await self._settle(claim, json.dumps(INTERRUPTED))
-            elif records_failure(error):
-                await self._settle(claim, json.dumps({"proxyError": error.error_object(), "status": error.status}))
-            else:
+            try:
+                message = await run(channel)
+            except ProxyError as error:
+                if self.closing():
+                    await self._settle(claim, json.dumps(INTERRUPTED))
+                elif records_failure(error):
+                    await self._settle(claim, json.dumps({"proxyError": error.error_object(), "status": error.status}))
+                else:
+                    await self._release(claim)
+                return error
+            except BaseException:
                 await self._release(claim)
-            return error
-        except BaseException:
-            await self._release(claim)
-            raise
-        # A call stopped by a shutdown answers that the proxy shuts down: not the upstream's outcome, which is
-        # unknown (the upstream was told to cancel), so a repeat is told so rather than to send again.
-        await self._settle(claim, json.dumps(INTERRUPTED) if self.closing() else outcome_of(message))
-        return message
+                raise
+            # A call stopped by a shutdown answers that the proxy shuts down: not the upstream's outcome, which is
+            # unknown (the upstream was told to cancel), so a repeat is told so rather than to send again.
+            await self._settle(claim, json.dumps(INTERRUPTED) if self.closing() else outcome_of(message))
+            return message
+        finally:
+            self._unhold(claim)  # settled, released, or owed by now: a repeat here finds it so
 
     async def _settle(self, claim: KeyRecord, outcome: str) -> None:
         try:
-            await self.store.settle_key(claim, outcome)
-        except StoreError as exc:  # the answer still goes out; a repeat waits for it, then gets 409
-            log.warning("idempotency_key_not_recorded", error=str(exc))
+            await self.store.keys.settle_key(claim, outcome)
+        except StoreError as exc:  # the answer still goes out; the outcome is written once the store takes it
+            log.warning("idempotency_key_not_recorded", error=str(exc), owed=True)
+            self._owe(claim, outcome)
 
     async def _release(self, claim: KeyRecord) -> None:
         self._note("released")
         try:
-            await self.store.release_key(claim)
-        except StoreError as exc:
-            log.warning("idempotency_key_not_released", error=str(exc))
+            await self.store.keys.release_key(claim)
+        except StoreError as exc:  # released once the store takes it (a repeat here does it at once)
+            log.warning("idempotency_key_not_released", error=str(exc), owed=True)
+            self._owe(claim, None)
+
+    def _unhold(self, claim: KeyRecord) -> None:
+        held = _claim(claim)
+        self._held[held] -= 1
+        if self._held[held] <= 0:
+            del self._held[held]
+
+    # --- what is owed to the store ----------------------------------------------------------------------------
+
+    def _owe(self, claim: KeyRecord, outcome: str | None) -> None:
+        """A release (None) or an outcome the store did not take: kept, and written as soon as it takes writes."""
+        self._owed[_claim(claim)] = (claim, outcome)
+        while len(self._owed) > MAX_OWED:  # the oldest goes: a repeat of it is told "interrupted", never run twice
+            (dropped, _) = self._owed.popitem(last=False)[1]
+            log.error(
+                "idempotency_key_not_written", reason=f"more than {MAX_OWED} owed", key_created=dropped.created_at_ms
+            )
+        if not any(not task.done() for task in self._paying):
+            self._paying[:] = [self.spawn(self._pay_forever(), "idempotency-keys-owed")]
+
+    async def _pay(self, claim: KeyRecord) -> bool:
+        """Write what is owed for `claim` now: True when it was owed (and is written), False when nothing is."""
+        async with self._writing:  # a repeat and the background never write one claim at once
+            owed = self._owed.get(_claim(claim))
+            if owed is None:
+                return False
+            record, outcome = owed
+            if outcome is None:
+                await self.store.keys.release_key(record)
+            else:
+                await self.store.keys.settle_key(record, outcome)
+            self._owed.pop(_claim(claim), None)
+        log.info("idempotency_key_owed_written", released=outcome is None)
+        return True
+
+    async def _pay_forever(self) -> None:
+        """Owed writes, oldest first, until the store has taken them all (backoff while it is away)."""
+        delay = FIRST_RETRY_SECONDS
+        while self._owed:
+            await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+            try:
+                await self.pay_owed()
+            except StoreUnavailableError:
+                delay = min(delay * 2, LAST_RETRY_SECONDS)
+                continue
+            delay = FIRST_RETRY_SECONDS
+
+    async def pay_owed(self) -> None:
+        """One round over what is owed (and the last one at shutdown): StoreUnavailableError while the store is
+        away; a lasting store failure drops the write (logged)."""
+        for record, _ in list(self._owed.values()):
+            try:
+                await self._pay(record)
+            except StoreUnavailableError:
+                raise
+            except StoreError as exc:
+                self._owed.pop(_claim(record), None)
+                log.error("idempotency_key_not_written", error=str(exc))
+
+    async def close(self) -> None:
+        """Shutdown: the owed writes are tried once more; what the store still does not take is logged (a
+        repeat of such a key on another replica is told "interrupted", never run twice)."""
+        for task in self._paying:
+            task.cancel()
+        try:
+            await self.pay_owed()
+        except StoreUnavailableError as exc:
+            log.error("idempotency_keys_not_written", owed=len(self._owed), error=str(exc))
 
     async def _repeat(self, holder: KeyRecord, config: IdempotencyConfig, request_id: RequestId) -> JSON | None:
         """The recorded outcome, once there is one (waiting for a first request still running, up to the join
@@ -277,10 +385,18 @@ class IdempotencyKeys:
         record: KeyRecord | None = holder
         joined = False
         while record is not None and record.outcome is None:
-            if record.owner != self.process_id and not await self.store.replica_alive(record.owner):
+            if record.owner == self.process_id and not self._held.get(_claim(record)):
+                # This process made the claim and no request here waits on it any more: refused (503) or left
+                # while the claim was made, or its release or outcome could not be written. Written now.
+                paid = await self._pay(record)
+                if not paid and await self.store.keys.settle_key(record, json.dumps(INTERRUPTED)):
+                    # Nothing known of it (more were owed than kept): its outcome is unknown, as after a crash.
+                    log.warning("idempotency_key_interrupted", owner=record.owner)
+                    self._note("interrupted")
+            elif record.owner != self.process_id and not await self.store.replicas.replica_alive(record.owner):
                 # The process running the first request died: what the upstream did is unknown, so it is
                 # not run again; the repeats are told so.
-                if await self.store.settle_key(record, json.dumps(INTERRUPTED)):
+                if await self.store.keys.settle_key(record, json.dumps(INTERRUPTED)):
                     log.warning("idempotency_key_interrupted", owner=record.owner)
                     self._note("interrupted")
             else:
@@ -294,7 +410,7 @@ class IdempotencyKeys:
                 joined = True
                 await asyncio.sleep(min(delay, remaining))
                 delay = min(delay * 2, MAX_POLL_SECONDS)
-            record = await self.store.get_key(holder.scope, holder.key)
+            record = await self.store.keys.get_key(holder.scope, holder.key)
         if record is None:
             return None
         how = "joined" if joined else "replayed"

@@ -1,10 +1,6 @@
-"""The task operations the front and the listen streams use, which need no call: `tasks/get` (the caller's
-own unexpired task, paced; a listen stream's quieter read), `tasks/update` (answers to its call, here or
-through its owner) and `tasks/cancel` (settled `cancelled`, its call stopped here or by its owner through the
-feed). A live task seen past its TTL is failed then and there. The span of each of these requests links to
-the span that created the task, as its record keeps it. Imports the store, the record writes (settlements),
-the table, the replica link and tracing.
-"""
+"""The task operations that need no call: `tasks/get` (the caller's own unexpired task, paced), `tasks/update`
+(answers to its call, here or through its owner) and `tasks/cancel` (through the call's machine here, else
+settled in the store). Imports the store, the record writes, the table, the replica link and tracing."""
 
 from __future__ import annotations
 
@@ -51,7 +47,7 @@ class TaskOperations:
     async def peek(self, task_id: str, owner: str) -> TaskRecord | None:
         """The owner's own unexpired task as stored, or None; nothing is written (listen streams read this way
         at every change)."""
-        record = await self.context.store.get(task_id, principal=owner)
+        record = await self.context.store.records.get(task_id, principal=owner)
         if record is None or record.expired(self.context.clock()):
             return None
         return record
@@ -61,7 +57,7 @@ class TaskOperations:
         ids cannot be probed; "expired" for the caller's own task whose record is gone, while its tombstone
         lasts). A live task seen past its TTL is failed now (and its call stopped)."""
         owner = self.context.principals.key_of(caller.principal)
-        record = await self.context.store.get(task_id, principal=owner)
+        record = await self.context.store.records.get(task_id, principal=owner)
         if record is None:
             raise await self._gone(task_id, owner)
         tracing.task_read(record.traceparent)  # the request's span links to the one that created the task
@@ -70,7 +66,7 @@ class TaskOperations:
             if record.status.terminal:
                 # Past its TTL a settled record goes (the sweep would drop it too), leaving its tombstone.
                 tombstones = self.records.tasks_config.tombstone_seconds > 0
-                await self.context.store.delete(task_id, tombstone_at_ms=now if tombstones else None)
+                await self.context.store.records.delete(task_id, tombstone_at_ms=now if tombstones else None)
                 if not tombstones:
                     raise InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
                 message, data = wire_tasks.gone_error(task_id, EXPIRED, now, record.expires_at_ms)
@@ -87,7 +83,7 @@ class TaskOperations:
         principal's: the tombstone is looked up by id and principal, so nothing of others' tasks shows)."""
         if self.records.tasks_config.tombstone_seconds <= 0:
             return InvalidParamsError(wire_tasks.NOT_FOUND_MESSAGE)
-        tombstone = await self.context.store.tombstone(task_id, owner)
+        tombstone = await self.context.store.records.tombstone(task_id, owner)
         if (
             tombstone is None
             or self.context.clock() - tombstone.gone_at_ms > self.records.tasks_config.tombstone_seconds * 1000
@@ -137,7 +133,7 @@ class TaskOperations:
             await self.context.feed.submit(call, Stop(message, error, status=TaskStatus.FAILED))
         if call is None or call.state.fenced:
             await self.records.fail(record.task_id, message)
-        settled = await self.context.store.get(record.task_id)
+        settled = await self.context.store.records.get(record.task_id)
         if settled is not None and settled.status is TaskStatus.FAILED and settled.status_message == message:
             log.info("task_expired", task_id=record.task_id, tool=record.tool)
         return settled

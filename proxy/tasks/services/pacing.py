@@ -1,11 +1,5 @@
 """Poll pacing: the `pollIntervalMs` a working task suggests, from how long its tool usually takes, and those
-durations, shared by every replica through the store and kept across restarts (`Durations`: loaded at start
-and every few seconds, a completion shared at once). Imports the store.
-
-The policy's `poll_interval_ms` is the pace when nothing is known. Once a tool has completed, a task of it
-suggests polling just after its expected end, so the first poll finds the result; a task past its expected
-end is polled again soon, backing off the longer it overruns, never slower than the policy's pace.
-"""
+durations, shared by every replica through the store (`Durations`). Imports the store."""
 
 from __future__ import annotations
 
@@ -18,9 +12,13 @@ from typing import Final
 import structlog
 
 from proxy.tasks.ports import Spawner
-from proxy.tasks.store import StoreError, TaskStore
+from proxy.tasks.store import StoreError, Usage
 from proxy.tasks.store.base import DURATION_SMOOTHING, MAX_DURATION_TOOLS
 from proxy.wire.tasks import TaskRecord, TaskStatus
+
+# The policy's `poll_interval_ms` is the pace when nothing is known. Once a tool has completed, a task of it suggests
+# polling just after its expected end, so the first poll finds the result; a task past its expected end is polled
+# again soon, backing off the longer it overruns, never slower than the policy's pace.
 
 log = structlog.get_logger(__name__)
 
@@ -72,8 +70,8 @@ RELOAD_SECONDS: Final = 5.0  # how often the tools' duration estimates are read 
 class Durations:
     """How long each tool's tasks usually take, as every replica saw them, and the record a client sees paced by it."""
 
-    def __init__(self, store: TaskStore, clock: Callable[[], int], spawner: Spawner) -> None:
-        self.store = store
+    def __init__(self, usage: Usage, clock: Callable[[], int], spawner: Spawner) -> None:
+        self.usage = usage  # the store's usage port: every replica's estimates
         self.clock = clock
         self.spawner = spawner
         self.estimates = DurationEstimates()
@@ -83,7 +81,7 @@ class Durations:
         """The estimates as the store keeps them (every replica's completions, across restarts)."""
         self._loaded_at = time.monotonic()
         try:
-            self.estimates.load(await self.store.duration_estimates())
+            self.estimates.load(await self.usage.duration_estimates())
         except StoreError as exc:
             log.warning("durations_not_loaded", error=str(exc))
 
@@ -99,7 +97,7 @@ class Durations:
 
     async def _share(self, tool: str, duration_ms: float) -> None:
         try:
-            self.estimates.load({tool: await self.store.observe_duration(tool, duration_ms)})
+            self.estimates.load({tool: await self.usage.observe_duration(tool, duration_ms)})
         except StoreError as exc:
             log.warning("duration_not_stored", tool=tool, error=str(exc))
 

@@ -1,12 +1,5 @@
-"""Push of task status: which `subscriptions/listen` streams follow which tasks, woken by the store's feed.
-
-Every write of a task record goes through the store, which publishes a STATUS change for it: in one process
-from memory, on PostgreSQL over LISTEN/NOTIFY from every replica. `TaskWatchers` holds the one subscription of
-this process to that feed and wakes the inboxes that follow the changed task; a RESYNC (the feed restarted,
-changes may have been missed) wakes every inbox for every task it follows. An inbox only learns *that* a task
-changed; its stream reads the record and sends what `tasks/get` would return. No aiohttp; the store is the
-only I/O.
-"""
+"""Push of task status: which `subscriptions/listen` inboxes follow which tasks, woken by the store's change
+feed (every replica's writes on PostgreSQL; a RESYNC wakes them all). No aiohttp; the store is the only I/O."""
 
 from __future__ import annotations
 
@@ -18,7 +11,7 @@ from typing import Final
 
 import structlog
 
-from proxy.tasks.store import StoreError, TaskStore
+from proxy.tasks.store import Replicas, StoreError
 from proxy.tasks.store.base import RESYNC, STATUS
 from proxy.wire.jsonrpc import JSON
 
@@ -75,8 +68,14 @@ class ListenInbox:
 
 
 class TaskWatchers:
-    def __init__(self, store: TaskStore) -> None:
-        self.store = store
+    """Every write of a task record goes through the store, which publishes a STATUS change for it: in one process from
+    memory, on PostgreSQL over LISTEN/NOTIFY from every replica. `TaskWatchers` holds the one subscription of this
+    process to that feed and wakes the inboxes that follow the changed task; a RESYNC (the feed restarted, changes
+    may have been missed) wakes every inbox for every task it follows. An inbox only learns *that* a task changed;
+    its stream reads the record and sends what `tasks/get` would return. No aiohttp; the store is the only I/O."""
+
+    def __init__(self, feed: Replicas) -> None:
+        self.feed = feed  # the store's replicas port: its change feed
         self._following: dict[str, set[ListenInbox]] = {}  # task id → the inboxes that follow it
         self._tasks_of: dict[ListenInbox, set[str]] = {}
 
@@ -104,7 +103,7 @@ class TaskWatchers:
         failure, which counts as a RESYNC."""
         while True:
             try:
-                async with self.store.changes() as changes:
+                async with self.feed.changes() as changes:
                     async for change in changes:
                         if change.kind == STATUS:
                             for inbox in self._following.get(change.key, ()):

@@ -1,13 +1,6 @@
-"""Per-caller quotas: each `tools/call` a caller starts is counted in a fixed window of one minute (from the
-start of each UTC minute), in the store: shared by every replica on PostgreSQL, kept by the one process on
-SQLite. Two quotas may apply to a call: the caller's over every tool (`limits.calls_per_minute_per_principal`)
-and the caller's for the one tool (`tasks.tools.<key>.calls_per_minute_per_principal`, counted per tool name,
-so each tool a glob matches has its own). One beyond either is refused (`RateLimitedError`: 429 with
-`Retry-After` and the RateLimit fields, which list every quota that applies and what is left of it) before
-anything else is done for it; the edge counts the refusal in `limit_refusals_total` by `data.limit`. Every call
-that reaches the check counts, refused or not, in each quota that applies. Imports the store protocol, the
-policy and errors; no upstream, no aiohttp.
-"""
+"""Per-caller quotas per UTC minute (`limits.calls_per_minute_per_principal`, and a tool's own), counted in the
+store (shared by replicas on PostgreSQL); one beyond is 429 with `Retry-After` and the RateLimit fields.
+Imports the store, the policy and errors; no upstream, no aiohttp."""
 
 from __future__ import annotations
 
@@ -17,7 +10,7 @@ from typing import Final
 
 from proxy.errors import RateLimitedError, RatePolicy
 from proxy.policy import Policy
-from proxy.tasks.store import TaskStore
+from proxy.tasks.store import Usage
 
 WINDOW_MS: Final = 60_000
 LIMIT: Final = "calls_per_minute_per_principal"  # the global quota's `data.limit`
@@ -34,8 +27,8 @@ def tool_policy_name(entry: str) -> str:
 
 
 class Quotas:
-    def __init__(self, store: TaskStore, clock: Callable[[], int]) -> None:
-        self.store = store
+    def __init__(self, usage: Usage, clock: Callable[[], int]) -> None:
+        self.usage = usage  # the store's usage port: the counts every replica shares
         self.clock = clock  # wall clock, epoch milliseconds: replicas share the windows
 
     async def charge(self, caller: str, per_minute: int, tool: str | None = None, policy: Policy | None = None) -> None:
@@ -47,14 +40,14 @@ class Quotas:
         policies: list[RatePolicy] = []
         refused: tuple[str, int] | None = None
         if per_minute:
-            calls = await self.store.count_call(f"principal:{caller}", window_start_ms)
+            calls = await self.usage.count_call(f"principal:{caller}", window_start_ms)
             policies.append(RatePolicy(RateLimitedError.POLICY, per_minute, max(0, per_minute - calls)))
             if calls > per_minute:
                 refused = (LIMIT, per_minute)
         tool_quota = policy.calls_per_minute if policy is not None else None
         if tool is not None and policy is not None and tool_quota is not None:
             entry = policy.entry if policy.entry is not None else tool
-            calls = await self.store.count_call(f"tool:{tool}:principal:{caller}", window_start_ms)
+            calls = await self.usage.count_call(f"tool:{tool}:principal:{caller}", window_start_ms)
             policies.append(RatePolicy(tool_policy_name(entry), tool_quota, max(0, tool_quota - calls)))
             if calls > tool_quota and refused is None:
                 refused = (tool_limit(entry), tool_quota)

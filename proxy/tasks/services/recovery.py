@@ -1,13 +1,6 @@
-"""Tasks whose call runs nowhere, and the periodic sweep. At start (restart recovery), when a dead replica's
-tasks are taken over, and when this replica's own lease lapsed: each live task is failed, re-run per
-`on_restart: rerun`, or (when this replica's upstream runs it) followed again on its upstream session; a legacy
-job (`jobs:`) is polled again (another replica's only with `shared: true`), or failed, never started twice; a
-call whose lease lapsed while its task stayed this replica's runs on (`lease_lapsed`, the rule in `replicas.py`).
-The sweep ends tasks past their TTL, purges old records and takes over dead replicas, except while this replica
-drains (it would only leave them again at its exit). A task's work started again goes on in the trace that
-created it. Imports the store, the record writes, the table, the replica link, the machine's vocabulary and
-tracing; no upstream.
-"""
+"""Tasks whose call runs nowhere (at start, taken over, after a lapsed lease): failed, re-run, followed or
+polled again; and the periodic sweep (TTLs, purges, take-over). Imports the store, the record writes, the
+table, the replica link, the machine's vocabulary and tracing; no upstream."""
 
 from __future__ import annotations
 
@@ -72,11 +65,11 @@ class Recovery:
         ran out, an earlier run of this one included once its lease lapsed or was released: taken over, so the
         tasks of live replicas are never touched. On SQLite, every live task: the process that ran it is gone
         (the file lock says so); a task the upstream runs itself is followed again."""
-        if self.context.store.shared:
+        if self.context.store.replicas.shared:
             await self.replicas.sweep(take_over=not self.draining())
             return
         async with self._adopting:
-            live = await self.context.store.live()
+            live = await self.context.store.records.live()
             await self._adopt(live, wire_tasks.RESTART_MESSAGE, wire_tasks.RERUN_MESSAGE, None, follow=True)
 
     async def taken_over(self, records: list[TaskRecord]) -> None:
@@ -93,7 +86,7 @@ class Recovery:
         async with self._adopting:
             fence = self.replicas.fence
             try:
-                live = await self.context.store.live(self.context.process_id)
+                live = await self.context.store.records.live(self.context.process_id)
             except StoreError as exc:  # away again: each call's next write asks the fence itself
                 log.warning("lease_lapsed_recovery_deferred", error=str(exc))
                 return
@@ -147,7 +140,7 @@ class Recovery:
                     continue
                 if follow and record.upstream_task_id is not None:
                     message = record.status_message or wire_tasks.RESUMED_MESSAGE
-                    claimed = await self.context.store.claim(
+                    claimed = await self.context.store.records.claim(
                         record.task_id, self.context.process_id, message, now_ms=now, fence=fence
                     )
                     if claimed is not None:
@@ -159,7 +152,7 @@ class Recovery:
                         await self._rerun(claimed, fence or self.replicas.fence)
                         continue
                 if record.on_restart == "rerun":
-                    claimed = await self.context.store.claim(
+                    claimed = await self.context.store.records.claim(
                         record.task_id, self.context.process_id, rerun, now_ms=now, fence=fence
                     )
                     if claimed is not None:
@@ -173,13 +166,13 @@ class Recovery:
     async def _requeue(self, record: TaskRecord, now: int, fence: Fence | None) -> TaskRecord | None:
         """A task claimed to run here that was queued and never reached the upstream; its mark goes (it is put
         again when its call waits for a slot here), and its sealed principal stays only if its policy re-runs."""
-        claimed = await self.context.store.claim(
+        claimed = await self.context.store.records.claim(
             record.task_id, self.context.process_id, REQUEUED, now_ms=now, fence=fence
         )
         if claimed is None:
             return None
         kept = claimed.rerun_principal if claimed.on_restart == "rerun" else None
-        cleared = await self.context.store.set_queued(
+        cleared = await self.context.store.records.set_queued(
             record.task_id, None, REQUEUED, rerun_principal=kept, now_ms=now, fence=fence or self.replicas.fence
         )
         if cleared is None:
@@ -204,7 +197,7 @@ class Recovery:
             return False
         message = record.status_message or wire_tasks.RESUMED_MESSAGE
         now = self.context.clock()
-        claimed = await self.context.store.claim(
+        claimed = await self.context.store.records.claim(
             record.task_id, self.context.process_id, message, now_ms=now, fence=fence
         )
         if claimed is None:
@@ -282,7 +275,7 @@ class Recovery:
         twice); a replica that serves on takes them."""
         now = self.context.clock()
         error = wire_tasks.internal_error(wire_tasks.EXPIRED_MESSAGE)
-        for record in await self.context.store.settle_expired(
+        for record in await self.context.store.records.settle_expired(
             now, error=error, status_message=wire_tasks.EXPIRED_MESSAGE
         ):
             self.records.settled(record, reason=wire_tasks.EXPIRED_MESSAGE)
@@ -291,16 +284,18 @@ class Recovery:
             if call is not None:
                 await self.context.feed.submit(call, Stop(wire_tasks.EXPIRED_MESSAGE, error))
         config = self.records.tasks_config
-        purged = await self.context.store.purge_expired(now, tombstones=config.tombstone_seconds > 0)
+        purged = await self.context.store.records.purge_expired(now, tombstones=config.tombstone_seconds > 0)
         if purged:
             log.info("tasks_purged", count=purged)
         if now - self._tombstones_trimmed_ms >= TOMBSTONE_TRIM_MS:
             self._tombstones_trimmed_ms = now
             cut_off = now - int(config.tombstone_seconds * 1000)
-            trimmed = await self.context.store.trim_tombstones(cut_off, config.max_tombstones)
+            trimmed = await self.context.store.records.trim_tombstones(cut_off, config.max_tombstones)
             if trimmed:
                 log.info("tombstones_trimmed", count=trimmed)
-        keys = await self.context.store.purge_keys(now)  # Idempotency-Key records past idempotency.retention_seconds
+        keys = await self.context.store.keys.purge_keys(
+            now
+        )  # Idempotency-Key records past idempotency.retention_seconds
         if keys:
             log.info("idempotency_keys_purged", count=keys)
         if self.context.credentials.keeps_grants and now - self._grants_purged_ms >= GRANTS_PURGE_MS:

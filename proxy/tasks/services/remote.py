@@ -1,12 +1,6 @@
-"""What replicas of one shared store say to each other about calls, SANS-IO: the message kinds and payloads,
-and the check a replica that does not run a task's call makes on `tasks/update` answers.
-
-Messages travel through the store (`notify_owner`, `notify_replica`, `take_messages`) and the change feed
-wakes their recipient. A task's answers go to its owner (`INPUT`). An MRTR retry that lands on a replica other
-than the one holding the parked call is forwarded there (`RESUME`); the holder sends what the call produced
-for that round (`NOTE` for each notification on the way, then one `REPLY`), and is told when the waiting
-client went away (`LEFT`). Imports the machine's reply types, the input rules, errors and the wire; no I/O.
-"""
+"""What replicas of one shared store say to each other about calls, sans-IO: the message kinds and payloads
+(answers to a task's owner; an MRTR retry forwarded to the holder of its call, and what comes back).
+Imports the machine's reply types, the input rules, errors and the wire; no I/O."""
 
 from __future__ import annotations
 
@@ -25,6 +19,12 @@ from proxy.tasks.machine.commands import (
 )
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamResult
+
+# Messages travel through the store (`notify_owner`, `notify_replica`, `take_messages`) and the change feed wakes
+# their recipient. A task's answers go to its owner (`INPUT`). An MRTR retry that lands on a replica other than the
+# one holding the parked call is forwarded there (`RESUME`); the holder sends what the call produced for that round
+# (`NOTE` for each notification on the way, then one `REPLY`), and is told when the waiting client went away (`LEFT`).
+# Imports the machine's reply types, the input rules, errors and the wire; no I/O.
 
 # Message kinds (a task's INPUT is the store's own kind).
 RESUME: Final = "resume"  # to the holder of a parked call: an MRTR retry that arrived elsewhere

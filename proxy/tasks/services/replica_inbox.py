@@ -1,10 +1,6 @@
-"""What the replica link (`replicas.py`) reports, as work on the calls here: a dead replica's tasks taken over
-and a lapsed lease (both to `recovery.py`); a task settled elsewhere stops its call (`RemoteCancel`; this
-replica's own settlements coming back on the feed are ignored); answers relayed from elsewhere reach their call
-(`RemoteAnswers`); an MRTR retry forwarded by another replica resumes a call parked here, and its answer goes
-back (the relayed cancel or answers: work linked to the span that created the task). Decisions stay with the
-call machine. Imports the table, the parking, the record writes, `remote.py` and tracing.
-"""
+"""What the replica link reports, turned into work on the calls here: take-overs and a lapsed lease, tasks
+settled or answered elsewhere, MRTR retries forwarded here. Decisions stay with the call machine. Imports the
+table, the parking, the record writes, `remote.py` and tracing."""
 
 from __future__ import annotations
 
@@ -80,7 +76,7 @@ class ReplicaInbox:
         reason, error = (CANCELLED_BY_CLIENT if status is TaskStatus.CANCELLED else f"settled {status.value}"), None
         if status is TaskStatus.FAILED:  # an expiry, say: a client still waiting is told why
             with contextlib.suppress(StoreError):
-                record = await self.context.store.get(task_id)
+                record = await self.context.store.records.get(task_id)
                 if record is not None:
                     reason, error = record.status_message or reason, record.error
         await self.context.feed.dispatch(call, RemoteCancel(reason, error))
@@ -107,7 +103,7 @@ class ReplicaInbox:
     async def _resync(self, task_ids: list[str]) -> None:
         for task_id in task_ids:
             try:
-                record = await self.context.store.get(task_id)
+                record = await self.context.store.records.get(task_id)
             except StoreError:
                 return
             if record is not None and record.status.terminal:

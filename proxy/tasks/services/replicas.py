@@ -1,21 +1,7 @@
-"""This process as one replica of a task store: its lease and fence, the change feed, the messages it sends to
-and takes from other replicas, and the take-over of dead replicas' tasks.
-
-With SQLite the process is the only replica: the lease never lapses and the feed carries its own changes. With
-PostgreSQL several replicas share the store. Each renews a lease (`store.lease_seconds`); every write it makes
-as a task's owner carries the lease's fence, so a replica whose lease lapsed (paused, cut off) can no longer
-change a task. A replica whose lease ran out is dead: at each sweep a survivor takes over its live tasks.
-A lapsed lease is resumed, not surrendered: once the store answers again, the replica renews (a new epoch) and
-asks the store what changed. A task it still shows as this replica's was taken over by nobody (a take-over moves
-the owner, and none can happen while the new lease holds): its call keeps running and writes under the new
-fence. A task a survivor took (its owner is the survivor now) is stopped here without writing. So a store
-outage that every replica saw costs no task, and a replica cut off while others reached the store loses its
-tasks to them, its late writes refused by the fence. What
-other replicas record for a task (a cancel settles it; answers are a message to its owner) wakes the owner
-through the feed. This module carries messages and reports what happened to its owner (the replica inbox, through
-`ReplicaOwner`); what a call does about it is the call machine's. Imports the store and `remote.py`; never the
-runner, aiohttp or the front.
-"""
+"""This process as one replica of a task store: its lease and fence, the change feed, the messages to and from
+other replicas, and the take-over of gone replicas' tasks (a lease run out, and a whole lease since the store's
+latest return to renew it, by the store's clock: docs/guides/replicas.md); what happened is reported to its
+owner (the inbox). Imports the store and `remote.py`; never the runner, aiohttp or the front."""
 
 from __future__ import annotations
 
@@ -41,6 +27,7 @@ TAKEN_OVER_RERUN: Final = "re-running: the replica running it was lost"
 LEASE_LAPSED: Final = "interrupted: the replica running it lost its lease"
 LEASE_LAPSED_RERUN: Final = "re-running: the replica running it lost its lease"
 RENEWALS_PER_LEASE: Final = 3  # the lease is renewed this often within its own length
+RETRIES_PER_LEASE: Final = 10  # ... and a failed renewal is tried again this often
 FEED_RETRY_SECONDS: Final = 1.0  # after the change feed failed to start
 NOTE_TIMEOUT_SECONDS: Final = 5.0  # a waiting client that does not take a relayed notification in time misses it
 SUBSCRIBE_TIMEOUT_SECONDS: Final = 30.0
@@ -86,6 +73,23 @@ class Ask:
 
 
 class ReplicaLink:
+    """With SQLite the process is the only replica: the lease never lapses and the feed carries its own changes. With
+    PostgreSQL several replicas share the store. Each renews a lease (`store.lease_seconds`); every write it makes
+    as a task's owner carries the lease's fence, so a replica whose lease lapsed (paused, cut off) can no longer
+    change a task. A replica whose lease ran out is gone once it has also had a whole lease period, counted by the
+    store's clock from the store's latest return (after an outage every replica saw), to renew it: at each sweep a
+    survivor takes over a gone replica's live tasks. So a restart or a freeze of the store takes nothing over from
+    replicas that reconnect at different instants, while one cut off alone (the others renewed all along) or killed
+    loses its tasks a lease after it stopped renewing. A lapsed lease is resumed, not surrendered: once the store
+    answers again, the replica renews (a new epoch) and asks the store what changed. A task it still shows as this
+    replica's was taken over by nobody (a take-over moves the owner, and none can happen while the new lease
+    holds): its call keeps running and writes under the new fence. A task a survivor took (its owner is the
+    survivor now) is stopped here without writing. So a store outage that every replica saw costs no task, and a
+    replica cut off while others reached the store loses its tasks to them, its late writes refused by the fence.
+    What other replicas record for a task (a cancel settles it; answers are a message to its owner) wakes the owner
+    through the feed. This module carries messages and reports what happened to its owner (the replica inbox,
+    through `ReplicaOwner`); what a call does about it is the call machine's."""
+
     owner: ReplicaOwner  # what the link reports to, from `start` on
 
     def __init__(self, store: TaskStore, replica_id: str, lease_seconds: float) -> None:
@@ -111,10 +115,11 @@ class ReplicaLink:
         report to `owner` from now on."""
         self.owner = owner
         await self._renew()
+        log.info("lease_taken", replica=self.replica_id, epoch=self._fence.epoch)  # this process's name in the store
         self.owner.spawn(self._lease_forever(), "replica-lease")
         self.owner.spawn(self._feed_forever(), "replica-feed")
         self.owner.spawn(self._take_forever(), "replica-messages")
-        if not self.store.shared:
+        if not self.store.replicas.shared:
             self.owner.spawn(self._poll_forever(), "replica-message-poll")
         async with asyncio.timeout(SUBSCRIBE_TIMEOUT_SECONDS):
             await self._subscribed.wait()
@@ -126,7 +131,7 @@ class ReplicaLink:
             if not ask.reply.done():
                 ask.reply.set_exception(remote.ReplicaLostError("Internal error: this proxy is shutting down"))
         try:
-            await self.store.release_lease(self._fence)
+            await self.store.replicas.release_lease(self._fence)
         except StoreError as exc:
             log.warning("lease_not_released", error=str(exc))
 
@@ -141,7 +146,7 @@ class ReplicaLink:
 
     async def _renew(self) -> None:
         started = time.monotonic()
-        fence = await self.store.renew_lease(self.replica_id, self.lease_seconds)
+        fence = await self.store.replicas.renew_lease(self.replica_id, self.lease_seconds)
         self._renewed_at = started
         if fence != self._fence:
             lapsed = self._fence.epoch != 0
@@ -169,18 +174,29 @@ class ReplicaLink:
         whether the task is still this replica's. The fence to write under again, or None when another replica
         owns the task (or it ended): then its call stops without writing. StoreError when the store is away."""
         await self._renew_once(time.monotonic())
-        record = await self.store.get(task_id)
+        record = await self.store.records.get(task_id)
         if record is None or record.status.terminal or record.owner != self.replica_id:
             return None
         return self._fence
 
     async def _lease_forever(self) -> None:
+        """Renew `RENEWALS_PER_LEASE` times a lease; after a failure, every `RETRIES_PER_LEASE`th of it (the first
+        failure of a row is logged), so that a lease lapses only in an outage of more than half of it."""
+        failing_since: float | None = None
         while not self._closed:
-            await asyncio.sleep(self.lease_seconds / RENEWALS_PER_LEASE)
+            share = RENEWALS_PER_LEASE if failing_since is None else RETRIES_PER_LEASE
+            await asyncio.sleep(self.lease_seconds / share)
             try:
                 await self._renew()
             except StoreError as exc:
-                log.warning("lease_not_renewed", replica=self.replica_id, error=str(exc))
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    log.warning("lease_not_renewed", replica=self.replica_id, error=str(exc))
+                continue
+            if failing_since is not None:
+                failed = round(time.monotonic() - failing_since, 2)
+                log.info("lease_renewed_again", replica=self.replica_id, epoch=self._fence.epoch, after_seconds=failed)
+                failing_since = None
 
     # --- taking over dead replicas ------------------------------------------------------------------------
 
@@ -188,11 +204,11 @@ class ReplicaLink:
         """Take over the live tasks of replicas whose lease ran out (one survivor gets each replica's tasks),
         unless `take_over` is False (this replica drains); give up on requests to replicas that died while a
         client here waited."""
-        for dead in await self.store.expired_replicas() if take_over else []:
+        for dead in await self.store.replicas.expired_replicas() if take_over else []:
             if dead == self.replica_id:
                 continue  # our own lease lapsed: the next renewal says so
             try:
-                records = await self.store.take_over(dead, self._fence)
+                records = await self.store.replicas.take_over(dead, self._fence)
             except FencedError:
                 return  # our lease lapsed too: we may not take anything over
             if records:
@@ -203,7 +219,7 @@ class ReplicaLink:
     async def _watch_asks(self) -> None:
         due = [ask for ask in self._asks.values() if time.monotonic() - ask.started > self.lease_seconds]
         for replica in {ask.replica for ask in due}:
-            if await self.store.replica_alive(replica):
+            if await self.store.replicas.replica_alive(replica):
                 continue
             for ask in due:
                 if ask.replica == replica and not ask.reply.done():
@@ -218,7 +234,7 @@ class ReplicaLink:
         changed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._watchers.setdefault(task_id, []).append(changed)  # before the message: its change is not missed
         try:
-            if await self.store.notify_owner(task_id, INPUT, {"answers": answers}) is None:
+            if await self.store.replicas.notify_owner(task_id, INPUT, {"answers": answers}) is None:
                 return  # settled meanwhile
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(changed), ANSWERS_ACK_SECONDS)
@@ -230,7 +246,7 @@ class ReplicaLink:
                 self._watchers.pop(task_id, None)
 
     async def send(self, replica: str, kind: str, key: str, payload: JSON) -> None:
-        await self.store.notify_replica(replica, kind, key, payload)
+        await self.store.replicas.notify_replica(replica, kind, key, payload)
 
     async def ask(
         self, replica: str, kind: str, payload: JSON, on_note: Callable[[JSON], Awaitable[None]] | None = None
@@ -261,7 +277,7 @@ class ReplicaLink:
     async def _feed_forever(self) -> None:
         while not self._closed:
             try:
-                async with self.store.changes(for_replica=self.replica_id) as changes:
+                async with self.store.replicas.changes(for_replica=self.replica_id) as changes:
                     self._subscribed.set()
                     async for change in changes:
                         self._on_change(change)
@@ -289,7 +305,7 @@ class ReplicaLink:
             await self._wake.wait()
             self._wake.clear()
             try:
-                messages = await self.store.take_messages(self.replica_id)
+                messages = await self.store.replicas.take_messages(self.replica_id)
             except StoreError as exc:
                 log.warning("messages_not_taken", error=str(exc))
                 continue
@@ -300,7 +316,7 @@ class ReplicaLink:
         while not self._closed:
             await asyncio.sleep(MESSAGE_POLL_SECONDS)
             try:
-                if await self.store.pending_messages(self.replica_id):
+                if await self.store.replicas.pending_messages(self.replica_id):
                     self._wake.set()
             except StoreError as exc:
                 log.warning("messages_not_polled", error=str(exc))

@@ -1,16 +1,6 @@
-"""A client request's side of a call: starting and resuming calls for waiting requests (`CallStarter`: a new
-call from the front's upstream request, an MRTR retry that takes the call parked for its round, here or
-forwarded to the live replica that holds it, with a stand-in call here whose reply is that replica's answer; a
-waiting request that went away; every call stopped at shutdown), and the waiting itself (`WaitingRequests`:
-wait for the call's reply and turn it into the request's JSON-RPC answer).
-
-What the reply is (the result, a `CreateTaskResult`, an MRTR `InputRequiredResult`, -32021, a limit error) is
-decided by the call's machine (`tasks/machine/`) and carried out by the executor; the waiting side only waits and
-translates (a task reply carries its record). A poll-to-sync client's keep-alive comments are asked of the
-call's one client writer (`keep_alive`, injected: `effects/client.py`), never written here. Imports the live
-call (and its table), the parking, the replica link, `remote.py` and the wire's translation; no other effect,
-no aiohttp.
-"""
+"""A client request's side of a call: starting and resuming calls (`CallStarter`, MRTR retries forwarded to the
+replica that holds them) and waiting for the reply, turned into the request's JSON-RPC answer
+(`WaitingRequests`). Imports the live call, the parking, the replica link and the wire; no aiohttp."""
 
 from __future__ import annotations
 
@@ -53,6 +43,12 @@ from proxy.wire import translate
 from proxy.wire.envelope import TASKS_EXTENSION, Caller, Channel, ModernRequest
 from proxy.wire.jsonrpc import JSON, result_message
 from proxy.wire.upstream_events import UpstreamErrorResponse, UpstreamResult
+
+# What the reply is (the result, a `CreateTaskResult`, an MRTR `InputRequiredResult`, -32021, a limit error) is
+# decided by the call's machine (`tasks/machine/`) and carried out by the executor; the waiting side only waits and
+# translates (a task reply carries its record). A poll-to-sync client's keep-alive comments are asked of the call's
+# one client writer (`keep_alive`, injected: `effects/client.py`), never written here. Imports the live call (and its
+# table), the parking, the replica link, `remote.py` and the wire's translation; no other effect, no aiohttp.
 
 log = structlog.get_logger(__name__)
 
@@ -167,7 +163,7 @@ class CallStarter:
         """An MRTR retry for a call parked on another replica: sent there (through the store), and a stand-in
         call here whose reply is what that replica's call answers (its notifications reach `channel` too, through
         the stand-in's one client writer)."""
-        if not await self.context.store.replica_alive(claims.owner):
+        if not await self.context.store.replicas.replica_alive(claims.owner):
             raise InvalidParamsError(HOLDER_GONE)
         request = outgoing.request
         decision = (
@@ -198,7 +194,7 @@ class CallStarter:
         try:
             reply, call.request_state, task_id = remote.decode_reply(await ask.reply)
             if task_id is not None:
-                record = await self.context.store.get(task_id)
+                record = await self.context.store.records.get(task_id)
                 if record is None:
                     reply = ReplyError(ProxyError("Internal error: the task the call became is gone"))
                 else:

@@ -1,11 +1,5 @@
-"""The check at start that the tools `tasks.tools` and the job families name exist upstream.
-
-A policy (or a `max_concurrent` cap) for a tool the upstream's `tools/list` lacks does nothing: usually a typo
-or a renamed tool. The list is read once; each such entry is warned about as `tool_policy_missing` naming the
-key and the tool (the shape of the job families' `job_tool_missing`, checked against the same list); a glob
-that matches none of the listed tools is warned about alike. Imports the config's shapes, the policy's glob
-rule, the job effect and the upstream pool; never the executor, the store or aiohttp.
-"""
+"""The check at start that the tools `tasks.tools` and the job families name exist upstream, each missing one
+warned about once. Imports the config's shapes, the policy's glob rule, the job follower and the upstream pool."""
 
 from __future__ import annotations
 
@@ -20,6 +14,12 @@ from proxy.policy import is_glob
 from proxy.tasks.effects.job import JobFollower
 from proxy.upstream.pool import SessionPool
 from proxy.upstream.session import read_tools
+
+# A policy (or a `max_concurrent` cap) for a tool the upstream's `tools/list` lacks does nothing: usually a typo or a
+# renamed tool. The list is read once; each such entry is warned about as `tool_policy_missing` naming the key and the
+# tool (the shape of the job families' `job_tool_missing`, checked against the same list); a glob that matches none of
+# the listed tools is warned about alike. Imports the config's shapes, the policy's glob rule, the job effect and the
+# upstream pool; never the executor, the store or aiohttp.
 
 log = structlog.get_logger(__name__)
 

@@ -1,8 +1,6 @@
-"""The durable task store: the only package that touches a database (SQLite, or PostgreSQL for replicas).
-
-`open_store(config.store, max_records=...)` picks the backend from the config. The PostgreSQL driver is
-imported only when PostgreSQL is configured. Must not import aiohttp, the runner or the front.
-"""
+"""The durable task store: the only package that touches a database (SQLite, or PostgreSQL for replicas), its
+ports (`contract.py`) composed by each backend. `open_store` picks the backend from the config (the PostgreSQL
+driver is imported only when it is configured). Must not import aiohttp or the rest of tasks."""
 
 from __future__ import annotations
 
@@ -24,11 +22,11 @@ from proxy.tasks.store.base import (
     StoreLockedError,
     StoreUnavailableError,
     TaskQuery,
-    TaskStore,
     Tombstone,
     page_key,
     parse_page_key,
 )
+from proxy.tasks.store.contract import Keys, OperatorQueries, Records, Replicas, TaskStore, Usage
 from proxy.tasks.store.feed import LocalFeed
 from proxy.tasks.store.keys import KeyRecord
 from proxy.tasks.store.rows import record_from_row
@@ -45,8 +43,12 @@ __all__ = [
     "Fence",
     "FencedError",
     "KeyRecord",
+    "Keys",
     "LocalFeed",
     "Message",
+    "OperatorQueries",
+    "Records",
+    "Replicas",
     "SqliteTaskStore",
     "StoreError",
     "StoreFullError",
@@ -56,6 +58,7 @@ __all__ = [
     "TaskQuery",
     "TaskStore",
     "Tombstone",
+    "Usage",
     "open_store",
     "page_key",
     "parse_page_key",

@@ -63,9 +63,9 @@ class Statements(Protocol):
     async def changed(self, what: str, sql: str, params: dict[str, Any]) -> int: ...
 
 
-class Grants:
-    """The grants table of one store (see the module doc), on its `Statements`; `pg` rewrites the SQL for
-    psycopg. Failures are the store's own errors (StoreError, StoreUnavailableError)."""
+class GrantsTable:
+    """The grants port of one store (`contract.Grants`; see the module doc), on its `Statements`; `pg` rewrites
+    the SQL for psycopg. Failures are the store's own errors (StoreError, StoreUnavailableError)."""
 
     def __init__(self, statements: Statements, rewrite: Callable[[str], str] = lambda sql: sql) -> None:
         self._run = statements

@@ -1,16 +1,17 @@
-"""Idempotency-key records (draft-ietf-httpapi-idempotency-key-header): the value type and the SQL both
-backends run on their `idempotency_keys` table, whose primary key (scope, key) makes the first claim atomic.
-
-A record is claimed `running` (no outcome) by the process that runs the first request, then settled with the
-outcome that request got, or released (deleted) when the request was refused before the upstream saw it.
-Plain SQL text and a dataclass; it must not import a database driver, aiohttp, the runner or the front.
-"""
+"""Idempotency-key records: the value type and the SQL both backends run on their `idempotency_keys` table,
+whose primary key makes the first claim atomic. Must not import a database driver, aiohttp or tasks."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
+
+# A record is claimed `running` (no outcome) by the process that runs the first request, then settled with the outcome
+# that request got, or released (deleted) when the request was refused before the upstream saw it. The settlement and
+# the release name the claim (its owner and its `created_at_ms`), so a late one never touches a later claim of the
+# same key. A claim is committed only while its request still waits for it (the backends say how), so a claim the
+# store holds is one a request took up, or one its process owes a release or an outcome.
 
 KEY_COLUMNS: Final = ("scope", "key", "fingerprint", "owner", "created_at_ms", "expires_at_ms", "outcome")
 
@@ -55,13 +56,9 @@ CLAIM_SQL: Final = (
     " WHERE idempotency_keys.expires_at_ms <= excluded.created_at_ms RETURNING scope"
 )
 GET_SQL: Final = "SELECT * FROM idempotency_keys WHERE scope = :scope AND key = :key"
-SETTLE_SQL: Final = (
-    "UPDATE idempotency_keys SET outcome = :outcome WHERE scope = :scope AND key = :key AND owner = :owner"
-    " AND outcome IS NULL"
-)
-RELEASE_SQL: Final = (
-    "DELETE FROM idempotency_keys WHERE scope = :scope AND key = :key AND owner = :owner AND outcome IS NULL"
-)
+_THE_CLAIM: Final = "scope = :scope AND key = :key AND owner = :owner AND created_at_ms = :created_at_ms"
+SETTLE_SQL: Final = f"UPDATE idempotency_keys SET outcome = :outcome WHERE {_THE_CLAIM} AND outcome IS NULL"
+RELEASE_SQL: Final = f"DELETE FROM idempotency_keys WHERE {_THE_CLAIM} AND outcome IS NULL"
 PURGE_SQL: Final = "DELETE FROM idempotency_keys WHERE expires_at_ms <= :now_ms"
 
 

@@ -1,15 +1,6 @@
-"""The PostgreSQL store's connections: the settings of each new one, the open (the schema migrated, the
-channel named) and every operation run on a pooled connection within the store's deadline.
-
-Every operation has a deadline (`store.timeout_seconds`: the pooled connection, the connection itself and the
-statement); past it, or when the database cannot be reached or takes no writes (a standby), it raises
-`StoreUnavailableError`. A pooled connection that the server closed or wrote to while idle (a restart's notice,
-a cut) is checked before it is handed out, and a read that met a connection broken in a cut is tried once more
-on a fresh one; a multi-host URL (`host=a,b` with `target_session_attrs=read-write`) follows a failover, since
-libpq picks the primary for each new connection. Depends on psycopg, psycopg_pool and the store's `base`,
-`pg_health`, `pg_schema`; used by `postgres.py` (and `pg_keys.py`, for its connection type); it must not import
-aiohttp, the runner or the front.
-"""
+"""The PostgreSQL store's connections: each new one's settings, the open (schema migrated, channel named), and
+every operation on a pooled connection within the store's deadline (`StoreUnavailableError` past it). Depends
+on psycopg and the store's base, health and schema; must not import aiohttp or tasks."""
 
 from __future__ import annotations
 
@@ -26,6 +17,15 @@ from proxy.config.keyfiles import read_password
 from proxy.tasks.store import pg_schema as schema
 from proxy.tasks.store.base import StoreError, StoreHealth
 from proxy.tasks.store.pg_health import KIND, Watchdog, deadline_seconds, operation_of, quiet, unavailable_reason
+
+# Every operation has a deadline (`store.timeout_seconds`: the pooled connection, the connection itself and the
+# statement); past it, or when the database cannot be reached or takes no writes (a standby), it raises
+# `StoreUnavailableError`. A pooled connection that the server closed or wrote to while idle (a restart's notice, a
+# cut) is checked before it is handed out, and a read that met a connection broken in a cut is tried once more on a
+# fresh one; a multi-host URL (`host=a,b` with `target_session_attrs=read-write`) follows a failover, since libpq
+# picks the primary for each new connection. Depends on psycopg, psycopg_pool and the store's `base`, `pg_health`,
+# `pg_schema`; used by `postgres.py` (and `pg_keys.py`, for its connection type); it must not import aiohttp, the
+# runner or the front.
 
 _KEEPALIVE: Final = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
 _T = TypeVar("_T")
@@ -47,9 +47,9 @@ async def _usable(conn: Conn) -> bool:
     return True
 
 
-@dataclass(eq=False)  # no slots: the store subclasses it
+@dataclass(eq=False, slots=True)
 class PgConnections:
-    """The pool of a PostgreSQL store and the runs on it, which the store (`PostgresTaskStore`) builds on."""
+    """The pool of a PostgreSQL store and the runs on it (`run`, `rows`), composed by the store as its `db`."""
 
     url: str
     _: KW_ONLY
@@ -59,8 +59,8 @@ class PgConnections:
     timeout_seconds: float
     read_only: bool
     migrate: bool  # the schema is migrated at open (never when read-only)
-    _health: StoreHealth = field(default_factory=lambda: StoreHealth(KIND), init=False)
-    _closed: bool = field(default=False, init=False)
+    health: StoreHealth = field(default_factory=lambda: StoreHealth(KIND), init=False)
+    closed: bool = field(default=False, init=False)
     _channel: str = field(default="", init=False)  # set at open: one NOTIFY channel per schema
     _pool: AsyncConnectionPool[Conn] = field(init=False)
 
@@ -102,7 +102,7 @@ class PgConnections:
             kwargs["options"] = "-c default_transaction_read_only=on"
         return kwargs
 
-    async def _open(self) -> None:
+    async def open(self) -> None:
         try:
             conn = await psycopg.AsyncConnection.connect(self.url, **self.connect_kwargs())
         except psycopg.Error as exc:
@@ -127,36 +127,32 @@ class PgConnections:
     def channel(self) -> str:
         return self._channel
 
-    @property
-    def health(self) -> StoreHealth:
-        return self._health
-
     # -- plumbing --------------------------------------------------------------------------------------------
 
-    def _check_open(self, what: str, *, write: bool) -> None:
-        if self._closed:
+    def check_open(self, what: str, *, write: bool) -> None:
+        if self.closed:
             raise StoreError(f"{what}: the task store {self.url} is closed")
         if write and self.read_only:
             raise StoreError(f"{what}: the task store {self.url} is open read-only")
 
-    async def _run(self, what: str, work: Callable[[Conn], Awaitable[_T]], *, write: bool = True) -> _T:
+    async def run(self, what: str, work: Callable[[Conn], Awaitable[_T]], *, write: bool = True) -> _T:
         """`work` on a pooled connection, within the store's deadline (the wait for a connection and the work
         together). psycopg's errors become StoreError naming `what`: StoreUnavailableError when the database is
         away or the deadline passed. A read (`write=False`) whose connection broke under it is done once more."""
-        self._check_open(what, write=write)
-        timeout = deadline_seconds(self.timeout_seconds, self._health.available)
+        self.check_open(what, write=write)
+        timeout = deadline_seconds(self.timeout_seconds, self.health.available)
         deadline = asyncio.get_running_loop().time() + timeout
         try:
             result = await self._on_connection(work, retry=not write, deadline=deadline)
         except TimeoutError:
             detail = f"no answer within {timeout:g} s (store.timeout_seconds, shorter while it is away)"
-            raise self._health.failed(operation_of(what), "timeout", detail) from None
+            raise self.health.failed(operation_of(what), "timeout", detail) from None
         except psycopg.Error as exc:
             reason = unavailable_reason(exc)
             if reason is None:
                 raise StoreError(f"task store {self.url}: {what} failed: {exc}") from exc
-            raise self._health.failed(operation_of(what), reason, str(exc)) from exc
-        self._health.available = True
+            raise self.health.failed(operation_of(what), reason, str(exc)) from exc
+        self.health.available = True
         return result
 
     async def _on_connection(self, work: Callable[[Conn], Awaitable[_T]], *, retry: bool, deadline: float) -> _T:
@@ -183,9 +179,13 @@ class PgConnections:
                 finally:
                     watchdog.cancel()
 
-    async def _rows(self, what: str, sql: str, params: Any = None, *, write: bool = True) -> list[DictRow]:
+    async def rows(self, what: str, sql: str, params: Any = None, *, write: bool = True) -> list[DictRow]:
         async def run(conn: Conn) -> list[DictRow]:
             cursor = await conn.execute(sql, params)
             return await cursor.fetchall() if cursor.description is not None else []
 
-        return await self._run(what, run, write=write)
+        return await self.run(what, run, write=write)
+
+    async def close(self) -> None:
+        self.closed = True
+        await self._pool.close()

@@ -1,13 +1,6 @@
-"""Task creations on PostgreSQL: one thread with its own connection commits them in batches (group commit).
-
-A batch is one transaction in two round trips (pipeline mode): lock the count row, find duplicate ids and
-evictable records; then evict, insert and COMMIT. The count row's lock serializes creators across replicas,
-so at `max_records` each record evicts exactly one settled record or is refused. The batch never runs in a
-caller's coroutine (see `batching.py`), so a caller that leaves cannot cut it short; a caller waits for it
-at most the store's deadline (StoreUnavailableError). A connection the server closed or wrote to since the last
-batch (a restart, a cut) is replaced before the next one. Depends on psycopg and the store's `base`,
-`rows`, `batching` and `pg_schema`; used by `postgres.py` only.
-"""
+"""Task creations on PostgreSQL: one thread with its own connection commits them in batches (group commit, two
+round trips in pipeline mode), the count row's lock serializing creators across replicas. Depends on psycopg
+and the store's base, rows, batching and schema."""
 
 from __future__ import annotations
 
@@ -29,7 +22,15 @@ from proxy.wire.tasks import TaskRecord
 
 @dataclass(eq=False, slots=True)
 class PgCreator:
-    """The creator thread, its connection (opened on first use, again after it broke) and its batches."""
+    """The creator thread, its connection (opened on first use, again after it broke) and its batches.
+
+    A batch is one transaction in two round trips (pipeline mode): lock the count row, find duplicate ids and
+    evictable records; then evict, insert and COMMIT. The count row's lock serializes creators across replicas, so
+    at `max_records` each record evicts exactly one settled record or is refused. The batch never runs in a caller's
+    coroutine (see `batching.py`), so a caller that leaves cannot cut it short; a caller waits for it at most the
+    store's deadline (StoreUnavailableError). A connection the server closed or wrote to since the last batch (a
+    restart, a cut) is replaced before the next one. Depends on psycopg and the store's `base`, `rows`, `batching`
+    and `pg_schema`; used by `postgres.py` only."""
 
     url: str
     connect_kwargs: Callable[[], dict[str, Any]]

@@ -1,10 +1,5 @@
-"""The PostgreSQL change feed: LISTEN on the store's channel, one connection per subscription, reconnecting.
-
-A subscription LISTENs before it is handed out (so nothing committed after `changes()` returned is missed
-while the connection holds), yields RESYNC first and again after every reconnection (notifications sent
-while it was away are lost: the subscriber re-reads what it follows, e.g. `take_messages`). It runs in the
-subscriber's own coroutine: no background task. Depends on psycopg and `base`; used by `postgres.py` only.
-"""
+"""The PostgreSQL change feed: LISTEN on the store's channel, one connection per subscription, a RESYNC first
+and after every reconnection. Runs in the subscriber's coroutine. Depends on psycopg and `base`."""
 
 from __future__ import annotations
 
@@ -18,6 +13,11 @@ import psycopg
 from psycopg import sql
 
 from proxy.tasks.store.base import RESYNC, Change, StoreError
+
+# A subscription LISTENs before it is handed out (so nothing committed after `changes()` returned is missed while the
+# connection holds), yields RESYNC first and again after every reconnection (notifications sent while it was away are
+# lost: the subscriber re-reads what it follows, e.g. `take_messages`). It runs in the subscriber's own coroutine: no
+# background task. Depends on psycopg and `base`; used by `postgres.py` only.
 
 WAKE_SECONDS: Final = 1.0  # a waiting listener looks up this often (store closed?)
 HEARTBEAT_SECONDS: Final = 30.0  # a quiet listener checks its connection this often

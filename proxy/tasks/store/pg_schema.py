@@ -1,11 +1,5 @@
-"""The PostgreSQL store's schema: versioned migrations and the SQL the store runs.
-
-Migrations are ordered, named steps recorded in `schema_migrations`; they are applied in one transaction under
-an advisory lock, so replicas that start at once migrate once. Every statement that adds or removes task
-rows locks the one `task_count` row first (a trigger keeps its count exact): creations across replicas are
-serialized there, so eviction at capacity neither over-evicts nor lets the count run past `max_records`, and
-all writers take their locks in one order (the count, then task rows). Depends on `rows` and psycopg.
-"""
+"""The PostgreSQL store's schema: versioned migrations (applied once, under an advisory lock) and the SQL the
+store runs; every statement that adds or removes task rows locks the count row first. Depends on `rows`."""
 
 from __future__ import annotations
 
@@ -16,6 +10,12 @@ from psycopg.rows import DictRow
 
 from proxy.tasks.store import grants
 from proxy.tasks.store.rows import COLUMNS, LIVE_SQL, TERMINAL_SQL
+
+# Migrations are ordered, named steps recorded in `schema_migrations`; they are applied in one transaction under an
+# advisory lock, so replicas that start at once migrate once. Every statement that adds or removes task rows locks the
+# one `task_count` row first (a trigger keeps its count exact): creations across replicas are serialized there, so
+# eviction at capacity neither over-evicts nor lets the count run past `max_records`, and all writers take their locks
+# in one order (the count, then task rows). Depends on `rows` and psycopg.
 
 # Advisory locks live in one space per database: ours are keyed by the schema, so that two deployments in two
 # schemas of one database do not share them. The second key says what is locked.
@@ -192,8 +192,22 @@ MIGRATIONS: Final[tuple[tuple[str, str], ...]] = (
         """,
     ),
     (
+        # The replicas' renewals as the database's clock saw them: the latest one, and when renewals began again
+        # after a gap (the database was away for every replica: stopped, frozen, cut off from all of them). A
+        # lease that lapsed before then is no evidence that its holder died (`lease_gone`).
+        "0011_create_lease_watch",
+        """
+        CREATE TABLE lease_watch (
+            id integer PRIMARY KEY CHECK (id = 1),
+            renewed_at timestamptz NOT NULL,
+            returned_at timestamptz NOT NULL
+        );
+        INSERT INTO lease_watch VALUES (1, clock_timestamp(), '-infinity');
+        """,
+    ),
+    (
         # Kept grants of `upstream.credentials: exchange` (`grants.py`): sealed tokens per caller and target.
-        "0011_create_grants",
+        "0012_create_grants",
         grants.CREATE_SQL + ";",
     ),
 )
@@ -314,17 +328,37 @@ TRIM_DURATIONS_SQL: Final = (
     "DELETE FROM tool_durations WHERE tool IN"
     " (SELECT tool FROM tool_durations ORDER BY updated_at DESC, tool OFFSET %s)"
 )
+# Each renewal also notes itself in `lease_watch`: one that comes more than `gap` seconds after the latest one of
+# any replica marks the store's return (nobody could renew in between).
 RENEW_SQL: Final = (
-    "INSERT INTO replicas (replica_id, epoch, expires_at, renewed_at) VALUES (%(replica)s, nextval('replica_epochs'),"
+    "WITH watch AS (UPDATE lease_watch SET returned_at = CASE WHEN clock_timestamp() - renewed_at"
+    " > make_interval(secs => %(gap)s) THEN clock_timestamp() ELSE returned_at END,"
+    " renewed_at = GREATEST(renewed_at, clock_timestamp()) WHERE id = 1)"
+    " INSERT INTO replicas (replica_id, epoch, expires_at, renewed_at) VALUES (%(replica)s, nextval('replica_epochs'),"
     " clock_timestamp() + make_interval(secs => %(seconds)s), clock_timestamp())"
     " ON CONFLICT (replica_id) DO UPDATE SET"
     " epoch = CASE WHEN replicas.expires_at > clock_timestamp() THEN replicas.epoch ELSE EXCLUDED.epoch END,"
     " expires_at = EXCLUDED.expires_at, renewed_at = EXCLUDED.renewed_at RETURNING epoch"
 )
+# A replica (its row `r` in `replicas`) is gone when its lease ran out and, since the store's latest return, it
+# has had a lease period of its own (as it renewed it: `expires_at - renewed_at`) to renew: a lease that lapsed
+# while nobody could reach the store is renewed by a live holder within that period after the return, whatever
+# instant each replica reconnects at. By the database's clock alone, so no replica's clock matters.
+LEASE_GONE: Final = (
+    "(r.expires_at <= clock_timestamp() AND clock_timestamp()"
+    " >= (SELECT returned_at FROM lease_watch WHERE id = 1) + (r.expires_at - r.renewed_at))"
+)
 EXPIRED_REPLICAS_SQL: Final = (
-    "SELECT replica_id FROM replicas WHERE expires_at <= clock_timestamp()"
+    f"SELECT replica_id FROM replicas r WHERE {LEASE_GONE}"
     f" UNION SELECT DISTINCT owner FROM tasks WHERE status IN ({LIVE_SQL})"
     " AND NOT EXISTS (SELECT 1 FROM replicas WHERE replica_id = tasks.owner) ORDER BY 1"
+)
+REPLICA_ALIVE_SQL: Final = f"SELECT 1 FROM replicas r WHERE replica_id = %s AND NOT {LEASE_GONE}"
+REPLICA_SPARED_SQL: Final = f"SELECT NOT {LEASE_GONE} AS spared FROM replicas r WHERE replica_id = %s FOR UPDATE"
+# A clean stop: the lease ends now, and its period with it (a survivor takes over at once, even just after a return).
+RELEASE_SQL: Final = (
+    "UPDATE replicas SET expires_at = clock_timestamp(), renewed_at = clock_timestamp()"
+    " WHERE replica_id = %s AND epoch = %s"
 )
 LEASE_HELD_SQL: Final = "SELECT 1 FROM replicas WHERE replica_id = %s AND epoch = %s AND expires_at > clock_timestamp()"
 TAKE_OVER_SQL: Final = (

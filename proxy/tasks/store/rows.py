@@ -8,7 +8,7 @@ aiohttp, the runner or the front.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
 from proxy.tasks.store.base import Fence, StoreError, TaskQuery
@@ -210,14 +210,16 @@ def claim_values(owner: str, status_message: str) -> dict[str, Any]:
     }
 
 
-class LiveWrites:
-    """The writes of a live task, alike on every backend: each is one conditional update (`_update`, the
-    backend's own), so a settled task never changes and the first settle wins."""
+Update = Callable[[str, Mapping[str, Any], int, Fence | None], Awaitable[TaskRecord | None]]
 
-    async def _update(
-        self, task_id: str, values: Mapping[str, Any], now_ms: int, fence: Fence | None
-    ) -> TaskRecord | None:
-        raise NotImplementedError
+
+class LiveWrites:
+    """The writes of a live task, alike on every backend: each is one conditional update through the backend's
+    own `update` (a settled task never changes, so the first settle wins). A backend's records port composes
+    one and offers its writes as its own."""
+
+    def __init__(self, update: Update) -> None:
+        self._update = update
 
     async def set_inputs(
         self,

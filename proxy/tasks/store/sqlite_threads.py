@@ -1,8 +1,6 @@
-"""The SQLite store's two threads: one writer thread owns the write connection, one reader thread owns a
-read-only connection; every SQLite call is sent to one of them off the event loop, its sqlite3 error becomes a
-StoreError and its outcome is noted in the store's health. Depends on sqlite-utils and the store's `base`,
-`rows` and `sqlite_writer`; used by `sqlite.py` only; it must not import aiohttp, the runner or the front.
-"""
+"""The SQLite store's two threads, composed by the store as its `db`: the writer thread owns the write
+connection, the reader thread a read-only one; every SQLite call is sent to one of them off the event loop, its
+sqlite3 error translated and its outcome noted in the store's health. Used by `sqlite.py` only."""
 
 from __future__ import annotations
 
@@ -23,42 +21,40 @@ from proxy.wire.tasks import TaskRecord
 _T = TypeVar("_T")
 
 
-class SqliteThreads:
-    """The threads of a SQLite store and the dispatch to them, which the store (`SqliteTaskStore`) builds on."""
-
-    path: Path
+class SqliteDb:
+    """The threads of one SQLite file and the dispatch to them (`write`, `read`)."""
 
     def __init__(self, path: Path, *, read_only: bool) -> None:
         self.path = path
         self.read_only = read_only
-        self._closed = False
-        self._health = StoreHealth("sqlite")
-        self._writer: ThreadPoolExecutor | None = (
+        self.closed = False
+        self.health = StoreHealth("sqlite")
+        self.writer: ThreadPoolExecutor | None = (
             None if read_only else ThreadPoolExecutor(max_workers=1, thread_name_prefix="task-store-writer")
         )
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="task-store-reader")
+        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="task-store-reader")
         # Owned by the reader thread:
         self._reader_db: Database | None = None
 
     # -- thread dispatch -----------------------------------------------------------------------------------
 
-    def _open_writer_thread(self, what: str) -> ThreadPoolExecutor:
+    def writer_thread(self, what: str) -> ThreadPoolExecutor:
         """The writer thread, for `what`, unless the store is closed or read-only."""
-        if self._closed:
+        if self.closed:
             raise StoreError(f"{what}: the task store {self.path} is closed")
-        if self._writer is None:
+        if self.writer is None:
             raise StoreError(f"{what}: the task store {self.path} is open read-only")
-        return self._writer
+        return self.writer
 
-    async def _write(self, what: str, work: Callable[[], _T]) -> _T:
-        writer = self._open_writer_thread(what)
-        return await self._noted(what, asyncio.get_running_loop().run_in_executor(writer, self._guarded, what, work))
+    async def write(self, what: str, work: Callable[[], _T]) -> _T:
+        writer = self.writer_thread(what)
+        return await self._noted(what, asyncio.get_running_loop().run_in_executor(writer, self.guarded, what, work))
 
-    async def _read(self, what: str, work: Callable[[], _T]) -> _T:
-        if self._closed:
+    async def read(self, what: str, work: Callable[[], _T]) -> _T:
+        if self.closed:
             raise StoreError(f"{what}: the task store {self.path} is closed")
         return await self._noted(
-            what, asyncio.get_running_loop().run_in_executor(self._reader, self._guarded, what, work)
+            what, asyncio.get_running_loop().run_in_executor(self.reader, self.guarded, what, work)
         )
 
     async def _noted(self, what: str, work: Awaitable[_T]) -> _T:
@@ -66,12 +62,12 @@ class SqliteThreads:
         try:
             result = await work
         except StoreUnavailableError as exc:
-            self._health.failed(what.split(" ", 1)[0], "unavailable", exc.reason)
+            self.health.failed(what.split(" ", 1)[0], "unavailable", exc.reason)
             raise
-        self._health.available = True
+        self.health.available = True
         return result
 
-    def _guarded(self, what: str, work: Callable[[], _T]) -> _T:
+    def guarded(self, what: str, work: Callable[[], _T]) -> _T:
         try:
             return work()
         except sqlite3.Error as exc:
@@ -79,20 +75,21 @@ class SqliteThreads:
 
     # -- reader thread ---------------------------------------------------------------------------------------
 
-    def _reader_conn(self) -> Database:
+    def reader_conn(self) -> Database:
         if self._reader_db is None:
             raise StoreError(f"the task store {self.path} is not open")
         return self._reader_db
 
-    def _open_reader(self) -> None:
+    def open_reader(self) -> None:
         db = self._reader_db = connect(self.path, read_only=True)
         if not db.table("tasks").exists():
             raise StoreError(f"{self.path} is not a task database (it has no tasks table)")
 
-    def _select(self, sql: str, params: list[Any]) -> list[TaskRecord]:
-        return records_from_rows(rows(self._reader_conn().execute(sql, params)))
+    def select(self, sql: str, params: list[Any]) -> list[TaskRecord]:
+        """Reader thread: the task records a query selects."""
+        return records_from_rows(rows(self.reader_conn().execute(sql, params)))
 
-    def _close_reader(self) -> None:
+    def close_reader(self) -> None:
         db, self._reader_db = self._reader_db, None
         if db is not None:
             db.close()

@@ -1,11 +1,6 @@
-"""The standalone GET stream of one upstream session, read for as long as the session lives.
-
-A legacy server sends what is not tied to a request there: `notifications/*/list_changed`, resource updates,
-and server→client requests made without a related request (the mcp 1.x SDK's `list_roots()`, or
-`create_message()` / `elicit()` without a related request id). The reader reconnects (with
-`Last-Event-ID`) when the stream drops, and hands every message, and the news that the upstream forgot the
-session, to the one callback its session gives it. It knows nothing of the session that created it.
-"""
+"""The standalone GET stream of one upstream session, read for as long as the session lives (list changes,
+resource updates, questions naming no request), reconnected with `Last-Event-ID`; everything goes to the one
+callback its session gives it. Knows nothing of the session."""
 
 from __future__ import annotations
 

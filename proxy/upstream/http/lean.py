@@ -1,24 +1,6 @@
-"""The upstream client of the hot path (legacy POSTs relayed, and the POSTs of the proxy's own sessions), the I/O
-layer around the sans-IO core of `h1.py`: POSTs to one plain-HTTP origin over pooled keep-alive connections,
-each request written in one `write` once every part of it passed the wire checks. Raises the core's own errors
-(`H1Error`); `answers.py` translates them. Imports the core only.
-
-Why these do not go through aiohttp's client, which the proxy uses for everything else: a POST costs 171 to 196
-µs of CPU in aiohttp's client against 77 to 88 µs in this one (`python -m benchmarks.clients`, two runs), the
-largest single share of the hop (docs/benchmarks.md). A relayed request needs little of what aiohttp's client
-does: no cookie jar (a shared one would hand one client's cookies to the next), no redirects, no decompression,
-no proxies, no TLS (an `https` upstream keeps aiohttp's client), and the body is already in hand. What it does
-need is here:
-- the answer's status, reason and headers as sent (repeated names kept), 1xx interim answers skipped, each part
-  of the head bounded (`h1.Limits`);
-- the body handed on chunk by chunk as it arrives, whatever its framing (Content-Length, chunked, or up to the
-  connection's end, where a reset is an error, never the end), with flow control: past HIGH_WATER_BYTES
-  unread, the upstream socket is not read;
-- the connect timeout, and one deadline for the whole exchange (headers and body), as aiohttp's `total`;
-- connections reused only after a complete answer the upstream let stay open, given up after KEEPALIVE_SECONDS
-  idle (under common servers' own keep-alive), closed when the reader gives up (the upstream sees its client
-  leave, as it would directly).
-"""
+"""The upstream client of the hot path (relayed legacy POSTs, and the sessions' own POSTs to a plain-HTTP
+upstream): the I/O layer around the sans-IO core of `h1.py`, pooled keep-alive connections, each request
+written once it passed the wire checks. Raises the core's own errors; imports the core only."""
 
 from __future__ import annotations
 
@@ -39,6 +21,22 @@ from proxy.upstream.http.h1 import (
     RequestWriter,
     ResponseReader,
 )
+
+# Why these do not go through aiohttp's client, which the proxy uses for everything else: a POST costs 171 to 196
+# µs of CPU in aiohttp's client against 77 to 88 µs in this one (`python -m benchmarks.clients`, two runs), the
+# largest single share of the hop (docs/benchmarks.md). A relayed request needs little of what aiohttp's client
+# does: no cookie jar (a shared one would hand one client's cookies to the next), no redirects, no decompression,
+# no proxies, no TLS (an `https` upstream keeps aiohttp's client), and the body is already in hand. What it does
+# need is here:
+# - the answer's status, reason and headers as sent (repeated names kept), 1xx interim answers skipped, each part
+#   of the head bounded (`h1.Limits`);
+# - the body handed on chunk by chunk as it arrives, whatever its framing (Content-Length, chunked, or up to the
+#   connection's end, where a reset is an error, never the end), with flow control: past HIGH_WATER_BYTES
+#   unread, the upstream socket is not read;
+# - the connect timeout, and one deadline for the whole exchange (headers and body), as aiohttp's `total`;
+# - connections reused only after a complete answer the upstream let stay open, given up after KEEPALIVE_SECONDS
+#   idle (under common servers' own keep-alive), closed when the reader gives up (the upstream sees its client
+#   leave, as it would directly).
 
 # Idle upstream connections are kept this long for the next request (here and in the proxy's aiohttp clients):
 # under the keep-alive of common servers (uvicorn and Node close idle connections after 5 s), so the proxy gives

@@ -1,11 +1,6 @@
-"""One in-flight upstream request as an async stream of events.
-
-`HttpRequestStream.events()` yields what the legacy server sends on the request's stream (`wire/upstream_events.py`):
-notifications, server→client requests and, last, the final result or JSON-RPC error. The upstream's `ping` is
-answered here; a stream the upstream closes early is resumed (GET + Last-Event-ID, as 2025-11-25 servers
-expect). The call depends on `StreamTransport`, a small protocol its session provides, never on the session
-itself. Either HTTP client's failures become UpstreamErrors (`answers.py`).
-"""
+"""One in-flight upstream request as an async stream of events (notifications, questions, then the final
+result or error); the upstream's `ping` answered, a stream closed early resumed. Depends on its session only
+through `StreamTransport`; either HTTP client's failures become UpstreamErrors (`answers.py`)."""
 
 from __future__ import annotations
 

@@ -1,30 +1,6 @@
-"""The proxy's own upstream sessions (not the pass-through of legacy clients): which session serves a request.
-
-One pool for every kind of upstream session (`session.py`): a `SessionKind` makes the sessions and says, in
-its `PoolLimits`, how they are bounded. The pool knows no kind.
-
-- `use(principal)`: the principal's shared session, for requests that cannot ask the client anything (lists,
-  discover, completion, listen streams). A legacy server may bind a session to a token, so sessions are never
-  shared between principals.
-- `lease(principal, sink, asks=...)`: a session of the principal that nothing else uses while the lease
-  lasts, for a call that may ask the client something (`tools/call`, `prompts/get`, `resources/read`). The
-  upstream may send that question naming no request (an HTTP session's GET stream; anything on a stdio
-  process); on a leased session it can only be the lessee's, so it goes to `sink`. Where sessions are costly
-  (`share_quiet_calls`: stdio processes) a call whose client could not answer anyway (`asks=False`) runs on
-  the principal's shared session instead, unless it was seen asking before (`_askers.py`).
-- `adopt(principal, session_id, sink)`: the same, on a session an earlier proxy process initialized (it holds a
-  task the upstream runs itself, resumed after a restart): no `initialize`.
-- `keep(session)`: a session whose upstream work outlives this process is let go without ending that work.
-
-The pool lends a session (`Session.lending.lend`) and takes it back (`Session.lending.take_back`); it writes no
-session's fields.
-
-List changes and resource updates seen on a lent session reach the principal's listen streams too. Sessions
-nobody uses are kept for reuse, least recently used first out: beyond `max_idle` idle sessions the oldest is
-closed; a lent session idle for `idle_seconds` is closed. With `max_open`, a new session beyond it first
-closes an idle one, else waits (bounded) for one to come free and then fails with UpstreamLimitError. Imports
-the session protocols; the sessions know nothing of the pool.
-"""
+"""The proxy's own upstream sessions: which one serves a request (`use`: the principal's shared one; `lease`: one
+of its own for a call that could be asked; `adopt`: one a previous process left), bounded as the kind says.
+Knows no kind and writes no session field; the sessions know nothing of the pool."""
 
 from __future__ import annotations
 
@@ -47,7 +23,32 @@ log = structlog.get_logger(__name__)
 
 
 class SessionPool:
-    """Which upstream session serves a request (see the module doc)."""
+    """Which upstream session serves a request.
+
+    One pool for every kind of upstream session (`session.py`): a `SessionKind` makes the sessions and says, in its
+    `PoolLimits`, how they are bounded. The pool knows no kind.
+
+    - `use(principal)`: the principal's shared session, for requests that cannot ask the client anything (lists,
+      discover, completion, listen streams). A legacy server may bind a session to a token, so sessions are never
+      shared between principals.
+    - `lease(principal, sink, asks=...)`: a session of the principal that nothing else uses while the lease
+      lasts, for a call that may ask the client something (`tools/call`, `prompts/get`, `resources/read`). The
+      upstream may send that question naming no request (an HTTP session's GET stream; anything on a stdio
+      process); on a leased session it can only be the lessee's, so it goes to `sink`. Where sessions are costly
+      (`share_quiet_calls`: stdio processes) a call whose client could not answer anyway (`asks=False`) runs on
+      the principal's shared session instead, unless it was seen asking before (`_askers.py`).
+    - `adopt(principal, session_id, sink)`: the same, on a session an earlier proxy process initialized (it holds a
+      task the upstream runs itself, resumed after a restart): no `initialize`.
+    - `keep(session)`: a session whose upstream work outlives this process is let go without ending that work.
+
+    The pool lends a session (`Session.lending.lend`) and takes it back (`Session.lending.take_back`); it writes no
+    session's fields.
+
+    List changes and resource updates seen on a lent session reach the principal's listen streams too. Sessions
+    nobody uses are kept for reuse, least recently used first out: beyond `max_idle` idle sessions the oldest is
+    closed; a lent session idle for `idle_seconds` is closed. With `max_open`, a new session beyond it first closes
+    an idle one, else waits (bounded) for one to come free and then fails with UpstreamLimitError. Imports the
+    session protocols; the sessions know nothing of the pool."""
 
     def __init__(self, kind: SessionKind) -> None:
         self.kind = kind

@@ -1,11 +1,5 @@
-"""Whose call a question naming no request belongs to: the pool's memory of who asks, and the shared session's owner.
-
-A legacy server may ask the client something without naming the request it serves: an mcp 1.x server does
-so for a plain `ctx.session.create_message(...)` (over HTTP on the session's GET stream; over stdio nothing
-names a request at all). A call leased a session of its own gets all of it. On a shared session the question
-is attributed while exactly one call runs there, and a tool (prompt, resource) once seen asking is given a
-session of its own from then on. Imports the session protocol only; the pool uses it, the sessions do not.
-"""
+"""Whose call a question naming no request is: the one call on a shared session, and the pool's memory of tools
+seen asking (given a session of their own from then on). Imports the session protocol only."""
 
 from __future__ import annotations
 
@@ -30,16 +24,21 @@ MAX_REMEMBERED_ASKERS: Final = 1024
 class QuestionOwners:
     """What the pool knows about questions sent naming no request.
 
-    - `asked_before(asker)`: a call of `asker` (e.g. "tools/call sample") was asked something before. Such a
-      call gets a session of its own even when its client declared nothing it could be asked, so its question
-      is attributed to it and its client told what it lacks (-32021) every time. Which kinds it asked is kept
-      for the log; for the decision any kind will do: a client that declared one at all is given a session of
-      its own anyway, so a call on the shared session lacks every kind seen.
-    - `learning(asker, sink)`: the sink of a call, wrapped so that a question reaching it is remembered.
-    - `sharing(session, sink)`: while the call runs on a shared session; while it is the only such call there,
-      a question naming no request is its own (only questions: notifications are nobody's in particular).
-      With two or more, nobody can tell, and the session refuses it as before.
-    """
+        - `asked_before(asker)`: a call of `asker` (e.g. "tools/call sample") was asked something before. Such a
+          call gets a session of its own even when its client declared nothing it could be asked, so its question
+          is attributed to it and its client told what it lacks (-32021) every time. Which kinds it asked is kept
+          for the log; for the decision any kind will do: a client that declared one at all is given a session of
+          its own anyway, so a call on the shared session lacks every kind seen.
+        - `learning(asker, sink)`: the sink of a call, wrapped so that a question reaching it is remembered.
+        - `sharing(session, sink)`: while the call runs on a shared session; while it is the only such call there,
+          a question naming no request is its own (only questions: notifications are nobody's in particular).
+          With two or more, nobody can tell, and the session refuses it as before.
+
+    A legacy server may ask the client something without naming the request it serves: an mcp 1.x server does so for
+    a plain `ctx.session.create_message(...)` (over HTTP on the session's GET stream; over stdio nothing names a
+    request at all). A call leased a session of its own gets all of it. On a shared session the question is
+    attributed while exactly one call runs there, and a tool (prompt, resource) once seen asking is given a session
+    of its own from then on. Imports the session protocol only; the pool uses it, the sessions do not."""
 
     def __init__(self) -> None:
         self._asked: OrderedDict[str, frozenset[str]] = OrderedDict()

@@ -1,10 +1,5 @@
-"""What the front needs to know before a call starts, from what the upstream said: its InitializeResult and a
-tool's facts (`x-mcp-header` annotations, how the upstream runs it as its own task).
-
-From what the kind already knows when any caller's answer may serve (an upstream that needs no credentials);
-else each caller's own, read through its shared session and kept while that session is (a server may show each
-caller other tools). Imports the session protocol and the catalog; the pool hands it its `use`.
-"""
+"""What a call needs to know before it starts (the InitializeResult, a tool's annotations and task support):
+from what the kind knows when any caller's answer may serve, else each caller's own. Imports the session protocol."""
 
 from __future__ import annotations
 
@@ -29,6 +24,10 @@ class ToolFacts:
 
 
 class ToolFactsReader:
+    """From what the kind already knows when any caller's answer may serve (an upstream that needs no credentials);
+    else each caller's own, read through its shared session and kept while that session is (a server may show each
+    caller other tools). Imports the session protocol and the catalog; the pool hands it its `use`."""
+
     def __init__(
         self,
         kind: SessionKind,

@@ -1,29 +1,6 @@
-"""One supervised legacy MCP server process speaking the stdio transport.
-
-Spec: https://modelcontextprotocol.io/specification/2025-11-25/basic/transports#stdio (one JSON-RPC message
-per line on stdin/stdout, nothing else on stdout, stderr free-form) and .../basic/lifecycle#stdio (shutdown:
-close stdin, then SIGTERM, then SIGKILL).
-
-    process = await StdioProcess.start(argv, env, cwd, max_line_bytes=..., on_message=..., name=...)
-    await process.send(message)                   # one line on its stdin
-    exited = await process.stop(grace_seconds)    # or wait_closed(), or the on_exit callback
-
-- `on_message(message)` is called synchronously, in order, for each JSON object read from stdout (a JSON
-  array of objects, a 2025-03-26 batch, gives one call per element). It must not raise and must not block.
-  With `oversized=SizeLimit(max_bytes, handler)`, the messages of a line longer than `max_bytes` go to
-  `handler` instead: the session refuses them, and the process lives on.
-- `on_exit(exited)` (optional) is called once, after the last `on_message`, when the process is gone.
-- A stdout line that is not JSON or not an object is logged (a short prefix only) and skipped; a line over
-  `max_line_bytes` kills the process group, and `ProcessExit.cause` says so.
-- stderr is logged line by line as `upstream_stderr` (truncated), rate-limited by a token bucket; what the
-  budget refuses is counted and logged as `upstream_stderr_suppressed`, at most once a second.
-- The server runs in a session (process group) of its own; every signal goes to the whole group, and what
-  is left of the group when the server exits is killed, so helpers it started do not outlive it.
-
-The protocol frames lines itself (no StreamReader): the exit is learnt from the child watcher, not from the
-pipes closing, so a grandchild holding stdout open cannot hang the proxy. Owns no session logic: it imports
-only proxy.errors, proxy.upstream.stdio.rates and the wire's JSON writer, never session, call or tasks modules.
-"""
+"""One supervised legacy MCP server process on the stdio transport: its lines in and out, its stderr rate-limited,
+its process group stopped as the spec says. Owns no session logic: imports only the errors, the rates and the
+wire's JSON writer."""
 
 from __future__ import annotations
 
@@ -41,6 +18,30 @@ import structlog
 from proxy.errors import InvalidRequestError, UpstreamError
 from proxy.upstream.stdio import rates
 from proxy.wire.jsonrpc import dumps
+
+# Spec: https://modelcontextprotocol.io/specification/2025-11-25/basic/transports#stdio (one JSON-RPC message per line
+# on stdin/stdout, nothing else on stdout, stderr free-form) and .../basic/lifecycle#stdio (shutdown: close stdin,
+# then SIGTERM, then SIGKILL).
+#
+#     process = await StdioProcess.start(argv, env, cwd, max_line_bytes=..., on_message=..., name=...)
+#     await process.send(message)                   # one line on its stdin
+#     exited = await process.stop(grace_seconds)    # or wait_closed(), or the on_exit callback
+#
+# - `on_message(message)` is called synchronously, in order, for each JSON object read from stdout (a JSON
+#   array of objects, a 2025-03-26 batch, gives one call per element). It must not raise and must not block.
+#   With `oversized=SizeLimit(max_bytes, handler)`, the messages of a line longer than `max_bytes` go to
+#   `handler` instead: the session refuses them, and the process lives on.
+# - `on_exit(exited)` (optional) is called once, after the last `on_message`, when the process is gone.
+# - A stdout line that is not JSON or not an object is logged (a short prefix only) and skipped; a line over
+#   `max_line_bytes` kills the process group, and `ProcessExit.cause` says so.
+# - stderr is logged line by line as `upstream_stderr` (truncated), rate-limited by a token bucket; what the
+#   budget refuses is counted and logged as `upstream_stderr_suppressed`, at most once a second.
+# - The server runs in a session (process group) of its own; every signal goes to the whole group, and what
+#   is left of the group when the server exits is killed, so helpers it started do not outlive it.
+#
+# The protocol frames lines itself (no StreamReader): the exit is learnt from the child watcher, not from the pipes
+# closing, so a grandchild holding stdout open cannot hang the proxy. Owns no session logic: it imports only
+# proxy.errors, proxy.upstream.stdio.rates and the wire's JSON writer, never session, call or tasks modules.
 
 log = structlog.get_logger(__name__)
 

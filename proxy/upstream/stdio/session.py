@@ -304,7 +304,16 @@ class StdioKind:
 
 
 class StdioSession:
-    """One server process at a time (a fresh one after a crash), initialized by the proxy; a `Session`."""
+    """One server process at a time (a fresh one after a crash), initialized by the proxy; a `Session`.
+
+    The stdio transport has exactly one client per process and carries no association between messages: the
+    session multiplexes its calls by JSON-RPC id (responses go to their call), routes `notifications/progress` by
+    the progress token it put on the call (each call gets a token of its own, so calls sharing a process never see
+    each other's progress), and treats everything else the server sends unasked as unsolicited: a question goes
+    to the call the process is lent to, else it is refused at once; `ping` is answered; notifications go to that
+    call and to the listen streams (`Lending`). A process that dies fails its open calls with an UpstreamError
+    naming how it ended; the next request starts a fresh one, unless it keeps crashing (then `StdioKind.start`
+    refuses with a 503 saying when it is tried again)."""
 
     def __init__(self, kind: StdioKind, principal: Identity | None) -> None:
         self.kind = kind
@@ -488,7 +497,10 @@ class StdioSession:
                 call.offer(UpstreamResult(parsed.result or {}))
 
     def _on_oversized(self, message: dict[str, Any]) -> None:
-        """A message longer than `limits.max_result_bytes` (see the module doc)."""
+        """A message longer than `limits.max_result_bytes` is not passed on, as over HTTP: an answer fails its call
+        with that limit's error (the server has answered: there is nothing to cancel), a question is refused, a
+        notification dropped. The line itself is read whole, so what it may hold is bounded by
+        `upstream.max_line_bytes`."""
         self.kind.answered()
         maximum = self.kind.max_result_bytes or 0
         try:
