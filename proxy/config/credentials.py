@@ -1,9 +1,6 @@
-"""`upstream.credentials`: what the proxy presents upstream for a caller. A pure description (the files it names
-are read by `proxy/upstream/credentials/`, when the proxy starts and, for the secrets, whenever they change).
-
-`forward` sends the caller's own principal header (the default); `exchange` trades the caller's verified token
-for one the upstream accepts (RFC 8693) at a token endpoint; `secrets` takes the caller's credential from a
-mounted map keyed by the verified claim. Imports only the wire's field checks.
+"""`upstream.credentials`: what the proxy presents upstream for a caller (`forward`, its own header; `exchange`, an
+RFC 8693 token exchange; `secrets`, a mounted per-caller map). A pure description: the files it names are read by
+`proxy/upstream/credentials/`. Imports only the wire's field checks.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Kept grants (`upstream.credentials: exchange`): one row per caller (its keyed principal hash, as tasks keep it)
-and target, holding the exchanged token and its refresh token sealed with the deployment key as one value, and
-the hold of the replica refreshing it. The SQL both backends run, and the grants of each backend composed from
-the store's own ways to read and write (no mixin).
-
-A grant lives while a live task of its caller does: the sweep erases the others, and the caller's last
-settlement asks for its erasure at once. A hold makes one refresh at a time across replicas: taken when free or
-lapsed, let go by the write of the renewed grant. Imports the wire's task statuses (which are live); it must
-not import a database driver, aiohttp, the runner or the front.
+"""Kept grants of `upstream.credentials: exchange`: the SQL both backends run on their `grants` table and the
+port composed on a backend's own statements (`GrantsTable`, no mixin). Imports the wire's task statuses; no
+database driver, aiohttp, runner or front.
 """
 
 from __future__ import annotations
@@ -65,7 +59,13 @@ class Statements(Protocol):
 
 class GrantsTable:
     """The grants port of one store (`contract.Grants`; see the module doc), on its `Statements`; `pg` rewrites
-    the SQL for psycopg. Failures are the store's own errors (StoreError, StoreUnavailableError)."""
+    the SQL for psycopg. Failures are the store's own errors (StoreError, StoreUnavailableError).
+
+    One row per caller (its keyed principal hash, as tasks keep it) and target holds the exchanged token and its
+    refresh token sealed with the deployment key as one value, and the hold of the replica refreshing it. A grant
+    lives while a live task of its caller does: the caller's last settlement asks for its erasure, the sweep
+    erases the rest. A hold makes one refresh at a time across replicas: taken when free or lapsed, let go by
+    the write of the renewed grant."""
 
     def __init__(self, statements: Statements, rewrite: Callable[[str], str] = lambda sql: sql) -> None:
         self._run = statements

@@ -1,16 +1,7 @@
-"""What the proxy presents upstream for a caller, asked by every upstream request at the moment it is made
-(`upstream.credentials`): so a poll, a follow, a resume or a take-over long after the caller's request gets a
-credential that is valid then.
-
-- `Forward`: the caller's own principal header (the default; for an upstream in the proxy's trust boundary).
-- `Secrets`: the caller's entry of a mounted map (`_secrets.py`), keyed by its verified claim: headers of an
-  HTTP upstream, the environment of the caller's own stdio processes.
-- `Exchange`: RFC 8693 token exchange (`_exchange.py`, its client `_token_client.py`).
-
-With `exchange` and `secrets` the inbound token never goes upstream, only a verified caller gets a credential,
-and the caller's upstream sessions are kept under its verified owner (`session_key`), so a refreshed token keeps
-them. Imports the config, the principals, the errors and the token client; never a session kind or the store
-(the store's grants table is reached through the `GrantStore` port the composition root hands in).
+"""What the proxy presents upstream for a caller (`upstream.credentials`), asked by every upstream request when it
+is made: `Forward` (the caller's own header), `Secrets` (a mounted map, `_secrets.py`), `Exchange` (RFC 8693,
+`_exchange.py` and `_token_client.py`). Imports the config, the principals and the errors; never a session kind
+or the store (its grants come through the `GrantStore` port the composition root hands in).
 """
 
 from __future__ import annotations
@@ -34,7 +25,12 @@ log = structlog.get_logger(__name__)
 
 
 class Credentials(Protocol):
-    """A credential source (see the module doc)."""
+    """A credential source.
+
+    Asked at the moment of each request, so a poll, a follow, a resume or a take-over long after the caller's
+    request gets a credential valid then. With `exchange` and `secrets` the inbound token never goes upstream, only
+    a verified caller gets a credential, and the caller's sessions are kept under its verified owner
+    (`session_key`), so a refreshed token keeps them."""
 
     forwards: bool  # the caller's own header goes upstream (the hot path stays as it was)
     keeps_grants: bool  # tokens that renew a task's credential are kept in the store

@@ -1,11 +1,6 @@
-"""`upstream.credentials: secrets`: the per-caller map, read from a mounted file or directory and read again
-whenever it changes (its resolved path, inode, mtime or size, of the directory's entries too: a Kubernetes
-Secret's update swaps a symlink), as the config file is.
-
-Each entry is `{NAME: value}` for one claim value; every name and value is checked when the map is read, for what
-it becomes (a request header of a `url` upstream, an environment variable of a `command` upstream), and a map
-with a bad entry is refused whole (the one in force stays, the error is logged with the entry's key and
-field name, never a value). Imports the config and YAML; no aiohttp, no session.
+"""`upstream.credentials: secrets`: the per-caller map from a mounted file or directory, each entry checked for what
+it becomes (request headers, or a stdio server's environment), read again when its files change (`SecretsMap`).
+Imports the config and YAML; no aiohttp, no session.
 """
 
 from __future__ import annotations
@@ -113,7 +108,11 @@ def fingerprint(path: str) -> Fingerprint:
 class SecretsMap:
     """The map in force (`entry`), read again when its files change (`watch`) or on SIGHUP (`reload`); the files
     are read in a thread, the map swapped on the loop. `on_change` hears each swap (e.g. to retire processes
-    started with an older entry)."""
+    started with an older entry).
+
+    A change is seen as the config file's is: a file's resolved path, inode, mtime or size (a Kubernetes Secret's
+    update swaps a symlink). A map with a bad entry is refused whole: the one in force stays, and the error names
+    the entry's key and field, never a value."""
 
     def __init__(self, path: str, kind: Kind, on_change: Callable[[], None] | None = None) -> None:
         self.path = path

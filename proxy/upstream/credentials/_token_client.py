@@ -1,12 +1,7 @@
-"""The proxy as a client of a token endpoint: RFC 8693 token exchange and RFC 6749 refresh requests, the proxy
-client authenticated by its secret (HTTP Basic or the form) or by a signed assertion (`private_key_jwt`, RFC
-7523), and the answer read with a size cap and a timeout and checked before any of it is used.
-
-Everything written is checked where it is written: form values are visible ASCII before they are encoded, the
-Basic credential is encoded by the rules of RFC 6749 section 2.3.1, and the access token that comes back must be
-an RFC 6750 `b64token` (it goes into a header). Failures are classified once, here: the caller's
-(`CredentialRefusedError`) or not (`CredentialUnavailableError`, logged at error level). No error, log line or
-repr names a token or a secret. Imports aiohttp's client, PyJWT, the config and the errors.
+"""The proxy as a client of a token endpoint (`TokenClient`): RFC 8693 exchange and RFC 6749 refresh requests,
+the proxy's client authenticated by its secret or a signed assertion (RFC 7523), the answer read with a size cap
+and a timeout and checked before use, refusals classified once. Imports aiohttp's client, PyJWT, the config and
+the errors; no session.
 """
 
 from __future__ import annotations
@@ -72,7 +67,12 @@ def _checked(value: str, what: str) -> str:
 
 
 class TokenClient:
-    """Requests to one token endpoint (`upstream.credentials.exchange`) on an aiohttp client of its own."""
+    """Requests to one token endpoint (`upstream.credentials.exchange`) on an aiohttp client of its own.
+
+    Everything written is checked where it is written: form values are visible ASCII before they are encoded,
+    the Basic credential follows RFC 6749 section 2.3.1, and the access token that comes back must be an RFC 6750
+    `b64token` (it becomes a header). A refusal is the caller's (`CredentialRefusedError`) or not
+    (`CredentialUnavailableError`, logged at error level); no error, log line or repr names a token or a secret."""
 
     def __init__(
         self,
