@@ -63,7 +63,7 @@ ENV PATH=/opt/venv/bin:$PATH \
 VOLUME /var/lib/mcp-tasks-proxy
 WORKDIR /var/lib/mcp-tasks-proxy
 
-EXPOSE 8080
+EXPOSE 8080 9464
 USER 10001
 
 # /healthz answers 200 while the process serves (exempt from the Host allow-list). If you move the listen

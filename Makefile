@@ -9,6 +9,7 @@ STAMP := $(VENV)/.installed
 # `make run` needs only the proxy's runtime dependencies and the example server's SDK (the `example` extra), not
 # the dev tools: a stamp of its own. After `make install` the environment has both (a superset), so run uses it.
 RUN_STAMP := $(VENV)/.installed-run
+DOCS_STAMP := $(VENV)/.installed-docs
 RUN_DIR := .run
 ANCHOR_STAMP := .venv-anchor/.installed
 SUITE := conformance/node_modules/@modelcontextprotocol/conformance/dist/index.js
@@ -28,6 +29,12 @@ $(STAMP): pyproject.toml
 $(SUITE): conformance/package.json conformance/package-lock.json
 	cd conformance && npm ci --no-audit --no-fund --loglevel=error
 	touch $(SUITE)
+
+$(DOCS_STAMP): pyproject.toml
+	@echo "make docs: installing the proxy and its docs extra (mkdocs-material) into $(VENV) (once; make install adds the dev tools)"
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --progress-bar on -e ".[docs]"
+	touch $(DOCS_STAMP)
 
 $(RUN_STAMP): pyproject.toml
 	@echo "make run: installing the runtime dependencies into $(VENV) (once; make install adds the dev tools)"
@@ -62,7 +69,8 @@ rules:
 
 ## docs: the documentation site from docs/ into site/ (mkdocs-material); warnings are errors, so a broken link
 ## or anchor, or a config key without a description, fails it. The references are written from this tree's code.
-docs: $(STAMP)
+## It needs the proxy and the `docs` extra only: it installs them (and says so) unless `make install` ran.
+docs: $(if $(wildcard $(STAMP)),$(STAMP),$(DOCS_STAMP))
 	PYTHONPATH=$(CURDIR) NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 conformance: $(STAMP) $(SUITE)
@@ -98,10 +106,20 @@ clean:
 ## docker: the container image, tagged mcp-tasks-proxy:<version from pyproject.toml> and :latest
 VERSION = $(shell sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml)
 
+## The Dockerfile needs BuildKit (a RUN --mount): docker with its buildx plugin, else podman (which has it built in).
 docker:
-	@command -v docker >/dev/null 2>&1 || { echo "make docker: the docker CLI is not installed (see https://docs.docker.com/get-docker/)" >&2; exit 1; }
 	@test -n "$(VERSION)" || { echo "make docker: no version = \"...\" line found in pyproject.toml" >&2; exit 1; }
-	docker build -t mcp-tasks-proxy:$(VERSION) -t mcp-tasks-proxy:latest .
+	@if command -v docker > /dev/null 2>&1 && docker buildx version > /dev/null 2>&1; then \
+	  echo "docker build -t mcp-tasks-proxy:$(VERSION) -t mcp-tasks-proxy:latest ."; \
+	  docker build -t mcp-tasks-proxy:$(VERSION) -t mcp-tasks-proxy:latest .; \
+	elif command -v podman > /dev/null 2>&1; then \
+	  echo "podman build --format docker -t mcp-tasks-proxy:$(VERSION) -t mcp-tasks-proxy:latest ."; \
+	  podman build --format docker -t mcp-tasks-proxy:$(VERSION) -t mcp-tasks-proxy:latest .; \
+	elif command -v docker > /dev/null 2>&1; then \
+	  echo "make docker: this docker has no BuildKit (the buildx plugin), which the Dockerfile needs: install it (Debian: apt-get install docker-buildx; docs.docker.com/go/buildx), or podman (apt-get install podman)" >&2; exit 1; \
+	else \
+	  echo "make docker: neither docker (with BuildKit) nor podman is installed: install one (docs.docker.com/get-docker; Debian: apt-get install podman)" >&2; exit 1; \
+	fi
 
 ## image-test: build the Dockerfile with podman and run the image for real (slow: not part of `make test`).
 ## Installs podman, runc and mmdebstrap from Debian when missing, makes the base image locally (no registry),

@@ -134,12 +134,29 @@ async def shared_store(
         await asyncio.to_thread(server.stop)
 
 
+def has_operations_port(tree: Path) -> bool:
+    """Does the proxy in `tree` have an operations listener (`observability.port`)? A baseline from before it
+    serves its metrics on the MCP port and refuses the field."""
+    ops = tree / "proxy" / "edge" / "_ops.py"
+    return ops.exists() and "def ops_app" in ops.read_text()
+
+
 def proxy_config(
-    upstream: str | list[str], workdir: Path, name: str, port: int, store: dict[str, Any], **sections: Any
+    upstream: str | list[str],
+    workdir: Path,
+    name: str,
+    port: int,
+    store: dict[str, Any],
+    tree: Path = ROOT,
+    **sections: Any,
 ) -> Path:
     """The proxy under test: default settings, except limits high enough for the scale rows. `upstream`: a URL,
-    or the argv of a stdio server the proxy runs; `sections`: more top-level config sections."""
+    or the argv of a stdio server the proxy runs; `sections`: more top-level config sections. The operations
+    listener (of a `tree` that has one) takes a free port: proxies run side by side."""
     config = workdir / f"{name}.yaml"
+    observability = {"metrics": False, **sections.pop("observability", {})}
+    if has_operations_port(tree):
+        observability["port"] = 0
     config.write_text(
         json.dumps(
             {
@@ -147,7 +164,7 @@ def proxy_config(
                 "upstream": {"url": upstream} if isinstance(upstream, str) else {"command": upstream, "cwd": str(ROOT)},
                 "store": store,
                 "logging": {"level": "warning"},
-                "observability": {"metrics": False},
+                "observability": observability,
                 "tasks": {
                     "default": {"mode": "optional", "sync_window_ms": 1000, "ttl_ms": 3_600_000},
                     "tools": {"sleep": {"mode": "required"}},
@@ -175,7 +192,7 @@ async def start_proxy(
     (default: one of its own in `workdir`), or the `store` section given."""
     port = free_port()
     store = store or {"path": str(database or workdir / f"{name}.db")}
-    config = proxy_config(upstream, workdir, name, port, store, **sections)
+    config = proxy_config(upstream, workdir, name, port, store, cwd, **sections)
     process = spawn(["-m", "proxy", "serve", "--config", str(config)], cwd=cwd)
     await wait_for_port(port, process)
     return Process(process, f"http://127.0.0.1:{port}/mcp")

@@ -88,7 +88,7 @@ async def instructions_per_call(
     """The proxy of `tree` under callgrind, its instrumentation switched on for `calls` calls only."""
     port = free_port()
     name = f"callgrind-{port}"
-    config = proxy_config(upstream_url, workdir, name, port, {"path": str(workdir / f"{name}.db")}, **sections)
+    config = proxy_config(upstream_url, workdir, name, port, {"path": str(workdir / f"{name}.db")}, tree, **sections)
     out = workdir / f"{name}.out"
     process = _under_callgrind(tree, config, out)
     try:

@@ -56,7 +56,7 @@ async def start_traced_proxy(
 ) -> Process:
     """A proxy process whose environment is `env` (the OTEL_* settings), run from the code in `cwd`."""
     port = free_port()
-    config = proxy_config(upstream.url, workdir, name, port, {"path": str(workdir / f"{name}.db")})
+    config = proxy_config(upstream.url, workdir, name, port, {"path": str(workdir / f"{name}.db")}, cwd)
     clean = {key: value for key, value in os.environ.items() if not key.startswith("OTEL_")}
     process = spawn(["-m", "proxy", "serve", "--config", str(config)], cwd, {**clean, **env, "PYTHONPATH": str(cwd)})
     await wait_for_port(port, process)

@@ -1,6 +1,6 @@
-"""Command line: argv → config → logging → serve | check-config | tasks … | probe; every command has `--help`.
-Imports only the standard library at module level: the probe (the container HEALTHCHECK, every 30 s) must not
-load aiohttp, pydantic or the app; each command imports what it needs when it runs."""
+"""Command line: argv → config → logging → serve | check-config | tasks … | tools | call | follow | probe; every
+command has `--help`. Imports only the standard library at module level: the probe (the container HEALTHCHECK,
+every 30 s) must not load aiohttp, pydantic or the app; each command imports what it needs when it runs."""
 
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from proxy.client import commands as client_commands
 from proxy.operators import tasks_cli as operator_cli
 
 # `serve` runs the proxy (`serve … -- CMD ARGS` names a stdio server instead of an upstream URL); `check-config
-# [FILE]` validates what `serve` would run (errors all at once, exit code 2; `--print` writes it as YAML, credentials
-# redacted); `tasks list|show|stats|cancel|purge` work on the store the config names (`operators/tasks_cli.py`);
-# `probe [URL]` is the container HEALTHCHECK (exit 0 on HTTP 200). Every command has `--help`; `--version` prints the
-# version.
-#
-# Imports only the standard library at module level: the probe runs every 30 s in the image and must not load aiohttp,
-# pydantic or the app. Each command imports what it needs when it runs.
+# [FILE]` validates what `serve` would run (errors all at once, exit code 2; the warnings `serve` logs; `--print`
+# writes it as YAML, credentials redacted; `--probe` asks the upstream for its tools); `tasks
+# list|show|stats|cancel|purge` work on the store the config names (`operators/tasks_cli.py`); `tools`, `call TOOL
+# key=value …` and `follow TASK_ID` are the client in the box (`client/commands.py`); `probe [URL]` is the container
+# HEALTHCHECK (exit 0 on HTTP 200). `--version` prints the version.
 
 if TYPE_CHECKING:
     import asyncio
@@ -26,7 +25,8 @@ if TYPE_CHECKING:
     from proxy.config.loader import ConfigError
     from proxy.config.schema import Config
 
-EXIT_CONFIG_ERROR = 2  # the other start failures' codes (3, 4, 5) are in proxy/edge/startup.py
+EXIT_CONFIG_ERROR = 2  # the other start failures' codes (3 to 6) are in proxy/edge/startup.py
+EXIT_PROBE_FAILED = 1  # check-config --probe: the upstream could not be reached
 DEFAULT_PROBE_URL = "http://127.0.0.1:8080/healthz"
 
 
@@ -79,9 +79,17 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--strict", action="store_true", help="a key file that does not exist here is a problem (exit 2)"
     )
+    check.add_argument(
+        "--probe",
+        action="store_true",
+        help="also contact the upstream (initialize, tools/list; a stdio server is started and stopped) and warn "
+        "about tool policies and job tools it does not list, with the closest name; exit 1 when it cannot be "
+        "reached",
+    )
     _add_serve_flags(check)
 
     operator_cli.add_parser(commands)
+    client_commands.add_parsers(commands)
 
     probe = commands.add_parser(
         "probe",
@@ -152,9 +160,15 @@ def effective_config(path: str | None, overrides: dict[str, dict[str, Any]], abs
 def check_config(args: argparse.Namespace) -> int:
     """`check-config`: the effective configuration validated, and with --print written as YAML (credentials
     redacted). Key files missing here are notes on stderr (exit 0) unless --strict."""
+    import asyncio
+
     import yaml
 
     from proxy.config.loader import ConfigError, redacted
+    from proxy.config.schema import LoggingConfig
+    from proxy.config.warnings import start_warnings
+    from proxy.observe.logs import configure_logging
+    from proxy.operators.probe import probe
 
     notes: list[str] = []
     try:
@@ -163,13 +177,28 @@ def check_config(args: argparse.Namespace) -> int:
         return report_config_error(error)
     for note in notes:
         print(f"mcp-tasks-proxy: note: {note}", file=sys.stderr)
+    warnings = [f"{event}: {fields['hint']}" for event, fields in start_warnings(config)]  # what serve logs
+    if args.probe:
+        configure_logging(LoggingConfig(level="warning", format=config.logging.format))  # its failures, on stderr
+        found, unreachable = asyncio.run(probe(config))
+        warnings += found
+        if unreachable is not None:
+            print(f"mcp-tasks-proxy: cannot probe the upstream: {unreachable}", file=sys.stderr)
+            return EXIT_PROBE_FAILED
+    for warning in warnings:
+        print(f"mcp-tasks-proxy: warning: {warning}", file=sys.stderr)
     name = args.file if args.file is not None else "<defaults>"
     if args.print:
         print(f"# the effective configuration of {name}: the file, the MCP_TASKS_PROXY_* environment, the flags")
         print("# (credentials shown as <redacted>); store.path is absolute")
         print(yaml.safe_dump(redacted(config), sort_keys=False, allow_unicode=True), end="")
     else:
-        print(f"{name}: ok" + (f" ({len(notes)} note{'s' if len(notes) > 1 else ''} above)" if notes else ""))
+        said = [
+            f"{len(items)} {kind}{'s' if len(items) > 1 else ''}"
+            for kind, items in (("note", notes), ("warning", warnings))
+            if items
+        ]
+        print(f"{name}: ok" + (f" ({', '.join(said)} above)" if said else ""))
     return 0
 
 
@@ -197,7 +226,6 @@ def serve(config: Config, path: str | None = None, overrides: dict[str, dict[str
     from proxy.tasks.store import StoreError, StoreLockedError
 
     configure_logging(config.logging)
-    startup.warn_beyond_loopback(config)
     live = LiveConfig(config, path, overrides)
     live.subscribe(lambda new: configure_logging(new.logging))
     app = create_app(config, live)
@@ -207,11 +235,10 @@ def serve(config: Config, path: str | None = None, overrides: dict[str, dict[str
         structlog.get_logger(__name__).info("event_loop", loop=f"{type(loop).__module__}.{type(loop).__name__}")
         return loop
 
-    listen = config.listen
     start_line = startup.start_fields(config, path)
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(serve_app(app, listen.host, listen.port, listen.shutdown_grace_seconds, start_line))
+            runner.run(serve_app(app, config, start_line))
     except startup.StartFailure as failure:
         return startup.report(failure)
     except StoreLockedError as exc:  # a second proxy on the same SQLite file
@@ -258,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "probe":
         return probe_command(args.url, args.timeout)
+    if args.command in ("tools", "call", "follow"):
+        return client_commands.main(args)
     from proxy.config.loader import ConfigError
 
     if args.command == "check-config":

@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from sqlite_utils import Database
 
 from proxy.config.schema import LoggingConfig
+from proxy.edge._ops import ops_app
 from proxy.edge.app import create_app
 from proxy.observe import logs, tracing_setup
 from proxy.observe.logs import configure_logging
@@ -128,6 +129,23 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
     """A plain HTTP client for tests that talk to a proxy process or an upstream themselves."""
     async with aiohttp.ClientSession() as session:
         yield session
+
+
+@pytest.fixture
+async def operations() -> AsyncIterator[Callable[[TestClient[web.Request, web.Application]], Any]]:
+    """The operations listener (metrics, readiness with its reasons) of an in-process proxy, served beside it on
+    loopback as `serve` serves it on `observability.port`."""
+    clients: list[TestClient[web.Request, web.Application]] = []
+
+    async def start(proxy: TestClient[web.Request, web.Application]) -> TestClient[web.Request, web.Application]:
+        client = TestClient(TestServer(ops_app(proxy.app), host="127.0.0.1"))
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    yield start
+    for client in clients:
+        await client.close()
 
 
 @pytest.fixture

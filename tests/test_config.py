@@ -137,7 +137,9 @@ def test_jobs_are_checked_with_each_error_at_its_field_path(tmp_path: Path) -> N
     )
     with pytest.raises(ConfigError) as caught:
         load_config(path, environ={})
-    problems = caught.value.problems
+    lines = {problem.split(": ", 1)[0] for problem in caught.value.problems}  # each says its line of the file
+    assert lines == {f"{path}:{line}" for line in (4, 5, 6, 7)}, caught.value.problems
+    problems = [problem.split(": ", 1)[1] for problem in caught.value.problems]
     assert any(p.startswith("jobs.start_render.job_id: not a JMESPath expression") for p in problems), problems
     assert "jobs.start_render.status.arguments: a template may name only job_id, not 'jobid'" in problems
     assert "jobs.start_render.cancel.arguments: a template may name only job_id, not 'other'" in problems
@@ -390,7 +392,7 @@ def test_a_password_in_the_store_url_is_refused(url: str) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(None, environ={}, overrides={"store": {"url": url}, "upstream": {"url": SIDECAR_URL}})
     (problem,) = caught.value.problems
-    assert problem.startswith("store.url:")
+    assert problem.startswith("command line: store.url:")  # the overrides are what serve's flags give
     assert "must not contain a password" in problem
     assert "store.password_file" in problem
     assert "PGPASSWORD" in problem

@@ -265,7 +265,7 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
 async def test_a_grant_is_held_by_one_refresher_at_a_time_and_lives_while_a_task_of_its_caller_does(
     store: TaskStore,
 ) -> None:
-    grants = StoreGrants(store)
+    grants = StoreGrants(lambda: store)
     assert await grants.write_grant("alice", "t", "sealed-1", 1000, None)
     assert await grants.lock_grant("alice", "t", "replica-a", until_ms=5000, now_ms=1000) == "sealed-1"
     assert await grants.lock_grant("alice", "t", "replica-b", until_ms=6000, now_ms=2000) is None  # held by a

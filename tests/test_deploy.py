@@ -288,6 +288,8 @@ def served(upstream: Upstream, tmp_path: Path) -> Iterator[Served]:
     environ.update(
         MCP_TASKS_PROXY_LISTEN__HOST="127.0.0.1",
         MCP_TASKS_PROXY_LISTEN__PORT=str(port),
+        MCP_TASKS_PROXY_OBSERVABILITY__HOST="127.0.0.1",
+        MCP_TASKS_PROXY_OBSERVABILITY__PORT="0",
         MCP_TASKS_PROXY_STORE__PATH=str(tmp_path / "tasks.db"),
         MCP_TASKS_PROXY_UPSTREAM__URL=upstream.url,
     )
@@ -396,6 +398,13 @@ def test_the_deployment_key_comes_from_a_secret_mounted_read_only() -> None:
     mounted = _mounts()[str(Path(KEY_FILE).parent)]
     assert mounted["readOnly"] is True
     assert mounted["secret"]["secretName"]
+
+
+def _port(name: str) -> dict[str, Any]:
+    """The proxy container's port of that name (`mcp`, `ops`)."""
+    ports: list[dict[str, Any]] = _proxy_container()["ports"]
+    (port,) = [port for port in ports if port["name"] == name]
+    return port
 
 
 def _proxy_config(tmp_path: Path) -> Config:
@@ -632,10 +641,11 @@ def test_service_reaches_the_proxy_port_only() -> None:
     assert selector
     assert selector.items() <= pod_labels.items()
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    (port,) = _proxy_container()["ports"]
+    port = _port("mcp")
     (service_port,) = _by_kind("Service")["spec"]["ports"]
     assert service_port["targetPort"] == port["name"]
     assert service_port["port"] == 80
+    assert service_port["targetPort"] != _port("ops")["name"]  # metrics and readiness reasons stay in the pod
     proxy_name = _proxy_container()["name"]
     others = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] != proxy_name]
     assert others, "the legacy server runs in the same pod"
@@ -644,7 +654,7 @@ def test_service_reaches_the_proxy_port_only() -> None:
 
 def test_probes_hit_health_paths_on_the_proxy_port() -> None:
     container = _proxy_container()
-    (port,) = container["ports"]
+    port = _port("mcp")  # the bare probes: a status code, as the kubelet needs
     expected = {"livenessProbe": "/healthz", "readinessProbe": "/readyz", "startupProbe": "/healthz"}
     for probe, path in expected.items():
         if probe == "startupProbe" and probe not in container:
@@ -657,20 +667,31 @@ def test_configmap_config_is_valid_and_matches_the_pod(tmp_path: Path, capsys: p
     assert main(["check-config", str(_configmap_file(tmp_path))]) == 0
     assert "ok" in capsys.readouterr().out
     config = _proxy_config(tmp_path)
-    (port,) = _proxy_container()["ports"]
+    port = _port("mcp")
     assert (config.listen.host, config.listen.port) == ("0.0.0.0", port["containerPort"])
+    assert config.relay.prefixes == ["/.well-known/"], "a sidecar relays its server's OAuth metadata, nothing else"
     assert isinstance(config.upstream, HttpUpstreamConfig)
     assert urlsplit(config.upstream.url).hostname in LOOPBACK_HOSTS, "a sidecar reaches its server on loopback"
     assert config.tasks.tools, "the example shows tool policies"
     assert any("*" in name and policy.on_restart == "rerun" for name, policy in config.tasks.tools.items())
     assert any(not re.search(r"[*?\[]", name) for name in config.tasks.tools)
     assert config.observability.metrics, "the pod is annotated for scraping /metrics"
+    ops = _port("ops")
+    assert config.observability.port == ops["containerPort"]
     annotations = _by_kind("Deployment")["spec"]["template"]["metadata"]["annotations"]
     assert annotations == {
         "prometheus.io/scrape": "true",
-        "prometheus.io/port": str(port["containerPort"]),
+        "prometheus.io/port": str(ops["containerPort"]),
         "prometheus.io/path": "/metrics",
     }
+    # The operations listener binds the pod IP, from the downward API.
+    (host,) = [item for item in _proxy_container()["env"] if item["name"] == "MCP_TASKS_PROXY_OBSERVABILITY__HOST"]
+    assert host["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    monitor = yaml.safe_load((ROOT / "config" / "monitoring" / "podmonitor.yaml").read_text())
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == ops["name"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= (
+        _by_kind("Deployment")["spec"]["template"]["metadata"]["labels"].items()
+    )
 
 
 CLOSE_SECONDS = 10  # after the drain and the grace: upstream cancellations, the lease, the database
@@ -1035,3 +1056,183 @@ def test_the_ingress_example_trusts_only_the_header_its_authentication_sets(tmp_
     service = _by_kind("Service")
     assert route["backend"]["service"]["name"] == service["metadata"]["name"]
     assert route["backend"]["service"]["port"]["name"] in {port["name"] for port in service["spec"]["ports"]}
+
+
+# --- make docker: BuildKit or podman, or a sentence saying what to install -------------------------------------------
+
+
+def _make_docker(tmp_path: Path, tools: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """`make docker` with a PATH that holds only `sed` (the Makefile reads the version with it) and `tools`:
+    scripts standing in for docker and podman (neither is installed here), each logging its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    sed = shutil.which("sed")
+    assert sed is not None
+    (bin_dir / "sed").symlink_to(sed)
+    calls = tmp_path / "calls"
+    for name, body in tools.items():
+        script = bin_dir / name
+        script.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n{body}\n')
+        script.chmod(0o755)
+    make = shutil.which("make")
+    assert make is not None
+    done = subprocess.run(
+        [make, "--no-print-directory", "docker"],
+        cwd=ROOT,
+        env={"PATH": str(bin_dir), "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return done, calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_make_docker_says_what_to_install_without_buildkit_or_podman(tmp_path: Path) -> None:
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    done, calls = _make_docker(tmp_path, {})
+    assert done.returncode != 0
+    assert "neither docker (with BuildKit) nor podman is installed" in done.stderr
+    done, calls = _make_docker(tmp_path / "old", {"docker": 'test "$1" != buildx'})  # a docker without buildx
+    assert done.returncode != 0
+    assert "this docker has no BuildKit (the buildx plugin)" in done.stderr
+    assert "apt-get install docker-buildx" in done.stderr
+    assert calls == ["docker buildx version"]  # nothing built with the legacy builder
+    done, calls = _make_docker(tmp_path / "podman", {"podman": "exit 0"})
+    assert done.returncode == 0, done.stderr
+    assert calls == [f"podman build --format docker -t mcp-tasks-proxy:{version} -t mcp-tasks-proxy:latest ."]
+    done, calls = _make_docker(tmp_path / "buildx", {"docker": "exit 0", "podman": "exit 0"})
+    assert done.returncode == 0, done.stderr
+    assert calls == ["docker buildx version", f"docker build -t mcp-tasks-proxy:{version} -t mcp-tasks-proxy:latest ."]
+
+
+# --- the sidecar Component: the proxy added to a Deployment you already have --------------------------------------
+
+SIDECAR_DIR = KUBE_DIR / "sidecar"
+YOUR_DEPLOYMENT: dict[str, Any] = {
+    "apiVersion": "apps/v1",
+    "kind": "Deployment",
+    "metadata": {"name": "my-mcp-server", "labels": {"app": "my-mcp-server"}},
+    "spec": {
+        "replicas": 1,
+        "selector": {"matchLabels": {"app": "my-mcp-server"}},
+        "template": {
+            "metadata": {"labels": {"app": "my-mcp-server"}},
+            "spec": {
+                "initContainers": [{"name": "migrate", "image": "my-mcp-server:1.0.0", "args": ["migrate"]}],
+                "containers": [
+                    {
+                        "name": "server",
+                        "image": "my-mcp-server:1.0.0",
+                        "env": [{"name": "HOST", "value": "127.0.0.1"}, {"name": "PORT", "value": "9000"}],
+                        "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+                    }
+                ],
+                "volumes": [{"name": "cache", "emptyDir": {}}],
+            },
+        },
+    },
+}
+YOUR_SERVICE: dict[str, Any] = {
+    "apiVersion": "v1",
+    "kind": "Service",
+    "metadata": {"name": "my-mcp-server"},
+    "spec": {"selector": {"app": "my-mcp-server"}, "ports": [{"name": "http", "port": 80, "targetPort": 9000}]},
+}
+
+
+def _guide_block(marker: str) -> str:
+    text = KUBERNETES_GUIDE.read_text()
+    start = text.index("```", text.index(marker))
+    body = text[text.index("\n", start) + 1 :]
+    return body[: body.index("```")]
+
+
+def _kustomize(directory: Path) -> list[dict[str, Any]]:
+    """`kubectl kustomize DIRECTORY`'s documents; skips (saying why) without a kubectl whose kustomize knows
+    Components (Debian's kubernetes-client 1.20 does not: install kubectl from kubernetes.io)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl here: install it (kubernetes.io/docs/tasks/tools) to render the sidecar Component")
+    run = subprocess.run(
+        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60, check=False
+    )
+    if run.returncode != 0 and "Component" in run.stderr and "kind" in run.stderr:
+        pytest.skip(f"this kubectl's kustomize predates Components: {run.stderr.strip()[:200]}")
+    assert run.returncode == 0, run.stderr
+    return [document for document in yaml.safe_load_all(run.stdout) if document is not None]
+
+
+def _your_app_with_the_sidecar(tmp_path: Path) -> list[dict[str, Any]]:
+    """Your Deployment and Service, unchanged, with the guide's kustomization and the Component copied in."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "deployment.yaml").write_text(yaml.safe_dump(YOUR_DEPLOYMENT))
+    (app / "service.yaml").write_text(yaml.safe_dump(YOUR_SERVICE))
+    shutil.copytree(SIDECAR_DIR, app / "mcp-tasks-proxy")
+    (app / "kustomization.yaml").write_text(_guide_block("<!-- sidecar: kustomization -->"))
+    return _kustomize(app)
+
+
+def _of_kind(documents: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = [document for document in documents if document["kind"] == kind]
+    return found
+
+
+def test_the_sidecar_component_adds_the_proxy_to_your_deployment_and_your_service_to_it(tmp_path: Path) -> None:
+    rendered = _your_app_with_the_sidecar(tmp_path)
+    assert sorted(document["kind"] for document in rendered) == ["ConfigMap", "Deployment", "Service"]
+    spec = _of_kind(rendered, "Deployment")["spec"]["template"]["spec"]
+    yours = YOUR_DEPLOYMENT["spec"]["template"]["spec"]
+    assert spec["containers"] == yours["containers"]  # your server, unchanged
+    by_name = {container["name"]: container for container in spec["initContainers"]}
+    assert sorted(by_name) == ["mcp-tasks-proxy", "migrate"]
+    assert by_name["migrate"] == yours["initContainers"][0]  # yours kept
+    proxy = by_name["mcp-tasks-proxy"]
+    assert proxy["restartPolicy"] == "Always"  # a native sidecar
+    assert proxy["image"] == "registry.example.com/your-team/mcp-tasks-proxy:0.1.0"  # your kustomization's images:
+    assert {volume["name"] for volume in spec["volumes"]} >= {"cache", "mcp-tasks-proxy-config", "mcp-tasks-proxy-key"}
+    assert {mount["name"] for mount in proxy["volumeMounts"]} <= {volume["name"] for volume in spec["volumes"]}
+    ports = {port["name"]: port["containerPort"] for port in proxy["ports"]}
+    (service_port,) = _of_kind(rendered, "Service")["spec"]["ports"]
+    assert service_port["targetPort"] == ports["mcp"]  # clients reach the server through the proxy only
+    config = yaml.safe_load(_of_kind(rendered, "ConfigMap")["data"]["proxy.yaml"])
+    assert config["listen"]["port"] == ports["mcp"]
+    assert config["observability"]["port"] == ports["ops"]
+    assert urlsplit(config["upstream"]["url"]).hostname in LOOPBACK_HOSTS  # your server, in the same pod
+    (mount,) = [m for m in proxy["volumeMounts"] if m["name"] == "mcp-tasks-proxy-config"]
+    assert proxy["args"] == ["serve", "--config", f"{mount['mountPath']}/proxy.yaml"]
+    assert {probe: proxy[probe]["httpGet"]["port"] for probe in ("startupProbe", "readinessProbe")} == {
+        "startupProbe": ports["mcp"],
+        "readinessProbe": ports["mcp"],
+    }
+    for document in rendered:
+        assert kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True) == KUBERNETES_VERSION
+
+
+def test_the_sidecars_config_passes_check_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    configmap = yaml.safe_load((SIDECAR_DIR / "configmap.yaml").read_text())
+    file = tmp_path / "proxy.yaml"
+    file.write_text(configmap["data"]["proxy.yaml"])
+    assert main(["check-config", str(file)]) == 0
+    captured = capsys.readouterr()
+    assert "security.key_file: read at start" in captured.err  # the Secret, mounted only in the pod
+
+
+def test_the_plain_container_variant_of_the_guide_is_a_valid_pod_for_older_clusters(tmp_path: Path) -> None:
+    """The guide's variant: the proxy moved to `containers` without `restartPolicy`, and your server's preStop
+    hook waiting on the proxy's /drainz."""
+    rendered = _your_app_with_the_sidecar(tmp_path)
+    deployment = _of_kind(rendered, "Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    (proxy,) = [container for container in spec["initContainers"] if container["name"] == "mcp-tasks-proxy"]
+    spec["initContainers"].remove(proxy)
+    del proxy["restartPolicy"]
+    spec["containers"].append(proxy)
+    hook = yaml.safe_load(_guide_block("**Clusters before Kubernetes 1.29"))
+    spec["containers"][0]["lifecycle"] = hook["lifecycle"]
+    spec["terminationGracePeriodSeconds"] = 35
+    assert kubernetes_validate.validate(deployment, "1.27", strict=True) == "1.27"
+    assert hook["lifecycle"]["preStop"]["httpGet"]["port"] == next(
+        port["containerPort"] for port in proxy["ports"] if port["name"] == "mcp"
+    )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -389,6 +390,7 @@ async def test_the_readme_stdio_quickstart_answers_like_the_url_one(tmp_path: Pa
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=log,
+            env={**os.environ, "MCP_TASKS_PROXY_OBSERVABILITY__PORT": "0"},  # never a port in use
         )
     try:
         async with aiohttp.ClientSession() as http:

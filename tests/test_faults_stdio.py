@@ -8,8 +8,11 @@ its cleanup: equal, so every server process it started was stopped and reaped.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +20,8 @@ import structlog.testing
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
+from proxy.edge._app_keys import POOL
+from proxy.upstream.stdio.session import StdioSession
 from tests.support.processes import children, stdio_upstream
 from tests.support.waiting import until
 from tests.support.wire import HEADERS, INITIALIZE, modern_body, modern_headers, read_messages
@@ -42,7 +47,11 @@ async def faulty_proxy(make_proxy: Callable[..., Any]) -> AsyncIterator[Start]:
 
     async def start(mode: str, *options: str, **upstream: Any) -> Client:
         fields = {"connect_timeout_seconds": 3, "stop_grace_seconds": 1, **upstream}
-        client: Client = await make_proxy("", upstream=stdio_upstream(faulty(mode, *options), **fields))
+        client: Client = await make_proxy(
+            "",
+            upstream=stdio_upstream(faulty(mode, *options), **fields),
+            observability={"readiness_max_age_seconds": 0.5},  # readiness asks again soon after a crash
+        )
         started.append(client)
         return client
 
@@ -80,12 +89,22 @@ def error_text(message: Any) -> str:
     return str(message.get("error", {}).get("message", ""))
 
 
-async def test_a_server_that_exits_at_start(faulty_proxy: Start) -> None:
-    """The proxy starts one at once (warm-up) and again for requests; once it keeps crashing, requests get 503
-    saying so until its backoff has passed, then a fresh start is tried."""
-    client = await faulty_proxy("exit-at-start")
+async def test_a_server_that_exits_at_start(faulty_proxy: Start, tmp_path: Path) -> None:
+    """A server that started with the proxy, died, and now exits at each start: the proxy starts one again for
+    requests; once it keeps crashing, requests get 503 saying so until its backoff has passed, then a fresh
+    start is tried. (One that exits at the proxy's own start stops that start: tests/test_startup.py.)"""
+    healthy = tmp_path / "healthy"
+    healthy.write_text("")
+    client = await faulty_proxy("exit-at-start", "--healthy-while", str(healthy))
+    healthy.unlink()
+    for session in client.app[POOL].sessions():  # the shared process, and the spare started beside it
+        assert isinstance(session, StdioSession)
+        if session.process is not None and session.process.pid is not None:
+            os.kill(session.process.pid, signal.SIGKILL)
     _, crashed = await until_answered(
-        client, lambda status, message: status == 502, "a 502 for a server that exited at start"
+        client,
+        lambda status, message: status == 502 and "during initialize" in error_text(message),
+        "a 502 for a server that exited at start",
     )
     assert "exited with code 3 during initialize" in error_text(crashed)
     _, waiting = await until_answered(client, lambda status, message: status == 503, "a 503 while it keeps crashing")

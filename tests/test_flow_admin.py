@@ -1,12 +1,14 @@
 """The admin listener, against a proxy in front of the legacy fixture upstream on loopback: its API answers only
 with the bearer token; the page signs a real headless chromium in with `/admin/?token=…` (an HttpOnly,
-SameSite=Strict cookie, then the clean URL), lists the tasks, and a click on a task's cancel button ends it
-(the upstream call is cancelled). Nothing of a task's arguments or result is shown unless `admin.show_results`."""
+SameSite=Strict cookie, then the clean URL), lists the tasks with their ages as people read them, links each to
+a page of its own, reloads itself, and a click on a task's cancel button ends it (the upstream call is
+cancelled). Nothing of a task's arguments or result is shown unless `admin.show_results`."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +176,49 @@ async def test_the_page_in_a_real_browser_lists_the_tasks_and_cancels_one(
         return await cancelled_upstream(own_upstream.url) > before
 
     await until(stopped_upstream, "the upstream call was never cancelled")
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="no chromium here (apt-get install chromium)")
+async def test_the_page_links_each_task_refreshes_itself_and_shows_ages_as_people_read_them(
+    tasks_client: ClientFactory, own_upstream: Upstream, token_file: Path, token: str, http: aiohttp.ClientSession
+) -> None:
+    client = await tasks_client(own_upstream.url, tasks=TOOLS, admin=admin_section(token_file))
+    done, running = await tasks_running(client, own_upstream)
+    base = f"http://127.0.0.1:{client.client.app[ADMIN].port}/admin"
+    async with Browser() as browser:
+        await browser.navigate(f"{base}/?token={token}")
+
+        async def listed() -> str | None:
+            page = await browser.html()
+            return page if f'data-task="{running}"' in page else None
+
+        page = await until(listed, "the page never listed the running task", 30)
+        assert '<meta http-equiv="refresh" content="5">' in page
+        ages = re.findall(r'<td title="created [^"]+ UTC">([^<]+)</td>', page)
+        assert len(ages) == 2
+        assert all(re.fullmatch(r"\d+s|\d+m\d\ds", age) for age in ages), ages
+        # Each task's id is a link to its own page, which refreshes too.
+        await browser.evaluate(f"document.querySelector('tr[id=\"{running}\"] a').click()")
+
+        async def on_its_page() -> str | None:
+            page = await browser.html()
+            return page if f"Task <code>{running}</code>" in page and "working" in page else None
+
+        await until(on_its_page, "the link never led to the task's page", 30)
+        assert SECRET not in await browser.html()
+        # Cancelled elsewhere (the API): the page shows it by itself, with no navigation.
+        bearer = {"Authorization": f"Bearer {token}"}
+        async with http.post(f"{base}/tasks/{running}/cancel", headers=bearer) as response:
+            assert response.status == 200
+
+        async def shown_cancelled() -> bool:
+            page = await browser.html()
+            return f"Task <code>{running}</code>" in page and '<p class="cancelled">cancelled' in page
+
+        await until(shown_cancelled, "the task's page never refreshed to show the cancel", 30)
+    async with http.get(f"{base}/tasks/{done}", headers=bearer) as response:  # the API still answers JSON
+        assert response.content_type == "application/json"
+        assert (await response.json())["status"] == "completed"
 
 
 async def test_a_form_post_without_the_pages_token_is_refused(

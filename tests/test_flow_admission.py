@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests import pg
 from tests.support.clients import TERMINAL, ClientFactory, Tasks, rpc, task_until
+from tests.support.ops import scrape
 from tests.support.processes import ProxyProcess, Upstream, key_file
 from tests.support.sdk import held_at_once, until_started_upstream
 from tests.support.waiting import until
@@ -90,10 +91,9 @@ async def test_a_burst_from_two_callers_never_exceeds_the_cap_and_the_lighter_ca
     # come first served would have put them last, at places 21-24 of 24).
     assert max(light_places) <= 15, order
     assert max(finished["light"]) < max(finished["heavy"])
-    response = await client.client.get("/metrics")
     samples = {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(await response.text())
+        for family in text_string_to_metric_families(await scrape(client.client.app))
         for sample in family.samples
     }
     assert samples[("mcp_tasks_proxy_queued_calls", (("tool", "held"),))] == 0  # every queued call left the queue
@@ -298,8 +298,7 @@ ECHO_QUOTA = "tasks.tools.echo.calls_per_minute_per_principal"
 
 
 async def refusals(client: Tasks, limit: str) -> float:
-    response = await client.client.get("/metrics")
-    for family in text_string_to_metric_families(await response.text()):
+    for family in text_string_to_metric_families(await scrape(client.client.app)):
         for sample in family.samples:
             if sample.name == "mcp_tasks_proxy_limit_refusals_total" and sample.labels == {"limit": limit}:
                 return float(sample.value)
@@ -439,7 +438,7 @@ async def test_a_queued_tasks_place_falls_in_the_store_as_the_calls_before_it_fi
 
 
 async def applied_reloads(http: aiohttp.ClientSession, proxy: ProxyProcess) -> float:
-    async with http.get(proxy.url.replace("/mcp", "/metrics")) as response:
+    async with http.get(proxy.ops_url("/metrics")) as response:
         text = await response.text()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

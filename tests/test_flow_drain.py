@@ -45,8 +45,8 @@ async def status_of(http: aiohttp.ClientSession, base: str, path: str) -> tuple[
         return answer.status, await answer.json()
 
 
-async def metric(http: aiohttp.ClientSession, base: str, name: str) -> float:
-    async with http.get(f"{base}/metrics") as answer:
+async def metric(http: aiohttp.ClientSession, proxy: ProxyProcess, name: str) -> float:
+    async with http.get(proxy.ops_url("/metrics")) as answer:
         text = await answer.text()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -133,7 +133,7 @@ async def test_a_draining_replica_serves_what_it_holds_refuses_new_calls_and_exi
     legacy_session = init_headers["Mcp-Session-Id"]
 
     async def all_running() -> bool:  # two tasks and the parked round, plus the sync call as a call and a request
-        return await metric(http, base, "mcp_tasks_proxy_drain_calls_left") >= 5
+        return await metric(http, proxy, "mcp_tasks_proxy_drain_calls_left") >= 5
 
     await until(all_running, "the sync call runs")
 
@@ -141,13 +141,13 @@ async def test_a_draining_replica_serves_what_it_holds_refuses_new_calls_and_exi
     os.kill(proxy.process.pid, signal.SIGTERM)
 
     async def unready() -> bool:
-        status, body = await status_of(http, base, "/readyz")
+        status, body = await status_of(http, proxy.ops_url(""), "/readyz")
         return status == 503 and "draining" in body["reasons"]
 
     await until(unready, "/readyz turns 503 (draining)")
     assert (await status_of(http, base, "/healthz"))[0] == 200
-    assert await metric(http, base, "mcp_tasks_proxy_draining") == 1
-    assert await metric(http, base, "mcp_tasks_proxy_drain_calls_left") >= 3
+    assert await metric(http, proxy, "mcp_tasks_proxy_draining") == 1
+    assert await metric(http, proxy, "mcp_tasks_proxy_drain_calls_left") >= 3
     drainz_status, drainz = await status_of(http, base, "/drainz?wait=0")
     assert (drainz_status, drainz["status"]) == (503, "draining")
 
@@ -269,7 +269,7 @@ async def test_a_stdio_server_outlives_the_drain_and_is_stopped_after_it(
     )
 
     async def both_running() -> bool:  # the task, plus the sync call as a call and a request
-        return await metric(http, proxy.url.removesuffix("/mcp"), "mcp_tasks_proxy_drain_calls_left") >= 3
+        return await metric(http, proxy, "mcp_tasks_proxy_drain_calls_left") >= 3
 
     await until(both_running, "the task and the sync call run")
     os.kill(proxy.process.pid, signal.SIGTERM)

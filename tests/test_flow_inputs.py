@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.tasks.machine.state import MAX_OUTSTANDING_INPUTS
 from tests.support.clients import ClientFactory, Tasks
+from tests.support.ops import scrape
 from tests.support.processes import Upstream, key_file
 from tests.support.schemas import ModernSchema, SchemaValidator
 from tests.support.waiting import until
@@ -147,7 +148,7 @@ async def test_an_undeclared_capability_is_refused_upstream_and_nothing_hangs(ta
     assert result_text(done) == "No name given (action=decline)"
     refused = await client.create("sample", {"prompt": "hi"}, capabilities={**DECLARING, **ELICIT})
     assert (await client.settled(refused))["status"] in ("completed", "failed")  # the upstream decides; it ends
-    metrics = await (await client.client.get("/metrics")).text()
+    metrics = await scrape(client.client.app)
     counts = {
         (sample.labels["method"], sample.labels["outcome"]): sample.value
         for family in text_string_to_metric_families(metrics)

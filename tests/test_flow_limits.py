@@ -15,6 +15,7 @@ from typing import Any
 from proxy.edge._app_keys import POOL, RUNNER
 from proxy.tasks.live_call import LiveCall
 from tests.support.clients import ClientFactory, Tasks, upstream_calls_open
+from tests.support.ops import scrape
 from tests.support.waiting import until
 from tests.support.wire import modern_body, modern_headers, policies
 
@@ -130,8 +131,7 @@ async def test_a_client_that_reads_nothing_of_a_chatty_call_holds_no_more_than_t
         assert call.client.backlog_bytes <= cap
         assert call.client.dropped > 0  # past the cap: log lines dropped ...
         assert call.client.queued()  # ... and the answer kept, behind what still waits
-        async with client.client.get("/metrics") as response:
-            text = await response.text()
+        text = await scrape(client.client.app)  # the operations listener's /metrics
         dropped = {
             line.split("reason=")[1].split("}")[0].strip('"'): float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()

@@ -46,7 +46,7 @@ async def echo(http: aiohttp.ClientSession, url: str, text: str) -> str:
 
 async def metrics(http: aiohttp.ClientSession, proxy: ProxyProcess) -> dict[tuple[str, str], float]:
     """(sample name, label values joined) -> value."""
-    async with http.get(proxy.url.replace("/mcp", "/metrics")) as answer:
+    async with http.get(proxy.ops_url("/metrics")) as answer:
         text = await answer.text()
     samples: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(text):

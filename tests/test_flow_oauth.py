@@ -175,26 +175,42 @@ async def test_a_task_runs_under_the_callers_token_and_its_owner_reads_it(oauth_
     assert other["error"]["code"] == -32602  # another caller's task is not found
 
 
-async def test_other_paths_are_relayed_to_the_servers_origin_for_both_eras(
+async def test_the_metadata_and_the_embedded_authorization_servers_endpoints_are_relayed_for_both_eras(
     oauth_proxy: Client, proxy_port: int
 ) -> None:
+    """By default the relay serves what an OAuth client needs: the server's protected-resource metadata, its
+    authorization server's metadata, and the endpoints that metadata names on the server's origin (learned,
+    since this upstream requires credentials). Nothing else the server serves is exposed."""
     async with oauth_proxy.get("/.well-known/oauth-protected-resource/mcp") as response:
         assert response.status == 200
         metadata = await response.json()
     assert metadata["resource"] == f"http://127.0.0.1:{proxy_port}/mcp"
     assert metadata["authorization_servers"] == [ISSUER + "/"]
+    async with oauth_proxy.get("/.well-known/oauth-authorization-server") as response:
+        assert response.status == 200
+        assert (await response.json())["token_endpoint"] == f"http://127.0.0.1:{proxy_port}/oauth/token"
     form = b"grant_type=client_credentials"
-    target = URL("/echo?x=1&y=%2F", encoded=True)
+    target = URL("/oauth/token?x=1&y=%2F", encoded=True)
     async with oauth_proxy.post(target, data=form, headers={"X-Forwarded-For": "10.0.0.1"}) as response:
         assert response.status == 200
         assert response.headers["X-Echo"] == "yes"
         echoed = await response.json()
     assert echoed["method"] == "POST"
+    assert echoed["path"] == "/oauth/token"
     assert echoed["query"] == "x=1&y=%2F"
     assert echoed["body"] == "grant_type=client_credentials"
     assert echoed["headers"]["x-forwarded-for"] == "10.0.0.1, 127.0.0.1"
     assert echoed["headers"]["x-forwarded-host"] == f"127.0.0.1:{proxy_port}"
     assert echoed["headers"]["x-forwarded-proto"] == "http"
+    for path in ("/oauth/authorize", "/oauth/register"):
+        async with oauth_proxy.get(path) as response:
+            assert response.headers.get("X-Echo") == "yes", path
+    # Any other path of the server is not exposed: not a page, not an endpoint named elsewhere.
+    for path in ("/echo", "/userinfo", "/oauth/token/more"):
+        async with oauth_proxy.get(path) as response:
+            assert response.status == 404, path
+            assert response.headers.get("X-Echo") is None
+            assert "not relayed" in (await response.json())["message"]
     # A legacy client's initialize without a token gets the server's own 401, whose metadata URL is served.
     initialize = {
         "jsonrpc": "2.0",
@@ -213,18 +229,38 @@ async def test_other_paths_are_relayed_to_the_servers_origin_for_both_eras(
         assert response.status == 405
 
 
-async def test_the_relay_can_be_narrowed_or_turned_off(
+async def test_the_relay_can_be_widened_narrowed_or_turned_off(
     oauth_upstream: Upstream, tmp_path: Path, make_proxy: Any
 ) -> None:
-    narrowed: Client = await make_proxy(oauth_upstream.url, relay={"prefixes": ["/.well-known/"]})
+    everything: Client = await make_proxy(oauth_upstream.url, relay={"prefixes": ["/"]})
+    async with everything.get("/echo") as response:
+        assert response.status == 200  # `[/]`: every path, as before the default was narrowed
+        assert response.headers["X-Echo"] == "yes"
+    narrowed: Client = await make_proxy(
+        oauth_upstream.url, relay={"prefixes": ["/.well-known/oauth-protected-resource"]}
+    )
     async with narrowed.get("/.well-known/oauth-protected-resource/mcp") as response:
         assert response.status == 200
-    async with narrowed.get("/echo") as response:
-        assert response.status == 404
-        assert "not relayed" in (await response.json())["message"]
+    for path in ("/.well-known/oauth-authorization-server", "/oauth/token", "/echo"):
+        async with narrowed.get(path) as response:
+            assert response.status == 404, path  # the endpoints follow their metadata: not relayed, not learned
+    nothing: Client = await make_proxy(oauth_upstream.url, relay={"prefixes": []})
+    for path in ("/.well-known/oauth-protected-resource/mcp", "/oauth/token"):
+        async with nothing.get(path) as response:
+            assert response.status == 404, path
     off: Client = await make_proxy(oauth_upstream.url, relay={"enabled": False})
     async with off.get("/.well-known/oauth-protected-resource/mcp") as response:
         assert response.status == 404
+
+
+async def test_no_endpoint_is_learned_for_an_upstream_said_to_need_no_credentials(
+    oauth_upstream: Upstream, make_proxy: Any
+) -> None:
+    client: Client = await make_proxy(oauth_upstream.url, security={"upstream_auth": "none"})
+    async with client.get("/oauth/token") as response:
+        assert response.status == 404
+    async with client.get("/.well-known/oauth-authorization-server") as response:
+        assert response.status == 200  # the metadata itself is under the default prefix
 
 
 async def test_a_stdio_upstream_has_no_origin_to_relay_to(make_proxy: Any, tmp_path: Path) -> None:
@@ -249,7 +285,7 @@ async def test_no_token_reaches_the_logs(oauth_proxy: Client, issuer: Issuer) ->
         for token in (good, scopeless, "opaque-secret-value"):
             for method, params, name in COVERED[:5]:
                 await modern(oauth_proxy, method, params, name=name, auth=token)
-        async with oauth_proxy.get("/echo", headers=bearer(good)) as response:
+        async with oauth_proxy.get("/oauth/token", headers=bearer(good)) as response:
             assert response.status == 200
     text = repr(events)
     assert events
@@ -328,10 +364,12 @@ async def test_a_rerun_whose_stored_credential_expired_fails_saying_so(
 async def test_the_proxys_own_paths_are_never_relayed_even_when_switched_off(
     make_proxy: Any, oauth_upstream: Upstream
 ) -> None:
-    client: Client = await make_proxy(oauth_upstream.url, observability={"metrics": False})
-    async with client.get("/metrics", headers={"Host": "attacker.example"}) as response:
-        assert response.status == 404
-        assert response.headers.get("X-Echo") is None
+    """Even with every path relayed: /metrics is not the upstream's, wherever the proxy serves its own."""
+    for observability in ({"metrics": False}, {"metrics": True}):
+        client: Client = await make_proxy(oauth_upstream.url, relay={"prefixes": ["/"]}, observability=observability)
+        async with client.get("/metrics", headers={"Host": "attacker.example"}) as response:
+            assert response.status == 404
+            assert response.headers.get("X-Echo") is None
 
 
 async def test_each_caller_has_its_own_tool_catalog_behind_the_param_header_check(
@@ -388,3 +426,23 @@ async def test_each_caller_has_its_own_task_support_facts(
             async with client.post("/mcp", json=body, headers=headers) as response:
                 message = (await read_messages(response))[-1]
             assert (message["error"]["code"] == -32021) is task_only, message
+
+
+async def test_tasks_bound_to_raw_tokens_are_warned_about_once_the_upstream_is_found_to_require_them(
+    oauth_upstream: Upstream, make_proxy: Any, issuer: Issuer
+) -> None:
+    """`detect` finds out at the first refusal; with `security.jwt` a refreshed token keeps its tasks: no warning."""
+    with structlog.testing.capture_logs() as events:
+        raw: Client = await make_proxy(oauth_upstream.url)
+        await modern(raw, "tools/list")  # refused without a token: the upstream requires credentials
+        await modern(raw, "tools/list")
+    warned = [event for event in events if event["event"] == "tasks_bound_to_raw_tokens"]
+    assert len(warned) == 1
+    assert "set security.jwt" in warned[0]["hint"]
+    jwks = issuer.jwks_path
+    with structlog.testing.capture_logs() as events:
+        verified: Client = await make_proxy(
+            oauth_upstream.url, security={"jwt": {"jwks_file": str(jwks), "issuer": ISSUER}}
+        )
+        await modern(verified, "tools/list")
+    assert not [event for event in events if event["event"] == "tasks_bound_to_raw_tokens"]

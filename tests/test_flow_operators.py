@@ -139,6 +139,14 @@ async def test_an_operator_lists_shows_cancels_and_purges_tasks_beside_a_running
         return await cancelled_upstream(own_upstream.url) > before
 
     await until(stopped_upstream, "the upstream call was never cancelled")
+
+    def logged() -> list[dict[str, Any]]:  # by the running proxy, which did not settle it
+        return [event for event in proxy.events() if event["event"] == "task_settled_elsewhere"]
+
+    await until(logged, "the running proxy never logged the operator's cancel", 5)
+    [line] = logged()
+    assert (line["task_id"], line["tool"], line["status"]) == (running, "sleep", "cancelled")
+    assert line["reason"] == "cancelled by an operator"
     code, _, err = await run(capsys, "tasks", "cancel", running, "--config", config)
     assert code == 0
     assert "already cancelled" in err
@@ -253,3 +261,48 @@ def test_bad_arguments_are_usage_errors(argv: list[str], message: str, capsys: p
         main(argv)
     assert caught.value.code == 2
     assert message in capsys.readouterr().err
+
+
+async def test_tasks_list_on_an_empty_store_prints_the_header_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    database = tmp_path / "tasks.db"
+    await (await SqliteTaskStore.open(database, max_records=10)).close()
+    code, out, err = await run(capsys, "tasks", "list", "--db", str(database))
+    assert (code, err) == (0, "")
+    assert out.split() == ["TASK", "STATUS", "TOOL", "AGE", "MESSAGE"]
+    code, out, _ = await run(capsys, "tasks", "list", "--db", str(database), "--json")
+    assert json.loads(out) == {"tasks": [], "next": None}
+
+
+async def test_the_tasks_commands_read_only_the_store_of_a_config_from_another_machine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pod's config names key and token files mounted only there: `tasks` needs none of them, and
+    `admin-url` only the admin token."""
+    configs = tmp_path / "etc"
+    configs.mkdir()
+    await (await SqliteTaskStore.open(configs / "tasks.db", max_records=10)).close()
+    pod_only = "/var/run/secrets/mcp-tasks-proxy"
+    config = configs / "proxy.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "upstream": {"url": "http://127.0.0.1:9/mcp"},
+                "store": {"path": "tasks.db"},
+                "security": {"key_file": f"{pod_only}/key"},
+                "inputs": {"secret_file": f"{pod_only}/state"},
+                "admin": {"port": 9911, "token_file": f"{pod_only}/admin-token"},
+            }
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    code, out, err = await run(capsys, "tasks", "stats", "--config", str(config))
+    assert code == 0, err
+    assert json.loads(out)["database"] == str(configs / "tasks.db")
+    code, _, err = await run(capsys, "tasks", "list", "--config", str(config))
+    assert code == 0, err
+    code, _, err = await run(capsys, "tasks", "admin-url", "--config", str(config))
+    assert code == 2
+    assert "admin.token_file" in err
+    assert "security.key_file" not in err

@@ -1,5 +1,6 @@
-"""Operating the sidecar: /healthz, /readyz, /metrics, the `tasks` and `probe` commands, JSON logs, and a
-graceful SIGTERM, against real processes (the proxy as `python -m proxy serve`, the legacy fixture upstream)."""
+"""Operating the sidecar: bare /healthz and /readyz on the MCP port, /metrics and readiness reasons on the
+operations port, the `tasks` and `probe` commands, JSON logs, and a graceful SIGTERM, against real processes
+(the proxy as `python -m proxy serve`, the legacy fixture upstream)."""
 
 from __future__ import annotations
 
@@ -57,8 +58,8 @@ async def test_health_endpoints_skip_the_host_check_and_nothing_else(
     make_proxy: Callable[..., Any], upstream: Upstream
 ) -> None:
     client: Client = await make_proxy(upstream.url)
-    pod_ip = {"Host": "10.1.2.3:8080"}  # what kubelet and Prometheus send
-    for path in ("/healthz", "/readyz", "/metrics"):
+    pod_ip = {"Host": "10.1.2.3:8080"}  # what kubelet sends
+    for path in ("/healthz", "/readyz"):
         response = await client.get(path, headers=pod_ip)
         assert response.status == 200, path
     assert (await client.get("/healthz")).headers["Content-Type"].startswith("application/json")
@@ -70,20 +71,51 @@ async def test_health_endpoints_skip_the_host_check_and_nothing_else(
     assert response.status in (403, 405)  # only GET probes are exempt
 
 
-async def test_readiness_follows_the_upstream(make_proxy: Callable[..., Any], own_upstream: Upstream) -> None:
+async def test_the_mcp_port_serves_no_metrics_and_no_readiness_reasons(
+    make_proxy: Callable[..., Any], own_upstream: Upstream, operations: Callable[..., Any]
+) -> None:
+    """The MCP port is what a Service or an ingress exposes: /metrics there is a 404 that says where metrics
+    went (never relayed to the upstream), and /readyz gives a status without the reasons, which name the
+    upstream and the store. Both are on the operations listener."""
+    client: Client = await make_proxy(
+        own_upstream.url, relay={"prefixes": ["/"]}, observability={"readiness_max_age_seconds": 0.2}
+    )
+    ops: Client = await operations(client)
+    response = await client.get("/metrics")
+    assert response.status == 404
+    assert "observability.port" in (await response.json())["message"]
+    assert "mcp_tasks_proxy_" not in await response.text()
+    scraped = await ops.get("/metrics")
+    assert scraped.status == 200
+    assert "mcp_tasks_proxy_requests_total" in await scraped.text()
+    own_upstream.stop()
+    await asyncio.sleep(0.3)  # past readiness_max_age_seconds: the probe must ask the upstream again
+    public = await client.get("/readyz")
+    assert public.status == 503
+    assert await public.json() == {"status": "unavailable"}
+    detailed = await ops.get("/readyz")
+    assert detailed.status == 503
+    assert any(reason.startswith("upstream:") for reason in (await detailed.json())["reasons"])
+
+
+async def test_readiness_follows_the_upstream(
+    make_proxy: Callable[..., Any], own_upstream: Upstream, operations: Callable[..., Any]
+) -> None:
     client: Client = await make_proxy(own_upstream.url, observability={"readiness_max_age_seconds": 0.2})
-    ready = await client.get("/readyz")
+    ops: Client = await operations(client)
+    ready = await ops.get("/readyz")
     assert ready.status == 200
     assert (await ready.json())["status"] == "ready"
     port = own_upstream.port
     own_upstream.stop()
     await asyncio.sleep(0.3)  # past readiness_max_age_seconds: the probe must ask the upstream again
-    down = await client.get("/readyz")
+    down = await ops.get("/readyz")
     assert down.status == 503
     body = await down.json()
     assert body["status"] == "unavailable"
     assert any(reason.startswith("upstream:") for reason in body["reasons"])
     assert (await client.get("/healthz")).status == 200  # alive all the same: no restart loop
+    assert (await ops.get("/healthz")).status == 200
     own_upstream.start(port)
 
     async def ready_again() -> bool:
@@ -131,7 +163,7 @@ async def legacy_session_calls(client: Client, calls: int) -> None:
 
 
 async def test_metrics_count_requests_tasks_upstream_and_store(
-    make_proxy: Callable[..., Any], upstream: Upstream
+    make_proxy: Callable[..., Any], upstream: Upstream, operations: Callable[..., Any]
 ) -> None:
     client: Client = await make_proxy(
         upstream.url, tasks={"tools": {"echo": {"mode": "required"}, "greet": {"mode": "forbidden"}}}
@@ -149,7 +181,7 @@ async def test_metrics_count_requests_tasks_upstream_and_store(
         return bool((await task_get(client, url, task_id))["result"]["status"] == "completed")
 
     await until(completed, "the task never completed")
-    response = await client.get("/metrics")
+    response = await (await operations(client)).get("/metrics")
     assert response.headers["Content-Type"].startswith("text/plain")
     found = samples(await response.text())
     prefix = "mcp_tasks_proxy_"
@@ -175,9 +207,13 @@ async def test_metrics_count_requests_tasks_upstream_and_store(
     assert tools <= {(("tool", "echo"),), (("tool", "other"),)}  # unlisted tools are `other` (bounded labels)
 
 
-async def test_metrics_can_be_turned_off(make_proxy: Callable[..., Any], upstream: Upstream) -> None:
+async def test_metrics_can_be_turned_off(
+    make_proxy: Callable[..., Any], upstream: Upstream, operations: Callable[..., Any]
+) -> None:
     client: Client = await make_proxy(upstream.url, observability={"metrics": False})
-    assert (await client.get("/metrics")).status == 404
+    ops: Client = await operations(client)
+    assert (await ops.get("/metrics")).status == 404
+    assert (await ops.get("/readyz")).status == 200
 
 
 # --- a real process: logs, CLI, SIGTERM -----------------------------------------------------------------

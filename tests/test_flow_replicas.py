@@ -391,7 +391,7 @@ async def test_readiness_reports_the_store_and_the_lease_when_postgresql_goes_aw
         key = tmp_path / "key"
         key.write_text("k" * 64)
         replica = await asyncio.to_thread(Replica, tmp_path, dsn, key, 1.0, {})
-        url = f"http://127.0.0.1:{replica.proxy.port}/readyz"
+        url = replica.proxy.ops_url("/readyz")  # the reasons are on the operations port
         async with http.get(url) as response:
             assert response.status == 200, await response.text()
         await asyncio.to_thread(server.stop)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sqlite3
 import time
@@ -53,7 +54,7 @@ async def ready(http: aiohttp.ClientSession, proxy: ProxyProcess) -> int:
 
 
 async def pending_settlements(http: aiohttp.ClientSession, proxy: ProxyProcess) -> float:
-    async with http.get(f"http://127.0.0.1:{proxy.port}/metrics") as response:
+    async with http.get(proxy.ops_url("/metrics")) as response:
         for line in (await response.text()).splitlines():
             if line.startswith("mcp_tasks_proxy_store_pending_settlements "):
                 return float(line.split()[1])
@@ -187,6 +188,53 @@ async def test_a_full_disk_refuses_new_tasks_and_loses_no_result_once_space_retu
 
 async def _is(status: Any, expected: int) -> bool:
     return bool(await status == expected)
+
+
+async def test_readiness_is_503_while_a_result_waits_for_the_store_even_when_a_probe_write_fits(
+    tmp_path: Path, upstream: Upstream, processes: list[ProxyProcess]
+) -> None:
+    """A disk with a little room: readiness' own tiny write commits, a 3 MB result does not. While that result
+    waits in memory the replica is not ready, and the operations port says why; once space returns it is
+    written and the replica is ready again."""
+    with small_tmpfs("8m") as disk:
+        database = disk / "tasks.db"
+        proxy = ProxyProcess(
+            tmp_path,
+            upstream.url,
+            store={"path": str(database)},
+            tasks=policies(big_text={"mode": "required"}),
+            observability={"readiness_max_age_seconds": 60},  # the upstream is not what this is about
+        )
+        processes.append(proxy)
+        await proxy.start()
+        async with aiohttp.ClientSession() as http:
+            assert await ready(http, proxy) == 200
+            filler = await asyncio.to_thread(fill, disk)
+            os.truncate(filler, filler.stat().st_size - 512 * 1024)  # room for small writes only
+            status, message = await rpc(http, proxy.url, "tools/call", big_text(3_000_000), DECLARING)
+            assert status == 200, message
+            task_id = message["result"]["taskId"]
+            await until(lambda: pending(proxy, [task_id]), "the result waits for the store", 20)
+
+            async def not_ready_for_the_result() -> bool:
+                async with http.get(proxy.ops_url("/readyz")) as response:
+                    body = await response.json()
+                reasons = body.get("reasons", [])
+                # The probe write fits: the only reason is the result held in memory.
+                return response.status == 503 and reasons == [
+                    "store: 1 task record write of 1 task wait in memory for it"
+                ]
+
+            await until(not_ready_for_the_result, "readiness names the held result and nothing else")
+            assert await ready(http, proxy) == 503  # the MCP port's bare probe agrees
+            filler.unlink()
+            task = await task_until(http, proxy.url, task_id, lambda task: task["status"] != "working")
+            assert task["status"] == "completed"
+            await until(lambda: _is(ready(http, proxy), 200), "ready again once the result is written")
+
+
+def big_text(size: int) -> dict[str, Any]:
+    return {"name": "big_text", "arguments": {"size": size}}
 
 
 async def test_a_drain_waits_for_the_results_a_full_disk_holds_back(

@@ -25,6 +25,7 @@ from proxy.tasks.services.replicas import TAKEN_OVER
 from tests import pg
 from tests.support.clients import Tasks
 from tests.support.cluster import Replica, client
+from tests.support.processes import ProxyProcess
 from tests.support.schemas import ModernSchema, SchemaValidator
 from tests.support.tcp_cut import TcpCut
 from tests.support.waiting import until
@@ -144,8 +145,8 @@ async def answered_unavailable(
         assert response.status == 200
 
 
-async def store_unavailable(http: aiohttp.ClientSession, url: str) -> bool:
-    async with http.get(url.replace("/mcp", "/readyz")) as response:
+async def store_unavailable(http: aiohttp.ClientSession, proxy: ProxyProcess) -> bool:
+    async with http.get(proxy.ops_url("/readyz")) as response:
         body = await response.json()
         return response.status == 503 and any("task store (postgres) is unavailable" in r for r in body["reasons"])
 
@@ -183,7 +184,7 @@ async def test_a_postgresql_restart_costs_latency_never_a_task(
     await asyncio.to_thread(server.halt)
     timeline.mark("outage start")
     await outage.unavailable(replica, tasks, timeline)
-    await until(lambda: store_unavailable(outage.http, replica.proxy.url), "readiness names the store", 10)
+    await until(lambda: store_unavailable(outage.http, replica.proxy), "readiness names the store", 10)
     await asyncio.sleep(max(0.0, OUTAGE_SECONDS - (time.monotonic() - timeline.started)))  # the fault's length
     await asyncio.to_thread(server.start)
     timeline.mark("store back")

@@ -16,6 +16,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "the wire and the words every layer shares",
         ("proxy.wire", "proxy.config", "proxy.errors", "proxy.principals", "proxy.policy", "proxy.background"),
     ),
+    ("the client in the box (it imports nothing of the server)", ("proxy.client",)),
     ("what the proxy tells about itself", ("proxy.observe",)),
     ("the call machine (sans-IO)", ("proxy.tasks.machine",)),
     ("the upstream client", ("proxy.upstream",)),

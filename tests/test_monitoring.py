@@ -14,6 +14,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.clients import ClientFactory
+from tests.support.ops import scrape
 from tests.support.processes import ROOT
 from tests.support.wire import policies
 
@@ -66,9 +67,7 @@ async def test_every_metric_the_dashboard_and_the_rules_name_is_exported(tasks_c
     task_id = await client.create("greet", {"name": "metrics"})
     assert (await client.settled(task_id))["status"] == "completed"
     assert await client.text("echo", {"text": "hi"}) == "hi"
-    response = await client.client.get("/metrics")
-    assert response.status == 200
-    declared, sampled = exported(await response.text())
+    declared, sampled = exported(await scrape(client.client.app))
     named = named_metrics()
     assert len(named) >= 20
     missing = {name: sorted(where) for name, where in named.items() if name not in declared}

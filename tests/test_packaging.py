@@ -124,7 +124,7 @@ def installed_proxy(installed: Path, elsewhere: Path) -> Iterator[subprocess.Pop
     process = subprocess.Popen(
         [*command, "--port", str(port), "--db", "tasks.db"],
         cwd=elsewhere,
-        env=installed_env(installed),
+        env={**installed_env(installed), "MCP_TASKS_PROXY_OBSERVABILITY__PORT": "0"},  # never a port in use
         stdout=subprocess.DEVNULL,
         stderr=log,
         text=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from proxy.config.schema import RelayConfig
-from proxy.edge._relay import OriginRelay
+from proxy.edge._relay import OriginRelay, relayed_shown
 from proxy.principals import Identity, Principals
 
 
@@ -21,13 +21,37 @@ def test_a_target_that_could_name_another_host_is_not_relayed(raw_path: str) -> 
     assert relay.target(raw_path) is None
 
 
-def test_prefixes_narrow_the_relay_and_disabled_relays_nothing() -> None:
+def test_by_default_only_the_well_known_documents_are_relayed() -> None:
+    default = OriginRelay(RelayConfig(), "http://u/mcp", None)
+    assert default.relays("/.well-known/oauth-protected-resource/mcp")
+    assert default.relays("/.well-known/oauth-authorization-server")
+    for path in ("/anything", "/admin.html", "/", "/.well-knownx", "/token"):
+        assert not default.relays(path), path
+
+
+def test_prefixes_replace_the_list_an_empty_one_relays_nothing_and_a_slash_everything() -> None:
     narrowed = OriginRelay(RelayConfig(prefixes=["/.well-known/", "/token"]), "http://u/mcp", None)
     assert narrowed.relays("/.well-known/openid-configuration")
     assert narrowed.relays("/token")
     assert not narrowed.relays("/static/page.html")
+    nothing = OriginRelay(RelayConfig(prefixes=[]), "http://u/mcp", None)
+    assert not nothing.relays("/.well-known/oauth-protected-resource/mcp")
+    everything = OriginRelay(RelayConfig(prefixes=["/"]), "http://u/mcp", None)
+    assert everything.relays("/anything")
+    assert everything.relays("/admin.html")
     assert not OriginRelay(RelayConfig(enabled=False), "http://u/mcp", None).relays("/.well-known/x")
-    assert OriginRelay(RelayConfig(), "http://u/mcp", None).relays("/anything")
+
+
+def test_the_start_line_says_what_is_relayed() -> None:
+    learned = "the authorization endpoints its metadata names, when the upstream requires credentials"
+    assert relayed_shown(RelayConfig(), has_origin=True) == ["/.well-known/*", learned]
+    assert relayed_shown(RelayConfig(prefixes=[]), has_origin=True) == []
+    assert relayed_shown(RelayConfig(prefixes=["/"]), has_origin=True) == ["/*"]
+    assert relayed_shown(RelayConfig(prefixes=["/.well-known/oauth-protected-resource"]), has_origin=True) == [
+        "/.well-known/oauth-protected-resource*"
+    ]
+    assert relayed_shown(RelayConfig(enabled=False), has_origin=True) == []
+    assert relayed_shown(RelayConfig(), has_origin=False) == []  # a stdio server has no origin
 
 
 def test_a_verified_credential_owns_as_its_owner_and_never_as_a_header_value() -> None:

@@ -27,7 +27,13 @@ import yaml
 from aiohttp import web
 
 from proxy.config.loader import load_config
-from proxy.edge.startup import EXIT_CANNOT_LISTEN, EXIT_STORE_LOCKED, EXIT_STORE_UNAVAILABLE, start_fields
+from proxy.edge.startup import (
+    EXIT_CANNOT_LISTEN,
+    EXIT_STORE_LOCKED,
+    EXIT_STORE_UNAVAILABLE,
+    EXIT_UPSTREAM_COMMAND,
+    start_fields,
+)
 from proxy.upstream.session import PROXY_VERSION
 from tests import pg
 from tests.support.processes import ROOT, ProxyProcess, Upstream, free_port, key_file
@@ -44,7 +50,8 @@ def events(text: str) -> list[dict[str, Any]]:
 def failed_start(tmp_path: Path, config: dict[str, Any]) -> tuple[int, str]:
     """Run `serve` with `config` to its end: the exit code and what it wrote to stderr (its log)."""
     path = tmp_path / f"failing-{time.monotonic_ns()}.yaml"
-    path.write_text(yaml.safe_dump({"logging": {"level": "info", "format": "json"}, **config}))
+    defaults = {"logging": {"level": "info", "format": "json"}, "observability": {"port": 0}}  # 0: never a port in use
+    path.write_text(yaml.safe_dump({**defaults, **config}))
     done = subprocess.run(
         [sys.executable, "-m", "proxy", "serve", "--config", str(path)],
         cwd=ROOT,
@@ -89,6 +96,11 @@ async def test_the_start_line_names_version_config_upstream_store_and_endpoint_w
     assert line["upstream"].startswith(upstream.url + "?")  # that there is a query is said, not what it holds
     assert line["store"] == f"sqlite: {(tmp_path / 'ops.db').resolve()}"
     assert line["endpoint"] == proxy.url
+    assert line["operations"] == proxy.ops_url("")
+    assert line["relayed"] == [
+        "/.well-known/*",
+        "the authorization endpoints its metadata names, when the upstream requires credentials",
+    ]
     log = proxy.log.read_text()
     assert "hunter2" not in log
     assert "someone" not in log
@@ -132,23 +144,32 @@ def test_the_start_line_shows_every_host_of_a_multi_host_postgresql_url(tmp_path
 # --- start failures: one line, an exit code each ----------------------------------------------------------------
 
 
-def test_a_port_in_use_is_one_error_line_and_exit_code_3(tmp_path: Path) -> None:
+@pytest.mark.parametrize("field", ["listen.port", "observability.port", "admin.port"])
+def test_a_port_in_use_is_one_error_line_and_exit_code_3_and_creates_nothing(tmp_path: Path, field: str) -> None:
+    """Every listener is bound before the store is opened or the upstream contacted: the failure names the key
+    to set, and neither the database nor the deployment key beside it is created."""
+    token = tmp_path / "admin.token"
+    token.write_text("t" * 40)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        code, stderr = failed_start(
-            tmp_path,
-            {
-                "listen": {"host": "127.0.0.1", "port": port},
-                "upstream": {"url": "http://127.0.0.1:9/mcp"},
-                "store": {"path": str(tmp_path / "tasks.db")},
-            },
-        )
+        config: dict[str, Any] = {
+            "listen": {"host": "127.0.0.1", "port": free_port()},
+            "observability": {"host": "127.0.0.1", "port": 0},
+            "admin": {"host": "127.0.0.1", "port": None, "token_file": str(token)},
+            "upstream": {"url": "http://127.0.0.1:9/mcp"},
+            "store": {"path": str(tmp_path / "data" / "tasks.db")},
+        }
+        section, key = field.split(".")
+        config[section][key] = port
+        code, stderr = failed_start(tmp_path, config)
     assert code == EXIT_CANNOT_LISTEN == 3
     failure = the_failure(stderr)
     assert failure["reason"] == "port_in_use"
     assert f"port {port}" in failure["error"]
+    assert f"(set {field})" in failure["error"]
+    assert not (tmp_path / "data").exists()  # no database, no key, not even their directory
 
 
 async def test_a_second_proxy_on_the_same_sqlite_file_is_one_error_line_and_exit_code_4(
@@ -192,6 +213,72 @@ async def test_postgresql_stopped_at_start_is_one_error_line_and_exit_code_5(
     assert failure["reason"] == "store_unavailable"
 
 
+def files_in(directory: Path) -> set[str]:
+    return {str(path.relative_to(directory)) for path in directory.rglob("*")}
+
+
+def started_in(tmp_path: Path, **sections: Any) -> tuple[int, dict[str, Any], set[str]]:
+    """A start with `sections` over a config whose database and audit log would be in `tmp_path/data`: the exit
+    code, the one start_failed line, and the files the start left in `tmp_path` (the config file aside)."""
+    config: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "upstream": {"url": "http://127.0.0.1:9/mcp"},
+        "store": {"path": str(tmp_path / "data" / "tasks.db")},
+        "audit": {"path": str(tmp_path / "data" / "audit.jsonl")},
+    }
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values}
+    before = files_in(tmp_path)
+    code, stderr = failed_start(tmp_path, config)
+    left = {name for name in files_in(tmp_path) - before if not name.startswith("failing-")}
+    return code, the_failure(stderr), left
+
+
+def test_a_stdio_program_that_is_not_found_is_exit_code_6_naming_it_and_creates_nothing(tmp_path: Path) -> None:
+    code, failure, left = started_in(tmp_path, upstream={"url": "", "command": ["uvx-not-installed", "mcp-server-x"]})
+    assert code == EXIT_UPSTREAM_COMMAND == 6
+    assert failure["reason"] == "upstream_command_not_found"
+    assert "uvx-not-installed is not found on PATH" in failure["error"]
+    assert "mcp-server-x" not in failure["error"]  # arguments may be secrets: never shown
+    assert left == set()
+
+
+def test_a_stdio_server_that_exits_before_initialize_is_exit_code_6_and_creates_nothing(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "tests.upstream.faulty_stdio", "exit-at-start"]
+    code, failure, left = started_in(tmp_path, upstream={"url": "", "command": command, "cwd": str(ROOT)})
+    assert code == EXIT_UPSTREAM_COMMAND == 6
+    assert failure["reason"] == "upstream_failed_to_start"
+    assert f"the stdio server {Path(sys.executable).name} did not start" in failure["error"]
+    assert "exited with code 3" in failure["error"]
+    assert left == set()  # the server was started and stopped before the store was opened
+
+
+@pytest.mark.parametrize(
+    ("sections", "code", "reason", "key"),
+    [
+        ({"store": {"path": "{file}/tasks.db"}}, 5, "store_unavailable", "store.path"),
+        ({"audit": {"path": "{file}/audit.jsonl"}}, 2, "audit_unwritable", "audit.path"),
+        (
+            {"upstream": {"url": "", "command": ["python3"], "cwd": "{tmp}/absent"}},
+            2,
+            "upstream_cwd_missing",
+            "upstream.cwd",
+        ),
+    ],
+    ids=["store", "audit", "cwd"],
+)
+def test_a_file_the_start_cannot_use_is_found_before_anything_is_created(
+    tmp_path: Path, sections: dict[str, dict[str, Any]], code: int, reason: str, key: str
+) -> None:
+    """A file where a directory must be (root may write anywhere, so that is how a path is made unusable)."""
+    (tmp_path / "a-file").write_text("")
+    given = json.loads(json.dumps(sections).replace("{file}", str(tmp_path / "a-file")).replace("{tmp}", str(tmp_path)))
+    exit_code, failure, left = started_in(tmp_path, **given)
+    assert (exit_code, failure["reason"]) == (code, reason)
+    assert key in failure["error"]
+    assert left == set()
+
+
 # --- the upstream: never waited for at start, but said --------------------------------------------------------
 
 
@@ -209,7 +296,7 @@ async def test_a_refused_upstream_starts_the_proxy_with_a_warning_and_an_unready
     await until(warned, "the refused warm-up was logged")
     warning = next(event for event in proxy.events() if event["event"] == "upstream_session_warm_up_failed")
     assert warning["level"] == "warning"
-    status, body = await get(http, proxy.url.replace("/mcp", "/readyz"))
+    status, body = await get(http, proxy.ops_url("/readyz"))
     assert status == 503
     assert any(reason.startswith("upstream:") for reason in body["reasons"])
 
@@ -244,11 +331,14 @@ async def test_readyz_is_503_at_once_after_a_404_to_initialize_with_the_status_a
         lambda: any(event["event"] == "upstream_session_warm_up_failed" for event in proxy.events()),
         "the warm-up's initialize was answered",
     )
-    status, body = await get(http, proxy.url.replace("/mcp", "/readyz"))
+    status, body = await get(http, proxy.ops_url("/readyz"))
     assert status == 503
     [reason] = body["reasons"]
     assert "HTTP 404" in reason
     assert "/wrong/path" in reason
+    assert "no MCP endpoint at /wrong/path; MCP servers usually serve it at /mcp: check upstream.url" in reason
+    warning = next(event for event in proxy.events() if event["event"] == "upstream_session_warm_up_failed")
+    assert "usually serve it at /mcp" in warning["error"]
 
 
 # --- Host checking beyond loopback ----------------------------------------------------------------------------

@@ -488,3 +488,30 @@ async def test_a_database_of_the_previous_version_gains_the_trace_context_column
     finally:
         await store.close()
     assert await rows(pg_dsn, "SELECT count(*) FROM schema_migrations WHERE name = '0005_add_traceparent'") == [(1,)]
+
+
+async def test_the_replicas_guides_role_and_database_give_the_proxy_a_store(pg_dsn: str, tmp_path: Path) -> None:
+    """The guide's statements, run as a superuser (the test server's admin) with a name and a password of this
+    test's own: the role logs in with its password, and the proxy migrates and uses the database."""
+    guide = (Path(__file__).parent.parent / "docs" / "guides" / "replicas.md").read_text()
+    start = guide.index("```sql", guide.index("<!-- replicas: role and database -->"))
+    statements = guide[guide.index("\n", start) + 1 : guide.index("```", start + 6)]
+    name = f"mtp_guide_{time.monotonic_ns()}"
+    for statement in filter(None, (line.strip() for line in statements.splitlines())):
+        await rows(pg_dsn, statement.replace("mcp_tasks_proxy", name).replace("change-me", "guide password"))
+    params = psycopg.conninfo.conninfo_to_dict(pg_dsn)
+    try:
+        password = tmp_path / "password"
+        password.write_text("guide password\n")
+        url = f"postgresql://{name}@{params['host']}:{params['port']}/{name}"
+        store = await open_store(StoreConfig(url=url, password_file=str(password)), max_records=5)
+        try:
+            await store.records.create(make_record("task_a"))
+            assert await store.records.get("task_a") is not None
+        finally:
+            await store.close()
+        setting = await rows(pg_dsn, f"SELECT setconfig FROM pg_db_role_setting WHERE setrole = '{name}'::regrole")
+        assert setting == [(["idle_in_transaction_session_timeout=10s"],)]
+    finally:
+        await rows(pg_dsn, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await rows(pg_dsn, f"DROP ROLE IF EXISTS {name}")

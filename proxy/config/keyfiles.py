@@ -4,7 +4,7 @@ and `read_password` read them. Imports nothing from the proxy."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -50,13 +50,18 @@ FILES: Final[tuple[tuple[str, str, Callable[[str], object]], ...]] = (
 )
 
 
-def problems(data: Mapping[str, Any], absent: list[str] | None = None) -> list[str]:
+def problems(
+    data: Mapping[str, Any], absent: list[str] | None = None, files: Collection[str] | None = None
+) -> list[str]:
     """Each named file that cannot be used, as `section.field: why`, from the configuration as it was read
     (before or without the schema: a problem elsewhere does not hide these). With `absent`, a file that does not
     exist at all (a Secret mounted only in the pod) goes there as a note instead (`section.field: read at start:
-    file … not found here`); one that exists and is unusable is still a problem."""
+    file … not found here`); one that exists and is unusable is still a problem. `files`: only these
+    (`section.field`), for a command that reads no other; None: all."""
     found = []
     for section, field, read in FILES:
+        if files is not None and f"{section}.{field}" not in files:
+            continue
         fields = data.get(section)
         path = fields.get(field) if isinstance(fields, Mapping) else None
         if isinstance(path, str):

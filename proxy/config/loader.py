@@ -6,17 +6,20 @@ field path (`ConfigError`); what `check-config --print` writes (`redacted`). Imp
 
 from __future__ import annotations
 
+import copy
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any, Final
+from types import UnionType
+from typing import Annotated, Any, Final, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from proxy.config import keyfiles
 from proxy.config.schema import _UPSTREAM_KINDS, Config
+from proxy.config.suggest import did_you_mean
 
 ENV_PREFIX = "MCP_TASKS_PROXY_"
 REDACTED: Final = "<redacted>"
@@ -64,14 +67,150 @@ def _merge(base: dict[str, Any], overrides: Mapping[str, Mapping[str, Any]]) -> 
     return merged
 
 
-def _format_errors(exc: ValidationError) -> list[str]:
+# --- what the schema says about a place of the file ----------------------------------------------------------
+
+
+def _models_in(annotation: Any) -> list[Any]:
+    """What a value of `annotation` may be, unwrapped from Optional, unions and Annotated: models and containers."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _models_in(get_args(annotation)[0])
+    if origin in (Union, UnionType):
+        return [found for arg in get_args(annotation) for found in _models_in(arg)]
+    return [annotation]
+
+
+def _types_at(loc: tuple[str | int, ...]) -> list[Any]:
+    """The types the schema allows at `loc` (a path of keys, as in the file; the upstream's kinds both count)."""
+    types: list[Any] = [Config]
+    for part in loc:
+        found: list[Any] = []
+        for kind in types:
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                field = kind.model_fields.get(str(part))
+                if field is not None:
+                    found += _models_in(field.annotation)
+            elif get_origin(kind) in (dict, list):
+                found += _models_in(get_args(kind)[-1])
+        types = found
+    return types
+
+
+def _keys_at(loc: tuple[str | int, ...]) -> set[str]:
+    """The keys a mapping at `loc` may hold (the fields of the models there)."""
+    return {
+        name
+        for kind in _types_at(loc)
+        if isinstance(kind, type) and issubclass(kind, BaseModel)
+        for name in kind.model_fields
+    }
+
+
+def _path_fields(model: type[BaseModel], at: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Where the schema holds a file path (fields marked `A_PATH`), as key paths of the file."""
+    found = []
+    for name, field in model.model_fields.items():
+        extra = field.json_schema_extra
+        if isinstance(extra, dict) and extra.get("path") is True:
+            found.append((*at, name))
+        for kind in _models_in(field.annotation):
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                found += [path for path in _path_fields(kind, (*at, name)) if path not in found]
+    return found
+
+
+PATH_FIELDS: Final = tuple(_path_fields(Config))
+_STDOUT: Final = "-"  # audit.path: stdout, not a file
+
+
+def _paths_from(data: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """Each relative file path written in the file (`PATH_FIELDS`) taken from the file's directory, so that a
+    config file means the same files whatever directory the proxy is started from; absolute ones are kept."""
+    resolved = copy.deepcopy(data)
+    for path in PATH_FIELDS:
+        holder: Any = resolved
+        for key in path[:-1]:
+            holder = holder.get(key) if isinstance(holder, dict) else None
+        value = holder.get(path[-1]) if isinstance(holder, dict) else None
+        if isinstance(value, str) and value and value != _STDOUT and not Path(value).is_absolute():
+            holder[path[-1]] = str(directory / value)
+    return resolved
+
+
+# --- where a value came from, and its problems said there ------------------------------------------------------
+
+
+def _lines(text: str) -> dict[tuple[str | int, ...], int]:
+    """The line (1-based) of each key and list item of a YAML document, by its path."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return {}
+    lines: dict[tuple[str | int, ...], int] = {}
+
+    def walk(node: yaml.Node | None, at: tuple[str | int, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                path = (*at, str(key.value))
+                lines[path] = key.start_mark.line + 1
+                walk(value, path)
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                lines[(*at, index)] = item.start_mark.line + 1
+                walk(item, (*at, index))
+
+    walk(root, ())
+    return lines
+
+
+class _Sources:
+    """Where each value of the merged configuration came from: a line of the file, an environment variable, or a
+    command-line flag; what a problem is prefixed with."""
+
+    def __init__(
+        self,
+        source: str,
+        text: str | None,
+        env: Mapping[str, Mapping[str, Any]],
+        flags: Mapping[str, Mapping[str, Any]],
+    ) -> None:
+        self.source = source
+        self.lines = _lines(text) if text is not None else {}
+        self.env = env
+        self.flags = flags
+
+    def where(self, loc: tuple[str | int, ...]) -> str:
+        if len(loc) >= 2:
+            section, field = str(loc[0]), str(loc[1])
+            if field in self.flags.get(section, {}):
+                return "command line: "
+            if field in self.env.get(section, {}):
+                return f"{ENV_PREFIX}{section.upper()}__{field.upper()}: "
+        for end in range(len(loc), 0, -1):  # the line of the value, else of the nearest key that holds it
+            line = self.lines.get(loc[:end])
+            if line is not None:
+                return f"{self.source}:{line}: "
+        return ""
+
+
+def _format_errors(exc: ValidationError, sources: _Sources) -> list[str]:
     problems = []
     for error in exc.errors():
         loc = error["loc"]
         if loc[:1] == ("upstream",) and len(loc) > 1 and loc[1] in _UPSTREAM_KINDS:
             loc = loc[:1] + loc[2:]  # the kind is not a level of the file
+        message = error["msg"]
+        if error["type"] == "extra_forbidden":
+            message = f"unknown key{did_you_mean(str(loc[-1]), _keys_at(loc[:-1]))}"
+        elif error["type"] in ("literal_error", "enum") and isinstance(error.get("input"), str):
+            allowed = re.findall(r"'([^']*)'", str(error.get("ctx", {}).get("expected", "")))
+            message += did_you_mean(error["input"], allowed)
+        where = loc
+        keys = error.get("ctx", {}).get("keys") if error["type"] == "upstream_kind" else None
+        if isinstance(keys, list) and keys:
+            where = (*loc, keys[0])  # the misspelt key's line
         path = ".".join(str(part) for part in loc) or "(top level)"
-        problems.append(f"{path}: {error['msg']}")
+        problems.append(f"{sources.where(where)}{path}: {message}")
     return problems
 
 
@@ -80,6 +219,7 @@ def load_config(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     absent: list[str] | None = None,
+    files: Collection[str] | None = None,
 ) -> Config:
     """Read the YAML file (optional), apply env overrides, then explicit overrides (CLI flags).
 
@@ -94,18 +234,7 @@ def load_config(
             raise ConfigError(str(path), [f"cannot read: {exc.strerror}"]) from None
         except UnicodeDecodeError:
             raise ConfigError(str(path), ["cannot read: not UTF-8 text"]) from None
-    return parse_config(text, str(path) if path is not None else "<defaults>", environ, overrides, absent)
-
-
-def _store_path_from(data: dict[str, Any], directory: Path) -> dict[str, Any]:
-    """A relative `store.path` written in a file is taken from the file's directory (so the database sits where
-    the file says, whatever directory the proxy is started from); an absolute one is kept."""
-    store = data.get("store")
-    path = store.get("path") if isinstance(store, dict) else None
-    if not isinstance(path, str) or not path or Path(path).is_absolute():
-        return data
-    assert isinstance(store, dict)
-    return {**data, "store": {**store, "path": str(directory / path)}}
+    return parse_config(text, str(path) if path is not None else "<defaults>", environ, overrides, absent, files)
 
 
 def parse_config(
@@ -114,11 +243,15 @@ def parse_config(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     absent: list[str] | None = None,
+    files: Collection[str] | None = None,
 ) -> Config:
     """`load_config` for a file's text already read (None: no file), e.g. by a reload that hashed it.
 
-    `store.path` ends up absolute: a relative one from the file is taken from the file's directory (`source`),
-    one from the environment, a flag or the default from the working directory."""
+    Every relative file path written in the file (`PATH_FIELDS`: key files, the store, the audit log, the key set,
+    a stdio server's working directory) is taken from the file's directory (`source`); one from the environment
+    or a flag from the working directory. `store.path` ends up absolute. `files` names the key files to check
+    (`section.field`, see `keyfiles.FILES`); None: all of them. Each problem says where its value came from: the
+    file and line, the environment variable, or the command line."""
     environ = os.environ if environ is None else environ
     data: dict[str, Any] = {}
     if text is not None:
@@ -130,17 +263,19 @@ def parse_config(
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(source, ["(top level): expected a mapping of sections"])
-        data = _store_path_from(loaded, Path(source).resolve().parent)
-    data = _merge(data, _env_overrides(environ))
+        data = _paths_from(loaded, Path(source).resolve().parent)
+    env = _env_overrides(environ)
+    data = _merge(data, env)
     if overrides:
         data = _merge(data, overrides)
+    sources = _Sources(source, text, env, overrides or {})
     config: Config | None = None
     problems: list[str] = []
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
-        problems = _format_errors(exc)
-    problems += keyfiles.problems(data, absent)  # the files it names, read apart from the schema
+        problems = _format_errors(exc, sources)
+    problems += keyfiles.problems(data, absent, files)  # the files it names, read apart from the schema
     if config is not None and not Path(config.store.path).is_absolute():
         store = config.store.model_copy(update={"path": os.path.abspath(config.store.path)})
         config = config.model_copy(update={"store": store})

@@ -24,6 +24,7 @@ from pydantic.config import JsonDict
 from pydantic_core import PydanticCustomError
 
 from proxy.config.credentials import CredentialsConfig
+from proxy.config.suggest import did_you_mean
 from proxy.wire.fields import is_safe_value
 
 # Owns the shape of the config file and its validation: a pure description (the files it names are read by
@@ -41,6 +42,9 @@ SECRET_VALUES: Final[JsonDict] = {"secret": True}
 # compares carries one; `live.py` derives the restart list from them.
 LIVE: Final[JsonDict] = {"reload": "live"}
 RESTART: Final[JsonDict] = {"reload": "restart"}
+# A field whose value is a file path (`loader.py`): a relative one written in the config file is taken from the
+# file's directory; one from the environment or a flag from the working directory.
+A_PATH: Final[JsonDict] = {"path": True}
 _HEADER_NAME: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # an HTTP token (RFC 9110, section 5.6.2)
 
 
@@ -221,7 +225,7 @@ class StdioUpstreamConfig(_UpstreamCommon):
     cwd: str | None = Field(
         None,
         description="With `command`: the server's working directory; null: the proxy's own.",
-        json_schema_extra=RESTART,
+        json_schema_extra={**RESTART, **A_PATH},
     )
     max_processes: int = Field(
         8,
@@ -283,14 +287,23 @@ def _one_kind(value: Any) -> Any:
     if not isinstance(value, Mapping):
         return value
     url, command = value.get("url"), value.get("command")
+    known = set().union(*(model.model_fields for model in _UPSTREAM_KINDS.values()))
     if bool(url) == bool(command):
+        # A misspelt `url` or `command` is what leaves both unset: say which key is unknown, with its near match.
+        unknown = sorted(str(key) for key in value if key not in known)
+        named = "; ".join(f"unknown key {key!r}{did_you_mean(key, known)}" for key in unknown)
         raise PydanticCustomError(
             "upstream_kind",
-            "set exactly one of upstream.url (a Streamable HTTP server) and upstream.command (a stdio server); {which}",
-            {"which": "both are set" if url else "neither is set"},
+            "{unknown}set exactly one of upstream.url (a Streamable HTTP server) and upstream.command (a stdio "
+            "server); {which}",
+            {
+                "which": "both are set" if url else "neither is set",
+                "unknown": f"{named}: " if named else "",
+                "keys": unknown,
+            },
         )
     kind = _UPSTREAM_KINDS[_upstream_kind(value) or "http"]
-    foreign = set().union(*(model.model_fields for model in _UPSTREAM_KINDS.values())) - set(kind.model_fields)
+    foreign = known - set(kind.model_fields)
     return {key: item for key, item in value.items() if key not in foreign}
 
 
@@ -322,6 +335,7 @@ class JwtConfig(_Frozen):
         None,
         description="A JSON Web Key Set in a file (e.g. a mounted ConfigMap), read when first needed and "
         "again after `jwks_ttl_seconds`.",
+        json_schema_extra=A_PATH,
     )
     issuer: list[str] = Field(
         ...,
@@ -423,7 +437,7 @@ class SecurityConfig(_Frozen):
         "HMAC, and the credential an `on_restart: rerun` task keeps is encrypted with it. Unset: "
         "`inputs.secret_file`, else a key created beside the SQLite database (`<store.path>.key`, 0600). "
         "Required with a PostgreSQL store and for `on_restart: rerun`.",
-        json_schema_extra=RESTART,
+        json_schema_extra={**RESTART, **A_PATH},
     )
     max_body_bytes: int = Field(
         4 * 1024 * 1024,
@@ -453,20 +467,24 @@ class SecurityConfig(_Frozen):
 
 
 class RelayConfig(_Frozen):
-    """Paths that are neither the MCP endpoint nor the proxy's own, relayed to the upstream's origin."""
+    """Paths that are neither the MCP endpoint nor the proxy's own, relayed to the upstream's origin: by default
+    only what an MCP client needs there (its OAuth metadata), so nothing else the upstream serves is exposed."""
 
     enabled: bool = Field(
         True,
-        description="Relay every other path (OAuth protected-resource metadata, an embedded authorization "
-        "server's /authorize, /token, /register, static pages) verbatim to the upstream URL's origin, with the "
-        "pass-through's header rules, limits and X-Forwarded-*. Off: such paths get 404. A stdio upstream has "
-        "no origin: 404 with a JSON body saying so.",
+        description="Relay the paths under `prefixes` verbatim to the upstream URL's origin, with the "
+        "pass-through's header rules, limits and X-Forwarded-*. Off: no path is relayed (404). A stdio upstream "
+        "has no origin: 404 with a JSON body saying so.",
         json_schema_extra=RESTART,
     )
     prefixes: list[str] = Field(
-        default_factory=list,
-        description="Relay only paths under these prefixes (e.g. `/.well-known/`, `/authorize`); empty: every "
-        "path. Others get 404.",
+        default_factory=lambda: ["/.well-known/"],
+        description="Relay only paths under these prefixes; any other path gets 404. The default relays the "
+        "OAuth and OpenID metadata documents an MCP client looks for (RFC 9728, RFC 8414) and nothing else. While "
+        "the authorization server's metadata (`/.well-known/oauth-authorization-server`) is relayed and the "
+        "upstream requires credentials, the endpoints that metadata names on the upstream's own origin (an "
+        "embedded authorization server's `/authorize`, `/token`, `/register`) are relayed too. Setting it "
+        "replaces the list: `[]` relays nothing; `[/]` relays every path (static pages and all).",
         json_schema_extra=RESTART,
     )
 
@@ -529,7 +547,7 @@ class StoreConfig(_Frozen):
         "the working directory (the start logs the absolute path, `store_opened`). One proxy process per file "
         "(a second one refuses to start on a file in use). It and its -wal, -shm and .lock files are owner-only "
         "(0600); directories the proxy creates for it are 0700. Unused when `store.url` is set.",
-        json_schema_extra=RESTART,
+        json_schema_extra={**RESTART, **A_PATH},
     )
     synchronous: Literal["normal", "full"] = Field(
         "full",
@@ -550,7 +568,7 @@ class StoreConfig(_Frozen):
         None,
         description="File holding the PostgreSQL password (e.g. a mounted Secret), read for each new connection "
         "so a rotated password is picked up. Unset: libpq's own sources (`PGPASSWORD`, `~/.pgpass`).",
-        json_schema_extra=RESTART,
+        json_schema_extra={**RESTART, **A_PATH},
     )
     pool_size: int = Field(
         10,
@@ -888,14 +906,34 @@ class InputsConfig(_Frozen):
         None,
         description="File holding the key that signs `requestState` (at least 32 bytes, e.g. a mounted Secret). "
         "Unset: a random key per process, so a state is only valid on the process that issued it.",
-        json_schema_extra=RESTART,
+        json_schema_extra={**RESTART, **A_PATH},
     )
 
 
 class ObservabilityConfig(_Frozen):
+    """The operations listener: metrics and readiness with its reasons on a port of their own, never the MCP one
+    (the MCP port answers bare probes only)."""
+
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the operations listener binds to (`GET /metrics`, `/readyz` with its reasons, "
+        "`/healthz`; no token, as Prometheus scrapes). Loopback by default; in a pod, the pod IP (the Kubernetes "
+        "example sets it from `status.podIP`), so Prometheus and the kubelet reach it and the Service does not "
+        "route to it.",
+        json_schema_extra=RESTART,
+    )
+    port: int | None = Field(
+        9464,
+        ge=0,
+        le=65535,
+        description="Port of the operations listener (0 picks a free one; the start line says which). 9464 is "
+        "the port OpenTelemetry's Prometheus exporters use. null: no operations listener, so no metrics and no "
+        "readiness reasons are served (the MCP port's `/healthz` and `/readyz` still answer with a status).",
+        json_schema_extra=RESTART,
+    )
     metrics: bool = Field(
         True,
-        description="Serve Prometheus metrics at `/metrics` on the listen port (no tokens, no arguments).",
+        description="Serve Prometheus metrics at `/metrics` on the operations port (no tokens, no arguments).",
         json_schema_extra=RESTART,
     )
     readiness_max_age_seconds: float = Field(
@@ -933,7 +971,7 @@ class AuditConfig(_Frozen):
         "principal hash), method, tool, task id, outcome, duration, replica. Unset: no audit log (nothing is "
         "done per call). The file is reopened on SIGHUP (logrotate's `create` + `postrotate kill -HUP`); "
         "`copytruncate` works too (writes append at the end).",
-        json_schema_extra=RESTART,
+        json_schema_extra={**RESTART, **A_PATH},
     )
 
 
@@ -958,7 +996,7 @@ class AdminConfig(_Frozen):
         description="File holding the admin bearer token (at least 32 characters: letters, digits, `-._~`; e.g. "
         "`openssl rand -hex 32`). Required with `port`. Compared in constant time; a browser signs in once with "
         "`/admin/?token=…` (`mcp-tasks-proxy tasks admin-url`), which sets an HttpOnly SameSite=Strict cookie.",
-        json_schema_extra=RESTART,
+        json_schema_extra={**RESTART, **A_PATH},
     )
     show_results: bool = Field(
         False,
@@ -1099,9 +1137,20 @@ class Config(_Frozen):
     )
 
     @model_validator(mode="after")
-    def _the_admin_port_is_not_the_mcp_port(self) -> Config:
-        if self.admin.port is not None and self.admin.port == self.listen.port:
-            raise PydanticCustomError("admin_port", "admin.port must differ from listen.port (the MCP port)")
+    def _each_listener_has_a_port_of_its_own(self) -> Config:
+        ports = {"listen.port (the MCP port)": self.listen.port, "admin.port": self.admin.port}
+        ports["observability.port"] = self.observability.port
+        seen: dict[int, str] = {}
+        for name, port in ports.items():
+            if not port:  # unset, or 0: a free port is picked
+                continue
+            if port in seen:
+                raise PydanticCustomError(
+                    "listener_port",
+                    "{name} must differ from {other} ({port})",
+                    {"name": name, "other": seen[port], "port": port},
+                )
+            seen[port] = name
         return self
 
     @model_validator(mode="after")

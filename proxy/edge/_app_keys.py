@@ -3,6 +3,7 @@ opens (`_lifecycle.py`) and the handlers read (`app.py`, `_ops.py`, `_admission.
 
 from __future__ import annotations
 
+import socket
 from typing import Final
 
 from aiohttp import web
@@ -29,3 +30,4 @@ STORE: Final = web.AppKey("store", TaskStore)
 RUNNER: Final = web.AppKey("runner", TaskRunner)
 STOPPING: Final = web.AppKey("stopping", list[bool])
 ADMIN: Final = web.AppKey("admin", Admin)  # the operators' listener, when `admin.port` is set
+ADMIN_SOCKETS: Final = web.AppKey("admin_sockets", list[socket.socket])  # bound by the serve loop before the start

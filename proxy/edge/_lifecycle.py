@@ -10,7 +10,22 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from proxy.edge._app_keys import ADMIN, CONFIG, FRONT, LIVE, PASSTHROUGH, POOL, RELAY, RUNNER, STOPPING, STORE
+from proxy.config.schema import StdioUpstreamConfig
+from proxy.config.warnings import raw_token_binding
+from proxy.edge import startup
+from proxy.edge._app_keys import (
+    ADMIN,
+    ADMIN_SOCKETS,
+    CONFIG,
+    FRONT,
+    LIVE,
+    PASSTHROUGH,
+    POOL,
+    RELAY,
+    RUNNER,
+    STOPPING,
+    STORE,
+)
 from proxy.edge._drain import DRAIN
 from proxy.edge._error_edge import AUDIT, METRICS
 from proxy.edge._relay import OriginRelay
@@ -31,25 +46,41 @@ log = structlog.get_logger(__name__)
 
 async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    # The store first: a database in use by another process stops the start before anything else is opened.
-    store = await open_store(config.store, max_records=config.tasks.max_records)
-    app[STORE] = store
-    if config.store.url is None:
-        log.info("store_opened", backend="sqlite", path=config.store.path)  # absolute (`parse_config`)
-    else:
-        log.info("store_opened", backend="postgresql")
+    # Nothing is created before what the start needs is checked (the listeners are bound already, `serve.py`).
+    startup.check_files(config)
     # No shared cookie jar: what the upstream sets is kept per upstream session (`upstream/http/session.py`).
     http = aiohttp.ClientSession(
         connector=upstream_connector(), auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar()
     )
     metrics = app.get(METRICS)
-    # Where the proxy makes upstream credentials itself, a task keeps its caller's verified owner, not the token.
-    principals = Principals(deployment_key(config), keep_owner=not config.upstream.credentials.forwards)
-    pool = SessionPool(session_kind(config, http, metrics, principals, StoreGrants(store)))
+    # A token exchange seals the grants it keeps with the deployment key (read, or made, now: an exchange is for
+    # a url upstream, which starts no process first); the store's grants table is opened below.
+    credentials_mode = config.upstream.credentials.mode
+    sealing = Principals(deployment_key(config), keep_owner=True) if credentials_mode == "exchange" else None
+    pool = SessionPool(session_kind(config, http, metrics, sealing, StoreGrants(lambda: app[STORE])))
     app[POOL] = pool
+    binding = raw_token_binding(config)
+    if binding is not None:  # said at start for `required` (`start_warnings`); `detect` says it when it finds out
+        pool.kind.auth.when_found_required(lambda: startup.warn([binding]))
+    try:
+        if isinstance(config.upstream, StdioUpstreamConfig):  # one that cannot start stops the start here
+            await startup.first_stdio_process(pool, config.upstream)
+        # Then the store: a database in use by another process stops the start before the rest is opened.
+        store = await open_store(config.store, max_records=config.tasks.max_records)
+    except BaseException:
+        await pool.close()
+        await http.close()
+        raise
+    app[STORE] = store
+    if config.store.url is None:
+        log.info("store_opened", backend="sqlite", path=config.store.path)  # absolute (`parse_config`)
+    else:
+        log.info("store_opened", backend="postgresql")
     live = app[LIVE]
     drain = app[DRAIN]
     credentials = pool.kind.credentials
+    # Where the proxy makes upstream credentials itself, a task keeps its caller's verified owner, not the token.
+    principals = Principals(deployment_key(config), keep_owner=credentials_mode != "forward")
     runner = TaskRunner(
         live.config, store, pool, principals, metrics=metrics, draining=drain.is_draining, credentials=credentials
     )
@@ -81,12 +112,17 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     drain.wait_for(lambda: runner.open_calls)  # the drain is the app's, built before the runner
     live.subscribe(lambda new: runner.config_swapped())  # the queue admits by the caps now in force
     legacy = app[PASSTHROUGH] = legacy_front(pool)  # relayed, or served by the proxy (the kind decides)
-    app[RELAY] = OriginRelay.of(config.relay, legacy)  # other paths: to the upstream's origin, when it has one
+
+    async def requires_auth() -> bool:
+        return not await pool.kind.auth.shared()
+
+    # Other paths: to the upstream's origin, when it has one and they are relayed.
+    app[RELAY] = OriginRelay.of(config.relay, legacy, requires_auth)
     admin = Admin(config.admin, store, runner.clock) if config.admin.port is not None else None
     try:
         await runner.start()  # restart recovery happens before the first request is served
         if admin is not None:
-            await admin.start()
+            await admin.start(app.get(ADMIN_SOCKETS))
             app[ADMIN] = admin
         pool.warm_up()
         yield

@@ -1,6 +1,7 @@
 """The aiohttp application: routes and middlewares, the classification of each request (one SERVER span, opened
 once classified), serving a modern request through the front and a legacy one through the pass-through.
-Failures become answers in `_error_edge.py`; admission, ops and lifecycle have modules of their own."""
+Failures become answers in `_error_edge.py`; admission, ops (bare probes here; metrics and readiness reasons on
+the operations listener) and lifecycle have modules of their own."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from aiohttp import web
 
 from proxy.config.live import LiveConfig
 from proxy.config.schema import Config
+from proxy.config.warnings import start_warnings
+from proxy.edge import startup
 from proxy.edge._admission import read_body, refusal
 from proxy.edge._app_keys import CONFIG, FRONT, JWT, LIVE, PASSTHROUGH, POOL, RELAY, RUNNER, STOPPING
 from proxy.edge._drain import DRAIN, Drain, drainz, track
@@ -37,8 +40,7 @@ from proxy.edge._error_edge import (
 )
 from proxy.edge._jwt_identity import JwtIdentity
 from proxy.edge._lifecycle import end_listen_streams, upstream_ctx
-from proxy.edge._ops import healthz, metrics_endpoint, readyz
-from proxy.edge.startup import is_loopback
+from proxy.edge._ops import healthz, metrics_moved, readyz
 from proxy.errors import (
     InvalidRequestError,
     MethodNotAllowedError,
@@ -297,14 +299,7 @@ def create_app(config: Config, live: LiveConfig | None = None) -> web.Applicatio
     """The app for `config`; `live` is the holder reloads swap (a fresh one, with no file, when not given)."""
     live = live if live is not None else LiveConfig(config)
     drain = Drain(live, config.listen.path)
-    if config.security.anonymous == "allow" and not is_loopback(config.listen.host):
-        log.warning(
-            "anonymous_callers_allowed",
-            host=config.listen.host,
-            principal_header=config.security.principal_header,
-            hint="requests without the principal header share one anonymous identity; set security.anonymous: "
-            "refuse unless a trusted hop always sets the header",
-        )
+    startup.warn(start_warnings(config))  # what `check-config` prints too
     app = web.Application(
         client_max_size=config.security.max_body_bytes,
         middlewares=[error_edge, track(drain), admission, relay_unrouted],
@@ -326,9 +321,9 @@ def create_app(config: Config, live: LiveConfig | None = None) -> web.Applicatio
     app.router.add_get(HEALTHZ, healthz)
     app.router.add_get(READYZ, readyz)
     app.router.add_get(DRAINZ, drainz)
-    if config.observability.metrics:
+    app.router.add_get(METRICS_PATH, metrics_moved)  # served by the operations listener (`ops_app`), never here
+    if config.observability.metrics and config.observability.port is not None:
         metrics = app[METRICS] = Metrics(named_tools(config.tasks))
         drain.register_metrics(metrics.registry)
         live.register_metrics(metrics.registry)
-        app.router.add_get(METRICS_PATH, metrics_endpoint)
     return app

@@ -4,6 +4,7 @@ it is written. Imports the upstream's HTTP clients, the wire and tracing; never 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Final
 
@@ -154,6 +155,26 @@ class PassThrough:
         url = self.url.with_query(request.query) if request.query else self.url
         credential = None if self.credentials is None else await self.credentials.headers(identity, tool)
         return await self.relay_to(url, request, body, credential)
+
+    async def fetch_json(self, url: URL, max_bytes: int, timeout_seconds: float) -> object:
+        """A small JSON document at `url` on the upstream's origin (the relay reads an authorization server's
+        metadata with it): its value, or None when it is not there, larger than `max_bytes`, not JSON or late."""
+        headers = checked_headers(CIMultiDict({"Accept": "application/json", **self.extra_headers}))
+        try:
+            async with self.http.get(
+                url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_seconds), allow_redirects=False
+            ) as response:
+                if response.status != 200:
+                    return None
+                body = await response.content.read(max_bytes + 1)
+        except CLIENT_FAILURES:
+            return None
+        if len(body) > max_bytes:
+            return None
+        try:
+            return json.loads(body)
+        except ValueError:
+            return None
 
     async def relay_to(
         self, url: URL, request: web.Request, body: bytes | None, credential: Mapping[str, str] | None = None

@@ -1,12 +1,13 @@
 """What operators see of tasks, for the CLI (`tasks_cli.py`) and the admin listener (`admin.py`) alike: the
-filters of a listing as a `TaskQuery`, a record as a listing shows it (never its request or result), and
-durations such as `15m`. Imports only the standard library at module level (the CLI builds its parser from
-here); the store's and the wire's types when called.
+filters of a listing as a `TaskQuery`, a record as a listing shows it (never its request or result), ages as
+people read them (`12m05s`), and durations such as `15m`. Imports only the standard library at module level
+(the CLI builds its parser from here); the store's and the wire's types when called.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final
@@ -18,7 +19,16 @@ if TYPE_CHECKING:
 OPERATOR_CANCEL_MESSAGE: Final = "cancelled by an operator"
 STATUSES: Final = ("working", "input_required", "completed", "failed", "cancelled")
 _UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_AGE_UNITS: Final = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
 _DURATION: Final = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")
+
+
+def age_text(seconds: int) -> str:
+    """`45s`, `12m05s`, `3h07m`, `2d04h`: the two largest units, as people read an age."""
+    for (unit, size), (small, small_size) in itertools.pairwise(_AGE_UNITS):
+        if seconds >= size:
+            return f"{seconds // size}{unit}{(seconds % size) // small_size:02d}{small}"
+    return f"{max(0, seconds)}s"
 
 
 def duration_seconds(text: str) -> float:

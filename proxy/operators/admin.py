@@ -1,12 +1,15 @@
 """The admin listener: a second aiohttp site on its own port (never the MCP one), off unless `admin.port` is set:
-the tasks as JSON and as a page, with a cancel, behind a bearer token or the cookie it sets. No argument,
-credential or result shown unless `admin.show_results`. Imports aiohttp's web side, the store and the views."""
+the tasks as JSON and as pages (each task linked to its own, reloading themselves), with a cancel, behind a bearer
+token or the cookie it sets. No argument, credential or result shown unless `admin.show_results`. Imports
+aiohttp's web side, the store and the views."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import html
+import json
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
@@ -27,6 +30,7 @@ log = structlog.get_logger(__name__)
 PREFIX: Final = "/admin"
 COOKIE: Final = "mcp_tasks_proxy_admin"
 _PAGE_LIMIT: Final = 200  # tasks on the page
+REFRESH_SECONDS: Final = 5  # how often the pages reload themselves
 # The page loads nothing, runs no script and is framed by no one; its forms post only to itself.
 _PAGE_HEADERS: Final = {
     "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; "
@@ -74,11 +78,15 @@ class Admin:
         app.router.add_post(f"{PREFIX}/tasks/{{task_id}}/cancel", self.cancel_task)
         return app
 
-    async def start(self) -> None:
+    async def start(self, sockets: list[socket.socket] | None = None) -> None:
+        """Serve on `sockets` when the serve loop bound them already, else bind `admin.host` and `admin.port`."""
         runner = self._runner = web.AppRunner(self.app(), handle_signals=False, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.config.host, self.config.port)
-        await site.start()
+        sites: list[web.BaseSite] = [web.SockSite(runner, sock) for sock in sockets or []]
+        if not sites:
+            sites.append(web.TCPSite(runner, self.config.host, self.config.port))
+        for site in sites:
+            await site.start()
         self.port = runner.addresses[0][1]
         log.info("admin_listening", host=self.config.host, port=self.port)
 
@@ -135,9 +143,12 @@ class Admin:
         return web.json_response(task_views.page(records, query, self.clock()))
 
     async def show_task(self, request: web.Request) -> web.Response:
+        """One task: JSON for the API, a page for a browser (which asks for HTML first, as the page's links do)."""
         record = await self._store(self.store.records.get(request.match_info["task_id"]))
         if record is None:
             raise web.HTTPNotFound(text="no such task\n")
+        if _wants_html(request):
+            return self._task_page(record)
         return web.json_response(self._detail(record))
 
     def _detail(self, record: TaskRecord) -> dict[str, Any]:
@@ -182,49 +193,119 @@ class Admin:
         rows = "\n".join(self._row(record, now_ms) for record in records) or ('<tr><td colspan="6">no tasks</td></tr>')
         filters = " ".join(f'<a href="{PREFIX}/?status={status}">{status}</a>' for status in task_views.STATUSES)
         body = _PAGE.format(
+            head=_head("mcp-tasks-proxy: tasks"),
             rows=rows,
             filters=filters,
             count=len(records),
             at=html.escape(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now_ms / 1000))),
+            refresh=REFRESH_SECONDS,
         )
         return web.Response(text=body, content_type="text/html", charset="utf-8", headers=_PAGE_HEADERS)
 
     def _row(self, record: TaskRecord, now_ms: int) -> str:
         task_id = html.escape(record.task_id)
-        cancel = ""
-        if record.status in (TaskStatus.WORKING, TaskStatus.INPUT_REQUIRED):
-            action = html.escape(f"{PREFIX}/tasks/{quote(record.task_id, safe='')}/cancel")
-            cancel = (
-                f'<form method="post" action="{action}" data-task="{task_id}">'
-                f'<input type="hidden" name="form" value="{self._form}">'
-                '<button type="submit">cancel</button></form>'
-            )
         result = ""
         if self.config.show_results and record.status.terminal:
             detail = self._detail(record)
             result = html.escape(str(detail.get("result") if detail.get("result") is not None else detail.get("error")))
-        age_seconds = max(0, now_ms - record.created_at_ms) // 1000
         return (
-            f'<tr id="{task_id}" class="{record.status.value}"><td><code>{task_id}</code></td>'
-            f"<td>{record.status.value}</td><td>{html.escape(record.tool)}</td><td>{age_seconds} s</td>"
+            f'<tr id="{task_id}" class="{record.status.value}">'
+            f'<td><a href="{_task_href(record.task_id)}"><code>{task_id}</code></a></td>'
+            f"<td>{record.status.value}</td><td>{html.escape(record.tool)}</td>{_age_cell(record, now_ms)}"
             f"<td>{html.escape(record.status_message or '')}{'<br>' + result if result else ''}</td>"
-            f"<td>{cancel}</td></tr>"
+            f"<td>{self._cancel_form(record)}</td></tr>"
         )
+
+    def _cancel_form(self, record: TaskRecord) -> str:
+        """The cancel button of a live task (its form carries the page's token); nothing for a settled one."""
+        if record.status not in (TaskStatus.WORKING, TaskStatus.INPUT_REQUIRED):
+            return ""
+        action = html.escape(f"{_task_href(record.task_id)}/cancel")
+        return (
+            f'<form method="post" action="{action}" data-task="{html.escape(record.task_id)}">'
+            f'<input type="hidden" name="form" value="{self._form}">'
+            '<button type="submit">cancel</button></form>'
+        )
+
+    def _task_page(self, record: TaskRecord) -> web.Response:
+        """One task's page: what the API shows of it, and its cancel button while it runs."""
+        now_ms = self.clock()
+        shown = self._detail(record)
+        rows = "\n".join(
+            f"<tr><th>{html.escape(key)}</th><td><code>{html.escape(_shown(value))}</code></td></tr>"
+            for key, value in shown.items()
+            if value is not None
+        )
+        body = _TASK_PAGE.format(
+            head=_head(f"mcp-tasks-proxy: task {html.escape(record.task_id)}"),
+            task_id=html.escape(record.task_id),
+            status=record.status.value,
+            age=task_views.age_text(max(0, now_ms - record.created_at_ms) // 1000),
+            rows=rows,
+            cancel=self._cancel_form(record),
+            refresh=REFRESH_SECONDS,
+        )
+        return web.Response(text=body, content_type="text/html", charset="utf-8", headers=_PAGE_HEADERS)
 
 
 def _duration(text: str | None) -> float | None:
     return None if text is None else task_views.duration_seconds(text)
 
 
-_PAGE: Final = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>mcp-tasks-proxy: tasks</title>
-<style>body{{font-family:system-ui,sans-serif;margin:1.5em}}table{{border-collapse:collapse}}
-td,th{{border-bottom:1px solid #ddd;padding:.3em .6em;text-align:left;vertical-align:top}}
-.working,.input_required{{background:#fffbe6}}.failed{{background:#fff0f0}}</style></head>
+def _task_href(task_id: str) -> str:
+    return html.escape(f"{PREFIX}/tasks/{quote(task_id, safe='')}")
+
+
+def _age_cell(record: TaskRecord, now_ms: int) -> str:
+    """The age as people read it, the creation time on hover."""
+    created = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(record.created_at_ms / 1000))
+    age = task_views.age_text(max(0, now_ms - record.created_at_ms) // 1000)
+    return f'<td title="created {html.escape(created)}">{age}</td>'
+
+
+def _shown(value: object) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _wants_html(request: web.Request) -> bool:
+    """A browser's request (HTML before JSON in its Accept), not the API's."""
+    accept = request.headers.get("Accept", "")
+    return "text/html" in accept and accept.find("text/html") < (
+        accept.find("application/json") if "application/json" in accept else len(accept)
+    )
+
+
+def _head(title: str) -> str:
+    return f'<meta charset="utf-8"><title>{title}</title>'
+
+
+_STYLE: Final = """<style>body{font-family:system-ui,sans-serif;margin:1.5em}table{border-collapse:collapse}
+td,th{border-bottom:1px solid #ddd;padding:.3em .6em;text-align:left;vertical-align:top}
+.working,.input_required{background:#fffbe6}.failed{background:#fff0f0}</style>"""
+# The pages refresh themselves (a meta refresh: the page runs no script); a cancel redirects to the list.
+_PAGE: Final = (
+    """<!doctype html>
+<html lang="en"><head>{head}<meta http-equiv="refresh" content="{refresh}">"""
+    + _STYLE.replace("{", "{{").replace("}", "}}")
+    + """</head>
 <body><h1>Tasks</h1>
-<p>{count} newest tasks at {at}. Show: <a href="/admin/">all</a> {filters}</p>
+<p>{count} newest tasks at {at} (this page refreshes every {refresh} s). Show: <a href="/admin/">all</a>
+{filters}</p>
 <table><thead><tr><th>task</th><th>state</th><th>tool</th><th>age</th><th>message</th><th></th></tr></thead>
 <tbody>
 {rows}
 </tbody></table></body></html>
 """
+)
+_TASK_PAGE: Final = (
+    """<!doctype html>
+<html lang="en"><head>{head}<meta http-equiv="refresh" content="{refresh}">"""
+    + _STYLE.replace("{", "{{").replace("}", "}}")
+    + """</head>
+<body><p><a href="/admin/">all tasks</a></p><h1>Task <code>{task_id}</code></h1>
+<p class="{status}">{status}, {age} old (this page refreshes every {refresh} s) {cancel}</p>
+<table><tbody>
+{rows}
+</tbody></table></body></html>
+"""
+)

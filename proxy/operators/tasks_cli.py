@@ -1,10 +1,10 @@
-"""The `tasks` commands (list, show, stats, cancel, purge) on the store a config names, or the SQLite file `--db`
-names. Imports only the standard library at module level (`cli.py` builds its parser from here)."""
+"""The `tasks` commands (list, show, stats, cancel, purge) on the store a config names (reading no other file of
+it), or the SQLite file `--db` names. Imports only the standard library at module level (`cli.py` builds its
+parser from here)."""
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Final
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from proxy.tasks.store import TaskStore
 
 EXIT_NOT_FOUND: Final = 1  # also: the store cannot be reached
-_AGE_UNITS: Final = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
+STORE_FILES: Final = ("store.password_file",)  # the one file of the config a `tasks` command reads
 _MESSAGE_CHARS: Final = 60  # of a statusMessage in the table (the JSON has all of it)
 
 
@@ -90,7 +90,7 @@ def _store_config(args: argparse.Namespace) -> tuple[StoreConfig, TasksConfig]:
 
     if args.db is not None:
         return StoreConfig(path=str(args.db)), TasksConfig()
-    config = load_config(args.config)
+    config = load_config(args.config, files=STORE_FILES)  # no other file is read (the admin token, the keys)
     return config.store, config.tasks
 
 
@@ -108,14 +108,6 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _age(seconds: int) -> str:
-    """`45s`, `12m05s`, `3h07m`, `2d04h`: the two largest units."""
-    for (unit, size), (small, small_size) in itertools.pairwise(_AGE_UNITS):
-        if seconds >= size:
-            return f"{seconds // size}{unit}{(seconds % size) // small_size:02d}{small}"
-    return f"{max(0, seconds)}s"
-
-
 def _table(rows: list[dict[str, Any]]) -> str:
     header = ("TASK", "STATUS", "TOOL", "AGE", "MESSAGE")
     lines = [
@@ -123,12 +115,12 @@ def _table(rows: list[dict[str, Any]]) -> str:
             row["taskId"],
             row["status"],
             row["tool"],
-            _age(row["ageSeconds"]),
+            task_views.age_text(row["ageSeconds"]),
             _one_line(row["statusMessage"] or ""),
         )
         for row in rows
     ]
-    widths = [max(len(header[i]), *(len(line[i]) for line in lines)) for i in range(4)]
+    widths = [max(len(line[i]) for line in [header, *lines]) for i in range(4)]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(line[:4], widths, strict=True)) + "  " + line[4]
         for line in [header, *lines]
@@ -234,7 +226,7 @@ def _admin_url(path: str) -> int:
     from proxy.config.loader import load_config
     from proxy.operators.admin import admin_url
 
-    admin = load_config(path).admin
+    admin = load_config(path, files=("admin.token_file",)).admin
     if admin.port is None or admin.token_file is None:
         print(f"mcp-tasks-proxy: {path} sets no admin.port: there is no admin listener", file=sys.stderr)
         return EXIT_NOT_FOUND

@@ -29,10 +29,18 @@ class UpstreamAuth:
         self.refused = mode == "required"  # the upstream answered 401/403 (or the config says it would)
         self.open: bool | None = True if mode == "none" else None  # an anonymous initialize succeeded
         self._lock = asyncio.Lock()
+        self._found_required: list[Callable[[], None]] = []
+
+    def when_found_required(self, listener: Callable[[], None]) -> None:
+        """`listener()` once `detect` finds that the upstream requires credentials (its first refusal)."""
+        self._found_required.append(listener)
 
     def saw_refusal(self) -> None:
         if self.mode == "detect" and not self.refused:
             log.info("upstream_requires_auth", effect="cached discover and tool facts are no longer shared")
+            self.refused = True
+            for listener in self._found_required:
+                listener()
         if self.mode != "none":
             self.refused = True
 

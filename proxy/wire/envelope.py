@@ -122,6 +122,14 @@ def may_carry_version_key(body: bytes) -> bool:
     return _VERSION_KEY_BYTES in body or (b"\\" in body and _KEY_ESCAPE.search(body) is not None)
 
 
+def encode_header_value(value: str) -> str:
+    """What a client writes for `value` in a header (the inverse of `decode_header_value`): itself when it is
+    visible ASCII without surrounding spaces, else `=?base64?<base64 of UTF-8>?=`."""
+    if value.isascii() and value.isprintable() and value == value.strip(" ") and not value.startswith(_SENTINEL_PREFIX):
+        return value
+    return f"{_SENTINEL_PREFIX}{base64.b64encode(value.encode('utf-8')).decode('ascii')}{_SENTINEL_SUFFIX}"
+
+
 def decode_header_value(value: str) -> str:
     """Header values are plain visible ASCII, or `=?base64?<base64 of UTF-8>?=` (Streamable HTTP: value
     encoding). Raises ValueError if invalid."""

@@ -103,11 +103,13 @@ class ProxyProcess:
 
     def __init__(self, tmp_path: Path, upstream_url: str, **sections: Any) -> None:
         self.port = free_port()
+        self.ops_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/mcp"
         self.log = tmp_path / f"proxy-{self.port}.log"
         self.config = tmp_path / f"proxy-{self.port}.yaml"
         config: dict[str, Any] = {
             "listen": {"host": "127.0.0.1", "port": self.port},
+            "observability": {"host": "127.0.0.1", "port": self.ops_port},
             "upstream": {"url": upstream_url},
             "store": {"path": str(tmp_path / "ops.db"), "synchronous": "normal"},
             "logging": {"level": "info", "format": "json"},
@@ -116,6 +118,10 @@ class ProxyProcess:
             config.setdefault(name, {}).update(values)
         self.config.write_text(yaml.safe_dump(config))
         self.process: subprocess.Popen[bytes] | None = None
+
+    def ops_url(self, path: str) -> str:
+        """A URL of its operations listener (`/metrics`, `/readyz` with its reasons)."""
+        return f"http://127.0.0.1:{self.ops_port}{path}"
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         return subprocess.Popen(

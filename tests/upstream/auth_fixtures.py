@@ -3,11 +3,12 @@ verifier that accepts JWTs signed by a key of a JSON Web Key Set file from one i
 `AuthSettings`, which answer 401/403 with `WWW-Authenticate: Bearer ... resource_metadata=...` and serve the
 RFC 9728 protected-resource metadata. Tokens carry their scopes in `scope`; the SDK refuses a token without
 the required one with 403 `insufficient_scope`. Also one plain route besides the MCP endpoint (`/echo`), which
-answers what it received, for the relay of other paths; and tools that tools/list shows only to a token with
-the `reports` scope, so two callers see different catalogs: `scoped_report` (its `tenant` argument carries an
-`x-mcp-header` annotation) and, with `--legacy-tasks`, `legacy_task_required`. A call by name is served to any
-accepted token, as servers often do. For the credential tests: `token_claims` (who the token of this call names) and
-`seen_tokens` (every token presented, as SHA-256).
+answers what it received, for the relay of other paths; an embedded authorization server's metadata
+(`/.well-known/oauth-authorization-server`) naming endpoints that echo as well; and tools that tools/list shows
+only to a token with the `reports` scope, so two callers see different catalogs: `scoped_report` (its `tenant`
+argument carries an `x-mcp-header` annotation) and, with `--legacy-tasks`, `legacy_task_required`. A call by
+name is served to any accepted token, as servers often do. For the credential tests: `token_claims` (who the
+token of this call names) and `seen_tokens` (every token presented, as SHA-256).
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 REQUIRED_SCOPE = "mcp"
+# The endpoints of the embedded authorization server whose metadata the fixture serves (they echo, as /echo does).
+EMBEDDED_ENDPOINTS = {
+    "authorization_endpoint": "/oauth/authorize",
+    "token_endpoint": "/oauth/token",
+    "registration_endpoint": "/oauth/register",
+}
 REPORTS_SCOPE = "reports"  # the scope that lists SCOPED_TOOLS
 SCOPED_TOOLS = ("scoped_report", "legacy_task_required")  # the second only exists with --legacy-tasks
 
@@ -93,6 +100,17 @@ def register_echo(mcp: FastMCP[Any]) -> None:
         )
 
     mcp.custom_route("/echo", methods=["GET", "POST"])(echo)
+    for path in EMBEDDED_ENDPOINTS.values():
+        mcp.custom_route(path, methods=["GET", "POST"])(echo)
+
+    async def authorization_server_metadata(request: Request) -> Response:
+        """An embedded authorization server's RFC 8414 metadata: issued under the public origin the request came
+        through (the proxy's, from X-Forwarded-Host), its endpoints on that origin, plus one elsewhere."""
+        origin = f"http://{request.headers.get('x-forwarded-host', request.url.netloc)}"
+        endpoints = {field: f"{origin}{path}" for field, path in EMBEDDED_ENDPOINTS.items()}
+        return JSONResponse({"issuer": origin, **endpoints, "userinfo_endpoint": "https://elsewhere.example/userinfo"})
+
+    mcp.custom_route("/.well-known/oauth-authorization-server", methods=["GET"])(authorization_server_metadata)
 
 
 def register_credential_tools(mcp: FastMCP[Any]) -> None:

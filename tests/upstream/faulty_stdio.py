@@ -2,7 +2,8 @@
 
 Plain Python, no dependencies: read JSON-RPC lines on stdin, write JSON-RPC lines on stdout. Modes:
 
-- ``exit-at-start``: exits with code 3 before reading anything.
+- ``exit-at-start``: exits with code 3 before reading anything (``--healthy-while FILE``: unless FILE exists,
+  then it is well-behaved: a server that started once and can no longer start).
 - ``garbage``: a well-behaved server (initialize, tools/list, tools/call of ``echo``, ping) that writes
   non-JSON lines, non-object JSON and blank lines on stdout before each answer.
 - ``no-initialize``: reads stdin and never answers; keeps running after stdin closes (``--ignore-sigterm``:
@@ -104,9 +105,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ignore-sigterm", action="store_true", help="no-initialize: survive SIGTERM")
     parser.add_argument("--bytes", type=int, default=20 * 1024 * 1024, help="huge-line: the line's length")
     parser.add_argument("--seconds", type=float, default=2.0, help="slow-start: how long it sleeps first")
+    parser.add_argument("--healthy-while", metavar="FILE", help="exit-at-start: well-behaved while FILE exists")
     args = parser.parse_args(argv)
     if args.mode == "exit-at-start":
-        return 3
+        if args.healthy_while is None or not os.path.exists(args.healthy_while):
+            return 3
+        serve()
+        return 0
     if args.mode == "slow-start":
         time.sleep(args.seconds)
         serve()

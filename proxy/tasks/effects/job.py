@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import structlog
 
 from proxy.config.schema import Config, JobConfig, JobToolConfig
+from proxy.config.suggest import did_you_mean
 from proxy.errors import CALLER_CREDENTIAL_ERRORS, ResultTooLargeError, UpstreamError
 from proxy.tasks.effects import pump
 from proxy.tasks.live_call import LiveCall
@@ -193,7 +194,7 @@ class JobFollower:
                         job=spec.start_tool,
                         role=role,
                         tool=tool,
-                        detail=f"the upstream lists no tool {tool!r}: calls of {spec.start_tool!r} will fail "
-                        f"where the job's {role} tool is called",
+                        detail=f"the upstream lists no tool {tool!r}{did_you_mean(tool, listed)}: calls of "
+                        f"{spec.start_tool!r} will fail where the job's {role} tool is called",
                     )
         return missing

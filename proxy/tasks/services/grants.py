@@ -13,6 +13,7 @@ import structlog
 
 from proxy.errors import CredentialUnavailableError
 from proxy.tasks.store import StoreError, TaskStore
+from proxy.tasks.store.contract import Grants
 
 log = structlog.get_logger(__name__)
 
@@ -22,8 +23,12 @@ _T = TypeVar("_T")
 class StoreGrants:
     """`GrantStore` (proxy/upstream/credentials) on the task store's grants table."""
 
-    def __init__(self, store: TaskStore) -> None:
-        self._grants = store.grants
+    def __init__(self, store: Callable[[], TaskStore]) -> None:
+        self._store = store  # (the store opens after the upstream pool that holds this port: read at each use)
+
+    @property
+    def _grants(self) -> Grants:
+        return self._store().grants
 
     async def _run(self, what: str, work: Callable[[], Awaitable[_T]]) -> _T:
         try:

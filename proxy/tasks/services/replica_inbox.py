@@ -73,12 +73,22 @@ class ReplicaInbox:
             self.context.spawner.spawn(work, f"settled-{call.call_id}")
 
     async def _stop_settled(self, call: LiveCall, task_id: str, status: TaskStatus) -> None:
+        """The call stopped, and the settlement logged here too (`task_settled_elsewhere`: an operator's cancel
+        from the command line or the admin page, another replica's client), as this replica's own are."""
         reason, error = (CANCELLED_BY_CLIENT if status is TaskStatus.CANCELLED else f"settled {status.value}"), None
-        if status is TaskStatus.FAILED:  # an expiry, say: a client still waiting is told why
-            with contextlib.suppress(StoreError):
-                record = await self.context.store.records.get(task_id)
-                if record is not None:
-                    reason, error = record.status_message or reason, record.error
+        record = None
+        with contextlib.suppress(StoreError):
+            record = await self.context.store.records.get(task_id)
+        if record is not None:
+            log.info(
+                "task_settled_elsewhere",
+                task_id=task_id,
+                tool=record.tool,
+                status=record.status.value,
+                reason=record.status_message if record.status is not TaskStatus.COMPLETED else None,
+            )
+            if status is TaskStatus.FAILED:  # an expiry, say: a client still waiting is told why
+                reason, error = record.status_message or reason, record.error
         await self.context.feed.dispatch(call, RemoteCancel(reason, error))
 
     def answers_arrived(self, task_id: str, answers: JSON) -> None:

@@ -1,5 +1,6 @@
 """The check at start that the tools `tasks.tools` and the job families name exist upstream, each missing one
-warned about once. Imports the config's shapes, the policy's glob rule, the job follower and the upstream pool."""
+warned about once with the listed tool whose name is closest. Imports the config's shapes, the policy's glob
+rule, the job follower and the upstream pool."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fnmatch import fnmatchcase
 import structlog
 
 from proxy.config.schema import Config, TasksConfig
+from proxy.config.suggest import did_you_mean
 from proxy.errors import UpstreamError
 from proxy.policy import is_glob
 from proxy.tasks.effects.job import JobFollower
@@ -41,24 +43,31 @@ async def check_named_tools(pool: SessionPool, config: Callable[[], Config], job
     return missing_policy_tools(config().tasks, listed.keys()) + jobs.missing_tools(listed.keys())
 
 
-def missing_policy_tools(tasks: TasksConfig, listed: Collection[str]) -> list[str]:
-    """The `tasks.tools` keys that name no listed tool (or, for a glob, match none), each warned about."""
-    missing = []
-    for name, entry in tasks.tools.items():
+def unmatched_policies(tasks: TasksConfig, listed: Collection[str]) -> dict[str, str]:
+    """The `tasks.tools` keys that name no listed tool (or, for a glob, match none), each with what it means and
+    the listed tool its name is closest to (`check-config --probe` prints these; the start logs them)."""
+    unmatched = {}
+    for name in tasks.tools:
         if is_glob(name):
             if any(fnmatchcase(tool, name) for tool in listed):
                 continue
-            detail = f"no tool the upstream lists matches {name!r}: this policy applies to no call"
-        elif name in listed:
-            continue
-        else:
-            detail = f"the upstream lists no tool {name!r}: this policy applies to no call"
-        missing.append(name)
+            unmatched[name] = f"no tool the upstream lists matches {name!r}: this policy applies to no call"
+        elif name not in listed:
+            unmatched[name] = (
+                f"the upstream lists no tool {name!r}{did_you_mean(name, listed)}: this policy applies to no call"
+            )
+    return unmatched
+
+
+def missing_policy_tools(tasks: TasksConfig, listed: Collection[str]) -> list[str]:
+    """The `tasks.tools` keys that name no listed tool (or, for a glob, match none), each warned about."""
+    unmatched = unmatched_policies(tasks, listed)
+    for name, detail in unmatched.items():
         log.warning(
             "tool_policy_missing",
             key=f"tasks.tools.{name}",
             tool=name,
-            fields=sorted(entry.model_fields_set),
+            fields=sorted(tasks.tools[name].model_fields_set),
             detail=detail,
         )
-    return missing
+    return list(unmatched)

@@ -90,6 +90,18 @@ def relay_client() -> aiohttp.ClientSession:
     )
 
 
+USUAL_PATH: Final = "/mcp"  # where MCP servers (the SDKs' Streamable HTTP apps) serve their endpoint
+
+
+def _path_hint(url: URL) -> str:
+    """What a 404 to `initialize` most often means: the upstream URL's path is not the server's MCP endpoint."""
+    if url.path.rstrip("/") != USUAL_PATH:
+        return (
+            f" (no MCP endpoint at {url.path or '/'}; MCP servers usually serve it at {USUAL_PATH}: check upstream.url)"
+        )
+    return f" (no MCP endpoint at {url.path}: check upstream.url)"
+
+
 PROBE_TIMEOUT_SECONDS: Final = 2.0  # a readiness probe's initialize; kubelet's own timeout is short too
 
 
@@ -311,8 +323,9 @@ class HttpSession:
         if response.status >= 400:
             despite = await _answer_despite_status(response, request_id, self.kind.max_result_bytes)
             if isinstance(despite, _Refusal):
+                hint = _path_hint(self.kind.url) if response.status == 404 else ""
                 raise UpstreamError(
-                    f"Upstream refused initialize: HTTP {response.status}{despite.said}", detail=despite.raw
+                    f"Upstream refused initialize: HTTP {response.status}{despite.said}{hint}", detail=despite.raw
                 )
             body = despite
         call = HttpRequestStream(self, request_id, "initialize", response, self.kind.max_result_bytes, body)
