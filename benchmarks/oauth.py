@@ -32,7 +32,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "oauth.json"
 ISSUER = "https://issuer.example"
 
 
-def _key_set(directory: Path) -> tuple[rsa.RSAPrivateKey, Path]:
+def key_set(directory: Path) -> tuple[rsa.RSAPrivateKey, Path]:
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     public = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(key.public_key()))
     path = directory / "jwks.json"
@@ -40,17 +40,17 @@ def _key_set(directory: Path) -> tuple[rsa.RSAPrivateKey, Path]:
     return key, path
 
 
-def _token(key: rsa.RSAPrivateKey, subject: str) -> str:
+def token(key: rsa.RSAPrivateKey, subject: str) -> str:
     now = int(time.time())
     claims = {"iss": ISSUER, "sub": subject, "iat": now, "exp": now + 3600}
     return jwt.encode(claims, key, algorithm="RS256", headers={"kid": "k1"})
 
 
 async def verification_rows(directory: Path, quick: bool) -> list[dict[str, Any]]:
-    key, path = _key_set(directory)
+    key, path = key_set(directory)
     config = JwtConfig(jwks_file=str(path), issuer=[ISSUER])
     count = 300 if quick else 2000
-    values = [f"Bearer {_token(key, f'user-{number}')}" for number in range(count)]
+    values = [f"Bearer {token(key, f'user-{number}')}" for number in range(count)]
     rows = []
     for label, tokens in (("first sight (signature checked)", values[1:]), ("same token again", values[:1] * count)):
         runs = []
@@ -66,8 +66,8 @@ async def verification_rows(directory: Path, quick: bool) -> list[dict[str, Any]
     return rows
 
 
-class _WithHeaders:
-    """An HttpClient whose every request also carries `extra` headers."""
+class WithHeaders:
+    """An HttpClient whose every request also carries `extra` headers (also used by `benchmarks.credentials`)."""
 
     def __init__(self, http: HttpClient, extra: dict[str, str]) -> None:
         self.http = http
@@ -81,7 +81,7 @@ class _WithHeaders:
 
 
 async def latency_rows(directory: Path, quick: bool) -> list[dict[str, Any]]:
-    key, path = _key_set(directory)
+    key, path = key_set(directory)
     upstream = await start_upstream()
     jwt_section = {"jwt": {"jwks_file": str(path), "issuer": ISSUER}}
     proxy = await start_proxy(upstream.url, directory, "oauth", security=jwt_section)
@@ -91,7 +91,7 @@ async def latency_rows(directory: Path, quick: bool) -> list[dict[str, Any]]:
         await direct.start()
         anonymous = ModernClient(proxy.url)
         authenticated = ModernClient(proxy.url)
-        authenticated.http = _WithHeaders(authenticated.http, {"Authorization": f"Bearer {_token(key, 'alice')}"})  # type: ignore[assignment]
+        authenticated.http = WithHeaders(authenticated.http, {"Authorization": f"Bearer {token(key, 'alice')}"})  # type: ignore[assignment]
         await measure(anonymous.echo, 50, 1)
         await measure(authenticated.echo, 50, 1)
         count = 300 if quick else 1500

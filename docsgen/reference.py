@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 # Sections keyed by a name the user picks: the placeholder their entries' keys are listed under.
-PLACEHOLDERS = {"jobs": "<start_tool>", "tasks.tools": "<tool>"}
+PLACEHOLDERS = {"jobs": "<start_tool>", "tasks.tools": "<tool>", "upstream.credentials.exchange.tools": "<tool>"}
 
 
 class MissingDescription(ValueError):

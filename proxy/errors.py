@@ -213,6 +213,51 @@ class UpstreamAuthError(UpstreamRefusedError):
 AUTH_STATUSES = frozenset({401, 403})  # the upstream statuses that are an UpstreamAuthError
 
 
+class CredentialRefusedError(UnauthorizedError):
+    """No upstream credential can be made for the caller, because of the caller (`upstream.credentials`): the
+    token endpoint refused the exchange for the caller's token (`invalid_grant`, `invalid_request`,
+    `invalid_target`, `invalid_scope`: the endpoint's `error` is in `data.error`), or a task's credential can no
+    longer be renewed (its refresh token was refused, or the endpoint gave none). HTTP 401 with a Bearer
+    challenge: the caller authorizes again. A task that meets it fails with this message. Names no token."""
+
+    def __init__(self, message: str, error: str | None = None) -> None:
+        super().__init__(message, data={"error": error} if error is not None else None)
+
+    def response_headers(self) -> Mapping[str, str]:
+        return {"WWW-Authenticate": 'Bearer realm="mcp-tasks-proxy", error="invalid_token"'}
+
+
+class NoCredentialError(ForbiddenError):
+    """`upstream.credentials: secrets` has no entry for this verified caller: HTTP 403, before anything reaches
+    the upstream (never a shared or forwarded credential instead)."""
+
+    default_message = (
+        "Forbidden: no upstream credential is configured for this caller (upstream.credentials.secrets); ask the "
+        "operator to add one"
+    )
+
+
+# What fails a task whose credential can no longer be made for its caller (a poll meeting it does not poll again).
+CALLER_CREDENTIAL_ERRORS: Final = (CredentialRefusedError, NoCredentialError)
+
+
+class CredentialUnavailableError(UpstreamError):
+    """The token endpoint cannot make the caller's upstream credential now, for a reason that is not the
+    caller's: it is down, slow or answers 5xx, or it refused the proxy's own client (`invalid_client`,
+    `unauthorized_client`). HTTP 503 with `Retry-After`; logged at error level where it happens. Never answered by
+    forwarding the caller's token instead. A task's poll meeting it polls again later."""
+
+    http_status = 503
+    default_message = "Service unavailable: the upstream credential could not be obtained from the token endpoint"
+
+    def __init__(self, message: str | None = None, *, retry_after_seconds: int = 5, detail: str | None = None) -> None:
+        super().__init__(message, detail=detail, data={"reason": "token_endpoint"})
+        self.retry_after_seconds = retry_after_seconds
+
+    def response_headers(self) -> Mapping[str, str]:
+        return {"Retry-After": str(self.retry_after_seconds)}
+
+
 class ResultTooLargeError(UpstreamError):
     """An upstream answer (or one message on an upstream stream) is larger than `limits.max_result_bytes`: it is
     never held whole, and the caller is told which limit stopped it."""

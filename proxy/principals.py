@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import json
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -32,17 +33,28 @@ _CALLBACK_CONTEXT: Final = b"mcp-tasks-proxy/event-callback-secret/v1"
 
 @dataclass(frozen=True, slots=True)
 class Identity:
-    """Who sent a request: the principal header's value (`credential`), which travels upstream as itself and
-    keys the caller's upstream sessions, and, for a Bearer JWT the proxy verified (`edge/_jwt_identity.py`), its
-    `owner` (the issuer and the claim), which owns tasks in the credential's stead: the caller's next token, of
-    the same owner, reads the same tasks. An opaque token (or a JWT not verified) has no owner."""
+    """Who sent a request: the principal header's value (`credential`), which travels upstream as itself (with
+    `upstream.credentials: forward`) and keys the caller's upstream sessions, and, for a Bearer JWT the proxy
+    verified (`edge/_jwt_identity.py`), its `owner` (the issuer and the claim, a JSON array), which owns tasks in
+    the credential's stead: the caller's next token, of the same owner, reads the same tasks; `expires_at` is
+    that token's `exp`. An opaque token (or a JWT not verified) has no owner. A task's owner restored after a
+    restart has no credential in hand (`Principals.restore`): only its owner."""
 
     credential: str = field(repr=False)  # a secret: never in a repr, hence in no log line or traceback
     owner: str | None = None
+    expires_at: float | None = None  # epoch seconds; None: not known (an opaque token)
 
     def __post_init__(self) -> None:
-        if not self.credential:
+        if not self.credential and self.owner is None:
             raise ValueError("an identity has a credential: a caller without one is anonymous (None)")
+
+    @property
+    def claim(self) -> str | None:
+        """The verified claim's value (`security.jwt.claim`) that names the caller within its issuer."""
+        if self.owner is None:
+            return None
+        _issuer, claim = json.loads(self.owner)
+        return str(claim)
 
 
 def identity_of(header: str | None) -> Identity | None:
@@ -64,14 +76,35 @@ def principal_key(principal: Identity | None) -> str:
     return hashlib.sha256(principal.credential.encode()).hexdigest()
 
 
+def owner_key(principal: Identity | None) -> str:
+    """What the caller's upstream sessions are kept under when the proxy presents a credential of its own making
+    for them (`upstream.credentials` exchange or secrets): the SHA-256 of the verified owner, so a refreshed
+    token (same owner) keeps its sessions, and no raw header value can name an owner's (another hash space)."""
+    if principal is None:
+        return ""
+    if principal.owner is None:
+        return principal_key(principal)
+    return hashlib.sha256(b"owner\0" + principal.owner.encode()).hexdigest()
+
+
 class SealError(ValueError):
     """A sealed principal cannot be opened with this key (the key changed, or the value is not ours)."""
 
 
+# A kept principal that is the verified owner (not the credential) says so before its sealed text: the marker is
+# the store's, outside what is sealed, so no caller's header value can pass for an owner.
+_OWNER_MARK: Final = "owner:"
+
+
 class Principals:
-    def __init__(self, key: bytes) -> None:
+    """The deployment key's uses for principals: their keyed hashes, and what a task keeps of its caller (sealed).
+    `keep_owner`: a task keeps its caller's verified owner instead of the credential (the proxy mints upstream
+    credentials itself, `upstream.credentials` exchange or secrets: the inbound token is not needed again)."""
+
+    def __init__(self, key: bytes, *, keep_owner: bool = False) -> None:
         if len(key) < MIN_SECRET_BYTES:
             raise ValueError(f"the deployment key needs at least {MIN_SECRET_BYTES} bytes")
+        self.keep_owner = keep_owner
         self._hash_key = hmac.new(key, _HASH_CONTEXT, hashlib.sha256).digest()
         seal_key = hmac.new(key, _SEAL_CONTEXT, hashlib.sha256).digest()
         self._fernet = Fernet(base64.urlsafe_b64encode(seal_key))
@@ -107,6 +140,19 @@ class Principals:
             return self._callbacks.decrypt(sealed.encode()).decode()
         except (InvalidToken, ValueError):
             raise SealError("a webhook secret cannot be decrypted with the current deployment key") from None
+
+    def keep(self, principal: Identity) -> str:
+        """What a task keeps of its caller to act for it again (a re-run, a follow after a restart): the sealed
+        credential, or (`keep_owner`) the sealed verified owner."""
+        if self.keep_owner and principal.owner is not None:
+            return _OWNER_MARK + self.seal(principal.owner)
+        return self.seal(principal.credential)
+
+    def restore(self, kept: str) -> Identity | None:
+        """The caller a task kept (`keep`); SealError when this key cannot open it."""
+        if kept.startswith(_OWNER_MARK):
+            return Identity("", owner=self.unseal(kept.removeprefix(_OWNER_MARK)))
+        return identity_of(self.unseal(kept))
 
 
 def deployment_key(config: Config) -> bytes:

@@ -18,19 +18,23 @@ import pytest
 import structlog
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sqlite_utils import Database
 
 from proxy.config.schema import LoggingConfig
 from proxy.edge._ops import ops_app
 from proxy.edge.app import create_app
-from proxy.observe import logs
+from proxy.observe import logs, tracing_setup
 from proxy.observe.logs import configure_logging
 from tests import pg
 from tests.reference_server import EverythingServer, stdio_argv
 from tests.support import blocking
 from tests.support.clients import ClientFactory, Tasks
+from tests.support.oauth import Issuer
 from tests.support.processes import ProxyProcess, Upstream, proxy_config
 from tests.support.schemas import MODERN_SCHEMA, TASKS_SCHEMA, ModernSchema, SchemaValidator
+from tests.support.token_server import TOKEN_ISSUER, TokenServer
 
 
 @pytest.fixture(autouse=True)
@@ -210,3 +214,38 @@ async def own_pg_server() -> AsyncIterator[pg.PgServer]:
         yield started
     finally:
         await asyncio.to_thread(started.stop)
+
+
+# --- upstream credentials: callers, a token endpoint, an upstream that trusts only that endpoint ---------------------
+
+
+@pytest.fixture(scope="module")
+def caller_issuer(tmp_path_factory: pytest.TempPathFactory) -> Issuer:
+    """The callers' token issuer (the proxy verifies its JWTs with `security.jwt`)."""
+    return Issuer(tmp_path_factory.mktemp("callers"))
+
+
+@pytest.fixture
+def token_endpoint(caller_issuer: Issuer, tmp_path: Path) -> Iterator[TokenServer]:
+    """A real token endpoint (Authlib) that exchanges the callers' tokens; each test sets its switches."""
+    server = TokenServer(tmp_path, caller_issuer).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def protected_upstream(token_endpoint: TokenServer) -> Iterator[Upstream]:
+    """The fixture upstream as an OAuth resource server that accepts the token endpoint's tokens only."""
+    server = Upstream("--auth", str(token_endpoint.jwks_path), TOKEN_ISSUER, "http://127.0.0.1:9/mcp")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """Tracing on, every finished span kept in memory (turned off after the test)."""
+    exporter = InMemorySpanExporter()
+    assert tracing_setup.configure(environ={}, processor=SimpleSpanProcessor(exporter))
+    yield exporter
+    tracing_setup.shutdown()

@@ -70,6 +70,7 @@ from proxy.tasks.services.replica_inbox import ReplicaInbox
 from proxy.tasks.services.replicas import ReplicaLink
 from proxy.tasks.services.starting import CallStarter
 from proxy.tasks.store import Fence, SqliteTaskStore
+from proxy.upstream.credentials import Forward
 from proxy.upstream.pool import SessionPool
 from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
@@ -140,6 +141,7 @@ class Parts:
             store=store,
             table=self.table,
             principals=Principals(KEY),
+            credentials=Forward("authorization"),
             feed=self.feed,
             spawner=self.background,
             clock=wall_clock_ms,
@@ -601,7 +603,9 @@ class CrashingSession:
         self.methods: list[str] = []
 
     @asynccontextmanager
-    async def call(self, method: str, params: JSON, headers: dict[str, str]) -> AsyncIterator[FakeUpstreamCall]:
+    async def call(
+        self, method: str, params: JSON, headers: dict[str, str], *, tool: str | None = None
+    ) -> AsyncIterator[FakeUpstreamCall]:
         self.methods.append(method)
         if method == self.crash_on:
             raise RuntimeError(CRASH)

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from proxy.observe import span_attributes, tracing, tracing_setup
+from proxy.observe import span_attributes, tracing
 from tests import pg
 from tests.support.clients import Client, ClientFactory, Tasks, upstream_calls_open
 from tests.support.processes import Upstream, key_file, stdio_upstream
@@ -42,14 +41,6 @@ CLIENT_TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
 META_TRACE = "0af7651916cd43dd8448eb211c80319c"
 META_SPAN = "b7ad6b7169203331"
 META_TRACEPARENT = f"00-{META_TRACE}-{META_SPAN}-01"
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    assert tracing_setup.configure(environ={}, processor=SimpleSpanProcessor(exporter))
-    yield exporter
-    tracing_setup.shutdown()
 
 
 @pytest.fixture(params=["http", "stdio"])

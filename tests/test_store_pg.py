@@ -133,6 +133,7 @@ async def test_replicas_that_start_at_once_migrate_once(pg_dsn: str) -> None:
             ("0013_create_events",),
             ("0014_create_event_watches",),
             ("0015_count_tasks_by_status",),
+            ("0016_create_grants",),
         ]
         await stores[0].records.create(make_record("task_a"))
         assert await stores[3].records.get("task_a") is not None

@@ -213,6 +213,7 @@ async def test_durable_across_reopen(db_path: Path) -> None:
         ("mcp-tasks-proxy", "0012_create_events"),
         ("mcp-tasks-proxy", "0013_create_event_watches"),
         ("mcp-tasks-proxy", "0014_count_tasks_by_status"),
+        ("mcp-tasks-proxy", "0015_create_grants"),
     ]
     assert raw_rows(db_path, "PRAGMA journal_mode") == [("wal",)]
     indexes = {row[0] for row in raw_rows(db_path, "SELECT name FROM sqlite_master WHERE type = 'index'")}

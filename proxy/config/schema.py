@@ -23,6 +23,7 @@ from pydantic import (
 from pydantic.config import JsonDict
 from pydantic_core import PydanticCustomError
 
+from proxy.config.credentials import CredentialsConfig
 from proxy.config.suggest import did_you_mean
 from proxy.wire.fields import is_safe_value
 
@@ -134,6 +135,14 @@ class _UpstreamCommon(_Frozen):
         "2025-11-25",
         description="Protocol version the proxy offers in its own upstream `initialize` (the upstream may answer "
         "with an older one, which is then used).",
+        json_schema_extra=RESTART,
+    )
+    credentials: CredentialsConfig = Field(
+        default_factory=CredentialsConfig,
+        description="What goes upstream as the caller's credential: `forward` (the default: the caller's own "
+        "principal header), `exchange` (RFC 8693 token exchange, `url` upstreams) or `secrets` (a per-caller map "
+        "from a mounted file); `credentials: forward` alone is short for `{mode: forward}`. See the credentials "
+        "guide (docs/guides/credentials.md).",
         json_schema_extra=RESTART,
     )
 
@@ -260,6 +269,16 @@ class StdioUpstreamConfig(_UpstreamCommon):
         "(to its whole process group) and waits as long again, then sends SIGKILL.",
         json_schema_extra=RESTART,
     )
+
+    @field_validator("credentials")
+    @classmethod
+    def _no_exchange_over_stdio(cls, value: CredentialsConfig) -> CredentialsConfig:
+        if value.mode == "exchange":
+            raise ValueError(
+                "mode: exchange is for a url upstream (a token in each HTTP request); a stdio server takes its "
+                "credential from its environment: use mode: secrets"
+            )
+        return value
 
 
 # The upstream section of the file is flat: which of `url` and `command` is set says the kind, and the settings
@@ -394,8 +413,9 @@ class SecurityConfig(_Frozen):
     )
     principal_header: str = Field(
         "authorization",
-        description="Request header that identifies the caller; it travels upstream with the requests it "
-        "causes, upstream sessions are kept per distinct value, and each task is bound to its keyed hash (another "
+        description="Request header that identifies the caller; with `upstream.credentials: forward` it travels "
+        "upstream with the requests it causes and upstream sessions are kept per distinct value; each task is bound "
+        "to its keyed hash (another "
         "caller cannot see it). It must come from a trusted hop that authenticates the caller and overwrites what "
         "the client sent (see the security guide, docs/guides/security.md).",
         json_schema_extra=RESTART,
@@ -1387,6 +1407,29 @@ class Config(_Frozen):
                     {"name": name, "other": seen[port], "port": port},
                 )
             seen[port] = name
+        return self
+
+    @model_validator(mode="after")
+    def _credentials_need_a_verified_caller(self) -> Config:
+        """`exchange` and `secrets` act on who the caller is, which only a verified JWT says (its issuer and
+        claim); a map keyed by the claim value alone must not let two issuers name one entry."""
+        mode = self.upstream.credentials.mode
+        if mode == "forward":
+            return self
+        jwt = self.security.jwt
+        if jwt is None:
+            raise PydanticCustomError(
+                "credentials_need_jwt",
+                "upstream.credentials.mode: {mode} acts on the caller's verified identity: set security.jwt",
+                {"mode": mode},
+            )
+        if mode == "secrets" and len(jwt.issuer) != 1:
+            raise PydanticCustomError(
+                "secrets_one_issuer",
+                "upstream.credentials.mode: secrets keys its entries by the {claim} claim alone: security.jwt.issuer "
+                "must name exactly one issuer, so that no other issuer's token names the same entry",
+                {"claim": jwt.claim},
+            )
         return self
 
     @model_validator(mode="after")

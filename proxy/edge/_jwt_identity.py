@@ -18,9 +18,10 @@ import aiohttp
 import jwt
 import structlog
 
-from proxy.config.schema import JwtConfig, SecurityConfig
+from proxy.config.schema import Config, JwtConfig, SecurityConfig
 from proxy.errors import ProxyError, UnauthorizedError
 from proxy.principals import Identity, identity_of
+from proxy.upstream.credentials import verified
 from proxy.wire.jsonrpc import JSON
 
 log = structlog.get_logger(__name__)
@@ -161,7 +162,8 @@ class JwtIdentity:
     def __init__(self, config: JwtConfig) -> None:
         self.config = config
         self.keys = KeySet(config)
-        self._verified: OrderedDict[bytes, tuple[str, float]] = OrderedDict()  # token digest → owner, until
+        # token digest → owner, remembered until, the token's exp
+        self._verified: OrderedDict[bytes, tuple[str, float, float]] = OrderedDict()
 
     async def identify(self, value: str) -> Identity:
         match = _BEARER_JWT.fullmatch(value)
@@ -172,10 +174,10 @@ class JwtIdentity:
         remembered = self._verified.get(digest)
         if remembered is not None and time.time() < remembered[1]:
             self._verified.move_to_end(digest)
-            return Identity(value, owner=remembered[0])
-        owner, expires = await self._verify(token)
-        self._remember(digest, owner, expires)
-        return Identity(value, owner=owner)
+            return Identity(value, owner=remembered[0], expires_at=remembered[2])
+        owner, expires_at = await self._verify(token)
+        self._remember(digest, owner, min(expires_at, time.time() + CACHE_SECONDS), expires_at)
+        return Identity(value, owner=owner, expires_at=expires_at)
 
     async def _verify(self, token: str) -> tuple[str, float]:
         config = self.config
@@ -217,10 +219,10 @@ class JwtIdentity:
         if not isinstance(subject, str | int) or isinstance(subject, bool) or subject == "":
             raise JwtRejectedError(f"Unauthorized: the JWT has no {config.claim} claim")
         owner = json.dumps([claims["iss"], str(subject)])
-        return owner, min(float(claims["exp"]), time.time() + CACHE_SECONDS)
+        return owner, float(claims["exp"])
 
-    def _remember(self, digest: bytes, owner: str, until: float) -> None:
-        self._verified[digest] = (owner, until)
+    def _remember(self, digest: bytes, owner: str, until: float, expires_at: float) -> None:
+        self._verified[digest] = (owner, until, expires_at)
         self._verified.move_to_end(digest)
         while len(self._verified) > CACHE_ENTRIES:
             self._verified.popitem(last=False)
@@ -240,4 +242,17 @@ async def identify(headers: Mapping[str, str], security: SecurityConfig, jwt: Jw
         )
     if principal is not None and jwt is not None:
         principal = await jwt.identify(principal.credential)
+    return principal
+
+
+async def caller_identity(headers: Mapping[str, str], config: Config, jwt: JwtIdentity | None) -> Identity | None:
+    """`identify`, and where the proxy makes the upstream credential itself (`upstream.credentials` exchange or
+    secrets) a caller it cannot verify is refused (401): the credential is made for a verified owner only."""
+    principal = await identify(headers, config.security, jwt)
+    if not config.upstream.credentials.forwards:
+        if principal is None:
+            raise UnauthorizedError(
+                f"Unauthorized: this proxy serves no anonymous callers; send {config.security.principal_header}"
+            )
+        verified(principal)
     return principal

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from proxy.config.schema import Config
 from proxy.edge._error_edge import CHANNEL, RPC_ID, HttpChannel
-from proxy.edge._jwt_identity import JwtIdentity, identify
+from proxy.edge._jwt_identity import JwtIdentity, caller_identity
 from proxy.errors import DrainingError, ParseError, RequestId
 from proxy.front.handles import tools
 from proxy.front.handles.service import Handles
@@ -62,7 +62,7 @@ class LegacyHandles:
         method, params = message.get("method"), message.get("params")
         if method == "tools/list":
             rewrite = self._listed(message["id"], config)
-            return lambda span: self._relayed(span, request, body, rewrite)
+            return lambda span: self._relayed(span, request, body, rewrite, config)
         if method != "tools/call" or not isinstance(params, dict) or not serving.may_serve(params.get("name")):
             return None
         request_id, name = message["id"], params.get("name")
@@ -88,17 +88,32 @@ class LegacyHandles:
         return rewrite
 
     async def _relayed(
-        self, span: ServerSpan, request: web.Request, body: bytes, rewrite: Callable[[JSON], JSON]
+        self, span: ServerSpan, request: web.Request, body: bytes, rewrite: Callable[[JSON], JSON], config: Config
     ) -> web.StreamResponse:
-        response = await self.front.relay(request, body, rewrite)
+        response = await self._relay(request, body, config, rewrite)
         span.status(response.status)
         return response
+
+    async def _relay(
+        self,
+        request: web.Request,
+        body: bytes,
+        config: Config,
+        rewrite: Callable[[JSON], JSON] | None = None,
+        tool: str | None = None,
+    ) -> web.StreamResponse:
+        """Relayed by the legacy front; where the proxy makes the upstream credential (`upstream.credentials`),
+        for the verified caller."""
+        if config.upstream.credentials.forwards:
+            return await self.front.relay(request, body, rewrite)
+        identity = await caller_identity(request.headers, config, self.jwt)
+        return await self.front.relay(request, body, rewrite, identity=identity, tool=tool)
 
     async def _caller(self, request: web.Request, request_id: RequestId, config: Config) -> tuple[Caller, HttpChannel]:
         """Who calls (the principal as for every call, in either era) and the answer's stream; from here on an
         error answers with the request's id."""
         request[RPC_ID] = request_id
-        principal = await identify(request.headers, config.security, self.jwt)
+        principal = await caller_identity(request.headers, config, self.jwt)
         channel = request[CHANNEL] = HttpChannel(request, config.limits.write_timeout_seconds)
         return Caller(principal=principal, headers=request.headers), channel
 
@@ -136,7 +151,7 @@ class LegacyHandles:
         )
         if not decision.handle:  # (the upstream's own task support can change what the policy said)
             del request[RPC_ID], request[CHANNEL]
-            return await self.front.relay(request, body)
+            return await self._relay(request, body, config, tool=name)
         answer = await self.handles.call(
             outgoing, caller, channel, decision, None, config, modern=False, arrived=arrived
         )

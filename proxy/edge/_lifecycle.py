@@ -42,6 +42,7 @@ from proxy.legacy.serving import legacy_front
 from proxy.operators.admin import Admin
 from proxy.principals import Principals, deployment_key
 from proxy.tasks.runner import TaskRunner
+from proxy.tasks.services.grants import StoreGrants
 from proxy.tasks.services.push import TaskWatchers
 from proxy.tasks.store import open_store
 from proxy.upstream.http.session import upstream_connector
@@ -60,7 +61,11 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         connector=upstream_connector(), auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar()
     )
     metrics = app.get(METRICS)
-    pool = SessionPool(session_kind(config, http, metrics))
+    # A token exchange seals the grants it keeps with the deployment key (read, or made, now: an exchange is for
+    # a url upstream, which starts no process first); the store's grants table is opened below.
+    credentials_mode = config.upstream.credentials.mode
+    sealing = Principals(deployment_key(config), keep_owner=True) if credentials_mode == "exchange" else None
+    pool = SessionPool(session_kind(config, http, metrics, sealing, StoreGrants(lambda: app[STORE])))
     app[POOL] = pool
     binding = raw_token_binding(config)
     if binding is not None:  # said at start for `required` (`start_warnings`); `detect` says it when it finds out
@@ -81,9 +86,18 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         log.info("store_opened", backend="postgresql")
     live = app[LIVE]
     drain = app[DRAIN]
+    credentials = pool.kind.credentials
+    # Where the proxy makes upstream credentials itself, a task keeps its caller's verified owner, not the token.
+    principals = Principals(deployment_key(config), keep_owner=credentials_mode != "forward")
     runner = TaskRunner(
-        live.config, store, pool, Principals(deployment_key(config)), metrics=metrics, draining=drain.is_draining
+        live.config, store, pool, principals, metrics=metrics, draining=drain.is_draining, credentials=credentials
     )
+    credentials.start()  # (a secrets map watched for changes, as the config file is)
+
+    def reload_credentials() -> None:
+        runner.spawn(credentials.reload("sighup"), "credential-reload")
+
+    live.on_sighup(reload_credentials)
     app[RUNNER] = runner
     audit = runner.audit
     if audit is not None:

@@ -19,7 +19,7 @@ from proxy.config.schema import Config
 from proxy.config.warnings import start_warnings
 from proxy.edge import startup
 from proxy.edge._admission import read_body, refusal
-from proxy.edge._app_keys import CONFIG, FRONT, JWT, LEGACY_HANDLES, LIVE, PASSTHROUGH, RELAY, RUNNER, STOPPING
+from proxy.edge._app_keys import CONFIG, FRONT, JWT, LEGACY_HANDLES, LIVE, PASSTHROUGH, POOL, RELAY, RUNNER, STOPPING
 from proxy.edge._drain import DRAIN, Drain, drainz
 from proxy.edge._error_edge import (
     AUDIT,
@@ -39,7 +39,7 @@ from proxy.edge._error_edge import (
     HttpChannel,
     error_edge,
 )
-from proxy.edge._jwt_identity import JwtIdentity, identify
+from proxy.edge._jwt_identity import JwtIdentity, caller_identity
 from proxy.edge._legacy_handles import NOT_READ
 from proxy.edge._lifecycle import end_listen_streams, upstream_ctx
 from proxy.edge._ops import healthz, metrics_moved, readyz
@@ -232,11 +232,14 @@ def _legacy_post(
         served = app[LEGACY_HANDLES].serve(request, body, message if decoded else NOT_READ, config)
         if served is not None:
             return "legacy", message, served
-    return "legacy", message, _relayed(request, app, body)
+    return "legacy", message, _relayed(request, app, body, message)
 
 
-def _relayed(request: web.Request, app: web.Application, body: bytes | None) -> Serve:
-    """A legacy client's request, relayed by the pass-through; the relayed status is the span's outcome."""
+def _relayed(request: web.Request, app: web.Application, body: bytes | None, message: object = None) -> Serve:
+    """A legacy client's request, relayed by the pass-through; the relayed status is the span's outcome. Where the
+    proxy makes the upstream credential (`upstream.credentials`), the caller is verified first, as a modern one."""
+    if not app[POOL].kind.credentials.forwards:
+        return _relayed_for_caller(request, app, body, message)
 
     def relay(span: tracing.ServerSpan) -> Awaitable[web.StreamResponse]:
         relayed = app[PASSTHROUGH].relay(request, body)
@@ -249,6 +252,28 @@ async def _with_status(span: tracing.ServerSpan, relayed: Awaitable[web.StreamRe
     response = await relayed
     span.status(response.status)
     return response
+
+
+def _called_tool(message: object) -> str | None:
+    """The tool a legacy `tools/call` message calls (None for another message, or one not read)."""
+    if isinstance(message, dict) and message.get("method") == "tools/call":
+        params = message.get("params")
+        name = params.get("name") if isinstance(params, dict) else None
+        return name if isinstance(name, str) else None
+    return None
+
+
+def _relayed_for_caller(request: web.Request, app: web.Application, body: bytes | None, message: object) -> Serve:
+    """Relayed with the upstream credential the proxy makes for the verified caller (and the tool it calls, when
+    known), never the caller's own header."""
+
+    async def relay(span: tracing.ServerSpan) -> web.StreamResponse:
+        identity = await caller_identity(request.headers, app[LIVE].current, app.get(JWT))
+        response = await app[PASSTHROUGH].relay(request, body, identity=identity, tool=_called_tool(message))
+        span.status(response.status)
+        return response
+
+    return relay
 
 
 async def serve_modern(request: web.Request, decoded: object) -> web.StreamResponse:
@@ -266,7 +291,7 @@ async def serve_modern(request: web.Request, decoded: object) -> web.StreamRespo
     modern = validate_modern(request.headers, message.id, message.method, message.params)
     app[DRAIN].check_modern(modern)
     config = app[LIVE].current
-    principal = await identify(request.headers, config.security, app.get(JWT))
+    principal = await caller_identity(request.headers, config, app.get(JWT))
     caller = Caller(principal=principal, headers=request.headers)
     if audited is not None:
         audited.update(subject=subject(principal), principal=app[RUNNER].tasks.owner_of(principal) or None)

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from aiohttp import web
 
+from proxy.principals import Identity
 from proxy.wire.jsonrpc import JSON
 
 # What the proxy changes in the answer to a request it relays: the response message, given as read.
@@ -23,9 +24,17 @@ class LegacyFront(Protocol):
     HTTP server for a stdio one."""
 
     def relay(
-        self, request: web.Request, body: bytes | None, rewrite: Rewrite | None = None
+        self,
+        request: web.Request,
+        body: bytes | None,
+        rewrite: Rewrite | None = None,
+        *,
+        identity: Identity | None = None,
+        tool: str | None = None,
     ) -> Awaitable[web.StreamResponse]:
-        """Relay (or serve) one request; with `rewrite`, the response message to it is rewritten."""
+        """Relay (or serve) one request; with `rewrite`, the response message to it is rewritten. `identity`: the
+        verified caller, where the upstream gets a credential of the proxy's making for it (`upstream.credentials`),
+        never the caller's own header; `tool`: what the request calls, when known."""
 
     async def close(self) -> None:
         """Shutdown: end what the front holds (its sessions, its HTTP client)."""

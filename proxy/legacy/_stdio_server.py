@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import Mapping
+from typing import Final
 
 import structlog
 from aiohttp import web
@@ -25,7 +26,7 @@ from proxy.legacy._stdio_sessions import (
     SessionNotFoundError,
     Stream,
 )
-from proxy.principals import identity_of, principal_key
+from proxy.principals import Identity, identity_of, principal_key
 from proxy.upstream.session import Room
 from proxy.upstream.stdio.process import ProcessExit
 from proxy.upstream.stdio.session import StdioKind
@@ -33,6 +34,8 @@ from proxy.wire.jsonrpc import JSON, Request, classify, dumps, error_message, lo
 from proxy.wire.sse import KEEPALIVE, frame
 
 log = structlog.get_logger(__name__)
+
+CALLER: Final = "mcp_tasks_proxy.legacy_caller"  # the request's verified caller (`upstream.credentials`)
 
 
 class StdioLegacyServer:
@@ -82,8 +85,16 @@ class StdioLegacyServer:
         self.live: set[LegacySession] = set()  # sessions whose process has not exited yet (ended ones too)
 
     async def relay(
-        self, request: web.Request, body: bytes | None, rewrite: Rewrite | None = None
+        self,
+        request: web.Request,
+        body: bytes | None,
+        rewrite: Rewrite | None = None,
+        *,
+        identity: Identity | None = None,
+        tool: str | None = None,
     ) -> web.StreamResponse:
+        if not self.shared.credentials.forwards:
+            request[CALLER] = identity  # the verified caller: its own process, with its own environment
         if request.method == "POST":
             return await self._post(request, body or b"", rewrite)
         if request.method == "GET":
@@ -95,7 +106,10 @@ class StdioLegacyServer:
 
     def _principal_key(self, request: web.Request) -> str:
         """The key of the caller's upstream sessions (`principals.principal_key`): a session answers only the
-        principal header that opened it."""
+        principal header that opened it; with credentials of the proxy's making, only its verified caller."""
+        credentials = self.shared.credentials
+        if not credentials.forwards:
+            return credentials.session_key(request.get(CALLER))
         return principal_key(identity_of(request.headers.get(self.principal_header)))
 
     def _session(self, request: web.Request) -> LegacySession:
@@ -138,7 +152,10 @@ class StdioLegacyServer:
         principal = self._principal_key(request)
         session = LegacySession(secrets.token_urlsafe(24), principal, events)
         try:
-            session.process = await self.shared.start(session.route, lambda exited: self._exited(session, exited))
+            variables = self.shared.credentials.environment(request.get(CALLER))  # a caller without any: refused
+            session.process = await self.shared.start(
+                session.route, lambda exited: self._exited(session, exited), variables=variables
+            )
         except BaseException:
             self.pool.unreserve()
             raise

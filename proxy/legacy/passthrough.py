@@ -19,6 +19,8 @@ from yarl import URL
 from proxy.errors import InvalidRequestError, ParseError, ResultTooLargeError
 from proxy.legacy import Rewrite
 from proxy.observe import tracing
+from proxy.principals import Identity
+from proxy.upstream.credentials import Credentials
 from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, checked_headers, failure
 from proxy.upstream.http.h1 import H1RequestError
 from proxy.upstream.http.lean import LeanClient
@@ -134,7 +136,13 @@ class PassThrough:
         connect_timeout_seconds: float,
         call_timeout_seconds: float,
         max_result_bytes: int | None = None,
+        credentials: Credentials | None = None,
+        principal_header: str = "authorization",
     ) -> None:
+        # Where the proxy makes the caller's upstream credential (`upstream.credentials` exchange or secrets),
+        # the caller's own principal header is never relayed: its credential is put in its place.
+        self.credentials = credentials if credentials is not None and not credentials.forwards else None
+        self.principal_header = principal_header
         self.url = URL(url)  # parsed once, not per request
         # The most of an answer read whole to be rewritten (`limits.max_result_bytes`).
         self.max_result_bytes = max_result_bytes if max_result_bytes is not None else BUFFERED_BODY_MAX_BYTES * 4
@@ -151,11 +159,32 @@ class PassThrough:
         await self.http.close()
 
     def relay(
-        self, request: web.Request, body: bytes | None, rewrite: Rewrite | None = None
+        self,
+        request: web.Request,
+        body: bytes | None,
+        rewrite: Rewrite | None = None,
+        *,
+        identity: Identity | None = None,
+        tool: str | None = None,
     ) -> Awaitable[web.StreamResponse]:
         # (the query string first: parsing it into `request.query` costs more than the relay's header checks)
         url = self.url.with_query(request.query) if request.query_string else self.url
-        return self.relay_to(url, request, body, rewrite)
+        if self.credentials is None:
+            return self.relay_to(url, request, body, rewrite)
+        return self._relay_with_credential(url, request, body, rewrite, identity, tool)
+
+    async def _relay_with_credential(
+        self,
+        url: URL,
+        request: web.Request,
+        body: bytes | None,
+        rewrite: Rewrite | None,
+        identity: Identity | None,
+        tool: str | None,
+    ) -> web.StreamResponse:
+        assert self.credentials is not None
+        credential = await self.credentials.headers(identity, tool)
+        return await self.relay_to(url, request, body, rewrite, credential)
 
     async def fetch_json(self, url: URL, max_bytes: int, timeout_seconds: float) -> object:
         """A small JSON document at `url` on the upstream's origin (the relay reads an authorization server's
@@ -178,13 +207,24 @@ class PassThrough:
             return None
 
     async def relay_to(
-        self, url: URL, request: web.Request, body: bytes | None, rewrite: Rewrite | None = None
+        self,
+        url: URL,
+        request: web.Request,
+        body: bytes | None,
+        rewrite: Rewrite | None = None,
+        credential: Mapping[str, str] | None = None,
     ) -> web.StreamResponse:
         """The request relayed to `url` (another path of the upstream's origin: `edge/_relay.py`), by the same
-        rules; with `rewrite`, its answer is read whole and its response message rewritten."""
+        rules; with `rewrite`, its answer is read whole and its response message rewritten. Where the proxy makes
+        upstream credentials, without the caller's principal header, and with `credential` (the caller's, made
+        for the MCP endpoint) in its place."""
         headers = _end_to_end(request.headers)
         if rewrite is not None:
             headers.popall("Accept-Encoding", None)  # an answer the proxy reads comes as it is, not compressed
+        if self.credentials is not None:
+            headers.popall(self.principal_header, None)
+            if credential:
+                headers.update(credential)
         _add_forwarded(headers, request)
         for name, value in self.extra_headers.items():
             headers[name] = value

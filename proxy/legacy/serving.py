@@ -27,6 +27,8 @@ def legacy_front(pool: SessionPool) -> LegacyFront:
             config.connect_timeout_seconds,
             config.call_timeout_seconds,
             kind.max_result_bytes,
+            kind.credentials,
+            kind.principal_header,
         )
     if isinstance(kind, StdioKind):
         return StdioLegacyServer(kind, pool, kind.config, kind.principal_header, replay_bytes=kind.legacy_replay_bytes)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from proxy.observe.metrics import Metrics
 from proxy.principals import Principals
 from proxy.tasks.live_call import CallTable
-from proxy.tasks.ports import Feed, Spawner
+from proxy.tasks.ports import CredentialBindings, Feed, Spawner
 from proxy.tasks.services.pacing import Durations
 from proxy.tasks.store import TaskStore
 
@@ -28,4 +28,5 @@ class TasksContext:
     clock: Callable[[], int]  # wall clock, in milliseconds
     process_id: str  # the `owner` of every task this process runs
     durations: Durations  # the pacing estimates; `durations.paced` is the record a client sees
+    credentials: CredentialBindings  # what renews a task's upstream credential, kept while the task is live
     metrics: Metrics | None = None

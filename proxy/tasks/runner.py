@@ -32,6 +32,7 @@ from proxy.tasks.effects.upstream_task import UpstreamTaskFollower
 from proxy.tasks.executor import Executor, Observer
 from proxy.tasks.live_call import CallTable, wall_clock_ms
 from proxy.tasks.machine import inputs
+from proxy.tasks.ports import CredentialBindings
 from proxy.tasks.services.idempotency import IdempotencyKeys
 from proxy.tasks.services.observers import AuditTrail, SpanEvents
 from proxy.tasks.services.operations import TaskOperations
@@ -43,6 +44,7 @@ from proxy.tasks.services.replicas import ReplicaLink
 from proxy.tasks.services.starting import CallStarter, WaitingRequests
 from proxy.tasks.services.tool_names import check_named_tools
 from proxy.tasks.store import TaskStore
+from proxy.upstream.credentials import Forward
 from proxy.upstream.pool import SessionPool
 from proxy.wire.envelope import Caller
 
@@ -106,6 +108,7 @@ class TaskRunner:
         clock: Callable[[], int] = wall_clock_ms,
         metrics: Metrics | None = None,
         draining: Callable[[], bool] = lambda: False,
+        credentials: CredentialBindings | None = None,
     ) -> None:
         # `current()` is the config in force: what a live reload may change is read through it, at each call;
         # the rest is bound here, at start.
@@ -143,6 +146,7 @@ class TaskRunner:
             clock=clock,
             process_id=self.process_id,
             durations=self.durations,
+            credentials=credentials if credentials is not None else Forward(config.security.principal_header),
             metrics=metrics,
         )
         self.outbox = Outbox(config.store.max_pending_settlements, metrics, self.replicas.reclaim)

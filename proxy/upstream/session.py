@@ -22,6 +22,7 @@ from proxy.errors import RequestId, UpstreamAuthError, UpstreamError, UpstreamTi
 from proxy.observe.metrics import Metrics, method_label
 from proxy.principals import Identity
 from proxy.upstream.auth import UpstreamAuth
+from proxy.upstream.credentials import Credentials
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader, param_headers
 from proxy.wire.jsonrpc import JSON
@@ -83,8 +84,15 @@ class Session(Protocol):
     async def ensure_initialized(self) -> JSON: ...
 
     def call(
-        self, method: str, params: JSON | None, extra_headers: Mapping[str, str] | None = None
-    ) -> AbstractAsyncContextManager[RequestStream]: ...
+        self,
+        method: str,
+        params: JSON | None,
+        extra_headers: Mapping[str, str] | None = None,
+        *,
+        tool: str | None = None,
+    ) -> AbstractAsyncContextManager[RequestStream]:
+        """One request; `tool` names the tool it is about when the request does not (tasks/* of a tool's task),
+        for a credential aimed at that tool (`upstream.credentials.exchange.tools`)."""
 
     async def request(self, method: str, params: JSON | None) -> JSON: ...
 
@@ -151,6 +159,7 @@ class SessionKind(Protocol):
     limits: PoolLimits
     learned: Learned
     auth: UpstreamAuth  # whether what one caller's session learned may serve another
+    credentials: Credentials  # what each request presents for its caller, and what sessions are kept under
 
     def new(self, principal: Identity | None) -> Session: ...
 

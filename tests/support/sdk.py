@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import httpx
 import mcp.types as mt
 from mcp import ClientSession
 from mcp.client.experimental.tasks import ExperimentalClientFeatures
@@ -39,8 +40,11 @@ class Connection:
 
 
 @asynccontextmanager
-async def connect(url: str, elicit: ElicitationFnT | None = None) -> AsyncIterator[Connection]:
-    """One SDK client session; every server notification it receives is kept on the connection."""
+async def connect(
+    url: str, elicit: ElicitationFnT | None = None, headers: dict[str, str] | None = None
+) -> AsyncIterator[Connection]:
+    """One SDK client session (its requests carrying `headers`); every server notification it receives is kept
+    on the connection."""
     notifications: list[mt.ServerNotification] = []
 
     async def on_message(
@@ -49,8 +53,10 @@ async def connect(url: str, elicit: ElicitationFnT | None = None) -> AsyncIterat
         if isinstance(message, mt.ServerNotification):
             notifications.append(message)
 
+    http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(30, read=300), follow_redirects=True)
     async with (
-        streamable_http_client(url) as (read, write, _),
+        http,
+        streamable_http_client(url, http_client=http) as (read, write, _),
         ClientSession(read, write, READ_TIMEOUT, elicitation_callback=elicit, message_handler=on_message) as session,
     ):
         init = await session.initialize()

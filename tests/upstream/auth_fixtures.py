@@ -7,17 +7,20 @@ answers what it received, for the relay of other paths; an embedded authorizatio
 (`/.well-known/oauth-authorization-server`) naming endpoints that echo as well; and tools that tools/list shows
 only to a token with the `reports` scope, so two callers see different catalogs: `scoped_report` (its `tenant`
 argument carries an `x-mcp-header` annotation) and, with `--legacy-tasks`, `legacy_task_required`. A call by
-name is served to any accepted token, as servers often do.
+name is served to any accepted token, as servers often do. For the credential tests: `token_claims` (who the
+token of this call names) and `seen_tokens` (every token presented, as SHA-256).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Annotated, Any
 
 import jwt
 from mcp import types
+from mcp.server.auth.middleware.auth_context import get_access_token
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 from mcp.server.auth.settings import AuthSettings
@@ -37,6 +40,11 @@ REPORTS_SCOPE = "reports"  # the scope that lists SCOPED_TOOLS
 SCOPED_TOOLS = ("scoped_report", "legacy_task_required")  # the second only exists with --legacy-tasks
 
 
+# The SHA-256 of every bearer token this server was presented, accepted or not (`seen_tokens`): the credential
+# tests check that the caller's own token never reached it.
+PRESENTED: list[str] = []
+
+
 class JwksTokenVerifier:
     """Accepts a JWT signed by a key of `jwks_path` (read per token, so a test may rotate keys), issued by
     `issuer`, not expired; its scopes are the space-separated `scope` claim."""
@@ -46,6 +54,7 @@ class JwksTokenVerifier:
         self.issuer = issuer
 
     async def verify_token(self, token: str) -> AccessToken | None:
+        PRESENTED.append(hashlib.sha256(token.encode()).hexdigest())
         try:
             keys = jwt.PyJWKSet.from_dict(json.loads(self.jwks_path.read_text()))
             kid = jwt.get_unverified_header(token).get("kid")
@@ -102,6 +111,24 @@ def register_echo(mcp: FastMCP[Any]) -> None:
         return JSONResponse({"issuer": origin, **endpoints, "userinfo_endpoint": "https://elsewhere.example/userinfo"})
 
     mcp.custom_route("/.well-known/oauth-authorization-server", methods=["GET"])(authorization_server_metadata)
+
+
+def register_credential_tools(mcp: FastMCP[Any]) -> None:
+    """`token_claims`: the subject, audience and SHA-256 of the token that carried this call (and its expiry);
+    `seen_tokens`: the SHA-256 of every token this server was ever presented."""
+
+    @mcp.tool(description="Who called: the subject, audience and SHA-256 of the access token of this request")
+    def token_claims() -> str:
+        access = get_access_token()
+        if access is None:
+            return json.dumps({"sub": None})
+        claims = jwt.decode(access.token, options={"verify_signature": False})
+        digest = hashlib.sha256(access.token.encode()).hexdigest()
+        return json.dumps({"sub": claims.get("sub"), "aud": claims.get("aud"), "token": digest, "exp": claims["exp"]})
+
+    @mcp.tool(description="The SHA-256 of every bearer token this server was presented, accepted or not")
+    def seen_tokens() -> str:
+        return json.dumps(PRESENTED)
 
 
 def register_scoped_tool(mcp: FastMCP[Any]) -> None:

@@ -289,6 +289,7 @@ def build_server(
         legacy_task_fixtures.enable(mcp)
     if auth is not None:
         auth_fixtures.register_echo(mcp)
+        auth_fixtures.register_credential_tools(mcp)
         auth_fixtures.register_scoped_tool(mcp)
     return mcp
 

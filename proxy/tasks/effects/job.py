@@ -11,7 +11,7 @@ import structlog
 
 from proxy.config.schema import Config, JobConfig, JobToolConfig
 from proxy.config.suggest import did_you_mean
-from proxy.errors import ResultTooLargeError, UpstreamError
+from proxy.errors import CALLER_CREDENTIAL_ERRORS, ResultTooLargeError, UpstreamError
 from proxy.tasks.effects import pump
 from proxy.tasks.live_call import LiveCall
 from proxy.tasks.machine import commands as c
@@ -108,7 +108,7 @@ class JobFollower:
             return
         try:
             answer = await self._call(call, spec.config.cancel, job.task_id)
-        except UpstreamError as exc:
+        except (UpstreamError, *CALLER_CREDENTIAL_ERRORS) as exc:
             log.warning("job_cancel_failed", task_id=call.state.task_id, tool=call.name, error=exc.message)
             return
         if isinstance(answer, UpstreamErrorResponse) or answer.result.get("isError") is True:
@@ -135,8 +135,8 @@ class JobFollower:
             elif report.terminal:
                 await self._ended(call, spec, job.task_id, report, answer)
                 return
-        except ResultTooLargeError as exc:  # the outcome cannot be taken: the task fails with the limit
-            await self.feed.dispatch(call, c.Ended(exc))
+        except (ResultTooLargeError, *CALLER_CREDENTIAL_ERRORS) as exc:  # the task fails with the limit, or with
+            await self.feed.dispatch(call, c.Ended(exc))  # a credential that can no longer be made for its caller
             return
         except UpstreamError as exc:
             log.info("job_poll_failed", task_id=call.state.task_id, tool=call.name, error=exc.message)

@@ -116,7 +116,7 @@ class RecordWrites:
             inputs_issued=command.issued,
             # A re-run, and following an upstream task after a restart, present the principal again: it is kept
             # sealed with the deployment key until the task settles.
-            rerun_principal=self.context.principals.seal(call.principal.credential)
+            rerun_principal=self.context.principals.keep(call.principal)
             if call.principal and (policy.on_restart == "rerun" or command.upstream_task_id or command.job_id)
             else None,
             client_capabilities=call.state.capabilities,
@@ -140,6 +140,7 @@ class RecordWrites:
                 return CommitRefused(TaskLimitError("max_records", self.tasks_config.max_records))
             return CommitRefused(ProxyError("Internal error: the task could not be stored", detail=str(exc)))
         call.stored.record = record
+        self.context.credentials.bind(call.principal, record.task_id)
         log.info("task_created", task_id=record.task_id, tool=call.name, ttl_ms=record.ttl_ms)
         tracing.task_created(record.task_id)
         if command.input_requests:
@@ -189,7 +190,7 @@ class RecordWrites:
         queued_at_ms = now_ms if command.queued else None
         policy = call.state.decision.policy
         keep = command.queued or (policy is not None and policy.on_restart == "rerun")
-        sealed = self.context.principals.seal(call.principal.credential) if keep and call.principal else None
+        sealed = self.context.principals.keep(call.principal) if keep and call.principal else None
         written = await self._fenced(
             call,
             "task_queue_not_stored",
@@ -338,6 +339,7 @@ class RecordWrites:
         """Every settlement that won (the first) is logged and counted here, whoever settled it."""
         if record is None:
             return
+        self.context.credentials.release(record.principal, record.task_id)
         log.info("task_settled", task_id=record.task_id, tool=record.tool, status=record.status.value, **context)
         if record.status is TaskStatus.COMPLETED:
             self.context.durations.completed(record)

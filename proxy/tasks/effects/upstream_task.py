@@ -10,7 +10,7 @@ from typing import Final
 
 import structlog
 
-from proxy.errors import ResultTooLargeError, UpstreamError
+from proxy.errors import CALLER_CREDENTIAL_ERRORS, ResultTooLargeError, UpstreamError
 from proxy.tasks.effects import pump
 from proxy.tasks.effects.held import stop_pump
 from proxy.tasks.live_call import LiveCall
@@ -137,14 +137,14 @@ class UpstreamTaskFollower:
         while not done():
             try:
                 params = {"taskId": upstream_task.task_id}
-                async with session.call("tasks/result", params, call.headers) as upstream:
+                async with session.call("tasks/result", params, call.headers, tool=call.name) as upstream:
                     async for event in upstream.events():
                         attempt = 0
                         await self.feed.dispatch(call, pump.call_event(event))
                         if done():
                             return
-            except ResultTooLargeError as exc:  # the outcome cannot be taken: the task fails with the limit
-                await self.feed.dispatch(call, Ended(exc))
+            except (ResultTooLargeError, *CALLER_CREDENTIAL_ERRORS) as exc:  # fails with the limit, or with a
+                await self.feed.dispatch(call, Ended(exc))  # credential that can no longer be made for its caller
                 return
             except UpstreamError as exc:
                 if pump.gone(exc):
@@ -165,6 +165,9 @@ class UpstreamTaskFollower:
         if session is not None:
             try:
                 answer = await self._request(session, call, "tasks/get", upstream_task.task_id)
+            except CALLER_CREDENTIAL_ERRORS as exc:
+                await self.feed.dispatch(call, Ended(exc))
+                return
             except UpstreamError as exc:
                 if pump.gone(exc):
                     polled = UpstreamTaskPolled(None, known=False)
@@ -183,7 +186,7 @@ class UpstreamTaskFollower:
             return
         try:
             answer = await self._request(call.upstream.session, call, "tasks/cancel", upstream_task.task_id)
-        except UpstreamError as exc:
+        except (UpstreamError, *CALLER_CREDENTIAL_ERRORS) as exc:
             log.warning("upstream_task_cancel_failed", task_id=call.state.task_id, error=exc.message)
             return
         if isinstance(answer, UpstreamErrorResponse):  # e.g. already terminal there: nothing left to stop
@@ -194,5 +197,5 @@ class UpstreamTaskFollower:
     ) -> UpstreamResult | UpstreamErrorResponse:
         """One tasks/* request about the task, for its answer (a cancel runs while the call's events wait: what
         else its stream carries is not fed to the call)."""
-        async with session.call(method, {"taskId": task_id}, call.headers) as upstream:
+        async with session.call(method, {"taskId": task_id}, call.headers, tool=call.name) as upstream:
             return await answer(upstream)

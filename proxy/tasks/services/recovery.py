@@ -14,7 +14,7 @@ import structlog
 from proxy.config.schema import RestartAction
 from proxy.observe import tracing
 from proxy.policy import Decision, Outcome, Policy
-from proxy.principals import SealError, identity_of
+from proxy.principals import SealError
 from proxy.tasks import machine
 from proxy.tasks.context import TasksContext
 from proxy.tasks.effects import Followers
@@ -33,6 +33,7 @@ from proxy.wire.tasks import TaskRecord
 log = structlog.get_logger(__name__)
 
 TOMBSTONE_TRIM_MS: Final = 60_000  # tombstones past tasks.tombstone_seconds or max_tombstones go this often
+GRANTS_PURGE_MS: Final = 10_000  # kept grants whose caller has no live task (settled elsewhere) go this often
 SWEEP_INTERVAL_SECONDS: Final = 1.0  # how often expired tasks are ended and old records purged
 REQUEUED: Final = "queued again after a restart: it had not reached the upstream"
 
@@ -57,6 +58,7 @@ class Recovery:
     draining: Callable[[], bool]  # whether this replica drains after SIGTERM: then its sweep takes nothing over
     waiting: WaitingPlaces  # a call taken up that could wait for its client counts there too
     _tombstones_trimmed_ms: int = field(default=0, init=False)  # the clock when the sweep last trimmed the tombstones
+    _grants_purged_ms: int = field(default=0, init=False)  # ... and last erased kept grants no live task needs
     # take-overs and a lapsed lease's recovery, one at a time
     _adopting: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
 
@@ -230,11 +232,9 @@ class Recovery:
         """Start the call of a task a previous process left live, with the caller's credential kept sealed in
         the record; a credential that no longer opens (another deployment key) fails the task instead. Its work
         goes on in the trace that created the task, below a span named `span`."""
-        try:  # the credential alone: the task's owner is the record's (`caller`), a JWT's owner is not kept
+        try:  # the credential (or, where the proxy mints upstream credentials, the verified owner) it kept
             principal = (
-                None
-                if record.rerun_principal is None
-                else identity_of(self.context.principals.unseal(record.rerun_principal))
+                None if record.rerun_principal is None else self.context.principals.restore(record.rerun_principal)
             )
         except SealError as exc:
             await self.records.fail(record.task_id, f"{wire_tasks.RESTART_MESSAGE}; {refused}: {exc}", fence)
@@ -256,6 +256,7 @@ class Recovery:
         self.context.table.add_task(record.task_id, call)
         if not state.decision.job and self.waiting.needs_one(state.capabilities):
             self.waiting.take(call)
+        self.context.credentials.bind(principal, record.task_id)
         with tracing.resumed(span, record.task_id, record.traceparent):
             await self.context.feed.dispatch(call, Start())  # the call's work starts in the span's context
         return True
@@ -301,5 +302,10 @@ class Recovery:
         )  # Idempotency-Key records past idempotency.retention_seconds
         if keys:
             log.info("idempotency_keys_purged", count=keys)
+        if self.context.credentials.keeps_grants and now - self._grants_purged_ms >= GRANTS_PURGE_MS:
+            self._grants_purged_ms = now
+            grants = await self.context.store.grants.purge_grants()  # kept credentials no live task needs
+            if grants:
+                log.info("credential_grants_erased", grants=grants)
         await self.replicas.sweep(take_over=not self.draining())
         await self.context.durations.reload_if_due()

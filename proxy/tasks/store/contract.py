@@ -280,6 +280,35 @@ class Events(Protocol):
         ...
 
 
+class Grants(Protocol):
+    """Kept grants of `upstream.credentials: exchange` (`grants.py`): one sealed value per caller (its keyed
+    principal hash) and target, and the hold of the replica refreshing it. The credential source's port (through
+    `tasks/services/grants.py`) and the sweep's."""
+
+    async def read_grant(self, principal: str, target: str) -> str | None: ...
+
+    async def lock_grant(self, principal: str, target: str, holder: str, until_ms: int, now_ms: int) -> str | None:
+        """Hold the grant for `holder` until `until_ms` (when free, lapsed or its own): its sealed value; None when
+        it does not exist or another hold is in force."""
+        ...
+
+    async def write_grant(self, principal: str, target: str, sealed: str, now_ms: int, holder: str | None) -> bool:
+        """Keep `sealed` (with `holder`: only while that hold is in force, and it ends)."""
+        ...
+
+    async def unlock_grant(self, principal: str, target: str, holder: str) -> None: ...
+
+    async def drop_grant(self, principal: str, target: str) -> None: ...
+
+    async def drop_grants(self, principal: str) -> int:
+        """Erase the caller's grants unless a live task of the caller remains; how many."""
+        ...
+
+    async def purge_grants(self) -> int:
+        """Erase every grant whose caller has no live task; how many."""
+        ...
+
+
 class TaskStore(Protocol):
     """A task store, composed of its ports (`SqliteTaskStore`: one process; `PostgresTaskStore`: several
     replicas on one database); each consumer takes the ports it uses."""
@@ -301,6 +330,9 @@ class TaskStore(Protocol):
 
     @property
     def events(self) -> Events: ...
+
+    @property
+    def grants(self) -> Grants: ...
 
     @property
     def health(self) -> StoreHealth:

@@ -8,6 +8,7 @@ from typing import Final
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
+from proxy.tasks.store import grants
 from proxy.tasks.store.events import EVENT_STATUSES_SQL, TASK_STATUS
 from proxy.tasks.store.rows import COLUMNS, LIVE_SQL, TERMINAL_SQL
 
@@ -387,6 +388,11 @@ MIGRATIONS: Final[tuple[tuple[str, str], ...]] = (
         -- Filled once the triggers hold their lock on tasks: no writer can slip between the count and them.
         INSERT INTO task_status_counts (status, shard, n) SELECT status, 0, count(*) FROM tasks GROUP BY status;
         """,
+    ),
+    (
+        # Kept grants of `upstream.credentials: exchange` (`grants.py`): sealed tokens per caller and target.
+        "0016_create_grants",
+        grants.CREATE_SQL + ";",
     ),
 )
 STATUS_COUNTS_SQL: Final = "SELECT status, sum(n) AS n FROM task_status_counts GROUP BY status"

@@ -24,6 +24,8 @@ from proxy.tasks.store.base import (
     Tombstone,
     check_kind,
 )
+from proxy.tasks.store.grants import GrantsTable
+from proxy.tasks.store.grants import pg as pg_grants
 from proxy.tasks.store.pg_connections import Conn, PgConnections
 from proxy.tasks.store.pg_create import PgCreator
 from proxy.tasks.store.pg_events import PgEvents
@@ -397,6 +399,22 @@ class PgOperators:
         return int(rows[0]["size"]) if rows else 0
 
 
+class _PgStatements:
+    """The grants port's statements (`grants.Statements`) on the pool, each one statement, one transaction."""
+
+    def __init__(self, db: PgConnections) -> None:
+        self.db = db
+
+    async def rows(self, what: str, sql: str, params: dict[str, Any], *, write: bool) -> list[Any]:
+        return [next(iter(row.values())) for row in await self.db.rows(what, sql, params, write=write)]
+
+    async def changed(self, what: str, sql: str, params: dict[str, Any]) -> int:
+        async def run(conn: Conn) -> int:
+            return (await conn.execute(sql, params)).rowcount
+
+        return await self.db.run(what, run)
+
+
 class PostgresTaskStore:
     """Task records in a PostgreSQL database shared by the replicas, its ports composed over one pool of
     connections (`db`). Open with `await PostgresTaskStore.open(...)`."""
@@ -438,6 +456,7 @@ class PostgresTaskStore:
         self.usage = PgUsage(db)
         self.operators = PgOperators(db, self.records)
         self.events = PgEvents(db)
+        self.grants = GrantsTable(_PgStatements(db), pg_grants)
 
     @classmethod
     async def open(

@@ -27,6 +27,7 @@ from proxy.tasks.store.base import (
 )
 from proxy.tasks.store.batching import CreationBatcher
 from proxy.tasks.store.feed import LocalFeed
+from proxy.tasks.store.grants import GrantsTable
 from proxy.tasks.store.rows import (
     LIVE_SQL,
     STATUS_KEYS,
@@ -359,6 +360,34 @@ class SqliteOperators:
         return await self.db.read("size", run)
 
 
+class _SqliteStatements:
+    """The grants port's statements (`grants.Statements`): reads on the reader thread, writes on the writer's,
+    each committed alone."""
+
+    def __init__(self, db: SqliteDb, writer: SqliteWriter) -> None:
+        self.db = db
+        self.writer = writer
+
+    async def rows(self, what: str, sql: str, params: dict[str, Any], *, write: bool) -> list[Any]:
+        if not write:
+            return await self.db.read(what, lambda: [row[0] for row in self.db.reader_conn().execute(sql, params)])
+
+        def run() -> list[Any]:
+            db = self.writer.db()
+            with db.atomic():
+                return [row[0] for row in db.execute(sql, params).fetchall()]
+
+        return await self.db.write(what, run)
+
+    async def changed(self, what: str, sql: str, params: dict[str, Any]) -> int:
+        def run() -> int:
+            db = self.writer.db()
+            with db.atomic():
+                return db.execute(sql, params).rowcount
+
+        return await self.db.write(what, run)
+
+
 class SqliteTaskStore:
     """Task records in one SQLite file, its ports composed over one `SqliteDb`. Methods are coroutines; the
     SQLite work runs in the file's two threads. Not safe to call from several event loops or threads at once;
@@ -389,6 +418,7 @@ class SqliteTaskStore:
         self.usage = SqliteUsage(self.db, self._writer)
         self.operators = SqliteOperators(self.db, self._writer, self._feed, operator=operator)
         self.events = SqliteEvents(self.db, self._writer, self._feed)
+        self.grants = GrantsTable(_SqliteStatements(self.db, self._writer))
 
     @classmethod
     async def open(

@@ -10,6 +10,7 @@ from typing import Final
 
 from sqlite_utils import Database, Migrations
 
+from proxy.tasks.store import grants
 from proxy.tasks.store.events import EVENT_STATUSES_SQL, TASK_STATUS
 from proxy.tasks.store.rows import COLUMNS, LIVE_SQL, TERMINAL_SQL
 from proxy.wire.tasks import TERMINAL, TaskStatus
@@ -276,6 +277,12 @@ def _count_tasks_by_status(db: Database) -> None:
         " UPDATE task_status_counts SET n = n - 1 WHERE status = OLD.status;"
         " UPDATE task_status_counts SET n = n + 1 WHERE status = NEW.status; END"
     )
+
+
+@MIGRATIONS(name="0015_create_grants")
+def _create_grants(db: Database) -> None:
+    """Kept grants of `upstream.credentials: exchange` (`grants.py`): sealed tokens per caller and target."""
+    db.execute(grants.CREATE_SQL)
 
 
 STATUS_COUNTS_SQL: Final = "SELECT status, n FROM task_status_counts"

@@ -13,7 +13,7 @@ from typing import Any, Final
 import aiohttp
 import structlog
 
-from proxy.errors import UpstreamError
+from proxy.errors import ProxyError, UpstreamError
 from proxy.wire.sse import EventTooLargeError, SSEParser
 from proxy.wire.upstream_events import UpstreamEvent, decode
 
@@ -70,7 +70,7 @@ class GetStream:
             except EventTooLargeError:
                 status = 0  # dropped, never held whole; the stream is read again from the next event on
                 log.warning("upstream_get_stream_message_too_large", max_bytes=self._max)
-            except (aiohttp.ClientError, TimeoutError, UpstreamError) as exc:
+            except (aiohttp.ClientError, TimeoutError, ProxyError) as exc:  # (a credential not made now, too)
                 status = 0
                 log.info("upstream_get_stream_lost", error=str(exc))
             finally:

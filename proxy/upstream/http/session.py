@@ -25,6 +25,7 @@ from proxy.background import Background
 from proxy.config.schema import HttpUpstreamConfig
 from proxy.errors import (
     AUTH_STATUSES,
+    ProxyError,
     RequestId,
     ResultTooLargeError,
     UpstreamAuthError,
@@ -38,6 +39,7 @@ from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import ClientSpan
 from proxy.principals import Identity
 from proxy.upstream.auth import AuthMode, UpstreamAuth
+from proxy.upstream.credentials import Credentials, Forward
 from proxy.upstream.http.answers import CLIENT_FAILURES, AiohttpAnswer, Answer, checked_headers, failure
 from proxy.upstream.http.get_stream import GetStream, SessionGone, StreamEvent
 from proxy.upstream.http.lean import KEEPALIVE_SECONDS, LeanClient
@@ -119,8 +121,10 @@ class HttpKind:
         metrics: Metrics | None,
         max_result_bytes: int | None = None,
         auth_mode: AuthMode = "detect",
+        credentials: Credentials | None = None,
     ) -> None:
         self.config = config
+        self.credentials = credentials if credentials is not None else Forward(principal_header)
         self.max_result_bytes = max_result_bytes  # the largest upstream answer or stream message read
         self.http = http
         self.principal_header = principal_header
@@ -189,6 +193,7 @@ class HttpKind:
 
     async def close(self) -> None:
         await self._background.close()
+        await self.credentials.close()
         if self.lean is not None:
             await self.lean.close()
 
@@ -220,14 +225,23 @@ class HttpSession:
 
     # --- headers and plumbing -------------------------------------------------------------------------
 
-    def headers(self, extra: Mapping[str, str] | None = None, *, initialized: bool = True) -> CIMultiDict[str]:
-        """Headers of a request on this session. The operator's `upstream.headers` come after the caller's
-        principal header, so a configured credential wins (as it does on the pass-through); names are matched
-        whatever their case, so each header is sent once."""
+    def headers(
+        self,
+        extra: Mapping[str, str] | None = None,
+        *,
+        initialized: bool = True,
+        credential: Mapping[str, str] | None = None,
+    ) -> CIMultiDict[str]:
+        """Headers of a request on this session. The caller's credential is its principal header as it came
+        (`forward`), or `credential` (what the credential source made for it, never the inbound token); the
+        operator's `upstream.headers` come after it, so a configured credential wins (as it does on the
+        pass-through); names are matched whatever their case, so each header is sent once."""
         headers = CIMultiDict({"Accept": "application/json, text/event-stream", "Content-Type": "application/json"})
         if self._cookies is not None and (cookies := self._cookies.filter_cookies(self.kind.url)):
             headers["Cookie"] = "; ".join(f"{morsel.key}={morsel.coded_value}" for morsel in cookies.values())
-        if self.principal:
+        if credential is not None:
+            headers.update(credential)
+        elif self.principal and self.principal.credential:
             headers[self.kind.principal_header] = self.principal.credential
         headers.update(self.kind.config.headers)
         if initialized:
@@ -238,9 +252,31 @@ class HttpSession:
             headers.update(extra)
         return headers
 
-    def stream_headers(self, last_event_id: str | None) -> CIMultiDict[str]:
+    async def headers_now(
+        self, extra: Mapping[str, str] | None = None, *, initialized: bool = True, tool: str | None = None
+    ) -> CIMultiDict[str]:
+        """`headers`, with the caller's credential as the credential source makes it at this moment (a token
+        exchanged or renewed now if need be; `tool`: the tool the request is about). The proxy's own sessions
+        of no caller (readiness, the anonymous probe) carry none: callers are never anonymous where the source
+        makes credentials (the edge refuses them)."""
+        credentials = self.kind.credentials
+        if credentials.forwards or self.principal is None:
+            return self.headers(extra, initialized=initialized)
+        credential = await credentials.headers(self.principal, tool)
+        return self.headers(extra, initialized=initialized, credential=credential)
+
+    async def _made_headers(
+        self, extra: Mapping[str, str] | None, method: str, params: JSON | None, tool: str | None
+    ) -> CIMultiDict[str]:
+        """A request's headers with the credential the source makes now for the tool the request is about
+        (`tool`, or the one a tools/call names)."""
+        if tool is None and method == "tools/call" and params is not None and isinstance(params.get("name"), str):
+            tool = params["name"]
+        return await self.headers_now(extra, tool=tool)
+
+    async def stream_headers(self, last_event_id: str | None) -> CIMultiDict[str]:
         """Headers of a GET that opens (or resumes) an SSE stream of this session."""
-        headers = self.headers({"Accept": "text/event-stream"})
+        headers = await self.headers_now({"Accept": "text/event-stream"})
         headers.pop("Content-Type", None)
         if last_event_id is not None:
             headers["Last-Event-ID"] = last_event_id
@@ -291,7 +327,8 @@ class HttpSession:
             "capabilities": CLIENT_CAPABILITIES,
             "clientInfo": CLIENT_INFO,
         }
-        response = await self._post(request_message(request_id, "initialize", params), self.headers(initialized=False))
+        headers = await self.headers_now(initialized=False)
+        response = await self._post(request_message(request_id, "initialize", params), headers)
         session_id = response.headers.get("Mcp-Session-Id")
         if response.status in AUTH_STATUSES:
             raise self._refused(response, "initialize")
@@ -334,7 +371,7 @@ class HttpSession:
 
     async def _open_stream(self, last_event_id: str | None) -> aiohttp.ClientResponse:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.kind.config.connect_timeout_seconds)
-        headers = checked_headers(self.stream_headers(last_event_id))
+        headers = checked_headers(await self.stream_headers(last_event_id))
         response = await self.kind.http.get(self.kind.url, headers=headers, timeout=timeout)
         self._keep_cookies(response)
         return response
@@ -400,10 +437,9 @@ class HttpSession:
             self.detach()
         if self.session_id is None:
             return
-        with contextlib.suppress(*CLIENT_FAILURES, UpstreamError):
-            async with self.kind.http.delete(
-                self.kind.url, headers=checked_headers(self.headers()), timeout=aiohttp.ClientTimeout(total=2)
-            ):
+        with contextlib.suppress(*CLIENT_FAILURES, ProxyError):  # (a credential that cannot be made: not ended)
+            headers = checked_headers(await self.headers_now())
+            async with self.kind.http.delete(self.kind.url, headers=headers, timeout=aiohttp.ClientTimeout(total=2)):
                 pass
         self.session_id = None
         self.initialize_result = None
@@ -431,7 +467,7 @@ class HttpSession:
 
     async def resume(self, last_event_id: str) -> Answer:
         """Continue a request's SSE stream the upstream closed early (GET + Last-Event-ID)."""
-        headers = checked_headers(self.stream_headers(last_event_id))
+        headers = checked_headers(await self.stream_headers(last_event_id))
         sent_with = self.session_id
         try:
             response = AiohttpAnswer(
@@ -448,13 +484,19 @@ class HttpSession:
         raise UpstreamError(f"Upstream lost the call: resuming its stream answered HTTP {response.status}")
 
     def call(
-        self, method: str, params: JSON | None, extra_headers: Mapping[str, str] | None = None
+        self,
+        method: str,
+        params: JSON | None,
+        extra_headers: Mapping[str, str] | None = None,
+        *,
+        tool: str | None = None,
     ) -> AbstractAsyncContextManager[HttpRequestStream]:
-        """Send one request upstream; the HttpRequestStream streams what comes back. Leaving the context closes it."""
-        return _Call(self, method, params, extra_headers)
+        """Send one request upstream; the HttpRequestStream streams what comes back. Leaving the context closes it.
+        `tool`: the tool the request is about, for a credential made per tool (a tools/call names its own)."""
+        return _Call(self, method, params, extra_headers, tool)
 
     async def _send(
-        self, method: str, params: JSON | None, extra: Mapping[str, str] | None, traced: ClientSpan
+        self, method: str, params: JSON | None, extra: Mapping[str, str] | None, traced: ClientSpan, tool: str | None
     ) -> HttpRequestStream:
         """`call`'s request: sent (once more on a new session when the upstream forgot this one), its answer's
         status read."""
@@ -464,8 +506,13 @@ class HttpSession:
         extra_headers = traced.headers(extra)
         for attempt in range(2):
             sent_with = self.session_id
+            headers = (
+                self.headers(extra_headers)
+                if self.kind.credentials.forwards or self.principal is None
+                else await self._made_headers(extra_headers, method, params, tool)
+            )
             try:
-                response = await self._post(message, self.headers(extra_headers))
+                response = await self._post(message, headers)
             except asyncio.CancelledError:
                 # Abandoned while the POST was on its way: the upstream may already run it.
                 await asyncio.shield(self._cancel_unanswered(request_id))
@@ -493,17 +540,17 @@ class HttpSession:
     async def _cancel_unanswered(self, request_id: int) -> None:
         try:
             await self.notify("notifications/cancelled", {"requestId": request_id, "reason": "request abandoned"})
-        except UpstreamError as exc:
+        except ProxyError as exc:  # (an upstream failure, or a credential that cannot be made now)
             log.info("upstream_cancel_failed", error=exc.message)
 
     async def notify(self, method: str, params: JSON | None) -> None:
-        response = await self._post(notification_message(method, params), self.headers())
+        response = await self._post(notification_message(method, params), await self.headers_now())
         response.release()
 
     async def respond(self, request_id: RequestId, *, result: JSON | None = None, error: JSON | None = None) -> None:
         """Answer a server→client request (a JSON-RPC response POSTed with the session id)."""
         message = result_message(request_id, result or {}) if error is None else error_message(request_id, error)
-        response = await self._post(message, self.headers())
+        response = await self._post(message, await self.headers_now())
         response.release()
 
 
@@ -560,10 +607,18 @@ class _Call:
     """`HttpSession.call`'s context: the request's CLIENT span and its measure around it, the stream open while
     it lasts (a class, not a generator: every call of the proxy's own enters one)."""
 
-    __slots__ = ("_extra", "_measure", "_method", "_params", "_session", "_span", "_stream")
+    __slots__ = ("_extra", "_measure", "_method", "_params", "_session", "_span", "_stream", "_tool")
 
-    def __init__(self, session: HttpSession, method: str, params: JSON | None, extra: Mapping[str, str] | None) -> None:
+    def __init__(
+        self,
+        session: HttpSession,
+        method: str,
+        params: JSON | None,
+        extra: Mapping[str, str] | None,
+        tool: str | None = None,
+    ) -> None:
         self._session = session
+        self._tool = tool
         self._method = method
         self._params = params
         self._extra = extra
@@ -584,7 +639,7 @@ class _Call:
             raise
         self._span = span
         try:
-            stream = await session._send(method, self._params, self._extra, traced)
+            stream = await session._send(method, self._params, self._extra, traced, self._tool)
         except BaseException as exc:
             self._leave(exc)
             raise

@@ -12,7 +12,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 import structlog
 
 from proxy.errors import ProxyError, UpstreamLimitError
-from proxy.principals import Identity, principal_key
+from proxy.principals import Identity
 from proxy.upstream.pool._askers import QuestionOwners
 from proxy.upstream.pool._facts import ToolFactsReader
 from proxy.upstream.session import Session, SessionKind, Sink
@@ -76,10 +76,19 @@ class SessionPool:
 
     # --- handing sessions out ----------------------------------------------------------------------------
 
+    def key_of(self, principal: Identity | None) -> str:
+        """What the principal's sessions are kept under: its credential's hash, or its verified owner's where the
+        proxy makes its upstream credential itself (`upstream.credentials`: a refreshed token keeps them). The
+        credential source also hears of the caller here, at every use (the freshest token it presented)."""
+        credentials = self.kind.credentials
+        if not credentials.forwards:
+            credentials.seen(principal)
+        return credentials.session_key(principal)
+
     def session(self, principal: Identity | None) -> Session:
         """The principal's shared session (created on first use, not bounded by `max_open`). Prefer `use()`,
         which waits for room and keeps it from being evicted while in use."""
-        key = principal_key(principal)
+        key = self.key_of(principal)
         session = self._shared.get(key)
         if session is None:
             session = self._shared[key] = self._make(principal)
@@ -126,7 +135,7 @@ class SessionPool:
     async def _lend(
         self, principal: Identity | None, sink: Sink, reclaim: Callable[[], bool] | None
     ) -> AsyncIterator[Session]:
-        key = principal_key(principal)
+        key = self.key_of(principal)
         session = await self._lendable(principal, key)
         async with self._lent_to(session, key, reclaim):
             self._keep_one_warm(principal, key)
@@ -143,7 +152,7 @@ class SessionPool:
             async with self.lease(principal, sink) as session:
                 yield session
             return
-        key = principal_key(principal)
+        key = self.key_of(principal)
         deadline = asyncio.get_running_loop().time() + self.limits.wait_seconds
         while not (self._has_room() and self._may_lend()):
             await self._wait_for_room(deadline, evict=self._may_lend())
@@ -195,7 +204,7 @@ class SessionPool:
             return
         shared = self.session(None)
         self.kind.spawn(self._warm_up(shared), "upstream-session-warm-up")
-        self._keep_one_warm(None, principal_key(None))
+        self._keep_one_warm(None, self.key_of(None))
 
     def _keep_one_warm(self, principal: Identity | None, key: str) -> None:
         """Where sessions are costly to start (stdio processes), a principal that borrows one gets a spare
@@ -289,7 +298,7 @@ class SessionPool:
         limits = self.limits
         if not limits.refuse_new_calls_when_full or limits.max_open is None:
             return True
-        key = principal_key(principal)
+        key = self.key_of(principal)
         if limits.share_quiet_calls and not (asks or self.questions.asked_before(asker)):
             return key in self._shared or self._has_room() or bool(self._idle)
         if not self._may_lend():
@@ -390,7 +399,7 @@ class SessionPool:
 
     def spare_sessions(self, principal: Identity | None) -> list[Session]:
         """The principal's idle sessions waiting to be leased again, most recently returned last."""
-        return list(self._spare.get(principal_key(principal), ()))
+        return list(self._spare.get(self.key_of(principal), ()))
 
     def sessions(self) -> list[Session]:
         """Every session the pool holds (shared, lent, spare, and those still closing)."""
@@ -445,7 +454,7 @@ class _Use:
     def __init__(self, pool: SessionPool, principal: Identity | None) -> None:
         self._pool = pool
         self._principal = principal
-        self._key = principal_key(principal)
+        self._key = pool.key_of(principal)
         self._session: Session | None = None
 
     async def __aenter__(self) -> Session:
@@ -467,7 +476,7 @@ class _SharedLease:
         self._pool = pool
         self._principal = principal
         self._sink = sink
-        self._key = principal_key(principal)
+        self._key = pool.key_of(principal)
         self._notifications = pool._notifications_of(self._key)
         self._session: Session | None = None
         self._sharer: Sink | None = None

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
-from proxy.principals import Identity, principal_key
+from proxy.principals import Identity
 from proxy.upstream.session import Session, SessionKind, ToolCatalog, read_tools
 from proxy.wire import legacy_tasks
 from proxy.wire.envelope import ParamHeader
@@ -90,7 +90,7 @@ class ToolFactsReader:
         """`tool_facts` when the upstream requires credentials: the caller's own InitializeResult and tool catalog
         (a server may show each caller other tools, with other annotations), read through its shared session and
         kept while that session is."""
-        key = principal_key(principal)
+        key = self.kind.credentials.session_key(principal)
         async with self._use(principal) as session:
             initialize_result = await session.ensure_initialized()
             catalog = self._catalogs.get(key) or ToolCatalog()

@@ -36,6 +36,8 @@ from proxy.observe import tracing
 from proxy.observe.metrics import Metrics
 from proxy.principals import Identity
 from proxy.upstream.auth import UpstreamAuth
+from proxy.upstream.credentials import Credentials, Forward
+from proxy.upstream.credentials._secrets import check_environment_value
 from proxy.upstream.session import (
     CLIENT_CAPABILITIES,
     CLIENT_INFO,
@@ -167,8 +169,12 @@ class StdioKind:
         max_result_bytes: int | None = None,
         principal_header: str = "authorization",
         legacy_replay_bytes: int = 0,
+        credentials: Credentials | None = None,
     ) -> None:
         self.config = config
+        # A caller's server processes are its own when it has credentials of its own (`secrets`): their
+        # environment holds its variables over `env`, never another caller's, never the inbound token.
+        self.credentials = credentials if credentials is not None else Forward(principal_header)
         self.metrics = metrics
         self.max_result_bytes = max_result_bytes  # a longer message is refused (the line is read: max_line_bytes)
         self.principal_header = principal_header  # binds a legacy client's session to the caller that opened it
@@ -202,6 +208,7 @@ class StdioKind:
 
     async def close(self) -> None:
         await self._background.close()
+        await self.credentials.close()
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -211,9 +218,11 @@ class StdioKind:
         on_message: Callable[[dict[str, Any]], None],
         on_exit: Callable[[ProcessExit], None],
         on_oversized: Callable[[dict[str, Any]], None] | None = None,
+        variables: Mapping[str, str] | None = None,
     ) -> StdioProcess:
         """A new server process, unless the server keeps crashing (then a 503 saying when it is retried).
-        Messages over `max_result_bytes` go to `on_oversized` when given."""
+        Messages over `max_result_bytes` go to `on_oversized` when given; `variables` (a caller's own, from
+        the credential source) are set over `upstream.env`, each checked here, where it is written."""
         wait = self.retry_at - time.monotonic()
         if wait > 0:
             # Rounded up: a wait is never said to be "0.0 s".
@@ -223,9 +232,19 @@ class StdioKind:
                 http_status=503,
             )
         config = self.config
+        env = self.env
+        if variables:
+            for name, value in variables.items():
+                try:
+                    check_environment_value(name, value)
+                except ValueError:
+                    raise UpstreamError(
+                        f"Upstream stdio server {self.program} not started: a credential variable cannot be set"
+                    ) from None
+            env = {**env, **variables}
         return await StdioProcess.start(
             config.command,
-            self.env,
+            env,
             config.cwd,
             max_line_bytes=config.max_line_bytes,
             on_message=on_message,
@@ -318,6 +337,7 @@ class StdioSession:
         self._lock = asyncio.Lock()
         self._closed = False
         self._generation = 0  # which process callbacks still count: only the latest one's
+        self._variables: Mapping[str, str] = {}  # the caller's credential variables its process started with
 
     async def request(self, method: str, params: JSON | None) -> JSON:
         return await request(self, method, params)
@@ -366,7 +386,9 @@ class StdioSession:
             if generation == self._generation:
                 self._on_exit(exited)
 
-        process = await self.kind.start(on_message, on_exit, on_oversized)
+        variables = self.kind.credentials.environment(self.principal)  # a refused caller starts nothing
+        process = await self.kind.start(on_message, on_exit, on_oversized, variables)
+        self._variables = variables
         self.process = process
         self.kind.spawn(self._answer_unsolicited(queue), f"stdio-unsolicited-{process.name}")
         started = time.monotonic()
@@ -580,10 +602,19 @@ class StdioSession:
 
     @contextlib.asynccontextmanager
     async def call(
-        self, method: str, params: JSON | None, extra_headers: Mapping[str, str] | None = None
+        self,
+        method: str,
+        params: JSON | None,
+        extra_headers: Mapping[str, str] | None = None,
+        *,
+        tool: str | None = None,
     ) -> AsyncIterator[StdioRequestStream]:
         """Send one request; the StdioRequestStream streams what comes back. HTTP headers (trace context, the principal)
-        have no place on stdio and are not sent."""
+        have no place on stdio and are not sent. With credentials of the caller's own (`secrets`), its entry is
+        looked up again for each request: a caller whose entry is gone is refused, and a process started with an
+        entry since changed is started anew first, when no request of it is open."""
+        if not self.kind.credentials.forwards:
+            await self._current_credential()
         await self.ensure_initialized()
         span = tracing.client_span(method, params, transport="pipe", protocol_version=self.protocol_version)
         with measured(self.kind.metrics, method), span as traced:
@@ -594,6 +625,20 @@ class StdioSession:
                     yield call
                 finally:
                     self.in_flight -= 1
+
+    async def _current_credential(self) -> None:
+        variables = self.kind.credentials.environment(self.principal)  # NoCredentialError once it is gone
+        if self.initialize_result is None or variables == self._variables or self.in_flight:
+            return
+        async with self._lock:
+            process = self.process
+            if self.initialize_result is None or process is None or self.in_flight:
+                return
+            log.info("upstream_process_credential_changed", upstream=process.name)
+            self._generation += 1  # the old process's exit is no crash, and fails no call of the new one
+            self.initialize_result = None
+            self.session_id = None
+            await process.stop()
 
     async def notify(self, method: str, params: JSON | None) -> None:
         await self._send(notification_message(method, params))
