@@ -198,6 +198,7 @@ def serve(config: Config, path: str | None = None, overrides: dict[str, dict[str
 
     configure_logging(config.logging)
     startup.warn_beyond_loopback(config)
+    startup.descriptor_budget(config)
     live = LiveConfig(config, path, overrides)
     live.subscribe(lambda new: configure_logging(new.logging))
     app = create_app(config, live)

@@ -275,21 +275,28 @@ class UpstreamTimeoutError(UpstreamError):
 
 
 class TaskLimitError(ProxyError):
-    """A limit of the proxy (`tasks.max_running`, `tasks.max_records`, `inputs.max_parked`, listen streams) is
-    reached: refused before anything is stored or sent upstream.
+    """A limit of the proxy (`tasks.max_running`, `tasks.max_records`, `inputs.max_parked`, `inputs.max_waiting`,
+    listen streams, the descriptor budget) is reached: refused before anything is stored or sent upstream.
 
-    -32603 with `data.limit` naming the limit; HTTP 503 because the condition is temporary."""
+    -32603 with `data.limit` naming the limit; HTTP 503 with `Retry-After` (RFC 9110 §10.2.3) because the
+    condition is temporary: the client, or a balancer, may send the request again then (or elsewhere)."""
 
     code = jsonrpc.INTERNAL_ERROR
     http_status = 503
     default_message = "Task limit reached"
 
-    def __init__(self, limit: str, maximum: int, *, request_id: RequestId | None = None) -> None:
+    def __init__(
+        self, limit: str, maximum: int, *, request_id: RequestId | None = None, retry_after_seconds: int = 1
+    ) -> None:
         super().__init__(
             f"Limit reached: {limit} = {maximum}; try again later",
             data={"limit": limit, "max": maximum},
             request_id=request_id,
         )
+        self.retry_after_seconds = retry_after_seconds
+
+    def response_headers(self) -> Mapping[str, str]:
+        return {"Retry-After": str(self.retry_after_seconds)}
 
 
 class CallerLimitError(TaskLimitError):
@@ -311,18 +318,23 @@ def http_status(error: ProxyError | Mapping[str, Any] | None) -> int:
 
 
 class UpstreamLimitError(ProxyError):
-    """Every upstream session the configuration allows is busy (e.g. `upstream.max_processes` stdio server
-    processes) and none came free in time. -32603 with `data.limit`, HTTP 503: the condition is temporary."""
+    """Every upstream session the configuration allows is busy (`upstream.max_processes` stdio server processes,
+    `upstream.max_open_sessions` HTTP sessions) and none came free in time, or none is free for a new call.
+    -32603 with `data.limit`, HTTP 503 with `Retry-After`: the condition is temporary."""
 
     code = jsonrpc.INTERNAL_ERROR
     http_status = 503
     default_message = "Upstream limit reached"
 
     def __init__(self, limit: str, maximum: int, waited_seconds: float) -> None:
+        what = f"all busy for {waited_seconds:g} s" if waited_seconds else "all in use"
         super().__init__(
-            f"Limit reached: {limit} = {maximum}, all busy for {waited_seconds:g} s; try again later",
+            f"Limit reached: {limit} = {maximum}, {what}; try again later",
             data={"limit": limit.rpartition(".")[2], "max": maximum},
         )
+
+    def response_headers(self) -> Mapping[str, str]:
+        return {"Retry-After": "1"}
 
 
 class DrainingError(ProxyError):

@@ -30,7 +30,7 @@ from proxy.tasks.effects.job import JobFollower
 from proxy.tasks.effects.outbox import Outbox
 from proxy.tasks.effects.pump import CRASHED
 from proxy.tasks.effects.records import RecordWrites
-from proxy.tasks.effects.slots import Parking, RunningSlots
+from proxy.tasks.effects.slots import Parking, RunningSlots, WaitingPlaces
 from proxy.tasks.effects.timers import Timers
 from proxy.tasks.effects.upstream_task import UpstreamTaskFollower
 from proxy.tasks.executor import Executor, ReentryError
@@ -287,6 +287,53 @@ async def test_a_callers_share_of_parked_calls_refuses_that_caller_only(tmp_path
     assert parked.count == 2
 
 
+# --- waiting places: taken at a call's start, refused beyond the caller's share or the total ------------------
+
+
+def waiting(tmp_path: Path, total: int, per_caller: int) -> tuple[WaitingPlaces, Config]:
+    settings = config(tmp_path, inputs={"max_waiting": total}, limits={"max_waiting_per_principal": per_caller})
+    return WaitingPlaces(), settings
+
+
+def test_a_call_can_wait_only_when_its_client_could_answer_a_question() -> None:
+    assert WaitingPlaces.needs_one({"elicitation": {}})
+    assert WaitingPlaces.needs_one({"sampling": {}, "roots": {"listChanged": True}})
+    assert not WaitingPlaces.needs_one({})
+    assert not WaitingPlaces.needs_one({"extensions": {"io.modelcontextprotocol/tasks": {}}})
+
+
+def test_a_callers_waiting_places_refuse_that_caller_with_429_until_one_ends(tmp_path: Path) -> None:
+    places, settings = waiting(tmp_path, total=10, per_caller=2)
+    first, second = make_call(caller="a"), make_call(caller="a")
+    places.take(first)
+    assert places.refusal("a", settings) is None
+    places.take(second)
+
+    refused = places.refusal("a", settings)
+
+    assert isinstance(refused, CallerLimitError)
+    assert (refused.status, refused.data) == (429, {"limit": "max_waiting_per_principal", "max": 2})
+    assert refused.response_headers() == {"Retry-After": "1"}
+    assert places.refusal("b", settings) is None  # the others go on
+    places.forget(first)
+    places.forget(first)  # forgetting twice frees one place, not two
+    assert places.refusal("a", settings) is None
+    assert (places.count, places.held_by("a")) == (1, 1)
+
+
+def test_the_total_of_waiting_places_refuses_every_caller_with_503(tmp_path: Path) -> None:
+    places, settings = waiting(tmp_path, total=2, per_caller=2)
+    places.take(make_call(caller="a"))
+    places.take(make_call(caller="b"))
+
+    refused = places.refusal("c", settings)
+
+    assert isinstance(refused, TaskLimitError)
+    assert not isinstance(refused, CallerLimitError)
+    assert (refused.status, refused.data) == (503, {"limit": "max_waiting", "max": 2})
+    assert refused.response_headers() == {"Retry-After": "1"}
+
+
 # --- timers and the client's side, each with a recording feed ------------------------------------------------
 
 
@@ -510,8 +557,9 @@ async def test_a_replica_ignores_its_own_settlement_on_the_feed_but_not_another_
     parts.link = link = ReplicaLink(store, "replica-1", 30)
     notes = ClientSide(lambda record: record, feed, parts.context.spawner, defaults)
     follow = parts.followers(lambda: limits)
-    starter = CallStarter(parts.context, lambda: limits, parked, link, notes, follow)
-    recovery = Recovery(parts.context, link, parts.records, starter.state, follow, lambda: False)
+    waiting = WaitingPlaces()
+    starter = CallStarter(parts.context, lambda: limits, parked, waiting, link, notes, follow)
+    recovery = Recovery(parts.context, link, parts.records, starter.state, follow, lambda: False, waiting)
     await link.start(ReplicaInbox(parts.context, parked, parts.records, link, recovery, starter))
     own, elsewhere = make_call(), make_call()
     own_task, elsewhere_task = await parts.committed(own), await parts.committed(elsewhere)

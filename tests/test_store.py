@@ -995,3 +995,43 @@ async def test_calls_are_counted_per_key_and_window(backend: Backend) -> None:
     if backend.dsn is not None:
         windows = await backend.rows("SELECT key, window_start_ms, calls FROM quota_windows ORDER BY key")
         assert windows == [("principal:a", 120_000, 1)]  # the windows before the current one are dropped
+
+
+async def test_the_status_counts_agree_with_a_real_count_after_a_mixed_workload_and_a_reopen(
+    backend: Backend,
+) -> None:
+    """Creations, questions, settlements, expiry, purges and deletes: the counts the store keeps as records change
+    (what `stats` reads, never a scan) equal a real count, and still do after the store is closed and opened
+    again (a restart)."""
+    store = await backend.open()
+    try:
+        for n in range(30):
+            task_id = f"task_{n}"
+            await store.records.create(
+                make_record(task_id, created_at_ms=1_000, ttl_ms=1_000 if n % 4 == 0 else 60_000)
+            )
+            if n % 3 == 0:
+                await store.records.settle(task_id, TaskStatus.FAILED, now_ms=1_500, error={"code": -1, "message": "x"})
+            elif n % 3 == 1:
+                await store.records.set_inputs(task_id, {"k": {"method": "elicitation/create"}}, 1, now_ms=1_500)
+        await store.records.settle_expired(
+            2_500, error={"code": -32603, "message": "expired"}, status_message="expired"
+        )
+        await store.records.purge_expired(2_500, tombstones=True)
+        await store.records.delete("task_1")
+        await store.operators.purge_settled(10_000, dry_run=False)
+        await store.records.create(make_record("task_late", status=TaskStatus.COMPLETED, created_at_ms=20_000))
+        counted = await store.operators.stats()
+    finally:
+        await store.close()
+    real = {
+        str(status): int(n) for status, n in await backend.rows("SELECT status, COUNT(*) FROM tasks GROUP BY status")
+    }
+    assert real  # the workload left records of several statuses
+    assert {status: counted[status] for status in counted if status != "records" and counted[status]} == real
+    assert counted["records"] == sum(real.values())
+    reopened = await backend.open()
+    try:
+        assert await reopened.operators.stats() == counted
+    finally:
+        await reopened.close()

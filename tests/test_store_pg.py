@@ -129,7 +129,8 @@ async def test_replicas_that_start_at_once_migrate_once(pg_dsn: str) -> None:
             ("0009_create_quota_windows",),
             ("0010_create_idempotency_keys",),
             ("0011_create_lease_watch",),
-            ("0012_create_grants",),
+            ("0012_count_tasks_by_status",),
+            ("0013_create_grants",),
         ]
         await stores[0].records.create(make_record("task_a"))
         assert await stores[3].records.get("task_a") is not None
@@ -488,3 +489,47 @@ async def test_a_database_of_the_previous_version_gains_the_trace_context_column
     finally:
         await store.close()
     assert await rows(pg_dsn, "SELECT count(*) FROM schema_migrations WHERE name = '0005_add_traceparent'") == [(1,)]
+
+
+async def test_the_status_counts_agree_with_a_real_count_across_two_replicas(pg_dsn: str) -> None:
+    """Two replicas create, settle, ask, expire and purge tasks at once: the counts their triggers keep (what
+    `stats` reads, no scan) equal a count of the rows, as each replica reads them, and after a third replica
+    opens the same database (a take-over's view)."""
+    first, second = [await PostgresTaskStore.open(pg_dsn, max_records=100_000) for _ in range(2)]
+    try:
+
+        async def workload(store: PostgresTaskStore, name: str) -> None:
+            for n in range(40):
+                task_id = f"{name}_{n}"
+                await store.records.create(
+                    make_record(task_id, created_at_ms=1_000, ttl_ms=1_000 if n % 4 == 0 else 60_000)
+                )
+                if n % 3 == 0:
+                    await store.records.settle(task_id, TaskStatus.COMPLETED, now_ms=1_500, result={"content": []})
+                elif n % 3 == 1:
+                    await store.records.set_inputs(task_id, {"k": {"method": "elicitation/create"}}, 1, now_ms=1_500)
+                if n % 5 == 0:
+                    await store.records.settle(task_id, TaskStatus.CANCELLED, now_ms=1_600, status_message="stop")
+
+        await asyncio.gather(workload(first, "a"), workload(second, "b"))
+        await second.records.settle_expired(
+            2_500, error={"code": -32603, "message": "expired"}, status_message="expired"
+        )
+        await first.records.purge_expired(2_500, tombstones=True)
+        await first.records.delete("b_1")
+        found = await rows(pg_dsn, "SELECT status, count(*) FROM tasks GROUP BY status")
+        real = {str(status): int(str(n)) for status, n in found}
+        assert real
+        assert sum(real.values()) < 80  # some were purged
+        for store in (first, second):
+            counts = await store.operators.stats()
+            assert {status: counts[status] for status in real} == real
+            assert counts["records"] == sum(real.values())
+        third = await PostgresTaskStore.open(pg_dsn, max_records=100_000)
+        try:
+            assert (await third.operators.stats())["records"] == sum(real.values())
+        finally:
+            await third.close()
+    finally:
+        await first.close()
+        await second.close()

@@ -20,6 +20,7 @@ import pytest
 
 from proxy.tasks.store import SqliteTaskStore, StoreError, StoreLockedError, StoreUnavailableError
 from proxy.tasks.store import sqlite_schema as schema
+from proxy.tasks.store.sqlite import HOUSEKEEPING_BATCH
 from proxy.tasks.store.sqlite_writer import translated
 from proxy.wire.tasks import TaskStatus
 from tests.support.disks import ext4_on_loop, fail_file_system, fill, remount_checked, small_tmpfs
@@ -81,6 +82,12 @@ async def run_child(path: Path, mode: str) -> asyncio.subprocess.Process:
     )
 
 
+def executed(traced: list[str]) -> list[str]:
+    """The statements a trace saw, each once: SQLite traces a statement again at the start of each trigger it
+    fires (the counts by status are kept by triggers), with the same text."""
+    return [sql for index, sql in enumerate(traced) if index == 0 or traced[index - 1] != sql]
+
+
 async def test_a_group_commit_is_one_transaction_and_one_fsync(store: SqliteTaskStore) -> None:
     statements: list[str] = []
     await store.set_trace_callback(statements.append)
@@ -91,7 +98,7 @@ async def test_a_group_commit_is_one_transaction_and_one_fsync(store: SqliteTask
     await held
     await asyncio.gather(*creations)
     await store.set_trace_callback(None)
-    assert len([sql for sql in statements if sql.startswith("INSERT")]) == 40
+    assert len([sql for sql in executed(statements) if sql.startswith("INSERT")]) == 40
     assert [sql for sql in statements if sql == "COMMIT"] == ["COMMIT"]
 
 
@@ -103,10 +110,81 @@ async def test_a_duplicate_id_carries_sqlites_integrity_error(store: SqliteTaskS
 
 
 async def test_expiry_queries_walk_the_expiry_index(store: SqliteTaskStore, db_path: Path) -> None:
-    purge, bury = f"DELETE {schema.PURGE_WHERE}", schema.BURY_SQL + schema.PURGE_WHERE  # with tombstones: bury
-    for sql, params in ((schema.EXPIRED_LIVE_SQL, (0,)), (purge, (0,)), (bury, ("expired", 0, 0))):
+    purge = f"DELETE {schema.PURGE_BATCH_WHERE}"
+    bury = schema.BURY_SQL + schema.PURGE_BATCH_WHERE  # with tombstones: bury
+    for sql, params in ((schema.EXPIRED_LIVE_SQL, (0,)), (purge, (0, 10)), (bury, ("expired", 0, 0, 10))):
         plan = " ".join(str(row[-1]) for row in raw_rows(db_path, f"EXPLAIN QUERY PLAN {sql}", params))
         assert "idx_tasks_expires_at_ms" in plan
+    trim = schema.TRIM_OLDEST_TOMBSTONES_SQL
+    plan = " ".join(str(row[-1]) for row in raw_rows(db_path, f"EXPLAIN QUERY PLAN {trim}", (10,)))
+    assert "idx_tombstones_gone_at_ms" in plan  # the oldest, by the index: no sort of every tombstone
+    assert "TEMP B-TREE" not in plan
+
+
+async def test_the_purge_goes_in_batches_and_a_creation_is_committed_between_two(db_path: Path) -> None:
+    """Expired records two and a bit batches' worth: a creation asked for while the first batch holds the writer
+    thread is committed before the second batch begins (shown by the order of the statements on that thread,
+    not by timing), and every expired record is gone, each leaving its tombstone."""
+    store = await SqliteTaskStore.open(db_path, max_records=10_000)
+    try:
+        expired = 2 * HOUSEKEEPING_BATCH + 10
+        await asyncio.gather(
+            *(
+                store.records.create(
+                    make_record(f"task_{n}", status=TaskStatus.COMPLETED, created_at_ms=1_000, ttl_ms=1_000)
+                )
+                for n in range(expired)
+            )
+        )
+        statements: list[str] = []
+        first_batch, go_on = threading.Event(), threading.Event()
+
+        def trace(sql: str) -> None:
+            statements.append(sql)
+            if sql.startswith("DELETE FROM tasks") and not first_batch.is_set():
+                first_batch.set()
+                go_on.wait(10)  # the writer thread stays in the first batch until the creation is queued
+
+        await store.set_trace_callback(trace)
+        purge = asyncio.ensure_future(store.records.purge_expired(5_000, tombstones=True))  # noqa: TID251
+        await asyncio.to_thread(first_batch.wait, 10)
+        creation = asyncio.ensure_future(store.records.create(make_record("task_new")))  # noqa: TID251
+        await asyncio.sleep(0)  # it is queued on the writer thread now, behind the first batch
+        go_on.set()
+        assert await purge == expired
+        await creation
+        await store.set_trace_callback(None)
+    finally:
+        await store.close()
+    statements = executed(statements)
+    deletes = [index for index, sql in enumerate(statements) if sql.startswith("DELETE FROM tasks")]
+    insert = next(index for index, sql in enumerate(statements) if sql.startswith("INSERT INTO tasks"))
+    assert len(deletes) == 3  # 1000, 1000, 10
+    assert deletes[0] < insert < deletes[1]
+    remaining = raw_rows(db_path, "SELECT task_id FROM tasks")
+    assert remaining == [("task_new",)]
+    assert raw_rows(db_path, "SELECT COUNT(*) FROM tombstones") == [(expired,)]
+
+
+async def test_the_tombstones_trim_goes_in_batches_and_keeps_the_newest(db_path: Path) -> None:
+    store = await SqliteTaskStore.open(db_path, max_records=10_000)
+    try:
+        count = 2 * HOUSEKEEPING_BATCH + 500
+        for n in range(count):  # each gone at its own time: task_{n} at n
+            await store.records.create(make_record(f"task_{n}", status=TaskStatus.COMPLETED, created_at_ms=1_000))
+        for n in range(count):
+            await store.records.delete(f"task_{n}", tombstone_at_ms=n)
+        statements: list[str] = []
+        await store.set_trace_callback(statements.append)
+        assert await store.records.trim_tombstones(100, keep=1_000) == count - 1_000
+        await store.set_trace_callback(None)
+    finally:
+        await store.close()
+    kept = sorted(
+        int(task_id.removeprefix("task_")) for (task_id,) in raw_rows(db_path, "SELECT task_id FROM tombstones")
+    )
+    assert kept == list(range(count - 1_000, count))  # the newest 1000
+    assert len([sql for sql in executed(statements) if sql.startswith("DELETE FROM tombstones")]) >= 3
 
 
 async def test_durable_across_reopen(db_path: Path) -> None:
@@ -131,7 +209,8 @@ async def test_durable_across_reopen(db_path: Path) -> None:
         ("mcp-tasks-proxy", "0008_create_tombstones"),
         ("mcp-tasks-proxy", "0009_add_admission_queue"),
         ("mcp-tasks-proxy", "0010_create_idempotency_keys"),
-        ("mcp-tasks-proxy", "0011_create_grants"),
+        ("mcp-tasks-proxy", "0011_count_tasks_by_status"),
+        ("mcp-tasks-proxy", "0012_create_grants"),
     ]
     assert raw_rows(db_path, "PRAGMA journal_mode") == [("wal",)]
     indexes = {row[0] for row in raw_rows(db_path, "SELECT name FROM sqlite_master WHERE type = 'index'")}

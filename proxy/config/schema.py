@@ -164,7 +164,19 @@ class HttpUpstreamConfig(_UpstreamCommon):
         gt=0,
         description="With `url`: idle upstream sessions kept for reuse: each caller's shared session, and the "
         "sessions lent to calls whose clients can answer questions. Beyond this the least recently used idle "
-        "session is ended with DELETE. Sessions in use are bounded by the call limits instead.",
+        "session is ended with DELETE. Sessions in use are bounded by `max_open_sessions`.",
+        json_schema_extra=RESTART,
+    )
+    max_open_sessions: int = Field(
+        512,
+        gt=1,
+        description="With `url`: upstream sessions open at once, busy and idle ones alike: each caller's shared "
+        "session, and one per call whose client could answer a question (a running call, a task waiting for "
+        "input, a parked MRTR call holds its own). At the limit an idle session is ended to make room; when none "
+        "is idle, a new call that would need one more is refused at its start with HTTP 503, `Retry-After` and "
+        "`data.limit: max_open_sessions` (never a task that fails later), and any other request waits up to "
+        "`connect_timeout_seconds` for one to come free, then gets the same 503. Each open session costs a "
+        "descriptor or two (its requests, its GET stream).",
         json_schema_extra=RESTART,
     )
 
@@ -884,6 +896,16 @@ class InputsConfig(_Frozen):
         "declined and the client gets -32603 (`data.limit`) with HTTP 503.",
         json_schema_extra=LIVE,
     )
+    max_waiting: int = Field(
+        1024,
+        gt=0,
+        description="Calls that wait, or may come to wait, for a client's input at once, in this replica: tasks in "
+        "`input_required`, parked MRTR calls, and the calls running whose client could answer a question (it "
+        "declared elicitation, sampling or roots), since any of them may ask. A new such call beyond it is refused "
+        "at its start with -32603, HTTP 503, `Retry-After` and `data.limit: max_waiting`; it is never queued, and "
+        "a call admitted is never refused when it asks. Each one holds an upstream session of its own.",
+        json_schema_extra=LIVE,
+    )
     secret_file: str | None = Field(
         None,
         description="File holding the key that signs `requestState` (at least 32 bytes, e.g. a mounted Secret). "
@@ -1054,6 +1076,15 @@ class LimitsConfig(_Frozen):
         gt=0,
         description="MRTR calls parked for one caller's retry at once (its share of `inputs.max_parked`); beyond it "
         "the question is declined and the caller gets HTTP 429.",
+        json_schema_extra=LIVE,
+    )
+    max_waiting_per_principal: int = Field(
+        256,
+        gt=0,
+        description="One caller's share of `inputs.max_waiting`: its tasks in `input_required`, its parked MRTR "
+        "calls and its calls running whose client could answer a question. One more such call is refused at its "
+        "start with -32603, HTTP 429, `Retry-After` and `data.limit: max_waiting_per_principal`, so one caller "
+        "cannot hold more calls waiting for it (nor upstream sessions for them) than this.",
         json_schema_extra=LIVE,
     )
 

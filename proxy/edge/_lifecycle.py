@@ -11,6 +11,7 @@ import structlog
 from aiohttp import web
 
 from proxy.edge._app_keys import ADMIN, CONFIG, FRONT, LIVE, PASSTHROUGH, POOL, RELAY, RUNNER, STOPPING, STORE
+from proxy.edge._descriptors import DescriptorBudget, open_descriptors
 from proxy.edge._drain import DRAIN
 from proxy.edge._error_edge import AUDIT, METRICS
 from proxy.edge._relay import OriginRelay
@@ -67,17 +68,23 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     if metrics is not None:
         metrics.tasks_running.set_function(lambda: runner.running)
         metrics.calls_parked.set_function(lambda: runner.parked)
+        metrics.waiting_places.set_function(lambda: runner.waiting_places)
         metrics.upstream_sessions.set_function(lambda: pool.open_sessions)
         metrics.upstream_sessions_idle.set_function(lambda: pool.idle_sessions)
+        if pool.limits.max_open is not None:
+            metrics.upstream_sessions_max.set(pool.limits.max_open)
         metrics.upstream_calls_in_flight.set_function(lambda: pool.calls_in_flight)
         metrics.lease_held.set_function(lambda: runner.lease_problem() is None)
         metrics.store_available.set_function(lambda: store.health.available)
         store.health.on_failure(metrics.store_operation_failed)
     watchers = TaskWatchers(store.replicas)
     runner.spawn(watchers.run(), "task-feed")
-    front = app[FRONT] = Front(live.config, pool, runner.tasks, watchers)
+    descriptors = DescriptorBudget.of_process()
+    front = app[FRONT] = Front(live.config, pool, runner.tasks, watchers, descriptors.refusal)
     if metrics is not None:
         metrics.listen_streams.set_function(lambda: front.listens.open_streams)
+        metrics.descriptors_open.set_function(open_descriptors)
+        metrics.descriptors_limit.set(descriptors.limit)
     drain.wait_for(lambda: runner.open_calls)  # the drain is the app's, built before the runner
     live.subscribe(lambda new: runner.config_swapped())  # the queue admits by the caps now in force
     legacy = app[PASSTHROUGH] = legacy_front(pool)  # relayed, or served by the proxy (the kind decides)

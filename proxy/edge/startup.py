@@ -14,6 +14,7 @@ from psycopg.conninfo import conninfo_to_dict
 from yarl import URL
 
 from proxy.config.schema import Config, HttpUpstreamConfig
+from proxy.edge import _descriptors as descriptors
 
 # Exit codes (`mcp-tasks-proxy serve`): 0 a stop after a drain; 1 an unexpected error; 2 invalid configuration; 3 the
 # listen address cannot be bound (port in use, address not on this machine, no permission); 4 the SQLite task database
@@ -119,3 +120,25 @@ def warn_beyond_loopback(config: Config) -> None:
         hint="requests whose Host header is not in security.allowed_hosts are refused with 403; add the names "
         "clients use to reach this proxy (e.g. its service name) to security.allowed_hosts",
     )
+
+
+def descriptor_budget(config: Config) -> None:
+    """The soft descriptor limit raised to the hard one (logged when it moved), and a warning naming what the
+    configured limits could need and the limit when it does not fit: past it, new work is refused with 503
+    (`data.limit: descriptors`) before the process could run out."""
+    limit = descriptors.raise_soft_limit()
+    if limit.soft != limit.soft_before:
+        log.info("descriptor_limit_raised", soft_before=limit.soft_before, soft=limit.soft, hard=limit.hard)
+    parts = descriptors.need(config, limit.soft)
+    need = sum(parts.values())
+    if need > limit.soft:
+        log.warning(
+            "descriptor_budget_short",
+            need=need,
+            limit=limit.soft,
+            hard_limit=limit.hard,
+            parts=parts,
+            hint="raise the container's nofile limit (the hard one: the proxy raises its soft limit to it), or "
+            "lower tasks.max_running, inputs.max_waiting, upstream.max_open_sessions or limits.max_listen_streams; "
+            "past the limit new work is refused with 503 (data.limit: descriptors)",
+        )

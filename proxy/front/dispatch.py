@@ -19,11 +19,14 @@ from proxy.errors import (
     InvalidParamsError,
     MethodNotFoundError,
     MissingCapabilityError,
+    ProxyError,
     UpstreamError,
+    UpstreamLimitError,
 )
 from proxy.front.listen import ListenStreams
 from proxy.policy import decide, decide_job, policy_for
 from proxy.tasks.live_call import UpstreamRequest
+from proxy.tasks.machine.inputs import could_answer
 from proxy.tasks.runner import Tasks
 from proxy.tasks.services import idempotency
 from proxy.tasks.services.push import TaskWatchers
@@ -56,11 +59,21 @@ Handler = Callable[["Front", ModernRequest, Caller, Channel], Awaitable[JSON]]
 
 
 class Front:
-    def __init__(self, current: Callable[[], Config], pool: SessionPool, tasks: Tasks, watchers: TaskWatchers) -> None:
+    def __init__(
+        self,
+        current: Callable[[], Config],
+        pool: SessionPool,
+        tasks: Tasks,
+        watchers: TaskWatchers,
+        new_work_refusal: Callable[[], ProxyError | None] = lambda: None,
+    ) -> None:
         self._current = current  # the config in force, read once per request (a live reload swaps what it returns)
         config = current()  # what only a restart changes is bound here
         self.pool = pool
         self.tasks = tasks
+        # Why new work may not start now, asked before a new call or listen stream opens anything (the edge's
+        # descriptor budget); None: it may.
+        self.new_work_refusal = new_work_refusal
         self.cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
         self.listens = ListenStreams(lambda: current().limits, pool, tasks, watchers)
 
@@ -84,7 +97,26 @@ class Front:
         return result_message(request.id, translate.discover_result(initialize_result, self.cache))
 
     async def listen(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
+        self._refuse_new_work()
         return await self.listens.serve(request, caller, channel)
+
+    def _refuse_new_work(self) -> None:
+        """New work (a call or a listen stream, not an MRTR retry) is refused before it opens anything when the
+        descriptors left would not carry it: 503 with `Retry-After`."""
+        if (refused := self.new_work_refusal()) is not None:
+            raise refused
+
+    def _refuse_without_session(
+        self, request: ModernRequest, caller: Caller, outgoing: UpstreamRequest, *, job: bool
+    ) -> None:
+        """A new call is refused at its start when the upstream session it needs cannot be had now
+        (`upstream.max_open_sessions`): 503 with `Retry-After`, never a task that fails later."""
+        asks = not job and could_answer(request.client_capabilities)  # a job's calls run on the shared session
+        if not self.pool.room_for(caller.principal, asks=asks, asker=f"{outgoing.method} {outgoing.name}"):
+            limits = self.pool.limits
+            assert limits.max_open is not None
+            log.warning("upstream_limit_reached", limit=limits.limit_name, max=limits.max_open)
+            raise UpstreamLimitError(limits.limit_name, limits.max_open, 0)
 
     async def call_tool(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """The tool's policy and this request's own declaration of the Tasks extension decide sync, task, window
@@ -94,17 +126,22 @@ class Front:
         again). With an `Idempotency-Key` (not on an MRTR retry, which its requestState binds already) the key's
         record decides whether it runs (`tasks/services/idempotency.py`)."""
         config = self.config  # once: the whole request decides with one config, whatever a reload swaps meanwhile
+        fresh = "requestState" not in request.params
+        if fresh:
+            self._refuse_new_work()
         per_minute, tool_quotas = config.limits.calls_per_minute_per_principal, config.tasks.has_tool_quotas
-        if (per_minute or tool_quotas) and "requestState" not in request.params:
+        if (per_minute or tool_quotas) and fresh:
             tool = str(request.params.get("name"))
             await self.tasks.charge(caller, per_minute, tool, policy_for(config.tasks, tool) if tool_quotas else None)
         outgoing = UpstreamRequest.of(request, caller)
         facts = await self.pool.facts.tool_facts(caller.principal, outgoing.name, self.cache[0])
         check_param_headers(caller.headers, request.params.get("arguments"), facts.param_headers)
         server_info = translate.implementation(facts.initialize_result)
-        if "requestState" in request.params:
+        if not fresh:
             return await self.tasks.resume(outgoing, caller, channel, server_info, config)
-        if outgoing.name in config.jobs:  # a legacy job family's start tool: a task the proxy follows
+        job = outgoing.name in config.jobs
+        self._refuse_without_session(request, caller, outgoing, job=job)
+        if job:  # a legacy job family's start tool: a task the proxy follows
             decision = decide_job(config.tasks, outgoing.name, declares_tasks=request.declares_tasks)
         else:
             decision = decide(
@@ -125,12 +162,16 @@ class Front:
     async def input_capable(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """`prompts/get` and `resources/read`: synchronous, but an upstream question is an MRTR round (the only
         methods besides tools/call that may answer `input_required`)."""
+        fresh = "requestState" not in request.params
+        if fresh:
+            self._refuse_new_work()
         initialize_result = await self.pool.facts.initialize_result(caller.principal, self.cache[0])
         server_info = translate.implementation(initialize_result)
         outgoing = UpstreamRequest.of(request, caller)
         config = self.config
-        if "requestState" in request.params:
+        if not fresh:
             return await self.tasks.resume(outgoing, caller, channel, server_info, config)
+        self._refuse_without_session(request, caller, outgoing, job=False)
         return await self.tasks.call(outgoing, caller, channel, None, server_info, config)
 
     async def list_tools(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:

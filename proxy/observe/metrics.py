@@ -121,6 +121,12 @@ class Metrics:
             "Synchronous calls parked by an MRTR InputRequiredResult, waiting for the client's retry",
             registry=self.registry,
         )
+        self.waiting_places = Gauge(
+            f"{prefix}_waiting_places",
+            "Calls that wait or may come to wait for their client's input, the count inputs.max_waiting caps: "
+            "tasks in input_required, parked MRTR calls, and running calls whose client could answer a question",
+            registry=self.registry,
+        )
         self.input_requests = Counter(
             f"{prefix}_input_requests_total",
             "Upstream questions (elicitation, sampling, roots) by how they went: relayed as an inputRequest, or "
@@ -129,7 +135,11 @@ class Metrics:
             registry=self.registry,
         )
         self.tasks_by_status = Gauge(
-            f"{prefix}_tasks", "Task records in the store, by status", ["status"], registry=self.registry
+            f"{prefix}_tasks",
+            "Task records in the store, by status (kept by the store as records change, in the same transaction: "
+            "a scrape reads a few rows, never counts them; every replica on one PostgreSQL database reads the same)",
+            ["status"],
+            registry=self.registry,
         )
         self.store_bytes = Gauge(
             f"{prefix}_store_size_bytes", "Size of the task database and its WAL on disk", registry=self.registry
@@ -228,6 +238,21 @@ class Metrics:
         self.store_read_seconds = Gauge(
             f"{prefix}_store_read_seconds",
             "How long the last scrape's read of the task store took (its counts and size)",
+            registry=self.registry,
+        )
+        self.descriptors_open = Gauge(
+            f"{prefix}_descriptors_open", "File descriptors open in this process", registry=self.registry
+        )
+        self.descriptors_limit = Gauge(
+            f"{prefix}_descriptors_limit",
+            "The process's soft RLIMIT_NOFILE (raised to the hard limit at start); new work is refused with 503 "
+            "and data.limit descriptors when what is open nears it",
+            registry=self.registry,
+        )
+        self.upstream_sessions_max = Gauge(
+            f"{prefix}_upstream_sessions_max",
+            "The most upstream sessions the pool opens at once (upstream.max_open_sessions; stdio: "
+            "upstream.max_processes)",
             registry=self.registry,
         )
         self.settlements_refused = Counter(

@@ -26,7 +26,7 @@ from proxy.tasks.effects.held import HeldRequest, QuestionCounter
 from proxy.tasks.effects.job import JobFollower
 from proxy.tasks.effects.outbox import Outbox
 from proxy.tasks.effects.records import RecordWrites
-from proxy.tasks.effects.slots import Parking, RunningSlots
+from proxy.tasks.effects.slots import Parking, RunningSlots, WaitingPlaces
 from proxy.tasks.effects.timers import Timers
 from proxy.tasks.effects.upstream_task import UpstreamTaskFollower
 from proxy.tasks.executor import Executor, Observer
@@ -127,6 +127,7 @@ class TaskRunner:
         signer = inputs.RequestStateSigner(inputs.load_secret(config.inputs.secret_file))
         self.slots = RunningSlots(current)
         self.parking = Parking(current, signer, clock, self.process_id)
+        self.waiting = WaitingPlaces()
         observers: list[Observer] = [QuestionCounter(metrics), SpanEvents()]  # counted when metrics are on; traced
         self.audit = None if config.audit.path is None else AuditLog(config.audit.path, self.process_id)
         if self.audit is not None:
@@ -152,7 +153,8 @@ class TaskRunner:
             context, current, self.slots, self.outbox, self.replicas.held_fence, self.replicas.reclaim
         )
         self.timers = Timers(feed, self.background)
-        for forget in (self.timers.forget, self.slots.forget, self.parking.forget, self.table.forget):
+        shares = (self.slots.forget, self.parking.forget, self.waiting.forget)
+        for forget in (self.timers.forget, *shares, self.table.forget):
             feed.when_finished(forget)  # a finished call: nothing of it is kept
         self._feed = feed
         self.held = held = HeldRequest(feed, self.background, pool, self.parking, self._caps, metrics)
@@ -161,16 +163,18 @@ class TaskRunner:
         self.followers = followers = Followers(UpstreamTaskFollower(feed, self.background, pool, clock), jobs)
         self.client = client = ClientSide(self.durations.paced, feed, self.background, current, metrics)
         feed.use(Effects(held, self.records, client, self.timers, self.parking, self.slots).carry_out)
-        self.starter = CallStarter(context, current, self.parking, self.replicas, client, followers)
+        self.starter = CallStarter(context, current, self.parking, self.waiting, self.replicas, client, followers)
         self.operations = TaskOperations(context, self.records, self.replicas)
-        self.recovery = Recovery(context, self.replicas, self.records, self.starter.state, followers, draining)
+        self.recovery = Recovery(
+            context, self.replicas, self.records, self.starter.state, followers, draining, self.waiting
+        )
         self.inbox = ReplicaInbox(context, self.parking, self.records, self.replicas, self.recovery, self.starter)
         cache = (config.discovery.cache_ttl_ms, config.discovery.cache_scope)
         self.keys = keys = IdempotencyKeys(
             store, principals, self.process_id, self.spawn, clock, metrics, lambda: self.closing
         )
-        waiting = WaitingRequests(self.starter, client.keep_alive, cache)
-        self.tasks = Tasks(waiting, self.operations, self.quotas, keys, principals, metrics)  # the front's
+        requests = WaitingRequests(self.starter, client.keep_alive, cache)
+        self.tasks = Tasks(requests, self.operations, self.quotas, keys, principals, metrics)  # the front's
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -248,3 +252,8 @@ class TaskRunner:
     @property
     def parked(self) -> int:
         return self.parking.count
+
+    @property
+    def waiting_places(self) -> int:
+        """Calls that wait, or may come to wait, for their client (`inputs.max_waiting`)."""
+        return self.waiting.count

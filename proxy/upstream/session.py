@@ -121,15 +121,23 @@ class PoolLimits:
     - `idle_seconds`: a lent session idle this long is closed (None: kept until evicted).
     - `share_quiet_calls`: a call whose client could not answer a question runs on the principal's shared
       session (multiplexed) instead of a session of its own.
+    - `keep_warm`: sessions are costly to start (stdio processes): a principal that borrows one gets a spare
+      started in the background (so does the anonymous caller at start).
     - `limit_name`: the config field named by the limit error.
+    - `refuse_new_calls_when_full`: a new call that would need a session the pool has no room for is refused
+      at its start (`SessionPool.room_for`) instead of waiting for one in the pool: where sessions are held long
+      by work that waits for clients (a task waiting for input holds its own), waiting seldom helps, and a task
+      must not fail later for want of one.
     """
 
     max_idle: int
     max_open: int | None = None
     idle_seconds: float | None = None
     share_quiet_calls: bool = False
+    keep_warm: bool = False
     wait_seconds: float = 5.0
     limit_name: str = "upstream.max_sessions"
+    refuse_new_calls_when_full: bool = False
 
 
 class Room(Protocol):

@@ -5,8 +5,11 @@ DOM after loading `url` (redirects and cookies followed); `Browser` drives one p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -29,6 +32,23 @@ FLAGS: Final = (
 )
 
 
+async def _stop(process: asyncio.subprocess.Process) -> None:
+    """Chromium and every process it started (renderers, the crash handler), which write into the profile until
+    they exit: the profile can be removed only once the whole process group is gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    await process.wait()
+
+    def group_gone() -> bool:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    await until(group_gone, "chromium's processes outlived it", 10)
+
+
 async def dump_dom(url: str, timeout_seconds: float = 60) -> str:
     with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
         process = await asyncio.create_subprocess_exec(
@@ -39,13 +59,12 @@ async def dump_dom(url: str, timeout_seconds: float = 60) -> str:
             url,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group, stopped whole by _stop
         )
         try:
             out, _ = await asyncio.wait_for(process.communicate(), timeout_seconds)
         finally:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
+            await _stop(process)
     return out.decode()
 
 
@@ -70,6 +89,7 @@ class Browser:
             "about:blank",
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group, stopped whole by _stop
         )
         active = profile / "DevToolsActivePort"
         await until(lambda: active.exists() and len(active.read_text().splitlines()) >= 2, "chromium never started", 30)
@@ -90,9 +110,8 @@ class Browser:
             await self._ws.close()
         if self._http is not None:
             await self._http.close()
-        if self._process is not None and self._process.returncode is None:
-            self._process.kill()
-            await self._process.wait()
+        if self._process is not None:
+            await _stop(self._process)
         self._profile.cleanup()
 
     async def send(self, method: str, **params: Any) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,7 @@ class ProxyProcess:
             config.setdefault(name, {}).update(values)
         self.config.write_text(yaml.safe_dump(config))
         self.process: subprocess.Popen[bytes] | None = None
+        self.preexec: Callable[[], None] | None = None  # run in the child before the proxy starts (its rlimits)
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
@@ -124,6 +126,7 @@ class ProxyProcess:
             stdout=subprocess.DEVNULL,
             stderr=self.log.open("wb"),
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=self.preexec,
         )
 
     async def start(self) -> None:

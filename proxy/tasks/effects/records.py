@@ -89,7 +89,8 @@ class RecordWrites:
             if refused is not None:
                 return CommitRefused(refused)
         if self.outbox.full:  # a new task would add its writes to the ones the store has not taken yet
-            return CommitRefused(TaskLimitError("store.max_pending_settlements", self.outbox.limit))
+            full = TaskLimitError("store.max_pending_settlements", self.outbox.limit, retry_after_seconds=2)
+            return CommitRefused(full)
         decision = call.state.decision
         policy = decision.policy
         assert policy is not None

@@ -1,9 +1,8 @@
-"""The shares of what calls may hold at once, each counted and checked here only: `max_running` slots (a task
-whose call runs and asks nothing holds one: `HoldSlot`; a new working task is refused beyond the limit or the
-caller's share) and parked MRTR calls (`Park` → `Parked` with the round's signed requestState, or `ParkRefused`
-beyond `inputs.max_parked` or the caller's share; `Unpark`; an MRTR retry takes its parked call). Imports the
-input rules (signing), the machine's answer check, errors; no store, no upstream.
-"""
+"""The shares of what calls may hold at once, each counted and checked here only: `max_running` slots
+(`HoldSlot`), places of calls that may come to wait for their client (`WaitingPlaces`, taken at a call's start)
+and parked MRTR calls (`Park` → `Parked` or `ParkRefused`; `Unpark`; an MRTR retry takes its parked call); each
+refused beyond its limit or the caller's share. Imports the input rules (signing), the machine's answer check,
+errors; no store, no upstream."""
 
 from __future__ import annotations
 
@@ -65,6 +64,54 @@ class RunningSlots:
     @property
     def count(self) -> int:
         return len(self._holders)
+
+
+@dataclass(eq=False, slots=True)
+class WaitingPlaces:
+    """`inputs.max_waiting` and `limits.max_waiting_per_principal`. A call whose client could answer a question
+    (it declared elicitation, sampling or roots) takes a place at its start and keeps it until it ends: while it
+    runs it may ask at any moment, and then it waits (a task in `input_required`, a parked MRTR call) holding
+    its upstream session. Counting it from its start, not from its question, is what bounds the waiting: a call
+    admitted is never refused when it asks, and a caller never has more calls waiting than its share."""
+
+    _holders: set[LiveCall] = field(default_factory=set, init=False)
+    _by_caller: Counter[str] = field(default_factory=Counter, init=False)
+
+    @staticmethod
+    def needs_one(capabilities: JSON) -> bool:
+        """Could a call of a client with these capabilities come to wait for it?"""
+        return inputs.could_answer(capabilities)
+
+    def refusal(self, caller: str, config: Config) -> ProxyError | None:
+        """Why a new call of `caller` that could wait may not start now under `config` (its request's), or None."""
+        total = config.inputs.max_waiting
+        if len(self._holders) >= total:
+            return TaskLimitError("max_waiting", total)
+        per_caller = config.limits.max_waiting_per_principal
+        if self._by_caller[caller] >= per_caller:
+            return CallerLimitError("max_waiting_per_principal", per_caller)
+        return None
+
+    def take(self, call: LiveCall) -> None:
+        """The call holds a place until it ends (`forget`); a call taken up after a restart or from another
+        replica is counted without a check: it exists already."""
+        if call not in self._holders:
+            self._holders.add(call)
+            self._by_caller[call.caller] += 1
+
+    def forget(self, call: LiveCall) -> None:
+        if call in self._holders:
+            self._holders.discard(call)
+            self._by_caller[call.caller] -= 1
+            if not self._by_caller[call.caller]:
+                del self._by_caller[call.caller]
+
+    @property
+    def count(self) -> int:
+        return len(self._holders)
+
+    def held_by(self, caller: str) -> int:
+        return self._by_caller[caller]
 
 
 @dataclass(eq=False, slots=True)

@@ -19,6 +19,7 @@ from proxy.tasks import machine
 from proxy.tasks.context import TasksContext
 from proxy.tasks.effects import Followers
 from proxy.tasks.effects.records import RecordWrites
+from proxy.tasks.effects.slots import WaitingPlaces
 from proxy.tasks.live_call import known, new_call
 from proxy.tasks.machine.commands import LeaseLost, Start, Stop
 from proxy.tasks.machine.state import CallState
@@ -55,6 +56,7 @@ class Recovery:
     state_of: StateOf
     followers: Followers  # how a call follows a task the upstream runs (its own, or a legacy job)
     draining: Callable[[], bool]  # whether this replica drains after SIGTERM: then its sweep takes nothing over
+    waiting: WaitingPlaces  # a call taken up that could wait for its client counts there too
     _tombstones_trimmed_ms: int = field(default=0, init=False)  # the clock when the sweep last trimmed the tombstones
     _grants_purged_ms: int = field(default=0, init=False)  # ... and last erased kept grants no live task needs
     # take-overs and a lapsed lease's recovery, one at a time
@@ -253,6 +255,8 @@ class Recovery:
         self.context.table.add(call)
         self.context.table.add_task(record.task_id, call)
         self.context.credentials.bind(principal, record.task_id)
+        if not state.decision.job and self.waiting.needs_one(state.capabilities):
+            self.waiting.take(call)
         with tracing.resumed(span, record.task_id, record.traceparent):
             await self.context.feed.dispatch(call, Start())  # the call's work starts in the span's context
         return True

@@ -19,7 +19,7 @@ from proxy.policy import SYNC_CALL, Decision, Outcome, decide
 from proxy.tasks.context import TasksContext
 from proxy.tasks.effects import Followers
 from proxy.tasks.effects.client import ClientSide
-from proxy.tasks.effects.slots import Parking
+from proxy.tasks.effects.slots import Parking, WaitingPlaces
 from proxy.tasks.live_call import LiveCall, UpstreamRequest, known, new_call
 from proxy.tasks.machine import inputs
 from proxy.tasks.machine.commands import (
@@ -65,6 +65,7 @@ class CallStarter:
     context: TasksContext
     config: Callable[[], Config]  # the config in force, read at each call: a live reload swaps what it returns
     parking: Parking
+    waiting: WaitingPlaces  # a call that could wait for its client takes a place at its start
     replicas: ReplicaLink
     client: ClientSide  # the call's client side: its reply, its stream and their one writer
     followers: Followers  # how a call follows a task the upstream runs, chosen as it is built
@@ -92,7 +93,13 @@ class CallStarter:
     async def begin(
         self, outgoing: UpstreamRequest, caller: Caller, decision: Decision, channel: Channel, config: Config
     ) -> LiveCall:
-        """A new call for a waiting request; its reply arrives on `call.client.reply`."""
+        """A new call for a waiting request; its reply arrives on `call.client.reply`. A call that could come to
+        wait for its client is refused first when no waiting place is left for it (nothing was started)."""
+        request = outgoing.request
+        caller_key = self.context.principals.key_of(caller.principal)
+        waits = not decision.job and self.waiting.needs_one(request.client_capabilities)
+        if waits and (refused := self.waiting.refusal(caller_key, config)) is not None:
+            raise refused
         params = outgoing.params
         if decision.may_become_task:
             meta = dict(params.get("_meta") or {})
@@ -101,14 +108,13 @@ class CallStarter:
                 self._progress_tokens += 1
                 meta["progressToken"] = f"mcp-tasks-proxy-{self._progress_tokens}"
             params = {**params, "_meta": meta}
-        request = outgoing.request
         state = self.state(decision, request.client_capabilities, request.progress_token, request.log_level, config)
         call = new_call(
             state,
             method=outgoing.method,
             name=outgoing.name,
             principal=caller.principal,
-            caller=self.context.principals.key_of(caller.principal),
+            caller=caller_key,
             params=params,
             headers=outgoing.headers,
             digest_of=lambda: outgoing.digest,
@@ -116,6 +122,8 @@ class CallStarter:
         )
         self.client.wait(call, channel)
         self.context.table.add(call)
+        if waits:
+            self.waiting.take(call)
         await self.context.feed.submit(call, Start())
         return call
 

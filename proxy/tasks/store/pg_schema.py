@@ -23,6 +23,7 @@ LOCK_SPACE: Final = "hashtext(current_schema() || ':mcp-tasks-proxy')"
 REPLICA_LOCK_SPACE: Final = "hashtext(current_schema() || ':mcp-tasks-proxy:replica')"
 MIGRATE_LOCK: Final = 1
 PURGE_LOCK: Final = 2
+STATUS_COUNT_SHARDS: Final = 8  # counter rows per status (`task_status_counts`): connections spread over them
 
 MIGRATIONS: Final[tuple[tuple[str, str], ...]] = (
     (
@@ -206,11 +207,65 @@ MIGRATIONS: Final[tuple[tuple[str, str], ...]] = (
         """,
     ),
     (
+        # The records by status, kept by the statements that change them (in their transaction), so a scrape reads
+        # a few rows instead of counting the table, and every replica reads the same. Each connection adds to a
+        # row of its own (by backend pid), so replicas settling at once never wait for one counter row.
+        "0012_count_tasks_by_status",
+        f"""
+        CREATE TABLE task_status_counts (
+            status text NOT NULL,
+            shard integer NOT NULL,
+            n bigint NOT NULL,
+            PRIMARY KEY (status, shard)
+        );
+        CREATE FUNCTION task_status_counted() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO task_status_counts (status, shard, n)
+            SELECT status, pg_backend_pid() % {STATUS_COUNT_SHARDS}, sum(change) FROM (
+                SELECT status, 1 AS change FROM added
+                UNION ALL SELECT status, -1 FROM removed
+            ) AS changes GROUP BY status HAVING sum(change) <> 0
+            ON CONFLICT (status, shard) DO UPDATE SET n = task_status_counts.n + excluded.n;
+            RETURN NULL;
+        END $$;
+        CREATE FUNCTION task_status_added() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO task_status_counts (status, shard, n)
+            SELECT status, pg_backend_pid() % {STATUS_COUNT_SHARDS}, count(*) FROM added GROUP BY status
+            ON CONFLICT (status, shard) DO UPDATE SET n = task_status_counts.n + excluded.n;
+            RETURN NULL;
+        END $$;
+        CREATE FUNCTION task_status_removed() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO task_status_counts (status, shard, n)
+            SELECT status, pg_backend_pid() % {STATUS_COUNT_SHARDS}, -count(*) FROM removed GROUP BY status
+            ON CONFLICT (status, shard) DO UPDATE SET n = task_status_counts.n + excluded.n;
+            RETURN NULL;
+        END $$;
+        CREATE FUNCTION task_status_emptied() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            DELETE FROM task_status_counts;
+            RETURN NULL;
+        END $$;
+        CREATE TRIGGER tasks_status_added AFTER INSERT ON tasks REFERENCING NEW TABLE AS added
+            FOR EACH STATEMENT EXECUTE FUNCTION task_status_added();
+        CREATE TRIGGER tasks_status_removed AFTER DELETE ON tasks REFERENCING OLD TABLE AS removed
+            FOR EACH STATEMENT EXECUTE FUNCTION task_status_removed();
+        CREATE TRIGGER tasks_status_changed AFTER UPDATE ON tasks REFERENCING OLD TABLE AS removed NEW TABLE AS added
+            FOR EACH STATEMENT EXECUTE FUNCTION task_status_counted();
+        CREATE TRIGGER tasks_status_emptied AFTER TRUNCATE ON tasks
+            FOR EACH STATEMENT EXECUTE FUNCTION task_status_emptied();
+        -- Filled once the triggers hold their lock on tasks: no writer can slip between the count and them.
+        INSERT INTO task_status_counts (status, shard, n) SELECT status, 0, count(*) FROM tasks GROUP BY status;
+        """,
+    ),
+    (
         # Kept grants of `upstream.credentials: exchange` (`grants.py`): sealed tokens per caller and target.
-        "0012_create_grants",
+        "0013_create_grants",
         grants.CREATE_SQL + ";",
     ),
 )
+STATUS_COUNTS_SQL: Final = "SELECT status, sum(n) AS n FROM task_status_counts GROUP BY status"
 
 
 async def migrate(conn: AsyncConnection[DictRow]) -> list[str]:
@@ -309,10 +364,17 @@ _BURY_SQL: Final = (
 TOMBSTONE_SQL: Final = (
     "SELECT task_id, reason, gone_at_ms, expired_at_ms FROM tombstones WHERE task_id = %s AND principal = %s"
 )
-TRIM_TOMBSTONES_SQL: Final = (
-    "DELETE FROM tombstones WHERE gone_at_ms < %s OR task_id IN"
-    " (SELECT task_id FROM tombstones ORDER BY gone_at_ms DESC, task_id OFFSET %s)"
+# The trim, in batches: those gone before the cut-off, then the oldest beyond the count kept (by the index on
+# gone_at_ms; rows another replica's trim holds are skipped, never waited for).
+TRIM_OLD_TOMBSTONES_SQL: Final = (
+    "DELETE FROM tombstones WHERE task_id IN (SELECT task_id FROM tombstones WHERE gone_at_ms < %s LIMIT %s"
+    " FOR UPDATE SKIP LOCKED)"
 )
+TRIM_OLDEST_TOMBSTONES_SQL: Final = (
+    "DELETE FROM tombstones WHERE task_id IN (SELECT task_id FROM tombstones ORDER BY gone_at_ms LIMIT %s"
+    " FOR UPDATE SKIP LOCKED)"
+)
+COUNT_TOMBSTONES_SQL: Final = "SELECT count(*) AS n FROM tombstones"
 
 
 def bury_sql(where: str, tombstones: bool) -> str:

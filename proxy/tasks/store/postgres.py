@@ -203,10 +203,25 @@ class PgRecords:
         return Tombstone(row["task_id"], row["reason"], int(row["gone_at_ms"]), row["expired_at_ms"])
 
     async def trim_tombstones(self, gone_before_ms: int, keep: int) -> int:
-        async def run(conn: Conn) -> int:
-            return (await conn.execute(schema.TRIM_TOMBSTONES_SQL, [gone_before_ms, keep])).rowcount
+        """Tombstones gone before `gone_before_ms`, then the oldest beyond `keep`, in chunks of PURGE_CHUNK (one
+        transaction each, none holding a lock a creation needs)."""
 
-        return await self.db.run("trim_tombstones", run)
+        async def chunk(conn: Conn) -> int:
+            async with conn.transaction():
+                trimmed = (await conn.execute(schema.TRIM_OLD_TOMBSTONES_SQL, [gone_before_ms, PURGE_CHUNK])).rowcount
+                if trimmed < PURGE_CHUNK:
+                    count = (await (await conn.execute(schema.COUNT_TOMBSTONES_SQL)).fetchone() or {}).get("n", 0)
+                    excess = min(PURGE_CHUNK - trimmed, int(count) - keep)
+                    if excess > 0:
+                        trimmed += (await conn.execute(schema.TRIM_OLDEST_TOMBSTONES_SQL, [excess])).rowcount
+                return trimmed
+
+        total = 0
+        while True:
+            trimmed = await self.db.run("trim_tombstones", chunk)
+            total += trimmed
+            if trimmed < PURGE_CHUNK:
+                return total
 
 
 class PgReplicas:
@@ -370,7 +385,7 @@ class PgOperators:
 
     async def stats(self) -> dict[str, int]:
         counts = dict.fromkeys(STATUS_KEYS, 0)
-        rows = await self.db.rows("stats", "SELECT status, count(*) AS n FROM tasks GROUP BY status", write=False)
+        rows = await self.db.rows("stats", schema.STATUS_COUNTS_SQL, write=False)  # kept by triggers: no count
         for row in rows:
             counts[row["status"]] = int(row["n"])
         counts["records"] = sum(counts.values())

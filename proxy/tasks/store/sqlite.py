@@ -44,6 +44,9 @@ from proxy.wire.jsonrpc import JSON
 from proxy.wire.tasks import TaskRecord, TaskStatus
 
 _EPOCH: Final = 1  # the one process holds the file lock: its lease never lapses
+# Rows the purge and the tombstones' trim delete per transaction: about 30 ms of the writer thread each (a row
+# and its tombstone take about 30 us), so a creation waits for one batch at most (`benchmarks.housekeeping`).
+HOUSEKEEPING_BATCH: Final = 1000
 
 
 def _live_update(
@@ -118,9 +121,22 @@ class SqliteRecords:
         return settled
 
     async def purge_expired(self, now_ms: int, *, tombstones: bool = False) -> int:
-        """Settled records past their TTL; also messages nobody took within an hour, and forgotten tools."""
+        """Settled records past their TTL; also messages nobody took within an hour, and forgotten tools. In
+        batches of HOUSEKEEPING_BATCH, each its own job on the writer thread: creations and updates that came
+        meanwhile are committed between two batches, so none waits for more than one."""
         reason = EXPIRED if tombstones else None
-        return await self.db.write("purge_expired", lambda: self.writer.purge(now_ms, reason))
+        writer = self.writer
+        await self.db.write("purge_expired", writer.purge_aside)
+        return await self._in_batches("purge_expired", lambda batch: writer.purge(now_ms, reason, batch))
+
+    async def _in_batches(self, what: str, batch: Callable[[int], int]) -> int:
+        """`batch(HOUSEKEEPING_BATCH)` on the writer thread until it does less than that; the rows it did."""
+        total = 0
+        while True:
+            done = await self.db.write(what, lambda: batch(HOUSEKEEPING_BATCH))
+            total += done
+            if done < HOUSEKEEPING_BATCH:
+                return total
 
     async def delete(self, task_id: str, *, tombstone_at_ms: int | None = None) -> bool:
         reason = None if tombstone_at_ms is None else EXPIRED
@@ -138,8 +154,10 @@ class SqliteRecords:
         return await self.db.read(f"tombstone {task_id}", run)
 
     async def trim_tombstones(self, gone_before_ms: int, keep: int) -> int:
-        return await self.db.write(
-            "trim_tombstones", lambda: self.writer.execute_count(schema.TRIM_TOMBSTONES_SQL, [gone_before_ms, keep])
+        """In batches, as the purge (`_in_batches`)."""
+        writer = self.writer
+        return await self._in_batches(
+            "trim_tombstones", lambda batch: writer.trim_tombstones(gone_before_ms, keep, batch)
         )
 
 
@@ -321,7 +339,7 @@ class SqliteOperators:
     async def stats(self) -> dict[str, int]:
         def run() -> dict[str, int]:
             counts = dict.fromkeys(STATUS_KEYS, 0)
-            for status, count in self.db.reader_conn().execute("SELECT status, COUNT(*) FROM tasks GROUP BY status"):
+            for status, count in self.db.reader_conn().execute(schema.STATUS_COUNTS_SQL):  # kept by triggers
                 counts[status] = count
             counts["records"] = sum(counts.values())
             return counts

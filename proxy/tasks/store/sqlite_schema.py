@@ -5,13 +5,14 @@ Depends on sqlite-utils and `rows`; imported only by `sqlite.py`.
 
 from __future__ import annotations
 
+import json
 from typing import Final
 
 from sqlite_utils import Database, Migrations
 
 from proxy.tasks.store import grants
 from proxy.tasks.store.rows import COLUMNS, LIVE_SQL, TERMINAL_SQL
-from proxy.wire.tasks import TERMINAL
+from proxy.wire.tasks import TERMINAL, TaskStatus
 
 MIGRATIONS: Final = Migrations("mcp-tasks-proxy")
 
@@ -142,7 +143,34 @@ def _create_idempotency_keys(db: Database) -> None:
     db.execute("CREATE INDEX idx_idempotency_keys_expires_at_ms ON idempotency_keys (expires_at_ms)")
 
 
-@MIGRATIONS(name="0011_create_grants")
+@MIGRATIONS(name="0011_count_tasks_by_status")
+def _count_tasks_by_status(db: Database) -> None:
+    """The records by status, kept by triggers in the transaction of every change, so a scrape reads five rows
+    instead of counting the table."""
+    db.execute("CREATE TABLE task_status_counts (status TEXT PRIMARY KEY, n INTEGER NOT NULL)")
+    db.execute(
+        "INSERT INTO task_status_counts (status, n) SELECT value, 0 FROM json_each(?)",
+        [json.dumps([status.value for status in TaskStatus])],
+    )
+    db.execute(
+        "UPDATE task_status_counts SET n = (SELECT COUNT(*) FROM tasks WHERE tasks.status = task_status_counts.status)"
+    )
+    db.execute(
+        "CREATE TRIGGER tasks_status_added AFTER INSERT ON tasks BEGIN"
+        " UPDATE task_status_counts SET n = n + 1 WHERE status = NEW.status; END"
+    )
+    db.execute(
+        "CREATE TRIGGER tasks_status_removed AFTER DELETE ON tasks BEGIN"
+        " UPDATE task_status_counts SET n = n - 1 WHERE status = OLD.status; END"
+    )
+    db.execute(
+        "CREATE TRIGGER tasks_status_changed AFTER UPDATE OF status ON tasks WHEN OLD.status <> NEW.status BEGIN"
+        " UPDATE task_status_counts SET n = n - 1 WHERE status = OLD.status;"
+        " UPDATE task_status_counts SET n = n + 1 WHERE status = NEW.status; END"
+    )
+
+
+@MIGRATIONS(name="0012_create_grants")
 def _create_grants(db: Database) -> None:
     """Kept grants of `upstream.credentials: exchange` (`grants.py`): sealed tokens per caller and target."""
     db.execute(grants.CREATE_SQL)
@@ -164,7 +192,18 @@ EVICT_SQL: Final = (
 EXPIRED_LIVE_SQL: Final = (
     f"SELECT * FROM tasks WHERE expires_at_ms <= ? AND +status IN ({LIVE_SQL}) ORDER BY expires_at_ms, task_id"
 )
+
+
+STATUS_COUNTS_SQL: Final = "SELECT status, n FROM task_status_counts"
+
+
 PURGE_WHERE: Final = f"FROM tasks WHERE expires_at_ms <= ? AND +status IN ({TERMINAL_SQL})"
+# One batch of the purge: the records it selects are the same for the tombstones' INSERT and the DELETE of one
+# transaction (the oldest first, by the expiry index).
+PURGE_BATCH_WHERE: Final = (
+    f"FROM tasks WHERE rowid IN (SELECT rowid FROM tasks WHERE expires_at_ms <= ? AND +status IN ({TERMINAL_SQL})"
+    " ORDER BY expires_at_ms LIMIT ?)"
+)
 BURY_SQL: Final = (
     "INSERT OR REPLACE INTO tombstones (task_id, principal, reason, expired_at_ms, gone_at_ms)"
     " SELECT task_id, principal, ?, expires_at_ms, ? "
@@ -172,10 +211,15 @@ BURY_SQL: Final = (
 TOMBSTONE_SQL: Final = (
     "SELECT task_id, reason, gone_at_ms, expired_at_ms FROM tombstones WHERE task_id = ? AND principal = ?"
 )
-TRIM_TOMBSTONES_SQL: Final = (
-    "DELETE FROM tombstones WHERE gone_at_ms < ? OR task_id IN"
-    " (SELECT task_id FROM tombstones ORDER BY gone_at_ms DESC, task_id LIMIT -1 OFFSET ?)"
+# The trim, in batches: those gone before the cut-off, then the oldest beyond the count kept (by the index on
+# gone_at_ms, never a sort of them all).
+TRIM_OLD_TOMBSTONES_SQL: Final = (
+    "DELETE FROM tombstones WHERE rowid IN (SELECT rowid FROM tombstones WHERE gone_at_ms < ? LIMIT ?)"
 )
+TRIM_OLDEST_TOMBSTONES_SQL: Final = (
+    "DELETE FROM tombstones WHERE rowid IN (SELECT rowid FROM tombstones ORDER BY gone_at_ms LIMIT ?)"
+)
+COUNT_TOMBSTONES_SQL: Final = "SELECT COUNT(*) FROM tombstones"
 HEALTH_SQL: Final = "INSERT OR REPLACE INTO health (id, checked_at_ms) VALUES (1, ?)"
 NOTIFY_OWNER_SQL: Final = (
     "INSERT INTO messages (recipient, kind, key, payload, created_at_ms)"

@@ -247,12 +247,6 @@ class SqliteWriter:
                 raise FencedError(f"task {task_id} is owned by {row[0]}, not {fence.owner}")
         return records[0] if records else None
 
-    def execute_count(self, sql: str, params: list[Any]) -> int:
-        """One statement in its own transaction; the rows it changed."""
-        db = self.db()
-        with db.atomic():
-            return int(db.execute(sql, params).rowcount)
-
     def bury(self, where: str, params: list[Any], reason: str | None, now_ms: int) -> int:
         """`DELETE {where}`; with a `reason`, each deleted record leaves a tombstone, in the same transaction."""
         db = self.db()
@@ -263,14 +257,28 @@ class SqliteWriter:
         self._record_count -= deleted
         return deleted
 
-    def purge(self, now_ms: int, reason: str | None) -> int:
-        """Settled records past their TTL; also messages nobody took within an hour, and forgotten tools."""
-        purged = self.bury(schema.PURGE_WHERE, [now_ms], reason, now_ms)
+    def purge(self, now_ms: int, reason: str | None, batch: int) -> int:
+        """At most `batch` settled records past their TTL, the oldest first, in one transaction."""
+        return self.bury(schema.PURGE_BATCH_WHERE, [now_ms, batch], reason, now_ms)
+
+    def purge_aside(self) -> None:
+        """Messages nobody took within an hour, and forgotten tools (a few rows: one transaction)."""
         db = self.db()
         with db.atomic():
             db.execute(schema.PURGE_MESSAGES_SQL, [wall_ms() - MESSAGE_RETENTION_MS])
             db.execute(schema.TRIM_DURATIONS_SQL, [base.MAX_DURATION_TOOLS])
-        return purged
+
+    def trim_tombstones(self, gone_before_ms: int, keep: int, batch: int) -> int:
+        """At most `batch` tombstones: those gone before `gone_before_ms` first, then the oldest beyond `keep`."""
+        db = self.db()
+        with db.atomic():
+            trimmed = int(db.execute(schema.TRIM_OLD_TOMBSTONES_SQL, [gone_before_ms, batch]).rowcount)
+            if trimmed < batch:
+                (count,) = db.execute(schema.COUNT_TOMBSTONES_SQL).fetchone()
+                excess = min(batch - trimmed, int(count) - keep)
+                if excess > 0:
+                    trimmed += int(db.execute(schema.TRIM_OLDEST_TOMBSTONES_SQL, [excess]).rowcount)
+            return trimmed
 
     def cancel(self, sql: str, params: dict[str, Any], task_id: str, tell_owner: bool) -> TaskRecord | None:
         """Settle a live task `cancelled` and, with `tell_owner`, leave its owner a CANCEL message, in one

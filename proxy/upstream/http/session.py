@@ -129,7 +129,14 @@ class HttpKind:
         self.auth = UpstreamAuth(auth_mode, self._anonymous_initialize)
         # A call whose client could answer a question gets a session of its own (its GET stream is the call's);
         # the others share the principal's session, so a thousand quiet tasks are not a thousand sessions.
-        self.limits = PoolLimits(max_idle=config.max_sessions, share_quiet_calls=True)
+        self.limits = PoolLimits(
+            max_idle=config.max_sessions,
+            max_open=config.max_open_sessions,
+            share_quiet_calls=True,
+            wait_seconds=config.connect_timeout_seconds,
+            limit_name="upstream.max_open_sessions",
+            refuse_new_calls_when_full=True,
+        )
         self._ids = itertools.count(1)
         self._background = Background("upstream_background_task_failed")
         self._probe_lock = asyncio.Lock()

@@ -211,7 +211,7 @@ class SessionPool:
         started in the background, so its next call that can ask does not wait for a start; only when there is
         room for it and for the one place left to shared sessions."""
         maximum = self.limits.max_open
-        if not self.limits.share_quiet_calls or self._spare.get(key) or maximum is None:
+        if not self.limits.keep_warm or self._spare.get(key) or maximum is None:
             return
         if len(self._open) + self._reserved + 1 >= maximum or len(self._lent) + self._reserved + 1 >= maximum - 1:
             return
@@ -289,6 +289,21 @@ class SessionPool:
         self._signal()
 
     # --- bounds -----------------------------------------------------------------------------------------
+
+    def room_for(self, principal: Identity | None, *, asks: bool, asker: str | None = None) -> bool:
+        """Could a new call of the principal get its session now, without waiting for another call's to come
+        back? (As `lease` would take it: the principal's shared session for a call that cannot ask, else a spare
+        of its own or a new one, where an idle session may be ended to make room.) Always, where the kind does
+        not refuse new calls when full (`PoolLimits.refuse_new_calls_when_full`)."""
+        limits = self.limits
+        if not limits.refuse_new_calls_when_full or limits.max_open is None:
+            return True
+        key = self.kind.credentials.session_key(principal)
+        if limits.share_quiet_calls and not (asks or self.questions.asked_before(asker)):
+            return key in self._shared or self._has_room() or bool(self._idle)
+        if not self._may_lend():
+            return False
+        return bool(self._spare.get(key)) or self._has_room() or bool(self._idle)
 
     def _has_room(self) -> bool:
         return self.limits.max_open is None or len(self._open) + self._reserved < self.limits.max_open

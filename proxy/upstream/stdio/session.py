@@ -186,6 +186,7 @@ class StdioKind:
             max_open=config.max_processes,
             idle_seconds=config.process_idle_seconds,
             share_quiet_calls=True,
+            keep_warm=True,
             wait_seconds=config.connect_timeout_seconds,
             limit_name="upstream.max_processes",
         )
