@@ -298,7 +298,7 @@ class SessionPool:
         limits = self.limits
         if not limits.refuse_new_calls_when_full or limits.max_open is None:
             return True
-        key = self.key_of(principal)
+        key = self.kind.credentials.session_key(principal)
         if limits.share_quiet_calls and not (asks or self.questions.asked_before(asker)):
             return key in self._shared or self._has_room() or bool(self._idle)
         if not self._may_lend():
