@@ -44,6 +44,9 @@ class LegacyHandles:
     pool: SessionPool
     jwt: JwtIdentity | None
     draining: Callable[[], bool]  # a draining replica starts no new call (its client goes to another replica)
+    # What a fresh call passes before it starts, as a modern one does (`Front.admit_legacy_call`): the descriptor
+    # budget, the caller's quotas, the upstream session cap.
+    admit: Callable[[ModernRequest, Caller, UpstreamRequest, Config], Awaitable[None]]
 
     def serve(self, request: web.Request, body: bytes, message: Any, config: Config) -> Serve | None:
         """What serves this legacy POST when the handles read it; None: relayed as it came. `message` is the
@@ -152,6 +155,7 @@ class LegacyHandles:
         if not decision.handle:  # (the upstream's own task support can change what the policy said)
             del request[RPC_ID], request[CHANNEL]
             return await self._relay(request, body, config, tool=name)
+        await self.admit(legacy, caller, outgoing, config)
         answer = await self.handles.call(
             outgoing, caller, channel, decision, None, config, modern=False, arrived=arrived
         )

@@ -144,7 +144,9 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     drain.wait_for(lambda: runner.open_calls)  # the drain is the app's, built before the runner
     live.subscribe(lambda new: runner.config_swapped())  # the queue admits by the caps now in force
     legacy = app[PASSTHROUGH] = legacy_front(pool)  # relayed, or served by the proxy (the kind decides)
-    app[LEGACY_HANDLES] = LegacyHandles(front.handles, legacy, pool, app.get(JWT), drain.is_draining)
+    app[LEGACY_HANDLES] = LegacyHandles(
+        front.handles, legacy, pool, app.get(JWT), drain.is_draining, front.admit_legacy_call
+    )
 
     async def requires_auth() -> bool:
         return not await pool.kind.auth.shared()

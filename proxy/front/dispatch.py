@@ -149,6 +149,19 @@ class Front:
             log.warning("upstream_limit_reached", limit=limits.limit_name, max=limits.max_open)
             raise UpstreamLimitError(limits.limit_name, limits.max_open, 0)
 
+    async def admit_legacy_call(
+        self, request: ModernRequest, caller: Caller, outgoing: UpstreamRequest, config: Config
+    ) -> None:
+        """A legacy client's `handle` call, run as a call of the proxy's own (`edge/_legacy_handles.py`), passes
+        what a fresh modern tools/call passes before it starts: the descriptor budget, the caller's quotas
+        (`limits.calls_per_minute_per_principal`, the tool's own) and the upstream session cap."""
+        self._refuse_new_work()
+        per_minute, tool_quotas = config.limits.calls_per_minute_per_principal, config.tasks.has_tool_quotas
+        if per_minute or tool_quotas:
+            tool = outgoing.name
+            await self.tasks.charge(caller, per_minute, tool, policy_for(config.tasks, tool) if tool_quotas else None)
+        self._refuse_without_session(request, caller, outgoing, job=False)
+
     async def call_tool(self, request: ModernRequest, caller: Caller, channel: Channel) -> JSON:
         """The tool's policy and this request's own declaration of the Tasks extension decide sync, task, window
         or -32021 (a task only ever goes to a request that declared the extension). Every tools/call runs as a
