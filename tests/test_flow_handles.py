@@ -381,13 +381,13 @@ async def test_a_legacy_clients_handle_calls_count_against_the_tools_quota(
     """A legacy client's `handle` call runs as a call of the proxy's own, so it passes what a modern call passes
     before it starts: here the tool's quota of one call a minute. (The quota's window is the UTC minute: of two
     calls after the first, one at least falls in the first's minute or in the next one's with the other.)"""
-    limited = {"long_report": {"without_tasks": "handle", "calls_per_minute_per_principal": 1}}
-    proxy: Client = await make_proxy(upstream.url, **handles(**limited))
+    limited: dict[str, Any] = {"without_tasks": "handle", "calls_per_minute_per_principal": 1}
+    proxy: Client = await make_proxy(upstream.url, **handles(long_report=limited))
     legacy = await Legacy(legacy_http, str(proxy.make_url("/mcp")), {"Authorization": "Bearer alice"}).open()
-    answers = []
+    answers: list[tuple[int, int, dict[str, Any]]] = []
     for _ in range(3):
         status, _, body = await legacy.raw("tools/call", {"name": "long_report", "arguments": {"key": new_key()}})
-        answers.append((status, legacy.ids, json.loads(body) if status != 200 else None))
+        answers.append((status, legacy.ids, json.loads(body) if status != 200 else {}))
     assert answers[0][0] == 200
     refused = [(request_id, message) for status, request_id, message in answers[1:] if status == 429]
     assert refused, answers

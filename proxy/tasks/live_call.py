@@ -243,9 +243,11 @@ def new_call(
     record: TaskRecord | None = None,
     fence: Fence | None = None,
     follower: Follower | None = None,
+    planned_id: str | None = None,
 ) -> LiveCall:
     """The one way a call is built: by keyword, the raw principal apart from its keyed hash (`caller`), with
-    the follower of the task the upstream runs when its decision says there is one."""
+    the follower of the task the upstream runs when its decision says there is one, and the id its task record
+    gets when the caller fixed it before (`planned_id`: a keyed call's claim names it)."""
     return LiveCall(
         state,
         method,
@@ -257,7 +259,7 @@ def new_call(
         digest_of,
         client=ClientEnd(channel=channel),
         upstream=UpstreamEnd(follower=follower),
-        stored=StoredEnd(record, fence),
+        stored=StoredEnd(record, fence, planned_id=planned_id),
     )
 
 

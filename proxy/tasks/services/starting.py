@@ -129,8 +129,8 @@ class CallStarter:
             headers=outgoing.headers,
             digest_of=lambda: outgoing.digest,
             follower=self.followers.of(decision),
+            planned_id=task_id,
         )
-        call.stored.planned_id = task_id
         self.client.wait(call, channel)
         self.context.table.add(call)
         if waits:
