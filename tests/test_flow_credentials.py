@@ -2,7 +2,8 @@
 callers' verified JWTs for tokens the upstream (the OAuth fixture server, which trusts only the endpoint's key)
 accepts; a mounted map gives each caller its own headers or its own stdio processes' environment. Each caller
 reaches the upstream with its own credential only, never the inbound token; refusals are explicit; a job whose
-caller's token expired polls on with tokens renewed by the refresh token; no credential is in a log or a span.
+caller's token expired polls on with tokens renewed by the refresh token; an events watch of the legacy server's
+changes subscribes upstream with its caller's credential; no credential is in a log or a span.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from proxy.edge._app_keys import POOL
 from tests.support.clients import ClientFactory, Tasks
+from tests.support.events import rpc
 from tests.support.jobs import render_job
 from tests.support.oauth import ISSUER, Issuer
 from tests.support.processes import ROOT, Upstream, key_file, stdio_sessions
@@ -347,3 +349,61 @@ async def test_stdio_secrets_give_each_caller_processes_with_its_own_environment
         return (await environment("alice"))["SERVICE_TOKEN"] == "alice-secret-2"
 
     await until(rotated, "a rotated entry did not reach a new process", 15)
+
+
+async def test_an_events_watch_subscribes_upstream_with_its_callers_own_credential_and_relays_the_update(
+    tasks_client: ClientFactory,
+    protected_upstream: Upstream,
+    token_endpoint: TokenServer,
+    caller_issuer: Issuer,
+    tmp_path: Path,
+) -> None:
+    """A verified caller's `resource.updated` poll makes the proxy hold a watch of that URI upstream; the watch
+    acts for the caller's verified owner, so its `resources/subscribe` carries the caller's own upstream
+    credential (never the inbound token, which may expire long before the watch does)."""
+    uri = "test://watched-resource"
+    alice_token = token_endpoint.issue("alice", "legacy-upstream", "mcp", "operator", "static")["access_token"]
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "alice").write_text(json.dumps({"Authorization": f"Bearer {alice_token}"}))
+    client = await tasks_client(
+        protected_upstream.url,
+        events={"enabled": True},
+        upstream={"credentials": {"mode": "secrets", "secrets": {"path": str(users)}}},
+        security={"jwt": jwt_section(caller_issuer), "key_file": key_file(tmp_path)},
+    )
+    alice = bearer(caller_issuer, "alice")
+    inbound = alice["Authorization"].removeprefix("Bearer ")
+
+    async def poll(cursor: str | None) -> dict[str, Any]:
+        params = {"name": "resource.updated", "arguments": {"uri": uri}, "cursor": cursor}
+        status, message = await rpc(client.client, "events/poll", params, principal=inbound)
+        assert status == 200, message
+        result: dict[str, Any] = message["result"]
+        return result
+
+    async def tool(name: str, arguments: dict[str, Any]) -> str:
+        status, message = await client.call(name, arguments, capabilities={}, headers=alice)
+        assert status == 200, message
+        return result_text(message)
+
+    start = await poll(None)
+
+    async def subscribed_upstream() -> bool:
+        return await tool("update_resource", {"uri": uri}) == "notified 1 subscriber(s)"
+
+    await until(subscribed_upstream, "the watch never subscribed to the resource upstream", 15)
+    found: list[dict[str, Any]] = []
+
+    async def arrived() -> bool:
+        found.extend((await poll(start["cursor"]))["events"])
+        return bool(found)
+
+    await until(arrived, "the legacy server's update never reached the caller's poll", 10)
+    assert (found[0]["name"], found[0]["data"]) == ("resource.updated", {"uri": uri})
+    subscriptions = json.loads(await tool("subscriptions_made", {}))
+    assert subscriptions
+    assert all(made == {"uri": uri, "sub": "alice", "token": sha(alice_token)} for made in subscriptions), subscriptions
+    seen = await presented(client, alice)
+    assert sha(alice_token) in seen
+    assert sha(inbound) not in seen  # the caller's own token never reached the upstream

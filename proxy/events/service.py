@@ -219,7 +219,9 @@ class Events:
         """Keep the legacy server's changes of this kind watched for the caller until `until_ms`."""
         if subscription.type.name == TASK_STATUS:
             return
-        credential = None if caller.principal is None else self.principals.seal(caller.principal.credential)
+        # What the watch keeps of the caller to act for it upstream: its sealed credential, or its verified owner
+        # where the proxy makes upstream credentials itself (`upstream.credentials`: its token will have expired).
+        credential = None if caller.principal is None else self.principals.keep(caller.principal)
         watch = Watch(owner, subscription.type.name, subscription.subject or "", credential, until_ms)
         await self.store.want(watch)
 

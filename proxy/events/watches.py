@@ -94,7 +94,7 @@ class Watches:
         if event_type is None:
             return
         try:
-            identity = None if watch.credential is None else Identity(self.principals.unseal(watch.credential))
+            identity = None if watch.credential is None else self.principals.restore(watch.credential)
         except SealError:
             log.warning("event_watch_credential_unreadable", name=watch.name)
             return

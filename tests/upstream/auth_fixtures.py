@@ -8,7 +8,8 @@ answers what it received, for the relay of other paths; an embedded authorizatio
 only to a token with the `reports` scope, so two callers see different catalogs: `scoped_report` (its `tenant`
 argument carries an `x-mcp-header` annotation) and, with `--legacy-tasks`, `legacy_task_required`. A call by
 name is served to any accepted token, as servers often do. For the credential tests: `token_claims` (who the
-token of this call names) and `seen_tokens` (every token presented, as SHA-256).
+token of this call names), `seen_tokens` (every token presented, as SHA-256) and `subscriptions_made` (who
+subscribed to which resource, with which token).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ SCOPED_TOOLS = ("scoped_report", "legacy_task_required")  # the second only exis
 # The SHA-256 of every bearer token this server was presented, accepted or not (`seen_tokens`): the credential
 # tests check that the caller's own token never reached it.
 PRESENTED: list[str] = []
+# Each `resources/subscribe` this server accepted: the URI, and the subject and SHA-256 of the token that carried it.
+SUBSCRIPTIONS: list[dict[str, str | None]] = []
 
 
 class JwksTokenVerifier:
@@ -115,7 +118,8 @@ def register_echo(mcp: FastMCP[Any]) -> None:
 
 def register_credential_tools(mcp: FastMCP[Any]) -> None:
     """`token_claims`: the subject, audience and SHA-256 of the token that carried this call (and its expiry);
-    `seen_tokens`: the SHA-256 of every token this server was ever presented."""
+    `seen_tokens`: the SHA-256 of every token this server was ever presented; `subscriptions_made`: who subscribed
+    to which resource (wraps the installed resources/subscribe handler, so call it after it is installed)."""
 
     @mcp.tool(description="Who called: the subject, audience and SHA-256 of the access token of this request")
     def token_claims() -> str:
@@ -129,6 +133,27 @@ def register_credential_tools(mcp: FastMCP[Any]) -> None:
     @mcp.tool(description="The SHA-256 of every bearer token this server was presented, accepted or not")
     def seen_tokens() -> str:
         return json.dumps(PRESENTED)
+
+    @mcp.tool(description="Each resources/subscribe accepted: the URI, the subject and SHA-256 of its token")
+    def subscriptions_made() -> str:
+        return json.dumps(SUBSCRIPTIONS)
+
+    low = mcp._mcp_server
+    inner_subscribe = low.request_handlers[types.SubscribeRequest]
+
+    async def subscribe(req: types.SubscribeRequest) -> types.ServerResult:
+        user = getattr(low.request_context.request, "user", None)
+        token = user.access_token.token if isinstance(user, AuthenticatedUser) else None
+        SUBSCRIPTIONS.append(
+            {
+                "uri": str(req.params.uri),
+                "sub": None if token is None else jwt.decode(token, options={"verify_signature": False}).get("sub"),
+                "token": None if token is None else hashlib.sha256(token.encode()).hexdigest(),
+            }
+        )
+        return await inner_subscribe(req)
+
+    low.request_handlers[types.SubscribeRequest] = subscribe
 
 
 def register_scoped_tool(mcp: FastMCP[Any]) -> None:
