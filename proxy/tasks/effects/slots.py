@@ -27,12 +27,37 @@ ALREADY_USED = "Invalid params: requestState was already used or its call has en
 
 
 @dataclass(eq=False, slots=True)
+class Holders:
+    """The calls that hold a place of a kind (a running slot, a waiting place), and how many each caller holds."""
+
+    _calls: set[LiveCall] = field(default_factory=set)
+    _by_caller: Counter[str] = field(default_factory=Counter)
+
+    def add(self, call: LiveCall) -> None:
+        if call not in self._calls:
+            self._calls.add(call)
+            self._by_caller[call.caller] += 1
+
+    def discard(self, call: LiveCall) -> None:
+        if call in self._calls:
+            self._calls.discard(call)
+            self._by_caller[call.caller] -= 1
+            if not self._by_caller[call.caller]:
+                del self._by_caller[call.caller]
+
+    def holds(self, caller: str) -> int:
+        return self._by_caller[caller]
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+
+@dataclass(eq=False, slots=True)
 class RunningSlots:
     """`tasks.max_running` and `limits.max_running_per_principal`."""
 
     config: Callable[[], Config]  # the config in force, read at each call: a live reload swaps what it returns
-    _holders: set[LiveCall] = field(default_factory=set, init=False)
-    _by_caller: Counter[str] = field(default_factory=Counter, init=False)
+    _holders: Holders = field(default_factory=Holders, init=False)
 
     def refusal(self, call: LiveCall) -> ProxyError | None:
         """Why a new working task of this call may not start now, or None."""
@@ -41,7 +66,7 @@ class RunningSlots:
         if len(self._holders) >= max_running:
             return TaskLimitError("max_running", max_running)
         per_caller = config.limits.max_running_per_principal
-        if self._by_caller[call.caller] >= per_caller:
+        if self._holders.holds(call.caller) >= per_caller:
             return CallerLimitError("max_running_per_principal", per_caller)
         return None
 
@@ -52,14 +77,10 @@ class RunningSlots:
         self._set(call, False)
 
     def _set(self, call: LiveCall, hold: bool) -> None:
-        if hold and call not in self._holders:
+        if hold:
             self._holders.add(call)
-            self._by_caller[call.caller] += 1
-        elif not hold and call in self._holders:
+        else:
             self._holders.discard(call)
-            self._by_caller[call.caller] -= 1
-            if not self._by_caller[call.caller]:
-                del self._by_caller[call.caller]
 
     @property
     def count(self) -> int:
@@ -74,8 +95,7 @@ class WaitingPlaces:
     its upstream session. Counting it from its start, not from its question, is what bounds the waiting: a call
     admitted is never refused when it asks, and a caller never has more calls waiting than its share."""
 
-    _holders: set[LiveCall] = field(default_factory=set, init=False)
-    _by_caller: Counter[str] = field(default_factory=Counter, init=False)
+    _holders: Holders = field(default_factory=Holders, init=False)
 
     @staticmethod
     def needs_one(capabilities: JSON) -> bool:
@@ -88,30 +108,24 @@ class WaitingPlaces:
         if len(self._holders) >= total:
             return TaskLimitError("max_waiting", total)
         per_caller = config.limits.max_waiting_per_principal
-        if self._by_caller[caller] >= per_caller:
+        if self._holders.holds(caller) >= per_caller:
             return CallerLimitError("max_waiting_per_principal", per_caller)
         return None
 
     def take(self, call: LiveCall) -> None:
         """The call holds a place until it ends (`forget`); a call taken up after a restart or from another
         replica is counted without a check: it exists already."""
-        if call not in self._holders:
-            self._holders.add(call)
-            self._by_caller[call.caller] += 1
+        self._holders.add(call)
 
     def forget(self, call: LiveCall) -> None:
-        if call in self._holders:
-            self._holders.discard(call)
-            self._by_caller[call.caller] -= 1
-            if not self._by_caller[call.caller]:
-                del self._by_caller[call.caller]
+        self._holders.discard(call)
 
     @property
     def count(self) -> int:
         return len(self._holders)
 
     def held_by(self, caller: str) -> int:
-        return self._by_caller[caller]
+        return self._holders.holds(caller)
 
 
 @dataclass(eq=False, slots=True)

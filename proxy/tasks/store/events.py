@@ -137,6 +137,56 @@ def skipped_sql(subject: bool) -> str:
     return f"SELECT 1 AS skipped FROM event_log WHERE {where} LIMIT 1"
 
 
+@dataclass(frozen=True, slots=True)
+class PageRead:
+    """One read of the log as both backends run it, from the head row (`HEAD_SQL`) read in the same snapshot:
+    the statements and their parameters, then the page built from what they found."""
+
+    params: dict[str, Any]
+    head: int
+    limit: int
+    behind: bool  # the cursor is older than what the log keeps (its events were trimmed)
+
+    @classmethod
+    def of(
+        cls,
+        head_row: Mapping[str, Any],
+        principal: str,
+        name: str,
+        subject: str | None,
+        after: int,
+        limit: int,
+        floor_ms: int | None,
+    ) -> PageRead:
+        trimmed = int(head_row["trimmed"])
+        head = max(int(head_row["head"]), trimmed)
+        params = {
+            "after": max(after, trimmed),
+            "head": head,
+            "principal": principal,
+            "name": name,
+            "subject": subject,
+            "floor_ms": floor_ms,
+            "limit": limit + 1,  # one more than the page: whether more are waiting
+        }
+        return cls(params, head, limit, after < trimmed)
+
+    @property
+    def read_sql(self) -> str:
+        return read_sql(self.params["subject"] is not None, self.params["floor_ms"] is not None)
+
+    @property
+    def skipped_sql(self) -> str | None:
+        """The check for events older than the floor, when there is a floor."""
+        return None if self.params["floor_ms"] is None else skipped_sql(self.params["subject"] is not None)
+
+    def page(self, found: list[StoredEvent], skipped: bool) -> EventPage:
+        """The page of what `read_sql` found (`skipped`: what `skipped_sql` found)."""
+        has_more = len(found) > self.limit
+        found = found[: self.limit]
+        return EventPage(found, found[-1].seq if has_more else self.head, self.behind or skipped, has_more)
+
+
 COUNT_SUBSCRIPTIONS_SQL: Final = "SELECT COUNT(*) AS n FROM event_subscriptions WHERE principal = :principal"
 SUBSCRIPTION_COLUMNS: Final = (
     "subscription_id",

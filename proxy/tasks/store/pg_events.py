@@ -58,26 +58,15 @@ class PgEvents:
         async def run(conn: Conn) -> EventPage:
             head_row = await (await conn.execute(sql.pg(sql.HEAD_SQL))).fetchone()
             assert head_row is not None
-            trimmed = int(head_row["trimmed"])
-            head = max(int(head_row["head"]), trimmed)
-            start, truncated = (trimmed, True) if after < trimmed else (after, False)
-            params: dict[str, Any] = {
-                "after": start,
-                "head": head,
-                "principal": principal,
-                "name": name,
-                "subject": subject,
-                "floor_ms": floor_ms,
-                "limit": limit + 1,
-            }
-            statement = sql.pg(sql.read_sql(subject is not None, floor_ms is not None))
-            found = [sql.stored_event(row) for row in await (await conn.execute(statement, params)).fetchall()]
-            if floor_ms is not None:
-                skipped = await conn.execute(sql.pg(sql.skipped_sql(subject is not None)), params)
-                truncated = truncated or await skipped.fetchone() is not None
-            has_more = len(found) > limit
-            found = found[:limit]
-            return EventPage(found, found[-1].seq if has_more else head, truncated, has_more)
+            read = sql.PageRead.of(head_row, principal, name, subject, after, limit, floor_ms)
+            found = [
+                sql.stored_event(row)
+                for row in await (await conn.execute(sql.pg(read.read_sql), read.params)).fetchall()
+            ]
+            skipped = read.skipped_sql is not None and (
+                await (await conn.execute(sql.pg(read.skipped_sql), read.params)).fetchone() is not None
+            )
+            return read.page(found, skipped)
 
         page: EventPage = await self.db.run("events read", run, write=False)
         return page

@@ -66,28 +66,12 @@ class SqliteEvents:
     ) -> EventPage:
         def run() -> EventPage:
             conn = self.db.reader_conn()
-            head_row = rows(conn.execute(sql.HEAD_SQL))[0]
-            trimmed = int(head_row["trimmed"])
-            head = max(int(head_row["head"]), trimmed)
-            start, truncated = (trimmed, True) if after < trimmed else (after, False)
-            params: dict[str, Any] = {
-                "after": start,
-                "head": head,
-                "principal": principal,
-                "name": name,
-                "subject": subject,
-                "floor_ms": floor_ms,
-                "limit": limit + 1,
-            }
-            found = [
-                sql.stored_event(row)
-                for row in rows(conn.execute(sql.read_sql(subject is not None, floor_ms is not None), params))
-            ]
-            if floor_ms is not None and rows(conn.execute(sql.skipped_sql(subject is not None), params)):
-                truncated = True
-            has_more = len(found) > limit
-            found = found[:limit]
-            return EventPage(found, found[-1].seq if has_more else head, truncated, has_more)
+            read = sql.PageRead.of(
+                rows(conn.execute(sql.HEAD_SQL))[0], principal, name, subject, after, limit, floor_ms
+            )
+            found = [sql.stored_event(row) for row in rows(conn.execute(read.read_sql, read.params))]
+            skipped = read.skipped_sql is not None and bool(rows(conn.execute(read.skipped_sql, read.params)))
+            return read.page(found, skipped)
 
         return await self.db.read("events read", run)
 
