@@ -120,3 +120,30 @@ async def test_a_bounded_kind_waits_for_room_then_refuses_with_the_limit_error()
         pool.unreserve()
     finally:
         await pool.close()
+
+
+async def test_surely_room_is_said_only_where_every_caller_would_find_room(
+    upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    """`surely_room` (the front's shortcut before `room_for`) is never true while `room_for` refuses some
+    caller: checked for both kinds of call and two callers at each step of filling a pool of three sessions."""
+    config = HttpUpstreamConfig(url=upstream.url, max_open_sessions=3)
+    pool = SessionPool(HttpKind(config, http, "authorization", None))
+
+    def agrees() -> bool:
+        rooms = [pool.room_for(who, asks=asks, asker="tools/call t") for who in (A, B) for asks in (True, False)]
+        assert not pool.surely_room() or all(rooms), rooms
+        return pool.surely_room()
+
+    try:
+        assert agrees()  # empty
+        async with pool.use(A), pool.lease(A, nowhere):
+            agrees()
+            async with pool.lease(A, nowhere):
+                assert not agrees()  # full: only a call that may share A's session still finds room
+                assert pool.room_for(A, asks=False)
+                assert not pool.room_for(B, asks=True)
+        agrees()  # the sessions stay open (spare, idle): room for every call, though not for one more session
+        assert pool.room_for(B, asks=True)
+    finally:
+        await pool.close()

@@ -142,6 +142,8 @@ class Front:
     ) -> None:
         """A new call is refused at its start when the upstream session it needs cannot be had now
         (`upstream.max_open_sessions`): 503 with `Retry-After`, never a task that fails later."""
+        if self.pool.surely_room():  # (most calls: nothing more to work out)
+            return
         asks = not job and could_answer(request.client_capabilities)  # a job's calls run on the shared session
         if not self.pool.room_for(caller.principal, asks=asks, asker=f"{outgoing.method} {outgoing.name}"):
             limits = self.pool.limits

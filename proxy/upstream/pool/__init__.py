@@ -290,6 +290,14 @@ class SessionPool:
 
     # --- bounds -----------------------------------------------------------------------------------------
 
+    def surely_room(self) -> bool:
+        """Whether any new call would get its session now, whoever calls (room for one more session, lent or
+        shared, or no cap that refuses): `room_for` without its questions, for the common case."""
+        limits = self.limits
+        return (
+            not limits.refuse_new_calls_when_full or limits.max_open is None or (self._has_room() and self._may_lend())
+        )
+
     def room_for(self, principal: Identity | None, *, asks: bool, asker: str | None = None) -> bool:
         """Could a new call of the principal get its session now, without waiting for another call's to come
         back? (As `lease` would take it: the principal's shared session for a call that cannot ask, else a spare
