@@ -9,14 +9,14 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from proxy.client import commands as client_commands
+from proxy.client import command_line as client_commands
 from proxy.operators import tasks_cli as operator_cli
 
 # `serve` runs the proxy (`serve … -- CMD ARGS` names a stdio server instead of an upstream URL); `check-config
 # [FILE]` validates what `serve` would run (errors all at once, exit code 2; the warnings `serve` logs; `--print`
 # writes it as YAML, credentials redacted; `--probe` asks the upstream for its tools); `tasks
 # list|show|stats|cancel|purge` work on the store the config names (`operators/tasks_cli.py`); `tools`, `call TOOL
-# key=value …` and `follow TASK_ID` are the client in the box (`client/commands.py`); `probe [URL]` is the container
+# key=value …` and `follow TASK_ID` are the client in the box (`client/command_line.py`); `probe [URL]` is the container
 # HEALTHCHECK (exit 0 on HTTP 200). `--version` prints the version.
 
 if TYPE_CHECKING:

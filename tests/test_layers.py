@@ -187,3 +187,25 @@ def test_the_proxy_composes_instead_of_mixing_in() -> None:
             elif isinstance(node, ast.Raise) and "NotImplementedError" in ast.unparse(node.exc or node):
                 found.append(f"{name}:{node.lineno} raises NotImplementedError")
     assert found == []
+
+
+# Module names the proxy uses twice, each for one concept in two places (parallel variants, or a concept's two
+# layers); any other name used twice names two different things, and a reader who knows one misreads the other.
+SHARED_NAMES = {
+    "session.py": "the upstream session's protocol, and its HTTP and stdio variants",
+    "job.py": "a legacy job's reading (sans-IO machine) and the follower that carries it out (effects)",
+    "upstream_task.py": "an upstream-run task's reading (sans-IO machine) and its follower (effects)",
+    "grants.py": "kept grants: the store's SQL and port, and the credential source's view of that port",
+    "errors.py": "the proxy's error tree, and the Events extension's codes within it",
+    "service.py": "a front feature's service: the Events extension's, and task handles'",
+}
+
+
+def test_a_module_name_is_used_twice_only_for_one_concept() -> None:
+    by_name: dict[str, list[str]] = {}
+    for module, path in module_paths().items():
+        if module.startswith("proxy.") and path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(module)
+    shared = {name for name, modules in by_name.items() if len(modules) > 1}
+    assert shared - SHARED_NAMES.keys() == set(), {name: by_name[name] for name in shared - SHARED_NAMES.keys()}
+    assert SHARED_NAMES.keys() - shared == set()  # a name no longer shared leaves the list

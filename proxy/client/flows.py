@@ -1,4 +1,4 @@
-"""What `tools`, `call` and `follow` do (`commands.py` parses them): the tool list; a call whose arguments are
+"""What `tools`, `call` and `follow` do (`command_line.py` parses them): the tool list; a call whose arguments are
 typed by its tool's inputSchema, answered questions retried with the answers (MRTR), and a task followed by
 polling `tasks/get` at its `pollIntervalMs` until it ends, its progress shown and its questions asked; Ctrl-C
 cancels the request, or during a task asks whether to cancel it or leave it running. Imports the client's other
