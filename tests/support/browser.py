@@ -68,6 +68,14 @@ async def dump_dom(url: str, timeout_seconds: float = 60) -> str:
     return out.decode()
 
 
+# What DevTools answers a read of a page that a navigation replaced meanwhile (its own refresh, a click).
+NAVIGATED: Final = "Inspected target navigated or closed"
+
+
+class DevToolsError(Exception):
+    """DevTools answered a command with an error (its message, whole)."""
+
+
 class Browser:
     """One chromium with remote debugging on a free port, and its first page's DevTools session."""
 
@@ -121,7 +129,8 @@ class Browser:
         while True:
             message = json.loads((await asyncio.wait_for(self._ws.receive(), 30)).data)
             if message.get("id") == call_id:
-                assert "error" not in message, message
+                if "error" in message:
+                    raise DevToolsError(message)
                 result: dict[str, Any] = message["result"]
                 return result
 
@@ -133,5 +142,12 @@ class Browser:
         await self.send("Page.navigate", url=url)
 
     async def html(self) -> str:
-        value = await self.evaluate("document.readyState === 'complete' ? document.documentElement.outerHTML : ''")
+        """The page's HTML once it has loaded; "" while it loads or navigates (a page that refreshes itself, or a
+        click's navigation, can replace it mid-read), so a caller polls with `until`."""
+        try:
+            value = await self.evaluate("document.readyState === 'complete' ? document.documentElement.outerHTML : ''")
+        except DevToolsError as exc:
+            if NAVIGATED not in str(exc):
+                raise
+            return ""
         return str(value or "")
