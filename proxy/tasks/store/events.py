@@ -137,6 +137,23 @@ def skipped_sql(subject: bool) -> str:
     return f"SELECT 1 AS skipped FROM event_log WHERE {where} LIMIT 1"
 
 
+def replay_params(
+    subscription: WebhookSubscription, after: int, trimmed: int, floor_ms: int | None, now_ms: int, head: int
+) -> dict[str, Any]:
+    """The parameters of `replay_sql` (and `skipped_sql`) for a subscription created with a cursor: its events
+    after `after`, or after what the log trimmed when that is later, up to `head`."""
+    return {
+        "subscription_id": subscription.subscription_id,
+        "after": max(after, trimmed),
+        "principal": subscription.principal,
+        "name": subscription.name,
+        "subject": subscription.subject or None,
+        "floor_ms": floor_ms,
+        "now_ms": now_ms,
+        "head": head,
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class PageRead:
     """One read of the log as both backends run it, from the head row (`HEAD_SQL`) read in the same snapshot:

@@ -120,16 +120,7 @@ class PgEvents:
             settings = await (await conn.execute(sql.pg(sql.SETTINGS_SQL))).fetchone()
             assert settings is not None
             trimmed = int(settings["trimmed_through"])
-            params: dict[str, Any] = {
-                "subscription_id": subscription.subscription_id,
-                "after": max(after, trimmed),
-                "principal": subscription.principal,
-                "name": subscription.name,
-                "subject": subscription.subject or None,
-                "floor_ms": floor_ms,
-                "now_ms": now_ms,
-                "head": 2**62,
-            }
+            params = sql.replay_params(subscription, after, trimmed, floor_ms, now_ms, head=2**62)
             statement = sql.replay_sql(bool(subscription.subject), floor_ms is not None)
             await conn.execute(sql.pg(statement), params)
             await self._wake(conn)

@@ -121,16 +121,7 @@ class SqliteEvents:
         head = await self.head()
         found = (await self._select("events settings", sql.SETTINGS_SQL, {}))[0]
         trimmed = int(found["trimmed_through"])
-        params: dict[str, Any] = {
-            "subscription_id": subscription.subscription_id,
-            "after": max(after, trimmed),
-            "principal": subscription.principal,
-            "name": subscription.name,
-            "subject": subscription.subject or None,
-            "floor_ms": floor_ms,
-            "now_ms": now_ms,
-            "head": head,
-        }
+        params = sql.replay_params(subscription, after, trimmed, floor_ms, now_ms, head)
         statement = sql.replay_sql(bool(subscription.subject), floor_ms is not None)
         await self._change("events replay", (statement, params))
         self._wake()
